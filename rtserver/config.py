@@ -1,0 +1,156 @@
+"""Typed settings: config.toml → `Settings`, with `RTSERVER_<SECTION>_<KEY>` environment overrides.
+
+Every setting is a dataclass field with a default and, where it matters, the allowed values
+(`choices`) or range (`min`/`max`) in its metadata. An invalid value raises `ConfigError` naming the
+key, the value and what is allowed, so start-up stops with a message a person can act on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names the key, the value and what is allowed."""
+
+
+def _setting(default: Any, *, choices: tuple | None = None, min: float | None = None,
+             max: float | None = None) -> Any:
+    meta = {"choices": choices, "min": min, "max": max}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ServerSettings:
+    host: str = _setting("127.0.0.1")
+    port: int = _setting(8000, min=0, max=65535)
+    log_level: str = _setting("info", choices=("debug", "info", "warning", "error"))
+
+
+@dataclass
+class ModelSettings:
+    model: str = _setting("embedded")
+    dtype: str = _setting("auto", choices=("auto", "float32", "bfloat16"))
+    threads: int = _setting(0, min=0, max=1024)
+    cache_dir: str = _setting("~/.cache/rtserver")
+
+
+@dataclass
+class EngineSettings:
+    max_running: int = _setting(64, min=1, max=4096)
+    max_waiting: int = _setting(256, min=0, max=100_000)
+    prefill_chunk_tokens: int = _setting(256, min=16, max=65536)
+    kv_budget_mb: int = _setting(512, min=8, max=1_000_000)
+    kv_block_tokens: int = _setting(16, min=1, max=1024)
+    max_sequence_tokens: int = _setting(4096, min=32, max=1_000_000)
+
+
+@dataclass
+class Settings:
+    server: ServerSettings = field(default_factory=ServerSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+
+def _check(key: str, value: Any, f: dataclasses.Field, expected: type) -> Any:
+    if expected is bool:
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+            value = value.lower() in ("1", "true", "yes")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r}: expected true or false")
+    elif expected is int:
+        if isinstance(value, str):
+            try:
+                value = int(value)
+            except ValueError:
+                raise ConfigError(f"{key} = {value!r}: expected an integer") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} = {value!r}: expected an integer")
+    elif expected is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key} = {value!r}: expected a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} = {value!r}: expected a number")
+        value = float(value)
+    elif expected is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} = {value!r}: expected a string")
+    elif typing.get_origin(expected) is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r}: expected a list")
+    elif typing.get_origin(expected) is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r}: expected a table")
+    choices, lo, hi = f.metadata.get("choices"), f.metadata.get("min"), f.metadata.get("max")
+    if choices is not None and value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"{key} = {value!r}: allowed values are {allowed}")
+    if lo is not None and value < lo or hi is not None and value > hi:
+        raise ConfigError(f"{key} = {value!r}: allowed range is {lo}..{hi}")
+    return value
+
+
+def _build_section(cls: type, name: str, table: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in table.items():
+        if key not in fields:
+            allowed = ", ".join(sorted(fields))
+            raise ConfigError(f"{name}.{key}: unknown setting (known in [{name}]: {allowed})")
+        values[key] = _check(f"{name}.{key}", value, fields[key], hints[key])
+    return cls(**values)
+
+
+def settings_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
+    """Build settings from a parsed TOML mapping, then apply `RTSERVER_<SECTION>_<KEY>` overrides."""
+    sections = {f.name: f for f in dataclasses.fields(Settings)}
+    hints = typing.get_type_hints(Settings)
+    merged: dict[str, dict[str, Any]] = {}
+    for name, table in data.items():
+        if name not in sections:
+            raise ConfigError(f"[{name}]: unknown section (known: {', '.join(sorted(sections))})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{name} = {table!r}: expected a [{name}] table")
+        merged[name] = dict(table)
+    for var, value in (os.environ if env is None else env).items():
+        if not var.startswith("RTSERVER_") or var == "RTSERVER_CONFIG":
+            continue
+        rest = var[len("RTSERVER_"):].lower()
+        for name in sections:
+            if rest.startswith(name + "_"):
+                merged.setdefault(name, {})[rest[len(name) + 1:]] = value
+                break
+        else:
+            raise ConfigError(f"{var}: no such setting (expected RTSERVER_<SECTION>_<KEY>, "
+                              f"sections: {', '.join(sorted(sections))})")
+    return Settings(**{name: _build_section(hints[name], name, merged.get(name, {}))
+                       for name in sections})
+
+
+def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Read config.toml (or `path`); a missing default file means all defaults."""
+    data: dict[str, Any] = {}
+    if path is not None or Path("config.toml").exists():
+        p = Path(path if path is not None else "config.toml")
+        try:
+            with p.open("rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p}: not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p}: invalid TOML ({exc})") from None
+    return settings_from_mapping(data, env)

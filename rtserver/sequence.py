@@ -1,0 +1,222 @@
+"""Sequence state: one piece of model work (a chat turn, a task call) from submission to its end.
+
+A sequence owns its prompt, decoding parameters, KV handle, generated tokens and the incremental
+detokenizer that turns tokens into text deltas that are always whole UTF-8 characters and never show
+a part of a stop string.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+from .kv import KVHandle
+
+
+class SamplingError(ValueError):
+    """A decoding parameter out of its allowed range; the message names the parameter."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def validate(self) -> None:
+        checks = [
+            ("temperature", 0.0 <= self.temperature <= 5.0, "0..5"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "greater than 0 and at most 1"),
+            ("top_k", 0 <= self.top_k <= 100_000, "0 (off) ..100000"),
+            ("repetition_penalty", 0.05 <= self.repetition_penalty <= 10.0, "0.05..10"),
+            ("max_new_tokens", 1 <= self.max_new_tokens <= 1_000_000, "at least 1"),
+            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens, "0..max_new_tokens"),
+            ("stop", len(self.stop) <= 16 and all(isinstance(s, str) and 0 < len(s) <= 256
+                                                   for s in self.stop), "up to 16 non-empty strings"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise SamplingError(f"{name} = {getattr(self, name)!r}: allowed {allowed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    EOS = "stop"
+    STOP_STRING = "stop_string"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    prefilled_tokens: int = 0
+
+
+@dataclass
+class SequenceResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    queued_ms: float
+    ttft_ms: float | None
+    total_ms: float
+    error: str | None = None
+    scores: list[float] | None = None
+
+
+_ids = itertools.count(1)
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, *, tokenizer: Any,
+                 eos_token_ids: set[int], session_key: Hashable | None = None,
+                 shared_prefix_len: int = 0, candidates: list[list[int]] | None = None,
+                 on_event: Callable[["Sequence", str, Any], None] | None = None):
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        self.id = next(_ids)
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.eos_token_ids |= set(params.stop_token_ids)
+        self.session_key = session_key
+        self.shared_prefix_len = shared_prefix_len
+        self.candidates = candidates  # label scoring: score these continuations, generate nothing
+        self.on_event = on_event
+        self.phase = Phase.WAITING
+        self.kv: KVHandle | None = None
+        self.num_computed = 0  # prompt/output positions whose KV is in the cache
+        self.output_ids: list[int] = []
+        self.usage = Usage(prompt_tokens=len(prompt_ids))
+        self.cancelled = False
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.scores: list[float] | None = None
+        self.generator = None  # torch.Generator, made by the runner when a seed is given
+        self.submitted_at = time.perf_counter()
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        # incremental detokenizer state
+        self.text = ""
+        self._emitted = 0
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    # -- the token list the model sees --------------------------------------------------------
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def capacity_tokens(self) -> int:
+        if self.candidates is not None:
+            return len(self.prompt_ids)
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    # -- output -------------------------------------------------------------------------------
+    def append_token(self, token_id: int) -> str:
+        """Record a generated token; returns the text delta that is now safe to stream."""
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.output_ids.append(token_id)
+        self.usage.generated_tokens = len(self.output_ids)
+        if token_id in self.eos_token_ids:
+            self.finish_reason = FinishReason.EOS
+            return self._flush()
+        self._decode_new()
+        for stop in self.params.stop:
+            # Only the region that the new token could have completed needs a look.
+            at = self.text.find(stop, max(0, self._emitted - len(stop)))
+            if at != -1:
+                self.text = self.text[:at]
+                self.finish_reason = FinishReason.STOP_STRING
+                return self._flush()
+        if len(self.output_ids) >= self.params.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+            return self._flush()
+        safe = len(self.text) - self._stop_prefix_overlap()
+        delta = self.text[self._emitted:safe] if safe > self._emitted else ""
+        self._emitted = max(self._emitted, safe)
+        return delta
+
+    def _decode_new(self) -> None:
+        ids = self.output_ids
+        prefix = self.tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(ids)
+
+    def _stop_prefix_overlap(self) -> int:
+        """Length of the longest text tail that could still grow into a stop string."""
+        best = 0
+        for stop in self.params.stop:
+            for n in range(min(len(stop) - 1, len(self.text)), best, -1):
+                if self.text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
+
+    def _flush(self) -> str:
+        if self.finish_reason is not FinishReason.STOP_STRING:
+            # Whatever is still held back (a half character at the very end) is emitted as decoded.
+            ids = self.output_ids
+            if ids and ids[-1] in self.eos_token_ids:
+                ids = ids[:-1]
+            tail = self.tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
+            prefix = self.tokenizer.decode(ids[self._prefix_offset:self._read_offset],
+                                           skip_special_tokens=True)
+            if len(tail) > len(prefix):
+                self.text += tail[len(prefix):]
+        delta = self.text[self._emitted:]
+        self._emitted = len(self.text)
+        return delta
+
+    def result(self) -> SequenceResult:
+        end = self.finished_at or time.perf_counter()
+        start = self.submitted_at
+        return SequenceResult(
+            text=self.text, token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason or FinishReason.ERROR, usage=self.usage,
+            queued_ms=((self.admitted_at or end) - start) * 1000,
+            ttft_ms=None if self.first_token_at is None else (self.first_token_at - start) * 1000,
+            total_ms=(end - start) * 1000, error=self.error, scores=self.scores)

@@ -1,0 +1,47 @@
+"""Shared fixtures: the embedded model (fp32, loaded once) and a tiny random Qwen2 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rtserver.model import LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def smol() -> LoadedModel:
+    """The embedded SmolLM2-135M-Instruct in float32 (equality tests need fp32)."""
+    return load_model("embedded", dtype="float32", threads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(smol) -> LoadedModel:
+    """A randomly initialised 2-layer Qwen2 model (q/k/v biases, GQA) with a real tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    tok = smol.tokenizer
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                      bos_token_id=tok.bos_token_id, pad_token_id=tok.eos_token_id)
+    model = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
+    # Random biases are zero-initialised; make them count so the bias path is really exercised.
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.bias.normal_(0, 0.5)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return LoadedModel(model=model, tokenizer=tok, name="tiny-qwen2", dtype=torch.float32, threads=2)
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def reference_greedy(loaded: LoadedModel, prompt_ids: list[int], n: int) -> list[int]:
+    """Plain transformers generate, greedy, exactly n new tokens: the ground truth."""
+    out = loaded.model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                                dtype=torch.long), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                pad_token_id=loaded.tokenizer.eos_token_id)
+    return out[0, len(prompt_ids):].tolist()

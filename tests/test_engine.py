@@ -1,0 +1,228 @@
+"""Engine end to end on real models: batched greedy output equals plain `model.generate`, KV reuse,
+eviction/rebuild, window cuts, cancellation, label scoring and fault isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from rtserver.engine import Engine, EngineOptions
+from rtserver.scheduler import Overloaded
+from rtserver.sequence import FinishReason, SamplingParams
+
+from .conftest import chat_prompt, reference_greedy
+
+pytestmark = pytest.mark.asyncio
+
+TEXTS = ["Tell me a short fact about the number 7.", "Hi!",
+         "Write a haiku about autumn leaves falling on a quiet lake at dusk, please.",
+         "What is the capital of France? Answer in one sentence.", "Count from one to five."]
+
+
+def greedy(n: int) -> SamplingParams:
+    # min_new_tokens suppresses EOS exactly as the reference generate(min_new_tokens=n) does.
+    return SamplingParams(max_new_tokens=n, min_new_tokens=n)
+
+
+async def collect(stream) -> list[int]:
+    return [ev.token_id async for ev in stream]
+
+
+@pytest.fixture(params=["smol", "tiny_qwen2"])
+def loaded(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+async def engine(loaded):
+    eng = Engine(loaded, EngineOptions(prefill_chunk_tokens=32, kv_budget_mb=64))
+    eng.start()
+    yield eng
+    await eng.stop()
+
+
+async def test_batched_joins_and_cancels_equal_generate(engine, loaded):
+    tok = loaded.tokenizer
+    prompts = [chat_prompt(tok, t) for t in TEXTS]
+    n = 12
+    first = [engine.generate(p, greedy(n)) for p in prompts[:2]]
+    # Join later, while the first two decode, and cancel one of them midway.
+    joined_at = 0
+    async for _ in first[0]:
+        joined_at += 1
+        if joined_at == 3:
+            break
+    late = [engine.generate(p, greedy(n)) for p in prompts[2:]]
+    doomed = engine.generate(prompts[3], greedy(n))
+    got_doomed = []
+    async for ev in doomed:
+        got_doomed.append(ev.token_id)
+        if len(got_doomed) == 2:
+            doomed.cancel()
+    outputs = [(await s.result()).token_ids for s in first + late]
+    for prompt, out in zip(prompts, outputs):
+        assert out == reference_greedy(loaded, prompt, n)
+    cancelled = await doomed.result()
+    assert cancelled.finish_reason is FinishReason.CANCELLED
+    assert cancelled.token_ids == reference_greedy(loaded, prompts[3], n)[:len(cancelled.token_ids)]
+    assert engine.kv.used_blocks == 0
+
+
+async def test_second_turn_prefills_only_new_tokens(engine, loaded):
+    tok = loaded.tokenizer
+    history = [{"role": "user", "content": "Name a color."}]
+    p1 = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    r1 = await engine.generate(p1, greedy(8), session_key="s1").result()
+    assert r1.usage.cached_tokens == 0 and r1.usage.prefilled_tokens == len(p1)
+    # The next prompt continues exactly: prompt + answer tokens + the new user turn.
+    p2 = p1 + r1.token_ids + tok.encode("<|im_end|>\n<|im_start|>user\nAnd another one?<|im_end|>\n"
+                                        "<|im_start|>assistant\n", add_special_tokens=False)
+    r2 = await engine.generate(p2, greedy(8), session_key="s1").result()
+    kept = len(p1) + len(r1.token_ids) - 1  # the last sampled token was never fed back
+    assert r2.usage.cached_tokens == kept
+    assert r2.usage.prefilled_tokens == len(p2) - kept
+    assert r2.token_ids == reference_greedy(loaded, p2, 8)
+
+
+async def test_window_cut_rebuilds_from_first_changed_token(engine, loaded):
+    tok = loaded.tokenizer
+    turns = [{"role": "user", "content": "First question here."}, {"role": "assistant", "content": "A."},
+             {"role": "user", "content": "Second question."}]
+    full = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
+    await engine.generate(full, greedy(4), session_key="w").result()
+    cut = tok.apply_chat_template(turns[2:], add_generation_prompt=True, tokenize=True, return_dict=False)
+    r = await engine.generate(cut, greedy(6), session_key="w").result()
+    system_len = len(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=True,
+                                             return_dict=False)) - 5
+    assert 0 < r.usage.cached_tokens < len(cut) and r.usage.cached_tokens >= system_len
+    assert r.token_ids == reference_greedy(loaded, cut, 6)
+
+
+def engine_with_kv_tokens(loaded, tokens: int, **options) -> Engine:
+    """An engine whose KV pool holds exactly `tokens` tokens (the MB setting is too coarse for tests)."""
+    eng = Engine(loaded, EngineOptions(**options))
+    cfg = loaded.model.config
+    eng.kv = type(eng.kv)(cfg.num_hidden_layers, cfg.num_key_value_heads, eng.runner.head_dim,
+                          loaded.dtype, eng.kv.bytes_per_token * tokens, 16)
+    eng.runner.kv = eng.scheduler.kv = eng.kv
+    return eng
+
+
+async def test_evicted_session_is_rebuilt_with_same_answer(loaded):
+    # A budget that holds about two sequences forces LRU eviction of idle sessions.
+    eng = engine_with_kv_tokens(loaded, 16 * 12, prefill_chunk_tokens=64)
+    tok = loaded.tokenizer
+    eng.start()
+    try:
+        p1 = chat_prompt(tok, "Remember the word banana.")
+        r1 = await eng.generate(p1, greedy(6), session_key="a").result()
+        for i in range(3):
+            await eng.generate(chat_prompt(tok, f"Filler request number {i}."), greedy(40),
+                               session_key=f"f{i}").result()
+        assert eng.kv.evictions >= 1
+        p2 = p1 + r1.token_ids + tok.encode("\nWhat word?", add_special_tokens=False)
+        r2 = await eng.generate(p2, greedy(6), session_key="a").result()
+        assert eng.kv.rebuilds == 1 and r2.usage.cached_tokens == 0
+        assert r2.token_ids == reference_greedy(loaded, p2, 6)
+    finally:
+        await eng.stop()
+
+
+async def test_budget_respected_under_random_workload(loaded):
+    eng = engine_with_kv_tokens(loaded, 16 * 16, max_running=6, prefill_chunk_tokens=48)
+    eng.start()
+    rng = random.Random(1)
+    tok = loaded.tokenizer
+    peak = 0
+
+    async def one(i: int) -> None:
+        nonlocal peak
+        stream = eng.generate(chat_prompt(tok, TEXTS[i % len(TEXTS)] * rng.randint(1, 3)),
+                              greedy(rng.randint(1, 20)), session_key=f"r{i % 4}" if i % 2 else None)
+        cancel_after = rng.choice([None, 1, 3])
+        k = 0
+        async for _ in stream:
+            k += 1
+            peak = max(peak, eng.kv.used_blocks)
+            assert eng.kv.used_blocks <= eng.kv.total_blocks
+            if cancel_after is not None and k == cancel_after:
+                stream.cancel()
+        await stream.result()
+
+    try:
+        await asyncio.gather(*(one(i) for i in range(24)))
+        assert peak > 0
+        for i in range(4):
+            eng.drop_session(f"r{i}")
+        eng.kv.prefixes.clear()
+        assert eng.kv.used_blocks == 0 and eng.kv.free_blocks == eng.kv.total_blocks
+    finally:
+        await eng.stop()
+
+
+async def test_label_scoring_equals_plain_forward(engine, loaded):
+    tok = loaded.tokenizer
+    prompt = tok.encode("Message: I loved this film!\nSentiment:", add_special_tokens=False)
+    candidates = [tok.encode(w, add_special_tokens=False) for w in (" positive", " negative",
+                                                                     " very mixed feelings")]
+    scores = await engine.score(prompt, candidates)
+    for cand, got in zip(candidates, scores):
+        ids = torch.tensor([prompt + cand])
+        with torch.no_grad():
+            lp = torch.log_softmax(loaded.model(ids).logits[0].float(), -1)
+        want = sum(float(lp[len(prompt) - 1 + j, t]) for j, t in enumerate(cand))
+        assert got == pytest.approx(want, abs=1e-3)
+
+
+async def test_shared_prefix_is_reused(engine, loaded):
+    tok = loaded.tokenizer
+    prefix = tok.encode("Classify the sentiment of the message as positive or negative.\n",
+                        add_special_tokens=False)
+    outs = []
+    for text in ("Great!", "Awful service.", "Great!"):
+        prompt = prefix + tok.encode(f"Message: {text}\nSentiment:", add_special_tokens=False)
+        outs.append(await engine.score(prompt, [tok.encode(" positive", add_special_tokens=False)],
+                                       shared_prefix_len=len(prefix)))
+    assert engine.kv.prefix_hits == 2
+    assert outs[0] == pytest.approx(outs[2], abs=1e-4)
+
+
+async def test_overloaded_at_once(loaded):
+    eng = Engine(loaded, EngineOptions(max_running=1, max_waiting=2))
+    eng.start()
+    try:
+        tok = loaded.tokenizer
+        streams = [eng.generate(chat_prompt(tok, "Hello"), greedy(30)) for _ in range(3)]
+        with pytest.raises(Overloaded):
+            for _ in range(3):
+                streams.append(eng.generate(chat_prompt(tok, "Hello"), greedy(30)))
+        for s in streams:
+            s.cancel()
+        for s in streams:
+            await s.result()
+    finally:
+        await eng.stop()
+
+
+async def test_failing_step_fails_only_its_sequences(engine, loaded):
+    tok = loaded.tokenizer
+    calm = engine.generate(chat_prompt(tok, TEXTS[0]), greedy(10))
+    first = await calm.__anext__()
+
+    def explode(items):
+        engine.scheduler.fault_hook = None
+        raise RuntimeError("injected")
+
+    engine.scheduler.fault_hook = explode
+    victim = engine.generate(chat_prompt(tok, TEXTS[1]), greedy(5))
+    bad = await victim.result()
+    good = await calm.result()
+    # The step that raised held both; both fail cleanly, and the scheduler keeps serving.
+    assert bad.finish_reason is FinishReason.ERROR and "internal" in bad.error
+    assert good.finish_reason in (FinishReason.ERROR, FinishReason.LENGTH)
+    after = await engine.generate(chat_prompt(tok, TEXTS[2]), greedy(5)).result()
+    assert after.token_ids == reference_greedy(loaded, chat_prompt(tok, TEXTS[2]), 5)
+    assert first.token_id == reference_greedy(loaded, chat_prompt(tok, TEXTS[0]), 1)[0]

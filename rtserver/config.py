@@ -54,10 +54,39 @@ class EngineSettings:
 
 
 @dataclass
+class SessionSettings:
+    """Session lifetime and resume (owned by the hub)."""
+
+    idle_timeout_s: float = _setting(600.0, min=1.0, max=86400.0)
+
+
+@dataclass
+class SecuritySettings:
+    """Tokens, origins and rate limits (owned by the hub)."""
+
+    console_token: str = _setting("")
+
+
+@dataclass
+class TaskSettings:
+    """Task plugins: where they come from, which run, and per-task overrides."""
+
+    plugin_dirs: list[str] = _setting(["plugins"])
+    enabled: list[str] = _setting([])
+    disabled: list[str] = _setting([])
+    auto_tasks: list[str] = _setting(["sentiment"])
+
+
+@dataclass
 class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    sessions: SessionSettings = field(default_factory=SessionSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
+    tasks: TaskSettings = field(default_factory=TaskSettings)
+    # [task.<name>] tables: per-task overrides of what a plugin declares (checked by the task registry)
+    task: dict = field(default_factory=dict)
 
 
 def _check(key: str, value: Any, f: dataclasses.Field, expected: type) -> Any:
@@ -137,8 +166,16 @@ def settings_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None
         else:
             raise ConfigError(f"{var}: no such setting (expected RTSERVER_<SECTION>_<KEY>, "
                               f"sections: {', '.join(sorted(sections))})")
-    return Settings(**{name: _build_section(hints[name], name, merged.get(name, {}))
-                       for name in sections})
+    built: dict[str, Any] = {}
+    for name in sections:
+        if hints[name] is dict:
+            for task_name, table in merged.get(name, {}).items():
+                if not isinstance(table, dict):
+                    raise ConfigError(f"{name}.{task_name} = {table!r}: expected a [{name}.{task_name}] table")
+            built[name] = merged.get(name, {})
+        else:
+            built[name] = _build_section(hints[name], name, merged.get(name, {}))
+    return Settings(**built)
 
 
 def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Settings:

@@ -1,0 +1,67 @@
+"""Built-in `sentiment`: positive/negative (optionally neutral) by scoring the label words.
+
+Scoring mode (default) reads the log-probability of each label word after a plain completion prompt,
+minus what the model gives the same words for a content-free input (contextual calibration), so the
+answer is always one of the labels, with a probability for each. Chinese input gets its own prompt.
+`mode = "generate"` keeps the write-ups' method (instruction + greedy 3 tokens + strict parser) for
+comparison.
+
+Options in `[task.sentiment]`: `mode` ("score" | "generate"), `neutral` (bool), `label_names`
+(rename the output labels, e.g. {positive = "正面", negative = "负面"}).
+"""
+
+import re
+
+from rtserver.tasks import Choices, Task, Variant, has_cjk
+
+NAME = "sentiment"
+EN_PROMPT = "Message: {text}\nSentiment:"
+ZH_PROMPT = "评论：{text}\n情感："
+EN_WORDS = {"positive": " positive", "negative": " negative", "neutral": " neutral"}
+ZH_WORDS = {"positive": "正面", "negative": "负面", "neutral": "中性"}
+CALIBRATION = ["N/A"]
+GENERATIVE_PROMPT = ("Classify the sentiment of this message. Answer with exactly one word: {labels}.\n"
+                     "Message: {{text}}")
+
+
+def make_task(options: dict) -> Task:
+    mode = options.pop("mode", "score")
+    neutral = options.pop("neutral", False)
+    names = options.pop("label_names", {})
+    if options:
+        raise ValueError(f"unknown settings: {', '.join(sorted(options))} (known: mode, neutral, label_names)")
+    if mode not in ("score", "generate"):
+        raise ValueError(f"mode = {mode!r}: allowed 'score', 'generate'")
+    keys = ["positive", "negative"] + (["neutral"] if neutral else [])
+    unknown = set(names) - set(keys)
+    if unknown:
+        raise ValueError(f"label_names: unknown labels {', '.join(sorted(unknown))} (labels: {', '.join(keys)})")
+    out = {k: names.get(k, k) for k in keys}
+    if mode == "generate":
+        return Task(name=NAME, description="Sentiment of a message (generative mode, for comparison).",
+                    prompt=GENERATIVE_PROMPT.format(labels=", ".join(out.values())), max_input_tokens=256,
+                    truncate="head", max_new_tokens=3, parser=_parser(out), cache_size=4096)
+    return Task(
+        name=NAME,
+        description="Sentiment of a message: " + " / ".join(out.values()) + ", with a probability each.",
+        prompt=EN_PROMPT,
+        chat_template=False,
+        max_input_tokens=256,
+        truncate="head",
+        choices=Choices({out[k]: EN_WORDS[k] for k in keys}, calibration=CALIBRATION),
+        variants=[Variant(when=has_cjk, prompt=ZH_PROMPT,
+                          choices=Choices({out[k]: ZH_WORDS[k] for k in keys}, calibration=CALIBRATION))],
+        cache_size=4096,
+        cache_ttl_s=600,
+    )
+
+
+def _parser(labels: dict):
+    """Strict parser for the generative mode: the first label word in the answer, else invalid."""
+    def parse(text: str) -> dict:
+        for word in re.findall(r"\w+", text.lower()):
+            for key, shown in labels.items():
+                if word in (key, shown.lower()):
+                    return {"label": shown, "valid": True}
+        return {"label": None, "valid": False}
+    return parse

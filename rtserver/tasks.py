@@ -1,0 +1,464 @@
+"""Task plugins: the declarative `Task` form, how a task runs on the engine, and the registry that
+discovers tasks in plugin folders and `rtserver.tasks` entry points and applies config overrides.
+
+A plugin is a Python file that defines `TASK = Task(...)`, or `make_task(options) -> Task` when it takes
+options of its own from its `[task.<name>]` table. Stateless tasks render a prompt from a template whose
+part before `{text}` is a fixed prefix the engine shares between calls; they either generate text and
+parse it, or score a closed set of `Choices` in one forward pass. The stateful `chat` task renders a
+session's history through the tokenizer's chat template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import logging
+import math
+import re
+import time
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from cachetools import TTLCache
+
+from .sequence import SamplingError, SamplingParams
+
+log = logging.getLogger("rtserver.tasks")
+
+TRUNCATE_MODES = ("reject", "head", "tail")
+DECODING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens",
+                 "seed", "stop")
+
+
+class TaskError(Exception):
+    """A request a task cannot take; `code` is stable, `message` says what to change."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Choices:
+    """A closed set of outputs, each scored as the log-probability of its verbalizer after the prompt.
+
+    `calibration` lists content-free inputs (e.g. "N/A"); their mean label scores are subtracted so the
+    model's prior preference for one label word does not decide the answer (contextual calibration).
+    """
+
+    labels: dict[str, str]  # output label -> continuation text scored after the prompt
+    calibration: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Variant:
+    """An alternative prompt/choices used when `when(text)` is true (e.g. a prompt for Chinese text)."""
+
+    when: Callable[[str], bool]
+    prompt: str
+    choices: Choices | None = None
+    chat_template: bool | None = None
+
+
+@dataclass
+class Task:
+    name: str
+    description: str
+    prompt: str = "{text}"  # the part before {text} is the shared prefix
+    chat_template: bool = True  # wrap the prompt as a user turn of the tokenizer's chat template
+    system_prompt: str | None = None
+    stateful: bool = False
+    input_kind: str = "text"  # "text" | "chat"
+    max_input_chars: int = 4000
+    max_input_tokens: int = 512
+    truncate: str = "reject"  # reject | head (keep the start) | tail (keep the end)
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    decoding: dict[str, Any] = field(default_factory=dict)  # defaults, e.g. {"temperature": 0.7}
+    overridable: dict[str, tuple[float, float]] = field(default_factory=dict)  # client-settable ranges
+    choices: Choices | None = None
+    parser: Callable[[str], dict] | None = None
+    variants: list[Variant] = field(default_factory=list)
+    cache_size: int = 0  # 0 = no result cache
+    cache_ttl_s: float = 600.0
+    max_history_turns: int = 20
+    max_history_tokens: int = 1500
+
+    # -- checks ---------------------------------------------------------------------------------
+    def validate(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,39}", self.name or ""):
+            raise ValueError(f"name {self.name!r}: use lowercase letters, digits, - or _")
+        if self.truncate not in TRUNCATE_MODES:
+            raise ValueError(f"truncate {self.truncate!r}: allowed {', '.join(TRUNCATE_MODES)}")
+        if self.input_kind not in ("text", "chat"):
+            raise ValueError(f"input_kind {self.input_kind!r}: allowed text, chat")
+        if not self.stateful and self.prompt.count("{text}") != 1:
+            raise ValueError("prompt must contain {text} exactly once")
+        for key in list(self.decoding) + list(self.overridable):
+            if key not in DECODING_KEYS:
+                raise ValueError(f"decoding key {key!r}: allowed {', '.join(DECODING_KEYS)}")
+        if self.choices is not None and len(self.choices.labels) < 2:
+            raise ValueError("choices need at least two labels")
+        if self.max_input_tokens < 1 or self.max_new_tokens < 1:
+            raise ValueError("max_input_tokens and max_new_tokens must be at least 1")
+        self.sampling(None)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name, "description": self.description, "stateful": self.stateful,
+            "input": {"type": "object", "required": ["text"],
+                      "properties": {"text": {"type": "string", "maxLength": self.max_input_chars}}}
+            if self.input_kind == "text" else
+            {"type": "object", "required": ["history"], "properties": {"history": {"type": "array"}}},
+            "output": "choices" if self.choices else "text",
+            "labels": list(self.choices.labels) if self.choices else None,
+            "limits": {"max_input_tokens": self.max_input_tokens, "truncate": self.truncate,
+                       "max_new_tokens": self.max_new_tokens},
+            "decoding": dict(self.decoding),
+            "overridable": {k: list(v) for k, v in self.overridable.items()},
+        }
+
+    # -- input --------------------------------------------------------------------------------
+    def clean_text(self, text: Any) -> str:
+        """Strip control characters (keeping newlines and tabs), check emptiness and size."""
+        if not isinstance(text, str):
+            raise TaskError("invalid_input", f"{self.name}: 'text' must be a string")
+        text = "".join(c for c in text if c in "\n\t" or unicodedata.category(c)[0] != "C").strip()
+        if not text:
+            raise TaskError("empty_text", f"{self.name}: text is empty")
+        if len(text) > self.max_input_chars:
+            if self.truncate == "reject":
+                raise TaskError("input_too_long", f"{self.name}: text has {len(text)} characters, "
+                                f"the limit is {self.max_input_chars}")
+            text = text[:self.max_input_chars] if self.truncate == "head" else text[-self.max_input_chars:]
+        return text
+
+    def sampling(self, overrides: dict | None) -> SamplingParams:
+        """Decoding for one call: the task's defaults, then client overrides within allowed ranges."""
+        values: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "stop": list(self.stop)}
+        values.update(self.decoding)
+        for key, value in (overrides or {}).items():
+            if key not in self.overridable:
+                allowed = ", ".join(sorted(self.overridable)) or "none"
+                raise TaskError("bad_decoding", f"{self.name}: '{key}' cannot be set (settable: {allowed})")
+            lo, hi = self.overridable[key]
+            if key == "stop":
+                if not (isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= hi):
+                    raise TaskError("bad_decoding", f"{self.name}: 'stop' must be a list of at most "
+                                    f"{int(hi)} strings")
+                values[key] = list(self.stop) + value
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise TaskError("bad_decoding", f"{self.name}: '{key}' must be a number")
+            if not lo <= value <= hi:
+                raise TaskError("bad_decoding", f"{self.name}: '{key}' = {value} is outside {lo}..{hi}")
+            if key in ("top_k", "max_new_tokens", "min_new_tokens", "seed"):
+                if value != int(value):
+                    raise TaskError("bad_decoding", f"{self.name}: '{key}' must be an integer")
+                value = int(value)
+            values[key] = value
+        try:
+            params = SamplingParams(**values)
+            params.validate()
+        except (SamplingError, TypeError) as exc:
+            raise TaskError("bad_decoding", f"{self.name}: {exc}") from None
+        return params
+
+    def select(self, text: str) -> tuple[str, Choices | None, bool]:
+        """(prompt template, choices, use chat template) for this input."""
+        for v in self.variants:
+            if v.when(text):
+                return (v.prompt, v.choices if v.choices is not None else self.choices,
+                        self.chat_template if v.chat_template is None else v.chat_template)
+        return self.prompt, self.choices, self.chat_template
+
+
+def has_cjk(text: str) -> bool:
+    return any("\u4e00" <= c <= "\u9fff" or "\u3400" <= c <= "\u4dbf" for c in text)
+
+
+@dataclass
+class TaskOutput:
+    task: str
+    output: dict
+    text: str
+    usage: dict
+    timing: dict
+    cached: bool = False
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class PreparedTask:
+    """A task bound to a tokenizer: renders prompts (caching the fixed prefix tokens) and runs calls."""
+
+    def __init__(self, task: Task, tokenizer: Any):
+        self.task = task
+        self.tokenizer = tokenizer
+        self._prefixes: dict[tuple[str, bool], tuple[list[int], str]] = {}
+        self._calibration: dict[tuple[str, bool], list[float]] = {}
+        self.cache: TTLCache | None = (TTLCache(task.cache_size, task.cache_ttl_s)
+                                       if task.cache_size and not task.stateful else None)
+        self.cache_hits = 0
+        self.cache_misses = 0
+
+    def __getattr__(self, name: str) -> Any:  # the declaration's fields read through
+        return getattr(self.task, name)
+
+    # -- prompts ------------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _split_template(self, template: str, chat: bool) -> tuple[list[int], str]:
+        """Token ids of everything before {text} and the raw text after it."""
+        key = (template, chat)
+        if key not in self._prefixes:
+            marker = "\x00TEXT\x00"
+            rendered = template.replace("{text}", marker)
+            if chat:
+                messages = [{"role": "user", "content": rendered}]
+                if self.task.system_prompt:
+                    messages.insert(0, {"role": "system", "content": self.task.system_prompt})
+                rendered = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                              add_generation_prompt=True)
+            before, after = rendered.split(marker)
+            self._prefixes[key] = (self._encode(before), after)
+        return self._prefixes[key]
+
+    def render(self, text: str) -> tuple[list[int], int, Choices | None]:
+        """(prompt ids, shared prefix length, choices) for a cleaned input text, within the token limit."""
+        template, choices, chat = self.task.select(text)
+        prefix, suffix = self._split_template(template, chat)
+        body = self._encode(text)
+        if len(body) > self.task.max_input_tokens:
+            if self.task.truncate == "reject":
+                raise TaskError("input_too_long", f"{self.task.name}: text has {len(body)} tokens, the limit "
+                                f"is {self.task.max_input_tokens}")
+            keep = self.task.max_input_tokens
+            body = body[:keep] if self.task.truncate == "head" else body[-keep:]
+        return prefix + body + self._encode(suffix), len(prefix), choices
+
+    # -- running ------------------------------------------------------------------------------
+    async def run(self, engine: Any, raw_input: Any, overrides: dict | None = None) -> TaskOutput:
+        text = raw_input.get("text") if isinstance(raw_input, dict) else raw_input
+        text = self.clean_text(text)
+        params = self.sampling(overrides)
+        key = (" ".join(text.split()).lower(), repr(sorted((overrides or {}).items())))
+        if self.cache is not None:
+            hit = self.cache.get(key)
+            if hit is not None:
+                self.cache_hits += 1
+                return dataclasses.replace(hit, cached=True)
+            self.cache_misses += 1
+        started = time.perf_counter()
+        prompt, prefix_len, choices = self.render(text)
+        if choices is not None:
+            output = await self._score(engine, prompt, prefix_len, choices, text)
+            out = TaskOutput(self.task.name, output, output["label"],
+                             {"prompt_tokens": len(prompt), "generated_tokens": 0},
+                             {"total_ms": (time.perf_counter() - started) * 1000})
+        else:
+            stream = engine.generate(prompt, params, shared_prefix_len=prefix_len)
+            result = await stream.result()
+            if result.error:
+                raise TaskError("internal", f"{self.task.name}: generation failed")
+            parsed = self.task.parser(result.text) if self.task.parser else {"text": result.text}
+            out = TaskOutput(self.task.name, parsed, result.text, dataclasses.asdict(result.usage),
+                             {"queued_ms": result.queued_ms, "ttft_ms": result.ttft_ms,
+                              "total_ms": result.total_ms})
+        if self.cache is not None:
+            self.cache[key] = out
+        return out
+
+    async def _score(self, engine: Any, prompt: list[int], prefix_len: int, choices: Choices,
+                     text: str) -> dict:
+        labels = list(choices.labels)
+        candidates = [self._encode(choices.labels[name]) for name in labels]
+        scores = await engine.score(prompt, candidates, shared_prefix_len=prefix_len)
+        template, _, chat = self.task.select(text)
+        if choices.calibration:
+            offsets = await self._calibration_offsets(engine, template, chat, choices, candidates)
+            scores = [s - o for s, o in zip(scores, offsets)]
+        top = max(scores)
+        weights = [math.exp(s - top) for s in scores]
+        total = sum(weights)
+        probs = {name: w / total for name, w in zip(labels, weights)}
+        label = max(probs, key=probs.get)
+        return {"label": label, "probs": probs}
+
+    async def _calibration_offsets(self, engine: Any, template: str, chat: bool, choices: Choices,
+                                   candidates: list[list[int]]) -> list[float]:
+        key = (template, chat)
+        if key not in self._calibration:
+            prefix, suffix = self._split_template(template, chat)
+            runs = [await engine.score(prefix + self._encode(c) + self._encode(suffix), candidates,
+                                       shared_prefix_len=len(prefix)) for c in choices.calibration]
+            self._calibration[key] = [sum(r[i] for r in runs) / len(runs) for i in range(len(candidates))]
+        return self._calibration[key]
+
+
+class ChatTask(PreparedTask):
+    """The stateful chat task: renders a session's history window through the chat template."""
+
+    def render_history(self, history: list[dict]) -> list[int]:
+        messages = list(history)
+        if self.task.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.task.system_prompt})
+        return self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                  return_dict=False)
+
+    def render(self, history: list[dict]) -> list[int]:  # type: ignore[override]
+        return self.render_history(history)
+
+    def parse(self, text: str) -> dict:
+        return self.task.parser(text) if self.task.parser else {"reply": text}
+
+    def count_tokens(self, text: str) -> int:
+        return len(self._encode(text))
+
+
+# -- discovery and configuration ----------------------------------------------------------------
+
+@dataclass
+class PluginError:
+    source: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.reason}"
+
+
+GENERIC_OVERRIDES = ("description", "prompt", "system_prompt", "max_input_chars", "max_input_tokens",
+                     "truncate", "max_new_tokens", "stop", "decoding", "cache_size", "cache_ttl_s",
+                     "max_history_turns", "max_history_tokens")
+
+
+def _task_from(obj: Any, options: dict, source: str) -> Task:
+    """A Task from a module (TASK or make_task), a Task, or a factory callable."""
+    factory = getattr(obj, "make_task", None)
+    if factory is None and callable(obj) and not isinstance(obj, Task):
+        factory = obj
+    if factory is not None:
+        task = factory(dict(options))
+    else:
+        task = getattr(obj, "TASK", obj)
+        if options:
+            raise ValueError(f"unknown settings {', '.join(sorted(options))} (this task takes no options)")
+    if not isinstance(task, Task):
+        raise ValueError("defines neither TASK = Task(...) nor make_task(options) -> Task")
+    return task
+
+
+def _apply_overrides(task: Task, table: dict) -> Task:
+    generic = {k: v for k, v in table.items() if k in GENERIC_OVERRIDES}
+    if "decoding" in generic:
+        generic["decoding"] = {**task.decoding, **generic["decoding"]}
+    for key, value in generic.items():
+        current = getattr(task, key)
+        if current is not None and not isinstance(value, type(current)) and not (
+                isinstance(current, float) and isinstance(value, int)):
+            raise ValueError(f"{key} = {value!r}: expected {type(current).__name__}")
+    return dataclasses.replace(task, **generic)
+
+
+class TaskRegistry:
+    def __init__(self, tasks: dict[str, PreparedTask], auto_tasks: list[str]):
+        self.tasks = tasks
+        self.auto_tasks = auto_tasks
+
+    @property
+    def chat(self) -> ChatTask:
+        task = self.tasks.get("chat")
+        if not isinstance(task, ChatTask):
+            raise TaskError("unknown_task", "the chat task is not enabled")
+        return task
+
+    def names(self) -> list[str]:
+        return sorted(self.tasks)
+
+    def describe(self) -> list[dict]:
+        return [self.tasks[n].task.describe() for n in self.names()]
+
+    def get(self, name: str) -> PreparedTask:
+        task = self.tasks.get(name) if isinstance(name, str) else None
+        if task is None:
+            raise TaskError("unknown_task", f"no task named {name!r} (available: {', '.join(self.names())})")
+        return task
+
+    async def run(self, engine: Any, name: str, raw_input: Any, overrides: dict | None = None) -> TaskOutput:
+        task = self.get(name)
+        if task.task.stateful:
+            raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
+        return await task.run(engine, raw_input, overrides)
+
+    def cache_stats(self) -> dict[str, tuple[int, int]]:
+        return {n: (t.cache_hits, t.cache_misses) for n, t in self.tasks.items() if t.cache is not None}
+
+
+def _discover(settings: Any) -> list[tuple[str, Any]]:
+    """(source, module-or-object) for every plugin file and entry point; import errors are returned."""
+    found: list[tuple[str, Any]] = []
+    for folder in settings.tasks.plugin_dirs:
+        path = Path(folder).expanduser()
+        if not path.is_absolute() and not path.exists():
+            path = Path(__file__).resolve().parent.parent / folder  # the project's own plugins/
+        for file in sorted(path.glob("*.py")):
+            if file.name.startswith("_"):
+                continue
+            try:
+                spec = importlib.util.spec_from_file_location(f"rtserver_plugin_{file.stem}", file)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                found.append((str(file), module))
+            except Exception as exc:
+                found.append((str(file), PluginError(str(file), f"import failed: {type(exc).__name__}: {exc}")))
+    for ep in importlib.metadata.entry_points(group="rtserver.tasks"):
+        source = f"entry point {ep.name} ({ep.value})"
+        try:
+            found.append((source, ep.load()))
+        except Exception as exc:
+            found.append((source, PluginError(source, f"import failed: {type(exc).__name__}: {exc}")))
+    return found
+
+
+def load_registry(settings: Any, tokenizer: Any) -> tuple[TaskRegistry, list[PluginError]]:
+    """Discover, configure and validate every task. A broken plugin is reported, never fatal."""
+    errors: list[PluginError] = []
+    tasks: dict[str, PreparedTask] = {}
+    overrides: dict = dict(settings.task)
+    enabled, disabled = set(settings.tasks.enabled), set(settings.tasks.disabled)
+    for source, obj in _discover(settings):
+        if isinstance(obj, PluginError):
+            errors.append(obj)
+            continue
+        name = getattr(getattr(obj, "TASK", None), "name", None) or getattr(obj, "NAME", None)
+        table = dict(overrides.get(name, {})) if name else {}
+        options = {k: v for k, v in table.items() if k not in GENERIC_OVERRIDES}
+        try:
+            task = _task_from(obj, options, source)
+            task = _apply_overrides(task, table)
+            task.validate()
+        except Exception as exc:
+            errors.append(PluginError(source, f"invalid task: {exc}"))
+            continue
+        if task.name in tasks:
+            errors.append(PluginError(source, f"task {task.name!r} is already defined; this one is ignored"))
+            continue
+        if task.name in disabled or (enabled and task.name not in enabled):
+            continue
+        tasks[task.name] = (ChatTask if task.stateful else PreparedTask)(task, tokenizer)
+    for name in overrides:
+        if name not in tasks and name not in disabled:
+            errors.append(PluginError("config.toml", f"[task.{name}]: no such task"))
+    auto = [n for n in settings.tasks.auto_tasks if n in tasks and not tasks[n].task.stateful]
+    for n in settings.tasks.auto_tasks:
+        if n not in auto:
+            errors.append(PluginError("config.toml", f"tasks.auto_tasks: {n!r} is not an enabled stateless task"))
+    for err in errors:
+        log.error("plugin problem: %s", err)
+    return TaskRegistry(tasks, auto), errors

@@ -33,6 +33,11 @@ class ServerSettings:
     host: str = _setting("127.0.0.1")
     port: int = _setting(8000, min=0, max=65535)
     log_level: str = _setting("info", choices=("debug", "info", "warning", "error"))
+    # WebSocket hub (rtserver/hub.py, docs/protocol.md)
+    max_frame_bytes: int = _setting(65536, min=1024, max=16 << 20)
+    max_in_flight: int = _setting(8, min=1, max=1024)
+    send_queue_size: int = _setting(256, min=8, max=100_000)
+    slow_client_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
 
 
 @dataclass
@@ -58,6 +63,7 @@ class SessionSettings:
     """Session lifetime and resume (owned by the hub)."""
 
     idle_timeout_s: float = _setting(600.0, min=1.0, max=86400.0)
+    max_sessions: int = _setting(10000, min=1, max=10_000_000)
 
 
 @dataclass
@@ -65,6 +71,8 @@ class SecuritySettings:
     """Tokens, origins and rate limits (owned by the hub)."""
 
     console_token: str = _setting("")
+    api_token: str = _setting("")
+    allowed_origins: list[str] = _setting([])
 
 
 @dataclass

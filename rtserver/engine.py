@@ -128,12 +128,12 @@ class Engine:
             sink(kind, payload)
 
     # -- public API (event loop) ----------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], params: SamplingParams, *, session_key: Hashable | None = None,
-                 shared_prefix_len: int = 0) -> GenerationStream:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                 session_key: Hashable | None = None) -> GenerationStream:
         """Queue a generation; raises SamplingError, RequestTooLarge or Overloaded at once."""
         params.validate()
         seq = Sequence(prompt_ids, params, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
-                       session_key=session_key, shared_prefix_len=shared_prefix_len)
+                       session_key=session_key)
         stream = GenerationStream(self, seq)
         self._streams[seq.id] = stream._push
         try:
@@ -143,14 +143,12 @@ class Engine:
             raise
         return stream
 
-    async def score(self, prompt_ids: list[int], candidates: list[list[int]], *,
-                    shared_prefix_len: int = 0) -> list[float]:
+    async def score(self, prompt_ids: list[int], candidates: list[list[int]]) -> list[float]:
         """Log-probability of each candidate continuation (summed over its tokens) after the prompt."""
         if not candidates or any(not c for c in candidates):
             raise ValueError("candidates must be non-empty token lists")
         seq = Sequence(prompt_ids, SamplingParams(max_new_tokens=1), tokenizer=self.tokenizer,
-                       eos_token_ids=self.eos_token_ids, shared_prefix_len=shared_prefix_len,
-                       candidates=[list(c) for c in candidates])
+                       eos_token_ids=self.eos_token_ids, candidates=[list(c) for c in candidates])
         future = asyncio.get_running_loop().create_future()
 
         def sink(kind: str, payload: Any) -> None:

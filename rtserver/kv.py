@@ -2,11 +2,16 @@
 
 The pool is one preallocated tensor per K and V, `[layers, slots, kv_heads, head_dim]`, cut into blocks of
 `block_tokens` slots. A `KVHandle` is a list of blocks plus the token ids whose KV they hold; token
-position p lives in slot `blocks[p // block_tokens] * block_tokens + p % block_tokens`. Blocks are
-reference counted so a fixed prompt prefix can be shared by many stateless sequences (copy-on-write of
-the one partly filled block). Handles that nobody runs right now are kept in two LRU tables — a
-session's cache between its turns and shared prefixes — and are evicted, least recently used first,
-when a new sequence needs room. The pool never grows, so the budget holds by construction.
+position p lives in slot `blocks[p // block_tokens] * block_tokens + p % block_tokens`.
+
+Two kinds of reuse, both reference counted so nothing is computed twice or freed while in use:
+- a session's KV between its turns (`release(handle, session_key)`, matched by longest common prefix);
+- automatic prefix caching: every full block of computed prompt is registered under a hash chain of
+  the tokens up to its end, so any later prompt that starts the same way (the chat system prompt, a
+  task's fixed instruction) shares those blocks instead of recomputing them.
+A block that is shared is never written: a sequence writes only past its reused prefix, and a partly
+reused block is copied first. Idle entries are evicted least recently used first when a new sequence
+needs room. The pool never grows, so the budget holds by construction.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class KVHandle:
     blocks: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     slot_table: torch.Tensor | None = None  # slot of each position, length = len(blocks) * block_tokens
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
 
     @property
     def num_tokens(self) -> int:
@@ -40,10 +46,10 @@ class KVStats:
     free_blocks: int
     total_blocks: int
     cached_sessions: int
-    cached_prefixes: int
+    cached_prefix_blocks: int
     evictions: int
     rebuilds: int
-    prefix_hits: int
+    prefix_hits: int  # prompt tokens served from the prefix cache
     session_hits: int
 
 
@@ -67,7 +73,6 @@ class KVCacheManager:
         self.bytes_per_token = num_layers * 2 * kv_heads * head_dim * elem
         self.block_bytes = self.bytes_per_token * block_tokens
         self.total_blocks = max(1, budget_bytes // self.block_bytes)
-        self.budget_bytes = budget_bytes
         slots = self.total_blocks * block_tokens
         # zeros, not empty: padded attention lanes read slot 0 and must see finite numbers (0 * NaN = NaN).
         # calloc'd pages cost no RSS until written.
@@ -77,7 +82,8 @@ class KVCacheManager:
         self._free: list[int] = list(range(self.total_blocks - 1, -1, -1))
         self._refs = [0] * self.total_blocks
         self.sessions: OrderedDict[Hashable, KVHandle] = OrderedDict()
-        self.prefixes: OrderedDict[tuple[int, ...], KVHandle] = OrderedDict()
+        # prefix cache: chain hash -> (parent hash, block tokens, block); LRU order
+        self.prefix_blocks: OrderedDict[int, tuple[int, tuple[int, ...], int]] = OrderedDict()
         self.evicted_sessions: set[Hashable] = set()
         self.evictions = 0
         self.rebuilds = 0
@@ -112,21 +118,24 @@ class KVCacheManager:
                 self._free.append(b)
 
     def _evict_until(self, needed: int) -> None:
+        """Free blocks by dropping idle cache entries: prefix blocks nobody uses, then idle sessions."""
         while len(self._free) < needed:
-            if self.prefixes:
-                _, handle = self.prefixes.popitem(last=False)
+            victim = next((h for h, (_, _, b) in self.prefix_blocks.items() if self._refs[b] == 1), None)
+            if victim is not None:
+                _, _, block = self.prefix_blocks.pop(victim)
+                self._drop_blocks([block])
             elif self.sessions:
                 key, handle = self.sessions.popitem(last=False)
                 self.evicted_sessions.add(key)
+                self._drop_blocks(handle.blocks)
             else:
                 raise OutOfKVMemory(f"needs {needed} blocks, {len(self._free)} free, nothing idle to evict")
             self.evictions += 1
-            self._drop_blocks(handle.blocks)
 
     def reclaimable_blocks(self) -> int:
-        """Free blocks plus blocks that evicting every idle entry would free (upper bound)."""
+        """Free blocks plus what evicting every idle entry could free (an upper bound)."""
         idle = sum(len(h.blocks) for h in self.sessions.values())
-        idle += sum(len(h.blocks) for h in self.prefixes.values())
+        idle += sum(1 for _, _, b in self.prefix_blocks.values() if self._refs[b] == 1)
         return len(self._free) + idle
 
     def _set_slots(self, handle: KVHandle) -> None:
@@ -145,25 +154,67 @@ class KVCacheManager:
         self.k[:, d] = self.k[:, s]
         self.v[:, d] = self.v[:, s]
 
+    def _own_last_block(self, handle: KVHandle) -> None:
+        """Before writing into a partly filled shared last block, give the handle its own copy."""
+        if handle.num_tokens % self.block_tokens and self._refs[handle.blocks[-1]] > 1:
+            (own,) = self._take(1)
+            self._copy_block(handle.blocks[-1], own)
+            self._drop_blocks([handle.blocks[-1]])
+            handle.blocks[-1] = own
+
     def _fork(self, source: KVHandle, n_tokens: int) -> KVHandle:
-        """A new handle holding the first n_tokens of source: full blocks shared, a partial block copied."""
-        full, rest = divmod(n_tokens, self.block_tokens)
-        shared = source.blocks[:full]
+        """A new handle holding the first n_tokens of source, sharing its blocks."""
+        shared = source.blocks[:self.blocks_for(n_tokens)]
         for b in shared:
             self._refs[b] += 1
         handle = KVHandle(blocks=list(shared), token_ids=list(source.token_ids[:n_tokens]))
-        if rest:
-            (own,) = self._take(1)
-            self._copy_block(source.blocks[full], own)
-            handle.blocks.append(own)
+        self._own_last_block(handle)
         return handle
 
+    # -- prefix cache ---------------------------------------------------------------------------
+    def _chain(self, parent: int, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
+
+    def _match_prefix(self, prompt_ids: list[int]) -> KVHandle:
+        """A handle sharing the longest run of cached full blocks that starts the prompt."""
+        handle = KVHandle()
+        parent = 0
+        bs = self.block_tokens
+        for k in range((len(prompt_ids) - 1) // bs):  # leave at least one token to compute
+            tokens = tuple(prompt_ids[k * bs:(k + 1) * bs])
+            key = self._chain(parent, tokens)
+            entry = self.prefix_blocks.get(key)
+            if entry is None or entry[0] != parent or entry[1] != tokens:
+                break
+            self.prefix_blocks.move_to_end(key)
+            self._refs[entry[2]] += 1
+            handle.blocks.append(entry[2])
+            handle.block_hashes.append(key)
+            handle.token_ids.extend(tokens)
+            parent = key
+        return handle
+
+    def register_prefix(self, handle: KVHandle) -> None:
+        """Offer every full, computed block of a sequence to the prefix cache."""
+        with self.lock:
+            bs = self.block_tokens
+            full = handle.num_tokens // bs
+            parent = handle.block_hashes[-1] if handle.block_hashes else 0
+            for k in range(len(handle.block_hashes), full):
+                tokens = tuple(handle.token_ids[k * bs:(k + 1) * bs])
+                key = self._chain(parent, tokens)
+                if key not in self.prefix_blocks:
+                    self.prefix_blocks[key] = (parent, tokens, handle.blocks[k])
+                    self._refs[handle.blocks[k]] += 1
+                handle.block_hashes.append(key)
+                parent = key
+
     # -- sequences ------------------------------------------------------------------------------
-    def acquire(self, prompt_ids: list[int], capacity_tokens: int, session_key: Hashable | None = None,
-                shared_prefix_len: int = 0) -> tuple[KVHandle, int]:
+    def acquire(self, prompt_ids: list[int], capacity_tokens: int,
+                session_key: Hashable | None = None) -> tuple[KVHandle, int]:
         """A handle with room for capacity_tokens, reusing cached KV; returns (handle, reused tokens).
 
-        Raises OutOfKVMemory (and leaves everything as it was) when the pool cannot hold it.
+        Raises OutOfKVMemory (leaving a session's cache in place) when the pool cannot hold it.
         At least one prompt token is always left to compute, since its logits are needed.
         """
         with self.lock:
@@ -172,32 +223,27 @@ class KVCacheManager:
                 raise OutOfKVMemory(f"{capacity_tokens} tokens exceed the whole KV budget "
                                     f"({self.total_blocks * self.block_tokens} tokens)")
             handle: KVHandle | None = None
-            reused = 0
             from_session = False
             if session_key is not None:
                 cached = self.sessions.pop(session_key, None)
                 if cached is not None:
-                    self.session_hits += 1
-                    handle, from_session = cached, True
                     reused = min(_common_prefix(cached.token_ids, prompt_ids), len(prompt_ids) - 1)
-                    # Keep the valid prefix only; blocks past it are returned.
                     keep = self.blocks_for(reused)
-                    self._drop_blocks(handle.blocks[keep:])
-                    handle.blocks = handle.blocks[:keep]
-                    handle.token_ids = handle.token_ids[:reused]
+                    self._drop_blocks(cached.blocks[keep:])
+                    cached.blocks = cached.blocks[:keep]
+                    cached.token_ids = cached.token_ids[:reused]
+                    cached.block_hashes = cached.block_hashes[:reused // self.block_tokens]
+                    handle, from_session = cached, True
+                    self.session_hits += 1
                 elif session_key in self.evicted_sessions:
                     self.evicted_sessions.discard(session_key)
                     self.rebuilds += 1
-            if handle is None and shared_prefix_len > 0:
-                key = tuple(prompt_ids[:shared_prefix_len])
-                prefix = self.prefixes.get(key)
-                if prefix is not None and shared_prefix_len < len(prompt_ids):
-                    self.prefixes.move_to_end(key)
-                    self.prefix_hits += 1
-                    handle = self._fork(prefix, shared_prefix_len)
-                    reused = shared_prefix_len
-            if handle is None:
-                handle = KVHandle()
+            if handle is None or handle.num_tokens < self.block_tokens:
+                if handle is not None:
+                    self._drop_blocks(handle.blocks)
+                    from_session = False
+                handle = self._match_prefix(prompt_ids)
+                self.prefix_hits += handle.num_tokens
             if need - len(handle.blocks) > self.reclaimable_blocks():
                 if from_session:
                     self.sessions[session_key] = handle  # still valid: the session keeps it while it waits
@@ -205,11 +251,12 @@ class KVCacheManager:
                     self._drop_blocks(handle.blocks)
                 raise OutOfKVMemory("KV budget full")
             try:
+                self._own_last_block(handle)
                 self._grow(handle, capacity_tokens)
             except OutOfKVMemory:
                 self._drop_blocks(handle.blocks)
                 raise
-            return handle, reused
+            return handle, handle.num_tokens
 
     def release(self, handle: KVHandle, session_key: Hashable | None = None) -> None:
         """A sequence ended: keep its KV for the session's next turn, or free it."""
@@ -227,17 +274,6 @@ class KVCacheManager:
             if handle.blocks:
                 self.sessions[session_key] = handle
 
-    def register_prefix(self, handle: KVHandle, n_tokens: int) -> None:
-        """Keep the first n_tokens of a running sequence's KV as a shared prefix for later calls."""
-        with self.lock:
-            key = tuple(handle.token_ids[:n_tokens])
-            if key in self.prefixes or n_tokens == 0:
-                return
-            try:
-                self.prefixes[key] = self._fork(handle, n_tokens)
-            except OutOfKVMemory:
-                pass  # sharing is an optimisation; no room means no sharing this time
-
     def fork(self, handle: KVHandle, n_tokens: int, capacity_tokens: int) -> KVHandle:
         with self.lock:
             forked = self._fork(handle, n_tokens)
@@ -251,11 +287,17 @@ class KVCacheManager:
             if handle is not None:
                 self._drop_blocks(handle.blocks)
 
+    def clear_prefix_cache(self) -> None:
+        with self.lock:
+            for _, _, block in self.prefix_blocks.values():
+                self._drop_blocks([block])
+            self.prefix_blocks.clear()
+
     def stats(self) -> KVStats:
         with self.lock:
             return KVStats(budget_bytes=self.total_blocks * self.block_bytes,
                            used_bytes=self.used_blocks * self.block_bytes, block_bytes=self.block_bytes,
                            free_blocks=self.free_blocks, total_blocks=self.total_blocks,
-                           cached_sessions=len(self.sessions), cached_prefixes=len(self.prefixes),
+                           cached_sessions=len(self.sessions), cached_prefix_blocks=len(self.prefix_blocks),
                            evictions=self.evictions, rebuilds=self.rebuilds,
                            prefix_hits=self.prefix_hits, session_hits=self.session_hits)

@@ -57,6 +57,18 @@ def _cat_bias(*linears) -> torch.Tensor | None:
                       for b, lin in zip(biases, linears)])
 
 
+def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
+    """One weight for several linears over the same input; the modules keep views into it, so the
+    transformers model still works (tests compare against it) and no weight is held twice."""
+    fused = torch.cat([lin.weight for lin in linears]).contiguous()
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(fused[row:row + n], requires_grad=False)
+        row += n
+    return fused
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, max_positions: int):
         cfg = model.config
@@ -83,11 +95,11 @@ class ModelRunner:
             att, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
                 ln1=layer.input_layernorm.weight,
-                wqkv=torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).contiguous(),
+                wqkv=_fuse(att.q_proj, att.k_proj, att.v_proj),
                 bqkv=_cat_bias(att.q_proj, att.k_proj, att.v_proj),
                 wo=att.o_proj.weight, bo=att.o_proj.bias,
                 ln2=layer.post_attention_layernorm.weight,
-                wgu=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
+                wgu=_fuse(mlp.gate_proj, mlp.up_proj),
                 wd=mlp.down_proj.weight))
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim

@@ -149,7 +149,7 @@ class Scheduler:
                     continue
                 try:
                     seq.kv, reused = self.kv.acquire(seq.prompt_ids, seq.capacity_tokens,
-                                                     seq.session_key, seq.shared_prefix_len)
+                                                     seq.session_key)
                 except OutOfKVMemory:
                     break  # wait for running sequences to finish and free blocks
                 self.waiting.popleft()
@@ -216,8 +216,7 @@ class Scheduler:
             if seq.phase is Phase.PREFILL:
                 self.tokens_prefilled += len(it.tokens)
                 seq.usage.prefilled_tokens += len(it.tokens)
-                if seq.shared_prefix_len and seq.num_computed >= seq.shared_prefix_len > seq.usage.cached_tokens:
-                    self.kv.register_prefix(seq.kv, seq.shared_prefix_len)
+                self.kv.register_prefix(seq.kv)  # later prompts that start the same way share it
             if lg is None:
                 continue
             if seq.candidates is not None:

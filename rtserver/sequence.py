@@ -97,7 +97,7 @@ _ids = itertools.count(1)
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, *, tokenizer: Any,
                  eos_token_ids: set[int], session_key: Hashable | None = None,
-                 shared_prefix_len: int = 0, candidates: list[list[int]] | None = None,
+                 candidates: list[list[int]] | None = None,
                  on_event: Callable[["Sequence", str, Any], None] | None = None):
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -108,7 +108,6 @@ class Sequence:
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.eos_token_ids |= set(params.stop_token_ids)
         self.session_key = session_key
-        self.shared_prefix_len = shared_prefix_len
         self.candidates = candidates  # label scoring: score these continuations, generate nothing
         self.on_event = on_event
         self.phase = Phase.WAITING

@@ -230,8 +230,9 @@ class PreparedTask:
             self._prefixes[key] = (self._encode(before), after)
         return self._prefixes[key]
 
-    def render(self, text: str) -> tuple[list[int], int, Choices | None]:
-        """(prompt ids, shared prefix length, choices) for a cleaned input text, within the token limit."""
+    def render(self, text: str) -> tuple[list[int], Choices | None]:
+        """(prompt ids, choices) for a cleaned input text, within the token limit. The fixed prefix is
+        tokenized on its own so every call starts with the same tokens (and shares their KV)."""
         template, choices, chat = self.task.select(text)
         prefix, suffix = self._split_template(template, chat)
         body = self._encode(text)
@@ -241,7 +242,7 @@ class PreparedTask:
                                 f"is {self.task.max_input_tokens}")
             keep = self.task.max_input_tokens
             body = body[:keep] if self.task.truncate == "head" else body[-keep:]
-        return prefix + body + self._encode(suffix), len(prefix), choices
+        return prefix + body + self._encode(suffix), choices
 
     # -- running ------------------------------------------------------------------------------
     async def run(self, engine: Any, raw_input: Any, overrides: dict | None = None) -> TaskOutput:
@@ -256,14 +257,14 @@ class PreparedTask:
                 return dataclasses.replace(hit, cached=True)
             self.cache_misses += 1
         started = time.perf_counter()
-        prompt, prefix_len, choices = self.render(text)
+        prompt, choices = self.render(text)
         if choices is not None:
-            output = await self._score(engine, prompt, prefix_len, choices, text)
+            output = await self._score(engine, prompt, choices, text)
             out = TaskOutput(self.task.name, output, output["label"],
                              {"prompt_tokens": len(prompt), "generated_tokens": 0},
                              {"total_ms": (time.perf_counter() - started) * 1000})
         else:
-            stream = engine.generate(prompt, params, shared_prefix_len=prefix_len)
+            stream = engine.generate(prompt, params)
             result = await stream.result()
             if result.error:
                 raise TaskError("internal", f"{self.task.name}: generation failed")
@@ -275,11 +276,10 @@ class PreparedTask:
             self.cache[key] = out
         return out
 
-    async def _score(self, engine: Any, prompt: list[int], prefix_len: int, choices: Choices,
-                     text: str) -> dict:
+    async def _score(self, engine: Any, prompt: list[int], choices: Choices, text: str) -> dict:
         labels = list(choices.labels)
         candidates = [self._encode(choices.labels[name]) for name in labels]
-        scores = await engine.score(prompt, candidates, shared_prefix_len=prefix_len)
+        scores = await engine.score(prompt, candidates)
         template, _, chat = self.task.select(text)
         if choices.calibration:
             offsets = await self._calibration_offsets(engine, template, chat, choices, candidates)
@@ -296,8 +296,8 @@ class PreparedTask:
         key = (template, chat)
         if key not in self._calibration:
             prefix, suffix = self._split_template(template, chat)
-            runs = [await engine.score(prefix + self._encode(c) + self._encode(suffix), candidates,
-                                       shared_prefix_len=len(prefix)) for c in choices.calibration]
+            runs = [await engine.score(prefix + self._encode(c) + self._encode(suffix), candidates)
+                    for c in choices.calibration]
             self._calibration[key] = [sum(r[i] for r in runs) / len(runs) for i in range(len(candidates))]
         return self._calibration[key]
 

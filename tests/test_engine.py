@@ -68,6 +68,10 @@ async def test_batched_joins_and_cancels_equal_generate(engine, loaded):
     cancelled = await doomed.result()
     assert cancelled.finish_reason is FinishReason.CANCELLED
     assert cancelled.token_ids == reference_greedy(loaded, prompts[3], n)[:len(cancelled.token_ids)]
+    # Everything is freed but the prompt blocks the prefix cache keeps for later prompts.
+    assert engine.kv.prefix_hits > 0
+    assert engine.kv.used_blocks == len(engine.kv.prefix_blocks)
+    engine.kv.clear_prefix_cache()
     assert engine.kv.used_blocks == 0
 
 
@@ -125,7 +129,8 @@ async def test_evicted_session_is_rebuilt_with_same_answer(loaded):
         assert eng.kv.evictions >= 1
         p2 = p1 + r1.token_ids + tok.encode("\nWhat word?", add_special_tokens=False)
         r2 = await eng.generate(p2, greedy(6), session_key="a").result()
-        assert eng.kv.rebuilds == 1 and r2.usage.cached_tokens == 0
+        # The session's own KV is gone; at most the shared system-prompt blocks come from the prefix cache.
+        assert eng.kv.rebuilds == 1 and r2.usage.cached_tokens < len(p1) - 8
         assert r2.token_ids == reference_greedy(loaded, p2, 6)
     finally:
         await eng.stop()
@@ -157,7 +162,7 @@ async def test_budget_respected_under_random_workload(loaded):
         assert peak > 0
         for i in range(4):
             eng.drop_session(f"r{i}")
-        eng.kv.prefixes.clear()
+        eng.kv.clear_prefix_cache()
         assert eng.kv.used_blocks == 0 and eng.kv.free_blocks == eng.kv.total_blocks
     finally:
         await eng.stop()
@@ -179,14 +184,14 @@ async def test_label_scoring_equals_plain_forward(engine, loaded):
 
 async def test_shared_prefix_is_reused(engine, loaded):
     tok = loaded.tokenizer
-    prefix = tok.encode("Classify the sentiment of the message as positive or negative.\n",
-                        add_special_tokens=False)
+    prefix = tok.encode("Classify the sentiment of the message as positive or negative. Answer with one "
+                        "word, the label, and nothing else.\n", add_special_tokens=False)
     outs = []
     for text in ("Great!", "Awful service.", "Great!"):
         prompt = prefix + tok.encode(f"Message: {text}\nSentiment:", add_special_tokens=False)
-        outs.append(await engine.score(prompt, [tok.encode(" positive", add_special_tokens=False)],
-                                       shared_prefix_len=len(prefix)))
-    assert engine.kv.prefix_hits == 2
+        outs.append(await engine.score(prompt, [tok.encode(" positive", add_special_tokens=False)]))
+    shared = len(prefix) // engine.kv.block_tokens * engine.kv.block_tokens
+    assert shared > 0 and engine.kv.prefix_hits >= 2 * shared
     assert outs[0] == pytest.approx(outs[2], abs=1e-4)
 
 
@@ -195,34 +200,35 @@ async def test_overloaded_at_once(loaded):
     eng.start()
     try:
         tok = loaded.tokenizer
-        streams = [eng.generate(chat_prompt(tok, "Hello"), greedy(30)) for _ in range(3)]
+        streams = []
         with pytest.raises(Overloaded):
-            for _ in range(3):
+            for _ in range(4):  # one running (once admitted) + two waiting fit; the fourth cannot
                 streams.append(eng.generate(chat_prompt(tok, "Hello"), greedy(30)))
+        assert 2 <= len(streams) <= 3
         for s in streams:
             s.cancel()
         for s in streams:
-            await s.result()
+            assert (await s.result()).finish_reason is FinishReason.CANCELLED
     finally:
         await eng.stop()
 
 
 async def test_failing_step_fails_only_its_sequences(engine, loaded):
     tok = loaded.tokenizer
-    calm = engine.generate(chat_prompt(tok, TEXTS[0]), greedy(10))
-    first = await calm.__anext__()
+    calm_prompt, victim_prompt = chat_prompt(tok, TEXTS[0]), chat_prompt(tok, TEXTS[1])
+    calm = engine.generate(calm_prompt, greedy(10))
+    await calm.__anext__()
 
     def explode(items):
-        engine.scheduler.fault_hook = None
-        raise RuntimeError("injected")
+        if any(it.seq.prompt_ids == victim_prompt for it in items):
+            engine.scheduler.fault_hook = None
+            raise RuntimeError("injected")
 
     engine.scheduler.fault_hook = explode
-    victim = engine.generate(chat_prompt(tok, TEXTS[1]), greedy(5))
-    bad = await victim.result()
+    bad = await engine.generate(victim_prompt, greedy(5)).result()
     good = await calm.result()
-    # The step that raised held both; both fail cleanly, and the scheduler keeps serving.
     assert bad.finish_reason is FinishReason.ERROR and "internal" in bad.error
-    assert good.finish_reason in (FinishReason.ERROR, FinishReason.LENGTH)
+    # A neighbour fails only if it shared the failing step; otherwise it completes correctly.
+    assert good.finish_reason is FinishReason.ERROR or good.token_ids == reference_greedy(loaded, calm_prompt, 10)
     after = await engine.generate(chat_prompt(tok, TEXTS[2]), greedy(5)).result()
     assert after.token_ids == reference_greedy(loaded, chat_prompt(tok, TEXTS[2]), 5)
-    assert first.token_id == reference_greedy(loaded, chat_prompt(tok, TEXTS[0]), 1)[0]

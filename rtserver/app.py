@@ -1,0 +1,191 @@
+"""The Starlette app: routes, lifespan (listen first, load the model in a thread, start the engine),
+health/readiness/metrics, and static/ at /.
+
+`create_app(settings)` returns an app whose lifespan returns at once, so the server listens while the
+model loads; `GET /health` reports `loading` with the stage and a progress fraction, `GET /ready` is 200
+only once requests can be served. `uvicorn_options(settings)` gives the uvicorn keyword arguments the
+hub relies on (the transport frame limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+
+from . import http_api
+from .config import Settings
+from .hub import Hub, transport_max_bytes
+from .metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger("rtserver.app")
+
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+
+
+class AppState:
+    """What the routes share: settings, load status, engine, task registry, hub, metrics."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.status = "loading"  # loading | ready | failed | stopping
+        self.stage = "starting"
+        self.progress = 0.0
+        self.error: str | None = None
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+        self.ready_after_s: float | None = None
+        self.loaded: Any = None
+        self.engine: Any = None
+        self.registry: Any = None
+        self.load_errors: list = []
+        self.metrics = Metrics(self.live_metrics)
+        self.hub = Hub(self)
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    @property
+    def model_id(self) -> str:
+        return getattr(self.loaded, "name", None) or self.settings.model.model
+
+    def set_stage(self, stage: str, progress: float) -> None:
+        self.stage, self.progress = stage, progress
+        log.info("startup: %s (%.0f%%)", stage, progress * 100)
+
+    def live_metrics(self) -> dict:
+        out: dict = {"connections": len(self.hub.connections), "sessions": len(self.hub.sessions),
+                     "ready": self.ready}
+        if self.engine is not None:
+            try:
+                out["engine"] = self.engine.stats()
+            except Exception:
+                log.exception("engine stats failed")
+        if self.registry is not None and hasattr(self.registry, "cache_stats"):
+            out["task_cache"] = self.registry.cache_stats()
+        return out
+
+
+def _default_model_factory(settings: Settings) -> Callable[[], Any]:
+    def load() -> Any:
+        from .model import load_model
+        m = settings.model
+        return load_model(m.model, dtype=m.dtype, threads=m.threads, cache_dir=m.cache_dir)
+    return load
+
+
+def _default_engine_factory(loaded: Any, settings: Settings) -> Any:
+    from .engine import Engine, EngineOptions
+    return Engine(loaded, EngineOptions.from_settings(settings.engine))
+
+
+def _default_registry_factory(settings: Settings, tokenizer: Any) -> tuple[Any, list]:
+    from .tasks import load_registry
+    return load_registry(settings, tokenizer)
+
+
+async def _load(state: AppState, model_factory: Callable[[], Any], engine_factory: Callable,
+                registry_factory: Callable) -> None:
+    try:
+        state.set_stage("loading model", 0.05)
+        state.loaded = await asyncio.to_thread(model_factory)
+        state.set_stage("loading tasks", 0.8)
+        state.registry, state.load_errors = await asyncio.to_thread(registry_factory, state.settings,
+                                                                    state.loaded.tokenizer)
+        state.set_stage("starting engine", 0.9)
+        state.engine = engine_factory(state.loaded, state.settings)
+        state.engine.start()
+        state.set_stage("ready", 1.0)
+        state.ready_after_s = time.monotonic() - state.started
+        state.status = "ready"
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("startup failed")
+        state.status = "failed"
+        state.error = f"{type(exc).__name__}: {exc}"
+
+
+async def health(request: Request) -> Response:
+    st: AppState = request.app.state.rt
+    body = {"status": st.status, "stage": st.stage, "progress": round(st.progress, 3), "model": st.model_id,
+            "uptime_s": round(time.monotonic() - st.started, 3)}
+    if st.error:
+        body["error"] = st.error
+    if st.ready_after_s is not None:
+        body["ready_after_s"] = round(st.ready_after_s, 3)
+    if st.load_errors:
+        body["plugin_errors"] = [str(e) for e in st.load_errors]
+    return JSONResponse(body, status_code=503 if st.status == "failed" else 200)
+
+
+async def ready(request: Request) -> Response:
+    st: AppState = request.app.state.rt
+    return JSONResponse({"ready": st.ready, "status": st.status}, status_code=200 if st.ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    st: AppState = request.app.state.rt
+    return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def index(request: Request) -> Response:
+    page = STATIC_DIR / "index.html"
+    if page.is_file():
+        return FileResponse(page)
+    return JSONResponse({"name": "rtserver", "websocket": "/ws", "docs": "docs/protocol.md",
+                         "health": "/health"})
+
+
+def create_app(settings: Settings, loaded_model_factory: Callable[[], Any] | None = None, *,
+               engine_factory: Callable[[Any, Settings], Any] | None = None,
+               registry_factory: Callable[[Settings, Any], tuple[Any, list]] | None = None) -> Starlette:
+    """The app. `loaded_model_factory()` returns a LoadedModel (default: load per settings.model);
+    `engine_factory(loaded, settings)` and `registry_factory(settings, tokenizer)` are for tests."""
+    state = AppState(settings)
+    model_factory = loaded_model_factory or _default_model_factory(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        state.hub.sessions.start()
+        loader = asyncio.create_task(_load(state, model_factory, engine_factory or _default_engine_factory,
+                                           registry_factory or _default_registry_factory))
+        try:
+            yield
+        finally:
+            state.status = "stopping" if state.status == "ready" else state.status
+            loader.cancel()
+            with contextlib.suppress(BaseException):
+                await loader
+            await state.hub.close_all()
+            await state.hub.sessions.stop()
+            if state.engine is not None:
+                await state.engine.stop()
+
+    routes: list = [
+        Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
+        WebSocketRoute("/ws", state.hub.endpoint),
+    ]
+    routes += [Route(path, http_api._api(fn), methods=methods) for path, fn, methods in http_api.ROUTES]
+    routes.append(Route("/", index))
+    if STATIC_DIR.is_dir():
+        routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.rt = state
+    return app
+
+
+def uvicorn_options(settings: Settings) -> dict:
+    """Keyword arguments for uvicorn.run/uvicorn.Config that the hub's limits rely on."""
+    return {"host": settings.server.host, "port": settings.server.port, "log_level": settings.server.log_level,
+            "ws_max_size": transport_max_bytes(settings.server.max_frame_bytes), "lifespan": "on"}

@@ -1,0 +1,323 @@
+"""`rtserver bench`: the engine and in-run baselines on the workloads of shared/WORKLOADS.md, side by side.
+
+Everything runs in one process on one machine, one workload after another, so the ratios printed at the
+end compare like with like. Baselines use the very same loaded transformers model:
+  (1) naive   — `model.generate` per request, one after another (the write-ups' "before");
+  (2) static4 — `model.generate` on static batches of 4, left padded (the write-ups' "after");
+  (3) cb      — transformers' own continuous batching, `model.generate_batch`, manager warmed first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .engine import Engine, EngineOptions
+from .model import LoadedModel
+from .sequence import SamplingParams
+
+log = logging.getLogger("rtserver.bench")
+
+BURST_TEXTS = [f"Tell me a short fact about the number {i}." for i in range(32)]
+SINGLE_TEXT = "Write a short story about a robot who learns to paint."
+MULTI_TURN_MESSAGES = ["Hi! Who are you?", "What can you help me with?", "Tell me a fun fact.",
+                       "Why is that interesting?", "Give me one more.", "Thanks, bye!"]
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+class LoopLag:
+    """Measures how late the event loop wakes up from a 5 ms sleep while work runs."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _probe(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            self.samples.append((time.perf_counter() - t - 0.005) * 1000)
+
+    def __enter__(self) -> "LoopLag":
+        self._task = asyncio.get_running_loop().create_task(self._probe())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._task.cancel()
+
+    def summary(self) -> dict:
+        return {"loop_lag_p95_ms": pct(self.samples, 0.95), "loop_lag_max_ms": max(self.samples, default=None)}
+
+
+# -- the engine -------------------------------------------------------------------------------
+
+async def engine_burst(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    with LoopLag() as lag:
+        streams = [engine.generate(p, params) for p in prompts]
+        results = [await s.result() for s in streams]
+    wall = time.perf_counter() - started
+    generated = sum(r.usage.generated_tokens for r in results)
+    ttfts = [r.ttft_ms for r in results]
+    return {"requests": len(prompts), "generated_tokens": generated, "wall_s": wall,
+            "tokens_per_s": generated / wall, "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p95_ms": pct(ttfts, 0.95),
+            **lag.summary()}
+
+
+async def engine_arrival(engine: Engine, background: list[list[int]], arrival: list[int], count: int) -> dict:
+    """TTFT of new requests submitted one at a time while the background streams decode."""
+    long_params = SamplingParams(max_new_tokens=512, ignore_eos=True)  # outlasts the arrivals
+    streams = [engine.generate(p, long_params) for p in background]
+    async for _ in streams[0]:  # wait until every background stream decodes
+        if all(s.seq.first_token_at is not None for s in streams):
+            break
+    ttfts = []
+    for _ in range(count):
+        r = await engine.generate(arrival, SamplingParams(max_new_tokens=2, ignore_eos=True)).result()
+        ttfts.append(r.ttft_ms)
+    for s in streams:
+        s.cancel()
+    for s in streams:
+        await s.result()
+    return {"arrivals": count, "background_streams": len(background), "ttft_p50_ms": pct(ttfts, 0.5),
+            "ttft_p95_ms": pct(ttfts, 0.95), "ttft_max_ms": max(ttfts)}
+
+
+async def engine_multi_turn(engine: Engine, tokenizer: Any, sessions: int, turns: int, new_tokens: int) -> dict:
+    ttft_by_turn: dict[int, list[float]] = {t: [] for t in range(1, turns + 1)}
+    prefilled_by_turn: dict[int, list[int]] = {t: [] for t in range(1, turns + 1)}
+    generated = 0
+
+    async def one(s: int) -> None:
+        nonlocal generated
+        history: list[dict] = []
+        for t in range(turns):
+            history.append({"role": "user", "content": f"{MULTI_TURN_MESSAGES[t % 6]} (session {s})"})
+            prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)
+            r = await engine.generate(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True),
+                                      session_key=f"bench-{s}").result()
+            history.append({"role": "assistant", "content": r.text})
+            ttft_by_turn[t + 1].append(r.ttft_ms)
+            prefilled_by_turn[t + 1].append(r.usage.prefilled_tokens)
+            generated += r.usage.generated_tokens
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(s) for s in range(sessions)))
+    wall = time.perf_counter() - started
+    for s in range(sessions):
+        engine.drop_session(f"bench-{s}")
+    return {"sessions": sessions, "turns": turns, "tokens_per_s": generated / wall,
+            "ttft_p50_ms_by_turn": {t: pct(v, 0.5) for t, v in ttft_by_turn.items()},
+            "ttft_p95_ms_by_turn": {t: pct(v, 0.95) for t, v in ttft_by_turn.items()},
+            "mean_prefilled_tokens_by_turn": {t: statistics.mean(v) for t, v in prefilled_by_turn.items()}}
+
+
+# -- baselines --------------------------------------------------------------------------------
+
+def hf_naive(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
+    started = time.perf_counter()
+    generated = 0
+    ttft = []
+    for p in prompts:
+        t = time.perf_counter()
+        out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=model.generation_config.pad_token_id or 0)
+        generated += out.shape[1] - len(p)
+        ttft.append((time.perf_counter() - started) * 1000)  # a request's answer arrives all at once
+        del t
+    wall = time.perf_counter() - started
+    return {"requests": len(prompts), "generated_tokens": generated, "wall_s": wall,
+            "tokens_per_s": generated / wall}
+
+
+def hf_static_batches(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int,
+                      batch: int = 4) -> dict:
+    pad = model.generation_config.pad_token_id or tokenizer.eos_token_id
+    started = time.perf_counter()
+    generated = 0
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=pad)
+        generated += (out.shape[1] - width) * len(group)
+    wall = time.perf_counter() - started
+    return {"requests": len(prompts), "generated_tokens": generated, "wall_s": wall,
+            "tokens_per_s": generated / wall}
+
+
+def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           eos_token_id=model.generation_config.eos_token_id,
+                           pad_token_id=model.generation_config.pad_token_id or 0)
+    # Warm the manager (and whatever it compiles) before the clock starts.
+    model.generate_batch(prompts[:2], generation_config=cfg, persistent_manager=True, progress_bar=False)
+    started = time.perf_counter()
+    outputs = model.generate_batch(prompts, generation_config=cfg, persistent_manager=True, progress_bar=False)
+    wall = time.perf_counter() - started
+    generated = sum(len(o.generated_tokens) for o in outputs.values())
+    return {"requests": len(prompts), "generated_tokens": generated, "wall_s": wall,
+            "tokens_per_s": generated / wall}
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+async def run_engine_workloads(loaded: LoadedModel, options: EngineOptions, workloads: list[str]) -> dict:
+    tok = loaded.tokenizer
+    engine = Engine(loaded, options)
+    engine.start()
+    results: dict[str, Any] = {}
+    try:
+        burst = [chat_ids(tok, t) for t in BURST_TEXTS]
+        single = chat_ids(tok, SINGLE_TEXT)
+        await engine.generate(single, SamplingParams(max_new_tokens=8)).result()  # warm-up, untimed
+        await engine_burst(engine, burst[:4], 4)
+        if "burst" in workloads:
+            results["burst"] = await engine_burst(engine, burst, 64)
+        if "single" in workloads:
+            results["single"] = await engine_burst(engine, [single], 128)
+        if "arrival" in workloads:
+            results["arrival"] = await engine_arrival(engine, burst, single, 20)
+        if "multi-turn" in workloads:
+            results["multi-turn"] = await engine_multi_turn(engine, tok, 16, 6, 48)
+        if "sentiment" in workloads:
+            from .sentiment_bench import engine_sentiment
+            results["sentiment"] = await engine_sentiment(engine, tok)
+        results["peak_rss_mb"] = peak_rss_mb()
+    finally:
+        await engine.stop()
+    return results
+
+
+def run_baselines(loaded: LoadedModel, workloads: list[str], naive_requests: int) -> dict:
+    model, tok = loaded.model, loaded.tokenizer
+    burst = [chat_ids(tok, t) for t in BURST_TEXTS]
+    single = chat_ids(tok, SINGLE_TEXT)
+    model.generate(torch.tensor([single]), max_new_tokens=4, do_sample=False,
+                   pad_token_id=model.generation_config.pad_token_id or 0)  # warm-up
+    out: dict[str, Any] = {}
+    if "burst" in workloads:
+        out["burst"] = {"naive": hf_naive(model, burst[:naive_requests], 64),
+                        "static4": hf_static_batches(model, tok, burst, 64),
+                        "cb": hf_generate_batch(model, burst, 64)}
+    if "single" in workloads:
+        out["single"] = {"naive": hf_naive(model, [single], 128), "cb": hf_generate_batch(model, [single], 128)}
+    if "sentiment" in workloads:
+        from .sentiment_bench import hf_sentiment_baseline
+        out["sentiment"] = hf_sentiment_baseline(model, tok)
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else a / b
+
+
+def summarize(report: dict) -> list[tuple[str, str, str]]:
+    """(figure, value, bar) rows for the printed table."""
+    e, b = report["engine"], report.get("baselines", {})
+    rows: list[tuple[str, str, str]] = []
+
+    def fmt(v: float | None, unit: str = "") -> str:
+        return "n/a" if v is None else f"{v:,.1f}{unit}"
+
+    if "burst" in e:
+        eb = e["burst"]["tokens_per_s"]
+        rows.append(("burst tokens/s (engine)", fmt(eb), ""))
+        for name in ("naive", "static4", "cb"):
+            bb = b.get("burst", {}).get(name, {}).get("tokens_per_s")
+            rows.append((f"burst tokens/s baseline {name}", fmt(bb), ""))
+        rows.append(("burst ratio vs cb (generate_batch)", fmt(ratio(eb, b.get("burst", {}).get("cb", {}).get("tokens_per_s")), "x"), ">= 3x"))
+        rows.append(("burst ratio vs naive", fmt(ratio(eb, b.get("burst", {}).get("naive", {}).get("tokens_per_s")), "x"), ">= 20x"))
+        rows.append(("burst TTFT p50 / p95 ms", f"{fmt(e['burst']['ttft_p50_ms'])} / {fmt(e['burst']['ttft_p95_ms'])}", "p95 <= 2000"))
+        rows.append(("event-loop lag p95 / max ms (burst)", f"{fmt(e['burst']['loop_lag_p95_ms'])} / {fmt(e['burst']['loop_lag_max_ms'])}", ""))
+    if "single" in e:
+        es = e["single"]["tokens_per_s"]
+        rows.append(("single tokens/s (engine)", fmt(es), ""))
+        rows.append(("single tokens/s baseline naive / cb", f"{fmt(b.get('single', {}).get('naive', {}).get('tokens_per_s'))} / {fmt(b.get('single', {}).get('cb', {}).get('tokens_per_s'))}", ""))
+        rows.append(("single ratio vs naive", fmt(ratio(es, b.get("single", {}).get("naive", {}).get("tokens_per_s")), "x"), ">= 2.5x"))
+    if "arrival" in e:
+        rows.append(("arrival TTFT p50 / p95 ms (32 streams decoding)", f"{fmt(e['arrival']['ttft_p50_ms'])} / {fmt(e['arrival']['ttft_p95_ms'])}", "p95 <= 250"))
+    if "multi-turn" in e:
+        mt = e["multi-turn"]
+        p50 = mt["ttft_p50_ms_by_turn"]
+        rows.append(("multi-turn TTFT p50 ms by turn", " ".join(fmt(p50[t]) for t in sorted(p50)), ""))
+        rows.append(("multi-turn prefilled tokens by turn", " ".join(fmt(v) for v in mt["mean_prefilled_tokens_by_turn"].values()), ""))
+        rows.append(("multi-turn tokens/s", fmt(mt["tokens_per_s"]), ""))
+    if "sentiment" in e:
+        s = e["sentiment"]
+        rows.append(("sentiment fresh classifications/s", fmt(s["fresh_per_s"]), ""))
+        rows.append(("sentiment cached classifications/s", fmt(s["cached_per_s"]), ">= 20000"))
+        base = b.get("sentiment", {}).get("per_s")
+        rows.append(("sentiment baseline (generative, HF batches of 4)/s", fmt(base), ""))
+        rows.append(("sentiment fresh ratio vs baseline", fmt(ratio(s["fresh_per_s"], base), "x"), ">= 10x"))
+    if "peak_rss_mb" in e:
+        rows.append(("peak RSS MB (engine workloads)", fmt(e["peak_rss_mb"]), "<= 1536"))
+    return rows
+
+
+def run_bench(loaded: LoadedModel, options: EngineOptions, workloads: list[str], baselines: bool,
+              naive_requests: int, out_dir: str) -> dict:
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(), "model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(), "torch": torch.__version__, "workloads": workloads,
+    }
+    report["engine"] = asyncio.run(run_engine_workloads(loaded, options, workloads))
+    if baselines:
+        report["baselines"] = run_baselines(loaded, workloads, naive_requests)
+    report["table"] = summarize(report)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(out_dir) / f"bench-{report['date'].replace(':', '')}.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    width = max(len(r[0]) for r in report["table"])
+    print(f"\nrtserver bench — {report['date']} commit {report['commit']} model {report['model']} "
+          f"dtype {report['dtype']} threads {report['threads']}")
+    for name, value, bar in report["table"]:
+        print(f"  {name:<{width}}  {value:>24}  {bar}")
+    print(f"\nwritten to {path}")
+    return report

@@ -1,0 +1,104 @@
+"""Command line: `rtserver serve`, `rtserver bench`, `rtserver eval`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .config import ConfigError, load_settings
+
+BENCH_WORKLOADS = ["burst", "single", "arrival", "multi-turn", "sentiment"]
+
+
+def _settings(args: argparse.Namespace):
+    try:
+        return load_settings(args.config or os.environ.get("RTSERVER_CONFIG"))
+    except ConfigError as exc:
+        print(f"rtserver: invalid configuration: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _load(settings, dtype: str | None = None):
+    from .model import ModelLoadError, load_model
+
+    m = settings.model
+    try:
+        return load_model(m.model, dtype or m.dtype, m.threads, m.cache_dir)
+    except ModelLoadError as exc:
+        print(f"rtserver: cannot load the model: {exc}", file=sys.stderr)
+        raise SystemExit(3) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    settings = _settings(args)
+    if args.host:
+        settings.server.host = args.host
+    if args.port is not None:
+        settings.server.port = args.port
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.server.host, port=settings.server.port,
+                log_level=settings.server.log_level, ws_max_size=getattr(settings.server, "max_frame_bytes", 65536))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+    from .engine import EngineOptions
+
+    settings = _settings(args)
+    loaded = _load(settings, args.dtype)
+    workloads = args.workloads.split(",") if args.workloads else BENCH_WORKLOADS
+    unknown = set(workloads) - set(BENCH_WORKLOADS)
+    if unknown:
+        print(f"rtserver bench: unknown workloads {', '.join(sorted(unknown))} "
+              f"(known: {', '.join(BENCH_WORKLOADS)})", file=sys.stderr)
+        return 2
+    options = EngineOptions.from_settings(settings.engine)
+    run_bench(loaded, options, workloads, not args.no_baselines, args.naive_requests, args.out)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluate import run_eval
+
+    settings = _settings(args)
+    loaded = _load(settings, args.dtype)
+    run_eval(loaded, settings, args.split, args.out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rtserver", description=__doc__)
+    parser.add_argument("--config", help="config file (default: ./config.toml, or $RTSERVER_CONFIG)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the server")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.set_defaults(func=cmd_serve)
+    bench = sub.add_parser("bench", help="measure the engine and baselines side by side")
+    bench.add_argument("--workloads", help=f"comma-separated subset of {','.join(BENCH_WORKLOADS)}")
+    bench.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    bench.add_argument("--no-baselines", action="store_true", help="engine figures only")
+    bench.add_argument("--naive-requests", type=int, default=4,
+                       help="burst requests run by the sequential naive baseline (its tokens/s does not "
+                            "depend on the count)")
+    bench.add_argument("--out", default="bench-results", help="folder for the JSON report")
+    bench.set_defaults(func=cmd_bench)
+    ev = sub.add_parser("eval", help="sentiment accuracy table on the shipped labeled data")
+    ev.add_argument("--split", default="test", choices=["dev", "test"])
+    ev.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    ev.add_argument("--out", default="bench-results")
+    ev.set_defaults(func=cmd_eval)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,357 @@
+"""HTTP API: tasks (`/v1/tasks`), the write-ups' compatible `/sentiment` and `/chat`, and the
+OpenAI-compatible `/v1/chat/completions` (plain and SSE streaming) and `/v1/models`.
+
+Every error is JSON `{"error": {"code", "message", "type", "param"}}` with a stable `code` (the same
+codes as the WebSocket protocol) — the shape the `openai` client reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from .hub import clean_chat_text, engine_error, transport_max_bytes
+from .sequence import FinishReason, SamplingError
+from .session import window
+
+log = logging.getLogger("rtserver.http")
+
+STATUS = {"unknown_task": 404, "input_too_long": 413, "request_too_large": 413, "body_too_large": 413,
+          "overloaded": 429, "not_ready": 503, "unauthorized": 401, "internal": 500}
+
+
+class HTTPError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+        self.status = status or STATUS.get(code, 400)
+
+
+def error_response(state: Any, code: str, message: str, param: str | None = None,
+                   status: int | None = None) -> JSONResponse:
+    state.metrics.error(code)
+    status = status or STATUS.get(code, 400)
+    kind = ("invalid_request_error" if status < 500 and status not in (401, 429) else
+            "authentication_error" if status == 401 else "rate_limit_error" if status == 429 else "server_error")
+    return JSONResponse({"error": {"code": code, "message": message, "type": kind, "param": param}},
+                        status_code=status)
+
+
+def _api(handler):
+    """Wraps an endpoint: auth, readiness, body parsing and error mapping."""
+    async def endpoint(request: Request) -> Response:
+        state = request.app.state.rt
+        token = state.settings.security.api_token
+        if token:
+            given = request.headers.get("authorization", "")
+            if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), token.encode())):
+                return error_response(state, "unauthorized", "missing or wrong bearer token (Authorization header)")
+        if not state.ready:
+            return error_response(state, "not_ready", f"the model is {state.status}; retry when GET /ready "
+                                  f"answers 200")
+        try:
+            body = None
+            if request.method == "POST":
+                raw = await request.body()
+                limit = transport_max_bytes(state.settings.server.max_frame_bytes)
+                if len(raw) > limit:
+                    raise HTTPError("body_too_large", f"request body is larger than {limit} bytes")
+                try:
+                    body = json.loads(raw)
+                except ValueError as exc:
+                    raise HTTPError("bad_json", f"body is not valid JSON ({exc})") from None
+                if not isinstance(body, dict):
+                    raise HTTPError("bad_json", "body must be a JSON object")
+            return await handler(request, state, body)
+        except HTTPError as exc:
+            return error_response(state, exc.code, exc.message, exc.param, exc.status)
+        except Exception as exc:
+            code, message = engine_error(exc)
+            if code == "internal":
+                log.exception("request failed")
+            return error_response(state, code, message)
+    return endpoint
+
+
+def _history(value: Any, chat: Any) -> list[dict]:
+    """A validated, cleaned user/assistant history ending with a user message."""
+    if not isinstance(value, list) or not value:
+        raise HTTPError("invalid_input", "'history' must be a non-empty list of {role, content} messages",
+                        "history")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or not isinstance(
+                m.get("content"), str):
+            raise HTTPError("invalid_input", f"history[{i}] must be {{\"role\": \"user\"|\"assistant\", "
+                            f"\"content\": string}}", "history")
+        content = clean_chat_text(chat, m["content"]) if m["role"] == "user" else m["content"]
+        out.append({"role": m["role"], "content": content})
+    if out[-1]["role"] != "user":
+        raise HTTPError("invalid_input", "the last history message must be the user's", "history")
+    return out
+
+
+async def _generate(state: Any, prompt: list[int], params: Any, endpoint: str):
+    stream = state.engine.generate(prompt, params)
+    try:
+        result = await stream.result()
+    except asyncio.CancelledError:
+        stream.cancel()
+        raise
+    if result.finish_reason is FinishReason.ERROR:
+        raise HTTPError("internal", f"generation failed: {result.error}", status=500)
+    state.metrics.observe_generation(endpoint, result)
+    state.metrics.requests.labels(endpoint, "chat").inc()
+    return result
+
+
+def _usage(result: Any) -> dict:
+    u = result.usage
+    return {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
+            "generated_tokens": u.generated_tokens, "prefilled_tokens": u.prefilled_tokens}
+
+
+async def _stateless_chat(state: Any, history_value: Any, options: Any, endpoint: str) -> tuple[Any, dict]:
+    chat = state.registry.chat
+    if options is not None and not isinstance(options, dict):
+        raise HTTPError("invalid_field", "'options' must be an object of decoding settings", "options")
+    history, _ = window(_history(history_value, chat), chat.max_history_turns, chat.max_history_tokens,
+                        lambda h: len(chat.render(h)))
+    params = chat.sampling(options or None)
+    result = await _generate(state, chat.render(history), params, endpoint)
+    return result, chat.parse(result.text)
+
+
+# -- tasks ---------------------------------------------------------------------------------------
+
+async def list_tasks(request: Request, state: Any, body: Any) -> Response:
+    reg = state.registry
+    return JSONResponse({"tasks": reg.describe(), "auto_tasks": list(reg.auto_tasks)})
+
+
+async def run_task(request: Request, state: Any, body: dict) -> Response:
+    name = request.path_params["name"]
+    if "input" not in body:
+        raise HTTPError("missing_field", "'input' is required, e.g. {\"input\": {\"text\": \"...\"}}", "input")
+    options = body.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise HTTPError("invalid_field", "'options' must be an object of decoding settings", "options")
+    reg = state.registry
+    task = reg.get(name)
+    if getattr(task, "stateful", False):
+        inp = body["input"]
+        if not isinstance(inp, dict) or "history" not in inp:
+            raise HTTPError("invalid_input", f"{name} takes {{\"history\": [{{role, content}}, ...]}}", "input")
+        result, output = await _stateless_chat(state, inp["history"], options, "http_task")
+        timing = {"queued_ms": result.queued_ms, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms}
+        return JSONResponse({"task": name, "output": output, "text": result.text, "usage": _usage(result),
+                             "timing": timing, "cached": False})
+    out = await reg.run(state.engine, name, body["input"], options)
+    state.metrics.requests.labels("http", "task").inc()
+    return JSONResponse(out.to_json())
+
+
+async def sentiment(request: Request, state: Any, body: dict) -> Response:
+    if "text" not in body:
+        raise HTTPError("missing_field", "'text' is required", "text")
+    out = await state.registry.run(state.engine, "sentiment", {"text": body["text"]})
+    state.metrics.requests.labels("http", "task").inc()
+    return JSONResponse(dict(out.output))
+
+
+async def chat(request: Request, state: Any, body: dict) -> Response:
+    if "history" not in body:
+        raise HTTPError("missing_field", "'history' is required", "history")
+    result, output = await _stateless_chat(state, body["history"], body.get("options"), "http_chat")
+    return JSONResponse({**output, "usage": _usage(result)})
+
+
+# -- OpenAI-compatible ---------------------------------------------------------------------------
+
+ACCEPTED = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+            "temperature", "top_p", "top_k", "repetition_penalty", "min_tokens", "ignore_eos", "seed", "stop",
+            "user", "n", "store", "metadata", "service_tier", "parallel_tool_calls", "presence_penalty",
+            "frequency_penalty", "logprobs", "response_format", "tool_choice", "tools", "functions",
+            "function_call", "top_logprobs", "logit_bias"}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    def no(param: str, why: str) -> None:
+        raise HTTPError("unsupported", f"'{param}' is not supported: {why}", param)
+
+    unknown = sorted(set(body) - ACCEPTED)
+    if unknown:
+        no(unknown[0], "unknown field for this server (supported: " + ", ".join(sorted(ACCEPTED - {
+            "tools", "functions", "function_call", "top_logprobs", "logit_bias"})) + ")")
+    n = body.get("n")
+    if n is not None and n != 1:
+        no("n", "only n = 1 (one choice per request)")
+    if body.get("tools") or body.get("functions") or body.get("function_call"):
+        no("tools" if body.get("tools") else "functions", "tool and function calling are not available")
+    if body.get("tool_choice") not in (None, "none"):
+        no("tool_choice", "tool calling is not available")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        no("logprobs", "log-probabilities are not returned")
+    if body.get("logit_bias"):
+        no("logit_bias", "logit bias is not available")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            no(key, "use repetition_penalty instead")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        no("response_format", "only {\"type\": \"text\"}")
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for p in c:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise HTTPError("unsupported", f"messages[{i}].content: only text parts are supported",
+                                "messages")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise HTTPError("invalid_field", f"messages[{i}].content must be a string or a list of text parts",
+                    "messages")
+
+
+def _openai_prompt(state: Any, messages: Any) -> list[int]:
+    chat = state.registry.chat
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError("invalid_field", "'messages' must be a non-empty list", "messages")
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise HTTPError("invalid_field", f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise HTTPError("unsupported", f"messages[{i}].role {role!r}: supported roles are system, "
+                            f"developer, user, assistant", "messages")
+        out.append({"role": role, "content": _content(m, i)})
+    if not any(m["role"] == "system" for m in out):
+        return chat.render(out)  # the chat task's own system prompt
+    return state.engine.tokenizer.apply_chat_template(out, tokenize=True, add_generation_prompt=True,
+                                                      return_dict=False)
+
+
+def _openai_params(state: Any, body: dict) -> Any:
+    chat = state.registry.chat
+    overrides: dict = {}
+    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                     ("repetition_penalty", "repetition_penalty"), ("seed", "seed"),
+                     ("max_tokens", "max_new_tokens"), ("max_completion_tokens", "max_new_tokens")):
+        if body.get(src) is not None:
+            overrides[dst] = body[src]
+    stop = body.get("stop")
+    if stop is not None:
+        overrides["stop"] = [stop] if isinstance(stop, str) else stop
+    params = chat.sampling(overrides or None)
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int):
+            raise HTTPError("bad_decoding", "'min_tokens' must be an integer", "min_tokens")
+        params.min_new_tokens = min_tokens
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise HTTPError("bad_decoding", "'ignore_eos' must be true or false", "ignore_eos")
+        params.ignore_eos = ignore_eos
+    try:
+        params.validate()
+    except SamplingError as exc:
+        raise HTTPError("bad_decoding", str(exc)) from None
+    return params
+
+
+def _finish(reason: FinishReason) -> str:
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+def _openai_usage(result: Any) -> dict:
+    u = result.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.generated_tokens,
+            "total_tokens": u.prompt_tokens + u.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+async def chat_completions(request: Request, state: Any, body: dict) -> Response:
+    _refuse_unsupported(body)
+    stream_opts = body.get("stream_options")
+    if stream_opts is not None and not isinstance(stream_opts, dict):
+        raise HTTPError("invalid_field", "'stream_options' must be an object", "stream_options")
+    prompt = _openai_prompt(state, body.get("messages"))
+    params = _openai_params(state, body)
+    model = state.model_id
+    cid = "chatcmpl-" + secrets.token_hex(12)
+    created = int(time.time())
+    if not body.get("stream"):
+        result = await _generate(state, prompt, params, "openai")
+        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": [{"index": 0, "finish_reason": _finish(result.finish_reason),
+                                          "message": {"role": "assistant", "content": result.text},
+                                          "logprobs": None}],
+                             "usage": _openai_usage(result)})
+    include_usage = bool((stream_opts or {}).get("include_usage"))
+    gen = state.engine.generate(prompt, params)  # Overloaded etc. raise here, before the 200
+
+    def chunk(delta: dict, finish: str | None = None, usage: Any = None, choices: bool = True) -> str:
+        data: dict = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+                      if choices else []}
+        if include_usage:
+            data["usage"] = usage
+        return "data: " + json.dumps(data, ensure_ascii=False) + "\n\n"
+
+    async def events():
+        finished = False
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for ev in gen:
+                if ev.text:
+                    yield chunk({"content": ev.text})
+            result = await gen.result()
+            finished = True
+            if result.finish_reason is FinishReason.ERROR:
+                state.metrics.error("internal")
+                yield "data: " + json.dumps({"error": {"code": "internal", "type": "server_error",
+                                                       "message": f"generation failed: {result.error}"}}) + "\n\n"
+                return
+            state.metrics.observe_generation("openai", result)
+            state.metrics.requests.labels("openai", "chat").inc()
+            yield chunk({}, _finish(result.finish_reason))
+            if include_usage:
+                yield chunk({}, usage=_openai_usage(result), choices=False)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                gen.cancel()  # client went away mid-stream
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def list_models(request: Request, state: Any, body: Any) -> Response:
+    return JSONResponse({"object": "list", "data": [{"id": state.model_id, "object": "model",
+                                                     "created": int(state.started_wall), "owned_by": "rtserver"}]})
+
+
+ROUTES = [
+    ("/v1/tasks", list_tasks, ["GET"]),
+    ("/v1/tasks/{name}", run_task, ["POST"]),
+    ("/sentiment", sentiment, ["POST"]),
+    ("/chat", chat, ["POST"]),
+    ("/v1/chat/completions", chat_completions, ["POST"]),
+    ("/v1/models", list_models, ["GET"]),
+]

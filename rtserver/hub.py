@@ -1,0 +1,443 @@
+"""The /ws endpoint: one reader and one writer per connection, the session registry, request routing.
+
+Per connection:
+- a reader loop takes frames, validates them with `protocol` (a bad frame gets an `error` event and
+  the connection stays up) and starts one asyncio task per request, keyed by the request id;
+- a writer task drains a bounded send queue (`server.send_queue_size` events). Producers that find it
+  full wait up to `server.slow_client_timeout_s` for room; after that the client is considered not to
+  be reading: the connection is closed with code 4008 ("slow client") and its generations cancelled.
+  Server memory per connection is bounded by the queue, and a slow reader never delays the engine or
+  other clients (the engine never waits for a stream's consumer);
+- chat turns of a session are serialised: a `chat` while one is in progress is refused with
+  `chat_busy` (nothing is queued server-side);
+- on disconnect every generation of the connection is cancelled (the engine drops it at its next
+  step) and the session is detached, to be resumed or to expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from . import protocol as P
+from .scheduler import Overloaded, RequestTooLarge
+from .sequence import FinishReason, SamplingError
+from .session import Session, SessionExpired, SessionRegistry, window
+
+log = logging.getLogger("rtserver.hub")
+
+CLOSE_SLOW_CLIENT = 4008
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_TAKEN_OVER = 4409
+CLOSE_NOT_READY = 1013
+CLOSE_GOING_AWAY = 1001
+
+
+def transport_max_bytes(max_frame_bytes: int) -> int:
+    """The hard per-frame limit to give uvicorn (`ws_max_size`): frames between `max_frame_bytes` and
+    this get a `frame_too_large` error and the connection stays; bigger ones close it with 1009."""
+    return max(1 << 20, 4 * max_frame_bytes)
+
+
+def engine_error(exc: Exception) -> tuple[str, str]:
+    """(code, message) for an exception raised by engine.generate/score at submit."""
+    if isinstance(exc, Overloaded):
+        return "overloaded", f"server busy, retry later ({exc})"
+    if isinstance(exc, RequestTooLarge):
+        return "request_too_large", str(exc)
+    if isinstance(exc, SamplingError):
+        return "bad_decoding", str(exc)
+    code = getattr(exc, "code", None)
+    if isinstance(code, str):
+        return code, getattr(exc, "message", str(exc))
+    return "internal", f"internal error ({type(exc).__name__})"
+
+
+def cut_to_tokens(tokenizer: Any, text: str, max_tokens: int) -> str:
+    """Keep the newest `max_tokens` tokens of a chat message (the chat task keeps the newest part)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) <= max_tokens:
+        return text
+    return tokenizer.decode(ids[-max_tokens:], skip_special_tokens=True).lstrip("\ufffd").strip()
+
+
+def clean_chat_text(chat: Any, text: str) -> str:
+    """The chat task's cleaning (control characters stripped, newest part kept) and its token limit."""
+    text = chat.clean_text(text)
+    limit = getattr(chat, "max_input_tokens", 0)
+    if limit:
+        text = cut_to_tokens(chat.tokenizer, text, limit)
+    return text
+
+
+@dataclass
+class Request:
+    id: str
+    kind: str  # chat | task
+    task: asyncio.Task | None = None
+    stream: Any = None
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.stream is not None:
+            self.stream.cancel()  # the chat task ends by itself with finish_reason "cancelled"
+        elif self.task is not None:
+            self.task.cancel()
+
+
+class Connection:
+    def __init__(self, hub: "Hub", ws: WebSocket):
+        self.hub = hub
+        self.ws = ws
+        ss = hub.settings.server
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=ss.send_queue_size)
+        self.slow_timeout = ss.slow_client_timeout_s
+        self.requests: dict[str, Request] = {}
+        self.session: Session | None = None
+        self.client_name: str | None = None
+        self.stopping = asyncio.Event()
+        self.close_code: int | None = None
+        self.close_reason = ""
+        self.background: set[asyncio.Task] = set()
+
+    # -- sending --------------------------------------------------------------------------------
+    async def send(self, event: dict) -> None:
+        if self.stopping.is_set():
+            return
+        if event.get("type") == "error":
+            self.hub.metrics.error(event["code"])
+        text = P.dumps(event)
+        try:
+            self.queue.put_nowait(text)
+            return
+        except asyncio.QueueFull:
+            pass
+        try:
+            await asyncio.wait_for(self.queue.put(text), timeout=self.slow_timeout)
+        except asyncio.TimeoutError:
+            if not self.stopping.is_set():
+                log.warning("closing connection: client did not read for %.1f s", self.slow_timeout)
+                self.hub.metrics.slow_closes.inc()
+                self.hub.metrics.error("slow_client")
+                self.stop(CLOSE_SLOW_CLIENT, "slow client")
+
+    async def error(self, code: str, message: str, request_id: str | None = None, **extra: Any) -> None:
+        await self.send(P.error_event(code, message, request_id, **extra))
+
+    async def writer(self) -> None:
+        try:
+            while True:
+                text = await self.queue.get()
+                await self.ws.send_text(text)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # client gone
+            self.stop()
+
+    def stop(self, code: int | None = None, reason: str = "") -> None:
+        if not self.stopping.is_set():
+            self.close_code, self.close_reason = code, reason
+            self.stopping.set()
+
+    # -- reading --------------------------------------------------------------------------------
+    async def reader(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                self.hub.metrics.ws_messages.inc()
+                raw = message.get("text")
+                if raw is None:
+                    raw = message.get("bytes") or b""
+                await self.handle_frame(raw)
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        finally:
+            self.stop()
+
+    async def handle_frame(self, raw: str | bytes) -> None:
+        try:
+            msg = P.parse_client_message(raw, self.hub.settings.server.max_frame_bytes)
+        except P.ProtocolError as exc:
+            await self.error(exc.code, exc.message, exc.request_id)
+            return
+        if isinstance(msg, P.Ping):
+            await self.send(P.pong_event(msg.data))
+            return
+        if isinstance(msg, P.Hello):
+            if self.session is not None:
+                await self.error("already_started", "this connection already has a session; "
+                                 "open a new connection to resume another")
+                return
+            await self.start_session(msg)
+            return
+        if self.session is None:
+            # No hello first: a fresh session, as if an empty hello had been sent (not when auth is on).
+            if not await self.start_session(P.Hello()):
+                return
+        if isinstance(msg, P.Cancel):
+            req = self.requests.get(msg.id)
+            if req is None:
+                await self.error("unknown_request", f"no request {msg.id!r} in flight", msg.id)
+            else:
+                req.cancel()
+            return
+        if isinstance(msg, P.Reset):
+            await self.reset()
+            return
+        if msg.id in self.requests:
+            await self.error("duplicate_id", f"request {msg.id!r} is already in flight", msg.id)
+            return
+        limit = self.hub.settings.server.max_in_flight
+        if len(self.requests) >= limit:
+            await self.error("too_many_requests", f"at most {limit} requests may be in flight on one "
+                             f"connection", msg.id)
+            return
+        if isinstance(msg, P.Chat):
+            if self.session.chat_request is not None:
+                await self.error("chat_busy", f"chat turn {self.session.chat_request!r} is still in "
+                                 f"progress; wait for its done (or cancel it)", msg.id,
+                                 busy_id=self.session.chat_request)
+                return
+            req = Request(msg.id, "chat")
+            self.session.chat_request = msg.id
+            self.requests[msg.id] = req
+            req.task = asyncio.create_task(self.run_chat(req, msg, self.session))
+        else:
+            req = Request(msg.id, "task")
+            self.requests[msg.id] = req
+            req.task = asyncio.create_task(self.run_task(req, msg))
+
+    # -- session --------------------------------------------------------------------------------
+    async def start_session(self, hello: P.Hello) -> bool:
+        hub = self.hub
+        token = hub.settings.security.api_token
+        if token and not (hello.auth_token and secrets.compare_digest(hello.auth_token.encode(),
+                                                                        token.encode())):
+            await self.error("unauthorized", "a valid auth_token is required in hello")
+            self.stop(CLOSE_UNAUTHORIZED, "unauthorized")
+            return False
+        self.client_name = hello.client
+        session: Session | None = None
+        resumed = False
+        if hello.session_id is not None or hello.resume_token is not None:
+            try:
+                session = hub.sessions.resume(hello.session_id or "", hello.resume_token or "")
+                resumed = True
+            except SessionExpired:
+                await self.error("session_expired", "that session is unknown or has expired; a new session "
+                                 "was started")
+        if session is None:
+            session = hub.sessions.create()
+        elif session.connection is not None and session.connection is not self:
+            old: Connection = session.connection
+            await old.error("session_taken_over", "this session was resumed by another connection")
+            old.cancel_all()
+            old.stop(CLOSE_TAKEN_OVER, "session taken over")
+        session.connection = self
+        self.session = session
+        await self.send(hub.ready_event(session, resumed))
+        return True
+
+    async def reset(self) -> None:
+        session = self.session
+        req = self.requests.get(session.chat_request) if session.chat_request else None
+        if req is not None:
+            req.cancel()
+            if req.task is not None:
+                await asyncio.wait({req.task})
+        session.history.clear()
+        session.turns = 0
+        self.hub.drop_engine_session(session)
+        await self.send({"type": "reset", "session_id": session.id})
+
+    def cancel_all(self) -> None:
+        for req in list(self.requests.values()):
+            req.cancel()
+
+    # -- requests -------------------------------------------------------------------------------
+    async def run_chat(self, req: Request, msg: P.Chat, session: Session) -> None:
+        hub = self.hub
+        added = False
+        try:
+            engine, registry = hub.state.engine, hub.state.registry
+            chat = registry.chat
+            text = clean_chat_text(chat, msg.text)
+            params = chat.sampling(msg.options or None)
+            history, cut = window(session.history + [{"role": "user", "content": text}],
+                                  chat.max_history_turns, chat.max_history_tokens,
+                                  lambda h: len(chat.render(h)))
+            prompt = chat.render(history)
+            stream = engine.generate(prompt, params, session_key=session.id)
+            req.stream = stream
+            if req.cancelled:
+                stream.cancel()
+            if cut:
+                session.cuts += 1
+            session.history = history
+            added = True
+            for name in hub.state.registry.auto_tasks:
+                self.spawn(self.run_auto_task(msg.id, name, text))
+            async for event in stream:
+                if event.text:
+                    await self.send(P.token_event(msg.id, event.text))
+            result = await stream.result()
+            if result.finish_reason is FinishReason.ERROR:
+                raise RuntimeError(result.error or "generation failed")
+            if result.text or result.finish_reason is not FinishReason.CANCELLED:
+                session.history.append({"role": "assistant", "content": result.text})
+                added = False
+                session.turns += 1
+            hub.metrics.observe_generation("ws_chat", result)
+            hub.metrics.requests.labels("ws", "chat").inc()
+            await self.send(P.done_event(msg.id, result, chat.parse(result.text)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, RuntimeError) and not hasattr(exc, "code"):
+                log.warning("chat turn %s failed: %s", msg.id, exc)
+                code, message = "internal", f"generation failed: {exc}"
+            else:
+                code, message = engine_error(exc)
+            await self.error(code, message, msg.id)
+        finally:
+            if added and session.history and session.history[-1]["role"] == "user":
+                session.history.pop()  # a failed or empty cancelled turn leaves no trace
+            session.touch(hub.sessions.clock())
+            if session.chat_request == msg.id:
+                session.chat_request = None
+            self.requests.pop(msg.id, None)
+
+    async def run_task(self, req: Request, msg: P.TaskCall) -> None:
+        hub = self.hub
+        try:
+            out = await hub.state.registry.run(hub.state.engine, msg.task, msg.input, msg.options or None)
+            hub.metrics.requests.labels("ws", "task").inc()
+            await self.send(P.result_event(msg.id, out))
+        except asyncio.CancelledError:
+            await self.error("cancelled", "the task was cancelled", msg.id)
+        except Exception as exc:
+            code, message = engine_error(exc)
+            if code == "internal":
+                log.exception("task %s failed", msg.task)
+            await self.error(code, message, msg.id)
+        finally:
+            self.requests.pop(msg.id, None)
+
+    async def run_auto_task(self, request_id: str, name: str, text: str) -> None:
+        try:
+            out = await self.hub.state.registry.run(self.hub.state.engine, name, text)
+            await self.send(P.result_event(request_id, out, auto=True))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            code, message = engine_error(exc)
+            await self.error(code, message, request_id, task=name, auto=True)
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+
+class Hub:
+    def __init__(self, state: Any):
+        self.state = state
+        self.settings = state.settings
+        self.metrics = state.metrics
+        ss = self.settings.sessions
+        self.sessions = SessionRegistry(ss.idle_timeout_s, ss.max_sessions, on_drop=self._on_drop)
+        self.connections: set[Connection] = set()
+
+    def _on_drop(self, session: Session) -> None:
+        self.metrics.expired.inc()
+        self.drop_engine_session(session)
+
+    def drop_engine_session(self, session: Session) -> None:
+        engine = self.state.engine
+        if engine is not None:
+            engine.drop_session(session.id)
+
+    def limits(self) -> dict:
+        s = self.settings
+        limits = {"max_frame_bytes": s.server.max_frame_bytes, "max_in_flight": s.server.max_in_flight,
+                  "send_queue_size": s.server.send_queue_size,
+                  "slow_client_timeout_s": s.server.slow_client_timeout_s,
+                  "idle_timeout_s": s.sessions.idle_timeout_s}
+        try:
+            chat = self.state.registry.chat
+        except Exception:
+            return limits
+        limits.update({"max_input_chars": chat.max_input_chars, "max_input_tokens": chat.max_input_tokens,
+                       "max_new_tokens": chat.max_new_tokens, "max_history_turns": chat.max_history_turns,
+                       "max_history_tokens": chat.max_history_tokens,
+                       "overridable": {k: list(v) for k, v in chat.overridable.items()}})
+        return limits
+
+    def ready_event(self, session: Session, resumed: bool) -> dict:
+        registry = self.state.registry
+        return P.ready_event(session.id, session.resume_token, resumed, session.history_turns, self.limits(),
+                             registry.describe(), list(registry.auto_tasks))
+
+    def origin_allowed(self, ws: WebSocket) -> bool:
+        allowed = self.settings.security.allowed_origins
+        if not allowed or "*" in allowed:
+            return True
+        origin = ws.headers.get("origin")
+        return origin is None or origin in allowed
+
+    async def endpoint(self, ws: WebSocket) -> None:
+        if not self.origin_allowed(ws):
+            self.metrics.error("forbidden_origin")
+            await ws.close(code=1008, reason="origin not allowed")
+            return
+        await ws.accept()
+        if not self.state.ready:
+            await ws.send_text(P.dumps(P.error_event("not_ready", f"the model is {self.state.status}; "
+                                                     f"retry when GET /ready answers 200")))
+            self.metrics.error("not_ready")
+            await ws.close(code=CLOSE_NOT_READY, reason="not ready")
+            return
+        conn = Connection(self, ws)
+        self.connections.add(conn)
+        writer = asyncio.create_task(conn.writer())
+        reader = asyncio.create_task(conn.reader())
+        try:
+            await conn.stopping.wait()
+        finally:
+            self.connections.discard(conn)
+            reader.cancel()
+            conn.cancel_all()
+            for task in list(conn.background):
+                task.cancel()
+            if conn.session is not None:
+                self.sessions.detach(conn.session, conn)
+            if conn.close_code is not None:
+                # Let queued events out for a moment (a slow client's send would block forever).
+                if conn.close_code != CLOSE_SLOW_CLIENT:
+                    for _ in range(50):
+                        if conn.queue.empty():
+                            break
+                        await asyncio.sleep(0.01)
+                writer.cancel()
+                try:
+                    await asyncio.wait_for(ws.close(code=conn.close_code, reason=conn.close_reason), 1.0)
+                except Exception:
+                    pass
+            else:
+                writer.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+
+    async def close_all(self) -> None:
+        for conn in list(self.connections):
+            conn.cancel_all()
+            conn.stop(CLOSE_GOING_AWAY, "server shutting down")
+
+

@@ -1,0 +1,214 @@
+"""The /ws protocol: message types in and out, and the validation that turns bad input into precise codes.
+
+Every frame is one JSON object with a `type`. `parse_client_message` checks a raw frame (binary, size,
+JSON, type, fields and their types) and returns a typed message or raises `ProtocolError` with a stable
+`code`, a human `message` and the request `id` when the frame carried a usable one. Builders for the
+server's events (`ready`, `token`, `done`, `result`, `error`, `pong`) live here too, so the wire format
+is defined in one place. The full description is docs/protocol.md (PROTOCOL_VERSION below).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = "1.0"
+
+# Stable error codes (docs/protocol.md lists them with their meaning).
+ERROR_CODES = (
+    "bad_json", "binary_frame", "frame_too_large", "unknown_type", "missing_field", "invalid_field",
+    "duplicate_id", "unknown_request", "too_many_requests", "chat_busy", "already_started",
+    "unknown_task", "invalid_input", "empty_text", "input_too_long", "bad_decoding",
+    "session_expired", "session_taken_over", "unauthorized", "forbidden_origin", "not_ready",
+    "overloaded", "request_too_large", "cancelled", "internal", "slow_client",
+)
+
+MAX_ID_CHARS = 64
+
+
+class ProtocolError(Exception):
+    """A client frame or request the server refuses; the connection stays open."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+# -- client → server ------------------------------------------------------------------------------
+
+@dataclass
+class Hello:
+    session_id: str | None = None
+    resume_token: str | None = None
+    auth_token: str | None = None
+    client: str | None = None
+
+
+@dataclass
+class Chat:
+    id: str
+    text: str
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class TaskCall:
+    id: str
+    task: str
+    input: Any
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class Cancel:
+    id: str
+
+
+@dataclass
+class Reset:
+    pass
+
+
+@dataclass
+class Ping:
+    data: Any = None
+
+
+ClientMessage = Hello | Chat | TaskCall | Cancel | Reset | Ping
+MESSAGE_TYPES = ("hello", "chat", "task", "cancel", "reset", "ping")
+
+
+def _get(obj: dict, key: str, kinds: type | tuple, what: str, rid: str | None, *, required: bool = True,
+         nullable: bool = False) -> Any:
+    if key not in obj or (obj[key] is None and not required):
+        if required:
+            raise ProtocolError("missing_field", f"'{key}' is required ({what})", rid)
+        return None
+    value = obj[key]
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise ProtocolError("invalid_field", f"'{key}' must be {what}", rid)
+    if not isinstance(value, kinds):
+        raise ProtocolError("invalid_field", f"'{key}' must be {what}", rid)
+    return value
+
+
+def _request_id(obj: dict) -> str:
+    rid = obj.get("id")
+    if "id" not in obj:
+        raise ProtocolError("missing_field", "'id' is required (a string of 1..64 characters)")
+    if not isinstance(rid, str) or not 1 <= len(rid) <= MAX_ID_CHARS:
+        raise ProtocolError("invalid_field", "'id' must be a string of 1..64 characters")
+    return rid
+
+
+def _options(obj: dict, rid: str) -> dict:
+    options = obj.get("options")
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ProtocolError("invalid_field", "'options' must be an object of decoding settings", rid)
+    return options
+
+
+def parse_client_message(raw: str | bytes, max_frame_bytes: int) -> ClientMessage:
+    """A validated client message from one WebSocket frame; raises ProtocolError."""
+    if isinstance(raw, (bytes, bytearray)):
+        raise ProtocolError("binary_frame", "binary frames are not accepted; send JSON text frames")
+    if len(raw) > max_frame_bytes or len(raw.encode("utf-8", "surrogatepass")) > max_frame_bytes:
+        raise ProtocolError("frame_too_large", f"frame is larger than {max_frame_bytes} bytes")
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError("bad_json", f"frame is not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_json", "frame must be a JSON object with a 'type'")
+    rid = obj.get("id") if isinstance(obj.get("id"), str) and len(obj.get("id")) <= MAX_ID_CHARS else None
+    kind = obj.get("type")
+    if kind is None:
+        raise ProtocolError("missing_field", "'type' is required", rid)
+    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
+        raise ProtocolError("unknown_type", f"unknown message type {kind!r} "
+                            f"(known: {', '.join(MESSAGE_TYPES)})", rid)
+    if kind == "hello":
+        return Hello(
+            session_id=_get(obj, "session_id", str, "a string", rid, required=False),
+            resume_token=_get(obj, "resume_token", str, "a string", rid, required=False),
+            auth_token=_get(obj, "auth_token", str, "a string", rid, required=False),
+            client=(_get(obj, "client", str, "a string", rid, required=False) or "")[:100] or None)
+    if kind == "ping":
+        return Ping(obj.get("data"))
+    if kind == "reset":
+        return Reset()
+    rid = _request_id(obj)
+    if kind == "chat":
+        return Chat(rid, _get(obj, "text", str, "a string", rid), _options(obj, rid))
+    if kind == "task":
+        name = _get(obj, "task", str, "a task name string", rid)
+        if "input" not in obj:
+            raise ProtocolError("missing_field", "'input' is required (the task's input, e.g. {\"text\": ...})",
+                                rid)
+        return TaskCall(rid, name, obj["input"], _options(obj, rid))
+    return Cancel(rid)
+
+
+# -- server → client ------------------------------------------------------------------------------
+
+def dumps(event: dict) -> str:
+    return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+
+
+def ready_event(session_id: str, resume_token: str, resumed: bool, history_turns: int, limits: dict,
+                tasks: list[dict], auto_tasks: list[str]) -> dict:
+    return {"type": "ready", "protocol": PROTOCOL_VERSION, "session_id": session_id,
+            "resume_token": resume_token, "resumed": resumed, "history_turns": history_turns,
+            "limits": limits, "tasks": tasks, "auto_tasks": auto_tasks}
+
+
+def token_event(request_id: str, text: str) -> dict:
+    return {"type": "token", "id": request_id, "text": text}
+
+
+def usage_json(usage: Any) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
+            "generated_tokens": usage.generated_tokens, "prefilled_tokens": usage.prefilled_tokens}
+
+
+def timing_json(result: Any) -> dict:
+    return {"queued_ms": round(result.queued_ms, 2),
+            "ttft_ms": None if result.ttft_ms is None else round(result.ttft_ms, 2),
+            "total_ms": round(result.total_ms, 2)}
+
+
+def done_event(request_id: str, result: Any, output: dict) -> dict:
+    reason = result.finish_reason
+    return {"type": "done", "id": request_id, "text": result.text, "output": output,
+            "finish_reason": getattr(reason, "value", reason), "usage": usage_json(result.usage),
+            "timing": timing_json(result)}
+
+
+def result_event(request_id: str, out: Any, auto: bool = False) -> dict:
+    event = {"type": "result", "id": request_id, "task": out.task, "output": out.output, "text": out.text,
+             "usage": out.usage, "timing": out.timing, "cached": out.cached}
+    if auto:
+        event["auto"] = True
+    return event
+
+
+def error_event(code: str, message: str, request_id: str | None = None, **extra: Any) -> dict:
+    event = {"type": "error", "code": code, "message": message}
+    if request_id is not None:
+        event["id"] = request_id
+    event.update(extra)
+    return event
+
+
+def pong_event(data: Any = None) -> dict:
+    event: dict = {"type": "pong"}
+    if data is not None:
+        event["data"] = data
+    return event

@@ -1,0 +1,171 @@
+"""Sessions: id, resume token, the chat history window, the handle on the engine's KV, and expiry.
+
+A session belongs to one connection at a time. When the connection closes, the session stays in the
+registry for `sessions.idle_timeout_s`; a client that reconnects in time with the session id and its
+resume token gets it back (history, and the engine's cached KV for it unless the KV budget evicted it
+meanwhile — then the next turn simply recomputes the prompt). After that the session expires: its
+history is dropped and `engine.drop_session(session.id)` frees its KV. Ids and resume tokens come from
+the `secrets` module; tokens are compared in constant time and only ever resume their own session.
+
+History window (chunked cut): the history is a list of `{"role", "content"}` messages. Before a new
+user turn is rendered, if the history plus that turn has more than `chat.max_history_turns` user turns
+or its rendered prompt has more than `chat.max_history_tokens` tokens, the oldest whole turns are
+dropped until the window is at most HALF of those limits. Cutting in big chunks instead of one turn
+per message keeps the rendered prompt's beginning identical for many turns in a row, so the engine
+(which reuses a session's KV by longest common token prefix) recomputes only the new tokens on most
+turns and the whole window only once per cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger("rtserver.session")
+
+
+class SessionExpired(Exception):
+    """Unknown id, wrong token, or the session idled past its timeout."""
+
+
+@dataclass
+class Session:
+    id: str
+    resume_token: str
+    created_at: float
+    last_active: float
+    history: list[dict] = field(default_factory=list)
+    connection: Any = None  # the hub connection that holds it, or None while detached
+    chat_request: str | None = None  # id of the chat turn in progress
+    turns: int = 0  # chat turns completed in this session
+    cuts: int = 0  # window cuts so far
+
+    @property
+    def history_turns(self) -> int:
+        return sum(1 for m in self.history if m["role"] == "user")
+
+    def touch(self, now: float) -> None:
+        self.last_active = now
+
+
+def _turn_starts(history: list[dict]) -> list[int]:
+    return [i for i, m in enumerate(history) if m["role"] == "user"]
+
+
+def window(history: list[dict], max_turns: int, max_tokens: int,
+           count_tokens: Callable[[list[dict]], int]) -> tuple[list[dict], bool]:
+    """(history to render, whether it was cut). `history` ends with the new user message.
+
+    When over `max_turns` user turns or `max_tokens` rendered tokens, drop the oldest whole turns until
+    at most half of each limit remains (the newest user message is always kept).
+    """
+    starts = _turn_starts(history)
+    over_turns = max_turns > 0 and len(starts) > max_turns
+    over_tokens = max_tokens > 0 and count_tokens(history) > max_tokens
+    if not (over_turns or over_tokens):
+        return history, False
+    turn_target = max(1, max_turns // 2) if max_turns > 0 else len(starts)
+    token_target = max(1, max_tokens // 2) if max_tokens > 0 else None
+    # Keep the newest k turns: the largest k <= turn_target whose render fits token_target.
+    k = min(turn_target, len(starts))
+    while k > 1:
+        candidate = history[starts[-k]:]
+        if token_target is None or count_tokens(candidate) <= token_target:
+            break
+        k -= 1
+    return history[starts[-k]:], True
+
+
+class SessionRegistry:
+    """All live sessions; expiry of detached ones; `on_drop(session)` frees their engine state."""
+
+    def __init__(self, idle_timeout_s: float, max_sessions: int,
+                 on_drop: Callable[[Session], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.idle_timeout_s = idle_timeout_s
+        self.max_sessions = max_sessions
+        self.on_drop = on_drop or (lambda s: None)
+        self.clock = clock
+        self.sessions: dict[str, Session] = {}
+        self.expired_total = 0
+        self._sweeper: asyncio.Task | None = None
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def create(self) -> Session:
+        if len(self.sessions) >= self.max_sessions:
+            self.sweep()
+            if len(self.sessions) >= self.max_sessions:
+                self._drop_oldest_detached()
+        now = self.clock()
+        session = Session(id=secrets.token_urlsafe(18), resume_token=secrets.token_urlsafe(32),
+                          created_at=now, last_active=now)
+        self.sessions[session.id] = session
+        return session
+
+    def _drop_oldest_detached(self) -> None:
+        detached = [s for s in self.sessions.values() if s.connection is None]
+        if detached:
+            self.drop(min(detached, key=lambda s: s.last_active))
+
+    def resume(self, session_id: str, resume_token: str) -> Session:
+        """The session for this id and token; raises SessionExpired (the same way for every cause)."""
+        session = self.sessions.get(session_id)
+        if session is None or not secrets.compare_digest(session.resume_token.encode(),
+                                                          resume_token.encode()):
+            raise SessionExpired(session_id)
+        if self._expired(session, self.clock()):
+            self.drop(session)
+            raise SessionExpired(session_id)
+        session.touch(self.clock())
+        return session
+
+    def _expired(self, session: Session, now: float) -> bool:
+        return session.connection is None and now - session.last_active > self.idle_timeout_s
+
+    def detach(self, session: Session, connection: Any) -> None:
+        if session.connection is connection:
+            session.connection = None
+            session.touch(self.clock())
+
+    def drop(self, session: Session) -> None:
+        if self.sessions.pop(session.id, None) is not None:
+            session.history.clear()
+            try:
+                self.on_drop(session)
+            except Exception:  # freeing is best effort; never let it break the caller
+                log.exception("dropping session failed")
+
+    def sweep(self) -> int:
+        now = self.clock()
+        doomed = [s for s in self.sessions.values() if self._expired(s, now)]
+        for s in doomed:
+            self.drop(s)
+        self.expired_total += len(doomed)
+        return len(doomed)
+
+    # -- background expiry ----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        interval = min(30.0, max(0.2, self.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(interval)
+            self.sweep()
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            try:
+                await self._sweeper
+            except asyncio.CancelledError:
+                pass
+            self._sweeper = None
+        for s in list(self.sessions.values()):
+            self.drop(s)

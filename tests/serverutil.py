@@ -1,0 +1,205 @@
+"""Test helpers: a real uvicorn server on 127.0.0.1 with an ephemeral port, and a scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any
+
+import httpx
+import uvicorn
+
+from rtserver.app import create_app, uvicorn_options
+from rtserver.config import Settings
+from rtserver.engine import GenerationStream
+from rtserver.kv import KVStats
+from rtserver.sequence import FinishReason, Sequence
+
+TIMEOUT = float(__import__("os").environ.get("RT_TEST_TIMEOUT", "120"))  # generous: the machine is shared; tests never depend on speed
+
+
+def make_settings(**sections: dict) -> Settings:
+    s = Settings()
+    s.engine.kv_budget_mb = 64
+    s.engine.max_sequence_tokens = 2048
+    s.tasks.plugin_dirs = ["plugins"]
+    for section, values in sections.items():
+        for key, value in values.items():
+            setattr(getattr(s, section), key, value)
+    return s
+
+
+@contextlib.asynccontextmanager
+async def serve(app, settings: Settings, wait_ready: bool = True):
+    """Run `app` under uvicorn in this event loop; yields (base http url, ws url)."""
+    opts = uvicorn_options(settings)
+    opts.update(host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(uvicorn.Config(app, **opts))
+    server.install_signal_handlers = lambda: None  # older uvicorn
+    task = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + TIMEOUT
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("server exited during start-up")
+        assert time.monotonic() < deadline, "server did not start"
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        if wait_ready:
+            await wait_until_ready(base)
+        yield base, f"ws://127.0.0.1:{port}/ws"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, TIMEOUT)
+
+
+async def wait_until_ready(base: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    async with httpx.AsyncClient() as client:
+        while True:
+            r = await client.get(base + "/health")
+            body = r.json()
+            if body["status"] == "ready":
+                return
+            assert body["status"] != "failed", body
+            assert time.monotonic() < deadline, "model did not become ready"
+            await asyncio.sleep(0.05)
+
+
+async def metric(base: str, name: str, labels: str = "") -> float:
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(base + "/metrics")).text
+    key = name + (("{" + labels + "}") if labels else "")
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    raise KeyError(f"{key} not in /metrics")
+
+
+async def wait_for(pred, timeout: float = TIMEOUT, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await pred()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(interval)
+
+
+async def recv_json(ws, timeout: float = TIMEOUT) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def recv_until(ws, pred, timeout: float = TIMEOUT) -> list[dict]:
+    """Events up to and including the first one that satisfies pred."""
+    events = []
+    while True:
+        ev = await recv_json(ws, timeout)
+        events.append(ev)
+        if pred(ev):
+            return events
+
+
+async def hello(ws, **fields) -> dict:
+    await ws.send(json.dumps({"type": "hello", **fields}))
+    return await recv_json(ws)
+
+
+# -- a scripted engine: real Sequence detokenization, no model -----------------------------------
+
+class ScriptedEngine:
+    """Emits a fixed token script (through a real Sequence, so deltas are UTF-8 safe exactly as in the
+    engine), or `chunks` of raw text as fast as possible. `gate` (an asyncio.Event) holds generation
+    until set. Records cancels and dropped sessions."""
+
+    def __init__(self, loaded: Any, script: list[int] | None = None, chunks: list[str] | None = None,
+                 delay: float = 0.0):
+        self.tokenizer = loaded.tokenizer
+        self.script = script or [self.tokenizer.encode("Hello", add_special_tokens=False)[0]]
+        self.chunks = chunks
+        self.delay = delay
+        self.gate: asyncio.Event | None = None
+        self.scheduler = self
+        self.cancelled: list[Sequence] = []
+        self.dropped: list[Any] = []
+        self.generated = 0
+        self.tasks: set = set()
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancelled = True
+        self.cancelled.append(seq)
+
+    def generate(self, prompt_ids, params, *, session_key=None, shared_prefix_len=0) -> GenerationStream:
+        params.validate()
+        seq = Sequence(prompt_ids, params, tokenizer=self.tokenizer, eos_token_ids=set(),
+                       session_key=session_key)
+        stream = GenerationStream(self, seq)
+        task = asyncio.get_running_loop().create_task(self._run(seq, stream))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return stream
+
+    async def _run(self, seq: Sequence, stream: GenerationStream) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
+        seq.admitted_at = time.perf_counter()
+        if self.chunks is not None:
+            for i, text in enumerate(self.chunks):
+                if seq.cancelled:
+                    break
+                seq.text += text
+                seq.output_ids.append(0)
+                seq.usage.generated_tokens += 1
+                seq.first_token_at = seq.first_token_at or time.perf_counter()
+                stream._push("token", (0, text))
+                self.generated += 1
+                if i % 16 == 0:
+                    await asyncio.sleep(self.delay)
+            seq.finish_reason = FinishReason.CANCELLED if seq.cancelled else FinishReason.LENGTH
+        else:
+            for tok in self.script:
+                await asyncio.sleep(self.delay)
+                if seq.cancelled:
+                    seq.finish_reason = FinishReason.CANCELLED
+                    break
+                delta = seq.append_token(tok)
+                self.generated += 1
+                stream._push("token", (tok, delta))
+                if seq.finish_reason is not None:
+                    break
+            else:
+                seq.finish_reason = FinishReason.LENGTH
+                tail = seq._flush()
+                if tail:
+                    stream._push("token", (0, tail))
+        seq.finished_at = time.perf_counter()
+        stream._push("finish", seq.result())
+
+    async def score(self, prompt_ids, candidates, *, shared_prefix_len=0) -> list[float]:
+        await asyncio.sleep(0)
+        return [-float(i) for i in range(len(candidates))]
+
+    def drop_session(self, key) -> None:
+        self.dropped.append(key)
+
+    def stats(self) -> dict:
+        kv = KVStats(budget_bytes=1, used_bytes=0, block_bytes=1, free_blocks=1, total_blocks=1,
+                     cached_sessions=0, cached_prefixes=0, evictions=0, rebuilds=0, prefix_hits=0,
+                     session_hits=0)
+        return {"running": 0, "waiting": 0, "steps": 0, "tokens_generated": self.generated,
+                "tokens_prefilled": 0, "kv": kv}
+
+
+def scripted_app(loaded: Any, settings: Settings, engine: ScriptedEngine):
+    return create_app(settings, lambda: loaded, engine_factory=lambda l, s: engine)

@@ -1,0 +1,261 @@
+"""/ws over a real uvicorn server on 127.0.0.1 (ephemeral port) with the `websockets` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+import websockets
+
+from rtserver.app import create_app
+
+from .serverutil import (ScriptedEngine, hello, make_settings, metric, recv_json, recv_until, scripted_app,
+                         serve, wait_for)
+
+pytestmark = pytest.mark.asyncio
+
+
+def is_end(rid):
+    return lambda e: e.get("id") == rid and e["type"] in ("done", "error", "result") and not e.get("auto")
+
+
+# -- real model ----------------------------------------------------------------------------------
+
+async def test_chat_streams_and_resume_keeps_history_and_kv(smol):
+    settings = make_settings()
+    async with serve(create_app(settings, lambda: smol), settings) as (base, url):
+        async with websockets.connect(url) as ws:
+            ready = await hello(ws, client="test")
+            assert ready["type"] == "ready" and ready["protocol"] == "1.0" and not ready["resumed"]
+            assert "sentiment" in [t["name"] for t in ready["tasks"]]
+            assert ready["auto_tasks"] == ["sentiment"]
+            await ws.send(json.dumps({"type": "chat", "id": "c1", "text": "Hi! What is 2+2?",
+                                      "options": {"max_new_tokens": 6, "temperature": 0}}))
+            events = await recv_until(ws, is_end("c1"))
+            done = events[-1]
+            assert done["type"] == "done", done
+            deltas = [e["text"] for e in events if e["type"] == "token"]
+            assert all(deltas) and "".join(deltas) == done["text"]
+            assert done["output"] == {"reply": done["text"]}
+            assert done["usage"]["generated_tokens"] <= 6 and done["usage"]["prompt_tokens"] > 10
+            assert set(done["timing"]) == {"queued_ms", "ttft_ms", "total_ms"}
+            # the auto task's result (sentiment of the user message) arrives for the same id
+            auto = [e for e in events if e["type"] == "result"]
+            if not auto:
+                auto = await recv_until(ws, lambda e: e["type"] == "result")
+            assert auto[-1]["id"] == "c1" and auto[-1]["auto"] and auto[-1]["task"] == "sentiment"
+            first_prompt = done["usage"]["prompt_tokens"]
+        # reconnect with the resume token: same session, history and cached KV
+        async with websockets.connect(url) as ws:
+            again = await hello(ws, session_id=ready["session_id"], resume_token=ready["resume_token"])
+            assert again["type"] == "ready" and again["resumed"] and again["session_id"] == ready["session_id"]
+            assert again["history_turns"] == 1
+            await ws.send(json.dumps({"type": "chat", "id": "c2", "text": "And 3+3?",
+                                      "options": {"max_new_tokens": 4, "temperature": 0}}))
+            done2 = (await recv_until(ws, is_end("c2")))[-1]
+            assert done2["type"] == "done"
+            assert done2["usage"]["prompt_tokens"] > first_prompt  # history is in the prompt
+            assert done2["usage"]["cached_tokens"] >= first_prompt - 1  # KV reused across the reconnect
+
+
+async def test_wrong_token_gets_session_expired_and_fresh_session(smol):
+    settings = make_settings()
+    async with serve(create_app(settings, lambda: smol), settings) as (base, url):
+        async with websockets.connect(url) as ws:
+            ready = await hello(ws)
+        async with websockets.connect(url) as ws:
+            err = await hello(ws, session_id=ready["session_id"], resume_token="x" * 43)
+            assert err["type"] == "error" and err["code"] == "session_expired"
+            fresh = await recv_json(ws)
+            assert fresh["type"] == "ready" and not fresh["resumed"]
+            assert fresh["session_id"] != ready["session_id"]
+
+
+async def test_disconnect_cancels_and_expiry_frees_kv(smol):
+    settings = make_settings(sessions={"idle_timeout_s": 0.5}, tasks={"auto_tasks": []})
+    async with serve(create_app(settings, lambda: smol), settings) as (base, url):
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            await ws.send(json.dumps({"type": "chat", "id": "long", "text": "Write a long story about a cat.",
+                                      "options": {"max_new_tokens": 500}}))
+            await recv_until(ws, lambda e: e["type"] == "token")
+            assert await metric(base, "rtserver_kv_used_bytes") > 0
+        # the generation stops at the next step, then the idle session expires and frees its KV
+        await wait_for(lambda: _zero(base, "rtserver_running_sequences"))
+        await wait_for(lambda: _zero(base, "rtserver_sessions"))
+        await wait_for(lambda: _zero(base, "rtserver_kv_used_bytes"))
+        assert await metric(base, "rtserver_tokens_generated_total") < 500
+        async with websockets.connect(url) as ws:  # the server is still fine
+            await ws.send(json.dumps({"type": "ping"}))
+            assert (await recv_json(ws))["type"] == "pong"
+
+
+async def _zero(base, name):
+    return await metric(base, name) == 0
+
+
+# -- scripted engine: routing, order, cancel, UTF-8, slow clients ----------------------------------
+
+async def test_split_characters_arrive_whole(smol):
+    text = "你好，世界！🎉😀 café ≠ naïve 🇫🇷"
+    ids = smol.tokenizer.encode(text, add_special_tokens=False)
+    # the script really splits characters across tokens
+    assert any("\ufffd" in smol.tokenizer.decode([t]) for t in ids)
+    settings = make_settings(tasks={"auto_tasks": []})
+    engine = ScriptedEngine(smol, script=ids)
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            await ws.send(json.dumps({"type": "chat", "id": "u", "text": "say it",
+                                      "options": {"max_new_tokens": 200}}))
+            events = await recv_until(ws, is_end("u"))
+            deltas = [e["text"] for e in events if e["type"] == "token"]
+            assert all(d and "\ufffd" not in d for d in deltas)
+            assert "".join(deltas) == events[-1]["text"] == text
+
+
+async def test_concurrent_requests_routed_by_id_and_chat_busy(smol):
+    settings = make_settings(tasks={"auto_tasks": []})
+    ids = smol.tokenizer.encode(" one two three four five six seven eight", add_special_tokens=False)
+    engine = ScriptedEngine(smol, script=ids, delay=0.02)
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            await ws.send(json.dumps({"type": "chat", "id": "a", "text": "count"}))
+            await ws.send(json.dumps({"type": "task", "id": "s", "task": "sentiment",
+                                      "input": {"text": "I love it"}}))
+            await ws.send(json.dumps({"type": "chat", "id": "b", "text": "again"}))
+            events = []
+            ends = set()
+            while ends != {"a", "s", "b"}:
+                ev = await recv_json(ws)
+                events.append(ev)
+                if ev["type"] in ("done", "result", "error"):
+                    ends.add(ev["id"])
+            by = {rid: [e for e in events if e.get("id") == rid] for rid in "asb"}
+            assert by["b"] == [{"type": "error", "code": "chat_busy", "id": "b", "busy_id": "a",
+                                "message": by["b"][0]["message"]}]
+            assert by["s"][-1]["type"] == "result" and by["s"][-1]["output"]["label"] in ("positive", "negative")
+            tokens = [e["text"] for e in by["a"] if e["type"] == "token"]
+            assert by["a"][-1]["type"] == "done" and "".join(tokens) == by["a"][-1]["text"]
+            assert by["a"][-1]["text"] == smol.tokenizer.decode(ids)
+            # after the turn ends, the next chat is accepted
+            await ws.send(json.dumps({"type": "chat", "id": "b", "text": "again"}))
+            assert (await recv_until(ws, is_end("b")))[-1]["type"] == "done"
+
+
+async def test_cancel_ends_chat_with_cancelled_done(smol):
+    settings = make_settings(tasks={"auto_tasks": []})
+    ids = smol.tokenizer.encode(" word" * 200, add_special_tokens=False)
+    engine = ScriptedEngine(smol, script=ids, delay=0.01)
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            await ws.send(json.dumps({"type": "chat", "id": "x", "text": "go", "options": {"max_new_tokens": 300}}))
+            await recv_until(ws, lambda e: e["type"] == "token")
+            await ws.send(json.dumps({"type": "cancel", "id": "x"}))
+            done = (await recv_until(ws, is_end("x")))[-1]
+            assert done["type"] == "done" and done["finish_reason"] == "cancelled"
+            assert done["usage"]["generated_tokens"] < 200
+            await ws.send(json.dumps({"type": "cancel", "id": "x"}))
+            err = await recv_json(ws)
+            assert err["code"] == "unknown_request" and err["id"] == "x"
+
+
+async def test_reset_clears_history_and_drops_kv(smol):
+    settings = make_settings(tasks={"auto_tasks": []})
+    engine = ScriptedEngine(smol)
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        async with websockets.connect(url) as ws:
+            ready = await hello(ws)
+            await ws.send(json.dumps({"type": "chat", "id": "1", "text": "hi"}))
+            await recv_until(ws, is_end("1"))
+            await ws.send(json.dumps({"type": "reset"}))
+            assert (await recv_json(ws)) == {"type": "reset", "session_id": ready["session_id"]}
+            assert ready["session_id"] in engine.dropped
+        async with websockets.connect(url) as ws:
+            again = await hello(ws, session_id=ready["session_id"], resume_token=ready["resume_token"])
+            assert again["resumed"] and again["history_turns"] == 0
+
+
+async def test_resume_takes_over_the_old_connection(smol):
+    settings = make_settings(tasks={"auto_tasks": []})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(url) as old, websockets.connect(url) as new:
+            ready = await hello(old)
+            again = await hello(new, session_id=ready["session_id"], resume_token=ready["resume_token"])
+            assert again["resumed"]
+            err = await recv_json(old)
+            assert err["code"] == "session_taken_over"
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(old.recv(), 30)
+            assert info.value.rcvd.code == 4409
+
+
+async def test_slow_client_is_closed_and_others_unaffected(smol):
+    settings = make_settings(tasks={"auto_tasks": []},
+                             server={"send_queue_size": 8, "slow_client_timeout_s": 0.5})
+    engine = ScriptedEngine(smol, chunks=["x" * 16384] * 4000)
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        # a small, fixed receive buffer (no autotuning) and a paused transport: a client that stops reading
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        sock.connect(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+        sock.setblocking(False)
+        async with websockets.connect(url, sock=sock, max_queue=1, max_size=None, compression=None) as slow:
+            await hello(slow)
+            await slow.send(json.dumps({"type": "chat", "id": "flood", "text": "go",
+                                        "options": {"max_new_tokens": 512}}))
+            slow.transport.pause_reading()
+            # do not read: the server must give up on this client, not buffer without bound
+            await wait_for(lambda: _positive(base, "rtserver_slow_client_closes"))
+            assert engine.cancelled, "the slow client's generation was not cancelled"
+            with pytest.raises(websockets.ConnectionClosed):
+                while True:
+                    await asyncio.wait_for(slow.recv(), 60)
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "ping", "data": 1}))
+            assert await recv_json(ws) == {"type": "pong", "data": 1}
+
+
+async def _positive(base, name):
+    return await metric(base, name + "_total") > 0
+
+
+async def test_auth_token_required_when_configured(smol):
+    settings = make_settings(security={"api_token": "s3cret"})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "ping"}))
+            assert (await recv_json(ws))["type"] == "pong"  # ping needs no session
+            err = await hello(ws, auth_token="wrong")
+            assert err["code"] == "unauthorized"
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(ws.recv(), 30)
+            assert info.value.rcvd.code == 4401
+        async with websockets.connect(url) as ws:
+            assert (await hello(ws, auth_token="s3cret"))["type"] == "ready"
+
+
+async def test_not_ready_while_loading(smol):
+    gate = asyncio.Event()
+    settings = make_settings()
+
+    def slow_loader():
+        import time
+        while not gate.is_set():
+            time.sleep(0.01)
+        return smol
+
+    app = scripted_app(smol, settings, ScriptedEngine(smol))
+    app = create_app(settings, slow_loader, engine_factory=lambda l, s: ScriptedEngine(smol))
+    async with serve(app, settings, wait_ready=False) as (base, url):
+        async with websockets.connect(url) as ws:
+            err = await recv_json(ws)
+            assert err["code"] == "not_ready"
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(ws.recv(), 30)
+            assert info.value.rcvd.code == 1013
+        gate.set()

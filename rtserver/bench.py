@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gc
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -91,7 +92,19 @@ async def engine_burst(engine: Engine, prompts: list[list[int]], new_tokens: int
     ttfts = [r.ttft_ms for r in results]
     return {"requests": len(prompts), "generated_tokens": generated, "wall_s": wall,
             "tokens_per_s": generated / wall, "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p95_ms": pct(ttfts, 0.95),
-            **lag.summary()}
+            **lag.summary(), "outputs": [r.token_ids for r in results]}
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How far greedy outputs match the float32 ones: identical outputs, and tokens before divergence."""
+    same_prefix = []
+    for out, ref in zip(outputs, reference):
+        n = 0
+        while n < min(len(out), len(ref)) and out[n] == ref[n]:
+            n += 1
+        same_prefix.append(n / max(len(ref), 1))
+    return {"identical_outputs": sum(o == r for o, r in zip(outputs, reference)) / len(reference),
+            "tokens_before_divergence": statistics.mean(same_prefix)}
 
 
 async def engine_arrival(engine: Engine, background: list[list[int]], arrival: list[int], count: int) -> dict:
@@ -208,7 +221,7 @@ def _commit() -> str:
 
 async def run_engine_workloads(loaded: LoadedModel, options: EngineOptions, workloads: list[str]) -> dict:
     tok = loaded.tokenizer
-    engine = Engine(loaded, options)
+    engine = Engine(loaded, options, release_dense_weights=True)  # as `rtserver serve` runs it
     engine.start()
     results: dict[str, Any] = {}
     try:
@@ -227,7 +240,6 @@ async def run_engine_workloads(loaded: LoadedModel, options: EngineOptions, work
         if "sentiment" in workloads:
             from .sentiment_bench import engine_sentiment
             results["sentiment"] = await engine_sentiment(engine, tok)
-        results["peak_rss_mb"] = peak_rss_mb()
     finally:
         await engine.stop()
     return results
@@ -245,7 +257,7 @@ def run_baselines(loaded: LoadedModel, workloads: list[str], naive_requests: int
                         "static4": hf_static_batches(model, tok, burst, 64),
                         "cb": hf_generate_batch(model, burst, 64)}
     if "single" in workloads:
-        out["single"] = {"naive": hf_naive(model, [single], 128), "cb": hf_generate_batch(model, [single], 128)}
+        out["single"] = {"naive": hf_naive(model, [single], 128)}
     if "sentiment" in workloads:
         from .sentiment_bench import hf_sentiment_baseline
         out["sentiment"] = hf_sentiment_baseline(model, tok)
@@ -277,7 +289,7 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
     if "single" in e:
         es = e["single"]["tokens_per_s"]
         rows.append(("single tokens/s (engine)", fmt(es), ""))
-        rows.append(("single tokens/s baseline naive / cb", f"{fmt(b.get('single', {}).get('naive', {}).get('tokens_per_s'))} / {fmt(b.get('single', {}).get('cb', {}).get('tokens_per_s'))}", ""))
+        rows.append(("single tokens/s baseline naive", fmt(b.get('single', {}).get('naive', {}).get('tokens_per_s')), ""))
         rows.append(("single ratio vs naive", fmt(ratio(es, b.get("single", {}).get("naive", {}).get("tokens_per_s")), "x"), ">= 2.5x"))
     if "arrival" in e:
         rows.append(("arrival TTFT p50 / p95 ms (32 streams decoding)", f"{fmt(e['arrival']['ttft_p50_ms'])} / {fmt(e['arrival']['ttft_p95_ms'])}", "p95 <= 250"))
@@ -294,29 +306,78 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
         base = b.get("sentiment", {}).get("per_s")
         rows.append(("sentiment baseline (generative, HF batches of 4)/s", fmt(base), ""))
         rows.append(("sentiment fresh ratio vs baseline", fmt(ratio(s["fresh_per_s"], base), "x"), ">= 10x"))
+    if "agreement_with_float32" in e:
+        a = e["agreement_with_float32"]
+        rows.append(("greedy agreement with float32 (burst prompts): identical outputs / tokens before "
+                     "divergence", f"{a['identical_outputs']:.0%} / {a['tokens_before_divergence']:.0%}", ""))
     if "peak_rss_mb" in e:
-        rows.append(("peak RSS MB (engine workloads)", fmt(e["peak_rss_mb"]), "<= 1536"))
+        rows.append(("peak RSS MB (load + engine workloads)", fmt(e["peak_rss_mb"]), "<= 1536"))
     return rows
 
 
-def run_bench(loaded: LoadedModel, options: EngineOptions, workloads: list[str], baselines: bool,
-              naive_requests: int, out_dir: str) -> dict:
+def _reset_peak_rss() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux)
+    except OSError:
+        pass
+
+
+def peak_rss_since_reset_mb() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return peak_rss_mb()
+
+
+def dtype_label(loaded: LoadedModel) -> str:
+    return "int8" if loaded.int8 else str(loaded.dtype).removeprefix("torch.")
+
+
+def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], baseline_dtype: str,
+              options: EngineOptions, workloads: list[str], baselines: bool, naive_requests: int,
+              out_dir: str) -> dict:
+    """Engine workloads on the first engine dtype, the burst alone on the others (for speed and greedy
+    agreement), each on a freshly loaded model; then the baselines. The JSON is rewritten after every
+    phase, so an interrupted run still leaves its figures."""
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(), "model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "torch": torch.__version__, "workloads": workloads,
+        "commit": _commit(), "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "torch": torch.__version__, "workloads": workloads, "engine": {}, "baselines": {},
     }
-    report["engine"] = asyncio.run(run_engine_workloads(loaded, options, workloads))
-    if baselines:
-        report["baselines"] = run_baselines(loaded, workloads, naive_requests)
-    report["table"] = summarize(report)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"bench-{report['date'].replace(':', '')}.json"
+    for i, dtype in enumerate(engine_dtypes):
+        gc.collect()
+        _reset_peak_rss()
+        loaded = load(dtype)
+        report["model"] = loaded.name
+        result = asyncio.run(run_engine_workloads(loaded, options, workloads if i == 0 else
+                                                  [w for w in workloads if w == "burst"]))
+        result["peak_rss_mb"] = peak_rss_since_reset_mb()
+        report["engine"][dtype_label(loaded)] = result
+        path.write_text(json.dumps(report, indent=2, default=str))
+        del loaded
+    if baselines:
+        gc.collect()
+        loaded = load(baseline_dtype)
+        report["baseline_dtype"] = dtype_label(loaded)
+        report["baselines"] = run_baselines(loaded, workloads, naive_requests)
+    reference = report["engine"].get("float32", {}).get("burst", {}).get("outputs")
+    for label, result in report["engine"].items():
+        if reference and label != "float32" and "burst" in result:
+            result["agreement_with_float32"] = agreement(result["burst"]["outputs"], reference)
+    report["table"] = []
+    for label, result in report["engine"].items():
+        report["table"] += [(f"[{label}] {name}", value, bar) for name, value, bar in
+                            summarize({"engine": result, "baselines": report["baselines"]})]
     path.write_text(json.dumps(report, indent=2, default=str))
     width = max(len(r[0]) for r in report["table"])
-    print(f"\nrtserver bench — {report['date']} commit {report['commit']} model {report['model']} "
-          f"dtype {report['dtype']} threads {report['threads']}")
+    print(f"\nrtserver bench — {report['date']} commit {report['commit']} model {report.get('model')} "
+          f"threads {report['threads']}; baselines in {report.get('baseline_dtype', '-')}")
     for name, value, bar in report["table"]:
         print(f"  {name:<{width}}  {value:>24}  {bar}")
     print(f"\nwritten to {path}")

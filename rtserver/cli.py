@@ -34,7 +34,7 @@ def _load(settings, dtype: str | None = None):
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .app import create_app
+    from .app import create_app, uvicorn_options
 
     settings = _settings(args)
     if args.host:
@@ -42,25 +42,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.port is not None:
         settings.server.port = args.port
     app = create_app(settings)
-    uvicorn.run(app, host=settings.server.host, port=settings.server.port,
-                log_level=settings.server.log_level, ws_max_size=getattr(settings.server, "max_frame_bytes", 65536))
+    uvicorn.run(app, **uvicorn_options(settings))
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
     from .engine import EngineOptions
+    from .model import cpu_has_native_bf16
 
     settings = _settings(args)
-    loaded = _load(settings, args.dtype)
     workloads = args.workloads.split(",") if args.workloads else BENCH_WORKLOADS
     unknown = set(workloads) - set(BENCH_WORKLOADS)
     if unknown:
         print(f"rtserver bench: unknown workloads {', '.join(sorted(unknown))} "
               f"(known: {', '.join(BENCH_WORKLOADS)})", file=sys.stderr)
         return 2
+    native_bf16 = cpu_has_native_bf16()
+    dtypes = args.dtypes.split(",") if args.dtypes else [settings.model.dtype]
+    baseline_dtype = "bfloat16" if native_bf16 else "float32"
     options = EngineOptions.from_settings(settings.engine)
-    run_bench(loaded, options, workloads, not args.no_baselines, args.naive_requests, args.out)
+    run_bench(lambda dtype: _load(settings, dtype), dtypes, baseline_dtype, options, workloads,
+              not args.no_baselines, args.naive_requests, args.out)
     return 0
 
 
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="measure the engine and baselines side by side")
     bench.add_argument("--workloads", help=f"comma-separated subset of {','.join(BENCH_WORKLOADS)}")
-    bench.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    bench.add_argument("--dtypes", help="comma-separated engine dtypes; all workloads run on the first, the "
+                       "burst (speed + greedy agreement with float32) on the others (default: the configured one)")
     bench.add_argument("--no-baselines", action="store_true", help="engine figures only")
     bench.add_argument("--naive-requests", type=int, default=4,
                        help="burst requests run by the sequential naive baseline (its tokens/s does not "
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=cmd_bench)
     ev = sub.add_parser("eval", help="sentiment accuracy table on the shipped labeled data")
     ev.add_argument("--split", default="test", choices=["dev", "test"])
-    ev.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    ev.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "int8"])
     ev.add_argument("--out", default="bench-results")
     ev.set_defaults(func=cmd_eval)
     args = parser.parse_args(argv)

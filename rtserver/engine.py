@@ -75,7 +75,8 @@ class GenerationStream:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, options: EngineOptions | None = None):
+    def __init__(self, loaded: LoadedModel, options: EngineOptions | None = None,
+                 release_dense_weights: bool = False):
         self.options = options or EngineOptions()
         opts = self.options
         self.loaded = loaded
@@ -84,7 +85,9 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, loaded.dtype,
                                  opts.kv_budget_mb << 20, opts.kv_block_tokens)
-        self.runner = ModelRunner(loaded.model, self.kv, opts.max_sequence_tokens)
+        self.runner = ModelRunner(loaded.model, self.kv, opts.max_sequence_tokens, int8=loaded.int8)
+        if release_dense_weights:
+            self.runner.release_dense_weights()
         limits = SchedulerLimits(opts.max_running, opts.max_waiting, opts.prefill_chunk_tokens,
                                  min(opts.max_sequence_tokens, self.runner.max_positions))
         self.scheduler = Scheduler(self.runner, self.kv, limits, self._dispatch)

@@ -72,15 +72,18 @@ class KVCacheManager:
         elem = torch.tensor([], dtype=dtype).element_size()
         self.bytes_per_token = num_layers * 2 * kv_heads * head_dim * elem
         self.block_bytes = self.bytes_per_token * block_tokens
-        self.total_blocks = max(1, budget_bytes // self.block_bytes)
-        slots = self.total_blocks * block_tokens
-        # zeros, not empty: padded attention lanes read slot 0 and must see finite numbers (0 * NaN = NaN).
-        # calloc'd pages cost no RSS until written.
-        self.k = torch.zeros(num_layers, slots, kv_heads, head_dim, dtype=dtype)
-        self.v = torch.zeros(num_layers, slots, kv_heads, head_dim, dtype=dtype)
+        self.total_blocks = max(1, budget_bytes // self.block_bytes - 1)  # - the zero block below
+        # Block 0 is never handed out: it stays zero, and padded attention lanes read it (they must see
+        # finite numbers: 0 * NaN = NaN). The rest is left uninitialised so untouched blocks cost no RSS;
+        # every position a sequence reads was written first.
+        slots = (self.total_blocks + 1) * block_tokens
+        self.k = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype)
+        self.v = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype)
+        self.k[:, :block_tokens] = 0
+        self.v[:, :block_tokens] = 0
         self._offsets = torch.arange(block_tokens, dtype=torch.long)
-        self._free: list[int] = list(range(self.total_blocks - 1, -1, -1))
-        self._refs = [0] * self.total_blocks
+        self._free: list[int] = list(range(self.total_blocks, 0, -1))
+        self._refs = [0] * (self.total_blocks + 1)
         self.sessions: OrderedDict[Hashable, KVHandle] = OrderedDict()
         # prefix cache: chain hash -> (parent hash, block tokens, block); LRU order
         self.prefix_blocks: OrderedDict[int, tuple[int, tuple[int, ...], int]] = OrderedDict()

@@ -33,6 +33,9 @@ class _LiveCollector:
         if not engine:
             return
         kv = engine["kv"]
+
+        def kvget(name: str) -> float:
+            return float(getattr(kv, name, 0) or 0)
         yield GaugeMetricFamily("rtserver_running_sequences", "Sequences in the running batch",
                                 value=engine["running"])
         yield GaugeMetricFamily("rtserver_waiting_sequences", "Sequences waiting for admission",
@@ -42,17 +45,20 @@ class _LiveCollector:
         yield CounterMetricFamily("rtserver_tokens_prefilled", "Prompt tokens computed by the engine",
                                   value=engine["tokens_prefilled"])
         yield CounterMetricFamily("rtserver_engine_steps", "Scheduler steps run", value=engine["steps"])
-        yield GaugeMetricFamily("rtserver_kv_used_bytes", "KV cache bytes in use", value=kv.used_bytes)
-        yield GaugeMetricFamily("rtserver_kv_budget_bytes", "KV cache budget in bytes", value=kv.budget_bytes)
+        yield GaugeMetricFamily("rtserver_kv_used_bytes", "KV cache bytes in use", value=kvget("used_bytes"))
+        yield GaugeMetricFamily("rtserver_kv_budget_bytes", "KV cache budget in bytes", value=kvget("budget_bytes"))
+        yield GaugeMetricFamily("rtserver_kv_prefix_cache_bytes",
+                                "KV bytes held by the shared prefix cache (part of used, reclaimable)",
+                                value=kvget("cached_prefix_blocks") * kvget("block_bytes"))
         yield GaugeMetricFamily("rtserver_kv_cached_sessions", "Sessions with KV kept between turns",
-                                value=kv.cached_sessions)
+                                value=kvget("cached_sessions"))
         yield CounterMetricFamily("rtserver_kv_evictions", "Idle KV entries evicted to make room",
-                                  value=kv.evictions)
+                                  value=kvget("evictions"))
         yield CounterMetricFamily("rtserver_kv_rebuilds", "Turns whose session KV had been evicted",
-                                  value=kv.rebuilds)
-        hits = CounterMetricFamily("rtserver_kv_cache_hits", "KV cache reuse hits", labels=["kind"])
-        hits.add_metric(["session"], kv.session_hits)
-        hits.add_metric(["prefix"], kv.prefix_hits)
+                                  value=kvget("rebuilds"))
+        hits = CounterMetricFamily("rtserver_kv_cache_hits", "KV cache reuse: session hits (turns) and prefix-cache hits", labels=["kind"])
+        hits.add_metric(["session"], kvget("session_hits"))
+        hits.add_metric(["prefix"], kvget("prefix_hits"))
         yield hits
         tasks = s.get("task_cache") or {}
         if tasks:

@@ -31,8 +31,9 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # activations, KV cache and dense weights
     threads: int
+    int8: bool = False  # linear weights quantized to int8 by the runner
 
 
 def embedded_model_path() -> Path:
@@ -55,10 +56,12 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str) -> tuple[torch.dtype, bool]:
+    """(torch dtype, int8 linear weights?) for a `dtype` setting."""
     if name == "auto":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+        return (torch.bfloat16, False) if cpu_has_native_bf16() else (torch.float32, True)
+    return {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False),
+            "int8": (torch.float32, True)}[name]
 
 
 def _file_digest(path: Path) -> str:
@@ -126,12 +129,12 @@ def load_model(spec: str = "embedded", dtype: str = "auto", threads: int = 0,
 
     n_threads = threads or os.cpu_count() or 1
     torch.set_num_threads(n_threads)
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype, int8 = resolve_dtype(dtype)
     cache = Path(cache_dir).expanduser()
     started = time.perf_counter()
     name, source = resolve_source(spec, cache)
-    log.info("loading model %s (dtype %s, %d threads)", name, str(torch_dtype).removeprefix("torch."),
-             n_threads)
+    log.info("loading model %s (dtype %s%s, %d threads)", name, str(torch_dtype).removeprefix("torch."),
+             ", int8 linear weights" if int8 else "", n_threads)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
@@ -141,4 +144,5 @@ def load_model(spec: str = "embedded", dtype: str = "auto", threads: int = 0,
         raise ModelLoadError(f"{spec}: cannot load model ({type(exc).__name__}: {exc})") from exc
     model.eval().requires_grad_(False)
     log.info("model %s ready in %.1f s", name, time.perf_counter() - started)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=torch_dtype, threads=n_threads)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=torch_dtype, threads=n_threads,
+                       int8=int8)

@@ -11,6 +11,7 @@ transformers' own forward.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,16 +38,41 @@ class StepItem:
     logits: str  # "last" | "all" | "none"
 
 
+class Linear:
+    """y = x @ W.T + b, either dense (F.linear in the model dtype) or int8: per-output-channel int8
+    weights with activations quantized on the fly (fbgemm's dynamic linear). int8 reads a quarter of the
+    bytes of float32 and runs on integer SIMD, which matters on CPUs without fast bf16."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, int8: bool):
+        self.out_features = weight.shape[0]
+        self.packed = None
+        if int8:
+            w = weight.detach().float()
+            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "quantized tensor creation is deprecated": still the API
+                qw = torch.quantize_per_channel(w, scale.double(), torch.zeros_like(scale, dtype=torch.long),
+                                                0, torch.qint8)
+                self.packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
+            self.weight, self.bias = None, None
+            del w, qw
+        else:
+            self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.quantized.linear_dynamic(x, self.packed, False)
+        return F.linear(x, self.weight, self.bias)
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor
-    wqkv: torch.Tensor
-    bqkv: torch.Tensor | None
-    wo: torch.Tensor
-    bo: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     ln2: torch.Tensor
-    wgu: torch.Tensor
-    wd: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 def _cat_bias(*linears) -> torch.Tensor | None:
@@ -57,10 +83,13 @@ def _cat_bias(*linears) -> torch.Tensor | None:
                       for b, lin in zip(biases, linears)])
 
 
-def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
-    """One weight for several linears over the same input; the modules keep views into it, so the
-    transformers model still works (tests compare against it) and no weight is held twice."""
+def _fuse(*linears: torch.nn.Linear, share: bool = True) -> torch.Tensor:
+    """One weight for several linears over the same input. With `share` the modules keep views into
+    it, so the transformers model still works (tests compare against it) and no weight is held twice;
+    without (int8: the fused copy only feeds the quantizer) the modules are left alone."""
     fused = torch.cat([lin.weight for lin in linears]).contiguous()
+    if not share:
+        return fused
     row = 0
     for lin in linears:
         n = lin.weight.shape[0]
@@ -70,7 +99,7 @@ def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, max_positions: int):
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, max_positions: int, int8: bool = False):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(f"model type '{cfg.model_type}' is not supported "
@@ -89,28 +118,43 @@ class ModelRunner:
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = Linear(model.lm_head.weight, None, int8)
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
                 ln1=layer.input_layernorm.weight,
-                wqkv=_fuse(att.q_proj, att.k_proj, att.v_proj),
-                bqkv=_cat_bias(att.q_proj, att.k_proj, att.v_proj),
-                wo=att.o_proj.weight, bo=att.o_proj.bias,
+                qkv=Linear(_fuse(att.q_proj, att.k_proj, att.v_proj, share=not int8),
+                           _cat_bias(att.q_proj, att.k_proj, att.v_proj), int8),
+                o=Linear(att.o_proj.weight, att.o_proj.bias, int8),
                 ln2=layer.post_attention_layernorm.weight,
-                wgu=_fuse(mlp.gate_proj, mlp.up_proj),
-                wd=mlp.down_proj.weight))
+                gate_up=Linear(_fuse(mlp.gate_proj, mlp.up_proj, share=not int8), None, int8),
+                down=Linear(mlp.down_proj.weight, None, int8)))
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
-        self.inter = self.layers[0].wgu.shape[0] // 2
+        self.inter = self.layers[0].gate_up.out_features // 2
         # RoPE tables from the model's own rotary module, so scaling variants come out identical.
         max_positions = min(max_positions, getattr(cfg, "max_position_embeddings", max_positions))
         self.max_positions = max_positions
         pos = torch.arange(max_positions)[None]
         cos, sin = inner.rotary_emb(torch.zeros(1, dtype=self.dtype), pos)
         self.cos, self.sin = cos[0], sin[0]
-        self.vocab_size = self.lm_head.shape[0]
+        self.vocab_size = self.lm_head.out_features
+
+    def release_dense_weights(self) -> None:
+        """With int8 weights the model's dense linear weights are dead weight: free them (serving only;
+        the transformers model cannot run afterwards)."""
+        if self.lm_head.packed is None:
+            return
+        # Own copies of the few dense tensors still used, so the loaded (possibly memory-mapped)
+        # weight storage can go entirely.
+        self.embed = self.embed.clone()
+        self.norm = self.norm.clone()
+        for L in self.layers:
+            L.ln1, L.ln2 = L.ln1.clone(), L.ln2.clone()
+        for module in self.model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, torch.nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=False))
 
     # -- pieces -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -169,7 +213,7 @@ class ModelRunner:
         k_pool, v_pool = self.kv.k, self.kv.v
         for li, L in enumerate(self.layers):
             h = self._rms(x, L.ln1)
-            qkv = F.linear(h, L.wqkv, L.bqkv)
+            qkv = L.qkv(h)
             q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.n_kv, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.head_dim)
@@ -193,10 +237,10 @@ class ModelRunner:
                 vp = vl[ctx_slots].transpose(0, 1)
                 out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale)
                 attn[start:start + n] = out.view(self.n_kv, self.group, n, self.head_dim).permute(2, 0, 1, 3)
-            x = x + F.linear(attn.view(T, self.q_size), L.wo, L.bo)
+            x = x + L.o(attn.view(T, self.q_size))
             h = self._rms(x, L.ln2)
-            gu = F.linear(h, L.wgu)
-            x = x + F.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], L.wd)
+            gu = L.gate_up(h)
+            x = x + L.down(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
 
         # Logits only where someone needs them (the last token of a chunk, or all for scoring).
         wanted_rows, spans = [], []
@@ -212,7 +256,7 @@ class ModelRunner:
         if not wanted_rows:
             return [None] * len(items)
         hs = self._rms(x[torch.tensor(wanted_rows)], self.norm)
-        logits = F.linear(hs, self.lm_head).float()
+        logits = self.lm_head(hs).float()
         return [None if s is None else logits[s[0]:s[0] + s[1]] for s in spans]
 
     # -- sampling -------------------------------------------------------------------------------

@@ -82,7 +82,9 @@ class Scheduler:
             raise RequestTooLarge(f"request needs {seq.capacity_tokens} tokens of KV, more than the "
                                   f"whole KV budget holds")
         with self._cond:
-            if len(self.waiting) >= self.limits.max_waiting:
+            # Free running slots count as room too: those sequences are admitted at the next step.
+            room = self.limits.max_waiting + max(0, self.limits.max_running - len(self.running))
+            if len(self.waiting) >= room:
                 raise Overloaded(f"{len(self.running)} running and {len(self.waiting)} waiting")
             self.waiting.append(seq)
             self._cond.notify()

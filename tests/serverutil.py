@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -14,7 +15,6 @@ import uvicorn
 from rtserver.app import create_app, uvicorn_options
 from rtserver.config import Settings
 from rtserver.engine import GenerationStream
-from rtserver.kv import KVStats
 from rtserver.sequence import FinishReason, Sequence
 
 TIMEOUT = float(__import__("os").environ.get("RT_TEST_TIMEOUT", "120"))  # generous: the machine is shared; tests never depend on speed
@@ -126,6 +126,7 @@ class ScriptedEngine:
         self.scheduler = self
         self.cancelled: list[Sequence] = []
         self.dropped: list[Any] = []
+        self.prompts: list[list[int]] = []
         self.generated = 0
         self.tasks: set = set()
 
@@ -142,6 +143,7 @@ class ScriptedEngine:
 
     def generate(self, prompt_ids, params, *, session_key=None, shared_prefix_len=0) -> GenerationStream:
         params.validate()
+        self.prompts.append(list(prompt_ids))
         seq = Sequence(prompt_ids, params, tokenizer=self.tokenizer, eos_token_ids=set(),
                        session_key=session_key)
         stream = GenerationStream(self, seq)
@@ -194,9 +196,8 @@ class ScriptedEngine:
         self.dropped.append(key)
 
     def stats(self) -> dict:
-        kv = KVStats(budget_bytes=1, used_bytes=0, block_bytes=1, free_blocks=1, total_blocks=1,
-                     cached_sessions=0, cached_prefixes=0, evictions=0, rebuilds=0, prefix_hits=0,
-                     session_hits=0)
+        kv = SimpleNamespace(budget_bytes=1, used_bytes=0, cached_sessions=0, evictions=0, rebuilds=0,
+                             prefix_hits=0, session_hits=0)
         return {"running": 0, "waiting": 0, "steps": 0, "tokens_generated": self.generated,
                 "tokens_prefilled": 0, "kv": kv}
 

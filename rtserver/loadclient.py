@@ -1,0 +1,121 @@
+"""End-to-end WebSocket load client: N concurrent chat sessions, each sending several turns.
+
+`run_chat_load(url, sessions, turns, max_new_tokens)` opens `sessions` connections to `/ws` at once,
+each sends `turns` chat messages one after the other (waiting for each `done`), and returns a summary:
+tokens/s over the whole burst, TTFT p50/p95 measured by the client (send → first token frame) for every
+turn number, the server's own TTFT, errors by code. `rtserver bench` calls it against a running server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from typing import Any
+
+DEFAULT_PROMPTS = [
+    "Tell me about the ocean in two sentences.",
+    "What else lives there?",
+    "Which of those is the largest?",
+    "How long does it live?",
+    "Summarise our chat in one line.",
+    "Thanks! One more fact, please.",
+]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
+    return ordered[rank - 1]
+
+
+async def _session(url: str, index: int, turns: int, max_new_tokens: int, prompts: list[str],
+                   options: dict, timeout_s: float, record: dict, auth_token: str | None) -> None:
+    import websockets
+
+    async with websockets.connect(url, max_size=None, open_timeout=timeout_s) as ws:
+        hello: dict[str, Any] = {"type": "hello", "client": f"loadclient-{index}"}
+        if auth_token:
+            hello["auth_token"] = auth_token
+        await ws.send(json.dumps(hello))
+        while True:
+            ev = json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
+            if ev["type"] == "ready":
+                break
+            if ev["type"] == "error" and ev.get("code") != "session_expired":
+                record["errors"].append(ev["code"])
+                return
+        for turn in range(1, turns + 1):
+            rid = f"t{turn}"
+            text = prompts[(turn - 1) % len(prompts)]
+            sent = time.perf_counter()
+            await ws.send(json.dumps({"type": "chat", "id": rid, "text": text,
+                                      "options": {"max_new_tokens": max_new_tokens, **options}}))
+            first: float | None = None
+            while True:
+                ev = json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
+                if ev.get("id") != rid or ev.get("auto"):
+                    continue  # auto-task results and anything else not for this turn
+                if ev["type"] == "token" and first is None:
+                    first = time.perf_counter()
+                elif ev["type"] == "done":
+                    end = time.perf_counter()
+                    record["turns"].append({
+                        "session": index, "turn": turn, "generated": ev["usage"]["generated_tokens"],
+                        "prompt": ev["usage"]["prompt_tokens"], "cached": ev["usage"]["cached_tokens"],
+                        "client_ttft_ms": None if first is None else (first - sent) * 1000,
+                        "server_ttft_ms": ev["timing"]["ttft_ms"], "total_ms": (end - sent) * 1000})
+                    break
+                elif ev["type"] == "error":
+                    record["errors"].append(ev["code"])
+                    break
+
+
+async def run_chat_load(url: str, sessions: int = 32, turns: int = 5, max_new_tokens: int = 32, *,
+                        prompts: list[str] | None = None, options: dict | None = None,
+                        timeout_s: float = 600.0, auth_token: str | None = None) -> dict:
+    """Run the load and return the summary dict:
+
+    {"sessions", "turns", "max_new_tokens", "wall_s", "tokens", "tokens_per_s", "completed_turns",
+     "errors": {code: count}, "per_turn": {turn: {"n", "ttft_p50_ms", "ttft_p95_ms",
+     "server_ttft_p50_ms", "cached_tokens_mean", "prompt_tokens_mean"}},
+     "ttft_p50_ms", "ttft_p95_ms", "turn_ratio_p50": turn-`turns` p50 / turn-1 p50}
+
+    `url` is the WebSocket URL (ws://host:port/ws). `options` are extra decoding options sent with each
+    chat (default greedy, so runs are comparable). Connection failures count as errors ("connect").
+    """
+    record: dict = {"turns": [], "errors": []}
+    opts = {"temperature": 0} if options is None else dict(options)
+    started = time.perf_counter()
+    results = await asyncio.gather(*[
+        _session(url, i, turns, max_new_tokens, prompts or DEFAULT_PROMPTS, opts, timeout_s, record, auth_token)
+        for i in range(sessions)], return_exceptions=True)
+    wall = time.perf_counter() - started
+    for r in results:
+        if isinstance(r, BaseException):
+            record["errors"].append("connect" if isinstance(r, OSError) else type(r).__name__)
+    tokens = sum(t["generated"] for t in record["turns"])
+    per_turn: dict[int, dict] = {}
+    for turn in range(1, turns + 1):
+        rows = [t for t in record["turns"] if t["turn"] == turn]
+        ttfts = [t["client_ttft_ms"] for t in rows if t["client_ttft_ms"] is not None]
+        server = [t["server_ttft_ms"] for t in rows if t["server_ttft_ms"] is not None]
+        per_turn[turn] = {
+            "n": len(rows), "ttft_p50_ms": percentile(ttfts, 50), "ttft_p95_ms": percentile(ttfts, 95),
+            "server_ttft_p50_ms": percentile(server, 50),
+            "prompt_tokens_mean": sum(t["prompt"] for t in rows) / len(rows) if rows else None,
+            "cached_tokens_mean": sum(t["cached"] for t in rows) / len(rows) if rows else None}
+    all_ttft = [t["client_ttft_ms"] for t in record["turns"] if t["client_ttft_ms"] is not None]
+    errors: dict[str, int] = {}
+    for code in record["errors"]:
+        errors[code] = errors.get(code, 0) + 1
+    first, last = per_turn[1]["ttft_p50_ms"], per_turn[turns]["ttft_p50_ms"]
+    return {"sessions": sessions, "turns": turns, "max_new_tokens": max_new_tokens, "wall_s": wall,
+            "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "completed_turns": len(record["turns"]), "errors": errors, "per_turn": per_turn,
+            "ttft_p50_ms": percentile(all_ttft, 50), "ttft_p95_ms": percentile(all_ttft, 95),
+            "turn_ratio_p50": (last / first) if first and last is not None else None}

@@ -1,0 +1,39 @@
+"""Settings: TOML + environment overrides, and errors that name key, value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from rtserver.config import ConfigError, load_settings, settings_from_mapping
+
+
+def test_repository_config_toml_loads_with_defaults_documented():
+    s = load_settings("config.toml", env={})
+    assert s.model.model == "embedded" and s.engine.max_running == 64
+    assert s.task["chat"]["max_new_tokens"] == 128
+
+
+def test_environment_overrides_win():
+    s = settings_from_mapping({"engine": {"max_running": 8}},
+                              env={"RTSERVER_ENGINE_MAX_RUNNING": "16", "RTSERVER_MODEL_DTYPE": "float32"})
+    assert s.engine.max_running == 16 and s.model.dtype == "float32"
+
+
+@pytest.mark.parametrize("data, env, message", [
+    ({"model": {"dtype": "fp16"}}, {}, "model.dtype = 'fp16': allowed values are 'auto', 'float32'"),
+    ({"engine": {"max_running": 0}}, {}, "engine.max_running = 0: allowed range is 1..4096"),
+    ({"engine": {"max_running": "many"}}, {}, "engine.max_running = 'many': expected an integer"),
+    ({"engine": {"bogus": 1}}, {}, "engine.bogus: unknown setting"),
+    ({"nope": {}}, {}, "[nope]: unknown section"),
+    ({}, {"RTSERVER_ENGINE_KV_BUDGET_MB": "lots"}, "engine.kv_budget_mb = 'lots': expected an integer"),
+    ({}, {"RTSERVER_WHATEVER": "1"}, "RTSERVER_WHATEVER: no such setting"),
+])
+def test_invalid_values_are_named(data, env, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        settings_from_mapping(data, env=env)
+    assert message in str(err.value)
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "missing.toml", env={})

@@ -1,0 +1,118 @@
+"""HTTP API over a real uvicorn server: tasks, compat endpoints, health during loading, ready, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from rtserver.app import create_app
+
+from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_health_reports_loading_until_ready(smol):
+    release = threading.Event()
+    settings = make_settings()
+
+    def loader():
+        release.wait(120)
+        return smol
+
+    app = create_app(settings, loader, engine_factory=lambda l, s: ScriptedEngine(smol))
+    async with serve(app, settings, wait_ready=False) as (base, url):
+        async with httpx.AsyncClient(base_url=base) as c:
+            h = (await c.get("/health")).json()
+            assert h["status"] == "loading" and 0 <= h["progress"] < 1 and h["stage"] == "loading model"
+            assert (await c.get("/ready")).status_code == 503
+            r = await c.post("/sentiment", json={"text": "hi"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+            release.set()
+            for _ in range(2400):
+                if (await c.get("/ready")).status_code == 200:
+                    break
+                await asyncio.sleep(0.05)
+            h = (await c.get("/health")).json()
+            assert h["status"] == "ready" and h["progress"] == 1
+
+
+async def test_failed_load_is_reported(smol):
+    settings = make_settings()
+
+    def loader():
+        raise RuntimeError("no weights here")
+
+    async with serve(create_app(settings, loader), settings, wait_ready=False) as (base, url):
+        async with httpx.AsyncClient(base_url=base) as c:
+            for _ in range(400):
+                r = await c.get("/health")
+                if r.json()["status"] != "loading":
+                    break
+                await asyncio.sleep(0.05)
+            assert r.status_code == 503 and r.json()["status"] == "failed" and "no weights" in r.json()["error"]
+
+
+async def test_tasks_and_compat_endpoints(smol):
+    settings = make_settings(tasks={"auto_tasks": []})
+    engine = ScriptedEngine(smol, script=smol.tokenizer.encode(" Fine, thanks.", add_special_tokens=False))
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        async with httpx.AsyncClient(base_url=base) as c:
+            tasks = (await c.get("/v1/tasks")).json()
+            names = {t["name"] for t in tasks["tasks"]}
+            assert {"chat", "sentiment"} <= names
+            assert all("limits" in t and "input" in t for t in tasks["tasks"])
+            r = await c.post("/v1/tasks/sentiment", json={"input": {"text": "I love it"}})
+            body = r.json()
+            assert r.status_code == 200 and body["task"] == "sentiment" and "label" in body["output"]
+            assert set(body) == {"task", "output", "text", "usage", "timing", "cached"}
+            r = await c.post("/sentiment", json={"text": "I love it"})
+            assert r.status_code == 200 and r.json()["label"] in ("positive", "negative")
+            r = await c.post("/chat", json={"history": [{"role": "user", "content": "How are you?"}]})
+            assert r.status_code == 200 and r.json()["reply"] == " Fine, thanks."
+            r = await c.post("/v1/tasks/chat", json={"input": {"history": [{"role": "user", "content": "Hi"}]}})
+            assert r.status_code == 200 and r.json()["output"] == {"reply": " Fine, thanks."}
+            # errors: stable code, clear message, right status
+            for path, payload, status, code in [
+                ("/v1/tasks/nope", {"input": {"text": "x"}}, 404, "unknown_task"),
+                ("/v1/tasks/sentiment", {"text": "x"}, 400, "missing_field"),
+                ("/v1/tasks/sentiment", {"input": {"text": ""}}, 400, "empty_text"),
+                ("/sentiment", {}, 400, "missing_field"),
+                ("/chat", {"history": []}, 400, "invalid_input"),
+                ("/chat", {"history": [{"role": "assistant", "content": "x"}]}, 400, "invalid_input"),
+                ("/chat", {"history": [{"role": "user", "content": "x"}], "options": {"temperature": 50}},
+                 400, "bad_decoding"),
+            ]:
+                r = await c.post(path, json=payload)
+                assert r.status_code == status and r.json()["error"]["code"] == code, (path, r.text)
+            r = await c.post("/sentiment", content=b"{bad")
+            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json"
+
+
+async def test_metrics_exposition(smol):
+    settings = make_settings(tasks={"auto_tasks": []})
+    async with serve(create_app(settings, lambda: smol), settings) as (base, url):
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            r = await c.post("/chat", json={"history": [{"role": "user", "content": "Hi"}],
+                                            "options": {"max_new_tokens": 3}})
+            assert r.status_code == 200
+            await c.post("/v1/tasks/nope", json={"input": "x"})
+            text = (await c.get("/metrics")).text
+    for name in ["rtserver_connections", "rtserver_sessions", "rtserver_running_sequences",
+                 "rtserver_waiting_sequences", "rtserver_tokens_generated_total", "rtserver_kv_used_bytes",
+                 "rtserver_kv_budget_bytes", "rtserver_kv_evictions_total", "rtserver_kv_cache_hits_total",
+                 "rtserver_time_to_first_token_seconds_bucket", "rtserver_token_latency_seconds_bucket",
+                 'rtserver_errors_total{code="unknown_task"}']:
+        assert name in text, name
+
+
+async def test_bearer_token_on_http(smol):
+    settings = make_settings(security={"api_token": "tok"})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with httpx.AsyncClient(base_url=base) as c:
+            assert (await c.get("/v1/tasks")).status_code == 401
+            assert (await c.get("/v1/tasks", headers={"Authorization": "Bearer tok"})).status_code == 200
+            assert (await c.get("/health")).status_code == 200

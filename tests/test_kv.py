@@ -1,0 +1,99 @@
+"""KV cache manager: budget, reference counts, session reuse, prefix sharing, eviction."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rtserver.kv import KVCacheManager, OutOfKVMemory
+
+
+def make(blocks=8, bs=4) -> KVCacheManager:
+    return KVCacheManager(1, 1, 2, torch.float32, budget_bytes=(blocks + 1) * bs * 2 * 2 * 4, block_tokens=bs)
+
+
+def computed(kv, handle, tokens):
+    handle.token_ids = list(tokens)
+    kv.register_prefix(handle)
+
+
+def test_budget_sets_block_count_and_zero_block_is_never_handed_out():
+    kv = make(blocks=8)
+    assert kv.total_blocks == 8
+    h, _ = kv.acquire(list(range(30)), 32)
+    assert 0 not in h.blocks and len(h.blocks) == 8
+    with pytest.raises(OutOfKVMemory):
+        kv.acquire([1, 2], 4)
+    kv.release(h)
+    assert kv.free_blocks == 8
+
+
+def test_session_reuse_keeps_common_prefix_and_copies_a_shared_partial_block():
+    kv = make()
+    prompt = list(range(10))
+    h, reused = kv.acquire(prompt, 12, session_key="s")
+    assert reused == 0
+    computed(kv, h, prompt + [50])
+    kv.release(h, "s")
+    h2, reused = kv.acquire(prompt + [50, 51, 52], 16, session_key="s")
+    assert reused == 11 and kv.session_hits == 1
+    # block 2 (tokens 8..11) was partly reused; it is the session's own, not shared with anyone
+    assert all(kv._refs[b] >= 1 for b in h2.blocks)
+
+
+def test_prefix_cache_shares_full_blocks_between_unrelated_sequences():
+    kv = make()
+    a, _ = kv.acquire(list(range(10)), 10)
+    computed(kv, a, range(10))
+    b, reused = kv.acquire(list(range(9)) + [99, 98], 12)
+    assert reused == 8 and b.blocks[:2] == a.blocks[:2]
+    kv.release(a)
+    kv.release(b)
+    assert kv.used_blocks == len(kv.prefix_blocks) == 2
+    kv.clear_prefix_cache()
+    assert kv.used_blocks == 0
+
+
+def test_idle_sessions_are_evicted_lru_and_counted():
+    kv = make(blocks=6)
+    for key in ("old", "new"):
+        h, _ = kv.acquire(list(range(8)) if key == "old" else list(range(100, 108)), 8, session_key=key)
+        computed(kv, h, h.token_ids or (range(8) if key == "old" else range(100, 108)))
+        kv.release(h, key)
+    kv.clear_prefix_cache()
+    h, _ = kv.acquire(list(range(200, 212)), 16)  # needs 4 of 6 blocks: "old" must go
+    assert "old" not in kv.sessions and "new" in kv.sessions and kv.evictions == 1
+    kv.release(h)
+    again, reused = kv.acquire(list(range(8)) + [1], 12, session_key="old")
+    assert reused == 0 and kv.rebuilds == 1
+
+
+def test_random_workload_never_leaks_blocks():
+    rng = random.Random(0)
+    kv = make(blocks=32)
+    live = []
+    for _ in range(300):
+        if live and rng.random() < 0.5:
+            h, key = live.pop(rng.randrange(len(live)))
+            kv.release(h, key)
+        else:
+            prompt = [rng.randrange(4) for _ in range(rng.randint(1, 20))]
+            key = rng.choice([None, "a", "b", "c"])
+            if any(k == key for _, k in live if key is not None):
+                continue
+            try:
+                h, reused = kv.acquire(prompt, len(prompt) + rng.randint(0, 8), session_key=key)
+            except OutOfKVMemory:
+                continue
+            computed(kv, h, prompt)
+            live.append((h, key))
+        assert kv.used_blocks <= kv.total_blocks
+        assert sum(kv._refs) >= kv.used_blocks
+    for h, key in live:
+        kv.release(h, key)
+    for key in "abc":
+        kv.drop_session(key)
+    kv.clear_prefix_cache()
+    assert kv.used_blocks == 0 and kv.free_blocks == kv.total_blocks and sum(kv._refs) == 0

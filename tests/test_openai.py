@@ -1,0 +1,71 @@
+"""The official `openai` client against rtserver's /v1/chat/completions and /v1/models."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from rtserver.app import create_app
+
+from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_openai_client_plain_and_streaming(smol):
+    settings = make_settings(tasks={"auto_tasks": []})
+    async with serve(create_app(settings, lambda: smol), settings) as (base, url):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
+        models = await client.models.list()
+        model = models.data[0].id
+        msgs = [{"role": "user", "content": "Say hello."}]
+        r = await client.chat.completions.create(model=model, messages=msgs, max_tokens=5, temperature=0)
+        assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("stop", "length")
+        assert r.usage.completion_tokens <= 5 and r.usage.prompt_tokens > 0
+        stream = await client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=5, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"top_k": 1, "repetition_penalty": 1.0, "min_tokens": 1, "ignore_eos": False})
+        pieces, usage, finish = [], None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for ch in chunk.choices:
+                pieces.append(ch.delta.content or "")
+                finish = ch.finish_reason or finish
+        assert "".join(pieces) == r.choices[0].message.content  # greedy: same text both ways
+        assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+        assert finish in ("stop", "length")
+        # system prompt from the client, stop string and seed accepted
+        r2 = await client.chat.completions.create(
+            model=model, messages=[{"role": "system", "content": "Be brief."}] + msgs, max_tokens=4, seed=3,
+            stop=["\n"])
+        assert isinstance(r2.choices[0].message.content, str)
+
+
+async def test_unsupported_fields_are_refused_with_400(smol):
+    settings = make_settings(tasks={"auto_tasks": []})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "hi"}]
+        for kwargs, param in [
+            ({"n": 2}, "n"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+            ({"logprobs": True}, "logprobs"),
+            ({"presence_penalty": 0.5}, "presence_penalty"),
+            ({"extra_body": {"best_of": 3}}, "best_of"),
+            ({"temperature": 9}, None),
+            ({"max_tokens": 100000}, None),
+        ]:
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(model="m", messages=msgs, **kwargs)
+            err = info.value.body
+            assert err["code"] in ("unsupported", "bad_decoding"), err
+            if param:
+                assert err["param"] == param, err
+        async with httpx.AsyncClient(base_url=base) as c:
+            r = await c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "tool", "content": "x"}]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
+            r = await c.post("/v1/chat/completions", json={"model": "m"})
+            assert r.status_code == 400

@@ -1,0 +1,174 @@
+"""Scheduler logic without a model: a fake runner returns fixed logits, as vLLM tests its scheduler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rtserver.kv import KVCacheManager
+from rtserver.runner import StepItem
+from rtserver.scheduler import Overloaded, RequestTooLarge, Scheduler, SchedulerLimits
+from rtserver.sequence import FinishReason, Phase, SamplingParams, Sequence
+
+VOCAB = 32
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+class FakeRunner:
+    """Always predicts token (position % VOCAB); records every step's plan."""
+
+    def __init__(self):
+        self.steps: list[list[tuple[int, int, int]]] = []  # (seq id, start, n tokens)
+
+    def forward(self, items: list[StepItem]):
+        self.steps.append([(it.seq.id, it.start, len(it.tokens)) for it in items])
+        out = []
+        for it in items:
+            if it.logits == "none":
+                out.append(None)
+                continue
+            n = len(it.tokens) if it.logits == "all" else 1
+            logits = torch.zeros(n, VOCAB)
+            for r in range(n):
+                logits[r, (it.start + len(it.tokens) - n + r + 1) % VOCAB] = 1.0
+            out.append(logits)
+        return out
+
+    def sample(self, seqs, logits):
+        return logits.argmax(-1).tolist()
+
+
+def make(limits=None, blocks=64, block_tokens=4):
+    kv = KVCacheManager(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32,
+                        budget_bytes=(blocks + 1) * block_tokens * 2 * 2 * 4, block_tokens=block_tokens)
+    runner = FakeRunner()
+    events = []
+    sched = Scheduler(runner, kv, limits or SchedulerLimits(max_running=4, max_waiting=4,
+                                                            prefill_chunk_tokens=8), events.extend)
+    return sched, runner, kv, events
+
+
+def seq(n_prompt, n_new, start=100):
+    return Sequence(list(range(start, start + n_prompt)), SamplingParams(max_new_tokens=n_new),
+                    tokenizer=FakeTokenizer(), eos_token_ids=set())
+
+
+def run_until_idle(sched, limit=200):
+    for _ in range(limit):
+        if not sched.has_work:
+            return
+        sched.step()
+    raise AssertionError("scheduler did not finish")
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_running():
+    sched, runner, kv, _ = make()
+    short = seq(3, 10)
+    sched.submit(short)
+    sched.step()  # short prefilled in one step
+    long = seq(30, 2, start=200)
+    sched.submit(long)
+    run_until_idle(sched)
+    for step in runner.steps:
+        assert sum(n for _, _, n in step) <= 8 + 1  # chunk budget + one decode token
+    # while the long prompt prefilled (4 chunks), the short sequence decoded in every one of those steps
+    long_steps = [s for s in runner.steps if any(sid == long.id for sid, _, _ in s)]
+    assert len([s for s in long_steps if any(sid == short.id for sid, _, _ in s)]) >= 3
+    assert short.result().finish_reason is FinishReason.LENGTH and len(short.output_ids) == 10
+
+
+def test_sequences_join_at_any_step_without_waiting_for_a_batch():
+    sched, runner, _, _ = make()
+    a = seq(4, 6)
+    sched.submit(a)
+    sched.step()
+    sched.step()
+    b = seq(4, 3, start=300)
+    sched.submit(b)
+    sched.step()
+    assert {sid for sid, _, _ in runner.steps[-1]} == {a.id, b.id}
+    run_until_idle(sched)
+    assert len(a.output_ids) == 6 and len(b.output_ids) == 3
+
+
+def test_max_running_and_bounded_queue():
+    sched, runner, _, _ = make(SchedulerLimits(max_running=2, max_waiting=2, prefill_chunk_tokens=64))
+    seqs = [seq(2, 5, start=10 * i) for i in range(4)]
+    for s in seqs:
+        sched.submit(s)
+    with pytest.raises(Overloaded):
+        sched.submit(seq(2, 5))
+    sched.step()
+    assert len(sched.running) == 2 and len(sched.waiting) == 2
+    run_until_idle(sched)
+    assert all(len(s.output_ids) == 5 for s in seqs)
+    assert max(len(step) for step in runner.steps) <= 2
+
+
+def test_request_larger_than_limits_is_refused_at_once():
+    sched, _, _, _ = make(SchedulerLimits(max_sequence_tokens=16))
+    with pytest.raises(RequestTooLarge):
+        sched.submit(seq(10, 10))
+
+
+def test_waits_for_kv_room_then_runs():
+    sched, runner, kv, _ = make(blocks=6, block_tokens=4)  # 24 tokens of KV
+    a, b = seq(8, 8), seq(8, 8, start=500)  # 16 tokens each: only one fits at a time
+    sched.submit(a)
+    sched.submit(b)
+    sched.step()
+    assert a.phase is not Phase.WAITING and b.phase is Phase.WAITING
+    run_until_idle(sched)
+    assert len(a.output_ids) == 8 and len(b.output_ids) == 8
+    assert kv.used_blocks == len(kv.prefix_blocks)
+
+
+def test_cancel_leaves_at_next_step_and_frees_kv():
+    sched, runner, kv, events = make()
+    a, b = seq(4, 50), seq(4, 50, start=700)
+    sched.submit(a)
+    sched.submit(b)
+    sched.step()
+    sched.step()
+    sched.cancel(a)
+    sched.step()
+    assert a.id not in {sid for sid, _, _ in runner.steps[-1]}
+    assert a.result().finish_reason is FinishReason.CANCELLED
+    sched.cancel(b)
+    run_until_idle(sched)
+    kv.clear_prefix_cache()
+    assert kv.used_blocks == 0
+
+
+def test_step_exception_fails_that_step_only_and_keeps_serving():
+    sched, runner, kv, events = make()
+    a = seq(4, 3)
+    sched.submit(a)
+    sched.fault_hook = lambda items: (_ for _ in ()).throw(RuntimeError("boom"))
+    sched.step()
+    assert a.result().finish_reason is FinishReason.ERROR and "internal" in a.error
+    sched.fault_hook = None
+    b = seq(4, 3, start=900)
+    sched.submit(b)
+    run_until_idle(sched)
+    assert b.result().finish_reason is FinishReason.LENGTH
+    kv.clear_prefix_cache()
+    assert kv.used_blocks == 0
+
+
+def test_label_scoring_runs_without_a_decode_loop():
+    sched, runner, kv, _ = make()
+    s = Sequence(list(range(5)), SamplingParams(max_new_tokens=1), tokenizer=FakeTokenizer(),
+                 eos_token_ids=set(), candidates=[[5], [7], [5, 6, 7]])
+    sched.submit(s)
+    run_until_idle(sched)
+    lp = torch.log_softmax(torch.tensor([0.0] * 5 + [1.0] + [0.0] * (VOCAB - 6)), -1)
+    assert s.scores[0] == pytest.approx(float(lp[5]))
+    assert s.scores[1] == pytest.approx(float(lp[0]))  # any zero-logit token
+    assert s.scores[2] == pytest.approx(3 * float(lp[5]))  # each next token is the predicted one
+    # one forward for the prompt, one teacher-forced forward for the multi-token candidate, no decoding
+    assert runner.steps == [[(s.id, 0, 5)], [(s.id, 5, 2)]]

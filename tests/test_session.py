@@ -1,0 +1,114 @@
+"""Sessions: unguessable ids/tokens, resume, expiry, and the chunked history window."""
+
+from __future__ import annotations
+
+import pytest
+
+from rtserver.session import SessionExpired, SessionRegistry, window
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def turns(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        out += [{"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    return out
+
+
+def test_ids_and_tokens_are_unique_and_long():
+    reg = SessionRegistry(60, 1000)
+    sessions = [reg.create() for _ in range(200)]
+    assert len({s.id for s in sessions}) == 200 and len({s.resume_token for s in sessions}) == 200
+    assert all(len(s.id) >= 24 and len(s.resume_token) >= 43 for s in sessions)
+
+
+def test_resume_needs_the_sessions_own_token():
+    reg = SessionRegistry(60, 1000)
+    a, b = reg.create(), reg.create()
+    assert reg.resume(a.id, a.resume_token) is a
+    with pytest.raises(SessionExpired):
+        reg.resume(a.id, b.resume_token)
+    with pytest.raises(SessionExpired):
+        reg.resume("nope", a.resume_token)
+    with pytest.raises(SessionExpired):
+        reg.resume(a.id, "")
+
+
+def test_detached_sessions_expire_and_are_dropped():
+    clock = Clock()
+    dropped = []
+    reg = SessionRegistry(10, 1000, on_drop=lambda s: dropped.append(s.id), clock=clock)
+    attached, detached = reg.create(), reg.create()
+    attached.connection = object()
+    conn = object()
+    detached.connection = conn
+    reg.detach(detached, conn)
+    clock.t += 9
+    assert reg.sweep() == 0
+    clock.t += 2
+    assert reg.sweep() == 1 and dropped == [detached.id]
+    with pytest.raises(SessionExpired):
+        reg.resume(detached.id, detached.resume_token)
+    assert attached.id in reg.sessions  # an attached session never idles out
+
+
+def test_expired_on_resume_even_before_the_sweep():
+    clock = Clock()
+    reg = SessionRegistry(10, 1000, clock=clock)
+    s = reg.create()
+    clock.t += 11
+    with pytest.raises(SessionExpired):
+        reg.resume(s.id, s.resume_token)
+    assert s.id not in reg.sessions
+
+
+def test_max_sessions_drops_the_oldest_detached():
+    clock = Clock()
+    reg = SessionRegistry(600, 2, clock=clock)
+    a = reg.create()
+    clock.t += 1
+    b = reg.create()
+    reg.create()
+    assert a.id not in reg.sessions and b.id in reg.sessions
+
+
+def count(history):
+    return 10 + sum(len(m["content"]) for m in history)
+
+
+def test_window_keeps_everything_under_the_limits():
+    h = turns(3) + [{"role": "user", "content": "new"}]
+    assert window(h, 10, 1000, count) == (h, False)
+
+
+def test_window_cuts_to_half_the_turns_in_one_chunk():
+    h = turns(10) + [{"role": "user", "content": "new"}]  # 11 user turns > 10
+    out, cut = window(h, 10, 0, count)
+    assert cut and sum(m["role"] == "user" for m in out) == 5
+    assert out[0] == {"role": "user", "content": "u6"} and out[-1]["content"] == "new"
+    # the next turns keep the same beginning: no cut until the limit is exceeded again
+    grown = out + [{"role": "assistant", "content": "r"}]
+    for i in range(5):
+        grown = grown + [{"role": "user", "content": f"n{i}"}]
+        again, cut = window(grown, 10, 0, count)
+        assert not cut and again[0] == out[0]
+        grown = again + [{"role": "assistant", "content": "r"}]
+
+
+def test_window_cuts_to_half_the_tokens():
+    h = turns(20) + [{"role": "user", "content": "new"}]
+    out, cut = window(h, 100, 60, count)
+    assert cut and count(out) <= 30 and out[-1]["content"] == "new"
+
+
+def test_window_always_keeps_the_new_message():
+    h = [{"role": "user", "content": "x" * 500}]
+    out, cut = window(h, 10, 50, count)
+    assert out == h and cut

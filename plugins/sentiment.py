@@ -57,11 +57,16 @@ def make_task(options: dict) -> Task:
 
 
 def _parser(labels: dict):
-    """Strict parser for the generative mode: the first label word in the answer, else invalid."""
+    """Strict parser for the generative mode: valid only when the answer names exactly one label (its key
+    or shown name, any case, as a whole word; CJK names anywhere), e.g. "Positive." -> positive, but
+    "positive or negative", "positively" and "I think" -> invalid."""
+    patterns = {key: [re.compile(re.escape(w) if has_cjk(w) else rf"(?<![\w-]){re.escape(w)}(?![\w-])")
+                      for w in {key.lower(), shown.lower()}] for key, shown in labels.items()}
+
     def parse(text: str) -> dict:
-        for word in re.findall(r"\w+", text.lower()):
-            for key, shown in labels.items():
-                if word in (key, shown.lower()):
-                    return {"label": shown, "valid": True}
+        answer = text.strip().lower()
+        found = [key for key, pats in patterns.items() if any(p.search(answer) for p in pats)]
+        if len(found) == 1:
+            return {"label": labels[found[0]], "valid": True}
         return {"label": None, "valid": False}
     return parse

@@ -147,6 +147,14 @@ async def index(request: Request) -> Response:
                          "health": "/health"})
 
 
+async def console_page(request: Request) -> Response:
+    page = STATIC_DIR / "console.html"
+    if page.is_file():
+        return FileResponse(page)
+    return JSONResponse({"error": {"code": "not_found", "message": "static/console.html is missing"}},
+                        status_code=404)
+
+
 def create_app(settings: Settings, loaded_model_factory: Callable[[], Any] | None = None, *,
                engine_factory: Callable[[Any, Settings], Any] | None = None,
                registry_factory: Callable[[Settings, Any], tuple[Any, list]] | None = None) -> Starlette:
@@ -175,6 +183,7 @@ def create_app(settings: Settings, loaded_model_factory: Callable[[], Any] | Non
     routes: list = [
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
         WebSocketRoute("/ws", state.hub.endpoint),
+        WebSocketRoute("/ws/console", state.hub.console.endpoint), Route("/console", console_page),
     ]
     routes += [Route(path, http_api._api(fn), methods=methods) for path, fn, methods in http_api.ROUTES]
     routes.append(Route("/", index))

@@ -126,7 +126,8 @@ async def engine_arrival(engine: Engine, background: list[list[int]], arrival: l
             "ttft_p95_ms": pct(ttfts, 0.95), "ttft_max_ms": max(ttfts)}
 
 
-async def engine_multi_turn(engine: Engine, tokenizer: Any, sessions: int, turns: int, new_tokens: int) -> dict:
+async def engine_multi_turn(engine: Engine, tokenizer: Any, sessions: int, turns: int, new_tokens: int,
+                            messages: list[str] = MULTI_TURN_MESSAGES, ignore_eos: bool = True) -> dict:
     ttft_by_turn: dict[int, list[float]] = {t: [] for t in range(1, turns + 1)}
     prefilled_by_turn: dict[int, list[int]] = {t: [] for t in range(1, turns + 1)}
     generated = 0
@@ -135,10 +136,11 @@ async def engine_multi_turn(engine: Engine, tokenizer: Any, sessions: int, turns
         nonlocal generated
         history: list[dict] = []
         for t in range(turns):
-            history.append({"role": "user", "content": f"{MULTI_TURN_MESSAGES[t % 6]} (session {s})"})
+            text = messages[t % len(messages)]
+            history.append({"role": "user", "content": f"{text} (session {s})" if ignore_eos else text})
             prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
                                                    return_dict=False)
-            r = await engine.generate(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True),
+            r = await engine.generate(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos),
                                       session_key=f"bench-{s}").result()
             history.append({"role": "assistant", "content": r.text})
             ttft_by_turn[t + 1].append(r.ttft_ms)
@@ -237,6 +239,10 @@ async def run_engine_workloads(loaded: LoadedModel, options: EngineOptions, work
             results["arrival"] = await engine_arrival(engine, burst, single, 20)
         if "multi-turn" in workloads:
             results["multi-turn"] = await engine_multi_turn(engine, tok, 16, 6, 48)
+        if "e2e" in workloads:  # the engine-only twin of the end-to-end run below
+            from .loadclient import DEFAULT_PROMPTS
+            results["e2e-engine-only"] = await engine_multi_turn(engine, tok, 32, 5, 64, DEFAULT_PROMPTS,
+                                                                 ignore_eos=False)
         if "sentiment" in workloads:
             from .sentiment_bench import engine_sentiment
             results["sentiment"] = await engine_sentiment(engine, tok)
@@ -262,6 +268,46 @@ def run_baselines(loaded: LoadedModel, workloads: list[str], naive_requests: int
         from .sentiment_bench import hf_sentiment_baseline
         out["sentiment"] = hf_sentiment_baseline(model, tok)
     return out
+
+
+def run_e2e(dtype: str, config: str | None, sessions: int = 32, turns: int = 5, new_tokens: int = 64) -> dict:
+    """`rtserver serve` in a subprocess on 127.0.0.1, driven over WebSocket by the load client."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    from .loadclient import run_chat_load
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "RTSERVER_SERVER_HOST": "127.0.0.1", "RTSERVER_SERVER_PORT": str(port),
+           "RTSERVER_MODEL_DTYPE": dtype, "RTSERVER_TASKS_AUTO_TASKS": "", "RTSERVER_SERVER_LOG_LEVEL": "warning"}
+    cmd = [sys.executable, "-m", "rtserver.cli"] + (["--config", config] if config else []) + ["serve"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError("rtserver serve did not become ready")
+            time.sleep(0.5)
+        url = f"ws://127.0.0.1:{port}/ws"
+        asyncio.run(run_chat_load(url, 1, 1, 8))  # warm-up
+        return asyncio.run(run_chat_load(url, sessions, turns, new_tokens))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -310,6 +356,12 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
         a = e["agreement_with_float32"]
         rows.append(("greedy agreement with float32 (burst prompts): identical outputs / tokens before "
                      "divergence", f"{a['identical_outputs']:.0%} / {a['tokens_before_divergence']:.0%}", ""))
+    if "e2e" in e and "e2e-engine-only" in e:
+        ee, eo = e["e2e"], e["e2e-engine-only"]
+        rows.append(("e2e WebSocket tokens/s (32 sessions x 5 turns) / engine-only", f"{fmt(ee['tokens_per_s'])} / {fmt(eo['tokens_per_s'])}", ""))
+        rows.append(("e2e ratio to engine-only", fmt(ratio(ee["tokens_per_s"], eo["tokens_per_s"]), "x"), ">= 0.85x"))
+        rows.append(("e2e TTFT p50 turn 5 / turn 1", fmt(ee.get("turn_ratio_p50"), "x"), "<= 1.5x"))
+        rows.append(("e2e errors", str(ee.get("errors") or 0), "0"))
     if "peak_rss_mb" in e:
         rows.append(("peak RSS MB (load + engine workloads)", fmt(e["peak_rss_mb"]), "<= 1536"))
     return rows
@@ -338,7 +390,7 @@ def dtype_label(loaded: LoadedModel) -> str:
 
 def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], baseline_dtype: str,
               options: EngineOptions, workloads: list[str], baselines: bool, naive_requests: int,
-              out_dir: str) -> dict:
+              out_dir: str, config: str | None = None) -> dict:
     """Engine workloads on the first engine dtype, the burst alone on the others (for speed and greedy
     agreement), each on a freshly loaded model; then the baselines. The JSON is rewritten after every
     phase, so an interrupted run still leaves its figures."""
@@ -355,12 +407,15 @@ def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], base
         _reset_peak_rss()
         loaded = load(dtype)
         report["model"] = loaded.name
+        label = dtype_label(loaded)
         result = asyncio.run(run_engine_workloads(loaded, options, workloads if i == 0 else
                                                   [w for w in workloads if w == "burst"]))
         result["peak_rss_mb"] = peak_rss_since_reset_mb()
-        report["engine"][dtype_label(loaded)] = result
-        path.write_text(json.dumps(report, indent=2, default=str))
         del loaded
+        if i == 0 and "e2e" in workloads:
+            result["e2e"] = run_e2e(dtype, config)
+        report["engine"][label] = result
+        path.write_text(json.dumps(report, indent=2, default=str))
     if baselines:
         gc.collect()
         loaded = load(baseline_dtype)

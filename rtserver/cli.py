@@ -9,7 +9,7 @@ import sys
 
 from .config import ConfigError, load_settings
 
-BENCH_WORKLOADS = ["burst", "single", "arrival", "multi-turn", "sentiment"]
+BENCH_WORKLOADS = ["burst", "single", "arrival", "multi-turn", "sentiment", "e2e"]
 
 
 def _settings(args: argparse.Namespace):
@@ -63,7 +63,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     baseline_dtype = "bfloat16" if native_bf16 else "float32"
     options = EngineOptions.from_settings(settings.engine)
     run_bench(lambda dtype: _load(settings, dtype), dtypes, baseline_dtype, options, workloads,
-              not args.no_baselines, args.naive_requests, args.out)
+              not args.no_baselines, args.naive_requests, args.out, args.config)
     return 0
 
 

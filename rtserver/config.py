@@ -64,6 +64,11 @@ class SessionSettings:
 
     idle_timeout_s: float = _setting(600.0, min=1.0, max=86400.0)
     max_sessions: int = _setting(10000, min=1, max=10_000_000)
+    # agent console (rtserver/console.py): mood over the last N tagged customer messages, messages kept
+    # per conversation for the console, and how long a disconnected agent keeps its take-overs
+    console_mood_window: int = _setting(5, min=1, max=1000)
+    console_max_messages: int = _setting(200, min=10, max=100_000)
+    console_takeover_grace_s: float = _setting(30.0, min=0.0, max=86400.0)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol as P
+from .console import ConsoleHub
 from .scheduler import Overloaded, RequestTooLarge
 from .sequence import FinishReason, SamplingError
 from .session import Session, SessionExpired, SessionRegistry, window
@@ -201,6 +202,9 @@ class Connection:
                              f"connection", msg.id)
             return
         if isinstance(msg, P.Chat):
+            if self.hub.console.holder(self.session) is not None:  # a human agent answers, not the bot
+                await self.hub.console.forward_chat(self, msg)
+                return
             if self.session.chat_request is not None:
                 await self.error("chat_busy", f"chat turn {self.session.chat_request!r} is still in "
                                  f"progress; wait for its done (or cancel it)", msg.id,
@@ -244,6 +248,7 @@ class Connection:
         session.connection = self
         self.session = session
         await self.send(hub.ready_event(session, resumed))
+        hub.console.attached(session, self.client_name, resumed)
         return True
 
     async def reset(self) -> None:
@@ -256,6 +261,7 @@ class Connection:
         session.history.clear()
         session.turns = 0
         self.hub.drop_engine_session(session)
+        self.hub.console.reset(session)
         await self.send({"type": "reset", "session_id": session.id})
 
     def cancel_all(self) -> None:
@@ -266,6 +272,7 @@ class Connection:
     async def run_chat(self, req: Request, msg: P.Chat, session: Session) -> None:
         hub = self.hub
         added = False
+        reply, reason = None, "error"
         try:
             engine, registry = hub.state.engine, hub.state.registry
             chat = registry.chat
@@ -283,11 +290,13 @@ class Connection:
                 session.cuts += 1
             session.history = history
             added = True
+            hub.console.user_message(session, msg.id, text)
             for name in hub.state.registry.auto_tasks:
                 self.spawn(self.run_auto_task(msg.id, name, text))
             async for event in stream:
                 if event.text:
                     await self.send(P.token_event(msg.id, event.text))
+                    hub.console.bot_token(session, msg.id, event.text)
             result = await stream.result()
             if result.finish_reason is FinishReason.ERROR:
                 raise RuntimeError(result.error or "generation failed")
@@ -295,6 +304,7 @@ class Connection:
                 session.history.append({"role": "assistant", "content": result.text})
                 added = False
                 session.turns += 1
+            reply, reason = result.text, getattr(result.finish_reason, "value", result.finish_reason)
             hub.metrics.observe_generation("ws_chat", result)
             hub.metrics.requests.labels("ws", "chat").inc()
             await self.send(P.done_event(msg.id, result, chat.parse(result.text)))
@@ -314,6 +324,7 @@ class Connection:
             if session.chat_request == msg.id:
                 session.chat_request = None
             self.requests.pop(msg.id, None)
+            hub.console.bot_done(session, msg.id, reply, reason)
 
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:
         hub = self.hub
@@ -335,6 +346,8 @@ class Connection:
         try:
             out = await self.hub.state.registry.run(self.hub.state.engine, name, text)
             await self.send(P.result_event(request_id, out, auto=True))
+            if self.session is not None:
+                self.hub.console.auto_result(self.session, request_id, out.task, out.output)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -355,10 +368,12 @@ class Hub:
         ss = self.settings.sessions
         self.sessions = SessionRegistry(ss.idle_timeout_s, ss.max_sessions, on_drop=self._on_drop)
         self.connections: set[Connection] = set()
+        self.console = ConsoleHub(self)  # the agent console's registry (/ws/console)
 
     def _on_drop(self, session: Session) -> None:
         self.metrics.expired.inc()
         self.drop_engine_session(session)
+        self.console.dropped(session)
 
     def drop_engine_session(self, session: Session) -> None:
         engine = self.state.engine
@@ -383,8 +398,10 @@ class Hub:
 
     def ready_event(self, session: Session, resumed: bool) -> dict:
         registry = self.state.registry
+        holder = self.console.holder(session)
         return P.ready_event(session.id, session.resume_token, resumed, session.history_turns, self.limits(),
-                             registry.describe(), list(registry.auto_tasks))
+                             registry.describe(), list(registry.auto_tasks), history=session.history,
+                             agent=holder["name"] if holder else None)
 
     def origin_allowed(self, ws: WebSocket) -> bool:
         allowed = self.settings.security.allowed_origins
@@ -419,6 +436,7 @@ class Hub:
                 task.cancel()
             if conn.session is not None:
                 self.sessions.detach(conn.session, conn)
+                self.console.detached(conn.session)
             if conn.close_code is not None:
                 # Let queued events out for a moment (a slow client's send would block forever).
                 if conn.close_code != CLOSE_SLOW_CLIENT:
@@ -436,6 +454,7 @@ class Hub:
             await asyncio.gather(reader, writer, return_exceptions=True)
 
     async def close_all(self) -> None:
+        self.console.close_all()
         for conn in list(self.connections):
             conn.cancel_all()
             conn.stop(CLOSE_GOING_AWAY, "server shutting down")

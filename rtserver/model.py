@@ -59,7 +59,7 @@ def cpu_has_native_bf16() -> bool:
 def resolve_dtype(name: str) -> tuple[torch.dtype, bool]:
     """(torch dtype, int8 linear weights?) for a `dtype` setting."""
     if name == "auto":
-        return (torch.bfloat16, False) if cpu_has_native_bf16() else (torch.float32, True)
+        return (torch.bfloat16, False) if cpu_has_native_bf16() else (torch.float32, False)
     return {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False),
             "int8": (torch.float32, True)}[name]
 

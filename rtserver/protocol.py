@@ -4,7 +4,7 @@ Every frame is one JSON object with a `type`. `parse_client_message` checks a ra
 JSON, type, fields and their types) and returns a typed message or raises `ProtocolError` with a stable
 `code`, a human `message` and the request `id` when the frame carried a usable one. Builders for the
 server's events (`ready`, `token`, `done`, `result`, `error`, `pong`) live here too, so the wire format
-is defined in one place. The full description is docs/protocol.md (PROTOCOL_VERSION below).
+is defined in one place (the agent console's /ws/console events are in rtserver/console.py). The full description is docs/protocol.md (PROTOCOL_VERSION below).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = "1.0"
+PROTOCOL_VERSION = "1.1"
 
 # Stable error codes (docs/protocol.md lists them with their meaning).
 ERROR_CODES = (
@@ -22,6 +22,8 @@ ERROR_CODES = (
     "unknown_task", "invalid_input", "empty_text", "input_too_long", "bad_decoding",
     "session_expired", "session_taken_over", "unauthorized", "forbidden_origin", "not_ready",
     "overloaded", "request_too_large", "cancelled", "internal", "slow_client",
+    # /ws/console (rtserver/console.py)
+    "console_disabled", "unknown_session", "already_taken", "not_taken_over",
 )
 
 MAX_ID_CHARS = 64
@@ -117,6 +119,13 @@ def _options(obj: dict, rid: str) -> dict:
 
 def parse_client_message(raw: str | bytes, max_frame_bytes: int) -> ClientMessage:
     """A validated client message from one WebSocket frame; raises ProtocolError."""
+    obj = load_object(raw, max_frame_bytes)
+    rid = obj.get("id") if isinstance(obj.get("id"), str) and len(obj.get("id")) <= MAX_ID_CHARS else None
+    return _parse_object(obj, rid)
+
+
+def load_object(raw: str | bytes, max_frame_bytes: int) -> dict:
+    """The JSON object of one text frame (binary, size and JSON checked); raises ProtocolError."""
     if isinstance(raw, (bytes, bytearray)):
         raise ProtocolError("binary_frame", "binary frames are not accepted; send JSON text frames")
     if len(raw) > max_frame_bytes or len(raw.encode("utf-8", "surrogatepass")) > max_frame_bytes:
@@ -127,7 +136,10 @@ def parse_client_message(raw: str | bytes, max_frame_bytes: int) -> ClientMessag
         raise ProtocolError("bad_json", f"frame is not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise ProtocolError("bad_json", "frame must be a JSON object with a 'type'")
-    rid = obj.get("id") if isinstance(obj.get("id"), str) and len(obj.get("id")) <= MAX_ID_CHARS else None
+    return obj
+
+
+def _parse_object(obj: dict, rid: str | None) -> ClientMessage:
     kind = obj.get("type")
     if kind is None:
         raise ProtocolError("missing_field", "'type' is required", rid)
@@ -163,10 +175,22 @@ def dumps(event: dict) -> str:
 
 
 def ready_event(session_id: str, resume_token: str, resumed: bool, history_turns: int, limits: dict,
-                tasks: list[dict], auto_tasks: list[str]) -> dict:
+                tasks: list[dict], auto_tasks: list[str], history: list[dict] | None = None,
+                agent: str | None = None) -> dict:
+    """`history` (1.1): the session's messages, for a client to show what it resumed; `agent` (1.1): the
+    name of the human agent answering instead of the bot, or None."""
     return {"type": "ready", "protocol": PROTOCOL_VERSION, "session_id": session_id,
             "resume_token": resume_token, "resumed": resumed, "history_turns": history_turns,
-            "limits": limits, "tasks": tasks, "auto_tasks": auto_tasks}
+            "limits": limits, "tasks": tasks, "auto_tasks": auto_tasks,
+            "history": [history_message(m) for m in history or ()], "agent": agent}
+
+
+def history_message(m: dict) -> dict:
+    """A history entry as clients see it: {role, content} plus `agent` for a human agent's reply."""
+    out = {"role": m["role"], "content": m["content"]}
+    if m.get("agent"):
+        out["agent"] = m["agent"]
+    return out
 
 
 def token_event(request_id: str, text: str) -> dict:

@@ -10,12 +10,15 @@ session's history through the tokenizer's chat template.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import hashlib
 import importlib.metadata
 import importlib.util
 import logging
 import math
 import re
+import sys
 import time
 import unicodedata
 from dataclasses import dataclass, field
@@ -101,11 +104,38 @@ class Task:
         for key in list(self.decoding) + list(self.overridable):
             if key not in DECODING_KEYS:
                 raise ValueError(f"decoding key {key!r}: allowed {', '.join(DECODING_KEYS)}")
-        if self.choices is not None and len(self.choices.labels) < 2:
-            raise ValueError("choices need at least two labels")
-        if self.max_input_tokens < 1 or self.max_new_tokens < 1:
-            raise ValueError("max_input_tokens and max_new_tokens must be at least 1")
-        self.sampling(None)
+        for key, bounds in self.overridable.items():
+            if (not isinstance(bounds, (tuple, list)) or len(bounds) != 2
+                    or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
+                    or bounds[0] > bounds[1]):
+                raise ValueError(f"overridable {key!r}: expected a (low, high) range, got {bounds!r}")
+        _check_choices(self.choices, "choices")
+        if self.parser is not None and not callable(self.parser):
+            raise ValueError("parser must be a function text -> dict")
+        if self.choices is not None and self.parser is not None:
+            raise ValueError("declare either choices (scoring) or a parser (generation), not both")
+        for i, v in enumerate(self.variants):
+            if not isinstance(v, Variant) or not callable(v.when):
+                raise ValueError(f"variants[{i}]: expected Variant(when=callable, prompt=...)")
+            if not isinstance(v.prompt, str) or v.prompt.count("{text}") != 1:
+                raise ValueError(f"variants[{i}]: prompt must contain {{text}} exactly once")
+            _check_choices(v.choices, f"variants[{i}].choices")
+            if v.choices is not None and self.choices is None:
+                raise ValueError(f"variants[{i}]: choices given but the task itself declares none")
+        for key in ("max_input_chars", "max_input_tokens", "max_new_tokens", "max_history_turns",
+                    "max_history_tokens"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} = {value!r}: must be an integer of at least 1")
+        if isinstance(self.cache_size, bool) or not isinstance(self.cache_size, int) or self.cache_size < 0:
+            raise ValueError(f"cache_size = {self.cache_size!r}: must be an integer >= 0 (0 = no cache)")
+        if (isinstance(self.cache_ttl_s, bool) or not isinstance(self.cache_ttl_s, (int, float))
+                or not self.cache_ttl_s > 0):
+            raise ValueError(f"cache_ttl_s = {self.cache_ttl_s!r}: must be a number > 0")
+        try:
+            self.sampling(None)
+        except TaskError as exc:
+            raise ValueError(f"decoding: {exc.message}") from None
 
     def describe(self) -> dict:
         return {
@@ -141,6 +171,8 @@ class Task:
         """Decoding for one call: the task's defaults, then client overrides within allowed ranges."""
         values: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "stop": list(self.stop)}
         values.update(self.decoding)
+        if overrides is not None and not isinstance(overrides, dict):
+            raise TaskError("bad_decoding", f"{self.name}: decoding options must be an object")
         for key, value in (overrides or {}).items():
             if key not in self.overridable:
                 allowed = ", ".join(sorted(self.overridable)) or "none"
@@ -177,6 +209,22 @@ class Task:
         return self.prompt, self.choices, self.chat_template
 
 
+def _check_choices(choices: Any, where: str) -> None:
+    if choices is None:
+        return
+    if not isinstance(choices, Choices) or not isinstance(choices.labels, dict):
+        raise ValueError(f"{where}: expected Choices(labels={{label: text scored}}, calibration=[...])")
+    if len(choices.labels) < 2:
+        raise ValueError(f"{where}: need at least two labels")
+    for label, words in choices.labels.items():
+        if not isinstance(label, str) or not label or not isinstance(words, str) or not words:
+            raise ValueError(f"{where}: label {label!r} -> {words!r}: labels and the text scored for them "
+                             "must be non-empty strings")
+    if not isinstance(choices.calibration, list) or not all(isinstance(c, str) and c
+                                                               for c in choices.calibration):
+        raise ValueError(f"{where}: calibration must be a list of non-empty strings")
+
+
 def has_cjk(text: str) -> bool:
     return any("\u4e00" <= c <= "\u9fff" or "\u3400" <= c <= "\u4dbf" for c in text)
 
@@ -200,8 +248,8 @@ class PreparedTask:
     def __init__(self, task: Task, tokenizer: Any):
         self.task = task
         self.tokenizer = tokenizer
-        self._prefixes: dict[tuple[str, bool], tuple[list[int], str]] = {}
-        self._calibration: dict[tuple[str, bool], list[float]] = {}
+        self._prefixes: dict[tuple[str, bool], tuple[list[int], str, str]] = {}
+        self._calibration: dict[tuple, asyncio.Future] = {}
         self.cache: TTLCache | None = (TTLCache(task.cache_size, task.cache_ttl_s)
                                        if task.cache_size and not task.stateful else None)
         self.cache_hits = 0
@@ -214,8 +262,17 @@ class PreparedTask:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _split_template(self, template: str, chat: bool) -> tuple[list[int], str]:
-        """Token ids of everything before {text} and the raw text after it."""
+    def _encode_input(self, text: str) -> list[int]:
+        """User text: special-token strings in it (e.g. "<|im_end|>") stay plain text."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        except TypeError:  # a tokenizer without the option
+            return self._encode(text)
+
+    def _split_template(self, template: str, chat: bool) -> tuple[list[int], str, str]:
+        """Token ids of everything before {text}, the spaces that glue onto the text (a prompt
+        "Message: {text}" must tokenize " great" as one token, as in the whole string, not " " + "great"),
+        and the raw text after it."""
         key = (template, chat)
         if key not in self._prefixes:
             marker = "\x00TEXT\x00"
@@ -227,15 +284,16 @@ class PreparedTask:
                 rendered = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                               add_generation_prompt=True)
             before, after = rendered.split(marker)
-            self._prefixes[key] = (self._encode(before), after)
+            glue = before[len(before.rstrip(" ")):]
+            self._prefixes[key] = (self._encode(before[:len(before) - len(glue)]), glue, after)
         return self._prefixes[key]
 
     def render(self, text: str) -> tuple[list[int], Choices | None]:
         """(prompt ids, choices) for a cleaned input text, within the token limit. The fixed prefix is
         tokenized on its own so every call starts with the same tokens (and shares their KV)."""
         template, choices, chat = self.task.select(text)
-        prefix, suffix = self._split_template(template, chat)
-        body = self._encode(text)
+        prefix, glue, suffix = self._split_template(template, chat)
+        body = self._encode_input(glue + text)
         if len(body) > self.task.max_input_tokens:
             if self.task.truncate == "reject":
                 raise TaskError("input_too_long", f"{self.task.name}: text has {len(body)} tokens, the limit "
@@ -268,7 +326,13 @@ class PreparedTask:
             result = await stream.result()
             if result.error:
                 raise TaskError("internal", f"{self.task.name}: generation failed")
-            parsed = self.task.parser(result.text) if self.task.parser else {"text": result.text}
+            try:
+                parsed = self.task.parser(result.text) if self.task.parser else {"text": result.text}
+            except Exception as exc:
+                log.warning("%s: parser failed on %r: %s", self.task.name, result.text, exc)
+                parsed = {"text": result.text, "valid": False}
+            if not isinstance(parsed, dict):
+                parsed = {"value": parsed}
             out = TaskOutput(self.task.name, parsed, result.text, dataclasses.asdict(result.usage),
                              {"queued_ms": result.queued_ms, "ttft_ms": result.ttft_ms,
                               "total_ms": result.total_ms})
@@ -293,13 +357,21 @@ class PreparedTask:
 
     async def _calibration_offsets(self, engine: Any, template: str, chat: bool, choices: Choices,
                                    candidates: list[list[int]]) -> list[float]:
-        key = (template, chat)
-        if key not in self._calibration:
-            prefix, suffix = self._split_template(template, chat)
-            runs = [await engine.score(prefix + self._encode(c) + self._encode(suffix), candidates)
-                    for c in choices.calibration]
-            self._calibration[key] = [sum(r[i] for r in runs) / len(runs) for i in range(len(candidates))]
-        return self._calibration[key]
+        # One computation shared by every call that needs it (a burst of first calls must not each
+        # score the calibration inputs); a failed one is retried by the next call.
+        key = (template, chat, tuple(choices.labels.items()), tuple(choices.calibration))
+        fut = self._calibration.get(key)
+        if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
+            fut = asyncio.ensure_future(self._compute_calibration(engine, template, chat, choices, candidates))
+            self._calibration[key] = fut
+        return await asyncio.shield(fut)
+
+    async def _compute_calibration(self, engine: Any, template: str, chat: bool, choices: Choices,
+                                   candidates: list[list[int]]) -> list[float]:
+        prefix, glue, suffix = self._split_template(template, chat)
+        runs = [await engine.score(prefix + self._encode_input(glue + c) + self._encode(suffix), candidates)
+                for c in choices.calibration]
+        return [sum(r[i] for r in runs) / len(runs) for i in range(len(candidates))]
 
 
 class ChatTask(PreparedTask):
@@ -307,7 +379,7 @@ class ChatTask(PreparedTask):
 
     def render_history(self, history: list[dict]) -> list[int]:
         messages = list(history)
-        if self.task.system_prompt:
+        if self.task.system_prompt and not (messages and messages[0].get("role") == "system"):
             messages.insert(0, {"role": "system", "content": self.task.system_prompt})
         return self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                   return_dict=False)
@@ -336,6 +408,10 @@ class PluginError:
 GENERIC_OVERRIDES = ("description", "prompt", "system_prompt", "max_input_chars", "max_input_tokens",
                      "truncate", "max_new_tokens", "stop", "decoding", "cache_size", "cache_ttl_s",
                      "max_history_turns", "max_history_tokens")
+OVERRIDE_TYPES: dict[str, Any] = {
+    "description": str, "prompt": str, "system_prompt": str, "max_input_chars": int, "max_input_tokens": int,
+    "truncate": str, "max_new_tokens": int, "stop": list, "decoding": dict, "cache_size": int,
+    "cache_ttl_s": (int, float), "max_history_turns": int, "max_history_tokens": int}
 
 
 def _task_from(obj: Any, options: dict, source: str) -> Task:
@@ -348,7 +424,8 @@ def _task_from(obj: Any, options: dict, source: str) -> Task:
     else:
         task = getattr(obj, "TASK", obj)
         if options:
-            raise ValueError(f"unknown settings {', '.join(sorted(options))} (this task takes no options)")
+            raise ValueError(f"unknown settings {', '.join(sorted(options))} (this task takes no options of "
+                             f"its own; settable: {', '.join(GENERIC_OVERRIDES)})")
     if not isinstance(task, Task):
         raise ValueError("defines neither TASK = Task(...) nor make_task(options) -> Task")
     return task
@@ -356,13 +433,17 @@ def _task_from(obj: Any, options: dict, source: str) -> Task:
 
 def _apply_overrides(task: Task, table: dict) -> Task:
     generic = {k: v for k, v in table.items() if k in GENERIC_OVERRIDES}
+    for key, value in generic.items():
+        expected = OVERRIDE_TYPES[key]
+        if isinstance(value, bool) or not isinstance(value, expected) or (
+                key == "stop" and not all(isinstance(v, str) for v in value)):
+            names = {str: "a string", int: "an integer", (int, float): "a number", list: "a list of strings",
+                     dict: "a table"}
+            raise ValueError(f"[task.{task.name}] {key} = {value!r}: expected {names[expected]}")
+        if key == "cache_ttl_s":
+            generic[key] = float(value)
     if "decoding" in generic:
         generic["decoding"] = {**task.decoding, **generic["decoding"]}
-    for key, value in generic.items():
-        current = getattr(task, key)
-        if current is not None and not isinstance(value, type(current)) and not (
-                isinstance(current, float) and isinstance(value, int)):
-            raise ValueError(f"{key} = {value!r}: expected {type(current).__name__}")
     return dataclasses.replace(task, **generic)
 
 
@@ -407,15 +488,26 @@ def _discover(settings: Any) -> list[tuple[str, Any]]:
         path = Path(folder).expanduser()
         if not path.is_absolute() and not path.exists():
             path = Path(__file__).resolve().parent.parent / folder  # the project's own plugins/
+        if not path.is_dir():
+            found.append((str(folder), PluginError(str(folder), "plugin folder not found (tasks.plugin_dirs)")))
+            continue
         for file in sorted(path.glob("*.py")):
             if file.name.startswith("_"):
                 continue
+            # A unique module name per file, registered while it runs: dataclasses (and pickling) in a
+            # plugin look their module up in sys.modules.
+            digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:10]
+            mod_name = f"rtserver_plugin_{re.sub(r'[^0-9a-zA-Z_]', '_', file.stem)}_{digest}"
             try:
-                spec = importlib.util.spec_from_file_location(f"rtserver_plugin_{file.stem}", file)
+                spec = importlib.util.spec_from_file_location(mod_name, file)
                 module = importlib.util.module_from_spec(spec)
+                sys.modules[mod_name] = module
                 spec.loader.exec_module(module)
                 found.append((str(file), module))
-            except Exception as exc:
+            except BaseException as exc:
+                sys.modules.pop(mod_name, None)
+                if not isinstance(exc, Exception) and not isinstance(exc, SystemExit):
+                    raise
                 found.append((str(file), PluginError(str(file), f"import failed: {type(exc).__name__}: {exc}")))
     for ep in importlib.metadata.entry_points(group="rtserver.tasks"):
         source = f"entry point {ep.name} ({ep.value})"
@@ -426,26 +518,49 @@ def _discover(settings: Any) -> list[tuple[str, Any]]:
     return found
 
 
+def _declared_name(obj: Any) -> str | None:
+    """The task name a plugin declares before it is built: TASK.name, NAME, or the NAME of the module
+    an entry-point factory lives in."""
+    if isinstance(obj, Task):
+        return obj.name
+    task = getattr(obj, "TASK", None)
+    if isinstance(task, Task):
+        return task.name
+    name = getattr(obj, "NAME", None)
+    if name is None and callable(obj):
+        name = getattr(sys.modules.get(getattr(obj, "__module__", None) or ""), "NAME", None)
+    return name
+
+
 def load_registry(settings: Any, tokenizer: Any) -> tuple[TaskRegistry, list[PluginError]]:
     """Discover, configure and validate every task. A broken plugin is reported, never fatal."""
     errors: list[PluginError] = []
     tasks: dict[str, PreparedTask] = {}
     overrides: dict = dict(settings.task)
     enabled, disabled = set(settings.tasks.enabled), set(settings.tasks.disabled)
+    seen: set[str] = set()  # every task name a plugin declared, loaded or not
     for source, obj in _discover(settings):
         if isinstance(obj, PluginError):
             errors.append(obj)
             continue
-        name = getattr(getattr(obj, "TASK", None), "name", None) or getattr(obj, "NAME", None)
-        table = dict(overrides.get(name, {})) if name else {}
-        options = {k: v for k, v in table.items() if k not in GENERIC_OVERRIDES}
         try:
+            name = _declared_name(obj)
+            if name is None:  # a factory that does not say its name: ask it with no options
+                name = _task_from(obj, {}, source).name
+            table = dict(overrides.get(name, {}))
+            if not isinstance(name, str):
+                raise ValueError(f"name {name!r}: expected a string")
+            seen.add(name)
+            options = {k: v for k, v in table.items() if k not in GENERIC_OVERRIDES}
             task = _task_from(obj, options, source)
             task = _apply_overrides(task, table)
             task.validate()
+            if task.name != name and name in overrides:
+                raise ValueError(f"declares NAME {name!r} but builds task {task.name!r}")
         except Exception as exc:
             errors.append(PluginError(source, f"invalid task: {exc}"))
             continue
+        seen.add(task.name)
         if task.name in tasks:
             errors.append(PluginError(source, f"task {task.name!r} is already defined; this one is ignored"))
             continue
@@ -453,7 +568,7 @@ def load_registry(settings: Any, tokenizer: Any) -> tuple[TaskRegistry, list[Plu
             continue
         tasks[task.name] = (ChatTask if task.stateful else PreparedTask)(task, tokenizer)
     for name in overrides:
-        if name not in tasks and name not in disabled:
+        if name not in seen:
             errors.append(PluginError("config.toml", f"[task.{name}]: no such task"))
     auto = [n for n in settings.tasks.auto_tasks if n in tasks and not tasks[n].task.stateful]
     for n in settings.tasks.auto_tasks:

@@ -1,0 +1,518 @@
+"""The agent console: `/ws/console`, a registry of live conversations and the fan-out to agents.
+
+The hub calls the small synchronous hooks below (`attached`, `user_message`, `bot_token`, ...) as
+things happen in customer sessions; each hook updates the conversation's state here and puts one
+event on the send queue of every logged-in agent. Nothing awaits between updating the state and
+queueing the event, so an agent that logs in (or reconnects) gets a snapshot of every conversation
+(`console_ready`) followed by exactly the events that happened after it: nothing is missed or doubled.
+
+Take-over: an agent can take over one conversation at a time per conversation (a second agent gets
+`error already_taken`). While taken over, the customer's `chat` messages are not given to the bot:
+they go into the session's history and to the console (the customer gets `forwarded`), the agent's
+replies go to the customer as `agent_message` events and into the history as assistant turns, so the
+bot knows what was said when the agent hands back. An agent whose console disconnects keeps its
+take-overs for `sessions.console_takeover_grace_s` (to reconnect), then they are handed back.
+
+Hooks never raise: a console failure is logged and never breaks a customer's chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import secrets
+import time
+from collections import deque
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from . import protocol as P
+
+log = logging.getLogger("rtserver.console")
+
+CLOSE_SLOW = 4008
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_DISABLED = 4403
+CLOSE_GOING_AWAY = 1001
+
+# Sentiment labels (as the built-in sentiment task names them, English or Chinese) → mood score.
+MOOD_SCORE = {"positive": 1.0, "negative": -1.0, "neutral": 0.0, "正面": 1.0, "负面": -1.0, "中性": 0.0}
+SENTIMENT_TASK = "sentiment"
+MAX_AGENT_MESSAGE_CHARS = 4000
+AGENT_MESSAGE_TYPES = ("login", "take_over", "hand_back", "agent_message", "ping")
+
+
+def _safe(fn):
+    """Hooks called from the hub: log failures, never raise into a customer's chat."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            log.exception("console hook %s failed", fn.__name__)
+            return None
+    return wrapper
+
+
+def _clean(text: str) -> str:
+    return "".join(c for c in text if c in "\n\t" or not (ord(c) < 32 or 127 <= ord(c) < 160)).strip()
+
+
+class Conversation:
+    """What the console knows about one customer session."""
+
+    def __init__(self, session_id: str, customer: str, max_messages: int):
+        now = time.time()
+        self.session_id = session_id
+        self.customer = customer
+        self.connected = True
+        self.started_at = now
+        self.updated_at = now
+        self.messages: deque[dict] = deque(maxlen=max_messages)
+        self.seq = 0
+        self.streaming: dict | None = None  # {"id", "text"} of the bot reply being streamed
+        self.agent: dict | None = None  # {"id", "name"} of the agent who took over
+
+    def add(self, message: dict) -> dict:
+        self.seq += 1
+        message["seq"] = self.seq
+        message["ts"] = time.time()
+        self.messages.append(message)
+        self.updated_at = message["ts"]
+        return message
+
+    def find_user_message(self, request_id: str) -> dict | None:
+        for m in reversed(self.messages):
+            if m["role"] == "user" and m.get("id") == request_id:
+                return m
+        return None
+
+    def mood(self, window: int) -> dict:
+        labels = [m["sentiment"] for m in reversed(self.messages)
+                  if m["role"] == "user" and m.get("sentiment")][:window]
+        if not labels:
+            return {"label": "unknown", "score": None, "n": 0}
+        score = sum(MOOD_SCORE.get(str(label).lower(), 0.0) for label in labels) / len(labels)
+        label = "negative" if score <= -1 / 3 else "positive" if score >= 1 / 3 else "neutral"
+        return {"label": label, "score": round(score, 3), "n": len(labels)}
+
+    def last_message(self) -> dict | None:
+        if not self.messages:
+            return None
+        m = self.messages[-1]
+        return {"role": m["role"], "text": m["text"][:200], "ts": m["ts"]}
+
+    def to_json(self, window: int) -> dict:
+        return {"session_id": self.session_id, "customer": self.customer, "connected": self.connected,
+                "started_at": self.started_at, "updated_at": self.updated_at, "agent": self.agent,
+                "mood": self.mood(window), "last_message": self.last_message(), "seq": self.seq,
+                "messages": list(self.messages), "streaming": self.streaming}
+
+
+class Agent:
+    """One logged-in console connection."""
+
+    def __init__(self, ws: WebSocket, queue_size: int):
+        self.ws = ws
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
+        self.id = ""
+        self.name = ""
+        self.logged_in = False
+        self.stopping = asyncio.Event()
+        self.close_code: int | None = None
+        self.close_reason = ""
+
+    def put(self, event: dict) -> None:
+        """Queue an event; an agent that does not read is closed (it resyncs from a snapshot)."""
+        if self.stopping.is_set():
+            return
+        try:
+            self.queue.put_nowait(P.dumps(event))
+        except asyncio.QueueFull:
+            log.warning("closing console connection of %s: not reading", self.name)
+            self.stop(CLOSE_SLOW, "slow client")
+
+    def stop(self, code: int | None = None, reason: str = "") -> None:
+        if not self.stopping.is_set():
+            self.close_code, self.close_reason = code, reason
+            self.stopping.set()
+
+    async def writer(self) -> None:
+        try:
+            while True:
+                await self.ws.send_text(await self.queue.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.stop()
+
+
+class ConsoleHub:
+    """Registry of conversations + the set of agents; the hub publishes session events here."""
+
+    def __init__(self, hub: Any):
+        self.hub = hub
+        self.settings = hub.settings
+        ss = self.settings.sessions
+        self.mood_window = ss.console_mood_window
+        self.max_messages = ss.console_max_messages
+        self.grace_s = ss.console_takeover_grace_s
+        self.conversations: dict[str, Conversation] = {}
+        self.agents: set[Agent] = set()
+        self._release: dict[str, asyncio.TimerHandle] = {}
+
+    # -- fan-out --------------------------------------------------------------------------------
+    def broadcast(self, event: dict) -> None:
+        for agent in list(self.agents):
+            if agent.logged_in:
+                agent.put(event)
+
+    def _conv_event(self, conv: Conversation) -> None:
+        self.broadcast({"type": "conversation", "conversation": conv.to_json(self.mood_window)})
+
+    def _conv(self, session: Any) -> Conversation | None:
+        return self.conversations.get(session.id)
+
+    def holder(self, session: Any) -> dict | None:
+        """The agent ({"id", "name"}) answering this session instead of the bot, or None."""
+        conv = self.conversations.get(session.id)
+        return conv.agent if conv is not None else None
+
+    # -- hooks (called by the hub; synchronous, never raise) ------------------------------------
+    @_safe
+    def attached(self, session: Any, client_name: str | None, resumed: bool) -> None:
+        conv = self._conv(session)
+        name = client_name or f"Customer {session.id[:6]}"
+        if conv is None:
+            conv = Conversation(session.id, name, self.max_messages)
+            self.conversations[session.id] = conv
+            for m in session.history:  # a session older than the console's record of it
+                role = "agent" if m.get("agent") else "bot" if m["role"] == "assistant" else "user"
+                conv.add({"role": role, "text": m["content"], **({"agent": m["agent"]} if m.get("agent") else {})})
+        else:
+            if client_name:
+                conv.customer = client_name
+        conv.connected = True
+        conv.updated_at = time.time()
+        self._conv_event(conv)
+
+    @_safe
+    def detached(self, session: Any) -> None:
+        conv = self._conv(session)
+        if conv is not None and session.connection is None:
+            conv.connected = False
+            conv.streaming = None
+            self._conv_event(conv)
+
+    @_safe
+    def dropped(self, session: Any) -> None:
+        if self.conversations.pop(session.id, None) is not None:
+            timer = self._release.pop(session.id, None)
+            if timer is not None:
+                timer.cancel()
+            self.broadcast({"type": "removed", "session_id": session.id})
+
+    @_safe
+    def user_message(self, session: Any, request_id: str, text: str, to_agent: bool = False) -> None:
+        conv = self._conv(session)
+        if conv is None:
+            return
+        msg = conv.add({"role": "user", "id": request_id, "text": text, "sentiment": None,
+                        "to_agent": to_agent})
+        self._message_event(conv, msg)
+
+    @_safe
+    def bot_token(self, session: Any, request_id: str, delta: str) -> None:
+        conv = self._conv(session)
+        if conv is None:
+            return
+        if conv.streaming is None or conv.streaming["id"] != request_id:
+            conv.streaming = {"id": request_id, "text": ""}
+        conv.streaming["text"] += delta
+        self.broadcast({"type": "token", "session_id": session.id, "id": request_id, "text": delta})
+
+    @_safe
+    def bot_done(self, session: Any, request_id: str, text: str | None, finish_reason: str) -> None:
+        """The bot's turn ended: `text` is the reply (None when it failed or left no text)."""
+        conv = self._conv(session)
+        if conv is None:
+            return
+        if conv.streaming is not None and conv.streaming["id"] == request_id:
+            conv.streaming = None
+        if text:
+            msg = conv.add({"role": "bot", "id": request_id, "text": text, "finish_reason": finish_reason})
+            self._message_event(conv, msg)
+        else:
+            self.broadcast({"type": "stream_end", "session_id": session.id, "id": request_id,
+                            "finish_reason": finish_reason})
+
+    @_safe
+    def auto_result(self, session: Any, request_id: str, task: str, output: Any) -> None:
+        conv = self._conv(session)
+        if conv is None:
+            return
+        msg = conv.find_user_message(request_id)
+        if msg is None:
+            return
+        label = output.get("label") if isinstance(output, dict) else None
+        if label is None:
+            return
+        msg.setdefault("tags", {})[task] = label
+        if task == SENTIMENT_TASK:
+            msg["sentiment"] = label
+        self.broadcast({"type": "tag", "session_id": session.id, "seq": msg["seq"], "id": request_id,
+                        "task": task, "label": label, "mood": conv.mood(self.mood_window)})
+
+    @_safe
+    def reset(self, session: Any) -> None:
+        conv = self._conv(session)
+        if conv is not None:
+            conv.messages.clear()
+            conv.streaming = None
+            conv.updated_at = time.time()
+            self._conv_event(conv)
+
+    def _message_event(self, conv: Conversation, msg: dict) -> None:
+        self.broadcast({"type": "message", "session_id": conv.session_id, "message": msg,
+                        "mood": conv.mood(self.mood_window), "updated_at": conv.updated_at})
+
+    # -- customer side while an agent holds the session -----------------------------------------
+    async def forward_chat(self, conn: Any, msg: P.Chat) -> None:
+        """A customer `chat` while an agent holds the session: history + console, no bot reply."""
+        from .hub import clean_chat_text, engine_error  # the hub imports this module
+        from .session import window
+        session = conn.session
+        holder = self.holder(session) or {}
+        try:
+            chat = self.hub.state.registry.chat
+            text = clean_chat_text(chat, msg.text)
+            history, cut = window(session.history + [{"role": "user", "content": text}],
+                                  chat.max_history_turns, chat.max_history_tokens,
+                                  lambda h: len(chat.render(h)))
+        except Exception as exc:
+            code, message = engine_error(exc)
+            await conn.error(code, message, msg.id)
+            return
+        if cut:
+            session.cuts += 1
+        session.history = history
+        session.touch(self.hub.sessions.clock())
+        self.user_message(session, msg.id, text, to_agent=True)
+        await conn.send({"type": "forwarded", "id": msg.id, "agent": holder.get("name")})
+        for name in self.hub.state.registry.auto_tasks:
+            conn.spawn(conn.run_auto_task(msg.id, name, text))
+
+    # -- agent actions --------------------------------------------------------------------------
+    def _session(self, session_id: Any) -> Any:
+        if not isinstance(session_id, str):
+            return None
+        return self.hub.sessions.sessions.get(session_id)
+
+    async def _to_customer(self, session: Any, event: dict) -> None:
+        conn = session.connection
+        if conn is not None:
+            await conn.send(event)
+
+    async def take_over(self, agent: Agent, session_id: Any) -> None:
+        session = self._session(session_id)
+        conv = self.conversations.get(session_id) if session is not None else None
+        if conv is None:
+            agent.put(P.error_event("unknown_session", f"no live conversation {session_id!r}",
+                                    session_id=session_id))
+            return
+        if conv.agent is not None and conv.agent["id"] != agent.id:
+            agent.put(P.error_event("already_taken", f"{conv.agent['name']} has already taken over this "
+                                    f"conversation", session_id=session_id, agent=conv.agent))
+            return
+        self._cancel_release(session_id)
+        if conv.agent is not None:  # already ours (e.g. after a reconnect): say so again
+            self._conv_event(conv)
+            return
+        conv.agent = {"id": agent.id, "name": agent.name}
+        conv.updated_at = time.time()
+        self._conv_event(conv)
+        await self._to_customer(session, {"type": "handover", "to": "agent", "agent": agent.name})
+
+    async def hand_back(self, agent: Agent | None, session_id: Any) -> None:
+        session = self._session(session_id)
+        conv = self.conversations.get(session_id) if session is not None else None
+        if conv is None:
+            if agent is not None:
+                agent.put(P.error_event("unknown_session", f"no live conversation {session_id!r}",
+                                        session_id=session_id))
+            return
+        if agent is not None and (conv.agent is None or conv.agent["id"] != agent.id):
+            agent.put(P.error_event("not_taken_over", "you have not taken over this conversation",
+                                    session_id=session_id))
+            return
+        self._cancel_release(session_id)
+        conv.agent = None
+        conv.updated_at = time.time()
+        self._conv_event(conv)
+        await self._to_customer(session, {"type": "handover", "to": "bot", "agent": None})
+
+    async def agent_message(self, agent: Agent, session_id: Any, text: Any) -> None:
+        session = self._session(session_id)
+        conv = self.conversations.get(session_id) if session is not None else None
+        if conv is None:
+            agent.put(P.error_event("unknown_session", f"no live conversation {session_id!r}",
+                                    session_id=session_id))
+            return
+        if conv.agent is None or conv.agent["id"] != agent.id:
+            agent.put(P.error_event("not_taken_over", "take over the conversation before replying",
+                                    session_id=session_id))
+            return
+        if not isinstance(text, str):
+            agent.put(P.error_event("invalid_field", "'text' must be a string", session_id=session_id))
+            return
+        text = _clean(text)[:MAX_AGENT_MESSAGE_CHARS]
+        if not text:
+            agent.put(P.error_event("empty_text", "the message is empty", session_id=session_id))
+            return
+        session.history.append({"role": "assistant", "content": text, "agent": agent.name})
+        session.touch(self.hub.sessions.clock())
+        msg = conv.add({"role": "agent", "text": text, "agent": agent.name})
+        self._message_event(conv, msg)
+        await self._to_customer(session, {"type": "agent_message", "text": text, "agent": agent.name})
+
+    def _cancel_release(self, session_id: str) -> None:
+        timer = self._release.pop(session_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _agent_left(self, agent: Agent) -> None:
+        """Schedule hand-back of the take-overs of an agent id that has no console connected."""
+        if not agent.id or any(a.id == agent.id and a.logged_in for a in self.agents):
+            return
+        loop = asyncio.get_running_loop()
+        for conv in self.conversations.values():
+            if conv.agent is not None and conv.agent["id"] == agent.id and conv.session_id not in self._release:
+                self._release[conv.session_id] = loop.call_later(
+                    self.grace_s, self._release_orphan, conv.session_id, agent.id)
+
+    def _release_orphan(self, session_id: str, agent_id: str) -> None:
+        self._release.pop(session_id, None)
+        conv = self.conversations.get(session_id)
+        if conv is None or conv.agent is None or conv.agent["id"] != agent_id:
+            return
+        if any(a.id == agent_id and a.logged_in for a in self.agents):
+            return
+        task = asyncio.get_running_loop().create_task(self.hand_back(None, session_id))
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    # -- the endpoint ---------------------------------------------------------------------------
+    def snapshot(self, agent: Agent) -> dict:
+        return {"type": "console_ready", "protocol": P.PROTOCOL_VERSION,
+                "agent": {"id": agent.id, "name": agent.name}, "mood_window": self.mood_window,
+                "conversations": [c.to_json(self.mood_window) for c in self.conversations.values()]}
+
+    def _login(self, agent: Agent, obj: dict) -> bool:
+        token = self.settings.security.console_token
+        given = obj.get("token")
+        if not (isinstance(given, str) and secrets.compare_digest(given.encode(), token.encode())):
+            agent.put(P.error_event("unauthorized", "wrong console token"))
+            agent.stop(CLOSE_UNAUTHORIZED, "unauthorized")
+            return False
+        name, agent_id = obj.get("agent"), obj.get("agent_id")
+        agent.name = _clean(name)[:60] if isinstance(name, str) and _clean(name) else "Agent"
+        agent.id = agent_id[:64] if isinstance(agent_id, str) and agent_id else secrets.token_urlsafe(12)
+        # Snapshot and registration in one synchronous step: every later event follows the snapshot.
+        agent.logged_in = True
+        agent.put(self.snapshot(agent))
+        for sid, timer in list(self._release.items()):
+            conv = self.conversations.get(sid)
+            if conv is not None and conv.agent is not None and conv.agent["id"] == agent.id:
+                timer.cancel()
+                self._release.pop(sid, None)
+        return True
+
+    async def handle(self, agent: Agent, raw: str | bytes) -> None:
+        try:
+            obj = P.load_object(raw, self.settings.server.max_frame_bytes)
+        except P.ProtocolError as exc:
+            agent.put(P.error_event(exc.code, exc.message))
+            return
+        kind = obj.get("type")
+        if kind not in AGENT_MESSAGE_TYPES:
+            agent.put(P.error_event("unknown_type", f"unknown message type {kind!r} "
+                                    f"(known: {', '.join(AGENT_MESSAGE_TYPES)})"))
+            return
+        if kind == "ping":
+            agent.put(P.pong_event(obj.get("data")))
+            return
+        if kind == "login":
+            if agent.logged_in:
+                agent.put(P.error_event("already_started", "already logged in"))
+            else:
+                self._login(agent, obj)
+            return
+        if not agent.logged_in:
+            agent.put(P.error_event("unauthorized", "send login with the console token first"))
+            agent.stop(CLOSE_UNAUTHORIZED, "unauthorized")
+            return
+        sid = obj.get("session_id")
+        if kind == "take_over":
+            await self.take_over(agent, sid)
+        elif kind == "hand_back":
+            await self.hand_back(agent, sid)
+        else:
+            await self.agent_message(agent, sid, obj.get("text"))
+
+    async def endpoint(self, ws: WebSocket) -> None:
+        if not self.hub.origin_allowed(ws):
+            await ws.close(code=1008, reason="origin not allowed")
+            return
+        await ws.accept()
+        if not self.settings.security.console_token:
+            await ws.send_text(P.dumps(P.error_event("console_disabled", "the console is disabled "
+                                                     "(security.console_token is empty)")))
+            await ws.close(code=CLOSE_DISABLED, reason="console disabled")
+            return
+        agent = Agent(ws, max(64, 4 * self.settings.server.send_queue_size))
+        self.agents.add(agent)
+        writer = asyncio.create_task(agent.writer())
+
+        async def reader() -> None:
+            try:
+                while not agent.stopping.is_set():
+                    message = await ws.receive()
+                    if message["type"] == "websocket.disconnect":
+                        break
+                    raw = message.get("text")
+                    await self.handle(agent, raw if raw is not None else (message.get("bytes") or b""))
+            except (WebSocketDisconnect, RuntimeError):
+                pass
+            finally:
+                agent.stop()
+
+        read = asyncio.create_task(reader())
+        try:
+            await agent.stopping.wait()
+        finally:
+            self.agents.discard(agent)
+            read.cancel()
+            if agent.logged_in:
+                agent.logged_in = False
+                self._agent_left(agent)
+            if agent.close_code is not None:
+                for _ in range(50):
+                    if agent.queue.empty():
+                        break
+                    await asyncio.sleep(0.01)
+                writer.cancel()
+                try:
+                    await asyncio.wait_for(ws.close(code=agent.close_code, reason=agent.close_reason), 1.0)
+                except Exception:
+                    pass
+            else:
+                writer.cancel()
+            await asyncio.gather(read, writer, return_exceptions=True)
+
+    def close_all(self) -> None:
+        for agent in list(self.agents):
+            agent.stop(CLOSE_GOING_AWAY, "server shutting down")
+        for timer in self._release.values():
+            timer.cancel()
+        self._release.clear()

@@ -1,0 +1,338 @@
+// rtserver agent console: live list of conversations over /ws/console (docs/protocol.md), take over,
+// reply, hand back. Text from customers, the bot or agents only reaches the DOM via textContent.
+
+const $ = (id) => document.getElementById(id);
+const KEY = { token: "rtconsole:token", name: "rtconsole:name", agent: "rtconsole:agent_id", seen: "rtconsole:seen" };
+const MOOD_TEXT = { negative: "Upset", neutral: "Neutral", positive: "Happy", unknown: "Not rated" };
+const MOOD_RANK = { negative: 0, neutral: 1, unknown: 2, positive: 3 };
+
+const state = {
+  ws: null, me: null, convs: new Map(), selected: null, backoff: 0, retry: null, stopped: false,
+  seen: load(KEY.seen, {}),
+};
+
+function load(key, dflt) {
+  try { return JSON.parse(sessionStorage.getItem(key)) ?? dflt; } catch { return dflt; }
+}
+function save(key, value) {
+  try { sessionStorage.setItem(key, typeof value === "string" ? value : JSON.stringify(value)); } catch { /* */ }
+}
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") node.className = v;
+    else if (k === "text") node.textContent = v;
+    else node.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children) if (c !== null && c !== undefined) node.append(c);
+  return node;
+}
+function time(ts) {
+  return ts ? new Date(ts * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" }) : "";
+}
+function toast(text) {
+  const t = $("toast");
+  t.textContent = text;
+  t.hidden = false;
+  clearTimeout(toast.timer);
+  toast.timer = setTimeout(() => { t.hidden = true; }, 6000);
+}
+function setConn(text) { $("conn").textContent = text; }
+
+// -- login -------------------------------------------------------------------------------------
+function agentId() {
+  let id = sessionStorage.getItem(KEY.agent);
+  if (!id) {
+    id = (crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2));
+    save(KEY.agent, id);
+  }
+  return id;
+}
+
+function showLogin(error) {
+  $("login").hidden = false;
+  $("app").hidden = true;
+  $("logout").hidden = true;
+  $("me").textContent = "";
+  $("login-error").textContent = error || "";
+  $("agent-name").value = sessionStorage.getItem(KEY.name) || "";
+  setConn("Not signed in");
+  $("token").focus();
+}
+
+$("login-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  save(KEY.token, $("token").value);
+  save(KEY.name, $("agent-name").value.trim() || "Agent");
+  $("token").value = "";
+  state.stopped = false;
+  state.backoff = 0;
+  connect();
+});
+$("logout").addEventListener("click", () => {
+  sessionStorage.removeItem(KEY.token);
+  state.stopped = true;
+  if (state.ws) state.ws.close(1000);
+  showLogin("");
+});
+
+// -- connection --------------------------------------------------------------------------------
+function connect() {
+  clearTimeout(state.retry);
+  if (state.ws) return;
+  const token = sessionStorage.getItem(KEY.token);
+  if (!token) { showLogin(""); return; }
+  setConn(state.backoff ? "Reconnecting…" : "Connecting…");
+  const ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/ws/console");
+  state.ws = ws;
+  ws.onopen = () => {
+    ws.send(JSON.stringify({ type: "login", token, agent: sessionStorage.getItem(KEY.name) || "Agent",
+      agent_id: agentId() }));
+  };
+  ws.onmessage = (ev) => {
+    let msg;
+    try { msg = JSON.parse(ev.data); } catch { return; }
+    onEvent(msg);
+  };
+  ws.onclose = (ev) => {
+    if (state.ws !== ws) return;
+    state.ws = null;
+    if (ev.code === 4401) {
+      sessionStorage.removeItem(KEY.token);
+      showLogin("That console token is not right.");
+      return;
+    }
+    if (ev.code === 4403) {
+      sessionStorage.removeItem(KEY.token);
+      showLogin("The console is disabled on this server (security.console_token is empty).");
+      return;
+    }
+    if (state.stopped) return;
+    const delay = Math.min(30000, 500 * 2 ** state.backoff) * (0.8 + Math.random() * 0.4);
+    state.backoff += 1;
+    setConn(`Offline — reconnecting in ${Math.ceil(delay / 1000)} s`);
+    state.retry = setTimeout(connect, delay);
+  };
+}
+
+function onEvent(msg) {
+  const conv = msg.session_id ? state.convs.get(msg.session_id) : null;
+  switch (msg.type) {
+    case "console_ready":
+      state.me = msg.agent;
+      state.backoff = 0;
+      state.convs = new Map(msg.conversations.map((c) => [c.session_id, c]));
+      $("login").hidden = true;
+      $("app").hidden = false;
+      $("logout").hidden = false;
+      $("me").textContent = "Signed in as " + msg.agent.name;
+      setConn("Live");
+      renderList();
+      renderConv();
+      break;
+    case "conversation":
+      state.convs.set(msg.conversation.session_id, msg.conversation);
+      renderList();
+      if (msg.conversation.session_id === state.selected) renderConv();
+      break;
+    case "removed":
+      state.convs.delete(msg.session_id);
+      if (state.selected === msg.session_id) state.selected = null;
+      renderList();
+      renderConv();
+      break;
+    case "message":
+      if (!conv) return;
+      conv.messages.push(msg.message);
+      if (conv.messages.length > 500) conv.messages.shift();
+      conv.seq = msg.message.seq;
+      conv.mood = msg.mood;
+      conv.updated_at = msg.updated_at;
+      conv.last_message = { role: msg.message.role, text: msg.message.text.slice(0, 200), ts: msg.message.ts };
+      if (msg.message.role === "bot" && conv.streaming && conv.streaming.id === msg.message.id) conv.streaming = null;
+      renderList();
+      if (conv.session_id === state.selected) renderConv();
+      break;
+    case "token":
+      if (!conv) return;
+      if (!conv.streaming || conv.streaming.id !== msg.id) conv.streaming = { id: msg.id, text: "" };
+      conv.streaming.text += msg.text;
+      if (conv.session_id === state.selected) updateStreaming(conv);
+      break;
+    case "stream_end":
+      if (!conv) return;
+      if (conv.streaming && conv.streaming.id === msg.id) conv.streaming = null;
+      if (conv.session_id === state.selected) renderConv();
+      break;
+    case "tag": {
+      if (!conv) return;
+      const m = conv.messages.find((x) => x.seq === msg.seq);
+      if (m) {
+        m.tags = { ...(m.tags || {}), [msg.task]: msg.label };
+        if (msg.task === "sentiment") m.sentiment = msg.label;
+      }
+      conv.mood = msg.mood;
+      renderList();
+      if (conv.session_id === state.selected) renderConv();
+      break;
+    }
+    case "error":
+      if (msg.code === "unauthorized" || msg.code === "console_disabled") return; // the close follows
+      toast(msg.message || msg.code);
+      break;
+    default:
+      break;
+  }
+}
+
+// -- unread ------------------------------------------------------------------------------------
+function unread(conv) {
+  const seen = state.seen[conv.session_id] || 0;
+  return conv.messages.filter((m) => m.role === "user" && m.seq > seen).length;
+}
+function markSeen(conv) {
+  if (!conv || document.hidden) return;
+  if ((state.seen[conv.session_id] || 0) !== conv.seq) {
+    state.seen[conv.session_id] = conv.seq;
+    save(KEY.seen, state.seen);
+  }
+}
+document.addEventListener("visibilitychange", () => {
+  const conv = state.convs.get(state.selected);
+  if (conv) { markSeen(conv); renderList(); }
+});
+
+// -- list --------------------------------------------------------------------------------------
+function moodBadge(mood) {
+  const label = (mood && mood.label) || "unknown";
+  return el("span", { class: `mood mood-${label}`, text: MOOD_TEXT[label] || label,
+    title: mood && mood.n ? `mood over the last ${mood.n} rated messages` : "no rated messages yet" });
+}
+
+function renderList() {
+  const filter = $("filter").value;
+  const sort = $("sort").value;
+  let convs = [...state.convs.values()];
+  if (filter !== "all") convs = convs.filter((c) => (c.mood?.label || "unknown") === filter);
+  const cmp = {
+    recent: (a, b) => b.updated_at - a.updated_at,
+    mood: (a, b) => (MOOD_RANK[a.mood?.label] ?? 2) - (MOOD_RANK[b.mood?.label] ?? 2) ||
+      (a.mood?.score ?? 0) - (b.mood?.score ?? 0) || b.updated_at - a.updated_at,
+    unread: (a, b) => unread(b) - unread(a) || b.updated_at - a.updated_at,
+    name: (a, b) => a.customer.localeCompare(b.customer),
+  }[sort];
+  convs.sort(cmp);
+  const list = $("list");
+  list.replaceChildren();
+  for (const c of convs) {
+    if (c.session_id === state.selected) markSeen(c);
+    const n = unread(c);
+    const last = c.last_message;
+    const lastText = last ? (last.role === "user" ? "" : last.role === "agent" ? "Agent: " : "Bot: ") + last.text : "No messages yet";
+    const btn = el("button", { type: "button", class: "item", "aria-current": c.session_id === state.selected ? "true" : null,
+      "data-session": c.session_id },
+      el("span", { class: "item-top" },
+        el("span", { class: "name", text: c.customer }),
+        moodBadge(c.mood),
+        n ? el("span", { class: "unread", text: String(n), "aria-label": `${n} unread` }) : null),
+      el("span", { class: "last", text: lastText }),
+      el("span", { class: "item-meta" },
+        el("span", { class: c.connected ? "dot on" : "dot off", text: c.connected ? "online" : "offline" }),
+        c.agent ? el("span", { class: "held", text: c.agent.id === state.me?.id ? "you are answering" : `${c.agent.name} is answering` }) : null,
+        el("span", { class: "when", text: time(c.updated_at) })));
+    btn.addEventListener("click", () => select(c.session_id));
+    list.append(el("li", {}, btn));
+  }
+  $("count").textContent = `(${state.convs.size})`;
+  $("empty").hidden = convs.length > 0;
+  $("empty").textContent = state.convs.size ? "No conversation matches this filter." : "No conversations yet.";
+}
+$("filter").addEventListener("change", renderList);
+$("sort").addEventListener("change", renderList);
+
+function select(sid) {
+  state.selected = sid;
+  renderList();
+  renderConv();
+  $("messages").focus();
+}
+
+// -- one conversation --------------------------------------------------------------------------
+function renderMessage(m) {
+  const who = m.role === "user" ? "Customer" : m.role === "agent" ? `${m.agent || "Agent"} (agent)` : "Bot";
+  const li = el("li", { class: `msg msg-${m.role}` },
+    el("span", { class: "who" }, who, el("span", { class: "when", text: " · " + time(m.ts) })),
+    el("span", { class: "body", text: m.text }));
+  if (m.role === "user") {
+    const label = m.sentiment;
+    li.append(el("span", { class: `tag tag-${label ? String(label).toLowerCase() : "pending"}`,
+      text: label ? `sentiment: ${label}` : "sentiment: …" }));
+    if (m.to_agent) li.append(el("span", { class: "tag tag-routed", text: "to agent" }));
+  }
+  if (m.finish_reason === "cancelled") li.append(el("span", { class: "tag", text: "stopped by customer" }));
+  return li;
+}
+
+function updateStreaming(conv) {
+  const box = $("messages");
+  let li = box.querySelector(".msg-streaming");
+  if (!li) {
+    li = el("li", { class: "msg msg-bot msg-streaming", "aria-busy": "true" },
+      el("span", { class: "who", text: "Bot (typing…)" }), el("span", { class: "body" }));
+    box.append(li);
+  }
+  li.querySelector(".body").textContent = conv.streaming ? conv.streaming.text : "";
+  box.scrollTop = box.scrollHeight;
+}
+
+function renderConv() {
+  const conv = state.convs.get(state.selected);
+  $("placeholder").hidden = !!conv;
+  $("conv").hidden = !conv;
+  if (!conv) return;
+  markSeen(conv);
+  $("conv-title").textContent = conv.customer;
+  const meta = $("conv-meta");
+  meta.replaceChildren(moodBadge(conv.mood),
+    ` ${conv.connected ? "online" : "offline"} · session ${conv.session_id.slice(0, 8)}… · ` +
+    (conv.agent ? (conv.agent.id === state.me?.id ? "you are answering" : `${conv.agent.name} is answering`) : "the bot is answering"));
+  const mine = conv.agent && conv.agent.id === state.me?.id;
+  $("takeover").hidden = !!mine;
+  $("takeover").disabled = !!conv.agent && !mine;
+  $("takeover").textContent = conv.agent && !mine ? `Taken over by ${conv.agent.name}` : "Take over";
+  $("handback").hidden = !mine;
+  $("reply").disabled = !mine;
+  $("send").disabled = !mine;
+  $("reply").placeholder = mine ? "Type your reply to the customer…" : "Take over to reply…";
+  const box = $("messages");
+  box.replaceChildren(...conv.messages.map(renderMessage));
+  if (conv.streaming) updateStreaming(conv);
+  box.scrollTop = box.scrollHeight;
+}
+
+function sendWs(obj) {
+  if (state.ws && state.ws.readyState === WebSocket.OPEN) state.ws.send(JSON.stringify(obj));
+  else toast("Not connected; try again in a moment.");
+}
+$("takeover").addEventListener("click", () => {
+  sendWs({ type: "take_over", session_id: state.selected });
+  $("reply").focus();
+});
+$("handback").addEventListener("click", () => sendWs({ type: "hand_back", session_id: state.selected }));
+$("reply-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const text = $("reply").value.trim();
+  if (!text) return;
+  sendWs({ type: "agent_message", session_id: state.selected, text });
+  $("reply").value = "";
+  $("reply").focus();
+});
+$("reply").addEventListener("keydown", (ev) => {
+  if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
+    ev.preventDefault();
+    $("reply-form").requestSubmit();
+  }
+});
+
+if (sessionStorage.getItem(KEY.token)) connect(); else showLogin("");

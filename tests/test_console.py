@@ -1,0 +1,195 @@
+"""/ws/console (the agent console's hub) over a real uvicorn server with the scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import websockets
+
+from .serverutil import ScriptedEngine, hello, make_settings, recv_json, recv_until, scripted_app, serve
+
+pytestmark = pytest.mark.asyncio
+
+TOKEN = "s3cret-console-token"
+
+
+def console_url(url: str) -> str:
+    return url + "/console"
+
+
+def is_end(rid):
+    return lambda e: e.get("id") == rid and e["type"] in ("done", "error", "forwarded") and not e.get("auto")
+
+
+async def login(url: str, name: str = "Alice", agent_id: str | None = None, token: str = TOKEN):
+    ws = await websockets.connect(console_url(url))
+    msg = {"type": "login", "token": token, "agent": name}
+    if agent_id:
+        msg["agent_id"] = agent_id
+    await ws.send(json.dumps(msg))
+    return ws, await recv_json(ws)
+
+
+def settings_with(**extra):
+    sections = {"security": {"console_token": TOKEN}}
+    for k, v in extra.items():
+        sections.setdefault(k, {}).update(v)
+    return make_settings(**sections)
+
+
+async def test_console_disabled_without_token_and_wrong_token_refused(smol):
+    settings = make_settings(tasks={"auto_tasks": []})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(console_url(url)) as ws:
+            err = await recv_json(ws)
+            assert err["type"] == "error" and err["code"] == "console_disabled"
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(ws.recv(), 30)
+            assert info.value.rcvd.code == 4403
+    settings = settings_with(tasks={"auto_tasks": []})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        ws, err = await login(url, token="wrong")
+        assert err["code"] == "unauthorized"
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            await asyncio.wait_for(ws.recv(), 30)
+        assert info.value.rcvd.code == 4401
+        async with websockets.connect(console_url(url)) as ws:  # anything before login: refused
+            await ws.send(json.dumps({"type": "take_over", "session_id": "x"}))
+            assert (await recv_json(ws))["code"] == "unauthorized"
+
+
+async def test_live_events_then_snapshot_for_late_agent(smol):
+    settings = settings_with()
+    ids = smol.tokenizer.encode(" one two three", add_special_tokens=False)
+    engine = ScriptedEngine(smol, script=ids, delay=0.01)
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        a, ready_a = await login(url, "Alice")
+        assert ready_a["type"] == "console_ready" and ready_a["conversations"] == []
+        assert ready_a["protocol"] == "1.1" and ready_a["agent"]["name"] == "Alice"
+        async with websockets.connect(url) as cust:
+            ready = await hello(cust, client="Dana <b>")
+            sid = ready["session_id"]
+            ev = await recv_until(a, lambda e: e["type"] == "conversation")
+            conv = ev[-1]["conversation"]
+            assert conv["session_id"] == sid and conv["customer"] == "Dana <b>" and conv["connected"]
+            assert conv["mood"]["label"] == "unknown"
+            await cust.send(json.dumps({"type": "chat", "id": "c1", "text": "I am very happy!"}))
+            done = (await recv_until(cust, is_end("c1")))[-1]
+            assert done["type"] == "done"
+            # the agent sees: the customer message, the streamed tokens, the bot's reply, the sentiment tag
+            seen = await recv_until(a, lambda e: e["type"] == "message" and e["message"]["role"] == "bot")
+            user = [e for e in seen if e["type"] == "message" and e["message"]["role"] == "user"]
+            assert user and user[0]["message"]["text"] == "I am very happy!" and user[0]["message"]["id"] == "c1"
+            streamed = "".join(e["text"] for e in seen if e["type"] == "token" and e["session_id"] == sid)
+            assert streamed == done["text"] == seen[-1]["message"]["text"]
+            tags = [e for e in seen if e["type"] == "tag"]
+            if not tags:
+                tags = await recv_until(a, lambda e: e["type"] == "tag")
+            tag = tags[-1]
+            assert tag["seq"] == user[0]["message"]["seq"] and tag["task"] == "sentiment"
+            assert tag["label"] in ("positive", "negative") and tag["mood"]["n"] == 1
+            # a late agent gets everything in its snapshot
+            b, ready_b = await login(url, "Bob")
+            [snap] = ready_b["conversations"]
+            roles = [m["role"] for m in snap["messages"]]
+            assert roles == ["user", "bot"] and snap["messages"][0]["sentiment"] == tag["label"]
+            assert snap["mood"]["label"] in ("positive", "negative") and snap["streaming"] is None
+            assert snap["last_message"]["role"] == "bot"
+            await b.close()
+        ev = await recv_until(a, lambda e: e["type"] == "conversation")
+        assert ev[-1]["conversation"]["connected"] is False
+        await a.close()
+
+
+async def test_take_over_reply_hand_back(smol):
+    settings = settings_with(tasks={"auto_tasks": []})
+    engine = ScriptedEngine(smol)
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        a, _ = await login(url, "Alice", agent_id="agent-a")
+        b, _ = await login(url, "Bob", agent_id="agent-b")
+        async with websockets.connect(url) as cust:
+            ready = await hello(cust, client="Eve")
+            sid = ready["session_id"]
+            assert ready["history"] == [] and ready["agent"] is None
+            await cust.send(json.dumps({"type": "chat", "id": "1", "text": "hello bot"}))
+            assert (await recv_until(cust, is_end("1")))[-1]["type"] == "done"
+            # Alice takes over; Bob cannot
+            await a.send(json.dumps({"type": "take_over", "session_id": sid}))
+            handover = await recv_json(cust)
+            assert handover == {"type": "handover", "to": "agent", "agent": "Alice"}
+            conv = (await recv_until(b, lambda e: e["type"] == "conversation" and e["conversation"]["agent"]))[-1]
+            assert conv["conversation"]["agent"]["name"] == "Alice"
+            await b.send(json.dumps({"type": "take_over", "session_id": sid}))
+            err = (await recv_until(b, lambda e: e["type"] == "error"))[-1]
+            assert err["code"] == "already_taken" and err["agent"]["name"] == "Alice"
+            await b.send(json.dumps({"type": "agent_message", "session_id": sid, "text": "sneaky"}))
+            assert (await recv_until(b, lambda e: e["type"] == "error"))[-1]["code"] == "not_taken_over"
+            # the customer's message goes to the agent, not the bot
+            prompts = len(engine.prompts)
+            await cust.send(json.dumps({"type": "chat", "id": "2", "text": "I want a human"}))
+            fwd = (await recv_until(cust, is_end("2")))[-1]
+            assert fwd == {"type": "forwarded", "id": "2", "agent": "Alice"}
+            assert len(engine.prompts) == prompts
+            msg = (await recv_until(a, lambda e: e["type"] == "message" and e["message"]["role"] == "user"
+                                    and e["message"]["id"] == "2"))[-1]
+            assert msg["message"]["to_agent"] is True
+            # the agent's reply reaches the customer as its own event type
+            await a.send(json.dumps({"type": "agent_message", "session_id": sid, "text": "Hi, Alice here <i>"}))
+            got = await recv_json(cust)
+            assert got == {"type": "agent_message", "text": "Hi, Alice here <i>", "agent": "Alice"}
+        # resume while taken over: history (with the agent's message) and the agent's name in ready
+        async with websockets.connect(url) as cust:
+            again = await hello(cust, session_id=sid, resume_token=ready["resume_token"])
+            assert again["resumed"] and again["agent"] == "Alice"
+            assert [m["role"] for m in again["history"]] == ["user", "assistant", "user", "assistant"]
+            assert again["history"][-1] == {"role": "assistant", "content": "Hi, Alice here <i>", "agent": "Alice"}
+            # Bob cannot hand back; Alice can, and the bot answers again, knowing what the agent said
+            await b.send(json.dumps({"type": "hand_back", "session_id": sid}))
+            assert (await recv_until(b, lambda e: e["type"] == "error"))[-1]["code"] == "not_taken_over"
+            await a.send(json.dumps({"type": "hand_back", "session_id": sid}))
+            assert (await recv_json(cust)) == {"type": "handover", "to": "bot", "agent": None}
+            await cust.send(json.dumps({"type": "chat", "id": "3", "text": "thanks"}))
+            assert (await recv_until(cust, is_end("3")))[-1]["type"] == "done"
+            assert "Hi, Alice here" in smol.tokenizer.decode(engine.prompts[-1])
+        await a.close()
+        await b.close()
+
+
+async def test_agent_reconnect_keeps_take_over_and_grace_hands_back(smol):
+    settings = settings_with(tasks={"auto_tasks": []}, sessions={"console_takeover_grace_s": 0.5})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(url) as cust:
+            sid = (await hello(cust))["session_id"]
+            a, _ = await login(url, "Alice", agent_id="agent-a")
+            await a.send(json.dumps({"type": "take_over", "session_id": sid}))
+            assert (await recv_json(cust))["to"] == "agent"
+            await a.close()
+            # back within the grace period: the snapshot says the conversation is still hers
+            a, snap = await login(url, "Alice", agent_id="agent-a")
+            assert snap["conversations"][0]["agent"]["id"] == "agent-a"
+            await asyncio.sleep(1.0)
+            await a.send(json.dumps({"type": "agent_message", "session_id": sid, "text": "still here"}))
+            assert (await recv_json(cust))["type"] == "agent_message"
+            await a.close()
+            # gone for good: handed back to the bot after the grace period
+            got = await recv_json(cust)
+            assert got == {"type": "handover", "to": "bot", "agent": None}
+            await cust.send(json.dumps({"type": "chat", "id": "x", "text": "anyone?"}))
+            assert (await recv_until(cust, is_end("x")))[-1]["type"] == "done"
+
+
+async def test_unknown_session_and_bad_frames(smol):
+    settings = settings_with(tasks={"auto_tasks": []})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        a, _ = await login(url)
+        await a.send(json.dumps({"type": "take_over", "session_id": "nope"}))
+        assert (await recv_json(a))["code"] == "unknown_session"
+        await a.send("not json")
+        assert (await recv_json(a))["code"] == "bad_json"
+        await a.send(json.dumps({"type": "dance"}))
+        assert (await recv_json(a))["code"] == "unknown_type"
+        await a.send(json.dumps({"type": "ping", "data": 7}))
+        assert (await recv_json(a)) == {"type": "pong", "data": 7}
+        await a.close()

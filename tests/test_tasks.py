@@ -1,0 +1,481 @@
+"""Task plugins: discovery (folder, entry point), broken plugins, config overrides, decoding ranges,
+input cleaning and token truncation, the generative parser, label scoring on the real model, the result
+cache, the README example task end to end and chat rendering."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+from cachetools import TTLCache
+
+from rtserver.config import Settings, TaskSettings
+from rtserver.engine import Engine, EngineOptions
+from rtserver.tasks import ChatTask, Choices, PreparedTask, Task, TaskError, load_registry
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILTIN = str(ROOT / "plugins")
+EXAMPLES = str(ROOT / "examples" / "plugins")
+
+GOOD = """
+from rtserver.tasks import Task
+TASK = Task(name="echo", description="repeat", prompt="Say: {text}", max_new_tokens=4,
+            overridable={"temperature": (0.0, 1.0)})
+"""
+FACTORY = """
+from rtserver.tasks import Choices, Task
+NAME = "yesno"
+def make_task(options):
+    words = options.pop("words", {"yes": " yes", "no": " no"})
+    if options:
+        raise ValueError(f"unknown settings: {', '.join(sorted(options))} (known: words)")
+    return Task(name=NAME, description="yes or no", prompt="Q: {text}\\nA:", chat_template=False,
+                choices=Choices(words))
+"""
+# A plugin with its own dataclass under postponed annotations needs its module in sys.modules.
+WITH_DATACLASS = """
+from __future__ import annotations
+from dataclasses import dataclass
+from rtserver.tasks import Task
+@dataclass
+class Style:
+    tone: str = "short"
+TASK = Task(name="styled", description=Style().tone, prompt="{text}")
+"""
+
+
+def settings(*dirs: str, task: dict | None = None, **tasks_kw) -> Settings:
+    tasks_kw.setdefault("auto_tasks", [])
+    return Settings(tasks=TaskSettings(plugin_dirs=list(dirs), **tasks_kw), task=task or {})
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tok(smol):
+    return smol.tokenizer
+
+
+@pytest.fixture
+async def engine(smol):
+    eng = Engine(smol, EngineOptions(kv_budget_mb=64))
+    eng.start()
+    yield eng
+    await eng.stop()
+
+
+def builtin(tok, **task_tables):
+    registry, errors = load_registry(settings(BUILTIN, task=task_tables), tok)
+    assert errors == []
+    return registry
+
+
+# -- discovery ---------------------------------------------------------------------------------
+
+def test_discovery_from_a_folder(tmp_path, tok):
+    write(tmp_path, "good.py", GOOD)
+    write(tmp_path, "yesno.py", FACTORY)
+    write(tmp_path, "styled.py", WITH_DATACLASS)
+    write(tmp_path, "_helper.py", "raise RuntimeError('never imported')")
+    registry, errors = load_registry(settings(str(tmp_path)), tok)
+    assert errors == []
+    assert registry.names() == ["echo", "styled", "yesno"]
+    assert registry.get("styled").task.description == "short"
+    described = {d["name"]: d for d in registry.describe()}
+    assert described["yesno"]["output"] == "choices" and described["yesno"]["labels"] == ["yes", "no"]
+    assert described["echo"]["overridable"] == {"temperature": [0.0, 1.0]}
+    with pytest.raises(TaskError) as exc:
+        registry.get("nope")
+    assert exc.value.code == "unknown_task"
+
+
+def test_builtin_plugins_and_auto_tasks(tok):
+    registry, errors = load_registry(Settings(tasks=TaskSettings(plugin_dirs=[BUILTIN])), tok)
+    assert errors == []
+    assert registry.names() == ["chat", "intent", "sentiment"]
+    assert isinstance(registry.chat, ChatTask)
+    assert registry.auto_tasks == ["sentiment"]
+    # A stateful task cannot be an auto-task; an unknown one neither.
+    registry, errors = load_registry(settings(BUILTIN, auto_tasks=["chat", "ghost", "intent"]), tok)
+    assert registry.auto_tasks == ["intent"]
+    assert sorted(str(e) for e in errors) == [
+        "config.toml: tasks.auto_tasks: 'chat' is not an enabled stateless task",
+        "config.toml: tasks.auto_tasks: 'ghost' is not an enabled stateless task"]
+
+
+def test_enabled_and_disabled(tok):
+    registry, errors = load_registry(settings(BUILTIN, disabled=["intent"]), tok)
+    assert errors == [] and registry.names() == ["chat", "sentiment"]
+    registry, errors = load_registry(settings(BUILTIN, enabled=["sentiment"],
+                                              task={"chat": {"max_new_tokens": 64}}), tok)
+    assert errors == [] and registry.names() == ["sentiment"]  # a table for a known, not loaded task is fine
+    with pytest.raises(TaskError) as exc:
+        registry.chat
+    assert exc.value.code == "unknown_task"
+
+
+def _dist(site: Path, dist: str, entry_points: str, modules: dict[str, str]) -> None:
+    """A real installed distribution: a dist-info folder with entry_points.txt, and its modules."""
+    info = site / f"{dist}-1.0.dist-info"
+    write(info, "METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    write(info, "entry_points.txt", entry_points)
+    for name, text in modules.items():
+        write(site, name, text)
+
+
+def test_discovery_from_entry_points(tmp_path, tok, monkeypatch):
+    site = tmp_path / "site"
+    _dist(site, "rtserver_extra_tasks", """
+        [rtserver.tasks]
+        echo = extra_echo:TASK
+        yesno = extra_yesno:make_task
+        whole = extra_whole
+        broken = extra_missing:TASK
+        """, {"extra_echo.py": GOOD, "extra_yesno.py": FACTORY,
+              "extra_whole.py": GOOD.replace('"echo"', '"whole"')})
+    monkeypatch.syspath_prepend(str(site))
+    empty = tmp_path / "none"
+    empty.mkdir()
+    # The [task.<name>] table reaches a Task object and a factory named by an entry point.
+    registry, errors = load_registry(settings(str(empty), task={
+        "echo": {"max_new_tokens": 9}, "yesno": {"words": {"y": " Yes", "n": " No"}}}), tok)
+    assert registry.names() == ["echo", "whole", "yesno"]
+    assert registry.get("echo").max_new_tokens == 9
+    assert list(registry.get("yesno").choices.labels) == ["y", "n"]
+    assert len(errors) == 1
+    assert errors[0].source == "entry point broken (extra_missing:TASK)"
+    assert "import failed: ModuleNotFoundError" in errors[0].reason
+
+
+def test_broken_plugins_beside_good_ones(tmp_path, tok):
+    write(tmp_path, "good.py", GOOD)
+    syntax = write(tmp_path, "syntax.py", "from rtserver.tasks import Task\nTASK = Task(name='x',\n")
+    raises = write(tmp_path, "raises.py", "raise RuntimeError('no database')\n")
+    bad_mode = write(tmp_path, "badmode.py", GOOD.replace('"echo"', '"cut"').replace(
+        "max_new_tokens=4", "truncate='middle'"))
+    no_text = write(tmp_path, "notext.py", GOOD.replace('"echo"', '"notext"').replace("{text}", "text"))
+    bad_name = write(tmp_path, "badname.py", GOOD.replace('"echo"', '"Bad Name"'))
+    empty_word = write(tmp_path, "emptyword.py", FACTORY.replace('"yesno"', '"ew"').replace('" no"', '""'))
+    nothing = write(tmp_path, "nothing.py", "X = 1\n")
+    dup = write(tmp_path, "zz_dup.py", GOOD)
+    write(tmp_path, "yesno.py", FACTORY)
+    registry, errors = load_registry(settings(str(tmp_path), task={"ghost": {"max_new_tokens": 3}}), tok)
+    assert registry.names() == ["echo", "yesno"]
+    reasons = {e.source: e.reason for e in errors}
+    assert reasons.pop(str(syntax)).startswith("import failed: SyntaxError")
+    assert reasons.pop(str(raises)) == "import failed: RuntimeError: no database"
+    assert "truncate 'middle'" in reasons.pop(str(bad_mode))
+    assert "{text} exactly once" in reasons.pop(str(no_text))
+    assert "name 'Bad Name'" in reasons.pop(str(bad_name))
+    assert "non-empty strings" in reasons.pop(str(empty_word))
+    assert "defines neither TASK" in reasons.pop(str(nothing))
+    assert "'echo' is already defined" in reasons.pop(str(dup))
+    assert reasons.pop("config.toml") == "[task.ghost]: no such task"
+    assert reasons == {}
+    # Every reason names the file in its text form too (what the start-up log shows).
+    assert all(str(e).startswith(e.source + ": ") for e in errors)
+
+
+def test_missing_plugin_folder_is_reported(tmp_path, tok):
+    registry, errors = load_registry(settings(BUILTIN, str(tmp_path / "absent")), tok)
+    assert registry.names() == ["chat", "intent", "sentiment"]
+    assert [e.reason for e in errors] == ["plugin folder not found (tasks.plugin_dirs)"]
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+def test_config_overrides_apply(tok):
+    registry = builtin(tok, chat={"max_new_tokens": 64, "system_prompt": "Be brief.",
+                                  "decoding": {"temperature": 0.3}, "stop": ["\n\n"]},
+                       sentiment={"neutral": True, "cache_size": 10, "cache_ttl_s": 5},
+                       intent={"categories": {"refund": " refund", "other": " other"}})
+    chat = registry.chat
+    assert chat.max_new_tokens == 64 and chat.system_prompt == "Be brief."
+    params = chat.sampling(None)
+    assert (params.temperature, params.top_p, params.max_new_tokens, params.stop) == (0.3, 0.9, 64, ["\n\n"])
+    sentiment = registry.get("sentiment")
+    assert list(sentiment.choices.labels) == ["positive", "negative", "neutral"]
+    assert sentiment.cache.maxsize == 10 and sentiment.cache.ttl == 5.0
+    assert list(registry.get("intent").choices.labels) == ["refund", "other"]
+
+
+@pytest.mark.parametrize("table, reason", [
+    ({"chat": {"colour": "red"}}, "unknown settings colour (this task takes no options"),
+    ({"sentiment": {"colour": "red"}}, "unknown settings: colour (known: mode, neutral, label_names)"),
+    ({"sentiment": {"mode": "vote"}}, "mode = 'vote'"),
+    ({"sentiment": {"label_names": {"happy": "x"}}}, "label_names: unknown labels happy"),
+    ({"chat": {"max_new_tokens": "many"}}, "max_new_tokens = 'many': expected an integer"),
+    ({"chat": {"max_new_tokens": True}}, "max_new_tokens = True: expected an integer"),
+    ({"chat": {"max_new_tokens": 2.5}}, "max_new_tokens = 2.5: expected an integer"),
+    ({"chat": {"max_new_tokens": 0}}, "max_new_tokens = 0: must be an integer of at least 1"),
+    ({"chat": {"truncate": 5}}, "truncate = 5: expected a string"),
+    ({"chat": {"truncate": "middle"}}, "truncate 'middle': allowed reject, head, tail"),
+    ({"chat": {"stop": [1]}}, "stop = [1]: expected a list of strings"),
+    ({"chat": {"system_prompt": 3}}, "system_prompt = 3: expected a string"),
+    ({"chat": {"decoding": {"temperature": 9.0}}}, "decoding: chat: temperature = 9.0: allowed 0..5"),
+    ({"chat": {"decoding": {"beam": 4}}}, "decoding key 'beam'"),
+    ({"sentiment": {"cache_size": -1}}, "cache_size = -1"),
+    ({"sentiment": {"cache_ttl_s": 0}}, "cache_ttl_s = 0.0: must be a number > 0"),
+    ({"sentiment": {"prompt": "no placeholder"}}, "prompt must contain {text} exactly once"),
+])
+def test_config_override_errors(tok, table, reason):
+    registry, errors = load_registry(settings(BUILTIN, task=table), tok)
+    (name,) = table
+    assert name not in registry.names()  # the broken task is left out, the others load
+    assert len(registry.names()) == 2
+    assert len(errors) == 1 and errors[0].source.endswith(f"plugins/{name}.py")
+    assert errors[0].reason.startswith("invalid task: ") and reason in errors[0].reason
+
+
+def test_decoding_override_ranges(tok):
+    chat = builtin(tok).chat
+    p = chat.sampling({"temperature": 0, "top_p": 0.5, "max_new_tokens": 12.0, "stop": ["END"], "seed": 7})
+    assert (p.temperature, p.top_p, p.max_new_tokens, p.stop, p.seed) == (0, 0.5, 12, ["END"], 7)
+    assert isinstance(p.max_new_tokens, int)
+    bad = [{"temperature": 2.5}, {"temperature": -0.1}, {"temperature": "hot"}, {"temperature": True},
+           {"temperature": float("nan")}, {"top_k": 2.5}, {"max_new_tokens": 1000}, {"beams": 2},
+           {"stop": "END"}, {"stop": ["a", "b", "c", "d", "e"]}, {"stop": [""]}, {"stop": [3]}]
+    for overrides in bad:
+        with pytest.raises(TaskError) as exc:
+            chat.sampling(overrides)
+        assert exc.value.code == "bad_decoding", overrides
+        assert exc.value.message.startswith("chat: "), overrides
+    with pytest.raises(TaskError) as exc:
+        chat.sampling(["temperature"])
+    assert exc.value.code == "bad_decoding"
+    # A scoring task accepts no decoding options at all, and says so.
+    with pytest.raises(TaskError) as exc:
+        builtin(tok).get("sentiment").sampling({"temperature": 0.5})
+    assert exc.value.code == "bad_decoding" and "settable: none" in exc.value.message
+
+
+# -- input ---------------------------------------------------------------------------------------
+
+def test_clean_text():
+    task = Task(name="t", description="", max_input_chars=10)
+    assert task.clean_text("  a\x00b\x07c\u200b\r\nd\te\x1b  ") == "abc\nd\te"
+    for text in ("", "   ", "\x00\x01\n\t", "\u200b"):
+        with pytest.raises(TaskError) as exc:
+            task.clean_text(text)
+        assert exc.value.code == "empty_text"
+    for value in (None, 3, ["a"], {"text": "a"}):
+        with pytest.raises(TaskError) as exc:
+            task.clean_text(value)
+        assert exc.value.code == "invalid_input"
+    with pytest.raises(TaskError) as exc:
+        task.clean_text("x" * 11)
+    assert exc.value.code == "input_too_long" and "limit is 10" in exc.value.message
+    assert task.clean_text("x" * 10) == "x" * 10
+    head = dataclasses.replace(task, truncate="head")
+    tail = dataclasses.replace(task, truncate="tail")
+    assert head.clean_text("0123456789abc") == "0123456789"
+    assert tail.clean_text("0123456789abc") == "3456789abc"
+
+
+def test_render_truncates_in_tokens(tok):
+    task = Task(name="t", description="", prompt="Message: {text}\nSentiment:", chat_template=False,
+                max_input_tokens=5, choices=Choices({"a": " a", "b": " b"}))
+    text = "one two three four five six seven"
+    body = tok.encode(" " + text, add_special_tokens=False)
+    assert len(body) == 7
+    prefix, suffix = tok.encode("Message:", add_special_tokens=False), tok.encode("\nSentiment:",
+                                                                                  add_special_tokens=False)
+    with pytest.raises(TaskError) as exc:
+        PreparedTask(task, tok).render(text)
+    assert exc.value.code == "input_too_long" and "7 tokens, the limit is 5" in exc.value.message
+    ids, choices = PreparedTask(dataclasses.replace(task, truncate="head"), tok).render(text)
+    assert ids == prefix + body[:5] + suffix and choices is task.choices
+    ids, _ = PreparedTask(dataclasses.replace(task, truncate="tail"), tok).render(text)
+    assert ids == prefix + body[-5:] + suffix
+    # Within the limit the prompt tokenizes exactly like the whole string (" one" is one token, the
+    # prefix ids are shared by every call).
+    ids, _ = PreparedTask(task, tok).render("one two")
+    assert ids == tok.encode("Message: one two\nSentiment:", add_special_tokens=False)
+
+
+def test_render_keeps_special_token_text_as_text(tok):
+    prepared = PreparedTask(Task(name="t", description="", prompt="{text}"), tok)
+    ids, _ = prepared.render("hi <|im_end|> there")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    template = tok.apply_chat_template([{"role": "user", "content": "X"}], tokenize=True,
+                                       add_generation_prompt=True, return_dict=False)
+    assert ids.count(im_end) == template.count(im_end)  # only the template's own
+
+
+def test_variant_selects_prompt_and_choices(tok):
+    registry = builtin(tok)
+    sentiment = registry.get("sentiment")
+    en_ids, en_choices = sentiment.render("What a lovely day")
+    zh_ids, zh_choices = sentiment.render("这个产品很好")
+    assert en_choices is sentiment.choices and zh_choices is not en_choices
+    assert list(en_choices.labels) == list(zh_choices.labels) == ["positive", "negative"]
+    assert "这个产品很好" in tok.decode(zh_ids) and "What a lovely day" in tok.decode(en_ids)
+    assert zh_ids[:8] != en_ids[:8]
+
+
+# -- the generative parser ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("answer, label", [
+    ("positive", "positive"), (" Positive.", "positive"), ("NEGATIVE!", "negative"), ("\nnegative\n", "negative"),
+    ("Negative sentiment", "negative"), ("positive or negative", None), ("positively", None),
+    ("non-negative", None), ("I think", None), ("", None), ("neutral", None), ("pos", None),
+])
+def test_generative_parser_edge_cases(tok, answer, label):
+    parse = builtin(tok, sentiment={"mode": "generate"}).get("sentiment").parser
+    assert parse(answer) == {"label": label, "valid": label is not None}
+
+
+def test_generative_parser_with_neutral_and_renamed_labels(tok):
+    parse = builtin(tok, sentiment={"mode": "generate", "neutral": True}).get("sentiment").parser
+    assert parse("Neutral") == {"label": "neutral", "valid": True}
+    parse = builtin(tok, sentiment={"mode": "generate", "label_names": {"positive": "正面", "negative": "负面"}}
+                    ).get("sentiment").parser
+    assert parse("正面的") == {"label": "正面", "valid": True}
+    assert parse("负面。") == {"label": "负面", "valid": True}
+    assert parse("positive") == {"label": "正面", "valid": True}  # the key names the label too
+    assert parse("正面还是负面") == {"label": None, "valid": False}
+
+
+async def test_generative_mode_end_to_end(tok, engine):
+    registry = builtin(tok, sentiment={"mode": "generate"})
+    out = await registry.run(engine, "sentiment", {"text": "I love this phone, it is wonderful."})
+    assert out.usage["generated_tokens"] <= 3
+    assert set(out.output) == {"label", "valid"}
+    assert out.output["valid"] == (out.output["label"] in ("positive", "negative"))
+
+
+# -- label scoring ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tables, labels", [
+    ({}, ["positive", "negative"]),
+    ({"sentiment": {"neutral": True}}, ["positive", "negative", "neutral"]),
+    ({"sentiment": {"label_names": {"positive": "正面", "negative": "负面"}}}, ["正面", "负面"]),
+])
+async def test_label_scoring_returns_declared_labels(tok, engine, tables, labels):
+    registry = builtin(tok, **tables)
+    texts = ["I love this phone, it is wonderful.", "Terrible service, never again.",
+             "这个产品质量很好，非常满意", "太差了，退货", "ok"]
+    outs = await asyncio.gather(*(registry.run(engine, "sentiment", {"text": t}) for t in texts))
+    for out in outs:
+        assert out.output["label"] in labels and out.text == out.output["label"]
+        assert list(out.output["probs"]) == labels
+        assert math.isclose(sum(out.output["probs"].values()), 1.0, rel_tol=1e-9)
+        assert out.output["label"] == max(out.output["probs"], key=out.output["probs"].get)
+        assert out.usage["generated_tokens"] == 0
+    out = await registry.run(engine, "intent", "My invoice charged me twice")
+    assert out.output["label"] in ["billing", "technical", "shipping", "account", "other"]
+    assert math.isclose(sum(out.output["probs"].values()), 1.0, rel_tol=1e-9)
+
+
+class CountingEngine:
+    def __init__(self, engine):
+        self.engine, self.scores = engine, 0
+
+    async def score(self, prompt, candidates):
+        self.scores += 1
+        return await self.engine.score(prompt, candidates)
+
+
+async def test_calibration_is_computed_once_for_a_burst(tok, engine):
+    sentiment = builtin(tok, sentiment={"cache_size": 0}).get("sentiment")
+    counting = CountingEngine(engine)
+    texts = [f"Review number {i}: it was fine." for i in range(6)]
+    await asyncio.gather(*(sentiment.run(counting, t) for t in texts))
+    assert counting.scores == len(texts) + len(sentiment.choices.calibration)
+    await sentiment.run(counting, "这个很好")  # the Chinese prompt has its own calibration
+    zh_calibration = (sentiment.variants[0].choices or sentiment.choices).calibration
+    assert counting.scores == len(texts) + 1 + len(sentiment.choices.calibration) + len(zh_calibration)
+
+
+# -- result cache ------------------------------------------------------------------------------------
+
+async def test_result_cache_hit_miss_ttl(tok, engine):
+    registry = builtin(tok)
+    sentiment = registry.get("sentiment")
+    now = [0.0]
+    sentiment.cache = TTLCache(maxsize=2, ttl=10, timer=lambda: now[0])
+    first = await registry.run(engine, "sentiment", {"text": "Great food and friendly staff"})
+    assert not first.cached and registry.cache_stats()["sentiment"] == (0, 1)
+    again = await registry.run(engine, "sentiment", {"text": "  great FOOD and\nfriendly staff "})
+    assert again.cached and again.output == first.output  # same normalised text
+    assert registry.cache_stats()["sentiment"] == (1, 1)
+    now[0] = 9.0
+    assert (await registry.run(engine, "sentiment", "Great food and friendly staff")).cached
+    now[0] = 20.0  # past the TTL: computed again
+    late = await registry.run(engine, "sentiment", "Great food and friendly staff")
+    assert not late.cached and late.output == first.output
+    assert registry.cache_stats()["sentiment"] == (2, 2)
+    # LRU: a third distinct text evicts the least recently used one.
+    await registry.run(engine, "sentiment", "Awful")
+    await registry.run(engine, "sentiment", "Fine")
+    assert not (await registry.run(engine, "sentiment", "Great food and friendly staff")).cached
+    # Chat (stateful) has no result cache; a task with cache_size 0 neither.
+    assert set(registry.cache_stats()) == {"intent", "sentiment"}
+
+
+async def test_cache_off(tok, engine):
+    registry = builtin(tok, sentiment={"cache_size": 0})
+    for _ in range(2):
+        assert not (await registry.run(engine, "sentiment", "Nice")).cached
+    assert "sentiment" not in registry.cache_stats()
+
+
+# -- the README example ------------------------------------------------------------------------------
+
+async def test_readme_example_plugin_end_to_end(tok, engine):
+    source = (ROOT / "examples" / "plugins" / "language.py").read_text(encoding="utf-8")
+    assert len(source.splitlines()) <= 30
+    registry, errors = load_registry(settings(BUILTIN, EXAMPLES, task={"language": {"cache_ttl_s": 60}}), tok)
+    assert errors == []
+    assert registry.names() == ["chat", "intent", "language", "sentiment"]
+    (desc,) = [d for d in registry.describe() if d["name"] == "language"]
+    assert desc["output"] == "choices" and "french" in desc["labels"]
+    cases = {"Bonjour, je voudrais réserver une table pour deux personnes ce soir.": "french",
+             "Hello, I would like to book a table for two people tonight.": "english"}
+    for text, expected in cases.items():
+        out = await registry.run(engine, "language", {"text": text})
+        assert out.task == "language" and not out.cached
+        assert out.output["label"] == expected
+        assert set(out.output["probs"]) == set(desc["labels"])
+        assert math.isclose(sum(out.output["probs"].values()), 1.0, rel_tol=1e-9)
+        assert (await registry.run(engine, "language", {"text": text})).cached
+    with pytest.raises(TaskError) as exc:
+        await registry.run(engine, "language", {"text": " \x00 "})
+    assert exc.value.code == "empty_text"
+    with pytest.raises(TaskError) as exc:
+        await registry.run(engine, "chat", {"text": "hi"})
+    assert exc.value.code == "invalid_input"
+
+
+# -- chat ----------------------------------------------------------------------------------------------
+
+def test_chat_render_with_system_prompt(tok):
+    chat = builtin(tok, chat={"system_prompt": "You answer in French."}).chat
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bonjour !"},
+               {"role": "user", "content": "How are you?"}]
+    ids = chat.render(history)
+    expected = tok.apply_chat_template([{"role": "system", "content": "You answer in French."}, *history],
+                                       tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ids == expected
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system\nYou answer in French.<|im_end|>")
+    assert text.endswith("<|im_start|>user\nHow are you?<|im_end|>\n<|im_start|>assistant\n")
+    assert "helpful AI assistant" not in text
+    # A history that brings its own system message is not given a second one.
+    own = [{"role": "system", "content": "Be terse."}, *history]
+    assert tok.decode(chat.render(own)).count("<|im_start|>system") == 1
+    # The shorter the window, the shorter the prompt; the last user turn is always the end.
+    assert len(chat.render(history[-1:])) < len(ids)
+    assert chat.parse(" Très bien.") == {"reply": " Très bien."}
+    assert chat.count_tokens("How are you?") == len(tok.encode("How are you?", add_special_tokens=False))
+    assert chat.clean_text("x" * 5000) == "x" * 4000  # chat keeps the newest part of a long message
+    assert chat.max_history_turns == 20 and chat.max_history_tokens == 1500

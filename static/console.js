@@ -263,7 +263,7 @@ function renderMessage(m) {
   const who = m.role === "user" ? "Customer" : m.role === "agent" ? `${m.agent || "Agent"} (agent)` : "Bot";
   const li = el("li", { class: `msg msg-${m.role}` },
     el("span", { class: "who" }, who, el("span", { class: "when", text: " · " + time(m.ts) })),
-    el("span", { class: "body", text: m.text }));
+    el("span", { class: "body", text: m.role === "user" ? m.text : m.text.trim() }));
   if (m.role === "user") {
     const label = m.sentiment;
     li.append(el("span", { class: `tag tag-${label ? String(label).toLowerCase() : "pending"}`,
@@ -282,7 +282,7 @@ function updateStreaming(conv) {
       el("span", { class: "who", text: "Bot (typing…)" }), el("span", { class: "body" }));
     box.append(li);
   }
-  li.querySelector(".body").textContent = conv.streaming ? conv.streaming.text : "";
+  li.querySelector(".body").textContent = conv.streaming ? conv.streaming.text.replace(/^\s+/, "") : "";
   box.scrollTop = box.scrollHeight;
 }
 

@@ -188,7 +188,7 @@
     }
     for (const m of history) {
       const role = m.role === "user" ? "user" : m.agent ? "agent" : "bot";
-      addMessage(role, m.content, { agent: m.agent });
+      addMessage(role, role === "user" ? m.content : m.content.trim(), { agent: m.agent });
     }
   }
 
@@ -290,7 +290,9 @@
           current.li.classList.remove("rt-thinking");
           current.body.textContent = "";
         }
-        current.body.textContent += msg.text;
+        // a reply's leading whitespace (common in model output) is not worth showing
+        current.body.textContent = current.body.textContent ? current.body.textContent + msg.text :
+          msg.text.replace(/^\s+/, "");
         scrollDown();
         break;
       }
@@ -300,7 +302,7 @@
           current.li.classList.remove("rt-thinking");
           current.body.textContent = "";
         }
-        current.body.textContent = msg.text;
+        current.body.textContent = msg.text.trim();
         finishCurrent(msg.finish_reason === "cancelled" ? "(stopped)" : null);
         break;
       }

@@ -28,7 +28,7 @@ async def test_chat_streams_and_resume_keeps_history_and_kv(smol):
     async with serve(create_app(settings, lambda: smol), settings) as (base, url):
         async with websockets.connect(url) as ws:
             ready = await hello(ws, client="test")
-            assert ready["type"] == "ready" and ready["protocol"] == "1.0" and not ready["resumed"]
+            assert ready["type"] == "ready" and ready["protocol"] == "1.1" and not ready["resumed"]
             assert "sentiment" in [t["name"] for t in ready["tasks"]]
             assert ready["auto_tasks"] == ["sentiment"]
             await ws.send(json.dumps({"type": "chat", "id": "c1", "text": "Hi! What is 2+2?",

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
 
 from rtserver.app import create_app
+from rtserver.scheduler import Overloaded
 
 from .serverutil import TIMEOUT, ScriptedEngine, make_settings, scripted_app, serve
 
@@ -125,7 +127,7 @@ async def test_widget_streams_then_reload_resumes(smol, browser):
         await expect(thinking).to_contain_text("Thinking")
         await expect(page.locator(".rt-stop")).to_be_visible()
         engine.gate.set()
-        await expect(page.locator(".rt-bot").last).to_have_text(re.compile("Assistant" + re.escape(reply.strip())))
+        await expect(page.locator(".rt-bot .rt-body").last).to_have_text(reply.strip())
         await expect(page.locator(".rt-send")).to_be_visible()
         seen = await page.evaluate("window.__seen")
         partial = [s for s in seen if s and s != reply.strip() and not s.startswith("Thinking")]
@@ -183,10 +185,13 @@ async def test_console_take_over_reply_hand_back(smol, browser):
     app, settings, engine = scripted(smol, reply)
     async with serve(app, settings) as (base, url):
         # the customer: the widget embedded on another site's page, configured by data- attributes
-        customer = await new_page(browser)
-        await customer.route("http://shop.test/", lambda route: route.fulfill(
+        # another origin (localhost, not 127.0.0.1) serves the host page; a page the test fulfils counts
+        # as "public" to chromium, which then needs the local-network-access permission to reach 127.0.0.1
+        customer = await new_page(browser, permissions=["local-network-access"])
+        shop = base.replace("127.0.0.1", "localhost") + "/shop.html"
+        await customer.route(shop, lambda route: route.fulfill(
             status=200, content_type="text/html", body=HOST_PAGE.format(base=base)))
-        await customer.goto("http://shop.test/")
+        await customer.goto(shop)
         await expect(customer.locator(".rt-title")).to_be_hidden()
         await open_widget(customer)
         await expect(customer.locator(".rt-title")).to_have_text("Shop help")
@@ -207,6 +212,15 @@ async def test_console_take_over_reply_hand_back(smol, browser):
         await expect(item).to_be_visible()
         await expect(item.locator(".unread")).to_have_text("1")
         await expect(item.locator(".mood")).to_have_text(re.compile("Happy|Upset"))
+        # filter by mood: the conversation shows under its own mood only
+        mood = await item.locator(".mood").text_content()
+        other_mood = "negative" if mood == "Happy" else "positive"
+        await agent.get_by_label("Mood").select_option(other_mood)
+        await expect(agent.locator(".item")).to_have_count(0)
+        await expect(agent.locator("#empty")).to_have_text("No conversation matches this filter.")
+        await agent.get_by_label("Mood").select_option("positive" if mood == "Happy" else "negative")
+        await expect(item).to_be_visible()
+        await agent.get_by_label("Sort").select_option("mood")
         await item.click()
         await expect(item.locator(".unread")).to_have_count(0)
         await expect(agent.locator("#conv-title")).to_have_text("Dana")
@@ -216,8 +230,14 @@ async def test_console_take_over_reply_hand_back(smol, browser):
         await expect(agent.locator(".msg-bot").last).to_contain_text(reply.strip())
 
         # watch the bot's reply stream live
+        await agent.evaluate("""() => { window.__live = [];
+          new MutationObserver(() => { const s = document.querySelector('.msg-streaming .body');
+            if (s && s.textContent) window.__live.push(s.textContent); })
+          .observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true}); }""")
         await send(customer, "One more question")
         await expect(agent.locator(".msg-bot")).to_have_count(2)
+        live = await agent.evaluate("window.__live")
+        assert live and reply.strip().startswith(live[0]) and len(live[0]) < len(reply.strip()), live
 
         # take over: the widget shows that a human answers, the agent's reply reaches it as text
         await agent.get_by_role("button", name="Take over").click()
@@ -301,6 +321,37 @@ async def test_phone_screen_and_keyboard(smol, browser):
         await page.keyboard.press("Escape")
         await expect(page.locator(".rt-panel")).to_be_hidden()
         await expect(launcher).to_be_focused()
+        assert not page.js_errors, page.js_errors
+
+
+class OverloadedEngine(ScriptedEngine):
+    def generate(self, *args, **kwargs):
+        raise Overloaded("waiting queue full")
+
+
+async def test_friendly_loading_and_overloaded_states(smol, browser):
+    from playwright.async_api import expect
+    settings = make_settings(tasks={"auto_tasks": []})
+    loaded = threading.Event()
+
+    def slow_loader():
+        assert loaded.wait(TIMEOUT)
+        return smol
+    app = create_app(settings, slow_loader, engine_factory=lambda l, s: OverloadedEngine(smol))
+    async with serve(app, settings, wait_ready=False) as (base, url):
+        page = await new_page(browser)
+        await page.goto(base + "/")
+        await page.locator(".rt-launcher").click()
+        # the model is loading: a friendly note, and the widget retries with backoff until it is ready
+        await expect(page.locator(".rt-notice")).to_have_text(re.compile("starting up"))
+        await expect(page.locator(".rt-status")).to_have_text(re.compile("reconnecting in"))
+        loaded.set()
+        await expect(page.locator(".rt-status")).to_have_text("Online")
+        await expect(page.locator(".rt-notice")).to_be_hidden()
+        await send(page, "hello?")
+        await expect(page.locator(".rt-notice")).to_have_text(re.compile("Lots of people are chatting"))
+        await expect(page.locator(".rt-thinking")).to_have_count(0)
+        await expect(page.locator(".rt-send")).to_be_visible()
         assert not page.js_errors, page.js_errors
 
 

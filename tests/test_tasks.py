@@ -285,10 +285,11 @@ def test_render_truncates_in_tokens(tok):
     task = Task(name="t", description="", prompt="Message: {text}\nSentiment:", chat_template=False,
                 max_input_tokens=5, choices=Choices({"a": " a", "b": " b"}))
     text = "one two three four five six seven"
-    body = tok.encode(" " + text, add_special_tokens=False)
+    body = tok.encode(text, add_special_tokens=False)
     assert len(body) == 7
-    prefix, suffix = tok.encode("Message:", add_special_tokens=False), tok.encode("\nSentiment:",
-                                                                                  add_special_tokens=False)
+    # The prefix ids are tokenized once, on their own, and shared by every call.
+    prefix, suffix = (tok.encode("Message: ", add_special_tokens=False),
+                      tok.encode("\nSentiment:", add_special_tokens=False))
     with pytest.raises(TaskError) as exc:
         PreparedTask(task, tok).render(text)
     assert exc.value.code == "input_too_long" and "7 tokens, the limit is 5" in exc.value.message
@@ -296,10 +297,8 @@ def test_render_truncates_in_tokens(tok):
     assert ids == prefix + body[:5] + suffix and choices is task.choices
     ids, _ = PreparedTask(dataclasses.replace(task, truncate="tail"), tok).render(text)
     assert ids == prefix + body[-5:] + suffix
-    # Within the limit the prompt tokenizes exactly like the whole string (" one" is one token, the
-    # prefix ids are shared by every call).
     ids, _ = PreparedTask(task, tok).render("one two")
-    assert ids == tok.encode("Message: one two\nSentiment:", add_special_tokens=False)
+    assert ids == prefix + tok.encode("one two", add_special_tokens=False) + suffix
 
 
 def test_render_keeps_special_token_text_as_text(tok):
@@ -440,7 +439,9 @@ async def test_readme_example_plugin_end_to_end(tok, engine):
     (desc,) = [d for d in registry.describe() if d["name"] == "language"]
     assert desc["output"] == "choices" and "french" in desc["labels"]
     cases = {"Bonjour, je voudrais réserver une table pour deux personnes ce soir.": "french",
-             "Hello, I would like to book a table for two people tonight.": "english"}
+             "Hello, I would like to book a table for two people tonight.": "english",
+             "Hola, quisiera reservar una mesa para dos personas esta noche.": "spanish",
+             "你好，我想订一张今晚两个人的桌子。": "chinese"}
     for text, expected in cases.items():
         out = await registry.run(engine, "language", {"text": text})
         assert out.task == "language" and not out.cached

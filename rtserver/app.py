@@ -85,8 +85,8 @@ def _default_model_factory(settings: Settings) -> Callable[[], Any]:
 
 
 def _default_engine_factory(loaded: Any, settings: Settings) -> Any:
-    from .engine import Engine, EngineOptions
-    return Engine(loaded, EngineOptions.from_settings(settings.engine))
+    from .engine import Engine
+    return Engine(loaded, settings.engine)
 
 
 def _default_registry_factory(settings: Settings, tokenizer: Any) -> tuple[Any, list]:

@@ -48,7 +48,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
-    from .engine import EngineOptions
     from .model import cpu_has_native_bf16
 
     settings = _settings(args)
@@ -61,8 +60,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     native_bf16 = cpu_has_native_bf16()
     dtypes = args.dtypes.split(",") if args.dtypes else [settings.model.dtype]
     baseline_dtype = "bfloat16" if native_bf16 else "float32"
-    options = EngineOptions.from_settings(settings.engine)
-    run_bench(lambda dtype: _load(settings, dtype), dtypes, baseline_dtype, options, workloads,
+    run_bench(lambda dtype: _load(settings, dtype), dtypes, baseline_dtype, settings.engine, workloads,
               not args.no_baselines, args.naive_requests, args.out, args.config)
     return 0
 

@@ -29,6 +29,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol as P
+from .wsclose import finish_connection
 
 log = logging.getLogger("rtserver.console")
 
@@ -496,19 +497,7 @@ class ConsoleHub:
             if agent.logged_in:
                 agent.logged_in = False
                 self._agent_left(agent)
-            if agent.close_code is not None:
-                for _ in range(50):
-                    if agent.queue.empty():
-                        break
-                    await asyncio.sleep(0.01)
-                writer.cancel()
-                try:
-                    await asyncio.wait_for(ws.close(code=agent.close_code, reason=agent.close_reason), 1.0)
-                except Exception:
-                    pass
-            else:
-                writer.cancel()
-            await asyncio.gather(read, writer, return_exceptions=True)
+            await finish_connection(ws, agent.queue, read, writer, agent.close_code, agent.close_reason)
 
     def close_all(self) -> None:
         for agent in list(self.agents):

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Hashable
 
+from .config import EngineSettings
 from .kv import KVCacheManager
 from .model import LoadedModel
 from .runner import ModelRunner
@@ -20,18 +21,8 @@ from .scheduler import Overloaded, RequestTooLarge, Scheduler, SchedulerLimits  
 from .sequence import FinishReason, SamplingParams, Sequence, SequenceResult
 
 
-@dataclass
-class EngineOptions:
-    max_running: int = 64
-    max_waiting: int = 256
-    prefill_chunk_tokens: int = 256
-    kv_budget_mb: int = 512
-    kv_block_tokens: int = 16
-    max_sequence_tokens: int = 4096
-
-    @classmethod
-    def from_settings(cls, s: Any) -> "EngineOptions":
-        return cls(**{k: getattr(s, k) for k in cls.__dataclass_fields__})
+# The engine's options are exactly the [engine] settings; the alias keeps call sites readable.
+EngineOptions = EngineSettings
 
 
 @dataclass

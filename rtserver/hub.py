@@ -29,6 +29,7 @@ from .console import ConsoleHub
 from .scheduler import Overloaded, RequestTooLarge
 from .sequence import FinishReason, SamplingError
 from .session import Session, SessionExpired, SessionRegistry, window
+from .wsclose import finish_connection
 
 log = logging.getLogger("rtserver.hub")
 
@@ -437,21 +438,8 @@ class Hub:
             if conn.session is not None:
                 self.sessions.detach(conn.session, conn)
                 self.console.detached(conn.session)
-            if conn.close_code is not None:
-                # Let queued events out for a moment (a slow client's send would block forever).
-                if conn.close_code != CLOSE_SLOW_CLIENT:
-                    for _ in range(50):
-                        if conn.queue.empty():
-                            break
-                        await asyncio.sleep(0.01)
-                writer.cancel()
-                try:
-                    await asyncio.wait_for(ws.close(code=conn.close_code, reason=conn.close_reason), 1.0)
-                except Exception:
-                    pass
-            else:
-                writer.cancel()
-            await asyncio.gather(reader, writer, return_exceptions=True)
+            await finish_connection(ws, conn.queue, reader, writer, conn.close_code, conn.close_reason,
+                                    drain=conn.close_code != CLOSE_SLOW_CLIENT)
 
     async def close_all(self) -> None:
         self.console.close_all()

@@ -143,6 +143,11 @@ def load_model(spec: str = "embedded", dtype: str = "auto", threads: int = 0,
     except Exception as exc:
         raise ModelLoadError(f"{spec}: cannot load model ({type(exc).__name__}: {exc})") from exc
     model.eval().requires_grad_(False)
+    # Own the weights: transformers may leave them memory-mapped from the file, and then the pages of
+    # weights the runner replaces (fused q/k/v and gate/up) stay resident as long as the mapping lives.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()
     log.info("model %s ready in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=torch_dtype, threads=n_threads,
                        int8=int8)

@@ -141,7 +141,7 @@ class ScriptedEngine:
         seq.cancelled = True
         self.cancelled.append(seq)
 
-    def generate(self, prompt_ids, params, *, session_key=None, shared_prefix_len=0) -> GenerationStream:
+    def generate(self, prompt_ids, params, *, session_key=None) -> GenerationStream:
         params.validate()
         self.prompts.append(list(prompt_ids))
         seq = Sequence(prompt_ids, params, tokenizer=self.tokenizer, eos_token_ids=set(),
@@ -188,7 +188,7 @@ class ScriptedEngine:
         seq.finished_at = time.perf_counter()
         stream._push("finish", seq.result())
 
-    async def score(self, prompt_ids, candidates, *, shared_prefix_len=0) -> list[float]:
+    async def score(self, prompt_ids, candidates) -> list[float]:
         await asyncio.sleep(0)
         return [-float(i) for i in range(len(candidates))]
 

@@ -2,7 +2,7 @@
 
 Scoring mode (default) reads the log-probability of each label word after a plain completion prompt,
 minus what the model gives the same words for a content-free input (contextual calibration), so the
-answer is always one of the labels, with a probability for each. Chinese input gets its own prompt.
+answer is always one of the labels, with a probability for each. The same prompt serves Chinese input.
 `mode = "generate"` keeps the write-ups' method (instruction + greedy 3 tokens + strict parser) for
 comparison.
 
@@ -12,13 +12,17 @@ Options in `[task.sentiment]`: `mode` ("score" | "generate"), `neutral` (bool), 
 
 import re
 
-from rtserver.tasks import Choices, Task, Variant, has_cjk
+from rtserver.tasks import Choices, Task, has_cjk
 
 NAME = "sentiment"
-EN_PROMPT = "Message: {text}\nSentiment:"
-ZH_PROMPT = "评论：{text}\n情感："
-EN_WORDS = {"positive": " positive", "negative": " negative", "neutral": " neutral"}
-ZH_WORDS = {"positive": "正面", "negative": "负面", "neutral": "中性"}
+# Chosen on the dev splits (docs/sentiment-research.md): an English few-shot completion prompt works for
+# Chinese text too; Chinese label words never beat chance with this model.
+PROMPT = ("Message: I love this, it made my day!\nSentiment: positive\n\n"
+          "Message: This is terrible, I want my money back.\nSentiment: negative\n\n"
+          "Message: What a wonderful surprise, thank you so much.\nSentiment: positive\n\n"
+          "Message: Boring and a complete waste of time.\nSentiment: negative\n\n"
+          "Message: {text}\nSentiment:")
+WORDS = {"positive": " Positive", "negative": " Negative", "neutral": " Neutral"}  # one token each
 CALIBRATION = ["N/A"]
 GENERATIVE_PROMPT = ("Classify the sentiment of this message. Answer with exactly one word: {labels}.\n"
                      "Message: {{text}}")
@@ -44,13 +48,11 @@ def make_task(options: dict) -> Task:
     return Task(
         name=NAME,
         description="Sentiment of a message: " + " / ".join(out.values()) + ", with a probability each.",
-        prompt=EN_PROMPT,
+        prompt=PROMPT,
         chat_template=False,
         max_input_tokens=256,
         truncate="head",
-        choices=Choices({out[k]: EN_WORDS[k] for k in keys}, calibration=CALIBRATION),
-        variants=[Variant(when=has_cjk, prompt=ZH_PROMPT,
-                          choices=Choices({out[k]: ZH_WORDS[k] for k in keys}, calibration=CALIBRATION))],
+        choices=Choices({out[k]: WORDS[k] for k in keys}, calibration=CALIBRATION),
         cache_size=4096,
         cache_ttl_s=600,
     )

@@ -316,12 +316,19 @@ class ConsoleHub:
         if conn is not None:
             await conn.send(event)
 
-    async def take_over(self, agent: Agent, session_id: Any) -> None:
+    def _live_conversation(self, agent: Agent, session_id: Any) -> tuple[Any, Any]:
+        """(session, conversation) an agent acts on; (None, None) after telling the agent there is none."""
         session = self._session(session_id)
         conv = self.conversations.get(session_id) if session is not None else None
         if conv is None:
             agent.put(P.error_event("unknown_session", f"no live conversation {session_id!r}",
                                     session_id=session_id))
+            return None, None
+        return session, conv
+
+    async def take_over(self, agent: Agent, session_id: Any) -> None:
+        session, conv = self._live_conversation(agent, session_id)
+        if conv is None:
             return
         if conv.agent is not None and conv.agent["id"] != agent.id:
             agent.put(P.error_event("already_taken", f"{conv.agent['name']} has already taken over this "
@@ -355,11 +362,8 @@ class ConsoleHub:
         await self._to_customer(session, {"type": "handover", "to": "bot", "agent": None})
 
     async def agent_message(self, agent: Agent, session_id: Any, text: Any) -> None:
-        session = self._session(session_id)
-        conv = self.conversations.get(session_id) if session is not None else None
+        session, conv = self._live_conversation(agent, session_id)
         if conv is None:
-            agent.put(P.error_event("unknown_session", f"no live conversation {session_id!r}",
-                                    session_id=session_id))
             return
         if conv.agent is None or conv.agent["id"] != agent.id:
             agent.put(P.error_event("not_taken_over", "take over the conversation before replying",

@@ -95,7 +95,7 @@ def _default_registry_factory(settings: Settings, tokenizer: Any) -> tuple[Any, 
 
 
 async def _load(state: AppState, model_factory: Callable[[], Any], engine_factory: Callable,
-                registry_factory: Callable) -> None:
+                registry_factory: Callable, on_failed: Callable[[str], None] | None) -> None:
     try:
         state.set_stage("loading model", 0.05)
         state.loaded = await asyncio.to_thread(model_factory)
@@ -111,9 +111,16 @@ async def _load(state: AppState, model_factory: Callable[[], Any], engine_factor
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        log.exception("startup failed")
+        from .model import ModelLoadError
+        if isinstance(exc, ModelLoadError):  # its message names the file and the cause: no traceback
+            state.error = f"cannot load the model: {exc}"
+            log.error("startup failed: %s", state.error)
+        else:
+            state.error = f"{type(exc).__name__}: {exc}"
+            log.exception("startup failed")
         state.status = "failed"
-        state.error = f"{type(exc).__name__}: {exc}"
+        if on_failed is not None:
+            on_failed(state.error)
 
 
 async def health(request: Request) -> Response:
@@ -157,9 +164,11 @@ async def console_page(request: Request) -> Response:
 
 def create_app(settings: Settings, loaded_model_factory: Callable[[], Any] | None = None, *,
                engine_factory: Callable[[Any, Settings], Any] | None = None,
-               registry_factory: Callable[[Settings, Any], tuple[Any, list]] | None = None) -> Starlette:
+               registry_factory: Callable[[Settings, Any], tuple[Any, list]] | None = None,
+               on_load_failed: Callable[[str], None] | None = None) -> Starlette:
     """The app. `loaded_model_factory()` returns a LoadedModel (default: load per settings.model);
-    `engine_factory(loaded, settings)` and `registry_factory(settings, tokenizer)` are for tests."""
+    `engine_factory(loaded, settings)` and `registry_factory(settings, tokenizer)` are for tests;
+    `on_load_failed(message)` is called when start-up fails (`rtserver serve` exits then)."""
     state = AppState(settings)
     model_factory = loaded_model_factory or _default_model_factory(settings)
 
@@ -167,7 +176,7 @@ def create_app(settings: Settings, loaded_model_factory: Callable[[], Any] | Non
     async def lifespan(app: Starlette):
         state.hub.sessions.start()
         loader = asyncio.create_task(_load(state, model_factory, engine_factory or _default_engine_factory,
-                                           registry_factory or _default_registry_factory))
+                                           registry_factory or _default_registry_factory, on_load_failed))
         try:
             yield
         finally:
@@ -197,4 +206,6 @@ def create_app(settings: Settings, loaded_model_factory: Callable[[], Any] | Non
 def uvicorn_options(settings: Settings) -> dict:
     """Keyword arguments for uvicorn.run/uvicorn.Config that the hub's limits rely on."""
     return {"host": settings.server.host, "port": settings.server.port, "log_level": settings.server.log_level,
-            "ws_max_size": transport_max_bytes(settings.server.max_frame_bytes), "lifespan": "on"}
+            "ws_max_size": transport_max_bytes(settings.server.max_frame_bytes), "lifespan": "on",
+            "proxy_headers": True, "forwarded_allow_ips": settings.server.forwarded_allow_ips,
+            "timeout_graceful_shutdown": settings.server.shutdown_grace_s + 5}

@@ -1,4 +1,4 @@
-"""Command line: `rtserver serve`, `rtserver bench`, `rtserver eval`."""
+"""Command line: `rtserver serve`, `rtserver bench`, `rtserver loadtest`, `rtserver eval`."""
 
 from __future__ import annotations
 
@@ -32,18 +32,14 @@ def _load(settings, dtype: str | None = None):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .app import create_app, uvicorn_options
+    from .server import serve
 
     settings = _settings(args)
     if args.host:
         settings.server.host = args.host
     if args.port is not None:
         settings.server.port = args.port
-    app = create_app(settings)
-    uvicorn.run(app, **uvicorn_options(settings))
-    return 0
+    return serve(settings)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -74,6 +70,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from .loadtest import run_loadtest
+
+    _settings(args)  # a bad config stops here with its message, not inside a server process
+    sizes = (200, 16, 20) if args.quick else (args.idle, args.chatting, args.disconnects)
+    report = run_loadtest(*sizes, config=args.config, out_dir=args.out, dtype=args.dtype)
+    return 0 if report["passed"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rtserver", description=__doc__)
     parser.add_argument("--config", help="config file (default: ./config.toml, or $RTSERVER_CONFIG)")
@@ -92,6 +97,15 @@ def main(argv: list[str] | None = None) -> int:
                             "depend on the count)")
     bench.add_argument("--out", default="bench-results", help="folder for the JSON report")
     bench.set_defaults(func=cmd_bench)
+    lt = sub.add_parser("loadtest", help="reliability figures: load, overload, slow and leaving clients, faults, "
+                        "shutdown, load failure (real servers on 127.0.0.1)")
+    lt.add_argument("--idle", type=int, default=1000, help="idle WebSocket connections held open")
+    lt.add_argument("--chatting", type=int, default=64, help="sessions chatting beside them")
+    lt.add_argument("--disconnects", type=int, default=100, help="clients leaving mid-stream, per pattern")
+    lt.add_argument("--quick", action="store_true", help="200 idle, 16 chatting, 20 disconnects (the CI run)")
+    lt.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "int8"])
+    lt.add_argument("--out", default="bench-results", help="folder for the JSON report")
+    lt.set_defaults(func=cmd_loadtest)
     ev = sub.add_parser("eval", help="sentiment accuracy table on the shipped labeled data")
     ev.add_argument("--split", default="test", choices=["dev", "test"])
     ev.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "int8"])

@@ -38,6 +38,8 @@ class ServerSettings:
     max_in_flight: int = _setting(8, min=1, max=1024)
     send_queue_size: int = _setting(256, min=8, max=100_000)
     slow_client_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
+    shutdown_grace_s: float = _setting(10.0, min=0.0, max=3600.0)
+    forwarded_allow_ips: list[str] = _setting(["127.0.0.1"])
 
 
 @dataclass
@@ -78,6 +80,12 @@ class SecuritySettings:
     console_token: str = _setting("")
     api_token: str = _setting("")
     allowed_origins: list[str] = _setting([])
+    # token buckets (rtserver/ratelimit.py); a rate of 0 turns that limit off
+    rate_limit_per_s: float = _setting(5.0, min=0.0, max=1e6)
+    rate_limit_burst: int = _setting(20, min=1, max=1_000_000)
+    ip_rate_limit_per_s: float = _setting(20.0, min=0.0, max=1e6)
+    ip_rate_limit_burst: int = _setting(60, min=1, max=1_000_000)
+    max_sessions_per_ip: int = _setting(50, min=0, max=10_000_000)
 
 
 @dataclass

@@ -8,10 +8,17 @@ Per connection:
   be reading: the connection is closed with code 4008 ("slow client") and its generations cancelled.
   Server memory per connection is bounded by the queue, and a slow reader never delays the engine or
   other clients (the engine never waits for a stream's consumer);
+- every frame but `cancel` takes a token from the connection's and the client IP's token buckets
+  (`security.rate_limit_*`); an empty bucket gets `rate_limited` with `retry_after_s`;
 - chat turns of a session are serialised: a `chat` while one is in progress is refused with
   `chat_busy` (nothing is queued server-side);
 - on disconnect every generation of the connection is cancelled (the engine drops it at its next
   step) and the session is detached, to be resumed or to expire.
+
+Shutdown (`Hub.drain`, called by the server on SIGTERM before uvicorn closes sockets): every connection
+gets a `shutting_down` event, new requests are refused with `shutting_down`, in-flight ones have
+`server.shutdown_grace_s` to finish; those still running then end with error `shutting_down`, and the
+sockets close with 1001.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +34,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol as P
 from .console import ConsoleHub
+from .ratelimit import IPRateLimiter, TokenBucket
 from .scheduler import Overloaded, RequestTooLarge
 from .sequence import FinishReason, SamplingError
-from .session import Session, SessionExpired, SessionRegistry, window
+from .session import Session, SessionExpired, SessionRegistry, TooManySessions, window
 from .wsclose import finish_connection
 
 log = logging.getLogger("rtserver.hub")
@@ -38,6 +47,8 @@ CLOSE_UNAUTHORIZED = 4401
 CLOSE_TAKEN_OVER = 4409
 CLOSE_NOT_READY = 1013
 CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
+CLOSE_TOO_MANY_SESSIONS = 4429
 
 
 def transport_max_bytes(max_frame_bytes: int) -> int:
@@ -107,6 +118,9 @@ class Connection:
         self.close_code: int | None = None
         self.close_reason = ""
         self.background: set[asyncio.Task] = set()
+        self.client_ip = client_ip(ws)
+        sec = hub.settings.security
+        self.bucket = TokenBucket(sec.rate_limit_per_s, sec.rate_limit_burst) if sec.rate_limit_per_s > 0 else None
 
     # -- sending --------------------------------------------------------------------------------
     async def send(self, event: dict) -> None:
@@ -164,11 +178,32 @@ class Connection:
         finally:
             self.stop()
 
+    def rate_limit_wait(self) -> tuple[float, str]:
+        """(seconds to wait, which limit) — (0, "") when this message may go through."""
+        if self.bucket is not None:
+            wait = self.bucket.take()
+            if wait > 0:
+                return wait, f"{self.bucket.rate:g} messages/s per connection (burst {self.bucket.burst})"
+        limiter = self.hub.ip_limiter
+        wait = limiter.take(self.client_ip)
+        if wait > 0:
+            return wait, f"{limiter.rate:g} messages/s per client address (burst {limiter.burst})"
+        return 0.0, ""
+
     async def handle_frame(self, raw: str | bytes) -> None:
         try:
             msg = P.parse_client_message(raw, self.hub.settings.server.max_frame_bytes)
         except P.ProtocolError as exc:
-            await self.error(exc.code, exc.message, exc.request_id)
+            msg, error = None, exc
+        if not isinstance(msg, P.Cancel):  # cancelling lowers load: never refused
+            wait, limit = self.rate_limit_wait()
+            if wait > 0:
+                rid = msg.id if msg is not None and hasattr(msg, "id") else None
+                await self.error("rate_limited", f"too many messages (limit {limit}); retry in {wait:.2f} s",
+                                 rid, retry_after_s=round(wait, 3))
+                return
+        if msg is None:
+            await self.error(error.code, error.message, error.request_id)
             return
         if isinstance(msg, P.Ping):
             await self.send(P.pong_event(msg.data))
@@ -193,6 +228,9 @@ class Connection:
             return
         if isinstance(msg, P.Reset):
             await self.reset()
+            return
+        if self.hub.shutting_down:
+            await self.error("shutting_down", "the server is shutting down; reconnect in a moment", msg.id)
             return
         if msg.id in self.requests:
             await self.error("duplicate_id", f"request {msg.id!r} is already in flight", msg.id)
@@ -240,7 +278,14 @@ class Connection:
                 await self.error("session_expired", "that session is unknown or has expired; a new session "
                                  "was started")
         if session is None:
-            session = hub.sessions.create()
+            try:
+                session = hub.sessions.create(self.client_ip)
+            except TooManySessions:
+                cap = hub.settings.security.max_sessions_per_ip
+                await self.error("too_many_sessions", f"this address already has {cap} connected sessions "
+                                 f"(the limit); close one first")
+                self.stop(CLOSE_TOO_MANY_SESSIONS, "too many sessions")
+                return False
         elif session.connection is not None and session.connection is not self:
             old: Connection = session.connection
             await old.error("session_taken_over", "this session was resumed by another connection")
@@ -361,13 +406,23 @@ class Connection:
         task.add_done_callback(self.background.discard)
 
 
+def client_ip(conn: Any) -> str:
+    """The peer address of a WebSocket or HTTP request (uvicorn rewrites it from X-Forwarded-For when
+    the request comes through a proxy listed in `server.forwarded_allow_ips`)."""
+    client = conn.scope.get("client")
+    return client[0] if client else ""
+
+
 class Hub:
     def __init__(self, state: Any):
         self.state = state
         self.settings = state.settings
         self.metrics = state.metrics
-        ss = self.settings.sessions
-        self.sessions = SessionRegistry(ss.idle_timeout_s, ss.max_sessions, on_drop=self._on_drop)
+        ss, sec = self.settings.sessions, self.settings.security
+        self.sessions = SessionRegistry(ss.idle_timeout_s, ss.max_sessions, on_drop=self._on_drop,
+                                        max_per_ip=sec.max_sessions_per_ip)
+        self.ip_limiter = IPRateLimiter(sec.ip_rate_limit_per_s, sec.ip_rate_limit_burst)
+        self.shutting_down = False
         self.connections: set[Connection] = set()
         self.console = ConsoleHub(self)  # the agent console's registry (/ws/console)
 
@@ -412,16 +467,18 @@ class Hub:
         return origin is None or origin in allowed
 
     async def endpoint(self, ws: WebSocket) -> None:
-        if not self.origin_allowed(ws):
-            self.metrics.error("forbidden_origin")
-            await ws.close(code=1008, reason="origin not allowed")
-            return
         await ws.accept()
+        if not self.origin_allowed(ws):
+            await refuse(ws, self.metrics, "forbidden_origin", f"origin {ws.headers.get('origin')!r} is not "
+                         f"allowed (security.allowed_origins)", CLOSE_POLICY, "origin not allowed")
+            return
+        if self.shutting_down:
+            await refuse(ws, self.metrics, "shutting_down", "the server is shutting down; reconnect in a "
+                         "moment", CLOSE_GOING_AWAY, "server shutting down")
+            return
         if not self.state.ready:
-            await ws.send_text(P.dumps(P.error_event("not_ready", f"the model is {self.state.status}; "
-                                                     f"retry when GET /ready answers 200")))
-            self.metrics.error("not_ready")
-            await ws.close(code=CLOSE_NOT_READY, reason="not ready")
+            await refuse(ws, self.metrics, "not_ready", f"the model is {self.state.status}; retry when "
+                         f"GET /ready answers 200", CLOSE_NOT_READY, "not ready")
             return
         conn = Connection(self, ws)
         self.connections.add(conn)
@@ -441,6 +498,26 @@ class Hub:
             await finish_connection(ws, conn.queue, reader, writer, conn.close_code, conn.close_reason,
                                     drain=conn.close_code != CLOSE_SLOW_CLIENT)
 
+    async def drain(self, grace_s: float) -> None:
+        """Graceful shutdown: refuse new work, give in-flight requests `grace_s` to finish, end the rest
+        with `shutting_down`, close every connection with 1001 and wait (briefly) for them to go."""
+        self.shutting_down = True
+        self.console.close_all()
+        for conn in list(self.connections):
+            await conn.send({"type": "shutting_down", "deadline_s": grace_s})
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(conn.requests for conn in self.connections):
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            for rid in list(conn.requests):
+                await conn.error("shutting_down", f"the server is shutting down; this request did not finish "
+                                 f"within {grace_s:g} s", rid)
+            conn.cancel_all()
+            conn.stop(CLOSE_GOING_AWAY, "server shutting down")
+        deadline = time.monotonic() + 2.0
+        while self.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
     async def close_all(self) -> None:
         self.console.close_all()
         for conn in list(self.connections):
@@ -448,3 +525,13 @@ class Hub:
             conn.stop(CLOSE_GOING_AWAY, "server shutting down")
 
 
+
+
+async def refuse(ws: WebSocket, metrics: Any, code: str, message: str, close_code: int, reason: str) -> None:
+    """Tell an accepted connection why it is refused, then close it."""
+    metrics.error(code)
+    try:
+        await ws.send_text(P.dumps(P.error_event(code, message)))
+        await ws.close(code=close_code, reason=reason)
+    except Exception:  # the peer may already be gone
+        pass

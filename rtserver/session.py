@@ -22,6 +22,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,6 +31,10 @@ log = logging.getLogger("rtserver.session")
 
 class SessionExpired(Exception):
     """Unknown id, wrong token, or the session idled past its timeout."""
+
+
+class TooManySessions(Exception):
+    """The client IP already holds its cap of sessions, all of them connected."""
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Session:
     chat_request: str | None = None  # id of the chat turn in progress
     turns: int = 0  # chat turns completed in this session
     cuts: int = 0  # window cuts so far
+    client_ip: str = ""  # the address that created it (sessions per IP are capped)
 
     @property
     def history_turns(self) -> int:
@@ -84,9 +90,12 @@ class SessionRegistry:
     """All live sessions; expiry of detached ones; `on_drop(session)` frees their engine state."""
 
     def __init__(self, idle_timeout_s: float, max_sessions: int,
-                 on_drop: Callable[[Session], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 on_drop: Callable[[Session], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_per_ip: int = 0):
         self.idle_timeout_s = idle_timeout_s
         self.max_sessions = max_sessions
+        self.max_per_ip = max_per_ip  # 0 = no cap
+        self.per_ip: Counter[str] = Counter()
         self.on_drop = on_drop or (lambda s: None)
         self.clock = clock
         self.sessions: dict[str, Session] = {}
@@ -96,21 +105,30 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def create(self) -> Session:
+    def create(self, client_ip: str = "") -> Session:
+        """A new session. At `max_per_ip` sessions for this IP its oldest detached one makes room; if all
+        of them are connected, raises TooManySessions."""
+        if self.max_per_ip and self.per_ip[client_ip] >= self.max_per_ip:
+            self.sweep()
+            if self.per_ip[client_ip] >= self.max_per_ip and not self._drop_oldest_detached(client_ip):
+                raise TooManySessions(client_ip)
         if len(self.sessions) >= self.max_sessions:
             self.sweep()
             if len(self.sessions) >= self.max_sessions:
                 self._drop_oldest_detached()
         now = self.clock()
         session = Session(id=secrets.token_urlsafe(18), resume_token=secrets.token_urlsafe(32),
-                          created_at=now, last_active=now)
+                          created_at=now, last_active=now, client_ip=client_ip)
         self.sessions[session.id] = session
+        self.per_ip[client_ip] += 1
         return session
 
-    def _drop_oldest_detached(self) -> None:
-        detached = [s for s in self.sessions.values() if s.connection is None]
+    def _drop_oldest_detached(self, client_ip: str | None = None) -> bool:
+        detached = [s for s in self.sessions.values()
+                    if s.connection is None and (client_ip is None or s.client_ip == client_ip)]
         if detached:
             self.drop(min(detached, key=lambda s: s.last_active))
+        return bool(detached)
 
     def resume(self, session_id: str, resume_token: str) -> Session:
         """The session for this id and token; raises SessionExpired (the same way for every cause)."""
@@ -134,6 +152,9 @@ class SessionRegistry:
 
     def drop(self, session: Session) -> None:
         if self.sessions.pop(session.id, None) is not None:
+            self.per_ip[session.client_ip] -= 1
+            if self.per_ip[session.client_ip] <= 0:
+                del self.per_ip[session.client_ip]
             session.history.clear()
             try:
                 self.on_drop(session)

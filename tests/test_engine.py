@@ -221,14 +221,16 @@ async def test_failing_step_fails_only_its_sequences(engine, loaded):
 
     def explode(items):
         if any(it.seq.prompt_ids == victim_prompt for it in items):
-            engine.scheduler.fault_hook = None
             raise RuntimeError("injected")
 
     engine.scheduler.fault_hook = explode
-    bad = await engine.generate(victim_prompt, greedy(5)).result()
-    good = await calm.result()
+    try:
+        bad = await engine.generate(victim_prompt, greedy(5)).result()
+        good = await calm.result()
+    finally:
+        engine.scheduler.fault_hook = None
     assert bad.finish_reason is FinishReason.ERROR and "internal" in bad.error
-    # A neighbour fails only if it shared the failing step; otherwise it completes correctly.
-    assert good.finish_reason is FinishReason.ERROR or good.token_ids == reference_greedy(loaded, calm_prompt, 10)
+    # the neighbour shared the failing steps; retried alone, it completes exactly
+    assert good.token_ids == reference_greedy(loaded, calm_prompt, 10)
     after = await engine.generate(chat_prompt(tok, TEXTS[2]), greedy(5)).result()
     assert after.token_ids == reference_greedy(loaded, chat_prompt(tok, TEXTS[2]), 5)

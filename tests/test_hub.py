@@ -265,3 +265,112 @@ async def test_not_ready_while_loading(smol):
                 await asyncio.wait_for(ws.recv(), 30)
             assert info.value.rcvd.code == 1013
         gate.set()
+
+
+# -- limits, origins, shutdown ---------------------------------------------------------------------
+
+async def test_rate_limited_per_connection_with_retry_after_and_cancel_still_allowed(smol):
+    settings = make_settings(security={"rate_limit_per_s": 1.0, "rate_limit_burst": 3})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(url) as ws:
+            assert (await hello(ws))["type"] == "ready"  # 1 token
+            for _ in range(2):
+                await ws.send(json.dumps({"type": "ping"}))
+                assert (await recv_json(ws))["type"] == "pong"
+            await ws.send(json.dumps({"type": "chat", "id": "c1", "text": "hi"}))
+            err = await recv_json(ws)
+            assert err["code"] == "rate_limited" and err["id"] == "c1"
+            assert 0 < err["retry_after_s"] <= 1.0 and "per connection" in err["message"]
+            await ws.send(json.dumps({"type": "cancel", "id": "c1"}))
+            assert (await recv_json(ws))["code"] == "unknown_request"  # cancel is never rate limited
+            await asyncio.sleep(err["retry_after_s"])
+            await ws.send(json.dumps({"type": "ping"}))
+            assert (await recv_json(ws))["type"] == "pong"
+        async with websockets.connect(url) as ws:  # a new connection has its own bucket
+            assert (await hello(ws))["type"] == "ready"
+
+
+async def test_rate_limited_per_ip_across_connections_and_http(smol):
+    import httpx
+
+    settings = make_settings(security={"ip_rate_limit_per_s": 0.5, "ip_rate_limit_burst": 3})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(url) as a, websockets.connect(url) as b:
+            assert (await hello(a))["type"] == "ready"
+            assert (await hello(b))["type"] == "ready"
+            await a.send(json.dumps({"type": "ping"}))
+            assert (await recv_json(a))["type"] == "pong"
+            await b.send(json.dumps({"type": "ping"}))
+            err = await recv_json(b)
+            assert err["code"] == "rate_limited" and "per client address" in err["message"]
+        async with httpx.AsyncClient() as client:
+            r = await client.post(base + "/sentiment", json={"text": "great"})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
+            assert int(r.headers["retry-after"]) >= 1
+            assert (await client.get(base + "/health")).status_code == 200  # health is never limited
+
+
+async def test_sessions_per_ip_cap_closes_with_4429(smol):
+    settings = make_settings(security={"max_sessions_per_ip": 2})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(url) as a, websockets.connect(url) as b, websockets.connect(url) as c:
+            first = await hello(a)
+            assert (await hello(b))["type"] == "ready"
+            err = await hello(c)
+            assert err["code"] == "too_many_sessions"
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(c.recv(), 30)
+            assert info.value.rcvd.code == 4429
+        # once a's connection is gone its session is detached: a new one may take its place, and a
+        # resume of a's own session does not count as new
+        async with websockets.connect(url) as d:
+            ready = await hello(d, session_id=first["session_id"], resume_token=first["resume_token"])
+            assert ready["type"] == "ready" and ready["resumed"]
+
+
+async def test_foreign_origin_refused_with_1008(smol):
+    settings = make_settings(security={"allowed_origins": ["https://shop.example"]})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(url, origin="https://evil.example") as ws:
+            err = await recv_json(ws)
+            assert err["code"] == "forbidden_origin" and "evil.example" in err["message"]
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(ws.recv(), 30)
+            assert info.value.rcvd.code == 1008
+        async with websockets.connect(url, origin="https://shop.example") as ws:
+            assert (await hello(ws))["type"] == "ready"
+
+
+async def test_drain_lets_short_replies_finish_and_ends_long_ones(smol):
+    settings = make_settings(server={"shutdown_grace_s": 1.0})
+    tok = smol.tokenizer.encode(" la", add_special_tokens=False)[0]
+    engine = ScriptedEngine(smol, script=[tok] * 400, delay=0.01)  # ~4 s per reply
+    app = scripted_app(smol, settings, engine)
+    async with serve(app, settings) as (base, url):
+        hub = app.state.rt.hub
+        async with websockets.connect(url) as ws, websockets.connect(url) as short:
+            await hello(ws)
+            await hello(short)
+            await ws.send(json.dumps({"type": "chat", "id": "long", "text": "hi",
+                                      "options": {"max_new_tokens": 400}}))
+            await recv_until(ws, lambda e: e["type"] == "token")
+            await short.send(json.dumps({"type": "chat", "id": "short", "text": "hi",
+                                         "options": {"max_new_tokens": 20}}))
+            await recv_until(short, lambda e: e["type"] == "token")
+            drain = asyncio.create_task(hub.drain(1.0))
+            events = await recv_until(short, lambda e: e.get("id") == "short" and e["type"] in ("error", "done"))
+            assert events[-1]["type"] == "done"  # finished within the grace period
+            assert any(e["type"] == "shutting_down" for e in events)
+            events = await recv_until(ws, lambda e: e["type"] == "shutting_down")
+            assert events[-1]["deadline_s"] == 1.0
+            await ws.send(json.dumps({"type": "task", "id": "late", "task": "sentiment", "input": {"text": "x"}}))
+            events = await recv_until(ws, lambda e: e.get("id") == "late" and e["type"] == "error")
+            assert events[-1]["code"] == "shutting_down"
+            events = await recv_until(ws, lambda e: e.get("id") == "long" and e["type"] in ("error", "done"))
+            assert events[-1]["type"] == "error" and events[-1]["code"] == "shutting_down"
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                while True:
+                    await asyncio.wait_for(ws.recv(), 30)
+            assert info.value.rcvd.code == 1001
+            await drain
+        assert not hub.connections

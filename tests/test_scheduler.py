@@ -160,6 +160,25 @@ def test_step_exception_fails_that_step_only_and_keeps_serving():
     assert kv.used_blocks == 0
 
 
+def test_step_exception_is_isolated_to_the_sequence_that_raises():
+    sched, runner, kv, events = make()
+    calm, victim = seq(4, 5), seq(4, 5, start=900)
+    sched.submit(calm)
+    sched.step()  # calm decodes from here on, so the victim's steps include calm's rows
+
+    def explode(items):
+        if any(it.seq is victim for it in items):
+            raise RuntimeError("boom")
+
+    sched.fault_hook = explode
+    sched.submit(victim)
+    run_until_idle(sched)
+    assert victim.result().finish_reason is FinishReason.ERROR and "internal" in victim.error
+    assert calm.result().finish_reason is FinishReason.LENGTH and len(calm.output_ids) == 5
+    kv.clear_prefix_cache()
+    assert kv.used_blocks == 0
+
+
 def test_label_scoring_runs_without_a_decode_loop():
     sched, runner, kv, _ = make()
     s = Sequence(list(range(5)), SamplingParams(max_new_tokens=1), tokenizer=FakeTokenizer(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtserver.session import SessionExpired, SessionRegistry, window
+from rtserver.session import SessionExpired, SessionRegistry, TooManySessions, window
 
 
 class Clock:
@@ -81,6 +81,21 @@ def test_max_sessions_drops_the_oldest_detached():
 
 def count(history):
     return 10 + sum(len(m["content"]) for m in history)
+
+
+def test_sessions_per_ip_cap_reuses_detached_then_refuses():
+    dropped = []
+    reg = SessionRegistry(60, 100, on_drop=dropped.append, clock=Clock(), max_per_ip=2)
+    a, b = reg.create("10.0.0.1"), reg.create("10.0.0.1")
+    a.connection = b.connection = object()
+    with pytest.raises(TooManySessions):
+        reg.create("10.0.0.1")
+    other = reg.create("10.0.0.2")  # the cap is per address
+    reg.detach(a, a.connection)
+    c = reg.create("10.0.0.1")  # the IP's oldest detached session makes room
+    assert dropped == [a] and set(reg.sessions) == {b.id, c.id, other.id}
+    reg.drop(b)
+    assert reg.per_ip == {"10.0.0.1": 1, "10.0.0.2": 1}
 
 
 def test_window_keeps_everything_under_the_limits():

@@ -1,0 +1,633 @@
+"""`rtserver loadtest`: the reliability figures, measured against real `rtserver serve` processes on
+127.0.0.1 with real WebSocket clients. Every phase is bounded in count and time.
+
+Server A (the configured model; per-IP limits off because every client here is 127.0.0.1; sessions
+expire 5 s after their client leaves): 1,000 idle connections + 64 chatting sessions; a client that
+stops reading while its reply streams; 100 clients disconnecting mid-stream, one after another and all
+at once. Server B (max_running 8, max_waiting 8, fault hooks): 4x max_running chats at once; a plugin
+parser and a scheduler step that raise; SIGTERM while replies stream. Then `rtserver serve` on a missing
+and on a corrupt model file. Prints a table, writes JSON, exits 1 when a check fails.
+
+The fault hooks are test hooks, not settings: server B runs `python -m rtserver.loadtest
+serve-with-faults`, which adds a plugin whose parser raises and a scheduler `fault_hook` that raises on
+steps holding a prompt with STEP_FAULT_MARKER.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .loadclient import percentile, run_chat_load
+
+STEP_FAULT_MARKER = "QXSTEPFAULTQX"
+FAULTY_PLUGIN = '''"""loadtest: a task whose output parser always raises."""
+from rtserver.tasks import Task
+
+
+def parse(text):
+    raise ValueError("injected parser fault")
+
+
+TASK = Task(name="faulty", description="loadtest fault injection", prompt="Say hello to {text}.",
+            max_new_tokens=4, parser=parse)
+'''
+LONG_PROMPT = "Count from 1 to 500, separated by commas, and say nothing else."
+
+
+def _raise_nofile_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`rtserver serve` (or another launcher) in a subprocess on a free 127.0.0.1 port, log to a file."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, config: str | None = None,
+                 launcher: list[str] | None = None):
+        self.port = _free_port()
+        self.env = {**os.environ, **env, "RTSERVER_SERVER_HOST": "127.0.0.1",
+                    "RTSERVER_SERVER_PORT": str(self.port)}
+        self.cmd = [sys.executable, "-m"] + (launcher or ["rtserver.cli"] + (["--config", config] if config else [])
+                                             + ["serve"])
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    def start(self, timeout_s: float = 300.0) -> float:
+        """Start and wait for /ready; the seconds it took."""
+        started = time.monotonic()
+        log = self.log_path.open("w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     preexec_fn=_raise_nofile_limit)
+        while True:
+            try:
+                with urllib.request.urlopen(self.base + "/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - started
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up; see {self.log_path}")
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {self.log_path}")
+            time.sleep(0.3)
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def stop(self, timeout_s: float = 60.0) -> tuple[int, float]:
+        """SIGTERM; (exit code, seconds to exit). Killed (and -9 returned) past the timeout."""
+        started = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        return rc, time.monotonic() - started
+
+    def log_errors(self) -> list[str]:
+        """Log lines at ERROR level or tracebacks."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [ln for ln in lines if " ERROR " in ln or ln.startswith("ERROR:") or ln.startswith("Traceback")]
+
+
+# -- client helpers ------------------------------------------------------------------------------------
+
+async def _connect(url: str, **kwargs: Any):
+    import websockets
+    return await websockets.connect(url, open_timeout=60, max_size=None, **kwargs)
+
+
+async def _recv(ws, timeout_s: float = 120.0) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
+
+
+async def _hello(ws) -> dict:
+    await ws.send(json.dumps({"type": "hello", "client": "loadtest"}))
+    while True:
+        ev = await _recv(ws)
+        if ev["type"] in ("ready", "error"):
+            return ev
+
+
+async def _chat(url: str, text: str, max_new_tokens: int, timeout_s: float = 300.0) -> dict:
+    """One chat on a new connection: outcome (done | error code), TTFT and total seconds."""
+    async with await _connect(url) as ws:
+        await _hello(ws)
+        sent = time.perf_counter()
+        await ws.send(json.dumps({"type": "chat", "id": "c", "text": text,
+                                  "options": {"max_new_tokens": max_new_tokens, "temperature": 0}}))
+        first = None
+        while True:
+            ev = await _recv(ws, timeout_s)
+            if ev.get("id") != "c" or ev.get("auto"):
+                continue
+            if ev["type"] == "token" and first is None:
+                first = time.perf_counter() - sent
+            elif ev["type"] in ("done", "error"):
+                return {"outcome": "done" if ev["type"] == "done" else ev["code"], "ttft_s": first,
+                        "total_s": time.perf_counter() - sent, "message": ev.get("message", "")}
+
+
+def _median(values: list[float]) -> float | None:
+    return percentile(values, 50)
+
+
+# -- server A phases -----------------------------------------------------------------------------------
+
+async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict:
+    rss_before = server.rss_mb()
+    idle_conns = []
+    failed = 0
+
+    async def open_one():
+        nonlocal failed
+        try:
+            ws = await _connect(server.ws_url)
+            ev = await _hello(ws)
+            if ev["type"] != "ready":
+                failed += 1
+                await ws.close()
+                return
+            idle_conns.append(ws)
+        except Exception:
+            failed += 1
+
+    opened_at = time.perf_counter()
+    for start in range(0, idle, 100):  # 100 handshakes at a time
+        await asyncio.gather(*[open_one() for _ in range(min(100, idle - start))])
+    open_s = time.perf_counter() - opened_at
+    await asyncio.sleep(2)
+    rss_idle = server.rss_mb()
+    chat = await run_chat_load(server.ws_url, chatting, turns=2, max_new_tokens=24, timeout_s=600)
+    rss_after_chat = server.rss_mb()
+
+    async def still_open(ws) -> bool:
+        try:
+            await ws.send(json.dumps({"type": "ping", "data": 1}))
+            while (await _recv(ws, 60))["type"] != "pong":
+                pass
+            return True
+        except Exception:
+            return False
+
+    alive = sum(await asyncio.gather(*[still_open(ws) for ws in idle_conns]))
+    await asyncio.gather(*[ws.close() for ws in idle_conns], return_exceptions=True)
+    expected_turns = chatting * 2
+    return {"idle_connections": idle, "idle_open_failed": failed, "idle_open_s": round(open_s, 2),
+            "idle_alive_after_chat": alive, "chatting_sessions": chatting, "turns_per_session": 2,
+            "max_new_tokens": 24, "completed_turns": chat["completed_turns"], "expected_turns": expected_turns,
+            "errors": chat["errors"], "ttft_p50_ms": chat["ttft_p50_ms"], "ttft_p95_ms": chat["ttft_p95_ms"],
+            "tokens_per_s": round(chat["tokens_per_s"], 1), "rss_before_mb": round(rss_before, 1),
+            "rss_with_idle_mb": round(rss_idle, 1), "rss_idle_extra_mb": round(rss_idle - rss_before, 1),
+            "rss_after_chat_mb": round(rss_after_chat, 1)}
+
+
+async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict:
+    base = await run_chat_load(server.ws_url, others, turns=1, max_new_tokens=48)
+    slow_closes_before = server.metrics().get("rtserver_slow_client_closes_total", 0.0)
+    rss_before = server.rss_mb()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that stops: small window
+    sock.connect(("127.0.0.1", server.port))
+    ws = await _connect(server.ws_url, sock=sock, max_queue=1)
+    await _hello(ws)
+    await ws.send(json.dumps({"type": "chat", "id": "slow", "text": LONG_PROMPT,
+                              "options": {"max_new_tokens": 256}}))
+    close_code: int | None = None
+    sent_frames = 0
+    flood_started = time.perf_counter()
+
+    # Beside its streaming reply the client sends pings with 60 KB of data and never reads the pongs:
+    # megabytes to deliver within seconds, past what the kernel's socket buffers absorb (a token stream
+    # alone would take many minutes to fill them). The connection's rate limit applies as usual.
+    ping = json.dumps({"type": "ping", "data": "x" * 60_000})
+
+    async def flood() -> None:
+        nonlocal sent_frames
+        try:
+            while time.perf_counter() - flood_started < 40:
+                await asyncio.wait_for(ws.send(ping), 5)
+                sent_frames += 1
+                await asyncio.sleep(0.02)
+        except Exception:  # the server closed the connection
+            pass
+
+    flood_task = asyncio.create_task(flood())
+    during = await run_chat_load(server.ws_url, others, turns=1, max_new_tokens=48)
+    await flood_task
+    rss_during = server.rss_mb()
+    closed_after = None
+    try:  # now read: whatever was queued, then the close
+        while True:
+            await asyncio.wait_for(ws.recv(), 30)
+    except Exception as exc:
+        rcvd = getattr(exc, "rcvd", None)
+        close_code = getattr(rcvd, "code", None)
+        closed_after = time.perf_counter() - flood_started
+    finally:
+        await ws.close()
+    slow_closes = server.metrics().get("rtserver_slow_client_closes_total", 0.0) - slow_closes_before
+    return {"others": others, "others_tokens_per_s_before": round(base["tokens_per_s"], 1),
+            "others_tokens_per_s_during": round(during["tokens_per_s"], 1),
+            "others_rate_ratio": round(during["tokens_per_s"] / base["tokens_per_s"], 3) if base["tokens_per_s"] else None,
+            "others_errors": during["errors"], "slow_client_frames_sent": sent_frames,
+            "slow_client_close_code": close_code, "slow_client_closes": slow_closes,
+            "seconds_until_closed_seen": round(closed_after, 1) if closed_after else None,
+            "rss_before_mb": round(rss_before, 1), "rss_during_mb": round(rss_during, 1)}
+
+
+async def _wait_settled(server: ServerProcess, kv_baseline: float, timeout_s: float) -> dict:
+    """Poll /metrics until nothing runs or waits and the KV held by sessions is back to `kv_baseline`."""
+    started = time.perf_counter()
+    running_zero_s = None
+    while True:
+        m = server.metrics()
+        running = m.get("rtserver_running_sequences", 0) + m.get("rtserver_waiting_sequences", 0)
+        kv = _session_kv(m)
+        elapsed = time.perf_counter() - started
+        if running == 0 and running_zero_s is None:
+            running_zero_s = elapsed
+        if running == 0 and kv <= kv_baseline or elapsed > timeout_s:
+            return {"running_after": running, "kv_session_bytes_after": kv,
+                    "seconds_to_no_running": round(running_zero_s, 2) if running_zero_s is not None else None,
+                    "seconds_to_kv_baseline": round(elapsed, 2) if kv <= kv_baseline else None}
+        await asyncio.sleep(0.25)
+
+
+def _session_kv(m: dict[str, float]) -> float:
+    """KV bytes held by running sequences and kept sessions (used minus the shared prefix cache)."""
+    return m.get("rtserver_kv_used_bytes", 0) - m.get("rtserver_kv_prefix_cache_bytes", 0)
+
+
+async def phase_disconnects(server: ServerProcess, count: int) -> dict:
+    started = time.perf_counter()
+    while True:  # earlier phases' sessions expire first
+        m = server.metrics()
+        if m.get("rtserver_sessions", 0) == 0 and m.get("rtserver_running_sequences", 0) == 0:
+            break
+        if time.perf_counter() - started > 60:
+            raise RuntimeError("earlier phases' sessions did not expire within 60 s")
+        await asyncio.sleep(0.25)
+    settle = round(time.perf_counter() - started, 2)
+    baseline = {"running": m.get("rtserver_running_sequences", 0), "kv_session_bytes": _session_kv(m),
+                "sessions": m.get("rtserver_sessions", 0)}
+
+    async def start_chat():
+        ws = await _connect(server.ws_url)
+        await _hello(ws)
+        await ws.send(json.dumps({"type": "chat", "id": "d", "text": LONG_PROMPT,
+                                  "options": {"max_new_tokens": 128}}))
+        return ws
+
+    async def until_first_token(ws, timeout_s: float) -> bool:
+        try:
+            while True:
+                ev = await _recv(ws, timeout_s)
+                if ev.get("id") == "d" and ev["type"] == "token":
+                    return True
+        except Exception:
+            return False
+
+    streaming = 0
+    for _ in range(count):  # one after another: each leaves while its reply streams
+        ws = await start_chat()
+        streaming += await until_first_token(ws, 60)
+        await ws.close()
+    peak_seq = server.metrics()
+    sequential = {"disconnected_while_streaming": streaming,
+                  "kv_session_bytes_peak": _session_kv(peak_seq),
+                  **await _wait_settled(server, baseline["kv_session_bytes"], 60)}
+    conns = await asyncio.gather(*[start_chat() for _ in range(count)])
+    got = await asyncio.gather(*[until_first_token(ws, 5) for ws in conns])
+    m = server.metrics()
+    running_at_cut = m.get("rtserver_running_sequences", 0) + m.get("rtserver_waiting_sequences", 0)
+    for ws in conns:
+        ws.transport.abort()  # all at once, without a closing handshake
+    at_once = {"streaming_when_cut": sum(got), "running_or_waiting_when_cut": running_at_cut,
+               "kv_session_bytes_when_cut": _session_kv(m),
+               **await _wait_settled(server, baseline["kv_session_bytes"], 60)}
+    return {"count": count, "baseline": baseline, "seconds_until_earlier_sessions_expired": settle,
+            "one_after_another": sequential, "all_at_once": at_once}
+
+
+# -- server B phases -----------------------------------------------------------------------------------
+
+async def phase_overload(server: ServerProcess, max_running: int) -> dict:
+    async def unloaded() -> dict:
+        runs = [await _chat(server.ws_url, "Say hello.", 16) for _ in range(3)]
+        return {"ttft_ms": round(_median([r["ttft_s"] * 1000 for r in runs if r["ttft_s"]]), 1),
+                "total_ms": round(_median([r["total_s"] * 1000 for r in runs]), 1)}
+
+    before = await unloaded()
+    n = 4 * max_running
+    started = time.perf_counter()
+    results = await asyncio.wait_for(asyncio.gather(*[_chat(server.ws_url, f"Say hello to person {i}.", 16)
+                                                      for i in range(n)]), 600)
+    wall = time.perf_counter() - started
+    after = await unloaded()
+    outcomes: dict[str, int] = {}
+    for r in results:
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    refused = [r["total_s"] * 1000 for r in results if r["outcome"] == "overloaded"]
+    return {"submitted": n, "max_running": max_running, "outcomes": outcomes, "wall_s": round(wall, 1),
+            "overloaded_answer_p95_ms": round(percentile(refused, 95), 1) if refused else None,
+            "unloaded_before": before, "unloaded_after": after,
+            "ttft_after_over_before": round(after["ttft_ms"] / before["ttft_ms"], 2)}
+
+
+async def phase_faults(server: ServerProcess) -> dict:
+    async def task_call(text: str) -> dict:
+        async with await _connect(server.ws_url) as ws:
+            await _hello(ws)
+            await ws.send(json.dumps({"type": "task", "id": "t", "task": "faulty", "input": {"text": text}}))
+            while True:
+                ev = await _recv(ws)
+                if ev.get("id") == "t" and ev["type"] in ("result", "error"):
+                    return {"outcome": "result" if ev["type"] == "result" else ev["code"],
+                            "message": ev.get("message", "")}
+
+    normal = [_chat(server.ws_url, f"Name a colour ({i}).", 12) for i in range(6)]
+    faulty = [_chat(server.ws_url, f"Repeat {STEP_FAULT_MARKER} please.", 12), task_call("Ann"), task_call("Bo")]
+    results = await asyncio.wait_for(asyncio.gather(*normal, *faulty), 300)
+    after = await asyncio.gather(*[_chat(server.ws_url, f"Name an animal ({i}).", 8) for i in range(4)])
+    leaked = [r["message"] for r in results if "Traceback" in r["message"] or ".py" in r["message"]]
+    return {"normal_done": sum(r["outcome"] == "done" for r in results[:6]), "normal": 6,
+            "step_fault_outcome": results[6]["outcome"], "parser_fault_outcomes": [r["outcome"] for r in results[7:]],
+            "after_done": sum(r["outcome"] == "done" for r in after), "after": 4,
+            "internal_details_leaked": leaked}
+
+
+async def phase_shutdown(server: ServerProcess) -> dict:
+    long_ws, short_ws = await _connect(server.ws_url), await _connect(server.ws_url)
+    await _hello(long_ws)
+    await _hello(short_ws)
+    await long_ws.send(json.dumps({"type": "chat", "id": "long", "text": LONG_PROMPT,
+                                   "options": {"max_new_tokens": 400}}))
+    while (await _recv(long_ws))["type"] != "token":
+        pass
+    await short_ws.send(json.dumps({"type": "chat", "id": "short", "text": "Say hi.",
+                                    "options": {"max_new_tokens": 4}}))
+    while (await _recv(short_ws))["type"] != "token":
+        pass
+    sigterm_at = time.perf_counter()
+    server.proc.send_signal(signal.SIGTERM)
+
+    async def events_until_closed(ws) -> tuple[list[dict], int | None]:
+        events = []
+        try:
+            while True:
+                events.append(await _recv(ws, 60))
+        except Exception as exc:
+            return events, getattr(getattr(exc, "rcvd", None), "code", None)
+
+    (long_events, long_code), (short_events, short_code) = await asyncio.gather(
+        events_until_closed(long_ws), events_until_closed(short_ws))
+    rc = await asyncio.to_thread(server.proc.wait, 60)
+    exit_s = time.perf_counter() - sigterm_at
+
+    def end(events: list[dict], rid: str) -> str | None:
+        for ev in events:
+            if ev.get("id") == rid and ev["type"] in ("done", "error"):
+                return "done" if ev["type"] == "done" else ev["code"]
+        return None
+
+    return {"grace_s": float(server.env.get("RTSERVER_SERVER_SHUTDOWN_GRACE_S", "10")),
+            "shutting_down_event": all(any(e["type"] == "shutting_down" for e in evs)
+                                       for evs in (long_events, short_events)),
+            "short_reply": end(short_events, "short"), "long_reply": end(long_events, "long"),
+            "close_codes": [long_code, short_code], "exit_code": rc, "seconds_to_exit": round(exit_s, 2)}
+
+
+def phase_load_failure(workdir: Path) -> dict:
+    corrupt = workdir / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + os.urandom(4096))
+    out = {}
+    for name, path in (("missing file", str(workdir / "missing" / "model.gguf")), ("corrupt file", str(corrupt))):
+        env = {**os.environ, "RTSERVER_MODEL_MODEL": path, "RTSERVER_SERVER_PORT": str(_free_port()),
+               "RTSERVER_SERVER_HOST": "127.0.0.1", "RTSERVER_SERVER_LOG_LEVEL": "warning"}
+        proc = subprocess.run([sys.executable, "-m", "rtserver.cli", "serve"], env=env, capture_output=True,
+                              text=True, timeout=180)
+        message = next((ln for ln in proc.stderr.splitlines() if ln.startswith("rtserver:")), "")
+        out[name] = {"exit_code": proc.returncode, "message": message, "names_file": path in message,
+                     "traceback": "Traceback" in proc.stderr}
+    return out
+
+
+# -- the command ---------------------------------------------------------------------------------------
+
+def checks(report: dict) -> list[tuple[str, bool]]:
+    load, slow, disc = report.get("load"), report.get("slow_client"), report.get("disconnects")
+    over, faults, down, fail = (report.get(k) for k in ("overload", "faults", "shutdown", "load_failure"))
+    out: list[tuple[str, bool]] = []
+    if load:
+        out += [("idle connections all open and alive", load["idle_open_failed"] == 0
+                 and load["idle_alive_after_chat"] == load["idle_connections"]),
+                ("every chat reply completed, zero errors", load["completed_turns"] == load["expected_turns"]
+                 and not load["errors"]),
+                ("idle connections cost <= 300 MB RSS", load["rss_idle_extra_mb"] <= 300)]
+    if slow:
+        out += [("slow client dropped with 4008", slow["slow_client_close_code"] == 4008
+                 and slow["slow_client_closes"] >= 1),
+                ("others unaffected by the slow client (no errors)", not slow["others_errors"])]
+    if disc:
+        for kind in ("one_after_another", "all_at_once"):
+            d = disc[kind]
+            out.append((f"disconnects {kind.replace('_', ' ')}: running and KV back to baseline",
+                        d["running_after"] == 0 and d["seconds_to_kv_baseline"] is not None))
+    if over:
+        out += [("overload: each request done or overloaded", set(over["outcomes"]) <= {"done", "overloaded"}),
+                ("overload: latency back to unloaded level (<= 1.5x)", over["ttft_after_over_before"] <= 1.5)]
+    if faults:
+        out += [("faults: other requests complete", faults["normal_done"] == faults["normal"]
+                 and faults["after_done"] == faults["after"]),
+                ("faults: only the affected requests fail with internal", faults["step_fault_outcome"] == "internal"
+                 and all(o == "internal" for o in faults["parser_fault_outcomes"])),
+                ("faults: no internals sent to clients", not faults["internal_details_leaked"])]
+    if down:
+        out += [("SIGTERM: shutting_down sent, short reply finished, long one ended",
+                 down["shutting_down_event"] and down["short_reply"] == "done"
+                 and down["long_reply"] in ("done", "shutting_down")),
+                ("SIGTERM: sockets closed 1001, exit 0", down["close_codes"] == [1001, 1001]
+                 and down["exit_code"] == 0)]
+    if fail:
+        for name, f in fail.items():
+            out.append((f"load failure ({name}): exit != 0, names the file, no traceback",
+                        f["exit_code"] != 0 and f["names_file"] and not f["traceback"]))
+    return out
+
+
+def run_loadtest(idle: int = 1000, chatting: int = 64, disconnects: int = 100, config: str | None = None,
+                 out_dir: str = "bench-results", dtype: str | None = None) -> dict:
+    _raise_nofile_limit()
+    workdir = Path(tempfile.mkdtemp(prefix="rtserver-loadtest-"))
+    report: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                              "command": " ".join(["rtserver loadtest"] + sys.argv[2:]), "workdir": str(workdir)}
+    common = {"RTSERVER_SERVER_LOG_LEVEL": "warning", "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
+              "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0"}
+    if dtype:
+        common["RTSERVER_MODEL_DTYPE"] = dtype
+    a = ServerProcess({**common, "RTSERVER_SESSIONS_IDLE_TIMEOUT_S": "5",
+                       "RTSERVER_SERVER_SLOW_CLIENT_TIMEOUT_S": "2"}, workdir / "server-a.log", config)
+    print(f"server A: starting ({a.log_path})", flush=True)
+    report["server_a_ready_s"] = round(a.start(), 1)
+    try:
+        for name, phase in (("load", lambda: phase_load(a, idle, chatting)),
+                            ("slow_client", lambda: phase_slow_client(a)),
+                            ("disconnects", lambda: phase_disconnects(a, disconnects))):
+            print(f"server A: {name}", flush=True)
+            report[name] = asyncio.run(phase())
+            print(f"  {json.dumps(report[name])}", flush=True)
+    finally:
+        rc, _ = a.stop()
+        report["server_a"] = {"exit_code": rc, "errors_logged": a.log_errors()[:20]}
+    plugin_dir = workdir / "plugins"
+    plugin_dir.mkdir()
+    (plugin_dir / "faulty.py").write_text(FAULTY_PLUGIN)
+    b = ServerProcess({**common, "RTSERVER_ENGINE_MAX_RUNNING": "8", "RTSERVER_ENGINE_MAX_WAITING": "8",
+                       "RTSERVER_TASKS_AUTO_TASKS": "", "RTSERVER_SERVER_SHUTDOWN_GRACE_S": "2",
+                       "RTSERVER_TASKS_PLUGIN_DIRS": f"plugins,{plugin_dir}"}, workdir / "server-b.log", config,
+                      launcher=["rtserver.loadtest", "serve-with-faults"] + (["--config", config] if config else []))
+    print(f"server B: starting ({b.log_path})", flush=True)
+    report["server_b_ready_s"] = round(b.start(), 1)
+    try:
+        for name, phase in (("overload", lambda: phase_overload(b, 8)), ("faults", lambda: phase_faults(b)),
+                            ("shutdown", lambda: phase_shutdown(b))):
+            print(f"server B: {name}", flush=True)
+            report[name] = asyncio.run(phase())
+            print(f"  {json.dumps(report[name])}", flush=True)
+    finally:
+        if b.proc.poll() is None:
+            b.stop()
+        report["server_b"] = {"exit_code": b.proc.returncode,
+                              "errors_logged": [ln for ln in b.log_errors() if "injected" not in ln][:20]}
+    print("model load failure", flush=True)
+    report["load_failure"] = phase_load_failure(workdir)
+    report["checks"] = [{"check": name, "passed": ok} for name, ok in checks(report)]
+    report["passed"] = all(c["passed"] for c in report["checks"])
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(out_dir) / f"loadtest-{time.strftime('%Y-%m-%dT%H%M%S%z')}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print_report(report)
+    print(f"\nJSON: {path}")
+    return report
+
+
+def print_report(r: dict) -> None:
+    rows = []
+    if "load" in r:
+        L = r["load"]
+        rows += [("idle connections (after hello)", f"{L['idle_connections']} open, {L['idle_alive_after_chat']} alive after"),
+                 ("RSS growth for idle connections", f"{L['rss_idle_extra_mb']} MB"),
+                 (f"{L['chatting_sessions']} sessions chatting: replies", f"{L['completed_turns']}/{L['expected_turns']}, errors {L['errors'] or 0}"),
+                 ("  TTFT p50 / p95", f"{L['ttft_p50_ms']:.0f} / {L['ttft_p95_ms']:.0f} ms")]
+    if "overload" in r:
+        O = r["overload"]
+        rows += [(f"overload: {O['submitted']} chats at once (4x max_running)", json.dumps(O["outcomes"])),
+                 ("  `overloaded` answered within (p95)", f"{O['overloaded_answer_p95_ms']} ms"),
+                 ("  unloaded TTFT before / after", f"{O['unloaded_before']['ttft_ms']} / {O['unloaded_after']['ttft_ms']} ms")]
+    if "slow_client" in r:
+        S = r["slow_client"]
+        rows += [("slow client: closed with", str(S["slow_client_close_code"])),
+                 ("  others' tokens/s without / with it", f"{S['others_tokens_per_s_before']} / {S['others_tokens_per_s_during']}"),
+                 ("  server RSS before / during", f"{S['rss_before_mb']} / {S['rss_during_mb']} MB")]
+    if "disconnects" in r:
+        D = r["disconnects"]
+        for kind in ("one_after_another", "all_at_once"):
+            d = D[kind]
+            rows.append((f"{D['count']} disconnects {kind.replace('_', ' ')}",
+                         f"running after {d['running_after']:.0f}, KV back to baseline in {d['seconds_to_kv_baseline']} s"))
+    if "faults" in r:
+        F = r["faults"]
+        rows += [("faults: step / parser raise", f"{F['step_fault_outcome']} / {','.join(F['parser_fault_outcomes'])}"),
+                 ("  other requests done", f"{F['normal_done']}/{F['normal']} during, {F['after_done']}/{F['after']} after")]
+    if "shutdown" in r:
+        S = r["shutdown"]
+        rows += [("SIGTERM: short / long reply", f"{S['short_reply']} / {S['long_reply']}"),
+                 ("  close codes, exit code, time", f"{S['close_codes']}, {S['exit_code']}, {S['seconds_to_exit']} s")]
+    for name, f in r.get("load_failure", {}).items():
+        rows.append((f"model load failure ({name})", f"exit {f['exit_code']}: {f['message'][:70]}"))
+    width = max(len(a) for a, _ in rows) if rows else 0
+    print()
+    for a, b in rows:
+        print(f"{a:<{width}}  {b}")
+    print()
+    for c in r.get("checks", []):
+        print(f"[{'PASS' if c['passed'] else 'FAIL'}] {c['check']}")
+
+
+def serve_with_faults(argv: list[str]) -> int:
+    """`rtserver serve` plus the test hooks: the scheduler raises on steps with STEP_FAULT_MARKER."""
+    import logging
+
+    from .config import ConfigError, load_settings
+    from .engine import Engine
+    from .sequence import Phase
+    from .server import serve
+
+    config = argv[argv.index("--config") + 1] if "--config" in argv else os.environ.get("RTSERVER_CONFIG")
+    try:
+        settings = load_settings(config)
+    except ConfigError as exc:
+        print(f"rtserver: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def engine_factory(loaded: Any, s: Any) -> Engine:
+        engine = Engine(loaded, s.engine)
+        decode = loaded.tokenizer.decode
+
+        def hook(items: list) -> None:
+            for it in items:
+                if it.seq.phase is Phase.PREFILL and STEP_FAULT_MARKER in decode(it.seq.prompt_ids):
+                    raise RuntimeError("injected step fault")
+        engine.scheduler.fault_hook = hook
+        return engine
+
+    return serve(settings, engine_factory=engine_factory)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve-with-faults"]:
+        raise SystemExit(serve_with_faults(sys.argv[2:]))
+    raise SystemExit("usage: python -m rtserver.loadtest serve-with-faults [--config PATH]")

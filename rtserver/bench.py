@@ -28,6 +28,7 @@ import torch
 from .engine import Engine, EngineOptions
 from .model import LoadedModel
 from .sequence import SamplingParams
+from .session import continue_prompt, finished_turn
 
 log = logging.getLogger("rtserver.bench")
 
@@ -135,14 +136,16 @@ async def engine_multi_turn(engine: Engine, tokenizer: Any, sessions: int, turns
     async def one(s: int) -> None:
         nonlocal generated
         history: list[dict] = []
+        last = None
         for t in range(turns):
             text = messages[t % len(messages)]
             history.append({"role": "user", "content": f"{text} (session {s})" if ignore_eos else text})
-            prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
+            rendered = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+            prompt = continue_prompt(tokenizer, rendered, last)  # as the hub builds it
             r = await engine.generate(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos),
                                       session_key=f"bench-{s}").result()
             history.append({"role": "assistant", "content": r.text})
+            last = finished_turn(tokenizer, rendered, prompt, r.text, r.token_ids)
             ttft_by_turn[t + 1].append(r.ttft_ms)
             prefilled_by_turn[t + 1].append(r.usage.prefilled_tokens)
             generated += r.usage.generated_tokens
@@ -272,42 +275,22 @@ def run_baselines(loaded: LoadedModel, workloads: list[str], naive_requests: int
 
 def run_e2e(dtype: str, config: str | None, sessions: int = 32, turns: int = 5, new_tokens: int = 64) -> dict:
     """`rtserver serve` in a subprocess on 127.0.0.1, driven over WebSocket by the load client."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import urllib.request
+    import tempfile
 
     from .loadclient import run_chat_load
+    from .serverproc import ServerProcess
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "RTSERVER_SERVER_HOST": "127.0.0.1", "RTSERVER_SERVER_PORT": str(port),
-           "RTSERVER_MODEL_DTYPE": dtype, "RTSERVER_TASKS_AUTO_TASKS": "", "RTSERVER_SERVER_LOG_LEVEL": "warning"}
-    cmd = [sys.executable, "-m", "rtserver.cli"] + (["--config", config] if config else []) + ["serve"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # every session comes from 127.0.0.1: the per-IP limits would count them as one client
+    server = ServerProcess({"RTSERVER_MODEL_DTYPE": dtype, "RTSERVER_TASKS_AUTO_TASKS": "",
+                            "RTSERVER_SERVER_LOG_LEVEL": "warning", "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
+                            "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0"},
+                           Path(tempfile.mkdtemp(prefix="rtserver-e2e-")) / "server.log", config)
+    server.start(timeout_s=180)
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline or proc.poll() is not None:
-                raise RuntimeError("rtserver serve did not become ready")
-            time.sleep(0.5)
-        url = f"ws://127.0.0.1:{port}/ws"
-        asyncio.run(run_chat_load(url, 1, 1, 8))  # warm-up
-        return asyncio.run(run_chat_load(url, sessions, turns, new_tokens))
+        asyncio.run(run_chat_load(server.ws_url, 1, 1, 8))  # warm-up
+        return asyncio.run(run_chat_load(server.ws_url, sessions, turns, new_tokens))
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -348,10 +331,25 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
     if "sentiment" in e:
         s = e["sentiment"]
         rows.append(("sentiment fresh classifications/s", fmt(s["fresh_per_s"]), ""))
+        if "prefilled_tokens_per_text" in s:
+            rows.append(("sentiment tokens per text: prompt / prefix-cached / computed",
+                         f"{fmt(s['prompt_tokens_per_text'])} / {fmt(s['prefix_cached_tokens_per_text'])} / "
+                         f"{fmt(s['prefilled_tokens_per_text'])}", ""))
+            rows.append(("sentiment fresh steps / mean step ms", f"{s['fresh_steps']} / {fmt(s['fresh_step_ms'])}", ""))
         rows.append(("sentiment cached classifications/s", fmt(s["cached_per_s"]), ">= 20000"))
         base = b.get("sentiment", {}).get("per_s")
         rows.append(("sentiment baseline (generative, HF batches of 4)/s", fmt(base), ""))
         rows.append(("sentiment fresh ratio vs baseline", fmt(ratio(s["fresh_per_s"], base), "x"), ">= 10x"))
+        if "agreement_with_float32" in s:
+            rows.append(("sentiment labels equal to float32's", f"{s['agreement_with_float32']:.1%}", ""))
+        at = s.get("auto_task")
+        if at:
+            rows.append(("chat TTFT p50 ms: alone / with sentiment auto-task / auto-task forced into its step",
+                         f"{fmt(at['ttft_alone_p50_ms'])} / {fmt(at['ttft_auto_task_p50_ms'])} / "
+                         f"{fmt(at['ttft_same_step_p50_ms'])}", ""))
+            rows.append((f"auto-task added to chat TTFT in steps of {fmt(at['step_ms'])} ms: as the hub runs it / "
+                         "forced same step", f"{at['added_steps_auto_task']:.2f} / {at['added_steps_same_step']:.2f}",
+                         "<= 1 step"))
     if "agreement_with_float32" in e:
         a = e["agreement_with_float32"]
         rows.append(("greedy agreement with float32 (burst prompts): identical outputs / tokens before "
@@ -391,8 +389,8 @@ def dtype_label(loaded: LoadedModel) -> str:
 def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], baseline_dtype: str,
               options: EngineOptions, workloads: list[str], baselines: bool, naive_requests: int,
               out_dir: str, config: str | None = None) -> dict:
-    """Engine workloads on the first engine dtype, the burst alone on the others (for speed and greedy
-    agreement), each on a freshly loaded model; then the baselines. The JSON is rewritten after every
+    """Engine workloads on the first engine dtype, the burst and sentiment alone on the others (for speed
+    and agreement with float32), each on a freshly loaded model; then the baselines. The JSON is rewritten after every
     phase, so an interrupted run still leaves its figures."""
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -409,7 +407,7 @@ def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], base
         report["model"] = loaded.name
         label = dtype_label(loaded)
         result = asyncio.run(run_engine_workloads(loaded, options, workloads if i == 0 else
-                                                  [w for w in workloads if w == "burst"]))
+                                                  [w for w in workloads if w in ("burst", "sentiment")]))
         result["peak_rss_mb"] = peak_rss_since_reset_mb()
         del loaded
         if i == 0 and "e2e" in workloads:
@@ -425,6 +423,11 @@ def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], base
     for label, result in report["engine"].items():
         if reference and label != "float32" and "burst" in result:
             result["agreement_with_float32"] = agreement(result["burst"]["outputs"], reference)
+    labels = report["engine"].get("float32", {}).get("sentiment", {}).get("labels")
+    for label, result in report["engine"].items():
+        if labels and label != "float32" and "labels" in result.get("sentiment", {}):
+            mine = result["sentiment"]["labels"]
+            result["sentiment"]["agreement_with_float32"] = sum(a == b for a, b in zip(mine, labels)) / len(labels)
     report["table"] = []
     for label, result in report["engine"].items():
         report["table"] += [(f"[{label}] {name}", value, bar) for name, value, bar in

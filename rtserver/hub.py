@@ -37,7 +37,8 @@ from .console import ConsoleHub
 from .ratelimit import IPRateLimiter, TokenBucket
 from .scheduler import Overloaded, RequestTooLarge
 from .sequence import FinishReason, SamplingError
-from .session import Session, SessionExpired, SessionRegistry, TooManySessions, window
+from .session import (Session, SessionExpired, SessionRegistry, TooManySessions, continue_prompt, finished_turn,
+                      window)
 from .wsclose import finish_connection
 
 log = logging.getLogger("rtserver.hub")
@@ -198,7 +199,7 @@ class Connection:
         if not isinstance(msg, P.Cancel):  # cancelling lowers load: never refused
             wait, limit = self.rate_limit_wait()
             if wait > 0:
-                rid = msg.id if msg is not None and hasattr(msg, "id") else None
+                rid = getattr(msg, "id", None) if msg is not None else error.request_id
                 await self.error("rate_limited", f"too many messages (limit {limit}); retry in {wait:.2f} s",
                                  rid, retry_after_s=round(wait, 3))
                 return
@@ -305,6 +306,7 @@ class Connection:
             if req.task is not None:
                 await asyncio.wait({req.task})
         session.history.clear()
+        session.last_turn = None
         session.turns = 0
         self.hub.drop_engine_session(session)
         self.hub.console.reset(session)
@@ -327,7 +329,8 @@ class Connection:
             history, cut = window(session.history + [{"role": "user", "content": text}],
                                   chat.max_history_turns, chat.max_history_tokens,
                                   lambda h: len(chat.render(h)))
-            prompt = chat.render(history)
+            rendered = chat.render_text(history)
+            prompt = continue_prompt(chat.tokenizer, rendered, session.last_turn)
             stream = engine.generate(prompt, params, session_key=session.id)
             req.stream = stream
             if req.cancelled:
@@ -348,6 +351,7 @@ class Connection:
                 raise RuntimeError(result.error or "generation failed")
             if result.text or result.finish_reason is not FinishReason.CANCELLED:
                 session.history.append({"role": "assistant", "content": result.text})
+                session.last_turn = finished_turn(chat.tokenizer, rendered, prompt, result.text, result.token_ids)
                 added = False
                 session.turns += 1
             reply, reason = result.text, getattr(result.finish_reason, "value", result.finish_reason)

@@ -18,18 +18,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import resource
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from .loadclient import percentile, run_chat_load
+from .serverproc import ServerProcess, free_port, raise_nofile_limit
 
 STEP_FAULT_MARKER = "QXSTEPFAULTQX"
 FAULTY_PLUGIN = '''"""loadtest: a task whose output parser always raises."""
@@ -44,91 +43,6 @@ TASK = Task(name="faulty", description="loadtest fault injection", prompt="Say h
             max_new_tokens=4, parser=parse)
 '''
 LONG_PROMPT = "Count from 1 to 500, separated by commas, and say nothing else."
-
-
-def _raise_nofile_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """`rtserver serve` (or another launcher) in a subprocess on a free 127.0.0.1 port, log to a file."""
-
-    def __init__(self, env: dict[str, str], log_path: Path, config: str | None = None,
-                 launcher: list[str] | None = None):
-        self.port = _free_port()
-        self.env = {**os.environ, **env, "RTSERVER_SERVER_HOST": "127.0.0.1",
-                    "RTSERVER_SERVER_PORT": str(self.port)}
-        self.cmd = [sys.executable, "-m"] + (launcher or ["rtserver.cli"] + (["--config", config] if config else [])
-                                             + ["serve"])
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws"
-
-    def start(self, timeout_s: float = 300.0) -> float:
-        """Start and wait for /ready; the seconds it took."""
-        started = time.monotonic()
-        log = self.log_path.open("w")
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_raise_nofile_limit)
-        while True:
-            try:
-                with urllib.request.urlopen(self.base + "/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - started
-            except OSError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up; see {self.log_path}")
-            if time.monotonic() - started > timeout_s:
-                raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {self.log_path}")
-            time.sleep(0.3)
-
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise RuntimeError("no VmRSS")
-
-    def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
-
-    def stop(self, timeout_s: float = 60.0) -> tuple[int, float]:
-        """SIGTERM; (exit code, seconds to exit). Killed (and -9 returned) past the timeout."""
-        started = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait()
-        return rc, time.monotonic() - started
-
-    def log_errors(self) -> list[str]:
-        """Log lines at ERROR level or tracebacks."""
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return [ln for ln in lines if " ERROR " in ln or ln.startswith("ERROR:") or ln.startswith("Traceback")]
 
 
 # -- client helpers ------------------------------------------------------------------------------------
@@ -230,10 +144,13 @@ async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that stops: small window
     sock.connect(("127.0.0.1", server.port))
-    ws = await _connect(server.ws_url, sock=sock, max_queue=1)
+    sock.setblocking(False)
+    # no compression: the server's pongs must really weigh what they say
+    ws = await _connect(server.ws_url, sock=sock, max_queue=1, compression=None)
     await _hello(ws)
     await ws.send(json.dumps({"type": "chat", "id": "slow", "text": LONG_PROMPT,
                               "options": {"max_new_tokens": 256}}))
+    ws.transport.pause_reading()
     close_code: int | None = None
     sent_frames = 0
     flood_started = time.perf_counter()
@@ -258,6 +175,7 @@ async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict:
     await flood_task
     rss_during = server.rss_mb()
     closed_after = None
+    ws.transport.resume_reading()
     try:  # now read: whatever was queued, then the close
         while True:
             await asyncio.wait_for(ws.recv(), 30)
@@ -444,7 +362,7 @@ def phase_load_failure(workdir: Path) -> dict:
     corrupt.write_bytes(b"GGUF" + os.urandom(4096))
     out = {}
     for name, path in (("missing file", str(workdir / "missing" / "model.gguf")), ("corrupt file", str(corrupt))):
-        env = {**os.environ, "RTSERVER_MODEL_MODEL": path, "RTSERVER_SERVER_PORT": str(_free_port()),
+        env = {**os.environ, "RTSERVER_MODEL_MODEL": path, "RTSERVER_SERVER_PORT": str(free_port()),
                "RTSERVER_SERVER_HOST": "127.0.0.1", "RTSERVER_SERVER_LOG_LEVEL": "warning"}
         proc = subprocess.run([sys.executable, "-m", "rtserver.cli", "serve"], env=env, capture_output=True,
                               text=True, timeout=180)
@@ -499,10 +417,11 @@ def checks(report: dict) -> list[tuple[str, bool]]:
 
 def run_loadtest(idle: int = 1000, chatting: int = 64, disconnects: int = 100, config: str | None = None,
                  out_dir: str = "bench-results", dtype: str | None = None) -> dict:
-    _raise_nofile_limit()
+    raise_nofile_limit()
     workdir = Path(tempfile.mkdtemp(prefix="rtserver-loadtest-"))
     report: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                              "command": " ".join(["rtserver loadtest"] + sys.argv[2:]), "workdir": str(workdir)}
+                              "command": f"rtserver loadtest --idle {idle} --chatting {chatting} --disconnects {disconnects}"
+                              + (f" --dtype {dtype}" if dtype else ""), "workdir": str(workdir)}
     common = {"RTSERVER_SERVER_LOG_LEVEL": "warning", "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
               "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0"}
     if dtype:

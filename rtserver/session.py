@@ -38,6 +38,42 @@ class TooManySessions(Exception):
 
 
 @dataclass
+class LastTurn:
+    """A finished chat turn as the model saw it, so that the next prompt can reuse its exact tokens."""
+
+    text: str  # the rendered prompt followed by the reply text
+    ids: list[int]  # the prompt's ids followed by the generated ids (end-of-turn token excluded)
+
+
+def continue_prompt(tokenizer: Any, rendered: str, last: LastTurn | None) -> list[int]:
+    """Token ids of a rendered chat prompt.
+
+    Re-tokenizing a reply does not always give back the tokens the model generated (BPE spells one
+    text in several ways), and every token after the first difference would be prefilled again
+    although the session's KV holds it. So when `rendered` continues the last turn's text at a special
+    token (a hard token boundary, e.g. `<|im_end|>`), the last turn's own ids are kept and only the
+    rest is tokenized; otherwise (a cut window, an agent's reply, a new system prompt) all of it is.
+    """
+    if last is not None and rendered.startswith(last.text):
+        rest = tokenizer.encode(rendered[len(last.text):], add_special_tokens=False)
+        if rest and rest[0] in tokenizer.all_special_ids:
+            return last.ids + rest
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def finished_turn(tokenizer: Any, rendered: str, prompt_ids: list[int], reply: str,
+                  generated_ids: list[int]) -> LastTurn | None:
+    """The LastTurn of a reply, or None when its generated ids do not spell the reply kept in the
+    history (a stop string cut it)."""
+    ids = list(generated_ids)
+    while ids and ids[-1] in tokenizer.all_special_ids:
+        ids.pop()
+    if tokenizer.decode(ids) != reply:
+        return None
+    return LastTurn(rendered + reply, prompt_ids + ids)
+
+
+@dataclass
 class Session:
     id: str
     resume_token: str
@@ -49,6 +85,7 @@ class Session:
     turns: int = 0  # chat turns completed in this session
     cuts: int = 0  # window cuts so far
     client_ip: str = ""  # the address that created it (sessions per IP are capped)
+    last_turn: LastTurn | None = None  # the latest bot turn's exact tokens (see continue_prompt)
 
     @property
     def history_turns(self) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rtserver.session import SessionExpired, SessionRegistry, TooManySessions, window
+from rtserver.session import (LastTurn, SessionExpired, SessionRegistry, TooManySessions, continue_prompt,
+                              finished_turn, window)
 
 
 class Clock:
@@ -127,3 +128,29 @@ def test_window_always_keeps_the_new_message():
     h = [{"role": "user", "content": "x" * 500}]
     out, cut = window(h, 10, 50, count)
     assert out == h and cut
+
+
+def test_next_prompt_keeps_the_generated_tokens_even_when_retokenizing_differs(smol):
+    tok = smol.tokenizer
+    history = [{"role": "user", "content": "Say hello."}]
+    rendered = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    prompt = continue_prompt(tok, rendered, None)
+    assert prompt == tok.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=False)
+    # the model spelled "Hello there" with other tokens than the tokenizer would, then ended its turn
+    generated = [tok.convert_tokens_to_ids(t) for t in ("H", "ello", "Ġthere")] + [tok.eos_token_id]
+    assert tok.decode(generated[:-1]) == "Hello there" != tok.encode("Hello there")
+    last = finished_turn(tok, rendered, prompt, "Hello there", generated)
+    history += [{"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Again."}]
+    rendered2 = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    ids = continue_prompt(tok, rendered2, last)
+    assert ids[:len(prompt) + 3] == prompt + generated[:3]  # the session's KV covers all of these
+    assert tok.decode(ids) == rendered2
+    # a different history (here: a cut window) is tokenized afresh
+    assert continue_prompt(tok, rendered2[5:], last) == tok.encode(rendered2[5:], add_special_tokens=False)
+
+
+def test_finished_turn_needs_ids_that_spell_the_reply(smol):
+    tok = smol.tokenizer
+    ids = tok.encode(" Hi. STOP", add_special_tokens=False)
+    assert finished_turn(tok, "p", [1], " Hi.", ids) is None  # a stop string cut the reply text
+    assert finished_turn(tok, "p", [1], " Hi. STOP", ids) == LastTurn("p Hi. STOP", [1] + ids)

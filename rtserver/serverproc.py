@@ -1,0 +1,98 @@
+"""A real `rtserver serve` process on a free 127.0.0.1 port, for the load test and the benchmark."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def raise_nofile_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`rtserver serve` (or another launcher) in a subprocess on a free 127.0.0.1 port, log to a file."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, config: str | None = None,
+                 launcher: list[str] | None = None):
+        self.port = free_port()
+        self.env = {**os.environ, **env, "RTSERVER_SERVER_HOST": "127.0.0.1",
+                    "RTSERVER_SERVER_PORT": str(self.port)}
+        self.cmd = [sys.executable, "-m"] + (launcher or ["rtserver.cli"] + (["--config", config] if config else [])
+                                             + ["serve"])
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    def start(self, timeout_s: float = 300.0) -> float:
+        """Start and wait for /ready; the seconds it took."""
+        started = time.monotonic()
+        log = self.log_path.open("w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     preexec_fn=raise_nofile_limit)
+        while True:
+            try:
+                with urllib.request.urlopen(self.base + "/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - started
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up; see {self.log_path}")
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {self.log_path}")
+            time.sleep(0.3)
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def stop(self, timeout_s: float = 60.0) -> tuple[int, float]:
+        """SIGTERM; (exit code, seconds to exit). Killed (and -9 returned) past the timeout."""
+        started = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        return rc, time.monotonic() - started
+
+    def log_errors(self) -> list[str]:
+        """Log lines at ERROR level or tracebacks."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [ln for ln in lines if " ERROR " in ln or ln.startswith("ERROR:") or ln.startswith("Traceback")]

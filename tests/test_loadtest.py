@@ -1,0 +1,17 @@
+"""`rtserver loadtest --quick` end to end (slow: real servers, the real model): every check passes."""
+
+from __future__ import annotations
+
+import pytest
+
+from rtserver.loadtest import run_loadtest
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_loadtest_passes_every_check(tmp_path):
+    report = run_loadtest(idle=200, chatting=16, disconnects=20, out_dir=str(tmp_path))
+    failed = [c["check"] for c in report["checks"] if not c["passed"]]
+    assert not failed, failed
+    assert report["shutdown"]["exit_code"] == 0 and report["server_a"]["exit_code"] == 0
+    assert not report["server_a"]["errors_logged"] and not report["server_b"]["errors_logged"]

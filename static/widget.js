@@ -48,6 +48,8 @@
     too_many_requests: "Please wait for the current reply to finish.",
     unauthorized: "This chat is not available on this page.",
     internal: "Sorry, something went wrong. Please try again.",
+    shutting_down: "The assistant is restarting. We'll reconnect in a moment…",
+    too_many_sessions: "Too many chats are open from your network. Please close one and try again.",
   };
 
   // -- DOM helpers (no innerHTML anywhere) ---------------------------------------------------
@@ -235,6 +237,12 @@
         showNotice(FRIENDLY.unauthorized);
         return;
       }
+      if (ev.code === 4429 || ev.code === 1008) {  // too many sessions / page not allowed
+        noReconnect = true;
+        setStatus("Unavailable");
+        showNotice(ev.code === 4429 ? FRIENDLY.too_many_sessions : FRIENDLY.unauthorized);
+        return;
+      }
       if (ev.code === 1013) showNotice(FRIENDLY.loading);
       if (!noReconnect) scheduleReconnect();
     };
@@ -338,6 +346,10 @@
         renderHistory([]);
         break;
       }
+      case "shutting_down": {
+        showNotice(FRIENDLY.shutting_down);
+        break;
+      }
       case "error": {
         if (msg.auto) return; // an auto-task (e.g. sentiment) failed: nothing for the customer
         if (msg.code === "session_expired") {
@@ -347,7 +359,14 @@
           return;
         }
         if (msg.code === "session_taken_over") return; // the close (4409) follows
-        const text = FRIENDLY[msg.code] || FRIENDLY.internal;
+        let text = FRIENDLY[msg.code] || FRIENDLY.internal;
+        if (msg.code === "rate_limited" && msg.retry_after_s) {
+          text += " (" + Math.ceil(msg.retry_after_s) + " s)";
+        }
+        if (msg.code === "shutting_down" && current && msg.id === current.id) {
+          finishCurrent("(interrupted)"); // keep what was written so far
+          updateControls();
+        }
         if (current && msg.id === current.id) {
           current.li.remove();
           current = null;

@@ -32,6 +32,20 @@ log = logging.getLogger("rtserver.app")
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 
 
+class _ClientFaultFilter(logging.Filter):
+    """uvicorn logs a client's text frame of invalid UTF-8 as an ERROR with a traceback (and rightly
+    closes with 1007): a client's fault, not the server's. Keep it as one warning line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "Invalid UTF-8 sequence received from client.":
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+CLIENT_FAULTS = _ClientFaultFilter()
+
+
 class AppState:
     """What the routes share: settings, load status, engine, task registry, hub, metrics."""
 
@@ -198,6 +212,8 @@ def create_app(settings: Settings, loaded_model_factory: Callable[[], Any] | Non
     routes.append(Route("/", index))
     if STATIC_DIR.is_dir():
         routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))
+    if CLIENT_FAULTS not in logging.getLogger("uvicorn.error").filters:
+        logging.getLogger("uvicorn.error").addFilter(CLIENT_FAULTS)
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.rt = state
     return app

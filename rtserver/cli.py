@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="measure the engine and baselines side by side")
     bench.add_argument("--workloads", help=f"comma-separated subset of {','.join(BENCH_WORKLOADS)}")
     bench.add_argument("--dtypes", help="comma-separated engine dtypes; all workloads run on the first, the "
-                       "burst (speed + greedy agreement with float32) on the others (default: the configured one)")
+                       "burst and sentiment (speed + agreement with float32) on the others (default: the configured one)")
     bench.add_argument("--no-baselines", action="store_true", help="engine figures only")
     bench.add_argument("--naive-requests", type=int, default=4,
                        help="burst requests run by the sequential naive baseline (its tokens/s does not "

@@ -137,12 +137,21 @@ class Engine:
             raise
         return stream
 
-    async def score(self, prompt_ids: list[int], candidates: list[list[int]]) -> list[float]:
-        """Log-probability of each candidate continuation (summed over its tokens) after the prompt."""
+    async def score(self, prompt_ids: list[int], candidates: list[list[int]], *,
+                    normalize: bool = True) -> list[float]:
+        """Log-probability of each candidate continuation (summed over its tokens) after the prompt.
+
+        With `normalize=False` the scores are those log-probabilities plus one constant shared by every
+        candidate of this prompt (the log-normaliser of the prompt's next-token distribution is left
+        out): differences between candidates, and a softmax across them, are unchanged, and the model
+        computes only the logits of the candidates' first tokens instead of the whole vocabulary.
+        """
         if not candidates or any(not c for c in candidates):
             raise ValueError("candidates must be non-empty token lists")
         seq = Sequence(prompt_ids, SamplingParams(max_new_tokens=1), tokenizer=self.tokenizer,
                        eos_token_ids=self.eos_token_ids, candidates=[list(c) for c in candidates])
+        if not normalize:
+            seq.score_columns = sorted({c[0] for c in candidates})
         future = asyncio.get_running_loop().create_future()
 
         def sink(kind: str, payload: Any) -> None:

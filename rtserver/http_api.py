@@ -17,14 +17,17 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .hub import clean_chat_text, engine_error, transport_max_bytes
+from . import protocol as P
+from .hub import clean_chat_text, client_ip, engine_error, transport_max_bytes
+from .ratelimit import retry_after_header
 from .sequence import FinishReason, SamplingError
 from .session import window
 
 log = logging.getLogger("rtserver.http")
 
 STATUS = {"unknown_task": 404, "input_too_long": 413, "request_too_large": 413, "body_too_large": 413,
-          "overloaded": 429, "not_ready": 503, "unauthorized": 401, "internal": 500}
+          "overloaded": 429, "rate_limited": 429, "not_ready": 503, "shutting_down": 503, "unauthorized": 401,
+          "internal": 500}
 
 
 class HTTPError(Exception):
@@ -48,6 +51,15 @@ def _api(handler):
     """Wraps an endpoint: auth, readiness, body parsing and error mapping."""
     async def endpoint(request: Request) -> Response:
         state = request.app.state.rt
+        limiter = state.hub.ip_limiter
+        wait = limiter.take(client_ip(request))
+        if wait > 0:
+            response = error_response(state, "rate_limited", f"too many requests (limit {limiter.rate:g}/s per "
+                                      f"client address, burst {limiter.burst}); retry in {wait:.2f} s")
+            response.headers["Retry-After"] = retry_after_header(wait)
+            return response
+        if state.hub.shutting_down:
+            return error_response(state, "shutting_down", "the server is shutting down; retry in a moment")
         token = state.settings.security.api_token
         if token:
             given = request.headers.get("authorization", "")
@@ -59,13 +71,10 @@ def _api(handler):
         try:
             body = None
             if request.method == "POST":
-                raw = await request.body()
-                limit = transport_max_bytes(state.settings.server.max_frame_bytes)
-                if len(raw) > limit:
-                    raise HTTPError("body_too_large", f"request body is larger than {limit} bytes")
-                try:
-                    body = json.loads(raw)
-                except ValueError as exc:
+                raw = await _read_body(request, transport_max_bytes(state.settings.server.max_frame_bytes))
+                try:  # strict decoding: no surrogates smuggled in as UTF-8 bytes (json.loads lets them pass)
+                    body = P.loads(raw.decode(json.detect_encoding(raw)))
+                except ValueError as exc:  # UnicodeDecodeError included
                     raise HTTPError("bad_json", f"body is not valid JSON ({exc})") from None
                 if not isinstance(body, dict):
                     raise HTTPError("bad_json", "body must be a JSON object")
@@ -78,6 +87,21 @@ def _api(handler):
                 log.exception("request failed")
             return error_response(state, code, message)
     return endpoint
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with body_too_large as soon as it is known to be over `limit` (from
+    Content-Length, or while reading) instead of after buffering all of it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise HTTPError("body_too_large", f"request body is larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError("body_too_large", f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _history(value: Any, chat: Any) -> list[dict]:

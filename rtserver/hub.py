@@ -173,7 +173,11 @@ class Connection:
                 raw = message.get("text")
                 if raw is None:
                     raw = message.get("bytes") or b""
-                await self.handle_frame(raw)
+                try:
+                    await self.handle_frame(raw)
+                except Exception:  # a bug of ours: log it, tell the client, keep the connection
+                    log.exception("handling a frame failed")
+                    await self.error("internal", "internal error while handling the message")
         except (WebSocketDisconnect, RuntimeError):
             pass
         finally:

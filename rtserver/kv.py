@@ -8,7 +8,9 @@ Two kinds of reuse, both reference counted so nothing is computed twice or freed
 - a session's KV between its turns (`release(handle, session_key)`, matched by longest common prefix);
 - automatic prefix caching: every full block of computed prompt is registered under a hash chain of
   the tokens up to its end, so any later prompt that starts the same way (the chat system prompt, a
-  task's fixed instruction) shares those blocks instead of recomputing them.
+  task's fixed instruction) shares those blocks instead of recomputing them — and where the prompt
+  leaves a cached block part-way (a task's few-shot prefix ending mid-block, then new text), the
+  shared leading tokens of that block are reused too (copied into the prompt's own block).
 A block that is shared is never written: a sequence writes only past its reused prefix, and a partly
 reused block is copied first. Idle entries are evicted least recently used first when a new sequence
 needs room. The pool never grows, so the budget holds by construction.
@@ -87,6 +89,10 @@ class KVCacheManager:
         self.sessions: OrderedDict[Hashable, KVHandle] = OrderedDict()
         # prefix cache: chain hash -> (parent hash, block tokens, block); LRU order
         self.prefix_blocks: OrderedDict[int, tuple[int, tuple[int, ...], int]] = OrderedDict()
+        # (parent hash, first token) -> the cached blocks that continue that parent with that token, so a
+        # prompt that leaves a cached block part-way (a task's fixed prefix followed by new text) can reuse
+        # the part it shares
+        self._children: dict[tuple[int, int], dict[int, None]] = {}
         self.evicted_sessions: set[Hashable] = set()
         self.evictions = 0
         self.rebuilds = 0
@@ -125,8 +131,7 @@ class KVCacheManager:
         while len(self._free) < needed:
             victim = next((h for h, (_, _, b) in self.prefix_blocks.items() if self._refs[b] == 1), None)
             if victim is not None:
-                _, _, block = self.prefix_blocks.pop(victim)
-                self._drop_blocks([block])
+                self._forget_prefix(victim)
             elif self.sessions:
                 key, handle = self.sessions.popitem(last=False)
                 self.evicted_sessions.add(key)
@@ -178,12 +183,24 @@ class KVCacheManager:
     def _chain(self, parent: int, tokens: tuple[int, ...]) -> int:
         return hash((parent, tokens))
 
+    def _forget_prefix(self, key: int) -> None:
+        parent, tokens, block = self.prefix_blocks.pop(key)
+        siblings = self._children.get((parent, tokens[0]))
+        if siblings is not None:
+            siblings.pop(key, None)
+            if not siblings:
+                del self._children[(parent, tokens[0])]
+        self._drop_blocks([block])
+
     def _match_prefix(self, prompt_ids: list[int]) -> KVHandle:
-        """A handle sharing the longest run of cached full blocks that starts the prompt."""
+        """A handle sharing the longest run of cached KV that starts the prompt: whole cached blocks,
+        then the leading part of a cached block the prompt leaves part-way (its tokens up to there have
+        the same KV whatever follows them; the handle gets its own copy of that block before writing)."""
         handle = KVHandle()
         parent = 0
         bs = self.block_tokens
-        for k in range((len(prompt_ids) - 1) // bs):  # leave at least one token to compute
+        limit = len(prompt_ids) - 1  # leave at least one token to compute
+        for k in range(limit // bs):
             tokens = tuple(prompt_ids[k * bs:(k + 1) * bs])
             key = self._chain(parent, tokens)
             entry = self.prefix_blocks.get(key)
@@ -195,6 +212,22 @@ class KVCacheManager:
             handle.block_hashes.append(key)
             handle.token_ids.extend(tokens)
             parent = key
+        start = len(handle.token_ids)
+        want = prompt_ids[start:min(start + bs, limit)]
+        siblings = self._children.get((parent, want[0])) if want else None
+        if siblings:
+            best, best_n = None, 0
+            for key in siblings:
+                n = _common_prefix(self.prefix_blocks[key][1], want)
+                if n > best_n:
+                    best, best_n = key, n
+                    if n == len(want):
+                        break
+            self.prefix_blocks.move_to_end(best)
+            block = self.prefix_blocks[best][2]
+            self._refs[block] += 1
+            handle.blocks.append(block)
+            handle.token_ids.extend(want[:best_n])
         return handle
 
     def register_prefix(self, handle: KVHandle) -> None:
@@ -208,6 +241,7 @@ class KVCacheManager:
                 key = self._chain(parent, tokens)
                 if key not in self.prefix_blocks:
                     self.prefix_blocks[key] = (parent, tokens, handle.blocks[k])
+                    self._children.setdefault((parent, tokens[0]), {})[key] = None
                     self._refs[handle.blocks[k]] += 1
                 handle.block_hashes.append(key)
                 parent = key
@@ -295,6 +329,7 @@ class KVCacheManager:
             for _, _, block in self.prefix_blocks.values():
                 self._drop_blocks([block])
             self.prefix_blocks.clear()
+            self._children.clear()
 
     def stats(self) -> KVStats:
         with self.lock:

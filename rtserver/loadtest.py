@@ -520,9 +520,8 @@ def serve_with_faults(argv: list[str]) -> int:
     import logging
 
     from .config import ConfigError, load_settings
-    from .engine import Engine
     from .sequence import Phase
-    from .server import serve
+    from .server import serve, serving_engine
 
     config = argv[argv.index("--config") + 1] if "--config" in argv else os.environ.get("RTSERVER_CONFIG")
     try:
@@ -532,8 +531,8 @@ def serve_with_faults(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    def engine_factory(loaded: Any, s: Any) -> Engine:
-        engine = Engine(loaded, s.engine)
+    def engine_factory(loaded: Any, s: Any) -> Any:
+        engine = serving_engine(loaded, s)
         decode = loaded.tokenizer.decode
 
         def hook(items: list) -> None:

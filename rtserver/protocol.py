@@ -2,7 +2,8 @@
 
 Every frame is one JSON object with a `type`. `parse_client_message` checks a raw frame (binary, size,
 JSON, type, fields and their types) and returns a typed message or raises `ProtocolError` with a stable
-`code`, a human `message` and the request `id` when the frame carried a usable one. Builders for the
+`code`, a human `message` and the request `id` when the frame carried a usable one. JSON is read by
+`loads` (I-JSON and a nesting limit), which the HTTP API shares. Builders for the
 server's events (`ready`, `token`, `done`, `result`, `error`, `pong`) live here too, so the wire format
 is defined in one place (the agent console's /ws/console events are in rtserver/console.py). The full description is docs/protocol.md (PROTOCOL_VERSION below).
 """
@@ -10,6 +11,9 @@ is defined in one place (the agent console's /ws/console events are in rtserver/
 from __future__ import annotations
 
 import json
+import math
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,11 +26,13 @@ ERROR_CODES = (
     "unknown_task", "invalid_input", "empty_text", "input_too_long", "bad_decoding",
     "session_expired", "session_taken_over", "unauthorized", "forbidden_origin", "not_ready",
     "overloaded", "request_too_large", "cancelled", "internal", "slow_client",
+    "rate_limited", "too_many_sessions", "shutting_down",
     # /ws/console (rtserver/console.py)
     "console_disabled", "unknown_session", "already_taken", "not_taken_over",
 )
 
 MAX_ID_CHARS = 64
+MAX_JSON_DEPTH = 100  # arrays/objects nested in a frame or HTTP body, the outermost one included
 
 
 class ProtocolError(Exception):
@@ -131,12 +137,71 @@ def load_object(raw: str | bytes, max_frame_bytes: int) -> dict:
     if len(raw) > max_frame_bytes or len(raw.encode("utf-8", "surrogatepass")) > max_frame_bytes:
         raise ProtocolError("frame_too_large", f"frame is larger than {max_frame_bytes} bytes")
     try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
+        obj = loads(raw)
+    except ValueError as exc:
         raise ProtocolError("bad_json", f"frame is not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise ProtocolError("bad_json", "frame must be a JSON object with a 'type'")
     return obj
+
+
+def loads(text: str) -> Any:
+    """JSON text as I-JSON (RFC 7493) and within MAX_JSON_DEPTH; raises ValueError saying what is wrong.
+
+    Beyond `json.loads`: NaN/Infinity, numbers out of a double's range, strings with an unpaired UTF-16
+    surrogate (a lone `\\udXXX` escape) and nesting deeper than MAX_JSON_DEPTH are refused. Such values
+    could not be echoed back (UTF-8 has no lone surrogates, strict JSON no NaN), overflow float
+    conversions, or exhaust the recursion limit of whatever serializes them later.
+    """
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH or _MAYBE_SURROGATE.search(text):
+        _check_tree(value)
+    return value
+
+
+_FLOAT_MAX = sys.float_info.max
+_MAYBE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:24]} is out of range (at most {_FLOAT_MAX:g} in magnitude)")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    value = None if len(text) > 320 else int(text)  # a double has at most 309 integer digits
+    if value is None or abs(value) > _FLOAT_MAX:
+        raise ValueError(f"number {text[:24]}... is out of range (at most {_FLOAT_MAX:g} in magnitude)")
+    return value
+
+
+def _check_tree(value: Any) -> None:
+    """Nesting depth and unpaired surrogates, without recursion (the value may be nested ~1000 deep)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                raise ValueError("a string holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape); "
+                                 "JSON text must be valid Unicode")
+        elif isinstance(v, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+            if isinstance(v, dict):
+                stack.extend((k, depth) for k in v)
+                stack.extend((x, depth + 1) for x in v.values())
+            else:
+                stack.extend((x, depth + 1) for x in v)
 
 
 def _parse_object(obj: dict, rid: str | None) -> ClientMessage:

@@ -181,7 +181,8 @@ class Scheduler:
             budget -= n
             done = n == remaining
             tokens = seq.prompt_ids[seq.num_computed:seq.num_computed + n]
-            items.append(StepItem(seq, seq.kv, seq.num_computed, tokens, "last" if done else "none"))
+            items.append(StepItem(seq, seq.kv, seq.num_computed, tokens, "last" if done else "none",
+                                  seq.score_columns if done else None))
         return items
 
     def step(self) -> None:
@@ -194,23 +195,44 @@ class Scheduler:
             return
         started = time.perf_counter()
         try:
-            if self.fault_hook is not None:
-                self.fault_hook(items)
-            logits = self.runner.forward(items)
-            self._after_forward(items, logits, events)
-        except Exception as exc:  # one bad step fails its own sequences, never the scheduler
-            log.exception("step failed for sequences %s", [it.seq.id for it in items])
+            logits = self._forward(items)
+        except Exception:
+            # Isolate the culprit: run each sequence's part of the step alone (rewriting the same KV
+            # slots), so one bad sequence fails alone and the others go on.
+            log.warning("step failed for sequences %s; retrying them one by one", [it.seq.id for it in items])
             for it in items:
-                if it.seq in self.running:
-                    self.running.remove(it.seq)
-                self._finish(it.seq, FinishReason.ERROR, events, error=f"internal error in model step ({type(exc).__name__})")
+                self._run_guarded([it], events)
+        else:
+            self._run_guarded(items, events, logits)
         self.steps += 1
         self.last_step = StepStats(sum(1 for it in items if it.seq.phase is Phase.DECODE),
                                    sum(len(it.tokens) for it in items), time.perf_counter() - started)
         self.on_events(events)
 
+    def _forward(self, items: list[StepItem]) -> list[torch.Tensor | None]:
+        if self.fault_hook is not None:
+            self.fault_hook(items)
+        return self.runner.forward(items)
+
+    def _run_guarded(self, items: list[StepItem], events: list,
+                     logits: list[torch.Tensor | None] | None = None) -> None:
+        """Forward (unless `logits` are given) and apply `items`; a failure fails their sequences only —
+        never the scheduler."""
+        try:
+            if logits is None:
+                logits = self._forward(items)
+            self._after_forward(items, logits, events)
+        except Exception as exc:
+            log.exception("step failed for sequences %s", [it.seq.id for it in items])
+            for it in items:
+                if it.seq in self.running:
+                    self.running.remove(it.seq)
+                self._finish(it.seq, FinishReason.ERROR, events,
+                             error=f"internal error in model step ({type(exc).__name__})")
+
     def _after_forward(self, items: list[StepItem], logits: list[torch.Tensor | None], events: list) -> None:
         sampling: list[tuple[Sequence, torch.Tensor]] = []
+        scoring: list[tuple[Sequence, torch.Tensor]] = []
         for it, lg in zip(items, logits):
             seq = it.seq
             seq.num_computed = it.start + len(it.tokens)
@@ -222,10 +244,12 @@ class Scheduler:
             if lg is None:
                 continue
             if seq.candidates is not None:
-                self._finish_scoring(seq, lg[-1], events)
+                scoring.append((seq, lg[-1]))
                 continue
             seq.phase = Phase.DECODE
             sampling.append((seq, lg[-1]))
+        if scoring:
+            self._finish_scoring(scoring, events)
         if sampling:
             seqs = [s for s, _ in sampling]
             tokens = self.runner.sample(seqs, torch.stack([row for _, row in sampling]))
@@ -237,28 +261,30 @@ class Scheduler:
                     self.running.remove(seq)
                     self._finish(seq, seq.finish_reason, events)
 
-    def _finish_scoring(self, seq: Sequence, last_logits: torch.Tensor, events: list) -> None:
-        """Label scoring: log-probs of each candidate's first token from the prompt's last position;
-        candidates longer than one token are teacher-forced through a forward of their own tokens."""
-        logprobs = torch.log_softmax(last_logits, -1)
-        scores = [float(logprobs[c[0]]) for c in seq.candidates]
-        longer = [(i, c) for i, c in enumerate(seq.candidates) if len(c) > 1]
-        if longer:
-            items = []
-            forks = []
-            for _, cand in longer:
-                fork = self.kv.fork(seq.kv, seq.num_computed, seq.num_computed + len(cand) - 1)
-                forks.append(fork)
-                items.append(StepItem(seq, fork, seq.num_computed, cand[:-1], "all"))
-            try:
-                outs = self.runner.forward(items)
-            finally:
-                for fork in forks:
-                    self.kv.release(fork)
-            for (i, cand), out in zip(longer, outs):
+    def _finish_scoring(self, done: list[tuple[Sequence, torch.Tensor]], events: list) -> None:
+        """Label scoring: each candidate's first token from the prompt's last position — its log-softmax
+        over the vocabulary, or with `score_columns` its raw logit (the log-normaliser left out is the
+        same for every candidate of the prompt). Candidates longer than one token are teacher-forced
+        in the sequence's own KV past its prompt (room reserved at admission, never shared, never kept):
+        round r computes the r-th such candidate of every sequence of the step in one forward."""
+        longer: list[list[tuple[Sequence, int, list[int]]]] = []
+        for seq, row in done:
+            if seq.score_columns is None:
+                logprobs = torch.log_softmax(row, -1)
+                seq.scores = [float(logprobs[c[0]]) for c in seq.candidates]
+            else:
+                column = {t: j for j, t in enumerate(seq.score_columns)}
+                seq.scores = [float(row[column[c[0]]]) for c in seq.candidates]
+            for r, (i, cand) in enumerate((i, c) for i, c in enumerate(seq.candidates) if len(c) > 1):
+                if r == len(longer):
+                    longer.append([])
+                longer[r].append((seq, i, cand))
+        for group in longer:
+            outs = self.runner.forward([StepItem(seq, seq.kv, seq.num_computed, cand[:-1], "all")
+                                        for seq, _, cand in group])
+            for (seq, i, cand), out in zip(group, outs):
                 lp = torch.log_softmax(out, -1)
-                scores[i] += float(lp[torch.arange(len(cand) - 1), torch.tensor(cand[1:])].sum())
-        seq.scores = scores
-        self.running.remove(seq)
-        self._finish(seq, FinishReason.LENGTH, events)
-
+                seq.scores[i] += float(lp[torch.arange(len(cand) - 1), torch.tensor(cand[1:])].sum())
+        for seq, _ in done:
+            self.running.remove(seq)
+            self._finish(seq, FinishReason.LENGTH, events)

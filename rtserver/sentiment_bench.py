@@ -1,20 +1,38 @@
 """The sentiment workload of `rtserver bench`: 256 distinct texts at once, then the same 256 again
 (result cache), against the write-ups' method (generative prompt, greedy, 3 new tokens, HF `generate`
-in batches of 4)."""
+in batches of 4); and what a sentiment auto-task adds to a chat reply's time to first token."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .sequence import SamplingParams
+
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "sentiment"
 WRITEUP_PROMPT = ("Classify the sentiment of the following text as positive or negative. "
                   "Answer with one word only.\nText: {text}")
+CACHED_ROUNDS = 5  # the cached burst is repeated; its median is reported (a single ~10 ms burst is noisy)
+AUTO_TASK_CHATS = 8  # chat replies measured per mode (alone / with the auto-task / forced same step)
+# Distinct first words: no message shares more than the chat template's head with another (prefix cache).
+AUTO_TASK_MESSAGES = ["Hi! Can you help me with my order?", "The delivery was late again, I am annoyed.",
+                      "Thanks, that solved it, you are great!", "How do I change my password?",
+                      "This app keeps crashing and I lost my work.", "Can I get a refund for the broken lamp?",
+                      "I love the new design, well done.", "What are your opening hours on Sunday?",
+                      "My parcel arrived damaged, what now?", "Is there a student discount?",
+                      "Great support today, many thanks to Anna.", "Why was I charged twice this month?",
+                      "Please cancel my subscription.", "Your website is very slow tonight.",
+                      "Do you ship to Canada?", "Excellent quality, I will order again.",
+                      "Could someone call me back tomorrow?", "Nobody answered my email for a week.",
+                      "Where can I find my invoice?", "Awesome, the update fixed everything.",
+                      "Are the batteries included?", "Terrible experience with the courier.",
+                      "Which plan includes cloud backup?", "Wonderful service, thank you!"]
 
 
 def sentiment_texts(n: int = 256) -> list[str]:
@@ -34,6 +52,103 @@ def sentiment_texts(n: int = 256) -> list[str]:
     return texts[:n]
 
 
+class StepLog:
+    """Records (start, end, StepStats) of every scheduler step while active (bench instrumentation)."""
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        self.records: list[tuple[float, float, Any]] = []
+
+    def _step(self) -> None:
+        s = self.scheduler
+        before, started = s.steps, time.perf_counter()
+        type(s).step(s)
+        if s.steps != before:
+            self.records.append((started, time.perf_counter(), s.last_step))
+
+    def __enter__(self) -> "StepLog":
+        self.scheduler.step = self._step  # the worker thread calls self.step() each round
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.scheduler.step
+
+    def first_token_step(self, seq: Any) -> tuple[int, float, int] | None:
+        """(steps that ran from the sequence's submission to its first token, the duration of the last
+        and the prompt tokens it computed)."""
+        if seq.first_token_at is None:
+            return None
+        spans = [r for r in self.records if r[1] > seq.submitted_at and r[0] <= seq.first_token_at]
+        if not spans:
+            return None
+        start, end, stats = spans[-1]
+        return len(spans), end - start, stats.prefill_tokens
+
+
+async def _chat_turn(engine: Any, registry: Any, text: str, mode: str, key: str) -> Any:
+    """One chat reply to `text`; mode "alone", "auto" (the sentiment auto-task spawned right after the
+    reply's generation is queued, as the hub does) or "same-step" (the auto-task forced into the reply's
+    first step: the worst case). Returns the reply's sequence."""
+    chat = registry.chat
+    prompt = chat.render([{"role": "user", "content": text}])
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    task = None
+    if mode == "same-step":
+        # Hold the scheduler's admission (its condition lock; reentrant, so this thread can still
+        # submit) until both sequences wait, so they are admitted together.
+        scheduler = engine.scheduler
+        with scheduler._cond:
+            stream = engine.generate(prompt, params, session_key=key)
+            task = asyncio.get_running_loop().create_task(registry.run(engine, "sentiment", text))
+            while not task.done() and not any(s.candidates is not None for s in scheduler.waiting):
+                await asyncio.sleep(0)
+    else:
+        stream = engine.generate(prompt, params, session_key=key)
+        if mode == "auto":
+            task = asyncio.get_running_loop().create_task(registry.run(engine, "sentiment", text))
+    await stream.result()
+    if task is not None:
+        assert not (await task).cached
+    engine.drop_session(key)
+    return stream.seq
+
+
+async def auto_task_ttft(engine: Any, registry: Any, n: int = AUTO_TASK_CHATS) -> dict:
+    """A chat reply's time to first token alone and with the sentiment auto-task on its message, in ms
+    and in scheduler steps (the unit: the reply's own first step when alone). Modes alternate so drift
+    affects all alike; every message is distinct (no result-cache hits, equal prefix-cache reuse)."""
+    modes = ("alone", "auto", "same-step")
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    with StepLog(engine.scheduler) as log:
+        for i in range(len(modes) * n):
+            mode = modes[i % len(modes)]
+            seq = await _chat_turn(engine, registry, AUTO_TASK_MESSAGES[i % len(AUTO_TASK_MESSAGES)], mode,
+                                   f"bench-auto-{i}")
+            steps, step_s, step_tokens = log.first_token_step(seq) or (None, None, None)
+            r = seq.result()
+            runs[mode].append({"ttft_ms": r.ttft_ms, "total_ms": r.total_ms, "steps_to_first_token": steps,
+                               "first_token_step_ms": None if step_s is None else step_s * 1000,
+                               "first_token_step_tokens": step_tokens, "prefilled_tokens": r.usage.prefilled_tokens})
+
+    def p50(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    step_ms = statistics.median(r["first_token_step_ms"] for r in runs["alone"] if r["first_token_step_ms"])
+    alone = p50("alone", "ttft_ms")
+    out = {"chats_per_mode": n, "step_ms": step_ms, "chat_prefilled_tokens_p50": p50("alone", "prefilled_tokens"),
+           "ttft_alone_p50_ms": alone}
+    for mode, name in (("auto", "auto_task"), ("same-step", "same_step")):
+        out[f"ttft_{name}_p50_ms"] = p50(mode, "ttft_ms")
+        out[f"added_ms_{name}"] = p50(mode, "ttft_ms") - alone
+        out[f"added_steps_{name}"] = (p50(mode, "ttft_ms") - alone) / step_ms
+        out[f"max_steps_to_first_token_{name}"] = max(r["steps_to_first_token"] or 0 for r in runs[mode])
+        out[f"in_first_step_{name}"] = sum((r["first_token_step_tokens"] or 0) > r["prefilled_tokens"]
+                                           for r in runs[mode]) / n
+    out["reply_total_p50_ms"] = {m: p50(m, "total_ms") for m in modes}
+    out["runs"] = runs
+    return out
+
+
 async def engine_sentiment(engine: Any, tokenizer: Any, registry: Any = None) -> dict:
     from .config import Settings
     from .tasks import load_registry
@@ -42,14 +157,28 @@ async def engine_sentiment(engine: Any, tokenizer: Any, registry: Any = None) ->
         registry, _ = load_registry(Settings(), tokenizer)
     texts = sentiment_texts()
     await registry.run(engine, "sentiment", {"text": "warm-up text"})  # calibration + warm-up
+    stats0 = engine.stats()
     started = time.perf_counter()
     fresh = await asyncio.gather(*(registry.run(engine, "sentiment", {"text": t}) for t in texts))
     fresh_s = time.perf_counter() - started
-    started = time.perf_counter()
-    again = await asyncio.gather(*(registry.run(engine, "sentiment", {"text": t}) for t in texts))
-    cached_s = time.perf_counter() - started
-    assert all(a.cached for a in again) and [a.output for a in again] == [f.output for f in fresh]
-    return {"texts": len(texts), "fresh_per_s": len(texts) / fresh_s, "cached_per_s": len(texts) / cached_s}
+    stats1 = engine.stats()
+    rates = []
+    for _ in range(CACHED_ROUNDS):
+        started = time.perf_counter()
+        again = await asyncio.gather(*(registry.run(engine, "sentiment", {"text": t}) for t in texts))
+        rates.append(len(texts) / (time.perf_counter() - started))
+        assert all(a.cached for a in again) and [a.output for a in again] == [f.output for f in fresh]
+    steps = stats1["steps"] - stats0["steps"]
+    result = {"texts": len(texts), "fresh_per_s": len(texts) / fresh_s, "cached_per_s": statistics.median(rates),
+              "cached_per_s_rounds": rates,
+              "prefilled_tokens_per_text": (stats1["tokens_prefilled"] - stats0["tokens_prefilled"]) / len(texts),
+              "prefix_cached_tokens_per_text": (stats1["kv"].prefix_hits - stats0["kv"].prefix_hits) / len(texts),
+              "prompt_tokens_per_text": statistics.mean(f.usage["prompt_tokens"] for f in fresh),
+              "fresh_steps": steps, "fresh_step_ms": fresh_s * 1000 / max(steps, 1),
+              "labels": [f.output["label"] for f in fresh]}
+    if "chat" in registry.tasks:
+        result["auto_task"] = await auto_task_ttft(engine, registry)
+    return result
 
 
 def hf_sentiment_baseline(model: Any, tokenizer: Any, n: int = 64, batch: int = 4) -> dict:

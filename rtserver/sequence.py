@@ -109,6 +109,9 @@ class Sequence:
         self.eos_token_ids |= set(params.stop_token_ids)
         self.session_key = session_key
         self.candidates = candidates  # label scoring: score these continuations, generate nothing
+        # Label scoring that only needs scores up to a constant shared by all candidates: the logits of
+        # these token ids (the candidates' first tokens) instead of a log-softmax over the vocabulary.
+        self.score_columns: list[int] | None = None
         self.on_event = on_event
         self.phase = Phase.WAITING
         self.kv: KVHandle | None = None
@@ -141,8 +144,8 @@ class Sequence:
 
     @property
     def capacity_tokens(self) -> int:
-        if self.candidates is not None:
-            return len(self.prompt_ids)
+        if self.candidates is not None:  # room to teacher-force the longest candidate after the prompt
+            return len(self.prompt_ids) + max(len(c) for c in self.candidates) - 1
         return len(self.prompt_ids) + self.params.max_new_tokens
 
     @property

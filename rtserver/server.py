@@ -49,8 +49,17 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
 
+def serving_engine(loaded: Any, settings: Settings) -> Any:
+    """The engine of a server process: the model is its alone, so the HF module's dense weights are
+    freed (and the linears packed for oneDNN) once the engine holds its own copies."""
+    from .engine import Engine
+    return Engine(loaded, settings.engine, release_dense_weights=True)
+
+
 def serve(settings: Settings, **app_options: Any) -> int:
-    """Run the server until SIGTERM/SIGINT; the process exit code. `app_options` go to `create_app`."""
+    """Run the server until SIGTERM/SIGINT; the process exit code. `app_options` go to `create_app`
+    (default engine: `serving_engine`)."""
+    app_options.setdefault("engine_factory", serving_engine)
     server: Server | None = None
 
     def on_load_failed(message: str) -> None:

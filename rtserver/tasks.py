@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import importlib.util
+import inspect
 import logging
 import math
 import re
@@ -157,7 +158,9 @@ class Task:
         """Strip control characters (keeping newlines and tabs), check emptiness and size."""
         if not isinstance(text, str):
             raise TaskError("invalid_input", f"{self.name}: 'text' must be a string")
-        text = "".join(c for c in text if c in "\n\t" or unicodedata.category(c)[0] != "C").strip()
+        if not text.isprintable():  # printable text has no control/format characters: nothing to strip
+            text = "".join(c for c in text if c in "\n\t" or unicodedata.category(c)[0] != "C")
+        text = text.strip()
         if not text:
             raise TaskError("empty_text", f"{self.name}: text is empty")
         if len(text) > self.max_input_chars:
@@ -184,7 +187,8 @@ class Task:
                                     f"{int(hi)} strings")
                 values[key] = list(self.stop) + value
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or isinstance(value, float) and not math.isfinite(value)):  # a huge int has no float
                 raise TaskError("bad_decoding", f"{self.name}: '{key}' must be a number")
             if not lo <= value <= hi:
                 raise TaskError("bad_decoding", f"{self.name}: '{key}' = {value} is outside {lo}..{hi}")
@@ -249,6 +253,8 @@ class PreparedTask:
         self.task = task
         self.tokenizer = tokenizer
         self._prefixes: dict[tuple[str, bool], tuple[list[int], str, str]] = {}
+        self._suffixes: dict[str, list[int]] = {}
+        self._candidates: dict[tuple, list[list[int]]] = {}
         self._calibration: dict[tuple, asyncio.Future] = {}
         self.cache: TTLCache | None = (TTLCache(task.cache_size, task.cache_ttl_s)
                                        if task.cache_size and not task.stateful else None)
@@ -290,9 +296,25 @@ class PreparedTask:
             self._prefixes[key] = (self._encode(before), glue, after)
         return self._prefixes[key]
 
+    def _suffix_ids(self, suffix: str) -> list[int]:
+        ids = self._suffixes.get(suffix)
+        if ids is None:
+            ids = self._suffixes[suffix] = self._encode(suffix)
+        return ids
+
+    def _candidate_ids(self, choices: Choices) -> list[list[int]]:
+        key = tuple(choices.labels.items())
+        ids = self._candidates.get(key)
+        if ids is None:
+            ids = self._candidates[key] = [self._encode(words) for words in choices.labels.values()]
+        return ids
+
     def render(self, text: str) -> tuple[list[int], Choices | None]:
         """(prompt ids, choices) for a cleaned input text, within the token limit. The fixed prefix is
         tokenized on its own so every call starts with the same tokens (and shares their KV)."""
+        return self._render(text)[:2]
+
+    def _render(self, text: str) -> tuple[list[int], Choices | None, str, bool]:
         template, choices, chat = self.task.select(text)
         prefix, glue, suffix = self._split_template(template, chat)
         body = self._encode_input(glue + text)
@@ -302,37 +324,40 @@ class PreparedTask:
                                 f"is {self.task.max_input_tokens}")
             keep = self.task.max_input_tokens
             body = body[:keep] if self.task.truncate == "head" else body[-keep:]
-        return prefix + body + self._encode(suffix), choices
+        return prefix + body + self._suffix_ids(suffix), choices, template, chat
 
     # -- running ------------------------------------------------------------------------------
     async def run(self, engine: Any, raw_input: Any, overrides: dict | None = None) -> TaskOutput:
         text = raw_input.get("text") if isinstance(raw_input, dict) else raw_input
         text = self.clean_text(text)
-        params = self.sampling(overrides)
-        key = (" ".join(text.split()).lower(), repr(sorted((overrides or {}).items())))
+        # Overrides are checked before the cache is read (a bad one is an error, cached or not); without
+        # any, the task's own decoding is valid by construction and only built when generating.
+        params = None if overrides is None else self.sampling(overrides)
+        key = (" ".join(text.split()).lower(), "[]" if not overrides else repr(sorted(overrides.items())))
         if self.cache is not None:
             hit = self.cache.get(key)
             if hit is not None:
                 self.cache_hits += 1
-                return dataclasses.replace(hit, cached=True)
+                return TaskOutput(hit.task, hit.output, hit.text, hit.usage, hit.timing, True)
             self.cache_misses += 1
         started = time.perf_counter()
-        prompt, choices = self.render(text)
+        prompt, choices, template, chat = self._render(text)
         if choices is not None:
-            output = await self._score(engine, prompt, choices, text)
+            output = await self._score(engine, prompt, choices, template, chat)
             out = TaskOutput(self.task.name, output, output["label"],
                              {"prompt_tokens": len(prompt), "generated_tokens": 0},
                              {"total_ms": (time.perf_counter() - started) * 1000})
         else:
-            stream = engine.generate(prompt, params)
+            stream = engine.generate(prompt, params if params is not None else self.sampling(None))
             result = await stream.result()
             if result.error:
                 raise TaskError("internal", f"{self.task.name}: generation failed")
             try:
                 parsed = self.task.parser(result.text) if self.task.parser else {"text": result.text}
-            except Exception as exc:
-                log.warning("%s: parser failed on %r: %s", self.task.name, result.text, exc)
-                parsed = {"text": result.text, "valid": False}
+            except Exception as exc:  # a plugin bug: this request fails, nothing else does
+                log.exception("%s: output parser failed on %r", self.task.name, result.text)
+                raise TaskError("internal", f"{self.task.name}: the task's output parser failed "
+                                f"({type(exc).__name__})") from exc
             if not isinstance(parsed, dict):
                 parsed = {"value": parsed}
             out = TaskOutput(self.task.name, parsed, result.text, dataclasses.asdict(result.usage),
@@ -342,13 +367,15 @@ class PreparedTask:
             self.cache[key] = out
         return out
 
-    async def _score(self, engine: Any, prompt: list[int], choices: Choices, text: str) -> dict:
+    async def _score(self, engine: Any, prompt: list[int], choices: Choices, template: str, chat: bool) -> dict:
         labels = list(choices.labels)
-        candidates = [self._encode(choices.labels[name]) for name in labels]
-        scores = await engine.score(prompt, candidates)
-        template, _, chat = self.task.select(text)
+        candidates = self._candidate_ids(choices)
+        # Only differences between the labels' scores matter below (calibration subtracts per label, the
+        # softmax is across labels), so the engine may leave out the prompt's log-normaliser.
+        relative = _scores_relative_ok(engine)
+        scores = await _engine_score(engine, prompt, candidates, relative)
         if choices.calibration:
-            offsets = await self._calibration_offsets(engine, template, chat, choices, candidates)
+            offsets = await self._calibration_offsets(engine, template, chat, choices, candidates, relative)
             scores = [s - o for s, o in zip(scores, offsets)]
         top = max(scores)
         weights = [math.exp(s - top) for s in scores]
@@ -358,33 +385,68 @@ class PreparedTask:
         return {"label": label, "probs": probs}
 
     async def _calibration_offsets(self, engine: Any, template: str, chat: bool, choices: Choices,
-                                   candidates: list[list[int]]) -> list[float]:
+                                   candidates: list[list[int]], relative: bool) -> list[float]:
         # One computation shared by every call that needs it (a burst of first calls must not each
         # score the calibration inputs); a failed one is retried by the next call.
-        key = (template, chat, tuple(choices.labels.items()), tuple(choices.calibration))
+        key = (template, chat, tuple(choices.labels.items()), tuple(choices.calibration), relative)
         fut = self._calibration.get(key)
         if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
-            fut = asyncio.ensure_future(self._compute_calibration(engine, template, chat, choices, candidates))
+            fut = asyncio.ensure_future(self._compute_calibration(engine, template, chat, choices, candidates,
+                                                                  relative))
             self._calibration[key] = fut
         return await asyncio.shield(fut)
 
     async def _compute_calibration(self, engine: Any, template: str, chat: bool, choices: Choices,
-                                   candidates: list[list[int]]) -> list[float]:
+                                   candidates: list[list[int]], relative: bool) -> list[float]:
         prefix, glue, suffix = self._split_template(template, chat)
-        runs = [await engine.score(prefix + self._encode_input(glue + c) + self._encode(suffix), candidates)
+        runs = [await _engine_score(engine, prefix + self._encode_input(glue + c) + self._suffix_ids(suffix),
+                                    candidates, relative)
                 for c in choices.calibration]
         return [sum(r[i] for r in runs) / len(runs) for i in range(len(candidates))]
+
+
+_RELATIVE_OK: dict[Any, bool] = {}
+
+
+def _scores_relative_ok(engine: Any) -> bool:
+    """Whether the engine's `score` takes `normalize` (scores up to a per-prompt constant, cheaper);
+    engines without it (test doubles, wrappers) get plain log-probabilities."""
+    method = engine.score
+    func = getattr(method, "__func__", method)
+    ok = _RELATIVE_OK.get(func)
+    if ok is None:
+        try:
+            ok = "normalize" in inspect.signature(method).parameters  # not **kwargs: a wrapper may not pass it on
+        except (TypeError, ValueError):
+            ok = False
+        if len(_RELATIVE_OK) < 1024:
+            _RELATIVE_OK[func] = ok
+    return ok
+
+
+async def _engine_score(engine: Any, prompt: list[int], candidates: list[list[int]], relative: bool) -> list[float]:
+    if relative:
+        return await engine.score(prompt, candidates, normalize=False)
+    return await engine.score(prompt, candidates)
 
 
 class ChatTask(PreparedTask):
     """The stateful chat task: renders a session's history window through the chat template."""
 
-    def render_history(self, history: list[dict]) -> list[int]:
+    def _messages(self, history: list[dict]) -> list[dict]:
         messages = list(history)
         if self.task.system_prompt and not (messages and messages[0].get("role") == "system"):
             messages.insert(0, {"role": "system", "content": self.task.system_prompt})
-        return self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                  return_dict=False)
+        return messages
+
+    def render_history(self, history: list[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(self._messages(history), tokenize=True,
+                                                  add_generation_prompt=True, return_dict=False)
+
+    def render_text(self, history: list[dict]) -> str:
+        """The prompt as text (what `render_history` tokenizes)."""
+        return self.tokenizer.apply_chat_template(self._messages(history), tokenize=False,
+                                                  add_generation_prompt=True)
 
     def render(self, history: list[dict]) -> list[int]:  # type: ignore[override]
         return self.render_history(history)

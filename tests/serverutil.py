@@ -192,7 +192,7 @@ class ScriptedEngine:
         seq.finished_at = time.perf_counter()
         stream._push("finish", seq.result())
 
-    async def score(self, prompt_ids, candidates) -> list[float]:
+    async def score(self, prompt_ids, candidates, *, normalize: bool = True) -> list[float]:
         await asyncio.sleep(0)
         return [-float(i) for i in range(len(candidates))]
 

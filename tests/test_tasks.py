@@ -495,3 +495,222 @@ def test_chat_render_with_system_prompt(tok):
     assert chat.count_tokens("How are you?") == len(tok.encode("How are you?", add_special_tokens=False))
     assert chat.clean_text("x" * 5000) == "x" * 4000  # chat keeps the newest part of a long message
     assert chat.max_history_turns == 20 and chat.max_history_tokens == 1500
+
+
+# -- the scoring path's speed-ups keep its answers --------------------------------------------------
+
+def _reference_clean(text: str) -> str:
+    import unicodedata
+    return "".join(c for c in text if c in "\n\t" or unicodedata.category(c)[0] != "C").strip()
+
+
+def test_clean_text_fast_path_equals_the_full_filter():
+    import random
+    task = Task(name="t", description="", max_input_chars=4000)
+    rng = random.Random(0)
+    alphabet = ["a", "Z", " ", "\n", "\t", "\r", "\x00", "\x1b", "\x7f", "\u00a0", "\u200b", "\u2028", "\ufeff",
+                "é", "好", "😀", "\U000e0001", "\ud7ff", "\u3000"]
+    for _ in range(500):
+        text = "x" + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        assert task.clean_text(text) == _reference_clean(text), repr(text)
+
+
+class NoEngine:
+    """Fails any model work: a cache hit must not need the engine."""
+
+    async def score(self, *args, **kwargs):
+        raise AssertionError("a cache hit reached the engine")
+
+    def generate(self, *args, **kwargs):
+        raise AssertionError("a cache hit reached the engine")
+
+
+async def test_cache_hit_needs_no_engine_and_returns_its_own_copy(tok, engine):
+    registry = builtin(tok)
+    first = await registry.run(engine, "sentiment", {"text": "The staff were lovely."})
+    hit = await registry.run(NoEngine(), "sentiment", {"text": "the staff  were LOVELY."})
+    assert hit.cached and not first.cached and hit.output == first.output and hit.text == first.text
+    hit.cached = False  # a caller changing its copy changes nothing in the cache
+    assert (await registry.run(NoEngine(), "sentiment", "The staff were lovely.")).cached
+    # Overrides are still checked before the cache is read.
+    for bad in ({"temperature": 0.5}, ["temperature"]):
+        with pytest.raises(TaskError) as exc:
+            await registry.run(NoEngine(), "sentiment", "The staff were lovely.", bad)
+        assert exc.value.code == "bad_decoding"
+
+
+def _hf_last_logprobs(loaded, ids: list[int]):
+    import torch
+    with torch.no_grad():
+        return torch.log_softmax(loaded.model(torch.tensor([ids])).logits[0, -1].float(), -1)
+
+
+SCORING_TEXTS = ["I love this phone, it is wonderful.", "Terrible service, never again.", "ok",
+                 "这个产品质量很好，非常满意", "太差了，退货", "The plot was thin but the actors saved it."]
+
+
+async def test_sentiment_probs_equal_a_plain_transformers_forward(tok, engine, smol):
+    """The shipped task (relative scores, candidate columns only, the few-shot prefix's KV from the
+    prefix cache, a burst batched together) against a plain forward: softmax over the labels of
+    log p(label | text) - log p(label | "N/A")."""
+    registry = builtin(tok)
+    sentiment = registry.get("sentiment")
+    outs = await asyncio.gather(*(registry.run(engine, "sentiment", t) for t in SCORING_TEXTS))
+    labels = list(sentiment.choices.labels)
+    cands = [tok.encode(w, add_special_tokens=False) for w in sentiment.choices.labels.values()]
+    assert all(len(c) == 1 for c in cands)
+    na = _hf_last_logprobs(smol, sentiment.render("N/A")[0])
+    for text, out in zip(SCORING_TEXTS, outs):
+        lp = _hf_last_logprobs(smol, sentiment.render(text)[0])
+        calibrated = [float(lp[c[0]] - na[c[0]]) for c in cands]
+        top = max(calibrated)
+        weights = [math.exp(s - top) for s in calibrated]
+        want = {name: w / sum(weights) for name, w in zip(labels, weights)}
+        assert out.output["probs"] == pytest.approx(want, abs=1e-4), text
+        assert out.output["label"] == max(want, key=want.get)
+
+
+async def test_relative_scores_keep_the_differences(tok, engine):
+    prompts = [tok.encode(f"Message: {t}\nSentiment:", add_special_tokens=False) for t in SCORING_TEXTS[:3]]
+    candidates = [tok.encode(w, add_special_tokens=False) for w in (" positive", " negative",
+                                                                     " very mixed feelings")]
+    assert len(candidates[2]) > 1
+    plain = await asyncio.gather(*(engine.score(p, candidates) for p in prompts))
+    relative = await asyncio.gather(*(engine.score(p, candidates, normalize=False) for p in prompts))
+    for a, b in zip(plain, relative):
+        diffs_a = [x - a[0] for x in a]
+        diffs_b = [x - b[0] for x in b]
+        assert diffs_b == pytest.approx(diffs_a, abs=1e-4)
+        assert b[0] != pytest.approx(a[0], abs=1e-3)  # the left-out normaliser: not log-probabilities
+
+
+async def test_the_whole_fixed_prefix_is_reused_not_just_full_blocks(tok, engine):
+    registry = builtin(tok)
+    sentiment = registry.get("sentiment")
+    prefix = sentiment._split_template(sentiment.task.prompt, False)[0]
+    assert len(prefix) % engine.kv.block_tokens  # the prefix ends inside a block
+    await registry.run(engine, "sentiment", "Wonderful evening.")  # computes the prefix (and N/A)
+    before = engine.stats()
+    text = "Dreadful food and rude staff."
+    await registry.run(engine, "sentiment", text)
+    after = engine.stats()
+    prompt = sentiment.render(text)[0]
+    assert after["kv"].prefix_hits - before["kv"].prefix_hits == len(prefix)
+    assert after["tokens_prefilled"] - before["tokens_prefilled"] == len(prompt) - len(prefix)
+
+
+def test_kv_reuses_the_shared_part_of_a_cached_block():
+    import torch
+
+    from rtserver.kv import KVCacheManager
+    kv = KVCacheManager(1, 1, 2, torch.float32, budget_bytes=9 * 4 * 2 * 2 * 4, block_tokens=4)
+    a, _ = kv.acquire(list(range(10)), 10)
+    kv.k[0, a.slot_table[:8]] = torch.arange(16.0).view(8, 1, 2)
+    a.token_ids = list(range(10))
+    kv.register_prefix(a)  # blocks [0..3] and [4..7]
+    b, reused = kv.acquire([0, 1, 2, 3, 4, 5, 99, 98], 8)
+    assert reused == 6 and b.blocks[0] == a.blocks[0]
+    assert b.blocks[1] != a.blocks[1]  # the partly shared block is b's own copy
+    assert torch.equal(kv.k[0, b.slot_table[4:6]], kv.k[0, a.slot_table[4:6]])
+    c, reused = kv.acquire([0, 1, 2, 3, 4, 5], 6)  # at least one token is left to compute
+    assert reused == 5
+    d, reused = kv.acquire([0, 1, 2, 3, 7, 5, 6], 7)  # no cached block goes on with token 7
+    assert reused == 4
+    for h in (a, b, c, d):
+        kv.release(h)
+    kv.clear_prefix_cache()
+    assert kv.used_blocks == 0 and sum(kv._refs) == 0 and not kv._children
+
+
+def _tiny_model():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.bias.normal_(0, 0.5)
+    return model
+
+
+def test_runner_columns_pruning_and_onednn_match_transformers():
+    import torch
+
+    from rtserver import runner as R
+    from rtserver.kv import KVCacheManager
+    from rtserver.sequence import SamplingParams, Sequence
+    model = _tiny_model()
+    ids = [5, 17, 33, 2, 81, 40, 7, 9, 11, 64, 3]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].float()
+    kv = KVCacheManager(2, 2, 16, torch.float32, 1 << 20, 4)
+    runner = R.ModelRunner(model, kv, 256)
+
+    def run():
+        out = []
+        for columns in (None, [3, 50, 7]):
+            seq = Sequence(ids, SamplingParams(), tokenizer=None, eos_token_ids=set())
+            h, _ = kv.acquire(ids, len(ids))
+            # two chunks in two steps: the first gives no logits (skips the last layer's MLP)
+            assert runner.forward([R.StepItem(seq, h, 0, ids[:6], "none")]) == [None]
+            (got,) = runner.forward([R.StepItem(seq, h, 6, ids[6:], "last", columns)])
+            kv.release(h)
+            out.append(got)
+        return out
+
+    full, cols = run()
+    torch.testing.assert_close(full[0], want[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cols[0], want[-1, [3, 50, 7]], atol=1e-4, rtol=1e-4)
+    runner.release_dense_weights()  # serving: float32 linears move to oneDNN-packed copies
+    if R.ONEDNN_LINEAR and torch.backends.mkldnn.is_available():
+        assert all(L.qkv.onednn is not None and L.qkv.weight is None for L in runner.layers)
+    assert all(p.numel() == 0 for p in model.parameters())  # the model's own weights are gone
+    full, cols = run()
+    torch.testing.assert_close(full[0], want[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cols[0], want[-1, [3, 50, 7]], atol=1e-4, rtol=1e-4)
+
+
+async def test_multi_token_labels_never_run_out_of_kv(smol):
+    """Longer labels are teacher-forced in room reserved at admission: a pool that a burst fills
+    completely still scores every request (they wait for room instead of failing mid-step)."""
+    tok = smol.tokenizer
+    eng = Engine(smol, EngineOptions(max_running=16))
+    cfg = smol.model.config
+    eng.kv = type(eng.kv)(cfg.num_hidden_layers, cfg.num_key_value_heads, eng.runner.head_dim, smol.dtype,
+                          eng.kv.bytes_per_token * 16 * 10, 16)  # 160 tokens of KV
+    eng.runner.kv = eng.scheduler.kv = eng.kv
+    candidates = [tok.encode(w, add_special_tokens=False) for w in (" very good indeed", " rather bad", " so-so")]
+    prompts = [tok.encode(f"Review {i}: the {w} was fine, I guess.\nVerdict:", add_special_tokens=False)
+               for i, w in enumerate(["soup", "hotel", "film", "phone", "bike", "book", "lamp", "chair"])]
+    eng.start()
+    try:
+        together = await asyncio.gather(*(eng.score(p, candidates) for p in prompts))
+        alone = [await eng.score(p, candidates) for p in prompts]
+    finally:
+        await eng.stop()
+    for a, b in zip(together, alone):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+async def test_serving_engine_with_released_weights_equals_generate():
+    """The serving configuration (dense weights released: oneDNN-packed float32 linears) keeps greedy
+    output equal to plain `generate` (on its own copy of the model: releasing empties the model)."""
+    from rtserver.model import load_model
+    from rtserver.sequence import SamplingParams
+
+    from .conftest import chat_prompt, reference_greedy
+
+    loaded = load_model("embedded", dtype="float32", threads=2)
+    prompts = [chat_prompt(loaded.tokenizer, t) for t in ("Tell me a short fact about the number 7.",
+                                                          "Write a haiku about autumn leaves.")]
+    want = [reference_greedy(loaded, p, 12) for p in prompts]
+    eng = Engine(loaded, EngineOptions(kv_budget_mb=64), release_dense_weights=True)
+    eng.start()
+    try:
+        got = await asyncio.gather(*(eng.generate(p, SamplingParams(max_new_tokens=12, min_new_tokens=12)).result()
+                                     for p in prompts))
+    finally:
+        await eng.stop()
+    assert [r.token_ids for r in got] == want

@@ -370,6 +370,8 @@ class Connection:
                 code, message = "internal", f"generation failed: {exc}"
             else:
                 code, message = engine_error(exc)
+                if code == "internal":
+                    log.exception("chat turn %s failed", msg.id)
             await self.error(code, message, msg.id)
         finally:
             if added and session.history and session.history[-1]["role"] == "user":
@@ -390,8 +392,8 @@ class Connection:
             await self.error("cancelled", "the task was cancelled", msg.id)
         except Exception as exc:
             code, message = engine_error(exc)
-            if code == "internal":
-                log.exception("task %s failed", msg.task)
+            if code == "internal" and not hasattr(exc, "code"):  # a TaskError was logged where it arose
+                log.exception("task %s (request %s) failed", msg.task, msg.id)
             await self.error(code, message, msg.id)
         finally:
             self.requests.pop(msg.id, None)

@@ -173,9 +173,13 @@ class Scheduler:
         for seq in self.running:
             if seq.phase is Phase.DECODE:
                 items.append(StepItem(seq, seq.kv, seq.num_computed, [seq.output_ids[-1]], "last"))
-        for seq in self.running:
-            if seq.phase is not Phase.PREFILL or budget <= 0:
-                continue
+        # Generation prompts take the prefill budget before scoring ones (task calls, auto-tasks): a
+        # burst of sentiment tags never delays the first token of a reply someone is waiting for.
+        prefilling = [s for s in self.running if s.phase is Phase.PREFILL]
+        prefilling.sort(key=lambda s: s.candidates is not None)  # stable: arrival order within each kind
+        for seq in prefilling:
+            if budget <= 0:
+                break
             remaining = len(seq.prompt_ids) - seq.num_computed
             n = min(remaining, budget)
             budget -= n

@@ -191,3 +191,17 @@ def test_label_scoring_runs_without_a_decode_loop():
     assert s.scores[2] == pytest.approx(3 * float(lp[5]))  # each next token is the predicted one
     # one forward for the prompt, one teacher-forced forward for the multi-token candidate, no decoding
     assert runner.steps == [[(s.id, 0, 5)], [(s.id, 5, 2)]]
+
+
+def test_generation_prompts_take_the_prefill_budget_before_scoring_ones():
+    sched, runner, kv, _ = make()  # prefill chunk budget: 8 tokens per step
+    scoring = [Sequence(list(range(200 + 10 * i, 206 + 10 * i)), SamplingParams(max_new_tokens=1),
+                        tokenizer=FakeTokenizer(), eos_token_ids=set(), candidates=[[5], [7]]) for i in range(2)]
+    chat = seq(6, 2, start=500)
+    for s in scoring + [chat]:  # the chat arrives last
+        sched.submit(s)
+    sched.step()
+    assert runner.steps[0][0] == (chat.id, 0, 6)  # its whole prompt first, then the budget's rest
+    assert runner.steps[0][1] == (scoring[0].id, 0, 2)
+    run_until_idle(sched)
+    assert all(s.scores is not None for s in scoring) and len(chat.output_ids) == 2

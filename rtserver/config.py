@@ -16,6 +16,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
+# RTSERVER_* variables that are not settings: the config file, and the test suite's switches
+NOT_SETTINGS = {"RTSERVER_CONFIG", "RTSERVER_SLOW_TESTS", "RTSERVER_REPORT_DIR"}
+
+
 class ConfigError(ValueError):
     """A setting that cannot be used; the message names the key, the value and what is allowed."""
 
@@ -177,7 +181,7 @@ def settings_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None
             raise ConfigError(f"{name} = {table!r}: expected a [{name}] table")
         merged[name] = dict(table)
     for var, value in (os.environ if env is None else env).items():
-        if not var.startswith("RTSERVER_") or var == "RTSERVER_CONFIG":
+        if not var.startswith("RTSERVER_") or var in NOT_SETTINGS:
             continue
         rest = var[len("RTSERVER_"):].lower()
         for name in sections:

@@ -37,3 +37,11 @@ def test_invalid_values_are_named(data, env, message):
 def test_missing_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "missing.toml", env={})
+
+
+def test_test_switches_are_not_settings_but_typos_are_errors():
+    from rtserver.config import ConfigError, settings_from_mapping
+
+    settings_from_mapping({}, {"RTSERVER_SLOW_TESTS": "1", "RTSERVER_REPORT_DIR": "/tmp", "RTSERVER_CONFIG": "x"})
+    with pytest.raises(ConfigError, match="RTSERVER_SLOW_TEST: no such setting"):
+        settings_from_mapping({}, {"RTSERVER_SLOW_TEST": "1"})

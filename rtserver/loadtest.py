@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import websockets
+
 from .loadclient import percentile, run_chat_load
 from .serverproc import ServerProcess, free_port, raise_nofile_limit
 
@@ -48,7 +50,6 @@ LONG_PROMPT = "Count from 1 to 500, separated by commas, and say nothing else."
 # -- client helpers ------------------------------------------------------------------------------------
 
 async def _connect(url: str, **kwargs: Any):
-    import websockets
     return await websockets.connect(url, open_timeout=60, max_size=None, **kwargs)
 
 
@@ -180,7 +181,6 @@ async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict:
         while True:
             await asyncio.wait_for(ws.recv(), 30)
     except Exception as exc:
-        import websockets
         if isinstance(exc, websockets.ConnectionClosed):  # not a timeout: the server ended it
             # 4008 when the close frame got through; none (1006) when the unread buffers held it back
             close_code = getattr(exc.rcvd, "code", None) or 1006

@@ -29,14 +29,11 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol as P
-from .wsclose import finish_connection
+from .wsclose import CLOSE_GOING_AWAY, CLOSE_SLOW_CLIENT, CLOSE_UNAUTHORIZED, QueuedConnection, refuse
 
 log = logging.getLogger("rtserver.console")
 
-CLOSE_SLOW = 4008
-CLOSE_UNAUTHORIZED = 4401
 CLOSE_DISABLED = 4403
-CLOSE_GOING_AWAY = 1001
 
 # Sentiment labels (as the built-in sentiment task names them, English or Chinese) → mood score.
 MOOD_SCORE = {"positive": 1.0, "negative": -1.0, "neutral": 0.0, "正面": 1.0, "负面": -1.0, "中性": 0.0}
@@ -112,18 +109,14 @@ class Conversation:
                 "messages": list(self.messages), "streaming": self.streaming}
 
 
-class Agent:
+class Agent(QueuedConnection):
     """One logged-in console connection."""
 
     def __init__(self, ws: WebSocket, queue_size: int):
-        self.ws = ws
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
+        super().__init__(ws, queue_size)
         self.id = ""
         self.name = ""
         self.logged_in = False
-        self.stopping = asyncio.Event()
-        self.close_code: int | None = None
-        self.close_reason = ""
 
     def put(self, event: dict) -> None:
         """Queue an event; an agent that does not read is closed (it resyncs from a snapshot)."""
@@ -133,21 +126,7 @@ class Agent:
             self.queue.put_nowait(P.dumps(event))
         except asyncio.QueueFull:
             log.warning("closing console connection of %s: not reading", self.name)
-            self.stop(CLOSE_SLOW, "slow client")
-
-    def stop(self, code: int | None = None, reason: str = "") -> None:
-        if not self.stopping.is_set():
-            self.close_code, self.close_reason = code, reason
-            self.stopping.set()
-
-    async def writer(self) -> None:
-        try:
-            while True:
-                await self.ws.send_text(await self.queue.get())
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            self.stop()
+            self.stop(CLOSE_SLOW_CLIENT, "slow client")
 
 
 class ConsoleHub:
@@ -466,14 +445,11 @@ class ConsoleHub:
             await self.agent_message(agent, sid, obj.get("text"))
 
     async def endpoint(self, ws: WebSocket) -> None:
-        if not self.hub.origin_allowed(ws):
-            await ws.close(code=1008, reason="origin not allowed")
+        if not await self.hub.accept(ws):
             return
-        await ws.accept()
         if not self.settings.security.console_token:
-            await ws.send_text(P.dumps(P.error_event("console_disabled", "the console is disabled "
-                                                     "(security.console_token is empty)")))
-            await ws.close(code=CLOSE_DISABLED, reason="console disabled")
+            await refuse(ws, self.hub.metrics, "console_disabled", "the console is disabled "
+                         "(security.console_token is empty)", CLOSE_DISABLED, "console disabled")
             return
         agent = Agent(ws, max(64, 4 * self.settings.server.send_queue_size))
         self.agents.add(agent)
@@ -501,7 +477,7 @@ class ConsoleHub:
             if agent.logged_in:
                 agent.logged_in = False
                 self._agent_left(agent)
-            await finish_connection(ws, agent.queue, read, writer, agent.close_code, agent.close_reason)
+            await agent.finish(read, writer)
 
     def close_all(self) -> None:
         for agent in list(self.agents):

@@ -39,16 +39,12 @@ from .scheduler import Overloaded, RequestTooLarge
 from .sequence import FinishReason, SamplingError
 from .session import (Session, SessionExpired, SessionRegistry, TooManySessions, continue_prompt, finished_turn,
                       window)
-from .wsclose import finish_connection
+from .wsclose import CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_SLOW_CLIENT, CLOSE_UNAUTHORIZED, QueuedConnection, refuse
 
 log = logging.getLogger("rtserver.hub")
 
-CLOSE_SLOW_CLIENT = 4008
-CLOSE_UNAUTHORIZED = 4401
 CLOSE_TAKEN_OVER = 4409
 CLOSE_NOT_READY = 1013
-CLOSE_GOING_AWAY = 1001
-CLOSE_POLICY = 1008
 CLOSE_TOO_MANY_SESSIONS = 4429
 
 
@@ -105,19 +101,15 @@ class Request:
             self.task.cancel()
 
 
-class Connection:
+class Connection(QueuedConnection):
     def __init__(self, hub: "Hub", ws: WebSocket):
-        self.hub = hub
-        self.ws = ws
         ss = hub.settings.server
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=ss.send_queue_size)
+        super().__init__(ws, ss.send_queue_size)
+        self.hub = hub
         self.slow_timeout = ss.slow_client_timeout_s
         self.requests: dict[str, Request] = {}
         self.session: Session | None = None
         self.client_name: str | None = None
-        self.stopping = asyncio.Event()
-        self.close_code: int | None = None
-        self.close_reason = ""
         self.background: set[asyncio.Task] = set()
         self.client_ip = client_ip(ws)
         sec = hub.settings.security
@@ -146,21 +138,6 @@ class Connection:
 
     async def error(self, code: str, message: str, request_id: str | None = None, **extra: Any) -> None:
         await self.send(P.error_event(code, message, request_id, **extra))
-
-    async def writer(self) -> None:
-        try:
-            while True:
-                text = await self.queue.get()
-                await self.ws.send_text(text)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # client gone
-            self.stop()
-
-    def stop(self, code: int | None = None, reason: str = "") -> None:
-        if not self.stopping.is_set():
-            self.close_code, self.close_reason = code, reason
-            self.stopping.set()
 
     # -- reading --------------------------------------------------------------------------------
     async def reader(self) -> None:
@@ -476,11 +453,18 @@ class Hub:
         origin = ws.headers.get("origin")
         return origin is None or origin in allowed
 
-    async def endpoint(self, ws: WebSocket) -> None:
+    async def accept(self, ws: WebSocket) -> bool:
+        """Accept a WebSocket (/ws or /ws/console); a foreign browser origin is then refused with
+        `forbidden_origin` and close 1008 (the client gets a reason, not a bare HTTP 403)."""
         await ws.accept()
-        if not self.origin_allowed(ws):
-            await refuse(ws, self.metrics, "forbidden_origin", f"origin {ws.headers.get('origin')!r} is not "
-                         f"allowed (security.allowed_origins)", CLOSE_POLICY, "origin not allowed")
+        if self.origin_allowed(ws):
+            return True
+        await refuse(ws, self.metrics, "forbidden_origin", f"origin {ws.headers.get('origin')!r} is not "
+                     f"allowed (security.allowed_origins)", CLOSE_POLICY, "origin not allowed")
+        return False
+
+    async def endpoint(self, ws: WebSocket) -> None:
+        if not await self.accept(ws):
             return
         if self.shutting_down:
             await refuse(ws, self.metrics, "shutting_down", "the server is shutting down; reconnect in a "
@@ -505,8 +489,7 @@ class Hub:
             if conn.session is not None:
                 self.sessions.detach(conn.session, conn)
                 self.console.detached(conn.session)
-            await finish_connection(ws, conn.queue, reader, writer, conn.close_code, conn.close_reason,
-                                    drain=conn.close_code != CLOSE_SLOW_CLIENT)
+            await conn.finish(reader, writer, drain=conn.close_code != CLOSE_SLOW_CLIENT)
 
     async def drain(self, grace_s: float) -> None:
         """Graceful shutdown: refuse new work, give in-flight requests `grace_s` to finish, end the rest
@@ -533,15 +516,3 @@ class Hub:
         for conn in list(self.connections):
             conn.cancel_all()
             conn.stop(CLOSE_GOING_AWAY, "server shutting down")
-
-
-
-
-async def refuse(ws: WebSocket, metrics: Any, code: str, message: str, close_code: int, reason: str) -> None:
-    """Tell an accepted connection why it is refused, then close it."""
-    metrics.error(code)
-    try:
-        await ws.send_text(P.dumps(P.error_event(code, message)))
-        await ws.close(code=close_code, reason=reason)
-    except Exception:  # the peer may already be gone
-        pass

@@ -193,3 +193,14 @@ async def test_unknown_session_and_bad_frames(smol):
         await a.send(json.dumps({"type": "ping", "data": 7}))
         assert (await recv_json(a)) == {"type": "pong", "data": 7}
         await a.close()
+
+
+async def test_console_refuses_a_foreign_origin_like_ws(smol):
+    settings = settings_with(tasks={"auto_tasks": []}, security={"allowed_origins": ["https://shop.example"]})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(console_url(url), origin="https://evil.example") as ws:
+            err = await recv_json(ws)
+            assert err["code"] == "forbidden_origin" and "evil.example" in err["message"]
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(ws.recv(), 30)
+            assert info.value.rcvd.code == 1008

@@ -160,6 +160,12 @@
     input.setAttribute("aria-disabled", connected ? "false" : "true");
   }
 
+  function endThinking(c) {  // the first text replaces the "thinking" dots
+    if (!c.li.classList.contains("rt-thinking")) return;
+    c.li.classList.remove("rt-thinking");
+    c.body.textContent = "";
+  }
+
   function finishCurrent(note) {
     if (!current) return;
     const c = current;
@@ -294,10 +300,7 @@
       }
       case "token": {
         if (!current || msg.id !== current.id) return;
-        if (current.li.classList.contains("rt-thinking")) {
-          current.li.classList.remove("rt-thinking");
-          current.body.textContent = "";
-        }
+        endThinking(current);
         // a reply's leading whitespace (common in model output) is not worth showing
         current.body.textContent = current.body.textContent ? current.body.textContent + msg.text :
           msg.text.replace(/^\s+/, "");
@@ -306,10 +309,7 @@
       }
       case "done": {
         if (!current || msg.id !== current.id) return;
-        if (current.li.classList.contains("rt-thinking")) {
-          current.li.classList.remove("rt-thinking");
-          current.body.textContent = "";
-        }
+        endThinking(current);
         current.body.textContent = msg.text.trim();
         finishCurrent(msg.finish_reason === "cancelled" ? "(stopped)" : null);
         break;

@@ -9,6 +9,7 @@ loop one callback, not one per token.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import threading
 from dataclasses import dataclass
 from typing import Any, Hashable
@@ -19,6 +20,15 @@ from .model import LoadedModel
 from .runner import ModelRunner
 from .scheduler import Overloaded, RequestTooLarge, Scheduler, SchedulerLimits  # noqa: F401 (re-export)
 from .sequence import FinishReason, SamplingParams, Sequence, SequenceResult
+
+
+def _return_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc). Swapping the dense weights for packed copies frees
+    hundreds of MB in pieces that glibc keeps in its heap otherwise: ~30-80 MB of resident memory."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
 
 
 # The engine's options are exactly the [engine] settings; the alias keeps call sites readable.
@@ -79,6 +89,7 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.kv, opts.max_sequence_tokens, int8=loaded.int8)
         if release_dense_weights:
             self.runner.release_dense_weights()
+            _return_freed_memory()
         limits = SchedulerLimits(opts.max_running, opts.max_waiting, opts.prefill_chunk_tokens,
                                  min(opts.max_sequence_tokens, self.runner.max_positions))
         self.scheduler = Scheduler(self.runner, self.kv, limits, self._dispatch)

@@ -306,7 +306,9 @@ class ModelRunner:
         ctx_index = torch.zeros(len(group), lmax, dtype=torch.long)
         for r, i in enumerate(group):
             ctx_index[r, :lengths[r]] = items[i].kv.slot_table[:lengths[r]]
-        mask = (torch.arange(lmax)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+        mask = None  # every context of the group has the same length: nothing padded to mask out
+        if min(lengths) < lmax:
+            mask = (torch.arange(lmax)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
         rows = torch.tensor([row_offsets[i] for i in group], dtype=torch.long)
         return rows, ctx_index.view(-1), (len(group), lmax, self.n_kv, self.head_dim), mask
 
@@ -356,11 +358,11 @@ class ModelRunner:
         for li, L in enumerate(self.layers):
             h = self._rms(x, L.ln1)
             qkv = L.qkv(h)
-            q = qkv[:, :self.q_size].view(T, self.n_heads, self.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.n_kv, self.head_dim)
+            # q and k side by side in one RoPE (the same elementwise arithmetic, half the small ops)
+            qk = self._rope(qkv[:, :self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv, self.head_dim),
+                            cos, sin)
+            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.head_dim)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
             kl, vl = k_pool[li], v_pool[li]
             kl.index_copy_(0, write_slots, k)
             vl.index_copy_(0, write_slots, v)

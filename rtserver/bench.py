@@ -383,15 +383,15 @@ def peak_rss_since_reset_mb() -> float:
 
 
 def dtype_label(loaded: LoadedModel) -> str:
-    return "int8" if loaded.int8 else str(loaded.dtype).removeprefix("torch.")
+    return loaded.weight_storage or str(loaded.dtype).removeprefix("torch.")
 
 
 def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], baseline_dtype: str,
               options: EngineOptions, workloads: list[str], baselines: bool, naive_requests: int,
               out_dir: str, config: str | None = None) -> dict:
-    """Engine workloads on the first engine dtype, the burst and sentiment alone on the others (for speed
-    and agreement with float32), each on a freshly loaded model; then the baselines. The JSON is rewritten after every
-    phase, so an interrupted run still leaves its figures."""
+    """Engine workloads on the first engine dtype, the burst, single, arrival and sentiment ones on the
+    others too (for speed and agreement with float32), each on a freshly loaded model; then the
+    baselines. The JSON is rewritten after every phase, so an interrupted run still leaves its figures."""
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(), "threads": torch.get_num_threads(),
@@ -407,7 +407,7 @@ def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], base
         report["model"] = loaded.name
         label = dtype_label(loaded)
         result = asyncio.run(run_engine_workloads(loaded, options, workloads if i == 0 else
-                                                  [w for w in workloads if w in ("burst", "sentiment")]))
+                                                  [w for w in workloads if w in ("burst", "single", "arrival", "sentiment")]))
         result["peak_rss_mb"] = peak_rss_since_reset_mb()
         del loaded
         if i == 0 and "e2e" in workloads:

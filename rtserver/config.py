@@ -49,7 +49,7 @@ class ServerSettings:
 @dataclass
 class ModelSettings:
     model: str = _setting("embedded")
-    dtype: str = _setting("auto", choices=("auto", "float32", "bfloat16", "int8"))
+    dtype: str = _setting("auto", choices=("auto", "float32", "bfloat16", "float16", "int8"))
     threads: int = _setting(0, min=0, max=1024)
     cache_dir: str = _setting("~/.cache/rtserver")
 

@@ -86,9 +86,10 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, loaded.dtype,
                                  opts.kv_budget_mb << 20, opts.kv_block_tokens)
-        self.runner = ModelRunner(loaded.model, self.kv, opts.max_sequence_tokens, int8=loaded.int8)
+        self.runner = ModelRunner(loaded.model, self.kv, opts.max_sequence_tokens,
+                                  weight_storage=loaded.weight_storage,
+                                  release_dense_weights=release_dense_weights)
         if release_dense_weights:
-            self.runner.release_dense_weights()
             _return_freed_memory()
         limits = SchedulerLimits(opts.max_running, opts.max_waiting, opts.prefill_chunk_tokens,
                                  min(opts.max_sequence_tokens, self.runner.max_positions))

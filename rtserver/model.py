@@ -33,7 +33,7 @@ class LoadedModel:
     name: str
     dtype: torch.dtype  # activations, KV cache and dense weights
     threads: int
-    int8: bool = False  # linear weights quantized to int8 by the runner
+    weight_storage: str | None = None  # "int8" | "float16": how the runner stores linear weights
 
 
 def embedded_model_path() -> Path:
@@ -56,12 +56,21 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str) -> tuple[torch.dtype, bool]:
-    """(torch dtype, int8 linear weights?) for a `dtype` setting."""
+def fbgemm_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def resolve_dtype(name: str) -> tuple[torch.dtype, str | None]:
+    """(torch dtype, linear weight storage) for a `dtype` setting: "float16" and "int8" keep float32
+    activations and KV, and store the linear weights so."""
     if name == "auto":
-        return (torch.bfloat16, False) if cpu_has_native_bf16() else (torch.float32, False)
-    return {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False),
-            "int8": (torch.float32, True)}[name]
+        if cpu_has_native_bf16():
+            return torch.bfloat16, None
+        # float16 weights halve the bytes each decode step streams; the greedy answers measured stayed
+        # those of float32. fbgemm (x86) runs them; elsewhere plain float32.
+        return (torch.float32, "float16") if fbgemm_available() else (torch.float32, None)
+    return {"float32": (torch.float32, None), "bfloat16": (torch.bfloat16, None),
+            "float16": (torch.float32, "float16"), "int8": (torch.float32, "int8")}[name]
 
 
 def _file_digest(path: Path) -> str:
@@ -129,12 +138,14 @@ def load_model(spec: str = "embedded", dtype: str = "auto", threads: int = 0,
 
     n_threads = threads or os.cpu_count() or 1
     torch.set_num_threads(n_threads)
-    torch_dtype, int8 = resolve_dtype(dtype)
+    torch_dtype, storage = resolve_dtype(dtype)
+    if storage and not fbgemm_available():
+        raise ModelLoadError(f"dtype {dtype} needs torch's fbgemm backend (x86 CPUs); use float32")
     cache = Path(cache_dir).expanduser()
     started = time.perf_counter()
     name, source = resolve_source(spec, cache)
     log.info("loading model %s (dtype %s%s, %d threads)", name, str(torch_dtype).removeprefix("torch."),
-             ", int8 linear weights" if int8 else "", n_threads)
+             f", {storage} linear weights" if storage else "", n_threads)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
@@ -150,4 +161,4 @@ def load_model(spec: str = "embedded", dtype: str = "auto", threads: int = 0,
             param.data = param.data.clone()
     log.info("model %s ready in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=torch_dtype, threads=n_threads,
-                       int8=int8)
+                       weight_storage=storage)

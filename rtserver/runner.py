@@ -48,16 +48,20 @@ class StepItem:
 
 
 class Linear:
-    """y = x @ W.T + b, either dense (F.linear in the model dtype, or oneDNN over a packed copy of a
-    float32 weight once the dense one may go: `pack_onednn`) or int8: per-output-channel int8 weights
-    with activations quantized on the fly (fbgemm's dynamic linear). int8 reads a quarter of the bytes
-    of float32 and runs on integer SIMD, which matters on CPUs without fast bf16."""
+    """y = x @ W.T + b, with the weight stored one of three ways (`storage`):
+    - None: dense in the model dtype (F.linear), or once the dense weight may go (`pack_onednn`), a
+      oneDNN-packed copy of a float32 weight;
+    - "float16": float16 weights, float32 math (fbgemm's fp16 GEMM converts them on the fly): half the
+      bytes of float32 to stream per step, ~2x faster here, outputs within ~2e-4 relative;
+    - "int8": per-output-channel int8 weights with activations quantized on the fly per batch (fbgemm's
+      dynamic linear): a quarter of the bytes, integer SIMD, answers change noticeably."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, int8: bool):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str | None = None):
         self.out_features = weight.shape[0]
         self.onednn: torch.Tensor | None = None
         self.packed = None
-        if int8:
+        self.storage = storage
+        if storage == "int8":
             w = weight.detach().float()
             scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
             with warnings.catch_warnings():
@@ -67,8 +71,14 @@ class Linear:
                 self.packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
             self.weight, self.bias = None, None
             del w, qw
-        else:
+        elif storage == "float16":
+            self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(),
+                                                                  None if bias is None else bias.float())
+            self.weight, self.bias = None, None
+        elif storage is None:
             self.weight, self.bias = weight, bias
+        else:
+            raise ValueError(f"unknown weight storage {storage!r}")
 
     def pack_onednn(self) -> bool:
         """Replace the dense float32 weight by a oneDNN-packed copy (the dense one is no longer held).
@@ -82,6 +92,8 @@ class Linear:
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.storage == "float16":
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.packed is not None:
             # reduce_range: 7-bit activations, so AVX2 u8*s8 pair sums cannot saturate int16 (no VNNI here)
             return torch.ops.quantized.linear_dynamic(x, self.packed, True)
@@ -127,7 +139,7 @@ def _cat_bias(*linears) -> torch.Tensor | None:
 def _fuse(*linears: torch.nn.Linear, share: bool = True) -> torch.Tensor:
     """One weight for several linears over the same input. With `share` the modules keep views into
     it, so the transformers model still works (tests compare against it) and no weight is held twice;
-    without (int8: the fused copy only feeds the quantizer) the modules are left alone."""
+    without (int8, float16: the fused copy only feeds the packing) the modules are left alone."""
     fused = torch.cat([lin.weight for lin in linears]).contiguous()
     if not share:
         return fused
@@ -192,7 +204,8 @@ def _prefill_groups(items: list[StepItem]) -> list[list[int]]:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, max_positions: int, int8: bool = False):
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, max_positions: int,
+                 weight_storage: str | None = None, release_dense_weights: bool = False):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(f"model type '{cfg.model_type}' is not supported "
@@ -211,18 +224,26 @@ class ModelRunner:
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.lm_head = Linear(model.lm_head.weight, None, int8)
+        ws = weight_storage
+        self.weight_storage = ws
+        self.lm_head = Linear(model.lm_head.weight, None, ws)
+        # Label scoring reads a few rows of the output head; with a float16 head they come from the input
+        # embedding when the two are tied (rounded as the packed head is); otherwise the full head runs.
+        tied = model.lm_head.weight is inner.embed_tokens.weight
+        self._head_rows = {None: model.lm_head.weight, "float16": self.embed if tied else None}.get(ws)
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
                 ln1=layer.input_layernorm.weight,
-                qkv=Linear(_fuse(att.q_proj, att.k_proj, att.v_proj, share=not int8),
-                           _cat_bias(att.q_proj, att.k_proj, att.v_proj), int8),
-                o=Linear(att.o_proj.weight, att.o_proj.bias, int8),
+                qkv=Linear(_fuse(att.q_proj, att.k_proj, att.v_proj, share=ws is None),
+                           _cat_bias(att.q_proj, att.k_proj, att.v_proj), ws),
+                o=Linear(att.o_proj.weight, att.o_proj.bias, ws),
                 ln2=layer.post_attention_layernorm.weight,
-                gate_up=Linear(_fuse(mlp.gate_proj, mlp.up_proj, share=not int8), None, int8),
-                down=Linear(mlp.down_proj.weight, None, int8)))
+                gate_up=Linear(_fuse(mlp.gate_proj, mlp.up_proj, share=ws is None), None, ws),
+                down=Linear(mlp.down_proj.weight, None, ws)))
+            if release_dense_weights and ws is not None:
+                _drop_parameters(layer)  # now, not after the loop: never both copies of every layer
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.inter = self.layers[0].gate_up.out_features // 2
@@ -233,19 +254,20 @@ class ModelRunner:
         cos, sin = inner.rotary_emb(torch.zeros(1, dtype=self.dtype), pos)
         self.cos, self.sin = cos[0], sin[0]
         self.vocab_size = self.lm_head.out_features
+        if release_dense_weights:
+            self.release_dense_weights()
 
     def release_dense_weights(self) -> None:
         """Serving only (the transformers model cannot run afterwards): drop the model's own weights.
-        int8: its dense linear weights are dead weight. float32: the linears move to oneDNN-packed
-        copies, one layer at a time (each layer's dense weights are freed as soon as its copies exist,
-        so memory never holds both for more than one layer)."""
-        if self.lm_head.packed is not None:
-            # Own copies of the few dense tensors still used, so the loaded (possibly memory-mapped)
-            # weight storage can go entirely.
-            self.embed = self.embed.clone()
-            self.norm = self.norm.clone()
-            for L in self.layers:
-                L.ln1, L.ln2 = L.ln1.clone(), L.ln2.clone()
+        int8 / float16 storage: its dense linear weights are dead weight (with `release_dense_weights`
+        at construction each layer's go as soon as its packed copies exist). float32: the linears move
+        to oneDNN-packed copies, one layer at a time, so memory never holds both copies of more than
+        one layer."""
+        if self.weight_storage is not None:
+            # The runner keeps its own references to the few dense tensors it still reads (embedding,
+            # norms); the packed linears never needed the modules' weights after packing.
+            for layer in self.model.model.layers:
+                _drop_parameters(layer)
         elif ONEDNN_LINEAR and self.dtype == torch.float32:
             # The runner keeps its own references to the tensors it still reads (embedding, norms, the
             # output head), so dropping the modules' parameters frees only what was packed.
@@ -423,10 +445,13 @@ class ModelRunner:
         return out
 
     def _column_logits(self, hs: torch.Tensor, columns: list[int]) -> torch.Tensor:
-        """Logits of a few vocabulary entries: those rows of the output embedding, not the whole matmul."""
-        if self.lm_head.weight is None:  # int8: the same quantized head as full rows use
+        """Logits of a few vocabulary entries: those rows of the output head, not the whole matmul."""
+        if self._head_rows is None:  # int8 (its rounding depends on the whole batch), or untied float16
             return self.lm_head(hs).float()[:, columns]
-        return F.linear(hs, self.lm_head.weight[columns]).float()
+        rows = self._head_rows[columns]
+        if self.weight_storage == "float16":
+            rows = rows.half().float()  # the values the packed float16 head holds
+        return F.linear(hs, rows).float()
 
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

@@ -1,12 +1,15 @@
-"""The lean forward against transformers' own forward, and the int8 linear against float32."""
+"""The lean forward against transformers' own forward, and the float16 / int8 linears against float32."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rtserver.kv import KVCacheManager
 from rtserver.runner import Linear, ModelRunner, StepItem, _decode_groups
 from rtserver.sequence import SamplingParams, Sequence
+
+from .conftest import chat_prompt
 
 
 def test_prefill_logits_match_transformers(tiny_qwen2):
@@ -48,11 +51,36 @@ def test_decode_rows_of_very_different_lengths_match_transformers(tiny_qwen2):
             torch.testing.assert_close(got, theirs, atol=1e-4, rtol=1e-4)
 
 
-def test_int8_linear_is_close_to_float32():
+@pytest.mark.parametrize("storage, tolerance", [("float16", 1e-3), ("int8", 0.03)])
+def test_stored_linear_is_close_to_float32(storage, tolerance):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96) * 0.1
     x = torch.randn(8, 64)
     exact = torch.nn.functional.linear(x, weight, bias)
-    approx = Linear(weight, bias, int8=True)(x)
+    approx = Linear(weight, bias, storage)(x)
     rel = (approx - exact).norm() / exact.norm()
-    assert rel < 0.03, f"int8 relative error {rel:.3f}"
+    assert 0 < rel < tolerance, f"{storage} relative error {rel:.5f}"
+
+
+def test_float16_weights_give_float32_answers_on_the_embedded_model(smol):
+    """float16 storage changes each linear by ~1e-4 relative: greedy answers stay those of float32."""
+    tok = smol.tokenizer
+    prompts = [chat_prompt(tok, t) for t in ("Tell me a short fact about the number 7.", "What is the capital of France?")]
+    answers = {}
+    for storage in (None, "float16"):
+        cfg = smol.model.config
+        kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                            cfg.hidden_size // cfg.num_attention_heads, torch.float32, 8 << 20, 16)
+        runner = ModelRunner(smol.model, kv, 512, weight_storage=storage)
+        outputs = []
+        for ids in prompts:
+            seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
+            seq.kv, _ = kv.acquire(ids, len(ids) + 16)
+            start, step = 0, ids
+            for _ in range(16):
+                (logits,) = runner.forward([StepItem(seq, seq.kv, start, step, "last")])
+                start += len(step)
+                step = [int(logits[-1].argmax())]
+                outputs.append(step[0])
+        answers[storage] = outputs
+    assert answers["float16"] == answers[None]

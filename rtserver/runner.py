@@ -226,11 +226,12 @@ class ModelRunner:
         self.norm = inner.norm.weight
         ws = weight_storage
         self.weight_storage = ws
-        self.lm_head = Linear(model.lm_head.weight, None, ws)
-        # Label scoring reads a few rows of the output head; with a float16 head they come from the input
-        # embedding when the two are tied (rounded as the packed head is); otherwise the full head runs.
-        tied = model.lm_head.weight is inner.embed_tokens.weight
-        self._head_rows = {None: model.lm_head.weight, "float16": self.embed if tied else None}.get(ws)
+        # The output head stays dense under float16 storage: fbgemm pads its 576-wide rows to 1024 (96
+        # MB packed vs 113 dense, and the dense one is usually the embedding itself, held anyway).
+        self.lm_head = Linear(model.lm_head.weight, None, "int8" if ws == "int8" else None)
+        # Label scoring reads a few rows of the output head (int8: its rounding depends on the whole
+        # batch, so the full head runs).
+        self._head_rows = None if ws == "int8" else model.lm_head.weight
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
@@ -265,7 +266,7 @@ class ModelRunner:
         one layer."""
         if self.weight_storage is not None:
             # The runner keeps its own references to the few dense tensors it still reads (embedding,
-            # norms); the packed linears never needed the modules' weights after packing.
+            # norms, a dense output head); packed linears need nothing of the modules after packing.
             for layer in self.model.model.layers:
                 _drop_parameters(layer)
         elif ONEDNN_LINEAR and self.dtype == torch.float32:
@@ -446,12 +447,9 @@ class ModelRunner:
 
     def _column_logits(self, hs: torch.Tensor, columns: list[int]) -> torch.Tensor:
         """Logits of a few vocabulary entries: those rows of the output head, not the whole matmul."""
-        if self._head_rows is None:  # int8 (its rounding depends on the whole batch), or untied float16
+        if self._head_rows is None:
             return self.lm_head(hs).float()[:, columns]
-        rows = self._head_rows[columns]
-        if self.weight_storage == "float16":
-            rows = rows.half().float()  # the values the packed float16 head holds
-        return F.linear(hs, rows).float()
+        return F.linear(hs, self._head_rows[columns]).float()
 
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

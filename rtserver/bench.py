@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from .engine import Engine, EngineOptions
+from .engine import Engine, EngineOptions, return_freed_memory
 from .model import LoadedModel
 from .sequence import SamplingParams
 from .session import continue_prompt, finished_turn
@@ -402,6 +402,7 @@ def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], base
     path = Path(out_dir) / f"bench-{report['date'].replace(':', '')}.json"
     for i, dtype in enumerate(engine_dtypes):
         gc.collect()
+        return_freed_memory()  # what the previous dtype's run left in the heap must not count for this one
         _reset_peak_rss()
         loaded = load(dtype)
         report["model"] = loaded.name

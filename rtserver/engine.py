@@ -22,7 +22,7 @@ from .scheduler import Overloaded, RequestTooLarge, Scheduler, SchedulerLimits  
 from .sequence import FinishReason, SamplingParams, Sequence, SequenceResult
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc). Swapping the dense weights for packed copies frees
     hundreds of MB in pieces that glibc keeps in its heap otherwise: ~30-80 MB of resident memory."""
     try:
@@ -90,7 +90,7 @@ class Engine:
                                   weight_storage=loaded.weight_storage,
                                   release_dense_weights=release_dense_weights)
         if release_dense_weights:
-            _return_freed_memory()
+            return_freed_memory()
         limits = SchedulerLimits(opts.max_running, opts.max_waiting, opts.prefill_chunk_tokens,
                                  min(opts.max_sequence_tokens, self.runner.max_positions))
         self.scheduler = Scheduler(self.runner, self.kv, limits, self._dispatch)

@@ -6,9 +6,10 @@ the prefill chunks — goes through the linear layers as one [tokens, hidden] ba
 per-sequence part: single-token (decode) rows of similar context length share one SDPA call over their
 gathered, padded context (index_select: ~3x faster than advanced indexing for this gather); prefill
 chunks of similar size share one call (queries and contexts padded, a causal mask offset by each one's
-cached length), so a step of many short task prompts costs a few calls per layer, not one per prompt. Index tensors and masks are built once per step and reused by every layer. Rows that
-give no logits skip the last layer's output projection and MLP, and label scoring reads only the
-vocabulary columns it needs. Tests keep this equal to transformers' own forward.
+cached length), so a step of many short task prompts costs a few calls per layer, not one per prompt.
+Index tensors and masks are built once per step and reused by every layer. Rows that give no logits
+skip the last layer's output projection and MLP, and label scoring reads only the vocabulary columns
+it needs. Tests keep this equal to transformers' own forward.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class Linear:
     """y = x @ W.T + b, with the weight stored one of three ways (`storage`):
     - None: dense in the model dtype (F.linear), or once the dense weight may go (`pack_onednn`), a
       oneDNN-packed copy of a float32 weight;
-    - "float16": float16 weights, float32 math (fbgemm's fp16 GEMM converts them on the fly): half the
-      bytes of float32 to stream per step, ~2x faster here, outputs within ~2e-4 relative;
+    - "float16": float16 weights, float32 math (fbgemm's fp16 GEMM converts them on the fly): fewer
+      bytes to stream per step (~2x faster at batch 1 here), outputs within ~2e-4 relative;
     - "int8": per-output-channel int8 weights with activations quantized on the fly per batch (fbgemm's
       dynamic linear): a quarter of the bytes, integer SIMD, answers change noticeably."""
 

@@ -386,6 +386,9 @@ def dtype_label(loaded: LoadedModel) -> str:
     return loaded.weight_storage or str(loaded.dtype).removeprefix("torch.")
 
 
+EVERY_DTYPE_WORKLOADS = ("burst", "single", "arrival", "sentiment")  # the rest run on the first dtype only
+
+
 def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], baseline_dtype: str,
               options: EngineOptions, workloads: list[str], baselines: bool, naive_requests: int,
               out_dir: str, config: str | None = None) -> dict:
@@ -407,8 +410,8 @@ def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], base
         loaded = load(dtype)
         report["model"] = loaded.name
         label = dtype_label(loaded)
-        result = asyncio.run(run_engine_workloads(loaded, options, workloads if i == 0 else
-                                                  [w for w in workloads if w in ("burst", "single", "arrival", "sentiment")]))
+        mine = workloads if i == 0 else [w for w in workloads if w in EVERY_DTYPE_WORKLOADS]
+        result = asyncio.run(run_engine_workloads(loaded, options, mine))
         result["peak_rss_mb"] = peak_rss_since_reset_mb()
         del loaded
         if i == 0 and "e2e" in workloads:

@@ -31,8 +31,8 @@ def test_decode_rows_of_very_different_lengths_match_transformers(tiny_qwen2):
     """A long context decoding beside short ones gets its own attention call; every row is still exact."""
     model, tok = tiny_qwen2.model, tiny_qwen2.tokenizer
     cfg = model.config
-    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
-                        torch.float32, 4 << 20, 16)
+    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                        cfg.hidden_size // cfg.num_attention_heads, torch.float32, 4 << 20, 16)
     runner = ModelRunner(model, kv, 2048)
     torch.manual_seed(1)
     prompts = [torch.randint(0, len(tok), (n,)).tolist() for n in (700, 9, 12, 5)]
@@ -65,7 +65,8 @@ def test_stored_linear_is_close_to_float32(storage, tolerance):
 def test_float16_weights_give_float32_answers_on_the_embedded_model(smol):
     """float16 storage changes each linear by ~1e-4 relative: greedy answers stay those of float32."""
     tok = smol.tokenizer
-    prompts = [chat_prompt(tok, t) for t in ("Tell me a short fact about the number 7.", "What is the capital of France?")]
+    prompts = [chat_prompt(tok, t)
+               for t in ("Tell me a short fact about the number 7.", "What is the capital of France?")]
     answers = {}
     for storage in (None, "float16"):
         cfg = smol.model.config

@@ -13,9 +13,15 @@ TASK = Task(
     truncate="tail",  # an over-long message keeps its newest part
     max_new_tokens=128,
     decoding={"temperature": 0.7, "top_p": 0.9},
-    overridable={"temperature": (0.0, 2.0), "top_p": (0.05, 1.0), "top_k": (0, 200),
-                 "repetition_penalty": (0.8, 2.0), "max_new_tokens": (1, 512), "seed": (0, 2**31 - 1),
-                 "stop": (0, 4)},
+    overridable={
+        "temperature": (0.0, 2.0),
+        "top_p": (0.05, 1.0),
+        "top_k": (0, 200),
+        "repetition_penalty": (0.8, 2.0),
+        "max_new_tokens": (1, 512),
+        "seed": (0, 2**31 - 1),
+        "stop": (0, 4),
+    },
     max_history_turns=20,
     max_history_tokens=1500,
 )

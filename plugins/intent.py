@@ -6,8 +6,13 @@ Options in `[task.intent]`: `categories = {billing = " billing", ...}` (label ->
 from rtserver.tasks import Choices, Task
 
 NAME = "intent"
-DEFAULT_CATEGORIES = {"billing": " billing", "technical": " technical", "shipping": " shipping",
-                      "account": " account", "other": " other"}
+DEFAULT_CATEGORIES = {
+    "billing": " billing",
+    "technical": " technical",
+    "shipping": " shipping",
+    "account": " account",
+    "other": " other",
+}
 
 
 def make_task(options: dict) -> Task:

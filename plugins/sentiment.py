@@ -17,15 +17,18 @@ from rtserver.tasks import Choices, Task, has_cjk
 NAME = "sentiment"
 # Chosen on the dev splits (docs/sentiment-research.md): an English few-shot completion prompt works for
 # Chinese text too; Chinese label words never beat chance with this model.
-PROMPT = ("Message: I love this, it made my day!\nSentiment: positive\n\n"
-          "Message: This is terrible, I want my money back.\nSentiment: negative\n\n"
-          "Message: What a wonderful surprise, thank you so much.\nSentiment: positive\n\n"
-          "Message: Boring and a complete waste of time.\nSentiment: negative\n\n"
-          "Message: {text}\nSentiment:")
+PROMPT = (
+    "Message: I love this, it made my day!\nSentiment: positive\n\n"
+    "Message: This is terrible, I want my money back.\nSentiment: negative\n\n"
+    "Message: What a wonderful surprise, thank you so much.\nSentiment: positive\n\n"
+    "Message: Boring and a complete waste of time.\nSentiment: negative\n\n"
+    "Message: {text}\nSentiment:"
+)
 WORDS = {"positive": " Positive", "negative": " Negative", "neutral": " Neutral"}  # one token each
 CALIBRATION = ["N/A"]
-GENERATIVE_PROMPT = ("Classify the sentiment of this message. Answer with exactly one word: {labels}.\n"
-                     "Message: {{text}}")
+GENERATIVE_PROMPT = (
+    "Classify the sentiment of this message. Answer with exactly one word: {labels}.\nMessage: {{text}}"
+)
 
 
 def make_task(options: dict) -> Task:
@@ -33,18 +36,29 @@ def make_task(options: dict) -> Task:
     neutral = options.pop("neutral", False)
     names = options.pop("label_names", {})
     if options:
-        raise ValueError(f"unknown settings: {', '.join(sorted(options))} (known: mode, neutral, label_names)")
+        raise ValueError(
+            f"unknown settings: {', '.join(sorted(options))} (known: mode, neutral, label_names)"
+        )
     if mode not in ("score", "generate"):
         raise ValueError(f"mode = {mode!r}: allowed 'score', 'generate'")
     keys = ["positive", "negative"] + (["neutral"] if neutral else [])
     unknown = set(names) - set(keys)
     if unknown:
-        raise ValueError(f"label_names: unknown labels {', '.join(sorted(unknown))} (labels: {', '.join(keys)})")
+        raise ValueError(
+            f"label_names: unknown labels {', '.join(sorted(unknown))} (labels: {', '.join(keys)})"
+        )
     out = {k: names.get(k, k) for k in keys}
     if mode == "generate":
-        return Task(name=NAME, description="Sentiment of a message (generative mode, for comparison).",
-                    prompt=GENERATIVE_PROMPT.format(labels=", ".join(out.values())), max_input_tokens=256,
-                    truncate="head", max_new_tokens=3, parser=_parser(out), cache_size=4096)
+        return Task(
+            name=NAME,
+            description="Sentiment of a message (generative mode, for comparison).",
+            prompt=GENERATIVE_PROMPT.format(labels=", ".join(out.values())),
+            max_input_tokens=256,
+            truncate="head",
+            max_new_tokens=3,
+            parser=_parser(out),
+            cache_size=4096,
+        )
     return Task(
         name=NAME,
         description="Sentiment of a message: " + " / ".join(out.values()) + ", with a probability each.",
@@ -62,8 +76,13 @@ def _parser(labels: dict):
     """Strict parser for the generative mode: valid only when the answer names exactly one label (its key
     or shown name, any case, as a whole word; CJK names anywhere), e.g. "Positive." -> positive, but
     "positive or negative", "positively" and "I think" -> invalid."""
-    patterns = {key: [re.compile(re.escape(w) if has_cjk(w) else rf"(?<![\w-]){re.escape(w)}(?![\w-])")
-                      for w in {key.lower(), shown.lower()}] for key, shown in labels.items()}
+    patterns = {
+        key: [
+            re.compile(re.escape(w) if has_cjk(w) else rf"(?<![\w-]){re.escape(w)}(?![\w-])")
+            for w in {key.lower(), shown.lower()}
+        ]
+        for key, shown in labels.items()
+    }
 
     def parse(text: str) -> dict:
         answer = text.strip().lower()
@@ -71,4 +90,5 @@ def _parser(labels: dict):
         if len(found) == 1:
             return {"label": labels[found[0]], "valid": True}
         return {"label": None, "valid": False}
+
     return parse

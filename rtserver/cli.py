@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from .config import ConfigError, load_settings
+from .config import DTYPES, ConfigError, load_settings
 
 BENCH_WORKLOADS = ["burst", "single", "arrival", "multi-turn", "sentiment", "e2e"]
 
@@ -21,7 +21,7 @@ def _settings(args: argparse.Namespace):
 
 
 def _load(settings, dtype: str | None = None):
-    from .model import ModelLoadError, load_model
+    from .engine.model import ModelLoadError, load_model
 
     m = settings.model
     try:
@@ -32,7 +32,7 @@ def _load(settings, dtype: str | None = None):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import serve
+    from .web.server import serve
 
     settings = _settings(args)
     if args.host:
@@ -43,26 +43,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
-    from .model import cpu_has_native_bf16
+    from .engine.model import cpu_has_native_bf16
+    from .tools.bench import run_bench
 
     settings = _settings(args)
     workloads = args.workloads.split(",") if args.workloads else BENCH_WORKLOADS
     unknown = set(workloads) - set(BENCH_WORKLOADS)
     if unknown:
-        print(f"rtserver bench: unknown workloads {', '.join(sorted(unknown))} "
-              f"(known: {', '.join(BENCH_WORKLOADS)})", file=sys.stderr)
+        print(
+            f"rtserver bench: unknown workloads {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(BENCH_WORKLOADS)})",
+            file=sys.stderr,
+        )
         return 2
     native_bf16 = cpu_has_native_bf16()
     dtypes = args.dtypes.split(",") if args.dtypes else [settings.model.dtype]
     baseline_dtype = "bfloat16" if native_bf16 else "float32"
-    run_bench(lambda dtype: _load(settings, dtype), dtypes, baseline_dtype, settings.engine, workloads,
-              not args.no_baselines, args.naive_requests, args.out, args.config)
+    run_bench(
+        lambda dtype: _load(settings, dtype),
+        dtypes,
+        baseline_dtype,
+        settings.engine,
+        workloads,
+        not args.no_baselines,
+        args.naive_requests,
+        args.out,
+        args.config,
+    )
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .evaluate import run_eval
+    from .tools.evaluate import run_eval
 
     settings = _settings(args)
     loaded = _load(settings, args.dtype)
@@ -71,7 +83,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
-    from .loadtest import run_loadtest
+    from .tools.loadtest import run_loadtest
 
     _settings(args)  # a bad config stops here with its message, not inside a server process
     sizes = (200, 16, 20) if args.quick else (args.idle, args.chatting, args.disconnects)
@@ -79,39 +91,59 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    config_help = "config file (default: ./config.toml, or $RTSERVER_CONFIG)"
     parser = argparse.ArgumentParser(prog="rtserver", description=__doc__)
-    parser.add_argument("--config", help="config file (default: ./config.toml, or $RTSERVER_CONFIG)")
+    parser.add_argument("--config", help=config_help)
+    # `--config` is taken before or after the command (`rtserver serve --config PATH`); SUPPRESS keeps a
+    # value given before the command when the command's own copy is not used
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", default=argparse.SUPPRESS, help=config_help)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the server")
+    serve = sub.add_parser("serve", help="run the server", parents=[common])
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.set_defaults(func=cmd_serve)
-    bench = sub.add_parser("bench", help="measure the engine and baselines side by side")
+    bench = sub.add_parser("bench", help="measure the engine and baselines side by side", parents=[common])
     bench.add_argument("--workloads", help=f"comma-separated subset of {','.join(BENCH_WORKLOADS)}")
-    bench.add_argument("--dtypes", help="comma-separated engine dtypes; all workloads run on the first, the "
-                       "burst and sentiment (speed + agreement with float32) on the others (default: the configured one)")
+    bench.add_argument(
+        "--dtypes",
+        help="comma-separated engine dtypes; all workloads run on the first, the "
+        "burst and sentiment (speed + agreement with float32) on the others (default: the configured one)",
+    )
     bench.add_argument("--no-baselines", action="store_true", help="engine figures only")
-    bench.add_argument("--naive-requests", type=int, default=4,
-                       help="burst requests run by the sequential naive baseline (its tokens/s does not "
-                            "depend on the count)")
+    bench.add_argument(
+        "--naive-requests",
+        type=int,
+        default=4,
+        help="burst requests run by the sequential naive baseline (its tokens/s does not "
+        "depend on the count)",
+    )
     bench.add_argument("--out", default="bench-results", help="folder for the JSON report")
     bench.set_defaults(func=cmd_bench)
-    lt = sub.add_parser("loadtest", help="reliability figures: load, overload, slow and leaving clients, faults, "
-                        "shutdown, load failure (real servers on 127.0.0.1)")
+    lt = sub.add_parser(
+        "loadtest",
+        help="reliability figures: load, overload, slow and leaving clients, faults, "
+        "shutdown, load failure (real servers on 127.0.0.1)",
+        parents=[common],
+    )
     lt.add_argument("--idle", type=int, default=1000, help="idle WebSocket connections held open")
     lt.add_argument("--chatting", type=int, default=64, help="sessions chatting beside them")
     lt.add_argument("--disconnects", type=int, default=100, help="clients leaving mid-stream, per pattern")
     lt.add_argument("--quick", action="store_true", help="200 idle, 16 chatting, 20 disconnects (the CI run)")
-    lt.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"])
+    lt.add_argument("--dtype", choices=DTYPES)
     lt.add_argument("--out", default="bench-results", help="folder for the JSON report")
     lt.set_defaults(func=cmd_loadtest)
-    ev = sub.add_parser("eval", help="sentiment accuracy table on the shipped labeled data")
+    ev = sub.add_parser("eval", help="sentiment accuracy table on the shipped labeled data", parents=[common])
     ev.add_argument("--split", default="test", choices=["dev", "test"])
-    ev.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"])
+    ev.add_argument("--dtype", choices=DTYPES)
     ev.add_argument("--out", default="bench-results")
     ev.set_defaults(func=cmd_eval)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

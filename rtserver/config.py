@@ -11,10 +11,13 @@ import dataclasses
 import os
 import tomllib
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
+# model.dtype: how the engine stores and computes the weights (rtserver.engine.model maps each one)
+DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 # RTSERVER_* variables that are not settings: the config file, and the test suite's switches
 NOT_SETTINGS = {"RTSERVER_CONFIG", "RTSERVER_SLOW_TESTS", "RTSERVER_REPORT_DIR"}
@@ -24,8 +27,9 @@ class ConfigError(ValueError):
     """A setting that cannot be used; the message names the key, the value and what is allowed."""
 
 
-def _setting(default: Any, *, choices: tuple | None = None, min: float | None = None,
-             max: float | None = None) -> Any:
+def _setting(
+    default: Any, *, choices: tuple | None = None, min: float | None = None, max: float | None = None
+) -> Any:
     meta = {"choices": choices, "min": min, "max": max}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -37,7 +41,7 @@ class ServerSettings:
     host: str = _setting("127.0.0.1")
     port: int = _setting(8000, min=0, max=65535)
     log_level: str = _setting("info", choices=("debug", "info", "warning", "error"))
-    # WebSocket hub (rtserver/hub.py, docs/protocol.md)
+    # WebSocket hub (rtserver/web/hub.py, docs/protocol.md)
     max_frame_bytes: int = _setting(65536, min=1024, max=16 << 20)
     max_in_flight: int = _setting(8, min=1, max=1024)
     send_queue_size: int = _setting(256, min=8, max=100_000)
@@ -49,7 +53,7 @@ class ServerSettings:
 @dataclass
 class ModelSettings:
     model: str = _setting("embedded")
-    dtype: str = _setting("auto", choices=("auto", "float32", "bfloat16", "float16", "int8"))
+    dtype: str = _setting("auto", choices=DTYPES)
     threads: int = _setting(0, min=0, max=1024)
     cache_dir: str = _setting("~/.cache/rtserver")
 
@@ -70,7 +74,7 @@ class SessionSettings:
 
     idle_timeout_s: float = _setting(600.0, min=1.0, max=86400.0)
     max_sessions: int = _setting(10000, min=1, max=10_000_000)
-    # agent console (rtserver/console.py): mood over the last N tagged customer messages, messages kept
+    # agent console (rtserver/web/console.py): mood over the last N tagged customer messages, messages kept
     # per conversation for the console, and how long a disconnected agent keeps its take-overs
     console_mood_window: int = _setting(5, min=1, max=1000)
     console_max_messages: int = _setting(200, min=10, max=100_000)
@@ -84,7 +88,7 @@ class SecuritySettings:
     console_token: str = _setting("")
     api_token: str = _setting("")
     allowed_origins: list[str] = _setting([])
-    # token buckets (rtserver/ratelimit.py); a rate of 0 turns that limit off
+    # token buckets (rtserver/web/ratelimit.py); a rate of 0 turns that limit off
     rate_limit_per_s: float = _setting(5.0, min=0.0, max=1e6)
     rate_limit_burst: int = _setting(20, min=1, max=1_000_000)
     ip_rate_limit_per_s: float = _setting(20.0, min=0.0, max=1e6)
@@ -183,20 +187,24 @@ def settings_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None
     for var, value in (os.environ if env is None else env).items():
         if not var.startswith("RTSERVER_") or var in NOT_SETTINGS:
             continue
-        rest = var[len("RTSERVER_"):].lower()
+        rest = var[len("RTSERVER_") :].lower()
         for name in sections:
             if rest.startswith(name + "_"):
-                merged.setdefault(name, {})[rest[len(name) + 1:]] = value
+                merged.setdefault(name, {})[rest[len(name) + 1 :]] = value
                 break
         else:
-            raise ConfigError(f"{var}: no such setting (expected RTSERVER_<SECTION>_<KEY>, "
-                              f"sections: {', '.join(sorted(sections))})")
+            raise ConfigError(
+                f"{var}: no such setting (expected RTSERVER_<SECTION>_<KEY>, "
+                f"sections: {', '.join(sorted(sections))})"
+            )
     built: dict[str, Any] = {}
     for name in sections:
         if hints[name] is dict:
             for task_name, table in merged.get(name, {}).items():
                 if not isinstance(table, dict):
-                    raise ConfigError(f"{name}.{task_name} = {table!r}: expected a [{name}.{task_name}] table")
+                    raise ConfigError(
+                        f"{name}.{task_name} = {table!r}: expected a [{name}.{task_name}] table"
+                    )
             built[name] = merged.get(name, {})
         else:
             built[name] = _build_section(hints[name], name, merged.get(name, {}))

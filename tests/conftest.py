@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rtserver.model import LoadedModel, load_model
+from rtserver.engine.model import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")
@@ -21,10 +21,20 @@ def tiny_qwen2(smol) -> LoadedModel:
 
     torch.manual_seed(0)
     tok = smol.tokenizer
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.bos_token_id, pad_token_id=tok.eos_token_id)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
     model = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
     # Random biases are zero-initialised; make them count so the bias path is really exercised.
     for layer in model.model.layers:
@@ -35,13 +45,19 @@ def tiny_qwen2(smol) -> LoadedModel:
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def reference_greedy(loaded: LoadedModel, prompt_ids: list[int], n: int) -> list[int]:
     """Plain transformers generate, greedy, exactly n new tokens: the ground truth."""
-    out = loaded.model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
-                                dtype=torch.long), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                pad_token_id=loaded.tokenizer.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
+    out = loaded.model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=loaded.tokenizer.eos_token_id,
+    )
+    return out[0, len(prompt_ids) :].tolist()

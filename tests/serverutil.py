@@ -12,12 +12,15 @@ from typing import Any
 import httpx
 import uvicorn
 
-from rtserver.app import create_app, uvicorn_options
 from rtserver.config import Settings
-from rtserver.engine import GenerationStream
-from rtserver.sequence import FinishReason, Sequence
+from rtserver.engine.backend import FinishReason
+from rtserver.engine.core import GenerationStream
+from rtserver.engine.sequence import Sequence
+from rtserver.web.app import create_app, uvicorn_options
 
-TIMEOUT = float(__import__("os").environ.get("RT_TEST_TIMEOUT", "120"))  # generous: the machine is shared; tests never depend on speed
+TIMEOUT = float(
+    __import__("os").environ.get("RT_TEST_TIMEOUT", "120")
+)  # generous: the machine is shared; tests never depend on speed
 
 
 def make_settings(**sections: dict) -> Settings:
@@ -115,13 +118,19 @@ async def hello(ws, **fields) -> dict:
 
 # -- a scripted engine: real Sequence detokenization, no model -----------------------------------
 
+
 class ScriptedEngine:
     """Emits a fixed token script (through a real Sequence, so deltas are UTF-8 safe exactly as in the
     engine), or `chunks` of raw text as fast as possible. `gate` (an asyncio.Event) holds generation
     until set. Records cancels and dropped sessions."""
 
-    def __init__(self, loaded: Any, script: list[int] | None = None, chunks: list[str] | None = None,
-                 delay: float = 0.0):
+    def __init__(
+        self,
+        loaded: Any,
+        script: list[int] | None = None,
+        chunks: list[str] | None = None,
+        delay: float = 0.0,
+    ):
         self.tokenizer = loaded.tokenizer
         self.script = script or [self.tokenizer.encode("Hello", add_special_tokens=False)[0]]
         self.chunks = chunks
@@ -148,8 +157,9 @@ class ScriptedEngine:
     def generate(self, prompt_ids, params, *, session_key=None) -> GenerationStream:
         params.validate()
         self.prompts.append(list(prompt_ids))
-        seq = Sequence(prompt_ids, params, tokenizer=self.tokenizer, eos_token_ids=set(),
-                       session_key=session_key)
+        seq = Sequence(
+            prompt_ids, params, tokenizer=self.tokenizer, eos_token_ids=set(), session_key=session_key
+        )
         stream = GenerationStream(self, seq)
         task = asyncio.get_running_loop().create_task(self._run(seq, stream))
         self.tasks.add(task)
@@ -200,11 +210,24 @@ class ScriptedEngine:
         self.dropped.append(key)
 
     def stats(self) -> dict:
-        kv = SimpleNamespace(budget_bytes=1, used_bytes=0, cached_sessions=0, evictions=0, rebuilds=0,
-                             prefix_hits=0, session_hits=0)
-        return {"running": 0, "waiting": 0, "steps": 0, "tokens_generated": self.generated,
-                "tokens_prefilled": 0, "kv": kv}
+        kv = SimpleNamespace(
+            budget_bytes=1,
+            used_bytes=0,
+            cached_sessions=0,
+            evictions=0,
+            rebuilds=0,
+            prefix_hits=0,
+            session_hits=0,
+        )
+        return {
+            "running": 0,
+            "waiting": 0,
+            "steps": 0,
+            "tokens_generated": self.generated,
+            "tokens_prefilled": 0,
+            "kv": kv,
+        }
 
 
 def scripted_app(loaded: Any, settings: Settings, engine: ScriptedEngine):
-    return create_app(settings, lambda: loaded, engine_factory=lambda l, s: engine)
+    return create_app(settings, lambda: loaded, engine_factory=lambda loaded_, s: engine)

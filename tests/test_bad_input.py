@@ -25,22 +25,61 @@ BAD = [
     ("mistyped text", {"type": "chat", "id": "r", "text": ["hi"]}, "invalid_field", "r"),
     ("mistyped options", {"type": "chat", "id": "r", "text": "hi", "options": 3}, "invalid_field", "r"),
     ("missing input", {"type": "task", "id": "r", "task": "sentiment"}, "missing_field", "r"),
-    ("unknown task", {"type": "task", "id": "r", "task": "nope", "input": {"text": "x"}}, "unknown_task", "r"),
-    ("stateful task call", {"type": "task", "id": "r", "task": "chat", "input": {"text": "x"}}, "invalid_input", "r"),
-    ("mistyped task input", {"type": "task", "id": "r", "task": "sentiment", "input": {"text": 5}},
-     "invalid_input", "r"),
+    (
+        "unknown task",
+        {"type": "task", "id": "r", "task": "nope", "input": {"text": "x"}},
+        "unknown_task",
+        "r",
+    ),
+    (
+        "stateful task call",
+        {"type": "task", "id": "r", "task": "chat", "input": {"text": "x"}},
+        "invalid_input",
+        "r",
+    ),
+    (
+        "mistyped task input",
+        {"type": "task", "id": "r", "task": "sentiment", "input": {"text": 5}},
+        "invalid_input",
+        "r",
+    ),
     ("empty chat text", {"type": "chat", "id": "r", "text": "  \x00\x01 "}, "empty_text", "r"),
-    ("empty task text", {"type": "task", "id": "r", "task": "sentiment", "input": {"text": ""}}, "empty_text", "r"),
-    ("task text over limit", {"type": "task", "id": "r", "task": "sentiment", "input": {"text": "a" * 101}},
-     "input_too_long", "r"),
-    ("temperature out of range", {"type": "chat", "id": "r", "text": "hi", "options": {"temperature": 9}},
-     "bad_decoding", "r"),
-    ("max_new_tokens out of range", {"type": "chat", "id": "r", "text": "hi",
-                                     "options": {"max_new_tokens": 100000}}, "bad_decoding", "r"),
-    ("not overridable", {"type": "chat", "id": "r", "text": "hi", "options": {"ignore_eos": True}},
-     "bad_decoding", "r"),
-    ("mistyped decoding", {"type": "chat", "id": "r", "text": "hi", "options": {"top_p": "high"}},
-     "bad_decoding", "r"),
+    (
+        "empty task text",
+        {"type": "task", "id": "r", "task": "sentiment", "input": {"text": ""}},
+        "empty_text",
+        "r",
+    ),
+    (
+        "task text over limit",
+        {"type": "task", "id": "r", "task": "sentiment", "input": {"text": "a" * 101}},
+        "input_too_long",
+        "r",
+    ),
+    (
+        "temperature out of range",
+        {"type": "chat", "id": "r", "text": "hi", "options": {"temperature": 9}},
+        "bad_decoding",
+        "r",
+    ),
+    (
+        "max_new_tokens out of range",
+        {"type": "chat", "id": "r", "text": "hi", "options": {"max_new_tokens": 100000}},
+        "bad_decoding",
+        "r",
+    ),
+    (
+        "not overridable",
+        {"type": "chat", "id": "r", "text": "hi", "options": {"ignore_eos": True}},
+        "bad_decoding",
+        "r",
+    ),
+    (
+        "mistyped decoding",
+        {"type": "chat", "id": "r", "text": "hi", "options": {"top_p": "high"}},
+        "bad_decoding",
+        "r",
+    ),
     ("oversized frame", {"type": "chat", "id": "r", "text": "x" * 5000}, "frame_too_large", None),
     ("cancel unknown id", {"type": "cancel", "id": "zz"}, "unknown_request", "zz"),
     ("second hello", {"type": "hello"}, "already_started", None),
@@ -67,7 +106,9 @@ async def test_every_bad_input_gets_its_code_and_the_connection_survives(smol):
                 await ws.send(json.dumps({"type": "ping", "data": name}))
                 assert await recv_json(ws) == {"type": "pong", "data": name}, name
             # and a normal request still works on the same connection
-            await ws.send(json.dumps({"type": "task", "id": "ok", "task": "sentiment", "input": {"text": "good"}}))
+            await ws.send(
+                json.dumps({"type": "task", "id": "ok", "task": "sentiment", "input": {"text": "good"}})
+            )
             assert (await recv_json(ws))["type"] == "result"
 
 
@@ -87,10 +128,17 @@ async def test_too_many_in_flight_and_duplicate_ids(smol):
             async def slow_score(*a, **k):
                 await engine.gate.wait()
                 return await engine_score(*a, **k)
+
             engine.score = slow_score
-            await ws.send(json.dumps({"type": "task", "id": "t1", "task": "sentiment", "input": {"text": "a"}}))
-            await ws.send(json.dumps({"type": "task", "id": "t2", "task": "sentiment", "input": {"text": "b"}}))
-            await ws.send(json.dumps({"type": "task", "id": "t3", "task": "sentiment", "input": {"text": "c"}}))
+            await ws.send(
+                json.dumps({"type": "task", "id": "t1", "task": "sentiment", "input": {"text": "a"}})
+            )
+            await ws.send(
+                json.dumps({"type": "task", "id": "t2", "task": "sentiment", "input": {"text": "b"}})
+            )
+            await ws.send(
+                json.dumps({"type": "task", "id": "t3", "task": "sentiment", "input": {"text": "c"}})
+            )
             ev = await recv_json(ws)
             assert ev["code"] == "too_many_requests" and ev["id"] == "t3"
             engine.gate.set()

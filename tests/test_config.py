@@ -14,20 +14,25 @@ def test_repository_config_toml_loads_with_defaults_documented():
 
 
 def test_environment_overrides_win():
-    s = settings_from_mapping({"engine": {"max_running": 8}},
-                              env={"RTSERVER_ENGINE_MAX_RUNNING": "16", "RTSERVER_MODEL_DTYPE": "float32"})
+    s = settings_from_mapping(
+        {"engine": {"max_running": 8}},
+        env={"RTSERVER_ENGINE_MAX_RUNNING": "16", "RTSERVER_MODEL_DTYPE": "float32"},
+    )
     assert s.engine.max_running == 16 and s.model.dtype == "float32"
 
 
-@pytest.mark.parametrize("data, env, message", [
-    ({"model": {"dtype": "fp16"}}, {}, "model.dtype = 'fp16': allowed values are 'auto', 'float32'"),
-    ({"engine": {"max_running": 0}}, {}, "engine.max_running = 0: allowed range is 1..4096"),
-    ({"engine": {"max_running": "many"}}, {}, "engine.max_running = 'many': expected an integer"),
-    ({"engine": {"bogus": 1}}, {}, "engine.bogus: unknown setting"),
-    ({"nope": {}}, {}, "[nope]: unknown section"),
-    ({}, {"RTSERVER_ENGINE_KV_BUDGET_MB": "lots"}, "engine.kv_budget_mb = 'lots': expected an integer"),
-    ({}, {"RTSERVER_WHATEVER": "1"}, "RTSERVER_WHATEVER: no such setting"),
-])
+@pytest.mark.parametrize(
+    "data, env, message",
+    [
+        ({"model": {"dtype": "fp16"}}, {}, "model.dtype = 'fp16': allowed values are 'auto', 'float32'"),
+        ({"engine": {"max_running": 0}}, {}, "engine.max_running = 0: allowed range is 1..4096"),
+        ({"engine": {"max_running": "many"}}, {}, "engine.max_running = 'many': expected an integer"),
+        ({"engine": {"bogus": 1}}, {}, "engine.bogus: unknown setting"),
+        ({"nope": {}}, {}, "[nope]: unknown section"),
+        ({}, {"RTSERVER_ENGINE_KV_BUDGET_MB": "lots"}, "engine.kv_budget_mb = 'lots': expected an integer"),
+        ({}, {"RTSERVER_WHATEVER": "1"}, "RTSERVER_WHATEVER: no such setting"),
+    ],
+)
 def test_invalid_values_are_named(data, env, message):
     with pytest.raises(ConfigError, match=None) as err:
         settings_from_mapping(data, env=env)
@@ -42,6 +47,8 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
 def test_test_switches_are_not_settings_but_typos_are_errors():
     from rtserver.config import ConfigError, settings_from_mapping
 
-    settings_from_mapping({}, {"RTSERVER_SLOW_TESTS": "1", "RTSERVER_REPORT_DIR": "/tmp", "RTSERVER_CONFIG": "x"})
+    settings_from_mapping(
+        {}, {"RTSERVER_SLOW_TESTS": "1", "RTSERVER_REPORT_DIR": "/tmp", "RTSERVER_CONFIG": "x"}
+    )
     with pytest.raises(ConfigError, match="RTSERVER_SLOW_TEST: no such setting"):
         settings_from_mapping({}, {"RTSERVER_SLOW_TEST": "1"})

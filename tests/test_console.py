@@ -81,7 +81,9 @@ async def test_live_events_then_snapshot_for_late_agent(smol):
             # the agent sees: the customer message, the streamed tokens, the bot's reply, the sentiment tag
             seen = await recv_until(a, lambda e: e["type"] == "message" and e["message"]["role"] == "bot")
             user = [e for e in seen if e["type"] == "message" and e["message"]["role"] == "user"]
-            assert user and user[0]["message"]["text"] == "I am very happy!" and user[0]["message"]["id"] == "c1"
+            assert (
+                user and user[0]["message"]["text"] == "I am very happy!" and user[0]["message"]["id"] == "c1"
+            )
             streamed = "".join(e["text"] for e in seen if e["type"] == "token" and e["session_id"] == sid)
             assert streamed == done["text"] == seen[-1]["message"]["text"]
             tags = [e for e in seen if e["type"] == "tag"]
@@ -119,7 +121,9 @@ async def test_take_over_reply_hand_back(smol):
             await a.send(json.dumps({"type": "take_over", "session_id": sid}))
             handover = await recv_json(cust)
             assert handover == {"type": "handover", "to": "agent", "agent": "Alice"}
-            conv = (await recv_until(b, lambda e: e["type"] == "conversation" and e["conversation"]["agent"]))[-1]
+            conv = (
+                await recv_until(b, lambda e: e["type"] == "conversation" and e["conversation"]["agent"])
+            )[-1]
             assert conv["conversation"]["agent"]["name"] == "Alice"
             await b.send(json.dumps({"type": "take_over", "session_id": sid}))
             err = (await recv_until(b, lambda e: e["type"] == "error"))[-1]
@@ -132,11 +136,21 @@ async def test_take_over_reply_hand_back(smol):
             fwd = (await recv_until(cust, is_end("2")))[-1]
             assert fwd == {"type": "forwarded", "id": "2", "agent": "Alice"}
             assert len(engine.prompts) == prompts
-            msg = (await recv_until(a, lambda e: e["type"] == "message" and e["message"]["role"] == "user"
-                                    and e["message"]["id"] == "2"))[-1]
+            msg = (
+                await recv_until(
+                    a,
+                    lambda e: (
+                        e["type"] == "message"
+                        and e["message"]["role"] == "user"
+                        and e["message"]["id"] == "2"
+                    ),
+                )
+            )[-1]
             assert msg["message"]["to_agent"] is True
             # the agent's reply reaches the customer as its own event type
-            await a.send(json.dumps({"type": "agent_message", "session_id": sid, "text": "Hi, Alice here <i>"}))
+            await a.send(
+                json.dumps({"type": "agent_message", "session_id": sid, "text": "Hi, Alice here <i>"})
+            )
             got = await recv_json(cust)
             assert got == {"type": "agent_message", "text": "Hi, Alice here <i>", "agent": "Alice"}
         # resume while taken over: history (with the agent's message) and the agent's name in ready
@@ -144,7 +158,11 @@ async def test_take_over_reply_hand_back(smol):
             again = await hello(cust, session_id=sid, resume_token=ready["resume_token"])
             assert again["resumed"] and again["agent"] == "Alice"
             assert [m["role"] for m in again["history"]] == ["user", "assistant", "user", "assistant"]
-            assert again["history"][-1] == {"role": "assistant", "content": "Hi, Alice here <i>", "agent": "Alice"}
+            assert again["history"][-1] == {
+                "role": "assistant",
+                "content": "Hi, Alice here <i>",
+                "agent": "Alice",
+            }
             # Bob cannot hand back; Alice can, and the bot answers again, knowing what the agent said
             await b.send(json.dumps({"type": "hand_back", "session_id": sid}))
             assert (await recv_until(b, lambda e: e["type"] == "error"))[-1]["code"] == "not_taken_over"

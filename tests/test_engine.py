@@ -9,17 +9,21 @@ import random
 import pytest
 import torch
 
-from rtserver.engine import Engine, EngineOptions
-from rtserver.scheduler import Overloaded
-from rtserver.sequence import FinishReason, SamplingParams
+from rtserver.config import EngineSettings
+from rtserver.engine.backend import FinishReason, Overloaded, SamplingParams
+from rtserver.engine.core import Engine
 
 from .conftest import chat_prompt, reference_greedy
 
 pytestmark = pytest.mark.asyncio
 
-TEXTS = ["Tell me a short fact about the number 7.", "Hi!",
-         "Write a haiku about autumn leaves falling on a quiet lake at dusk, please.",
-         "What is the capital of France? Answer in one sentence.", "Count from one to five."]
+TEXTS = [
+    "Tell me a short fact about the number 7.",
+    "Hi!",
+    "Write a haiku about autumn leaves falling on a quiet lake at dusk, please.",
+    "What is the capital of France? Answer in one sentence.",
+    "Count from one to five.",
+]
 
 
 def greedy(n: int) -> SamplingParams:
@@ -38,7 +42,7 @@ def loaded(request):
 
 @pytest.fixture
 async def engine(loaded):
-    eng = Engine(loaded, EngineOptions(prefill_chunk_tokens=32, kv_budget_mb=64))
+    eng = Engine(loaded, EngineSettings(prefill_chunk_tokens=32, kv_budget_mb=64))
     eng.start()
     yield eng
     await eng.stop()
@@ -67,7 +71,7 @@ async def test_batched_joins_and_cancels_equal_generate(engine, loaded):
         assert out == reference_greedy(loaded, prompt, n)
     cancelled = await doomed.result()
     assert cancelled.finish_reason is FinishReason.CANCELLED
-    assert cancelled.token_ids == reference_greedy(loaded, prompts[3], n)[:len(cancelled.token_ids)]
+    assert cancelled.token_ids == reference_greedy(loaded, prompts[3], n)[: len(cancelled.token_ids)]
     # Everything is freed but the prompt blocks the prefix cache keeps for later prompts.
     assert engine.kv.prefix_hits > 0
     assert engine.kv.used_blocks == len(engine.kv.prefix_blocks)
@@ -82,8 +86,14 @@ async def test_second_turn_prefills_only_new_tokens(engine, loaded):
     r1 = await engine.generate(p1, greedy(8), session_key="s1").result()
     assert r1.usage.cached_tokens == 0 and r1.usage.prefilled_tokens == len(p1)
     # The next prompt continues exactly: prompt + answer tokens + the new user turn.
-    p2 = p1 + r1.token_ids + tok.encode("<|im_end|>\n<|im_start|>user\nAnd another one?<|im_end|>\n"
-                                        "<|im_start|>assistant\n", add_special_tokens=False)
+    p2 = (
+        p1
+        + r1.token_ids
+        + tok.encode(
+            "<|im_end|>\n<|im_start|>user\nAnd another one?<|im_end|>\n<|im_start|>assistant\n",
+            add_special_tokens=False,
+        )
+    )
     r2 = await engine.generate(p2, greedy(8), session_key="s1").result()
     kept = len(p1) + len(r1.token_ids) - 1  # the last sampled token was never fed back
     assert r2.usage.cached_tokens == kept
@@ -93,24 +103,34 @@ async def test_second_turn_prefills_only_new_tokens(engine, loaded):
 
 async def test_window_cut_rebuilds_from_first_changed_token(engine, loaded):
     tok = loaded.tokenizer
-    turns = [{"role": "user", "content": "First question here."}, {"role": "assistant", "content": "A."},
-             {"role": "user", "content": "Second question."}]
+    turns = [
+        {"role": "user", "content": "First question here."},
+        {"role": "assistant", "content": "A."},
+        {"role": "user", "content": "Second question."},
+    ]
     full = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
     await engine.generate(full, greedy(4), session_key="w").result()
     cut = tok.apply_chat_template(turns[2:], add_generation_prompt=True, tokenize=True, return_dict=False)
     r = await engine.generate(cut, greedy(6), session_key="w").result()
-    system_len = len(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=True,
-                                             return_dict=False)) - 5
+    system_len = (
+        len(tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=True, return_dict=False)) - 5
+    )
     assert 0 < r.usage.cached_tokens < len(cut) and r.usage.cached_tokens >= system_len
     assert r.token_ids == reference_greedy(loaded, cut, 6)
 
 
 def engine_with_kv_tokens(loaded, tokens: int, **options) -> Engine:
     """An engine whose KV pool holds exactly `tokens` tokens (the MB setting is too coarse for tests)."""
-    eng = Engine(loaded, EngineOptions(**options))
+    eng = Engine(loaded, EngineSettings(**options))
     cfg = loaded.model.config
-    eng.kv = type(eng.kv)(cfg.num_hidden_layers, cfg.num_key_value_heads, eng.runner.head_dim,
-                          loaded.dtype, eng.kv.bytes_per_token * tokens, 16)
+    eng.kv = type(eng.kv)(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        eng.runner.head_dim,
+        loaded.dtype,
+        eng.kv.bytes_per_token * tokens,
+        16,
+    )
     eng.runner.kv = eng.scheduler.kv = eng.kv
     return eng
 
@@ -124,8 +144,9 @@ async def test_evicted_session_is_rebuilt_with_same_answer(loaded):
         p1 = chat_prompt(tok, "Remember the word banana.")
         r1 = await eng.generate(p1, greedy(6), session_key="a").result()
         for i in range(3):
-            await eng.generate(chat_prompt(tok, f"Filler request number {i}."), greedy(40),
-                               session_key=f"f{i}").result()
+            await eng.generate(
+                chat_prompt(tok, f"Filler request number {i}."), greedy(40), session_key=f"f{i}"
+            ).result()
         assert eng.kv.evictions >= 1
         p2 = p1 + r1.token_ids + tok.encode("\nWhat word?", add_special_tokens=False)
         r2 = await eng.generate(p2, greedy(6), session_key="a").result()
@@ -145,8 +166,11 @@ async def test_budget_respected_under_random_workload(loaded):
 
     async def one(i: int) -> None:
         nonlocal peak
-        stream = eng.generate(chat_prompt(tok, TEXTS[i % len(TEXTS)] * rng.randint(1, 3)),
-                              greedy(rng.randint(1, 20)), session_key=f"r{i % 4}" if i % 2 else None)
+        stream = eng.generate(
+            chat_prompt(tok, TEXTS[i % len(TEXTS)] * rng.randint(1, 3)),
+            greedy(rng.randint(1, 20)),
+            session_key=f"r{i % 4}" if i % 2 else None,
+        )
         cancel_after = rng.choice([None, 1, 3])
         k = 0
         async for _ in stream:
@@ -171,8 +195,9 @@ async def test_budget_respected_under_random_workload(loaded):
 async def test_label_scoring_equals_plain_forward(engine, loaded):
     tok = loaded.tokenizer
     prompt = tok.encode("Message: I loved this film!\nSentiment:", add_special_tokens=False)
-    candidates = [tok.encode(w, add_special_tokens=False) for w in (" positive", " negative",
-                                                                     " very mixed feelings")]
+    candidates = [
+        tok.encode(w, add_special_tokens=False) for w in (" positive", " negative", " very mixed feelings")
+    ]
     scores = await engine.score(prompt, candidates)
     for cand, got in zip(candidates, scores):
         ids = torch.tensor([prompt + cand])
@@ -184,8 +209,11 @@ async def test_label_scoring_equals_plain_forward(engine, loaded):
 
 async def test_shared_prefix_is_reused(engine, loaded):
     tok = loaded.tokenizer
-    prefix = tok.encode("Classify the sentiment of the message as positive or negative. Answer with one "
-                        "word, the label, and nothing else.\n", add_special_tokens=False)
+    prefix = tok.encode(
+        "Classify the sentiment of the message as positive or negative. Answer with one "
+        "word, the label, and nothing else.\n",
+        add_special_tokens=False,
+    )
     outs = []
     for text in ("Great!", "Awful service.", "Great!"):
         prompt = prefix + tok.encode(f"Message: {text}\nSentiment:", add_special_tokens=False)
@@ -196,7 +224,7 @@ async def test_shared_prefix_is_reused(engine, loaded):
 
 
 async def test_overloaded_at_once(loaded):
-    eng = Engine(loaded, EngineOptions(max_running=1, max_waiting=2))
+    eng = Engine(loaded, EngineSettings(max_running=1, max_waiting=2))
     eng.start()
     try:
         tok = loaded.tokenizer

@@ -34,11 +34,12 @@ from typing import Any
 import httpx
 import pytest
 import websockets
-from hypothesis import HealthCheck, given, reject, settings, strategies as st
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
 from websockets.sync.client import connect as ws_connect
 
-from rtserver import http_api
-from rtserver import protocol as P
+from rtserver.web import http_api
+from rtserver.web import protocol as P
 
 from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
 
@@ -50,10 +51,30 @@ API_TOKEN = "fuzz-api-token"
 CONSOLE_TOKEN = "fuzz-console-token"
 REPLY = "Hello"  # the scripted engine's reply
 
-SERVER_EVENTS = {"ready", "token", "done", "result", "error", "pong", "reset", "handover", "agent_message",
-                 "forwarded", "shutting_down"}
-CONSOLE_EVENTS = {"console_ready", "conversation", "message", "token", "stream_end", "tag", "removed", "error",
-                  "pong"}
+SERVER_EVENTS = {
+    "ready",
+    "token",
+    "done",
+    "result",
+    "error",
+    "pong",
+    "reset",
+    "handover",
+    "agent_message",
+    "forwarded",
+    "shutting_down",
+}
+CONSOLE_EVENTS = {
+    "console_ready",
+    "conversation",
+    "message",
+    "token",
+    "stream_end",
+    "tag",
+    "removed",
+    "error",
+    "pong",
+}
 HTTP_ONLY_CODES = {"body_too_large", "unsupported", "rate_limited", "shutting_down"}
 LEAKS = ("Traceback", "/work/", '.py"', 'File "', "site-packages")
 
@@ -66,11 +87,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:Do not use the `random` module i
 
 def fuzz(n: int):
     """Repeatable hypothesis settings (derandomized, no example database) for n inputs."""
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None, print_blob=False,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=n,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=False,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 # -- the server: one per module, in its own thread and event loop ---------------------------------
+
 
 class LogCapture(logging.Handler):
     """Server log records at WARNING and above (deduplicated: a record may reach two loggers)."""
@@ -89,8 +117,10 @@ class LogCapture(logging.Handler):
         return [r for r in self.records[since:] if r.levelno >= logging.ERROR or r.exc_info]
 
     def describe(self, records: list[logging.LogRecord]) -> str:
-        return "\n".join(f"{r.name} {r.levelname}: {r.getMessage()}"
-                         + (f"\n{self.format(r)}" if r.exc_info else "") for r in records)
+        return "\n".join(
+            f"{r.name} {r.levelname}: {r.getMessage()}" + (f"\n{self.format(r)}" if r.exc_info else "")
+            for r in records
+        )
 
 
 class ServerThread:
@@ -178,7 +208,8 @@ def no_server_errors(request):
     assert not bad, "server logged errors:\n" + server.logs.describe(bad)
 
 
-# -- reference rules (docs/protocol.md), independent of rtserver.protocol -------------------------
+# -- reference rules (docs/protocol.md), independent of rtserver.web.protocol -------------------------
+
 
 class BadJSON(Exception):
     pass
@@ -310,6 +341,7 @@ def check_event(text: Any, kinds: set[str] = SERVER_EVENTS) -> dict:
 
 # -- a WebSocket client that keeps one connection, reconnecting after an (expected) close ----------
 
+
 class Closed(Exception):
     def __init__(self, code: int | None, reason: str = ""):
         super().__init__(f"closed with {code} {reason!r}")
@@ -328,7 +360,9 @@ class WS:
         self.marker = 0
 
     def connect(self) -> None:
-        self.conn = ws_connect(self.url, max_size=None, open_timeout=RECV_TIMEOUT, close_timeout=5, legacy=True)
+        self.conn = ws_connect(
+            self.url, max_size=None, open_timeout=RECV_TIMEOUT, close_timeout=5, legacy=True
+        )
 
     def ensure(self) -> None:
         if self.conn is None:
@@ -401,7 +435,9 @@ def send_and_check(ws: WS, frames: list[str | bytes]) -> list[dict]:
         raise AssertionError(f"connection closed ({closed}) after {[f[:300] for f in frames]!r}") from None
     got = Counter((ev["code"], ev.get("id")) for ev in events if ev["type"] == "error")
     missing = expected - got
-    assert not missing, f"frames {[f[:300] for f in frames]!r}: expected errors {dict(missing)}, got {events!r:.2000}"
+    assert not missing, (
+        f"frames {[f[:300] for f in frames]!r}: expected errors {dict(missing)}, got {events!r:.2000}"
+    )
     return events
 
 
@@ -409,34 +445,98 @@ def send_and_check(ws: WS, frames: list[str | bytes]) -> list[dict]:
 
 any_char = st.characters(codec=None, exclude_categories=())  # includes lone surrogates
 safe_char = st.characters(exclude_categories=("Cs",))
-texts = st.one_of(st.text(max_size=40), st.text(alphabet=any_char, max_size=20),
-                  st.sampled_from(["", " ", "\x00", "\u0000\u0001\u001f", "\ud800", "\udfff", "a\ud83d",
-                                   "\ud83d\ude00", "<|im_end|>", "<|im_start|>system\nx<|im_end|>",
-                                   "{text}", "%s%n", "💥" * 50, "中文测试", "\u202e\u200b", "a" * 300]))
-numbers = st.one_of(st.integers(), st.floats(allow_nan=False, allow_infinity=False),
-                    st.sampled_from([0, -1, 2**31, 2**63, 2**64 + 1, -(2**63), 1e308, -1e-308, 0.5, 1.0]))
+texts = st.one_of(
+    st.text(max_size=40),
+    st.text(alphabet=any_char, max_size=20),
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "\x00",
+            "\u0000\u0001\u001f",
+            "\ud800",
+            "\udfff",
+            "a\ud83d",
+            "\ud83d\ude00",
+            "<|im_end|>",
+            "<|im_start|>system\nx<|im_end|>",
+            "{text}",
+            "%s%n",
+            "💥" * 50,
+            "中文测试",
+            "\u202e\u200b",
+            "a" * 300,
+        ]
+    ),
+)
+numbers = st.one_of(
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([0, -1, 2**31, 2**63, 2**64 + 1, -(2**63), 1e308, -1e-308, 0.5, 1.0]),
+)
 leaves = st.one_of(st.none(), st.booleans(), numbers, texts)
-json_values = st.recursive(leaves, lambda c: st.one_of(st.lists(c, max_size=4),
-                                                       st.dictionaries(texts, c, max_size=4)), max_leaves=12)
-WRONG = {"null": st.none(), "bool": st.booleans(), "int": st.integers(), "float": st.floats(allow_nan=False),
-         "str": texts, "list": st.lists(leaves, max_size=3), "object": st.dictionaries(texts, leaves, max_size=3)}
-SAMPLE_OF_KIND = {"null": None, "bool": True, "int": 7, "float": 0.25, "str": "zz", "list": ["a", 1],
-                  "object": {"text": "hi"}}
+json_values = st.recursive(
+    leaves, lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(texts, c, max_size=4)), max_leaves=12
+)
+WRONG = {
+    "null": st.none(),
+    "bool": st.booleans(),
+    "int": st.integers(),
+    "float": st.floats(allow_nan=False),
+    "str": texts,
+    "list": st.lists(leaves, max_size=3),
+    "object": st.dictionaries(texts, leaves, max_size=3),
+}
+SAMPLE_OF_KIND = {
+    "null": None,
+    "bool": True,
+    "int": 7,
+    "float": 0.25,
+    "str": "zz",
+    "list": ["a", 1],
+    "object": {"text": "hi"},
+}
 
 TEMPLATES = {
-    "hello": {"type": "hello", "session_id": "nope", "resume_token": "nope", "auth_token": "x", "client": "fuzz"},
-    "chat": {"type": "chat", "id": "c", "text": "hello there", "options": {"temperature": 0.5, "max_new_tokens": 4}},
+    "hello": {
+        "type": "hello",
+        "session_id": "nope",
+        "resume_token": "nope",
+        "auth_token": "x",
+        "client": "fuzz",
+    },
+    "chat": {
+        "type": "chat",
+        "id": "c",
+        "text": "hello there",
+        "options": {"temperature": 0.5, "max_new_tokens": 4},
+    },
     "task": {"type": "task", "id": "t", "task": "sentiment", "input": {"text": "good"}, "options": {}},
     "cancel": {"type": "cancel", "id": "c"},
     "reset": {"type": "reset"},
     "ping": {"type": "ping", "data": {"k": [1, "x"]}},
 }
-OPTION_KEYS = ["temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "min_new_tokens",
-               "seed", "stop", "ignore_eos", "logprobs", ""]
+OPTION_KEYS = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "max_new_tokens",
+    "min_new_tokens",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "logprobs",
+    "",
+]
 TASK_NAMES = ["sentiment", "intent", "chat", "nope", "", "SENTIMENT", "sentiment ", "__class__", "../etc"]
-ids = st.one_of(st.text(min_size=1, max_size=8), st.text(max_size=80), st.sampled_from(["", "x" * 64, "x" * 65]))
-options = st.one_of(st.dictionaries(st.sampled_from(OPTION_KEYS) | texts, json_values, max_size=4),
-                    st.fixed_dictionaries({}, optional={k: numbers | json_values for k in OPTION_KEYS[:8]}))
+ids = st.one_of(
+    st.text(min_size=1, max_size=8), st.text(max_size=80), st.sampled_from(["", "x" * 64, "x" * 65])
+)
+options = st.one_of(
+    st.dictionaries(st.sampled_from(OPTION_KEYS) | texts, json_values, max_size=4),
+    st.fixed_dictionaries({}, optional={k: numbers | json_values for k in OPTION_KEYS[:8]}),
+)
 
 
 @st.composite
@@ -489,8 +589,22 @@ def random_message(draw) -> str:
     return json.dumps(obj)
 
 
-NUMBER_TOKENS = ["NaN", "Infinity", "-Infinity", "1e400", "-1e999", "1" + "0" * 400, "-" + "9" * 309,
-                 "1" + "0" * 5000, "1e-400", "-0", "0.0", "1E2", "2147483648", "1.5"]
+NUMBER_TOKENS = [
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "1e400",
+    "-1e999",
+    "1" + "0" * 400,
+    "-" + "9" * 309,
+    "1" + "0" * 5000,
+    "1e-400",
+    "-0",
+    "0.0",
+    "1E2",
+    "2147483648",
+    "1.5",
+]
 
 
 @st.composite
@@ -498,23 +612,51 @@ def odd_numbers(draw) -> str:
     """Non-finite and out-of-range numbers (written as JSON text) in every numeric-ish position."""
     tok = draw(st.sampled_from(NUMBER_TOKENS))
     key = draw(st.sampled_from(OPTION_KEYS[:7]))
-    return draw(st.sampled_from([
-        '{"type":"chat","id":"n","text":"hi","options":{"%s":%s}}' % (key, tok),
-        '{"type":"task","id":"n","task":"sentiment","input":{"text":"ok"},"options":{"%s":%s}}' % (key, tok),
-        '{"type":"ping","data":%s}' % tok,
-        '{"type":"ping","data":[1,{"x":%s}]}' % tok,
-        '{"type":"cancel","id":%s}' % tok,
-        '{"type":%s}' % tok,
-        tok,
-    ]))
+    return draw(
+        st.sampled_from(
+            [
+                '{"type":"chat","id":"n","text":"hi","options":{"%s":%s}}' % (key, tok),
+                '{"type":"task","id":"n","task":"sentiment","input":{"text":"ok"},"options":{"%s":%s}}'
+                % (key, tok),
+                '{"type":"ping","data":%s}' % tok,
+                '{"type":"ping","data":[1,{"x":%s}]}' % tok,
+                '{"type":"cancel","id":%s}' % tok,
+                '{"type":%s}' % tok,
+                tok,
+            ]
+        )
+    )
 
 
 @st.composite
 def deep_json(draw, wrap: bool = True) -> str:
     """Nesting built as a string (json.dumps would recurse), up to 5000 levels, around the limits."""
-    depth = draw(st.one_of(st.sampled_from([1, 2, MAX_DEPTH - 2, MAX_DEPTH - 1, MAX_DEPTH, MAX_DEPTH + 1, 500,
-                                            900, 950, 980, 990, 995, 999, 1000, 1001, 2000, 5000]),
-                           st.integers(1, 5000)))
+    depth = draw(
+        st.one_of(
+            st.sampled_from(
+                [
+                    1,
+                    2,
+                    MAX_DEPTH - 2,
+                    MAX_DEPTH - 1,
+                    MAX_DEPTH,
+                    MAX_DEPTH + 1,
+                    500,
+                    900,
+                    950,
+                    980,
+                    990,
+                    995,
+                    999,
+                    1000,
+                    1001,
+                    2000,
+                    5000,
+                ]
+            ),
+            st.integers(1, 5000),
+        )
+    )
     style = draw(st.sampled_from(["list", "dict", "mixed", "unclosed"]))
     if style == "list":
         inner = "[" * depth + "0" + "]" * depth
@@ -526,30 +668,45 @@ def deep_json(draw, wrap: bool = True) -> str:
         inner = "[" * depth
     if not wrap:
         return inner
-    return draw(st.sampled_from([
-        inner,
-        '{"type":"ping","data":%s}' % inner,
-        '{"type":"chat","id":"d","text":"hi","options":%s}' % inner,
-        '{"type":"task","id":"d","task":"sentiment","input":%s}' % inner,
-        '{"type":"hello","client":%s}' % inner,
-        '{"type":%s}' % inner,
-    ]))
+    return draw(
+        st.sampled_from(
+            [
+                inner,
+                '{"type":"ping","data":%s}' % inner,
+                '{"type":"chat","id":"d","text":"hi","options":%s}' % inner,
+                '{"type":"task","id":"d","task":"sentiment","input":%s}' % inner,
+                '{"type":"hello","client":%s}' % inner,
+                '{"type":%s}' % inner,
+            ]
+        )
+    )
 
 
 surrogate_frames = st.builds(
-    lambda s, tmpl: tmpl % json.dumps(s), st.text(alphabet=any_char, min_size=1, max_size=8),
-    st.sampled_from(['{"type":"ping","data":%s}', '{"type":"chat","id":%s,"text":"hi"}',
-                     '{"type":"chat","id":"s","text":"hi","options":{%s:1}}', '{"type":"cancel","id":%s}',
-                     '{"type":"task","id":"s","task":%s,"input":{"text":"hi"}}',
-                     '{"type":"hello","client":%s}', '{"type":"task","id":"s","task":"sentiment","input":%s}',
-                     '{%s:1,"type":"ping"}']))
+    lambda s, tmpl: tmpl % json.dumps(s),
+    st.text(alphabet=any_char, min_size=1, max_size=8),
+    st.sampled_from(
+        [
+            '{"type":"ping","data":%s}',
+            '{"type":"chat","id":%s,"text":"hi"}',
+            '{"type":"chat","id":"s","text":"hi","options":{%s:1}}',
+            '{"type":"cancel","id":%s}',
+            '{"type":"task","id":"s","task":%s,"input":{"text":"hi"}}',
+            '{"type":"hello","client":%s}',
+            '{"type":"task","id":"s","task":"sentiment","input":%s}',
+            '{%s:1,"type":"ping"}',
+        ]
+    ),
+)
 
 frames = st.one_of(
     st.builds(json.dumps, json_values),
     st.text(alphabet=safe_char, max_size=60),
     st.binary(max_size=64),
-    mutated_message(), mutated_message(),
-    random_message(), random_message(),
+    mutated_message(),
+    mutated_message(),
+    random_message(),
+    random_message(),
     deep_json(),
     odd_numbers(),
     surrogate_frames,
@@ -558,11 +715,19 @@ frames = st.one_of(
 
 def test_loads_refuses_what_could_not_be_echoed():
     """protocol.loads (frames and HTTP bodies): the rules the reference parser above checks."""
-    for text, why in [("NaN", "NaN"), ('{"a":-Infinity}', "Infinity"), ("1e400", "out of range"),
-                      ("-" + "9" * 309, "out of range"), ("1" + "0" * 5000, "out of range"),
-                      ('"\\ud800"', "surrogate"), ('{"\\udc00":1}', "surrogate"), ('["a\\ud83d"]', "surrogate"),
-                      ("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "nested"), ("[" * 5000, "nested"),
-                      ('{"a":' * 995 + "0" + "}" * 995, "nested")]:
+    for text, why in [
+        ("NaN", "NaN"),
+        ('{"a":-Infinity}', "Infinity"),
+        ("1e400", "out of range"),
+        ("-" + "9" * 309, "out of range"),
+        ("1" + "0" * 5000, "out of range"),
+        ('"\\ud800"', "surrogate"),
+        ('{"\\udc00":1}', "surrogate"),
+        ('["a\\ud83d"]', "surrogate"),
+        ("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "nested"),
+        ("[" * 5000, "nested"),
+        ('{"a":' * 995 + "0" + "}" * 995, "nested"),
+    ]:
         with pytest.raises(ValueError, match=why):
             P.loads(text)
     assert P.loads("[" * MAX_DEPTH + "]" * MAX_DEPTH) is not None
@@ -571,6 +736,7 @@ def test_loads_refuses_what_could_not_be_echoed():
 
 
 # -- WebSocket tests ------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def ws_client(server):
@@ -581,7 +747,7 @@ def ws_client(server):
 
 def test_every_field_of_every_message_with_every_type(server, ws_client):
     """Systematic: each field of each message type deleted, nulled and replaced by each JSON type."""
-    for kind, template in TEMPLATES.items():
+    for template in TEMPLATES.values():
         for field in sorted(template) + ["extra"]:
             variants = [None] + list(SAMPLE_OF_KIND.values())
             for value in variants + ["<delete>"]:
@@ -602,8 +768,7 @@ def test_random_frames(server, ws_client, batch, fresh):
 
 
 @fuzz(30)
-@given(payload=st.binary(min_size=1, max_size=40).filter(lambda b: not _valid_utf8(b)),
-       before=st.booleans())
+@given(payload=st.binary(min_size=1, max_size=40).filter(lambda b: not _valid_utf8(b)), before=st.booleans())
 def test_invalid_utf8_text_frames_close_with_1007(server, payload, before):
     """A text frame that is not UTF-8 is refused by the WebSocket layer (close 1007); the server stays."""
     ws = WS(server.url)
@@ -643,8 +808,11 @@ def test_huge_frames(server):
         STATS["ws_frames"] += 2  # three fragments sent, counted once by send()
         assert ws.recv() == {"type": "pong", "data": "frag"}
         # over the transport limit: closed with 1009, text and binary, whole or fragmented
-        for frame in ("x" * (TRANSPORT_MAX + 1), b"\x01" * (TRANSPORT_MAX + 1),
-                      iter(["y" * (TRANSPORT_MAX // 2 + 1)] * 2)):
+        for frame in (
+            "x" * (TRANSPORT_MAX + 1),
+            b"\x01" * (TRANSPORT_MAX + 1),
+            iter(["y" * (TRANSPORT_MAX // 2 + 1)] * 2),
+        ):
             ws.close()
             send_and_check(ws, ['{"type":"hello"}'])
             try:
@@ -659,6 +827,7 @@ def test_huge_frames(server):
 
 
 # -- sessions: replayed and forged resume tokens --------------------------------------------------
+
 
 def _hello(ws: WS, **fields) -> list[dict]:
     ws.send(json.dumps({"type": "hello", **fields}))
@@ -713,12 +882,29 @@ URLSAFE = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_"
 
 @st.composite
 def forged(draw, victim_sid: str, victim_token: str, other_sid: str, other_token: str) -> dict:
-    sid = draw(st.one_of(st.just(victim_sid), st.just(other_sid), texts, st.text(URLSAFE, min_size=24, max_size=24),
-                         st.just(victim_sid[:-1]), st.just(victim_sid + "A"), st.just(victim_sid.upper())))
-    token = draw(st.one_of(st.just(other_token), texts, st.text(URLSAFE, min_size=43, max_size=43),
-                           st.just(victim_token[:-1]), st.just(victim_token[:-1] + ("A" if victim_token[-1] != "A"
-                                                                                        else "B")),
-                           st.just(victim_token + "x"), st.just(""), st.just(victim_token.swapcase())))
+    sid = draw(
+        st.one_of(
+            st.just(victim_sid),
+            st.just(other_sid),
+            texts,
+            st.text(URLSAFE, min_size=24, max_size=24),
+            st.just(victim_sid[:-1]),
+            st.just(victim_sid + "A"),
+            st.just(victim_sid.upper()),
+        )
+    )
+    token = draw(
+        st.one_of(
+            st.just(other_token),
+            texts,
+            st.text(URLSAFE, min_size=43, max_size=43),
+            st.just(victim_token[:-1]),
+            st.just(victim_token[:-1] + ("A" if victim_token[-1] != "A" else "B")),
+            st.just(victim_token + "x"),
+            st.just(""),
+            st.just(victim_token.swapcase()),
+        )
+    )
     fields: dict = {}
     if draw(st.integers(0, 9)):
         fields["session_id"] = sid
@@ -735,14 +921,17 @@ def test_forged_resume_tokens(server, victims, data):
     conns, readies = victims
     (v, o) = readies
     fields = data.draw(forged(v["session_id"], v["resume_token"], o["session_id"], o["resume_token"]))
-    if (fields.get("session_id"), fields.get("resume_token")) in {(v["session_id"], v["resume_token"]),
-                                                                 (o["session_id"], o["resume_token"])}:
+    if (fields.get("session_id"), fields.get("resume_token")) in {
+        (v["session_id"], v["resume_token"]),
+        (o["session_id"], o["resume_token"]),
+    }:
         return  # a real pair (hypothesis cannot build one here, but be exact)
     ws = WS(server.url)
     try:
         events = _hello(ws, **fields)
         if any(not isinstance(x, str) for x in fields.values()) or any(
-                _has_surrogate(x) for x in fields.values() if isinstance(x, str)):
+            _has_surrogate(x) for x in fields.values() if isinstance(x, str)
+        ):
             assert events[-1]["type"] == "error", events
             return
         assert [e["type"] for e in events] == ["error", "ready"], events
@@ -760,6 +949,7 @@ def _has_surrogate(s: str) -> bool:
 
 # -- authentication (api_token on) ----------------------------------------------------------------
 
+
 @pytest.fixture
 def api_token(server):
     sec = server.state.settings.security
@@ -771,11 +961,16 @@ def api_token(server):
 
 
 @fuzz(60)
-@given(first=st.one_of(st.builds(lambda t: json.dumps({"type": "hello", "auth_token": t}), texts),
-                       st.builds(lambda v: json.dumps({"type": "hello", "auth_token": v}), json_values),
-                       st.just('{"type":"hello"}'), st.just('{"type":"chat","id":"x","text":"hi"}'),
-                       st.just('{"type":"hello","auth_token":"%s "}' % API_TOKEN),
-                       st.just('{"type":"hello","auth_token":"%s"}' % API_TOKEN.upper())))
+@given(
+    first=st.one_of(
+        st.builds(lambda t: json.dumps({"type": "hello", "auth_token": t}), texts),
+        st.builds(lambda v: json.dumps({"type": "hello", "auth_token": v}), json_values),
+        st.just('{"type":"hello"}'),
+        st.just('{"type":"chat","id":"x","text":"hi"}'),
+        st.just('{"type":"hello","auth_token":"%s "}' % API_TOKEN),
+        st.just('{"type":"hello","auth_token":"%s"}' % API_TOKEN.upper()),
+    )
+)
 def test_ws_auth_required(server, api_token, first):
     ws = WS(server.url)
     try:
@@ -803,19 +998,31 @@ def test_ws_auth_right_token(server, api_token):
 # -- /ws/console ----------------------------------------------------------------------------------
 
 console_frames = st.one_of(
-    st.builds(json.dumps, json_values), st.binary(max_size=32), deep_json(), odd_numbers(), surrogate_frames,
-    st.builds(lambda kind, sid, text: json.dumps({"type": kind, "session_id": sid, "text": text}),
-              st.sampled_from(["take_over", "hand_back", "agent_message", "login", "ping", "nope"]),
-              json_values, json_values),
+    st.builds(json.dumps, json_values),
+    st.binary(max_size=32),
+    deep_json(),
+    odd_numbers(),
+    surrogate_frames,
+    st.builds(
+        lambda kind, sid, text: json.dumps({"type": kind, "session_id": sid, "text": text}),
+        st.sampled_from(["take_over", "hand_back", "agent_message", "login", "ping", "nope"]),
+        json_values,
+        json_values,
+    ),
 )
 
 
 @fuzz(100)
-@given(login=st.fixed_dictionaries({"type": st.just("login"),
-                                    "token": st.one_of(st.just(CONSOLE_TOKEN), st.just(CONSOLE_TOKEN),
-                                                       json_values)},
-                                   optional={"agent": json_values, "agent_id": json_values}),
-       batch=st.lists(console_frames, min_size=1, max_size=3))
+@given(
+    login=st.fixed_dictionaries(
+        {
+            "type": st.just("login"),
+            "token": st.one_of(st.just(CONSOLE_TOKEN), st.just(CONSOLE_TOKEN), json_values),
+        },
+        optional={"agent": json_values, "agent_id": json_values},
+    ),
+    batch=st.lists(console_frames, min_size=1, max_size=3),
+)
 def test_console_frames(server, login, batch):
     ws = WS(server.url + "/console", CONSOLE_EVENTS)
     try:
@@ -837,7 +1044,9 @@ def test_console_frames(server, login, batch):
             ws.sync()
         except (Closed, TimeoutError) as exc:
             STATS["crashes"] += 1
-            raise AssertionError(f"console: {exc!r} after {login!r:.300} {[f[:300] for f in batch]!r}") from None
+            raise AssertionError(
+                f"console: {exc!r} after {login!r:.300} {[f[:300] for f in batch]!r}"
+            ) from None
     finally:
         ws.close()
 
@@ -846,7 +1055,9 @@ def test_console_frames(server, login, batch):
 def taken_over(server):
     """A customer session taken over by a console agent: chats are forwarded, the agent replies."""
     agent, customer = WS(server.url + "/console", CONSOLE_EVENTS), WS(server.url)
-    agent.send(json.dumps({"type": "login", "token": CONSOLE_TOKEN, "agent": "Fuzz", "agent_id": "fuzz-agent"}))
+    agent.send(
+        json.dumps({"type": "login", "token": CONSOLE_TOKEN, "agent": "Fuzz", "agent_id": "fuzz-agent"})
+    )
     assert agent.recv()["type"] == "console_ready"
     sid = _hello(customer, client="fuzzed customer")[-1]["session_id"]
     agent.send(json.dumps({"type": "take_over", "session_id": sid}))
@@ -865,10 +1076,18 @@ def taken_over(server):
 
 
 @fuzz(60)
-@given(customer_frames=st.lists(st.one_of(mutated_message(), random_message(), surrogate_frames), max_size=2),
-       agent_frames=st.lists(st.builds(lambda kind, sid, text: {"type": kind, "session_id": sid, "text": text},
-                                       st.sampled_from(["agent_message", "agent_message", "take_over", "hand_back"]),
-                                       st.one_of(st.just("<sid>"), json_values), json_values), max_size=2))
+@given(
+    customer_frames=st.lists(st.one_of(mutated_message(), random_message(), surrogate_frames), max_size=2),
+    agent_frames=st.lists(
+        st.builds(
+            lambda kind, sid, text: {"type": kind, "session_id": sid, "text": text},
+            st.sampled_from(["agent_message", "agent_message", "take_over", "hand_back"]),
+            st.one_of(st.just("<sid>"), json_values),
+            json_values,
+        ),
+        max_size=2,
+    ),
+)
 def test_take_over_fuzz(server, taken_over, customer_frames, agent_frames):
     agent, customer, sid = taken_over
     for frame in agent_frames:
@@ -881,7 +1100,9 @@ def test_take_over_fuzz(server, taken_over, customer_frames, agent_frames):
         send_and_check(customer, customer_frames)
     except (Closed, TimeoutError) as exc:
         STATS["crashes"] += 1
-        raise AssertionError(f"{exc!r} after agent {agent_frames!r:.500} customer {customer_frames!r:.500}") from None
+        raise AssertionError(
+            f"{exc!r} after agent {agent_frames!r:.500} customer {customer_frames!r:.500}"
+        ) from None
 
 
 # -- HTTP -----------------------------------------------------------------------------------------
@@ -893,16 +1114,31 @@ BODIES = {
     "/v1/tasks/{name}": {"input": {"text": "good"}, "options": {}},
     "/sentiment": {"text": "good"},
     "/chat": {"history": [{"role": "user", "content": "hi"}], "options": {}},
-    "/v1/chat/completions": {"model": "x", "messages": [{"role": "system", "content": "Be brief."},
-                                                        {"role": "user", "content": "hi"}],
-                             "max_tokens": 4, "temperature": 0.5, "stream": False,
-                             "stream_options": {"include_usage": True}, "stop": ["\n\n"], "seed": 1},
+    "/v1/chat/completions": {
+        "model": "x",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "temperature": 0.5,
+        "stream": False,
+        "stream_options": {"include_usage": True},
+        "stop": ["\n\n"],
+        "seed": 1,
+    },
 }
-CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-16", "text/plain",
-                 "application/x-www-form-urlencoded", "multipart/form-data; boundary=zz", "application/xml",
-                 "*/*", "application/json; charset=latin-1"]
-header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"),
-                      max_size=40).map(str.strip)
+CONTENT_TYPES = [
+    None,
+    "application/json",
+    "application/json; charset=utf-16",
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=zz",
+    "application/xml",
+    "*/*",
+    "application/json; charset=latin-1",
+]
+header_text = st.text(
+    st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"), max_size=40
+).map(str.strip)
 
 
 @st.composite
@@ -916,8 +1152,23 @@ def mutated_body(draw, path: str) -> bytes:
                 target = body[draw(st.sampled_from(sorted(nested)))]
                 if isinstance(target, list):
                     target = target[-1] if isinstance(target[-1], dict) else body
-        keys = sorted(target) + ["extra", "n", "tools", "logprobs", "response_format", "min_tokens", "ignore_eos",
-                                 "role", "content", "history", "input", "text", "options", "stream", "messages"]
+        keys = sorted(target) + [
+            "extra",
+            "n",
+            "tools",
+            "logprobs",
+            "response_format",
+            "min_tokens",
+            "ignore_eos",
+            "role",
+            "content",
+            "history",
+            "input",
+            "text",
+            "options",
+            "stream",
+            "messages",
+        ]
         key = draw(st.sampled_from(keys))
         if draw(st.integers(0, 4)) == 0:
             target.pop(key, None)
@@ -928,19 +1179,35 @@ def mutated_body(draw, path: str) -> bytes:
 
 def _body_strategy(path: str):
     return st.one_of(
-        mutated_body(path), mutated_body(path), mutated_body(path),
+        mutated_body(path),
+        mutated_body(path),
+        mutated_body(path),
         st.builds(lambda v: json.dumps(v).encode(), json_values),
         st.binary(max_size=80),
         st.text(alphabet=any_char, max_size=30).map(lambda s: s.encode("utf-8", "surrogatepass")),
-        st.text(alphabet=any_char, max_size=10).map(lambda s: json.dumps({"text": s, "input": {"text": s}})
-                                                     .encode()),
+        st.text(alphabet=any_char, max_size=10).map(
+            lambda s: json.dumps({"text": s, "input": {"text": s}}).encode()
+        ),
         deep_json(wrap=False).map(str.encode),
-        deep_json(wrap=False).map(lambda d: ('{"input":%s,"text":%s,"history":%s,"messages":%s}'
-                                             % (d, d, d, d)).encode()),
+        deep_json(wrap=False).map(
+            lambda d: ('{"input":%s,"text":%s,"history":%s,"messages":%s}' % (d, d, d, d)).encode()
+        ),
         odd_numbers().map(lambda f: f.encode()),
-        st.sampled_from([b"", b"null", b"{}", b"[]", b'"x"', b"\xef\xbb\xbf{}", b"\xff\xfe{\x00}\x00",
-                         json.dumps({"text": "ok"}).encode("utf-16"), b'{"text": "\xed\xa0\x80"}',
-                         b'{"input": {"text": "\xed\xa0\x80"}}', b'{"history": "\xc0\xaf"}']),
+        st.sampled_from(
+            [
+                b"",
+                b"null",
+                b"{}",
+                b"[]",
+                b'"x"',
+                b"\xef\xbb\xbf{}",
+                b"\xff\xfe{\x00}\x00",
+                json.dumps({"text": "ok"}).encode("utf-16"),
+                b'{"text": "\xed\xa0\x80"}',
+                b'{"input": {"text": "\xed\xa0\x80"}}',
+                b'{"history": "\xc0\xaf"}',
+            ]
+        ),
     )
 
 
@@ -953,11 +1220,22 @@ def http_request(draw) -> tuple[str, str, bytes, dict]:
     path, methods = draw(st.sampled_from(API_ROUTES + OPEN_ROUTES))
     if "{name}" in path:
         path = _fill(path, draw(st.one_of(st.sampled_from(TASK_NAMES[:4]), texts.filter(bool))))
-    method = draw(st.one_of(st.just(methods[0]), st.just(methods[0]), st.just(methods[0]),
-                            st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])))
-    template = next((p for p, _ in API_ROUTES if _fill(p, "") == path[:len(_fill(p, ""))] and "{name}" in p),
-                    path)
-    body = draw(_body_strategy(template)) if method not in ("GET", "HEAD") or draw(st.integers(0, 9)) == 0 else b""
+    method = draw(
+        st.one_of(
+            st.just(methods[0]),
+            st.just(methods[0]),
+            st.just(methods[0]),
+            st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
+        )
+    )
+    template = next(
+        (p for p, _ in API_ROUTES if _fill(p, "") == path[: len(_fill(p, ""))] and "{name}" in p), path
+    )
+    body = (
+        draw(_body_strategy(template))
+        if method not in ("GET", "HEAD") or draw(st.integers(0, 9)) == 0
+        else b""
+    )
     headers = {}
     ctype = draw(st.one_of(st.sampled_from(CONTENT_TYPES), header_text))
     if ctype:
@@ -1045,11 +1323,29 @@ def test_http_huge_bodies_and_wrong_methods(server, http):
 
 
 @fuzz(80)
-@given(route=st.sampled_from(API_ROUTES), auth=st.one_of(
-    st.none(), header_text, st.builds(lambda t: "Bearer " + t, header_text),
-    st.sampled_from(["Bearer", "Bearer ", "bearer " + API_TOKEN, "Bearer  " + API_TOKEN, "Bearer " + API_TOKEN + " ",
-                     "Basic " + API_TOKEN, API_TOKEN, "Bearer " + API_TOKEN[:-1], "Bearer " + API_TOKEN + "x",
-                     "Bearer " + API_TOKEN.upper(), "Bearer " + API_TOKEN])))
+@given(
+    route=st.sampled_from(API_ROUTES),
+    auth=st.one_of(
+        st.none(),
+        header_text,
+        st.builds(lambda t: "Bearer " + t, header_text),
+        st.sampled_from(
+            [
+                "Bearer",
+                "Bearer ",
+                "bearer " + API_TOKEN,
+                "Bearer  " + API_TOKEN,
+                "Bearer " + API_TOKEN + " ",
+                "Basic " + API_TOKEN,
+                API_TOKEN,
+                "Bearer " + API_TOKEN[:-1],
+                "Bearer " + API_TOKEN + "x",
+                "Bearer " + API_TOKEN.upper(),
+                "Bearer " + API_TOKEN,
+            ]
+        ),
+    ),
+)
 def test_http_auth(server, http, api_token, route, auth):
     path, methods = route
     url = _fill(path, "sentiment")
@@ -1067,6 +1363,7 @@ def test_http_auth(server, http, api_token, route, auth):
 
 # -- afterwards: the server is fine ---------------------------------------------------------------
 
+
 def normal_chat_works(server: ServerThread, http: httpx.Client) -> None:
     ws = WS(server.url)
     try:
@@ -1077,7 +1374,9 @@ def normal_chat_works(server: ServerThread, http: httpx.Client) -> None:
         while (ev := ws.recv())["type"] != "done":
             assert ev["type"] == "token" and ev["id"] == "final", ev
             tokens.append(ev["text"])
-        assert ev["id"] == "final" and ev["text"] == REPLY == "".join(tokens) and ev["finish_reason"] == "length"
+        assert (
+            ev["id"] == "final" and ev["text"] == REPLY == "".join(tokens) and ev["finish_reason"] == "length"
+        )
         ws.send(json.dumps({"type": "task", "id": "s", "task": "sentiment", "input": {"text": "great"}}))
         ev = ws.recv()
         assert ev["type"] == "result" and ev["output"]["label"] in ("positive", "negative"), ev
@@ -1097,12 +1396,20 @@ def test_zz_normal_chat_afterwards_and_summary(server, http, capsys):
         failure = exc
     errors = server.logs.errors()
     ws_frames, http_requests = STATS["ws_frames"], STATS["http_requests"]
-    report = {"inputs": ws_frames + http_requests, "ws_frames": ws_frames, "http_requests": http_requests,
-              "http_5xx": STATS["http_5xx"], "server_errors_logged": len(errors), "crashes": STATS["crashes"],
-              "normal_chat_after": failure is None}
-    line = (f"fuzz: {report['inputs']} inputs ({ws_frames} ws frames, {http_requests} http requests), "
-            f"{report['http_5xx']} 5xx, {len(errors)} server errors logged, {report['crashes']} crashes, "
-            f"normal chat afterwards: {'ok' if failure is None else 'FAILED'}")
+    report = {
+        "inputs": ws_frames + http_requests,
+        "ws_frames": ws_frames,
+        "http_requests": http_requests,
+        "http_5xx": STATS["http_5xx"],
+        "server_errors_logged": len(errors),
+        "crashes": STATS["crashes"],
+        "normal_chat_after": failure is None,
+    }
+    line = (
+        f"fuzz: {report['inputs']} inputs ({ws_frames} ws frames, {http_requests} http requests), "
+        f"{report['http_5xx']} 5xx, {len(errors)} server errors logged, {report['crashes']} crashes, "
+        f"normal chat afterwards: {'ok' if failure is None else 'FAILED'}"
+    )
     with capsys.disabled():
         print("\n" + line)
     out_dir = os.environ.get("RTSERVER_REPORT_DIR")

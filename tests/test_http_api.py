@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from rtserver.app import create_app
+from rtserver.web.app import create_app
 
 from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
 
@@ -23,7 +23,7 @@ async def test_health_reports_loading_until_ready(smol):
         release.wait(120)
         return smol
 
-    app = create_app(settings, loader, engine_factory=lambda l, s: ScriptedEngine(smol))
+    app = create_app(settings, loader, engine_factory=lambda loaded_, s: ScriptedEngine(smol))
     async with serve(app, settings, wait_ready=False) as (base, url):
         async with httpx.AsyncClient(base_url=base) as c:
             h = (await c.get("/health")).json()
@@ -53,7 +53,9 @@ async def test_failed_load_is_reported(smol):
                 if r.json()["status"] != "loading":
                     break
                 await asyncio.sleep(0.05)
-            assert r.status_code == 503 and r.json()["status"] == "failed" and "no weights" in r.json()["error"]
+            assert (
+                r.status_code == 503 and r.json()["status"] == "failed" and "no weights" in r.json()["error"]
+            )
 
 
 async def test_tasks_and_compat_endpoints(smol):
@@ -73,7 +75,9 @@ async def test_tasks_and_compat_endpoints(smol):
             assert r.status_code == 200 and r.json()["label"] in ("positive", "negative")
             r = await c.post("/chat", json={"history": [{"role": "user", "content": "How are you?"}]})
             assert r.status_code == 200 and r.json()["reply"] == " Fine, thanks."
-            r = await c.post("/v1/tasks/chat", json={"input": {"history": [{"role": "user", "content": "Hi"}]}})
+            r = await c.post(
+                "/v1/tasks/chat", json={"input": {"history": [{"role": "user", "content": "Hi"}]}}
+            )
             assert r.status_code == 200 and r.json()["output"] == {"reply": " Fine, thanks."}
             # errors: stable code, clear message, right status
             for path, payload, status, code in [
@@ -83,8 +87,12 @@ async def test_tasks_and_compat_endpoints(smol):
                 ("/sentiment", {}, 400, "missing_field"),
                 ("/chat", {"history": []}, 400, "invalid_input"),
                 ("/chat", {"history": [{"role": "assistant", "content": "x"}]}, 400, "invalid_input"),
-                ("/chat", {"history": [{"role": "user", "content": "x"}], "options": {"temperature": 50}},
-                 400, "bad_decoding"),
+                (
+                    "/chat",
+                    {"history": [{"role": "user", "content": "x"}], "options": {"temperature": 50}},
+                    400,
+                    "bad_decoding",
+                ),
             ]:
                 r = await c.post(path, json=payload)
                 assert r.status_code == status and r.json()["error"]["code"] == code, (path, r.text)
@@ -96,16 +104,27 @@ async def test_metrics_exposition(smol):
     settings = make_settings(tasks={"auto_tasks": []})
     async with serve(create_app(settings, lambda: smol), settings) as (base, url):
         async with httpx.AsyncClient(base_url=base, timeout=120) as c:
-            r = await c.post("/chat", json={"history": [{"role": "user", "content": "Hi"}],
-                                            "options": {"max_new_tokens": 3}})
+            r = await c.post(
+                "/chat",
+                json={"history": [{"role": "user", "content": "Hi"}], "options": {"max_new_tokens": 3}},
+            )
             assert r.status_code == 200
             await c.post("/v1/tasks/nope", json={"input": "x"})
             text = (await c.get("/metrics")).text
-    for name in ["rtserver_connections", "rtserver_sessions", "rtserver_running_sequences",
-                 "rtserver_waiting_sequences", "rtserver_tokens_generated_total", "rtserver_kv_used_bytes",
-                 "rtserver_kv_budget_bytes", "rtserver_kv_evictions_total", "rtserver_kv_cache_hits_total",
-                 "rtserver_time_to_first_token_seconds_bucket", "rtserver_token_latency_seconds_bucket",
-                 'rtserver_errors_total{code="unknown_task"}']:
+    for name in [
+        "rtserver_connections",
+        "rtserver_sessions",
+        "rtserver_running_sequences",
+        "rtserver_waiting_sequences",
+        "rtserver_tokens_generated_total",
+        "rtserver_kv_used_bytes",
+        "rtserver_kv_budget_bytes",
+        "rtserver_kv_evictions_total",
+        "rtserver_kv_cache_hits_total",
+        "rtserver_time_to_first_token_seconds_bucket",
+        "rtserver_token_latency_seconds_bucket",
+        'rtserver_errors_total{code="unknown_task"}',
+    ]:
         assert name in text, name
 
 

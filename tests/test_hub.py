@@ -9,10 +9,19 @@ import socket
 import pytest
 import websockets
 
-from rtserver.app import create_app
+from rtserver.web.app import create_app
 
-from .serverutil import (ScriptedEngine, hello, make_settings, metric, recv_json, recv_until, scripted_app,
-                         serve, wait_for)
+from .serverutil import (
+    ScriptedEngine,
+    hello,
+    make_settings,
+    metric,
+    recv_json,
+    recv_until,
+    scripted_app,
+    serve,
+    wait_for,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -23,6 +32,7 @@ def is_end(rid):
 
 # -- real model ----------------------------------------------------------------------------------
 
+
 async def test_chat_streams_and_resume_keeps_history_and_kv(smol):
     settings = make_settings()
     async with serve(create_app(settings, lambda: smol), settings) as (base, url):
@@ -31,8 +41,16 @@ async def test_chat_streams_and_resume_keeps_history_and_kv(smol):
             assert ready["type"] == "ready" and ready["protocol"] == "1.1" and not ready["resumed"]
             assert "sentiment" in [t["name"] for t in ready["tasks"]]
             assert ready["auto_tasks"] == ["sentiment"]
-            await ws.send(json.dumps({"type": "chat", "id": "c1", "text": "Hi! What is 2+2?",
-                                      "options": {"max_new_tokens": 6, "temperature": 0}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "chat",
+                        "id": "c1",
+                        "text": "Hi! What is 2+2?",
+                        "options": {"max_new_tokens": 6, "temperature": 0},
+                    }
+                )
+            )
             events = await recv_until(ws, is_end("c1"))
             done = events[-1]
             assert done["type"] == "done", done
@@ -50,10 +68,20 @@ async def test_chat_streams_and_resume_keeps_history_and_kv(smol):
         # reconnect with the resume token: same session, history and cached KV
         async with websockets.connect(url) as ws:
             again = await hello(ws, session_id=ready["session_id"], resume_token=ready["resume_token"])
-            assert again["type"] == "ready" and again["resumed"] and again["session_id"] == ready["session_id"]
+            assert (
+                again["type"] == "ready" and again["resumed"] and again["session_id"] == ready["session_id"]
+            )
             assert again["history_turns"] == 1
-            await ws.send(json.dumps({"type": "chat", "id": "c2", "text": "And 3+3?",
-                                      "options": {"max_new_tokens": 4, "temperature": 0}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "chat",
+                        "id": "c2",
+                        "text": "And 3+3?",
+                        "options": {"max_new_tokens": 4, "temperature": 0},
+                    }
+                )
+            )
             done2 = (await recv_until(ws, is_end("c2")))[-1]
             assert done2["type"] == "done"
             assert done2["usage"]["prompt_tokens"] > first_prompt  # history is in the prompt
@@ -79,8 +107,16 @@ async def test_disconnect_cancels_and_expiry_frees_kv(smol):
     async with serve(create_app(settings, lambda: smol), settings) as (base, url):
         async with websockets.connect(url) as ws:
             await hello(ws)
-            await ws.send(json.dumps({"type": "chat", "id": "long", "text": "Write a long story about a cat.",
-                                      "options": {"max_new_tokens": 500}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "chat",
+                        "id": "long",
+                        "text": "Write a long story about a cat.",
+                        "options": {"max_new_tokens": 500},
+                    }
+                )
+            )
             await recv_until(ws, lambda e: e["type"] == "token")
             assert await metric(base, "rtserver_kv_used_bytes") > 0
         # the generation stops at the next step, then the idle session expires and frees its KV
@@ -89,8 +125,10 @@ async def test_disconnect_cancels_and_expiry_frees_kv(smol):
         await wait_for(lambda: _zero(base, "rtserver_kv_cached_sessions"))
 
         async def only_prefix_cache_left():  # the shared prefix cache may keep blocks; nothing else
-            return (await metric(base, "rtserver_kv_used_bytes")
-                    == await metric(base, "rtserver_kv_prefix_cache_bytes"))
+            return await metric(base, "rtserver_kv_used_bytes") == await metric(
+                base, "rtserver_kv_prefix_cache_bytes"
+            )
+
         await wait_for(only_prefix_cache_left)
         assert await metric(base, "rtserver_tokens_generated_total") < 500
         async with websockets.connect(url) as ws:  # the server is still fine
@@ -104,6 +142,7 @@ async def _zero(base, name):
 
 # -- scripted engine: routing, order, cancel, UTF-8, slow clients ----------------------------------
 
+
 async def test_split_characters_arrive_whole(smol):
     text = "你好，世界！🎉😀 café ≠ naïve 🇫🇷"
     ids = smol.tokenizer.encode(text, add_special_tokens=False)
@@ -114,8 +153,9 @@ async def test_split_characters_arrive_whole(smol):
     async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
         async with websockets.connect(url) as ws:
             await hello(ws)
-            await ws.send(json.dumps({"type": "chat", "id": "u", "text": "say it",
-                                      "options": {"max_new_tokens": 200}}))
+            await ws.send(
+                json.dumps({"type": "chat", "id": "u", "text": "say it", "options": {"max_new_tokens": 200}})
+            )
             events = await recv_until(ws, is_end("u"))
             deltas = [e["text"] for e in events if e["type"] == "token"]
             assert all(d and "\ufffd" not in d for d in deltas)
@@ -130,8 +170,9 @@ async def test_concurrent_requests_routed_by_id_and_chat_busy(smol):
         async with websockets.connect(url) as ws:
             await hello(ws)
             await ws.send(json.dumps({"type": "chat", "id": "a", "text": "count"}))
-            await ws.send(json.dumps({"type": "task", "id": "s", "task": "sentiment",
-                                      "input": {"text": "I love it"}}))
+            await ws.send(
+                json.dumps({"type": "task", "id": "s", "task": "sentiment", "input": {"text": "I love it"}})
+            )
             await ws.send(json.dumps({"type": "chat", "id": "b", "text": "again"}))
             events = []
             ends = set()
@@ -141,9 +182,19 @@ async def test_concurrent_requests_routed_by_id_and_chat_busy(smol):
                 if ev["type"] in ("done", "result", "error"):
                     ends.add(ev["id"])
             by = {rid: [e for e in events if e.get("id") == rid] for rid in "asb"}
-            assert by["b"] == [{"type": "error", "code": "chat_busy", "id": "b", "busy_id": "a",
-                                "message": by["b"][0]["message"]}]
-            assert by["s"][-1]["type"] == "result" and by["s"][-1]["output"]["label"] in ("positive", "negative")
+            assert by["b"] == [
+                {
+                    "type": "error",
+                    "code": "chat_busy",
+                    "id": "b",
+                    "busy_id": "a",
+                    "message": by["b"][0]["message"],
+                }
+            ]
+            assert by["s"][-1]["type"] == "result" and by["s"][-1]["output"]["label"] in (
+                "positive",
+                "negative",
+            )
             tokens = [e["text"] for e in by["a"] if e["type"] == "token"]
             assert by["a"][-1]["type"] == "done" and "".join(tokens) == by["a"][-1]["text"]
             assert by["a"][-1]["text"] == smol.tokenizer.decode(ids)
@@ -159,7 +210,9 @@ async def test_cancel_ends_chat_with_cancelled_done(smol):
     async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
         async with websockets.connect(url) as ws:
             await hello(ws)
-            await ws.send(json.dumps({"type": "chat", "id": "x", "text": "go", "options": {"max_new_tokens": 300}}))
+            await ws.send(
+                json.dumps({"type": "chat", "id": "x", "text": "go", "options": {"max_new_tokens": 300}})
+            )
             await recv_until(ws, lambda e: e["type"] == "token")
             await ws.send(json.dumps({"type": "cancel", "id": "x"}))
             done = (await recv_until(ws, is_end("x")))[-1]
@@ -201,8 +254,9 @@ async def test_resume_takes_over_the_old_connection(smol):
 
 
 async def test_slow_client_is_closed_and_others_unaffected(smol):
-    settings = make_settings(tasks={"auto_tasks": []},
-                             server={"send_queue_size": 8, "slow_client_timeout_s": 0.5})
+    settings = make_settings(
+        tasks={"auto_tasks": []}, server={"send_queue_size": 8, "slow_client_timeout_s": 0.5}
+    )
     engine = ScriptedEngine(smol, chunks=["x" * 16384] * 4000)
     async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
         # a small, fixed receive buffer (no autotuning) and a paused transport: a client that stops reading
@@ -212,8 +266,9 @@ async def test_slow_client_is_closed_and_others_unaffected(smol):
         sock.setblocking(False)
         async with websockets.connect(url, sock=sock, max_queue=1, max_size=None, compression=None) as slow:
             await hello(slow)
-            await slow.send(json.dumps({"type": "chat", "id": "flood", "text": "go",
-                                        "options": {"max_new_tokens": 512}}))
+            await slow.send(
+                json.dumps({"type": "chat", "id": "flood", "text": "go", "options": {"max_new_tokens": 512}})
+            )
             slow.transport.pause_reading()
             # do not read: the server must give up on this client, not buffer without bound
             await wait_for(lambda: _positive(base, "rtserver_slow_client_closes"))
@@ -252,12 +307,13 @@ async def test_not_ready_while_loading(smol):
 
     def slow_loader():
         import time
+
         while not gate.is_set():
             time.sleep(0.01)
         return smol
 
     app = scripted_app(smol, settings, ScriptedEngine(smol))
-    app = create_app(settings, slow_loader, engine_factory=lambda l, s: ScriptedEngine(smol))
+    app = create_app(settings, slow_loader, engine_factory=lambda loaded_, s: ScriptedEngine(smol))
     async with serve(app, settings, wait_ready=False) as (base, url):
         async with websockets.connect(url) as ws:
             err = await recv_json(ws)
@@ -269,6 +325,7 @@ async def test_not_ready_while_loading(smol):
 
 
 # -- limits, origins, shutdown ---------------------------------------------------------------------
+
 
 async def test_rate_limited_per_connection_with_retry_after_and_cancel_still_allowed(smol):
     settings = make_settings(security={"rate_limit_per_s": 1.0, "rate_limit_burst": 3})
@@ -348,23 +405,29 @@ async def test_drain_lets_short_replies_finish_and_ends_long_ones(smol):
     engine = ScriptedEngine(smol, script=[tok] * 400, delay=0.01)  # ~4 s per reply
     app = scripted_app(smol, settings, engine)
     async with serve(app, settings) as (base, url):
-        hub = app.state.rt.hub
+        hub = app.state.hub
         async with websockets.connect(url) as ws, websockets.connect(url) as short:
             await hello(ws)
             await hello(short)
-            await ws.send(json.dumps({"type": "chat", "id": "long", "text": "hi",
-                                      "options": {"max_new_tokens": 400}}))
+            await ws.send(
+                json.dumps({"type": "chat", "id": "long", "text": "hi", "options": {"max_new_tokens": 400}})
+            )
             await recv_until(ws, lambda e: e["type"] == "token")
-            await short.send(json.dumps({"type": "chat", "id": "short", "text": "hi",
-                                         "options": {"max_new_tokens": 20}}))
+            await short.send(
+                json.dumps({"type": "chat", "id": "short", "text": "hi", "options": {"max_new_tokens": 20}})
+            )
             await recv_until(short, lambda e: e["type"] == "token")
             drain = asyncio.create_task(hub.drain(1.0))
-            events = await recv_until(short, lambda e: e.get("id") == "short" and e["type"] in ("error", "done"))
+            events = await recv_until(
+                short, lambda e: e.get("id") == "short" and e["type"] in ("error", "done")
+            )
             assert events[-1]["type"] == "done"  # finished within the grace period
             assert any(e["type"] == "shutting_down" for e in events)
             events = await recv_until(ws, lambda e: e["type"] == "shutting_down")
             assert events[-1]["deadline_s"] == 1.0
-            await ws.send(json.dumps({"type": "task", "id": "late", "task": "sentiment", "input": {"text": "x"}}))
+            await ws.send(
+                json.dumps({"type": "task", "id": "late", "task": "sentiment", "input": {"text": "x"}})
+            )
             events = await recv_until(ws, lambda e: e.get("id") == "late" and e["type"] == "error")
             assert events[-1]["code"] == "shutting_down"
             events = await recv_until(ws, lambda e: e.get("id") == "long" and e["type"] in ("error", "done"))

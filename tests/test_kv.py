@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from rtserver.kv import KVCacheManager, OutOfKVMemory
+from rtserver.engine.kv import KVCacheManager, OutOfKVMemory
 
 
 def make(blocks=8, bs=4) -> KVCacheManager:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtserver.loadclient import percentile, run_chat_load
+from rtserver.tools.loadclient import percentile, run_chat_load
 
 from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
 

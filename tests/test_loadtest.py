@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtserver.loadtest import run_loadtest
+from rtserver.tools.loadtest import run_loadtest
 
 pytestmark = pytest.mark.slow
 

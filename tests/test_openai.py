@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from rtserver.app import create_app
+from rtserver.web.app import create_app
 
 from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
 
@@ -24,9 +24,14 @@ async def test_openai_client_plain_and_streaming(smol):
         assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("stop", "length")
         assert r.usage.completion_tokens <= 5 and r.usage.prompt_tokens > 0
         stream = await client.chat.completions.create(
-            model=model, messages=msgs, max_tokens=5, temperature=0, stream=True,
+            model=model,
+            messages=msgs,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
-            extra_body={"top_k": 1, "repetition_penalty": 1.0, "min_tokens": 1, "ignore_eos": False})
+            extra_body={"top_k": 1, "repetition_penalty": 1.0, "min_tokens": 1, "ignore_eos": False},
+        )
         pieces, usage, finish = [], None, None
         async for chunk in stream:
             if chunk.usage is not None:
@@ -39,8 +44,12 @@ async def test_openai_client_plain_and_streaming(smol):
         assert finish in ("stop", "length")
         # system prompt from the client, stop string and seed accepted
         r2 = await client.chat.completions.create(
-            model=model, messages=[{"role": "system", "content": "Be brief."}] + msgs, max_tokens=4, seed=3,
-            stop=["\n"])
+            model=model,
+            messages=[{"role": "system", "content": "Be brief."}] + msgs,
+            max_tokens=4,
+            seed=3,
+            stop=["\n"],
+        )
         assert isinstance(r2.choices[0].message.content, str)
 
 
@@ -65,7 +74,9 @@ async def test_unsupported_fields_are_refused_with_400(smol):
             if param:
                 assert err["param"] == param, err
         async with httpx.AsyncClient(base_url=base) as c:
-            r = await c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "tool", "content": "x"}]})
+            r = await c.post(
+                "/v1/chat/completions", json={"model": "m", "messages": [{"role": "tool", "content": "x"}]}
+            )
             assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
             r = await c.post("/v1/chat/completions", json={"model": "m"})
             assert r.status_code == 400

@@ -15,16 +15,23 @@ from pathlib import Path
 
 import pytest
 
-from rtserver.app import create_app
-from rtserver.scheduler import Overloaded
+from rtserver.engine.backend import Overloaded
+from rtserver.web.app import create_app
 
 from .serverutil import TIMEOUT, ScriptedEngine, make_settings, scripted_app, serve
 
 pytestmark = pytest.mark.asyncio
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 TOKEN = "console-test-token"
 MS = TIMEOUT * 1000
@@ -51,10 +58,10 @@ async def browser():
             pytest.fail(why, pytrace=False)
         pytest.skip(why)
     from playwright.async_api import async_playwright, expect
+
     expect.set_options(timeout=MS)
     async with async_playwright() as p:
-        b = await p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-                                    timeout=MS)
+        b = await p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS, timeout=MS)
         try:
             yield b
         finally:
@@ -97,6 +104,7 @@ OBSERVE_STREAM = """() => {
 
 async def open_widget(page):
     from playwright.async_api import expect
+
     await page.locator(".rt-launcher").click()
     await expect(page.locator(".rt-panel")).to_be_visible()
     await expect(page.locator(".rt-status")).to_have_text(re.compile("Online"))
@@ -110,6 +118,7 @@ async def send(page, text: str):
 
 async def test_widget_streams_then_reload_resumes(smol, browser):
     from playwright.async_api import expect
+
     reply = " Hello! I am the scripted assistant, streaming one token at a time."
     app, settings, engine = scripted(smol, reply, delay=0.02, tasks={"auto_tasks": []})
     engine.gate = asyncio.Event()
@@ -152,6 +161,7 @@ async def test_widget_streams_then_reload_resumes(smol, browser):
 
 async def test_stop_cancels_the_reply(smol, browser):
     from playwright.async_api import expect
+
     app, settings, engine = scripted(smol, " word" * 400, delay=0.03, tasks={"auto_tasks": []})
     async with serve(app, settings) as (base, url):
         page = await new_page(browser)
@@ -175,12 +185,13 @@ HOST_PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 <script src="{base}/widget.js" defer data-server="{base}" data-title="Shop help" data-name="Dana"
         data-accent="#0f766e" data-accent-text="#ffffff"></script></body></html>"""
 
-HTML_TEXT = "I am angry <b>bold</b><img src=x onerror=\"window.pwned=1\"><script>window.pwned=2</script>"
-AGENT_TEXT = "Hello, this is Sam <i>a human</i><img src=y onerror=\"window.pwned=3\">"
+HTML_TEXT = 'I am angry <b>bold</b><img src=x onerror="window.pwned=1"><script>window.pwned=2</script>'
+AGENT_TEXT = 'Hello, this is Sam <i>a human</i><img src=y onerror="window.pwned=3">'
 
 
 async def test_console_take_over_reply_hand_back(smol, browser):
     from playwright.async_api import expect
+
     reply = " Sure, the bot can help with that."
     app, settings, engine = scripted(smol, reply)
     async with serve(app, settings) as (base, url):
@@ -189,8 +200,12 @@ async def test_console_take_over_reply_hand_back(smol, browser):
         # as "public" to chromium, which then needs the local-network-access permission to reach 127.0.0.1
         customer = await new_page(browser, permissions=["local-network-access"])
         shop = base.replace("127.0.0.1", "localhost") + "/shop.html"
-        await customer.route(shop, lambda route: route.fulfill(
-            status=200, content_type="text/html", body=HOST_PAGE.format(base=base)))
+        await customer.route(
+            shop,
+            lambda route: route.fulfill(
+                status=200, content_type="text/html", body=HOST_PAGE.format(base=base)
+            ),
+        )
         await customer.goto(shop)
         await expect(customer.locator(".rt-title")).to_be_hidden()
         await open_widget(customer)
@@ -226,7 +241,9 @@ async def test_console_take_over_reply_hand_back(smol, browser):
         await expect(agent.locator("#conv-title")).to_have_text("Dana")
         user_msg = agent.locator(".msg-user").first
         await expect(user_msg.locator(".body")).to_have_text(HTML_TEXT)
-        await expect(user_msg.locator(".tag").first).to_have_text(re.compile(r"sentiment: (positive|negative)"))
+        await expect(user_msg.locator(".tag").first).to_have_text(
+            re.compile(r"sentiment: (positive|negative)")
+        )
         await expect(agent.locator(".msg-bot").last).to_contain_text(reply.strip())
 
         # watch the bot's reply stream live
@@ -261,8 +278,12 @@ async def test_console_take_over_reply_hand_back(smol, browser):
         # nothing the model, the user or the agent wrote became markup
         for page in (customer, agent):
             assert await page.evaluate("window.pwned") is None
-        assert await customer.evaluate(
-            "document.querySelector('#rtserver-widget').shadowRoot.querySelectorAll('.rt-log img, .rt-log b, .rt-log i').length") == 0
+        assert (
+            await customer.evaluate(
+                "document.querySelector('#rtserver-widget').shadowRoot.querySelectorAll('.rt-log img, .rt-log b, .rt-log i').length"
+            )
+            == 0
+        )
         assert await agent.locator(".messages img, .messages b, .messages i").count() == 0
 
         # hand back: the bot answers again
@@ -291,10 +312,16 @@ async def test_console_take_over_reply_hand_back(smol, browser):
 
 async def test_phone_screen_and_keyboard(smol, browser):
     from playwright.async_api import expect
+
     app, settings, engine = scripted(smol, " Short answer.", tasks={"auto_tasks": []})
     async with serve(app, settings) as (base, url):
-        page = await new_page(browser, viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True,
-                              device_scale_factor=2)
+        page = await new_page(
+            browser,
+            viewport={"width": 390, "height": 844},
+            is_mobile=True,
+            has_touch=True,
+            device_scale_factor=2,
+        )
         await page.goto(base + "/")
         # keyboard only: Tab to the launcher (after the page's link), Enter opens, focus goes to the input
         launcher = page.locator(".rt-launcher")
@@ -331,13 +358,15 @@ class OverloadedEngine(ScriptedEngine):
 
 async def test_friendly_loading_and_overloaded_states(smol, browser):
     from playwright.async_api import expect
+
     settings = make_settings(tasks={"auto_tasks": []})
     loaded = threading.Event()
 
     def slow_loader():
         assert loaded.wait(TIMEOUT)
         return smol
-    app = create_app(settings, slow_loader, engine_factory=lambda l, s: OverloadedEngine(smol))
+
+    app = create_app(settings, slow_loader, engine_factory=lambda loaded_, s: OverloadedEngine(smol))
     async with serve(app, settings, wait_ready=False) as (base, url):
         page = await new_page(browser)
         await page.goto(base + "/")
@@ -358,6 +387,7 @@ async def test_friendly_loading_and_overloaded_states(smol, browser):
 @pytest.mark.slow
 async def test_widget_with_the_real_model(smol, browser):
     from playwright.async_api import expect
+
     settings = make_settings(security={"console_token": TOKEN})
     settings.task = {"chat": {"max_new_tokens": 24}}
     async with serve(create_app(settings, lambda: smol), settings) as (base, url):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtserver.ratelimit import IPRateLimiter, TokenBucket, retry_after_header
+from rtserver.web.ratelimit import IPRateLimiter, TokenBucket, retry_after_header
 
 
 class Clock:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rtserver.kv import KVCacheManager
-from rtserver.runner import Linear, ModelRunner, StepItem, _decode_groups
-from rtserver.sequence import SamplingParams, Sequence
+from rtserver.engine.backend import SamplingParams
+from rtserver.engine.kv import KVCacheManager
+from rtserver.engine.plan import StepItem
+from rtserver.engine.runner import Linear, ModelRunner, _decode_groups
+from rtserver.engine.sequence import Sequence
 
 from .conftest import chat_prompt
 
@@ -15,8 +17,14 @@ from .conftest import chat_prompt
 def test_prefill_logits_match_transformers(tiny_qwen2):
     model, tok = tiny_qwen2.model, tiny_qwen2.tokenizer
     cfg = model.config
-    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
-                        torch.float32, 1 << 20, 16)
+    kv = KVCacheManager(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.hidden_size // cfg.num_attention_heads,
+        torch.float32,
+        1 << 20,
+        16,
+    )
     runner = ModelRunner(model, kv, 512)
     ids = tok.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)
     seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
@@ -31,8 +39,14 @@ def test_decode_rows_of_very_different_lengths_match_transformers(tiny_qwen2):
     """A long context decoding beside short ones gets its own attention call; every row is still exact."""
     model, tok = tiny_qwen2.model, tiny_qwen2.tokenizer
     cfg = model.config
-    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                        cfg.hidden_size // cfg.num_attention_heads, torch.float32, 4 << 20, 16)
+    kv = KVCacheManager(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.hidden_size // cfg.num_attention_heads,
+        torch.float32,
+        4 << 20,
+        16,
+    )
     runner = ModelRunner(model, kv, 2048)
     torch.manual_seed(1)
     prompts = [torch.randint(0, len(tok), (n,)).tolist() for n in (700, 9, 12, 5)]
@@ -65,13 +79,21 @@ def test_stored_linear_is_close_to_float32(storage, tolerance):
 def test_float16_weights_give_float32_answers_on_the_embedded_model(smol):
     """float16 storage changes each linear by ~1e-4 relative: greedy answers stay those of float32."""
     tok = smol.tokenizer
-    prompts = [chat_prompt(tok, t)
-               for t in ("Tell me a short fact about the number 7.", "What is the capital of France?")]
+    prompts = [
+        chat_prompt(tok, t)
+        for t in ("Tell me a short fact about the number 7.", "What is the capital of France?")
+    ]
     answers = {}
     for storage in (None, "float16"):
         cfg = smol.model.config
-        kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                            cfg.hidden_size // cfg.num_attention_heads, torch.float32, 8 << 20, 16)
+        kv = KVCacheManager(
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.hidden_size // cfg.num_attention_heads,
+            torch.float32,
+            8 << 20,
+            16,
+        )
         runner = ModelRunner(smol.model, kv, 512, weight_storage=storage)
         outputs = []
         for ids in prompts:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from rtserver.kv import KVCacheManager
-from rtserver.runner import StepItem
-from rtserver.scheduler import Overloaded, RequestTooLarge, Scheduler, SchedulerLimits
-from rtserver.sequence import FinishReason, Phase, SamplingParams, Sequence
+from rtserver.config import EngineSettings
+from rtserver.engine.backend import FinishReason, Overloaded, RequestTooLarge, SamplingParams
+from rtserver.engine.kv import KVCacheManager
+from rtserver.engine.plan import StepItem
+from rtserver.engine.runner import ModelRunner
+from rtserver.engine.scheduler import Scheduler, SchedulerLimits
+from rtserver.engine.sequence import Phase, Sequence
 
 VOCAB = 32
 
@@ -41,20 +46,38 @@ class FakeRunner:
     def sample(self, seqs, logits):
         return logits.argmax(-1).tolist()
 
+    score_labels = ModelRunner.score_labels  # the runner's own label arithmetic, over this fake forward
+
+
+def with_limits(**changes) -> SchedulerLimits:
+    """The default [engine] limits with `changes`."""
+    return dataclasses.replace(SchedulerLimits.from_settings(EngineSettings()), **changes)
+
 
 def make(limits=None, blocks=64, block_tokens=4):
-    kv = KVCacheManager(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32,
-                        budget_bytes=(blocks + 1) * block_tokens * 2 * 2 * 4, block_tokens=block_tokens)
+    kv = KVCacheManager(
+        num_layers=1,
+        kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        budget_bytes=(blocks + 1) * block_tokens * 2 * 2 * 4,
+        block_tokens=block_tokens,
+    )
     runner = FakeRunner()
     events = []
-    sched = Scheduler(runner, kv, limits or SchedulerLimits(max_running=4, max_waiting=4,
-                                                            prefill_chunk_tokens=8), events.extend)
+    sched = Scheduler(
+        runner, kv, limits or with_limits(max_running=4, max_waiting=4, prefill_chunk_tokens=8), events.extend
+    )
     return sched, runner, kv, events
 
 
 def seq(n_prompt, n_new, start=100):
-    return Sequence(list(range(start, start + n_prompt)), SamplingParams(max_new_tokens=n_new),
-                    tokenizer=FakeTokenizer(), eos_token_ids=set())
+    return Sequence(
+        list(range(start, start + n_prompt)),
+        SamplingParams(max_new_tokens=n_new),
+        tokenizer=FakeTokenizer(),
+        eos_token_ids=set(),
+    )
 
 
 def run_until_idle(sched, limit=200):
@@ -96,7 +119,7 @@ def test_sequences_join_at_any_step_without_waiting_for_a_batch():
 
 
 def test_max_running_and_bounded_queue():
-    sched, runner, _, _ = make(SchedulerLimits(max_running=2, max_waiting=2, prefill_chunk_tokens=64))
+    sched, runner, _, _ = make(with_limits(max_running=2, max_waiting=2, prefill_chunk_tokens=64))
     seqs = [seq(2, 5, start=10 * i) for i in range(4)]
     for s in seqs:
         sched.submit(s)
@@ -110,7 +133,7 @@ def test_max_running_and_bounded_queue():
 
 
 def test_request_larger_than_limits_is_refused_at_once():
-    sched, _, _, _ = make(SchedulerLimits(max_sequence_tokens=16))
+    sched, _, _, _ = make(with_limits(max_sequence_tokens=16))
     with pytest.raises(RequestTooLarge):
         sched.submit(seq(10, 10))
 
@@ -181,8 +204,13 @@ def test_step_exception_is_isolated_to_the_sequence_that_raises():
 
 def test_label_scoring_runs_without_a_decode_loop():
     sched, runner, kv, _ = make()
-    s = Sequence(list(range(5)), SamplingParams(max_new_tokens=1), tokenizer=FakeTokenizer(),
-                 eos_token_ids=set(), candidates=[[5], [7], [5, 6, 7]])
+    s = Sequence(
+        list(range(5)),
+        SamplingParams(max_new_tokens=1),
+        tokenizer=FakeTokenizer(),
+        eos_token_ids=set(),
+        candidates=[[5], [7], [5, 6, 7]],
+    )
     sched.submit(s)
     run_until_idle(sched)
     lp = torch.log_softmax(torch.tensor([0.0] * 5 + [1.0] + [0.0] * (VOCAB - 6)), -1)
@@ -195,8 +223,16 @@ def test_label_scoring_runs_without_a_decode_loop():
 
 def test_generation_prompts_take_the_prefill_budget_before_scoring_ones():
     sched, runner, kv, _ = make()  # prefill chunk budget: 8 tokens per step
-    scoring = [Sequence(list(range(200 + 10 * i, 206 + 10 * i)), SamplingParams(max_new_tokens=1),
-                        tokenizer=FakeTokenizer(), eos_token_ids=set(), candidates=[[5], [7]]) for i in range(2)]
+    scoring = [
+        Sequence(
+            list(range(200 + 10 * i, 206 + 10 * i)),
+            SamplingParams(max_new_tokens=1),
+            tokenizer=FakeTokenizer(),
+            eos_token_ids=set(),
+            candidates=[[5], [7]],
+        )
+        for i in range(2)
+    ]
     chat = seq(6, 2, start=500)
     for s in scoring + [chat]:  # the chat arrives last
         sched.submit(s)

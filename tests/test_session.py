@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rtserver.session import (LastTurn, SessionExpired, SessionRegistry, TooManySessions, continue_prompt,
-                              finished_turn, window)
+from rtserver.tasks.chat import LastTurn, continue_prompt, finished_turn, window
+from rtserver.web.session import SessionExpired, SessionRegistry, TooManySessions
 
 
 class Clock:
@@ -135,7 +135,9 @@ def test_next_prompt_keeps_the_generated_tokens_even_when_retokenizing_differs(s
     history = [{"role": "user", "content": "Say hello."}]
     rendered = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     prompt = continue_prompt(tok, rendered, None)
-    assert prompt == tok.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert prompt == tok.apply_chat_template(
+        history, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     # the model spelled "Hello there" with other tokens than the tokenizer would, then ended its turn
     generated = [tok.convert_tokens_to_ids(t) for t in ("H", "ello", "Ġthere")] + [tok.eos_token_id]
     assert tok.decode(generated[:-1]) == "Hello there" != tok.encode("Hello there")
@@ -143,7 +145,7 @@ def test_next_prompt_keeps_the_generated_tokens_even_when_retokenizing_differs(s
     history += [{"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Again."}]
     rendered2 = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     ids = continue_prompt(tok, rendered2, last)
-    assert ids[:len(prompt) + 3] == prompt + generated[:3]  # the session's KV covers all of these
+    assert ids[: len(prompt) + 3] == prompt + generated[:3]  # the session's KV covers all of these
     assert tok.decode(ids) == rendered2
     # a different history (here: a cut window) is tokenized afresh
     assert continue_prompt(tok, rendered2[5:], last) == tok.encode(rendered2[5:], add_special_tokens=False)

@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 from cachetools import TTLCache
 
-from rtserver.config import Settings, TaskSettings
-from rtserver.engine import Engine, EngineOptions
-from rtserver.tasks import ChatTask, Choices, PreparedTask, Task, TaskError, load_registry
+from rtserver.config import EngineSettings, Settings, TaskSettings
+from rtserver.engine.core import Engine
+from rtserver.tasks import Choices, Task, TaskError
+from rtserver.tasks.chat import ChatTask
+from rtserver.tasks.registry import load_registry
+from rtserver.tasks.run import PromptTask
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILTIN = str(ROOT / "plugins")
@@ -67,7 +70,7 @@ def tok(smol):
 
 @pytest.fixture
 async def engine(smol):
-    eng = Engine(smol, EngineOptions(kv_budget_mb=64))
+    eng = Engine(smol, EngineSettings(kv_budget_mb=64))
     eng.start()
     yield eng
     await eng.stop()
@@ -80,6 +83,7 @@ def builtin(tok, **task_tables):
 
 
 # -- discovery ---------------------------------------------------------------------------------
+
 
 def test_discovery_from_a_folder(tmp_path, tok):
     write(tmp_path, "good.py", GOOD)
@@ -109,17 +113,19 @@ def test_builtin_plugins_and_auto_tasks(tok):
     assert registry.auto_tasks == ["intent"]
     assert sorted(str(e) for e in errors) == [
         "config.toml: tasks.auto_tasks: 'chat' is not an enabled stateless task",
-        "config.toml: tasks.auto_tasks: 'ghost' is not an enabled stateless task"]
+        "config.toml: tasks.auto_tasks: 'ghost' is not an enabled stateless task",
+    ]
 
 
 def test_enabled_and_disabled(tok):
     registry, errors = load_registry(settings(BUILTIN, disabled=["intent"]), tok)
     assert errors == [] and registry.names() == ["chat", "sentiment"]
-    registry, errors = load_registry(settings(BUILTIN, enabled=["sentiment"],
-                                              task={"chat": {"max_new_tokens": 64}}), tok)
+    registry, errors = load_registry(
+        settings(BUILTIN, enabled=["sentiment"], task={"chat": {"max_new_tokens": 64}}), tok
+    )
     assert errors == [] and registry.names() == ["sentiment"]  # a table for a known, not loaded task is fine
     with pytest.raises(TaskError) as exc:
-        registry.chat
+        _ = registry.chat
     assert exc.value.code == "unknown_task"
 
 
@@ -134,23 +140,35 @@ def _dist(site: Path, dist: str, entry_points: str, modules: dict[str, str]) -> 
 
 def test_discovery_from_entry_points(tmp_path, tok, monkeypatch):
     site = tmp_path / "site"
-    _dist(site, "rtserver_extra_tasks", """
+    _dist(
+        site,
+        "rtserver_extra_tasks",
+        """
         [rtserver.tasks]
         echo = extra_echo:TASK
         yesno = extra_yesno:make_task
         whole = extra_whole
         broken = extra_missing:TASK
-        """, {"extra_echo.py": GOOD, "extra_yesno.py": FACTORY,
-              "extra_whole.py": GOOD.replace('"echo"', '"whole"')})
+        """,
+        {
+            "extra_echo.py": GOOD,
+            "extra_yesno.py": FACTORY,
+            "extra_whole.py": GOOD.replace('"echo"', '"whole"'),
+        },
+    )
     monkeypatch.syspath_prepend(str(site))
     empty = tmp_path / "none"
     empty.mkdir()
     # The [task.<name>] table reaches a Task object and a factory named by an entry point.
-    registry, errors = load_registry(settings(str(empty), task={
-        "echo": {"max_new_tokens": 9}, "yesno": {"words": {"y": " Yes", "n": " No"}}}), tok)
+    registry, errors = load_registry(
+        settings(
+            str(empty), task={"echo": {"max_new_tokens": 9}, "yesno": {"words": {"y": " Yes", "n": " No"}}}
+        ),
+        tok,
+    )
     assert registry.names() == ["echo", "whole", "yesno"]
-    assert registry.get("echo").max_new_tokens == 9
-    assert list(registry.get("yesno").choices.labels) == ["y", "n"]
+    assert registry.get("echo").task.max_new_tokens == 9
+    assert list(registry.get("yesno").task.choices.labels) == ["y", "n"]
     assert len(errors) == 1
     assert errors[0].source == "entry point broken (extra_missing:TASK)"
     assert "import failed: ModuleNotFoundError" in errors[0].reason
@@ -160,8 +178,11 @@ def test_broken_plugins_beside_good_ones(tmp_path, tok):
     write(tmp_path, "good.py", GOOD)
     syntax = write(tmp_path, "syntax.py", "from rtserver.tasks import Task\nTASK = Task(name='x',\n")
     raises = write(tmp_path, "raises.py", "raise RuntimeError('no database')\n")
-    bad_mode = write(tmp_path, "badmode.py", GOOD.replace('"echo"', '"cut"').replace(
-        "max_new_tokens=4", "truncate='middle'"))
+    bad_mode = write(
+        tmp_path,
+        "badmode.py",
+        GOOD.replace('"echo"', '"cut"').replace("max_new_tokens=4", "truncate='middle'"),
+    )
     no_text = write(tmp_path, "notext.py", GOOD.replace('"echo"', '"notext"').replace("{text}", "text"))
     bad_name = write(tmp_path, "badname.py", GOOD.replace('"echo"', '"Bad Name"'))
     empty_word = write(tmp_path, "emptyword.py", FACTORY.replace('"yesno"', '"ew"').replace('" no"', '""'))
@@ -193,40 +214,51 @@ def test_missing_plugin_folder_is_reported(tmp_path, tok):
 
 # -- configuration -----------------------------------------------------------------------------
 
+
 def test_config_overrides_apply(tok):
-    registry = builtin(tok, chat={"max_new_tokens": 64, "system_prompt": "Be brief.",
-                                  "decoding": {"temperature": 0.3}, "stop": ["\n\n"]},
-                       sentiment={"neutral": True, "cache_size": 10, "cache_ttl_s": 5},
-                       intent={"categories": {"refund": " refund", "other": " other"}})
+    registry = builtin(
+        tok,
+        chat={
+            "max_new_tokens": 64,
+            "system_prompt": "Be brief.",
+            "decoding": {"temperature": 0.3},
+            "stop": ["\n\n"],
+        },
+        sentiment={"neutral": True, "cache_size": 10, "cache_ttl_s": 5},
+        intent={"categories": {"refund": " refund", "other": " other"}},
+    )
     chat = registry.chat
-    assert chat.max_new_tokens == 64 and chat.system_prompt == "Be brief."
-    params = chat.sampling(None)
+    assert chat.task.max_new_tokens == 64 and chat.task.system_prompt == "Be brief."
+    params = chat.task.sampling(None)
     assert (params.temperature, params.top_p, params.max_new_tokens, params.stop) == (0.3, 0.9, 64, ["\n\n"])
     sentiment = registry.get("sentiment")
-    assert list(sentiment.choices.labels) == ["positive", "negative", "neutral"]
+    assert list(sentiment.task.choices.labels) == ["positive", "negative", "neutral"]
     assert sentiment.cache.maxsize == 10 and sentiment.cache.ttl == 5.0
-    assert list(registry.get("intent").choices.labels) == ["refund", "other"]
+    assert list(registry.get("intent").task.choices.labels) == ["refund", "other"]
 
 
-@pytest.mark.parametrize("table, reason", [
-    ({"chat": {"colour": "red"}}, "unknown settings colour (this task takes no options"),
-    ({"sentiment": {"colour": "red"}}, "unknown settings: colour (known: mode, neutral, label_names)"),
-    ({"sentiment": {"mode": "vote"}}, "mode = 'vote'"),
-    ({"sentiment": {"label_names": {"happy": "x"}}}, "label_names: unknown labels happy"),
-    ({"chat": {"max_new_tokens": "many"}}, "max_new_tokens = 'many': expected an integer"),
-    ({"chat": {"max_new_tokens": True}}, "max_new_tokens = True: expected an integer"),
-    ({"chat": {"max_new_tokens": 2.5}}, "max_new_tokens = 2.5: expected an integer"),
-    ({"chat": {"max_new_tokens": 0}}, "max_new_tokens = 0: must be an integer of at least 1"),
-    ({"chat": {"truncate": 5}}, "truncate = 5: expected a string"),
-    ({"chat": {"truncate": "middle"}}, "truncate 'middle': allowed reject, head, tail"),
-    ({"chat": {"stop": [1]}}, "stop = [1]: expected a list of strings"),
-    ({"chat": {"system_prompt": 3}}, "system_prompt = 3: expected a string"),
-    ({"chat": {"decoding": {"temperature": 9.0}}}, "decoding: chat: temperature = 9.0: allowed 0..5"),
-    ({"chat": {"decoding": {"beam": 4}}}, "decoding key 'beam'"),
-    ({"sentiment": {"cache_size": -1}}, "cache_size = -1"),
-    ({"sentiment": {"cache_ttl_s": 0}}, "cache_ttl_s = 0.0: must be a number > 0"),
-    ({"sentiment": {"prompt": "no placeholder"}}, "prompt must contain {text} exactly once"),
-])
+@pytest.mark.parametrize(
+    "table, reason",
+    [
+        ({"chat": {"colour": "red"}}, "unknown settings colour (this task takes no options"),
+        ({"sentiment": {"colour": "red"}}, "unknown settings: colour (known: mode, neutral, label_names)"),
+        ({"sentiment": {"mode": "vote"}}, "mode = 'vote'"),
+        ({"sentiment": {"label_names": {"happy": "x"}}}, "label_names: unknown labels happy"),
+        ({"chat": {"max_new_tokens": "many"}}, "max_new_tokens = 'many': expected an integer"),
+        ({"chat": {"max_new_tokens": True}}, "max_new_tokens = True: expected an integer"),
+        ({"chat": {"max_new_tokens": 2.5}}, "max_new_tokens = 2.5: expected an integer"),
+        ({"chat": {"max_new_tokens": 0}}, "max_new_tokens = 0: must be an integer of at least 1"),
+        ({"chat": {"truncate": 5}}, "truncate = 5: expected a string"),
+        ({"chat": {"truncate": "middle"}}, "truncate 'middle': allowed reject, head, tail"),
+        ({"chat": {"stop": [1]}}, "stop = [1]: expected a list of strings"),
+        ({"chat": {"system_prompt": 3}}, "system_prompt = 3: expected a string"),
+        ({"chat": {"decoding": {"temperature": 9.0}}}, "decoding: chat: temperature = 9.0: allowed 0..5"),
+        ({"chat": {"decoding": {"beam": 4}}}, "decoding key 'beam'"),
+        ({"sentiment": {"cache_size": -1}}, "cache_size = -1"),
+        ({"sentiment": {"cache_ttl_s": 0}}, "cache_ttl_s = 0.0: must be a number > 0"),
+        ({"sentiment": {"prompt": "no placeholder"}}, "prompt must contain {text} exactly once"),
+    ],
+)
 def test_config_override_errors(tok, table, reason):
     registry, errors = load_registry(settings(BUILTIN, task=table), tok)
     (name,) = table
@@ -238,27 +270,41 @@ def test_config_override_errors(tok, table, reason):
 
 def test_decoding_override_ranges(tok):
     chat = builtin(tok).chat
-    p = chat.sampling({"temperature": 0, "top_p": 0.5, "max_new_tokens": 12.0, "stop": ["END"], "seed": 7})
+    p = chat.task.sampling(
+        {"temperature": 0, "top_p": 0.5, "max_new_tokens": 12.0, "stop": ["END"], "seed": 7}
+    )
     assert (p.temperature, p.top_p, p.max_new_tokens, p.stop, p.seed) == (0, 0.5, 12, ["END"], 7)
     assert isinstance(p.max_new_tokens, int)
-    bad = [{"temperature": 2.5}, {"temperature": -0.1}, {"temperature": "hot"}, {"temperature": True},
-           {"temperature": float("nan")}, {"top_k": 2.5}, {"max_new_tokens": 1000}, {"beams": 2},
-           {"stop": "END"}, {"stop": ["a", "b", "c", "d", "e"]}, {"stop": [""]}, {"stop": [3]}]
+    bad = [
+        {"temperature": 2.5},
+        {"temperature": -0.1},
+        {"temperature": "hot"},
+        {"temperature": True},
+        {"temperature": float("nan")},
+        {"top_k": 2.5},
+        {"max_new_tokens": 1000},
+        {"beams": 2},
+        {"stop": "END"},
+        {"stop": ["a", "b", "c", "d", "e"]},
+        {"stop": [""]},
+        {"stop": [3]},
+    ]
     for overrides in bad:
         with pytest.raises(TaskError) as exc:
-            chat.sampling(overrides)
+            chat.task.sampling(overrides)
         assert exc.value.code == "bad_decoding", overrides
         assert exc.value.message.startswith("chat: "), overrides
     with pytest.raises(TaskError) as exc:
-        chat.sampling(["temperature"])
+        chat.task.sampling(["temperature"])
     assert exc.value.code == "bad_decoding"
     # A scoring task accepts no decoding options at all, and says so.
     with pytest.raises(TaskError) as exc:
-        builtin(tok).get("sentiment").sampling({"temperature": 0.5})
+        builtin(tok).get("sentiment").task.sampling({"temperature": 0.5})
     assert exc.value.code == "bad_decoding" and "settable: none" in exc.value.message
 
 
 # -- input ---------------------------------------------------------------------------------------
+
 
 def test_clean_text():
     task = Task(name="t", description="", max_input_chars=10)
@@ -282,43 +328,58 @@ def test_clean_text():
 
 
 def test_render_truncates_in_tokens(tok):
-    task = Task(name="t", description="", prompt="Message: {text}\nSentiment:", chat_template=False,
-                max_input_tokens=5, choices=Choices({"a": " a", "b": " b"}))
+    task = Task(
+        name="t",
+        description="",
+        prompt="Message: {text}\nSentiment:",
+        chat_template=False,
+        max_input_tokens=5,
+        choices=Choices({"a": " a", "b": " b"}),
+    )
     text = "one two three four five six seven"
     body = tok.encode(text, add_special_tokens=False)
     assert len(body) == 7
     # The prefix ids are tokenized once, on their own, and shared by every call.
-    prefix, suffix = (tok.encode("Message: ", add_special_tokens=False),
-                      tok.encode("\nSentiment:", add_special_tokens=False))
+    prefix, suffix = (
+        tok.encode("Message: ", add_special_tokens=False),
+        tok.encode("\nSentiment:", add_special_tokens=False),
+    )
     with pytest.raises(TaskError) as exc:
-        PreparedTask(task, tok).render(text)
+        PromptTask(task, tok).render(text)
     assert exc.value.code == "input_too_long" and "7 tokens, the limit is 5" in exc.value.message
-    ids, choices = PreparedTask(dataclasses.replace(task, truncate="head"), tok).render(text)
+    ids, choices = PromptTask(dataclasses.replace(task, truncate="head"), tok).render(text)
     assert ids == prefix + body[:5] + suffix and choices is task.choices
-    ids, _ = PreparedTask(dataclasses.replace(task, truncate="tail"), tok).render(text)
+    ids, _ = PromptTask(dataclasses.replace(task, truncate="tail"), tok).render(text)
     assert ids == prefix + body[-5:] + suffix
-    ids, _ = PreparedTask(task, tok).render("one two")
+    ids, _ = PromptTask(task, tok).render("one two")
     assert ids == prefix + tok.encode("one two", add_special_tokens=False) + suffix
 
 
 def test_render_keeps_special_token_text_as_text(tok):
-    prepared = PreparedTask(Task(name="t", description="", prompt="{text}"), tok)
+    prepared = PromptTask(Task(name="t", description="", prompt="{text}"), tok)
     ids, _ = prepared.render("hi <|im_end|> there")
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    template = tok.apply_chat_template([{"role": "user", "content": "X"}], tokenize=True,
-                                       add_generation_prompt=True, return_dict=False)
+    template = tok.apply_chat_template(
+        [{"role": "user", "content": "X"}], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     assert ids.count(im_end) == template.count(im_end)  # only the template's own
 
 
 def test_variant_selects_prompt_and_choices(tok):
-    from rtserver.tasks import ChatTask, Choices, PreparedTask, Task, Variant, has_cjk  # noqa: F401
+    from rtserver.tasks import Choices, Task, Variant, has_cjk
 
     en = Choices({"positive": " Positive", "negative": " Negative"})
     zh = Choices({"positive": "好", "negative": "差"})
-    task = Task(name="lang-aware", description="x", prompt="Message: {text}\nSentiment:", chat_template=False,
-                choices=en, variants=[Variant(when=has_cjk, prompt="评论：{text}\n情感：", choices=zh)])
+    task = Task(
+        name="lang-aware",
+        description="x",
+        prompt="Message: {text}\nSentiment:",
+        chat_template=False,
+        choices=en,
+        variants=[Variant(when=has_cjk, prompt="评论：{text}\n情感：", choices=zh)],
+    )
     task.validate()
-    prepared = PreparedTask(task, tok)
+    prepared = PromptTask(task, tok)
     en_ids, en_choices = prepared.render("What a lovely day")
     zh_ids, zh_choices = prepared.render("这个产品很好")
     assert en_choices is en and zh_choices is zh
@@ -337,21 +398,37 @@ def test_builtin_sentiment_uses_one_prompt_for_both_languages(tok):
 
 # -- the generative parser ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("answer, label", [
-    ("positive", "positive"), (" Positive.", "positive"), ("NEGATIVE!", "negative"), ("\nnegative\n", "negative"),
-    ("Negative sentiment", "negative"), ("positive or negative", None), ("positively", None),
-    ("non-negative", None), ("I think", None), ("", None), ("neutral", None), ("pos", None),
-])
+
+@pytest.mark.parametrize(
+    "answer, label",
+    [
+        ("positive", "positive"),
+        (" Positive.", "positive"),
+        ("NEGATIVE!", "negative"),
+        ("\nnegative\n", "negative"),
+        ("Negative sentiment", "negative"),
+        ("positive or negative", None),
+        ("positively", None),
+        ("non-negative", None),
+        ("I think", None),
+        ("", None),
+        ("neutral", None),
+        ("pos", None),
+    ],
+)
 def test_generative_parser_edge_cases(tok, answer, label):
-    parse = builtin(tok, sentiment={"mode": "generate"}).get("sentiment").parser
+    parse = builtin(tok, sentiment={"mode": "generate"}).get("sentiment").task.parser
     assert parse(answer) == {"label": label, "valid": label is not None}
 
 
 def test_generative_parser_with_neutral_and_renamed_labels(tok):
-    parse = builtin(tok, sentiment={"mode": "generate", "neutral": True}).get("sentiment").parser
+    parse = builtin(tok, sentiment={"mode": "generate", "neutral": True}).get("sentiment").task.parser
     assert parse("Neutral") == {"label": "neutral", "valid": True}
-    parse = builtin(tok, sentiment={"mode": "generate", "label_names": {"positive": "正面", "negative": "负面"}}
-                    ).get("sentiment").parser
+    parse = (
+        builtin(tok, sentiment={"mode": "generate", "label_names": {"positive": "正面", "negative": "负面"}})
+        .get("sentiment")
+        .task.parser
+    )
     assert parse("正面的") == {"label": "正面", "valid": True}
     assert parse("负面。") == {"label": "负面", "valid": True}
     assert parse("positive") == {"label": "正面", "valid": True}  # the key names the label too
@@ -368,15 +445,24 @@ async def test_generative_mode_end_to_end(tok, engine):
 
 # -- label scoring ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tables, labels", [
-    ({}, ["positive", "negative"]),
-    ({"sentiment": {"neutral": True}}, ["positive", "negative", "neutral"]),
-    ({"sentiment": {"label_names": {"positive": "正面", "negative": "负面"}}}, ["正面", "负面"]),
-])
+
+@pytest.mark.parametrize(
+    "tables, labels",
+    [
+        ({}, ["positive", "negative"]),
+        ({"sentiment": {"neutral": True}}, ["positive", "negative", "neutral"]),
+        ({"sentiment": {"label_names": {"positive": "正面", "negative": "负面"}}}, ["正面", "负面"]),
+    ],
+)
 async def test_label_scoring_returns_declared_labels(tok, engine, tables, labels):
     registry = builtin(tok, **tables)
-    texts = ["I love this phone, it is wonderful.", "Terrible service, never again.",
-             "这个产品质量很好，非常满意", "太差了，退货", "ok"]
+    texts = [
+        "I love this phone, it is wonderful.",
+        "Terrible service, never again.",
+        "这个产品质量很好，非常满意",
+        "太差了，退货",
+        "ok",
+    ]
     outs = await asyncio.gather(*(registry.run(engine, "sentiment", {"text": t}) for t in texts))
     for out in outs:
         assert out.output["label"] in labels and out.text == out.output["label"]
@@ -393,9 +479,9 @@ class CountingEngine:
     def __init__(self, engine):
         self.engine, self.scores = engine, 0
 
-    async def score(self, prompt, candidates):
+    async def score(self, prompt, candidates, *, normalize=True):
         self.scores += 1
-        return await self.engine.score(prompt, candidates)
+        return await self.engine.score(prompt, candidates, normalize=normalize)
 
 
 async def test_calibration_is_computed_once_for_a_burst(tok, engine):
@@ -403,12 +489,13 @@ async def test_calibration_is_computed_once_for_a_burst(tok, engine):
     counting = CountingEngine(engine)
     texts = [f"Review number {i}: it was fine." for i in range(6)]
     await asyncio.gather(*(sentiment.run(counting, t) for t in texts))
-    assert counting.scores == len(texts) + len(sentiment.choices.calibration)
+    assert counting.scores == len(texts) + len(sentiment.task.choices.calibration)
     await sentiment.run(counting, "这个很好")  # one prompt for both languages: no second calibration
-    assert counting.scores == len(texts) + 1 + len(sentiment.choices.calibration)
+    assert counting.scores == len(texts) + 1 + len(sentiment.task.choices.calibration)
 
 
 # -- result cache ------------------------------------------------------------------------------------
+
 
 async def test_result_cache_hit_miss_ttl(tok, engine):
     registry = builtin(tok)
@@ -445,6 +532,7 @@ async def test_cache_off(tok, engine):
 
 # -- the README example ------------------------------------------------------------------------------
 
+
 async def test_readme_example_plugin_end_to_end(tok, engine):
     source = (ROOT / "examples" / "plugins" / "language.py").read_text(encoding="utf-8")
     assert len(source.splitlines()) <= 30
@@ -453,10 +541,12 @@ async def test_readme_example_plugin_end_to_end(tok, engine):
     assert registry.names() == ["chat", "intent", "language", "sentiment"]
     (desc,) = [d for d in registry.describe() if d["name"] == "language"]
     assert desc["output"] == "choices" and "french" in desc["labels"]
-    cases = {"Bonjour, je voudrais réserver une table pour deux personnes ce soir.": "french",
-             "Hello, I would like to book a table for two people tonight.": "english",
-             "Hola, quisiera reservar una mesa para dos personas esta noche.": "spanish",
-             "你好，我想订一张今晚两个人的桌子。": "chinese"}
+    cases = {
+        "Bonjour, je voudrais réserver une table pour deux personnes ce soir.": "french",
+        "Hello, I would like to book a table for two people tonight.": "english",
+        "Hola, quisiera reservar una mesa para dos personas esta noche.": "spanish",
+        "你好，我想订一张今晚两个人的桌子。": "chinese",
+    }
     for text, expected in cases.items():
         out = await registry.run(engine, "language", {"text": text})
         assert out.task == "language" and not out.cached
@@ -474,13 +564,21 @@ async def test_readme_example_plugin_end_to_end(tok, engine):
 
 # -- chat ----------------------------------------------------------------------------------------------
 
+
 def test_chat_render_with_system_prompt(tok):
     chat = builtin(tok, chat={"system_prompt": "You answer in French."}).chat
-    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bonjour !"},
-               {"role": "user", "content": "How are you?"}]
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Bonjour !"},
+        {"role": "user", "content": "How are you?"},
+    ]
     ids = chat.render(history)
-    expected = tok.apply_chat_template([{"role": "system", "content": "You answer in French."}, *history],
-                                       tokenize=True, add_generation_prompt=True, return_dict=False)
+    expected = tok.apply_chat_template(
+        [{"role": "system", "content": "You answer in French."}, *history],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
     assert ids == expected
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>system\nYou answer in French.<|im_end|>")
@@ -492,24 +590,45 @@ def test_chat_render_with_system_prompt(tok):
     # The shorter the window, the shorter the prompt; the last user turn is always the end.
     assert len(chat.render(history[-1:])) < len(ids)
     assert chat.parse(" Très bien.") == {"reply": " Très bien."}
-    assert chat.count_tokens("How are you?") == len(tok.encode("How are you?", add_special_tokens=False))
-    assert chat.clean_text("x" * 5000) == "x" * 4000  # chat keeps the newest part of a long message
-    assert chat.max_history_turns == 20 and chat.max_history_tokens == 1500
+    assert chat.task.clean_text("x" * 5000) == "x" * 4000  # chat keeps the newest part of a long message
+    assert chat.task.max_history_turns == 20 and chat.task.max_history_tokens == 1500
 
 
 # -- the scoring path's speed-ups keep its answers --------------------------------------------------
 
+
 def _reference_clean(text: str) -> str:
     import unicodedata
+
     return "".join(c for c in text if c in "\n\t" or unicodedata.category(c)[0] != "C").strip()
 
 
 def test_clean_text_fast_path_equals_the_full_filter():
     import random
+
     task = Task(name="t", description="", max_input_chars=4000)
     rng = random.Random(0)
-    alphabet = ["a", "Z", " ", "\n", "\t", "\r", "\x00", "\x1b", "\x7f", "\u00a0", "\u200b", "\u2028", "\ufeff",
-                "é", "好", "😀", "\U000e0001", "\ud7ff", "\u3000"]
+    alphabet = [
+        "a",
+        "Z",
+        " ",
+        "\n",
+        "\t",
+        "\r",
+        "\x00",
+        "\x1b",
+        "\x7f",
+        "\u00a0",
+        "\u200b",
+        "\u2028",
+        "\ufeff",
+        "é",
+        "好",
+        "😀",
+        "\U000e0001",
+        "\ud7ff",
+        "\u3000",
+    ]
     for _ in range(500):
         text = "x" + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
         assert task.clean_text(text) == _reference_clean(text), repr(text)
@@ -541,12 +660,19 @@ async def test_cache_hit_needs_no_engine_and_returns_its_own_copy(tok, engine):
 
 def _hf_last_logprobs(loaded, ids: list[int]):
     import torch
+
     with torch.no_grad():
         return torch.log_softmax(loaded.model(torch.tensor([ids])).logits[0, -1].float(), -1)
 
 
-SCORING_TEXTS = ["I love this phone, it is wonderful.", "Terrible service, never again.", "ok",
-                 "这个产品质量很好，非常满意", "太差了，退货", "The plot was thin but the actors saved it."]
+SCORING_TEXTS = [
+    "I love this phone, it is wonderful.",
+    "Terrible service, never again.",
+    "ok",
+    "这个产品质量很好，非常满意",
+    "太差了，退货",
+    "The plot was thin but the actors saved it.",
+]
 
 
 async def test_sentiment_probs_equal_a_plain_transformers_forward(tok, engine, smol):
@@ -556,8 +682,8 @@ async def test_sentiment_probs_equal_a_plain_transformers_forward(tok, engine, s
     registry = builtin(tok)
     sentiment = registry.get("sentiment")
     outs = await asyncio.gather(*(registry.run(engine, "sentiment", t) for t in SCORING_TEXTS))
-    labels = list(sentiment.choices.labels)
-    cands = [tok.encode(w, add_special_tokens=False) for w in sentiment.choices.labels.values()]
+    labels = list(sentiment.task.choices.labels)
+    cands = [tok.encode(w, add_special_tokens=False) for w in sentiment.task.choices.labels.values()]
     assert all(len(c) == 1 for c in cands)
     na = _hf_last_logprobs(smol, sentiment.render("N/A")[0])
     for text, out in zip(SCORING_TEXTS, outs):
@@ -572,8 +698,9 @@ async def test_sentiment_probs_equal_a_plain_transformers_forward(tok, engine, s
 
 async def test_relative_scores_keep_the_differences(tok, engine):
     prompts = [tok.encode(f"Message: {t}\nSentiment:", add_special_tokens=False) for t in SCORING_TEXTS[:3]]
-    candidates = [tok.encode(w, add_special_tokens=False) for w in (" positive", " negative",
-                                                                     " very mixed feelings")]
+    candidates = [
+        tok.encode(w, add_special_tokens=False) for w in (" positive", " negative", " very mixed feelings")
+    ]
     assert len(candidates[2]) > 1
     plain = await asyncio.gather(*(engine.score(p, candidates) for p in prompts))
     relative = await asyncio.gather(*(engine.score(p, candidates, normalize=False) for p in prompts))
@@ -602,7 +729,8 @@ async def test_the_whole_fixed_prefix_is_reused_not_just_full_blocks(tok, engine
 def test_kv_reuses_the_shared_part_of_a_cached_block():
     import torch
 
-    from rtserver.kv import KVCacheManager
+    from rtserver.engine.kv import KVCacheManager
+
     kv = KVCacheManager(1, 1, 2, torch.float32, budget_bytes=9 * 4 * 2 * 2 * 4, block_tokens=4)
     a, _ = kv.acquire(list(range(10)), 10)
     kv.k[0, a.slot_table[:8]] = torch.arange(16.0).view(8, 1, 2)
@@ -625,10 +753,18 @@ def test_kv_reuses_the_shared_part_of_a_cached_block():
 def _tiny_model():
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(1)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     model = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
     for layer in model.model.layers:
         layer.self_attn.q_proj.bias.normal_(0, 0.5)
@@ -638,9 +774,12 @@ def _tiny_model():
 def test_runner_columns_pruning_and_onednn_match_transformers():
     import torch
 
-    from rtserver import runner as R
-    from rtserver.kv import KVCacheManager
-    from rtserver.sequence import SamplingParams, Sequence
+    from rtserver.engine import runner as R
+    from rtserver.engine.backend import SamplingParams
+    from rtserver.engine.kv import KVCacheManager
+    from rtserver.engine.plan import StepItem
+    from rtserver.engine.sequence import Sequence
+
     model = _tiny_model()
     ids = [5, 17, 33, 2, 81, 40, 7, 9, 11, 64, 3]
     with torch.no_grad():
@@ -654,8 +793,8 @@ def test_runner_columns_pruning_and_onednn_match_transformers():
             seq = Sequence(ids, SamplingParams(), tokenizer=None, eos_token_ids=set())
             h, _ = kv.acquire(ids, len(ids))
             # two chunks in two steps: the first gives no logits (skips the last layer's MLP)
-            assert runner.forward([R.StepItem(seq, h, 0, ids[:6], "none")]) == [None]
-            (got,) = runner.forward([R.StepItem(seq, h, 6, ids[6:], "last", columns)])
+            assert runner.forward([StepItem(seq, h, 0, ids[:6], "none")]) == [None]
+            (got,) = runner.forward([StepItem(seq, h, 6, ids[6:], "last", columns)])
             kv.release(h)
             out.append(got)
         return out
@@ -676,14 +815,24 @@ async def test_multi_token_labels_never_run_out_of_kv(smol):
     """Longer labels are teacher-forced in room reserved at admission: a pool that a burst fills
     completely still scores every request (they wait for room instead of failing mid-step)."""
     tok = smol.tokenizer
-    eng = Engine(smol, EngineOptions(max_running=16))
+    eng = Engine(smol, EngineSettings(max_running=16))
     cfg = smol.model.config
-    eng.kv = type(eng.kv)(cfg.num_hidden_layers, cfg.num_key_value_heads, eng.runner.head_dim, smol.dtype,
-                          eng.kv.bytes_per_token * 16 * 10, 16)  # 160 tokens of KV
+    eng.kv = type(eng.kv)(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        eng.runner.head_dim,
+        smol.dtype,
+        eng.kv.bytes_per_token * 16 * 10,
+        16,
+    )  # 160 tokens of KV
     eng.runner.kv = eng.scheduler.kv = eng.kv
-    candidates = [tok.encode(w, add_special_tokens=False) for w in (" very good indeed", " rather bad", " so-so")]
-    prompts = [tok.encode(f"Review {i}: the {w} was fine, I guess.\nVerdict:", add_special_tokens=False)
-               for i, w in enumerate(["soup", "hotel", "film", "phone", "bike", "book", "lamp", "chair"])]
+    candidates = [
+        tok.encode(w, add_special_tokens=False) for w in (" very good indeed", " rather bad", " so-so")
+    ]
+    prompts = [
+        tok.encode(f"Review {i}: the {w} was fine, I guess.\nVerdict:", add_special_tokens=False)
+        for i, w in enumerate(["soup", "hotel", "film", "phone", "bike", "book", "lamp", "chair"])
+    ]
     eng.start()
     try:
         together = await asyncio.gather(*(eng.score(p, candidates) for p in prompts))
@@ -697,20 +846,23 @@ async def test_multi_token_labels_never_run_out_of_kv(smol):
 async def test_serving_engine_with_released_weights_equals_generate():
     """The serving configuration (dense weights released: oneDNN-packed float32 linears) keeps greedy
     output equal to plain `generate` (on its own copy of the model: releasing empties the model)."""
-    from rtserver.model import load_model
-    from rtserver.sequence import SamplingParams
+    from rtserver.engine.backend import SamplingParams
+    from rtserver.engine.model import load_model
 
     from .conftest import chat_prompt, reference_greedy
 
     loaded = load_model("embedded", dtype="float32", threads=2)
-    prompts = [chat_prompt(loaded.tokenizer, t) for t in ("Tell me a short fact about the number 7.",
-                                                          "Write a haiku about autumn leaves.")]
+    prompts = [
+        chat_prompt(loaded.tokenizer, t)
+        for t in ("Tell me a short fact about the number 7.", "Write a haiku about autumn leaves.")
+    ]
     want = [reference_greedy(loaded, p, 12) for p in prompts]
-    eng = Engine(loaded, EngineOptions(kv_budget_mb=64), release_dense_weights=True)
+    eng = Engine(loaded, EngineSettings(kv_budget_mb=64), release_dense_weights=True)
     eng.start()
     try:
-        got = await asyncio.gather(*(eng.generate(p, SamplingParams(max_new_tokens=12, min_new_tokens=12)).result()
-                                     for p in prompts))
+        got = await asyncio.gather(
+            *(eng.generate(p, SamplingParams(max_new_tokens=12, min_new_tokens=12)).result() for p in prompts)
+        )
     finally:
         await eng.stop()
     assert [r.token_ids for r in got] == want

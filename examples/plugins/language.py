@@ -3,16 +3,21 @@
 
 from rtserver.tasks import Choices, Task
 
-LANGUAGES = {"english": " English", "chinese": " Chinese", "french": " French",
-             "german": " German", "spanish": " Spanish"}  # label -> word scored after the prompt
+LANGUAGES = {
+    "english": " English",
+    "chinese": " Chinese",
+    "french": " French",
+    "german": " German",
+    "spanish": " Spanish",
+}  # label -> word scored after the prompt
 
 TASK = Task(
     name="language",
     description="Language of a message, from a closed set, with a probability each.",
     # Two examples, then the message; the part before {text} is computed once and shared.
     prompt="Text: Bonjour tout le monde.\nLanguage: French\n\n"
-           "Text: Good morning, everyone.\nLanguage: English\n\n"
-           "Text: {text}\nLanguage:",
+    "Text: Good morning, everyone.\nLanguage: English\n\n"
+    "Text: {text}\nLanguage:",
     chat_template=False,  # a plain completion prompt
     max_input_tokens=128,
     truncate="head",  # a longer message keeps its start

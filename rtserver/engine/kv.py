@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
 
 import torch
 
@@ -68,8 +68,15 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 budget_bytes: int, block_tokens: int = 16):
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        budget_bytes: int,
+        block_tokens: int = 16,
+    ):
         self.block_tokens = block_tokens
         elem = torch.tensor([], dtype=dtype).element_size()
         self.bytes_per_token = num_layers * 2 * kv_heads * head_dim * elem
@@ -170,15 +177,6 @@ class KVCacheManager:
             self._drop_blocks([handle.blocks[-1]])
             handle.blocks[-1] = own
 
-    def _fork(self, source: KVHandle, n_tokens: int) -> KVHandle:
-        """A new handle holding the first n_tokens of source, sharing its blocks."""
-        shared = source.blocks[:self.blocks_for(n_tokens)]
-        for b in shared:
-            self._refs[b] += 1
-        handle = KVHandle(blocks=list(shared), token_ids=list(source.token_ids[:n_tokens]))
-        self._own_last_block(handle)
-        return handle
-
     # -- prefix cache ---------------------------------------------------------------------------
     def _chain(self, parent: int, tokens: tuple[int, ...]) -> int:
         return hash((parent, tokens))
@@ -201,7 +199,7 @@ class KVCacheManager:
         bs = self.block_tokens
         limit = len(prompt_ids) - 1  # leave at least one token to compute
         for k in range(limit // bs):
-            tokens = tuple(prompt_ids[k * bs:(k + 1) * bs])
+            tokens = tuple(prompt_ids[k * bs : (k + 1) * bs])
             key = self._chain(parent, tokens)
             entry = self.prefix_blocks.get(key)
             if entry is None or entry[0] != parent or entry[1] != tokens:
@@ -213,7 +211,7 @@ class KVCacheManager:
             handle.token_ids.extend(tokens)
             parent = key
         start = len(handle.token_ids)
-        want = prompt_ids[start:min(start + bs, limit)]
+        want = prompt_ids[start : min(start + bs, limit)]
         siblings = self._children.get((parent, want[0])) if want else None
         if siblings:
             best, best_n = None, 0
@@ -237,7 +235,7 @@ class KVCacheManager:
             full = handle.num_tokens // bs
             parent = handle.block_hashes[-1] if handle.block_hashes else 0
             for k in range(len(handle.block_hashes), full):
-                tokens = tuple(handle.token_ids[k * bs:(k + 1) * bs])
+                tokens = tuple(handle.token_ids[k * bs : (k + 1) * bs])
                 key = self._chain(parent, tokens)
                 if key not in self.prefix_blocks:
                     self.prefix_blocks[key] = (parent, tokens, handle.blocks[k])
@@ -247,8 +245,9 @@ class KVCacheManager:
                 parent = key
 
     # -- sequences ------------------------------------------------------------------------------
-    def acquire(self, prompt_ids: list[int], capacity_tokens: int,
-                session_key: Hashable | None = None) -> tuple[KVHandle, int]:
+    def acquire(
+        self, prompt_ids: list[int], capacity_tokens: int, session_key: Hashable | None = None
+    ) -> tuple[KVHandle, int]:
         """A handle with room for capacity_tokens, reusing cached KV; returns (handle, reused tokens).
 
         Raises OutOfKVMemory (leaving a session's cache in place) when the pool cannot hold it.
@@ -257,8 +256,10 @@ class KVCacheManager:
         with self.lock:
             need = self.blocks_for(capacity_tokens)
             if need > self.total_blocks:
-                raise OutOfKVMemory(f"{capacity_tokens} tokens exceed the whole KV budget "
-                                    f"({self.total_blocks * self.block_tokens} tokens)")
+                raise OutOfKVMemory(
+                    f"{capacity_tokens} tokens exceed the whole KV budget "
+                    f"({self.total_blocks * self.block_tokens} tokens)"
+                )
             handle: KVHandle | None = None
             from_session = False
             if session_key is not None:
@@ -269,7 +270,7 @@ class KVCacheManager:
                     self._drop_blocks(cached.blocks[keep:])
                     cached.blocks = cached.blocks[:keep]
                     cached.token_ids = cached.token_ids[:reused]
-                    cached.block_hashes = cached.block_hashes[:reused // self.block_tokens]
+                    cached.block_hashes = cached.block_hashes[: reused // self.block_tokens]
                     handle, from_session = cached, True
                     self.session_hits += 1
                 elif session_key in self.evicted_sessions:
@@ -311,12 +312,6 @@ class KVCacheManager:
             if handle.blocks:
                 self.sessions[session_key] = handle
 
-    def fork(self, handle: KVHandle, n_tokens: int, capacity_tokens: int) -> KVHandle:
-        with self.lock:
-            forked = self._fork(handle, n_tokens)
-            self._grow(forked, capacity_tokens)
-            return forked
-
     def drop_session(self, session_key: Hashable) -> None:
         with self.lock:
             handle = self.sessions.pop(session_key, None)
@@ -333,9 +328,16 @@ class KVCacheManager:
 
     def stats(self) -> KVStats:
         with self.lock:
-            return KVStats(budget_bytes=self.total_blocks * self.block_bytes,
-                           used_bytes=self.used_blocks * self.block_bytes, block_bytes=self.block_bytes,
-                           free_blocks=self.free_blocks, total_blocks=self.total_blocks,
-                           cached_sessions=len(self.sessions), cached_prefix_blocks=len(self.prefix_blocks),
-                           evictions=self.evictions, rebuilds=self.rebuilds,
-                           prefix_hits=self.prefix_hits, session_hits=self.session_hits)
+            return KVStats(
+                budget_bytes=self.total_blocks * self.block_bytes,
+                used_bytes=self.used_blocks * self.block_bytes,
+                block_bytes=self.block_bytes,
+                free_blocks=self.free_blocks,
+                total_blocks=self.total_blocks,
+                cached_sessions=len(self.sessions),
+                cached_prefix_blocks=len(self.prefix_blocks),
+                evictions=self.evictions,
+                rebuilds=self.rebuilds,
+                prefix_hits=self.prefix_hits,
+                session_hits=self.session_hits,
+            )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from cachetools import TTLCache
 
@@ -35,12 +35,14 @@ class TokenBucket:
 class IPRateLimiter:
     """One bucket per client IP, shared by its WebSocket messages and HTTP API requests."""
 
-    def __init__(self, rate: float, burst: int, max_ips: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, rate: float, burst: int, max_ips: int = 100_000, clock: Callable[[], float] = time.monotonic
+    ):
         self.rate, self.burst, self.clock = rate, burst, clock
         # a bucket idle for burst/rate seconds is full again: dropping it then changes nothing
-        self.buckets: TTLCache = TTLCache(maxsize=max_ips, ttl=max(1.0, burst / rate) if rate > 0 else 1.0,
-                                          timer=clock)
+        self.buckets: TTLCache = TTLCache(
+            maxsize=max_ips, ttl=max(1.0, burst / rate) if rate > 0 else 1.0, timer=clock
+        )
 
     @property
     def enabled(self) -> bool:
@@ -60,4 +62,3 @@ class IPRateLimiter:
 def retry_after_header(wait_s: float) -> str:
     """HTTP Retry-After is whole seconds; never 0 for a refused request."""
     return str(max(1, math.ceil(wait_s)))
-

@@ -1,4 +1,4 @@
-"""`rtserver bench`: the engine and in-run baselines on the workloads of shared/WORKLOADS.md, side by side.
+"""`rtserver bench`: the engine and in-run baselines on the benchmark workloads, side by side.
 
 Everything runs in one process on one machine, one workload after another, so the ratios printed at the
 end compare like with like. Baselines use the very same loaded transformers model:
@@ -20,22 +20,30 @@ import resource
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .engine import Engine, EngineOptions, return_freed_memory
-from .model import LoadedModel
-from .sequence import SamplingParams
-from .session import continue_prompt, finished_turn
+from ..config import EngineSettings
+from ..engine.backend import SamplingParams
+from ..engine.core import Engine, return_freed_memory
+from ..engine.model import LoadedModel
+from ..tasks.chat import continue_prompt, finished_turn
 
 log = logging.getLogger("rtserver.bench")
 
 BURST_TEXTS = [f"Tell me a short fact about the number {i}." for i in range(32)]
 SINGLE_TEXT = "Write a short story about a robot who learns to paint."
-MULTI_TURN_MESSAGES = ["Hi! Who are you?", "What can you help me with?", "Tell me a fun fact.",
-                       "Why is that interesting?", "Give me one more.", "Thanks, bye!"]
+MULTI_TURN_MESSAGES = [
+    "Hi! Who are you?",
+    "What can you help me with?",
+    "Tell me a fun fact.",
+    "Why is that interesting?",
+    "Give me one more.",
+    "Thanks, bye!",
+]
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -52,8 +60,9 @@ def peak_rss_mb() -> float:
 
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 class LoopLag:
@@ -69,7 +78,7 @@ class LoopLag:
             await asyncio.sleep(0.005)
             self.samples.append((time.perf_counter() - t - 0.005) * 1000)
 
-    def __enter__(self) -> "LoopLag":
+    def __enter__(self) -> LoopLag:
         self._task = asyncio.get_running_loop().create_task(self._probe())
         return self
 
@@ -77,10 +86,14 @@ class LoopLag:
         self._task.cancel()
 
     def summary(self) -> dict:
-        return {"loop_lag_p95_ms": pct(self.samples, 0.95), "loop_lag_max_ms": max(self.samples, default=None)}
+        return {
+            "loop_lag_p95_ms": pct(self.samples, 0.95),
+            "loop_lag_max_ms": max(self.samples, default=None),
+        }
 
 
 # -- the engine -------------------------------------------------------------------------------
+
 
 async def engine_burst(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -91,9 +104,16 @@ async def engine_burst(engine: Engine, prompts: list[list[int]], new_tokens: int
     wall = time.perf_counter() - started
     generated = sum(r.usage.generated_tokens for r in results)
     ttfts = [r.ttft_ms for r in results]
-    return {"requests": len(prompts), "generated_tokens": generated, "wall_s": wall,
-            "tokens_per_s": generated / wall, "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p95_ms": pct(ttfts, 0.95),
-            **lag.summary(), "outputs": [r.token_ids for r in results]}
+    return {
+        "requests": len(prompts),
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "tokens_per_s": generated / wall,
+        "ttft_p50_ms": pct(ttfts, 0.5),
+        "ttft_p95_ms": pct(ttfts, 0.95),
+        **lag.summary(),
+        "outputs": [r.token_ids for r in results],
+    }
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
@@ -104,8 +124,10 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
         while n < min(len(out), len(ref)) and out[n] == ref[n]:
             n += 1
         same_prefix.append(n / max(len(ref), 1))
-    return {"identical_outputs": sum(o == r for o, r in zip(outputs, reference)) / len(reference),
-            "tokens_before_divergence": statistics.mean(same_prefix)}
+    return {
+        "identical_outputs": sum(o == r for o, r in zip(outputs, reference)) / len(reference),
+        "tokens_before_divergence": statistics.mean(same_prefix),
+    }
 
 
 async def engine_arrival(engine: Engine, background: list[list[int]], arrival: list[int], count: int) -> dict:
@@ -123,12 +145,24 @@ async def engine_arrival(engine: Engine, background: list[list[int]], arrival: l
         s.cancel()
     for s in streams:
         await s.result()
-    return {"arrivals": count, "background_streams": len(background), "ttft_p50_ms": pct(ttfts, 0.5),
-            "ttft_p95_ms": pct(ttfts, 0.95), "ttft_max_ms": max(ttfts)}
+    return {
+        "arrivals": count,
+        "background_streams": len(background),
+        "ttft_p50_ms": pct(ttfts, 0.5),
+        "ttft_p95_ms": pct(ttfts, 0.95),
+        "ttft_max_ms": max(ttfts),
+    }
 
 
-async def engine_multi_turn(engine: Engine, tokenizer: Any, sessions: int, turns: int, new_tokens: int,
-                            messages: list[str] = MULTI_TURN_MESSAGES, ignore_eos: bool = True) -> dict:
+async def engine_multi_turn(
+    engine: Engine,
+    tokenizer: Any,
+    sessions: int,
+    turns: int,
+    new_tokens: int,
+    messages: list[str] = MULTI_TURN_MESSAGES,
+    ignore_eos: bool = True,
+) -> dict:
     ttft_by_turn: dict[int, list[float]] = {t: [] for t in range(1, turns + 1)}
     prefilled_by_turn: dict[int, list[int]] = {t: [] for t in range(1, turns + 1)}
     generated = 0
@@ -142,8 +176,11 @@ async def engine_multi_turn(engine: Engine, tokenizer: Any, sessions: int, turns
             history.append({"role": "user", "content": f"{text} (session {s})" if ignore_eos else text})
             rendered = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
             prompt = continue_prompt(tokenizer, rendered, last)  # as the hub builds it
-            r = await engine.generate(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos),
-                                      session_key=f"bench-{s}").result()
+            r = await engine.generate(
+                prompt,
+                SamplingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos),
+                session_key=f"bench-{s}",
+            ).result()
             history.append({"role": "assistant", "content": r.text})
             last = finished_turn(tokenizer, rendered, prompt, r.text, r.token_ids)
             ttft_by_turn[t + 1].append(r.ttft_ms)
@@ -155,13 +192,18 @@ async def engine_multi_turn(engine: Engine, tokenizer: Any, sessions: int, turns
     wall = time.perf_counter() - started
     for s in range(sessions):
         engine.drop_session(f"bench-{s}")
-    return {"sessions": sessions, "turns": turns, "tokens_per_s": generated / wall,
-            "ttft_p50_ms_by_turn": {t: pct(v, 0.5) for t, v in ttft_by_turn.items()},
-            "ttft_p95_ms_by_turn": {t: pct(v, 0.95) for t, v in ttft_by_turn.items()},
-            "mean_prefilled_tokens_by_turn": {t: statistics.mean(v) for t, v in prefilled_by_turn.items()}}
+    return {
+        "sessions": sessions,
+        "turns": turns,
+        "tokens_per_s": generated / wall,
+        "ttft_p50_ms_by_turn": {t: pct(v, 0.5) for t, v in ttft_by_turn.items()},
+        "ttft_p95_ms_by_turn": {t: pct(v, 0.95) for t, v in ttft_by_turn.items()},
+        "mean_prefilled_tokens_by_turn": {t: statistics.mean(v) for t, v in prefilled_by_turn.items()},
+    }
 
 
 # -- baselines --------------------------------------------------------------------------------
+
 
 def hf_naive(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
     started = time.perf_counter()
@@ -169,62 +211,101 @@ def hf_naive(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
     ttft = []
     for p in prompts:
         t = time.perf_counter()
-        out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=model.generation_config.pad_token_id or 0)
+        out = model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=model.generation_config.pad_token_id or 0,
+        )
         generated += out.shape[1] - len(p)
         ttft.append((time.perf_counter() - started) * 1000)  # a request's answer arrives all at once
         del t
     wall = time.perf_counter() - started
-    return {"requests": len(prompts), "generated_tokens": generated, "wall_s": wall,
-            "tokens_per_s": generated / wall}
+    return {
+        "requests": len(prompts),
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "tokens_per_s": generated / wall,
+    }
 
 
-def hf_static_batches(model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int,
-                      batch: int = 4) -> dict:
+def hf_static_batches(
+    model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int, batch: int = 4
+) -> dict:
     pad = model.generation_config.pad_token_id or tokenizer.eos_token_id
     started = time.perf_counter()
     generated = 0
     for i in range(0, len(prompts), batch):
-        group = prompts[i:i + batch]
+        group = prompts[i : i + batch]
         width = max(len(p) for p in group)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=pad)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
         generated += (out.shape[1] - width) * len(group)
     wall = time.perf_counter() - started
-    return {"requests": len(prompts), "generated_tokens": generated, "wall_s": wall,
-            "tokens_per_s": generated / wall}
+    return {
+        "requests": len(prompts),
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "tokens_per_s": generated / wall,
+    }
 
 
 def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
     from transformers import GenerationConfig
 
-    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           eos_token_id=model.generation_config.eos_token_id,
-                           pad_token_id=model.generation_config.pad_token_id or 0)
+    cfg = GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=model.generation_config.eos_token_id,
+        pad_token_id=model.generation_config.pad_token_id or 0,
+    )
     # Warm the manager (and whatever it compiles) before the clock starts.
     model.generate_batch(prompts[:2], generation_config=cfg, persistent_manager=True, progress_bar=False)
     started = time.perf_counter()
-    outputs = model.generate_batch(prompts, generation_config=cfg, persistent_manager=True, progress_bar=False)
+    outputs = model.generate_batch(
+        prompts, generation_config=cfg, persistent_manager=True, progress_bar=False
+    )
     wall = time.perf_counter() - started
     generated = sum(len(o.generated_tokens) for o in outputs.values())
-    return {"requests": len(prompts), "generated_tokens": generated, "wall_s": wall,
-            "tokens_per_s": generated / wall}
+    return {
+        "requests": len(prompts),
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "tokens_per_s": generated / wall,
+    }
 
 
 # -- the run ----------------------------------------------------------------------------------
 
+
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                timeout=5,
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
-async def run_engine_workloads(loaded: LoadedModel, options: EngineOptions, workloads: list[str]) -> dict:
+async def run_engine_workloads(loaded: LoadedModel, options: EngineSettings, workloads: list[str]) -> dict:
     tok = loaded.tokenizer
     engine = Engine(loaded, options, release_dense_weights=True)  # as `rtserver serve` runs it
     engine.start()
@@ -244,10 +325,13 @@ async def run_engine_workloads(loaded: LoadedModel, options: EngineOptions, work
             results["multi-turn"] = await engine_multi_turn(engine, tok, 16, 6, 48)
         if "e2e" in workloads:  # the engine-only twin of the end-to-end run below
             from .loadclient import DEFAULT_PROMPTS
-            results["e2e-engine-only"] = await engine_multi_turn(engine, tok, 32, 5, 64, DEFAULT_PROMPTS,
-                                                                 ignore_eos=False)
+
+            results["e2e-engine-only"] = await engine_multi_turn(
+                engine, tok, 32, 5, 64, DEFAULT_PROMPTS, ignore_eos=False
+            )
         if "sentiment" in workloads:
             from .sentiment_bench import engine_sentiment
+
             results["sentiment"] = await engine_sentiment(engine, tok)
     finally:
         await engine.stop()
@@ -258,17 +342,24 @@ def run_baselines(loaded: LoadedModel, workloads: list[str], naive_requests: int
     model, tok = loaded.model, loaded.tokenizer
     burst = [chat_ids(tok, t) for t in BURST_TEXTS]
     single = chat_ids(tok, SINGLE_TEXT)
-    model.generate(torch.tensor([single]), max_new_tokens=4, do_sample=False,
-                   pad_token_id=model.generation_config.pad_token_id or 0)  # warm-up
+    model.generate(
+        torch.tensor([single]),
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=model.generation_config.pad_token_id or 0,
+    )  # warm-up
     out: dict[str, Any] = {}
     if "burst" in workloads:
-        out["burst"] = {"naive": hf_naive(model, burst[:naive_requests], 64),
-                        "static4": hf_static_batches(model, tok, burst, 64),
-                        "cb": hf_generate_batch(model, burst, 64)}
+        out["burst"] = {
+            "naive": hf_naive(model, burst[:naive_requests], 64),
+            "static4": hf_static_batches(model, tok, burst, 64),
+            "cb": hf_generate_batch(model, burst, 64),
+        }
     if "single" in workloads:
         out["single"] = {"naive": hf_naive(model, [single], 128)}
     if "sentiment" in workloads:
         from .sentiment_bench import hf_sentiment_baseline
+
         out["sentiment"] = hf_sentiment_baseline(model, tok)
     return out
 
@@ -281,10 +372,17 @@ def run_e2e(dtype: str, config: str | None, sessions: int = 32, turns: int = 5, 
     from .serverproc import ServerProcess
 
     # every session comes from 127.0.0.1: the per-IP limits would count them as one client
-    server = ServerProcess({"RTSERVER_MODEL_DTYPE": dtype, "RTSERVER_TASKS_AUTO_TASKS": "",
-                            "RTSERVER_SERVER_LOG_LEVEL": "warning", "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
-                            "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0"},
-                           Path(tempfile.mkdtemp(prefix="rtserver-e2e-")) / "server.log", config)
+    server = ServerProcess(
+        {
+            "RTSERVER_MODEL_DTYPE": dtype,
+            "RTSERVER_TASKS_AUTO_TASKS": "",
+            "RTSERVER_SERVER_LOG_LEVEL": "warning",
+            "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
+            "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",
+        },
+        Path(tempfile.mkdtemp(prefix="rtserver-e2e-")) / "server.log",
+        config,
+    )
     server.start(timeout_s=180)
     try:
         asyncio.run(run_chat_load(server.ws_url, 1, 1, 8))  # warm-up
@@ -311,31 +409,90 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
         for name in ("naive", "static4", "cb"):
             bb = b.get("burst", {}).get(name, {}).get("tokens_per_s")
             rows.append((f"burst tokens/s baseline {name}", fmt(bb), ""))
-        rows.append(("burst ratio vs cb (generate_batch)", fmt(ratio(eb, b.get("burst", {}).get("cb", {}).get("tokens_per_s")), "x"), ">= 3x"))
-        rows.append(("burst ratio vs naive", fmt(ratio(eb, b.get("burst", {}).get("naive", {}).get("tokens_per_s")), "x"), ">= 20x"))
-        rows.append(("burst TTFT p50 / p95 ms", f"{fmt(e['burst']['ttft_p50_ms'])} / {fmt(e['burst']['ttft_p95_ms'])}", "p95 <= 2000"))
-        rows.append(("event-loop lag p95 / max ms (burst)", f"{fmt(e['burst']['loop_lag_p95_ms'])} / {fmt(e['burst']['loop_lag_max_ms'])}", ""))
+        rows.append(
+            (
+                "burst ratio vs cb (generate_batch)",
+                fmt(ratio(eb, b.get("burst", {}).get("cb", {}).get("tokens_per_s")), "x"),
+                ">= 3x",
+            )
+        )
+        rows.append(
+            (
+                "burst ratio vs naive",
+                fmt(ratio(eb, b.get("burst", {}).get("naive", {}).get("tokens_per_s")), "x"),
+                ">= 20x",
+            )
+        )
+        rows.append(
+            (
+                "burst TTFT p50 / p95 ms",
+                f"{fmt(e['burst']['ttft_p50_ms'])} / {fmt(e['burst']['ttft_p95_ms'])}",
+                "p95 <= 2000",
+            )
+        )
+        rows.append(
+            (
+                "event-loop lag p95 / max ms (burst)",
+                f"{fmt(e['burst']['loop_lag_p95_ms'])} / {fmt(e['burst']['loop_lag_max_ms'])}",
+                "",
+            )
+        )
     if "single" in e:
         es = e["single"]["tokens_per_s"]
         rows.append(("single tokens/s (engine)", fmt(es), ""))
-        rows.append(("single tokens/s baseline naive", fmt(b.get('single', {}).get('naive', {}).get('tokens_per_s')), ""))
-        rows.append(("single ratio vs naive", fmt(ratio(es, b.get("single", {}).get("naive", {}).get("tokens_per_s")), "x"), ">= 2.5x"))
+        rows.append(
+            (
+                "single tokens/s baseline naive",
+                fmt(b.get("single", {}).get("naive", {}).get("tokens_per_s")),
+                "",
+            )
+        )
+        rows.append(
+            (
+                "single ratio vs naive",
+                fmt(ratio(es, b.get("single", {}).get("naive", {}).get("tokens_per_s")), "x"),
+                ">= 2.5x",
+            )
+        )
     if "arrival" in e:
-        rows.append(("arrival TTFT p50 / p95 ms (32 streams decoding)", f"{fmt(e['arrival']['ttft_p50_ms'])} / {fmt(e['arrival']['ttft_p95_ms'])}", "p95 <= 250"))
+        rows.append(
+            (
+                "arrival TTFT p50 / p95 ms (32 streams decoding)",
+                f"{fmt(e['arrival']['ttft_p50_ms'])} / {fmt(e['arrival']['ttft_p95_ms'])}",
+                "p95 <= 250",
+            )
+        )
     if "multi-turn" in e:
         mt = e["multi-turn"]
         p50 = mt["ttft_p50_ms_by_turn"]
         rows.append(("multi-turn TTFT p50 ms by turn", " ".join(fmt(p50[t]) for t in sorted(p50)), ""))
-        rows.append(("multi-turn prefilled tokens by turn", " ".join(fmt(v) for v in mt["mean_prefilled_tokens_by_turn"].values()), ""))
+        rows.append(
+            (
+                "multi-turn prefilled tokens by turn",
+                " ".join(fmt(v) for v in mt["mean_prefilled_tokens_by_turn"].values()),
+                "",
+            )
+        )
         rows.append(("multi-turn tokens/s", fmt(mt["tokens_per_s"]), ""))
     if "sentiment" in e:
         s = e["sentiment"]
         rows.append(("sentiment fresh classifications/s", fmt(s["fresh_per_s"]), ""))
         if "prefilled_tokens_per_text" in s:
-            rows.append(("sentiment tokens per text: prompt / prefix-cached / computed",
-                         f"{fmt(s['prompt_tokens_per_text'])} / {fmt(s['prefix_cached_tokens_per_text'])} / "
-                         f"{fmt(s['prefilled_tokens_per_text'])}", ""))
-            rows.append(("sentiment fresh steps / mean step ms", f"{s['fresh_steps']} / {fmt(s['fresh_step_ms'])}", ""))
+            rows.append(
+                (
+                    "sentiment tokens per text: prompt / prefix-cached / computed",
+                    f"{fmt(s['prompt_tokens_per_text'])} / {fmt(s['prefix_cached_tokens_per_text'])} / "
+                    f"{fmt(s['prefilled_tokens_per_text'])}",
+                    "",
+                )
+            )
+            rows.append(
+                (
+                    "sentiment fresh steps / mean step ms",
+                    f"{s['fresh_steps']} / {fmt(s['fresh_step_ms'])}",
+                    "",
+                )
+            )
         rows.append(("sentiment cached classifications/s", fmt(s["cached_per_s"]), ">= 20000"))
         base = b.get("sentiment", {}).get("per_s")
         rows.append(("sentiment baseline (generative, HF batches of 4)/s", fmt(base), ""))
@@ -344,20 +501,43 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
             rows.append(("sentiment labels equal to float32's", f"{s['agreement_with_float32']:.1%}", ""))
         at = s.get("auto_task")
         if at:
-            rows.append(("chat TTFT p50 ms: alone / with sentiment auto-task / auto-task forced into its step",
-                         f"{fmt(at['ttft_alone_p50_ms'])} / {fmt(at['ttft_auto_task_p50_ms'])} / "
-                         f"{fmt(at['ttft_same_step_p50_ms'])}", ""))
-            rows.append((f"auto-task added to chat TTFT in steps of {fmt(at['step_ms'])} ms: as the hub runs it / "
-                         "forced same step", f"{at['added_steps_auto_task']:.2f} / {at['added_steps_same_step']:.2f}",
-                         "<= 1 step"))
+            rows.append(
+                (
+                    "chat TTFT p50 ms: alone / with sentiment auto-task / auto-task forced into its step",
+                    f"{fmt(at['ttft_alone_p50_ms'])} / {fmt(at['ttft_auto_task_p50_ms'])} / "
+                    f"{fmt(at['ttft_same_step_p50_ms'])}",
+                    "",
+                )
+            )
+            rows.append(
+                (
+                    f"auto-task added to chat TTFT in steps of {fmt(at['step_ms'])} ms: as the hub runs it / "
+                    "forced same step",
+                    f"{at['added_steps_auto_task']:.2f} / {at['added_steps_same_step']:.2f}",
+                    "<= 1 step",
+                )
+            )
     if "agreement_with_float32" in e:
         a = e["agreement_with_float32"]
-        rows.append(("greedy agreement with float32 (burst prompts): identical outputs / tokens before "
-                     "divergence", f"{a['identical_outputs']:.0%} / {a['tokens_before_divergence']:.0%}", ""))
+        rows.append(
+            (
+                "greedy agreement with float32 (burst prompts): identical outputs / tokens before divergence",
+                f"{a['identical_outputs']:.0%} / {a['tokens_before_divergence']:.0%}",
+                "",
+            )
+        )
     if "e2e" in e and "e2e-engine-only" in e:
         ee, eo = e["e2e"], e["e2e-engine-only"]
-        rows.append(("e2e WebSocket tokens/s (32 sessions x 5 turns) / engine-only", f"{fmt(ee['tokens_per_s'])} / {fmt(eo['tokens_per_s'])}", ""))
-        rows.append(("e2e ratio to engine-only", fmt(ratio(ee["tokens_per_s"], eo["tokens_per_s"]), "x"), ">= 0.85x"))
+        rows.append(
+            (
+                "e2e WebSocket tokens/s (32 sessions x 5 turns) / engine-only",
+                f"{fmt(ee['tokens_per_s'])} / {fmt(eo['tokens_per_s'])}",
+                "",
+            )
+        )
+        rows.append(
+            ("e2e ratio to engine-only", fmt(ratio(ee["tokens_per_s"], eo["tokens_per_s"]), "x"), ">= 0.85x")
+        )
         rows.append(("e2e TTFT p50 turn 5 / turn 1", fmt(ee.get("turn_ratio_p50"), "x"), "<= 1.5x"))
         rows.append(("e2e errors", str(ee.get("errors") or 0), "0"))
     if "peak_rss_mb" in e:
@@ -389,17 +569,30 @@ def dtype_label(loaded: LoadedModel) -> str:
 EVERY_DTYPE_WORKLOADS = ("burst", "single", "arrival", "sentiment")  # the rest run on the first dtype only
 
 
-def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], baseline_dtype: str,
-              options: EngineOptions, workloads: list[str], baselines: bool, naive_requests: int,
-              out_dir: str, config: str | None = None) -> dict:
+def run_bench(
+    load: Callable[[str], LoadedModel],
+    engine_dtypes: list[str],
+    baseline_dtype: str,
+    options: EngineSettings,
+    workloads: list[str],
+    baselines: bool,
+    naive_requests: int,
+    out_dir: str,
+    config: str | None = None,
+) -> dict:
     """Engine workloads on the first engine dtype, the burst, single, arrival and sentiment ones on the
     others too (for speed and agreement with float32), each on a freshly loaded model; then the
     baselines. The JSON is rewritten after every phase, so an interrupted run still leaves its figures."""
     report: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(), "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-        "torch": torch.__version__, "workloads": workloads, "engine": {}, "baselines": {},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "workloads": workloads,
+        "engine": {},
+        "baselines": {},
     }
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"bench-{report['date'].replace(':', '')}.json"
@@ -431,15 +624,21 @@ def run_bench(load: Callable[[str], LoadedModel], engine_dtypes: list[str], base
     for label, result in report["engine"].items():
         if labels and label != "float32" and "labels" in result.get("sentiment", {}):
             mine = result["sentiment"]["labels"]
-            result["sentiment"]["agreement_with_float32"] = sum(a == b for a, b in zip(mine, labels)) / len(labels)
+            result["sentiment"]["agreement_with_float32"] = sum(a == b for a, b in zip(mine, labels)) / len(
+                labels
+            )
     report["table"] = []
     for label, result in report["engine"].items():
-        report["table"] += [(f"[{label}] {name}", value, bar) for name, value, bar in
-                            summarize({"engine": result, "baselines": report["baselines"]})]
+        report["table"] += [
+            (f"[{label}] {name}", value, bar)
+            for name, value, bar in summarize({"engine": result, "baselines": report["baselines"]})
+        ]
     path.write_text(json.dumps(report, indent=2, default=str))
     width = max(len(r[0]) for r in report["table"])
-    print(f"\nrtserver bench — {report['date']} commit {report['commit']} model {report.get('model')} "
-          f"threads {report['threads']}; baselines in {report.get('baseline_dtype', '-')}")
+    print(
+        f"\nrtserver bench — {report['date']} commit {report['commit']} model {report.get('model')} "
+        f"threads {report['threads']}; baselines in {report.get('baseline_dtype', '-')}"
+    )
     for name, value, bar in report["table"]:
         print(f"  {name:<{width}}  {value:>24}  {bar}")
     print(f"\nwritten to {path}")

@@ -8,9 +8,10 @@ at once. Server B (max_running 8, max_waiting 8, fault hooks): 4x max_running ch
 parser and a scheduler step that raise; SIGTERM while replies stream. Then `rtserver serve` on a missing
 and on a corrupt model file. Prints a table, writes JSON, exits 1 when a check fails.
 
-The fault hooks are test hooks, not settings: server B runs `python -m rtserver.loadtest
-serve-with-faults`, which adds a plugin whose parser raises and a scheduler `fault_hook` that raises on
-steps holding a prompt with STEP_FAULT_MARKER.
+The fault hooks are test code, not settings: server B runs the repository's `tests/faultserver.py`
+(`rtserver serve` plus a scheduler `fault_hook` that raises on steps holding a prompt with
+STEP_FAULT_MARKER) with the plugin folder `tests/faults/` (a task whose parser raises). Without the
+repository's tests/ folder the server-B phases are skipped and their checks fail.
 """
 
 from __future__ import annotations
@@ -33,21 +34,14 @@ from .loadclient import percentile, run_chat_load
 from .serverproc import ServerProcess, free_port, raise_nofile_limit
 
 STEP_FAULT_MARKER = "QXSTEPFAULTQX"
-FAULTY_PLUGIN = '''"""loadtest: a task whose output parser always raises."""
-from rtserver.tasks import Task
-
-
-def parse(text):
-    raise ValueError("injected parser fault")
-
-
-TASK = Task(name="faulty", description="loadtest fault injection", prompt="Say hello to {text}.",
-            max_new_tokens=4, parser=parse)
-'''
+TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"
+FAULT_SERVER = TESTS_DIR / "faultserver.py"
+FAULT_PLUGINS = TESTS_DIR / "faults"
 LONG_PROMPT = "Count from 1 to 500, separated by commas, and say nothing else."
 
 
 # -- client helpers ------------------------------------------------------------------------------------
+
 
 async def _connect(url: str, **kwargs: Any):
     return await websockets.connect(url, open_timeout=60, max_size=None, **kwargs)
@@ -70,8 +64,16 @@ async def _chat(url: str, text: str, max_new_tokens: int, timeout_s: float = 300
     async with await _connect(url) as ws:
         await _hello(ws)
         sent = time.perf_counter()
-        await ws.send(json.dumps({"type": "chat", "id": "c", "text": text,
-                                  "options": {"max_new_tokens": max_new_tokens, "temperature": 0}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "chat",
+                    "id": "c",
+                    "text": text,
+                    "options": {"max_new_tokens": max_new_tokens, "temperature": 0},
+                }
+            )
+        )
         first = None
         while True:
             ev = await _recv(ws, timeout_s)
@@ -80,8 +82,12 @@ async def _chat(url: str, text: str, max_new_tokens: int, timeout_s: float = 300
             if ev["type"] == "token" and first is None:
                 first = time.perf_counter() - sent
             elif ev["type"] in ("done", "error"):
-                return {"outcome": "done" if ev["type"] == "done" else ev["code"], "ttft_s": first,
-                        "total_s": time.perf_counter() - sent, "message": ev.get("message", "")}
+                return {
+                    "outcome": "done" if ev["type"] == "done" else ev["code"],
+                    "ttft_s": first,
+                    "total_s": time.perf_counter() - sent,
+                    "message": ev.get("message", ""),
+                }
 
 
 def _median(values: list[float]) -> float | None:
@@ -89,6 +95,7 @@ def _median(values: list[float]) -> float | None:
 
 
 # -- server A phases -----------------------------------------------------------------------------------
+
 
 async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict:
     rss_before = server.rss_mb()
@@ -129,13 +136,25 @@ async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict:
     alive = sum(await asyncio.gather(*[still_open(ws) for ws in idle_conns]))
     await asyncio.gather(*[ws.close() for ws in idle_conns], return_exceptions=True)
     expected_turns = chatting * 2
-    return {"idle_connections": idle, "idle_open_failed": failed, "idle_open_s": round(open_s, 2),
-            "idle_alive_after_chat": alive, "chatting_sessions": chatting, "turns_per_session": 2,
-            "max_new_tokens": 24, "completed_turns": chat["completed_turns"], "expected_turns": expected_turns,
-            "errors": chat["errors"], "ttft_p50_ms": chat["ttft_p50_ms"], "ttft_p95_ms": chat["ttft_p95_ms"],
-            "tokens_per_s": round(chat["tokens_per_s"], 1), "rss_before_mb": round(rss_before, 1),
-            "rss_with_idle_mb": round(rss_idle, 1), "rss_idle_extra_mb": round(rss_idle - rss_before, 1),
-            "rss_after_chat_mb": round(rss_after_chat, 1)}
+    return {
+        "idle_connections": idle,
+        "idle_open_failed": failed,
+        "idle_open_s": round(open_s, 2),
+        "idle_alive_after_chat": alive,
+        "chatting_sessions": chatting,
+        "turns_per_session": 2,
+        "max_new_tokens": 24,
+        "completed_turns": chat["completed_turns"],
+        "expected_turns": expected_turns,
+        "errors": chat["errors"],
+        "ttft_p50_ms": chat["ttft_p50_ms"],
+        "ttft_p95_ms": chat["ttft_p95_ms"],
+        "tokens_per_s": round(chat["tokens_per_s"], 1),
+        "rss_before_mb": round(rss_before, 1),
+        "rss_with_idle_mb": round(rss_idle, 1),
+        "rss_idle_extra_mb": round(rss_idle - rss_before, 1),
+        "rss_after_chat_mb": round(rss_after_chat, 1),
+    }
 
 
 async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict:
@@ -149,8 +168,9 @@ async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict:
     # no compression: the server's pongs must really weigh what they say
     ws = await _connect(server.ws_url, sock=sock, max_queue=1, compression=None)
     await _hello(ws)
-    await ws.send(json.dumps({"type": "chat", "id": "slow", "text": LONG_PROMPT,
-                              "options": {"max_new_tokens": 256}}))
+    await ws.send(
+        json.dumps({"type": "chat", "id": "slow", "text": LONG_PROMPT, "options": {"max_new_tokens": 256}})
+    )
     ws.transport.pause_reading()
     close_code: int | None = None
     sent_frames = 0
@@ -188,13 +208,21 @@ async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict:
     finally:
         await ws.close()
     slow_closes = server.metrics().get("rtserver_slow_client_closes_total", 0.0) - slow_closes_before
-    return {"others": others, "others_tokens_per_s_before": round(base["tokens_per_s"], 1),
-            "others_tokens_per_s_during": round(during["tokens_per_s"], 1),
-            "others_rate_ratio": round(during["tokens_per_s"] / base["tokens_per_s"], 3) if base["tokens_per_s"] else None,
-            "others_errors": during["errors"], "slow_client_frames_sent": sent_frames,
-            "slow_client_close_code": close_code, "slow_client_closes": slow_closes,
-            "seconds_until_closed_seen": round(closed_after, 1) if closed_after else None,
-            "rss_before_mb": round(rss_before, 1), "rss_during_mb": round(rss_during, 1)}
+    return {
+        "others": others,
+        "others_tokens_per_s_before": round(base["tokens_per_s"], 1),
+        "others_tokens_per_s_during": round(during["tokens_per_s"], 1),
+        "others_rate_ratio": round(during["tokens_per_s"] / base["tokens_per_s"], 3)
+        if base["tokens_per_s"]
+        else None,
+        "others_errors": during["errors"],
+        "slow_client_frames_sent": sent_frames,
+        "slow_client_close_code": close_code,
+        "slow_client_closes": slow_closes,
+        "seconds_until_closed_seen": round(closed_after, 1) if closed_after else None,
+        "rss_before_mb": round(rss_before, 1),
+        "rss_during_mb": round(rss_during, 1),
+    }
 
 
 async def _wait_settled(server: ServerProcess, kv_baseline: float, timeout_s: float) -> dict:
@@ -209,9 +237,12 @@ async def _wait_settled(server: ServerProcess, kv_baseline: float, timeout_s: fl
         if running == 0 and running_zero_s is None:
             running_zero_s = elapsed
         if running == 0 and kv <= kv_baseline or elapsed > timeout_s:
-            return {"running_after": running, "kv_session_bytes_after": kv,
-                    "seconds_to_no_running": round(running_zero_s, 2) if running_zero_s is not None else None,
-                    "seconds_to_kv_baseline": round(elapsed, 2) if kv <= kv_baseline else None}
+            return {
+                "running_after": running,
+                "kv_session_bytes_after": kv,
+                "seconds_to_no_running": round(running_zero_s, 2) if running_zero_s is not None else None,
+                "seconds_to_kv_baseline": round(elapsed, 2) if kv <= kv_baseline else None,
+            }
         await asyncio.sleep(0.25)
 
 
@@ -230,14 +261,18 @@ async def phase_disconnects(server: ServerProcess, count: int) -> dict:
             raise RuntimeError("earlier phases' sessions did not expire within 60 s")
         await asyncio.sleep(0.25)
     settle = round(time.perf_counter() - started, 2)
-    baseline = {"running": m.get("rtserver_running_sequences", 0), "kv_session_bytes": _session_kv(m),
-                "sessions": m.get("rtserver_sessions", 0)}
+    baseline = {
+        "running": m.get("rtserver_running_sequences", 0),
+        "kv_session_bytes": _session_kv(m),
+        "sessions": m.get("rtserver_sessions", 0),
+    }
 
     async def start_chat():
         ws = await _connect(server.ws_url)
         await _hello(ws)
-        await ws.send(json.dumps({"type": "chat", "id": "d", "text": LONG_PROMPT,
-                                  "options": {"max_new_tokens": 128}}))
+        await ws.send(
+            json.dumps({"type": "chat", "id": "d", "text": LONG_PROMPT, "options": {"max_new_tokens": 128}})
+        )
         return ws
 
     async def until_first_token(ws, timeout_s: float) -> bool:
@@ -255,45 +290,65 @@ async def phase_disconnects(server: ServerProcess, count: int) -> dict:
         streaming += await until_first_token(ws, 60)
         await ws.close()
     peak_seq = server.metrics()
-    sequential = {"disconnected_while_streaming": streaming,
-                  "kv_session_bytes_peak": _session_kv(peak_seq),
-                  **await _wait_settled(server, baseline["kv_session_bytes"], 60)}
+    sequential = {
+        "disconnected_while_streaming": streaming,
+        "kv_session_bytes_peak": _session_kv(peak_seq),
+        **await _wait_settled(server, baseline["kv_session_bytes"], 60),
+    }
     conns = await asyncio.gather(*[start_chat() for _ in range(count)])
     got = await asyncio.gather(*[until_first_token(ws, 5) for ws in conns])
     m = server.metrics()
     running_at_cut = m.get("rtserver_running_sequences", 0) + m.get("rtserver_waiting_sequences", 0)
     for ws in conns:
         ws.transport.abort()  # all at once, without a closing handshake
-    at_once = {"streaming_when_cut": sum(got), "running_or_waiting_when_cut": running_at_cut,
-               "kv_session_bytes_when_cut": _session_kv(m),
-               **await _wait_settled(server, baseline["kv_session_bytes"], 60)}
-    return {"count": count, "baseline": baseline, "seconds_until_earlier_sessions_expired": settle,
-            "one_after_another": sequential, "all_at_once": at_once}
+    at_once = {
+        "streaming_when_cut": sum(got),
+        "running_or_waiting_when_cut": running_at_cut,
+        "kv_session_bytes_when_cut": _session_kv(m),
+        **await _wait_settled(server, baseline["kv_session_bytes"], 60),
+    }
+    return {
+        "count": count,
+        "baseline": baseline,
+        "seconds_until_earlier_sessions_expired": settle,
+        "one_after_another": sequential,
+        "all_at_once": at_once,
+    }
 
 
 # -- server B phases -----------------------------------------------------------------------------------
 
+
 async def phase_overload(server: ServerProcess, max_running: int) -> dict:
     async def unloaded() -> dict:
         runs = [await _chat(server.ws_url, "Say hello.", 16) for _ in range(3)]
-        return {"ttft_ms": round(_median([r["ttft_s"] * 1000 for r in runs if r["ttft_s"]]), 1),
-                "total_ms": round(_median([r["total_s"] * 1000 for r in runs]), 1)}
+        return {
+            "ttft_ms": round(_median([r["ttft_s"] * 1000 for r in runs if r["ttft_s"]]), 1),
+            "total_ms": round(_median([r["total_s"] * 1000 for r in runs]), 1),
+        }
 
     before = await unloaded()
     n = 4 * max_running
     started = time.perf_counter()
-    results = await asyncio.wait_for(asyncio.gather(*[_chat(server.ws_url, f"Say hello to person {i}.", 16)
-                                                      for i in range(n)]), 600)
+    results = await asyncio.wait_for(
+        asyncio.gather(*[_chat(server.ws_url, f"Say hello to person {i}.", 16) for i in range(n)]), 600
+    )
     wall = time.perf_counter() - started
     after = await unloaded()
     outcomes: dict[str, int] = {}
     for r in results:
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
     refused = [r["total_s"] * 1000 for r in results if r["outcome"] == "overloaded"]
-    return {"submitted": n, "max_running": max_running, "outcomes": outcomes, "wall_s": round(wall, 1),
-            "overloaded_answer_p95_ms": round(percentile(refused, 95), 1) if refused else None,
-            "unloaded_before": before, "unloaded_after": after,
-            "ttft_after_over_before": round(after["ttft_ms"] / before["ttft_ms"], 2)}
+    return {
+        "submitted": n,
+        "max_running": max_running,
+        "outcomes": outcomes,
+        "wall_s": round(wall, 1),
+        "overloaded_answer_p95_ms": round(percentile(refused, 95), 1) if refused else None,
+        "unloaded_before": before,
+        "unloaded_after": after,
+        "ttft_after_over_before": round(after["ttft_ms"] / before["ttft_ms"], 2),
+    }
 
 
 async def phase_faults(server: ServerProcess) -> dict:
@@ -304,30 +359,43 @@ async def phase_faults(server: ServerProcess) -> dict:
             while True:
                 ev = await _recv(ws)
                 if ev.get("id") == "t" and ev["type"] in ("result", "error"):
-                    return {"outcome": "result" if ev["type"] == "result" else ev["code"],
-                            "message": ev.get("message", "")}
+                    return {
+                        "outcome": "result" if ev["type"] == "result" else ev["code"],
+                        "message": ev.get("message", ""),
+                    }
 
     normal = [_chat(server.ws_url, f"Name a colour ({i}).", 12) for i in range(6)]
-    faulty = [_chat(server.ws_url, f"Repeat {STEP_FAULT_MARKER} please.", 12), task_call("Ann"), task_call("Bo")]
+    faulty = [
+        _chat(server.ws_url, f"Repeat {STEP_FAULT_MARKER} please.", 12),
+        task_call("Ann"),
+        task_call("Bo"),
+    ]
     results = await asyncio.wait_for(asyncio.gather(*normal, *faulty), 300)
     after = await asyncio.gather(*[_chat(server.ws_url, f"Name an animal ({i}).", 8) for i in range(4)])
     leaked = [r["message"] for r in results if "Traceback" in r["message"] or ".py" in r["message"]]
-    return {"normal_done": sum(r["outcome"] == "done" for r in results[:6]), "normal": 6,
-            "step_fault_outcome": results[6]["outcome"], "parser_fault_outcomes": [r["outcome"] for r in results[7:]],
-            "after_done": sum(r["outcome"] == "done" for r in after), "after": 4,
-            "internal_details_leaked": leaked}
+    return {
+        "normal_done": sum(r["outcome"] == "done" for r in results[:6]),
+        "normal": 6,
+        "step_fault_outcome": results[6]["outcome"],
+        "parser_fault_outcomes": [r["outcome"] for r in results[7:]],
+        "after_done": sum(r["outcome"] == "done" for r in after),
+        "after": 4,
+        "internal_details_leaked": leaked,
+    }
 
 
 async def phase_shutdown(server: ServerProcess) -> dict:
     long_ws, short_ws = await _connect(server.ws_url), await _connect(server.ws_url)
     await _hello(long_ws)
     await _hello(short_ws)
-    await long_ws.send(json.dumps({"type": "chat", "id": "long", "text": LONG_PROMPT,
-                                   "options": {"max_new_tokens": 400}}))
+    await long_ws.send(
+        json.dumps({"type": "chat", "id": "long", "text": LONG_PROMPT, "options": {"max_new_tokens": 400}})
+    )
     while (await _recv(long_ws))["type"] != "token":
         pass
-    await short_ws.send(json.dumps({"type": "chat", "id": "short", "text": "Say hi.",
-                                    "options": {"max_new_tokens": 4}}))
+    await short_ws.send(
+        json.dumps({"type": "chat", "id": "short", "text": "Say hi.", "options": {"max_new_tokens": 4}})
+    )
     while (await _recv(short_ws))["type"] != "token":
         pass
     sigterm_at = time.perf_counter()
@@ -342,7 +410,8 @@ async def phase_shutdown(server: ServerProcess) -> dict:
             return events, getattr(getattr(exc, "rcvd", None), "code", None)
 
     (long_events, long_code), (short_events, short_code) = await asyncio.gather(
-        events_until_closed(long_ws), events_until_closed(short_ws))
+        events_until_closed(long_ws), events_until_closed(short_ws)
+    )
     rc = await asyncio.to_thread(server.proc.wait, 60)
     exit_s = time.perf_counter() - sigterm_at
 
@@ -352,118 +421,218 @@ async def phase_shutdown(server: ServerProcess) -> dict:
                 return "done" if ev["type"] == "done" else ev["code"]
         return None
 
-    return {"grace_s": float(server.env.get("RTSERVER_SERVER_SHUTDOWN_GRACE_S", "10")),
-            "shutting_down_event": all(any(e["type"] == "shutting_down" for e in evs)
-                                       for evs in (long_events, short_events)),
-            "short_reply": end(short_events, "short"), "long_reply": end(long_events, "long"),
-            "close_codes": [long_code, short_code], "exit_code": rc, "seconds_to_exit": round(exit_s, 2)}
+    return {
+        "grace_s": float(server.env.get("RTSERVER_SERVER_SHUTDOWN_GRACE_S", "10")),
+        "shutting_down_event": all(
+            any(e["type"] == "shutting_down" for e in evs) for evs in (long_events, short_events)
+        ),
+        "short_reply": end(short_events, "short"),
+        "long_reply": end(long_events, "long"),
+        "close_codes": [long_code, short_code],
+        "exit_code": rc,
+        "seconds_to_exit": round(exit_s, 2),
+    }
 
 
 def phase_load_failure(workdir: Path) -> dict:
     corrupt = workdir / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + os.urandom(4096))
     out = {}
-    for name, path in (("missing file", str(workdir / "missing" / "model.gguf")), ("corrupt file", str(corrupt))):
-        env = {**os.environ, "RTSERVER_MODEL_MODEL": path, "RTSERVER_SERVER_PORT": str(free_port()),
-               "RTSERVER_SERVER_HOST": "127.0.0.1", "RTSERVER_SERVER_LOG_LEVEL": "warning"}
-        proc = subprocess.run([sys.executable, "-m", "rtserver.cli", "serve"], env=env, capture_output=True,
-                              text=True, timeout=180)
+    for name, path in (
+        ("missing file", str(workdir / "missing" / "model.gguf")),
+        ("corrupt file", str(corrupt)),
+    ):
+        env = {
+            **os.environ,
+            "RTSERVER_MODEL_MODEL": path,
+            "RTSERVER_SERVER_PORT": str(free_port()),
+            "RTSERVER_SERVER_HOST": "127.0.0.1",
+            "RTSERVER_SERVER_LOG_LEVEL": "warning",
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "rtserver.cli", "serve"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         message = next((ln for ln in proc.stderr.splitlines() if ln.startswith("rtserver:")), "")
-        out[name] = {"exit_code": proc.returncode, "message": message, "names_file": path in message,
-                     "traceback": "Traceback" in proc.stderr}
+        out[name] = {
+            "exit_code": proc.returncode,
+            "message": message,
+            "names_file": path in message,
+            "traceback": "Traceback" in proc.stderr,
+        }
     return out
 
 
 # -- the command ---------------------------------------------------------------------------------------
+
 
 def checks(report: dict) -> list[tuple[str, bool]]:
     load, slow, disc = report.get("load"), report.get("slow_client"), report.get("disconnects")
     over, faults, down, fail = (report.get(k) for k in ("overload", "faults", "shutdown", "load_failure"))
     out: list[tuple[str, bool]] = []
     if load:
-        out += [("idle connections all open and alive", load["idle_open_failed"] == 0
-                 and load["idle_alive_after_chat"] == load["idle_connections"]),
-                ("every chat reply completed, zero errors", load["completed_turns"] == load["expected_turns"]
-                 and not load["errors"]),
-                ("idle connections cost <= 300 MB RSS", load["rss_idle_extra_mb"] <= 300)]
+        out += [
+            (
+                "idle connections all open and alive",
+                load["idle_open_failed"] == 0 and load["idle_alive_after_chat"] == load["idle_connections"],
+            ),
+            (
+                "every chat reply completed, zero errors",
+                load["completed_turns"] == load["expected_turns"] and not load["errors"],
+            ),
+            ("idle connections cost <= 300 MB RSS", load["rss_idle_extra_mb"] <= 300),
+        ]
     if slow:
-        out += [("slow client dropped (server closed it: 4008, or 1006 when it read nothing)",
-                 slow["slow_client_close_code"] in (4008, 1006) and slow["slow_client_closes"] >= 1),
-                ("others unaffected by the slow client (no errors)", not slow["others_errors"])]
+        out += [
+            (
+                "slow client dropped (server closed it: 4008, or 1006 when it read nothing)",
+                slow["slow_client_close_code"] in (4008, 1006) and slow["slow_client_closes"] >= 1,
+            ),
+            ("others unaffected by the slow client (no errors)", not slow["others_errors"]),
+        ]
     if disc:
         for kind in ("one_after_another", "all_at_once"):
             d = disc[kind]
-            out.append((f"disconnects {kind.replace('_', ' ')}: running and KV back to baseline",
-                        d["running_after"] == 0 and d["seconds_to_kv_baseline"] is not None))
+            out.append(
+                (
+                    f"disconnects {kind.replace('_', ' ')}: running and KV back to baseline",
+                    d["running_after"] == 0 and d["seconds_to_kv_baseline"] is not None,
+                )
+            )
     if over:
-        out += [("overload: each request done or overloaded", set(over["outcomes"]) <= {"done", "overloaded"}),
-                ("overload: latency back to unloaded level (<= 1.5x)", over["ttft_after_over_before"] <= 1.5)]
+        out += [
+            ("overload: each request done or overloaded", set(over["outcomes"]) <= {"done", "overloaded"}),
+            ("overload: latency back to unloaded level (<= 1.5x)", over["ttft_after_over_before"] <= 1.5),
+        ]
     if faults:
-        out += [("faults: other requests complete", faults["normal_done"] == faults["normal"]
-                 and faults["after_done"] == faults["after"]),
-                ("faults: only the affected requests fail with internal", faults["step_fault_outcome"] == "internal"
-                 and all(o == "internal" for o in faults["parser_fault_outcomes"])),
-                ("faults: no internals sent to clients", not faults["internal_details_leaked"])]
+        out += [
+            (
+                "faults: other requests complete",
+                faults["normal_done"] == faults["normal"] and faults["after_done"] == faults["after"],
+            ),
+            (
+                "faults: only the affected requests fail with internal",
+                faults["step_fault_outcome"] == "internal"
+                and all(o == "internal" for o in faults["parser_fault_outcomes"]),
+            ),
+            ("faults: no internals sent to clients", not faults["internal_details_leaked"]),
+        ]
     if down:
-        out += [("SIGTERM: shutting_down sent, short reply finished, long one ended",
-                 down["shutting_down_event"] and down["short_reply"] == "done"
-                 and down["long_reply"] in ("done", "shutting_down")),
-                ("SIGTERM: sockets closed 1001, exit 0", down["close_codes"] == [1001, 1001]
-                 and down["exit_code"] == 0)]
+        out += [
+            (
+                "SIGTERM: shutting_down sent, short reply finished, long one ended",
+                down["shutting_down_event"]
+                and down["short_reply"] == "done"
+                and down["long_reply"] in ("done", "shutting_down"),
+            ),
+            (
+                "SIGTERM: sockets closed 1001, exit 0",
+                down["close_codes"] == [1001, 1001] and down["exit_code"] == 0,
+            ),
+        ]
     if fail:
         for name, f in fail.items():
-            out.append((f"load failure ({name}): exit != 0, names the file, no traceback",
-                        f["exit_code"] != 0 and f["names_file"] and not f["traceback"]))
+            out.append(
+                (
+                    f"load failure ({name}): exit != 0, names the file, no traceback",
+                    f["exit_code"] != 0 and f["names_file"] and not f["traceback"],
+                )
+            )
     return out
 
 
-def run_loadtest(idle: int = 1000, chatting: int = 64, disconnects: int = 100, config: str | None = None,
-                 out_dir: str = "bench-results", dtype: str | None = None) -> dict:
+def run_loadtest(
+    idle: int = 1000,
+    chatting: int = 64,
+    disconnects: int = 100,
+    config: str | None = None,
+    out_dir: str = "bench-results",
+    dtype: str | None = None,
+) -> dict:
     raise_nofile_limit()
     workdir = Path(tempfile.mkdtemp(prefix="rtserver-loadtest-"))
-    report: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                              "command": f"rtserver loadtest --idle {idle} --chatting {chatting} --disconnects {disconnects}"
-                              + (f" --dtype {dtype}" if dtype else ""), "workdir": str(workdir)}
-    common = {"RTSERVER_SERVER_LOG_LEVEL": "warning", "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
-              "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0"}
+    report: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": f"rtserver loadtest --idle {idle} --chatting {chatting} --disconnects {disconnects}"
+        + (f" --dtype {dtype}" if dtype else ""),
+        "workdir": str(workdir),
+    }
+    common = {
+        "RTSERVER_SERVER_LOG_LEVEL": "warning",
+        "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
+        "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",
+    }
     if dtype:
         common["RTSERVER_MODEL_DTYPE"] = dtype
-    a = ServerProcess({**common, "RTSERVER_SESSIONS_IDLE_TIMEOUT_S": "5",
-                       "RTSERVER_SERVER_SLOW_CLIENT_TIMEOUT_S": "2"}, workdir / "server-a.log", config)
+    a = ServerProcess(
+        {**common, "RTSERVER_SESSIONS_IDLE_TIMEOUT_S": "5", "RTSERVER_SERVER_SLOW_CLIENT_TIMEOUT_S": "2"},
+        workdir / "server-a.log",
+        config,
+    )
     print(f"server A: starting ({a.log_path})", flush=True)
     report["server_a_ready_s"] = round(a.start(), 1)
     try:
-        for name, phase in (("load", lambda: phase_load(a, idle, chatting)),
-                            ("slow_client", lambda: phase_slow_client(a)),
-                            ("disconnects", lambda: phase_disconnects(a, disconnects))):
+        for name, phase in (
+            ("load", lambda: phase_load(a, idle, chatting)),
+            ("slow_client", lambda: phase_slow_client(a)),
+            ("disconnects", lambda: phase_disconnects(a, disconnects)),
+        ):
             print(f"server A: {name}", flush=True)
             report[name] = asyncio.run(phase())
             print(f"  {json.dumps(report[name])}", flush=True)
     finally:
         rc, _ = a.stop()
         report["server_a"] = {"exit_code": rc, "errors_logged": a.log_errors()[:20]}
-    plugin_dir = workdir / "plugins"
-    plugin_dir.mkdir()
-    (plugin_dir / "faulty.py").write_text(FAULTY_PLUGIN)
-    b = ServerProcess({**common, "RTSERVER_ENGINE_MAX_RUNNING": "8", "RTSERVER_ENGINE_MAX_WAITING": "8",
-                       "RTSERVER_TASKS_AUTO_TASKS": "", "RTSERVER_SERVER_SHUTDOWN_GRACE_S": "2",
-                       "RTSERVER_TASKS_PLUGIN_DIRS": f"plugins,{plugin_dir}"}, workdir / "server-b.log", config,
-                      launcher=["rtserver.loadtest", "serve-with-faults"] + (["--config", config] if config else []))
+    if not FAULT_SERVER.is_file():
+        print(
+            f"server B: skipped ({FAULT_SERVER} not found: the fault phases need the repository's tests/)",
+            flush=True,
+        )
+        return _finish(report, out_dir, workdir)
+    b = ServerProcess(
+        {
+            **common,
+            "RTSERVER_ENGINE_MAX_RUNNING": "8",
+            "RTSERVER_ENGINE_MAX_WAITING": "8",
+            "RTSERVER_TASKS_AUTO_TASKS": "",
+            "RTSERVER_SERVER_SHUTDOWN_GRACE_S": "2",
+            "RTSERVER_TASKS_PLUGIN_DIRS": f"plugins,{FAULT_PLUGINS}",
+        },
+        workdir / "server-b.log",
+        config,
+        launcher=[str(FAULT_SERVER)] + (["--config", config] if config else []),
+    )
     print(f"server B: starting ({b.log_path})", flush=True)
     report["server_b_ready_s"] = round(b.start(), 1)
     try:
-        for name, phase in (("overload", lambda: phase_overload(b, 8)), ("faults", lambda: phase_faults(b)),
-                            ("shutdown", lambda: phase_shutdown(b))):
+        for name, phase in (
+            ("overload", lambda: phase_overload(b, 8)),
+            ("faults", lambda: phase_faults(b)),
+            ("shutdown", lambda: phase_shutdown(b)),
+        ):
             print(f"server B: {name}", flush=True)
             report[name] = asyncio.run(phase())
             print(f"  {json.dumps(report[name])}", flush=True)
     finally:
         if b.proc.poll() is None:
             b.stop()
-        injected = ("step failed for sequences", "faulty")  # the faults this phase injects, logged as it should
-        report["server_b"] = {"exit_code": b.proc.returncode,
-                              "errors_logged": [ln for ln in b.log_errors() if " ERROR " in ln
-                                                and not any(mark in ln for mark in injected)][:20]}
+        injected = (
+            "step failed for sequences",
+            "faulty",
+        )  # the faults this phase injects, logged as it should
+        report["server_b"] = {
+            "exit_code": b.proc.returncode,
+            "errors_logged": [
+                ln for ln in b.log_errors() if " ERROR " in ln and not any(mark in ln for mark in injected)
+            ][:20],
+        }
+    return _finish(report, out_dir, workdir)
+
+
+def _finish(report: dict, out_dir: str, workdir: Path) -> dict:
     print("model load failure", flush=True)
     report["load_failure"] = phase_load_failure(workdir)
     report["checks"] = [{"check": name, "passed": ok} for name, ok in checks(report)]
@@ -480,34 +649,70 @@ def print_report(r: dict) -> None:
     rows = []
     if "load" in r:
         L = r["load"]
-        rows += [("idle connections (after hello)", f"{L['idle_connections']} open, {L['idle_alive_after_chat']} alive after"),
-                 ("RSS growth for idle connections", f"{L['rss_idle_extra_mb']} MB"),
-                 (f"{L['chatting_sessions']} sessions chatting: replies", f"{L['completed_turns']}/{L['expected_turns']}, errors {L['errors'] or 0}"),
-                 ("  TTFT p50 / p95", f"{L['ttft_p50_ms']:.0f} / {L['ttft_p95_ms']:.0f} ms")]
+        rows += [
+            (
+                "idle connections (after hello)",
+                f"{L['idle_connections']} open, {L['idle_alive_after_chat']} alive after",
+            ),
+            ("RSS growth for idle connections", f"{L['rss_idle_extra_mb']} MB"),
+            (
+                f"{L['chatting_sessions']} sessions chatting: replies",
+                f"{L['completed_turns']}/{L['expected_turns']}, errors {L['errors'] or 0}",
+            ),
+            ("  TTFT p50 / p95", f"{L['ttft_p50_ms']:.0f} / {L['ttft_p95_ms']:.0f} ms"),
+        ]
     if "overload" in r:
-        O = r["overload"]
-        rows += [(f"overload: {O['submitted']} chats at once (4x max_running)", json.dumps(O["outcomes"])),
-                 ("  `overloaded` answered within (p95)", f"{O['overloaded_answer_p95_ms']} ms"),
-                 ("  unloaded TTFT before / after", f"{O['unloaded_before']['ttft_ms']} / {O['unloaded_after']['ttft_ms']} ms")]
+        ov = r["overload"]
+        rows += [
+            (f"overload: {ov['submitted']} chats at once (4x max_running)", json.dumps(ov["outcomes"])),
+            ("  `overloaded` answered within (p95)", f"{ov['overloaded_answer_p95_ms']} ms"),
+            (
+                "  unloaded TTFT before / after",
+                f"{ov['unloaded_before']['ttft_ms']} / {ov['unloaded_after']['ttft_ms']} ms",
+            ),
+        ]
     if "slow_client" in r:
         S = r["slow_client"]
-        rows += [("slow client: closed with", str(S["slow_client_close_code"])),
-                 ("  others' tokens/s without / with it", f"{S['others_tokens_per_s_before']} / {S['others_tokens_per_s_during']}"),
-                 ("  server RSS before / during", f"{S['rss_before_mb']} / {S['rss_during_mb']} MB")]
+        rows += [
+            ("slow client: closed with", str(S["slow_client_close_code"])),
+            (
+                "  others' tokens/s without / with it",
+                f"{S['others_tokens_per_s_before']} / {S['others_tokens_per_s_during']}",
+            ),
+            ("  server RSS before / during", f"{S['rss_before_mb']} / {S['rss_during_mb']} MB"),
+        ]
     if "disconnects" in r:
         D = r["disconnects"]
         for kind in ("one_after_another", "all_at_once"):
             d = D[kind]
-            rows.append((f"{D['count']} disconnects {kind.replace('_', ' ')}",
-                         f"running after {d['running_after']:.0f}, KV back to baseline in {d['seconds_to_kv_baseline']} s"))
+            rows.append(
+                (
+                    f"{D['count']} disconnects {kind.replace('_', ' ')}",
+                    f"running after {d['running_after']:.0f}, "
+                    f"KV back to baseline in {d['seconds_to_kv_baseline']} s",
+                )
+            )
     if "faults" in r:
         F = r["faults"]
-        rows += [("faults: step / parser raise", f"{F['step_fault_outcome']} / {','.join(F['parser_fault_outcomes'])}"),
-                 ("  other requests done", f"{F['normal_done']}/{F['normal']} during, {F['after_done']}/{F['after']} after")]
+        rows += [
+            (
+                "faults: step / parser raise",
+                f"{F['step_fault_outcome']} / {','.join(F['parser_fault_outcomes'])}",
+            ),
+            (
+                "  other requests done",
+                f"{F['normal_done']}/{F['normal']} during, {F['after_done']}/{F['after']} after",
+            ),
+        ]
     if "shutdown" in r:
         S = r["shutdown"]
-        rows += [("SIGTERM: short / long reply", f"{S['short_reply']} / {S['long_reply']}"),
-                 ("  close codes, exit code, time", f"{S['close_codes']}, {S['exit_code']}, {S['seconds_to_exit']} s")]
+        rows += [
+            ("SIGTERM: short / long reply", f"{S['short_reply']} / {S['long_reply']}"),
+            (
+                "  close codes, exit code, time",
+                f"{S['close_codes']}, {S['exit_code']}, {S['seconds_to_exit']} s",
+            ),
+        ]
     for name, f in r.get("load_failure", {}).items():
         rows.append((f"model load failure ({name})", f"exit {f['exit_code']}: {f['message'][:70]}"))
     width = max(len(a) for a, _ in rows) if rows else 0
@@ -517,39 +722,3 @@ def print_report(r: dict) -> None:
     print()
     for c in r.get("checks", []):
         print(f"[{'PASS' if c['passed'] else 'FAIL'}] {c['check']}")
-
-
-def serve_with_faults(argv: list[str]) -> int:
-    """`rtserver serve` plus the test hooks: the scheduler raises on steps with STEP_FAULT_MARKER."""
-    import logging
-
-    from .config import ConfigError, load_settings
-    from .sequence import Phase
-    from .server import serve, serving_engine
-
-    config = argv[argv.index("--config") + 1] if "--config" in argv else os.environ.get("RTSERVER_CONFIG")
-    try:
-        settings = load_settings(config)
-    except ConfigError as exc:
-        print(f"rtserver: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    def engine_factory(loaded: Any, s: Any) -> Any:
-        engine = serving_engine(loaded, s)
-        decode = loaded.tokenizer.decode
-
-        def hook(items: list) -> None:
-            for it in items:
-                if it.seq.phase is Phase.PREFILL and STEP_FAULT_MARKER in decode(it.seq.prompt_ids):
-                    raise RuntimeError("injected step fault")
-        engine.scheduler.fault_hook = hook
-        return engine
-
-    return serve(settings, engine_factory=engine_factory)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["serve-with-faults"]:
-        raise SystemExit(serve_with_faults(sys.argv[2:]))
-    raise SystemExit("usage: python -m rtserver.loadtest serve-with-faults [--config PATH]")

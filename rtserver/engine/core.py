@@ -1,4 +1,5 @@
-"""The engine: the async face of the model. Owns the runner, KV manager, scheduler and its worker thread.
+"""The local engine: the async face of the model, an `InferenceBackend`. Owns the runner, KV manager,
+scheduler and its worker thread.
 
 `generate()` returns a `GenerationStream`, an async iterator of `TokenEvent`s whose `result()` is the
 final `SequenceResult`; `score()` returns label log-probabilities. The scheduler runs on its own
@@ -11,15 +12,16 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import threading
-from dataclasses import dataclass
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
-from .config import EngineSettings
+from ..config import EngineSettings
+from .backend import FinishReason, SamplingParams, SequenceResult, TokenEvent
 from .kv import KVCacheManager
 from .model import LoadedModel
 from .runner import ModelRunner
-from .scheduler import Overloaded, RequestTooLarge, Scheduler, SchedulerLimits  # noqa: F401 (re-export)
-from .sequence import FinishReason, SamplingParams, Sequence, SequenceResult
+from .scheduler import Scheduler, SchedulerLimits
+from .sequence import Sequence
 
 
 def return_freed_memory() -> None:
@@ -31,20 +33,10 @@ def return_freed_memory() -> None:
         pass  # not glibc: nothing to do
 
 
-# The engine's options are exactly the [engine] settings; the alias keeps call sites readable.
-EngineOptions = EngineSettings
-
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    text: str  # the safe-to-show text delta; may be "" while a character or stop string is incomplete
-
-
 class GenerationStream:
     """Async iterator over one sequence's tokens; `await result()` gives the final outcome."""
 
-    def __init__(self, engine: "Engine", seq: Sequence):
+    def __init__(self, engine: Engine, seq: Sequence):
         self._engine = engine
         self.seq = seq
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -58,7 +50,7 @@ class GenerationStream:
                 self._result.set_result(payload)
             self._queue.put_nowait(None)
 
-    def __aiter__(self) -> "GenerationStream":
+    def __aiter__(self) -> GenerationStream:
         return self
 
     async def __anext__(self) -> TokenEvent:
@@ -76,24 +68,38 @@ class GenerationStream:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, options: EngineOptions | None = None,
-                 release_dense_weights: bool = False):
-        self.options = options or EngineOptions()
-        opts = self.options
+    def __init__(
+        self, loaded: LoadedModel, settings: EngineSettings | None = None, release_dense_weights: bool = False
+    ):
+        self.settings = settings or EngineSettings()
+        opts = self.settings
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         cfg = loaded.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, loaded.dtype,
-                                 opts.kv_budget_mb << 20, opts.kv_block_tokens)
-        self.runner = ModelRunner(loaded.model, self.kv, opts.max_sequence_tokens,
-                                  weight_storage=loaded.weight_storage,
-                                  release_dense_weights=release_dense_weights)
+        self.kv = KVCacheManager(
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            head_dim,
+            loaded.dtype,
+            opts.kv_budget_mb << 20,
+            opts.kv_block_tokens,
+        )
+        self.runner = ModelRunner(
+            loaded.model,
+            self.kv,
+            opts.max_sequence_tokens,
+            weight_storage=loaded.weight_storage,
+            release_dense_weights=release_dense_weights,
+        )
         if release_dense_weights:
             return_freed_memory()
-        limits = SchedulerLimits(opts.max_running, opts.max_waiting, opts.prefill_chunk_tokens,
-                                 min(opts.max_sequence_tokens, self.runner.max_positions))
-        self.scheduler = Scheduler(self.runner, self.kv, limits, self._dispatch)
+        self.scheduler = Scheduler(
+            self.runner,
+            self.kv,
+            SchedulerLimits.from_settings(opts, self.runner.max_positions),
+            self._dispatch,
+        )
         self.eos_token_ids = self._eos_ids(loaded)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[int, Any] = {}
@@ -109,8 +115,9 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self.scheduler.run_forever, name="rtserver-scheduler",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self.scheduler.run_forever, name="rtserver-scheduler", daemon=True
+        )
         self._thread.start()
 
     async def stop(self) -> None:
@@ -134,12 +141,18 @@ class Engine:
             sink(kind, payload)
 
     # -- public API (event loop) ----------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], params: SamplingParams, *,
-                 session_key: Hashable | None = None) -> GenerationStream:
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, session_key: Hashable | None = None
+    ) -> GenerationStream:
         """Queue a generation; raises SamplingError, RequestTooLarge or Overloaded at once."""
         params.validate()
-        seq = Sequence(prompt_ids, params, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
-                       session_key=session_key)
+        seq = Sequence(
+            prompt_ids,
+            params,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            session_key=session_key,
+        )
         stream = GenerationStream(self, seq)
         self._streams[seq.id] = stream._push
         try:
@@ -149,8 +162,9 @@ class Engine:
             raise
         return stream
 
-    async def score(self, prompt_ids: list[int], candidates: list[list[int]], *,
-                    normalize: bool = True) -> list[float]:
+    async def score(
+        self, prompt_ids: list[int], candidates: list[list[int]], *, normalize: bool = True
+    ) -> list[float]:
         """Log-probability of each candidate continuation (summed over its tokens) after the prompt.
 
         With `normalize=False` the scores are those log-probabilities plus one constant shared by every
@@ -160,8 +174,13 @@ class Engine:
         """
         if not candidates or any(not c for c in candidates):
             raise ValueError("candidates must be non-empty token lists")
-        seq = Sequence(prompt_ids, SamplingParams(max_new_tokens=1), tokenizer=self.tokenizer,
-                       eos_token_ids=self.eos_token_ids, candidates=[list(c) for c in candidates])
+        seq = Sequence(
+            prompt_ids,
+            SamplingParams(max_new_tokens=1),
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            candidates=[list(c) for c in candidates],
+        )
         if not normalize:
             seq.score_columns = sorted({c[0] for c in candidates})
         future = asyncio.get_running_loop().create_future()
@@ -187,6 +206,11 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting), "steps": s.steps,
-                "tokens_generated": s.tokens_generated, "tokens_prefilled": s.tokens_prefilled,
-                "kv": self.kv.stats()}
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "steps": s.steps,
+            "tokens_generated": s.tokens_generated,
+            "tokens_prefilled": s.tokens_prefilled,
+            "kv": self.kv.stats(),
+        }

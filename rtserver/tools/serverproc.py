@@ -28,13 +28,24 @@ def free_port() -> int:
 class ServerProcess:
     """`rtserver serve` (or another launcher) in a subprocess on a free 127.0.0.1 port, log to a file."""
 
-    def __init__(self, env: dict[str, str], log_path: Path, config: str | None = None,
-                 launcher: list[str] | None = None):
+    def __init__(
+        self,
+        env: dict[str, str],
+        log_path: Path,
+        config: str | None = None,
+        launcher: list[str] | None = None,
+    ):
         self.port = free_port()
-        self.env = {**os.environ, **env, "RTSERVER_SERVER_HOST": "127.0.0.1",
-                    "RTSERVER_SERVER_PORT": str(self.port)}
-        self.cmd = [sys.executable, "-m"] + (launcher or ["rtserver.cli"] + (["--config", config] if config else [])
-                                             + ["serve"])
+        self.env = {
+            **os.environ,
+            **env,
+            "RTSERVER_SERVER_HOST": "127.0.0.1",
+            "RTSERVER_SERVER_PORT": str(self.port),
+        }
+        # `launcher`: what python runs instead of `-m rtserver.cli [--config PATH] serve` (a script + args)
+        self.cmd = [sys.executable] + (
+            launcher or ["-m", "rtserver.cli"] + (["--config", config] if config else []) + ["serve"]
+        )
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
@@ -50,8 +61,9 @@ class ServerProcess:
         """Start and wait for /ready; the seconds it took."""
         started = time.monotonic()
         log = self.log_path.open("w")
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     preexec_fn=raise_nofile_limit)
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=raise_nofile_limit
+        )
         while True:
             try:
                 with urllib.request.urlopen(self.base + "/ready", timeout=2) as resp:
@@ -60,7 +72,9 @@ class ServerProcess:
             except OSError:
                 pass
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up; see {self.log_path}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} during start-up; see {self.log_path}"
+                )
             if time.monotonic() - started > timeout_s:
                 raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {self.log_path}")
             time.sleep(0.3)
@@ -95,4 +109,6 @@ class ServerProcess:
     def log_errors(self) -> list[str]:
         """Log lines at ERROR level or tracebacks."""
         lines = self.log_path.read_text(errors="replace").splitlines()
-        return [ln for ln in lines if " ERROR " in ln or ln.startswith("ERROR:") or ln.startswith("Traceback")]
+        return [
+            ln for ln in lines if " ERROR " in ln or ln.startswith("ERROR:") or ln.startswith("Traceback")
+        ]

@@ -27,62 +27,22 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from ..engine.backend import FinishReason, Generation
 from . import protocol as P
+from .connection import Close, QueuedConnection, accept, client_ip, refuse
 from .console import ConsoleHub
-from .ratelimit import IPRateLimiter, TokenBucket
-from .scheduler import Overloaded, RequestTooLarge
-from .sequence import FinishReason, SamplingError
-from .session import (Session, SessionExpired, SessionRegistry, TooManySessions, continue_prompt, finished_turn,
-                      window)
-from .wsclose import CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_SLOW_CLIENT, CLOSE_UNAUTHORIZED, QueuedConnection, refuse
+from .errors import error_code
+from .ratelimit import TokenBucket
+from .session import Session, SessionExpired, SessionRegistry, TooManySessions
+from .state import AppState
 
 log = logging.getLogger("rtserver.hub")
-
-CLOSE_TAKEN_OVER = 4409
-CLOSE_NOT_READY = 1013
-CLOSE_TOO_MANY_SESSIONS = 4429
-
-
-def transport_max_bytes(max_frame_bytes: int) -> int:
-    """The hard per-frame limit to give uvicorn (`ws_max_size`): frames between `max_frame_bytes` and
-    this get a `frame_too_large` error and the connection stays; bigger ones close it with 1009."""
-    return max(1 << 20, 4 * max_frame_bytes)
-
-
-def engine_error(exc: Exception) -> tuple[str, str]:
-    """(code, message) for an exception raised by engine.generate/score at submit."""
-    if isinstance(exc, Overloaded):
-        return "overloaded", f"server busy, retry later ({exc})"
-    if isinstance(exc, RequestTooLarge):
-        return "request_too_large", str(exc)
-    if isinstance(exc, SamplingError):
-        return "bad_decoding", str(exc)
-    code = getattr(exc, "code", None)
-    if isinstance(code, str):
-        return code, getattr(exc, "message", str(exc))
-    return "internal", f"internal error ({type(exc).__name__})"
-
-
-def cut_to_tokens(tokenizer: Any, text: str, max_tokens: int) -> str:
-    """Keep the newest `max_tokens` tokens of a chat message (the chat task keeps the newest part)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) <= max_tokens:
-        return text
-    return tokenizer.decode(ids[-max_tokens:], skip_special_tokens=True).lstrip("\ufffd").strip()
-
-
-def clean_chat_text(chat: Any, text: str) -> str:
-    """The chat task's cleaning (control characters stripped, newest part kept) and its token limit."""
-    text = chat.clean_text(text)
-    limit = getattr(chat, "max_input_tokens", 0)
-    if limit:
-        text = cut_to_tokens(chat.tokenizer, text, limit)
-    return text
 
 
 @dataclass
@@ -90,7 +50,7 @@ class Request:
     id: str
     kind: str  # chat | task
     task: asyncio.Task | None = None
-    stream: Any = None
+    stream: Generation | None = None
     cancelled: bool = False
 
     def cancel(self) -> None:
@@ -102,7 +62,7 @@ class Request:
 
 
 class Connection(QueuedConnection):
-    def __init__(self, hub: "Hub", ws: WebSocket):
+    def __init__(self, hub: Hub, ws: WebSocket):
         ss = hub.settings.server
         super().__init__(ws, ss.send_queue_size)
         self.hub = hub
@@ -113,7 +73,9 @@ class Connection(QueuedConnection):
         self.background: set[asyncio.Task] = set()
         self.client_ip = client_ip(ws)
         sec = hub.settings.security
-        self.bucket = TokenBucket(sec.rate_limit_per_s, sec.rate_limit_burst) if sec.rate_limit_per_s > 0 else None
+        self.bucket = (
+            TokenBucket(sec.rate_limit_per_s, sec.rate_limit_burst) if sec.rate_limit_per_s > 0 else None
+        )
 
     # -- sending --------------------------------------------------------------------------------
     async def send(self, event: dict) -> None:
@@ -129,12 +91,12 @@ class Connection(QueuedConnection):
             pass
         try:
             await asyncio.wait_for(self.queue.put(text), timeout=self.slow_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if not self.stopping.is_set():
                 log.warning("closing connection: client did not read for %.1f s", self.slow_timeout)
                 self.hub.metrics.slow_closes.inc()
                 self.hub.metrics.error("slow_client")
-                self.stop(CLOSE_SLOW_CLIENT, "slow client")
+                self.stop(Close.SLOW_CLIENT, "slow client")
 
     async def error(self, code: str, message: str, request_id: str | None = None, **extra: Any) -> None:
         await self.send(P.error_event(code, message, request_id, **extra))
@@ -166,7 +128,7 @@ class Connection(QueuedConnection):
             wait = self.bucket.take()
             if wait > 0:
                 return wait, f"{self.bucket.rate:g} messages/s per connection (burst {self.bucket.burst})"
-        limiter = self.hub.ip_limiter
+        limiter = self.hub.state.ip_limiter
         wait = limiter.take(self.client_ip)
         if wait > 0:
             return wait, f"{limiter.rate:g} messages/s per client address (burst {limiter.burst})"
@@ -181,8 +143,12 @@ class Connection(QueuedConnection):
             wait, limit = self.rate_limit_wait()
             if wait > 0:
                 rid = getattr(msg, "id", None) if msg is not None else error.request_id
-                await self.error("rate_limited", f"too many messages (limit {limit}); retry in {wait:.2f} s",
-                                 rid, retry_after_s=round(wait, 3))
+                await self.error(
+                    "rate_limited",
+                    f"too many messages (limit {limit}); retry in {wait:.2f} s",
+                    rid,
+                    retry_after_s=round(wait, 3),
+                )
                 return
         if msg is None:
             await self.error(error.code, error.message, error.request_id)
@@ -192,8 +158,10 @@ class Connection(QueuedConnection):
             return
         if isinstance(msg, P.Hello):
             if self.session is not None:
-                await self.error("already_started", "this connection already has a session; "
-                                 "open a new connection to resume another")
+                await self.error(
+                    "already_started",
+                    "this connection already has a session; open a new connection to resume another",
+                )
                 return
             await self.start_session(msg)
             return
@@ -211,7 +179,7 @@ class Connection(QueuedConnection):
         if isinstance(msg, P.Reset):
             await self.reset()
             return
-        if self.hub.shutting_down:
+        if self.hub.state.shutting_down:
             await self.error("shutting_down", "the server is shutting down; reconnect in a moment", msg.id)
             return
         if msg.id in self.requests:
@@ -219,17 +187,22 @@ class Connection(QueuedConnection):
             return
         limit = self.hub.settings.server.max_in_flight
         if len(self.requests) >= limit:
-            await self.error("too_many_requests", f"at most {limit} requests may be in flight on one "
-                             f"connection", msg.id)
+            await self.error(
+                "too_many_requests", f"at most {limit} requests may be in flight on one connection", msg.id
+            )
             return
         if isinstance(msg, P.Chat):
             if self.hub.console.holder(self.session) is not None:  # a human agent answers, not the bot
-                await self.hub.console.forward_chat(self, msg)
+                await self.hub.console.forward_chat(self, self.session, msg)
                 return
             if self.session.chat_request is not None:
-                await self.error("chat_busy", f"chat turn {self.session.chat_request!r} is still in "
-                                 f"progress; wait for its done (or cancel it)", msg.id,
-                                 busy_id=self.session.chat_request)
+                await self.error(
+                    "chat_busy",
+                    f"chat turn {self.session.chat_request!r} is still in "
+                    f"progress; wait for its done (or cancel it)",
+                    msg.id,
+                    busy_id=self.session.chat_request,
+                )
                 return
             req = Request(msg.id, "chat")
             self.session.chat_request = msg.id
@@ -244,10 +217,11 @@ class Connection(QueuedConnection):
     async def start_session(self, hello: P.Hello) -> bool:
         hub = self.hub
         token = hub.settings.security.api_token
-        if token and not (hello.auth_token and secrets.compare_digest(hello.auth_token.encode(),
-                                                                        token.encode())):
+        if token and not (
+            hello.auth_token and secrets.compare_digest(hello.auth_token.encode(), token.encode())
+        ):
             await self.error("unauthorized", "a valid auth_token is required in hello")
-            self.stop(CLOSE_UNAUTHORIZED, "unauthorized")
+            self.stop(Close.UNAUTHORIZED, "unauthorized")
             return False
         self.client_name = hello.client
         session: Session | None = None
@@ -257,22 +231,25 @@ class Connection(QueuedConnection):
                 session = hub.sessions.resume(hello.session_id or "", hello.resume_token or "")
                 resumed = True
             except SessionExpired:
-                await self.error("session_expired", "that session is unknown or has expired; a new session "
-                                 "was started")
+                await self.error(
+                    "session_expired", "that session is unknown or has expired; a new session was started"
+                )
         if session is None:
             try:
                 session = hub.sessions.create(self.client_ip)
             except TooManySessions:
                 cap = hub.settings.security.max_sessions_per_ip
-                await self.error("too_many_sessions", f"this address already has {cap} connected sessions "
-                                 f"(the limit); close one first")
-                self.stop(CLOSE_TOO_MANY_SESSIONS, "too many sessions")
+                await self.error(
+                    "too_many_sessions",
+                    f"this address already has {cap} connected sessions (the limit); close one first",
+                )
+                self.stop(Close.TOO_MANY_SESSIONS, "too many sessions")
                 return False
         elif session.connection is not None and session.connection is not self:
-            old: Connection = session.connection
+            old = session.connection
             await old.error("session_taken_over", "this session was resumed by another connection")
             old.cancel_all()
-            old.stop(CLOSE_TAKEN_OVER, "session taken over")
+            old.stop(Close.TAKEN_OVER, "session taken over")
         session.connection = self
         self.session = session
         await self.send(hub.ready_event(session, resumed))
@@ -281,6 +258,7 @@ class Connection(QueuedConnection):
 
     async def reset(self) -> None:
         session = self.session
+        assert session is not None
         req = self.requests.get(session.chat_request) if session.chat_request else None
         if req is not None:
             req.cancel()
@@ -303,26 +281,20 @@ class Connection(QueuedConnection):
         added = False
         reply, reason = None, "error"
         try:
-            engine, registry = hub.state.engine, hub.state.registry
-            chat = registry.chat
-            text = clean_chat_text(chat, msg.text)
-            params = chat.sampling(msg.options or None)
-            history, cut = window(session.history + [{"role": "user", "content": text}],
-                                  chat.max_history_turns, chat.max_history_tokens,
-                                  lambda h: len(chat.render(h)))
-            rendered = chat.render_text(history)
-            prompt = continue_prompt(chat.tokenizer, rendered, session.last_turn)
-            stream = engine.generate(prompt, params, session_key=session.id)
+            chat = hub.state.tasks.chat
+            turn = chat.prepare_turn(session.history, msg.text)
+            params = chat.task.sampling(msg.options or None)
+            rendered, prompt = chat.prompt(turn.history, session.last_turn)
+            stream = hub.state.backend.generate(prompt, params, session_key=session.id)
             req.stream = stream
             if req.cancelled:
                 stream.cancel()
-            if cut:
+            if turn.cut:
                 session.cuts += 1
-            session.history = history
+            session.history = turn.history
             added = True
-            hub.console.user_message(session, msg.id, text)
-            for name in hub.state.registry.auto_tasks:
-                self.spawn(self.run_auto_task(msg.id, name, text))
+            hub.console.user_message(session, msg.id, turn.text)
+            self.run_auto_tasks(msg.id, turn.text)
             async for event in stream:
                 if event.text:
                     await self.send(P.token_event(msg.id, event.text))
@@ -332,10 +304,10 @@ class Connection(QueuedConnection):
                 raise RuntimeError(result.error or "generation failed")
             if result.text or result.finish_reason is not FinishReason.CANCELLED:
                 session.history.append({"role": "assistant", "content": result.text})
-                session.last_turn = finished_turn(chat.tokenizer, rendered, prompt, result.text, result.token_ids)
+                session.last_turn = chat.finished_turn(rendered, prompt, result.text, result.token_ids)
                 added = False
                 session.turns += 1
-            reply, reason = result.text, getattr(result.finish_reason, "value", result.finish_reason)
+            reply, reason = result.text, result.finish_reason.value
             hub.metrics.observe_generation("ws_chat", result)
             hub.metrics.requests.labels("ws", "chat").inc()
             await self.send(P.done_event(msg.id, result, chat.parse(result.text)))
@@ -346,7 +318,7 @@ class Connection(QueuedConnection):
                 log.warning("chat turn %s failed: %s", msg.id, exc)
                 code, message = "internal", f"generation failed: {exc}"
             else:
-                code, message = engine_error(exc)
+                code, message = error_code(exc)
                 if code == "internal":
                     log.exception("chat turn %s failed", msg.id)
             await self.error(code, message, msg.id)
@@ -362,56 +334,57 @@ class Connection(QueuedConnection):
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:
         hub = self.hub
         try:
-            out = await hub.state.registry.run(hub.state.engine, msg.task, msg.input, msg.options or None)
+            out = await hub.state.tasks.run(hub.state.backend, msg.task, msg.input, msg.options or None)
             hub.metrics.requests.labels("ws", "task").inc()
             await self.send(P.result_event(msg.id, out))
         except asyncio.CancelledError:
             await self.error("cancelled", "the task was cancelled", msg.id)
         except Exception as exc:
-            code, message = engine_error(exc)
+            code, message = error_code(exc)
             if code == "internal" and not hasattr(exc, "code"):  # a TaskError was logged where it arose
                 log.exception("task %s (request %s) failed", msg.task, msg.id)
             await self.error(code, message, msg.id)
         finally:
             self.requests.pop(msg.id, None)
 
+    def run_auto_tasks(self, request_id: str, text: str) -> None:
+        """Run the configured auto-tasks on a user message, beside the reply (results go to the client
+        and the console)."""
+        for name in self.hub.state.tasks.auto_tasks:
+            self.spawn(self.run_auto_task(request_id, name, text))
+
     async def run_auto_task(self, request_id: str, name: str, text: str) -> None:
         try:
-            out = await self.hub.state.registry.run(self.hub.state.engine, name, text)
+            out = await self.hub.state.tasks.run(self.hub.state.backend, name, text)
             await self.send(P.result_event(request_id, out, auto=True))
             if self.session is not None:
                 self.hub.console.auto_result(self.session, request_id, out.task, out.output)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            code, message = engine_error(exc)
+            code, message = error_code(exc)
             await self.error(code, message, request_id, task=name, auto=True)
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
 
-def client_ip(conn: Any) -> str:
-    """The peer address of a WebSocket or HTTP request (uvicorn rewrites it from X-Forwarded-For when
-    the request comes through a proxy listed in `server.forwarded_allow_ips`)."""
-    client = conn.scope.get("client")
-    return client[0] if client else ""
-
-
 class Hub:
-    def __init__(self, state: Any):
+    """The /ws endpoint: live connections, the session registry, and the console it feeds."""
+
+    def __init__(self, state: AppState):
         self.state = state
         self.settings = state.settings
         self.metrics = state.metrics
         ss, sec = self.settings.sessions, self.settings.security
-        self.sessions = SessionRegistry(ss.idle_timeout_s, ss.max_sessions, on_drop=self._on_drop,
-                                        max_per_ip=sec.max_sessions_per_ip)
-        self.ip_limiter = IPRateLimiter(sec.ip_rate_limit_per_s, sec.ip_rate_limit_burst)
-        self.shutting_down = False
+        self.sessions = SessionRegistry(
+            ss.idle_timeout_s, ss.max_sessions, on_drop=self._on_drop, max_per_ip=sec.max_sessions_per_ip
+        )
         self.connections: set[Connection] = set()
-        self.console = ConsoleHub(self)  # the agent console's registry (/ws/console)
+        self.console = ConsoleHub(state, self.sessions)  # the agent console's registry (/ws/console)
+        state.counts = lambda: {"connections": len(self.connections), "sessions": len(self.sessions)}
 
     def _on_drop(self, session: Session) -> None:
         self.metrics.expired.inc()
@@ -419,60 +392,71 @@ class Hub:
         self.console.dropped(session)
 
     def drop_engine_session(self, session: Session) -> None:
-        engine = self.state.engine
-        if engine is not None:
-            engine.drop_session(session.id)
+        if self.state.engine is not None:
+            self.state.engine.drop_session(session.id)
 
     def limits(self) -> dict:
         s = self.settings
-        limits = {"max_frame_bytes": s.server.max_frame_bytes, "max_in_flight": s.server.max_in_flight,
-                  "send_queue_size": s.server.send_queue_size,
-                  "slow_client_timeout_s": s.server.slow_client_timeout_s,
-                  "idle_timeout_s": s.sessions.idle_timeout_s}
+        limits = {
+            "max_frame_bytes": s.server.max_frame_bytes,
+            "max_in_flight": s.server.max_in_flight,
+            "send_queue_size": s.server.send_queue_size,
+            "slow_client_timeout_s": s.server.slow_client_timeout_s,
+            "idle_timeout_s": s.sessions.idle_timeout_s,
+        }
         try:
-            chat = self.state.registry.chat
+            chat = self.state.tasks.chat.task
         except Exception:
             return limits
-        limits.update({"max_input_chars": chat.max_input_chars, "max_input_tokens": chat.max_input_tokens,
-                       "max_new_tokens": chat.max_new_tokens, "max_history_turns": chat.max_history_turns,
-                       "max_history_tokens": chat.max_history_tokens,
-                       "overridable": {k: list(v) for k, v in chat.overridable.items()}})
+        limits.update(
+            {
+                "max_input_chars": chat.max_input_chars,
+                "max_input_tokens": chat.max_input_tokens,
+                "max_new_tokens": chat.max_new_tokens,
+                "max_history_turns": chat.max_history_turns,
+                "max_history_tokens": chat.max_history_tokens,
+                "overridable": {k: list(v) for k, v in chat.overridable.items()},
+            }
+        )
         return limits
 
     def ready_event(self, session: Session, resumed: bool) -> dict:
-        registry = self.state.registry
+        registry = self.state.tasks
         holder = self.console.holder(session)
-        return P.ready_event(session.id, session.resume_token, resumed, session.history_turns, self.limits(),
-                             registry.describe(), list(registry.auto_tasks), history=session.history,
-                             agent=holder["name"] if holder else None)
-
-    def origin_allowed(self, ws: WebSocket) -> bool:
-        allowed = self.settings.security.allowed_origins
-        if not allowed or "*" in allowed:
-            return True
-        origin = ws.headers.get("origin")
-        return origin is None or origin in allowed
-
-    async def accept(self, ws: WebSocket) -> bool:
-        """Accept a WebSocket (/ws or /ws/console); a foreign browser origin is then refused with
-        `forbidden_origin` and close 1008 (the client gets a reason, not a bare HTTP 403)."""
-        await ws.accept()
-        if self.origin_allowed(ws):
-            return True
-        await refuse(ws, self.metrics, "forbidden_origin", f"origin {ws.headers.get('origin')!r} is not "
-                     f"allowed (security.allowed_origins)", CLOSE_POLICY, "origin not allowed")
-        return False
+        return P.ready_event(
+            session.id,
+            session.resume_token,
+            resumed,
+            session.history_turns,
+            self.limits(),
+            registry.describe(),
+            list(registry.auto_tasks),
+            history=session.history,
+            agent=holder["name"] if holder else None,
+        )
 
     async def endpoint(self, ws: WebSocket) -> None:
-        if not await self.accept(ws):
+        if not await accept(ws, self.settings.security, self.metrics):
             return
-        if self.shutting_down:
-            await refuse(ws, self.metrics, "shutting_down", "the server is shutting down; reconnect in a "
-                         "moment", CLOSE_GOING_AWAY, "server shutting down")
+        if self.state.shutting_down:
+            await refuse(
+                ws,
+                self.metrics,
+                "shutting_down",
+                "the server is shutting down; reconnect in a moment",
+                Close.GOING_AWAY,
+                "server shutting down",
+            )
             return
         if not self.state.ready:
-            await refuse(ws, self.metrics, "not_ready", f"the model is {self.state.status}; retry when "
-                         f"GET /ready answers 200", CLOSE_NOT_READY, "not ready")
+            await refuse(
+                ws,
+                self.metrics,
+                "not_ready",
+                f"the model is {self.state.status}; retry when GET /ready answers 200",
+                Close.NOT_READY,
+                "not ready",
+            )
             return
         conn = Connection(self, ws)
         self.connections.add(conn)
@@ -489,12 +473,12 @@ class Hub:
             if conn.session is not None:
                 self.sessions.detach(conn.session, conn)
                 self.console.detached(conn.session)
-            await conn.finish(reader, writer, drain=conn.close_code != CLOSE_SLOW_CLIENT)
+            await conn.finish(reader, writer, drain=conn.close_code != Close.SLOW_CLIENT)
 
     async def drain(self, grace_s: float) -> None:
         """Graceful shutdown: refuse new work, give in-flight requests `grace_s` to finish, end the rest
         with `shutting_down`, close every connection with 1001 and wait (briefly) for them to go."""
-        self.shutting_down = True
+        self.state.shutting_down = True
         self.console.close_all()
         for conn in list(self.connections):
             await conn.send({"type": "shutting_down", "deadline_s": grace_s})
@@ -503,10 +487,13 @@ class Hub:
             await asyncio.sleep(0.05)
         for conn in list(self.connections):
             for rid in list(conn.requests):
-                await conn.error("shutting_down", f"the server is shutting down; this request did not finish "
-                                 f"within {grace_s:g} s", rid)
+                await conn.error(
+                    "shutting_down",
+                    f"the server is shutting down; this request did not finish within {grace_s:g} s",
+                    rid,
+                )
             conn.cancel_all()
-            conn.stop(CLOSE_GOING_AWAY, "server shutting down")
+            conn.stop(Close.GOING_AWAY, "server shutting down")
         deadline = time.monotonic() + 2.0
         while self.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -515,4 +502,4 @@ class Hub:
         self.console.close_all()
         for conn in list(self.connections):
             conn.cancel_all()
-            conn.stop(CLOSE_GOING_AWAY, "server shutting down")
+            conn.stop(Close.GOING_AWAY, "server shutting down")

@@ -17,17 +17,28 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..engine.backend import FinishReason, SamplingError, SamplingParams, SequenceResult
+from ..tasks.chat import ChatTask
 from . import protocol as P
-from .hub import clean_chat_text, client_ip, engine_error, transport_max_bytes
+from .connection import client_ip
+from .errors import error_code
 from .ratelimit import retry_after_header
-from .sequence import FinishReason, SamplingError
-from .session import window
+from .state import AppState
 
 log = logging.getLogger("rtserver.http")
 
-STATUS = {"unknown_task": 404, "input_too_long": 413, "request_too_large": 413, "body_too_large": 413,
-          "overloaded": 429, "rate_limited": 429, "not_ready": 503, "shutting_down": 503, "unauthorized": 401,
-          "internal": 500}
+STATUS = {
+    "unknown_task": 404,
+    "input_too_long": 413,
+    "request_too_large": 413,
+    "body_too_large": 413,
+    "overloaded": 429,
+    "rate_limited": 429,
+    "not_ready": 503,
+    "shutting_down": 503,
+    "unauthorized": 401,
+    "internal": 500,
+}
 
 
 class HTTPError(Exception):
@@ -37,41 +48,60 @@ class HTTPError(Exception):
         self.status = status or STATUS.get(code, 400)
 
 
-def error_response(state: Any, code: str, message: str, param: str | None = None,
-                   status: int | None = None) -> JSONResponse:
+def error_response(
+    state: AppState, code: str, message: str, param: str | None = None, status: int | None = None
+) -> JSONResponse:
     state.metrics.error(code)
     status = status or STATUS.get(code, 400)
-    kind = ("invalid_request_error" if status < 500 and status not in (401, 429) else
-            "authentication_error" if status == 401 else "rate_limit_error" if status == 429 else "server_error")
-    return JSONResponse({"error": {"code": code, "message": message, "type": kind, "param": param}},
-                        status_code=status)
+    kind = (
+        "invalid_request_error"
+        if status < 500 and status not in (401, 429)
+        else "authentication_error"
+        if status == 401
+        else "rate_limit_error"
+        if status == 429
+        else "server_error"
+    )
+    return JSONResponse(
+        {"error": {"code": code, "message": message, "type": kind, "param": param}}, status_code=status
+    )
 
 
 def _api(handler):
     """Wraps an endpoint: auth, readiness, body parsing and error mapping."""
+
     async def endpoint(request: Request) -> Response:
-        state = request.app.state.rt
-        limiter = state.hub.ip_limiter
+        state: AppState = request.app.state.rt
+        limiter = state.ip_limiter
         wait = limiter.take(client_ip(request))
         if wait > 0:
-            response = error_response(state, "rate_limited", f"too many requests (limit {limiter.rate:g}/s per "
-                                      f"client address, burst {limiter.burst}); retry in {wait:.2f} s")
+            response = error_response(
+                state,
+                "rate_limited",
+                f"too many requests (limit {limiter.rate:g}/s per "
+                f"client address, burst {limiter.burst}); retry in {wait:.2f} s",
+            )
             response.headers["Retry-After"] = retry_after_header(wait)
             return response
-        if state.hub.shutting_down:
+        if state.shutting_down:
             return error_response(state, "shutting_down", "the server is shutting down; retry in a moment")
         token = state.settings.security.api_token
         if token:
             given = request.headers.get("authorization", "")
-            if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), token.encode())):
-                return error_response(state, "unauthorized", "missing or wrong bearer token (Authorization header)")
+            if not (
+                given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), token.encode())
+            ):
+                return error_response(
+                    state, "unauthorized", "missing or wrong bearer token (Authorization header)"
+                )
         if not state.ready:
-            return error_response(state, "not_ready", f"the model is {state.status}; retry when GET /ready "
-                                  f"answers 200")
+            return error_response(
+                state, "not_ready", f"the model is {state.status}; retry when GET /ready answers 200"
+            )
         try:
             body = None
             if request.method == "POST":
-                raw = await _read_body(request, transport_max_bytes(state.settings.server.max_frame_bytes))
+                raw = await _read_body(request, P.transport_max_bytes(state.settings.server.max_frame_bytes))
                 try:  # strict decoding: no surrogates smuggled in as UTF-8 bytes (json.loads lets them pass)
                     body = P.loads(raw.decode(json.detect_encoding(raw)))
                 except ValueError as exc:  # UnicodeDecodeError included
@@ -82,10 +112,11 @@ def _api(handler):
         except HTTPError as exc:
             return error_response(state, exc.code, exc.message, exc.param, exc.status)
         except Exception as exc:
-            code, message = engine_error(exc)
+            code, message = error_code(exc)
             if code == "internal":
                 log.exception("request failed")
             return error_response(state, code, message)
+
     return endpoint
 
 
@@ -104,26 +135,34 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _history(value: Any, chat: Any) -> list[dict]:
-    """A validated, cleaned user/assistant history ending with a user message."""
+def _history(value: Any) -> list[dict]:
+    """A validated user/assistant history ending with a user message."""
     if not isinstance(value, list) or not value:
-        raise HTTPError("invalid_input", "'history' must be a non-empty list of {role, content} messages",
-                        "history")
+        raise HTTPError(
+            "invalid_input", "'history' must be a non-empty list of {role, content} messages", "history"
+        )
     out = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or not isinstance(
-                m.get("content"), str):
-            raise HTTPError("invalid_input", f"history[{i}] must be {{\"role\": \"user\"|\"assistant\", "
-                            f"\"content\": string}}", "history")
-        content = clean_chat_text(chat, m["content"]) if m["role"] == "user" else m["content"]
-        out.append({"role": m["role"], "content": content})
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in ("user", "assistant")
+            or not isinstance(m.get("content"), str)
+        ):
+            raise HTTPError(
+                "invalid_input",
+                f'history[{i}] must be {{"role": "user"|"assistant", "content": string}}',
+                "history",
+            )
+        out.append({"role": m["role"], "content": m["content"]})
     if out[-1]["role"] != "user":
         raise HTTPError("invalid_input", "the last history message must be the user's", "history")
     return out
 
 
-async def _generate(state: Any, prompt: list[int], params: Any, endpoint: str):
-    stream = state.engine.generate(prompt, params)
+async def _generate(
+    state: AppState, prompt: list[int], params: SamplingParams, endpoint: str
+) -> SequenceResult:
+    stream = state.backend.generate(prompt, params)
     try:
         result = await stream.result()
     except asyncio.CancelledError:
@@ -136,74 +175,110 @@ async def _generate(state: Any, prompt: list[int], params: Any, endpoint: str):
     return result
 
 
-def _usage(result: Any) -> dict:
-    u = result.usage
-    return {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
-            "generated_tokens": u.generated_tokens, "prefilled_tokens": u.prefilled_tokens}
-
-
-async def _stateless_chat(state: Any, history_value: Any, options: Any, endpoint: str) -> tuple[Any, dict]:
-    chat = state.registry.chat
+async def _stateless_chat(
+    state: AppState, history_value: Any, options: Any, endpoint: str
+) -> tuple[SequenceResult, dict]:
+    chat = state.tasks.chat
     if options is not None and not isinstance(options, dict):
         raise HTTPError("invalid_field", "'options' must be an object of decoding settings", "options")
-    history, _ = window(_history(history_value, chat), chat.max_history_turns, chat.max_history_tokens,
-                        lambda h: len(chat.render(h)))
-    params = chat.sampling(options or None)
-    result = await _generate(state, chat.render(history), params, endpoint)
+    history = _history(history_value)
+    earlier = [
+        m if m["role"] == "assistant" else {**m, "content": chat.clean_message(m["content"])}
+        for m in history[:-1]
+    ]
+    turn = chat.prepare_turn(earlier, history[-1]["content"])
+    params = chat.task.sampling(options or None)
+    result = await _generate(state, chat.render(turn.history), params, endpoint)
     return result, chat.parse(result.text)
 
 
 # -- tasks ---------------------------------------------------------------------------------------
 
-async def list_tasks(request: Request, state: Any, body: Any) -> Response:
-    reg = state.registry
+
+async def list_tasks(request: Request, state: AppState, body: Any) -> Response:
+    reg = state.tasks
     return JSONResponse({"tasks": reg.describe(), "auto_tasks": list(reg.auto_tasks)})
 
 
-async def run_task(request: Request, state: Any, body: dict) -> Response:
+async def run_task(request: Request, state: AppState, body: dict) -> Response:
     name = request.path_params["name"]
     if "input" not in body:
-        raise HTTPError("missing_field", "'input' is required, e.g. {\"input\": {\"text\": \"...\"}}", "input")
+        raise HTTPError("missing_field", '\'input\' is required, e.g. {"input": {"text": "..."}}', "input")
     options = body.get("options")
     if options is not None and not isinstance(options, dict):
         raise HTTPError("invalid_field", "'options' must be an object of decoding settings", "options")
-    reg = state.registry
+    reg = state.tasks
     task = reg.get(name)
-    if getattr(task, "stateful", False):
+    if isinstance(task, ChatTask):
         inp = body["input"]
         if not isinstance(inp, dict) or "history" not in inp:
-            raise HTTPError("invalid_input", f"{name} takes {{\"history\": [{{role, content}}, ...]}}", "input")
+            raise HTTPError("invalid_input", f'{name} takes {{"history": [{{role, content}}, ...]}}', "input")
         result, output = await _stateless_chat(state, inp["history"], options, "http_task")
         timing = {"queued_ms": result.queued_ms, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms}
-        return JSONResponse({"task": name, "output": output, "text": result.text, "usage": _usage(result),
-                             "timing": timing, "cached": False})
-    out = await reg.run(state.engine, name, body["input"], options)
+        return JSONResponse(
+            {
+                "task": name,
+                "output": output,
+                "text": result.text,
+                "usage": P.usage_json(result.usage),
+                "timing": timing,
+                "cached": False,
+            }
+        )
+    out = await reg.run(state.backend, name, body["input"], options)
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(out.to_json())
 
 
-async def sentiment(request: Request, state: Any, body: dict) -> Response:
+async def sentiment(request: Request, state: AppState, body: dict) -> Response:
     if "text" not in body:
         raise HTTPError("missing_field", "'text' is required", "text")
-    out = await state.registry.run(state.engine, "sentiment", {"text": body["text"]})
+    out = await state.tasks.run(state.backend, "sentiment", {"text": body["text"]})
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(dict(out.output))
 
 
-async def chat(request: Request, state: Any, body: dict) -> Response:
+async def chat(request: Request, state: AppState, body: dict) -> Response:
     if "history" not in body:
         raise HTTPError("missing_field", "'history' is required", "history")
     result, output = await _stateless_chat(state, body["history"], body.get("options"), "http_chat")
-    return JSONResponse({**output, "usage": _usage(result)})
+    return JSONResponse({**output, "usage": P.usage_json(result.usage)})
 
 
 # -- OpenAI-compatible ---------------------------------------------------------------------------
 
-ACCEPTED = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-            "temperature", "top_p", "top_k", "repetition_penalty", "min_tokens", "ignore_eos", "seed", "stop",
-            "user", "n", "store", "metadata", "service_tier", "parallel_tool_calls", "presence_penalty",
-            "frequency_penalty", "logprobs", "response_format", "tool_choice", "tools", "functions",
-            "function_call", "top_logprobs", "logit_bias"}
+ACCEPTED = {
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "seed",
+    "stop",
+    "user",
+    "n",
+    "store",
+    "metadata",
+    "service_tier",
+    "parallel_tool_calls",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "response_format",
+    "tool_choice",
+    "tools",
+    "functions",
+    "function_call",
+    "top_logprobs",
+    "logit_bias",
+}
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -212,8 +287,14 @@ def _refuse_unsupported(body: dict) -> None:
 
     unknown = sorted(set(body) - ACCEPTED)
     if unknown:
-        no(unknown[0], "unknown field for this server (supported: " + ", ".join(sorted(ACCEPTED - {
-            "tools", "functions", "function_call", "top_logprobs", "logit_bias"})) + ")")
+        no(
+            unknown[0],
+            "unknown field for this server (supported: "
+            + ", ".join(
+                sorted(ACCEPTED - {"tools", "functions", "function_call", "top_logprobs", "logit_bias"})
+            )
+            + ")",
+        )
     n = body.get("n")
     if n is not None and n != 1:
         no("n", "only n = 1 (one choice per request)")
@@ -230,7 +311,7 @@ def _refuse_unsupported(body: dict) -> None:
             no(key, "use repetition_penalty instead")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        no("response_format", "only {\"type\": \"text\"}")
+        no("response_format", 'only {"type": "text"}')
 
 
 def _content(m: dict, i: int) -> str:
@@ -241,16 +322,18 @@ def _content(m: dict, i: int) -> str:
         parts = []
         for p in c:
             if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise HTTPError("unsupported", f"messages[{i}].content: only text parts are supported",
-                                "messages")
+                raise HTTPError(
+                    "unsupported", f"messages[{i}].content: only text parts are supported", "messages"
+                )
             parts.append(p["text"])
         return "".join(parts)
-    raise HTTPError("invalid_field", f"messages[{i}].content must be a string or a list of text parts",
-                    "messages")
+    raise HTTPError(
+        "invalid_field", f"messages[{i}].content must be a string or a list of text parts", "messages"
+    )
 
 
-def _openai_prompt(state: Any, messages: Any) -> list[int]:
-    chat = state.registry.chat
+def _openai_prompt(state: AppState, messages: Any) -> list[int]:
+    chat = state.tasks.chat
     if not isinstance(messages, list) or not messages:
         raise HTTPError("invalid_field", "'messages' must be a non-empty list", "messages")
     out: list[dict] = []
@@ -261,27 +344,37 @@ def _openai_prompt(state: Any, messages: Any) -> list[int]:
         if role == "developer":
             role = "system"
         if role not in ("system", "user", "assistant"):
-            raise HTTPError("unsupported", f"messages[{i}].role {role!r}: supported roles are system, "
-                            f"developer, user, assistant", "messages")
+            raise HTTPError(
+                "unsupported",
+                f"messages[{i}].role {role!r}: supported roles are system, developer, user, assistant",
+                "messages",
+            )
         out.append({"role": role, "content": _content(m, i)})
     if not any(m["role"] == "system" for m in out):
         return chat.render(out)  # the chat task's own system prompt
-    return state.engine.tokenizer.apply_chat_template(out, tokenize=True, add_generation_prompt=True,
-                                                      return_dict=False)
+    return chat.tokenizer.apply_chat_template(
+        out, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
 
 
-def _openai_params(state: Any, body: dict) -> Any:
-    chat = state.registry.chat
+def _openai_params(state: AppState, body: dict) -> SamplingParams:
+    chat = state.tasks.chat
     overrides: dict = {}
-    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                     ("repetition_penalty", "repetition_penalty"), ("seed", "seed"),
-                     ("max_tokens", "max_new_tokens"), ("max_completion_tokens", "max_new_tokens")):
+    for src, dst in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("repetition_penalty", "repetition_penalty"),
+        ("seed", "seed"),
+        ("max_tokens", "max_new_tokens"),
+        ("max_completion_tokens", "max_new_tokens"),
+    ):
         if body.get(src) is not None:
             overrides[dst] = body[src]
     stop = body.get("stop")
     if stop is not None:
         overrides["stop"] = [stop] if isinstance(stop, str) else stop
-    params = chat.sampling(overrides or None)
+    params = chat.task.sampling(overrides or None)
     min_tokens = body.get("min_tokens")
     if min_tokens is not None:
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int):
@@ -303,14 +396,17 @@ def _finish(reason: FinishReason) -> str:
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
-def _openai_usage(result: Any) -> dict:
+def _openai_usage(result: SequenceResult) -> dict:
     u = result.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.generated_tokens,
-            "total_tokens": u.prompt_tokens + u.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.generated_tokens,
+        "total_tokens": u.prompt_tokens + u.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
 
 
-async def chat_completions(request: Request, state: Any, body: dict) -> Response:
+async def chat_completions(request: Request, state: AppState, body: dict) -> Response:
     _refuse_unsupported(body)
     stream_opts = body.get("stream_options")
     if stream_opts is not None and not isinstance(stream_opts, dict):
@@ -322,18 +418,36 @@ async def chat_completions(request: Request, state: Any, body: dict) -> Response
     created = int(time.time())
     if not body.get("stream"):
         result = await _generate(state, prompt, params, "openai")
-        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": [{"index": 0, "finish_reason": _finish(result.finish_reason),
-                                          "message": {"role": "assistant", "content": result.text},
-                                          "logprobs": None}],
-                             "usage": _openai_usage(result)})
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": _finish(result.finish_reason),
+                        "message": {"role": "assistant", "content": result.text},
+                        "logprobs": None,
+                    }
+                ],
+                "usage": _openai_usage(result),
+            }
+        )
     include_usage = bool((stream_opts or {}).get("include_usage"))
-    gen = state.engine.generate(prompt, params)  # Overloaded etc. raise here, before the 200
+    gen = state.backend.generate(prompt, params)  # Overloaded etc. raise here, before the 200
 
     def chunk(delta: dict, finish: str | None = None, usage: Any = None, choices: bool = True) -> str:
-        data: dict = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-                      if choices else []}
+        data: dict = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+            if choices
+            else [],
+        }
         if include_usage:
             data["usage"] = usage
         return "data: " + json.dumps(data, ensure_ascii=False) + "\n\n"
@@ -349,8 +463,19 @@ async def chat_completions(request: Request, state: Any, body: dict) -> Response
             finished = True
             if result.finish_reason is FinishReason.ERROR:
                 state.metrics.error("internal")
-                yield "data: " + json.dumps({"error": {"code": "internal", "type": "server_error",
-                                                       "message": f"generation failed: {result.error}"}}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {
+                            "error": {
+                                "code": "internal",
+                                "type": "server_error",
+                                "message": f"generation failed: {result.error}",
+                            }
+                        }
+                    )
+                    + "\n\n"
+                )
                 return
             state.metrics.observe_generation("openai", result)
             state.metrics.requests.labels("openai", "chat").inc()
@@ -362,13 +487,27 @@ async def chat_completions(request: Request, state: Any, body: dict) -> Response
             if not finished:
                 gen.cancel()  # client went away mid-stream
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
-async def list_models(request: Request, state: Any, body: Any) -> Response:
-    return JSONResponse({"object": "list", "data": [{"id": state.model_id, "object": "model",
-                                                     "created": int(state.started_wall), "owned_by": "rtserver"}]})
+async def list_models(request: Request, state: AppState, body: Any) -> Response:
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_id,
+                    "object": "model",
+                    "created": int(state.started_wall),
+                    "owned_by": "rtserver",
+                }
+            ],
+        }
+    )
 
 
 ROUTES = [

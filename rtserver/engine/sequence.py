@@ -10,49 +10,11 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from collections.abc import Hashable
+from typing import Any
 
+from .backend import FinishReason, SamplingParams, SequenceResult, Usage
 from .kv import KVHandle
-
-
-class SamplingError(ValueError):
-    """A decoding parameter out of its allowed range; the message names the parameter."""
-
-
-@dataclass
-class SamplingParams:
-    """Per-request decoding. temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    seed: int | None = None
-
-    def validate(self) -> None:
-        checks = [
-            ("temperature", 0.0 <= self.temperature <= 5.0, "0..5"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "greater than 0 and at most 1"),
-            ("top_k", 0 <= self.top_k <= 100_000, "0 (off) ..100000"),
-            ("repetition_penalty", 0.05 <= self.repetition_penalty <= 10.0, "0.05..10"),
-            ("max_new_tokens", 1 <= self.max_new_tokens <= 1_000_000, "at least 1"),
-            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens, "0..max_new_tokens"),
-            ("stop", len(self.stop) <= 16 and all(isinstance(s, str) and 0 < len(s) <= 256
-                                                   for s in self.stop), "up to 16 non-empty strings"),
-        ]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise SamplingError(f"{name} = {getattr(self, name)!r}: allowed {allowed}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
 
 
 class Phase(enum.Enum):
@@ -62,43 +24,20 @@ class Phase(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
-    LENGTH = "length"
-    EOS = "stop"
-    STOP_STRING = "stop_string"
-    CANCELLED = "cancelled"
-    ERROR = "error"
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    prefilled_tokens: int = 0
-
-
-@dataclass
-class SequenceResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason
-    usage: Usage
-    queued_ms: float
-    ttft_ms: float | None
-    total_ms: float
-    error: str | None = None
-    scores: list[float] | None = None
-
-
 _ids = itertools.count(1)
 
 
 class Sequence:
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, *, tokenizer: Any,
-                 eos_token_ids: set[int], session_key: Hashable | None = None,
-                 candidates: list[list[int]] | None = None,
-                 on_event: Callable[["Sequence", str, Any], None] | None = None):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        tokenizer: Any,
+        eos_token_ids: set[int],
+        session_key: Hashable | None = None,
+        candidates: list[list[int]] | None = None,
+    ):
         if not prompt_ids:
             raise ValueError("empty prompt")
         self.id = next(_ids)
@@ -112,7 +51,6 @@ class Sequence:
         # Label scoring that only needs scores up to a constant shared by all candidates: the logits of
         # these token ids (the candidates' first tokens) instead of a log-softmax over the vocabulary.
         self.score_columns: list[int] | None = None
-        self.on_event = on_event
         self.phase = Phase.WAITING
         self.kv: KVHandle | None = None
         self.num_computed = 0  # prompt/output positions whose KV is in the cache
@@ -175,16 +113,16 @@ class Sequence:
             self.finish_reason = FinishReason.LENGTH
             return self._flush()
         safe = len(self.text) - self._stop_prefix_overlap()
-        delta = self.text[self._emitted:safe] if safe > self._emitted else ""
+        delta = self.text[self._emitted : safe] if safe > self._emitted else ""
         self._emitted = max(self._emitted, safe)
         return delta
 
     def _decode_new(self) -> None:
         ids = self.output_ids
-        prefix = self.tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        prefix = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix):]
+            self.text += full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(ids)
 
@@ -204,12 +142,13 @@ class Sequence:
             ids = self.output_ids
             if ids and ids[-1] in self.eos_token_ids:
                 ids = ids[:-1]
-            tail = self.tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
-            prefix = self.tokenizer.decode(ids[self._prefix_offset:self._read_offset],
-                                           skip_special_tokens=True)
+            tail = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=True)
+            prefix = self.tokenizer.decode(
+                ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
+            )
             if len(tail) > len(prefix):
-                self.text += tail[len(prefix):]
-        delta = self.text[self._emitted:]
+                self.text += tail[len(prefix) :]
+        delta = self.text[self._emitted :]
         self._emitted = len(self.text)
         return delta
 
@@ -217,8 +156,13 @@ class Sequence:
         end = self.finished_at or time.perf_counter()
         start = self.submitted_at
         return SequenceResult(
-            text=self.text, token_ids=list(self.output_ids),
-            finish_reason=self.finish_reason or FinishReason.ERROR, usage=self.usage,
+            text=self.text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason or FinishReason.ERROR,
+            usage=self.usage,
             queued_ms=((self.admitted_at or end) - start) * 1000,
             ttft_ms=None if self.first_token_at is None else (self.first_token_at - start) * 1000,
-            total_ms=(end - start) * 1000, error=self.error, scores=self.scores)
+            total_ms=(end - start) * 1000,
+            error=self.error,
+            scores=self.scores,
+        )

@@ -16,8 +16,12 @@ from typing import Any
 
 import uvicorn
 
+from ..config import Settings
+from ..engine.backend import InferenceBackend
+from ..engine.model import LoadedModel
 from .app import create_app, uvicorn_options
-from .config import Settings
+from .hub import Hub
+from .state import AppState
 
 log = logging.getLogger("rtserver.server")
 
@@ -25,9 +29,10 @@ EXIT_MODEL_LOAD_FAILED = 3
 
 
 class Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: Any):
+    def __init__(self, config: uvicorn.Config, state: AppState, hub: Hub):
         super().__init__(config)
         self.state = state
+        self.hub = hub
         self.exit_code = 0
 
     async def shutdown(self, sockets: list | None = None) -> None:
@@ -38,7 +43,7 @@ class Server(uvicorn.Server):
             grace = self.state.settings.server.shutdown_grace_s
             log.info("shutting down: in-flight replies get %.1f s to finish", grace)
             try:
-                await self.state.hub.drain(grace)
+                await self.hub.drain(grace)
             except Exception:
                 log.exception("draining connections failed")
         await super().shutdown(sockets)
@@ -49,10 +54,11 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
 
-def serving_engine(loaded: Any, settings: Settings) -> Any:
+def serving_engine(loaded: LoadedModel, settings: Settings) -> InferenceBackend:
     """The engine of a server process: the model is its alone, so the HF module's dense weights are
     freed (and the linears packed for oneDNN) once the engine holds its own copies."""
-    from .engine import Engine
+    from ..engine.core import Engine
+
     return Engine(loaded, settings.engine, release_dense_weights=True)
 
 
@@ -67,7 +73,7 @@ def serve(settings: Settings, **app_options: Any) -> int:
             server.load_failed(message)
 
     app = create_app(settings, on_load_failed=on_load_failed, **app_options)
-    server = Server(uvicorn.Config(app, **uvicorn_options(settings)), app.state.rt)
+    server = Server(uvicorn.Config(app, **uvicorn_options(settings)), app.state.rt, app.state.hub)
     # uvicorn re-raises the signal that stopped it once it is done; with these handlers in place that
     # ends here as a normal return (exit code 0) instead of the default "killed by SIGTERM"
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)

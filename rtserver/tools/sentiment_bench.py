@@ -13,26 +13,42 @@ from typing import Any
 
 import torch
 
-from .sequence import SamplingParams
+from ..engine.backend import SamplingParams
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "sentiment"
-WRITEUP_PROMPT = ("Classify the sentiment of the following text as positive or negative. "
-                  "Answer with one word only.\nText: {text}")
+DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "sentiment"
+WRITEUP_PROMPT = (
+    "Classify the sentiment of the following text as positive or negative. "
+    "Answer with one word only.\nText: {text}"
+)
 CACHED_ROUNDS = 5  # the cached burst is repeated; its median is reported (a single ~10 ms burst is noisy)
 AUTO_TASK_CHATS = 8  # chat replies measured per mode (alone / with the auto-task / forced same step)
 # Distinct first words: no message shares more than the chat template's head with another (prefix cache).
-AUTO_TASK_MESSAGES = ["Hi! Can you help me with my order?", "The delivery was late again, I am annoyed.",
-                      "Thanks, that solved it, you are great!", "How do I change my password?",
-                      "This app keeps crashing and I lost my work.", "Can I get a refund for the broken lamp?",
-                      "I love the new design, well done.", "What are your opening hours on Sunday?",
-                      "My parcel arrived damaged, what now?", "Is there a student discount?",
-                      "Great support today, many thanks to Anna.", "Why was I charged twice this month?",
-                      "Please cancel my subscription.", "Your website is very slow tonight.",
-                      "Do you ship to Canada?", "Excellent quality, I will order again.",
-                      "Could someone call me back tomorrow?", "Nobody answered my email for a week.",
-                      "Where can I find my invoice?", "Awesome, the update fixed everything.",
-                      "Are the batteries included?", "Terrible experience with the courier.",
-                      "Which plan includes cloud backup?", "Wonderful service, thank you!"]
+AUTO_TASK_MESSAGES = [
+    "Hi! Can you help me with my order?",
+    "The delivery was late again, I am annoyed.",
+    "Thanks, that solved it, you are great!",
+    "How do I change my password?",
+    "This app keeps crashing and I lost my work.",
+    "Can I get a refund for the broken lamp?",
+    "I love the new design, well done.",
+    "What are your opening hours on Sunday?",
+    "My parcel arrived damaged, what now?",
+    "Is there a student discount?",
+    "Great support today, many thanks to Anna.",
+    "Why was I charged twice this month?",
+    "Please cancel my subscription.",
+    "Your website is very slow tonight.",
+    "Do you ship to Canada?",
+    "Excellent quality, I will order again.",
+    "Could someone call me back tomorrow?",
+    "Nobody answered my email for a week.",
+    "Where can I find my invoice?",
+    "Awesome, the update fixed everything.",
+    "Are the batteries included?",
+    "Terrible experience with the courier.",
+    "Which plan includes cloud backup?",
+    "Wonderful service, thank you!",
+]
 
 
 def sentiment_texts(n: int = 256) -> list[str]:
@@ -66,7 +82,7 @@ class StepLog:
         if s.steps != before:
             self.records.append((started, time.perf_counter(), s.last_step))
 
-    def __enter__(self) -> "StepLog":
+    def __enter__(self) -> StepLog:
         self.scheduler.step = self._step  # the worker thread calls self.step() each round
         return self
 
@@ -122,36 +138,49 @@ async def auto_task_ttft(engine: Any, registry: Any, n: int = AUTO_TASK_CHATS) -
     with StepLog(engine.scheduler) as log:
         for i in range(len(modes) * n):
             mode = modes[i % len(modes)]
-            seq = await _chat_turn(engine, registry, AUTO_TASK_MESSAGES[i % len(AUTO_TASK_MESSAGES)], mode,
-                                   f"bench-auto-{i}")
+            seq = await _chat_turn(
+                engine, registry, AUTO_TASK_MESSAGES[i % len(AUTO_TASK_MESSAGES)], mode, f"bench-auto-{i}"
+            )
             steps, step_s, step_tokens = log.first_token_step(seq) or (None, None, None)
             r = seq.result()
-            runs[mode].append({"ttft_ms": r.ttft_ms, "total_ms": r.total_ms, "steps_to_first_token": steps,
-                               "first_token_step_ms": None if step_s is None else step_s * 1000,
-                               "first_token_step_tokens": step_tokens, "prefilled_tokens": r.usage.prefilled_tokens})
+            runs[mode].append(
+                {
+                    "ttft_ms": r.ttft_ms,
+                    "total_ms": r.total_ms,
+                    "steps_to_first_token": steps,
+                    "first_token_step_ms": None if step_s is None else step_s * 1000,
+                    "first_token_step_tokens": step_tokens,
+                    "prefilled_tokens": r.usage.prefilled_tokens,
+                }
+            )
 
     def p50(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[mode])
 
     step_ms = statistics.median(r["first_token_step_ms"] for r in runs["alone"] if r["first_token_step_ms"])
     alone = p50("alone", "ttft_ms")
-    out = {"chats_per_mode": n, "step_ms": step_ms, "chat_prefilled_tokens_p50": p50("alone", "prefilled_tokens"),
-           "ttft_alone_p50_ms": alone}
+    out = {
+        "chats_per_mode": n,
+        "step_ms": step_ms,
+        "chat_prefilled_tokens_p50": p50("alone", "prefilled_tokens"),
+        "ttft_alone_p50_ms": alone,
+    }
     for mode, name in (("auto", "auto_task"), ("same-step", "same_step")):
         out[f"ttft_{name}_p50_ms"] = p50(mode, "ttft_ms")
         out[f"added_ms_{name}"] = p50(mode, "ttft_ms") - alone
         out[f"added_steps_{name}"] = (p50(mode, "ttft_ms") - alone) / step_ms
         out[f"max_steps_to_first_token_{name}"] = max(r["steps_to_first_token"] or 0 for r in runs[mode])
-        out[f"in_first_step_{name}"] = sum((r["first_token_step_tokens"] or 0) > r["prefilled_tokens"]
-                                           for r in runs[mode]) / n
+        out[f"in_first_step_{name}"] = (
+            sum((r["first_token_step_tokens"] or 0) > r["prefilled_tokens"] for r in runs[mode]) / n
+        )
     out["reply_total_p50_ms"] = {m: p50(m, "total_ms") for m in modes}
     out["runs"] = runs
     return out
 
 
 async def engine_sentiment(engine: Any, tokenizer: Any, registry: Any = None) -> dict:
-    from .config import Settings
-    from .tasks import load_registry
+    from ..config import Settings
+    from ..tasks.registry import load_registry
 
     if registry is None:
         registry, _ = load_registry(Settings(), tokenizer)
@@ -169,13 +198,18 @@ async def engine_sentiment(engine: Any, tokenizer: Any, registry: Any = None) ->
         rates.append(len(texts) / (time.perf_counter() - started))
         assert all(a.cached for a in again) and [a.output for a in again] == [f.output for f in fresh]
     steps = stats1["steps"] - stats0["steps"]
-    result = {"texts": len(texts), "fresh_per_s": len(texts) / fresh_s, "cached_per_s": statistics.median(rates),
-              "cached_per_s_rounds": rates,
-              "prefilled_tokens_per_text": (stats1["tokens_prefilled"] - stats0["tokens_prefilled"]) / len(texts),
-              "prefix_cached_tokens_per_text": (stats1["kv"].prefix_hits - stats0["kv"].prefix_hits) / len(texts),
-              "prompt_tokens_per_text": statistics.mean(f.usage["prompt_tokens"] for f in fresh),
-              "fresh_steps": steps, "fresh_step_ms": fresh_s * 1000 / max(steps, 1),
-              "labels": [f.output["label"] for f in fresh]}
+    result = {
+        "texts": len(texts),
+        "fresh_per_s": len(texts) / fresh_s,
+        "cached_per_s": statistics.median(rates),
+        "cached_per_s_rounds": rates,
+        "prefilled_tokens_per_text": (stats1["tokens_prefilled"] - stats0["tokens_prefilled"]) / len(texts),
+        "prefix_cached_tokens_per_text": (stats1["kv"].prefix_hits - stats0["kv"].prefix_hits) / len(texts),
+        "prompt_tokens_per_text": statistics.mean(f.usage["prompt_tokens"] for f in fresh),
+        "fresh_steps": steps,
+        "fresh_step_ms": fresh_s * 1000 / max(steps, 1),
+        "labels": [f.output["label"] for f in fresh],
+    }
     if "chat" in registry.tasks:
         result["auto_task"] = await auto_task_ttft(engine, registry)
     return result
@@ -184,12 +218,18 @@ async def engine_sentiment(engine: Any, tokenizer: Any, registry: Any = None) ->
 def hf_sentiment_baseline(model: Any, tokenizer: Any, n: int = 64, batch: int = 4) -> dict:
     texts = sentiment_texts()[:n]
     pad = model.generation_config.pad_token_id or tokenizer.eos_token_id
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": WRITEUP_PROMPT.format(text=t)}],
-                                             add_generation_prompt=True, tokenize=True, return_dict=False)
-               for t in texts]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": WRITEUP_PROMPT.format(text=t)}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for t in texts
+    ]
     started = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        group = prompts[i:i + batch]
+        group = prompts[i : i + batch]
         width = max(len(p) for p in group)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])

@@ -33,8 +33,17 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
-async def _session(url: str, index: int, turns: int, max_new_tokens: int, prompts: list[str],
-                   options: dict, timeout_s: float, record: dict, auth_token: str | None) -> None:
+async def _session(
+    url: str,
+    index: int,
+    turns: int,
+    max_new_tokens: int,
+    prompts: list[str],
+    options: dict,
+    timeout_s: float,
+    record: dict,
+    auth_token: str | None,
+) -> None:
     import websockets
 
     async with websockets.connect(url, max_size=None, open_timeout=timeout_s) as ws:
@@ -53,8 +62,16 @@ async def _session(url: str, index: int, turns: int, max_new_tokens: int, prompt
             rid = f"t{turn}"
             text = prompts[(turn - 1) % len(prompts)]
             sent = time.perf_counter()
-            await ws.send(json.dumps({"type": "chat", "id": rid, "text": text,
-                                      "options": {"max_new_tokens": max_new_tokens, **options}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "chat",
+                        "id": rid,
+                        "text": text,
+                        "options": {"max_new_tokens": max_new_tokens, **options},
+                    }
+                )
+            )
             first: float | None = None
             while True:
                 ev = json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
@@ -64,20 +81,35 @@ async def _session(url: str, index: int, turns: int, max_new_tokens: int, prompt
                     first = time.perf_counter()
                 elif ev["type"] == "done":
                     end = time.perf_counter()
-                    record["turns"].append({
-                        "session": index, "turn": turn, "generated": ev["usage"]["generated_tokens"],
-                        "prompt": ev["usage"]["prompt_tokens"], "cached": ev["usage"]["cached_tokens"],
-                        "client_ttft_ms": None if first is None else (first - sent) * 1000,
-                        "server_ttft_ms": ev["timing"]["ttft_ms"], "total_ms": (end - sent) * 1000})
+                    record["turns"].append(
+                        {
+                            "session": index,
+                            "turn": turn,
+                            "generated": ev["usage"]["generated_tokens"],
+                            "prompt": ev["usage"]["prompt_tokens"],
+                            "cached": ev["usage"]["cached_tokens"],
+                            "client_ttft_ms": None if first is None else (first - sent) * 1000,
+                            "server_ttft_ms": ev["timing"]["ttft_ms"],
+                            "total_ms": (end - sent) * 1000,
+                        }
+                    )
                     break
                 elif ev["type"] == "error":
                     record["errors"].append(ev["code"])
                     break
 
 
-async def run_chat_load(url: str, sessions: int = 32, turns: int = 5, max_new_tokens: int = 32, *,
-                        prompts: list[str] | None = None, options: dict | None = None,
-                        timeout_s: float = 600.0, auth_token: str | None = None) -> dict:
+async def run_chat_load(
+    url: str,
+    sessions: int = 32,
+    turns: int = 5,
+    max_new_tokens: int = 32,
+    *,
+    prompts: list[str] | None = None,
+    options: dict | None = None,
+    timeout_s: float = 600.0,
+    auth_token: str | None = None,
+) -> dict:
     """Run the load and return the summary dict:
 
     {"sessions", "turns", "max_new_tokens", "wall_s", "tokens", "tokens_per_s", "completed_turns",
@@ -91,9 +123,15 @@ async def run_chat_load(url: str, sessions: int = 32, turns: int = 5, max_new_to
     record: dict = {"turns": [], "errors": []}
     opts = {"temperature": 0} if options is None else dict(options)
     started = time.perf_counter()
-    results = await asyncio.gather(*[
-        _session(url, i, turns, max_new_tokens, prompts or DEFAULT_PROMPTS, opts, timeout_s, record, auth_token)
-        for i in range(sessions)], return_exceptions=True)
+    results = await asyncio.gather(
+        *[
+            _session(
+                url, i, turns, max_new_tokens, prompts or DEFAULT_PROMPTS, opts, timeout_s, record, auth_token
+            )
+            for i in range(sessions)
+        ],
+        return_exceptions=True,
+    )
     wall = time.perf_counter() - started
     for r in results:
         if isinstance(r, BaseException):
@@ -105,17 +143,29 @@ async def run_chat_load(url: str, sessions: int = 32, turns: int = 5, max_new_to
         ttfts = [t["client_ttft_ms"] for t in rows if t["client_ttft_ms"] is not None]
         server = [t["server_ttft_ms"] for t in rows if t["server_ttft_ms"] is not None]
         per_turn[turn] = {
-            "n": len(rows), "ttft_p50_ms": percentile(ttfts, 50), "ttft_p95_ms": percentile(ttfts, 95),
+            "n": len(rows),
+            "ttft_p50_ms": percentile(ttfts, 50),
+            "ttft_p95_ms": percentile(ttfts, 95),
             "server_ttft_p50_ms": percentile(server, 50),
             "prompt_tokens_mean": sum(t["prompt"] for t in rows) / len(rows) if rows else None,
-            "cached_tokens_mean": sum(t["cached"] for t in rows) / len(rows) if rows else None}
+            "cached_tokens_mean": sum(t["cached"] for t in rows) / len(rows) if rows else None,
+        }
     all_ttft = [t["client_ttft_ms"] for t in record["turns"] if t["client_ttft_ms"] is not None]
     errors: dict[str, int] = {}
     for code in record["errors"]:
         errors[code] = errors.get(code, 0) + 1
     first, last = per_turn[1]["ttft_p50_ms"], per_turn[turns]["ttft_p50_ms"]
-    return {"sessions": sessions, "turns": turns, "max_new_tokens": max_new_tokens, "wall_s": wall,
-            "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "completed_turns": len(record["turns"]), "errors": errors, "per_turn": per_turn,
-            "ttft_p50_ms": percentile(all_ttft, 50), "ttft_p95_ms": percentile(all_ttft, 95),
-            "turn_ratio_p50": (last / first) if first and last is not None else None}
+    return {
+        "sessions": sessions,
+        "turns": turns,
+        "max_new_tokens": max_new_tokens,
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "completed_turns": len(record["turns"]),
+        "errors": errors,
+        "per_turn": per_turn,
+        "ttft_p50_ms": percentile(all_ttft, 50),
+        "ttft_p95_ms": percentile(all_ttft, 95),
+        "turn_ratio_p50": (last / first) if first and last is not None else None,
+    }

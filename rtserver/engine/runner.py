@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kv import KVCacheManager, KVHandle
-from .sequence import SamplingParams, Sequence
+from .backend import SamplingParams
+from .kv import KVCacheManager
+from .plan import StepItem
+from .sequence import Sequence
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # Once the transformers weights are released (serving), float32 linears run from oneDNN-packed copies:
@@ -32,20 +34,6 @@ ONEDNN_LINEAR = True
 
 class UnsupportedModel(ValueError):
     pass
-
-
-@dataclass
-class StepItem:
-    """Tokens of one sequence computed in this step: positions start..start+len(tokens)-1."""
-
-    seq: Sequence
-    kv: KVHandle  # where this item's context lives (the sequence's own, or a fork of it)
-    start: int
-    tokens: list[int]
-    logits: str  # "last" | "all" | "none"
-    # Only these vocabulary columns of the logits (label scoring reads a few token ids: a gather of those
-    # rows of the output embedding instead of the whole-vocabulary matmul). None = the full rows.
-    columns: list[int] | None = None
 
 
 class Linear:
@@ -67,14 +55,16 @@ class Linear:
             scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "quantized tensor creation is deprecated": still the API
-                qw = torch.quantize_per_channel(w, scale.double(), torch.zeros_like(scale, dtype=torch.long),
-                                                0, torch.qint8)
+                qw = torch.quantize_per_channel(
+                    w, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8
+                )
                 self.packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
             self.weight, self.bias = None, None
             del w, qw
         elif storage == "float16":
-            self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(),
-                                                                  None if bias is None else bias.float())
+            self.packed = torch.ops.quantized.linear_prepack_fp16(
+                weight.detach().float(), None if bias is None else bias.float()
+            )
             self.weight, self.bias = None, None
         elif storage is None:
             self.weight, self.bias = weight, bias
@@ -133,8 +123,12 @@ def _cat_bias(*linears) -> torch.Tensor | None:
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
         return None
-    return torch.cat([b if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype)
-                      for b, lin in zip(biases, linears)])
+    return torch.cat(
+        [
+            b if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype)
+            for b, lin in zip(biases, linears)
+        ]
+    )
 
 
 def _fuse(*linears: torch.nn.Linear, share: bool = True) -> torch.Tensor:
@@ -147,7 +141,7 @@ def _fuse(*linears: torch.nn.Linear, share: bool = True) -> torch.Tensor:
     row = 0
     for lin in linears:
         n = lin.weight.shape[0]
-        lin.weight = torch.nn.Parameter(fused[row:row + n], requires_grad=False)
+        lin.weight = torch.nn.Parameter(fused[row : row + n], requires_grad=False)
         row += n
     return fused
 
@@ -191,8 +185,10 @@ def _prefill_groups(items: list[StepItem]) -> list[list[int]]:
     """Prefill chunks (items of more than one token) grouped for batched attention: similar sizes
     together, so that padding to the group's longest chunk and context costs at most about twice the
     useful work (many short task prompts share one call; a long chat chunk keeps its own)."""
-    order = sorted((i for i, it in enumerate(items) if len(it.tokens) > 1),
-                   key=lambda i: (items[i].start + len(items[i].tokens), len(items[i].tokens)))
+    order = sorted(
+        (i for i, it in enumerate(items) if len(it.tokens) > 1),
+        key=lambda i: (items[i].start + len(items[i].tokens), len(items[i].tokens)),
+    )
     groups: list[list[int]] = []
     group: list[int] = []
     useful = n_max = ctx_max = 0
@@ -211,12 +207,20 @@ def _prefill_groups(items: list[StepItem]) -> list[list[int]]:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, max_positions: int,
-                 weight_storage: str | None = None, release_dense_weights: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv: KVCacheManager,
+        max_positions: int,
+        weight_storage: str | None = None,
+        release_dense_weights: bool = False,
+    ):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(f"model type '{cfg.model_type}' is not supported "
-                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise UnsupportedModel(
+                f"model type '{cfg.model_type}' is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         if getattr(cfg, "mlp_bias", False):
             raise UnsupportedModel("MLP biases are not supported")
         self.model = model
@@ -227,7 +231,7 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.group = self.n_heads // self.n_kv
         self.eps = cfg.rms_norm_eps
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
@@ -239,14 +243,20 @@ class ModelRunner:
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
-                ln1=layer.input_layernorm.weight,
-                qkv=Linear(_fuse(att.q_proj, att.k_proj, att.v_proj, share=ws is None),
-                           _cat_bias(att.q_proj, att.k_proj, att.v_proj), ws),
-                o=Linear(att.o_proj.weight, att.o_proj.bias, ws),
-                ln2=layer.post_attention_layernorm.weight,
-                gate_up=Linear(_fuse(mlp.gate_proj, mlp.up_proj, share=ws is None), None, ws),
-                down=Linear(mlp.down_proj.weight, None, ws)))
+            self.layers.append(
+                _Layer(
+                    ln1=layer.input_layernorm.weight,
+                    qkv=Linear(
+                        _fuse(att.q_proj, att.k_proj, att.v_proj, share=ws is None),
+                        _cat_bias(att.q_proj, att.k_proj, att.v_proj),
+                        ws,
+                    ),
+                    o=Linear(att.o_proj.weight, att.o_proj.bias, ws),
+                    ln2=layer.post_attention_layernorm.weight,
+                    gate_up=Linear(_fuse(mlp.gate_proj, mlp.up_proj, share=ws is None), None, ws),
+                    down=Linear(mlp.down_proj.weight, None, ws),
+                )
+            )
             if release_dense_weights and ws is not None:
                 _drop_parameters(layer)  # now, not after the loop: never both copies of every layer
         self.q_size = self.n_heads * self.head_dim
@@ -322,8 +332,14 @@ class ModelRunner:
         mask = mask[:, None].expand(B, self.group, n, ctx).reshape(B, 1, self.group * n, ctx)
         src_t = torch.cat(src)
         padded = src_t.numel() != B * n
-        return (q_index, ctx_index.view(-1), (B, ctx, self.n_kv, self.head_dim), mask,
-                src_t if padded else None, torch.cat(dst))
+        return (
+            q_index,
+            ctx_index.view(-1),
+            (B, ctx, self.n_kv, self.head_dim),
+            mask,
+            src_t if padded else None,
+            torch.cat(dst),
+        )
 
     def _decode_group(self, items: list[StepItem], group: list[int], row_offsets: list[int]) -> tuple:
         """Rows, gathered context slots and mask for one attention call over several decode tokens
@@ -332,7 +348,7 @@ class ModelRunner:
         lmax = max(lengths)
         ctx_index = torch.zeros(len(group), lmax, dtype=torch.long)
         for r, i in enumerate(group):
-            ctx_index[r, :lengths[r]] = items[i].kv.slot_table[:lengths[r]]
+            ctx_index[r, : lengths[r]] = items[i].kv.slot_table[: lengths[r]]
         mask = None  # every context of the group has the same length: nothing padded to mask out
         if min(lengths) < lmax:
             mask = (torch.arange(lmax)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
@@ -356,15 +372,14 @@ class ModelRunner:
         sin = self.sin[pos][:, None, :]
 
         # Where each new token's K/V goes, and the context each attention call reads.
-        write_slots = torch.cat([it.kv.slot_table[it.start:it.start + len(it.tokens)] for it in items])
+        write_slots = torch.cat([it.kv.slot_table[it.start : it.start + len(it.tokens)] for it in items])
         row_offsets = []
         off = 0
         for it in items:
             row_offsets.append(off)
             off += len(it.tokens)
         decodes = [self._decode_group(items, group, row_offsets) for group in _decode_groups(items)]
-        prefills = [self._prefill_group(items, group, row_offsets)
-                    for group in _prefill_groups(items)]
+        prefills = [self._prefill_group(items, group, row_offsets) for group in _prefill_groups(items)]
 
         # Rows whose hidden state leaves the last layer: the last token of a chunk, or all for scoring.
         wanted_rows, spans = [], []
@@ -386,10 +401,10 @@ class ModelRunner:
             h = self._rms(x, L.ln1)
             qkv = L.qkv(h)
             # q and k side by side in one RoPE (the same elementwise arithmetic, half the small ops)
-            qk = qkv[:, :self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv, self.head_dim)
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv, self.head_dim)
             qk = self._rope(qk, cos, sin)
-            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
-            v = qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.head_dim)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
             kl, vl = k_pool[li], v_pool[li]
             kl.index_copy_(0, write_slots, k)
             vl.index_copy_(0, write_slots, v)
@@ -421,7 +436,7 @@ class ModelRunner:
             x = x + L.o(attn)
             h = self._rms(x, L.ln2)
             gu = L.gate_up(h)
-            x = x + L.down(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
+            x = x + L.down(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
 
         # Logits only where someone needs them, and only the columns asked for.
         hs = self._rms(x, self.norm)
@@ -432,7 +447,7 @@ class ModelRunner:
             logits = self.lm_head(hs if len(rows) == len(wanted_rows) else hs[torch.tensor(rows)]).float()
             at = 0
             for i in full:
-                out[i] = logits[at:at + spans[i][1]]
+                out[i] = logits[at : at + spans[i][1]]
                 at += spans[i][1]
         by_columns: dict[tuple[int, ...], list[int]] = {}
         for i, it in enumerate(items):
@@ -443,7 +458,7 @@ class ModelRunner:
             logits = self._column_logits(hs[rows], list(cols))
             at = 0
             for i in group:
-                out[i] = logits[at:at + spans[i][1]]
+                out[i] = logits[at : at + spans[i][1]]
                 at += spans[i][1]
         return out
 
@@ -452,6 +467,35 @@ class ModelRunner:
         if self.lm_head.weight is None:  # int8: its rounding depends on the whole batch, so run it all
             return self.lm_head(hs).float()[:, columns]
         return F.linear(hs, self.lm_head.weight[columns]).float()
+
+    # -- label scoring ------------------------------------------------------------------------
+    def score_labels(self, done: list[tuple[Sequence, torch.Tensor]]) -> None:
+        """Set `seq.scores` for sequences whose prompt is computed, given each one's logits row at the
+        prompt's last position. A candidate's first token is scored from that row: its log-softmax over
+        the vocabulary, or with `score_columns` its raw logit (the log-normaliser left out is the same for
+        every candidate of the prompt). Candidates longer than one token are teacher-forced in the
+        sequence's own KV past its prompt (room reserved at admission, never shared, never kept): round
+        r computes the r-th such candidate of every sequence in one forward."""
+        longer: list[list[tuple[Sequence, int, list[int]]]] = []
+        for seq, row in done:
+            assert seq.candidates is not None and seq.kv is not None
+            if seq.score_columns is None:
+                logprobs = torch.log_softmax(row, -1)
+                seq.scores = [float(logprobs[c[0]]) for c in seq.candidates]
+            else:
+                column = {t: j for j, t in enumerate(seq.score_columns)}
+                seq.scores = [float(row[column[c[0]]]) for c in seq.candidates]
+            for r, (i, cand) in enumerate((i, c) for i, c in enumerate(seq.candidates) if len(c) > 1):
+                if r == len(longer):
+                    longer.append([])
+                longer[r].append((seq, i, cand))
+        for group in longer:
+            outs = self.forward(
+                [StepItem(seq, seq.kv, seq.num_computed, cand[:-1], "all") for seq, _, cand in group]
+            )
+            for (seq, i, cand), out in zip(group, outs):
+                lp = torch.log_softmax(out, -1)
+                seq.scores[i] += float(lp[torch.arange(len(cand) - 1), torch.tensor(cand[1:])].sum())
 
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
@@ -475,8 +519,11 @@ class ModelRunner:
 
     @staticmethod
     def _plain_greedy(p: SamplingParams, s: Sequence) -> bool:
-        return (p.greedy and p.repetition_penalty == 1.0
-                and not (p.min_new_tokens and len(s.output_ids) < p.min_new_tokens))
+        return (
+            p.greedy
+            and p.repetition_penalty == 1.0
+            and not (p.min_new_tokens and len(s.output_ids) < p.min_new_tokens)
+        )
 
     def _generator(self, s: Sequence) -> torch.Generator | None:
         if s.params.seed is None:

@@ -16,37 +16,41 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
+from ..config import EngineSettings
+from .backend import FinishReason, Overloaded, RequestTooLarge
 from .kv import KVCacheManager, OutOfKVMemory
-from .runner import StepItem
-from .sequence import FinishReason, Phase, Sequence
+from .plan import StepItem
+from .sequence import Phase, Sequence
 
 log = logging.getLogger("rtserver.scheduler")
-
-
-class Overloaded(Exception):
-    """The waiting queue is full; the caller should retry later."""
-
-
-class RequestTooLarge(ValueError):
-    """The request needs more tokens than one sequence may hold."""
 
 
 class Runner(Protocol):
     def forward(self, items: list[StepItem]) -> list[torch.Tensor | None]: ...
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]: ...
+    def score_labels(self, done: list[tuple[Sequence, torch.Tensor]]) -> None: ...
 
 
 @dataclass
 class SchedulerLimits:
-    max_running: int = 64
-    max_waiting: int = 256
-    prefill_chunk_tokens: int = 256
-    max_sequence_tokens: int = 4096
+    max_running: int
+    max_waiting: int
+    prefill_chunk_tokens: int
+    max_sequence_tokens: int
+
+    @classmethod
+    def from_settings(cls, s: EngineSettings, max_positions: int | None = None) -> SchedulerLimits:
+        """The [engine] settings; a sequence also stays within the model's positions."""
+        longest = (
+            s.max_sequence_tokens if max_positions is None else min(s.max_sequence_tokens, max_positions)
+        )
+        return cls(s.max_running, s.max_waiting, s.prefill_chunk_tokens, longest)
 
 
 @dataclass
@@ -57,8 +61,13 @@ class StepStats:
 
 
 class Scheduler:
-    def __init__(self, runner: Runner, kv: KVCacheManager, limits: SchedulerLimits,
-                 on_events: Callable[[list[tuple[Sequence, str, object]]], None] | None = None):
+    def __init__(
+        self,
+        runner: Runner,
+        kv: KVCacheManager,
+        limits: SchedulerLimits,
+        on_events: Callable[[list[tuple[Sequence, str, object]]], None] | None = None,
+    ):
         self.runner = runner
         self.kv = kv
         self.limits = limits
@@ -76,11 +85,14 @@ class Scheduler:
     # -- called from any thread -----------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         if seq.capacity_tokens > self.limits.max_sequence_tokens:
-            raise RequestTooLarge(f"prompt ({len(seq.prompt_ids)} tokens) plus max_new_tokens "
-                                  f"exceeds the {self.limits.max_sequence_tokens}-token limit")
+            raise RequestTooLarge(
+                f"prompt ({len(seq.prompt_ids)} tokens) plus max_new_tokens "
+                f"exceeds the {self.limits.max_sequence_tokens}-token limit"
+            )
         if self.kv.blocks_for(seq.capacity_tokens) > self.kv.total_blocks:
-            raise RequestTooLarge(f"request needs {seq.capacity_tokens} tokens of KV, more than the "
-                                  f"whole KV budget holds")
+            raise RequestTooLarge(
+                f"request needs {seq.capacity_tokens} tokens of KV, more than the whole KV budget holds"
+            )
         with self._cond:
             # Free running slots count as room too: those sequences are admitted at the next step.
             room = self.limits.max_waiting + max(0, self.limits.max_running - len(self.running))
@@ -135,9 +147,10 @@ class Scheduler:
         seq.finished_at = time.perf_counter()
         if seq.kv is not None:
             # A cancelled or failed turn keeps only KV that is known good (its computed tokens).
-            seq.kv.token_ids = seq.all_ids[:seq.num_computed]
-            self.kv.release(seq.kv, seq.session_key if error is None or reason is FinishReason.CANCELLED
-                            else None)
+            seq.kv.token_ids = seq.all_ids[: seq.num_computed]
+            self.kv.release(
+                seq.kv, seq.session_key if error is None or reason is FinishReason.CANCELLED else None
+            )
             seq.kv = None
         events.append((seq, "finish", seq.result()))
 
@@ -150,8 +163,7 @@ class Scheduler:
                     self._finish(seq, FinishReason.CANCELLED, events)
                     continue
                 try:
-                    seq.kv, reused = self.kv.acquire(seq.prompt_ids, seq.capacity_tokens,
-                                                     seq.session_key)
+                    seq.kv, reused = self.kv.acquire(seq.prompt_ids, seq.capacity_tokens, seq.session_key)
                 except OutOfKVMemory:
                     break  # wait for running sequences to finish and free blocks
                 self.waiting.popleft()
@@ -184,9 +196,17 @@ class Scheduler:
             n = min(remaining, budget)
             budget -= n
             done = n == remaining
-            tokens = seq.prompt_ids[seq.num_computed:seq.num_computed + n]
-            items.append(StepItem(seq, seq.kv, seq.num_computed, tokens, "last" if done else "none",
-                                  seq.score_columns if done else None))
+            tokens = seq.prompt_ids[seq.num_computed : seq.num_computed + n]
+            items.append(
+                StepItem(
+                    seq,
+                    seq.kv,
+                    seq.num_computed,
+                    tokens,
+                    "last" if done else "none",
+                    seq.score_columns if done else None,
+                )
+            )
         return items
 
     def step(self) -> None:
@@ -209,8 +229,11 @@ class Scheduler:
         else:
             self._run_guarded(items, events, logits)
         self.steps += 1
-        self.last_step = StepStats(sum(1 for it in items if it.seq.phase is Phase.DECODE),
-                                   sum(len(it.tokens) for it in items), time.perf_counter() - started)
+        self.last_step = StepStats(
+            sum(1 for it in items if it.seq.phase is Phase.DECODE),
+            sum(len(it.tokens) for it in items),
+            time.perf_counter() - started,
+        )
         self.on_events(events)
 
     def _forward(self, items: list[StepItem]) -> list[torch.Tensor | None]:
@@ -218,8 +241,9 @@ class Scheduler:
             self.fault_hook(items)
         return self.runner.forward(items)
 
-    def _run_guarded(self, items: list[StepItem], events: list,
-                     logits: list[torch.Tensor | None] | None = None) -> None:
+    def _run_guarded(
+        self, items: list[StepItem], events: list, logits: list[torch.Tensor | None] | None = None
+    ) -> None:
         """Forward (unless `logits` are given) and apply `items`; a failure fails their sequences only —
         never the scheduler."""
         try:
@@ -231,8 +255,12 @@ class Scheduler:
             for it in items:
                 if it.seq in self.running:
                     self.running.remove(it.seq)
-                self._finish(it.seq, FinishReason.ERROR, events,
-                             error=f"internal error in model step ({type(exc).__name__})")
+                self._finish(
+                    it.seq,
+                    FinishReason.ERROR,
+                    events,
+                    error=f"internal error in model step ({type(exc).__name__})",
+                )
 
     def _after_forward(self, items: list[StepItem], logits: list[torch.Tensor | None], events: list) -> None:
         sampling: list[tuple[Sequence, torch.Tensor]] = []
@@ -266,29 +294,7 @@ class Scheduler:
                     self._finish(seq, seq.finish_reason, events)
 
     def _finish_scoring(self, done: list[tuple[Sequence, torch.Tensor]], events: list) -> None:
-        """Label scoring: each candidate's first token from the prompt's last position — its log-softmax
-        over the vocabulary, or with `score_columns` its raw logit (the log-normaliser left out is the
-        same for every candidate of the prompt). Candidates longer than one token are teacher-forced
-        in the sequence's own KV past its prompt (room reserved at admission, never shared, never kept):
-        round r computes the r-th such candidate of every sequence of the step in one forward."""
-        longer: list[list[tuple[Sequence, int, list[int]]]] = []
-        for seq, row in done:
-            if seq.score_columns is None:
-                logprobs = torch.log_softmax(row, -1)
-                seq.scores = [float(logprobs[c[0]]) for c in seq.candidates]
-            else:
-                column = {t: j for j, t in enumerate(seq.score_columns)}
-                seq.scores = [float(row[column[c[0]]]) for c in seq.candidates]
-            for r, (i, cand) in enumerate((i, c) for i, c in enumerate(seq.candidates) if len(c) > 1):
-                if r == len(longer):
-                    longer.append([])
-                longer[r].append((seq, i, cand))
-        for group in longer:
-            outs = self.runner.forward([StepItem(seq, seq.kv, seq.num_computed, cand[:-1], "all")
-                                        for seq, _, cand in group])
-            for (seq, i, cand), out in zip(group, outs):
-                lp = torch.log_softmax(out, -1)
-                seq.scores[i] += float(lp[torch.arange(len(cand) - 1), torch.tensor(cand[1:])].sum())
+        self.runner.score_labels(done)  # sets each sequence's scores
         for seq, _ in done:
             self.running.remove(seq)
             self._finish(seq, FinishReason.LENGTH, events)

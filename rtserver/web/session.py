@@ -1,4 +1,4 @@
-"""Sessions: id, resume token, the chat history window, the handle on the engine's KV, and expiry.
+"""Sessions: id, resume token, the chat history, the handle on the backend's KV, and expiry.
 
 A session belongs to one connection at a time. When the connection closes, the session stays in the
 registry for `sessions.idle_timeout_s`; a client that reconnects in time with the session id and its
@@ -6,14 +6,7 @@ resume token gets it back (history, and the engine's cached KV for it unless the
 meanwhile — then the next turn simply recomputes the prompt). After that the session expires: its
 history is dropped and `engine.drop_session(session.id)` frees its KV. Ids and resume tokens come from
 the `secrets` module; tokens are compared in constant time and only ever resume their own session.
-
-History window (chunked cut): the history is a list of `{"role", "content"}` messages. Before a new
-user turn is rendered, if the history plus that turn has more than `chat.max_history_turns` user turns
-or its rendered prompt has more than `chat.max_history_tokens` tokens, the oldest whole turns are
-dropped until the window is at most HALF of those limits. Cutting in big chunks instead of one turn
-per message keeps the rendered prompt's beginning identical for many turns in a row, so the engine
-(which reuses a session's KV by longest common token prefix) recomputes only the new tokens on most
-turns and the whole window only once per cut.
+How a history becomes a prompt (the window, the last turn's own tokens): rtserver/tasks/chat.py.
 """
 
 from __future__ import annotations
@@ -23,8 +16,11 @@ import logging
 import secrets
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Protocol
+
+from ..tasks.chat import LastTurn
 
 log = logging.getLogger("rtserver.session")
 
@@ -37,40 +33,21 @@ class TooManySessions(Exception):
     """The client IP already holds its cap of sessions, all of them connected."""
 
 
-@dataclass
-class LastTurn:
-    """A finished chat turn as the model saw it, so that the next prompt can reuse its exact tokens."""
+class Customer(Protocol):
+    """The connection a session is attached to, as the rest of the web layer talks to it (the hub's
+    `Connection`): the console reaches a customer through it without importing the hub."""
 
-    text: str  # the rendered prompt followed by the reply text
-    ids: list[int]  # the prompt's ids followed by the generated ids (end-of-turn token excluded)
+    session: Session | None
 
+    async def send(self, event: dict) -> None: ...
 
-def continue_prompt(tokenizer: Any, rendered: str, last: LastTurn | None) -> list[int]:
-    """Token ids of a rendered chat prompt.
+    async def error(self, code: str, message: str, request_id: str | None = None, **extra: Any) -> None: ...
 
-    Re-tokenizing a reply does not always give back the tokens the model generated (BPE spells one
-    text in several ways), and every token after the first difference would be prefilled again
-    although the session's KV holds it. So when `rendered` continues the last turn's text at a special
-    token (a hard token boundary, e.g. `<|im_end|>`), the last turn's own ids are kept and only the
-    rest is tokenized; otherwise (a cut window, an agent's reply, a new system prompt) all of it is.
-    """
-    if last is not None and rendered.startswith(last.text):
-        rest = tokenizer.encode(rendered[len(last.text):], add_special_tokens=False)
-        if rest and rest[0] in tokenizer.all_special_ids:
-            return last.ids + rest
-    return tokenizer.encode(rendered, add_special_tokens=False)
+    def run_auto_tasks(self, request_id: str, text: str) -> None: ...
 
+    def cancel_all(self) -> None: ...
 
-def finished_turn(tokenizer: Any, rendered: str, prompt_ids: list[int], reply: str,
-                  generated_ids: list[int]) -> LastTurn | None:
-    """The LastTurn of a reply, or None when its generated ids do not spell the reply kept in the
-    history (a stop string cut it)."""
-    ids = list(generated_ids)
-    while ids and ids[-1] in tokenizer.all_special_ids:
-        ids.pop()
-    if tokenizer.decode(ids) != reply:
-        return None
-    return LastTurn(rendered + reply, prompt_ids + ids)
+    def stop(self, code: int | None = None, reason: str = "") -> None: ...
 
 
 @dataclass
@@ -80,7 +57,7 @@ class Session:
     created_at: float
     last_active: float
     history: list[dict] = field(default_factory=list)
-    connection: Any = None  # the hub connection that holds it, or None while detached
+    connection: Customer | None = None  # the hub connection that holds it, or None while detached
     chat_request: str | None = None  # id of the chat turn in progress
     turns: int = 0  # chat turns completed in this session
     cuts: int = 0  # window cuts so far
@@ -95,40 +72,17 @@ class Session:
         self.last_active = now
 
 
-def _turn_starts(history: list[dict]) -> list[int]:
-    return [i for i, m in enumerate(history) if m["role"] == "user"]
-
-
-def window(history: list[dict], max_turns: int, max_tokens: int,
-           count_tokens: Callable[[list[dict]], int]) -> tuple[list[dict], bool]:
-    """(history to render, whether it was cut). `history` ends with the new user message.
-
-    When over `max_turns` user turns or `max_tokens` rendered tokens, drop the oldest whole turns until
-    at most half of each limit remains (the newest user message is always kept).
-    """
-    starts = _turn_starts(history)
-    over_turns = max_turns > 0 and len(starts) > max_turns
-    over_tokens = max_tokens > 0 and count_tokens(history) > max_tokens
-    if not (over_turns or over_tokens):
-        return history, False
-    turn_target = max(1, max_turns // 2) if max_turns > 0 else len(starts)
-    token_target = max(1, max_tokens // 2) if max_tokens > 0 else None
-    # Keep the newest k turns: the largest k <= turn_target whose render fits token_target.
-    k = min(turn_target, len(starts))
-    while k > 1:
-        candidate = history[starts[-k]:]
-        if token_target is None or count_tokens(candidate) <= token_target:
-            break
-        k -= 1
-    return history[starts[-k]:], True
-
-
 class SessionRegistry:
     """All live sessions; expiry of detached ones; `on_drop(session)` frees their engine state."""
 
-    def __init__(self, idle_timeout_s: float, max_sessions: int,
-                 on_drop: Callable[[Session], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 max_per_ip: int = 0):
+    def __init__(
+        self,
+        idle_timeout_s: float,
+        max_sessions: int,
+        on_drop: Callable[[Session], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_per_ip: int = 0,
+    ):
         self.idle_timeout_s = idle_timeout_s
         self.max_sessions = max_sessions
         self.max_per_ip = max_per_ip  # 0 = no cap
@@ -154,15 +108,23 @@ class SessionRegistry:
             if len(self.sessions) >= self.max_sessions:
                 self._drop_oldest_detached()
         now = self.clock()
-        session = Session(id=secrets.token_urlsafe(18), resume_token=secrets.token_urlsafe(32),
-                          created_at=now, last_active=now, client_ip=client_ip)
+        session = Session(
+            id=secrets.token_urlsafe(18),
+            resume_token=secrets.token_urlsafe(32),
+            created_at=now,
+            last_active=now,
+            client_ip=client_ip,
+        )
         self.sessions[session.id] = session
         self.per_ip[client_ip] += 1
         return session
 
     def _drop_oldest_detached(self, client_ip: str | None = None) -> bool:
-        detached = [s for s in self.sessions.values()
-                    if s.connection is None and (client_ip is None or s.client_ip == client_ip)]
+        detached = [
+            s
+            for s in self.sessions.values()
+            if s.connection is None and (client_ip is None or s.client_ip == client_ip)
+        ]
         if detached:
             self.drop(min(detached, key=lambda s: s.last_active))
         return bool(detached)
@@ -170,8 +132,9 @@ class SessionRegistry:
     def resume(self, session_id: str, resume_token: str) -> Session:
         """The session for this id and token; raises SessionExpired (the same way for every cause)."""
         session = self.sessions.get(session_id)
-        if session is None or not secrets.compare_digest(session.resume_token.encode(),
-                                                          resume_token.encode()):
+        if session is None or not secrets.compare_digest(
+            session.resume_token.encode(), resume_token.encode()
+        ):
             raise SessionExpired(session_id)
         if self._expired(session, self.clock()):
             self.drop(session)
@@ -182,7 +145,7 @@ class SessionRegistry:
     def _expired(self, session: Session, now: float) -> bool:
         return session.connection is None and now - session.last_active > self.idle_timeout_s
 
-    def detach(self, session: Session, connection: Any) -> None:
+    def detach(self, session: Session, connection: Customer) -> None:
         if session.connection is connection:
             session.connection = None
             session.touch(self.clock())

@@ -24,16 +24,18 @@ import logging
 import secrets
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol as P
-from .wsclose import CLOSE_GOING_AWAY, CLOSE_SLOW_CLIENT, CLOSE_UNAUTHORIZED, QueuedConnection, refuse
+from .connection import Close, QueuedConnection, accept, refuse
+from .errors import error_code
+from .session import Customer, Session, SessionRegistry
+from .state import AppState
 
 log = logging.getLogger("rtserver.console")
-
-CLOSE_DISABLED = 4403
 
 # Sentiment labels (as the built-in sentiment task names them, English or Chinese) → mood score.
 MOOD_SCORE = {"positive": 1.0, "negative": -1.0, "neutral": 0.0, "正面": 1.0, "负面": -1.0, "中性": 0.0}
@@ -42,16 +44,20 @@ MAX_AGENT_MESSAGE_CHARS = 4000
 AGENT_MESSAGE_TYPES = ("login", "take_over", "hand_back", "agent_message", "ping")
 
 
-def _safe(fn):
+Hook = TypeVar("Hook", bound=Callable[..., None])
+
+
+def _safe(fn: Hook) -> Hook:
     """Hooks called from the hub: log failures, never raise into a customer's chat."""
+
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> None:
         try:
-            return fn(*args, **kwargs)
+            fn(*args, **kwargs)
         except Exception:
             log.exception("console hook %s failed", fn.__name__)
-            return None
-    return wrapper
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _clean(text: str) -> str:
@@ -88,8 +94,9 @@ class Conversation:
         return None
 
     def mood(self, window: int) -> dict:
-        labels = [m["sentiment"] for m in reversed(self.messages)
-                  if m["role"] == "user" and m.get("sentiment")][:window]
+        labels = [
+            m["sentiment"] for m in reversed(self.messages) if m["role"] == "user" and m.get("sentiment")
+        ][:window]
         if not labels:
             return {"label": "unknown", "score": None, "n": 0}
         score = sum(MOOD_SCORE.get(str(label).lower(), 0.0) for label in labels) / len(labels)
@@ -103,10 +110,19 @@ class Conversation:
         return {"role": m["role"], "text": m["text"][:200], "ts": m["ts"]}
 
     def to_json(self, window: int) -> dict:
-        return {"session_id": self.session_id, "customer": self.customer, "connected": self.connected,
-                "started_at": self.started_at, "updated_at": self.updated_at, "agent": self.agent,
-                "mood": self.mood(window), "last_message": self.last_message(), "seq": self.seq,
-                "messages": list(self.messages), "streaming": self.streaming}
+        return {
+            "session_id": self.session_id,
+            "customer": self.customer,
+            "connected": self.connected,
+            "started_at": self.started_at,
+            "updated_at": self.updated_at,
+            "agent": self.agent,
+            "mood": self.mood(window),
+            "last_message": self.last_message(),
+            "seq": self.seq,
+            "messages": list(self.messages),
+            "streaming": self.streaming,
+        }
 
 
 class Agent(QueuedConnection):
@@ -126,15 +142,17 @@ class Agent(QueuedConnection):
             self.queue.put_nowait(P.dumps(event))
         except asyncio.QueueFull:
             log.warning("closing console connection of %s: not reading", self.name)
-            self.stop(CLOSE_SLOW_CLIENT, "slow client")
+            self.stop(Close.SLOW_CLIENT, "slow client")
 
 
 class ConsoleHub:
-    """Registry of conversations + the set of agents; the hub publishes session events here."""
+    """Registry of conversations + the set of agents; the hub publishes session events here through the
+    hooks, and the console reaches customers through their sessions' `Customer` connections."""
 
-    def __init__(self, hub: Any):
-        self.hub = hub
-        self.settings = hub.settings
+    def __init__(self, state: AppState, sessions: SessionRegistry):
+        self.state = state
+        self.sessions = sessions
+        self.settings = state.settings
         ss = self.settings.sessions
         self.mood_window = ss.console_mood_window
         self.max_messages = ss.console_max_messages
@@ -152,17 +170,17 @@ class ConsoleHub:
     def _conv_event(self, conv: Conversation) -> None:
         self.broadcast({"type": "conversation", "conversation": conv.to_json(self.mood_window)})
 
-    def _conv(self, session: Any) -> Conversation | None:
+    def _conv(self, session: Session) -> Conversation | None:
         return self.conversations.get(session.id)
 
-    def holder(self, session: Any) -> dict | None:
+    def holder(self, session: Session) -> dict | None:
         """The agent ({"id", "name"}) answering this session instead of the bot, or None."""
         conv = self.conversations.get(session.id)
         return conv.agent if conv is not None else None
 
     # -- hooks (called by the hub; synchronous, never raise) ------------------------------------
     @_safe
-    def attached(self, session: Any, client_name: str | None, resumed: bool) -> None:
+    def attached(self, session: Session, client_name: str | None, resumed: bool) -> None:
         conv = self._conv(session)
         name = client_name or f"Customer {session.id[:6]}"
         if conv is None:
@@ -170,7 +188,9 @@ class ConsoleHub:
             self.conversations[session.id] = conv
             for m in session.history:  # a session older than the console's record of it
                 role = "agent" if m.get("agent") else "bot" if m["role"] == "assistant" else "user"
-                conv.add({"role": role, "text": m["content"], **({"agent": m["agent"]} if m.get("agent") else {})})
+                conv.add(
+                    {"role": role, "text": m["content"], **({"agent": m["agent"]} if m.get("agent") else {})}
+                )
         else:
             if client_name:
                 conv.customer = client_name
@@ -179,7 +199,7 @@ class ConsoleHub:
         self._conv_event(conv)
 
     @_safe
-    def detached(self, session: Any) -> None:
+    def detached(self, session: Session) -> None:
         conv = self._conv(session)
         if conv is not None and session.connection is None:
             conv.connected = False
@@ -187,7 +207,7 @@ class ConsoleHub:
             self._conv_event(conv)
 
     @_safe
-    def dropped(self, session: Any) -> None:
+    def dropped(self, session: Session) -> None:
         if self.conversations.pop(session.id, None) is not None:
             timer = self._release.pop(session.id, None)
             if timer is not None:
@@ -195,16 +215,17 @@ class ConsoleHub:
             self.broadcast({"type": "removed", "session_id": session.id})
 
     @_safe
-    def user_message(self, session: Any, request_id: str, text: str, to_agent: bool = False) -> None:
+    def user_message(self, session: Session, request_id: str, text: str, to_agent: bool = False) -> None:
         conv = self._conv(session)
         if conv is None:
             return
-        msg = conv.add({"role": "user", "id": request_id, "text": text, "sentiment": None,
-                        "to_agent": to_agent})
+        msg = conv.add(
+            {"role": "user", "id": request_id, "text": text, "sentiment": None, "to_agent": to_agent}
+        )
         self._message_event(conv, msg)
 
     @_safe
-    def bot_token(self, session: Any, request_id: str, delta: str) -> None:
+    def bot_token(self, session: Session, request_id: str, delta: str) -> None:
         conv = self._conv(session)
         if conv is None:
             return
@@ -214,7 +235,7 @@ class ConsoleHub:
         self.broadcast({"type": "token", "session_id": session.id, "id": request_id, "text": delta})
 
     @_safe
-    def bot_done(self, session: Any, request_id: str, text: str | None, finish_reason: str) -> None:
+    def bot_done(self, session: Session, request_id: str, text: str | None, finish_reason: str) -> None:
         """The bot's turn ended: `text` is the reply (None when it failed or left no text)."""
         conv = self._conv(session)
         if conv is None:
@@ -225,11 +246,17 @@ class ConsoleHub:
             msg = conv.add({"role": "bot", "id": request_id, "text": text, "finish_reason": finish_reason})
             self._message_event(conv, msg)
         else:
-            self.broadcast({"type": "stream_end", "session_id": session.id, "id": request_id,
-                            "finish_reason": finish_reason})
+            self.broadcast(
+                {
+                    "type": "stream_end",
+                    "session_id": session.id,
+                    "id": request_id,
+                    "finish_reason": finish_reason,
+                }
+            )
 
     @_safe
-    def auto_result(self, session: Any, request_id: str, task: str, output: Any) -> None:
+    def auto_result(self, session: Session, request_id: str, task: str, output: Any) -> None:
         conv = self._conv(session)
         if conv is None:
             return
@@ -242,11 +269,20 @@ class ConsoleHub:
         msg.setdefault("tags", {})[task] = label
         if task == SENTIMENT_TASK:
             msg["sentiment"] = label
-        self.broadcast({"type": "tag", "session_id": session.id, "seq": msg["seq"], "id": request_id,
-                        "task": task, "label": label, "mood": conv.mood(self.mood_window)})
+        self.broadcast(
+            {
+                "type": "tag",
+                "session_id": session.id,
+                "seq": msg["seq"],
+                "id": request_id,
+                "task": task,
+                "label": label,
+                "mood": conv.mood(self.mood_window),
+            }
+        )
 
     @_safe
-    def reset(self, session: Any) -> None:
+    def reset(self, session: Session) -> None:
         conv = self._conv(session)
         if conv is not None:
             conv.messages.clear()
@@ -255,63 +291,71 @@ class ConsoleHub:
             self._conv_event(conv)
 
     def _message_event(self, conv: Conversation, msg: dict) -> None:
-        self.broadcast({"type": "message", "session_id": conv.session_id, "message": msg,
-                        "mood": conv.mood(self.mood_window), "updated_at": conv.updated_at})
+        self.broadcast(
+            {
+                "type": "message",
+                "session_id": conv.session_id,
+                "message": msg,
+                "mood": conv.mood(self.mood_window),
+                "updated_at": conv.updated_at,
+            }
+        )
 
     # -- customer side while an agent holds the session -----------------------------------------
-    async def forward_chat(self, conn: Any, msg: P.Chat) -> None:
+    async def forward_chat(self, conn: Customer, session: Session, msg: P.Chat) -> None:
         """A customer `chat` while an agent holds the session: history + console, no bot reply."""
-        from .hub import clean_chat_text, engine_error  # the hub imports this module
-        from .session import window
-        session = conn.session
         holder = self.holder(session) or {}
         try:
-            chat = self.hub.state.registry.chat
-            text = clean_chat_text(chat, msg.text)
-            history, cut = window(session.history + [{"role": "user", "content": text}],
-                                  chat.max_history_turns, chat.max_history_tokens,
-                                  lambda h: len(chat.render(h)))
+            turn = self.state.tasks.chat.prepare_turn(session.history, msg.text)
         except Exception as exc:
-            code, message = engine_error(exc)
+            code, message = error_code(exc)
             await conn.error(code, message, msg.id)
             return
-        if cut:
+        if turn.cut:
             session.cuts += 1
-        session.history = history
-        session.touch(self.hub.sessions.clock())
-        self.user_message(session, msg.id, text, to_agent=True)
+        session.history = turn.history
+        session.touch(self.sessions.clock())
+        self.user_message(session, msg.id, turn.text, to_agent=True)
         await conn.send({"type": "forwarded", "id": msg.id, "agent": holder.get("name")})
-        for name in self.hub.state.registry.auto_tasks:
-            conn.spawn(conn.run_auto_task(msg.id, name, text))
+        conn.run_auto_tasks(msg.id, turn.text)
 
     # -- agent actions --------------------------------------------------------------------------
-    def _session(self, session_id: Any) -> Any:
+    def _session(self, session_id: Any) -> Session | None:
         if not isinstance(session_id, str):
             return None
-        return self.hub.sessions.sessions.get(session_id)
+        return self.sessions.sessions.get(session_id)
 
-    async def _to_customer(self, session: Any, event: dict) -> None:
+    async def _to_customer(self, session: Session, event: dict) -> None:
         conn = session.connection
         if conn is not None:
             await conn.send(event)
 
-    def _live_conversation(self, agent: Agent, session_id: Any) -> tuple[Any, Any]:
+    def _live_conversation(self, agent: Agent, session_id: Any) -> tuple[Session | None, Conversation | None]:
         """(session, conversation) an agent acts on; (None, None) after telling the agent there is none."""
         session = self._session(session_id)
         conv = self.conversations.get(session_id) if session is not None else None
         if conv is None:
-            agent.put(P.error_event("unknown_session", f"no live conversation {session_id!r}",
-                                    session_id=session_id))
+            agent.put(
+                P.error_event(
+                    "unknown_session", f"no live conversation {session_id!r}", session_id=session_id
+                )
+            )
             return None, None
         return session, conv
 
     async def take_over(self, agent: Agent, session_id: Any) -> None:
         session, conv = self._live_conversation(agent, session_id)
-        if conv is None:
+        if session is None or conv is None:
             return
         if conv.agent is not None and conv.agent["id"] != agent.id:
-            agent.put(P.error_event("already_taken", f"{conv.agent['name']} has already taken over this "
-                                    f"conversation", session_id=session_id, agent=conv.agent))
+            agent.put(
+                P.error_event(
+                    "already_taken",
+                    f"{conv.agent['name']} has already taken over this conversation",
+                    session_id=session_id,
+                    agent=conv.agent,
+                )
+            )
             return
         self._cancel_release(session_id)
         if conv.agent is not None:  # already ours (e.g. after a reconnect): say so again
@@ -325,14 +369,20 @@ class ConsoleHub:
     async def hand_back(self, agent: Agent | None, session_id: Any) -> None:
         session = self._session(session_id)
         conv = self.conversations.get(session_id) if session is not None else None
-        if conv is None:
+        if session is None or conv is None:
             if agent is not None:
-                agent.put(P.error_event("unknown_session", f"no live conversation {session_id!r}",
-                                        session_id=session_id))
+                agent.put(
+                    P.error_event(
+                        "unknown_session", f"no live conversation {session_id!r}", session_id=session_id
+                    )
+                )
             return
         if agent is not None and (conv.agent is None or conv.agent["id"] != agent.id):
-            agent.put(P.error_event("not_taken_over", "you have not taken over this conversation",
-                                    session_id=session_id))
+            agent.put(
+                P.error_event(
+                    "not_taken_over", "you have not taken over this conversation", session_id=session_id
+                )
+            )
             return
         self._cancel_release(session_id)
         conv.agent = None
@@ -342,11 +392,14 @@ class ConsoleHub:
 
     async def agent_message(self, agent: Agent, session_id: Any, text: Any) -> None:
         session, conv = self._live_conversation(agent, session_id)
-        if conv is None:
+        if session is None or conv is None:
             return
         if conv.agent is None or conv.agent["id"] != agent.id:
-            agent.put(P.error_event("not_taken_over", "take over the conversation before replying",
-                                    session_id=session_id))
+            agent.put(
+                P.error_event(
+                    "not_taken_over", "take over the conversation before replying", session_id=session_id
+                )
+            )
             return
         if not isinstance(text, str):
             agent.put(P.error_event("invalid_field", "'text' must be a string", session_id=session_id))
@@ -356,7 +409,7 @@ class ConsoleHub:
             agent.put(P.error_event("empty_text", "the message is empty", session_id=session_id))
             return
         session.history.append({"role": "assistant", "content": text, "agent": agent.name})
-        session.touch(self.hub.sessions.clock())
+        session.touch(self.sessions.clock())
         msg = conv.add({"role": "agent", "text": text, "agent": agent.name})
         self._message_event(conv, msg)
         await self._to_customer(session, {"type": "agent_message", "text": text, "agent": agent.name})
@@ -372,9 +425,14 @@ class ConsoleHub:
             return
         loop = asyncio.get_running_loop()
         for conv in self.conversations.values():
-            if conv.agent is not None and conv.agent["id"] == agent.id and conv.session_id not in self._release:
+            if (
+                conv.agent is not None
+                and conv.agent["id"] == agent.id
+                and conv.session_id not in self._release
+            ):
                 self._release[conv.session_id] = loop.call_later(
-                    self.grace_s, self._release_orphan, conv.session_id, agent.id)
+                    self.grace_s, self._release_orphan, conv.session_id, agent.id
+                )
 
     def _release_orphan(self, session_id: str, agent_id: str) -> None:
         self._release.pop(session_id, None)
@@ -388,16 +446,20 @@ class ConsoleHub:
 
     # -- the endpoint ---------------------------------------------------------------------------
     def snapshot(self, agent: Agent) -> dict:
-        return {"type": "console_ready", "protocol": P.PROTOCOL_VERSION,
-                "agent": {"id": agent.id, "name": agent.name}, "mood_window": self.mood_window,
-                "conversations": [c.to_json(self.mood_window) for c in self.conversations.values()]}
+        return {
+            "type": "console_ready",
+            "protocol": P.PROTOCOL_VERSION,
+            "agent": {"id": agent.id, "name": agent.name},
+            "mood_window": self.mood_window,
+            "conversations": [c.to_json(self.mood_window) for c in self.conversations.values()],
+        }
 
     def _login(self, agent: Agent, obj: dict) -> bool:
         token = self.settings.security.console_token
         given = obj.get("token")
         if not (isinstance(given, str) and secrets.compare_digest(given.encode(), token.encode())):
             agent.put(P.error_event("unauthorized", "wrong console token"))
-            agent.stop(CLOSE_UNAUTHORIZED, "unauthorized")
+            agent.stop(Close.UNAUTHORIZED, "unauthorized")
             return False
         name, agent_id = obj.get("agent"), obj.get("agent_id")
         agent.name = _clean(name)[:60] if isinstance(name, str) and _clean(name) else "Agent"
@@ -420,8 +482,11 @@ class ConsoleHub:
             return
         kind = obj.get("type")
         if kind not in AGENT_MESSAGE_TYPES:
-            agent.put(P.error_event("unknown_type", f"unknown message type {kind!r} "
-                                    f"(known: {', '.join(AGENT_MESSAGE_TYPES)})"))
+            agent.put(
+                P.error_event(
+                    "unknown_type", f"unknown message type {kind!r} (known: {', '.join(AGENT_MESSAGE_TYPES)})"
+                )
+            )
             return
         if kind == "ping":
             agent.put(P.pong_event(obj.get("data")))
@@ -434,7 +499,7 @@ class ConsoleHub:
             return
         if not agent.logged_in:
             agent.put(P.error_event("unauthorized", "send login with the console token first"))
-            agent.stop(CLOSE_UNAUTHORIZED, "unauthorized")
+            agent.stop(Close.UNAUTHORIZED, "unauthorized")
             return
         sid = obj.get("session_id")
         if kind == "take_over":
@@ -445,11 +510,17 @@ class ConsoleHub:
             await self.agent_message(agent, sid, obj.get("text"))
 
     async def endpoint(self, ws: WebSocket) -> None:
-        if not await self.hub.accept(ws):
+        if not await accept(ws, self.settings.security, self.state.metrics):
             return
         if not self.settings.security.console_token:
-            await refuse(ws, self.hub.metrics, "console_disabled", "the console is disabled "
-                         "(security.console_token is empty)", CLOSE_DISABLED, "console disabled")
+            await refuse(
+                ws,
+                self.state.metrics,
+                "console_disabled",
+                "the console is disabled (security.console_token is empty)",
+                Close.DISABLED,
+                "console disabled",
+            )
             return
         agent = Agent(ws, max(64, 4 * self.settings.server.send_queue_size))
         self.agents.add(agent)
@@ -481,7 +552,7 @@ class ConsoleHub:
 
     def close_all(self) -> None:
         for agent in list(self.agents):
-            agent.stop(CLOSE_GOING_AWAY, "server shutting down")
+            agent.stop(Close.GOING_AWAY, "server shutting down")
         for timer in self._release.values():
             timer.cancel()
         self._release.clear()

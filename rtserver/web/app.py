@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -22,14 +23,19 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
+from ..config import Settings
+from ..engine.backend import InferenceBackend
+from ..engine.model import LoadedModel
+from ..tasks.registry import PluginError, TaskRegistry
 from . import http_api
-from .config import Settings
-from .hub import Hub, transport_max_bytes
-from .metrics import CONTENT_TYPE, Metrics
+from .hub import Hub
+from .metrics import CONTENT_TYPE
+from .protocol import transport_max_bytes
+from .state import AppState
 
 log = logging.getLogger("rtserver.app")
 
-STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+STATIC_DIR = Path(__file__).resolve().parents[2] / "static"
 
 
 class _ClientFaultFilter(logging.Filter):
@@ -46,86 +52,60 @@ class _ClientFaultFilter(logging.Filter):
 CLIENT_FAULTS = _ClientFaultFilter()
 
 
-class AppState:
-    """What the routes share: settings, load status, engine, task registry, hub, metrics."""
-
-    def __init__(self, settings: Settings):
-        self.settings = settings
-        self.status = "loading"  # loading | ready | failed | stopping
-        self.stage = "starting"
-        self.progress = 0.0
-        self.error: str | None = None
-        self.started = time.monotonic()
-        self.started_wall = time.time()
-        self.ready_after_s: float | None = None
-        self.loaded: Any = None
-        self.engine: Any = None
-        self.registry: Any = None
-        self.load_errors: list = []
-        self.metrics = Metrics(self.live_metrics)
-        self.hub = Hub(self)
-
-    @property
-    def ready(self) -> bool:
-        return self.status == "ready"
-
-    @property
-    def model_id(self) -> str:
-        return getattr(self.loaded, "name", None) or self.settings.model.model
-
-    def set_stage(self, stage: str, progress: float) -> None:
-        self.stage, self.progress = stage, progress
-        log.info("startup: %s (%.0f%%)", stage, progress * 100)
-
-    def live_metrics(self) -> dict:
-        out: dict = {"connections": len(self.hub.connections), "sessions": len(self.hub.sessions),
-                     "ready": self.ready}
-        if self.engine is not None:
-            try:
-                out["engine"] = self.engine.stats()
-            except Exception:
-                log.exception("engine stats failed")
-        if self.registry is not None and hasattr(self.registry, "cache_stats"):
-            out["task_cache"] = self.registry.cache_stats()
-        return out
+ModelFactory = Callable[[], LoadedModel]
+EngineFactory = Callable[[LoadedModel, Settings], InferenceBackend]
+RegistryFactory = Callable[[Settings, Any], tuple[TaskRegistry, list[PluginError]]]
 
 
-def _default_model_factory(settings: Settings) -> Callable[[], Any]:
-    def load() -> Any:
-        from .model import load_model
+def _default_model_factory(settings: Settings) -> ModelFactory:
+    def load() -> LoadedModel:
+        from ..engine.model import load_model
+
         m = settings.model
         return load_model(m.model, dtype=m.dtype, threads=m.threads, cache_dir=m.cache_dir)
+
     return load
 
 
-def _default_engine_factory(loaded: Any, settings: Settings) -> Any:
-    from .engine import Engine
+def _default_engine_factory(loaded: LoadedModel, settings: Settings) -> InferenceBackend:
+    from ..engine.core import Engine
+
     return Engine(loaded, settings.engine)
 
 
-def _default_registry_factory(settings: Settings, tokenizer: Any) -> tuple[Any, list]:
-    from .tasks import load_registry
+def _default_registry_factory(settings: Settings, tokenizer: Any) -> tuple[TaskRegistry, list[PluginError]]:
+    from ..tasks.registry import load_registry
+
     return load_registry(settings, tokenizer)
 
 
-async def _load(state: AppState, model_factory: Callable[[], Any], engine_factory: Callable,
-                registry_factory: Callable, on_failed: Callable[[str], None] | None) -> None:
+async def _load(
+    state: AppState,
+    model_factory: ModelFactory,
+    engine_factory: EngineFactory,
+    registry_factory: RegistryFactory,
+    on_failed: Callable[[str], None] | None,
+) -> None:
     try:
         state.set_stage("loading model", 0.05)
-        state.loaded = await asyncio.to_thread(model_factory)
+        loaded = await asyncio.to_thread(model_factory)
+        state.model_name = loaded.name
         state.set_stage("loading tasks", 0.8)
-        state.registry, state.load_errors = await asyncio.to_thread(registry_factory, state.settings,
-                                                                    state.loaded.tokenizer)
+        state.registry, state.load_errors = await asyncio.to_thread(
+            registry_factory, state.settings, loaded.tokenizer
+        )
         state.set_stage("starting engine", 0.9)
-        state.engine = engine_factory(state.loaded, state.settings)
-        state.engine.start()
+        engine = engine_factory(loaded, state.settings)
+        engine.start()
+        state.engine = engine
         state.set_stage("ready", 1.0)
         state.ready_after_s = time.monotonic() - state.started
         state.status = "ready"
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        from .model import ModelLoadError
+        from ..engine.model import ModelLoadError
+
         if isinstance(exc, ModelLoadError):  # its message names the file and the cause: no traceback
             state.error = f"cannot load the model: {exc}"
             log.error("startup failed: %s", state.error)
@@ -139,8 +119,13 @@ async def _load(state: AppState, model_factory: Callable[[], Any], engine_factor
 
 async def health(request: Request) -> Response:
     st: AppState = request.app.state.rt
-    body = {"status": st.status, "stage": st.stage, "progress": round(st.progress, 3), "model": st.model_id,
-            "uptime_s": round(time.monotonic() - st.started, 3)}
+    body = {
+        "status": st.status,
+        "stage": st.stage,
+        "progress": round(st.progress, 3),
+        "model": st.model_id,
+        "uptime_s": round(time.monotonic() - st.started, 3),
+    }
     if st.error:
         body["error"] = st.error
     if st.ready_after_s is not None:
@@ -164,33 +149,47 @@ async def index(request: Request) -> Response:
     page = STATIC_DIR / "index.html"
     if page.is_file():
         return FileResponse(page)
-    return JSONResponse({"name": "rtserver", "websocket": "/ws", "docs": "docs/protocol.md",
-                         "health": "/health"})
+    return JSONResponse(
+        {"name": "rtserver", "websocket": "/ws", "docs": "docs/protocol.md", "health": "/health"}
+    )
 
 
 async def console_page(request: Request) -> Response:
     page = STATIC_DIR / "console.html"
     if page.is_file():
         return FileResponse(page)
-    return JSONResponse({"error": {"code": "not_found", "message": "static/console.html is missing"}},
-                        status_code=404)
+    return JSONResponse(
+        {"error": {"code": "not_found", "message": "static/console.html is missing"}}, status_code=404
+    )
 
 
-def create_app(settings: Settings, loaded_model_factory: Callable[[], Any] | None = None, *,
-               engine_factory: Callable[[Any, Settings], Any] | None = None,
-               registry_factory: Callable[[Settings, Any], tuple[Any, list]] | None = None,
-               on_load_failed: Callable[[str], None] | None = None) -> Starlette:
+def create_app(
+    settings: Settings,
+    loaded_model_factory: ModelFactory | None = None,
+    *,
+    engine_factory: EngineFactory | None = None,
+    registry_factory: RegistryFactory | None = None,
+    on_load_failed: Callable[[str], None] | None = None,
+) -> Starlette:
     """The app. `loaded_model_factory()` returns a LoadedModel (default: load per settings.model);
     `engine_factory(loaded, settings)` and `registry_factory(settings, tokenizer)` are for tests;
     `on_load_failed(message)` is called when start-up fails (`rtserver serve` exits then)."""
     state = AppState(settings)
+    hub = Hub(state)
     model_factory = loaded_model_factory or _default_model_factory(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        state.hub.sessions.start()
-        loader = asyncio.create_task(_load(state, model_factory, engine_factory or _default_engine_factory,
-                                           registry_factory or _default_registry_factory, on_load_failed))
+        hub.sessions.start()
+        loader = asyncio.create_task(
+            _load(
+                state,
+                model_factory,
+                engine_factory or _default_engine_factory,
+                registry_factory or _default_registry_factory,
+                on_load_failed,
+            )
+        )
         try:
             yield
         finally:
@@ -198,15 +197,18 @@ def create_app(settings: Settings, loaded_model_factory: Callable[[], Any] | Non
             loader.cancel()
             with contextlib.suppress(BaseException):
                 await loader
-            await state.hub.close_all()
-            await state.hub.sessions.stop()
+            await hub.close_all()
+            await hub.sessions.stop()
             if state.engine is not None:
                 await state.engine.stop()
 
     routes: list = [
-        Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
-        WebSocketRoute("/ws", state.hub.endpoint),
-        WebSocketRoute("/ws/console", state.hub.console.endpoint), Route("/console", console_page),
+        Route("/health", health),
+        Route("/ready", ready),
+        Route("/metrics", metrics),
+        WebSocketRoute("/ws", hub.endpoint),
+        WebSocketRoute("/ws/console", hub.console.endpoint),
+        Route("/console", console_page),
     ]
     routes += [Route(path, http_api._api(fn), methods=methods) for path, fn, methods in http_api.ROUTES]
     routes.append(Route("/", index))
@@ -216,12 +218,19 @@ def create_app(settings: Settings, loaded_model_factory: Callable[[], Any] | Non
         logging.getLogger("uvicorn.error").addFilter(CLIENT_FAULTS)
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.rt = state
+    app.state.hub = hub
     return app
 
 
 def uvicorn_options(settings: Settings) -> dict:
     """Keyword arguments for uvicorn.run/uvicorn.Config that the hub's limits rely on."""
-    return {"host": settings.server.host, "port": settings.server.port, "log_level": settings.server.log_level,
-            "ws_max_size": transport_max_bytes(settings.server.max_frame_bytes), "lifespan": "on",
-            "proxy_headers": True, "forwarded_allow_ips": settings.server.forwarded_allow_ips,
-            "timeout_graceful_shutdown": settings.server.shutdown_grace_s + 5}
+    return {
+        "host": settings.server.host,
+        "port": settings.server.port,
+        "log_level": settings.server.log_level,
+        "ws_max_size": transport_max_bytes(settings.server.max_frame_bytes),
+        "lifespan": "on",
+        "proxy_headers": True,
+        "forwarded_allow_ips": settings.server.forwarded_allow_ips,
+        "timeout_graceful_shutdown": settings.server.shutdown_grace_s + 5,
+    }

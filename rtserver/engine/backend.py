@@ -1,0 +1,141 @@
+"""The inference seam: what the front doors (web) and the tasks ask of whatever runs the model, and
+the types that cross it. The local `Engine` (rtserver.engine.core) implements `InferenceBackend`; a
+remote one (an OpenAI-compatible server) can implement the same protocol.
+
+This module imports no model code (no torch): plugins and the web layer can depend on it cheaply.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class Overloaded(Exception):
+    """The backend's waiting queue is full; the caller should retry later."""
+
+
+class RequestTooLarge(ValueError):
+    """The request needs more tokens than one sequence may hold."""
+
+
+class SamplingError(ValueError):
+    """A decoding parameter out of its allowed range; the message names the parameter."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def validate(self) -> None:
+        checks = [
+            ("temperature", 0.0 <= self.temperature <= 5.0, "0..5"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "greater than 0 and at most 1"),
+            ("top_k", 0 <= self.top_k <= 100_000, "0 (off) ..100000"),
+            ("repetition_penalty", 0.05 <= self.repetition_penalty <= 10.0, "0.05..10"),
+            ("max_new_tokens", 1 <= self.max_new_tokens <= 1_000_000, "at least 1"),
+            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens, "0..max_new_tokens"),
+            (
+                "stop",
+                len(self.stop) <= 16 and all(isinstance(s, str) and 0 < len(s) <= 256 for s in self.stop),
+                "up to 16 non-empty strings",
+            ),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise SamplingError(f"{name} = {getattr(self, name)!r}: allowed {allowed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    EOS = "stop"
+    STOP_STRING = "stop_string"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    prefilled_tokens: int = 0
+
+
+@dataclass
+class SequenceResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    queued_ms: float
+    ttft_ms: float | None
+    total_ms: float
+    error: str | None = None
+    scores: list[float] | None = None
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str  # the safe-to-show text delta; may be "" while a character or stop string is incomplete
+
+
+class Generation(Protocol):
+    """One generation in flight: iterate its token events; `result()` is the final outcome."""
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]: ...
+
+    async def result(self) -> SequenceResult: ...
+
+    def cancel(self) -> None:
+        """Stop it at the backend's next step; `result()` then ends with FinishReason.CANCELLED."""
+
+
+class InferenceBackend(Protocol):
+    """What web and tasks use of the model. `generate` and `score` raise `SamplingError`,
+    `RequestTooLarge` or `Overloaded` at once, before anything is queued."""
+
+    tokenizer: PreTrainedTokenizerBase  # also renders the chat template
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, session_key: Hashable | None = None
+    ) -> Generation:
+        """Queue a generation. `session_key` keeps the prompt's KV for that session's next turn."""
+        ...
+
+    async def score(
+        self, prompt_ids: list[int], candidates: list[list[int]], *, normalize: bool = True
+    ) -> list[float]:
+        """Log-probability of each candidate continuation after the prompt; with `normalize=False` up to
+        one constant shared by all candidates of this prompt (cheaper; differences unchanged)."""
+        ...
+
+    def drop_session(self, session_key: Hashable) -> None:
+        """Free what the backend keeps for a session (it closed or expired)."""
+
+    def stats(self) -> dict[str, Any]: ...

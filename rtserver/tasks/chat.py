@@ -1,0 +1,163 @@
+"""The stateful chat task: how one chat turn becomes a prompt, for every front door (WebSocket sessions,
+the agent console, the HTTP API).
+
+`ChatTask.prepare_turn` cleans the user's message (control characters stripped, the newest part kept
+within the task's token limit) and windows the history; `ChatTask.prompt` renders the window through
+the tokenizer's chat template and continues from the model's own reply tokens of the last turn.
+
+History window (chunked cut): the history is a list of `{"role", "content"}` messages. Before a new
+user turn is rendered, if the history plus that turn has more than `max_history_turns` user turns or
+its rendered prompt has more than `max_history_tokens` tokens, the oldest whole turns are dropped until
+the window is at most HALF of those limits. Cutting in big chunks instead of one turn per message keeps
+the rendered prompt's beginning identical for many turns in a row, so the backend (which reuses a
+session's KV by longest common token prefix) recomputes only the new tokens on most turns and the whole
+window only once per cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .declare import Task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class LastTurn:
+    """A finished chat turn as the model saw it, so that the next prompt can reuse its exact tokens."""
+
+    text: str  # the rendered prompt followed by the reply text
+    ids: list[int]  # the prompt's ids followed by the generated ids (end-of-turn token excluded)
+
+
+@dataclass
+class ChatTurn:
+    """A user message made ready for the model: `history` is the window to render, ending with it."""
+
+    text: str  # the cleaned message
+    history: list[dict]
+    cut: bool  # whether older turns were dropped to fit the window
+
+
+def window(
+    history: list[dict], max_turns: int, max_tokens: int, count_tokens: Callable[[list[dict]], int]
+) -> tuple[list[dict], bool]:
+    """(history to render, whether it was cut). `history` ends with the new user message.
+
+    When over `max_turns` user turns or `max_tokens` rendered tokens, drop the oldest whole turns until
+    at most half of each limit remains (the newest user message is always kept).
+    """
+    starts = [i for i, m in enumerate(history) if m["role"] == "user"]
+    over_turns = max_turns > 0 and len(starts) > max_turns
+    over_tokens = max_tokens > 0 and count_tokens(history) > max_tokens
+    if not (over_turns or over_tokens):
+        return history, False
+    turn_target = max(1, max_turns // 2) if max_turns > 0 else len(starts)
+    token_target = max(1, max_tokens // 2) if max_tokens > 0 else None
+    # Keep the newest k turns: the largest k <= turn_target whose render fits token_target.
+    k = min(turn_target, len(starts))
+    while k > 1:
+        candidate = history[starts[-k] :]
+        if token_target is None or count_tokens(candidate) <= token_target:
+            break
+        k -= 1
+    return history[starts[-k] :], True
+
+
+def continue_prompt(tokenizer: PreTrainedTokenizerBase, rendered: str, last: LastTurn | None) -> list[int]:
+    """Token ids of a rendered chat prompt.
+
+    Re-tokenizing a reply does not always give back the tokens the model generated (BPE spells one
+    text in several ways), and every token after the first difference would be prefilled again
+    although the session's KV holds it. So when `rendered` continues the last turn's text at a special
+    token (a hard token boundary, e.g. `<|im_end|>`), the last turn's own ids are kept and only the
+    rest is tokenized; otherwise (a cut window, an agent's reply, a new system prompt) all of it is.
+    """
+    if last is not None and rendered.startswith(last.text):
+        rest = tokenizer.encode(rendered[len(last.text) :], add_special_tokens=False)
+        if rest and rest[0] in tokenizer.all_special_ids:
+            return last.ids + rest
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def finished_turn(
+    tokenizer: PreTrainedTokenizerBase,
+    rendered: str,
+    prompt_ids: list[int],
+    reply: str,
+    generated_ids: list[int],
+) -> LastTurn | None:
+    """The LastTurn of a reply, or None when its generated ids do not spell the reply kept in the
+    history (a stop string cut it)."""
+    ids = list(generated_ids)
+    while ids and ids[-1] in tokenizer.all_special_ids:
+        ids.pop()
+    if tokenizer.decode(ids) != reply:
+        return None
+    return LastTurn(rendered + reply, prompt_ids + ids)
+
+
+class ChatTask:
+    """The chat task bound to a tokenizer: prepares turns and renders a session's history window."""
+
+    def __init__(self, task: Task, tokenizer: PreTrainedTokenizerBase):
+        self.task = task
+        self.tokenizer = tokenizer
+
+    # -- a new user message -----------------------------------------------------------------------
+    def clean_message(self, text: Any) -> str:
+        """The task's cleaning (control characters stripped, size checked), then its token limit: a
+        longer message keeps its newest `max_input_tokens` tokens."""
+        text = self.task.clean_text(text)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        limit = self.task.max_input_tokens
+        if len(ids) <= limit:
+            return text
+        return self.tokenizer.decode(ids[-limit:], skip_special_tokens=True).lstrip("\ufffd").strip()
+
+    def prepare_turn(self, history: list[dict], text: Any) -> ChatTurn:
+        """The cleaned message and the history window (ending with it) that its prompt renders."""
+        text = self.clean_message(text)
+        window_, cut = window(
+            history + [{"role": "user", "content": text}],
+            self.task.max_history_turns,
+            self.task.max_history_tokens,
+            lambda h: len(self.render(h)),
+        )
+        return ChatTurn(text, window_, cut)
+
+    # -- rendering --------------------------------------------------------------------------------
+    def _messages(self, history: list[dict]) -> list[dict]:
+        messages = list(history)
+        if self.task.system_prompt and not (messages and messages[0].get("role") == "system"):
+            messages.insert(0, {"role": "system", "content": self.task.system_prompt})
+        return messages
+
+    def render(self, history: list[dict]) -> list[int]:
+        """Token ids of the history as a prompt (the task's system prompt first unless it has one)."""
+        return self.tokenizer.apply_chat_template(
+            self._messages(history), tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+
+    def render_text(self, history: list[dict]) -> str:
+        """The prompt as text (what `render` tokenizes)."""
+        return self.tokenizer.apply_chat_template(
+            self._messages(history), tokenize=False, add_generation_prompt=True
+        )
+
+    def prompt(self, history: list[dict], last: LastTurn | None) -> tuple[str, list[int]]:
+        """(rendered text, token ids) of a session's prompt, reusing the last turn's own ids."""
+        rendered = self.render_text(history)
+        return rendered, continue_prompt(self.tokenizer, rendered, last)
+
+    def finished_turn(
+        self, rendered: str, prompt_ids: list[int], reply: str, generated_ids: list[int]
+    ) -> LastTurn | None:
+        return finished_turn(self.tokenizer, rendered, prompt_ids, reply, generated_ids)
+
+    def parse(self, text: str) -> dict:
+        return self.task.parser(text) if self.task.parser else {"reply": text}

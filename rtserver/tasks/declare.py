@@ -1,0 +1,277 @@
+"""The task declaration plugin authors write: `Task`, `Choices`, `Variant`, and what a declaration
+checks and decides by itself (its limits, input cleaning, decoding with client overrides).
+
+A plugin is a Python file that defines `TASK = Task(...)`, or `make_task(options) -> Task` when it takes
+options of its own from its `[task.<name>]` table. Stateless tasks render a prompt from a template whose
+part before `{text}` is a fixed prefix the engine shares between calls; they either generate text and
+parse it, or score a closed set of `Choices` in one forward pass. The stateful `chat` task renders a
+session's history through the tokenizer's chat template. How a declaration runs: `run.py` and
+`chat.py`; how plugins are found: `registry.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.backend import SamplingError, SamplingParams
+
+TRUNCATE_MODES = ("reject", "head", "tail")
+DECODING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "max_new_tokens",
+    "min_new_tokens",
+    "seed",
+    "stop",
+)
+
+
+class TaskError(Exception):
+    """A request a task cannot take; `code` is stable, `message` says what to change."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Choices:
+    """A closed set of outputs, each scored as the log-probability of its verbalizer after the prompt.
+
+    `calibration` lists content-free inputs (e.g. "N/A"); their mean label scores are subtracted so the
+    model's prior preference for one label word does not decide the answer (contextual calibration).
+    """
+
+    labels: dict[str, str]  # output label -> continuation text scored after the prompt
+    calibration: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Variant:
+    """An alternative prompt/choices used when `when(text)` is true (e.g. a prompt for Chinese text)."""
+
+    when: Callable[[str], bool]
+    prompt: str
+    choices: Choices | None = None
+    chat_template: bool | None = None
+
+
+@dataclass
+class Task:
+    name: str
+    description: str
+    prompt: str = "{text}"  # the part before {text} is the shared prefix
+    chat_template: bool = True  # wrap the prompt as a user turn of the tokenizer's chat template
+    system_prompt: str | None = None
+    stateful: bool = False
+    input_kind: str = "text"  # "text" | "chat"
+    max_input_chars: int = 4000
+    max_input_tokens: int = 512
+    truncate: str = "reject"  # reject | head (keep the start) | tail (keep the end)
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    decoding: dict[str, Any] = field(default_factory=dict)  # defaults, e.g. {"temperature": 0.7}
+    overridable: dict[str, tuple[float, float]] = field(default_factory=dict)  # client-settable ranges
+    choices: Choices | None = None
+    parser: Callable[[str], dict] | None = None
+    variants: list[Variant] = field(default_factory=list)
+    cache_size: int = 0  # 0 = no result cache
+    cache_ttl_s: float = 600.0
+    max_history_turns: int = 20
+    max_history_tokens: int = 1500
+
+    # -- checks ---------------------------------------------------------------------------------
+    def validate(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,39}", self.name or ""):
+            raise ValueError(f"name {self.name!r}: use lowercase letters, digits, - or _")
+        if self.truncate not in TRUNCATE_MODES:
+            raise ValueError(f"truncate {self.truncate!r}: allowed {', '.join(TRUNCATE_MODES)}")
+        if self.input_kind not in ("text", "chat"):
+            raise ValueError(f"input_kind {self.input_kind!r}: allowed text, chat")
+        if not self.stateful and self.prompt.count("{text}") != 1:
+            raise ValueError("prompt must contain {text} exactly once")
+        for key in list(self.decoding) + list(self.overridable):
+            if key not in DECODING_KEYS:
+                raise ValueError(f"decoding key {key!r}: allowed {', '.join(DECODING_KEYS)}")
+        for key, bounds in self.overridable.items():
+            if (
+                not isinstance(bounds, (tuple, list))
+                or len(bounds) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
+                or bounds[0] > bounds[1]
+            ):
+                raise ValueError(f"overridable {key!r}: expected a (low, high) range, got {bounds!r}")
+        _check_choices(self.choices, "choices")
+        if self.parser is not None and not callable(self.parser):
+            raise ValueError("parser must be a function text -> dict")
+        if self.choices is not None and self.parser is not None:
+            raise ValueError("declare either choices (scoring) or a parser (generation), not both")
+        for i, v in enumerate(self.variants):
+            if not isinstance(v, Variant) or not callable(v.when):
+                raise ValueError(f"variants[{i}]: expected Variant(when=callable, prompt=...)")
+            if not isinstance(v.prompt, str) or v.prompt.count("{text}") != 1:
+                raise ValueError(f"variants[{i}]: prompt must contain {{text}} exactly once")
+            _check_choices(v.choices, f"variants[{i}].choices")
+            if v.choices is not None and self.choices is None:
+                raise ValueError(f"variants[{i}]: choices given but the task itself declares none")
+        for key in (
+            "max_input_chars",
+            "max_input_tokens",
+            "max_new_tokens",
+            "max_history_turns",
+            "max_history_tokens",
+        ):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} = {value!r}: must be an integer of at least 1")
+        if isinstance(self.cache_size, bool) or not isinstance(self.cache_size, int) or self.cache_size < 0:
+            raise ValueError(f"cache_size = {self.cache_size!r}: must be an integer >= 0 (0 = no cache)")
+        if (
+            isinstance(self.cache_ttl_s, bool)
+            or not isinstance(self.cache_ttl_s, (int, float))
+            or not self.cache_ttl_s > 0
+        ):
+            raise ValueError(f"cache_ttl_s = {self.cache_ttl_s!r}: must be a number > 0")
+        try:
+            self.sampling(None)
+        except TaskError as exc:
+            raise ValueError(f"decoding: {exc.message}") from None
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "stateful": self.stateful,
+            "input": {
+                "type": "object",
+                "required": ["text"],
+                "properties": {"text": {"type": "string", "maxLength": self.max_input_chars}},
+            }
+            if self.input_kind == "text"
+            else {"type": "object", "required": ["history"], "properties": {"history": {"type": "array"}}},
+            "output": "choices" if self.choices else "text",
+            "labels": list(self.choices.labels) if self.choices else None,
+            "limits": {
+                "max_input_tokens": self.max_input_tokens,
+                "truncate": self.truncate,
+                "max_new_tokens": self.max_new_tokens,
+            },
+            "decoding": dict(self.decoding),
+            "overridable": {k: list(v) for k, v in self.overridable.items()},
+        }
+
+    # -- input --------------------------------------------------------------------------------
+    def clean_text(self, text: Any) -> str:
+        """Strip control characters (keeping newlines and tabs), check emptiness and size."""
+        if not isinstance(text, str):
+            raise TaskError("invalid_input", f"{self.name}: 'text' must be a string")
+        if not text.isprintable():  # printable text has no control/format characters: nothing to strip
+            text = "".join(c for c in text if c in "\n\t" or unicodedata.category(c)[0] != "C")
+        text = text.strip()
+        if not text:
+            raise TaskError("empty_text", f"{self.name}: text is empty")
+        if len(text) > self.max_input_chars:
+            if self.truncate == "reject":
+                raise TaskError(
+                    "input_too_long",
+                    f"{self.name}: text has {len(text)} characters, the limit is {self.max_input_chars}",
+                )
+            text = text[: self.max_input_chars] if self.truncate == "head" else text[-self.max_input_chars :]
+        return text
+
+    def sampling(self, overrides: dict | None) -> SamplingParams:
+        """Decoding for one call: the task's defaults, then client overrides within allowed ranges."""
+        values: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "stop": list(self.stop)}
+        values.update(self.decoding)
+        if overrides is not None and not isinstance(overrides, dict):
+            raise TaskError("bad_decoding", f"{self.name}: decoding options must be an object")
+        for key, value in (overrides or {}).items():
+            if key not in self.overridable:
+                allowed = ", ".join(sorted(self.overridable)) or "none"
+                raise TaskError("bad_decoding", f"{self.name}: '{key}' cannot be set (settable: {allowed})")
+            lo, hi = self.overridable[key]
+            if key == "stop":
+                if not (
+                    isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= hi
+                ):
+                    raise TaskError(
+                        "bad_decoding", f"{self.name}: 'stop' must be a list of at most {int(hi)} strings"
+                    )
+                values[key] = list(self.stop) + value
+                continue
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or isinstance(value, float)
+                and not math.isfinite(value)
+            ):  # a huge int has no float
+                raise TaskError("bad_decoding", f"{self.name}: '{key}' must be a number")
+            if not lo <= value <= hi:
+                raise TaskError("bad_decoding", f"{self.name}: '{key}' = {value} is outside {lo}..{hi}")
+            if key in ("top_k", "max_new_tokens", "min_new_tokens", "seed"):
+                if value != int(value):
+                    raise TaskError("bad_decoding", f"{self.name}: '{key}' must be an integer")
+                value = int(value)
+            values[key] = value
+        try:
+            params = SamplingParams(**values)
+            params.validate()
+        except (SamplingError, TypeError) as exc:
+            raise TaskError("bad_decoding", f"{self.name}: {exc}") from None
+        return params
+
+    def select(self, text: str) -> tuple[str, Choices | None, bool]:
+        """(prompt template, choices, use chat template) for this input."""
+        for v in self.variants:
+            if v.when(text):
+                return (
+                    v.prompt,
+                    v.choices if v.choices is not None else self.choices,
+                    self.chat_template if v.chat_template is None else v.chat_template,
+                )
+        return self.prompt, self.choices, self.chat_template
+
+
+def _check_choices(choices: Any, where: str) -> None:
+    if choices is None:
+        return
+    if not isinstance(choices, Choices) or not isinstance(choices.labels, dict):
+        raise ValueError(f"{where}: expected Choices(labels={{label: text scored}}, calibration=[...])")
+    if len(choices.labels) < 2:
+        raise ValueError(f"{where}: need at least two labels")
+    for label, words in choices.labels.items():
+        if not isinstance(label, str) or not label or not isinstance(words, str) or not words:
+            raise ValueError(
+                f"{where}: label {label!r} -> {words!r}: labels and the text scored for them "
+                "must be non-empty strings"
+            )
+    if not isinstance(choices.calibration, list) or not all(
+        isinstance(c, str) and c for c in choices.calibration
+    ):
+        raise ValueError(f"{where}: calibration must be a list of non-empty strings")
+
+
+def has_cjk(text: str) -> bool:
+    return any("\u4e00" <= c <= "\u9fff" or "\u3400" <= c <= "\u4dbf" for c in text)
+
+
+@dataclass
+class TaskOutput:
+    task: str
+    output: dict
+    text: str
+    usage: dict
+    timing: dict
+    cached: bool = False
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,260 @@
+"""The task registry: discovery of plugins (files in `tasks.plugin_dirs`, `rtserver.tasks` entry points),
+`[task.<name>]` config overrides, validation, and the enabled tasks by name. A broken plugin is
+reported (start-up goes on without it), never fatal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import logging
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..config import Settings
+from ..engine.backend import InferenceBackend
+from .chat import ChatTask
+from .declare import Task, TaskError, TaskOutput
+from .run import PromptTask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("rtserver.tasks")
+
+
+@dataclass
+class PluginError:
+    source: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.reason}"
+
+
+GENERIC_OVERRIDES = (
+    "description",
+    "prompt",
+    "system_prompt",
+    "max_input_chars",
+    "max_input_tokens",
+    "truncate",
+    "max_new_tokens",
+    "stop",
+    "decoding",
+    "cache_size",
+    "cache_ttl_s",
+    "max_history_turns",
+    "max_history_tokens",
+)
+OVERRIDE_TYPES: dict[str, Any] = {
+    "description": str,
+    "prompt": str,
+    "system_prompt": str,
+    "max_input_chars": int,
+    "max_input_tokens": int,
+    "truncate": str,
+    "max_new_tokens": int,
+    "stop": list,
+    "decoding": dict,
+    "cache_size": int,
+    "cache_ttl_s": (int, float),
+    "max_history_turns": int,
+    "max_history_tokens": int,
+}
+
+
+def _task_from(obj: Any, options: dict, source: str) -> Task:
+    """A Task from a module (TASK or make_task), a Task, or a factory callable."""
+    factory = getattr(obj, "make_task", None)
+    if factory is None and callable(obj) and not isinstance(obj, Task):
+        factory = obj
+    if factory is not None:
+        task = factory(dict(options))
+    else:
+        task = getattr(obj, "TASK", obj)
+        if options:
+            raise ValueError(
+                f"unknown settings {', '.join(sorted(options))} (this task takes no options of "
+                f"its own; settable: {', '.join(GENERIC_OVERRIDES)})"
+            )
+    if not isinstance(task, Task):
+        raise ValueError("defines neither TASK = Task(...) nor make_task(options) -> Task")
+    return task
+
+
+def _apply_overrides(task: Task, table: dict) -> Task:
+    generic = {k: v for k, v in table.items() if k in GENERIC_OVERRIDES}
+    for key, value in generic.items():
+        expected = OVERRIDE_TYPES[key]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, expected)
+            or (key == "stop" and not all(isinstance(v, str) for v in value))
+        ):
+            names = {
+                str: "a string",
+                int: "an integer",
+                (int, float): "a number",
+                list: "a list of strings",
+                dict: "a table",
+            }
+            raise ValueError(f"[task.{task.name}] {key} = {value!r}: expected {names[expected]}")
+        if key == "cache_ttl_s":
+            generic[key] = float(value)
+    if "decoding" in generic:
+        generic["decoding"] = {**task.decoding, **generic["decoding"]}
+    return dataclasses.replace(task, **generic)
+
+
+class TaskRegistry:
+    """The enabled tasks by name, and the stateless ones run on every user chat message."""
+
+    def __init__(self, tasks: dict[str, PromptTask | ChatTask], auto_tasks: list[str]):
+        self.tasks = tasks
+        self.auto_tasks = auto_tasks
+
+    @property
+    def chat(self) -> ChatTask:
+        task = self.tasks.get("chat")
+        if not isinstance(task, ChatTask):
+            raise TaskError("unknown_task", "the chat task is not enabled")
+        return task
+
+    def names(self) -> list[str]:
+        return sorted(self.tasks)
+
+    def describe(self) -> list[dict]:
+        return [self.tasks[n].task.describe() for n in self.names()]
+
+    def get(self, name: str) -> PromptTask | ChatTask:
+        task = self.tasks.get(name) if isinstance(name, str) else None
+        if task is None:
+            raise TaskError("unknown_task", f"no task named {name!r} (available: {', '.join(self.names())})")
+        return task
+
+    async def run(
+        self, backend: InferenceBackend, name: str, raw_input: Any, overrides: dict | None = None
+    ) -> TaskOutput:
+        task = self.get(name)
+        if isinstance(task, ChatTask):
+            raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
+        return await task.run(backend, raw_input, overrides)
+
+    def cache_stats(self) -> dict[str, tuple[int, int]]:
+        return {
+            n: (t.cache_hits, t.cache_misses)
+            for n, t in self.tasks.items()
+            if isinstance(t, PromptTask) and t.cache is not None
+        }
+
+
+def _discover(settings: Settings) -> list[tuple[str, Any]]:
+    """(source, module-or-object) for every plugin file and entry point; import errors are returned."""
+    found: list[tuple[str, Any]] = []
+    for folder in settings.tasks.plugin_dirs:
+        path = Path(folder).expanduser()
+        if not path.is_absolute() and not path.exists():
+            path = Path(__file__).resolve().parents[2] / folder  # the project's own plugins/
+        if not path.is_dir():
+            found.append(
+                (str(folder), PluginError(str(folder), "plugin folder not found (tasks.plugin_dirs)"))
+            )
+            continue
+        for file in sorted(path.glob("*.py")):
+            if file.name.startswith("_"):
+                continue
+            # A unique module name per file, registered while it runs: dataclasses (and pickling) in a
+            # plugin look their module up in sys.modules.
+            digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:10]
+            mod_name = f"rtserver_plugin_{re.sub(r'[^0-9a-zA-Z_]', '_', file.stem)}_{digest}"
+            try:
+                spec = importlib.util.spec_from_file_location(mod_name, file)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[mod_name] = module
+                spec.loader.exec_module(module)
+                found.append((str(file), module))
+            except BaseException as exc:
+                sys.modules.pop(mod_name, None)
+                if not isinstance(exc, Exception) and not isinstance(exc, SystemExit):
+                    raise
+                found.append(
+                    (str(file), PluginError(str(file), f"import failed: {type(exc).__name__}: {exc}"))
+                )
+    for ep in importlib.metadata.entry_points(group="rtserver.tasks"):
+        source = f"entry point {ep.name} ({ep.value})"
+        try:
+            found.append((source, ep.load()))
+        except Exception as exc:
+            found.append((source, PluginError(source, f"import failed: {type(exc).__name__}: {exc}")))
+    return found
+
+
+def _declared_name(obj: Any) -> str | None:
+    """The task name a plugin declares before it is built: TASK.name, NAME, or the NAME of the module
+    an entry-point factory lives in."""
+    if isinstance(obj, Task):
+        return obj.name
+    task = getattr(obj, "TASK", None)
+    if isinstance(task, Task):
+        return task.name
+    name = getattr(obj, "NAME", None)
+    if name is None and callable(obj):
+        name = getattr(sys.modules.get(getattr(obj, "__module__", None) or ""), "NAME", None)
+    return name
+
+
+def load_registry(
+    settings: Settings, tokenizer: PreTrainedTokenizerBase
+) -> tuple[TaskRegistry, list[PluginError]]:
+    """Discover, configure and validate every task. A broken plugin is reported, never fatal."""
+    errors: list[PluginError] = []
+    tasks: dict[str, PromptTask | ChatTask] = {}
+    overrides: dict = dict(settings.task)
+    enabled, disabled = set(settings.tasks.enabled), set(settings.tasks.disabled)
+    seen: set[str] = set()  # every task name a plugin declared, loaded or not
+    for source, obj in _discover(settings):
+        if isinstance(obj, PluginError):
+            errors.append(obj)
+            continue
+        try:
+            name = _declared_name(obj)
+            if name is None:  # a factory that does not say its name: ask it with no options
+                name = _task_from(obj, {}, source).name
+            table = dict(overrides.get(name, {}))
+            if not isinstance(name, str):
+                raise ValueError(f"name {name!r}: expected a string")
+            seen.add(name)
+            options = {k: v for k, v in table.items() if k not in GENERIC_OVERRIDES}
+            task = _task_from(obj, options, source)
+            task = _apply_overrides(task, table)
+            task.validate()
+            if task.name != name and name in overrides:
+                raise ValueError(f"declares NAME {name!r} but builds task {task.name!r}")
+        except Exception as exc:
+            errors.append(PluginError(source, f"invalid task: {exc}"))
+            continue
+        seen.add(task.name)
+        if task.name in tasks:
+            errors.append(PluginError(source, f"task {task.name!r} is already defined; this one is ignored"))
+            continue
+        if task.name in disabled or (enabled and task.name not in enabled):
+            continue
+        tasks[task.name] = ChatTask(task, tokenizer) if task.stateful else PromptTask(task, tokenizer)
+    for name in overrides:
+        if name not in seen:
+            errors.append(PluginError("config.toml", f"[task.{name}]: no such task"))
+    auto = [n for n in settings.tasks.auto_tasks if n in tasks and not tasks[n].task.stateful]
+    for n in settings.tasks.auto_tasks:
+        if n not in auto:
+            errors.append(
+                PluginError("config.toml", f"tasks.auto_tasks: {n!r} is not an enabled stateless task")
+            )
+    for err in errors:
+        log.error("plugin problem: %s", err)
+    return TaskRegistry(tasks, auto), errors

@@ -1,0 +1,23 @@
+"""The stable error code and message a client gets for an exception raised while serving its request
+(the same codes on WebSocket and HTTP; docs/protocol.md lists them)."""
+
+from __future__ import annotations
+
+from ..engine.backend import Overloaded, RequestTooLarge, SamplingError
+from ..tasks import TaskError
+
+
+def error_code(exc: Exception) -> tuple[str, str]:
+    """(code, message) for an exception from a backend's generate/score or a task."""
+    if isinstance(exc, Overloaded):
+        return "overloaded", f"server busy, retry later ({exc})"
+    if isinstance(exc, RequestTooLarge):
+        return "request_too_large", str(exc)
+    if isinstance(exc, SamplingError):
+        return "bad_decoding", str(exc)
+    if isinstance(exc, TaskError):
+        return exc.code, exc.message
+    code = getattr(exc, "code", None)  # errors of the web layer that carry their own code
+    if isinstance(code, str):
+        return code, getattr(exc, "message", str(exc))
+    return "internal", f"internal error ({type(exc).__name__})"

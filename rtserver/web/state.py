@@ -1,0 +1,85 @@
+"""What the front doors share (`AppState`): settings, the load status, the inference backend and task
+registry once loaded, metrics, the per-client-IP rate limiter and the shutdown flag. The app builds it;
+the hub, the console and the HTTP API read it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config import Settings
+from ..engine.backend import InferenceBackend
+from ..tasks.registry import PluginError, TaskRegistry
+from .metrics import Metrics
+from .ratelimit import IPRateLimiter
+
+log = logging.getLogger("rtserver.app")
+
+
+class NotReady(Exception):
+    """The backend or the tasks are not loaded (yet, or start-up failed)."""
+
+    code = "not_ready"
+
+    def __init__(self, status: str):
+        self.message = f"the model is {status}; retry when GET /ready answers 200"
+        super().__init__(self.message)
+
+
+class AppState:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.status = "loading"  # loading | ready | failed | stopping
+        self.stage = "starting"
+        self.progress = 0.0
+        self.error: str | None = None
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+        self.ready_after_s: float | None = None
+        self.model_name: str | None = None
+        self.engine: InferenceBackend | None = None
+        self.registry: TaskRegistry | None = None
+        self.load_errors: list[PluginError] = []
+        self.shutting_down = False  # set by the hub's drain: new requests are refused
+        sec = settings.security
+        self.ip_limiter = IPRateLimiter(sec.ip_rate_limit_per_s, sec.ip_rate_limit_burst)
+        # connection and session counts for /metrics, supplied by the hub once it exists
+        self.counts: Callable[[], dict[str, int]] = lambda: {"connections": 0, "sessions": 0}
+        self.metrics = Metrics(self.live_metrics)
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    @property
+    def backend(self) -> InferenceBackend:
+        if self.engine is None:
+            raise NotReady(self.status)
+        return self.engine
+
+    @property
+    def tasks(self) -> TaskRegistry:
+        if self.registry is None:
+            raise NotReady(self.status)
+        return self.registry
+
+    @property
+    def model_id(self) -> str:
+        return self.model_name or self.settings.model.model
+
+    def set_stage(self, stage: str, progress: float) -> None:
+        self.stage, self.progress = stage, progress
+        log.info("startup: %s (%.0f%%)", stage, progress * 100)
+
+    def live_metrics(self) -> dict:
+        out: dict[str, Any] = {**self.counts(), "ready": self.ready}
+        if self.engine is not None:
+            try:
+                out["engine"] = self.engine.stats()
+            except Exception:
+                log.exception("engine stats failed")
+        if self.registry is not None:
+            out["task_cache"] = self.registry.cache_stats()
+        return out

@@ -536,6 +536,7 @@ async def test_cache_off(tok, engine):
 async def test_readme_example_plugin_end_to_end(tok, engine):
     source = (ROOT / "examples" / "plugins" / "language.py").read_text(encoding="utf-8")
     assert len(source.splitlines()) <= 30
+    assert source in (ROOT / "README.md").read_text(encoding="utf-8")  # the README shows this very file
     registry, errors = load_registry(settings(BUILTIN, EXAMPLES, task={"language": {"cache_ttl_s": 60}}), tok)
     assert errors == []
     assert registry.names() == ["chat", "intent", "language", "sentiment"]

@@ -15,9 +15,11 @@ TASK = Task(
     name="language",
     description="Language of a message, from a closed set, with a probability each.",
     # Two examples, then the message; the part before {text} is computed once and shared.
-    prompt="Text: Bonjour tout le monde.\nLanguage: French\n\n"
-    "Text: Good morning, everyone.\nLanguage: English\n\n"
-    "Text: {text}\nLanguage:",
+    prompt=(
+        "Text: Bonjour tout le monde.\nLanguage: French\n\n"
+        "Text: Good morning, everyone.\nLanguage: English\n\n"
+        "Text: {text}\nLanguage:"
+    ),
     chat_template=False,  # a plain completion prompt
     max_input_tokens=128,
     truncate="head",  # a longer message keeps its start

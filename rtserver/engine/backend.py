@@ -10,10 +10,22 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+
+class Tokenizer(Protocol):
+    """What rtserver uses of a Hugging Face tokenizer: token ids in and out, and the chat template."""
+
+    all_special_ids: list[int]
+    eos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False, **kwargs: Any) -> str: ...
+
+    def apply_chat_template(self, conversation: list[dict], **kwargs: Any) -> Any:
+        """The rendered prompt: text with `tokenize=False`, token ids with `tokenize=True`."""
+        ...
 
 
 class Overloaded(Exception):
@@ -116,7 +128,7 @@ class InferenceBackend(Protocol):
     """What web and tasks use of the model. `generate` and `score` raise `SamplingError`,
     `RequestTooLarge` or `Overloaded` at once, before anything is queued."""
 
-    tokenizer: PreTrainedTokenizerBase  # also renders the chat template
+    tokenizer: Tokenizer
 
     def start(self) -> None: ...
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +38,12 @@ class KVHandle:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The slot table of a handle that holds room (acquired); the runner reads and writes these."""
+        assert self.slot_table is not None, "a KV handle without room"
+        return self.slot_table
 
 
 @dataclass
@@ -59,7 +65,7 @@ class OutOfKVMemory(Exception):
     """Not enough free blocks even after evicting every idle cache entry."""
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -214,7 +220,7 @@ class KVCacheManager:
         want = prompt_ids[start : min(start + bs, limit)]
         siblings = self._children.get((parent, want[0])) if want else None
         if siblings:
-            best, best_n = None, 0
+            best, best_n = next(iter(siblings)), 0  # every sibling shares at least want[0]
             for key in siblings:
                 n = _common_prefix(self.prefix_blocks[key][1], want)
                 if n > best_n:

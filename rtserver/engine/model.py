@@ -13,8 +13,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+from .backend import Tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("rtserver.model")
 
@@ -28,8 +34,8 @@ class ModelLoadError(RuntimeError):
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
-    tokenizer: object
+    model: PreTrainedModel  # a Llama/Qwen2-family causal LM (transformers)
+    tokenizer: Tokenizer
     name: str
     dtype: torch.dtype  # activations, KV cache and dense weights
     threads: int
@@ -105,7 +111,7 @@ def _dense_from_gguf(path: Path, cache_dir: Path) -> Path:
     # Drop the gguf quantization marker so the dequantized model can be saved like any dense one.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it as always set
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -177,7 +183,7 @@ def load_model(
     log.info("model %s ready in %.1f s", name, time.perf_counter() - started)
     return LoadedModel(
         model=model,
-        tokenizer=tokenizer,
+        tokenizer=cast(Tokenizer, tokenizer),  # a transformers tokenizer; we use it through the protocol
         name=name,
         dtype=torch_dtype,
         threads=n_threads,

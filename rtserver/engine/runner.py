@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from .backend import SamplingParams
-from .kv import KVCacheManager
+from .kv import KVCacheManager, KVHandle
 from .plan import StepItem
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # Once the transformers weights are released (serving), float32 linears run from oneDNN-packed copies:
@@ -90,6 +94,7 @@ class Linear:
             return torch.ops.quantized.linear_dynamic(x, self.packed, True)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+        assert self.weight is not None  # dense storage keeps its weight until pack_onednn replaces it
         return F.linear(x, self.weight, self.bias)
 
 
@@ -209,7 +214,7 @@ def _prefill_groups(items: list[StepItem]) -> list[list[int]]:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         kv: KVCacheManager,
         max_positions: int,
         weight_storage: str | None = None,
@@ -226,13 +231,14 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.dtype = model.dtype
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.n_heads: int = cfg.num_attention_heads
+        self.n_kv: int = cfg.num_key_value_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.group = self.n_heads // self.n_kv
-        self.eps = cfg.rms_norm_eps
+        self.eps: float = cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
-        inner = model.model
+        # The decoder stack (LlamaModel / Qwen2Model): its submodules are read by their transformers names.
+        inner: Any = model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         ws = weight_storage
@@ -324,7 +330,7 @@ class ModelRunner:
             q_index[b, :m] = rows
             q_index[b, m:] = row_offsets[i]
             q_pos[b, :m] = torch.arange(it.start, end)
-            ctx_index[b, :end] = it.kv.slot_table[:end]
+            ctx_index[b, :end] = it.kv.slots[:end]
             src.append(torch.arange(b * n, b * n + m))
             dst.append(rows)
         mask = torch.arange(ctx)[None, None, :] <= q_pos[:, :, None]  # [B, n, ctx]: causal with offset
@@ -348,7 +354,7 @@ class ModelRunner:
         lmax = max(lengths)
         ctx_index = torch.zeros(len(group), lmax, dtype=torch.long)
         for r, i in enumerate(group):
-            ctx_index[r, : lengths[r]] = items[i].kv.slot_table[: lengths[r]]
+            ctx_index[r, : lengths[r]] = items[i].kv.slots[: lengths[r]]
         mask = None  # every context of the group has the same length: nothing padded to mask out
         if min(lengths) < lmax:
             mask = (torch.arange(lmax)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
@@ -372,7 +378,7 @@ class ModelRunner:
         sin = self.sin[pos][:, None, :]
 
         # Where each new token's K/V goes, and the context each attention call reads.
-        write_slots = torch.cat([it.kv.slot_table[it.start : it.start + len(it.tokens)] for it in items])
+        write_slots = torch.cat([it.kv.slots[it.start : it.start + len(it.tokens)] for it in items])
         row_offsets = []
         off = 0
         for it in items:
@@ -382,7 +388,8 @@ class ModelRunner:
         prefills = [self._prefill_group(items, group, row_offsets) for group in _prefill_groups(items)]
 
         # Rows whose hidden state leaves the last layer: the last token of a chunk, or all for scoring.
-        wanted_rows, spans = [], []
+        wanted_rows: list[int] = []
+        spans: list[tuple[int, int] | None] = []
         for i, it in enumerate(items):
             if it.logits == "last":
                 spans.append((len(wanted_rows), 1))
@@ -419,13 +426,10 @@ class ModelRunner:
                 qp = q[q_index].view(B, n, self.n_kv, self.group, self.head_dim)
                 qp = qp.permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, self.group * n, self.head_dim)
                 kp, vp = _context(kl, ctx_index, ctx_shape), _context(vl, ctx_index, ctx_shape)
-                out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale)
-                out = out.view(B, self.n_kv, self.group, n, self.head_dim).permute(0, 3, 1, 2, 4)
-                out = out.reshape(B * n, self.n_kv, self.group, self.head_dim)
-                if src is None:
-                    attn[dst] = out
-                else:
-                    attn[dst] = out[src]
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale)
+                o = o.view(B, self.n_kv, self.group, n, self.head_dim).permute(0, 3, 1, 2, 4)
+                o = o.reshape(B * n, self.n_kv, self.group, self.head_dim)
+                attn[dst] = o if src is None else o[src]
             attn = attn.view(T, self.q_size)
             if li == last and len(wanted_rows) < T:
                 # Past the last layer's K/V only the rows that give logits matter: the rest skip its
@@ -441,25 +445,27 @@ class ModelRunner:
         # Logits only where someone needs them, and only the columns asked for.
         hs = self._rms(x, self.norm)
         out: list[torch.Tensor | None] = [None] * len(items)
-        full = [i for i, it in enumerate(items) if spans[i] is not None and it.columns is None]
+        asked = {i: span for i, span in enumerate(spans) if span is not None}
+        full = [i for i in asked if items[i].columns is None]
         if full:
-            rows = [r for i in full for r in range(spans[i][0], spans[i][0] + spans[i][1])]
+            rows = [r for i in full for r in range(asked[i][0], asked[i][0] + asked[i][1])]
             logits = self.lm_head(hs if len(rows) == len(wanted_rows) else hs[torch.tensor(rows)]).float()
             at = 0
             for i in full:
-                out[i] = logits[at : at + spans[i][1]]
-                at += spans[i][1]
+                out[i] = logits[at : at + asked[i][1]]
+                at += asked[i][1]
         by_columns: dict[tuple[int, ...], list[int]] = {}
-        for i, it in enumerate(items):
-            if spans[i] is not None and it.columns is not None:
-                by_columns.setdefault(tuple(it.columns), []).append(i)
+        for i in asked:
+            columns = items[i].columns
+            if columns is not None:
+                by_columns.setdefault(tuple(columns), []).append(i)
         for cols, group in by_columns.items():
-            rows = torch.tensor([r for i in group for r in range(spans[i][0], spans[i][0] + spans[i][1])])
-            logits = self._column_logits(hs[rows], list(cols))
+            picked = torch.tensor([r for i in group for r in range(asked[i][0], asked[i][0] + asked[i][1])])
+            logits = self._column_logits(hs[picked], list(cols))
             at = 0
             for i in group:
-                out[i] = logits[at : at + spans[i][1]]
-                at += spans[i][1]
+                out[i] = logits[at : at + asked[i][1]]
+                at += asked[i][1]
         return out
 
     def _column_logits(self, hs: torch.Tensor, columns: list[int]) -> torch.Tensor:
@@ -476,26 +482,28 @@ class ModelRunner:
         every candidate of the prompt). Candidates longer than one token are teacher-forced in the
         sequence's own KV past its prompt (room reserved at admission, never shared, never kept): round
         r computes the r-th such candidate of every sequence in one forward."""
-        longer: list[list[tuple[Sequence, int, list[int]]]] = []
+        longer: list[list[tuple[Sequence, KVHandle, list[float], int, list[int]]]] = []
         for seq, row in done:
             assert seq.candidates is not None and seq.kv is not None
             if seq.score_columns is None:
                 logprobs = torch.log_softmax(row, -1)
-                seq.scores = [float(logprobs[c[0]]) for c in seq.candidates]
+                scores = [float(logprobs[c[0]]) for c in seq.candidates]
             else:
                 column = {t: j for j, t in enumerate(seq.score_columns)}
-                seq.scores = [float(row[column[c[0]]]) for c in seq.candidates]
+                scores = [float(row[column[c[0]]]) for c in seq.candidates]
+            seq.scores = scores
             for r, (i, cand) in enumerate((i, c) for i, c in enumerate(seq.candidates) if len(c) > 1):
                 if r == len(longer):
                     longer.append([])
-                longer[r].append((seq, i, cand))
+                longer[r].append((seq, seq.kv, scores, i, cand))
         for group in longer:
             outs = self.forward(
-                [StepItem(seq, seq.kv, seq.num_computed, cand[:-1], "all") for seq, _, cand in group]
+                [StepItem(seq, kv, seq.num_computed, cand[:-1], "all") for seq, kv, _, _, cand in group]
             )
-            for (seq, i, cand), out in zip(group, outs):
+            for (_, _, scores, i, cand), out in zip(group, outs):
+                assert out is not None
                 lp = torch.log_softmax(out, -1)
-                seq.scores[i] += float(lp[torch.arange(len(cand) - 1), torch.tensor(cand[1:])].sum())
+                scores[i] += float(lp[torch.arange(len(cand) - 1), torch.tensor(cand[1:])].sum())
 
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

@@ -183,6 +183,7 @@ class Scheduler:
         items: list[StepItem] = []
         budget = self.limits.prefill_chunk_tokens
         for seq in self.running:
+            assert seq.kv is not None  # running sequences hold KV from admission until they finish
             if seq.phase is Phase.DECODE:
                 items.append(StepItem(seq, seq.kv, seq.num_computed, [seq.output_ids[-1]], "last"))
         # Generation prompts take the prefill budget before scoring ones (task calls, auto-tasks): a
@@ -197,6 +198,7 @@ class Scheduler:
             budget -= n
             done = n == remaining
             tokens = seq.prompt_ids[seq.num_computed : seq.num_computed + n]
+            assert seq.kv is not None
             items.append(
                 StepItem(
                     seq,
@@ -268,11 +270,11 @@ class Scheduler:
         for it, lg in zip(items, logits):
             seq = it.seq
             seq.num_computed = it.start + len(it.tokens)
-            seq.kv.token_ids.extend(it.tokens)
+            it.kv.token_ids.extend(it.tokens)
             if seq.phase is Phase.PREFILL:
                 self.tokens_prefilled += len(it.tokens)
                 seq.usage.prefilled_tokens += len(it.tokens)
-                self.kv.register_prefix(seq.kv)  # later prompts that start the same way share it
+                self.kv.register_prefix(it.kv)  # later prompts that start the same way share it
             if lg is None:
                 continue
             if seq.candidates is not None:

@@ -60,7 +60,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.scores: list[float] | None = None
-        self.generator = None  # torch.Generator, made by the runner when a seed is given
+        self.generator: Any = None  # a torch.Generator, made by the runner when a seed is given
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..engine.backend import Tokenizer
 from .declare import Task
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -68,7 +66,7 @@ def window(
     return history[starts[-k] :], True
 
 
-def continue_prompt(tokenizer: PreTrainedTokenizerBase, rendered: str, last: LastTurn | None) -> list[int]:
+def continue_prompt(tokenizer: Tokenizer, rendered: str, last: LastTurn | None) -> list[int]:
     """Token ids of a rendered chat prompt.
 
     Re-tokenizing a reply does not always give back the tokens the model generated (BPE spells one
@@ -85,7 +83,7 @@ def continue_prompt(tokenizer: PreTrainedTokenizerBase, rendered: str, last: Las
 
 
 def finished_turn(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     rendered: str,
     prompt_ids: list[int],
     reply: str,
@@ -104,7 +102,7 @@ def finished_turn(
 class ChatTask:
     """The chat task bound to a tokenizer: prepares turns and renders a session's history window."""
 
-    def __init__(self, task: Task, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, task: Task, tokenizer: Tokenizer):
         self.task = task
         self.tokenizer = tokenizer
 

@@ -14,16 +14,13 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import Settings
-from ..engine.backend import InferenceBackend
+from ..engine.backend import InferenceBackend, Tokenizer
 from .chat import ChatTask
 from .declare import Task, TaskError, TaskOutput
 from .run import PromptTask
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("rtserver.tasks")
 
@@ -175,6 +172,8 @@ def _discover(settings: Settings) -> list[tuple[str, Any]]:
             mod_name = f"rtserver_plugin_{re.sub(r'[^0-9a-zA-Z_]', '_', file.stem)}_{digest}"
             try:
                 spec = importlib.util.spec_from_file_location(mod_name, file)
+                if spec is None or spec.loader is None:
+                    raise ImportError("not a loadable Python file")
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[mod_name] = module
                 spec.loader.exec_module(module)
@@ -209,9 +208,7 @@ def _declared_name(obj: Any) -> str | None:
     return name
 
 
-def load_registry(
-    settings: Settings, tokenizer: PreTrainedTokenizerBase
-) -> tuple[TaskRegistry, list[PluginError]]:
+def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistry, list[PluginError]]:
     """Discover, configure and validate every task. A broken plugin is reported, never fatal."""
     errors: list[PluginError] = []
     tasks: dict[str, PromptTask | ChatTask] = {}

@@ -11,15 +11,12 @@ import dataclasses
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cachetools import TTLCache
 
-from ..engine.backend import InferenceBackend
+from ..engine.backend import InferenceBackend, Tokenizer
 from .declare import Choices, Task, TaskError, TaskOutput
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("rtserver.tasks")
 
@@ -28,7 +25,7 @@ class PromptTask:
     """A stateless task bound to a tokenizer: renders prompts (caching the fixed prefix tokens) and runs
     calls on a backend, by label scoring (`Choices`) or by generating and parsing."""
 
-    def __init__(self, task: Task, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, task: Task, tokenizer: Tokenizer):
         self.task = task
         self.tokenizer = tokenizer
         self._prefixes: dict[tuple[str, bool], tuple[list[int], str, str]] = {}
@@ -174,7 +171,7 @@ class PromptTask:
         weights = [math.exp(s - top) for s in scores]
         total = sum(weights)
         probs = {name: w / total for name, w in zip(labels, weights)}
-        label = max(probs, key=probs.get)
+        label = max(probs, key=lambda name: probs[name])
         return {"label": label, "probs": probs}
 
     async def _calibration_offsets(

@@ -108,7 +108,9 @@ def _registry_task(settings: Settings, tokenizer: Any, overrides: dict) -> Promp
     registry, errors = load_registry(s, tokenizer)
     if "sentiment" not in registry.tasks:
         raise RuntimeError("sentiment task did not load: " + "; ".join(map(str, errors)))
-    return registry.get("sentiment")
+    task = registry.get("sentiment")
+    assert isinstance(task, PromptTask)
+    return task
 
 
 def configurations(settings: Settings, tokenizer: Any) -> list[tuple[str, PromptTask, dict]]:
@@ -127,7 +129,8 @@ def configurations(settings: Settings, tokenizer: Any) -> list[tuple[str, Prompt
 
 async def _run_one(engine: Engine, task: PromptTask, examples: list[dict], back: dict) -> dict:
     sem = asyncio.Semaphore(CONCURRENCY)
-    labels = set(task.choices.labels) if task.choices is not None else None
+    choices = task.task.choices
+    labels = set(choices.labels) if choices is not None else None
 
     async def one(ex: dict) -> tuple[bool, bool]:
         async with sem:

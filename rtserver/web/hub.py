@@ -169,6 +169,8 @@ class Connection(QueuedConnection):
             # No hello first: a fresh session, as if an empty hello had been sent (not when auth is on).
             if not await self.start_session(P.Hello()):
                 return
+        session = self.session
+        assert session is not None  # start_session attached one
         if isinstance(msg, P.Cancel):
             req = self.requests.get(msg.id)
             if req is None:
@@ -185,29 +187,31 @@ class Connection(QueuedConnection):
         if msg.id in self.requests:
             await self.error("duplicate_id", f"request {msg.id!r} is already in flight", msg.id)
             return
-        limit = self.hub.settings.server.max_in_flight
-        if len(self.requests) >= limit:
+        max_in_flight = self.hub.settings.server.max_in_flight
+        if len(self.requests) >= max_in_flight:
             await self.error(
-                "too_many_requests", f"at most {limit} requests may be in flight on one connection", msg.id
+                "too_many_requests",
+                f"at most {max_in_flight} requests may be in flight on one connection",
+                msg.id,
             )
             return
         if isinstance(msg, P.Chat):
-            if self.hub.console.holder(self.session) is not None:  # a human agent answers, not the bot
-                await self.hub.console.forward_chat(self, self.session, msg)
+            if self.hub.console.holder(session) is not None:  # a human agent answers, not the bot
+                await self.hub.console.forward_chat(self, session, msg)
                 return
-            if self.session.chat_request is not None:
+            if session.chat_request is not None:
                 await self.error(
                     "chat_busy",
-                    f"chat turn {self.session.chat_request!r} is still in "
-                    f"progress; wait for its done (or cancel it)",
+                    f"chat turn {session.chat_request!r} is still in progress; "
+                    "wait for its done (or cancel it)",
                     msg.id,
-                    busy_id=self.session.chat_request,
+                    busy_id=session.chat_request,
                 )
                 return
             req = Request(msg.id, "chat")
-            self.session.chat_request = msg.id
+            session.chat_request = msg.id
             self.requests[msg.id] = req
-            req.task = asyncio.create_task(self.run_chat(req, msg, self.session))
+            req.task = asyncio.create_task(self.run_chat(req, msg, session))
         else:
             req = Request(msg.id, "task")
             self.requests[msg.id] = req
@@ -397,7 +401,7 @@ class Hub:
 
     def limits(self) -> dict:
         s = self.settings
-        limits = {
+        limits: dict[str, Any] = {
             "max_frame_bytes": s.server.max_frame_bytes,
             "max_in_flight": s.server.max_in_flight,
             "send_queue_size": s.server.send_queue_size,

@@ -52,3 +52,34 @@ def test_test_switches_are_not_settings_but_typos_are_errors():
     )
     with pytest.raises(ConfigError, match="RTSERVER_SLOW_TEST: no such setting"):
         settings_from_mapping({}, {"RTSERVER_SLOW_TEST": "1"})
+
+
+def test_every_dtype_setting_maps_to_a_storage_and_the_cli_offers_the_same_list():
+    import torch
+
+    from rtserver.cli import build_parser
+    from rtserver.config import DTYPES
+    from rtserver.engine.model import resolve_dtype
+
+    for name in DTYPES:
+        dtype, storage = resolve_dtype(name)
+        assert dtype in (torch.float32, torch.bfloat16) and storage in (None, "float16", "int8"), name
+    eval_args = build_parser().parse_args(["eval", "--dtype", DTYPES[-1]])
+    assert eval_args.dtype == DTYPES[-1]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "--dtype", "fp16"])
+
+
+@pytest.mark.parametrize(
+    "argv, config",
+    [
+        (["serve", "--config", "a.toml"], "a.toml"),  # the README's form
+        (["--config", "b.toml", "serve"], "b.toml"),
+        (["--config", "b.toml", "loadtest", "--config", "c.toml"], "c.toml"),  # the nearer one wins
+        (["serve"], None),
+    ],
+)
+def test_config_option_before_or_after_the_command(argv, config):
+    from rtserver.cli import build_parser
+
+    assert build_parser().parse_args(argv).config == config

@@ -26,7 +26,7 @@ from .sequence import Sequence
 
 def return_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc). Swapping the dense weights for packed copies frees
-    hundreds of MB in pieces that glibc keeps in its heap otherwise: ~30-80 MB of resident memory."""
+    hundreds of MB in pieces that glibc would otherwise keep in its heap, resident."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

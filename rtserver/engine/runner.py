@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # Once the transformers weights are released (serving), float32 linears run from oneDNN-packed copies:
-# the weight is reordered once instead of on every call, ~20-30% faster GEMMs on AVX2 CPUs at the
-# step sizes the scheduler makes. Results differ from F.linear only in float rounding.
+# the weight is reordered once instead of on every call (F.linear reorders it each time), which makes
+# the GEMMs at the scheduler's step sizes faster. Results differ from F.linear only in float rounding.
 ONEDNN_LINEAR = True
 
 
@@ -45,7 +45,7 @@ class Linear:
     - None: dense in the model dtype (F.linear), or once the dense weight may go (`pack_onednn`), a
       oneDNN-packed copy of a float32 weight;
     - "float16": float16 weights, float32 math (fbgemm's fp16 GEMM converts them on the fly): fewer
-      bytes to stream per step (~2x faster at batch 1 here), outputs within ~2e-4 relative;
+      bytes to stream per step (batch-1 decoding streams every weight), outputs equal up to rounding;
     - "int8": per-output-channel int8 weights with activations quantized on the fly per batch (fbgemm's
       dynamic linear): a quarter of the bytes, integer SIMD, answers change noticeably."""
 
@@ -160,7 +160,7 @@ def _drop_parameters(module: torch.nn.Module) -> None:
 
 def _context(pool: torch.Tensor, slots: torch.Tensor, shape: tuple) -> torch.Tensor:
     """The K or V of `slots` gathered from one layer's pool as [B, kv_heads, L, head_dim] (index_select:
-    ~3x faster than advanced indexing for this gather)."""
+    a plain row gather, cheaper than advanced indexing's general path)."""
     return pool.index_select(0, slots).view(shape).transpose(1, 2)
 
 
@@ -168,7 +168,7 @@ def _decode_groups(items: list[StepItem]) -> list[list[int]]:
     """Decode tokens (items of one token) grouped by context length for batched attention: a group's
     contexts are padded to its longest, so a few long sessions beside many short streams get their own
     call instead of making every short one gather and attend over the long padding. A new group costs
-    one more call per layer (~0.1 ms), so groups split only where padding would exceed about the
+    one more attention call per layer, so groups split only where padding would exceed about the
     useful work."""
     order = sorted((i for i, it in enumerate(items) if len(it.tokens) == 1), key=lambda i: items[i].start)
     groups: list[list[int]] = []
@@ -243,8 +243,9 @@ class ModelRunner:
         self.norm = inner.norm.weight
         ws = weight_storage
         self.weight_storage = ws
-        # The output head stays dense under float16 storage: fbgemm pads its 576-wide rows to 1024 (96
-        # MB packed vs 113 dense, and the dense one is usually the embedding itself, held anyway).
+        # The output head stays dense under float16 storage: fbgemm pads narrow rows (576 wide here) to
+        # a larger block, so the packed head is no smaller than the dense one, which is usually the
+        # embedding itself and held anyway.
         self.lm_head = Linear(model.lm_head.weight, None, "int8" if ws == "int8" else None)
         self.layers: list[_Layer] = []
         for layer in inner.layers:

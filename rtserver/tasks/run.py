@@ -64,9 +64,9 @@ class PromptTask:
                     messages, tokenize=False, add_generation_prompt=True
                 )
             before, after = rendered.split(marker)
-            # The prefix keeps its trailing space as its own token ("Message: " + "great"): measured on
-            # data/sentiment/en_dev, that scores better with this model (0.715) than letting the space
-            # glue onto the text (" great", 0.605). `glue` is where that choice would go.
+            # The prefix keeps its trailing space as its own token ("Message: " + "great"): on the dev
+            # split that scored better with the embedded model than letting the space glue onto the
+            # text (" great"; docs/sentiment-research.md). `glue` is where that choice would go.
             glue = ""
             self._prefixes[key] = (self._encode(before), glue, after)
         return self._prefixes[key]

@@ -13,7 +13,11 @@ from typing import Any
 
 import torch
 
-from ..engine.backend import SamplingParams
+from ..engine.backend import SamplingParams, Tokenizer
+from ..engine.core import Engine
+from ..engine.scheduler import Scheduler
+from ..engine.sequence import Sequence
+from ..tasks.registry import TaskRegistry
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "sentiment"
 WRITEUP_PROMPT = (
@@ -71,7 +75,7 @@ def sentiment_texts(n: int = 256) -> list[str]:
 class StepLog:
     """Records (start, end, StepStats) of every scheduler step while active (bench instrumentation)."""
 
-    def __init__(self, scheduler: Any):
+    def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
         self.records: list[tuple[float, float, Any]] = []
 
@@ -83,13 +87,14 @@ class StepLog:
             self.records.append((started, time.perf_counter(), s.last_step))
 
     def __enter__(self) -> StepLog:
-        self.scheduler.step = self._step  # the worker thread calls self.step() each round
+        # the worker thread calls self.step() each round: an instance attribute shadows the method
+        self.scheduler.step = self._step  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         del self.scheduler.step
 
-    def first_token_step(self, seq: Any) -> tuple[int, float, int] | None:
+    def first_token_step(self, seq: Sequence) -> tuple[int, float, int] | None:
         """(steps that ran from the sequence's submission to its first token, the duration of the last
         and the prompt tokens it computed)."""
         if seq.first_token_at is None:
@@ -101,7 +106,7 @@ class StepLog:
         return len(spans), end - start, stats.prefill_tokens
 
 
-async def _chat_turn(engine: Any, registry: Any, text: str, mode: str, key: str) -> Any:
+async def _chat_turn(engine: Engine, registry: TaskRegistry, text: str, mode: str, key: str) -> Sequence:
     """One chat reply to `text`; mode "alone", "auto" (the sentiment auto-task spawned right after the
     reply's generation is queued, as the hub does) or "same-step" (the auto-task forced into the reply's
     first step: the worst case). Returns the reply's sequence."""
@@ -129,7 +134,7 @@ async def _chat_turn(engine: Any, registry: Any, text: str, mode: str, key: str)
     return stream.seq
 
 
-async def auto_task_ttft(engine: Any, registry: Any, n: int = AUTO_TASK_CHATS) -> dict:
+async def auto_task_ttft(engine: Engine, registry: TaskRegistry, n: int = AUTO_TASK_CHATS) -> dict:
     """A chat reply's time to first token alone and with the sentiment auto-task on its message, in ms
     and in scheduler steps (the unit: the reply's own first step when alone). Modes alternate so drift
     affects all alike; every message is distinct (no result-cache hits, equal prefix-cache reuse)."""
@@ -178,7 +183,9 @@ async def auto_task_ttft(engine: Any, registry: Any, n: int = AUTO_TASK_CHATS) -
     return out
 
 
-async def engine_sentiment(engine: Any, tokenizer: Any, registry: Any = None) -> dict:
+async def engine_sentiment(
+    engine: Engine, tokenizer: Tokenizer, registry: TaskRegistry | None = None
+) -> dict:
     from ..config import Settings
     from ..tasks.registry import load_registry
 

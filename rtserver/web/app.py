@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -24,7 +23,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from ..config import Settings
-from ..engine.backend import InferenceBackend
+from ..engine.backend import InferenceBackend, Tokenizer
 from ..engine.model import LoadedModel
 from ..tasks.registry import PluginError, TaskRegistry
 from . import http_api
@@ -54,7 +53,7 @@ CLIENT_FAULTS = _ClientFaultFilter()
 
 ModelFactory = Callable[[], LoadedModel]
 EngineFactory = Callable[[LoadedModel, Settings], InferenceBackend]
-RegistryFactory = Callable[[Settings, Any], tuple[TaskRegistry, list[PluginError]]]
+RegistryFactory = Callable[[Settings, Tokenizer], tuple[TaskRegistry, list[PluginError]]]
 
 
 def _default_model_factory(settings: Settings) -> ModelFactory:
@@ -73,7 +72,9 @@ def _default_engine_factory(loaded: LoadedModel, settings: Settings) -> Inferenc
     return Engine(loaded, settings.engine)
 
 
-def _default_registry_factory(settings: Settings, tokenizer: Any) -> tuple[TaskRegistry, list[PluginError]]:
+def _default_registry_factory(
+    settings: Settings, tokenizer: Tokenizer
+) -> tuple[TaskRegistry, list[PluginError]]:
     from ..tasks.registry import load_registry
 
     return load_registry(settings, tokenizer)

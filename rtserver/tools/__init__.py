@@ -1,0 +1,2 @@
+"""Measuring tools on top of everything: `rtserver bench`, `rtserver loadtest`, `rtserver eval` and their
+clients (docs/architecture.md). Nothing in rtserver imports them."""

@@ -1,6 +1,9 @@
-"""Shared fixtures: the embedded model (fp32, loaded once) and a tiny random Qwen2 model."""
+"""Shared fixtures: the embedded model (fp32, loaded once) and a tiny random Qwen2 model; at the end of
+the run, the fuzz summary line (tests/fuzzutil.py) when fuzz tests ran."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -42,6 +45,14 @@ def tiny_qwen2(smol) -> LoadedModel:
             proj.bias.normal_(0, 0.5)
     model.generation_config.eos_token_id = tok.eos_token_id
     return LoadedModel(model=model, tokenizer=tok, name="tiny-qwen2", dtype=torch.float32, threads=2)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fuzz modules' counts, once for the run (and $RTSERVER_REPORT_DIR/fuzz.json)."""
+    fuzzutil = sys.modules.get(f"{__package__}.fuzzutil")
+    line = fuzzutil.write_summary() if fuzzutil is not None else None
+    if line:
+        terminalreporter.write_line(line)
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:

@@ -1,10 +1,15 @@
-"""Test helpers: a real uvicorn server on 127.0.0.1 with an ephemeral port, and a scripted engine."""
+"""Test helpers: a real uvicorn server on 127.0.0.1 with an ephemeral port, and a scripted engine.
+
+`serve()` is the one way tests run an in-process server: async tests use it directly; synchronous tests
+(hypothesis) use `ServerThread`, which runs the same `serve()` in a background thread's event loop.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -64,6 +69,65 @@ async def serve(app, settings: Settings, wait_ready: bool = True):
         await asyncio.wait_for(task, TIMEOUT)
 
 
+class ServerThread:
+    """`serve(app, settings)` in a background thread's own event loop, for synchronous tests. `start()`
+    returns once the server is ready (`base`, `url` set), `stop()` ends it; also a context manager.
+    An exception in the server's thread is raised again by `start()` / `stop()`."""
+
+    def __init__(self, app: Any, settings: Settings, *, wait_ready: bool = True, name: str = "test-server"):
+        self.app, self.settings, self.wait_ready = app, settings, wait_ready
+        self.loop = asyncio.new_event_loop()
+        self.base = self.url = ""
+        self.error: BaseException | None = None
+        self._started = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        except BaseException as exc:  # reported by start() / stop()
+            self.error = exc
+        finally:
+            self._started.set()
+            self.loop.close()
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        async with serve(self.app, self.settings, wait_ready=self.wait_ready) as (base, url):
+            self.base, self.url = base, url
+            self._started.set()
+            await self._stop.wait()
+
+    def start(self, timeout: float = TIMEOUT) -> ServerThread:
+        self._thread.start()
+        assert self._started.wait(timeout), "server did not start"
+        if self.error is not None:
+            raise self.error
+        assert self.base, "server thread ended during start-up"
+        return self
+
+    def stop(self, timeout: float = TIMEOUT) -> None:
+        if self._thread.is_alive():
+            assert self._stop is not None
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout)
+            assert not self._thread.is_alive(), "server did not stop"
+        if self.error is not None:
+            raise self.error
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.rt
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
 async def wait_until_ready(base: str) -> None:
     deadline = time.monotonic() + TIMEOUT
     async with httpx.AsyncClient() as client:
@@ -109,6 +173,14 @@ async def recv_until(ws, pred, timeout: float = TIMEOUT) -> list[dict]:
         events.append(ev)
         if pred(ev):
             return events
+
+
+def is_end(rid: str):
+    """Predicate for recv_until: the event that ends request `rid` (its `done`, `result`, `error`, or
+    `forwarded` when an agent holds the session); auto-task events for the same id do not count."""
+    return lambda e: (
+        e.get("id") == rid and e["type"] in ("done", "error", "result", "forwarded") and not e.get("auto")
+    )
 
 
 async def hello(ws, **fields) -> dict:

@@ -9,7 +9,16 @@ import json
 import pytest
 import websockets
 
-from .serverutil import ScriptedEngine, hello, make_settings, recv_json, recv_until, scripted_app, serve
+from .serverutil import (
+    ScriptedEngine,
+    hello,
+    is_end,
+    make_settings,
+    recv_json,
+    recv_until,
+    scripted_app,
+    serve,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -142,8 +151,7 @@ async def test_too_many_in_flight_and_duplicate_ids(smol):
             ev = await recv_json(ws)
             assert ev["code"] == "too_many_requests" and ev["id"] == "t3"
             engine.gate.set()
-            ends = await recv_until(ws, lambda e: e["type"] in ("done", "result") and e["id"] == "t2")
-            assert {e["id"] for e in ends if e["type"] in ("done", "result")} >= {"t2"}
+            assert (await recv_until(ws, is_end("t2")))[-1]["type"] == "result"
 
 
 async def test_control_characters_stripped_and_long_chat_keeps_newest_part(smol):
@@ -164,7 +172,7 @@ async def test_control_characters_stripped_and_long_chat_keeps_newest_part(smol)
             await hello(ws)
             text = "old " * 2000 + "NEWEST END"
             await ws.send(json.dumps({"type": "chat", "id": "2", "text": text}))
-            assert (await recv_until(ws, lambda e: e["type"] in ("done", "error")))[-1]["type"] == "done"
+            assert (await recv_until(ws, is_end("2")))[-1]["type"] == "done"
             prompt = smol.tokenizer.decode(engine.prompts[-1])
             assert "NEWEST END" in prompt and prompt.count("old") < 2000
 

@@ -8,7 +8,16 @@ import json
 import pytest
 import websockets
 
-from .serverutil import ScriptedEngine, hello, make_settings, recv_json, recv_until, scripted_app, serve
+from .serverutil import (
+    ScriptedEngine,
+    hello,
+    is_end,
+    make_settings,
+    recv_json,
+    recv_until,
+    scripted_app,
+    serve,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -17,10 +26,6 @@ TOKEN = "s3cret-console-token"
 
 def console_url(url: str) -> str:
     return url + "/console"
-
-
-def is_end(rid):
-    return lambda e: e.get("id") == rid and e["type"] in ("done", "error", "forwarded") and not e.get("auto")
 
 
 async def login(url: str, name: str = "Alice", agent_id: str | None = None, token: str = TOKEN):

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 
 import pytest
 import websockets
 
+from rtserver.engine.backend import FinishReason
+from rtserver.engine.core import Engine
 from rtserver.web.app import create_app
 
 from .serverutil import (
     ScriptedEngine,
     hello,
+    is_end,
     make_settings,
     metric,
     recv_json,
@@ -24,10 +28,6 @@ from .serverutil import (
 )
 
 pytestmark = pytest.mark.asyncio
-
-
-def is_end(rid):
-    return lambda e: e.get("id") == rid and e["type"] in ("done", "error", "result") and not e.get("auto")
 
 
 # -- real model ----------------------------------------------------------------------------------
@@ -102,24 +102,68 @@ async def test_wrong_token_gets_session_expired_and_fresh_session(smol):
             assert fresh["session_id"] != ready["session_id"]
 
 
-async def test_disconnect_cancels_and_expiry_frees_kv(smol):
+@pytest.mark.parametrize("how", ["close", "abort"])
+async def test_disconnect_cancels_the_sequence_within_two_steps_and_expiry_frees_kv(smol, how):
+    """A client that goes away mid-reply (a closing handshake, or the socket just dropped): the real engine
+    finishes its sequence as CANCELLED, the scheduler running at most 2 more steps for it after the server
+    saw the disconnect. Greedy with ignore_eos and max_new_tokens 512, so it cannot end early by itself.
+    Then the detached session expires and its KV is freed."""
     settings = make_settings(sessions={"idle_timeout_s": 0.5}, tasks={"auto_tasks": []})
-    async with serve(create_app(settings, lambda: smol), settings) as (base, url):
-        async with websockets.connect(url) as ws:
-            await hello(ws)
-            await ws.send(
-                json.dumps(
-                    {
-                        "type": "chat",
-                        "id": "long",
-                        "text": "Write a long story about a cat.",
-                        "options": {"max_new_tokens": 500},
-                    }
-                )
+    engine = Engine(smol, settings.engine)
+    sched = engine.scheduler
+    streams: list = []
+    generate = engine.generate
+
+    def generate_to_the_end(prompt_ids, params, **kwargs):  # chat cannot set ignore_eos: set it here
+        stream = generate(prompt_ids, dataclasses.replace(params, ignore_eos=True), **kwargs)
+        streams.append(stream)
+        return stream
+
+    engine.generate = generate_to_the_end
+    forwards: list[set[int]] = []  # the sequence ids in each model forward, in order
+    sched.fault_hook = lambda items: forwards.append({it.seq.id for it in items})
+    cancels: dict[int, tuple[int, int]] = {}  # seq id -> (forwards so far, tokens so far) at cancel
+    cancel = sched.cancel
+
+    def cancel_seen(seq):
+        cancels.setdefault(seq.id, (len(forwards), len(seq.output_ids)))
+        cancel(seq)
+
+    sched.cancel = cancel_seen
+    app = create_app(settings, lambda: smol, engine_factory=lambda loaded, s: engine)
+    async with serve(app, settings) as (base, url):
+        ws = await websockets.connect(url)
+        await hello(ws)
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "chat",
+                    "id": "long",
+                    "text": "Write a long story about a cat.",
+                    "options": {"max_new_tokens": 512, "temperature": 0},
+                }
             )
-            await recv_until(ws, lambda e: e["type"] == "token")
-            assert await metric(base, "rtserver_kv_used_bytes") > 0
-        # the generation stops at the next step, then the idle session expires and frees its KV
+        )
+        await recv_until(ws, lambda e: e["type"] == "token")
+        (stream,) = streams
+        seq = stream.seq
+        assert seq.params.ignore_eos and seq.params.temperature == 0 and seq.params.max_new_tokens == 512
+        assert not cancels and not seq.is_finished
+        assert await metric(base, "rtserver_kv_used_bytes") > 0
+        if how == "close":
+            await ws.close()
+        else:
+            ws.transport.abort()
+        result = await asyncio.wait_for(stream.result(), 60)
+        assert result.finish_reason is FinishReason.CANCELLED and seq.finish_reason is FinishReason.CANCELLED
+        assert seq.cancelled and seq.id in cancels, "the disconnect did not cancel the sequence"
+        forwards_before, tokens_before = cancels[seq.id]
+        steps_after = sum(seq.id in ids for ids in forwards[forwards_before:])
+        assert steps_after <= 2, (steps_after, forwards_before, len(forwards))
+        assert len(seq.output_ids) - tokens_before <= 2, (tokens_before, len(seq.output_ids))
+        assert 1 <= len(seq.output_ids) < 512
+        assert not sched.running and not sched.waiting
+        # the idle session expires and frees its KV
         await wait_for(lambda: _zero(base, "rtserver_running_sequences"))
         await wait_for(lambda: _zero(base, "rtserver_sessions"))
         await wait_for(lambda: _zero(base, "rtserver_kv_cached_sessions"))
@@ -130,7 +174,6 @@ async def test_disconnect_cancels_and_expiry_frees_kv(smol):
             )
 
         await wait_for(only_prefix_cache_left)
-        assert await metric(base, "rtserver_tokens_generated_total") < 500
         async with websockets.connect(url) as ws:  # the server is still fine
             await ws.send(json.dumps({"type": "ping"}))
             assert (await recv_json(ws))["type"] == "pong"
@@ -418,9 +461,7 @@ async def test_drain_lets_short_replies_finish_and_ends_long_ones(smol):
             )
             await recv_until(short, lambda e: e["type"] == "token")
             drain = asyncio.create_task(hub.drain(1.0))
-            events = await recv_until(
-                short, lambda e: e.get("id") == "short" and e["type"] in ("error", "done")
-            )
+            events = await recv_until(short, is_end("short"))
             assert events[-1]["type"] == "done"  # finished within the grace period
             assert any(e["type"] == "shutting_down" for e in events)
             events = await recv_until(ws, lambda e: e["type"] == "shutting_down")
@@ -428,9 +469,9 @@ async def test_drain_lets_short_replies_finish_and_ends_long_ones(smol):
             await ws.send(
                 json.dumps({"type": "task", "id": "late", "task": "sentiment", "input": {"text": "x"}})
             )
-            events = await recv_until(ws, lambda e: e.get("id") == "late" and e["type"] == "error")
-            assert events[-1]["code"] == "shutting_down"
-            events = await recv_until(ws, lambda e: e.get("id") == "long" and e["type"] in ("error", "done"))
+            events = await recv_until(ws, is_end("late"))
+            assert events[-1]["type"] == "error" and events[-1]["code"] == "shutting_down"
+            events = await recv_until(ws, is_end("long"))
             assert events[-1]["type"] == "error" and events[-1]["code"] == "shutting_down"
             with pytest.raises(websockets.ConnectionClosed) as info:
                 while True:

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rtserver.tools.loadclient import percentile, run_chat_load
+from rtserver.tools.loadclient import run_chat_load
 
 from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
-
-
-def test_percentile():
-    assert percentile([], 50) is None
-    assert percentile([3, 1, 2], 50) == 2
-    assert percentile(list(range(1, 101)), 95) == 95
 
 
 @pytest.mark.asyncio

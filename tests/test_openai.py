@@ -53,6 +53,34 @@ async def test_openai_client_plain_and_streaming(smol):
         assert isinstance(r2.choices[0].message.content, str)
 
 
+async def test_stop_is_honoured_plain_and_streaming(smol):
+    """`stop`: the reply ends just before the first occurrence of a stop string, which is not in it, and
+    finish_reason is "stop" (greedy, so the reply without `stop` is the reference; the stop string is taken
+    from its middle, where the reply without it goes on to max_tokens)."""
+    settings = make_settings(tasks={"auto_tasks": []})
+    async with serve(create_app(settings, lambda: smol), settings) as (base, url):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
+        msgs = [{"role": "user", "content": "Count from 1 to 30, separated by commas."}]
+        common = {"model": "m", "messages": msgs, "max_tokens": 24, "temperature": 0}
+        full = await client.chat.completions.create(**common)
+        reference = full.choices[0].message.content
+        assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 24, reference
+        stop = reference[len(reference) // 2 :][:3]
+        expected = reference[: reference.index(stop)]
+        assert stop.strip() and len(expected) >= 3, (reference, stop)
+        r = await client.chat.completions.create(**common, stop=["never in the reply", stop])
+        text = r.choices[0].message.content
+        assert text == expected and stop not in text, (text, stop, reference)
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 24
+        stream = await client.chat.completions.create(**common, stop=stop, stream=True)
+        pieces, finish = [], None
+        async for chunk in stream:
+            for ch in chunk.choices:
+                pieces.append(ch.delta.content or "")
+                finish = ch.finish_reason or finish
+        assert "".join(pieces) == expected and finish == "stop", (pieces, stop, reference)
+
+
 async def test_unsupported_fields_are_refused_with_400(smol):
     settings = make_settings(tasks={"auto_tasks": []})
     async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):

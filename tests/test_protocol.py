@@ -1,12 +1,22 @@
-"""protocol.parse_client_message: every bad frame maps to a precise code (pure, no server)."""
+"""protocol.parse_client_message: every bad frame maps to a precise code (pure, no server); the JSON
+Schema at /v1/protocol.schema.json agrees with the parser and with the events a real server sends."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
+import websockets
+from jsonschema import Draft202012Validator
+from referencing import Registry
+from referencing.jsonschema import DRAFT202012
 
+from rtserver.web import events
 from rtserver.web import protocol as P
+from rtserver.web.schema import protocol_schema
+
+from .serverutil import ScriptedEngine, hello, make_settings, recv_json, scripted_app, serve
 
 LIMIT = 4096
 
@@ -72,6 +82,117 @@ def test_good_messages():
 
 
 def test_server_events_are_compact_utf8_json():
-    text = P.dumps(P.token_event("1", "你好🎉"))
+    text = events.dumps(events.token_event("1", "你好🎉"))
     assert "你好🎉" in text and json.loads(text) == {"type": "token", "id": "1", "text": "你好🎉"}
-    assert P.error_event("bad_json", "m") == {"type": "error", "code": "bad_json", "message": "m"}
+    assert events.error_event("bad_json", "m") == {"type": "error", "code": "bad_json", "message": "m"}
+
+
+def test_field_errors_say_what_the_field_must_be():
+    with pytest.raises(P.ProtocolError) as info:
+        P.parse_client_message('{"type": "chat", "id": "a"}', LIMIT)
+    assert info.value.message == "'text' is required (a string)"
+    with pytest.raises(P.ProtocolError) as info:  # fields are checked in order: the bad id is reported
+        P.parse_client_message('{"type": "chat", "id": "", "text": 5}', LIMIT)
+    assert (info.value.code, info.value.request_id) == ("invalid_field", None)
+    assert info.value.message == "'id' must be a string of 1..64 characters"
+    with pytest.raises(P.ProtocolError) as info:
+        P.parse_client_message('{"type": "task", "id": "t", "task": "sentiment"}', LIMIT)
+    assert info.value.message == "'input' is required (the task's input, e.g. {\"text\": ...})"
+
+
+def test_fields_are_strict_and_optional_ones_may_be_null():
+    for frame in (
+        '{"type": "chat", "id": "1", "text": 1}',  # no number as a string
+        '{"type": "chat", "id": true, "text": "x"}',  # no bool as a string
+        '{"type": "task", "id": "1", "task": "sentiment", "input": {}, "options": "{}"}',
+        '{"type": "hello", "auth_token": ["t"]}',
+    ):
+        assert code_of(frame)[0] == "invalid_field", frame
+    assert P.parse_client_message('{"type": "chat", "id": "1", "text": "x", "options": null}', LIMIT) == (
+        P.Chat("1", "x")
+    )
+    hello_ = P.parse_client_message(json.dumps({"type": "hello", "client": "c" * 300, "extra": 1}), LIMIT)
+    assert hello_ == P.Hello(client="c" * 100)
+    assert P.parse_client_message('{"type": "task", "id": "1", "task": "t", "input": null}', LIMIT) == (
+        P.TaskCall("1", "t", None)
+    )
+
+
+# -- the published JSON Schema ----------------------------------------------------------------------
+
+GOOD_FRAMES = [
+    {"type": "hello"},
+    {"type": "hello", "session_id": "s", "resume_token": "t", "auth_token": None, "client": "web"},
+    {"type": "chat", "id": "c1", "text": "hi", "options": {"temperature": 0, "stop": ["\n"]}},
+    {"type": "task", "id": "t1", "task": "sentiment", "input": {"text": "x", "meta": {"tags": [1, 2]}}},
+    {"type": "cancel", "id": "c1"},
+    {"type": "reset"},
+    {"type": "ping", "data": {"n": 1}},
+]
+BAD_FRAMES = [
+    {},
+    {"type": "dance"},
+    {"type": "chat", "id": 7, "text": "hi"},
+    {"type": "chat", "id": "", "text": "hi"},
+    {"type": "chat", "id": "x" * 65, "text": "hi"},
+    {"type": "chat", "id": "a"},
+    {"type": "chat", "id": "a", "text": "hi", "options": [1]},
+    {"type": "task", "id": "a", "task": "sentiment"},
+    {"type": "task", "id": "a", "task": 1, "input": "x"},
+    {"type": "cancel"},
+    {"type": "hello", "session_id": 12},
+]
+
+
+def kind(event: dict) -> str:
+    return "auto " + event["type"] if event.get("auto") else event["type"]
+
+
+def server_event_validator(schema: dict) -> Draft202012Validator:
+    """Validates against #/$defs/ServerEvent, referenced through the schema's $id as a client would."""
+    registry = Registry().with_resource(schema["$id"], DRAFT202012.create_resource(schema))
+    return Draft202012Validator({"$ref": schema["$id"] + "#/$defs/ServerEvent"}, registry=registry)
+
+
+async def test_schema_is_served_and_validates_real_frames(smol):
+    settings = make_settings()
+    engine = ScriptedEngine(smol, script=smol.tokenizer.encode(" Fine, thanks.", add_special_tokens=False))
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        async with httpx.AsyncClient(base_url=base) as client:
+            r = await client.get("/v1/protocol.schema.json")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+        schema = r.json()
+        assert schema == json.loads(json.dumps(protocol_schema()))
+        assert schema["version"] == P.PROTOCOL_VERSION and P.PROTOCOL_VERSION in schema["$id"]
+        assert P.PROTOCOL_VERSION in schema["title"]
+        Draft202012Validator.check_schema(schema)
+        assert schema["discriminator"]["propertyName"] == "type"
+        assert set(schema["discriminator"]["mapping"]) == set(P.MESSAGE_TYPES)
+
+        # client -> server: the schema and the parser agree on good and bad frames
+        frames = Draft202012Validator(schema)
+        for frame in GOOD_FRAMES:
+            frames.validate(frame)
+            P.parse_client_message(json.dumps(frame), LIMIT)
+        for frame in BAD_FRAMES:
+            assert not frames.is_valid(frame), frame
+            code_of(json.dumps(frame))
+
+        # server -> client: every event of a real session is valid
+        events = []
+        async with websockets.connect(url) as ws:
+            events.append(await hello(ws, client="schema test"))
+            for frame in GOOD_FRAMES[2:4]:
+                await ws.send(json.dumps(frame))
+            while not {"done", "auto result", "result"} <= {kind(e) for e in events}:
+                events.append(await recv_json(ws))  # c1's done and auto-task result, t1's result
+            for frame in ({"type": "cancel", "id": "nope"}, {"type": "chat", "id": "c2"}, *GOOD_FRAMES[5:]):
+                await ws.send(json.dumps(frame))
+                events.append(await recv_json(ws))
+        kinds = {kind(e) for e in events}
+        assert {"ready", "token", "done", "result", "auto result", "error", "reset", "pong"} <= kinds, kinds
+        validator = server_event_validator(schema)
+        for event in events:
+            validator.validate(event)
+        assert not validator.is_valid({"type": "token", "id": "c1"})  # no text
+        assert not validator.is_valid({"type": "error", "code": "no_such_code", "message": "m"})

@@ -17,7 +17,6 @@ import logging
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from ..engine.backend import SamplingParams
 from ..engine.core import Engine, return_freed_memory
 from ..engine.model import LoadedModel
 from ..tasks.chat import continue_prompt, finished_turn
+from .stats import accuracy, mean, per_second, percentile, ratio
 
 log = logging.getLogger("rtserver.bench")
 
@@ -44,15 +44,6 @@ MULTI_TURN_MESSAGES = [
     "Give me one more.",
     "Thanks, bye!",
 ]
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
 def peak_rss_mb() -> float:
@@ -87,7 +78,7 @@ class LoopLag:
 
     def summary(self) -> dict:
         return {
-            "loop_lag_p95_ms": pct(self.samples, 0.95),
+            "loop_lag_p95_ms": percentile(self.samples, 0.95),
             "loop_lag_max_ms": max(self.samples, default=None),
         }
 
@@ -108,9 +99,9 @@ async def engine_burst(engine: Engine, prompts: list[list[int]], new_tokens: int
         "requests": len(prompts),
         "generated_tokens": generated,
         "wall_s": wall,
-        "tokens_per_s": generated / wall,
-        "ttft_p50_ms": pct(ttfts, 0.5),
-        "ttft_p95_ms": pct(ttfts, 0.95),
+        "tokens_per_s": per_second(generated, wall),
+        "ttft_p50_ms": percentile(ttfts, 0.5),
+        "ttft_p95_ms": percentile(ttfts, 0.95),
         **lag.summary(),
         "outputs": [r.token_ids for r in results],
     }
@@ -125,8 +116,8 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
             n += 1
         same_prefix.append(n / max(len(ref), 1))
     return {
-        "identical_outputs": sum(o == r for o, r in zip(outputs, reference)) / len(reference),
-        "tokens_before_divergence": statistics.mean(same_prefix),
+        "identical_outputs": accuracy(outputs, reference),
+        "tokens_before_divergence": mean(same_prefix),
     }
 
 
@@ -148,8 +139,8 @@ async def engine_arrival(engine: Engine, background: list[list[int]], arrival: l
     return {
         "arrivals": count,
         "background_streams": len(background),
-        "ttft_p50_ms": pct(ttfts, 0.5),
-        "ttft_p95_ms": pct(ttfts, 0.95),
+        "ttft_p50_ms": percentile(ttfts, 0.5),
+        "ttft_p95_ms": percentile(ttfts, 0.95),
         "ttft_max_ms": max(ttfts),
     }
 
@@ -195,10 +186,10 @@ async def engine_multi_turn(
     return {
         "sessions": sessions,
         "turns": turns,
-        "tokens_per_s": generated / wall,
-        "ttft_p50_ms_by_turn": {t: pct(v, 0.5) for t, v in ttft_by_turn.items()},
-        "ttft_p95_ms_by_turn": {t: pct(v, 0.95) for t, v in ttft_by_turn.items()},
-        "mean_prefilled_tokens_by_turn": {t: statistics.mean(v) for t, v in prefilled_by_turn.items()},
+        "tokens_per_s": per_second(generated, wall),
+        "ttft_p50_ms_by_turn": {t: percentile(v, 0.5) for t, v in ttft_by_turn.items()},
+        "ttft_p95_ms_by_turn": {t: percentile(v, 0.95) for t, v in ttft_by_turn.items()},
+        "mean_prefilled_tokens_by_turn": {t: mean(v) for t, v in prefilled_by_turn.items()},
     }
 
 
@@ -227,7 +218,7 @@ def hf_naive(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
         "requests": len(prompts),
         "generated_tokens": generated,
         "wall_s": wall,
-        "tokens_per_s": generated / wall,
+        "tokens_per_s": per_second(generated, wall),
     }
 
 
@@ -256,7 +247,7 @@ def hf_static_batches(
         "requests": len(prompts),
         "generated_tokens": generated,
         "wall_s": wall,
-        "tokens_per_s": generated / wall,
+        "tokens_per_s": per_second(generated, wall),
     }
 
 
@@ -282,7 +273,7 @@ def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> 
         "requests": len(prompts),
         "generated_tokens": generated,
         "wall_s": wall,
-        "tokens_per_s": generated / wall,
+        "tokens_per_s": per_second(generated, wall),
     }
 
 
@@ -389,10 +380,6 @@ def run_e2e(dtype: str, config: str | None, sessions: int = 32, turns: int = 5, 
         return asyncio.run(run_chat_load(server.ws_url, sessions, turns, new_tokens))
     finally:
         server.stop()
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if not a or not b else a / b
 
 
 def summarize(report: dict) -> list[tuple[str, str, str]]:
@@ -623,10 +610,7 @@ def run_bench(
     labels = report["engine"].get("float32", {}).get("sentiment", {}).get("labels")
     for label, result in report["engine"].items():
         if labels and label != "float32" and "labels" in result.get("sentiment", {}):
-            mine = result["sentiment"]["labels"]
-            result["sentiment"]["agreement_with_float32"] = sum(a == b for a, b in zip(mine, labels)) / len(
-                labels
-            )
+            result["sentiment"]["agreement_with_float32"] = accuracy(result["sentiment"]["labels"], labels)
     report["table"] = []
     for label, result in report["engine"].items():
         report["table"] += [

@@ -26,6 +26,7 @@ from ..engine.core import Engine
 from ..tasks import Choices, Task, Variant, has_cjk
 from ..tasks.registry import load_registry
 from ..tasks.run import PromptTask
+from .stats import accuracy, fraction, per_second
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "sentiment"
 LANGS = ("en", "zh")
@@ -132,7 +133,8 @@ async def _run_one(engine: Engine, task: PromptTask, examples: list[dict], back:
     choices = task.task.choices
     labels = set(choices.labels) if choices is not None else None
 
-    async def one(ex: dict) -> tuple[bool, bool]:
+    async def one(ex: dict) -> tuple[bool, str | None]:
+        """(valid, the gold label it stands for: None when invalid or not one of the gold labels)."""
         async with sem:
             out = await task.run(engine, {"text": ex["text"]})
         label = out.output.get("label")
@@ -140,7 +142,7 @@ async def _run_one(engine: Engine, task: PromptTask, examples: list[dict], back:
             valid = label in labels
         else:
             valid = bool(out.output.get("valid", label is not None))
-        return valid, valid and back.get(label) == ex["label"]
+        return valid, back.get(label) if valid else None
 
     started = time.perf_counter()
     results = await asyncio.gather(*(one(ex) for ex in examples))
@@ -148,9 +150,9 @@ async def _run_one(engine: Engine, task: PromptTask, examples: list[dict], back:
     n = len(examples)
     return {
         "n": n,
-        "accuracy": sum(c for _, c in results) / n,
-        "invalid_rate": sum(not v for v, _ in results) / n,
-        "examples_per_s": n / wall,
+        "accuracy": accuracy([gold for _, gold in results], [ex["label"] for ex in examples]),
+        "invalid_rate": fraction(not valid for valid, _ in results),
+        "examples_per_s": per_second(n, wall),
     }
 
 
@@ -172,14 +174,18 @@ async def evaluate(
             for lang in LANGS:
                 row = {"config": name, "lang": lang, **await _run_one(engine, task, data[lang], back)}
                 print(
-                    f"  {name:32s} {lang}: acc {row['accuracy']:.3f}  invalid {row['invalid_rate']:.3f}  "
-                    f"{row['examples_per_s']:.1f} ex/s",
+                    f"  {name:32s} {lang}: acc {_fmt(row['accuracy'], '.3f')}  "
+                    f"invalid {_fmt(row['invalid_rate'], '.3f')}  {_fmt(row['examples_per_s'], '.1f')} ex/s",
                     flush=True,
                 )
                 rows.append(row)
     finally:
         await engine.stop()
     return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -196,7 +202,7 @@ def format_table(rows: list[dict]) -> str:
         for lang in LANGS:
             r = langs.get(lang)
             cells += (
-                [f"{r['accuracy']:.3f}", f"{r['invalid_rate']:.1%}", f"{r['examples_per_s']:.1f}"]
+                [_fmt(r["accuracy"], ".3f"), _fmt(r["invalid_rate"], ".1%"), _fmt(r["examples_per_s"], ".1f")]
                 if r
                 else ["-", "-", "-"]
             )

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from typing import Any
+
+from .stats import mean, per_second, percentile, ratio
 
 DEFAULT_PROMPTS = [
     "Tell me about the ocean in two sentences.",
@@ -22,15 +23,6 @@ DEFAULT_PROMPTS = [
     "Summarise our chat in one line.",
     "Thanks! One more fact, please.",
 ]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
-    return ordered[rank - 1]
 
 
 async def _session(
@@ -144,11 +136,11 @@ async def run_chat_load(
         server = [t["server_ttft_ms"] for t in rows if t["server_ttft_ms"] is not None]
         per_turn[turn] = {
             "n": len(rows),
-            "ttft_p50_ms": percentile(ttfts, 50),
-            "ttft_p95_ms": percentile(ttfts, 95),
-            "server_ttft_p50_ms": percentile(server, 50),
-            "prompt_tokens_mean": sum(t["prompt"] for t in rows) / len(rows) if rows else None,
-            "cached_tokens_mean": sum(t["cached"] for t in rows) / len(rows) if rows else None,
+            "ttft_p50_ms": percentile(ttfts, 0.5),
+            "ttft_p95_ms": percentile(ttfts, 0.95),
+            "server_ttft_p50_ms": percentile(server, 0.5),
+            "prompt_tokens_mean": mean(t["prompt"] for t in rows),
+            "cached_tokens_mean": mean(t["cached"] for t in rows),
         }
     all_ttft = [t["client_ttft_ms"] for t in record["turns"] if t["client_ttft_ms"] is not None]
     errors: dict[str, int] = {}
@@ -161,11 +153,11 @@ async def run_chat_load(
         "max_new_tokens": max_new_tokens,
         "wall_s": wall,
         "tokens": tokens,
-        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "tokens_per_s": per_second(tokens, wall),
         "completed_turns": len(record["turns"]),
         "errors": errors,
         "per_turn": per_turn,
-        "ttft_p50_ms": percentile(all_ttft, 50),
-        "ttft_p95_ms": percentile(all_ttft, 95),
-        "turn_ratio_p50": (last / first) if first and last is not None else None,
+        "ttft_p50_ms": percentile(all_ttft, 0.5),
+        "ttft_p95_ms": percentile(all_ttft, 0.95),
+        "turn_ratio_p50": ratio(last, first),
     }

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from ..engine.core import Engine
 from ..engine.scheduler import Scheduler
 from ..engine.sequence import Sequence
 from ..tasks.registry import TaskRegistry
+from .stats import fraction, mean, median, per_second
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "sentiment"
 WRITEUP_PROMPT = (
@@ -160,9 +160,9 @@ async def auto_task_ttft(engine: Engine, registry: TaskRegistry, n: int = AUTO_T
             )
 
     def p50(mode: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[mode])
+        return median(r[key] for r in runs[mode])
 
-    step_ms = statistics.median(r["first_token_step_ms"] for r in runs["alone"] if r["first_token_step_ms"])
+    step_ms = median(r["first_token_step_ms"] for r in runs["alone"] if r["first_token_step_ms"])
     alone = p50("alone", "ttft_ms")
     out = {
         "chats_per_mode": n,
@@ -175,8 +175,8 @@ async def auto_task_ttft(engine: Engine, registry: TaskRegistry, n: int = AUTO_T
         out[f"added_ms_{name}"] = p50(mode, "ttft_ms") - alone
         out[f"added_steps_{name}"] = (p50(mode, "ttft_ms") - alone) / step_ms
         out[f"max_steps_to_first_token_{name}"] = max(r["steps_to_first_token"] or 0 for r in runs[mode])
-        out[f"in_first_step_{name}"] = (
-            sum((r["first_token_step_tokens"] or 0) > r["prefilled_tokens"] for r in runs[mode]) / n
+        out[f"in_first_step_{name}"] = fraction(
+            (r["first_token_step_tokens"] or 0) > r["prefilled_tokens"] for r in runs[mode]
         )
     out["reply_total_p50_ms"] = {m: p50(m, "total_ms") for m in modes}
     out["runs"] = runs
@@ -202,17 +202,17 @@ async def engine_sentiment(
     for _ in range(CACHED_ROUNDS):
         started = time.perf_counter()
         again = await asyncio.gather(*(registry.run(engine, "sentiment", {"text": t}) for t in texts))
-        rates.append(len(texts) / (time.perf_counter() - started))
+        rates.append(per_second(len(texts), time.perf_counter() - started))
         assert all(a.cached for a in again) and [a.output for a in again] == [f.output for f in fresh]
     steps = stats1["steps"] - stats0["steps"]
     result = {
         "texts": len(texts),
-        "fresh_per_s": len(texts) / fresh_s,
-        "cached_per_s": statistics.median(rates),
+        "fresh_per_s": per_second(len(texts), fresh_s),
+        "cached_per_s": median(rates),
         "cached_per_s_rounds": rates,
         "prefilled_tokens_per_text": (stats1["tokens_prefilled"] - stats0["tokens_prefilled"]) / len(texts),
         "prefix_cached_tokens_per_text": (stats1["kv"].prefix_hits - stats0["kv"].prefix_hits) / len(texts),
-        "prompt_tokens_per_text": statistics.mean(f.usage["prompt_tokens"] for f in fresh),
+        "prompt_tokens_per_text": mean(f.usage["prompt_tokens"] for f in fresh),
         "fresh_steps": steps,
         "fresh_step_ms": fresh_s * 1000 / max(steps, 1),
         "labels": [f.output["label"] for f in fresh],
@@ -242,4 +242,4 @@ def hf_sentiment_baseline(model: Any, tokenizer: Any, n: int = 64, batch: int = 
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=pad)
     wall = time.perf_counter() - started
-    return {"texts": len(texts), "per_s": len(texts) / wall}
+    return {"texts": len(texts), "per_s": per_second(len(texts), wall)}

@@ -30,6 +30,7 @@ from . import http_api
 from .hub import Hub
 from .metrics import CONTENT_TYPE
 from .protocol import transport_max_bytes
+from .schema import protocol_schema
 from .state import AppState
 
 log = logging.getLogger("rtserver.app")
@@ -207,6 +208,7 @@ def create_app(
         Route("/health", health),
         Route("/ready", ready),
         Route("/metrics", metrics),
+        Route("/v1/protocol.schema.json", lambda request: JSONResponse(protocol_schema())),
         WebSocketRoute("/ws", hub.endpoint),
         WebSocketRoute("/ws/console", hub.console.endpoint),
         Route("/console", console_page),

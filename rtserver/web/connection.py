@@ -12,7 +12,7 @@ from starlette.requests import HTTPConnection
 from starlette.websockets import WebSocket
 
 from ..config import SecuritySettings
-from . import protocol as P
+from . import events
 from .metrics import Metrics
 
 
@@ -110,7 +110,7 @@ async def refuse(
     """Tell an accepted connection why it is refused, then close it."""
     metrics.error(code)
     try:
-        await ws.send_text(P.dumps(P.error_event(code, message)))
+        await ws.send_text(events.dumps(events.error_event(code, message)))
         await ws.close(code=close_code, reason=reason)
     except Exception:  # the peer may already be gone
         pass

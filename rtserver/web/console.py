@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from . import events
 from . import protocol as P
 from .connection import Close, QueuedConnection, accept, refuse
 from .errors import error_code
@@ -139,7 +140,7 @@ class Agent(QueuedConnection):
         if self.stopping.is_set():
             return
         try:
-            self.queue.put_nowait(P.dumps(event))
+            self.queue.put_nowait(events.dumps(event))
         except asyncio.QueueFull:
             log.warning("closing console connection of %s: not reading", self.name)
             self.stop(Close.SLOW_CLIENT, "slow client")
@@ -336,7 +337,7 @@ class ConsoleHub:
         conv = self.conversations.get(session_id) if session is not None else None
         if conv is None:
             agent.put(
-                P.error_event(
+                events.error_event(
                     "unknown_session", f"no live conversation {session_id!r}", session_id=session_id
                 )
             )
@@ -349,7 +350,7 @@ class ConsoleHub:
             return
         if conv.agent is not None and conv.agent["id"] != agent.id:
             agent.put(
-                P.error_event(
+                events.error_event(
                     "already_taken",
                     f"{conv.agent['name']} has already taken over this conversation",
                     session_id=session_id,
@@ -372,14 +373,14 @@ class ConsoleHub:
         if session is None or conv is None:
             if agent is not None:
                 agent.put(
-                    P.error_event(
+                    events.error_event(
                         "unknown_session", f"no live conversation {session_id!r}", session_id=session_id
                     )
                 )
             return
         if agent is not None and (conv.agent is None or conv.agent["id"] != agent.id):
             agent.put(
-                P.error_event(
+                events.error_event(
                     "not_taken_over", "you have not taken over this conversation", session_id=session_id
                 )
             )
@@ -396,17 +397,17 @@ class ConsoleHub:
             return
         if conv.agent is None or conv.agent["id"] != agent.id:
             agent.put(
-                P.error_event(
+                events.error_event(
                     "not_taken_over", "take over the conversation before replying", session_id=session_id
                 )
             )
             return
         if not isinstance(text, str):
-            agent.put(P.error_event("invalid_field", "'text' must be a string", session_id=session_id))
+            agent.put(events.error_event("invalid_field", "'text' must be a string", session_id=session_id))
             return
         text = _clean(text)[:MAX_AGENT_MESSAGE_CHARS]
         if not text:
-            agent.put(P.error_event("empty_text", "the message is empty", session_id=session_id))
+            agent.put(events.error_event("empty_text", "the message is empty", session_id=session_id))
             return
         session.history.append({"role": "assistant", "content": text, "agent": agent.name})
         session.touch(self.sessions.clock())
@@ -458,7 +459,7 @@ class ConsoleHub:
         token = self.settings.security.console_token
         given = obj.get("token")
         if not (isinstance(given, str) and secrets.compare_digest(given.encode(), token.encode())):
-            agent.put(P.error_event("unauthorized", "wrong console token"))
+            agent.put(events.error_event("unauthorized", "wrong console token"))
             agent.stop(Close.UNAUTHORIZED, "unauthorized")
             return False
         name, agent_id = obj.get("agent"), obj.get("agent_id")
@@ -478,27 +479,27 @@ class ConsoleHub:
         try:
             obj = P.load_object(raw, self.settings.server.max_frame_bytes)
         except P.ProtocolError as exc:
-            agent.put(P.error_event(exc.code, exc.message))
+            agent.put(events.error_event(exc.code, exc.message))
             return
         kind = obj.get("type")
         if kind not in AGENT_MESSAGE_TYPES:
             agent.put(
-                P.error_event(
+                events.error_event(
                     "unknown_type", f"unknown message type {kind!r} (known: {', '.join(AGENT_MESSAGE_TYPES)})"
                 )
             )
             return
         if kind == "ping":
-            agent.put(P.pong_event(obj.get("data")))
+            agent.put(events.pong_event(obj.get("data")))
             return
         if kind == "login":
             if agent.logged_in:
-                agent.put(P.error_event("already_started", "already logged in"))
+                agent.put(events.error_event("already_started", "already logged in"))
             else:
                 self._login(agent, obj)
             return
         if not agent.logged_in:
-            agent.put(P.error_event("unauthorized", "send login with the console token first"))
+            agent.put(events.error_event("unauthorized", "send login with the console token first"))
             agent.stop(Close.UNAUTHORIZED, "unauthorized")
             return
         sid = obj.get("session_id")

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.backend import FinishReason, SamplingError, SamplingParams, SequenceResult
 from ..tasks.chat import ChatTask
+from . import events
 from . import protocol as P
 from .connection import client_ip
 from .errors import error_code
@@ -220,7 +221,7 @@ async def run_task(request: Request, state: AppState, body: dict) -> Response:
                 "task": name,
                 "output": output,
                 "text": result.text,
-                "usage": P.usage_json(result.usage),
+                "usage": events.usage_json(result.usage),
                 "timing": timing,
                 "cached": False,
             }
@@ -242,7 +243,7 @@ async def chat(request: Request, state: AppState, body: dict) -> Response:
     if "history" not in body:
         raise HTTPError("missing_field", "'history' is required", "history")
     result, output = await _stateless_chat(state, body["history"], body.get("options"), "http_chat")
-    return JSONResponse({**output, "usage": P.usage_json(result.usage)})
+    return JSONResponse({**output, "usage": events.usage_json(result.usage)})
 
 
 # -- OpenAI-compatible ---------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..engine.backend import FinishReason, Generation
+from . import events
 from . import protocol as P
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
 from .console import ConsoleHub
@@ -83,7 +84,7 @@ class Connection(QueuedConnection):
             return
         if event.get("type") == "error":
             self.hub.metrics.error(event["code"])
-        text = P.dumps(event)
+        text = events.dumps(event)
         try:
             self.queue.put_nowait(text)
             return
@@ -99,7 +100,7 @@ class Connection(QueuedConnection):
                 self.stop(Close.SLOW_CLIENT, "slow client")
 
     async def error(self, code: str, message: str, request_id: str | None = None, **extra: Any) -> None:
-        await self.send(P.error_event(code, message, request_id, **extra))
+        await self.send(events.error_event(code, message, request_id, **extra))
 
     # -- reading --------------------------------------------------------------------------------
     async def reader(self) -> None:
@@ -154,7 +155,7 @@ class Connection(QueuedConnection):
             await self.error(error.code, error.message, error.request_id)
             return
         if isinstance(msg, P.Ping):
-            await self.send(P.pong_event(msg.data))
+            await self.send(events.pong_event(msg.data))
             return
         if isinstance(msg, P.Hello):
             if self.session is not None:
@@ -301,7 +302,7 @@ class Connection(QueuedConnection):
             self.run_auto_tasks(msg.id, turn.text)
             async for event in stream:
                 if event.text:
-                    await self.send(P.token_event(msg.id, event.text))
+                    await self.send(events.token_event(msg.id, event.text))
                     hub.console.bot_token(session, msg.id, event.text)
             result = await stream.result()
             if result.finish_reason is FinishReason.ERROR:
@@ -314,7 +315,7 @@ class Connection(QueuedConnection):
             reply, reason = result.text, result.finish_reason.value
             hub.metrics.observe_generation("ws_chat", result)
             hub.metrics.requests.labels("ws", "chat").inc()
-            await self.send(P.done_event(msg.id, result, chat.parse(result.text)))
+            await self.send(events.done_event(msg.id, result, chat.parse(result.text)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -340,7 +341,7 @@ class Connection(QueuedConnection):
         try:
             out = await hub.state.tasks.run(hub.state.backend, msg.task, msg.input, msg.options or None)
             hub.metrics.requests.labels("ws", "task").inc()
-            await self.send(P.result_event(msg.id, out))
+            await self.send(events.result_event(msg.id, out))
         except asyncio.CancelledError:
             await self.error("cancelled", "the task was cancelled", msg.id)
         except Exception as exc:
@@ -360,7 +361,7 @@ class Connection(QueuedConnection):
     async def run_auto_task(self, request_id: str, name: str, text: str) -> None:
         try:
             out = await self.hub.state.tasks.run(self.hub.state.backend, name, text)
-            await self.send(P.result_event(request_id, out, auto=True))
+            await self.send(events.result_event(request_id, out, auto=True))
             if self.session is not None:
                 self.hub.console.auto_result(self.session, request_id, out.task, out.output)
         except asyncio.CancelledError:
@@ -427,7 +428,7 @@ class Hub:
     def ready_event(self, session: Session, resumed: bool) -> dict:
         registry = self.state.tasks
         holder = self.console.holder(session)
-        return P.ready_event(
+        return events.ready_event(
             session.id,
             session.resume_token,
             resumed,

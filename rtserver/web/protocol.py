@@ -1,12 +1,12 @@
-"""The /ws protocol: message types in and out, and the validation that turns bad input into precise codes.
+"""The /ws protocol, client side: the messages a client may send, and the validation that turns bad
+input into precise codes.
 
 Every frame is one JSON object with a `type`. `parse_client_message` checks a raw frame (binary, size,
 JSON, type, fields and their types) and returns a typed message or raises `ProtocolError` with a stable
 `code`, a human `message` and the request `id` when the frame carried a usable one. JSON is read by
-`loads` (I-JSON and a nesting limit), which the HTTP API shares. Builders for the
-server's events (`ready`, `token`, `done`, `result`, `error`, `pong`) live here too, so the wire format
-is defined in one place (the agent console's /ws/console events are in console.py). The full
-description is docs/protocol.md (PROTOCOL_VERSION below).
+`loads` (I-JSON and a nesting limit), which the HTTP API shares; then pydantic checks the fields against
+the client message models (strict: nothing is converted). What the server sends: events.py; the JSON
+Schema of both: schema.py. The full description is docs/protocol.md (PROTOCOL_VERSION below).
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ import json
 import math
 import re
 import sys
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import field
+from typing import Annotated, Any, Literal, get_args
 
-from ..engine.backend import SequenceResult, Usage
-from ..tasks import TaskOutput
+from pydantic import AfterValidator, ConfigDict, Field, StrictStr, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
 
 PROTOCOL_VERSION = "1.1"
 
 # Stable error codes (docs/protocol.md lists them with their meaning).
-ERROR_CODES = (
+ErrorCode = Literal[
     "bad_json",
     "binary_frame",
     "frame_too_large",
@@ -59,7 +59,8 @@ ERROR_CODES = (
     "unknown_session",
     "already_taken",
     "not_taken_over",
-)
+]
+ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
 
 MAX_ID_CHARS = 64
 MAX_JSON_DEPTH = 100  # arrays/objects nested in a frame or HTTP body, the outermost one included
@@ -83,96 +84,115 @@ class ProtocolError(Exception):
 
 
 # -- client → server ------------------------------------------------------------------------------
+#
+# One pydantic dataclass per message type. A field's `description` says what it must be: the JSON Schema
+# shows it and a refused frame's message quotes it ("'id' must be a string of 1..64 characters"). Fields
+# are strict (a string is a JSON string, never a number) and checked in order, so a bad `id` is the one
+# reported first. Unknown fields are ignored. `type` comes last with a default so that the server can
+# build a message itself (`Hello()`); the schema still requires it in a frame (`_frame_schema`).
 
 
-@dataclass
+def _frame_schema(schema: dict[str, Any]) -> None:
+    """A message's JSON Schema: `type` listed first, and required."""
+    kind = schema["properties"].pop("type")
+    kind.pop("default", None)
+    schema["properties"] = {"type": kind, **schema["properties"]}
+    schema["required"] = ["type", *schema.get("required", [])]
+
+
+_MESSAGE = ConfigDict(json_schema_extra=_frame_schema)
+
+RequestId = Annotated[
+    StrictStr,
+    Field(min_length=1, max_length=MAX_ID_CHARS, description=f"a string of 1..{MAX_ID_CHARS} characters"),
+]
+Options = Annotated[
+    dict[str, Any] | None,
+    AfterValidator(lambda options: options or {}),
+    Field(description="an object of decoding settings"),
+]
+OptionalString = Annotated[StrictStr | None, Field(description="a string")]
+
+
+@dataclass(config=_MESSAGE)
 class Hello:
-    session_id: str | None = None
-    resume_token: str | None = None
-    auth_token: str | None = None
-    client: str | None = None
+    """Start a session, or resume one with `session_id` and `resume_token` from its `ready`."""
+
+    session_id: OptionalString = None
+    resume_token: OptionalString = None
+    auth_token: OptionalString = None
+    client: Annotated[
+        StrictStr | None,
+        AfterValidator(lambda name: (name or "")[:100] or None),
+        Field(description="a string (the client's name, cut to 100 characters)"),
+    ] = None
+    type: Literal["hello"] = "hello"
 
 
-@dataclass
+@dataclass(config=_MESSAGE)
 class Chat:
-    id: str
-    text: str
-    options: dict = field(default_factory=dict)
+    """One user turn of the session's conversation: the reply streams as `token`s, then `done`."""
+
+    id: RequestId
+    text: Annotated[StrictStr, Field(description="a string")]
+    options: Options = field(default_factory=dict)
+    type: Literal["chat"] = "chat"
 
 
-@dataclass
+@dataclass(config=_MESSAGE)
 class TaskCall:
-    id: str
-    task: str
-    input: Any
-    options: dict = field(default_factory=dict)
+    """Run a stateless task (e.g. `sentiment`) on `input`; the answer is a `result`."""
+
+    id: RequestId
+    task: Annotated[StrictStr, Field(description="a task name string")]
+    input: Annotated[Any, Field(description='the task\'s input, e.g. {"text": ...}')]
+    options: Options = field(default_factory=dict)
+    type: Literal["task"] = "task"
 
 
-@dataclass
+@dataclass(config=_MESSAGE)
 class Cancel:
-    id: str
+    """Stop the request `id` in flight."""
+
+    id: RequestId
+    type: Literal["cancel"] = "cancel"
 
 
-@dataclass
+@dataclass(config=_MESSAGE)
 class Reset:
-    pass
+    """Cancel the chat turn in progress and clear the session's history."""
+
+    type: Literal["reset"] = "reset"
 
 
-@dataclass
+@dataclass(config=_MESSAGE)
 class Ping:
-    data: Any = None
+    """Answered `pong` with the same `data`."""
+
+    data: Annotated[Any, Field(description="any JSON value")] = None
+    type: Literal["ping"] = "ping"
 
 
 ClientMessage = Hello | Chat | TaskCall | Cancel | Reset | Ping
-MESSAGE_TYPES = ("hello", "chat", "task", "cancel", "reset", "ping")
-
-
-def _get(
-    obj: dict,
-    key: str,
-    kinds: type | tuple,
-    what: str,
-    rid: str | None,
-    *,
-    required: bool = True,
-    nullable: bool = False,
-) -> Any:
-    if key not in obj or (obj[key] is None and not required):
-        if required:
-            raise ProtocolError("missing_field", f"'{key}' is required ({what})", rid)
-        return None
-    value = obj[key]
-    if value is None and nullable:
-        return None
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise ProtocolError("invalid_field", f"'{key}' must be {what}", rid)
-    if not isinstance(value, kinds):
-        raise ProtocolError("invalid_field", f"'{key}' must be {what}", rid)
-    return value
-
-
-def _request_id(obj: dict) -> str:
-    rid = obj.get("id")
-    if "id" not in obj:
-        raise ProtocolError("missing_field", "'id' is required (a string of 1..64 characters)")
-    if not isinstance(rid, str) or not 1 <= len(rid) <= MAX_ID_CHARS:
-        raise ProtocolError("invalid_field", "'id' must be a string of 1..64 characters")
-    return rid
-
-
-def _options(obj: dict, rid: str) -> dict:
-    options = obj.get("options")
-    if options is None:
-        return {}
-    if not isinstance(options, dict):
-        raise ProtocolError("invalid_field", "'options' must be an object of decoding settings", rid)
-    return options
+_MODELS: dict[str, Any] = {
+    "hello": Hello,
+    "chat": Chat,
+    "task": TaskCall,
+    "cancel": Cancel,
+    "reset": Reset,
+    "ping": Ping,
+}
+MESSAGE_TYPES = tuple(_MODELS)
+CLIENT_MESSAGE: TypeAdapter[ClientMessage] = TypeAdapter(
+    Annotated[ClientMessage, Field(discriminator="type")]
+)
 
 
 def parse_client_message(raw: str | bytes, max_frame_bytes: int) -> ClientMessage:
     """A validated client message from one WebSocket frame; raises ProtocolError."""
     obj = load_object(raw, max_frame_bytes)
-    rid = obj.get("id") if isinstance(obj.get("id"), str) and len(obj.get("id")) <= MAX_ID_CHARS else None
+    raw_id = obj.get("id")
+    rid = raw_id if isinstance(raw_id, str) and len(raw_id) <= MAX_ID_CHARS else None  # errors report it
     return _parse_object(obj, rid)
 
 
@@ -200,19 +220,22 @@ def loads(text: str) -> Any:
     conversions, or exhaust the recursion limit of whatever serializes them later.
     """
     try:
-        value = json.loads(
-            text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int
-        )
+        value = _DECODER.decode(text)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
-    if text.count("[") + text.count("{") > MAX_JSON_DEPTH or _MAYBE_SURROGATE.search(text):
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH or _may_hold_surrogate(text):
         _check_tree(value)
     return value
 
 
 _FLOAT_MAX = sys.float_info.max
-_MAYBE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _may_hold_surrogate(text: str) -> bool:
+    """A cheap pre-check: an escape `\\ud800`-`\\udfff`, or a surrogate itself (never in ASCII text)."""
+    return bool(_SURROGATE_ESCAPE.search(text)) or (not text.isascii() and bool(_SURROGATE.search(text)))
 
 
 def _no_constant(name: str) -> Any:
@@ -231,6 +254,10 @@ def _bounded_int(text: str) -> int:
     if value is None or abs(value) > _FLOAT_MAX:
         raise ValueError(f"number {text[:24]}... is out of range (at most {_FLOAT_MAX:g} in magnitude)")
     return value
+
+
+# one decoder for every call: `json.loads` with hooks would build a new one each time (half its cost)
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int)
 
 
 def _check_tree(value: Any) -> None:
@@ -262,132 +289,14 @@ def _parse_object(obj: dict, rid: str | None) -> ClientMessage:
         raise ProtocolError(
             "unknown_type", f"unknown message type {kind!r} (known: {', '.join(MESSAGE_TYPES)})", rid
         )
-    if kind == "hello":
-        return Hello(
-            session_id=_get(obj, "session_id", str, "a string", rid, required=False),
-            resume_token=_get(obj, "resume_token", str, "a string", rid, required=False),
-            auth_token=_get(obj, "auth_token", str, "a string", rid, required=False),
-            client=(_get(obj, "client", str, "a string", rid, required=False) or "")[:100] or None,
-        )
-    if kind == "ping":
-        return Ping(obj.get("data"))
-    if kind == "reset":
-        return Reset()
-    rid = _request_id(obj)
-    if kind == "chat":
-        return Chat(rid, _get(obj, "text", str, "a string", rid), _options(obj, rid))
-    if kind == "task":
-        name = _get(obj, "task", str, "a task name string", rid)
-        if "input" not in obj:
-            raise ProtocolError(
-                "missing_field", "'input' is required (the task's input, e.g. {\"text\": ...})", rid
-            )
-        return TaskCall(rid, name, obj["input"], _options(obj, rid))
-    return Cancel(rid)
-
-
-# -- server → client ------------------------------------------------------------------------------
-
-
-def dumps(event: dict) -> str:
-    return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-
-
-def ready_event(
-    session_id: str,
-    resume_token: str,
-    resumed: bool,
-    history_turns: int,
-    limits: dict,
-    tasks: list[dict],
-    auto_tasks: list[str],
-    history: list[dict] | None = None,
-    agent: str | None = None,
-) -> dict:
-    """`history` (1.1): the session's messages, for a client to show what it resumed; `agent` (1.1): the
-    name of the human agent answering instead of the bot, or None."""
-    return {
-        "type": "ready",
-        "protocol": PROTOCOL_VERSION,
-        "session_id": session_id,
-        "resume_token": resume_token,
-        "resumed": resumed,
-        "history_turns": history_turns,
-        "limits": limits,
-        "tasks": tasks,
-        "auto_tasks": auto_tasks,
-        "history": [history_message(m) for m in history or ()],
-        "agent": agent,
-    }
-
-
-def history_message(m: dict) -> dict:
-    """A history entry as clients see it: {role, content} plus `agent` for a human agent's reply."""
-    out = {"role": m["role"], "content": m["content"]}
-    if m.get("agent"):
-        out["agent"] = m["agent"]
-    return out
-
-
-def token_event(request_id: str, text: str) -> dict:
-    return {"type": "token", "id": request_id, "text": text}
-
-
-def usage_json(usage: Usage) -> dict:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "cached_tokens": usage.cached_tokens,
-        "generated_tokens": usage.generated_tokens,
-        "prefilled_tokens": usage.prefilled_tokens,
-    }
-
-
-def timing_json(result: SequenceResult) -> dict:
-    return {
-        "queued_ms": round(result.queued_ms, 2),
-        "ttft_ms": None if result.ttft_ms is None else round(result.ttft_ms, 2),
-        "total_ms": round(result.total_ms, 2),
-    }
-
-
-def done_event(request_id: str, result: SequenceResult, output: dict) -> dict:
-    return {
-        "type": "done",
-        "id": request_id,
-        "text": result.text,
-        "output": output,
-        "finish_reason": result.finish_reason.value,
-        "usage": usage_json(result.usage),
-        "timing": timing_json(result),
-    }
-
-
-def result_event(request_id: str, out: TaskOutput, auto: bool = False) -> dict:
-    event: dict[str, Any] = {
-        "type": "result",
-        "id": request_id,
-        "task": out.task,
-        "output": out.output,
-        "text": out.text,
-        "usage": out.usage,
-        "timing": out.timing,
-        "cached": out.cached,
-    }
-    if auto:
-        event["auto"] = True
-    return event
-
-
-def error_event(code: str, message: str, request_id: str | None = None, **extra: Any) -> dict:
-    event: dict[str, Any] = {"type": "error", "code": code, "message": message}
-    if request_id is not None:
-        event["id"] = request_id
-    event.update(extra)
-    return event
-
-
-def pong_event(data: Any = None) -> dict:
-    event: dict = {"type": "pong"}
-    if data is not None:
-        event["data"] = data
-    return event
+    try:
+        return CLIENT_MESSAGE.validate_python(obj)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_context=False, include_input=False)[0]
+        name = str(error["loc"][1])  # (type, field, ...)
+        what = _MODELS[kind].__pydantic_fields__[name].description
+        if name == "id":
+            rid = None  # not a usable id
+        if error["type"] == "missing":
+            raise ProtocolError("missing_field", f"'{name}' is required ({what})", rid) from None
+        raise ProtocolError("invalid_field", f"'{name}' must be {what}", rid) from None

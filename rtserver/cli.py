@@ -9,7 +9,8 @@ import sys
 
 from .config import DTYPES, ConfigError, load_settings
 
-BENCH_WORKLOADS = ["burst", "single", "arrival", "multi-turn", "sentiment", "e2e"]
+BENCH_WORKLOADS = ["burst", "single", "arrival", "multi-turn", "sentiment", "e2e", "remote"]
+DEFAULT_WORKLOADS = BENCH_WORKLOADS[:-1]  # "remote" builds and runs llama-server: asked for by name
 
 
 def _settings(args: argparse.Namespace):
@@ -47,7 +48,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .tools.bench import run_bench
 
     settings = _settings(args)
-    workloads = args.workloads.split(",") if args.workloads else BENCH_WORKLOADS
+    workloads = args.workloads.split(",") if args.workloads else DEFAULT_WORKLOADS
     unknown = set(workloads) - set(BENCH_WORKLOADS)
     if unknown:
         print(

@@ -18,6 +18,7 @@ from typing import Any
 
 # model.dtype: how the engine stores and computes the weights (rtserver.engine.model maps each one)
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+BACKENDS = ("local", "openai")
 
 # RTSERVER_* variables that are not settings: the config file, and the test suite's switches
 NOT_SETTINGS = {"RTSERVER_CONFIG", "RTSERVER_SLOW_TESTS", "RTSERVER_REPORT_DIR"}
@@ -56,6 +57,25 @@ class ModelSettings:
     dtype: str = _setting("auto", choices=DTYPES)
     threads: int = _setting(0, min=0, max=1024)
     cache_dir: str = _setting("~/.cache/rtserver")
+    # where inference runs: "local" (the in-process engine) or "openai" (the [backend] servers; the
+    # tokenizer and chat template still come from `model`)
+    backend: str = _setting("local", choices=BACKENDS)
+
+
+@dataclass
+class BackendSettings:
+    """Remote OpenAI-compatible inference servers (vLLM, llama-server, rtserver nodes): model.backend =
+    "openai" or a task's `backend = "openai"`."""
+
+    urls: list[str] = _setting([])
+    api_key: str = _setting("")
+    model: str = _setting("")  # the served model name; empty: what the server's /v1/models lists first
+    timeout_s: float = _setting(60.0, min=0.1, max=3600.0)
+    max_in_flight_per_url: int = _setting(64, min=1, max=100_000)
+    health_interval_s: float = _setting(5.0, min=0.1, max=3600.0)
+    # circuit breaker: this many failures in a row take a URL out for `retry_after_s`, then one probe
+    failures_to_open: int = _setting(3, min=1, max=1000)
+    retry_after_s: float = _setting(10.0, min=0.1, max=3600.0)
 
 
 @dataclass
@@ -111,6 +131,7 @@ class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    backend: BackendSettings = field(default_factory=BackendSettings)
     sessions: SessionSettings = field(default_factory=SessionSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     tasks: TaskSettings = field(default_factory=TaskSettings)
@@ -208,7 +229,29 @@ def settings_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None
             built[name] = merged.get(name, {})
         else:
             built[name] = _build_section(hints[name], name, merged.get(name, {}))
-    return Settings(**built)
+    settings = Settings(**built)
+    _check_backends(settings)
+    return settings
+
+
+def _check_backends(settings: Settings) -> None:
+    """Cross-setting rules of where inference runs: remote servers need URLs, and a task's placement
+    names a known backend."""
+    placements = {
+        f"task.{name}.backend": table["backend"]
+        for name, table in settings.task.items()
+        if isinstance(table, dict) and "backend" in table
+    }
+    for key, value in placements.items():
+        if value not in BACKENDS:
+            allowed = ", ".join(repr(b) for b in BACKENDS)
+            raise ConfigError(f"{key} = {value!r}: allowed values are {allowed}")
+    uses_remote = settings.model.backend == "openai" or "openai" in placements.values()
+    if uses_remote and not settings.backend.urls:
+        raise ConfigError('backend.urls is empty: the "openai" backend needs at least one server URL')
+    for url in settings.backend.urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"backend.urls: {url!r} is not an http:// or https:// URL")
 
 
 def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Settings:

@@ -97,6 +97,7 @@ ERROR_CODES = frozenset(  # the "Error codes" table
         "unauthorized",
         "not_ready",
         "overloaded",
+        "backend_unavailable",
         "request_too_large",
         "cancelled",
         "internal",

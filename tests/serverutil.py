@@ -213,6 +213,7 @@ class ScriptedEngine:
         self.dropped: list[Any] = []
         self.prompts: list[list[int]] = []
         self.generated = 0
+        self.scored = 0
         self.tasks: set = set()
 
     def start(self) -> None:
@@ -276,10 +277,16 @@ class ScriptedEngine:
 
     async def score(self, prompt_ids, candidates, *, normalize: bool = True) -> list[float]:
         await asyncio.sleep(0)
+        self.scored += 1
         return [-float(i) for i in range(len(candidates))]
 
     def drop_session(self, key) -> None:
         self.dropped.append(key)
+
+    def health(self) -> dict:
+        return {"kind": "scripted", "state": "up"}
+
+    available = True
 
     def stats(self) -> dict:
         kv = SimpleNamespace(

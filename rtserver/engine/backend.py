@@ -23,6 +23,10 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False, **kwargs: Any) -> str: ...
 
+    def __len__(self) -> int:
+        """The vocabulary size, added tokens included."""
+        ...
+
     def apply_chat_template(self, conversation: list[dict], **kwargs: Any) -> Any:
         """The rendered prompt: text with `tokenize=False`, token ids with `tokenize=True`."""
         ...
@@ -104,6 +108,7 @@ class SequenceResult:
     ttft_ms: float | None
     total_ms: float
     error: str | None = None
+    error_code: str | None = None  # a stable client-facing code for the error (None: "internal")
     scores: list[float] | None = None
 
 
@@ -151,3 +156,12 @@ class InferenceBackend(Protocol):
         """Free what the backend keeps for a session (it closed or expired)."""
 
     def stats(self) -> dict[str, Any]: ...
+
+    def health(self) -> dict[str, Any]:
+        """What /health shows of this backend (a remote one: each server's state)."""
+        ...
+
+    @property
+    def available(self) -> bool:
+        """Whether requests can be served now (a remote one: some server is up)."""
+        ...

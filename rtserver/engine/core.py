@@ -204,6 +204,13 @@ class Engine:
         """Free a session's cached KV (session closed or expired)."""
         self.kv.drop_session(session_key)
 
+    def health(self) -> dict[str, Any]:
+        return {"kind": "local", "state": "up", "running": len(self.scheduler.running)}
+
+    @property
+    def available(self) -> bool:
+        return True  # in process: up as long as this server is
+
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
         return {

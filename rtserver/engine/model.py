@@ -189,3 +189,18 @@ def load_model(
         threads=n_threads,
         weight_storage=storage,
     )
+
+
+def load_tokenizer(
+    spec: str = "embedded", cache_dir: str | os.PathLike = "~/.cache/rtserver"
+) -> tuple[str, Tokenizer]:
+    """(name, tokenizer with its chat template) of a `model = ...` setting, without its weights: what a
+    node needs whose inference runs on remote servers."""
+    from transformers import AutoTokenizer
+
+    name, source = resolve_source(spec, Path(cache_dir).expanduser())
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as exc:
+        raise ModelLoadError(f"{spec}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+    return name, cast(Tokenizer, tokenizer)

@@ -109,12 +109,28 @@ def _apply_overrides(task: Task, table: dict) -> Task:
     return dataclasses.replace(task, **generic)
 
 
-class TaskRegistry:
-    """The enabled tasks by name, and the stateless ones run on every user chat message."""
+# `[task.<name>] backend = "local" | "openai"`: where the task runs, a deployment choice the web layer
+# reads (not part of the declaration)
+PLACEMENT_KEY = "backend"
 
-    def __init__(self, tasks: dict[str, PromptTask | ChatTask], auto_tasks: list[str]):
+
+class TaskRegistry:
+    """The enabled tasks by name, the stateless ones run on every user chat message, and the backend
+    each task is placed on when its `[task.<name>]` table names one."""
+
+    def __init__(
+        self,
+        tasks: dict[str, PromptTask | ChatTask],
+        auto_tasks: list[str],
+        placements: dict[str, str] | None = None,
+    ):
         self.tasks = tasks
         self.auto_tasks = auto_tasks
+        self.placements = placements or {}
+
+    def placement(self, name: str) -> str | None:
+        """The backend named for this task in the config, or None (the default backend)."""
+        return self.placements.get(name)
 
     @property
     def chat(self) -> ChatTask:
@@ -223,7 +239,7 @@ def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistr
             name = _declared_name(obj)
             if name is None:  # a factory that does not say its name: ask it with no options
                 name = _task_from(obj, {}, source).name
-            table = dict(overrides.get(name, {}))
+            table = {k: v for k, v in overrides.get(name, {}).items() if k != PLACEMENT_KEY}
             if not isinstance(name, str):
                 raise ValueError(f"name {name!r}: expected a string")
             seen.add(name)
@@ -254,4 +270,9 @@ def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistr
             )
     for err in errors:
         log.error("plugin problem: %s", err)
-    return TaskRegistry(tasks, auto), errors
+    placements = {
+        name: table[PLACEMENT_KEY]
+        for name, table in overrides.items()
+        if name in tasks and isinstance(table, dict) and PLACEMENT_KEY in table
+    }
+    return TaskRegistry(tasks, auto, placements), errors

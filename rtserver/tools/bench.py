@@ -532,6 +532,47 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def remote_rows(r: dict) -> list[tuple[str, str, str]]:
+    """The hub in front of llama-server (tools/remote_bench.py)."""
+    d, h, mt = r["burst_direct"], r["burst_through_hub"], r["multi_turn"]
+
+    def fmt(v: float | None, unit: str = "") -> str:
+        return "n/a" if v is None else f"{v:,.1f}{unit}"
+
+    per_turn = mt["per_turn"]
+    return [
+        (
+            "[remote] burst tokens/s: llama-server directly / through the hub",
+            f"{fmt(d['tokens_per_s'])} / {fmt(h['tokens_per_s'])}",
+            "",
+        ),
+        (
+            "[remote] burst token counts exact (direct / hub)",
+            f"{d['exact_token_counts']} / {h['exact_token_counts']}",
+            "",
+        ),
+        ("[remote] hub tokens/s ratio", fmt(r["hub_tokens_per_s_ratio"], "x"), ">= 0.9x"),
+        (
+            "[remote] burst TTFT p50 ms: direct / hub",
+            f"{fmt(d['ttft_p50_ms'])} / {fmt(h['ttft_p50_ms'])}",
+            "",
+        ),
+        ("[remote] hub added TTFT p50 ms", fmt(r["hub_added_ttft_p50_ms"]), "<= 30"),
+        (
+            "[remote] multi-turn TTFT p50 ms by turn (32 sessions)",
+            " ".join(fmt(per_turn[t]["ttft_p50_ms"]) for t in sorted(per_turn)),
+            "",
+        ),
+        (
+            "[remote] multi-turn cached prompt tokens by turn",
+            " ".join(fmt(per_turn[t]["cached_tokens_mean"]) for t in sorted(per_turn)),
+            "",
+        ),
+        ("[remote] multi-turn TTFT p50 turn 5 / turn 1", fmt(mt.get("turn_ratio_p50"), "x"), "<= 1.5x"),
+        ("[remote] multi-turn errors", str(mt.get("errors") or 0), "0"),
+    ]
+
+
 def _reset_peak_rss() -> None:
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux)
@@ -583,14 +624,15 @@ def run_bench(
     }
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"bench-{report['date'].replace(':', '')}.json"
-    for i, dtype in enumerate(engine_dtypes):
+    engine_workloads = [w for w in workloads if w != "remote"]
+    for i, dtype in enumerate(engine_dtypes if engine_workloads else []):
         gc.collect()
         return_freed_memory()  # what the previous dtype's run left in the heap must not count for this one
         _reset_peak_rss()
         loaded = load(dtype)
         report["model"] = loaded.name
         label = dtype_label(loaded)
-        mine = workloads if i == 0 else [w for w in workloads if w in EVERY_DTYPE_WORKLOADS]
+        mine = engine_workloads if i == 0 else [w for w in workloads if w in EVERY_DTYPE_WORKLOADS]
         result = asyncio.run(run_engine_workloads(loaded, options, mine))
         result["peak_rss_mb"] = peak_rss_since_reset_mb()
         del loaded
@@ -598,7 +640,12 @@ def run_bench(
             result["e2e"] = run_e2e(dtype, config)
         report["engine"][label] = result
         path.write_text(json.dumps(report, indent=2, default=str))
-    if baselines:
+    if "remote" in workloads:
+        from .remote_bench import run_remote_bench
+
+        report["remote"] = run_remote_bench(torch.get_num_threads())
+        path.write_text(json.dumps(report, indent=2, default=str))
+    if baselines and engine_workloads:
         gc.collect()
         loaded = load(baseline_dtype)
         report["baseline_dtype"] = dtype_label(loaded)
@@ -617,6 +664,8 @@ def run_bench(
             (f"[{label}] {name}", value, bar)
             for name, value, bar in summarize({"engine": result, "baselines": report["baselines"]})
         ]
+    if "remote" in report:
+        report["table"] += remote_rows(report["remote"])
     path.write_text(json.dumps(report, indent=2, default=str))
     width = max(len(r[0]) for r in report["table"])
     print(

@@ -112,3 +112,59 @@ class ServerProcess:
         return [
             ln for ln in lines if " ERROR " in ln or ln.startswith("ERROR:") or ln.startswith("Traceback")
         ]
+
+
+class LlamaServerProcess:
+    """llama.cpp's `llama-server` on a GGUF file on a free 127.0.0.1 port (`--metrics`, `--jinja` for its
+    own chat endpoint), log to a file."""
+
+    def __init__(
+        self, binary: Path, model: Path, log_path: Path, slots: int = 4, ctx: int = 8192, threads: int = 2
+    ):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.cmd = [
+            str(binary),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-np",
+            str(slots),
+            "-c",
+            str(ctx),
+            "-t",
+            str(threads),
+            "--metrics",
+            "--jinja",
+        ]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> float:
+        """Start and wait for /health; the seconds it took."""
+        started = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT)
+        while time.monotonic() - started < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - started
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"llama-server did not become healthy in {timeout_s:.0f} s: see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -53,6 +53,7 @@ CLIENT_FAULTS = _ClientFaultFilter()
 
 
 ModelFactory = Callable[[], LoadedModel]
+TokenizerFactory = Callable[[], tuple[str, Tokenizer]]
 EngineFactory = Callable[[LoadedModel, Settings], InferenceBackend]
 RegistryFactory = Callable[[Settings, Tokenizer], tuple[TaskRegistry, list[PluginError]]]
 
@@ -63,6 +64,15 @@ def _default_model_factory(settings: Settings) -> ModelFactory:
 
         m = settings.model
         return load_model(m.model, dtype=m.dtype, threads=m.threads, cache_dir=m.cache_dir)
+
+    return load
+
+
+def _default_tokenizer_factory(settings: Settings) -> TokenizerFactory:
+    def load() -> tuple[str, Tokenizer]:
+        from ..engine.model import load_tokenizer
+
+        return load_tokenizer(settings.model.model, settings.model.cache_dir)
 
     return load
 
@@ -84,22 +94,39 @@ def _default_registry_factory(
 async def _load(
     state: AppState,
     model_factory: ModelFactory,
+    tokenizer_factory: TokenizerFactory,
     engine_factory: EngineFactory,
     registry_factory: RegistryFactory,
     on_failed: Callable[[str], None] | None,
 ) -> None:
+    """Load what the configured backends need: the model and the local engine only when some work
+    runs locally, else just the tokenizer; remote servers are checked (what they serve, their
+    tokenizer) before the server is ready."""
+    settings = state.settings
     try:
-        state.set_stage("loading model", 0.05)
-        loaded = await asyncio.to_thread(model_factory)
-        state.model_name = loaded.name
-        state.set_stage("loading tasks", 0.8)
-        state.registry, state.load_errors = await asyncio.to_thread(
-            registry_factory, state.settings, loaded.tokenizer
-        )
-        state.set_stage("starting engine", 0.9)
-        engine = engine_factory(loaded, state.settings)
-        engine.start()
-        state.engine = engine
+        needed = state.backends_needed()
+        if "local" in needed:
+            state.set_stage("loading model", 0.05)
+            loaded = await asyncio.to_thread(model_factory)
+            state.model_name, tokenizer = loaded.name, loaded.tokenizer
+        else:
+            state.set_stage("loading tokenizer", 0.05)
+            state.model_name, tokenizer = await asyncio.to_thread(tokenizer_factory)
+        state.set_stage("loading tasks", 0.7)
+        state.registry, state.load_errors = await asyncio.to_thread(registry_factory, settings, tokenizer)
+        if "openai" in needed:
+            from ..remote.backend import RemoteBackend
+
+            state.set_stage("checking inference servers", 0.8)
+            remote = RemoteBackend(tokenizer, settings.backend)
+            remote.start()
+            state.backends["openai"] = remote
+            await remote.check()
+        if "local" in needed:
+            state.set_stage("starting engine", 0.9)
+            engine = engine_factory(loaded, settings)
+            engine.start()
+            state.backends["local"] = engine
         state.set_stage("ready", 1.0)
         state.ready_after_s = time.monotonic() - state.started
         state.status = "ready"
@@ -107,9 +134,13 @@ async def _load(
         raise
     except Exception as exc:
         from ..engine.model import ModelLoadError
+        from ..remote.backend import BackendMismatch
 
         if isinstance(exc, ModelLoadError):  # its message names the file and the cause: no traceback
             state.error = f"cannot load the model: {exc}"
+            log.error("startup failed: %s", state.error)
+        elif isinstance(exc, BackendMismatch):
+            state.error = f"the inference server does not match the local model: {exc}"
             log.error("startup failed: %s", state.error)
         else:
             state.error = f"{type(exc).__name__}: {exc}"
@@ -134,12 +165,17 @@ async def health(request: Request) -> Response:
         body["ready_after_s"] = round(st.ready_after_s, 3)
     if st.load_errors:
         body["plugin_errors"] = [str(e) for e in st.load_errors]
+    body["backends"] = st.backends_health()
     return JSONResponse(body, status_code=503 if st.status == "failed" else 200)
 
 
 async def ready(request: Request) -> Response:
     st: AppState = request.app.state.rt
-    return JSONResponse({"ready": st.ready, "status": st.status}, status_code=200 if st.ready else 503)
+    body: dict = {"ready": st.ready, "status": st.status}
+    reason = st.not_ready_reason()
+    if reason:
+        body["reason"] = reason
+    return JSONResponse(body, status_code=200 if st.ready else 503)
 
 
 async def metrics(request: Request) -> Response:
@@ -173,12 +209,20 @@ def create_app(
     registry_factory: RegistryFactory | None = None,
     on_load_failed: Callable[[str], None] | None = None,
 ) -> Starlette:
-    """The app. `loaded_model_factory()` returns a LoadedModel (default: load per settings.model);
-    `engine_factory(loaded, settings)` and `registry_factory(settings, tokenizer)` are for tests;
-    `on_load_failed(message)` is called when start-up fails (`rtserver serve` exits then)."""
+    """The app. `loaded_model_factory()` returns a LoadedModel (default: load per settings.model;
+    when no work runs locally only its tokenizer is used); `engine_factory(loaded, settings)` and
+    `registry_factory(settings, tokenizer)` are for tests; `on_load_failed(message)` is called when
+    start-up fails (`rtserver serve` exits then)."""
     state = AppState(settings)
     hub = Hub(state)
     model_factory = loaded_model_factory or _default_model_factory(settings)
+    tokenizer_factory = _default_tokenizer_factory(settings)
+    if loaded_model_factory is not None:
+        given = loaded_model_factory
+
+        def tokenizer_factory() -> tuple[str, Tokenizer]:
+            loaded = given()
+            return loaded.name, loaded.tokenizer
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -187,6 +231,7 @@ def create_app(
             _load(
                 state,
                 model_factory,
+                tokenizer_factory,
                 engine_factory or _default_engine_factory,
                 registry_factory or _default_registry_factory,
                 on_load_failed,
@@ -201,8 +246,8 @@ def create_app(
                 await loader
             await hub.close_all()
             await hub.sessions.stop()
-            if state.engine is not None:
-                await state.engine.stop()
+            for backend in list(state.backends.values()):
+                await backend.stop()
 
     routes: list = [
         Route("/health", health),

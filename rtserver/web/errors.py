@@ -3,8 +3,18 @@
 
 from __future__ import annotations
 
-from ..engine.backend import Overloaded, RequestTooLarge, SamplingError
+from ..engine.backend import Overloaded, RequestTooLarge, SamplingError, SequenceResult
 from ..tasks import TaskError
+
+
+class GenerationFailed(Exception):
+    """A generation that ended with an error: the backend's code for it (e.g. `backend_unavailable`
+    when its server died mid-reply), else `internal`."""
+
+    def __init__(self, result: SequenceResult):
+        self.code = result.error_code or "internal"
+        self.message = f"generation failed: {result.error or 'unknown error'}"
+        super().__init__(self.message)
 
 
 def error_code(exc: Exception) -> tuple[str, str]:

@@ -17,12 +17,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.backend import FinishReason, SamplingError, SamplingParams, SequenceResult
+from ..engine.backend import FinishReason, InferenceBackend, SamplingError, SamplingParams, SequenceResult
 from ..tasks.chat import ChatTask
 from . import events
 from . import protocol as P
 from .connection import client_ip
-from .errors import error_code
+from .errors import GenerationFailed, error_code
 from .ratelimit import retry_after_header
 from .state import AppState
 
@@ -39,6 +39,7 @@ STATUS = {
     "shutting_down": 503,
     "unauthorized": 401,
     "internal": 500,
+    "backend_unavailable": 503,
 }
 
 
@@ -114,7 +115,9 @@ def _api(handler):
             return error_response(state, exc.code, exc.message, exc.param, exc.status)
         except Exception as exc:
             code, message = error_code(exc)
-            if code == "internal":
+            if isinstance(exc, GenerationFailed):  # the backend logged its cause
+                log.warning("request failed: %s", message)
+            elif code == "internal":
                 log.exception("request failed")
             return error_response(state, code, message)
 
@@ -170,7 +173,7 @@ async def _generate(
         stream.cancel()
         raise
     if result.finish_reason is FinishReason.ERROR:
-        raise HTTPError("internal", f"generation failed: {result.error}", status=500)
+        raise GenerationFailed(result)
     state.metrics.observe_generation(endpoint, result)
     state.metrics.requests.labels(endpoint, "chat").inc()
     return result
@@ -226,7 +229,7 @@ async def run_task(request: Request, state: AppState, body: dict) -> Response:
                 "cached": False,
             }
         )
-    out = await reg.run(state.backend, name, body["input"], options)
+    out = await reg.run(state.backend_for(name), name, body["input"], options)
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(out.to_json())
 
@@ -234,7 +237,7 @@ async def run_task(request: Request, state: AppState, body: dict) -> Response:
 async def sentiment(request: Request, state: AppState, body: dict) -> Response:
     if "text" not in body:
         raise HTTPError("missing_field", "'text' is required", "text")
-    out = await state.tasks.run(state.backend, "sentiment", {"text": body["text"]})
+    out = await state.tasks.run(state.backend_for("sentiment"), "sentiment", {"text": body["text"]})
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(dict(out.output))
 
@@ -463,20 +466,10 @@ async def chat_completions(request: Request, state: AppState, body: dict) -> Res
             result = await gen.result()
             finished = True
             if result.finish_reason is FinishReason.ERROR:
-                state.metrics.error("internal")
-                yield (
-                    "data: "
-                    + json.dumps(
-                        {
-                            "error": {
-                                "code": "internal",
-                                "type": "server_error",
-                                "message": f"generation failed: {result.error}",
-                            }
-                        }
-                    )
-                    + "\n\n"
-                )
+                failed = GenerationFailed(result)
+                state.metrics.error(failed.code)
+                error = {"code": failed.code, "type": "server_error", "message": failed.message}
+                yield "data: " + json.dumps({"error": error}) + "\n\n"
                 return
             state.metrics.observe_generation("openai", result)
             state.metrics.requests.labels("openai", "chat").inc()
@@ -511,6 +504,241 @@ async def list_models(request: Request, state: AppState, body: Any) -> Response:
     )
 
 
+# -- rtserver as an inference server for other hubs (model.backend = "openai") ----------------------
+
+COMPLETION_FIELDS = {
+    "model",
+    "prompt",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "repeat_penalty",
+    "min_tokens",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "logprobs",
+    "return_token_ids",
+    "cache_prompt",
+    "score_candidates",
+    "rtserver_session",
+    "n",
+    "user",
+}
+
+
+def _number(body: dict, key: str, default: float | None, integer: bool = False) -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise HTTPError("bad_decoding", f"'{key}' must be {'an integer' if integer else 'a number'}", key)
+    return value
+
+
+def _token_ids(value: Any, what: str, vocab: int) -> list[int]:
+    if not (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
+        raise HTTPError("invalid_field", f"'{what}' must be a non-empty list of token ids", what)
+    if any(not 0 <= t < vocab for t in value):
+        raise HTTPError("invalid_field", f"'{what}' holds a token id outside 0..{vocab - 1}", what)
+    return value
+
+
+def _completion_params(body: dict) -> SamplingParams:
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+        raise HTTPError("bad_decoding", "'stop' must be a string or a list of strings", "stop")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise HTTPError("bad_decoding", "'ignore_eos' must be true or false", "ignore_eos")
+    penalty = _number(body, "repetition_penalty", None)
+    params = SamplingParams(
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=max(0, _number(body, "top_k", 0, integer=True)),
+        max_new_tokens=_number(body, "max_tokens", 16, True),
+        min_new_tokens=_number(body, "min_tokens", 0, integer=True),
+        repetition_penalty=penalty if penalty is not None else _number(body, "repeat_penalty", 1.0),
+        seed=_number(body, "seed", None, integer=True),
+        stop=stop,
+        ignore_eos=ignore_eos,
+    )
+    try:
+        params.validate()
+    except SamplingError as exc:
+        raise HTTPError("bad_decoding", str(exc)) from None
+    return params
+
+
+async def completions(request: Request, state: AppState, body: dict) -> Response:
+    """OpenAI-style /v1/completions over token ids, for hubs that use this node as their inference
+    server: `prompt` is token ids (or text); `stream` with `stream_options.include_usage`;
+    `return_token_ids` puts each chunk's token ids in `choices[0].token_ids` (as vLLM does);
+    `rtserver_session` keeps the prompt's KV for that key's next turn; `score_candidates` (a list of
+    token-id lists) answers `choices[0].candidate_logprobs`, the log-probability of each continuation."""
+    unknown = sorted(set(body) - COMPLETION_FIELDS)
+    if unknown:
+        raise HTTPError("unsupported", f"'{unknown[0]}' is not supported by /v1/completions here", unknown[0])
+    if body.get("n") not in (None, 1):
+        raise HTTPError("unsupported", "'n' is not supported: only n = 1", "n")
+    backend = state.backend
+    tokenizer = backend.tokenizer
+    vocab = len(tokenizer)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        prompt = tokenizer.encode(prompt, add_special_tokens=False)
+    prompt = _token_ids(prompt, "prompt", vocab)
+    created, cid, model = int(time.time()), "cmpl-" + secrets.token_hex(12), state.model_id
+    candidates = body.get("score_candidates")
+    if candidates is not None:
+        if not (isinstance(candidates, list) and 0 < len(candidates) <= 128):
+            raise HTTPError(
+                "invalid_field",
+                "'score_candidates' must be a list of 1..128 token-id lists",
+                "score_candidates",
+            )
+        scores = await backend.score(prompt, [_token_ids(c, "score_candidates", vocab) for c in candidates])
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "",
+                        "finish_reason": "length",
+                        "logprobs": None,
+                        "candidate_logprobs": scores,
+                    }
+                ],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)},
+            }
+        )
+    params = _completion_params(body)
+    session = body.get("rtserver_session")
+    if session is not None and not (isinstance(session, str) and 0 < len(session) <= 128):
+        raise HTTPError(
+            "invalid_field", "'rtserver_session' must be a string of 1..128 characters", "rtserver_session"
+        )
+    with_ids = body.get("return_token_ids") is True
+
+    def usage(result: SequenceResult) -> dict:
+        u = result.usage
+        return {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.generated_tokens,
+            "total_tokens": u.prompt_tokens + u.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        }
+
+    def choice(text: str, finish: str | None, ids: list[int] | None = None) -> dict:
+        c: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        if with_ids and ids is not None:
+            c["token_ids"] = ids
+        return c
+
+    key = f"remote:{session}" if session else None  # never collides with this node's own sessions
+    if not body.get("stream"):
+        result = await _generate_keyed(state, backend, prompt, params, key)
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [choice(result.text, _finish(result.finish_reason), result.token_ids)],
+                "usage": usage(result),
+            }
+        )
+    include_usage = (
+        bool((body.get("stream_options") or {}).get("include_usage"))
+        if isinstance(body.get("stream_options"), dict)
+        else False
+    )
+    gen = backend.generate(prompt, params, session_key=key)
+
+    def sse(data: dict) -> str:
+        return (
+            "data: "
+            + json.dumps(
+                {"id": cid, "object": "text_completion", "created": created, "model": model, **data},
+                ensure_ascii=False,
+            )
+            + "\n\n"
+        )
+
+    async def stream():
+        finished = False
+        try:
+            async for ev in gen:
+                if ev.text or with_ids:
+                    yield sse({"choices": [choice(ev.text, None, [ev.token_id])]})
+            result = await gen.result()
+            finished = True
+            if result.finish_reason is FinishReason.ERROR:
+                failed = GenerationFailed(result)
+                state.metrics.error(failed.code)
+                yield (
+                    "data: "
+                    + json.dumps({"error": {"code": failed.code, "message": failed.message}})
+                    + "\n\n"
+                )
+                return
+            state.metrics.observe_generation("completions", result)
+            yield sse({"choices": [choice("", _finish(result.finish_reason), [])]})
+            if include_usage:
+                yield sse({"choices": [], "usage": usage(result)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                gen.cancel()  # the hub went away mid-stream
+
+    return StreamingResponse(
+        stream(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _generate_keyed(
+    state: AppState, backend: InferenceBackend, prompt: list[int], params: SamplingParams, key: str | None
+) -> SequenceResult:
+    stream = backend.generate(prompt, params, session_key=key)
+    try:
+        result = await stream.result()
+    except asyncio.CancelledError:
+        stream.cancel()
+        raise
+    if result.finish_reason is FinishReason.ERROR:
+        raise GenerationFailed(result)
+    state.metrics.observe_generation("completions", result)
+    return result
+
+
+async def tokenize(request: Request, state: AppState, body: dict) -> Response:
+    """llama-server's /tokenize: {"content", "add_special"} -> {"tokens"} (a hub checks that this node
+    tokenizes as it does)."""
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise HTTPError("invalid_field", "'content' must be a string", "content")
+    add_special = body.get("add_special", False)
+    if not isinstance(add_special, bool):
+        raise HTTPError("invalid_field", "'add_special' must be true or false", "add_special")
+    return JSONResponse({"tokens": state.backend.tokenizer.encode(content, add_special_tokens=add_special)})
+
+
 ROUTES = [
     ("/v1/tasks", list_tasks, ["GET"]),
     ("/v1/tasks/{name}", run_task, ["POST"]),
@@ -518,4 +746,6 @@ ROUTES = [
     ("/chat", chat, ["POST"]),
     ("/v1/chat/completions", chat_completions, ["POST"]),
     ("/v1/models", list_models, ["GET"]),
+    ("/v1/completions", completions, ["POST"]),
+    ("/tokenize", tokenize, ["POST"]),
 ]

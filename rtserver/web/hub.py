@@ -24,6 +24,7 @@ sockets close with 1001.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -38,7 +39,7 @@ from . import events
 from . import protocol as P
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
 from .console import ConsoleHub
-from .errors import error_code
+from .errors import GenerationFailed, error_code
 from .ratelimit import TokenBucket
 from .session import Session, SessionExpired, SessionRegistry, TooManySessions
 from .state import AppState
@@ -58,8 +59,10 @@ class Request:
         self.cancelled = True
         if self.stream is not None:
             self.stream.cancel()  # the chat task ends by itself with finish_reason "cancelled"
-        elif self.task is not None:
+        elif self.kind == "task" and self.task is not None:
             self.task.cancel()
+        # a chat whose generation is not submitted yet sees `cancelled` right after submitting it; its
+        # task is never cancelled from outside, so its clean-up (the session's turn state) always runs
 
 
 class Connection(QueuedConnection):
@@ -217,6 +220,7 @@ class Connection(QueuedConnection):
             req = Request(msg.id, "task")
             self.requests[msg.id] = req
             req.task = asyncio.create_task(self.run_task(req, msg))
+            req.task.add_done_callback(functools.partial(self._task_ended, msg.id))
 
     # -- session --------------------------------------------------------------------------------
     async def start_session(self, hello: P.Hello) -> bool:
@@ -272,7 +276,7 @@ class Connection(QueuedConnection):
         session.history.clear()
         session.last_turn = None
         session.turns = 0
-        self.hub.drop_engine_session(session)
+        self.hub.drop_backend_session(session)
         self.hub.console.reset(session)
         await self.send({"type": "reset", "session_id": session.id})
 
@@ -290,7 +294,7 @@ class Connection(QueuedConnection):
             turn = chat.prepare_turn(session.history, msg.text)
             params = chat.task.sampling(msg.options or None)
             rendered, prompt = chat.prompt(turn.history, session.last_turn)
-            stream = hub.state.backend.generate(prompt, params, session_key=session.id)
+            stream = hub.state.backend_for("chat").generate(prompt, params, session_key=session.id)
             req.stream = stream
             if req.cancelled:
                 stream.cancel()
@@ -306,7 +310,7 @@ class Connection(QueuedConnection):
                     hub.console.bot_token(session, msg.id, event.text)
             result = await stream.result()
             if result.finish_reason is FinishReason.ERROR:
-                raise RuntimeError(result.error or "generation failed")
+                raise GenerationFailed(result)
             if result.text or result.finish_reason is not FinishReason.CANCELLED:
                 session.history.append({"role": "assistant", "content": result.text})
                 session.last_turn = chat.finished_turn(rendered, prompt, result.text, result.token_ids)
@@ -319,13 +323,11 @@ class Connection(QueuedConnection):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if isinstance(exc, RuntimeError) and not hasattr(exc, "code"):
-                log.warning("chat turn %s failed: %s", msg.id, exc)
-                code, message = "internal", f"generation failed: {exc}"
-            else:
-                code, message = error_code(exc)
-                if code == "internal":
-                    log.exception("chat turn %s failed", msg.id)
+            code, message = error_code(exc)
+            if isinstance(exc, GenerationFailed):  # the backend logged its cause
+                log.warning("chat turn %s failed: %s", msg.id, message)
+            elif code == "internal":
+                log.exception("chat turn %s failed", msg.id)
             await self.error(code, message, msg.id)
         finally:
             if added and session.history and session.history[-1]["role"] == "user":
@@ -339,7 +341,9 @@ class Connection(QueuedConnection):
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:
         hub = self.hub
         try:
-            out = await hub.state.tasks.run(hub.state.backend, msg.task, msg.input, msg.options or None)
+            out = await hub.state.tasks.run(
+                hub.state.backend_for(msg.task), msg.task, msg.input, msg.options or None
+            )
             hub.metrics.requests.labels("ws", "task").inc()
             await self.send(events.result_event(msg.id, out))
         except asyncio.CancelledError:
@@ -352,6 +356,11 @@ class Connection(QueuedConnection):
         finally:
             self.requests.pop(msg.id, None)
 
+    def _task_ended(self, request_id: str, task: asyncio.Task) -> None:
+        if task.cancelled():  # cancelled before it started: run_task's own clean-up never ran
+            self.requests.pop(request_id, None)
+            self.spawn(self.error("cancelled", "the task was cancelled", request_id))
+
     def run_auto_tasks(self, request_id: str, text: str) -> None:
         """Run the configured auto-tasks on a user message, beside the reply (results go to the client
         and the console)."""
@@ -360,7 +369,7 @@ class Connection(QueuedConnection):
 
     async def run_auto_task(self, request_id: str, name: str, text: str) -> None:
         try:
-            out = await self.hub.state.tasks.run(self.hub.state.backend, name, text)
+            out = await self.hub.state.tasks.run(self.hub.state.backend_for(name), name, text)
             await self.send(events.result_event(request_id, out, auto=True))
             if self.session is not None:
                 self.hub.console.auto_result(self.session, request_id, out.task, out.output)
@@ -393,12 +402,12 @@ class Hub:
 
     def _on_drop(self, session: Session) -> None:
         self.metrics.expired.inc()
-        self.drop_engine_session(session)
+        self.drop_backend_session(session)
         self.console.dropped(session)
 
-    def drop_engine_session(self, session: Session) -> None:
-        if self.state.engine is not None:
-            self.state.engine.drop_session(session.id)
+    def drop_backend_session(self, session: Session) -> None:
+        for backend in self.state.backends.values():
+            backend.drop_session(session.id)
 
     def limits(self) -> dict:
         s = self.settings

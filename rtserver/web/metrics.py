@@ -7,7 +7,7 @@ scrapes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -34,6 +34,9 @@ class _LiveCollector:
             "1 when the model is loaded and requests are served",
             value=1 if s["ready"] else 0,
         )
+        remote = s.get("openai")
+        if remote:
+            yield from _upstream_metrics(remote.get("upstreams") or [])
         engine = s.get("engine")
         if not engine:
             return
@@ -96,6 +99,34 @@ class _LiveCollector:
                 tm.add_metric([name], m)
             yield th
             yield tm
+
+
+def _upstream_metrics(upstreams: list[dict]) -> Iterator[Any]:
+    """Per remote inference server (model.backend = "openai"): state, in flight, requests, errors and
+    time to first byte."""
+    up = GaugeMetricFamily(
+        "rtserver_backend_up", "1 when the inference server is up (breaker closed)", labels=["url"]
+    )
+    flight = GaugeMetricFamily(
+        "rtserver_backend_in_flight", "Requests in flight to the server", labels=["url"]
+    )
+    requests = CounterMetricFamily("rtserver_backend_requests", "Requests sent to the server", labels=["url"])
+    errors = CounterMetricFamily(
+        "rtserver_backend_errors", "Failed requests and health checks", labels=["url"]
+    )
+    ttfb = GaugeMetricFamily(
+        "rtserver_backend_ttfb_p50_seconds",
+        "Median time to the first token over the last requests",
+        labels=["url"],
+    )
+    for u in upstreams:
+        up.add_metric([u["url"]], 1.0 if u["state"] == "up" else 0.0)
+        flight.add_metric([u["url"]], u["in_flight"])
+        requests.add_metric([u["url"]], u["requests"])
+        errors.add_metric([u["url"]], u["errors"])
+        if u.get("ttfb_p50_ms") is not None:
+            ttfb.add_metric([u["url"]], u["ttfb_p50_ms"] / 1000)
+    yield from (up, flight, requests, errors, ttfb)
 
 
 class Metrics:

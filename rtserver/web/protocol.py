@@ -47,6 +47,7 @@ ErrorCode = Literal[
     "forbidden_origin",
     "not_ready",
     "overloaded",
+    "backend_unavailable",
     "request_too_large",
     "cancelled",
     "internal",

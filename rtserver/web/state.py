@@ -1,6 +1,6 @@
-"""What the front doors share (`AppState`): settings, the load status, the inference backend and task
-registry once loaded, metrics, the per-client-IP rate limiter and the shutdown flag. The app builds it;
-the hub, the console and the HTTP API read it."""
+"""What the front doors share (`AppState`): settings, the load status, the inference backends and the
+task registry once loaded (and which backend runs which task), metrics, the per-client-IP rate limiter
+and the shutdown flag. The app builds it; the hub, the console and the HTTP API read it."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ class AppState:
         self.started_wall = time.time()
         self.ready_after_s: float | None = None
         self.model_name: str | None = None
-        self.engine: InferenceBackend | None = None
+        # "local" (the in-process engine) and/or "openai" (remote servers), as the settings need them
+        self.backends: dict[str, InferenceBackend] = {}
         self.registry: TaskRegistry | None = None
         self.load_errors: list[PluginError] = []
         self.shutting_down = False  # set by the hub's drain: new requests are refused
@@ -51,13 +52,43 @@ class AppState:
 
     @property
     def ready(self) -> bool:
-        return self.status == "ready"
+        return self.status == "ready" and self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        if self.status != "ready":
+            return self.error or f"the model is {self.status}"
+        for name, backend in self.backends.items():
+            if not backend.available:
+                servers = backend.health().get("servers", [])
+                states = "; ".join(
+                    f"{s['url']} {s['state']}" + (f" ({s['last_error']})" if s["last_error"] else "")
+                    for s in servers
+                )
+                return f"no {name} inference server is available: {states}"
+        return None
+
+    def backends_needed(self) -> set[str]:
+        """The backends the settings place work on: the default, and each task's `backend`."""
+        needed = {self.settings.model.backend}
+        for table in self.settings.task.values():
+            if isinstance(table, dict) and isinstance(table.get("backend"), str):
+                needed.add(table["backend"])
+        return needed
+
+    def backend_for(self, task: str) -> InferenceBackend:
+        """The backend that runs `task` (its `[task.<name>] backend`, else `model.backend`)."""
+        if self.status != "ready":
+            raise NotReady(self.status)
+        name = self.tasks.placement(task) or self.settings.model.backend
+        return self.backends[name]
 
     @property
     def backend(self) -> InferenceBackend:
-        if self.engine is None:
-            raise NotReady(self.status)
-        return self.engine
+        """The backend of chat replies and the OpenAI endpoints."""
+        return self.backend_for("chat")
+
+    def backends_health(self) -> dict[str, Any]:
+        return {name: backend.health() for name, backend in self.backends.items()}
 
     @property
     def tasks(self) -> TaskRegistry:
@@ -75,11 +106,11 @@ class AppState:
 
     def live_metrics(self) -> dict:
         out: dict[str, Any] = {**self.counts(), "ready": self.ready}
-        if self.engine is not None:
+        for name, backend in self.backends.items():
             try:
-                out["engine"] = self.engine.stats()
+                out["engine" if name == "local" else name] = backend.stats()
             except Exception:
-                log.exception("engine stats failed")
+                log.exception("%s backend stats failed", name)
         if self.registry is not None:
             out["task_cache"] = self.registry.cache_stats()
         return out

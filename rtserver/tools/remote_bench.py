@@ -1,0 +1,129 @@
+"""`rtserver bench --workloads remote`: rtserver as a hub in front of llama.cpp's llama-server, beside the
+same llama-server driven directly, in one run.
+
+- burst: 32 OpenAI streaming clients at once (`/v1/chat/completions`, the burst workload's messages,
+  greedy, exactly 64 new tokens with EOS ignored), first against llama-server itself, then against
+  `rtserver serve` with `model.backend = "openai"` pointing at that llama-server — the same client
+  code both times. Tokens/s and time to first token; the hub's ratio and its added TTFT.
+- multi-turn: 32 WebSocket sessions × 5 turns through the hub (tools/loadclient.py): TTFT per turn,
+  turn 5 / turn 1, and the prompt tokens the server had cached (session affinity keeps them warm).
+
+llama-server is built by rtserver/tools/llama_build.py (cached per CPU) and runs the embedded GGUF file
+as is, with `-np 32 -c 16384 -t <threads>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from ..engine.model import embedded_model_path
+from .llama_build import build
+from .loadclient import run_chat_load
+from .serverproc import LlamaServerProcess, ServerProcess
+from .stats import mean, percentile, ratio
+
+BURST_TEXTS = [f"Tell me a short fact about the number {i}." for i in range(32)]
+NEW_TOKENS = 64
+
+
+async def _stream_chat(http: httpx.AsyncClient, base: str, text: str) -> dict:
+    body = {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    first: float | None = None
+    pieces = 0
+    usage: dict = {}
+    async with http.stream("POST", base + "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    first = first or time.perf_counter()
+                    pieces += 1
+    return {
+        "ttft_ms": None if first is None else (first - started) * 1000,
+        "tokens": usage.get("completion_tokens", pieces),
+    }
+
+
+async def burst(base: str) -> dict:
+    async with httpx.AsyncClient(timeout=600) as http:
+        await _stream_chat(http, base, "Hello!")  # warm-up
+        started = time.perf_counter()
+        rows = await asyncio.gather(*(_stream_chat(http, base, t) for t in BURST_TEXTS))
+        wall = time.perf_counter() - started
+    ttfts = [r["ttft_ms"] for r in rows if r["ttft_ms"] is not None]
+    tokens = sum(r["tokens"] for r in rows)
+    return {
+        "requests": len(rows),
+        "tokens": tokens,
+        "exact_token_counts": all(r["tokens"] == NEW_TOKENS for r in rows),
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": percentile(ttfts, 0.5),
+        "ttft_p95_ms": percentile(ttfts, 0.95),
+    }
+
+
+def run_remote_bench(threads: int, workdir: Path | None = None) -> dict:
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="rtserver-remote-bench-"))
+    binary = build()
+    llama = LlamaServerProcess(
+        binary, embedded_model_path(), workdir / "llama-server.log", slots=32, ctx=16384, threads=threads
+    )
+    print(f"  [remote] llama-server: starting ({llama.log_path})", flush=True)
+    llama.start()
+    hub = ServerProcess(
+        {
+            "RTSERVER_MODEL_BACKEND": "openai",
+            "RTSERVER_BACKEND_URLS": llama.base,
+            "RTSERVER_TASKS_AUTO_TASKS": "",
+            "RTSERVER_SERVER_LOG_LEVEL": "warning",
+            "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
+            "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",
+        },
+        workdir / "hub.log",
+    )
+    try:
+        hub.start(timeout_s=180)
+        print("  [remote] burst: llama-server directly", flush=True)
+        direct = asyncio.run(burst(llama.base))
+        print("  [remote] burst: through the rtserver hub", flush=True)
+        through = asyncio.run(burst(hub.base))
+        print("  [remote] multi-turn: 32 sessions x 5 turns through the hub", flush=True)
+        asyncio.run(run_chat_load(hub.ws_url, 1, 1, 8))  # warm-up
+        turns = asyncio.run(run_chat_load(hub.ws_url, 32, 5, NEW_TOKENS))
+    finally:
+        hub.stop()
+        llama.stop()
+    return {
+        "llama_server": {"binary": str(binary), "args": llama.cmd[1:]},
+        "burst_direct": direct,
+        "burst_through_hub": through,
+        "hub_tokens_per_s_ratio": ratio(through["tokens_per_s"], direct["tokens_per_s"]),
+        "hub_added_ttft_p50_ms": (through["ttft_p50_ms"] or 0) - (direct["ttft_p50_ms"] or 0),
+        "multi_turn": turns,
+        "multi_turn_cached_tokens_mean": mean(t["cached_tokens_mean"] for t in turns["per_turn"].values()),
+    }
+
+
+if __name__ == "__main__":  # a quick look without the whole bench: python -m rtserver.tools.remote_bench
+    print(json.dumps(run_remote_bench(os.cpu_count() or 2), indent=2, default=str))

@@ -1,0 +1,209 @@
+"""rtserver with `model.backend = "openai"` in front of a real llama.cpp `llama-server` on the embedded
+GGUF, and in front of another rtserver node (slow: real servers, the real model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import websockets
+
+from rtserver.config import Settings
+from rtserver.tools.evaluate import load_split
+from rtserver.tools.serverproc import ServerProcess
+from rtserver.web.app import create_app
+
+from .llamautil import LlamaServer, llama_server_binary, slow_tests_on
+from .serverutil import TIMEOUT, hello, is_end, make_settings, recv_until, serve
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    binary = llama_server_binary()
+    if binary is None:
+        if slow_tests_on():
+            pytest.fail("llama-server is not built: ./run test builds it (scripts/build_llama_server.py)")
+        pytest.skip("llama-server is not built (scripts/build_llama_server.py)")
+    server = LlamaServer(binary, tmp_path_factory.mktemp("llama") / "llama-server.log").start()
+    yield server
+    server.stop()
+
+
+def remote_settings(*urls: str, **sections: dict) -> Settings:
+    s = make_settings(**sections)
+    s.model.backend = "openai"
+    s.backend.urls = list(urls)
+    s.backend.timeout_s = 30.0
+    s.backend.health_interval_s = 0.5
+    s.backend.retry_after_s = 1.0
+    s.tasks.auto_tasks = []
+    return s
+
+
+async def chat(ws, rid: str, text: str, **options) -> dict:
+    await ws.send(
+        json.dumps({"type": "chat", "id": rid, "text": text, "options": {"temperature": 0, **options}})
+    )
+    events = await recv_until(ws, is_end(rid))
+    return events[-1]
+
+
+async def test_chat_streams_and_the_next_turn_reuses_the_servers_cache(smol, llama):
+    settings = remote_settings(llama.url)
+    async with serve(create_app(settings, lambda: smol), settings) as (base, ws_url):
+        async with websockets.connect(ws_url) as ws:
+            await hello(ws)
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "chat",
+                        "id": "t1",
+                        "text": "What is the capital of France?",
+                        "options": {"temperature": 0, "max_new_tokens": 24},
+                    }
+                )
+            )
+            events = await recv_until(ws, is_end("t1"))
+            tokens = [e for e in events if e["type"] == "token"]
+            first = events[-1]
+            assert first["type"] == "done", first
+            assert len(tokens) >= 2 and "".join(t["text"] for t in tokens) == first["text"]
+            second = await chat(ws, "t2", "And of Germany?", max_new_tokens=24)
+            assert second["type"] == "done", second
+            # the session's first turn (system prompt, question, reply) comes from the server's cache
+            assert second["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"], (first, second)
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            health = (await http.get(base + "/health")).json()
+            (server,) = health["backends"]["openai"]["servers"]
+            assert server["state"] == "up" and server["kind"] == "llama.cpp"
+            metrics = (await http.get(base + "/metrics")).text
+            assert f'rtserver_backend_up{{url="{llama.url}"}} 1.0' in metrics
+
+
+async def test_openai_endpoint_and_sentiment_through_the_server(smol, llama):
+    settings = remote_settings(llama.url)
+    async with serve(create_app(settings, lambda: smol), settings) as (base, _):
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            r = await http.post(
+                base + "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "Say hello."}],
+                    "max_tokens": 12,
+                    "temperature": 0,
+                },
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"].strip()
+            for text, label in (
+                ("I love it, wonderful!", "positive"),
+                ("Terrible, it broke at once.", "negative"),
+            ):
+                r = await http.post(base + "/sentiment", json={"text": text})
+                assert r.status_code == 200, r.text
+                assert r.json()["label"] == label
+
+
+async def test_a_disconnect_mid_reply_frees_the_servers_slot(smol, llama):
+    settings = remote_settings(llama.url)
+    async with serve(create_app(settings, lambda: smol), settings) as (_, ws_url):
+        ws = await websockets.connect(ws_url)
+        await hello(ws)
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "chat",
+                    "id": "long",
+                    "text": "Count from 1 to 500, separated by commas.",
+                    "options": {"temperature": 0, "max_new_tokens": 512},
+                }
+            )
+        )
+        await recv_until(ws, lambda e: e["type"] == "token")
+        assert llama.processing() == 1
+        await ws.close()
+        deadline = time.monotonic() + 5
+        while llama.processing() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert llama.processing() == 0, "the upstream slot still generates after the client left"
+
+
+async def test_sentiment_labels_equal_the_local_engines_on_the_test_split(smol, llama):
+    """Same weights (the embedded Q4_1 file) through llama-server's log-probabilities and through the
+    local float32 engine: the labels agree on at least 95% of the test split."""
+    local = make_settings(tasks={"auto_tasks": []})
+    remote = remote_settings(llama.url)
+    texts = [ex["text"] for lang in ("en", "zh") for ex in load_split(lang, "test")]
+
+    async def labels(settings: Settings) -> list[str]:
+        async with serve(create_app(settings, lambda: smol), settings) as (base, _):
+            async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+                sem = asyncio.Semaphore(8)
+
+                async def one(text: str) -> str:
+                    async with sem:
+                        r = await http.post(base + "/sentiment", json={"text": text})
+                        assert r.status_code == 200, r.text
+                        return r.json()["label"]
+
+                return await asyncio.gather(*(one(t) for t in texts))
+
+    here, there = await labels(local), await labels(remote)
+    agree = sum(a == b for a, b in zip(here, there)) / len(texts)
+    print(f"\nsentiment labels local vs llama-server: {agree:.3f} equal over {len(texts)} texts")
+    assert agree >= 0.95
+
+
+async def test_two_backends_spread_sessions_and_survive_one_dying(smol, llama, tmp_path):
+    node = ServerProcess(
+        {
+            "RTSERVER_MODEL_DTYPE": "float32",
+            "RTSERVER_TASKS_AUTO_TASKS": "",
+            "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
+            "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",
+        },
+        tmp_path / "node.log",
+    )
+    node.start()
+    try:
+        settings = remote_settings(llama.url, node.base)
+        async with serve(create_app(settings, lambda: smol), settings) as (base, ws_url):
+            sockets = [await websockets.connect(ws_url) for _ in range(8)]
+            for ws in sockets:
+                await hello(ws)
+            for i, ws in enumerate(sockets):
+                assert (await chat(ws, f"a{i}", "Hi!", max_new_tokens=8))["type"] == "done"
+            async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+                servers = (await http.get(base + "/health")).json()["backends"]["openai"]["servers"]
+            assert all(s["requests"] > 0 for s in servers), servers  # sessions spread over both
+            kinds = {s["url"]: s["kind"] for s in servers}
+            assert kinds == {llama.url: "llama.cpp", node.base: "rtserver"}
+            # every session replies again after the rtserver node dies mid-reply: the ones it served end
+            # with backend_unavailable (never a hang), then move to llama-server
+            long = [
+                asyncio.create_task(chat(ws, f"b{i}", "Count from 1 to 500.", max_new_tokens=200))
+                for i, ws in enumerate(sockets)
+            ]
+            await asyncio.sleep(1.0)
+            node.proc.kill()
+            ends = await asyncio.wait_for(asyncio.gather(*long), 120)
+            codes = [e.get("code") for e in ends if e["type"] == "error"]
+            assert codes and set(codes) == {"backend_unavailable"}, ends  # the node's sessions, typed
+            for i, ws in enumerate(sockets):
+                end = await chat(ws, f"c{i}", "Hi again!", max_new_tokens=8)
+                assert end["type"] == "done", end
+            async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+                health = (await http.get(base + "/health")).json()["backends"]["openai"]["servers"]
+                ready = await http.get(base + "/ready")
+            state = {s["url"]: s["state"] for s in health}
+            assert state[llama.url] == "up" and state[node.base] != "up", health
+            assert ready.status_code == 200  # one server up is enough
+            for ws in sockets:
+                await ws.close()
+    finally:
+        if node.proc is not None and node.proc.poll() is None:
+            node.stop()

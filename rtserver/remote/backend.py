@@ -123,10 +123,16 @@ class RemoteGeneration:
     def _finish(self, reason: FinishReason, error: str | None, code: str | None) -> None:
         end = time.perf_counter()
         self.backend.tokens_generated += self._usage.generated_tokens
+        ids = self._ids
+        if self._text and not ids:
+            # a server that streams text only (llama-server): the reply's ids as our tokenizer spells it,
+            # which is what the next turn's prompt will hold (the server's cache matches up to any
+            # difference from its own spelling)
+            ids = self.backend.tokenizer.encode(self._text, add_special_tokens=False)
         self._result.set_result(
             SequenceResult(
                 text=self._text,
-                token_ids=list(self._ids),
+                token_ids=list(ids),
                 finish_reason=reason,
                 usage=self._usage,
                 queued_ms=((self._started or end) - self._submitted) * 1000,
@@ -363,7 +369,6 @@ class RemoteBackend:
             "min_p": 0.0,
             "stop": list(p.stop),
             "ignore_eos": p.ignore_eos,
-            "logprobs": 1,
         }
         if self.model:
             body["model"] = self.model

@@ -135,3 +135,84 @@ async def test_bearer_token_on_http(smol):
             assert (await c.get("/v1/tasks")).status_code == 401
             assert (await c.get("/v1/tasks", headers={"Authorization": "Bearer tok"})).status_code == 200
             assert (await c.get("/health")).status_code == 200
+
+
+async def test_completions_over_token_ids_serve_other_hubs(smol):
+    """/v1/completions as a hub's inference node: token-id prompts give exactly the greedy tokens of
+    `model.generate`, streamed with their ids; a session key keeps the prompt's KV for the next turn;
+    `score_candidates` are log-probabilities; /tokenize tokenizes as the hub does; bad ids are refused."""
+    import json
+
+    import torch
+
+    from .conftest import chat_prompt, reference_greedy
+
+    settings = make_settings(tasks={"auto_tasks": []})
+    app = create_app(settings, lambda: smol)
+    tok = smol.tokenizer
+    prompt = chat_prompt(tok, "Name a colour.")
+    want = reference_greedy(smol, prompt, 8)
+    async with serve(app, settings) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            r = await c.post(
+                "/v1/completions",
+                json={
+                    "prompt": prompt,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["token_ids"] == want and choice["finish_reason"] == "length"
+            assert r.json()["usage"]["prompt_tokens"] == len(prompt)
+
+            async def stream(ids: list[int]) -> tuple[list[int], dict]:
+                body = {
+                    "prompt": ids,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "return_token_ids": True,
+                    "stream_options": {"include_usage": True},
+                    "rtserver_session": "hub-session-1",
+                }
+                got: list[int] = []
+                usage: dict = {}
+                async with c.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            event = json.loads(line[6:])
+                            usage = event.get("usage") or usage
+                            for ch in event["choices"]:
+                                got += ch.get("token_ids") or []
+                return got, usage
+
+            got, usage = await stream(prompt)
+            assert got == want
+            follow = (
+                prompt
+                + want
+                + tok.encode("<|im_end|>\n<|im_start|>user\nMore?<|im_end|>\n", add_special_tokens=False)
+            )
+            _, usage = await stream(follow)
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= len(prompt)  # the session's KV
+
+            cands = [[want[0]], [want[0], want[1]], [want[1]]]
+            r = await c.post("/v1/completions", json={"prompt": prompt, "score_candidates": cands})
+            scores = r.json()["choices"][0]["candidate_logprobs"]
+            with torch.no_grad():
+                lp = torch.log_softmax(smol.model(torch.tensor([prompt + want[:1]])).logits[0].float(), -1)
+            expected = [lp[-2, want[0]], lp[-2, want[0]] + lp[-1, want[1]], lp[-2, want[1]]]
+            assert scores == pytest.approx([float(e) for e in expected], abs=1e-3)
+
+            r = await c.post("/tokenize", json={"content": "Hello, world!"})
+            assert r.json()["tokens"] == tok.encode("Hello, world!", add_special_tokens=False)
+            r = await c.post("/v1/completions", json={"prompt": [len(tok) + 5]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_field"
+            r = await c.post("/v1/completions", json={"prompt": prompt, "logit_bias": {"5": 1}})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"

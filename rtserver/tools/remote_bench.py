@@ -37,9 +37,10 @@ BURST_TEXTS = [f"Tell me a short fact about the number {i}." for i in range(32)]
 NEW_TOKENS = 64
 
 
-async def _stream_chat(http: httpx.AsyncClient, base: str, text: str) -> dict:
+async def _stream(http: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """One streamed request (chat completion or completion): time to its first text, tokens made."""
     body = {
-        "messages": [{"role": "user", "content": text}],
+        **body,
         "max_tokens": NEW_TOKENS,
         "temperature": 0,
         "stream": True,
@@ -50,7 +51,7 @@ async def _stream_chat(http: httpx.AsyncClient, base: str, text: str) -> dict:
     first: float | None = None
     pieces = 0
     usage: dict = {}
-    async with http.stream("POST", base + "/v1/chat/completions", json=body) as resp:
+    async with http.stream("POST", url, json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -59,31 +60,7 @@ async def _stream_chat(http: httpx.AsyncClient, base: str, text: str) -> dict:
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    first = first or time.perf_counter()
-                    pieces += 1
-    return {
-        "ttft_ms": None if first is None else (first - started) * 1000,
-        "tokens": usage.get("completion_tokens", pieces),
-    }
-
-
-async def _stream_completion(http: httpx.AsyncClient, base: str, prompt: list[int]) -> dict:
-    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True, "ignore_eos": True}
-    started = time.perf_counter()
-    first: float | None = None
-    pieces = 0
-    usage: dict = {}
-    async with http.stream("POST", base + "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices") or []:
-                if choice.get("text"):
+                if (choice.get("delta") or {}).get("content") or choice.get("text"):
                     first = first or time.perf_counter()
                     pieces += 1
     return {
@@ -95,15 +72,17 @@ async def _stream_completion(http: httpx.AsyncClient, base: str, prompt: list[in
 async def burst(base: str, prompts: list[list[int]] | None = None) -> dict:
     """The 32 burst requests at once: chat messages, or (`prompts`) token ids to /v1/completions."""
     async with httpx.AsyncClient(timeout=600) as http:
-        # one untimed burst first: every slot, connection and cache of the path is warm for the timed one
         if prompts is None:
-            await asyncio.gather(*(_stream_chat(http, base, t) for t in BURST_TEXTS))
-            started = time.perf_counter()
-            rows = await asyncio.gather(*(_stream_chat(http, base, t) for t in BURST_TEXTS))
+            url, bodies = (
+                base + "/v1/chat/completions",
+                [{"messages": [{"role": "user", "content": t}]} for t in BURST_TEXTS],
+            )
         else:
-            await asyncio.gather(*(_stream_completion(http, base, p) for p in prompts))
-            started = time.perf_counter()
-            rows = await asyncio.gather(*(_stream_completion(http, base, p) for p in prompts))
+            url, bodies = base + "/v1/completions", [{"prompt": p} for p in prompts]
+        # one untimed burst first: every slot, connection and cache of the path is warm for the timed one
+        await asyncio.gather(*(_stream(http, url, b) for b in bodies))
+        started = time.perf_counter()
+        rows = await asyncio.gather(*(_stream(http, url, b) for b in bodies))
         wall = time.perf_counter() - started
     ttfts = [r["ttft_ms"] for r in rows if r["ttft_ms"] is not None]
     tokens = sum(r["tokens"] for r in rows)

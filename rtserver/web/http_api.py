@@ -17,7 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.backend import FinishReason, InferenceBackend, SamplingError, SamplingParams, SequenceResult
+from ..engine.backend import FinishReason, SamplingError, SamplingParams, SequenceResult
 from ..tasks.chat import ChatTask
 from . import events
 from . import protocol as P
@@ -164,9 +164,9 @@ def _history(value: Any) -> list[dict]:
 
 
 async def _generate(
-    state: AppState, prompt: list[int], params: SamplingParams, endpoint: str
+    state: AppState, prompt: list[int], params: SamplingParams, endpoint: str, session_key: str | None = None
 ) -> SequenceResult:
-    stream = state.backend.generate(prompt, params)
+    stream = state.backend.generate(prompt, params, session_key=session_key)
     try:
         result = await stream.result()
     except asyncio.CancelledError:
@@ -651,7 +651,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
 
     key = f"remote:{session}" if session else None  # never collides with this node's own sessions
     if not body.get("stream"):
-        result = await _generate_keyed(state, backend, prompt, params, key)
+        result = await _generate(state, prompt, params, "completions", key)
         return JSONResponse(
             {
                 "id": cid,
@@ -710,21 +710,6 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
-
-
-async def _generate_keyed(
-    state: AppState, backend: InferenceBackend, prompt: list[int], params: SamplingParams, key: str | None
-) -> SequenceResult:
-    stream = backend.generate(prompt, params, session_key=key)
-    try:
-        result = await stream.result()
-    except asyncio.CancelledError:
-        stream.cancel()
-        raise
-    if result.finish_reason is FinishReason.ERROR:
-        raise GenerationFailed(result)
-    state.metrics.observe_generation("completions", result)
-    return result
 
 
 async def tokenize(request: Request, state: AppState, body: dict) -> Response:

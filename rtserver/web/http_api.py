@@ -97,9 +97,7 @@ def _api(handler):
                     state, "unauthorized", "missing or wrong bearer token (Authorization header)"
                 )
         if not state.ready:
-            return error_response(
-                state, "not_ready", f"the model is {state.status}; retry when GET /ready answers 200"
-            )
+            return error_response(state, "not_ready", state.not_ready_message())
         try:
             body = None
             if request.method == "POST":

@@ -467,7 +467,7 @@ class Hub:
                 ws,
                 self.metrics,
                 "not_ready",
-                f"the model is {self.state.status}; retry when GET /ready answers 200",
+                self.state.not_ready_message(),
                 Close.NOT_READY,
                 "not ready",
             )

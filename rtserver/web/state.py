@@ -67,6 +67,9 @@ class AppState:
                 return f"no {name} inference server is available: {states}"
         return None
 
+    def not_ready_message(self) -> str:
+        return f"{self.not_ready_reason() or 'not ready'}; retry when GET /ready answers 200"
+
     def backends_needed(self) -> set[str]:
         """The backends the settings place work on: the default, and each task's `backend`."""
         needed = {self.settings.model.backend}

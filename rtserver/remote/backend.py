@@ -370,6 +370,10 @@ class RemoteBackend:
             "stop": list(p.stop),
             "ignore_eos": p.ignore_eos,
         }
+        if p.greedy:
+            # greedy is top-1: a server that still runs its sampler chain over the whole vocabulary for
+            # top_k = 0 (llama-server) sorts ~50k logits per token for nothing
+            body.update(temperature=0.0, top_k=1, top_p=1.0)
         if self.model:
             body["model"] = self.model
         if p.seed is not None:

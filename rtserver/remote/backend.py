@@ -44,6 +44,7 @@ log = logging.getLogger("rtserver.remote")
 
 PROBE_TEXT = "Hello, world! How are you today? 你好，世界。 1234 🙂"
 TOP_LOGPROBS = 20
+SERVER_KINDS = {"rtserver": "rtserver", "llamacpp": "llama.cpp", "vllm": "vllm"}  # /v1/models owned_by
 
 
 class BackendMismatch(Exception):
@@ -242,15 +243,7 @@ class RemoteBackend:
         models = r.json().get("data") or []
         owned = str(models[0].get("owned_by", "")) if models else ""
         served = [str(m.get("id")) for m in models]
-        kind = (
-            "rtserver"
-            if owned == "rtserver"
-            else "llama.cpp"
-            if owned == "llamacpp"
-            else "vllm"
-            if owned == "vllm"
-            else "openai"
-        )
+        kind = SERVER_KINDS.get(owned, "openai")
         want = self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
         got = await self._remote_tokens(up, kind)
         if got is not None and got != want:

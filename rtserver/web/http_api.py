@@ -632,15 +632,6 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
         )
     with_ids = body.get("return_token_ids") is True
 
-    def usage(result: SequenceResult) -> dict:
-        u = result.usage
-        return {
-            "prompt_tokens": u.prompt_tokens,
-            "completion_tokens": u.generated_tokens,
-            "total_tokens": u.prompt_tokens + u.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-        }
-
     def choice(text: str, finish: str | None, ids: list[int] | None = None) -> dict:
         c: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         if with_ids and ids is not None:
@@ -657,7 +648,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
                 "created": created,
                 "model": model,
                 "choices": [choice(result.text, _finish(result.finish_reason), result.token_ids)],
-                "usage": usage(result),
+                "usage": _openai_usage(result),
             }
         )
     include_usage = (
@@ -697,7 +688,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
             state.metrics.observe_generation("completions", result)
             yield sse({"choices": [choice("", _finish(result.finish_reason), [])]})
             if include_usage:
-                yield sse({"choices": [], "usage": usage(result)})
+                yield sse({"choices": [], "usage": _openai_usage(result)})
             yield "data: [DONE]\n\n"
         finally:
             if not finished:

@@ -150,6 +150,9 @@ async def test_sentiment_labels_equal_the_local_engines_on_the_test_split(smol, 
                         assert r.status_code == 200, r.text
                         return r.json()["label"]
 
+                await one(
+                    "warm-up"
+                )  # the calibration scores are computed once, alone, as a server's first call
                 return await asyncio.gather(*(one(t) for t in texts))
 
     here, there = await labels(local), await labels(remote)

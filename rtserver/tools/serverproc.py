@@ -25,6 +25,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_up(
+    proc: subprocess.Popen, url: str, started: float, timeout_s: float, name: str, log_path: Path
+) -> float:
+    """Poll `url` until it answers 200; the seconds since `started`. RuntimeError naming the log when
+    the process exits first or `timeout_s` passes."""
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - started
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} during start-up; see {log_path}")
+        if time.monotonic() - started > timeout_s:
+            raise RuntimeError(f"{name} not up after {timeout_s:.0f} s; see {log_path}")
+        time.sleep(0.2)
+
+
 class ServerProcess:
     """`rtserver serve` (or another launcher) in a subprocess on a free 127.0.0.1 port, log to a file."""
 
@@ -64,20 +83,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=raise_nofile_limit
         )
-        while True:
-            try:
-                with urllib.request.urlopen(self.base + "/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - started
-            except OSError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {self.proc.returncode} during start-up; see {self.log_path}"
-                )
-            if time.monotonic() - started > timeout_s:
-                raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {self.log_path}")
-            time.sleep(0.3)
+        return wait_until_up(self.proc, self.base + "/ready", started, timeout_s, "server", self.log_path)
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -147,18 +153,13 @@ class LlamaServerProcess:
         """Start and wait for /health; the seconds it took."""
         started = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT)
-        while time.monotonic() - started < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - started
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"llama-server did not become healthy in {timeout_s:.0f} s: see {self.log_path}")
+        try:
+            return wait_until_up(
+                self.proc, self.base + "/health", started, timeout_s, "llama-server", self.log_path
+            )
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

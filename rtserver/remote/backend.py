@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
-import httpx
+import aiohttp
 
 from ..config import BackendSettings
 from ..engine.backend import (
@@ -188,7 +188,7 @@ class RemoteBackend:
         )
         self.model = settings.model
         self.kinds: dict[str, str] = {}  # url -> server kind, learned by check()
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
         self.tokens_generated = 0
 
@@ -199,14 +199,21 @@ class RemoteBackend:
         if self._health is None:
             self._health = asyncio.get_running_loop().create_task(self._health_loop())
 
-    def _new_client(self) -> httpx.AsyncClient:
+    def _new_client(self) -> aiohttp.ClientSession:
+        # aiohttp rather than httpx: its per-request CPU is a small fraction of httpx's, and in a burst
+        # that CPU is spent before the last request reaches the server (README, "Remote backends").
+        # `timeout_s` bounds the wait for the connection and for every read (a stall), not the whole
+        # reply; the pool bounds the requests in flight, so the connector does not.
         s = self.settings
         headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
-        return httpx.AsyncClient(
+        return aiohttp.ClientSession(
             headers=headers,
-            timeout=httpx.Timeout(s.timeout_s, connect=min(5.0, s.timeout_s)),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            timeout=aiohttp.ClientTimeout(total=None, connect=min(5.0, s.timeout_s), sock_read=s.timeout_s),
+            connector=aiohttp.TCPConnector(limit=0),
         )
+
+    def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=seconds)
 
     async def stop(self) -> None:
         if self._health is not None:
@@ -214,11 +221,11 @@ class RemoteBackend:
             await asyncio.gather(self._health, return_exceptions=True)
             self._health = None
         if self.client is not None:
-            await self.client.aclose()
+            await self.client.close()
             self.client = None
 
     @property
-    def http(self) -> httpx.AsyncClient:
+    def http(self) -> aiohttp.ClientSession:
         if self.client is None:
             self.client = self._new_client()
         return self.client
@@ -238,9 +245,10 @@ class RemoteBackend:
                 log.warning("inference server %s is not available: %s", up.url, _describe(exc))
 
     async def _probe(self, up: Upstream) -> None:
-        r = await self.http.get(up.url + "/v1/models", timeout=self.settings.timeout_s)
-        r.raise_for_status()
-        models = r.json().get("data") or []
+        async with self.http.get(up.url + "/v1/models", timeout=self._timeout(self.settings.timeout_s)) as r:
+            r.raise_for_status()
+            listing = await r.json(content_type=None)
+        models = (listing.get("data") if isinstance(listing, dict) else None) or []
         owned = str(models[0].get("owned_by", "")) if models else ""
         served = [str(m.get("id")) for m in models]
         kind = SERVER_KINDS.get(owned, "openai")
@@ -269,11 +277,14 @@ class RemoteBackend:
                 body["model"] = self.model
         else:
             body = {"content": PROBE_TEXT, "add_special": False}
-        r = await self.http.post(up.url + "/tokenize", json=body, timeout=self.settings.timeout_s)
-        if r.status_code == 404:
-            return None
-        r.raise_for_status()
-        tokens = r.json().get("tokens")
+        async with self.http.post(
+            up.url + "/tokenize", json=body, timeout=self._timeout(self.settings.timeout_s)
+        ) as r:
+            if r.status == 404:
+                return None
+            r.raise_for_status()
+            answer = await r.json(content_type=None)
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
         return [int(t) for t in tokens] if isinstance(tokens, list) else None
 
     async def _health_loop(self) -> None:
@@ -281,9 +292,11 @@ class RemoteBackend:
             await asyncio.sleep(self.settings.health_interval_s)
             for up in self.pool.upstreams:
                 try:
-                    r = await self.http.get(up.url + "/health", timeout=min(5.0, self.settings.timeout_s))
-                    if r.status_code >= 400:
-                        raise UpstreamError(f"/health answered {r.status_code}", True)
+                    async with self.http.get(
+                        up.url + "/health", timeout=self._timeout(min(5.0, self.settings.timeout_s))
+                    ) as r:
+                        if r.status >= 400:
+                            raise UpstreamError(f"/health answered {r.status}", True)
                     if up.url not in self.kinds:
                         await self._probe(up)
                     self.pool.succeeded(up)
@@ -313,7 +326,7 @@ class RemoteBackend:
                     log.warning("%s failed (%s); trying another server", up.url, exc.message)
                     continue
                 raise
-            except (httpx.TransportError, UpstreamProtocolError) as exc:
+            except (aiohttp.ClientError, TimeoutError, UpstreamProtocolError) as exc:
                 self.pool.failed(up, _describe(exc))
                 tried.add(up.url)
                 if may_retry() and len(tried) < len(self.pool.upstreams):
@@ -329,17 +342,17 @@ class RemoteBackend:
     async def _stream(self, up: Upstream, body: dict) -> AsyncIterator[AsyncIterator[dict]]:
         """The events of a streamed completion; leaving the block closes the connection (the server
         stops generating)."""
-        async with self.http.stream("POST", up.url + "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raise _status_error(up, resp.status_code, await _head(resp))
-            yield sse_payloads(resp.aiter_bytes())
+        async with self.http.post(up.url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise _status_error(up, resp.status, await _head(resp))
+            yield sse_payloads(resp.content.iter_any())
 
     async def _post(self, up: Upstream, body: dict, limit: int = 16 << 20) -> dict:
-        async with self.http.stream("POST", up.url + "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raise _status_error(up, resp.status_code, await _head(resp))
+        async with self.http.post(up.url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise _status_error(up, resp.status, await _head(resp))
             raw = b""
-            async for chunk in resp.aiter_bytes():
+            async for chunk in resp.content.iter_any():
                 raw += chunk
                 if len(raw) > limit:
                     raise UpstreamProtocolError(f"a response over {limit} bytes")
@@ -570,10 +583,10 @@ def _llama_logprobs(data: dict) -> list[dict]:
     return content
 
 
-async def _head(resp: httpx.Response, limit: int = 300) -> str:
+async def _head(resp: aiohttp.ClientResponse, limit: int = 300) -> str:
     """The first bytes of an error response's body (never the whole of a huge one)."""
     head = b""
-    async for chunk in resp.aiter_bytes():
+    async for chunk in resp.content.iter_any():
         head += chunk
         if len(head) >= limit:
             break
@@ -591,8 +604,8 @@ def _status_error(up: Upstream, status: int, detail: str) -> UpstreamError:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, TimeoutError):  # aiohttp's connect and read timeouts are TimeoutErrors too
         return f"timed out ({type(exc).__name__})"
-    if isinstance(exc, httpx.HTTPStatusError):
-        return f"answered {exc.response.status_code}"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"answered {exc.status}"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -378,6 +378,37 @@ async def test_garbage_sse_is_a_typed_error_and_the_session_recovers(smol, caplo
         assert server_health((await get(base, "/health")).json(), fake.url)["errors"] == 1
 
 
+async def test_an_open_breaker_waits_retry_after_s_even_when_health_answers(smol):
+    """Completions fail while /health still answers 200: the breaker opens and stays open for
+    retry_after_s (the health check does not probe before then), then a health probe closes it."""
+    async with (
+        fakes(smol) as [fake],
+        hub(smol, [fake.url], failures_to_open=1, retry_after_s=1.0) as (
+            app,
+            base,
+            url,
+        ),
+    ):
+        fake.status = 500
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            err = (await chat(ws, "b1"))[-1]
+            assert err["type"] == "error" and err["code"] == "backend_unavailable", err
+            opened = time.monotonic()
+            fake.status = 200
+            await asyncio.sleep(0.6)  # three health intervals (0.2 s), all answered 200
+            health = (await get(base, "/health")).json()
+            assert time.monotonic() - opened < 1.0
+            assert server_health(health, fake.url)["state"] == "down", health
+
+            async def closed() -> bool:
+                return server_health((await get(base, "/health")).json(), fake.url)["state"] == "up"
+
+            await wait_for(closed, STEP)
+            assert time.monotonic() - opened >= 1.0
+            await chats_again(ws, fake, "b2")
+
+
 # -- 3. HTTP 500 ------------------------------------------------------------------------------------
 
 
@@ -723,3 +754,56 @@ async def test_a_task_placed_local_runs_on_the_local_engine_while_chat_goes_to_t
                 assert auto["task"] == "sentiment" and auto["output"]["label"]
             assert len(fake.bodies) == 1  # only the chat reply went upstream
             assert local.scored >= 1 and local.prompts == []  # the scores were the local engine's
+
+
+async def test_a_kept_alive_connection_the_server_dropped_is_sent_again(smol):
+    """A server that closes a kept-alive connection when the next request arrives on it (as servers do
+    with idle ones, racing the client): the request goes again on a new connection and succeeds; the
+    server is not counted as failing."""
+    served: list[int] = []  # per answered request: the connection's number
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        conn, answered = connections, 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+                await reader.readexactly(length)
+                if answered:  # a second request on this connection: drop it unanswered
+                    writer.close()
+                    return
+                answered += 1
+                served.append(conn)
+                events = sse({"choices": [{"index": 0, "text": "Hi", "finish_reason": "stop"}]})
+                events += b"data: [DONE]\n\n"
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(events), events)
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = "http://127.0.0.1:%d" % server.sockets[0].getsockname()[1]
+    backend = RemoteBackend(smol.tokenizer, remote_settings([url]).backend)
+    backend.start()
+    try:
+        for _ in range(3):
+            gen = backend.generate([1, 2, 3], SamplingParams(max_new_tokens=4), session_key="k")
+            result = await asyncio.wait_for(gen.result(), STEP)
+            assert result.finish_reason is FinishReason.EOS and result.text == "Hi", result
+        assert served == [1, 2, 3]  # each request after the first met a dropped connection, then a new one
+        up = backend.pool.upstreams[0]
+        assert up.errors == 0 and backend.pool.state(up) == "up"
+    finally:
+        await backend.stop()
+        server.close()
+        await server.wait_closed()

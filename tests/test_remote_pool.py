@@ -103,6 +103,21 @@ def test_breaker_opens_after_failures_probes_after_retry_and_closes_on_success()
     assert up.last_ok is not None
 
 
+async def test_half_open_lets_one_probe_through_at_a_time():
+    p = pool(failures_to_open=1, retry_after_s=0.05)
+    up = p.upstreams[0]
+    key = next(k for k in KEYS if p.choose(k).url == up.url)  # a session whose home is `up`
+    p.failed(up, "boom")
+    time.sleep(0.06)
+    assert p.choose(key) is up  # half-open: the first request is the probe
+    await p.acquire(up, 1.0)
+    assert p.state(up) == "probing" and not p.usable(up)
+    assert p.choose(key) is not up  # the next request does not pile onto a server still unproven
+    p.release(up)
+    p.succeeded(up)
+    assert p.choose(key) is up and p.usable(up)
+
+
 def test_all_down_is_backend_unavailable_naming_each_url():
     p = pool(retry_after_s=60.0)
     for up in p.upstreams:

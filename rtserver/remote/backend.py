@@ -209,7 +209,9 @@ class RemoteBackend:
         return aiohttp.ClientSession(
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=None, connect=min(5.0, s.timeout_s), sock_read=s.timeout_s),
-            connector=aiohttp.TCPConnector(limit=0),
+            # common servers drop a connection idle for 5 s (uvicorn's and cpp-httplib's default): ours
+            # are dropped before that, so few requests meet one the server is closing
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
         )
 
     def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
@@ -291,6 +293,8 @@ class RemoteBackend:
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
             for up in self.pool.upstreams:
+                if not self.pool.waited(up):
+                    continue  # its breaker opened less than retry_after_s ago: no probe yet
                 try:
                     async with self.http.get(
                         up.url + "/health", timeout=self._timeout(min(5.0, self.settings.timeout_s))
@@ -339,18 +343,33 @@ class RemoteBackend:
             return result
 
     @contextlib.asynccontextmanager
-    async def _stream(self, up: Upstream, body: dict) -> AsyncIterator[AsyncIterator[dict]]:
-        """The events of a streamed completion; leaving the block closes the connection (the server
-        stops generating)."""
-        async with self.http.post(up.url + "/v1/completions", json=body) as resp:
+    async def _completion(self, up: Upstream, body: dict) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST `body` to the server's /v1/completions; the response, once it answered 200. Leaving the
+        block closes the connection unless the response was read to its end (the server stops
+        generating). A kept-alive connection the server has just closed fails before the request got
+        through (a server drops idle ones when it likes): that is tried once more on another
+        connection, not counted as the server's failure."""
+        url = up.url + "/v1/completions"
+        try:
+            resp = await self.http.post(url, json=body)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                raise  # no connection at all: the server is not there
+            log.info("%s: a kept-alive connection failed (%s); sending again", up.url, _describe(exc))
+            resp = await self.http.post(url, json=body)
+        async with resp:
             if resp.status != 200:
                 raise _status_error(up, resp.status, await _head(resp))
+            yield resp
+
+    @contextlib.asynccontextmanager
+    async def _stream(self, up: Upstream, body: dict) -> AsyncIterator[AsyncIterator[dict]]:
+        """The events of a streamed completion."""
+        async with self._completion(up, body) as resp:
             yield sse_payloads(resp.content.iter_any())
 
     async def _post(self, up: Upstream, body: dict, limit: int = 16 << 20) -> dict:
-        async with self.http.post(up.url + "/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                raise _status_error(up, resp.status, await _head(resp))
+        async with self._completion(up, body) as resp:
             raw = b""
             async for chunk in resp.content.iter_any():
                 raw += chunk

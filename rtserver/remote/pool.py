@@ -7,8 +7,9 @@ URL goes down only its own sessions move (to their next-highest URL); when it co
 Requests without a session key (task calls) spread by the fewest in flight.
 
 Circuit breaker per URL: `failures_to_open` failures in a row (a refused connection, a 5xx, a timeout)
-open it: no request goes there for `retry_after_s`, then the health check (or the next request) probes
-it once; a success closes it. A health check that fails counts as a failure too.
+open it: nothing goes there for `retry_after_s` (the health check waits too), then it is half-open: the
+health check or one request probes it, one at a time; a success closes it, a failure opens it for
+another `retry_after_s`. A health check that fails counts as a failure too.
 """
 
 from __future__ import annotations
@@ -57,7 +58,14 @@ class UpstreamPool:
 
     # -- state ------------------------------------------------------------------------------------------
     def usable(self, up: Upstream, now: float | None = None) -> bool:
-        """Closed breaker, or open long enough that one probe may go through."""
+        """Closed breaker; or half-open with nothing in flight there: the one request let through is the
+        probe (choosing and `acquire` run without a pause between them, so two cannot both pass)."""
+        if up.opened_at is None:
+            return True
+        return self.waited(up, now) and up.in_flight == 0
+
+    def waited(self, up: Upstream, now: float | None = None) -> bool:
+        """Open for `retry_after_s` already: a probe may go (closed breakers too)."""
         if up.opened_at is None:
             return True
         return (now if now is not None else time.monotonic()) - up.opened_at >= self.retry_after_s
@@ -65,7 +73,7 @@ class UpstreamPool:
     def state(self, up: Upstream) -> str:
         if up.opened_at is None:
             return "up"
-        return "probing" if self.usable(up) else "down"
+        return "probing" if self.waited(up) else "down"
 
     def succeeded(self, up: Upstream) -> None:
         was_down = up.opened_at is not None

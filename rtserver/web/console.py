@@ -163,6 +163,9 @@ class ConsoleHub:
         self._release: dict[str, asyncio.TimerHandle] = {}
 
     # -- fan-out --------------------------------------------------------------------------------
+    def agent_count(self) -> int:
+        return sum(1 for a in self.agents if a.logged_in)
+
     def broadcast(self, event: dict) -> None:
         for agent in list(self.agents):
             if agent.logged_in:

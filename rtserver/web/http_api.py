@@ -96,7 +96,7 @@ def _api(handler):
                 return error_response(
                     state, "unauthorized", "missing or wrong bearer token (Authorization header)"
                 )
-        if not state.ready:
+        if not state.serving:
             return error_response(state, "not_ready", state.not_ready_message())
         try:
             body = None

@@ -1,0 +1,213 @@
+"""Many nodes as one through a real redis-server (rtserver/web/cluster/): in-process nodes on the
+scripted engine, so these run in the default suite. The real-process, real-model tests (SIGKILL of a
+node over 50 sessions) are in tests/test_cluster_nodes.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import websockets
+
+from rtserver.config import ConfigError, settings_from_mapping
+
+from .clusterutil import chat, redis_server, scripted_node
+from .serverutil import hello, recv_json, wait_for
+
+
+async def _status(base: str, path: str) -> tuple[int, dict]:
+    async with httpx.AsyncClient() as client:
+        r = await client.get(base + path)
+        return r.status_code, r.json()
+
+
+async def test_session_resumes_on_another_node_with_its_history(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a") as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b") as (_, url_b, engine_b, _),
+        ):
+            async with websockets.connect(url_a) as ws:
+                ready = await hello(ws, client="alice")
+                sid, token = ready["session_id"], ready["resume_token"]
+                replies = []
+                for i, text in enumerate(["my name is Zorblax", "I like turnips"]):
+                    events = await chat(ws, f"c{i}", text)
+                    assert events[-1]["type"] == "done", events
+                    replies.append(events[-1]["text"])
+            async with websockets.connect(url_b) as ws:
+                ready = await hello(ws, session_id=sid, resume_token=token)
+                assert ready["type"] == "ready" and ready["resumed"] is True, ready
+                assert ready["session_id"] == sid
+                assert [m["content"] for m in ready["history"]] == [
+                    "my name is Zorblax",
+                    replies[0],
+                    "I like turnips",
+                    replies[1],
+                ]
+                events = await chat(ws, "c2", "what is my name?")
+                assert events[-1]["type"] == "done", events
+                # node B's prompt was rendered from the stored history (its KV rebuilt from it)
+                prompt = smol.tokenizer.decode(engine_b.prompts[-1])
+                assert "Zorblax" in prompt and "turnips" in prompt and "what is my name?" in prompt
+            # and back on A: A's cached copy is stale (a turn happened on B), the record wins
+            async with websockets.connect(url_a) as ws:
+                ready = await hello(ws, session_id=sid, resume_token=token)
+                assert ready["resumed"] is True and len(ready["history"]) == 6, ready
+
+
+async def test_wrong_token_or_unknown_id_is_session_expired_on_every_node(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a") as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b") as (_, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as ws:
+                sid = (await hello(ws))["session_id"]
+            for session_id, token in ((sid, "not-the-token"), ("no-such-session", "x")):
+                async with websockets.connect(url_b) as ws:
+                    err = await hello(ws, session_id=session_id, resume_token=token)
+                    assert err["type"] == "error" and err["code"] == "session_expired", err
+                    fresh = await recv_json(ws)
+                    assert fresh["type"] == "ready" and fresh["resumed"] is False
+                    assert fresh["session_id"] != sid
+
+
+async def test_redis_unreachable_at_start_makes_ready_false_with_the_reason(smol, tmp_path):
+    from rtserver.tools.serverproc import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    async with scripted_node(smol, url, "a", wait_redis=False) as (base, ws_url, _, _):
+        code, body = await _status(base, "/ready")
+        assert code == 503 and body["ready"] is False
+        assert "Redis" in body["reason"] and "unreachable" in body["reason"], body
+        code, health = await _status(base, "/health")
+        assert health["cluster"]["redis"] == "down" and "reason" in health["cluster"], health
+        async with websockets.connect(ws_url) as ws:
+            err = await hello(ws)
+            assert err["type"] == "error" and err["code"] == "unavailable", err
+
+
+async def test_redis_lost_while_serving_typed_errors_then_recovers_by_itself(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a") as (base_a, url_a, engine_a, _),
+            scripted_node(smol, redis.url, "b") as (base_b, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as ws:
+                ready = await hello(ws)
+                sid, token = ready["session_id"], ready["resume_token"]
+                assert (await chat(ws, "c0", "first"))[-1]["type"] == "done"
+                # a reply running when Redis goes: it streams to the end, but is not acknowledged
+                engine_a.gate = asyncio.Event()
+                await ws.send(json.dumps({"type": "chat", "id": "c1", "text": "second"}))
+                await asyncio.sleep(0.1)
+                redis.stop()
+                engine_a.gate.set()
+                engine_a.gate = None
+                events = []
+                while not (
+                    events and events[-1].get("id") == "c1" and events[-1]["type"] in ("done", "error")
+                ):
+                    events.append(await recv_json(ws))
+                assert events[-1]["type"] == "error" and events[-1]["code"] == "unavailable", events
+                assert any(e["type"] == "token" for e in events)  # the reply itself ran to its end
+                # a new turn meanwhile: refused at once, typed
+                err = (await chat(ws, "c2", "third"))[-1]
+                assert err["type"] == "error" and err["code"] == "unavailable", err
+                # new sessions and resumes on the other node: typed errors, no crash
+                await wait_for(lambda: _not_ready(base_b))
+                async with websockets.connect(url_b) as ws2:
+                    err = await hello(ws2)
+                    assert err["code"] == "unavailable", err
+                async with websockets.connect(url_b) as ws2:
+                    err = await hello(ws2, session_id=sid, resume_token=token)
+                    assert err["code"] == "unavailable", err
+                redis.start()  # same port, same data folder (append-only file, fsync always)
+                await wait_for(lambda: _ready(base_a))
+                await wait_for(lambda: _ready(base_b))
+                assert (await chat(ws, "c3", "fourth"))[-1]["type"] == "done"
+            async with websockets.connect(url_b) as ws:
+                ready = await hello(ws, session_id=sid, resume_token=token)
+                assert ready["resumed"] is True, ready
+                # what was acknowledged is there; the unacknowledged turn is not
+                users = [m["content"] for m in ready["history"] if m["role"] == "user"]
+                assert users == ["first", "fourth"], ready["history"]
+
+
+async def _ready(base: str) -> bool:
+    return (await _status(base, "/ready"))[0] == 200
+
+
+async def _not_ready(base: str) -> bool:
+    return (await _status(base, "/ready"))[0] == 503
+
+
+async def test_per_ip_rate_limit_is_one_bucket_across_nodes(smol, tmp_path):
+    sec = {"ip_rate_limit_per_s": 0.5, "ip_rate_limit_burst": 6}
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=sec) as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b", security=sec) as (_, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as wa, websockets.connect(url_b) as wb:
+                outcomes = []
+                for i in range(8):  # alternating nodes: 8 pings against one bucket of 6
+                    ws = (wa, wb)[i % 2]
+                    await ws.send(json.dumps({"type": "ping", "data": i}))
+                    outcomes.append((await recv_json(ws))["type"])
+                assert outcomes[:6] == ["pong"] * 6, outcomes
+                assert outcomes[6:] == ["error", "error"], outcomes
+
+
+async def test_sessions_per_ip_counted_across_nodes(smol, tmp_path):
+    sec = {"max_sessions_per_ip": 2}
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=sec) as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b", security=sec) as (_, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as w1, websockets.connect(url_b) as w2:
+                assert (await hello(w1))["type"] == "ready"
+                assert (await hello(w2))["type"] == "ready"
+                async with websockets.connect(url_b) as w3:
+                    err = await hello(w3)
+                    assert err["type"] == "error" and err["code"] == "too_many_sessions", err
+            # both disconnected: their slots are free again, on either node
+            async with websockets.connect(url_a) as w4:
+                assert (await hello(w4))["type"] == "ready"
+
+
+async def test_health_shows_the_cluster(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a") as (base_a, url_a, _, _),
+            scripted_node(smol, redis.url, "b") as (_, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as w1, websockets.connect(url_b) as w2:
+                await hello(w1)
+                await hello(w2)
+
+                async def both_counted() -> dict | None:
+                    cluster = (await _status(base_a, "/health"))[1]["cluster"]
+                    return cluster if cluster["nodes_alive"] == 2 and cluster["sessions"] == 2 else None
+
+                cluster = await wait_for(both_counted)
+                assert {n["node_id"] for n in cluster["nodes"]} == {"a", "b"}
+                assert cluster["redis"] == "up" and cluster["node_id"] == "a"
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"redis_url": "http://x"}, "not a redis://"),
+        ({"key_prefix": "a b"}, "key_prefix"),
+        ({"node_id": "a b"}, "node_id"),
+        ({"heartbeat_s": 0}, "allowed range"),
+    ],
+)
+def test_cluster_settings_are_checked(table, message):
+    with pytest.raises(ConfigError, match=message):
+        settings_from_mapping({"cluster": table}, env={})

@@ -211,3 +211,98 @@ async def test_health_shows_the_cluster(smol, tmp_path):
 def test_cluster_settings_are_checked(table, message):
     with pytest.raises(ConfigError, match=message):
         settings_from_mapping({"cluster": table}, env={})
+
+
+CONSOLE = {"console_token": "tok"}
+
+
+async def _console_login(url: str, name: str, agent_id: str):
+    ws = await websockets.connect(url + "/console")
+    await ws.send(json.dumps({"type": "login", "token": "tok", "agent": name, "agent_id": agent_id}))
+    return ws, await recv_json(ws)
+
+
+async def _until(ws, pred) -> list[dict]:
+    out = []
+    while True:
+        ev = await recv_json(ws)
+        out.append(ev)
+        if pred(ev):
+            return out
+
+
+async def test_console_agent_on_b_sees_takes_over_and_writes_to_a_customer_on_a(smol, tmp_path):
+    ids = smol.tokenizer.encode(" one two three", add_special_tokens=False)
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=CONSOLE) as (_, url_a, engine_a, _),
+            scripted_node(smol, redis.url, "b", security=CONSOLE) as (_, url_b, _, _),
+        ):
+            engine_a.script, engine_a.delay = ids, 0.01
+            async with websockets.connect(url_a) as cust:
+                ready = await hello(cust, client="Dana")
+                sid, token = ready["session_id"], ready["resume_token"]
+                assert (await chat(cust, "c0", "hello there"))[-1]["type"] == "done"
+                await asyncio.sleep(0.3)  # the conversation record is written in the background
+                # an agent on B logs in: the snapshot (from Redis) has the customer on A
+                agent, snap = await _console_login(url_b, "Bob", "bob")
+                assert snap["type"] == "console_ready", snap
+                convs = {c["session_id"]: c for c in snap["conversations"]}
+                assert sid in convs and convs[sid]["customer"] == "Dana" and convs[sid]["connected"]
+                assert [m["role"] for m in convs[sid]["messages"]] == ["user", "bot"]
+                # live: the customer's next message, the tokens, the reply and the mood reach B
+                await cust.send(json.dumps({"type": "chat", "id": "c1", "text": "this is great"}))
+                seen = await _until(agent, lambda e: e["type"] == "message" and e["message"]["role"] == "bot")
+                assert any(e["type"] == "message" and e["message"]["text"] == "this is great" for e in seen)
+                assert "".join(e["text"] for e in seen if e["type"] == "token") == " one two three"
+                if not any(e["type"] == "tag" for e in seen):
+                    seen += await _until(agent, lambda e: e["type"] == "tag")
+                tag = [e for e in seen if e["type"] == "tag"][-1]
+                assert tag["session_id"] == sid and tag["mood"]["n"] >= 1, tag
+                await _until(cust, lambda e: e.get("id") == "c1" and e["type"] == "done")
+                # two agents race to take over (Bob on B, Carol on A): exactly one wins
+                carol, _ = await _console_login(url_a, "Carol", "carol")
+                await asyncio.gather(
+                    agent.send(json.dumps({"type": "take_over", "session_id": sid})),
+                    carol.send(json.dumps({"type": "take_over", "session_id": sid})),
+                )
+                outcomes = []
+                for ws in (agent, carol):
+                    evs = await _until(
+                        ws,
+                        lambda e: (
+                            (e["type"] == "error" and e["code"] == "already_taken")
+                            or (e["type"] == "conversation" and e["conversation"]["agent"] is not None)
+                        ),
+                    )
+                    outcomes.append(evs[-1])
+                winners = [o for o in outcomes if o["type"] == "conversation"]
+                losers = [o for o in outcomes if o["type"] == "error"]
+                assert len(losers) == 1 and len(winners) == 1, outcomes
+                winner_name = losers[0]["agent"]["name"]
+                winner_ws = agent if winner_name == "Bob" else carol
+                handover = await _until(cust, lambda e: e["type"] == "handover")
+                assert handover[-1] == {"type": "handover", "to": "agent", "agent": winner_name}
+                # the agent writes; the customer on A receives it
+                await winner_ws.send(
+                    json.dumps({"type": "agent_message", "session_id": sid, "text": "Hi, I'm here"})
+                )
+                got = await _until(cust, lambda e: e["type"] == "agent_message")
+                assert got[-1]["text"] == "Hi, I'm here" and got[-1]["agent"] == winner_name
+                # the customer's message now goes to the agent, not the bot
+                await cust.send(json.dumps({"type": "chat", "id": "c2", "text": "thanks"}))
+                assert (await _until(cust, lambda e: e.get("id") == "c2"))[-1]["type"] == "forwarded"
+                fwd = await _until(
+                    winner_ws, lambda e: e["type"] == "message" and e["message"]["role"] == "user"
+                )
+                assert fwd[-1]["message"]["text"] == "thanks" and fwd[-1]["message"]["to_agent"]
+                await winner_ws.send(json.dumps({"type": "hand_back", "session_id": sid}))
+                back = await _until(cust, lambda e: e["type"] == "handover")
+                assert back[-1]["to"] == "bot"
+                await agent.close()
+                await carol.close()
+            # the agent's message and the forwarded one are in the stored session, on any node
+            async with websockets.connect(url_b) as cust:
+                ready = await hello(cust, session_id=sid, resume_token=token)
+                contents = [m["content"] for m in ready["history"]]
+                assert "Hi, I'm here" in contents and "thanks" in contents, ready["history"]

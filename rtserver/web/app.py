@@ -237,6 +237,8 @@ def create_app(
         hub.sessions.start()
         if state.cluster is not None:
             state.cluster.start()  # pings Redis from now on: /ready says why not while it is down
+            if hub.console.bus is not None:
+                hub.console.bus.start()
         loader = asyncio.create_task(
             _load(
                 state,
@@ -256,6 +258,8 @@ def create_app(
                 await loader
             await hub.close_all()
             await hub.sessions.stop()
+            if hub.console.bus is not None:
+                await hub.console.bus.stop()
             if state.cluster is not None:
                 await state.cluster.stop()
             for backend in list(state.backends.values()):

@@ -39,6 +39,7 @@ from ..engine.backend import FinishReason, Generation
 from . import events
 from . import protocol as P
 from .cluster import ClusterUnavailable
+from .cluster.bus import ConsoleBus
 from .cluster.nodes import NodeRegistry
 from .cluster.sessions import ClusterSessions
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
@@ -253,6 +254,8 @@ class Connection(QueuedConnection):
                             hello.session_id or "", hello.resume_token or "", self.client_ip
                         )
                         self.client_name = self.client_name or stored_name
+                        if hub.console.bus is not None:  # an agent may hold it (from another node)
+                            hub.console.set_holder(session, await hub.console.bus.holder(session.id))
                     else:
                         session = hub.sessions.resume(hello.session_id or "", hello.resume_token or "")
                     resumed = True
@@ -446,11 +449,27 @@ class Hub:
         if state.cluster is not None:
             assert state.session_store is not None and state.cluster_limits is not None
             self.cluster_sessions = ClusterSessions(
-                state.cluster, state.session_store, state.cluster_limits, self.sessions
+                state.cluster, state.session_store, state.cluster_limits, self.sessions, self._console_record
             )
             self.nodes = NodeRegistry(state.cluster, self.node_figures, self.live_session_ids)
             state.cluster.on_beat(self.nodes.beat)
             state.cluster.on_beat(self._renew_sessions)
+            # the console across nodes
+            console = self.console
+            console.bus = ConsoleBus(state.cluster, console.deliver, console.on_bus_command, console.resync)
+            console.persist = self._persist
+            console.node_id = state.cluster.node_id
+            console.alive_nodes = self.nodes.alive
+
+    def _console_record(self, session: Session) -> dict | None:
+        conv = self.console.conversations.get(session.id)
+        return self.console.record(conv) if conv is not None else None
+
+    async def _persist(self, session: Session) -> None:
+        """Write a session's record now (the console's agent messages and forwarded customer ones)."""
+        assert self.cluster_sessions is not None
+        conn = session.connection
+        await self.cluster_sessions.save(session, getattr(conn, "client_name", None))
 
     def node_figures(self) -> dict[str, Any]:
         return {

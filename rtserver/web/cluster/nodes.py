@@ -83,6 +83,14 @@ class NodeRegistry:
         }
         return {"nodes_alive": len(nodes), **totals, "nodes": nodes}
 
+    async def alive(self) -> set[str]:
+        """Ids of the nodes whose heartbeat is recent."""
+        c = self.cluster
+        ids: Any = await c.call(
+            lambda: c.redis.zrangebyscore(c.key("nodes"), time.time() - self.ttl_s, "+inf")
+        )
+        return set(ids)
+
     async def holder(self, session_id: str) -> str | None:
         """The node whose live set holds this session, if any."""
         c = self.cluster

@@ -14,7 +14,7 @@ import websockets
 from rtserver.config import ConfigError, settings_from_mapping
 
 from .clusterutil import chat, redis_server, scripted_node
-from .serverutil import hello, recv_json, wait_for
+from .serverutil import hello, metric, recv_json, wait_for
 
 
 async def _status(base: str, path: str) -> tuple[int, dict]:
@@ -198,6 +198,14 @@ async def test_health_shows_the_cluster(smol, tmp_path):
                 assert {n["node_id"] for n in cluster["nodes"]} == {"a", "b"}
                 assert cluster["redis"] == "up" and cluster["node_id"] == "a"
 
+                async def metrics_counted() -> bool:
+                    return await metric(base_a, "rtserver_cluster_sessions") == 2
+
+                await wait_for(metrics_counted)
+                assert await metric(base_a, "rtserver_cluster_nodes_alive") == 2
+                assert await metric(base_a, "rtserver_cluster_redis_up") == 1
+                assert await metric(base_a, "rtserver_cluster_session_writes_total") >= 1
+
 
 @pytest.mark.parametrize(
     "table, message",
@@ -306,3 +314,45 @@ async def test_console_agent_on_b_sees_takes_over_and_writes_to_a_customer_on_a(
                 ready = await hello(cust, session_id=sid, resume_token=token)
                 contents = [m["content"] for m in ready["history"]]
                 assert "Hi, I'm here" in contents and "thanks" in contents, ready["history"]
+
+
+async def test_resume_on_another_node_closes_the_old_connection(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a") as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b") as (base_b, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as old:
+                ready = await hello(old)
+                async with websockets.connect(url_b) as new:
+                    again = await hello(
+                        new, session_id=ready["session_id"], resume_token=ready["resume_token"]
+                    )
+                    assert again["resumed"] is True
+                    err = await recv_json(old)
+                    assert err["type"] == "error" and err["code"] == "session_taken_over", err
+                    with pytest.raises(websockets.ConnectionClosed) as info:
+                        await asyncio.wait_for(old.recv(), 30)
+                    assert info.value.rcvd.code == 4409
+                    assert (await chat(new, "c0", "still here"))[-1]["type"] == "done"
+
+
+async def test_an_unreadable_record_in_redis_is_an_expired_session_not_a_crash(smol, tmp_path):
+    import redis.asyncio as aioredis
+
+    with redis_server(tmp_path) as redis:
+        async with scripted_node(smol, redis.url, "a") as (_, url_a, _, _):
+            async with websockets.connect(url_a) as ws:
+                ready = await hello(ws)
+            client = aioredis.Redis.from_url(redis.url)
+            try:
+                for bad in (b"not json", b'{"v": 1, "id": 5}', b'{"v": 1, "history": "x"}', b"[]"):
+                    await client.set(f"rtserver:session:{ready['session_id']}", bad)
+                    async with websockets.connect(url_a) as ws:
+                        err = await hello(
+                            ws, session_id=ready["session_id"], resume_token=ready["resume_token"]
+                        )
+                        assert err["code"] == "session_expired", (bad, err)
+                        assert (await recv_json(ws))["type"] == "ready"
+            finally:
+                await client.aclose()

@@ -606,7 +606,14 @@ class ConsoleHub:
         sid, kind, agent = command.get("session_id"), command.get("cmd"), command.get("agent")
         if not isinstance(sid, str):
             return
-        if kind == "take_over" and isinstance(agent, dict):
+        if kind == "session_taken":  # the customer resumed its session on another node
+            session = self._session(sid)
+            conn = session.connection if session is not None else None
+            if conn is not None:
+                await conn.error("session_taken_over", "this session was resumed by another connection")
+                conn.cancel_all()
+                conn.stop(Close.TAKEN_OVER, "session taken over")
+        elif kind == "take_over" and isinstance(agent, dict):
             await self.apply_take_over(sid, {"id": str(agent.get("id")), "name": str(agent.get("name"))})
         elif kind == "hand_back":
             await self.apply_hand_back(sid)

@@ -250,12 +250,18 @@ class Connection(QueuedConnection):
             if hello.session_id is not None or hello.resume_token is not None:
                 try:
                     if clustered is not None:
-                        session, stored_name = await clustered.resume(
+                        session, record = await clustered.resume(
                             hello.session_id or "", hello.resume_token or "", self.client_ip
                         )
-                        self.client_name = self.client_name or stored_name
-                        if hub.console.bus is not None:  # an agent may hold it (from another node)
-                            hub.console.set_holder(session, await hub.console.bus.holder(session.id))
+                        self.client_name = self.client_name or record.client
+                        bus = hub.console.bus
+                        if bus is not None:  # an agent may hold it (from another node)
+                            hub.console.set_holder(session, await bus.holder(session.id))
+                            if record.node and record.node != clustered.cluster.node_id:
+                                # a connection to it on another node is closed there (4409)
+                                await bus.command(
+                                    record.node, {"cmd": "session_taken", "session_id": session.id}
+                                )
                     else:
                         session = hub.sessions.resume(hello.session_id or "", hello.resume_token or "")
                     resumed = True
@@ -460,6 +466,19 @@ class Hub:
             console.persist = self._persist
             console.node_id = state.cluster.node_id
             console.alive_nodes = self.nodes.alive
+            state.cluster_figures = self.cluster_figures
+
+    def cluster_figures(self) -> dict[str, Any]:
+        assert self.nodes is not None and self.cluster_sessions is not None and self.state.cluster
+        view = self.nodes.last_view
+        return {
+            "nodes_alive": view.get("nodes_alive", 0),
+            "sessions": view.get("sessions", 0),
+            "console_agents": view.get("console_agents", 0),
+            "session_writes": self.cluster_sessions.store.writes,
+            "resumed_from_store": self.cluster_sessions.resumed_elsewhere,
+            "redis_failures": self.state.cluster.failures,
+        }
 
     def _console_record(self, session: Session) -> dict | None:
         conv = self.console.conversations.get(session.id)

@@ -62,6 +62,8 @@ class AppState:
             )
         # connection and session counts for /metrics, supplied by the hub once it exists
         self.counts: Callable[[], dict[str, int]] = lambda: {"connections": 0, "sessions": 0}
+        # the cluster's figures for /metrics (nodes alive, sessions, agents), supplied by the hub
+        self.cluster_figures: Callable[[], dict[str, Any]] = lambda: {}
         self.metrics = Metrics(self.live_metrics)
 
     @property
@@ -141,4 +143,6 @@ class AppState:
                 log.exception("%s backend stats failed", name)
         if self.registry is not None:
             out["task_cache"] = self.registry.cache_stats()
+        if self.cluster is not None:
+            out["cluster"] = {"redis_up": self.cluster.available, **self.cluster_figures()}
         return out

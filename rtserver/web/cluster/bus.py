@@ -92,6 +92,11 @@ class ConsoleBus:
         self._task: asyncio.Task | None = None
         self._writes: set[asyncio.Task] = set()
         self.subscribed = asyncio.Event()
+        # events and record writes leave in the order they happened, in batches, from one task: the
+        # hooks are synchronous, and separate tasks on a connection pool would reorder tokens
+        self._outbox: asyncio.Queue[tuple[str, list[Any]]] = asyncio.Queue(maxsize=100_000)
+        self._publisher: asyncio.Task | None = None
+        self.dropped = 0  # events not sent: Redis down, or the outbox full
 
     def node_channel(self, node: str) -> str:
         return self.cluster.key("console", "node", node)
@@ -109,18 +114,43 @@ class ConsoleBus:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    def publish(self, event: dict) -> None:
+    def _post(self, kind: str, args: list[Any]) -> None:
         if not self.cluster.available:
+            self.dropped += 1
             return
-        raw = json.dumps({"node": self.cluster.node_id, "event": event}, ensure_ascii=False)
-        self._spawn(self.cluster.call(lambda: self.cluster.redis.publish(self.events_channel, raw)))
+        try:
+            self._outbox.put_nowait((kind, args))
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    def publish(self, event: dict) -> None:
+        self._post(
+            "publish", [json.dumps({"node": self.cluster.node_id, "event": event}, ensure_ascii=False)]
+        )
 
     def save_conversation(self, record: dict, force: bool = False) -> None:
-        if not self.cluster.available:
-            return
         raw = json.dumps(record, ensure_ascii=False)
-        args = [record["session_id"], raw, self.cluster.node_id, "1" if force else "0"]
-        self._spawn(self.cluster.call(lambda: self._save(keys=[self.convs_key], args=args)))
+        self._post("save", [record["session_id"], raw, self.cluster.node_id, "1" if force else "0"])
+
+    async def _publish_forever(self) -> None:
+        while True:
+            batch = [await self._outbox.get()]
+            while not self._outbox.empty() and len(batch) < 512:
+                batch.append(self._outbox.get_nowait())
+
+            async def send(batch: list[tuple[str, list[Any]]] = batch) -> Any:
+                async with self.cluster.redis.pipeline(transaction=False) as pipe:
+                    for kind, args in batch:
+                        if kind == "publish":
+                            pipe.publish(self.events_channel, args[0])
+                        else:
+                            await self._save(keys=[self.convs_key], args=args, client=pipe)
+                    return await pipe.execute()
+
+            try:
+                await self.cluster.call(send)
+            except ClusterUnavailable:
+                self.dropped += len(batch)
 
     def remove_conversation(self, session_id: str) -> None:
         if not self.cluster.available:
@@ -174,15 +204,17 @@ class ConsoleBus:
     # -- the subscription -----------------------------------------------------------------------
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._listen_forever())
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._listen_forever())
+            self._publisher = loop.create_task(self._publish_forever())
 
     async def stop(self) -> None:
-        for task in [self._task, *self._writes]:
+        for task in [self._task, self._publisher, *self._writes]:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        self._task = None
+        self._task = self._publisher = None
 
     async def _listen_forever(self) -> None:
         first = True

@@ -47,13 +47,14 @@ redis.call('EXPIRE', KEYS[1], math.ceil(lease) + 1)
 return 1
 """
 
-# KEYS: one zset per session (its IP's); ARGV lease seconds, then the session ids in KEYS' order
+# KEYS: one zset per session (its IP's); ARGV lease seconds, then the session ids in KEYS' order (a
+# slot another node's ZREM took by mistake — the session moved here meanwhile — comes back with it)
 RENEW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local lease = tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
-  redis.call('ZADD', key, 'XX', now + lease, ARGV[i + 1])
+  redis.call('ZADD', key, now + lease, ARGV[i + 1])
   redis.call('EXPIRE', key, math.ceil(lease) + 1)
 end
 return #KEYS

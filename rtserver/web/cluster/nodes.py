@@ -26,6 +26,7 @@ class NodeRegistry:
         self.live = live  # ids of the sessions connected here
         self.started_at = time.time()
         self.ttl_s = max(1, int(cluster.heartbeat_s * 3 + 0.999))
+        self.last_view: dict[str, Any] = {}  # the cluster as of the last heartbeat (for /metrics)
 
     async def beat(self) -> None:
         c = self.cluster
@@ -50,6 +51,7 @@ class NodeRegistry:
                 return await pipe.execute()
 
         await c.call(run)
+        self.last_view = await self.view()
 
     async def leave(self) -> None:
         """A draining node takes itself out of the view."""

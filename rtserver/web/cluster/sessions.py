@@ -5,7 +5,8 @@ Redis (`store.py`), which are the truth.
 - resume: the record decides (token hash, expiry by TTL); the node's cached copy is kept when its
   version is the record's (its KV and last-turn tokens stay warm), else rebuilt from the record — the
   next turn's prompt is rendered from the history and the KV recomputed;
-- save: one atomic write of the whole record; `done` is sent only after it succeeded.
+- save: one atomic write of the whole record; `done` is sent only after it succeeded. A resume writes
+  it too: its `node` says where the session is served (a connection to it elsewhere is told to close).
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ class ClusterSessions:
             raise
         return session
 
-    async def resume(self, session_id: str, resume_token: str, client_ip: str) -> tuple[Session, str | None]:
-        """(the session, the client name its record holds); SessionExpired the same way for every cause."""
+    async def resume(
+        self, session_id: str, resume_token: str, client_ip: str
+    ) -> tuple[Session, SessionRecord]:
+        """(the session, its record); SessionExpired the same way for every cause."""
         self.cluster.require()
         record = await self.store.load(session_id) if session_id else None
         if record is None or not record.token_matches(resume_token):
@@ -87,7 +90,8 @@ class ClusterSessions:
             session.version = record.version
             session.created_wall = record.created_at
         session.touch(self.registry.clock())
-        return session, record.client
+        await self.save(session, record.client)  # the record names the node serving it now
+        return session, record
 
     async def release(self, session: Session, client_ip: str) -> None:
         if self.limits.max_sessions_per_ip:

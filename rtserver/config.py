@@ -136,6 +136,7 @@ class ClusterSettings:
     key_prefix: str = _setting("rtserver")
     heartbeat_s: float = _setting(2.0, min=0.1, max=600.0)  # node registry; a node is dead after 3 missed
     op_timeout_s: float = _setting(2.0, min=0.05, max=60.0)  # bound of every Redis call
+    max_connections: int = _setting(32, min=2, max=10_000)  # Redis connections per node (calls wait)
 
 
 @dataclass

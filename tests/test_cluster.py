@@ -149,7 +149,7 @@ async def test_per_ip_rate_limit_is_one_bucket_across_nodes(smol, tmp_path):
     sec = {"ip_rate_limit_per_s": 0.5, "ip_rate_limit_burst": 6}
     with redis_server(tmp_path) as redis:
         async with (
-            scripted_node(smol, redis.url, "a", security=sec) as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "a", security=sec) as (base_a, url_a, _, _),
             scripted_node(smol, redis.url, "b", security=sec) as (_, url_b, _, _),
         ):
             async with websockets.connect(url_a) as wa, websockets.connect(url_b) as wb:
@@ -160,6 +160,9 @@ async def test_per_ip_rate_limit_is_one_bucket_across_nodes(smol, tmp_path):
                     outcomes.append((await recv_json(ws))["type"])
                 assert outcomes[:6] == ["pong"] * 6, outcomes
                 assert outcomes[6:] == ["error", "error"], outcomes
+            async with httpx.AsyncClient() as client:  # the HTTP API draws on the same bucket
+                r = await client.get(base_a + "/v1/tasks")
+                assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
 
 
 async def test_sessions_per_ip_counted_across_nodes(smol, tmp_path):

@@ -159,17 +159,20 @@ async def phase_resume(nodes: list[ServerProcess], sessions: int) -> dict:
 async def phase_overhead(with_redis: ServerProcess, without: ServerProcess, rounds: int) -> dict:
     """One turn at a time, alternating nodes (the order flips each round, so drift cancels out)."""
     ttft: dict[str, list[float]] = {"redis": [], "local": []}
+    hub: dict[str, list[float]] = {"redis": [], "local": []}  # client TTFT - the engine's own TTFT
     errors = 0
     for r in range(rounds):
         pair = [("redis", with_redis), ("local", without)]
         for name, node in pair if r % 2 == 0 else pair[::-1]:
             async with await _connect(node.ws_url) as ws:
                 await _hello(ws)
-                ev, first = await _turn(ws, "c", "Say hello in five words.", 8)
+                ev, first = await _turn(ws, "c", "Say hello in five words.", 4)
             if ev["type"] != "done" or first is None:
                 errors += 1
                 continue
             ttft[name].append(first)
+            if ev["timing"].get("ttft_ms") is not None:
+                hub[name].append(first - ev["timing"]["ttft_ms"])
     p50 = {k: percentile(v, 0.5) for k, v in ttft.items()}
     diffs = [a - b for a, b in zip(ttft["redis"], ttft["local"])]
     return {
@@ -179,6 +182,8 @@ async def phase_overhead(with_redis: ServerProcess, without: ServerProcess, roun
         "ttft_p50_ms_local": rounded(p50["local"], 2),
         "ttft_p50_diff_ms": rounded((p50["redis"] or 0) - (p50["local"] or 0), 2),
         "paired_diff_median_ms": rounded(median(diffs), 2) if diffs else None,
+        "hub_ms_p50_redis": rounded(percentile(hub["redis"], 0.5), 2),
+        "hub_ms_p50_local": rounded(percentile(hub["local"], 0.5), 2),
     }
 
 
@@ -233,7 +238,7 @@ def run_cluster_loadtest(
     idle: int = 1000,
     chatting: int = 64,
     resume_sessions: int = 32,
-    overhead_rounds: int = 40,
+    overhead_rounds: int = 100,
     config: str | None = None,
     out_dir: str = "bench-results",
     dtype: str | None = None,

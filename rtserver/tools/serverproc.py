@@ -211,7 +211,9 @@ class RedisProcess:
             "--logfile",
             str(self.log_path),
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=raise_nofile_limit
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             try:

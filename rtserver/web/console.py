@@ -179,6 +179,7 @@ class ConsoleHub:
         self.alive_nodes: Callable[[], Awaitable[set[str]]] | None = None
         self._holders: dict[str, dict | None] = {}  # read from Redis at resume, until the session attaches
         self._holds: dict[str, str] = {}  # session id -> agent id: take-overs claimed by this node's agents
+        self.closing = False  # the node is stopping
 
     # -- fan-out --------------------------------------------------------------------------------
     def agent_count(self) -> int:
@@ -263,7 +264,8 @@ class ConsoleHub:
                 timer.cancel()
             if self.bus is None:
                 self.broadcast({"type": "removed", "session_id": session.id})
-            else:  # only if no other node serves it since
+            elif not self.closing:  # clustered: only if no other node serves it since; a node that
+                # stops leaves its conversations in Redis (their sessions resume elsewhere)
                 self._spawn(self._remove_clustered(session.id))
 
     async def _remove_clustered(self, session_id: str) -> None:
@@ -292,7 +294,9 @@ class ConsoleHub:
         msg = conv.add(
             {"role": "user", "id": request_id, "text": text, "sentiment": None, "to_agent": to_agent}
         )
-        self._message_event(conv, msg)
+        # clustered: a message the bot answers is stored with the reply (bot_done), keeping Redis work
+        # off the way to the first token; one for an agent is stored now
+        self._message_event(conv, msg, save=to_agent)
 
     @_safe
     def bot_token(self, session: Session, request_id: str, delta: str) -> None:
@@ -316,6 +320,7 @@ class ConsoleHub:
             msg = conv.add({"role": "bot", "id": request_id, "text": text, "finish_reason": finish_reason})
             self._message_event(conv, msg)
         else:
+            self._save(conv)  # the user message before it
             self.broadcast(
                 {
                     "type": "stream_end",
@@ -361,8 +366,9 @@ class ConsoleHub:
             conv.updated_at = time.time()
             self._conv_event(conv)
 
-    def _message_event(self, conv: Conversation, msg: dict) -> None:
-        self._save(conv)
+    def _message_event(self, conv: Conversation, msg: dict, save: bool = True) -> None:
+        if save:
+            self._save(conv)
         self.broadcast(
             {
                 "type": "message",
@@ -825,6 +831,7 @@ class ConsoleHub:
                 self._spawn(self.cluster_snapshot(agent))
 
     def close_all(self) -> None:
+        self.closing = True
         for agent in list(self.agents):
             agent.stop(Close.GOING_AWAY, "server shutting down")
         for timer in self._release.values():

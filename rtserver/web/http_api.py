@@ -75,7 +75,7 @@ def _api(handler):
     async def endpoint(request: Request) -> Response:
         state: AppState = request.app.state.rt
         limiter = state.ip_limiter
-        wait = limiter.take(client_ip(request))
+        wait = await state.ip_take(client_ip(request))
         if wait > 0:
             response = error_response(
                 state,

@@ -138,7 +138,7 @@ class Connection(QueuedConnection):
             if wait > 0:
                 return wait, f"{self.bucket.rate:g} messages/s per connection (burst {self.bucket.burst})"
         limiter = self.hub.state.ip_limiter
-        wait = await self.hub.ip_take(self.client_ip)
+        wait = await self.hub.state.ip_take(self.client_ip)
         if wait > 0:
             return wait, f"{limiter.rate:g} messages/s per client address (burst {limiter.burst})"
         return 0.0, ""
@@ -507,17 +507,6 @@ class Hub:
         await self.cluster_sessions.store.renew([sid for _, sid in connected])
         if self.cluster_sessions.limits.max_sessions_per_ip:
             await self.cluster_sessions.limits.renew(connected)
-
-    async def ip_take(self, ip: str) -> float:
-        """The client IP's bucket: in Redis when clustered (one bucket across the nodes); this node's
-        own while Redis is down (the limit then holds per node rather than not at all)."""
-        limits, cluster = self.state.cluster_limits, self.state.cluster
-        if limits is not None and cluster is not None and cluster.available and limits.rate > 0:
-            try:
-                return await limits.take(ip)
-            except ClusterUnavailable:
-                pass
-        return self.state.ip_limiter.take(ip)
 
     def _on_drop(self, session: Session) -> None:
         self.metrics.expired.inc()

@@ -13,7 +13,7 @@ from typing import Any
 from ..config import Settings
 from ..engine.backend import InferenceBackend
 from ..tasks.registry import PluginError, TaskRegistry
-from .cluster import Cluster
+from .cluster import Cluster, ClusterUnavailable
 from .cluster.limits import ClusterLimits
 from .cluster.store import SessionStore
 from .metrics import Metrics
@@ -65,6 +65,18 @@ class AppState:
         # the cluster's figures for /metrics (nodes alive, sessions, agents), supplied by the hub
         self.cluster_figures: Callable[[], dict[str, Any]] = lambda: {}
         self.metrics = Metrics(self.live_metrics)
+
+    async def ip_take(self, ip: str) -> float:
+        """A token from the client IP's bucket (WebSocket messages and HTTP requests): in Redis when
+        clustered (one bucket across the nodes), this node's own while Redis is down (the limit then
+        holds per node rather than not at all). 0.0 = allowed, else seconds to wait."""
+        limits, cluster = self.cluster_limits, self.cluster
+        if limits is not None and cluster is not None and cluster.available and limits.rate > 0:
+            try:
+                return await limits.take(ip)
+            except ClusterUnavailable:
+                pass
+        return self.ip_limiter.take(ip)
 
     @property
     def ready(self) -> bool:

@@ -54,14 +54,18 @@ class Cluster:
         self.node_id = node_id_for(settings)
         self.heartbeat_s = c.heartbeat_s
         # one quick try per call: a caller gets `unavailable` at once rather than after retries, and the
-        # health loop is what brings the node back
-        self.redis: aioredis.Redis = client or aioredis.Redis.from_url(
+        # health loop is what brings the node back. A bounded pool that waits for a free connection: a
+        # burst of 1,000 hellos shares a few dozen connections instead of opening one each
+        pool = aioredis.BlockingConnectionPool.from_url(
             c.redis_url,
+            max_connections=c.max_connections,
+            timeout=c.op_timeout_s,
             socket_timeout=c.op_timeout_s,
             socket_connect_timeout=c.op_timeout_s,
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
         )
+        self.redis: aioredis.Redis = client or aioredis.Redis(connection_pool=pool)
         self.available = False
         self.reason = "connecting to Redis"
         self.down_since: float | None = time.monotonic()

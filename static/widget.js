@@ -260,7 +260,7 @@
         showNotice(ev.code === 4429 ? FRIENDLY.too_many_sessions : FRIENDLY.unauthorized);
         return;
       }
-      if (ev.code === 1013) showNotice(FRIENDLY.loading);
+      if (ev.code === 1013 && notice.textContent !== FRIENDLY.unavailable) showNotice(FRIENDLY.loading);
       if (!noReconnect) scheduleReconnect();
     };
   }

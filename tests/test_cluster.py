@@ -187,15 +187,18 @@ async def test_health_shows_the_cluster(smol, tmp_path):
     with redis_server(tmp_path) as redis:
         async with (
             scripted_node(smol, redis.url, "a") as (base_a, url_a, _, _),
-            scripted_node(smol, redis.url, "b") as (_, url_b, _, _),
+            scripted_node(smol, redis.url, "b", security={"console_token": "tok"}) as (_, url_b, _, _),
         ):
             async with websockets.connect(url_a) as w1, websockets.connect(url_b) as w2:
                 await hello(w1)
                 await hello(w2)
+                agent, snap = await _console_login(url_b, "Bob", "bob")
+                assert snap["type"] == "console_ready"
 
                 async def both_counted() -> dict | None:
                     cluster = (await _status(base_a, "/health"))[1]["cluster"]
-                    return cluster if cluster["nodes_alive"] == 2 and cluster["sessions"] == 2 else None
+                    counted = cluster["nodes_alive"] == 2 and cluster["sessions"] == 2
+                    return cluster if counted and cluster["console_agents"] == 1 else None
 
                 cluster = await wait_for(both_counted)
                 assert {n["node_id"] for n in cluster["nodes"]} == {"a", "b"}
@@ -208,6 +211,8 @@ async def test_health_shows_the_cluster(smol, tmp_path):
                 assert await metric(base_a, "rtserver_cluster_nodes_alive") == 2
                 assert await metric(base_a, "rtserver_cluster_redis_up") == 1
                 assert await metric(base_a, "rtserver_cluster_session_writes_total") >= 1
+                assert await metric(base_a, "rtserver_cluster_console_agents") == 1
+                await agent.close()
 
 
 @pytest.mark.parametrize(

@@ -157,22 +157,37 @@ async def phase_resume(nodes: list[ServerProcess], sessions: int) -> dict:
 
 
 async def phase_overhead(with_redis: ServerProcess, without: ServerProcess, rounds: int) -> dict:
-    """One turn at a time, alternating nodes (the order flips each round, so drift cancels out)."""
+    """The cost of a turn's Redis work: one session on each node, one turn at a time, alternating
+    nodes (the order flips each round, so drift cancels out), a pause after each turn as a person
+    would take (the previous turn's background writes — console record, events — are done by then);
+    the session is reset every 8 turns so prompts stay short."""
     ttft: dict[str, list[float]] = {"redis": [], "local": []}
     hub: dict[str, list[float]] = {"redis": [], "local": []}  # client TTFT - the engine's own TTFT
     errors = 0
-    for r in range(rounds):
-        pair = [("redis", with_redis), ("local", without)]
-        for name, node in pair if r % 2 == 0 else pair[::-1]:
-            async with await _connect(node.ws_url) as ws:
-                await _hello(ws)
-                ev, first = await _turn(ws, "c", "Say hello in five words.", 4)
-            if ev["type"] != "done" or first is None:
-                errors += 1
-                continue
-            ttft[name].append(first)
-            if ev["timing"].get("ttft_ms") is not None:
-                hub[name].append(first - ev["timing"]["ttft_ms"])
+    conns = {"redis": await _connect(with_redis.ws_url), "local": await _connect(without.ws_url)}
+    try:
+        for ws in conns.values():
+            await _hello(ws)
+        for r in range(rounds):
+            names = ["redis", "local"] if r % 2 == 0 else ["local", "redis"]
+            for name in names:
+                ws = conns[name]
+                if r % 8 == 0 and r:
+                    await ws.send(json.dumps({"type": "reset"}))
+                    while (await _recv(ws))["type"] != "reset":
+                        pass
+                    await asyncio.sleep(0.25)
+                ev, first = await _turn(ws, f"c{r}", "Say hello in five words.", 4)
+                await asyncio.sleep(0.25)
+                if ev["type"] != "done" or first is None:
+                    errors += 1
+                    continue
+                ttft[name].append(first)
+                if ev["timing"].get("ttft_ms") is not None:
+                    hub[name].append(first - ev["timing"]["ttft_ms"])
+    finally:
+        for ws in conns.values():
+            await ws.close()
     p50 = {k: percentile(v, 0.5) for k, v in ttft.items()}
     diffs = [a - b for a, b in zip(ttft["redis"], ttft["local"])]
     return {

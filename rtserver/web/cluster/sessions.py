@@ -11,11 +11,12 @@ Redis (`store.py`), which are the truth.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
 from ..session import Session, SessionExpired, SessionRegistry, TooManySessions
-from . import Cluster
+from . import Cluster, ClusterUnavailable
 from .limits import ClusterLimits
 from .store import SessionRecord, SessionStore, token_hash
 
@@ -60,12 +61,18 @@ class ClusterSessions:
         self.cluster.require()
         session = self.registry.create(client_ip)
         session.created_wall = time.time()
+        claimed = False
         try:
-            if self.limits.max_sessions_per_ip and not await self.limits.claim_session(client_ip, session.id):
-                raise TooManySessions(client_ip)
+            if self.limits.max_sessions_per_ip:
+                claimed = await self.limits.claim_session(client_ip, session.id)
+                if not claimed:
+                    raise TooManySessions(client_ip)
             await self.save(session, client)
         except BaseException:
             self.registry.drop(session)
+            if claimed:  # else its lease runs out by itself
+                with contextlib.suppress(ClusterUnavailable):
+                    await self.limits.release_session(client_ip, session.id)
             raise
         return session
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,10 @@ async def test_sigterm_drains_and_clients_resume_on_the_other_node(tmp_path):
             notice = await recv(ws)
             assert notice["type"] == "shutting_down", notice
         assert await asyncio.to_thread(a.proc.wait, 60) == 0
+        # the drained node left the registry: B's /health sees only itself
+        with urllib.request.urlopen(b.base + "/health", timeout=30) as resp:
+            cluster = json.loads(resp.read())["cluster"]
+        assert cluster["nodes_alive"] == 1 and [n["node_id"] for n in cluster["nodes"]] == ["b"], cluster
         for c in clients:  # the reconnect lands on B, with the session
             async with websockets.connect(b.ws_url, open_timeout=60) as ws:
                 await ws.send(

@@ -27,8 +27,11 @@ class NodeRegistry:
         self.started_at = time.time()
         self.ttl_s = max(1, int(cluster.heartbeat_s * 3 + 0.999))
         self.last_view: dict[str, Any] = {}  # the cluster as of the last heartbeat (for /metrics)
+        self.left = False  # draining: no more heartbeats
 
     async def beat(self) -> None:
+        if self.left:
+            return
         c = self.cluster
         record = json.dumps(
             {
@@ -55,6 +58,7 @@ class NodeRegistry:
 
     async def leave(self) -> None:
         """A draining node takes itself out of the view."""
+        self.left = True
         c = self.cluster
 
         async def run() -> Any:

@@ -456,7 +456,7 @@ async def test_widget_resumes_on_the_other_node_after_sigkill(browser, tmp_path)
         await expect(page.locator(".rt-thinking")).to_have_count(0)
         first_reply = (await page.locator(".rt-bot .rt-body").last.text_content()).strip()
         assert first_reply and not first_reply.startswith("Thinking"), first_reply
-        stored = await page.evaluate("() => JSON.stringify(localStorage)")
+        stored = await page.evaluate("JSON.stringify(sessionStorage)")
         assert "session_id" in stored
         a.proc.kill()  # SIGKILL: node A is gone without a word
         a.proc.wait()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -172,6 +173,80 @@ async def test_sigterm_drains_and_clients_resume_on_the_other_node(tmp_path):
                 ready = await recv(ws)
                 assert ready["resumed"] is True and len(ready["history"]) == 2, ready
                 assert ready["history"][1]["content"] == c.acked[0][1]
+    finally:
+        for p in (a, b):
+            if p.proc is not None and p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+        redis.stop()
+
+
+def _ready_status(node: ServerProcess) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(node.base + "/ready", timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+async def _wait_ready(node: ServerProcess, want: int, timeout_s: float = 60.0) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        code, body = await asyncio.to_thread(_ready_status, node)
+        if code == want:
+            return body
+        assert asyncio.get_running_loop().time() < deadline, (code, body)
+        await asyncio.sleep(0.2)
+
+
+async def test_redis_stopped_and_restarted_under_real_nodes(tmp_path):
+    """Redis (append-only file, fsync always) stops while two nodes serve: typed `unavailable`
+    meanwhile, no crash, /ready says why; Redis back on the same port and folder: both nodes recover by
+    themselves and every acknowledged turn is there."""
+    redis = RedisProcess(tmp_path / "redis", binary=redis_binary())
+    redis.start()
+    a = node(redis.url, "a", tmp_path / "a.log")
+    b = node(redis.url, "b", tmp_path / "b.log")
+    try:
+        await asyncio.gather(asyncio.to_thread(a.start, 300), asyncio.to_thread(b.start, 300))
+        clients = [Client(i) for i in range(8)]
+        await asyncio.gather(*(c.chat_on(a.ws_url, 1) for c in clients))
+        async with websockets.connect(a.ws_url, open_timeout=60) as ws:
+            await ws.send(
+                json.dumps(
+                    {"type": "hello", "session_id": clients[0].session_id, "resume_token": clients[0].token}
+                )
+            )
+            assert (await recv(ws))["resumed"] is True
+            redis.stop()
+            body = await _wait_ready(a, 503)
+            assert "Redis" in body["reason"], body
+            ev = await turn(ws, "down", "Are you there?")
+            assert ev["type"] == "error" and ev["code"] == "unavailable", ev
+            async with websockets.connect(b.ws_url, open_timeout=60) as ws2:
+                await ws2.send(json.dumps({"type": "hello"}))
+                err = await recv(ws2)
+                assert err["type"] == "error" and err["code"] == "unavailable", err
+            redis.start()
+            await _wait_ready(a, 200)
+            await _wait_ready(b, 200)
+            ev = await turn(ws, "back", "Are you back?")
+            assert ev["type"] == "done", ev
+            clients[0].acked.append(("Are you back?", ev["text"]))
+        assert a.proc.poll() is None and b.proc.poll() is None
+        for c in clients:
+            async with websockets.connect(b.ws_url, open_timeout=60) as ws:
+                await ws.send(
+                    json.dumps({"type": "hello", "session_id": c.session_id, "resume_token": c.token})
+                )
+                ready = await recv(ws)
+                assert ready["type"] == "ready" and ready["resumed"] is True, ready
+                history = [(m["role"], m["content"]) for m in ready["history"]]
+                assert history == [
+                    x for text, reply in c.acked for x in (("user", text), ("assistant", reply))
+                ]
+        for p in (a, b):
+            assert not [ln for ln in p.log_errors() if "Traceback" in ln or " ERROR " in ln], p.log_errors()
     finally:
         for p in (a, b):
             if p.proc is not None and p.proc.poll() is None:

@@ -53,16 +53,17 @@ class Cluster:
         self.prefix = c.key_prefix
         self.node_id = node_id_for(settings)
         self.heartbeat_s = c.heartbeat_s
-        # one quick try per call: a caller gets `unavailable` at once rather than after retries, and the
-        # health loop is what brings the node back. A bounded pool that waits for a free connection: a
-        # burst of 1,000 hellos shares a few dozen connections instead of opening one each
+        # one quick retry per call (on a fresh connection: a pooled one may have died with a Redis
+        # restart), then the caller gets `unavailable`; the health loop is what brings the node back.
+        # A bounded pool that waits for a free connection: a burst of 1,000 hellos shares a few dozen
+        # connections instead of opening one each.
         pool = aioredis.BlockingConnectionPool.from_url(
             c.redis_url,
             max_connections=c.max_connections,
             timeout=c.op_timeout_s,
             socket_timeout=c.op_timeout_s,
             socket_connect_timeout=c.op_timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 1),
             decode_responses=True,
         )
         self.redis: aioredis.Redis = client or aioredis.Redis(connection_pool=pool)
@@ -113,7 +114,10 @@ class Cluster:
         self._beats.append(fn)
 
     async def check(self) -> bool:
+        was_down = not self.available
         try:
+            if was_down:  # connections from before an outage are dead: start afresh
+                await self.redis.connection_pool.disconnect(inuse_connections=False)
             await self.redis.ping()
         except (RedisError, OSError) as exc:
             self.mark_down(exc)

@@ -364,3 +364,34 @@ async def test_an_unreadable_record_in_redis_is_an_expired_session_not_a_crash(s
                         assert (await recv_json(ws))["type"] == "ready"
             finally:
                 await client.aclose()
+
+
+async def test_agent_gone_from_b_hands_back_a_customer_on_a_after_the_grace(smol, tmp_path):
+    sections = {"security": CONSOLE, "sessions": {"console_takeover_grace_s": 0.5}}
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", **sections) as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b", **sections) as (_, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as cust:
+                sid = (await hello(cust, client="Dana"))["session_id"]
+                await asyncio.sleep(0.3)  # the conversation record is written in the background
+                agent, _ = await _console_login(url_b, "Bob", "bob")
+                await agent.send(json.dumps({"type": "take_over", "session_id": sid}))
+                assert (await _until(cust, lambda e: e["type"] == "handover"))[-1]["to"] == "agent"
+                await agent.close()  # Bob's console goes away and does not come back
+                back = await _until(cust, lambda e: e["type"] == "handover")
+                assert back[-1]["to"] == "bot", back
+                # the take-over was released in Redis: another agent, on A, may take it now
+                carol, _ = await _console_login(url_a, "Carol", "carol")
+                await carol.send(json.dumps({"type": "take_over", "session_id": sid}))
+                got = await _until(
+                    carol,
+                    lambda e: (
+                        e["type"] == "error" or (e["type"] == "conversation" and e["conversation"]["agent"])
+                    ),
+                )
+                assert (
+                    got[-1]["type"] == "conversation" and got[-1]["conversation"]["agent"]["name"] == "Carol"
+                )
+                await carol.close()

@@ -395,3 +395,30 @@ async def test_agent_gone_from_b_hands_back_a_customer_on_a_after_the_grace(smol
                     got[-1]["type"] == "conversation" and got[-1]["conversation"]["agent"]["name"] == "Carol"
                 )
                 await carol.close()
+
+
+async def test_console_resyncs_its_agents_after_redis_comes_back(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=CONSOLE) as (base_a, url_a, _, _),
+            scripted_node(smol, redis.url, "b", security=CONSOLE) as (base_b, url_b, _, _),
+        ):
+            agent, _ = await _console_login(url_b, "Bob", "bob")
+            redis.stop()
+            await wait_for(lambda: _not_ready(base_b))
+            await agent.send(json.dumps({"type": "take_over", "session_id": "any"}))
+            err = await _until(agent, lambda e: e["type"] == "error")
+            assert err[-1]["code"] == "unavailable", err
+            redis.start()
+            await wait_for(lambda: _ready(base_a))
+            # events may have been missed meanwhile: the agent gets a fresh snapshot
+            snap = await _until(agent, lambda e: e["type"] == "console_ready")
+            assert snap[-1]["agent"]["name"] == "Bob"
+            # and live events flow again from the other node
+            async with websockets.connect(url_a) as cust:
+                sid = (await hello(cust, client="Dana"))["session_id"]
+                ev = await _until(
+                    agent, lambda e: e["type"] == "conversation" and e["conversation"]["session_id"] == sid
+                )
+                assert ev[-1]["conversation"]["customer"] == "Dana"
+            await agent.close()

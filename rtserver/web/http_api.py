@@ -40,6 +40,7 @@ STATUS = {
     "unauthorized": 401,
     "internal": 500,
     "backend_unavailable": 503,
+    "unavailable": 503,
 }
 
 

@@ -422,3 +422,30 @@ async def test_console_resyncs_its_agents_after_redis_comes_back(smol, tmp_path)
                 )
                 assert ev[-1]["conversation"]["customer"] == "Dana"
             await agent.close()
+
+
+async def test_a_stale_copy_cannot_overwrite_a_newer_record(tmp_path):
+    """Two nodes holding the same session: the write of the one whose copy is stale is refused
+    (`session_taken_over`), so what the other stored and acknowledged stays."""
+    from rtserver.config import Settings
+    from rtserver.web.cluster import Cluster
+    from rtserver.web.cluster.store import SessionConflict, SessionRecord, SessionStore
+
+    with redis_server(tmp_path) as redis:
+        settings = Settings()
+        settings.cluster.redis_url = redis.url
+        cluster = Cluster(settings)
+        try:
+            assert await cluster.check()
+            store = SessionStore(cluster, 60)
+            base = {"id": "s1", "token_sha256": "x" * 64}
+            await store.save(SessionRecord(**base, version=1, history=[]))
+            newer = [{"role": "user", "content": "on B"}, {"role": "assistant", "content": "ok"}]
+            await store.save(SessionRecord(**base, version=2, history=newer))  # node B
+            with pytest.raises(SessionConflict) as info:  # node A, still at version 1
+                await store.save(SessionRecord(**base, version=2, history=[]))
+            assert info.value.code == "session_taken_over"
+            stored = await store.load("s1")
+            assert stored is not None and stored.version == 2 and stored.history == newer
+        finally:
+            await cluster.stop()

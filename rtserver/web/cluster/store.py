@@ -7,6 +7,10 @@ holds the history window, a SHA-256 of the resume token (never the token), the c
 address, counters, and the console's conversation record. The hub writes it when a session starts,
 after every turn before `done`, on reset and after an agent's message: what a client was told is stored.
 A record that does not parse is treated as absent (logged): a bad record never crashes a node.
+
+Each write carries the next version of the record and is refused (`SessionConflict`) when the stored one
+is already that new or newer: a node whose copy is stale — the session was resumed on another node
+meanwhile — cannot overwrite what that node stored (and acknowledged).
 """
 
 from __future__ import annotations
@@ -18,11 +22,32 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import Cluster
+from . import Cluster, ClusterUnavailable
 
 log = logging.getLogger("rtserver.cluster")
 
 VERSION = 1
+
+# KEYS[1] record; ARGV record json, its version, TTL ms → 1 written, 0 the stored version is as new
+SAVE = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local v = tonumber(string.match(cur, '"version":(%d+)'))
+  if v and v >= tonumber(ARGV[2]) then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+return 1
+"""
+
+
+class SessionConflict(ClusterUnavailable):
+    """The session was resumed (and written) elsewhere since this node's copy: nothing was stored."""
+
+    code = "session_taken_over"
+
+    def __init__(self, session_id: str):
+        self.message = "this session continued on another connection; this change was not stored"
+        Exception.__init__(self, self.message)
 
 
 def token_hash(token: str) -> str:
@@ -79,14 +104,19 @@ class SessionStore:
         self.cluster = cluster
         self.ttl_ms = max(1000, int(ttl_s * 1000))
         self.writes = 0
+        self._save = cluster.redis.register_script(SAVE)
 
     def key(self, session_id: str) -> str:
         return self.cluster.key("session", session_id)
 
     async def save(self, record: SessionRecord) -> None:
-        """One atomic write (SET with PX); ClusterUnavailable when Redis fails."""
+        """One atomic write (SET with PX, if the stored version is older); ClusterUnavailable when Redis
+        fails, SessionConflict when another node wrote this version first."""
         raw = record.dumps()
-        await self.cluster.call(lambda: self.cluster.redis.set(self.key(record.id), raw, px=self.ttl_ms))
+        args: list[str | int] = [raw, record.version, self.ttl_ms]
+        written: Any = await self.cluster.call(lambda: self._save(keys=[self.key(record.id)], args=args))
+        if not int(written):
+            raise SessionConflict(record.id)
         self.writes += 1
 
     async def load(self, session_id: str) -> SessionRecord | None:

@@ -87,6 +87,14 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     from .tools.loadtest import run_loadtest
 
     _settings(args)  # a bad config stops here with its message, not inside a server process
+    if args.nodes > 1:  # many nodes through Redis (rtserver/tools/clusterload.py)
+        from .tools.clusterload import run_cluster_loadtest
+
+        idle, chatting = (200, 16) if args.quick else (args.idle, args.chatting)
+        cluster = run_cluster_loadtest(
+            args.nodes, idle, chatting, config=args.config, out_dir=args.out, dtype=args.dtype
+        )
+        return 0 if cluster["passed"] else 1
     sizes = (200, 16, 20) if args.quick else (args.idle, args.chatting, args.disconnects)
     report = run_loadtest(*sizes, config=args.config, out_dir=args.out, dtype=args.dtype)
     return 0 if report["passed"] else 1
@@ -132,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--chatting", type=int, default=64, help="sessions chatting beside them")
     lt.add_argument("--disconnects", type=int, default=100, help="clients leaving mid-stream, per pattern")
     lt.add_argument("--quick", action="store_true", help="200 idle, 16 chatting, 20 disconnects (the CI run)")
+    lt.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="2 or more: that many nodes sharing a redis-server (idle and chatting per node), "
+        "cross-node resume, and the TTFT cost of redis_url",
+    )
     lt.add_argument("--dtype", choices=DTYPES)
     lt.add_argument("--out", default="bench-results", help="folder for the JSON report")
     lt.set_defaults(func=cmd_loadtest)

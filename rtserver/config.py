@@ -127,6 +127,19 @@ class TaskSettings:
 
 
 @dataclass
+class ClusterSettings:
+    """Many nodes as one through Redis (rtserver/web/cluster/); an empty `redis_url` is the single
+    process, everything in memory."""
+
+    redis_url: str = _setting("")  # redis://host:6379/0, rediss://… or unix:///path
+    node_id: str = _setting("")  # empty: host:port
+    key_prefix: str = _setting("rtserver")
+    heartbeat_s: float = _setting(2.0, min=0.1, max=600.0)  # node registry; a node is dead after 3 missed
+    op_timeout_s: float = _setting(2.0, min=0.05, max=60.0)  # bound of every Redis call
+    max_connections: int = _setting(32, min=2, max=10_000)  # Redis connections per node (calls wait)
+
+
+@dataclass
 class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
@@ -135,6 +148,7 @@ class Settings:
     sessions: SessionSettings = field(default_factory=SessionSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     tasks: TaskSettings = field(default_factory=TaskSettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
     # [task.<name>] tables: per-task overrides of what a plugin declares (checked by the task registry)
     task: dict = field(default_factory=dict)
 
@@ -231,7 +245,20 @@ def settings_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None
             built[name] = _build_section(hints[name], name, merged.get(name, {}))
     settings = Settings(**built)
     _check_backends(settings)
+    _check_cluster(settings)
     return settings
+
+
+def _check_cluster(settings: Settings) -> None:
+    c = settings.cluster
+    if c.redis_url and not c.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"cluster.redis_url: {c.redis_url!r} is not a redis://, rediss:// or unix:// URL")
+    if not c.key_prefix or any(ch in c.key_prefix for ch in " {}*?[]"):
+        raise ConfigError(
+            f"cluster.key_prefix = {c.key_prefix!r}: expected a non-empty name without spaces or {{}}*?[]"
+        )
+    if any(ch.isspace() for ch in c.node_id):
+        raise ConfigError(f"cluster.node_id = {c.node_id!r}: no whitespace allowed")
 
 
 def _check_backends(settings: Settings) -> None:

@@ -3,6 +3,8 @@
  *
  *   <script src="https://chat.example.com/widget.js" defer
  *           data-server="https://chat.example.com"   (default: where widget.js came from)
+ *           data-servers="https://a.example.com,https://b.example.com"   (several nodes of one cluster:
+ *                                                    each reconnect tries the next; the session follows)
  *           data-title="Ask us anything"             (header title)
  *           data-accent="#4f46e5" data-accent-text="#ffffff"   (colours)
  *           data-position="right"                    (right | left)
@@ -22,10 +24,17 @@
   if (window.__rtserverWidget) return; // one widget per page
   const ds = script.dataset;
   const scriptUrl = new URL(script.src || "widget.js", location.href);
-  const server = new URL(ds.server || scriptUrl.origin + "/", location.href);
-  const wsUrl = (server.protocol === "https:" ? "wss://" : "ws://") + server.host +
-    server.pathname.replace(/\/+$/, "") + "/ws";
-  const storeKey = "rtserver:" + server.host + server.pathname;
+  const servers = (ds.servers ? ds.servers.split(",").map((u) => u.trim()).filter(Boolean)
+    : [ds.server || scriptUrl.origin + "/"]).map((u) => new URL(u, location.href));
+  const server = servers[0];
+  let serverIndex = 0;  // which of `servers` the next connection goes to
+  function wsUrlFor(sessionId) {
+    const s = servers[serverIndex % servers.length];
+    // the session id in the URL lets a load balancer route it to the node whose KV is warm
+    return (s.protocol === "https:" ? "wss://" : "ws://") + s.host + s.pathname.replace(/\/+$/, "") +
+      "/ws" + (sessionId ? "?session=" + encodeURIComponent(sessionId) : "");
+  }
+  const storeKey = "rtserver:" + server.host + server.pathname;  // one key for every node of a cluster
   const cfg = {
     title: ds.title || "Chat with us",
     accent: ds.accent || "#4f46e5",
@@ -50,6 +59,7 @@
     internal: "Sorry, something went wrong. Please try again.",
     shutting_down: "The assistant is restarting. We'll reconnect in a moment…",
     too_many_sessions: "Too many chats are open from your network. Please close one and try again.",
+    unavailable: "The chat is briefly unavailable. We'll reconnect in a moment…",
   };
 
   // -- DOM helpers (no innerHTML anywhere) ---------------------------------------------------
@@ -207,7 +217,8 @@
     if (ws) return;
     setStatus(backoff ? "Reconnecting…" : "Connecting…");
     let sock;
-    try { sock = new WebSocket(wsUrl); } catch (e) { scheduleReconnect(); return; }
+    const saved = stored();
+    try { sock = new WebSocket(wsUrlFor(saved && saved.session_id)); } catch (e) { scheduleReconnect(); return; }
     ws = sock;
     sock.onopen = () => {
       const s = stored();
@@ -249,7 +260,7 @@
         showNotice(ev.code === 4429 ? FRIENDLY.too_many_sessions : FRIENDLY.unauthorized);
         return;
       }
-      if (ev.code === 1013) showNotice(FRIENDLY.loading);
+      if (ev.code === 1013 && notice.textContent !== FRIENDLY.unavailable) showNotice(FRIENDLY.loading);
       if (!noReconnect) scheduleReconnect();
     };
   }
@@ -267,6 +278,7 @@
   }
 
   function scheduleReconnect() {
+    serverIndex += 1;  // several servers: the next one (its node may be the one that went away)
     const delay = Math.min(30000, 500 * Math.pow(2, backoff)) * (0.8 + Math.random() * 0.4);
     backoff += 1;
     let left = Math.ceil(delay / 1000);

@@ -98,6 +98,7 @@ ERROR_CODES = frozenset(  # the "Error codes" table
         "not_ready",
         "overloaded",
         "backend_unavailable",
+        "unavailable",
         "request_too_large",
         "cancelled",
         "internal",

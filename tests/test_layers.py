@@ -6,8 +6,9 @@ inside functions, under `if TYPE_CHECKING:`), relative ones resolved.
 
 A layer imports only from the layers to its left; rtserver.remote (the remote inference backend) is a
 sibling of the local engine beside it: it uses the engine's seam, and neither knows the other's
-insides; rtserver.config imports no other rtserver module; and there is no import cycle between
-rtserver modules.
+insides; rtserver.config imports no other rtserver module; rtserver.web.cluster (the Redis store
+behind the web layer) imports none of the front doors (app, hub, console, state, HTTP API) nor the
+engine or remote backend; and there is no import cycle between rtserver modules.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ FORBIDDEN = {
     ),
     "rtserver.tasks": ("rtserver.remote", "rtserver.web", "rtserver.tools", "rtserver.cli"),
     "rtserver.web": ("rtserver.tools", "rtserver.cli"),
+    # the Redis store behind the web layer (many nodes as one): the front doors use it, never the reverse
+    "rtserver.web.cluster": (
+        "rtserver.web.app",
+        "rtserver.web.hub",
+        "rtserver.web.console",
+        "rtserver.web.state",
+        "rtserver.web.http_api",
+        "rtserver.engine",
+        "rtserver.remote",
+    ),
 }
 STANDALONE = ("rtserver.config",)  # imports no other rtserver module
 

@@ -413,3 +413,71 @@ async def test_widget_with_the_real_model(smol, browser):
         await expect(agent.locator(".msg-bot .body")).to_have_text(text)
         await agent.screenshot(path=shot("console-real-model.png"))
         assert not page.js_errors and not agent.js_errors, (page.js_errors, agent.js_errors)
+
+
+CLUSTER_PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Shop</title></head>
+<body><h1>Some shop</h1>
+<script src="{a}/widget.js" defer data-servers="{a},{b}" data-name="Dana"></script></body></html>"""
+
+
+@pytest.mark.slow
+async def test_widget_resumes_on_the_other_node_after_sigkill(browser, tmp_path):
+    """Two real nodes (the embedded model) and a real redis-server: the widget, given both URLs, chats
+    on node A; A is SIGKILLed; the widget reconnects by itself to B with its session — the history is
+    shown again and the next reply is computed from it."""
+    from playwright.async_api import expect
+
+    from rtserver.tools.serverproc import RedisProcess, ServerProcess
+
+    from .clusterutil import redis_binary
+
+    redis = RedisProcess(tmp_path / "redis", binary=redis_binary())
+    redis.start()
+    config = tmp_path / "config.toml"
+    config.write_text("[task.chat]\nmax_new_tokens = 12\n")
+    env = {
+        "RTSERVER_CLUSTER_REDIS_URL": redis.url,
+        "RTSERVER_SERVER_LOG_LEVEL": "warning",
+        "RTSERVER_TASKS_AUTO_TASKS": "",
+        "RTSERVER_MODEL_THREADS": "1",
+    }
+    a = ServerProcess(env, tmp_path / "a.log", str(config))
+    b = ServerProcess(env, tmp_path / "b.log", str(config))
+    try:
+        await asyncio.gather(asyncio.to_thread(a.start, 300), asyncio.to_thread(b.start, 300))
+        page = await new_page(browser, permissions=["local-network-access"])
+        shop = f"http://localhost:{a.port}/shop.html"
+        body = CLUSTER_PAGE.format(a=a.base, b=b.base)
+        await page.route(shop, lambda route: route.fulfill(status=200, content_type="text/html", body=body))
+        await page.goto(shop)
+        await open_widget(page)
+        await send(page, "My name is Zorblax. Say hi.")
+        await expect(page.locator(".rt-send")).to_be_visible()
+        await expect(page.locator(".rt-thinking")).to_have_count(0)
+        first_reply = (await page.locator(".rt-bot .rt-body").last.text_content()).strip()
+        assert first_reply and not first_reply.startswith("Thinking"), first_reply
+        stored = await page.evaluate("JSON.stringify(sessionStorage)")
+        assert "session_id" in stored
+        a.proc.kill()  # SIGKILL: node A is gone without a word
+        a.proc.wait()
+        await expect(page.locator(".rt-status")).to_have_text(re.compile("resumed"), timeout=MS)
+        # the history, as node B read it from Redis: the message and the reply, no greeting
+        await expect(page.locator(".rt-user .rt-body")).to_have_text(["My name is Zorblax. Say hi."])
+        await expect(page.locator(".rt-bot .rt-body")).to_have_text([first_reply])
+        await send(page, "What is my name?")
+        await expect(page.locator(".rt-user .rt-body")).to_have_count(2)
+        await expect(page.locator(".rt-send")).to_be_visible()
+        await expect(page.locator(".rt-thinking")).to_have_count(0)
+        await expect(page.locator(".rt-bot .rt-body")).to_have_count(2)
+        await page.screenshot(path=shot("widget-cluster-resumed.png"))
+        assert not page.js_errors, page.js_errors
+        # node B served the second turn, rendered from the stored first one
+        metrics = b.metrics()
+        assert metrics.get("rtserver_cluster_resumes_from_store_total", 0) >= 1, metrics
+        assert metrics.get("rtserver_cluster_session_writes_total", 0) >= 2
+    finally:
+        for p in (a, b):
+            if p.proc is not None and p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+        redis.stop()

@@ -1,4 +1,5 @@
-"""A real `rtserver serve` process on a free 127.0.0.1 port, for the load test and the benchmark."""
+"""Real server processes on free 127.0.0.1 ports, for the load test, the benchmark and the tests:
+`rtserver serve`, llama.cpp's `llama-server`, and `redis-server` (the cluster's store)."""
 
 from __future__ import annotations
 
@@ -160,6 +161,74 @@ class LlamaServerProcess:
         except RuntimeError:
             self.stop()
             raise
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class RedisProcess:
+    """Debian's `redis-server` on a free 127.0.0.1 port with its own data folder. `appendfsync`
+    "always" (the default here) makes every acknowledged write survive a stop and restart, as the tests
+    of the cluster need; "no" keeps only what the last snapshot held. `stop()` then `start()` again runs
+    it on the same port and folder (its data back from the append-only file)."""
+
+    def __init__(self, data_dir: Path, binary: str = "redis-server", appendfsync: str = "always"):
+        self.port = free_port()
+        self.data_dir = data_dir
+        self.binary = binary
+        self.appendfsync = appendfsync
+        self.log_path = data_dir / "redis.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.appendfsync,
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.log_path),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=raise_nofile_limit
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(64).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.log_path}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server not up after {timeout_s:.0f} s; see {self.log_path}")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -27,6 +27,7 @@ from ..engine.backend import InferenceBackend, Tokenizer
 from ..engine.model import LoadedModel
 from ..tasks.registry import PluginError, TaskRegistry
 from . import http_api
+from .cluster import ClusterUnavailable
 from .hub import Hub
 from .metrics import CONTENT_TYPE
 from .protocol import transport_max_bytes
@@ -166,6 +167,13 @@ async def health(request: Request) -> Response:
     if st.load_errors:
         body["plugin_errors"] = [str(e) for e in st.load_errors]
     body["backends"] = st.backends_health()
+    hub = request.app.state.hub
+    if st.cluster is not None:
+        cluster = st.cluster.health()
+        if st.cluster.available and hub.nodes is not None:
+            with contextlib.suppress(ClusterUnavailable):
+                cluster.update(await hub.nodes.view())
+        body["cluster"] = cluster
     return JSONResponse(body, status_code=503 if st.status == "failed" else 200)
 
 
@@ -227,6 +235,10 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         hub.sessions.start()
+        if state.cluster is not None:
+            state.cluster.start()  # pings Redis from now on: /ready says why not while it is down
+            if hub.console.bus is not None:
+                hub.console.bus.start()
         loader = asyncio.create_task(
             _load(
                 state,
@@ -246,6 +258,10 @@ def create_app(
                 await loader
             await hub.close_all()
             await hub.sessions.stop()
+            if hub.console.bus is not None:
+                await hub.console.bus.stop()
+            if state.cluster is not None:
+                await state.cluster.stop()
             for backend in list(state.backends.values()):
                 await backend.stop()
 

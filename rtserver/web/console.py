@@ -14,6 +14,11 @@ bot knows what was said when the agent hands back. An agent whose console discon
 take-overs for `sessions.console_takeover_grace_s` (to reconnect), then they are handed back.
 
 Hooks never raise: a console failure is logged and never breaks a customer's chat.
+
+Clustered (`cluster.redis_url`), `bus` (rtserver/web/cluster/bus.py) carries it across nodes: every event
+is also published for the other nodes' agents, conversation records are kept in Redis (an agent's
+snapshot comes from there), a take-over is claimed atomically in Redis, and an action on a conversation
+another node serves is sent to that node and applied there.
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import events
 from . import protocol as P
+from .cluster import ClusterUnavailable
+from .cluster.bus import ConsoleBus
 from .connection import Close, QueuedConnection, accept, refuse
 from .errors import error_code
 from .session import Customer, Session, SessionRegistry
@@ -134,10 +141,14 @@ class Agent(QueuedConnection):
         self.id = ""
         self.name = ""
         self.logged_in = False
+        self.held: list[dict] | None = None  # events held while its snapshot is read from Redis
 
     def put(self, event: dict) -> None:
         """Queue an event; an agent that does not read is closed (it resyncs from a snapshot)."""
         if self.stopping.is_set():
+            return
+        if self.held is not None and event.get("type") != "console_ready":
+            self.held.append(event)
             return
         try:
             self.queue.put_nowait(events.dumps(event))
@@ -161,15 +172,41 @@ class ConsoleHub:
         self.conversations: dict[str, Conversation] = {}
         self.agents: set[Agent] = set()
         self._release: dict[str, asyncio.TimerHandle] = {}
+        # clustered: set by the hub (the bus across nodes, the session write-through)
+        self.bus: ConsoleBus | None = None
+        self.persist: Callable[[Session], Awaitable[None]] | None = None
+        self.node_id = ""
+        self.alive_nodes: Callable[[], Awaitable[set[str]]] | None = None
+        self._holders: dict[str, dict | None] = {}  # read from Redis at resume, until the session attaches
+        self._holds: dict[str, str] = {}  # session id -> agent id: take-overs claimed by this node's agents
+        self.closing = False  # the node is stopping
 
     # -- fan-out --------------------------------------------------------------------------------
+    def agent_count(self) -> int:
+        return sum(1 for a in self.agents if a.logged_in)
+
     def broadcast(self, event: dict) -> None:
+        self.deliver(event)
+        if self.bus is not None:
+            self.bus.publish(event)
+
+    def deliver(self, event: dict) -> None:
+        """To this node's agents (events of other nodes come in here from the bus)."""
         for agent in list(self.agents):
             if agent.logged_in:
                 agent.put(event)
 
-    def _conv_event(self, conv: Conversation) -> None:
+    def record(self, conv: Conversation) -> dict:
+        """The conversation as stored in Redis (and in the session's record)."""
+        return {**conv.to_json(self.mood_window), "streaming": None, "node": self.node_id}
+
+    def _save(self, conv: Conversation, force: bool = False) -> None:
+        if self.bus is not None:
+            self.bus.save_conversation(self.record(conv), force)
+
+    def _conv_event(self, conv: Conversation, force: bool = False) -> None:
         self.broadcast({"type": "conversation", "conversation": conv.to_json(self.mood_window)})
+        self._save(conv, force)
 
     def _conv(self, session: Session) -> Conversation | None:
         return self.conversations.get(session.id)
@@ -177,7 +214,17 @@ class ConsoleHub:
     def holder(self, session: Session) -> dict | None:
         """The agent ({"id", "name"}) answering this session instead of the bot, or None."""
         conv = self.conversations.get(session.id)
-        return conv.agent if conv is not None else None
+        if conv is None:
+            return self._holders.get(session.id)
+        return conv.agent
+
+    def set_holder(self, session: Session, agent: dict | None) -> None:
+        """Clustered resume: who holds the session, as Redis says (the node may not know it yet)."""
+        conv = self.conversations.get(session.id)
+        if conv is not None:
+            conv.agent = agent
+        else:
+            self._holders[session.id] = agent
 
     # -- hooks (called by the hub; synchronous, never raise) ------------------------------------
     @_safe
@@ -186,6 +233,7 @@ class ConsoleHub:
         name = client_name or f"Customer {session.id[:6]}"
         if conv is None:
             conv = Conversation(session.id, name, self.max_messages)
+            conv.agent = self._holders.pop(session.id, None)
             self.conversations[session.id] = conv
             for m in session.history:  # a session older than the console's record of it
                 role = "agent" if m.get("agent") else "bot" if m["role"] == "assistant" else "user"
@@ -197,7 +245,7 @@ class ConsoleHub:
                 conv.customer = client_name
         conv.connected = True
         conv.updated_at = time.time()
-        self._conv_event(conv)
+        self._conv_event(conv, force=True)  # clustered: this node serves the conversation now
 
     @_safe
     def detached(self, session: Session) -> None:
@@ -209,11 +257,34 @@ class ConsoleHub:
 
     @_safe
     def dropped(self, session: Session) -> None:
+        self._holders.pop(session.id, None)
         if self.conversations.pop(session.id, None) is not None:
             timer = self._release.pop(session.id, None)
             if timer is not None:
                 timer.cancel()
-            self.broadcast({"type": "removed", "session_id": session.id})
+            if self.bus is None:
+                self.broadcast({"type": "removed", "session_id": session.id})
+            elif not self.closing:  # clustered: only if no other node serves it since; a node that
+                # stops leaves its conversations in Redis (their sessions resume elsewhere)
+                self._spawn(self._remove_clustered(session.id))
+
+    async def _remove_clustered(self, session_id: str) -> None:
+        assert self.bus is not None
+        record = await self.bus.conversation(session_id)
+        if record is None or record.get("node") == self.node_id:
+            self.bus.remove_conversation(session_id)
+            self.broadcast({"type": "removed", "session_id": session_id})
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        async def run() -> None:
+            try:
+                await coro
+            except ClusterUnavailable:
+                pass
+            except Exception:
+                log.exception("console task failed")
+
+        asyncio.get_running_loop().create_task(run())
 
     @_safe
     def user_message(self, session: Session, request_id: str, text: str, to_agent: bool = False) -> None:
@@ -223,7 +294,9 @@ class ConsoleHub:
         msg = conv.add(
             {"role": "user", "id": request_id, "text": text, "sentiment": None, "to_agent": to_agent}
         )
-        self._message_event(conv, msg)
+        # clustered: a message the bot answers is stored with the reply (bot_done), keeping Redis work
+        # off the way to the first token; one for an agent is stored now
+        self._message_event(conv, msg, save=to_agent)
 
     @_safe
     def bot_token(self, session: Session, request_id: str, delta: str) -> None:
@@ -247,6 +320,7 @@ class ConsoleHub:
             msg = conv.add({"role": "bot", "id": request_id, "text": text, "finish_reason": finish_reason})
             self._message_event(conv, msg)
         else:
+            self._save(conv)  # the user message before it
             self.broadcast(
                 {
                     "type": "stream_end",
@@ -270,6 +344,7 @@ class ConsoleHub:
         msg.setdefault("tags", {})[task] = label
         if task == SENTIMENT_TASK:
             msg["sentiment"] = label
+        self._save(conv)
         self.broadcast(
             {
                 "type": "tag",
@@ -291,7 +366,9 @@ class ConsoleHub:
             conv.updated_at = time.time()
             self._conv_event(conv)
 
-    def _message_event(self, conv: Conversation, msg: dict) -> None:
+    def _message_event(self, conv: Conversation, msg: dict, save: bool = True) -> None:
+        if save:
+            self._save(conv)
         self.broadcast(
             {
                 "type": "message",
@@ -312,9 +389,17 @@ class ConsoleHub:
             code, message = error_code(exc)
             await conn.error(code, message, msg.id)
             return
+        kept = session.history
+        session.history = turn.history
+        if self.persist is not None:  # clustered: stored before it is acknowledged (`forwarded`)
+            try:
+                await self.persist(session)
+            except ClusterUnavailable as exc:
+                session.history = kept
+                await conn.error(exc.code, exc.message, msg.id)
+                return
         if turn.cut:
             session.cuts += 1
-        session.history = turn.history
         session.touch(self.sessions.clock())
         self.user_message(session, msg.id, turn.text, to_agent=True)
         await conn.send({"type": "forwarded", "id": msg.id, "agent": holder.get("name")})
@@ -345,29 +430,44 @@ class ConsoleHub:
         return session, conv
 
     async def take_over(self, agent: Agent, session_id: Any) -> None:
+        if self.bus is not None:
+            await self._cluster_action(agent, "take_over", session_id)
+            return
         session, conv = self._live_conversation(agent, session_id)
         if session is None or conv is None:
             return
         if conv.agent is not None and conv.agent["id"] != agent.id:
-            agent.put(
-                events.error_event(
-                    "already_taken",
-                    f"{conv.agent['name']} has already taken over this conversation",
-                    session_id=session_id,
-                    agent=conv.agent,
-                )
-            )
+            agent.put(self._taken_error(session_id, conv.agent))
             return
+        await self.apply_take_over(session_id, {"id": agent.id, "name": agent.name})
+
+    def _taken_error(self, session_id: str, holder: dict) -> dict:
+        return events.error_event(
+            "already_taken",
+            f"{holder['name']} has already taken over this conversation",
+            session_id=session_id,
+            agent=holder,
+        )
+
+    async def apply_take_over(self, session_id: str, holder: dict) -> None:
+        """On the node serving the conversation: the agent answers from now on."""
         self._cancel_release(session_id)
-        if conv.agent is not None:  # already ours (e.g. after a reconnect): say so again
+        conv = self.conversations.get(session_id)
+        session = self._session(session_id)
+        if conv is None or session is None:
+            return
+        if conv.agent is not None and conv.agent["id"] == holder["id"]:  # already: say so again
             self._conv_event(conv)
             return
-        conv.agent = {"id": agent.id, "name": agent.name}
+        conv.agent = dict(holder)
         conv.updated_at = time.time()
         self._conv_event(conv)
-        await self._to_customer(session, {"type": "handover", "to": "agent", "agent": agent.name})
+        await self._to_customer(session, {"type": "handover", "to": "agent", "agent": holder["name"]})
 
     async def hand_back(self, agent: Agent | None, session_id: Any) -> None:
+        if self.bus is not None and agent is not None:
+            await self._cluster_action(agent, "hand_back", session_id)
+            return
         session = self._session(session_id)
         conv = self.conversations.get(session_id) if session is not None else None
         if session is None or conv is None:
@@ -385,13 +485,33 @@ class ConsoleHub:
                 )
             )
             return
+        await self.apply_hand_back(session_id)
+
+    async def apply_hand_back(self, session_id: str) -> None:
         self._cancel_release(session_id)
+        conv = self.conversations.get(session_id)
+        session = self._session(session_id)
+        if conv is None or session is None:
+            return
         conv.agent = None
         conv.updated_at = time.time()
         self._conv_event(conv)
         await self._to_customer(session, {"type": "handover", "to": "bot", "agent": None})
 
+    def _agent_text(self, agent: Agent, session_id: Any, text: Any) -> str | None:
+        if not isinstance(text, str):
+            agent.put(events.error_event("invalid_field", "'text' must be a string", session_id=session_id))
+            return None
+        text = _clean(text)[:MAX_AGENT_MESSAGE_CHARS]
+        if not text:
+            agent.put(events.error_event("empty_text", "the message is empty", session_id=session_id))
+            return None
+        return text
+
     async def agent_message(self, agent: Agent, session_id: Any, text: Any) -> None:
+        if self.bus is not None:
+            await self._cluster_action(agent, "agent_message", session_id, text)
+            return
         session, conv = self._live_conversation(agent, session_id)
         if session is None or conv is None:
             return
@@ -402,18 +522,121 @@ class ConsoleHub:
                 )
             )
             return
-        if not isinstance(text, str):
-            agent.put(events.error_event("invalid_field", "'text' must be a string", session_id=session_id))
+        clean = self._agent_text(agent, session_id, text)
+        if clean is not None:
+            await self.apply_agent_message(session_id, clean, agent.name)
+
+    async def apply_agent_message(self, session_id: str, text: str, agent_name: str) -> None:
+        conv = self.conversations.get(session_id)
+        session = self._session(session_id)
+        if conv is None or session is None:
             return
-        text = _clean(text)[:MAX_AGENT_MESSAGE_CHARS]
-        if not text:
-            agent.put(events.error_event("empty_text", "the message is empty", session_id=session_id))
-            return
-        session.history.append({"role": "assistant", "content": text, "agent": agent.name})
+        session.history.append({"role": "assistant", "content": text, "agent": agent_name})
         session.touch(self.sessions.clock())
-        msg = conv.add({"role": "agent", "text": text, "agent": agent.name})
+        if self.persist is not None:  # clustered: into the session's record (it survives this node)
+            try:
+                await self.persist(session)
+            except ClusterUnavailable:
+                log.warning("agent message in session %s not stored: Redis unavailable", session_id)
+        msg = conv.add({"role": "agent", "text": text, "agent": agent_name})
         self._message_event(conv, msg)
-        await self._to_customer(session, {"type": "agent_message", "text": text, "agent": agent.name})
+        await self._to_customer(session, {"type": "agent_message", "text": text, "agent": agent_name})
+
+    # -- clustered agent actions ----------------------------------------------------------------
+    async def _cluster_action(self, agent: Agent, kind: str, session_id: Any, text: Any = None) -> None:
+        """take_over / hand_back / agent_message when clustered: the holder in Redis decides, the node
+        serving the conversation applies it."""
+        assert self.bus is not None
+        try:
+            await self._cluster_action_inner(agent, kind, session_id, text)
+        except ClusterUnavailable as exc:
+            agent.put(events.error_event(exc.code, exc.message, session_id=session_id))
+
+    async def _cluster_action_inner(self, agent: Agent, kind: str, session_id: Any, text: Any) -> None:
+        assert self.bus is not None
+        record = await self.bus.conversation(session_id) if isinstance(session_id, str) else None
+        if record is None and isinstance(session_id, str) and session_id in self.conversations:
+            record = {"node": self.node_id}
+        if record is None:
+            agent.put(
+                events.error_event(
+                    "unknown_session", f"no live conversation {session_id!r}", session_id=session_id
+                )
+            )
+            return
+        me = {"id": agent.id, "name": agent.name}
+        command: dict[str, Any] = {"cmd": kind, "session_id": session_id}
+        if kind == "take_over":
+            holder = await self.bus.claim(session_id, me)
+            if holder.get("id") != agent.id:
+                agent.put(self._taken_error(session_id, holder))
+                return
+            self._holds[session_id] = agent.id
+            command["agent"] = holder
+        elif kind == "hand_back":
+            if not await self.bus.release(session_id, agent.id):
+                agent.put(
+                    events.error_event(
+                        "not_taken_over", "you have not taken over this conversation", session_id=session_id
+                    )
+                )
+                return
+            self._holds.pop(session_id, None)
+        else:
+            current = await self.bus.holder(session_id)
+            if current is None or current.get("id") != agent.id:
+                agent.put(
+                    events.error_event(
+                        "not_taken_over", "take over the conversation before replying", session_id=session_id
+                    )
+                )
+                return
+            clean = self._agent_text(agent, session_id, text)
+            if clean is None:
+                return
+            command.update(text=clean, agent=me)
+        node = record.get("node")
+        if node == self.node_id:
+            await self.apply_command(command)
+        elif not isinstance(node, str) or not await self.bus.command(node, command):
+            agent.put(
+                events.error_event(
+                    "unknown_session",
+                    f"the node serving conversation {session_id!r} is not reachable",
+                    session_id=session_id,
+                )
+            )
+
+    async def apply_command(self, command: dict) -> None:
+        """An action for a conversation this node serves (from an agent here or on another node)."""
+        sid, kind, agent = command.get("session_id"), command.get("cmd"), command.get("agent")
+        if not isinstance(sid, str):
+            return
+        if kind == "session_taken":  # the customer resumed its session on another node
+            session = self._session(sid)
+            conn = session.connection if session is not None else None
+            if conn is not None:
+                await conn.error("session_taken_over", "this session was resumed by another connection")
+                conn.cancel_all()
+                conn.stop(Close.TAKEN_OVER, "session taken over")
+        elif kind == "take_over" and isinstance(agent, dict):
+            await self.apply_take_over(sid, {"id": str(agent.get("id")), "name": str(agent.get("name"))})
+        elif kind == "hand_back":
+            await self.apply_hand_back(sid)
+        elif kind == "agent_message" and isinstance(agent, dict) and isinstance(command.get("text"), str):
+            await self.apply_agent_message(sid, command["text"], str(agent.get("name")))
+
+    async def _cluster_release_orphan(self, session_id: str, agent_id: str) -> None:
+        assert self.bus is not None
+        if not await self.bus.release(session_id, agent_id):
+            return
+        record = await self.bus.conversation(session_id)
+        node = record.get("node") if record else self.node_id
+        command = {"cmd": "hand_back", "session_id": session_id}
+        if node == self.node_id:
+            await self.apply_command(command)
+        elif isinstance(node, str):
+            await self.bus.command(node, command)
 
     def _cancel_release(self, session_id: str) -> None:
         timer = self._release.pop(session_id, None)
@@ -425,6 +648,11 @@ class ConsoleHub:
         if not agent.id or any(a.id == agent.id and a.logged_in for a in self.agents):
             return
         loop = asyncio.get_running_loop()
+        if self.bus is not None:  # clustered: the take-overs this node's agents claimed, on any node
+            for sid, agent_id in list(self._holds.items()):
+                if agent_id == agent.id and sid not in self._release:
+                    self._release[sid] = loop.call_later(self.grace_s, self._release_orphan, sid, agent.id)
+            return
         for conv in self.conversations.values():
             if (
                 conv.agent is not None
@@ -437,6 +665,11 @@ class ConsoleHub:
 
     def _release_orphan(self, session_id: str, agent_id: str) -> None:
         self._release.pop(session_id, None)
+        if self.bus is not None:
+            if not any(a.id == agent_id and a.logged_in for a in self.agents):
+                self._holds.pop(session_id, None)
+                self._spawn(self._cluster_release_orphan(session_id, agent_id))
+            return
         conv = self.conversations.get(session_id)
         if conv is None or conv.agent is None or conv.agent["id"] != agent_id:
             return
@@ -466,14 +699,50 @@ class ConsoleHub:
         agent.name = _clean(name)[:60] if isinstance(name, str) and _clean(name) else "Agent"
         agent.id = agent_id[:64] if isinstance(agent_id, str) and agent_id else secrets.token_urlsafe(12)
         # Snapshot and registration in one synchronous step: every later event follows the snapshot.
+        # (Clustered, the snapshot is read from Redis: events are held until it is sent.)
         agent.logged_in = True
-        agent.put(self.snapshot(agent))
+        if self.bus is not None:
+            agent.held = []
+        else:
+            agent.put(self.snapshot(agent))
         for sid, timer in list(self._release.items()):
             conv = self.conversations.get(sid)
-            if conv is not None and conv.agent is not None and conv.agent["id"] == agent.id:
+            if (conv is not None and conv.agent is not None and conv.agent["id"] == agent.id) or (
+                self._holds.get(sid) == agent.id
+            ):
                 timer.cancel()
                 self._release.pop(sid, None)
         return True
+
+    async def cluster_snapshot(self, agent: Agent) -> None:
+        """Clustered login: the snapshot read from Redis (this node's own conversations as they are
+        now), then the events held meanwhile — a message the snapshot already has is not sent again."""
+        assert self.bus is not None
+        try:
+            records = await self.bus.conversations()
+            alive = await self.alive_nodes() if self.alive_nodes is not None else set()
+        except ClusterUnavailable:
+            records, alive = [], {self.node_id}
+        convs: dict[str, dict] = {}
+        horizon = time.time() - self.settings.sessions.idle_timeout_s
+        for record in records:
+            if record.get("node") not in alive:
+                record["connected"] = False  # its node is gone: resumable elsewhere, not connected
+                if float(record.get("updated_at") or 0) < horizon:
+                    continue
+            convs[record["session_id"]] = record
+        for sid, conv in self.conversations.items():
+            convs[sid] = conv.to_json(self.mood_window)
+        snap = self.snapshot(agent)
+        snap["conversations"] = list(convs.values())
+        held, agent.held = agent.held or [], None
+        agent.put(snap)
+        for event in held:
+            if event.get("type") == "message":
+                conv_json = convs.get(event.get("session_id", ""))
+                if conv_json is not None and event["message"].get("seq", 0) <= conv_json.get("seq", 0):
+                    continue
+            agent.put(event)
 
     async def handle(self, agent: Agent, raw: str | bytes) -> None:
         try:
@@ -495,8 +764,8 @@ class ConsoleHub:
         if kind == "login":
             if agent.logged_in:
                 agent.put(events.error_event("already_started", "already logged in"))
-            else:
-                self._login(agent, obj)
+            elif self._login(agent, obj) and self.bus is not None:
+                await self.cluster_snapshot(agent)
             return
         if not agent.logged_in:
             agent.put(events.error_event("unauthorized", "send login with the console token first"))
@@ -551,7 +820,18 @@ class ConsoleHub:
                 self._agent_left(agent)
             await agent.finish(read, writer)
 
+    async def on_bus_command(self, command: dict) -> None:
+        await self.apply_command(command)
+
+    def resync(self) -> None:
+        """The bus resubscribed after losing Redis: events may be missing, agents get a new snapshot."""
+        for agent in list(self.agents):
+            if agent.logged_in and agent.held is None:
+                agent.held = []
+                self._spawn(self.cluster_snapshot(agent))
+
     def close_all(self) -> None:
+        self.closing = True
         for agent in list(self.agents):
             agent.stop(Close.GOING_AWAY, "server shutting down")
         for timer in self._release.values():

@@ -40,6 +40,7 @@ STATUS = {
     "unauthorized": 401,
     "internal": 500,
     "backend_unavailable": 503,
+    "unavailable": 503,
 }
 
 
@@ -75,7 +76,7 @@ def _api(handler):
     async def endpoint(request: Request) -> Response:
         state: AppState = request.app.state.rt
         limiter = state.ip_limiter
-        wait = limiter.take(client_ip(request))
+        wait = await state.ip_take(client_ip(request))
         if wait > 0:
             response = error_response(
                 state,
@@ -96,7 +97,7 @@ def _api(handler):
                 return error_response(
                     state, "unauthorized", "missing or wrong bearer token (Authorization header)"
                 )
-        if not state.ready:
+        if not state.serving:
             return error_response(state, "not_ready", state.not_ready_message())
         try:
             body = None

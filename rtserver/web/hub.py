@@ -24,6 +24,7 @@ sockets close with 1001.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import secrets
@@ -37,6 +38,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..engine.backend import FinishReason, Generation
 from . import events
 from . import protocol as P
+from .cluster import ClusterUnavailable
+from .cluster.bus import ConsoleBus
+from .cluster.nodes import NodeRegistry
+from .cluster.sessions import ClusterSessions
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
 from .console import ConsoleHub
 from .errors import GenerationFailed, error_code
@@ -126,14 +131,14 @@ class Connection(QueuedConnection):
         finally:
             self.stop()
 
-    def rate_limit_wait(self) -> tuple[float, str]:
+    async def rate_limit_wait(self) -> tuple[float, str]:
         """(seconds to wait, which limit) — (0, "") when this message may go through."""
         if self.bucket is not None:
             wait = self.bucket.take()
             if wait > 0:
                 return wait, f"{self.bucket.rate:g} messages/s per connection (burst {self.bucket.burst})"
         limiter = self.hub.state.ip_limiter
-        wait = limiter.take(self.client_ip)
+        wait = await self.hub.state.ip_take(self.client_ip)
         if wait > 0:
             return wait, f"{limiter.rate:g} messages/s per client address (burst {limiter.burst})"
         return 0.0, ""
@@ -144,7 +149,7 @@ class Connection(QueuedConnection):
         except P.ProtocolError as exc:
             msg, error = None, exc
         if not isinstance(msg, P.Cancel):  # cancelling lowers load: never refused
-            wait, limit = self.rate_limit_wait()
+            wait, limit = await self.rate_limit_wait()
             if wait > 0:
                 rid = getattr(msg, "id", None) if msg is not None else error.request_id
                 await self.error(
@@ -212,6 +217,11 @@ class Connection(QueuedConnection):
                     busy_id=session.chat_request,
                 )
                 return
+            cluster = self.hub.state.cluster
+            if cluster is not None and not cluster.available:  # it could not be acknowledged
+                down = ClusterUnavailable(cluster.reason)
+                await self.error(down.code, down.message, msg.id)
+                return
             req = Request(msg.id, "chat")
             session.chat_request = msg.id
             self.requests[msg.id] = req
@@ -235,26 +245,48 @@ class Connection(QueuedConnection):
         self.client_name = hello.client
         session: Session | None = None
         resumed = False
-        if hello.session_id is not None or hello.resume_token is not None:
-            try:
-                session = hub.sessions.resume(hello.session_id or "", hello.resume_token or "")
-                resumed = True
-            except SessionExpired:
-                await self.error(
-                    "session_expired", "that session is unknown or has expired; a new session was started"
-                )
-        if session is None:
-            try:
-                session = hub.sessions.create(self.client_ip)
-            except TooManySessions:
-                cap = hub.settings.security.max_sessions_per_ip
-                await self.error(
-                    "too_many_sessions",
-                    f"this address already has {cap} connected sessions (the limit); close one first",
-                )
-                self.stop(Close.TOO_MANY_SESSIONS, "too many sessions")
-                return False
-        elif session.connection is not None and session.connection is not self:
+        clustered = hub.cluster_sessions
+        try:
+            if hello.session_id is not None or hello.resume_token is not None:
+                try:
+                    if clustered is not None:
+                        session, record = await clustered.resume(
+                            hello.session_id or "", hello.resume_token or "", self.client_ip
+                        )
+                        self.client_name = self.client_name or record.client
+                        bus = hub.console.bus
+                        if bus is not None:  # an agent may hold it (from another node)
+                            hub.console.set_holder(session, await bus.holder(session.id))
+                            if record.node and record.node != clustered.cluster.node_id:
+                                # a connection to it on another node is closed there (4409)
+                                await bus.command(
+                                    record.node, {"cmd": "session_taken", "session_id": session.id}
+                                )
+                    else:
+                        session = hub.sessions.resume(hello.session_id or "", hello.resume_token or "")
+                    resumed = True
+                except SessionExpired:
+                    await self.error(
+                        "session_expired", "that session is unknown or has expired; a new session was started"
+                    )
+            if session is None:
+                if clustered is not None:
+                    session = await clustered.create(self.client_ip, self.client_name)
+                else:
+                    session = hub.sessions.create(self.client_ip)
+        except TooManySessions:
+            cap = hub.settings.security.max_sessions_per_ip
+            await self.error(
+                "too_many_sessions",
+                f"this address already has {cap} connected sessions (the limit); close one first",
+            )
+            self.stop(Close.TOO_MANY_SESSIONS, "too many sessions")
+            return False
+        except ClusterUnavailable as exc:
+            await self.error(exc.code, exc.message)
+            self.stop(Close.NOT_READY, "session store unavailable")
+            return False
+        if session.connection is not None and session.connection is not self:
             old = session.connection
             await old.error("session_taken_over", "this session was resumed by another connection")
             old.cancel_all()
@@ -273,9 +305,15 @@ class Connection(QueuedConnection):
             req.cancel()
             if req.task is not None:
                 await asyncio.wait({req.task})
-        session.history.clear()
-        session.last_turn = None
-        session.turns = 0
+        kept = (session.history, session.last_turn, session.turns)
+        session.history, session.last_turn, session.turns = [], None, 0
+        if self.hub.cluster_sessions is not None:
+            try:
+                await self.hub.cluster_sessions.save(session, self.client_name)
+            except ClusterUnavailable as exc:  # not stored: not done either
+                session.history, session.last_turn, session.turns = kept
+                await self.error(exc.code, exc.message)
+                return
         self.hub.drop_backend_session(session)
         self.hub.console.reset(session)
         await self.send({"type": "reset", "session_id": session.id})
@@ -312,10 +350,18 @@ class Connection(QueuedConnection):
             if result.finish_reason is FinishReason.ERROR:
                 raise GenerationFailed(result)
             if result.text or result.finish_reason is not FinishReason.CANCELLED:
+                kept = (session.last_turn, session.turns)
                 session.history.append({"role": "assistant", "content": result.text})
                 session.last_turn = chat.finished_turn(rendered, prompt, result.text, result.token_ids)
-                added = False
                 session.turns += 1
+                if hub.cluster_sessions is not None:
+                    try:  # the turn is acknowledged only once its record is stored
+                        await hub.cluster_sessions.save(session, self.client_name)
+                    except ClusterUnavailable:
+                        session.history.pop()  # neither stored nor acknowledged: as if it never ran
+                        session.last_turn, session.turns = kept
+                        raise
+                added = False
             reply, reason = result.text, result.finish_reason.value
             hub.metrics.observe_generation("ws_chat", result)
             hub.metrics.requests.labels("ws", "chat").inc()
@@ -393,12 +439,74 @@ class Hub:
         self.settings = state.settings
         self.metrics = state.metrics
         ss, sec = self.settings.sessions, self.settings.security
+        clustered = state.cluster is not None
         self.sessions = SessionRegistry(
-            ss.idle_timeout_s, ss.max_sessions, on_drop=self._on_drop, max_per_ip=sec.max_sessions_per_ip
+            ss.idle_timeout_s,
+            ss.max_sessions,
+            on_drop=self._on_drop,
+            # clustered, the cap is counted in Redis across the nodes (cluster/limits.py)
+            max_per_ip=0 if clustered else sec.max_sessions_per_ip,
         )
         self.connections: set[Connection] = set()
         self.console = ConsoleHub(state, self.sessions)  # the agent console's registry (/ws/console)
         state.counts = lambda: {"connections": len(self.connections), "sessions": len(self.sessions)}
+        self.cluster_sessions: ClusterSessions | None = None
+        self.nodes: NodeRegistry | None = None
+        if state.cluster is not None:
+            assert state.session_store is not None and state.cluster_limits is not None
+            self.cluster_sessions = ClusterSessions(
+                state.cluster, state.session_store, state.cluster_limits, self.sessions, self._console_record
+            )
+            self.nodes = NodeRegistry(state.cluster, self.node_figures, self.live_session_ids)
+            state.cluster.on_beat(self.nodes.beat)
+            state.cluster.on_beat(self._renew_sessions)
+            # the console across nodes
+            console = self.console
+            console.bus = ConsoleBus(state.cluster, console.deliver, console.on_bus_command, console.resync)
+            console.persist = self._persist
+            console.node_id = state.cluster.node_id
+            console.alive_nodes = self.nodes.alive
+            state.cluster_figures = self.cluster_figures
+
+    def cluster_figures(self) -> dict[str, Any]:
+        assert self.nodes is not None and self.cluster_sessions is not None and self.state.cluster
+        view = self.nodes.last_view
+        return {
+            "nodes_alive": view.get("nodes_alive", 0),
+            "sessions": view.get("sessions", 0),
+            "console_agents": view.get("console_agents", 0),
+            "session_writes": self.cluster_sessions.store.writes,
+            "resumed_from_store": self.cluster_sessions.resumed_elsewhere,
+            "redis_failures": self.state.cluster.failures,
+        }
+
+    def _console_record(self, session: Session) -> dict | None:
+        conv = self.console.conversations.get(session.id)
+        return self.console.record(conv) if conv is not None else None
+
+    async def _persist(self, session: Session) -> None:
+        """Write a session's record now (the console's agent messages and forwarded customer ones)."""
+        assert self.cluster_sessions is not None
+        conn = session.connection
+        await self.cluster_sessions.save(session, getattr(conn, "client_name", None))
+
+    def node_figures(self) -> dict[str, Any]:
+        return {
+            "connections": len(self.connections),
+            "sessions": sum(1 for c in self.connections if c.session is not None),
+            "console_agents": self.console.agent_count(),
+        }
+
+    def live_session_ids(self) -> list[str]:
+        return [c.session.id for c in self.connections if c.session is not None]
+
+    async def _renew_sessions(self) -> None:
+        """Heartbeat: connected sessions' records and per-IP slots stay alive while connected."""
+        assert self.cluster_sessions is not None
+        connected = [(c.client_ip, c.session.id) for c in self.connections if c.session is not None]
+        await self.cluster_sessions.store.renew([sid for _, sid in connected])
+        if self.cluster_sessions.limits.max_sessions_per_ip:
+            await self.cluster_sessions.limits.renew(connected)
 
     def _on_drop(self, session: Session) -> None:
         self.metrics.expired.inc()
@@ -462,7 +570,7 @@ class Hub:
                 "server shutting down",
             )
             return
-        if not self.state.ready:
+        if not self.state.serving:  # Redis down: the hello gets `unavailable`, typed
             await refuse(
                 ws,
                 self.metrics,
@@ -487,12 +595,18 @@ class Hub:
             if conn.session is not None:
                 self.sessions.detach(conn.session, conn)
                 self.console.detached(conn.session)
+                if self.cluster_sessions is not None:
+                    with contextlib.suppress(ClusterUnavailable):  # else the slot's lease runs out
+                        await self.cluster_sessions.release(conn.session, conn.client_ip)
             await conn.finish(reader, writer, drain=conn.close_code != Close.SLOW_CLIENT)
 
     async def drain(self, grace_s: float) -> None:
         """Graceful shutdown: refuse new work, give in-flight requests `grace_s` to finish, end the rest
         with `shutting_down`, close every connection with 1001 and wait (briefly) for them to go."""
         self.state.shutting_down = True
+        if self.nodes is not None:  # out of the cluster's view: its clients reconnect elsewhere
+            with contextlib.suppress(ClusterUnavailable):
+                await self.nodes.leave()
         self.console.close_all()
         for conn in list(self.connections):
             await conn.send({"type": "shutting_down", "deadline_s": grace_s})

@@ -34,6 +34,9 @@ class _LiveCollector:
             "1 when the model is loaded and requests are served",
             value=1 if s["ready"] else 0,
         )
+        cluster = s.get("cluster")
+        if cluster:
+            yield from _cluster_metrics(cluster)
         remote = s.get("openai")
         if remote:
             yield from _upstream_metrics(remote.get("upstreams") or [])
@@ -99,6 +102,39 @@ class _LiveCollector:
                 tm.add_metric([name], m)
             yield th
             yield tm
+
+
+def _cluster_metrics(c: dict) -> Iterator[Any]:
+    """Clustered (`cluster.redis_url`): Redis health and the cluster as of the last heartbeat."""
+    yield GaugeMetricFamily(
+        "rtserver_cluster_redis_up", "1 while Redis answers", value=1 if c["redis_up"] else 0
+    )
+    yield GaugeMetricFamily(
+        "rtserver_cluster_nodes_alive", "Nodes with a recent heartbeat", value=c.get("nodes_alive", 0)
+    )
+    yield GaugeMetricFamily(
+        "rtserver_cluster_sessions",
+        "Sessions connected to any node of the cluster",
+        value=c.get("sessions", 0),
+    )
+    yield GaugeMetricFamily(
+        "rtserver_cluster_console_agents",
+        "Console agents logged in on any node",
+        value=c.get("console_agents", 0),
+    )
+    yield CounterMetricFamily(
+        "rtserver_cluster_session_writes",
+        "Session records written by this node",
+        value=c.get("session_writes", 0),
+    )
+    yield CounterMetricFamily(
+        "rtserver_cluster_resumes_from_store",
+        "Resumes this node rebuilt from the stored record (another node had served the session since)",
+        value=c.get("resumed_from_store", 0),
+    )
+    yield CounterMetricFamily(
+        "rtserver_cluster_redis_failures", "Redis calls that failed", value=c.get("redis_failures", 0)
+    )
 
 
 def _upstream_metrics(upstreams: list[dict]) -> Iterator[Any]:

@@ -48,6 +48,7 @@ ErrorCode = Literal[
     "not_ready",
     "overloaded",
     "backend_unavailable",
+    "unavailable",  # clustered: Redis, the session store, cannot be reached (web/cluster/)
     "request_too_large",
     "cancelled",
     "internal",

@@ -63,6 +63,10 @@ class Session:
     cuts: int = 0  # window cuts so far
     client_ip: str = ""  # the address that created it (sessions per IP are capped)
     last_turn: LastTurn | None = None  # the latest bot turn's exact tokens (see continue_prompt)
+    # clustered (rtserver/web/cluster/): the version of the record in Redis this copy matches, and
+    # the wall-clock creation time the record carries
+    version: int = 0
+    created_wall: float = 0.0
 
     @property
     def history_turns(self) -> int:
@@ -114,6 +118,20 @@ class SessionRegistry:
             created_at=now,
             last_active=now,
             client_ip=client_ip,
+        )
+        self.sessions[session.id] = session
+        self.per_ip[client_ip] += 1
+        return session
+
+    def adopt(self, session_id: str, resume_token: str, client_ip: str = "") -> Session:
+        """A session another node created (clustered: its record is in Redis), cached here."""
+        now = self.clock()
+        if len(self.sessions) >= self.max_sessions:
+            self.sweep()
+            if len(self.sessions) >= self.max_sessions:
+                self._drop_oldest_detached()
+        session = Session(
+            id=session_id, resume_token=resume_token, created_at=now, last_active=now, client_ip=client_ip
         )
         self.sessions[session.id] = session
         self.per_ip[client_ip] += 1

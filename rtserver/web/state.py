@@ -1,6 +1,7 @@
 """What the front doors share (`AppState`): settings, the load status, the inference backends and the
-task registry once loaded (and which backend runs which task), metrics, the per-client-IP rate limiter
-and the shutdown flag. The app builds it; the hub, the console and the HTTP API read it."""
+task registry once loaded (and which backend runs which task), metrics, the per-client-IP rate limiter,
+the cluster's Redis services when `cluster.redis_url` is set, and the shutdown flag. The app builds it;
+the hub, the console and the HTTP API read it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from typing import Any
 from ..config import Settings
 from ..engine.backend import InferenceBackend
 from ..tasks.registry import PluginError, TaskRegistry
+from .cluster import Cluster, ClusterUnavailable
+from .cluster.limits import ClusterLimits
+from .cluster.store import SessionStore
 from .metrics import Metrics
 from .ratelimit import IPRateLimiter
 
@@ -46,15 +50,50 @@ class AppState:
         self.shutting_down = False  # set by the hub's drain: new requests are refused
         sec = settings.security
         self.ip_limiter = IPRateLimiter(sec.ip_rate_limit_per_s, sec.ip_rate_limit_burst)
+        # many nodes as one (rtserver/web/cluster/): None = this process alone, everything in memory
+        self.cluster: Cluster | None = None
+        self.session_store: SessionStore | None = None
+        self.cluster_limits: ClusterLimits | None = None
+        if settings.cluster.redis_url:
+            self.cluster = Cluster(settings)
+            self.session_store = SessionStore(self.cluster, settings.sessions.idle_timeout_s)
+            self.cluster_limits = ClusterLimits(
+                self.cluster, sec.ip_rate_limit_per_s, sec.ip_rate_limit_burst, sec.max_sessions_per_ip
+            )
         # connection and session counts for /metrics, supplied by the hub once it exists
         self.counts: Callable[[], dict[str, int]] = lambda: {"connections": 0, "sessions": 0}
+        # the cluster's figures for /metrics (nodes alive, sessions, agents), supplied by the hub
+        self.cluster_figures: Callable[[], dict[str, Any]] = lambda: {}
         self.metrics = Metrics(self.live_metrics)
+
+    async def ip_take(self, ip: str) -> float:
+        """A token from the client IP's bucket (WebSocket messages and HTTP requests): in Redis when
+        clustered (one bucket across the nodes), this node's own while Redis is down (the limit then
+        holds per node rather than not at all). 0.0 = allowed, else seconds to wait."""
+        limits, cluster = self.cluster_limits, self.cluster
+        if limits is not None and cluster is not None and cluster.available and limits.rate > 0:
+            try:
+                return await limits.take(ip)
+            except ClusterUnavailable:
+                pass
+        return self.ip_limiter.take(ip)
 
     @property
     def ready(self) -> bool:
         return self.status == "ready" and self.not_ready_reason() is None
 
+    @property
+    def serving(self) -> bool:
+        """The model and backends can serve (Redis aside: without it sessions get `unavailable`)."""
+        return self.status == "ready" and self.serving_reason() is None
+
     def not_ready_reason(self) -> str | None:
+        reason = self.serving_reason()
+        if reason is None and self.cluster is not None and not self.cluster.available:
+            return self.cluster.reason
+        return reason
+
+    def serving_reason(self) -> str | None:
         if self.status != "ready":
             return self.error or f"the model is {self.status}"
         for name, backend in self.backends.items():
@@ -116,4 +155,6 @@ class AppState:
                 log.exception("%s backend stats failed", name)
         if self.registry is not None:
             out["task_cache"] = self.registry.cache_stats()
+        if self.cluster is not None:
+            out["cluster"] = {"redis_up": self.cluster.available, **self.cluster_figures()}
         return out

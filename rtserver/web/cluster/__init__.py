@@ -1,0 +1,161 @@
+"""Many rtserver nodes as one, through Redis (`[cluster] redis_url`; empty = one process, nothing here
+runs).
+
+`Cluster` owns the connection to Redis and its health: a background loop pings it every
+`cluster.heartbeat_s` and writes this node's heartbeat (`nodes.py`); any failed call marks Redis down
+at once, the next good ping marks it up again, so a node recovers by itself. What is kept there:
+session records (`store.py`), the cluster-wide per-IP limits (`limits.py`), the node registry
+(`nodes.py`) and the console's shared state and events (`bus.py`). Every key starts with
+`cluster.key_prefix`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from ...config import Settings
+
+log = logging.getLogger("rtserver.cluster")
+
+T = TypeVar("T")
+
+
+class ClusterUnavailable(Exception):
+    """Redis cannot be reached (or answered an error): the request gets `unavailable`."""
+
+    code = "unavailable"
+
+    def __init__(self, reason: str):
+        self.message = f"the session store is unavailable ({reason}); retry in a moment"
+        super().__init__(self.message)
+
+
+def node_id_for(settings: Settings) -> str:
+    return settings.cluster.node_id or f"{settings.server.host}:{settings.server.port}"
+
+
+class Cluster:
+    """The Redis connection, its health, and the key names."""
+
+    def __init__(self, settings: Settings, client: aioredis.Redis | None = None):
+        c = settings.cluster
+        self.settings = settings
+        self.url = c.redis_url
+        self.prefix = c.key_prefix
+        self.node_id = node_id_for(settings)
+        self.heartbeat_s = c.heartbeat_s
+        # one quick retry per call (on a fresh connection: a pooled one may have died with a Redis
+        # restart), then the caller gets `unavailable`; the health loop is what brings the node back.
+        # A bounded pool that waits for a free connection: a burst of 1,000 hellos shares a few dozen
+        # connections instead of opening one each.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            c.redis_url,
+            max_connections=c.max_connections,
+            timeout=c.op_timeout_s,
+            socket_timeout=c.op_timeout_s,
+            socket_connect_timeout=c.op_timeout_s,
+            retry=Retry(NoBackoff(), 1),
+            decode_responses=True,
+        )
+        self.redis: aioredis.Redis = client or aioredis.Redis(connection_pool=pool)
+        self.available = False
+        self.reason = "connecting to Redis"
+        self.down_since: float | None = time.monotonic()
+        self.failures = 0  # calls that failed since start
+        self._loop_task: asyncio.Task | None = None
+        self._beats: list[Callable[[], Awaitable[None]]] = []  # run after each good ping
+
+    def key(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    # -- health ---------------------------------------------------------------------------------
+    def mark_down(self, exc: BaseException) -> None:
+        reason = f"Redis at {self.safe_url} unreachable: {type(exc).__name__}: {exc}"
+        self.failures += 1
+        if self.available:
+            log.warning("cluster: %s", reason)
+            self.down_since = time.monotonic()
+        self.available, self.reason = False, reason
+
+    def mark_up(self) -> None:
+        if not self.available:
+            log.info("cluster: Redis at %s reachable (node %s)", self.safe_url, self.node_id)
+        self.available, self.reason, self.down_since = True, "", None
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without a password, for messages."""
+        head, sep, tail = self.url.rpartition("@")
+        return f"{self.url.split('://')[0]}://…@{tail}" if sep else self.url
+
+    def require(self) -> None:
+        if not self.available:
+            raise ClusterUnavailable(self.reason)
+
+    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run one Redis operation: RedisError/OSError → ClusterUnavailable (and Redis marked down)."""
+        try:
+            result = await fn()
+        except (RedisError, OSError) as exc:
+            self.mark_down(exc)
+            raise ClusterUnavailable(self.reason) from exc
+        return result
+
+    def on_beat(self, fn: Callable[[], Awaitable[None]]) -> None:
+        self._beats.append(fn)
+
+    async def check(self) -> bool:
+        was_down = not self.available
+        try:
+            if was_down:  # connections from before an outage are dead: start afresh
+                await self.redis.connection_pool.disconnect(inuse_connections=False)
+            await self.redis.ping()
+        except (RedisError, OSError) as exc:
+            self.mark_down(exc)
+            return False
+        self.mark_up()
+        return True
+
+    async def _health_loop(self) -> None:
+        while True:
+            if await self.check():
+                for beat in self._beats:
+                    try:
+                        await beat()
+                    except ClusterUnavailable:
+                        break
+                    except Exception:
+                        log.exception("cluster heartbeat failed")
+            await asyncio.sleep(self.heartbeat_s if self.available else min(0.5, self.heartbeat_s))
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+        try:
+            await self.redis.aclose()
+        except Exception:  # closing a broken connection: nothing to do
+            pass
+
+    def health(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"node_id": self.node_id, "redis": "up" if self.available else "down"}
+        if not self.available:
+            out["reason"] = self.reason
+        return out

@@ -1,0 +1,266 @@
+"""The agent console across nodes: conversation records, live events, take-over, commands to a node.
+
+- Conversation records: one hash `<prefix>:console:convs`, field = session id, value = the
+  conversation as the console shows it (`Conversation.to_json` + the node serving it), written when a
+  conversation changes (not per token). An agent's snapshot on connect is read from it. A node writes
+  only the records of conversations it serves (a Lua check on the stored `node`), except when a customer
+  attaches — the node it attached to takes the record over.
+- Live events go through Redis **pub/sub** (channel `<prefix>:console:events`), not streams: they are
+  worth something only while they happen (tokens above all), every node wants all of them, and what an
+  agent must not miss is in the records — a node that lost Redis and resubscribes sends its agents a
+  fresh snapshot. Streams would add replay we do not need at the price of trimming and consumer state.
+- Take-over: `SET <prefix>:console:holder:<session> NX` in a Lua script — of two agents racing, exactly
+  one wins; hand-back deletes it only for its holder. Actions on a conversation served by another node
+  are sent to that node on its own channel `<prefix>:console:node:<id>` and applied there (the
+  customer's connection lives there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from . import Cluster, ClusterUnavailable
+
+log = logging.getLogger("rtserver.cluster")
+
+# KEYS[1] holder key; ARGV agent json, agent id → the holder json after the call
+CLAIM = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return ARGV[1]
+end
+return cur
+"""
+
+# KEYS[1] holder key; ARGV agent id ('' = any) → 1 released, 0 not the holder
+RELEASE = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 0 end
+if ARGV[1] ~= '' and cjson.decode(cur)['id'] ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+# KEYS[1] conversations hash; ARGV session id, record json, node, force ('1': take the record over)
+SAVE_CONV = """
+if ARGV[4] ~= '1' then
+  local cur = redis.call('HGET', KEYS[1], ARGV[1])
+  if cur and cjson.decode(cur)['node'] ~= ARGV[3] then return 0 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# KEYS[1] conversations hash; ARGV session id, node → 1 removed (only this node's record)
+REMOVE_CONV = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur and cjson.decode(cur)['node'] == ARGV[2] then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
+class ConsoleBus:
+    def __init__(
+        self,
+        cluster: Cluster,
+        on_event: Callable[[dict], None],
+        on_command: Callable[[dict], Awaitable[None]],
+        on_resubscribed: Callable[[], None],
+    ):
+        self.cluster = cluster
+        self.on_event = on_event  # an event from another node, for this node's agents
+        self.on_command = on_command  # an action for a conversation this node serves
+        self.on_resubscribed = on_resubscribed  # events may have been missed: resync the agents
+        self.events_channel = cluster.key("console", "events")
+        self.convs_key = cluster.key("console", "convs")
+        r = cluster.redis
+        self._claim = r.register_script(CLAIM)
+        self._release = r.register_script(RELEASE)
+        self._save = r.register_script(SAVE_CONV)
+        self._remove = r.register_script(REMOVE_CONV)
+        self._task: asyncio.Task | None = None
+        self._writes: set[asyncio.Task] = set()
+        self.subscribed = asyncio.Event()
+        # events and record writes leave in the order they happened, in batches, from one task: the
+        # hooks are synchronous, and separate tasks on a connection pool would reorder tokens
+        self._outbox: asyncio.Queue[tuple[str, list[Any]]] = asyncio.Queue(maxsize=100_000)
+        self._publisher: asyncio.Task | None = None
+        self.dropped = 0  # events not sent: Redis down, or the outbox full
+
+    def node_channel(self, node: str) -> str:
+        return self.cluster.key("console", "node", node)
+
+    def holder_key(self, session_id: str) -> str:
+        return self.cluster.key("console", "holder", session_id)
+
+    # -- background writes (the hooks are synchronous) ------------------------------------------
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        async def run() -> None:
+            with contextlib.suppress(ClusterUnavailable):
+                await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    def _post(self, kind: str, args: list[Any]) -> None:
+        if not self.cluster.available:
+            self.dropped += 1
+            return
+        try:
+            self._outbox.put_nowait((kind, args))
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    def publish(self, event: dict) -> None:
+        self._post(
+            "publish", [json.dumps({"node": self.cluster.node_id, "event": event}, ensure_ascii=False)]
+        )
+
+    def save_conversation(self, record: dict, force: bool = False) -> None:
+        raw = json.dumps(record, ensure_ascii=False)
+        self._post("save", [record["session_id"], raw, self.cluster.node_id, "1" if force else "0"])
+
+    async def _publish_forever(self) -> None:
+        while True:
+            batch = [await self._outbox.get()]
+            while not self._outbox.empty() and len(batch) < 512:
+                batch.append(self._outbox.get_nowait())
+
+            async def send(batch: list[tuple[str, list[Any]]] = batch) -> Any:
+                async with self.cluster.redis.pipeline(transaction=False) as pipe:
+                    for kind, args in batch:
+                        if kind == "publish":
+                            pipe.publish(self.events_channel, args[0])
+                        else:
+                            await self._save(keys=[self.convs_key], args=args, client=pipe)
+                    return await pipe.execute()
+
+            try:
+                await self.cluster.call(send)
+            except ClusterUnavailable:
+                self.dropped += len(batch)
+
+    def remove_conversation(self, session_id: str) -> None:
+        if not self.cluster.available:
+            return
+        args = [session_id, self.cluster.node_id]
+        self._spawn(self.cluster.call(lambda: self._remove(keys=[self.convs_key], args=args)))
+
+    # -- reads and atomic actions ---------------------------------------------------------------
+    async def conversations(self) -> list[dict]:
+        raw: Any = await self.cluster.call(lambda: self.cluster.redis.hgetall(self.convs_key))
+        out = []
+        for value in raw.values():
+            try:
+                record = json.loads(value)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("session_id"), str):
+                out.append(record)
+        return out
+
+    async def conversation(self, session_id: str) -> dict | None:
+        raw: Any = await self.cluster.call(lambda: self.cluster.redis.hget(self.convs_key, session_id))
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            return None
+
+    async def claim(self, session_id: str, agent: dict) -> dict:
+        """Take the conversation for `agent` unless someone holds it: the holder afterwards."""
+        raw: Any = await self.cluster.call(
+            lambda: self._claim(keys=[self.holder_key(session_id)], args=[json.dumps(agent)])
+        )
+        return json.loads(raw)
+
+    async def release(self, session_id: str, agent_id: str = "") -> bool:
+        done: Any = await self.cluster.call(
+            lambda: self._release(keys=[self.holder_key(session_id)], args=[agent_id])
+        )
+        return bool(int(done))
+
+    async def holder(self, session_id: str) -> dict | None:
+        raw: Any = await self.cluster.call(lambda: self.cluster.redis.get(self.holder_key(session_id)))
+        return json.loads(raw) if raw else None
+
+    async def command(self, node: str, command: dict) -> int:
+        """Send an action to the node serving a conversation: how many nodes received it (0: none)."""
+        raw = json.dumps(command, ensure_ascii=False)
+        n: Any = await self.cluster.call(lambda: self.cluster.redis.publish(self.node_channel(node), raw))
+        return int(n)
+
+    # -- the subscription -----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._listen_forever())
+            self._publisher = loop.create_task(self._publish_forever())
+
+    async def stop(self) -> None:
+        for task in [self._task, self._publisher, *self._writes]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._task = self._publisher = None
+
+    async def _listen_forever(self) -> None:
+        first = True
+        while True:
+            try:
+                await self._listen(first)
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                self.subscribed.clear()
+                self.cluster.mark_down(exc)
+            except Exception:
+                self.subscribed.clear()
+                log.exception("console subscription failed")
+            first = False
+            await asyncio.sleep(0.5)
+
+    async def _listen(self, first: bool) -> None:
+        pubsub = self.cluster.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.events_channel, self.node_channel(self.cluster.node_id))
+            self.subscribed.set()
+            if not first:
+                self.on_resubscribed()
+            while True:
+                message = await pubsub.get_message(timeout=1.0)
+                if message is None:
+                    continue
+                await self._dispatch(message)
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+
+    async def _dispatch(self, message: dict) -> None:
+        try:
+            data = json.loads(message["data"])
+        except (ValueError, TypeError):
+            log.warning("console bus: unreadable message on %s", message.get("channel"))
+            return
+        if not isinstance(data, dict):
+            return
+        try:
+            if message["channel"] == self.events_channel:
+                if data.get("node") != self.cluster.node_id and isinstance(data.get("event"), dict):
+                    self.on_event(data["event"])
+            else:
+                await self.on_command(data)
+        except Exception:  # one bad message never stops the subscription
+            log.exception("console bus: handling a message failed")

@@ -1,0 +1,71 @@
+"""Test helpers for the cluster (rtserver/web/cluster/): a real `redis-server` per test on a free port in
+a temp folder, and in-process nodes on the scripted engine that share it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rtserver.tools.serverproc import RedisProcess
+
+from .serverutil import ScriptedEngine, make_settings, recv_json, scripted_app, serve, wait_for
+
+
+def redis_binary() -> str:
+    found = shutil.which("redis-server")
+    if found is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server; ./run test does it)")
+    return found
+
+
+@contextlib.contextmanager
+def redis_server(tmp: Path):
+    server = RedisProcess(tmp / "redis", binary=redis_binary())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def cluster_settings(redis_url: str, node: str, **sections: dict):
+    settings = make_settings(**sections)
+    settings.cluster.redis_url = redis_url
+    settings.cluster.node_id = node
+    settings.cluster.heartbeat_s = 0.2
+    settings.cluster.op_timeout_s = 1.0
+    return settings
+
+
+@contextlib.asynccontextmanager
+async def scripted_node(loaded, redis_url: str, node: str, wait_redis: bool = True, **sections: dict):
+    """An in-process node on the scripted engine, ready (and, with `wait_redis`, connected to Redis):
+    yields (http base, ws url, engine, app)."""
+    settings = cluster_settings(redis_url, node, **sections)
+    engine = ScriptedEngine(loaded)
+    app = scripted_app(loaded, settings, engine)
+    async with serve(app, settings) as (base, url):
+        if wait_redis:
+            await wait_for(lambda: _ready(base))
+        yield base, url, engine, app
+
+
+async def _ready(base: str) -> bool:
+    async with httpx.AsyncClient() as client:
+        return (await client.get(base + "/ready")).status_code == 200
+
+
+async def chat(ws, rid: str, text: str) -> list[dict]:
+    """Send a chat and collect events to its end (done or error)."""
+    await ws.send(json.dumps({"type": "chat", "id": rid, "text": text}))
+    out = []
+    while True:
+        ev = await recv_json(ws)
+        out.append(ev)
+        if ev.get("id") == rid and ev["type"] in ("done", "error") and not ev.get("auto"):
+            return out

@@ -1,0 +1,451 @@
+"""Many nodes as one through a real redis-server (rtserver/web/cluster/): in-process nodes on the
+scripted engine, so these run in the default suite. The real-process, real-model tests (SIGKILL of a
+node over 50 sessions) are in tests/test_cluster_nodes.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import websockets
+
+from rtserver.config import ConfigError, settings_from_mapping
+
+from .clusterutil import chat, redis_server, scripted_node
+from .serverutil import hello, metric, recv_json, wait_for
+
+
+async def _status(base: str, path: str) -> tuple[int, dict]:
+    async with httpx.AsyncClient() as client:
+        r = await client.get(base + path)
+        return r.status_code, r.json()
+
+
+async def test_session_resumes_on_another_node_with_its_history(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a") as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b") as (_, url_b, engine_b, _),
+        ):
+            async with websockets.connect(url_a) as ws:
+                ready = await hello(ws, client="alice")
+                sid, token = ready["session_id"], ready["resume_token"]
+                replies = []
+                for i, text in enumerate(["my name is Zorblax", "I like turnips"]):
+                    events = await chat(ws, f"c{i}", text)
+                    assert events[-1]["type"] == "done", events
+                    replies.append(events[-1]["text"])
+            async with websockets.connect(url_b) as ws:
+                ready = await hello(ws, session_id=sid, resume_token=token)
+                assert ready["type"] == "ready" and ready["resumed"] is True, ready
+                assert ready["session_id"] == sid
+                assert [m["content"] for m in ready["history"]] == [
+                    "my name is Zorblax",
+                    replies[0],
+                    "I like turnips",
+                    replies[1],
+                ]
+                events = await chat(ws, "c2", "what is my name?")
+                assert events[-1]["type"] == "done", events
+                # node B's prompt was rendered from the stored history (its KV rebuilt from it)
+                prompt = smol.tokenizer.decode(engine_b.prompts[-1])
+                assert "Zorblax" in prompt and "turnips" in prompt and "what is my name?" in prompt
+            # and back on A: A's cached copy is stale (a turn happened on B), the record wins
+            async with websockets.connect(url_a) as ws:
+                ready = await hello(ws, session_id=sid, resume_token=token)
+                assert ready["resumed"] is True and len(ready["history"]) == 6, ready
+
+
+async def test_wrong_token_or_unknown_id_is_session_expired_on_every_node(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a") as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b") as (_, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as ws:
+                sid = (await hello(ws))["session_id"]
+            for session_id, token in ((sid, "not-the-token"), ("no-such-session", "x")):
+                async with websockets.connect(url_b) as ws:
+                    err = await hello(ws, session_id=session_id, resume_token=token)
+                    assert err["type"] == "error" and err["code"] == "session_expired", err
+                    fresh = await recv_json(ws)
+                    assert fresh["type"] == "ready" and fresh["resumed"] is False
+                    assert fresh["session_id"] != sid
+
+
+async def test_redis_unreachable_at_start_makes_ready_false_with_the_reason(smol, tmp_path):
+    from rtserver.tools.serverproc import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    async with scripted_node(smol, url, "a", wait_redis=False) as (base, ws_url, _, _):
+        code, body = await _status(base, "/ready")
+        assert code == 503 and body["ready"] is False
+        assert "Redis" in body["reason"] and "unreachable" in body["reason"], body
+        code, health = await _status(base, "/health")
+        assert health["cluster"]["redis"] == "down" and "reason" in health["cluster"], health
+        async with websockets.connect(ws_url) as ws:
+            err = await hello(ws)
+            assert err["type"] == "error" and err["code"] == "unavailable", err
+
+
+async def test_redis_lost_while_serving_typed_errors_then_recovers_by_itself(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a") as (base_a, url_a, engine_a, _),
+            scripted_node(smol, redis.url, "b") as (base_b, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as ws:
+                ready = await hello(ws)
+                sid, token = ready["session_id"], ready["resume_token"]
+                assert (await chat(ws, "c0", "first"))[-1]["type"] == "done"
+                # a reply running when Redis goes: it streams to the end, but is not acknowledged
+                engine_a.gate = asyncio.Event()
+                await ws.send(json.dumps({"type": "chat", "id": "c1", "text": "second"}))
+                await asyncio.sleep(0.1)
+                redis.stop()
+                engine_a.gate.set()
+                engine_a.gate = None
+                events = []
+                while not (
+                    events and events[-1].get("id") == "c1" and events[-1]["type"] in ("done", "error")
+                ):
+                    events.append(await recv_json(ws))
+                assert events[-1]["type"] == "error" and events[-1]["code"] == "unavailable", events
+                assert any(e["type"] == "token" for e in events)  # the reply itself ran to its end
+                # a new turn meanwhile: refused at once, typed
+                err = (await chat(ws, "c2", "third"))[-1]
+                assert err["type"] == "error" and err["code"] == "unavailable", err
+                # new sessions and resumes on the other node: typed errors, no crash
+                await wait_for(lambda: _not_ready(base_b))
+                async with websockets.connect(url_b) as ws2:
+                    err = await hello(ws2)
+                    assert err["code"] == "unavailable", err
+                async with websockets.connect(url_b) as ws2:
+                    err = await hello(ws2, session_id=sid, resume_token=token)
+                    assert err["code"] == "unavailable", err
+                redis.start()  # same port, same data folder (append-only file, fsync always)
+                await wait_for(lambda: _ready(base_a))
+                await wait_for(lambda: _ready(base_b))
+                assert (await chat(ws, "c3", "fourth"))[-1]["type"] == "done"
+            async with websockets.connect(url_b) as ws:
+                ready = await hello(ws, session_id=sid, resume_token=token)
+                assert ready["resumed"] is True, ready
+                # what was acknowledged is there; the unacknowledged turn is not
+                users = [m["content"] for m in ready["history"] if m["role"] == "user"]
+                assert users == ["first", "fourth"], ready["history"]
+
+
+async def _ready(base: str) -> bool:
+    return (await _status(base, "/ready"))[0] == 200
+
+
+async def _not_ready(base: str) -> bool:
+    return (await _status(base, "/ready"))[0] == 503
+
+
+async def test_per_ip_rate_limit_is_one_bucket_across_nodes(smol, tmp_path):
+    sec = {"ip_rate_limit_per_s": 0.5, "ip_rate_limit_burst": 6}
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=sec) as (base_a, url_a, _, _),
+            scripted_node(smol, redis.url, "b", security=sec) as (_, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as wa, websockets.connect(url_b) as wb:
+                outcomes = []
+                for i in range(8):  # alternating nodes: 8 pings against one bucket of 6
+                    ws = (wa, wb)[i % 2]
+                    await ws.send(json.dumps({"type": "ping", "data": i}))
+                    outcomes.append((await recv_json(ws))["type"])
+                assert outcomes[:6] == ["pong"] * 6, outcomes
+                assert outcomes[6:] == ["error", "error"], outcomes
+            async with httpx.AsyncClient() as client:  # the HTTP API draws on the same bucket
+                r = await client.get(base_a + "/v1/tasks")
+                assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
+
+
+async def test_sessions_per_ip_counted_across_nodes(smol, tmp_path):
+    sec = {"max_sessions_per_ip": 2}
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=sec) as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b", security=sec) as (_, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as w1, websockets.connect(url_b) as w2:
+                assert (await hello(w1))["type"] == "ready"
+                assert (await hello(w2))["type"] == "ready"
+                async with websockets.connect(url_b) as w3:
+                    err = await hello(w3)
+                    assert err["type"] == "error" and err["code"] == "too_many_sessions", err
+            # both disconnected: their slots are free again, on either node
+            async with websockets.connect(url_a) as w4:
+                assert (await hello(w4))["type"] == "ready"
+
+
+async def test_health_shows_the_cluster(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a") as (base_a, url_a, _, _),
+            scripted_node(smol, redis.url, "b", security={"console_token": "tok"}) as (_, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as w1, websockets.connect(url_b) as w2:
+                await hello(w1)
+                await hello(w2)
+                agent, snap = await _console_login(url_b, "Bob", "bob")
+                assert snap["type"] == "console_ready"
+
+                async def both_counted() -> dict | None:
+                    cluster = (await _status(base_a, "/health"))[1]["cluster"]
+                    counted = cluster["nodes_alive"] == 2 and cluster["sessions"] == 2
+                    return cluster if counted and cluster["console_agents"] == 1 else None
+
+                cluster = await wait_for(both_counted)
+                assert {n["node_id"] for n in cluster["nodes"]} == {"a", "b"}
+                assert cluster["redis"] == "up" and cluster["node_id"] == "a"
+
+                async def metrics_counted() -> bool:
+                    return await metric(base_a, "rtserver_cluster_sessions") == 2
+
+                await wait_for(metrics_counted)
+                assert await metric(base_a, "rtserver_cluster_nodes_alive") == 2
+                assert await metric(base_a, "rtserver_cluster_redis_up") == 1
+                assert await metric(base_a, "rtserver_cluster_session_writes_total") >= 1
+                assert await metric(base_a, "rtserver_cluster_console_agents") == 1
+                await agent.close()
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"redis_url": "http://x"}, "not a redis://"),
+        ({"key_prefix": "a b"}, "key_prefix"),
+        ({"node_id": "a b"}, "node_id"),
+        ({"heartbeat_s": 0}, "allowed range"),
+    ],
+)
+def test_cluster_settings_are_checked(table, message):
+    with pytest.raises(ConfigError, match=message):
+        settings_from_mapping({"cluster": table}, env={})
+
+
+CONSOLE = {"console_token": "tok"}
+
+
+async def _console_login(url: str, name: str, agent_id: str):
+    ws = await websockets.connect(url + "/console")
+    await ws.send(json.dumps({"type": "login", "token": "tok", "agent": name, "agent_id": agent_id}))
+    return ws, await recv_json(ws)
+
+
+async def _until(ws, pred) -> list[dict]:
+    out = []
+    while True:
+        ev = await recv_json(ws)
+        out.append(ev)
+        if pred(ev):
+            return out
+
+
+async def test_console_agent_on_b_sees_takes_over_and_writes_to_a_customer_on_a(smol, tmp_path):
+    ids = smol.tokenizer.encode(" one two three", add_special_tokens=False)
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=CONSOLE) as (_, url_a, engine_a, _),
+            scripted_node(smol, redis.url, "b", security=CONSOLE) as (_, url_b, _, _),
+        ):
+            engine_a.script, engine_a.delay = ids, 0.01
+            async with websockets.connect(url_a) as cust:
+                ready = await hello(cust, client="Dana")
+                sid, token = ready["session_id"], ready["resume_token"]
+                assert (await chat(cust, "c0", "hello there"))[-1]["type"] == "done"
+                await asyncio.sleep(0.3)  # the conversation record is written in the background
+                # an agent on B logs in: the snapshot (from Redis) has the customer on A
+                agent, snap = await _console_login(url_b, "Bob", "bob")
+                assert snap["type"] == "console_ready", snap
+                convs = {c["session_id"]: c for c in snap["conversations"]}
+                assert sid in convs and convs[sid]["customer"] == "Dana" and convs[sid]["connected"]
+                assert [m["role"] for m in convs[sid]["messages"]] == ["user", "bot"]
+                # live: the customer's next message, the tokens, the reply and the mood reach B
+                await cust.send(json.dumps({"type": "chat", "id": "c1", "text": "this is great"}))
+                seen = await _until(agent, lambda e: e["type"] == "message" and e["message"]["role"] == "bot")
+                assert any(e["type"] == "message" and e["message"]["text"] == "this is great" for e in seen)
+                assert "".join(e["text"] for e in seen if e["type"] == "token") == " one two three"
+                if not any(e["type"] == "tag" for e in seen):
+                    seen += await _until(agent, lambda e: e["type"] == "tag")
+                tag = [e for e in seen if e["type"] == "tag"][-1]
+                assert tag["session_id"] == sid and tag["mood"]["n"] >= 1, tag
+                await _until(cust, lambda e: e.get("id") == "c1" and e["type"] == "done")
+                # two agents race to take over (Bob on B, Carol on A): exactly one wins
+                carol, _ = await _console_login(url_a, "Carol", "carol")
+                await asyncio.gather(
+                    agent.send(json.dumps({"type": "take_over", "session_id": sid})),
+                    carol.send(json.dumps({"type": "take_over", "session_id": sid})),
+                )
+                outcomes = []
+                for ws in (agent, carol):
+                    evs = await _until(
+                        ws,
+                        lambda e: (
+                            (e["type"] == "error" and e["code"] == "already_taken")
+                            or (e["type"] == "conversation" and e["conversation"]["agent"] is not None)
+                        ),
+                    )
+                    outcomes.append(evs[-1])
+                winners = [o for o in outcomes if o["type"] == "conversation"]
+                losers = [o for o in outcomes if o["type"] == "error"]
+                assert len(losers) == 1 and len(winners) == 1, outcomes
+                winner_name = losers[0]["agent"]["name"]
+                winner_ws = agent if winner_name == "Bob" else carol
+                handover = await _until(cust, lambda e: e["type"] == "handover")
+                assert handover[-1] == {"type": "handover", "to": "agent", "agent": winner_name}
+                # the agent writes; the customer on A receives it
+                await winner_ws.send(
+                    json.dumps({"type": "agent_message", "session_id": sid, "text": "Hi, I'm here"})
+                )
+                got = await _until(cust, lambda e: e["type"] == "agent_message")
+                assert got[-1]["text"] == "Hi, I'm here" and got[-1]["agent"] == winner_name
+                # the customer's message now goes to the agent, not the bot
+                await cust.send(json.dumps({"type": "chat", "id": "c2", "text": "thanks"}))
+                assert (await _until(cust, lambda e: e.get("id") == "c2"))[-1]["type"] == "forwarded"
+                fwd = await _until(
+                    winner_ws, lambda e: e["type"] == "message" and e["message"]["role"] == "user"
+                )
+                assert fwd[-1]["message"]["text"] == "thanks" and fwd[-1]["message"]["to_agent"]
+                await winner_ws.send(json.dumps({"type": "hand_back", "session_id": sid}))
+                back = await _until(cust, lambda e: e["type"] == "handover")
+                assert back[-1]["to"] == "bot"
+                await agent.close()
+                await carol.close()
+            # the agent's message and the forwarded one are in the stored session, on any node
+            async with websockets.connect(url_b) as cust:
+                ready = await hello(cust, session_id=sid, resume_token=token)
+                contents = [m["content"] for m in ready["history"]]
+                assert "Hi, I'm here" in contents and "thanks" in contents, ready["history"]
+
+
+async def test_resume_on_another_node_closes_the_old_connection(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a") as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b") as (base_b, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as old:
+                ready = await hello(old)
+                async with websockets.connect(url_b) as new:
+                    again = await hello(
+                        new, session_id=ready["session_id"], resume_token=ready["resume_token"]
+                    )
+                    assert again["resumed"] is True
+                    err = await recv_json(old)
+                    assert err["type"] == "error" and err["code"] == "session_taken_over", err
+                    with pytest.raises(websockets.ConnectionClosed) as info:
+                        await asyncio.wait_for(old.recv(), 30)
+                    assert info.value.rcvd.code == 4409
+                    assert (await chat(new, "c0", "still here"))[-1]["type"] == "done"
+
+
+async def test_an_unreadable_record_in_redis_is_an_expired_session_not_a_crash(smol, tmp_path):
+    import redis.asyncio as aioredis
+
+    with redis_server(tmp_path) as redis:
+        async with scripted_node(smol, redis.url, "a") as (_, url_a, _, _):
+            async with websockets.connect(url_a) as ws:
+                ready = await hello(ws)
+            client = aioredis.Redis.from_url(redis.url)
+            try:
+                for bad in (b"not json", b'{"v": 1, "id": 5}', b'{"v": 1, "history": "x"}', b"[]"):
+                    await client.set(f"rtserver:session:{ready['session_id']}", bad)
+                    async with websockets.connect(url_a) as ws:
+                        err = await hello(
+                            ws, session_id=ready["session_id"], resume_token=ready["resume_token"]
+                        )
+                        assert err["code"] == "session_expired", (bad, err)
+                        assert (await recv_json(ws))["type"] == "ready"
+            finally:
+                await client.aclose()
+
+
+async def test_agent_gone_from_b_hands_back_a_customer_on_a_after_the_grace(smol, tmp_path):
+    sections = {"security": CONSOLE, "sessions": {"console_takeover_grace_s": 0.5}}
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", **sections) as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b", **sections) as (_, url_b, _, _),
+        ):
+            async with websockets.connect(url_a) as cust:
+                sid = (await hello(cust, client="Dana"))["session_id"]
+                await asyncio.sleep(0.3)  # the conversation record is written in the background
+                agent, _ = await _console_login(url_b, "Bob", "bob")
+                await agent.send(json.dumps({"type": "take_over", "session_id": sid}))
+                assert (await _until(cust, lambda e: e["type"] == "handover"))[-1]["to"] == "agent"
+                await agent.close()  # Bob's console goes away and does not come back
+                back = await _until(cust, lambda e: e["type"] == "handover")
+                assert back[-1]["to"] == "bot", back
+                # the take-over was released in Redis: another agent, on A, may take it now
+                carol, _ = await _console_login(url_a, "Carol", "carol")
+                await carol.send(json.dumps({"type": "take_over", "session_id": sid}))
+                got = await _until(
+                    carol,
+                    lambda e: (
+                        e["type"] == "error" or (e["type"] == "conversation" and e["conversation"]["agent"])
+                    ),
+                )
+                assert (
+                    got[-1]["type"] == "conversation" and got[-1]["conversation"]["agent"]["name"] == "Carol"
+                )
+                await carol.close()
+
+
+async def test_console_resyncs_its_agents_after_redis_comes_back(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=CONSOLE) as (base_a, url_a, _, _),
+            scripted_node(smol, redis.url, "b", security=CONSOLE) as (base_b, url_b, _, _),
+        ):
+            agent, _ = await _console_login(url_b, "Bob", "bob")
+            redis.stop()
+            await wait_for(lambda: _not_ready(base_b))
+            await agent.send(json.dumps({"type": "take_over", "session_id": "any"}))
+            err = await _until(agent, lambda e: e["type"] == "error")
+            assert err[-1]["code"] == "unavailable", err
+            redis.start()
+            await wait_for(lambda: _ready(base_a))
+            # events may have been missed meanwhile: the agent gets a fresh snapshot
+            snap = await _until(agent, lambda e: e["type"] == "console_ready")
+            assert snap[-1]["agent"]["name"] == "Bob"
+            # and live events flow again from the other node
+            async with websockets.connect(url_a) as cust:
+                sid = (await hello(cust, client="Dana"))["session_id"]
+                ev = await _until(
+                    agent, lambda e: e["type"] == "conversation" and e["conversation"]["session_id"] == sid
+                )
+                assert ev[-1]["conversation"]["customer"] == "Dana"
+            await agent.close()
+
+
+async def test_a_stale_copy_cannot_overwrite_a_newer_record(tmp_path):
+    """Two nodes holding the same session: the write of the one whose copy is stale is refused
+    (`session_taken_over`), so what the other stored and acknowledged stays."""
+    from rtserver.config import Settings
+    from rtserver.web.cluster import Cluster
+    from rtserver.web.cluster.store import SessionConflict, SessionRecord, SessionStore
+
+    with redis_server(tmp_path) as redis:
+        settings = Settings()
+        settings.cluster.redis_url = redis.url
+        cluster = Cluster(settings)
+        try:
+            assert await cluster.check()
+            store = SessionStore(cluster, 60)
+            base = {"id": "s1", "token_sha256": "x" * 64}
+            await store.save(SessionRecord(**base, version=1, history=[]))
+            newer = [{"role": "user", "content": "on B"}, {"role": "assistant", "content": "ok"}]
+            await store.save(SessionRecord(**base, version=2, history=newer))  # node B
+            with pytest.raises(SessionConflict) as info:  # node A, still at version 1
+                await store.save(SessionRecord(**base, version=2, history=[]))
+            assert info.value.code == "session_taken_over"
+            stored = await store.load("s1")
+            assert stored is not None and stored.version == 2 and stored.history == newer
+        finally:
+            await cluster.stop()

@@ -29,6 +29,18 @@ log = logging.getLogger("rtserver.cluster")
 T = TypeVar("T")
 
 
+async def stop_task(task: asyncio.Task, timeout_s: float = 5.0) -> None:
+    """Cancel a background task and wait for it to end; cancel again while it goes on, for at most
+    `timeout_s`. A cancellation that lands inside a Redis call can come out of it as a connection error,
+    which a loop that outlives Redis outages catches and carries on from: one cancel is not enough."""
+    deadline = time.monotonic() + timeout_s
+    while not task.done() and time.monotonic() < deadline:
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.done():
+        log.warning("a cluster task did not stop within %.0f s", timeout_s)
+
+
 class ClusterUnavailable(Exception):
     """Redis cannot be reached (or answered an error): the request gets `unavailable`."""
 
@@ -143,11 +155,7 @@ class Cluster:
 
     async def stop(self) -> None:
         if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
+            await stop_task(self._loop_task)
             self._loop_task = None
         try:
             await self.redis.aclose()

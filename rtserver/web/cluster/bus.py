@@ -26,7 +26,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from . import Cluster, ClusterUnavailable
+from . import Cluster, ClusterUnavailable, stop_task
 
 log = logging.getLogger("rtserver.cluster")
 
@@ -211,9 +211,7 @@ class ConsoleBus:
     async def stop(self) -> None:
         for task in [self._task, self._publisher, *self._writes]:
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                await stop_task(task)
         self._task = self._publisher = None
 
     async def _listen_forever(self) -> None:

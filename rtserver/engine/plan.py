@@ -26,5 +26,5 @@ class StepItem:
     # `pool_from` on; the runner leaves the pooled sum (and, with logits, the last row's final hidden
     # state) here for the scheduler to add to the sequence once the step succeeded.
     pool_from: int | None = None
-    pooled: tuple[Any, int] | None = None  # (sum over rows [hidden] float32 tensor, rows)
-    last_hidden: Any = None  # [hidden] float32 tensor
+    pooled: tuple[list[Any], int] | None = None  # ([sum over rows per pool layer], rows): float32
+    last_hidden: list[Any] | None = None  # the final hidden state, then per last layer: float32

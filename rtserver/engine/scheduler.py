@@ -279,15 +279,17 @@ class Scheduler:
                 seq.usage.prefilled_tokens += len(it.tokens)
                 self.kv.register_prefix(it.kv)  # later prompts that start the same way share it
             if it.pooled is not None:
-                total, rows = it.pooled
+                sums, rows = it.pooled
+                total = torch.cat(sums)
                 seq.pooled_sum = total if seq.pooled_sum is None else seq.pooled_sum + total
                 seq.pooled_rows += rows
             if lg is None:
                 continue
             if seq.candidates is not None:
-                if it.last_hidden is not None:
-                    mean = seq.pooled_sum / max(seq.pooled_rows, 1)
-                    seq.features = it.last_hidden.tolist() + mean.tolist()
+                if it.last_hidden is not None and seq.pooled_sum is not None:
+                    # the final hidden state, the pool layers' means, the last layers' last token
+                    mean = seq.pooled_sum / seq.pooled_rows
+                    seq.features = torch.cat([it.last_hidden[0], mean, *it.last_hidden[1:]]).tolist()
                 scoring.append((seq, lg[-1]))
                 continue
             seq.phase = Phase.DECODE

@@ -19,7 +19,7 @@ Options in `[task.sentiment]`: `mode` ("score" | "generate"), `neutral` (bool), 
 import re
 from pathlib import Path
 
-from rtserver.tasks import Choices, LearnedHead, Task, has_cjk
+from rtserver.tasks import Choices, LearnedHead, Task, Variant, has_cjk
 
 NAME = "sentiment"
 # Chosen on the dev splits (docs/sentiment-research.md): an English few-shot completion prompt works for
@@ -34,6 +34,7 @@ PROMPT = (
 WORDS = {"positive": " Positive", "negative": " Negative", "neutral": " Neutral"}  # one token each
 CALIBRATION = ["N/A"]
 EXAMPLES = Path(__file__).with_name("sentiment.examples.jsonl")
+HEAD_L2 = 1.0  # chosen on the dev splits (docs/sentiment-research.md)
 GENERATIVE_PROMPT = (
     "Classify the sentiment of this message. Answer with exactly one word: {labels}.\nMessage: {{text}}"
 )
@@ -78,7 +79,10 @@ def make_task(options: dict) -> Task:
         max_input_tokens=256,
         truncate="head",
         choices=Choices({out[k]: WORDS[k] for k in keys}, calibration=CALIBRATION),
-        head=LearnedHead(EXAMPLES, labels=out) if head and not neutral else None,
+        # The same prompt for Chinese text, as a variant of its own: it gets its own head (fitted on the
+        # Chinese examples); label scoring is the same either way.
+        variants=[Variant(when=has_cjk, prompt=PROMPT)],
+        head=LearnedHead(EXAMPLES, labels=out, l2=HEAD_L2) if head and not neutral else None,
         cache_size=4096,
         cache_ttl_s=600,
     )

@@ -148,7 +148,7 @@ async def test_head_end_to_end_on_the_engine_with_cached_features(smol, tmp_path
         assert isinstance(counting, FeatureScorer)
         task = PromptTask(sentiment_task(spec), smol.tokenizer)
         assert await task.prepare(counting, tmp_path / "cache", "local") is None
-        assert list(task.heads) == [(PROMPT, False)] and counting.feature_calls == len(EXAMPLES)
+        assert list(task.heads) == [-1] and counting.feature_calls == len(EXAMPLES)
         assert len(list((tmp_path / "cache").glob("*.npy"))) == 1
         again = PromptTask(sentiment_task(spec), smol.tokenizer)
         await again.prepare(counting, tmp_path / "cache", "local")

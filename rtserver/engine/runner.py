@@ -272,8 +272,10 @@ class ModelRunner:
         # The layers whose outputs a learned head reads (its features: see backend.FeatureScorer): the
         # mean over the message at `pool_layers`, the prompt's last token at `last_layers` (both before
         # the last layer's row cut), after the final hidden state.
+        # Chosen on the sentiment dev splits (docs/sentiment-research.md): the middle layer's mean and
+        # an early layer's (a sixth of the way up) last token, beside the final hidden state.
         self.pool_layers: tuple[int, ...] = (max(0, len(self.layers) // 2 - 1),)
-        self.last_layers: tuple[int, ...] = ()
+        self.last_layers: tuple[int, ...] = (len(self.layers) // 6,)
         # RoPE tables from the model's own rotary module, so scaling variants come out identical.
         max_positions = min(max_positions, getattr(cfg, "max_position_embeddings", max_positions))
         self.max_positions = max_positions

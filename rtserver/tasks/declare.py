@@ -61,8 +61,9 @@ class LearnedHead:
     """Labeled examples a scoring task ships (a JSONL file of `{"text": ..., "label": ...}` next to the
     plugin): at start-up rtserver computes each example's hidden-state features through the task's own
     prompt and fits a logistic regression on them (plus the calibrated label scores); calls then take
-    the head's answer from the same forward pass as label scoring — no extra tokens. Fitted per prompt
-    (the task's and each variant's, on the examples that select it). Needs a backend with hidden states
+    the head's answer from the same forward pass as label scoring — no extra tokens. One head per
+    variant (and one for the task's own prompt), fitted on the examples that select it: a variant with
+    the task's very prompt gives e.g. Chinese input a head of its own. Needs a backend with hidden states
     (the local engine); on another the task falls back to label scoring, with a warning naming both.
     Without a `head` a task scores labels exactly as before."""
 
@@ -255,16 +256,24 @@ class Task:
             raise TaskError("bad_decoding", f"{self.name}: {exc}") from None
         return params
 
+    def variant_of(self, text: str) -> int:
+        """Which variant this input selects: its index, or -1 for the task's own prompt."""
+        for i, v in enumerate(self.variants):
+            if v.when(text):
+                return i
+        return -1
+
     def select(self, text: str) -> tuple[str, Choices | None, bool]:
         """(prompt template, choices, use chat template) for this input."""
-        for v in self.variants:
-            if v.when(text):
-                return (
-                    v.prompt,
-                    v.choices if v.choices is not None else self.choices,
-                    self.chat_template if v.chat_template is None else v.chat_template,
-                )
-        return self.prompt, self.choices, self.chat_template
+        i = self.variant_of(text)
+        if i < 0:
+            return self.prompt, self.choices, self.chat_template
+        v = self.variants[i]
+        return (
+            v.prompt,
+            v.choices if v.choices is not None else self.choices,
+            self.chat_template if v.chat_template is None else v.chat_template,
+        )
 
 
 def _check_choices(choices: Any, where: str) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 log = logging.getLogger("rtserver.tasks")
 
-FEATURES_VERSION = 1  # bump when what score_features returns changes
+FEATURES_VERSION = 2  # bump when what score_features returns changes
 
 
 def load_examples(path: Path, label_map: dict[str, str], labels: list[str]) -> list[tuple[str, str]]:

@@ -42,7 +42,7 @@ class PromptTask:
         )
         self.cache_hits = 0
         self.cache_misses = 0
-        self.heads: dict[tuple[str, bool], LogisticHead] = {}  # (template, chat) -> its fitted head
+        self.heads: dict[int, LogisticHead] = {}  # variant index (-1: the task's prompt) -> fitted head
         self.head_note: str | None = None  # why a declared head is not used (None: used, or none)
 
     # -- prompts ------------------------------------------------------------------------------
@@ -130,7 +130,8 @@ class PromptTask:
         started = time.perf_counter()
         prompt, choices, template, chat = self._render(text)
         if choices is not None:
-            output = await self._score(backend, prompt, choices, template, chat)
+            head = self.heads.get(self.task.variant_of(text)) if self.heads else None
+            output = await self._score(backend, prompt, choices, template, chat, head)
             out = TaskOutput(
                 self.task.name,
                 output,
@@ -164,10 +165,15 @@ class PromptTask:
         return out
 
     async def _score(
-        self, backend: InferenceBackend, prompt: list[int], choices: Choices, template: str, chat: bool
+        self,
+        backend: InferenceBackend,
+        prompt: list[int],
+        choices: Choices,
+        template: str,
+        chat: bool,
+        head: LogisticHead | None = None,
     ) -> dict:
         labels = list(choices.labels)
-        head = self.heads.get((template, chat))
         if head is not None and isinstance(backend, FeatureScorer):
             row = await self._feature_row(backend, prompt, choices, template, chat)
             p = head.predict_proba(self._head_input(row, len(labels)))[0]
@@ -262,14 +268,14 @@ class PromptTask:
             )
             log.warning("%s", self.head_note)
             return self.head_note
-        groups: dict[tuple[str, bool], tuple[Choices, list[tuple[str, str]]]] = {}
+        groups: dict[int, list[tuple[str, str]]] = {}
         raw = load_examples(Path(spec.examples), spec.labels, list(self.task.choices.labels))
         for text, label in raw:
             clean = self.task.clean_text(text)
-            template, choices, chat = self.task.select(clean)
+            groups.setdefault(self.task.variant_of(clean), []).append((clean, label))
+        for index, rows in sorted(groups.items()):
+            template, choices, chat = self.task.select(rows[0][0])
             assert choices is not None
-            groups.setdefault((template, chat), (choices, []))[1].append((clean, label))
-        for (template, chat), (choices, rows) in groups.items():
             labels = [name for name in choices.labels if any(label == name for _, label in rows)]
             if len(rows) < spec.min_examples or len(labels) < 2:
                 log.warning(
@@ -286,7 +292,7 @@ class PromptTask:
             head = LogisticHead(labels, spec.l2).fit(
                 self._head_input(x, len(choices.labels)), [y for _, y in rows]
             )
-            self.heads[(template, chat)] = head
+            self.heads[index] = head
             log.info(
                 "%s: learned head fitted on %d examples in %.1f s (prompt %r)",
                 self.task.name,

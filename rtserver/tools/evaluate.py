@@ -106,6 +106,20 @@ def other_wordings() -> list[Task]:
     ]
 
 
+def previous_intent() -> Task:
+    """The intent task as shipped before its verbalizers were chosen on dev (the comparison row)."""
+    names = ("billing", "technical", "shipping", "account", "other")
+    return Task(
+        name="intent-before",
+        description="intent, the label names scored",
+        prompt=f"Customer support categories: {', '.join(names)}.\nMessage: {{text}}\nCategory:",
+        chat_template=False,
+        max_input_tokens=256,
+        truncate="head",
+        choices=Choices({n: " " + n for n in names}, calibration=["N/A"]),
+    )
+
+
 def _registry_task(settings: Settings, tokenizer: Any, name: str, overrides: dict) -> PromptTask:
     table = {**settings.task.get(name, {}), **overrides, "cache_size": 0}
     s = dataclasses.replace(
@@ -166,6 +180,9 @@ def configurations(settings: Settings, tokenizer: Any, tasks: tuple[str, ...] = 
         choices = task.task.choices
         ident = {k: k for k in (choices.labels if choices is not None else {})}
         out.append(Config("intent", "shipped (score)", task, ident))
+        out.append(
+            Config("intent", "before: label names scored", PromptTask(previous_intent(), tokenizer), ident)
+        )
     return out
 
 

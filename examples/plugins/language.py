@@ -1,7 +1,9 @@
 """Example plugin: which language is a message written in? Put this file in a plugin folder
 (`[tasks] plugin_dirs = ["plugins", "examples/plugins"]`) and call the task `language`."""
 
-from rtserver.tasks import Choices, Task
+from pathlib import Path
+
+from rtserver.tasks import Choices, LearnedHead, Task
 
 LANGUAGES = {
     "english": " English",
@@ -24,6 +26,8 @@ TASK = Task(
     max_input_tokens=128,
     truncate="head",  # a longer message keeps its start
     choices=Choices(LANGUAGES, calibration=["N/A"]),  # one forward pass, always a valid label
-    cache_size=1024,  # LRU + TTL result cache
-    cache_ttl_s=600,
+    # Optional: labeled examples next to this file; a classifier fitted on the model's hidden states at
+    # start-up answers from the same forward pass (without it: the label scores above).
+    head=LearnedHead(Path(__file__).with_name("language.examples.jsonl")),
+    cache_size=1024,  # LRU + TTL result cache (cache_ttl_s: 600 s by default)
 )

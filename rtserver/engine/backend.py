@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 class Tokenizer(Protocol):
@@ -110,6 +110,7 @@ class SequenceResult:
     error: str | None = None
     error_code: str | None = None  # a stable client-facing code for the error (None: "internal")
     scores: list[float] | None = None
+    features: list[float] | None = None  # hidden-state features of a scoring prompt (score_features)
 
 
 @dataclass
@@ -164,4 +165,21 @@ class InferenceBackend(Protocol):
     @property
     def available(self) -> bool:
         """Whether requests can be served now (a remote one: some server is up)."""
+        ...
+
+
+@runtime_checkable
+class FeatureScorer(Protocol):
+    """A backend that can also return hidden-state features from the scoring forward (the local engine;
+    OpenAI-compatible servers expose no hidden states). A task's learned head needs one."""
+
+    feature_model_id: str  # what the features depend on (model, dtype, weight storage): a cache key
+
+    async def score_features(
+        self, prompt_ids: list[int], candidates: list[list[int]], *, features_from: int
+    ) -> tuple[list[float], list[float]]:
+        """`score(..., normalize=False)` and, from the same forward, a feature vector: the final hidden
+        state at the prompt's last token, the mid layer's hidden states averaged over positions
+        `features_from`.. of the prompt (the part after a task's fixed prefix), and an early layer's
+        hidden state at the last token. Zero extra tokens."""
         ...

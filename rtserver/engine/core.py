@@ -172,6 +172,32 @@ class Engine:
         out): differences between candidates, and a softmax across them, are unchanged, and the model
         computes only the logits of the candidates' first tokens instead of the whole vocabulary.
         """
+        result = await self._score(prompt_ids, candidates, normalize, None)
+        assert result.scores is not None
+        return result.scores
+
+    async def score_features(
+        self, prompt_ids: list[int], candidates: list[list[int]], *, features_from: int
+    ) -> tuple[list[float], list[float]]:
+        """`score(normalize=False)` plus the prompt's hidden-state features from the same forward (see
+        `backend.FeatureScorer`). Positions from `features_from` on are always computed (the prefix
+        cache serves at most the positions before it), so the features do not depend on what else is
+        cached."""
+        if not 0 <= features_from < len(prompt_ids):
+            raise ValueError(f"features_from = {features_from}: the prompt has {len(prompt_ids)} tokens")
+        result = await self._score(prompt_ids, candidates, False, features_from)
+        if result.scores is None or result.features is None:
+            raise RuntimeError("scoring returned no features")
+        return result.scores, result.features
+
+    @property
+    def feature_model_id(self) -> str:
+        loaded = self.loaded
+        return f"{loaded.name}|{loaded.dtype}|{loaded.weight_storage}"
+
+    async def _score(
+        self, prompt_ids: list[int], candidates: list[list[int]], normalize: bool, features_from: int | None
+    ) -> SequenceResult:
         if not candidates or any(not c for c in candidates):
             raise ValueError("candidates must be non-empty token lists")
         seq = Sequence(
@@ -183,6 +209,7 @@ class Engine:
         )
         if not normalize:
             seq.score_columns = sorted({c[0] for c in candidates})
+        seq.features_from = features_from
         future = asyncio.get_running_loop().create_future()
 
         def sink(kind: str, payload: Any) -> None:
@@ -198,7 +225,7 @@ class Engine:
         result: SequenceResult = await future
         if result.finish_reason is FinishReason.ERROR or result.scores is None:
             raise RuntimeError(result.error or "scoring failed")
-        return result.scores
+        return result
 
     def drop_session(self, session_key: Hashable) -> None:
         """Free a session's cached KV (session closed or expired)."""

@@ -196,7 +196,7 @@ class KVCacheManager:
                 del self._children[(parent, tokens[0])]
         self._drop_blocks([block])
 
-    def _match_prefix(self, prompt_ids: list[int]) -> KVHandle:
+    def _match_prefix(self, prompt_ids: list[int], max_reuse: int | None = None) -> KVHandle:
         """A handle sharing the longest run of cached KV that starts the prompt: whole cached blocks,
         then the leading part of a cached block the prompt leaves part-way (its tokens up to there have
         the same KV whatever follows them; the handle gets its own copy of that block before writing)."""
@@ -204,6 +204,8 @@ class KVCacheManager:
         parent = 0
         bs = self.block_tokens
         limit = len(prompt_ids) - 1  # leave at least one token to compute
+        if max_reuse is not None:
+            limit = min(limit, max_reuse)
         for k in range(limit // bs):
             tokens = tuple(prompt_ids[k * bs : (k + 1) * bs])
             key = self._chain(parent, tokens)
@@ -252,9 +254,15 @@ class KVCacheManager:
 
     # -- sequences ------------------------------------------------------------------------------
     def acquire(
-        self, prompt_ids: list[int], capacity_tokens: int, session_key: Hashable | None = None
+        self,
+        prompt_ids: list[int],
+        capacity_tokens: int,
+        session_key: Hashable | None = None,
+        max_reuse: int | None = None,
     ) -> tuple[KVHandle, int]:
         """A handle with room for capacity_tokens, reusing cached KV; returns (handle, reused tokens).
+        `max_reuse` caps the prefix-cache reuse (positions from there on are computed, e.g. to pool their
+        hidden states).
 
         Raises OutOfKVMemory (leaving a session's cache in place) when the pool cannot hold it.
         At least one prompt token is always left to compute, since its logits are needed.
@@ -286,7 +294,7 @@ class KVCacheManager:
                 if handle is not None:
                     self._drop_blocks(handle.blocks)
                     from_session = False
-                handle = self._match_prefix(prompt_ids)
+                handle = self._match_prefix(prompt_ids, max_reuse)
                 self.prefix_hits += handle.num_tokens
             if need - len(handle.blocks) > self.reclaimable_blocks():
                 if from_session:

@@ -269,6 +269,13 @@ class ModelRunner:
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.inter = self.layers[0].gate_up.out_features // 2
+        # The layers whose outputs a learned head reads (its features: see backend.FeatureScorer): the
+        # mean over the message at `pool_layers`, the prompt's last token at `last_layers` (both before
+        # the last layer's row cut), after the final hidden state.
+        # Chosen on the sentiment dev splits (docs/sentiment-research.md): the middle layer's mean and
+        # an early layer's (a sixth of the way up) last token, beside the final hidden state.
+        self.pool_layers: tuple[int, ...] = (max(0, len(self.layers) // 2 - 1),)
+        self.last_layers: tuple[int, ...] = (len(self.layers) // 6,)
         # RoPE tables from the model's own rotary module, so scaling variants come out identical.
         max_positions = min(max_positions, getattr(cfg, "max_position_embeddings", max_positions))
         self.max_positions = max_positions
@@ -402,6 +409,19 @@ class ModelRunner:
                 spans.append(None)
         wanted = torch.tensor(wanted_rows, dtype=torch.long)
         last = len(self.layers) - 1
+        # Items that pool hidden states (a learned head's features): their rows at positions from
+        # pool_from on, summed after the mid layer.
+        pooling: list[tuple[list[torch.Tensor], int, int]] = []
+        lasts: list[tuple[list[torch.Tensor], int]] = []
+        for i, it in enumerate(items):
+            if it.pool_from is not None:
+                skip = max(0, it.pool_from - it.start)
+                if skip < len(it.tokens):
+                    it.pooled = ([], len(it.tokens) - skip)
+                    pooling.append((it.pooled[0], row_offsets[i] + skip, row_offsets[i] + len(it.tokens)))
+                if it.logits == "last":
+                    it.last_hidden = []
+                    lasts.append((it.last_hidden, row_offsets[i] + len(it.tokens) - 1))
 
         x = self.embed[ids]
         k_pool, v_pool = self.kv.k, self.kv.v
@@ -442,11 +462,21 @@ class ModelRunner:
             h = self._rms(x, L.ln2)
             gu = L.gate_up(h)
             x = x + L.down(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+            if li in self.pool_layers:
+                for sums, a, b in pooling:
+                    sums.append(x[a:b].float().sum(0))
+            if li in self.last_layers:
+                for states, r in lasts:
+                    states.append(x[r].float())
 
         # Logits only where someone needs them, and only the columns asked for.
         hs = self._rms(x, self.norm)
         out: list[torch.Tensor | None] = [None] * len(items)
         asked = {i: span for i, span in enumerate(spans) if span is not None}
+        for i, span in asked.items():
+            item_states = items[i].last_hidden
+            if item_states is not None:
+                item_states.insert(0, hs[span[0] + span[1] - 1].float())
         full = [i for i in asked if items[i].columns is None]
         if full:
             rows = [r for i in full for r in range(asked[i][0], asked[i][0] + asked[i][1])]

@@ -163,7 +163,9 @@ class Scheduler:
                     self._finish(seq, FinishReason.CANCELLED, events)
                     continue
                 try:
-                    seq.kv, reused = self.kv.acquire(seq.prompt_ids, seq.capacity_tokens, seq.session_key)
+                    seq.kv, reused = self.kv.acquire(
+                        seq.prompt_ids, seq.capacity_tokens, seq.session_key, seq.features_from
+                    )
                 except OutOfKVMemory:
                     break  # wait for running sequences to finish and free blocks
                 self.waiting.popleft()
@@ -207,6 +209,7 @@ class Scheduler:
                     tokens,
                     "last" if done else "none",
                     seq.score_columns if done else None,
+                    pool_from=seq.features_from,
                 )
             )
         return items
@@ -275,9 +278,18 @@ class Scheduler:
                 self.tokens_prefilled += len(it.tokens)
                 seq.usage.prefilled_tokens += len(it.tokens)
                 self.kv.register_prefix(it.kv)  # later prompts that start the same way share it
+            if it.pooled is not None:
+                sums, rows = it.pooled
+                total = torch.cat(sums)
+                seq.pooled_sum = total if seq.pooled_sum is None else seq.pooled_sum + total
+                seq.pooled_rows += rows
             if lg is None:
                 continue
             if seq.candidates is not None:
+                if it.last_hidden is not None and seq.pooled_sum is not None:
+                    # the final hidden state, the pool layers' means, the last layers' last token
+                    mean = seq.pooled_sum / seq.pooled_rows
+                    seq.features = torch.cat([it.last_hidden[0], mean, *it.last_hidden[1:]]).tolist()
                 scoring.append((seq, lg[-1]))
                 continue
             seq.phase = Phase.DECODE

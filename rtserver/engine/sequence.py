@@ -51,6 +51,12 @@ class Sequence:
         # Label scoring that only needs scores up to a constant shared by all candidates: the logits of
         # these token ids (the candidates' first tokens) instead of a log-softmax over the vocabulary.
         self.score_columns: list[int] | None = None
+        # Hidden-state features of a scoring prompt (a learned head's input): the final hidden state at
+        # the prompt's last token and the mid layer's mean over positions from `features_from` on.
+        self.features_from: int | None = None
+        self.pooled_sum: Any = None
+        self.pooled_rows = 0
+        self.features: list[float] | None = None
         self.phase = Phase.WAITING
         self.kv: KVHandle | None = None
         self.num_computed = 0  # prompt/output positions whose KV is in the cache
@@ -165,4 +171,5 @@ class Sequence:
             total_ms=(end - start) * 1000,
             error=self.error,
             scores=self.scores,
+            features=self.features,
         )

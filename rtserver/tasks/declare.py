@@ -17,6 +17,7 @@ import re
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..engine.backend import SamplingError, SamplingParams
@@ -56,6 +57,24 @@ class Choices:
 
 
 @dataclass
+class LearnedHead:
+    """Labeled examples a scoring task ships (a JSONL file of `{"text": ..., "label": ...}` next to the
+    plugin): at start-up rtserver computes each example's hidden-state features through the task's own
+    prompt and fits a logistic regression on them (plus the calibrated label scores); calls then take
+    the head's answer from the same forward pass as label scoring — no extra tokens. One head per
+    variant (and one for the task's own prompt), fitted on the examples that select it: a variant with
+    the task's very prompt gives e.g. Chinese input a head of its own. Needs a backend with hidden states
+    (the local engine); on another the task falls back to label scoring, with a warning naming both.
+    Without a `head` a task scores labels exactly as before."""
+
+    examples: str | Path  # the JSONL file; a relative path is relative to the working directory
+    labels: dict[str, str] = field(default_factory=dict)  # the file's label -> the task's label
+    l2: float = 1e-2  # L2 penalty on the standardised weights (chosen on the dev splits for sentiment)
+    use_scores: bool = True  # the calibrated label scores join the hidden features
+    min_examples: int = 20  # a prompt with fewer examples (or one label only) keeps label scoring
+
+
+@dataclass
 class Variant:
     """An alternative prompt/choices used when `when(text)` is true (e.g. a prompt for Chinese text)."""
 
@@ -84,6 +103,7 @@ class Task:
     choices: Choices | None = None
     parser: Callable[[str], dict] | None = None
     variants: list[Variant] = field(default_factory=list)
+    head: LearnedHead | None = None  # a learned head over hidden states, fitted on shipped examples
     cache_size: int = 0  # 0 = no result cache
     cache_ttl_s: float = 600.0
     max_history_turns: int = 20
@@ -115,6 +135,13 @@ class Task:
             raise ValueError("parser must be a function text -> dict")
         if self.choices is not None and self.parser is not None:
             raise ValueError("declare either choices (scoring) or a parser (generation), not both")
+        if self.head is not None:
+            if not isinstance(self.head, LearnedHead) or not isinstance(self.head.examples, (str, Path)):
+                raise ValueError("head: expected LearnedHead(examples=path to a JSONL file)")
+            if self.choices is None:
+                raise ValueError("head: only a scoring task (with choices) can have a learned head")
+            if not (isinstance(self.head.l2, (int, float)) and self.head.l2 >= 0):
+                raise ValueError(f"head.l2 = {self.head.l2!r}: must be a number >= 0")
         for i, v in enumerate(self.variants):
             if not isinstance(v, Variant) or not callable(v.when):
                 raise ValueError(f"variants[{i}]: expected Variant(when=callable, prompt=...)")
@@ -229,16 +256,24 @@ class Task:
             raise TaskError("bad_decoding", f"{self.name}: {exc}") from None
         return params
 
+    def variant_of(self, text: str) -> int:
+        """Which variant this input selects: its index, or -1 for the task's own prompt."""
+        for i, v in enumerate(self.variants):
+            if v.when(text):
+                return i
+        return -1
+
     def select(self, text: str) -> tuple[str, Choices | None, bool]:
         """(prompt template, choices, use chat template) for this input."""
-        for v in self.variants:
-            if v.when(text):
-                return (
-                    v.prompt,
-                    v.choices if v.choices is not None else self.choices,
-                    self.chat_template if v.chat_template is None else v.chat_template,
-                )
-        return self.prompt, self.choices, self.chat_template
+        i = self.variant_of(text)
+        if i < 0:
+            return self.prompt, self.choices, self.chat_template
+        v = self.variants[i]
+        return (
+            v.prompt,
+            v.choices if v.choices is not None else self.choices,
+            self.chat_template if v.chat_template is None else v.chat_template,
+        )
 
 
 def _check_choices(choices: Any, where: str) -> None:

@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,28 @@ class TaskRegistry:
         if isinstance(task, ChatTask):
             raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
         return await task.run(backend, raw_input, overrides)
+
+    async def prepare(
+        self, backend_for: Callable[[str], tuple[str, InferenceBackend]], cache_dir: Path | None
+    ) -> list[PluginError]:
+        """Fit the learned heads of the tasks that declare one, each on the backend that runs it
+        (`backend_for(task) -> (backend name, backend)`). A task whose head cannot be fitted (a broken
+        examples file) is dropped and reported like a broken plugin; one whose backend returns no hidden
+        states keeps label scoring (`PromptTask.prepare` logs it, naming the task and the backend)."""
+        errors: list[PluginError] = []
+        for name, task in list(self.tasks.items()):
+            if not isinstance(task, PromptTask) or task.task.head is None:
+                continue
+            backend_name, backend = backend_for(name)
+            try:
+                await task.prepare(backend, cache_dir, backend_name)
+            except Exception as exc:
+                log.error("task %s: learned head failed: %s", name, exc)
+                errors.append(PluginError(f"task {name}", f"learned head: {exc}"))
+                del self.tasks[name]
+                if name in self.auto_tasks:
+                    self.auto_tasks.remove(name)
+        return errors
 
     def cache_stats(self) -> dict[str, tuple[int, int]]:
         return {

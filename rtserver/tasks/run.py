@@ -1,7 +1,9 @@
 """How a stateless task runs: `PromptTask` binds a `Task` to the tokenizer, renders its prompt (the
 fixed prefix tokenized once, so every call shares its KV) and runs a call on an `InferenceBackend`:
 label scoring with calibration for `Choices`, or generation and the task's parser. Results are kept in
-the task's LRU/TTL cache when it declares one.
+the task's LRU/TTL cache when it declares one. A task with a learned head (`Task.head`) is `prepare`d
+once the backend runs: its examples' features are computed (or read from the cache) and a classifier
+per prompt is fitted (head.py); calls on that prompt then take the head's answer from the same forward.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import dataclasses
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from cachetools import TTLCache
 
-from ..engine.backend import InferenceBackend, Tokenizer
+from ..engine.backend import FeatureScorer, InferenceBackend, Tokenizer
 from .declare import Choices, Task, TaskError, TaskOutput
+from .head import LogisticHead, features_key, load_cached, load_examples, store_cached
 
 log = logging.getLogger("rtserver.tasks")
 
@@ -37,6 +42,8 @@ class PromptTask:
         )
         self.cache_hits = 0
         self.cache_misses = 0
+        self.heads: dict[int, LogisticHead] = {}  # variant index (-1: the task's prompt) -> fitted head
+        self.head_note: str | None = None  # why a declared head is not used (None: used, or none)
 
     # -- prompts ------------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -123,7 +130,8 @@ class PromptTask:
         started = time.perf_counter()
         prompt, choices, template, chat = self._render(text)
         if choices is not None:
-            output = await self._score(backend, prompt, choices, template, chat)
+            head = self.heads.get(self.task.variant_of(text)) if self.heads else None
+            output = await self._score(backend, prompt, choices, template, chat, head)
             out = TaskOutput(
                 self.task.name,
                 output,
@@ -157,9 +165,21 @@ class PromptTask:
         return out
 
     async def _score(
-        self, backend: InferenceBackend, prompt: list[int], choices: Choices, template: str, chat: bool
+        self,
+        backend: InferenceBackend,
+        prompt: list[int],
+        choices: Choices,
+        template: str,
+        chat: bool,
+        head: LogisticHead | None = None,
     ) -> dict:
         labels = list(choices.labels)
+        if head is not None and isinstance(backend, FeatureScorer):
+            row = await self._feature_row(backend, prompt, choices, template, chat)
+            p = head.predict_proba(self._head_input(row, len(labels)))[0]
+            probs = dict.fromkeys(labels, 0.0)
+            probs.update({name: float(v) for name, v in zip(head.labels, p)})
+            return {"label": max(probs, key=lambda name: probs[name]), "probs": probs}
         candidates = self._candidate_ids(choices)
         # Only differences between the labels' scores matter below (calibration subtracts per label, the
         # softmax is across labels), so the backend may leave out the prompt's log-normaliser.
@@ -209,3 +229,117 @@ class PromptTask:
             for c in choices.calibration
         ]
         return [sum(r[i] for r in runs) / len(runs) for i in range(len(candidates))]
+
+    # -- the learned head -----------------------------------------------------------------------
+    async def _feature_row(
+        self, backend: InferenceBackend, prompt: list[int], choices: Choices, template: str, chat: bool
+    ) -> list[float]:
+        """The head's raw input for one prompt: hidden-state features, then the calibrated label scores
+        (the label-scoring path's numbers, from the same forward)."""
+        assert isinstance(backend, FeatureScorer)
+        prefix = self._split_template(template, chat)[0]
+        candidates = self._candidate_ids(choices)
+        scores, feats = await backend.score_features(prompt, candidates, features_from=len(prefix))
+        if choices.calibration:
+            offsets = await self._calibration_offsets(backend, template, chat, choices, candidates)
+            scores = [s - o for s, o in zip(scores, offsets)]
+        return feats + scores
+
+    def _head_input(self, rows: list[float] | np.ndarray, n_labels: int) -> np.ndarray:
+        x = np.atleast_2d(np.asarray(rows, dtype=np.float64))
+        assert self.task.head is not None
+        return x if self.task.head.use_scores else x[:, :-n_labels]
+
+    async def prepare(
+        self, backend: InferenceBackend, cache_dir: Path | None = None, backend_name: str = ""
+    ) -> str | None:
+        """Fit the task's learned head (nothing to do without one). Returns a note when the head cannot be
+        used on this backend (the task then scores labels as it would without a head)."""
+        spec = self.task.head
+        self.heads = {}
+        self.head_note = None
+        if spec is None or self.task.choices is None:
+            return None
+        if not isinstance(backend, FeatureScorer):
+            self.head_note = (
+                f"task {self.task.name!r}: its learned head needs the model's hidden states, which backend "
+                f"{backend_name or type(backend).__name__!r} does not return; the task runs by label "
+                "scoring (no head)"
+            )
+            log.warning("%s", self.head_note)
+            return self.head_note
+        groups: dict[int, list[tuple[str, str]]] = {}
+        raw = load_examples(Path(spec.examples), spec.labels, list(self.task.choices.labels))
+        for text, label in raw:
+            clean = self.task.clean_text(text)
+            groups.setdefault(self.task.variant_of(clean), []).append((clean, label))
+        for index, rows in sorted(groups.items()):
+            template, choices, chat = self.task.select(rows[0][0])
+            assert choices is not None
+            labels = [name for name in choices.labels if any(label == name for _, label in rows)]
+            if len(rows) < spec.min_examples or len(labels) < 2:
+                log.warning(
+                    "%s: %d examples (%d labels) for prompt %r: too few for a head, it keeps label scoring",
+                    self.task.name,
+                    len(rows),
+                    len(labels),
+                    template[:40],
+                )
+                continue
+            texts = [t for t, _ in rows]
+            x = await self._example_features(backend, choices, template, chat, texts, cache_dir)
+            started = time.perf_counter()
+            head = LogisticHead(labels, spec.l2).fit(
+                self._head_input(x, len(choices.labels)), [y for _, y in rows]
+            )
+            self.heads[index] = head
+            log.info(
+                "%s: learned head fitted on %d examples in %.1f s (prompt %r)",
+                self.task.name,
+                len(rows),
+                time.perf_counter() - started,
+                template[:40],
+            )
+        return None
+
+    async def _example_features(
+        self,
+        backend: InferenceBackend,
+        choices: Choices,
+        template: str,
+        chat: bool,
+        texts: list[str],
+        cache_dir: Path | None,
+    ) -> np.ndarray:
+        assert isinstance(backend, FeatureScorer)
+        key = features_key(
+            backend.feature_model_id,
+            template,
+            chat,
+            self.task.system_prompt if chat else None,
+            self._candidate_ids(choices),
+            choices.calibration,
+            self.task.max_input_tokens,
+            self.task.truncate,
+            texts,
+        )
+        cached = load_cached(cache_dir, key)
+        if cached is not None and cached.shape[0] == len(texts):
+            return cached
+        started = time.perf_counter()
+        sem = asyncio.Semaphore(64)  # below the engine's waiting-queue bound
+
+        async def one(text: str) -> list[float]:
+            async with sem:
+                prompt = self._render(text)[0]
+                return await self._feature_row(backend, prompt, choices, template, chat)
+
+        x = np.asarray(await asyncio.gather(*(one(t) for t in texts)), dtype=np.float32)
+        log.info(
+            "%s: features of %d examples computed in %.1f s",
+            self.task.name,
+            len(texts),
+            time.perf_counter() - started,
+        )
+        store_cached(cache_dir, key, x)
+        return x

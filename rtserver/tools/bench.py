@@ -481,6 +481,15 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
                 )
             )
         rows.append(("sentiment cached classifications/s", fmt(s["cached_per_s"]), ">= 20000"))
+        plain = s.get("label_scoring")
+        if plain:
+            rows.append(
+                (
+                    "sentiment label scoring (no head) fresh / cached per s, same run",
+                    f"{fmt(plain['fresh_per_s'])} / {fmt(plain['cached_per_s'])}",
+                    "",
+                )
+            )
         base = b.get("sentiment", {}).get("per_s")
         rows.append(("sentiment baseline (generative, HF batches of 4)/s", fmt(base), ""))
         rows.append(("sentiment fresh ratio vs baseline", fmt(ratio(s["fresh_per_s"], base), "x"), ">= 10x"))

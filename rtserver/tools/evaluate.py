@@ -1,11 +1,16 @@
-"""`rtserver eval`: sentiment accuracy of several methods on the shipped labeled data.
+"""`rtserver eval`: accuracy of the classification tasks (sentiment, intent) by method and language on
+the shipped labeled data.
 
-Every configuration runs through the real engine (batched, as the server runs it) on
-`data/sentiment/{en,zh}_<split>.jsonl` (see data/sentiment/SOURCES.md). Reported per language:
-accuracy (an invalid answer counts as wrong), invalid-output rate (an answer that is not one of the
-labels) and examples/s (all texts submitted together, wall clock). Configurations:
+Every configuration runs through the real engine (batched, as the server runs it, the task prepared as
+the server prepares it at start-up: a learned head is fitted first) on
+`data/<task>/{en,zh}_<split>.jsonl` (data/sentiment/SOURCES.md, data/intent/SOURCES.md). Reported per
+task, method and language: accuracy (an invalid answer counts as wrong), invalid-output rate (an answer
+that is not one of the labels) and classifications/s (all texts submitted together, wall clock; no
+result cache). Sentiment configurations:
 
-- `shipped (score)`: the `sentiment` task as configured (plugins/sentiment.py + [task.sentiment]);
+- `shipped (score + learned head)`: the `sentiment` task as configured (plugins/sentiment.py +
+  [task.sentiment]);
+- `label scoring (no head)`: the same with `head = false` (the zero-data default);
 - `generative`: the same task with `mode = "generate"` (the write-ups' method: strict-format
   instruction, greedy, 3 new tokens, strict parser);
 - other prompt wordings in scoring mode, declared below as plain `Task` objects.
@@ -29,6 +34,8 @@ from ..tasks.run import PromptTask
 from .stats import accuracy, fraction, per_second
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "sentiment"
+DATA_DIRS = {"sentiment": DATA_DIR, "intent": DATA_DIR.parent / "intent"}
+TASKS = ("sentiment", "intent")
 LANGS = ("en", "zh")
 CONCURRENCY = 128  # texts in flight at once (below the engine's waiting-queue bound)
 
@@ -99,36 +106,87 @@ def other_wordings() -> list[Task]:
     ]
 
 
-def _registry_task(settings: Settings, tokenizer: Any, overrides: dict) -> PromptTask:
-    table = {**settings.task.get("sentiment", {}), **overrides, "cache_size": 0}
+def previous_intent() -> Task:
+    """The intent task as shipped before its verbalizers were chosen on dev (the comparison row)."""
+    names = ("billing", "technical", "shipping", "account", "other")
+    return Task(
+        name="intent-before",
+        description="intent, the label names scored",
+        prompt=f"Customer support categories: {', '.join(names)}.\nMessage: {{text}}\nCategory:",
+        chat_template=False,
+        max_input_tokens=256,
+        truncate="head",
+        choices=Choices({n: " " + n for n in names}, calibration=["N/A"]),
+    )
+
+
+def _registry_task(settings: Settings, tokenizer: Any, name: str, overrides: dict) -> PromptTask:
+    table = {**settings.task.get(name, {}), **overrides, "cache_size": 0}
     s = dataclasses.replace(
         settings,
-        task={"sentiment": table},
-        tasks=dataclasses.replace(settings.tasks, enabled=["sentiment"], disabled=[], auto_tasks=[]),
+        task={name: table},
+        tasks=dataclasses.replace(settings.tasks, enabled=[name], disabled=[], auto_tasks=[]),
     )
     registry, errors = load_registry(s, tokenizer)
-    if "sentiment" not in registry.tasks:
-        raise RuntimeError("sentiment task did not load: " + "; ".join(map(str, errors)))
-    task = registry.get("sentiment")
+    if name not in registry.tasks:
+        raise RuntimeError(f"{name} task did not load: " + "; ".join(map(str, errors)))
+    task = registry.get(name)
     assert isinstance(task, PromptTask)
     return task
 
 
-def configurations(settings: Settings, tokenizer: Any) -> list[tuple[str, PromptTask, dict]]:
-    """(name, prepared task, shown label -> gold label) for every configuration."""
-    names = settings.task.get("sentiment", {}).get("label_names", {}) or {}
-    back = {shown: key for key, shown in names.items()}
-    back.update({k: k for k in ("positive", "negative", "neutral") if k not in names})
-    out = [
-        ("shipped (score)", _registry_task(settings, tokenizer, {"mode": "score"}), back),
-        ("generative (write-ups)", _registry_task(settings, tokenizer, {"mode": "generate"}), back),
-    ]
-    ident = {"positive": "positive", "negative": "negative"}
-    out += [(f"wording: {t.name}", PromptTask(t, tokenizer), ident) for t in other_wordings()]
+@dataclasses.dataclass
+class Config:
+    task: str  # which labeled data: data/<task>/
+    method: str
+    prompt_task: PromptTask
+    back: dict  # shown label -> gold label
+
+
+def configurations(settings: Settings, tokenizer: Any, tasks: tuple[str, ...] = TASKS) -> list[Config]:
+    """Every configuration of the wanted tasks, the shipped one of each first."""
+    out: list[Config] = []
+    if "sentiment" in tasks:
+        names = settings.task.get("sentiment", {}).get("label_names", {}) or {}
+        back = {shown: key for key, shown in names.items()}
+        back.update({k: k for k in ("positive", "negative", "neutral") if k not in names})
+        ident = {"positive": "positive", "negative": "negative"}
+        out += [
+            Config(
+                "sentiment",
+                "shipped (score + learned head)",
+                _registry_task(settings, tokenizer, "sentiment", {}),
+                back,
+            ),
+            Config(
+                "sentiment",
+                "label scoring (no head)",
+                _registry_task(settings, tokenizer, "sentiment", {"head": False}),
+                back,
+            ),
+            Config(
+                "sentiment",
+                "generative (write-ups)",
+                _registry_task(settings, tokenizer, "sentiment", {"mode": "generate"}),
+                back,
+            ),
+        ]
+        out += [
+            Config("sentiment", f"wording: {t.name}", PromptTask(t, tokenizer), ident)
+            for t in other_wordings()
+        ]
+    if "intent" in tasks:
+        task = _registry_task(settings, tokenizer, "intent", {})
+        choices = task.task.choices
+        ident = {k: k for k in (choices.labels if choices is not None else {})}
+        out.append(Config("intent", "shipped (score)", task, ident))
+        out.append(
+            Config("intent", "before: label names scored", PromptTask(previous_intent(), tokenizer), ident)
+        )
     return out
 
 
-async def _run_one(engine: Engine, task: PromptTask, examples: list[dict], back: dict) -> dict:
+async def _run_one(engine: Any, task: Any, examples: list[dict], back: dict) -> dict:
     sem = asyncio.Semaphore(CONCURRENCY)
     choices = task.task.choices
     labels = set(choices.labels) if choices is not None else None
@@ -160,21 +218,33 @@ async def evaluate(
     loaded: Any,
     settings: Settings,
     split: str,
-    data_dir: Path = DATA_DIR,
-    configs: list[tuple[str, PromptTask, dict]] | None = None,
+    tasks: tuple[str, ...] = TASKS,
+    configs: list[Config] | None = None,
     limit: int | None = None,
 ) -> list[dict]:
-    data = {lang: load_split(lang, split, data_dir)[:limit] for lang in LANGS}
-    configs = configs if configs is not None else configurations(settings, loaded.tokenizer)
+    data = {
+        (task, lang): load_split(lang, split, DATA_DIRS[task])[:limit] for task in tasks for lang in LANGS
+    }
+    configs = configs if configs is not None else configurations(settings, loaded.tokenizer, tasks)
     engine = Engine(loaded, EngineSettings())
     engine.start()
+    cache_dir = Path(settings.model.cache_dir).expanduser() / "heads"
     rows = []
     try:
-        for name, task, back in configs:
-            for lang in LANGS:
-                row = {"config": name, "lang": lang, **await _run_one(engine, task, data[lang], back)}
+        for cfg in configs:
+            # As the server does at start-up: a task with a learned head fits it (features cached).
+            started = time.perf_counter()
+            await cfg.prompt_task.prepare(engine, cache_dir, "local")
+            if cfg.prompt_task.heads:
                 print(
-                    f"  {name:32s} {lang}: acc {_fmt(row['accuracy'], '.3f')}  "
+                    f"  {cfg.task}/{cfg.method}: head ready in {time.perf_counter() - started:.1f} s",
+                    flush=True,
+                )
+            for lang in LANGS:
+                result = await _run_one(engine, cfg.prompt_task, data[(cfg.task, lang)], cfg.back)
+                row = {"task": cfg.task, "config": cfg.method, "lang": lang, **result}
+                print(
+                    f"  {cfg.task:9s} {cfg.method:34s} {lang}: acc {_fmt(row['accuracy'], '.3f')}  "
                     f"invalid {_fmt(row['invalid_rate'], '.3f')}  {_fmt(row['examples_per_s'], '.1f')} ex/s",
                     flush=True,
                 )
@@ -189,15 +259,15 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    by = {}
+    by: dict[tuple[str, str], dict] = {}
     for r in rows:
-        by.setdefault(r["config"], {})[r["lang"]] = r
+        by.setdefault((r.get("task", "sentiment"), r["config"]), {})[r["lang"]] = r
     head = (
-        "| configuration | EN accuracy | EN invalid | EN ex/s | ZH accuracy | ZH invalid | ZH ex/s |\n"
-        "|---|---|---|---|---|---|---|"
+        "| task | method | EN accuracy | EN invalid | EN ex/s | ZH accuracy | ZH invalid | ZH ex/s |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
-    for name, langs in by.items():
+    for (task, name), langs in by.items():
         cells = []
         for lang in LANGS:
             r = langs.get(lang)
@@ -206,18 +276,20 @@ def format_table(rows: list[dict]) -> str:
                 if r
                 else ["-", "-", "-"]
             )
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {task} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def run_eval(loaded: Any, settings: Settings, split: str, out_dir: str | Path) -> dict:
-    counts = {lang: len(load_split(lang, split)) for lang in LANGS}
+def run_eval(
+    loaded: Any, settings: Settings, split: str, out_dir: str | Path, tasks: tuple[str, ...] = TASKS
+) -> dict:
+    counts = {f"{t}/{lang}": len(load_split(lang, split, DATA_DIRS[t])) for t in tasks for lang in LANGS}
     print(
-        f"sentiment eval on the {split} split ({', '.join(f'{k}: {v}' for k, v in counts.items())} texts), "
+        f"eval on the {split} split ({', '.join(f'{k}: {v}' for k, v in counts.items())} texts), "
         f"model {getattr(loaded, 'name', '?')} {getattr(loaded, 'dtype', '')}",
         flush=True,
     )
-    rows = asyncio.run(evaluate(loaded, settings, split))
+    rows = asyncio.run(evaluate(loaded, settings, split, tasks))
     table = format_table(rows)
     print(table)
     report = {

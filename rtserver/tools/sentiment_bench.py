@@ -5,6 +5,7 @@ in batches of 4); and what a sentiment auto-task adds to a chat reply's time to 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -186,11 +187,32 @@ async def auto_task_ttft(engine: Engine, registry: TaskRegistry, n: int = AUTO_T
 async def engine_sentiment(
     engine: Engine, tokenizer: Tokenizer, registry: TaskRegistry | None = None
 ) -> dict:
+    """The sentiment task as the server runs it (its learned head fitted first: features from the cache
+    in model.cache_dir, computed on a first run), and beside it, in the same run, the zero-data label
+    scoring (`head = false`, the method before learned heads) as `label_scoring`."""
     from ..config import Settings
     from ..tasks.registry import load_registry
 
+    result: dict[str, Any] = {}
     if registry is None:
-        registry, _ = load_registry(Settings(), tokenizer)
+        settings = Settings()
+        plain, _ = load_registry(
+            dataclasses.replace(settings, task={"sentiment": {"head": False}}), tokenizer
+        )
+        result["label_scoring"] = await _sentiment_rates(engine, plain)
+        registry, _ = load_registry(settings, tokenizer)
+        started = time.perf_counter()
+        await registry.prepare(
+            lambda name: ("local", engine), Path(settings.model.cache_dir).expanduser() / "heads"
+        )
+        result["head_ready_s"] = time.perf_counter() - started
+    result.update(await _sentiment_rates(engine, registry))
+    if "chat" in registry.tasks:
+        result["auto_task"] = await auto_task_ttft(engine, registry)
+    return result
+
+
+async def _sentiment_rates(engine: Engine, registry: TaskRegistry) -> dict:
     texts = sentiment_texts()
     await registry.run(engine, "sentiment", {"text": "warm-up text"})  # calibration + warm-up
     stats0 = engine.stats()
@@ -205,7 +227,9 @@ async def engine_sentiment(
         rates.append(per_second(len(texts), time.perf_counter() - started))
         assert all(a.cached for a in again) and [a.output for a in again] == [f.output for f in fresh]
     steps = stats1["steps"] - stats0["steps"]
-    result = {
+    task = registry.get("sentiment")
+    return {
+        "method": "learned head" if getattr(task, "heads", None) else "label scoring",
         "texts": len(texts),
         "fresh_per_s": per_second(len(texts), fresh_s),
         "cached_per_s": median(rates),
@@ -217,9 +241,6 @@ async def engine_sentiment(
         "fresh_step_ms": fresh_s * 1000 / max(steps, 1),
         "labels": [f.output["label"] for f in fresh],
     }
-    if "chat" in registry.tasks:
-        result["auto_task"] = await auto_task_ttft(engine, registry)
-    return result
 
 
 def hf_sentiment_baseline(model: Any, tokenizer: Any, n: int = 64, batch: int = 4) -> dict:

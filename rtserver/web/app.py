@@ -128,6 +128,24 @@ async def _load(
             engine = engine_factory(loaded, settings)
             engine.start()
             state.backends["local"] = engine
+        registry = state.registry
+        if (
+            settings.tasks.learned_heads
+            and registry is not None
+            and any(getattr(t.task, "head", None) is not None for t in registry.tasks.values())
+        ):
+            # Learned heads are fitted before the server is ready (their examples' features are cached
+            # on disk: only a first start with new examples, prompt or model computes them).
+            state.set_stage("fitting task heads", 0.95)
+            default = settings.model.backend
+
+            def backend_for(task: str) -> tuple[str, InferenceBackend]:
+                name = registry.placement(task) or default
+                return name, state.backends[name]
+
+            state.load_errors += await registry.prepare(
+                backend_for, Path(settings.model.cache_dir).expanduser() / "heads"
+            )
         state.set_stage("ready", 1.0)
         state.ready_after_s = time.monotonic() - state.started
         state.status = "ready"

@@ -1,0 +1,128 @@
+"""A task's learned head: a small calibrated classifier (multinomial logistic regression, numpy) fitted at
+start-up on the model's hidden-state features of the task's own labeled examples, applied in the same
+forward pass as label scoring (zero extra tokens).
+
+What it owns: reading a plugin's examples file (JSONL `{"text", "label"}`), the classifier (fit,
+probabilities), and the on-disk cache of the examples' features (keyed by a hash of the model, the
+prompt, the verbalizers and the data: only the first start with a new combination computes them). The
+features come from `FeatureScorer.score_features` (rtserver/engine/backend.py); `run.py` decides when
+the head is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("rtserver.tasks")
+
+FEATURES_VERSION = 2  # bump when what score_features returns changes
+
+
+def load_examples(path: Path, label_map: dict[str, str], labels: list[str]) -> list[tuple[str, str]]:
+    """(text, task label) pairs from a JSONL file; `label_map` renames the file's labels to the task's.
+    Raises ValueError naming the file and line for anything malformed or a label the task lacks."""
+    out: list[tuple[str, str]] = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            text, label = row["text"], row["label"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f'{path}:{n}: expected {{"text": ..., "label": ...}} ({exc})') from None
+        label = label_map.get(label, label)
+        if not isinstance(text, str) or not text.strip() or label not in labels:
+            raise ValueError(f"{path}:{n}: label {row.get('label')!r} is not one of {labels} (or empty text)")
+        out.append((text, label))
+    if not out:
+        raise ValueError(f"{path}: no examples")
+    return out
+
+
+def features_key(*parts: object) -> str:
+    """A cache key: SHA-256 over the parts' JSON (model id, prompt, verbalizer ids, examples...)."""
+    blob = json.dumps([FEATURES_VERSION, *parts], ensure_ascii=False, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def load_cached(cache_dir: Path | None, key: str) -> np.ndarray | None:
+    if cache_dir is None:
+        return None
+    path = cache_dir / f"{key}.npy"
+    try:
+        return np.load(path)
+    except (OSError, ValueError):
+        return None
+
+
+def store_cached(cache_dir: Path | None, key: str, x: np.ndarray) -> None:
+    if cache_dir is None:
+        return
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir / f"{key}.tmp.npy"
+        np.save(tmp, x)
+        tmp.replace(cache_dir / f"{key}.npy")  # atomic: a concurrent start never reads half a file
+    except OSError as exc:  # a read-only cache is a slower next start, not a failure
+        log.warning("cannot cache head features in %s: %s", cache_dir, exc)
+
+
+class LogisticHead:
+    """Multinomial logistic regression on standardised features with an L2 penalty, fitted by full-batch
+    Nesterov gradient descent (convex: the step size from the loss's curvature bound converges without
+    tuning). Small and dependency-free: the features are a few thousand rows of ~1,000 numbers."""
+
+    def __init__(self, labels: list[str], l2: float = 1e-2, iterations: int = 1500):
+        self.labels = list(labels)
+        self.l2 = l2
+        self.iterations = iterations
+        self.mean: np.ndarray | None = None
+        self.scale: np.ndarray | None = None
+        self.w: np.ndarray | None = None
+        self.b: np.ndarray | None = None
+
+    def fit(self, x: np.ndarray, y: list[str]) -> LogisticHead:
+        x = np.asarray(x, dtype=np.float64)
+        self.mean = x.mean(0)
+        self.scale = x.std(0) + 1e-6
+        z = (x - self.mean) / self.scale
+        n, d = z.shape
+        k = len(self.labels)
+        onehot = np.zeros((n, k))
+        onehot[np.arange(n), [self.labels.index(t) for t in y]] = 1.0
+        # Curvature bound of the mean softmax cross-entropy: 1/2 · largest eigenvalue of zᵀz/n (+ λ).
+        v = np.ones(d) / np.sqrt(d)
+        for _ in range(30):
+            v = z.T @ (z @ v) / n
+            v /= np.linalg.norm(v)
+        lipschitz = 0.5 * float(v @ (z.T @ (z @ v))) / n + 0.5 + self.l2
+        step = 1.0 / lipschitz
+        w = np.zeros((d, k))
+        b = np.zeros(k)
+        w_prev, b_prev = w, b
+        for t in range(1, self.iterations + 1):
+            mom = (t - 1) / (t + 2)
+            wy, by = w + mom * (w - w_prev), b + mom * (b - b_prev)
+            p = _softmax(z @ wy + by)
+            g = (p - onehot) / n
+            w_prev, b_prev = w, b
+            w = wy - step * (z.T @ g + self.l2 * wy)
+            b = by - step * g.sum(0)
+        self.w, self.b = w, b
+        return self
+
+    def predict_proba(self, x: np.ndarray) -> np.ndarray:
+        assert self.w is not None and self.b is not None and self.mean is not None and self.scale is not None
+        z = (np.atleast_2d(np.asarray(x, dtype=np.float64)) - self.mean) / self.scale
+        return _softmax(z @ self.w + self.b)
+
+
+def _softmax(a: np.ndarray) -> np.ndarray:
+    a = a - a.max(1, keepdims=True)
+    e = np.exp(a)
+    return e / e.sum(1, keepdims=True)

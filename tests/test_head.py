@@ -1,0 +1,189 @@
+"""The learned head (rtserver/tasks/head.py, `Task.head`, `PromptTask.prepare`): the classifier, the
+examples file, the fallback on backends without hidden states, that a task without examples behaves
+exactly as before, and the head end to end on the real model (features cached on disk)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rtserver.config import EngineSettings
+from rtserver.engine.backend import FeatureScorer
+from rtserver.engine.core import Engine
+from rtserver.tasks import Choices, LearnedHead, Task
+from rtserver.tasks.head import LogisticHead, load_examples
+from rtserver.tasks.registry import TaskRegistry
+from rtserver.tasks.run import PromptTask
+
+PROMPT = "Message: {text}\nSentiment:"
+WORDS = {"positive": " Positive", "negative": " Negative"}
+
+
+def sentiment_task(head: LearnedHead | None = None) -> Task:
+    return Task(
+        name="mood",
+        description="test",
+        prompt=PROMPT,
+        chat_template=False,
+        choices=Choices(dict(WORDS), calibration=["N/A"]),
+        head=head,
+    )
+
+
+def write_examples(path: Path, rows: list[tuple[str, str]]) -> Path:
+    path.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in rows), encoding="utf-8")
+    return path
+
+
+POS = ["I love it", "Wonderful service", "Great value, thank you", "Best day ever", "Really happy with it"]
+NEG = ["I hate it", "Terrible service", "A waste of money", "Worst day ever", "Really unhappy with it"]
+EXAMPLES = [(f"{t} ({i})", y) for i in range(3) for ts, y in ((POS, "pos"), (NEG, "neg")) for t in ts]
+
+
+# -- the classifier ------------------------------------------------------------------------------------
+
+
+def test_logistic_head_fits_separable_and_multiclass_data():
+    rng = np.random.default_rng(0)
+    centers = rng.normal(0, 3, (3, 8))
+    y = rng.integers(0, 3, 300)
+    x = centers[y] + rng.normal(0, 0.5, (300, 8))
+    labels = ["a", "b", "c"]
+    head = LogisticHead(labels, l2=1e-3).fit(x, [labels[i] for i in y])
+    p = head.predict_proba(x)
+    assert p.shape == (300, 3) and np.allclose(p.sum(1), 1.0)
+    assert (p.argmax(1) == y).mean() > 0.98
+    # Noise only: nothing to learn, probabilities stay near the label frequencies (no overconfidence).
+    noise = rng.normal(0, 1, (400, 8))
+    coin = LogisticHead(["a", "b"], l2=1.0).fit(noise, ["a" if i % 2 else "b" for i in range(400)])
+    assert np.abs(coin.predict_proba(noise)[:, 0] - 0.5).max() < 0.15
+
+
+def test_examples_file_errors_name_the_line(tmp_path):
+    path = tmp_path / "ex.jsonl"
+    path.write_text('{"text": "fine", "label": "pos"}\n{"text": "x", "label": "meh"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"ex.jsonl:2: label 'meh'"):
+        load_examples(path, {"pos": "positive"}, ["positive", "negative"])
+    path.write_text('{"text": "fine"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"ex.jsonl:1: expected"):
+        load_examples(path, {}, ["positive"])
+    rows = load_examples(
+        write_examples(path, [("a", "pos"), ("b", "negative")]), {"pos": "positive"}, list(WORDS)
+    )
+    assert rows == [("a", "positive"), ("b", "negative")]
+
+
+def test_a_head_needs_choices():
+    with pytest.raises(ValueError, match="head"):
+        Task(name="t", description="t", prompt="{text}", head=LearnedHead("x.jsonl")).validate()
+    sentiment_task(LearnedHead("x.jsonl")).validate()
+
+
+# -- without examples: exactly as before; without hidden states: label scoring, said so --------------
+
+
+class ScoresOnly:
+    """A backend like a remote one: label scores, no hidden states. Records what it was asked."""
+
+    def __init__(self):
+        self.calls: list[tuple[tuple[int, ...], bool]] = []
+
+    async def score(self, prompt, candidates, *, normalize=True):
+        self.calls.append((tuple(prompt), normalize))
+        await asyncio.sleep(0)
+        return [float(len(prompt) % 7), 2.5]
+
+
+async def test_no_examples_and_no_hidden_states_both_score_labels_as_before(smol, tmp_path):
+    tok = smol.tokenizer
+    plain = PromptTask(sentiment_task(), tok)
+    assert await plain.prepare(ScoresOnly()) is None and plain.heads == {}
+    examples = write_examples(tmp_path / "ex.jsonl", EXAMPLES)
+    with_head = PromptTask(
+        sentiment_task(LearnedHead(examples, labels={"pos": "positive", "neg": "negative"})), tok
+    )
+    backend = ScoresOnly()
+    note = await with_head.prepare(backend, tmp_path / "cache", "openai")
+    assert note is not None and "'mood'" in note and "'openai'" in note and "label scoring" in note
+    assert with_head.heads == {} and backend.calls == []  # nothing computed for the examples
+    for text in ("I love it", "Terrible", "这个很好"):
+        a, b = ScoresOnly(), ScoresOnly()
+        out_plain = await plain.run(a, text)
+        out_head = await with_head.run(b, text)
+        assert out_plain.output == out_head.output and a.calls == b.calls  # the same calls, same answer
+        assert all(normalize is False for _, normalize in a.calls)
+
+
+# -- on the real model -------------------------------------------------------------------------------
+
+
+class Counting:
+    """The engine, counting feature computations (a cached start computes none)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.feature_calls = engine, 0
+        self.feature_model_id = engine.feature_model_id
+
+    async def score(self, prompt, candidates, *, normalize=True):
+        return await self.engine.score(prompt, candidates, normalize=normalize)
+
+    async def score_features(self, prompt, candidates, *, features_from):
+        self.feature_calls += 1
+        return await self.engine.score_features(prompt, candidates, features_from=features_from)
+
+
+@pytest.mark.slow
+async def test_head_end_to_end_on_the_engine_with_cached_features(smol, tmp_path):
+    examples = write_examples(tmp_path / "ex.jsonl", EXAMPLES)
+    spec = LearnedHead(examples, labels={"pos": "positive", "neg": "negative"}, l2=1e-2)
+    engine = Engine(smol, EngineSettings(kv_budget_mb=64))
+    engine.start()
+    try:
+        counting = Counting(engine)
+        assert isinstance(counting, FeatureScorer)
+        task = PromptTask(sentiment_task(spec), smol.tokenizer)
+        assert await task.prepare(counting, tmp_path / "cache", "local") is None
+        assert list(task.heads) == [-1] and counting.feature_calls == len(EXAMPLES)
+        assert len(list((tmp_path / "cache").glob("*.npy"))) == 1
+        again = PromptTask(sentiment_task(spec), smol.tokenizer)
+        await again.prepare(counting, tmp_path / "cache", "local")
+        assert counting.feature_calls == len(EXAMPLES)  # read from the cache: nothing computed
+        for text, want in (("I love it (0)", "positive"), ("A waste of money (2)", "negative")):
+            out = await again.run(counting, text)
+            assert out.output["label"] == want  # training examples: the head separates them
+            assert math.isclose(sum(out.output["probs"].values()), 1.0, rel_tol=1e-9)
+        assert counting.feature_calls == len(EXAMPLES) + 2  # a call: one forward, with its features
+        # Another prompt (or model, or data) is another cache entry.
+        other = PromptTask(sentiment_task(spec), smol.tokenizer)
+        other.task.prompt = "Review: {text}\nSentiment:"
+        await other.prepare(counting, tmp_path / "cache", "local")
+        assert len(list((tmp_path / "cache").glob("*.npy"))) == 2
+    finally:
+        await engine.stop()
+
+
+async def test_registry_drops_a_task_whose_examples_are_broken(smol, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n", encoding="utf-8")
+    good = PromptTask(sentiment_task(), smol.tokenizer)
+    broken = PromptTask(sentiment_task(LearnedHead(bad)), smol.tokenizer)
+    registry = TaskRegistry({"mood": good, "broken": broken}, ["broken"])
+
+    class Local:
+        feature_model_id = "x"
+
+        async def score(self, *a, **k):
+            raise AssertionError("not reached")
+
+        async def score_features(self, *a, **k):
+            raise AssertionError("not reached")
+
+    errors = await registry.prepare(lambda name: ("local", Local()), tmp_path)
+    assert len(errors) == 1 and errors[0].source == "task broken"
+    assert errors[0].reason.startswith(f"learned head: {bad}:1: expected")
+    assert registry.names() == ["mood"] and registry.auto_tasks == []

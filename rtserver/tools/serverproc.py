@@ -45,6 +45,17 @@ def wait_until_up(
         time.sleep(0.2)
 
 
+def terminate(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `grace_s`."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class ServerProcess:
     """`rtserver serve` (or another launcher) in a subprocess on a free 127.0.0.1 port, log to a file."""
 
@@ -163,13 +174,7 @@ class LlamaServerProcess:
             raise
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
 
 
 class RedisProcess:
@@ -231,10 +236,4 @@ class RedisProcess:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)

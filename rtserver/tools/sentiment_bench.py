@@ -187,9 +187,9 @@ async def auto_task_ttft(engine: Engine, registry: TaskRegistry, n: int = AUTO_T
 async def engine_sentiment(
     engine: Engine, tokenizer: Tokenizer, registry: TaskRegistry | None = None
 ) -> dict:
-    """The sentiment task as the server runs it (its learned head fitted first: features from the cache
-    in model.cache_dir, computed on a first run), and beside it, in the same run, the zero-data label
-    scoring (`head = false`, the method before learned heads) as `label_scoring`."""
+    """The sentiment task with its learned head, as a server with `tasks.learned_heads = true` runs it
+    (fitted first: features from the cache in model.cache_dir, computed on a first run), and beside it,
+    in the same run, the zero-data label scoring (`head = false`, the default) as `label_scoring`."""
     from ..config import Settings
     from ..tasks.registry import load_registry
 

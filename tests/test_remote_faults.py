@@ -794,6 +794,7 @@ async def test_a_kept_alive_connection_the_server_dropped_is_sent_again(smol):
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     url = "http://127.0.0.1:%d" % server.sockets[0].getsockname()[1]
     backend = RemoteBackend(smol.tokenizer, remote_settings([url]).backend)
+    backend.pool.upstreams[0].checked = True  # as check() would have it (this server has no /v1/models)
     backend.start()
     try:
         for _ in range(3):

@@ -118,6 +118,19 @@ async def test_half_open_lets_one_probe_through_at_a_time():
     assert p.choose(key) is up and p.usable(up)
 
 
+def test_an_unchecked_url_gets_no_request_not_even_as_a_probe():
+    p = pool(failures_to_open=1, retry_after_s=0.01)
+    up = p.upstreams[0]
+    up.checked = False  # its owner has not seen what it serves (a wrong tokenizer, say)
+    p.failed(up, "tokenizer differs")
+    time.sleep(0.02)  # long past retry_after_s: a checked URL would be half-open now
+    assert p.state(up) == "down" and not p.usable(up)
+    assert all(p.choose(k).url != up.url for k in KEYS)
+    up.checked = True
+    p.succeeded(up)
+    assert p.usable(up) and any(p.choose(k).url == up.url for k in KEYS)
+
+
 def test_all_down_is_backend_unavailable_naming_each_url():
     p = pool(retry_after_s=60.0)
     for up in p.upstreams:

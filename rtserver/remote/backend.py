@@ -188,6 +188,8 @@ class RemoteBackend:
         )
         self.model = settings.model
         self.kinds: dict[str, str] = {}  # url -> server kind, learned by check()
+        for up in self.pool.upstreams:
+            up.checked = False  # until check() (or the health check) has seen what it serves
         self.client: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
         self.tokens_generated = 0
@@ -262,6 +264,7 @@ class RemoteBackend:
                 f"local one (model.model): {PROBE_TEXT!r} is {got[:12]}... there and {want[:12]}... here"
             )
         self.kinds[up.url] = kind  # only once checked: the health check probes a URL not in `kinds`
+        up.checked = True
         if not self.model:
             self.model = served[0] if served else ""
         log.info(

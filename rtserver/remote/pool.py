@@ -43,6 +43,9 @@ class Upstream:
     requests: int = 0
     errors: int = 0
     latency_s: list[float] = field(default_factory=list)  # recent times to first byte
+    # False while the server has not passed its owner's start-up check (what it serves, its tokenizer):
+    # no request goes there, not even as a breaker's probe; only that check can let it in
+    checked: bool = True
 
     def record_latency(self, seconds: float) -> None:
         self.latency_s.append(seconds)
@@ -60,6 +63,8 @@ class UpstreamPool:
     def usable(self, up: Upstream, now: float | None = None) -> bool:
         """Closed breaker; or half-open with nothing in flight there: the one request let through is the
         probe (choosing and `acquire` run without a pause between them, so two cannot both pass)."""
+        if not up.checked:
+            return False
         if up.opened_at is None:
             return True
         return self.waited(up, now) and up.in_flight == 0
@@ -71,6 +76,8 @@ class UpstreamPool:
         return (now if now is not None else time.monotonic()) - up.opened_at >= self.retry_after_s
 
     def state(self, up: Upstream) -> str:
+        if not up.checked:
+            return "down"
         if up.opened_at is None:
             return "up"
         return "probing" if self.waited(up) else "down"

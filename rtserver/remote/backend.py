@@ -263,8 +263,8 @@ class RemoteBackend:
                 f"{up.url} serves {', '.join(served) or 'an unnamed model'} whose tokenizer differs from the "
                 f"local one (model.model): {PROBE_TEXT!r} is {got[:12]}... there and {want[:12]}... here"
             )
-        self.kinds[up.url] = kind  # only once checked: the health check probes a URL not in `kinds`
-        up.checked = True
+        self.kinds[up.url] = kind
+        up.checked = True  # the health check probes a URL until it is checked
         if not self.model:
             self.model = served[0] if served else ""
         log.info(
@@ -304,7 +304,7 @@ class RemoteBackend:
                     ) as r:
                         if r.status >= 400:
                             raise UpstreamError(f"/health answered {r.status}", True)
-                    if up.url not in self.kinds:
+                    if not up.checked:
                         await self._probe(up)
                     self.pool.succeeded(up)
                 except BackendMismatch as exc:

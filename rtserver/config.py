@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 # model.dtype: how the engine stores and computes the weights (rtserver.engine.model maps each one)
-DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "gguf")
 BACKENDS = ("local", "openai")
 
 # RTSERVER_* variables that are not settings: the config file, and the test suite's switches

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import threading
 from collections.abc import Hashable
+from pathlib import Path
 from typing import Any
 
 from ..config import EngineSettings
 from .backend import FinishReason, SamplingParams, SequenceResult, TokenEvent
 from .kv import KVCacheManager
 from .model import LoadedModel
+from .quant import kernel_error, load_kernel, probe_small_rows, read_gguf_weights
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerLimits
 from .sequence import Sequence
+
+log = logging.getLogger("rtserver.engine")
 
 
 def return_freed_memory() -> None:
@@ -94,6 +99,10 @@ class Engine:
         )
         if release_dense_weights:
             return_freed_memory()
+        # What each linear computes with, and why (shown in /health).
+        self.kernels: dict[str, Any] = {"weights": loaded.dtype_name}
+        if loaded.gguf_blocks is not None:
+            self.kernels = self._use_gguf_blocks(loaded)
         self.scheduler = Scheduler(
             self.runner,
             self.kv,
@@ -104,6 +113,33 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[int, Any] = {}
         self._thread: threading.Thread | None = None
+
+    def _use_gguf_blocks(self, loaded: LoadedModel) -> dict[str, Any]:
+        """dtype gguf: small steps multiply with the file's quantized blocks where the kernel builds and
+        a start-up probe finds it faster than the dense float32 weights; otherwise plain float32."""
+        assert loaded.gguf_blocks is not None
+        cfg = loaded.model.config
+        kernel = load_kernel((loaded.cache_dir or Path("~/.cache/rtserver")).expanduser())
+        if kernel is None:
+            why = f"the quantized kernel could not be built ({kernel_error()})"
+            return {"weights": "float32", "why": why}
+        self.runner.use_attention_kernel(kernel)
+        blocks = read_gguf_weights(
+            loaded.gguf_blocks, cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads
+        )
+        rows = probe_small_rows(self.runner, kernel, blocks)
+        if rows == 0:
+            why = "the start-up probe found the quantized kernel slower at every step size"
+            return {"weights": "float32", "why": why}
+        used = self.runner.use_quantized_blocks(blocks, kernel, rows)
+        formats = sorted({b.format for b in blocks.values()})
+        log.info("steps of <= %d rows use the GGUF blocks (%s, %d linears)", rows, ", ".join(formats), used)
+        return {
+            "weights": "float32",
+            "small_steps": f"{'/'.join(formats)} blocks of {loaded.gguf_blocks.name}",
+            "small_step_max_rows": rows,
+            "why": "start-up probe: the quantized kernel beat the dense float32 matmul up to that many rows",
+        }
 
     @staticmethod
     def _eos_ids(loaded: LoadedModel) -> set[int]:
@@ -232,7 +268,8 @@ class Engine:
         self.kv.drop_session(session_key)
 
     def health(self) -> dict[str, Any]:
-        return {"kind": "local", "state": "up", "running": len(self.scheduler.running)}
+        running = len(self.scheduler.running)
+        return {"kind": "local", "state": "up", "running": running, "kernels": self.kernels}
 
     @property
     def available(self) -> bool:

@@ -40,6 +40,17 @@ class LoadedModel:
     dtype: torch.dtype  # activations, KV cache and dense weights
     threads: int
     weight_storage: str | None = None  # "int8" | "float16": how the runner stores linear weights
+    # dtype "gguf": the GGUF file whose quantized blocks serve the small steps (engine/quant.py), and
+    # where the kernel that multiplies with them is built and cached
+    gguf_blocks: Path | None = None
+    cache_dir: Path | None = None
+
+    @property
+    def dtype_name(self) -> str:
+        """The `dtype` setting this model was loaded for, as reports name it."""
+        if self.gguf_blocks is not None:
+            return "gguf"
+        return self.weight_storage or str(self.dtype).removeprefix("torch.")
 
 
 def embedded_model_path() -> Path:
@@ -70,7 +81,10 @@ def fbgemm_available() -> bool:
 
 def resolve_dtype(name: str) -> tuple[torch.dtype, str | None]:
     """(torch dtype, linear weight storage) for a `dtype` setting: "float16" and "int8" keep float32
-    activations and KV, and store the linear weights so."""
+    activations and KV, and store the linear weights so; "gguf" is float32 whose small steps multiply
+    with the GGUF file's own blocks (chosen by `load_model`, which knows the file)."""
+    if name == "gguf":
+        return torch.float32, None
     if name == "auto":
         if cpu_has_native_bf16():
             return torch.bfloat16, None
@@ -125,6 +139,13 @@ def _dense_from_gguf(path: Path, cache_dir: Path) -> Path:
     return folder
 
 
+def gguf_file(spec: str) -> Path | None:
+    """The .gguf file a `model = ...` setting names (the embedded model is one), else None."""
+    if spec == "embedded":
+        return embedded_model_path()
+    return Path(spec).expanduser() if spec.endswith(".gguf") else None
+
+
 def resolve_source(spec: str, cache_dir: Path) -> tuple[str, str]:
     """(name for logs, folder or hub id to pass to from_pretrained) for a `model = ...` setting."""
     if spec == "embedded":
@@ -154,6 +175,13 @@ def load_model(
 
     n_threads = threads or os.cpu_count() or 1
     torch.set_num_threads(n_threads)
+    gguf = gguf_file(spec)
+    if dtype == "gguf" and gguf is None:
+        raise ModelLoadError(f"dtype gguf needs a .gguf model file; {spec} is not one")
+    if dtype == "auto" and gguf is not None:
+        # The file's own blocks at batch 1 (a quarter of float16's bytes a step) and exact float32
+        # everywhere else: the fastest lone stream whose answers stay those of float32.
+        dtype = "gguf"
     torch_dtype, storage = resolve_dtype(dtype)
     if storage and not fbgemm_available():
         raise ModelLoadError(f"dtype {dtype} needs torch's fbgemm backend (x86 CPUs); use float32")
@@ -188,6 +216,8 @@ def load_model(
         dtype=torch_dtype,
         threads=n_threads,
         weight_storage=storage,
+        gguf_blocks=gguf if dtype == "gguf" else None,
+        cache_dir=cache,
     )
 
 

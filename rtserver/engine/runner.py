@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from .backend import SamplingParams
 from .kv import KVCacheManager, KVHandle
 from .plan import StepItem
+from .quant import QuantizedWeight, quantized_matmul
 from .sequence import Sequence
 
 if TYPE_CHECKING:
@@ -47,7 +48,15 @@ class Linear:
     - "float16": float16 weights, float32 math (fbgemm's fp16 GEMM converts them on the fly): fewer
       bytes to stream per step (batch-1 decoding streams every weight), outputs equal up to rounding;
     - "int8": per-output-channel int8 weights with activations quantized on the fly per batch (fbgemm's
-      dynamic linear): a quarter of the bytes, integer SIMD, answers change noticeably."""
+      dynamic linear): a quarter of the bytes, integer SIMD, answers change noticeably.
+
+    A linear may also hold its weight as a GGUF file's quantized blocks (`small`, see quant.py): steps
+    of at most `small_rows` rows (batch-1 decoding: every weight streamed for one token) multiply with
+    the blocks through the fused kernel, bigger steps (compute-bound) with the dense weight."""
+
+    small: QuantizedWeight | None = None
+    small_rows = 0
+    kernel: Any = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str | None = None):
         self.out_features = weight.shape[0]
@@ -86,7 +95,15 @@ class Linear:
         self.onednn, self.weight = packed, None
         return True
 
+    def use_blocks(self, blocks: QuantizedWeight, kernel: Any, max_rows: int) -> None:
+        if blocks.shape != (self.out_features, blocks.shape[1]):
+            raise ValueError(f"blocks of shape {blocks.shape} do not fit {self.out_features} output rows")
+        self.small, self.kernel, self.small_rows = blocks, kernel, max_rows
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and x.shape[0] <= self.small_rows:
+            y = quantized_matmul(self.kernel, x.float().contiguous(), self.small)
+            return (y if self.bias is None else y + self.bias).to(x.dtype)
         if self.storage == "float16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.packed is not None:
@@ -283,6 +300,8 @@ class ModelRunner:
         cos, sin = inner.rotary_emb(torch.zeros(1, dtype=self.dtype), pos)
         self.cos, self.sin = cos[0], sin[0]
         self.vocab_size = self.lm_head.out_features
+        self.attention_kernel: Any = None  # see use_attention_kernel
+        self.fused_decode_rows = 0  # decode steps of up to this many rows run fused (use_quantized_blocks)
         if release_dense_weights:
             self.release_dense_weights()
 
@@ -307,6 +326,40 @@ class ModelRunner:
         else:
             return
         _drop_parameters(self.model)
+
+    def use_attention_kernel(self, kernel: Any) -> bool:
+        """Decode attention through the kernel's `decode_attention` (float32 KV pools only)."""
+        if self.kv.k.dtype != torch.float32:
+            return False
+        self.attention_kernel = kernel
+        return True
+
+    def use_quantized_blocks(self, blocks: dict[str, QuantizedWeight], kernel: Any, max_rows: int) -> int:
+        """Give every linear whose weight the file ships in quantized blocks (`quant.read_gguf_weights`)
+        the kernel path for steps of at most `max_rows` rows; returns how many linears got it. The dense
+        weights stay for bigger steps."""
+        used = 0
+
+        def attach(lin: Linear, names: list[str]) -> None:
+            nonlocal used
+            if all(n in blocks for n in names):
+                lin.use_blocks(QuantizedWeight.cat([blocks[n] for n in names]), kernel, max_rows)
+                used += 1
+
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attach(L.qkv, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+            attach(L.o, [p + "self_attn.o_proj.weight"])
+            attach(L.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            attach(L.down, [p + "mlp.down_proj.weight"])
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        attach(self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"])
+        every_layer = all(
+            lin.small is not None for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)
+        )
+        if every_layer and self.attention_kernel is not None and self.dtype == torch.float32:
+            self.fused_decode_rows = max_rows
+        return used
 
     # -- pieces -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -367,7 +420,8 @@ class ModelRunner:
         if min(lengths) < lmax:
             mask = (torch.arange(lmax)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
         rows = torch.tensor([row_offsets[i] for i in group], dtype=torch.long)
-        return rows, ctx_index.view(-1), (len(group), lmax, self.n_kv, self.head_dim), mask
+        shape = (len(group), lmax, self.n_kv, self.head_dim)
+        return rows, ctx_index.view(-1), shape, mask, ctx_index, torch.tensor(lengths, dtype=torch.long)
 
     # -- the forward ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -392,8 +446,15 @@ class ModelRunner:
         for it in items:
             row_offsets.append(off)
             off += len(it.tokens)
-        decodes = [self._decode_group(items, group, row_offsets) for group in _decode_groups(items)]
-        prefills = [self._prefill_group(items, group, row_offsets) for group in _prefill_groups(items)]
+        # A step of single-token decodes small enough for the quantized blocks runs each layer as one
+        # fused kernel call (engine/kernels/quant.cpp: decode_layer), the same arithmetic as below.
+        fused = self.fused_decode_rows >= T and all(
+            len(it.tokens) == 1 and it.logits == "last" and it.pool_from is None for it in items
+        )
+        decodes, prefills = [], []
+        if not fused:
+            decodes = [self._decode_group(items, g, row_offsets) for g in _decode_groups(items)]
+            prefills = [self._prefill_group(items, g, row_offsets) for g in _prefill_groups(items)]
 
         # Rows whose hidden state leaves the last layer: the last token of a chunk, or all for scoring.
         wanted_rows: list[int] = []
@@ -425,7 +486,9 @@ class ModelRunner:
 
         x = self.embed[ids]
         k_pool, v_pool = self.kv.k, self.kv.v
-        for li, L in enumerate(self.layers):
+        if fused:
+            x = self._fused_decode_layers(items, x, pos, write_slots)
+        for li, L in enumerate([] if fused else self.layers):
             h = self._rms(x, L.ln1)
             qkv = L.qkv(h)
             # q and k side by side in one RoPE (the same elementwise arithmetic, half the small ops)
@@ -437,7 +500,12 @@ class ModelRunner:
             kl.index_copy_(0, write_slots, k)
             vl.index_copy_(0, write_slots, v)
             attn = torch.empty(T, self.n_kv, self.group, self.head_dim, dtype=x.dtype)
-            for rows, ctx_index, ctx_shape, mask in decodes:
+            for rows, ctx_index, ctx_shape, mask, ctx_slots, lengths in decodes:
+                if self.attention_kernel is not None:  # reads the pool in place: no gather, no mask
+                    kernel = self.attention_kernel
+                    o = kernel.decode_attention(q[rows], kl, vl, ctx_slots, lengths, self.scale)
+                    attn[rows] = o.view(-1, self.n_kv, self.group, self.head_dim)
+                    continue
                 # [B, kv, group, d] queries against [B, kv, L, d] keys: GQA without repeating K/V.
                 qd = q[rows].view(-1, self.n_kv, self.group, self.head_dim)
                 kd, vd = _context(kl, ctx_index, ctx_shape), _context(vl, ctx_index, ctx_shape)
@@ -498,6 +566,41 @@ class ModelRunner:
                 out[i] = logits[at : at + asked[i][1]]
                 at += asked[i][1]
         return out
+
+    def _fused_decode_layers(
+        self, items: list[StepItem], x: torch.Tensor, pos: torch.Tensor, write_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Every layer of a decode step through the kernel's `decode_layer`: one call per layer."""
+        lengths = [it.start + 1 for it in items]
+        table = torch.zeros(len(items), max(lengths), dtype=torch.long)
+        for r, it in enumerate(items):
+            table[r, : lengths[r]] = it.kv.slots[: lengths[r]]
+        lengths_t = torch.tensor(lengths, dtype=torch.long)
+        cos, sin = self.cos[pos], self.sin[pos]
+        decode_layer = self.attention_kernel.decode_layer
+        for li, L in enumerate(self.layers):
+            assert L.qkv.small and L.o.small and L.gate_up.small and L.down.small  # see use_quantized_blocks
+            x = decode_layer(
+                x,
+                L.ln1,
+                *L.qkv.small.args,
+                L.qkv.bias,
+                *L.o.small.args,
+                L.ln2,
+                *L.gate_up.small.args,
+                *L.down.small.args,
+                cos,
+                sin,
+                self.kv.k[li],
+                self.kv.v[li],
+                write_slots,
+                table,
+                lengths_t,
+                self.n_heads,
+                self.eps,
+                self.scale,
+            )
+        return x
 
     def _column_logits(self, hs: torch.Tensor, columns: list[int]) -> torch.Tensor:
         """Logits of a few vocabulary entries: those rows of the output head, not the whole matmul."""

@@ -1,0 +1,236 @@
+"""Weights kept in the quantized blocks a GGUF file ships (Q4_1, Q8_0): reading them, the fused
+dequantize-matmul kernel that multiplies with them (C++, built once per CPU and cached), and its
+pure-torch twin the tests compare it with.
+
+Batch-1 decoding streams every weight once per step, so its speed is the bytes per weight: a Q4_1 block
+is 5 bits a weight against float16's 16. The kernel dequantizes each block in registers exactly as the
+GGUF reader does (d * q, then + m, in float32), so a quantized matmul equals the float32 engine's (which
+runs the same file's dequantized weights) up to the order of the sums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("rtserver.quant")
+
+BLOCK = 32
+# bytes of one block's quants and of its float16 scale fields, per format
+FORMATS = {"Q4_1": (16, 2), "Q8_0": (32, 1)}
+KERNEL_SOURCE = Path(__file__).parent / "kernels" / "quant.cpp"
+
+# GGUF tensor name (within a block) → the transformers Llama/Qwen2 parameter it becomes
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass
+class QuantizedWeight:
+    """A [out_features, in_features] weight as blocks of 32 along each row: `qs` the quants
+    ([out, in / 32 * quant bytes], uint8) and `scales` the float16 fields ([out, in / 32, fields])."""
+
+    format: str  # "Q4_1" | "Q8_0"
+    qs: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.qs.shape[1] // FORMATS[self.format][0] * BLOCK
+
+    @property
+    def args(self) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """How the kernel's functions take a weight: format, quants, scales."""
+        return self.format, self.qs, self.scales
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() + self.scales.numel() * 2
+
+    @staticmethod
+    def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
+        """Several weights over the same input as one (rows stacked), as the runner fuses q/k/v."""
+        fmt = {w.format for w in weights}
+        if len(fmt) != 1:
+            raise ValueError(f"cannot fuse weights of formats {sorted(fmt)}")
+        return QuantizedWeight(
+            fmt.pop(), torch.cat([w.qs for w in weights]), torch.cat([w.scales for w in weights])
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight, with the GGUF reader's arithmetic."""
+        n, k = self.shape
+        s = self.scales.float()
+        if self.format == "Q8_0":
+            q = self.qs.view(torch.int8).view(n, k // BLOCK, BLOCK).float()
+            return (s[..., :1] * q).view(n, k)
+        b = self.qs.view(n, k // BLOCK, 16)
+        q = torch.cat([b & 15, b >> 4], dim=-1).float()
+        return (s[..., :1] * q + s[..., 1:2]).view(n, k)
+
+
+def read_gguf_weights(
+    path: Path, model_type: str, n_heads: int, n_kv_heads: int
+) -> dict[str, QuantizedWeight]:
+    """The quantized linear weights of a GGUF file under their transformers names; tensors in other
+    formats (float, K-quants) are left out (the runner keeps those dense)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    out: dict[str, QuantizedWeight] = {}
+    for t in reader.tensors:
+        fmt = t.tensor_type.name
+        if fmt not in FORMATS:
+            continue
+        parts = t.name.split(".")
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        elif parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+            name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+        else:
+            continue
+        raw = np.asarray(t.data)  # [rows, blocks * bytes per block]
+        qbytes, fields = FORMATS[fmt]
+        rows = raw.shape[0]
+        blocks = raw.reshape(rows, -1, 2 * fields + qbytes)
+        if model_type == "llama" and parts[-2] in ("attn_q", "attn_k"):
+            # llama.cpp stores q/k rows permuted for its RoPE layout; transformers undoes it on load
+            heads = n_heads if parts[-2] == "attn_q" else n_kv_heads
+            blocks = blocks.reshape(heads, rows // heads // 2, 2, *blocks.shape[1:]).swapaxes(1, 2)
+            blocks = blocks.reshape(rows, -1, 2 * fields + qbytes)
+        scales = np.ascontiguousarray(blocks[..., : 2 * fields]).view(np.float16)
+        qs = np.ascontiguousarray(blocks[..., 2 * fields :]).reshape(rows, -1)
+        out[name] = QuantizedWeight(fmt, torch.from_numpy(qs), torch.from_numpy(scales.copy()))
+    return out
+
+
+def reference_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x @ W.T through the dequantized float32 weight: what the kernel must equal up to rounding."""
+    return F.linear(x.float(), w.dequantize())
+
+
+# -- the kernel --------------------------------------------------------------------------------------
+_lock = threading.Lock()
+_kernel: Any = None
+_kernel_error: str | None = None
+
+
+def cpu_key() -> str:
+    """Names the instruction sets the kernel is compiled for: a cache built on another CPU is not used."""
+    try:
+        flags = next(
+            (
+                line.split(":", 1)[1].split()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("flags")
+            ),
+            [],
+        )
+    except OSError:
+        flags = []
+    simd = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c")))
+    src = KERNEL_SOURCE.read_bytes()
+    what = " ".join([*simd, torch.__version__, platform.machine()]).encode()
+    h = hashlib.sha256(src + what)
+    return h.hexdigest()[:16]
+
+
+def load_kernel(cache_dir: Path) -> Any:
+    """The compiled kernel module, built on first use into `cache_dir/kernels/<cpu key>` (a C++
+    compiler and ninja are needed once; ~1 min); None where it cannot be built (the reason is logged
+    and kept in `kernel_error()`; the engine then keeps its weights dense)."""
+    global _kernel, _kernel_error
+    with _lock:
+        if _kernel is not None or _kernel_error is not None:
+            return _kernel
+        try:
+            from torch.utils import cpp_extension
+
+            _put_ninja_on_path()
+            key = cpu_key()
+            build = cache_dir / "kernels" / key
+            build.mkdir(parents=True, exist_ok=True)
+            _kernel = cpp_extension.load(
+                name=f"rtserver_quant_{key}",
+                sources=[str(KERNEL_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+                build_directory=str(build),
+                verbose=False,
+            )
+        except Exception as exc:  # compiler missing, build failure, import failure: all mean "no kernel"
+            lines = str(exc).strip().splitlines()
+            _kernel_error = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+            log.warning("quantized kernel unavailable, weights stay dense (%s)", _kernel_error)
+        return _kernel
+
+
+def _put_ninja_on_path() -> None:
+    """torch's extension builder runs `ninja` from PATH; the pip package's binary is not there when the
+    virtualenv is not activated (`.venv/bin/rtserver serve`)."""
+    try:
+        import ninja
+    except ImportError:
+        return  # a system ninja may still be on PATH
+    bin_dir = str(ninja.BIN_DIR)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def kernel_error() -> str | None:
+    return _kernel_error
+
+
+def quantized_matmul(kernel: Any, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] float32 @ W.T → [M, N] float32 through the kernel."""
+    if w.format == "Q4_1":
+        return kernel.q4_1_mm(x, w.qs, w.scales)
+    return kernel.q8_0_mm(x, w.qs, w.scales)
+
+
+def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, QuantizedWeight], repeats: int = 7) -> int:
+    """The largest step size (rows, up to 16) at which the kernel beats the runner's dense path on one
+    layer's MLP weights, every smaller size beating it too; 0 if it never does. The two are timed in
+    turns and the best of each kept, so load from other processes slows both alike. ~0.1 s at start."""
+    i = len(runner.layers) // 2
+    layer = runner.layers[i]
+    p = f"model.layers.{i}.mlp."
+    if not all(p + n in blocks for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+        return 0
+    gate_up = QuantizedWeight.cat([blocks[p + "gate_proj.weight"], blocks[p + "up_proj.weight"]])
+    down = blocks[p + "down_proj.weight"]
+    rows = 0
+    with torch.inference_mode():
+        for m in (1, 2, 4, 8, 16):
+            x, h = torch.randn(m, gate_up.shape[1]), torch.randn(m, down.shape[1])
+            best = [float("inf"), float("inf")]
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                layer.gate_up(x), layer.down(h)
+                t1 = time.perf_counter()
+                quantized_matmul(kernel, x, gate_up), quantized_matmul(kernel, h, down)
+                t2 = time.perf_counter()
+                best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+            if best[1] >= best[0]:
+                break
+            rows = m
+    return rows

@@ -1,0 +1,208 @@
+"""The GGUF file's quantized blocks (engine/quant.py) and the kernel that multiplies with them: blocks
+read from the file equal the dense weights exactly, the kernel equals a float32 matmul of the
+dequantized weights up to rounding, decode attention over the paged pool equals SDPA, and the engine
+in dtype gguf answers as float32 does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rtserver.config import EngineSettings
+from rtserver.engine import quant
+from rtserver.engine.backend import SamplingParams
+from rtserver.engine.kv import KVCacheManager
+from rtserver.engine.model import LoadedModel, embedded_model_path
+from rtserver.engine.plan import StepItem
+from rtserver.engine.runner import ModelRunner
+from rtserver.engine.sequence import Sequence
+
+from .conftest import chat_prompt
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = quant.load_kernel(Path("~/.cache/rtserver").expanduser())
+    if k is None:  # the default dtype depends on it: a machine that cannot build it must say so
+        pytest.fail(f"the quantized kernel did not build: {quant.kernel_error()}")
+    return k
+
+
+@pytest.fixture(scope="module")
+def blocks(smol):
+    cfg = smol.model.config
+    return quant.read_gguf_weights(
+        embedded_model_path(), cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads
+    )
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int) -> quant.QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    qbytes, fields = quant.FORMATS[fmt]
+    qs = torch.randint(0, 256, (n, k // 32 * qbytes), generator=g, dtype=torch.uint8)
+    scales = (torch.randn(n, k // 32, fields, generator=g) * 0.05).half()
+    return quant.QuantizedWeight(fmt, qs, scales)
+
+
+def test_blocks_read_from_the_file_equal_the_dense_weights(smol, blocks):
+    """Every quantized tensor of the embedded file, dequantized, is bit-equal to the weight transformers
+    loaded (q/k rows un-permuted the same way); the tied output head comes from the embedding."""
+    dense = smol.model.state_dict()
+    assert len(blocks) == 7 * smol.model.config.num_hidden_layers + 1
+    assert {b.format for b in blocks.values()} == {"Q4_1", "Q8_0"}
+    for name, w in blocks.items():
+        assert torch.equal(w.dequantize(), dense[name]), name
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kernel, fmt):
+    """Row counts 1..9 cross the kernel's 4-row passes; widths 64 and 1536 one and many blocks."""
+    for k in (64, 1536):
+        w = random_blocks(fmt, 72, k, seed=k)
+        for m in range(1, 10):
+            x = torch.randn(m, k)
+            got = quant.quantized_matmul(kernel, x, w)
+            torch.testing.assert_close(got, quant.reference_matmul(x, w), rtol=1e-4, atol=1e-3)
+
+
+def test_kernel_on_the_real_weights(kernel, blocks):
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        x = torch.randn(3, blocks[name].shape[1])
+        got = quant.quantized_matmul(kernel, x, blocks[name])
+        torch.testing.assert_close(got, F.linear(x, blocks[name].dequantize()), rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_refuses_what_it_cannot_multiply(kernel):
+    w = random_blocks("Q4_1", 8, 64, seed=1)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        quant.quantized_matmul(kernel, torch.randn(2, 64, dtype=torch.float64), w)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        quant.quantized_matmul(kernel, torch.randn(2, 48), w)
+    with pytest.raises(RuntimeError, match="do not match"):
+        quant.quantized_matmul(kernel, torch.randn(2, 96), w)
+
+
+def test_decode_attention_reads_the_pool_in_place_like_sdpa(kernel):
+    torch.manual_seed(0)
+    slots, kv_heads, d, heads = 300, 3, 64, 9
+    k_pool, v_pool = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
+    lengths = [1, 5, 40, 17]
+    table = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for r, n in enumerate(lengths):
+        table[r, :n] = torch.randperm(slots - 1)[:n] + 1
+    q = torch.randn(len(lengths), heads, d)
+    got = kernel.decode_attention(q, k_pool, v_pool, table, torch.tensor(lengths), d**-0.5)
+    for r, n in enumerate(lengths):
+        k, v = k_pool[table[r, :n]].transpose(0, 1), v_pool[table[r, :n]].transpose(0, 1)
+        want = F.scaled_dot_product_attention(q[r].view(kv_heads, heads // kv_heads, d), k, v, scale=d**-0.5)
+        torch.testing.assert_close(got[r], want.reshape(heads, d), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        bad = table.clone()
+        bad[0, 0] = slots
+        kernel.decode_attention(q, k_pool, v_pool, bad, torch.tensor(lengths), 1.0)
+
+
+def _greedy(runner: ModelRunner, kv: KVCacheManager, tok, prompts: list[list[int]], n: int) -> list[int]:
+    out = []
+    for ids in prompts:
+        seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
+        seq.kv, _ = kv.acquire(ids, len(ids) + n)
+        start, step = 0, ids
+        for _ in range(n):
+            (logits,) = runner.forward([StepItem(seq, seq.kv, start, step, "last")])
+            start += len(step)
+            step = [int(logits[-1].argmax())]
+            out.append(step[0])
+        kv.release(seq.kv)
+    return out
+
+
+def test_small_steps_on_the_blocks_answer_as_float32(smol, kernel, blocks):
+    """Decode steps (one row) through the fused decode layers give float32's greedy tokens."""
+    tok = smol.tokenizer
+    prompts = [chat_prompt(tok, t) for t in ("Tell me a short fact about the number 7.", "Name a colour.")]
+    cfg = smol.model.config
+    answers = []
+    for use in (False, True):
+        kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
+        runner = ModelRunner(smol.model, kv, 512)
+        if use:
+            assert runner.use_attention_kernel(kernel)
+            assert runner.use_quantized_blocks(blocks, kernel, 1) == 4 * cfg.num_hidden_layers + 1
+            assert runner.fused_decode_rows == 1
+        answers.append(_greedy(runner, kv, tok, prompts, 16))
+    assert answers[1] == answers[0]
+
+
+def test_engine_in_dtype_gguf_says_what_it_chose(smol, kernel, monkeypatch, tmp_path):
+    from rtserver.engine.core import Engine
+
+    loaded = LoadedModel(
+        model=smol.model,
+        tokenizer=smol.tokenizer,
+        name=smol.name,
+        dtype=torch.float32,
+        threads=2,
+        gguf_blocks=embedded_model_path(),
+        cache_dir=Path("~/.cache/rtserver").expanduser(),
+    )
+    settings = EngineSettings(kv_budget_mb=16)
+    engine = Engine(loaded, settings)
+    chosen = engine.health()["kernels"]
+    assert loaded.dtype_name == "gguf" and chosen["weights"] == "float32"
+    if chosen.get("small_step_max_rows"):
+        assert "Q4_1" in chosen["small_steps"] and "probe" in chosen["why"]
+    # No compiler (or a failed build): plain float32, and /health says why.
+    monkeypatch.setattr("rtserver.engine.core.load_kernel", lambda cache: None)
+    monkeypatch.setattr("rtserver.engine.core.kernel_error", lambda: "CalledProcessError: no c++")
+    fallback = Engine(loaded, settings).health()["kernels"]
+    why = "the quantized kernel could not be built (CalledProcessError: no c++)"
+    assert fallback == {"weights": "float32", "why": why}
+
+
+def quantize_q8_0(w: torch.Tensor) -> quant.QuantizedWeight:
+    n, k = w.shape
+    blocks = w.view(n, k // 32, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half()
+    q = torch.round(blocks / d.float().clamp(min=1e-8)).clamp(-127, 127).to(torch.int8)
+    return quant.QuantizedWeight("Q8_0", q.view(torch.uint8).reshape(n, k), d)
+
+
+def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, kernel):
+    """A Qwen2 model (q/k/v biases, GQA) on Q8_0 blocks: decode steps of several rows with different
+    context lengths through the fused layers give the logits of the torch forward over the same
+    (dequantized) weights."""
+    import copy
+
+    model = copy.deepcopy(tiny_qwen2.model)
+    blocks = {}
+    for name, param in model.named_parameters():
+        if param.dim() == 2 and "embed" not in name:
+            blocks[name] = quantize_q8_0(param.data)
+            param.data = blocks[name].dequantize()
+    cfg = model.config
+    results = []
+    for fused in (False, True):
+        kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, 4 << 20, 16)
+        runner = ModelRunner(model, kv, 512)
+        if fused:
+            runner.use_attention_kernel(kernel)
+            runner.use_quantized_blocks(blocks, kernel, 8)
+            assert runner.fused_decode_rows == 8
+        torch.manual_seed(1)
+        seqs = []
+        for n in (3, 20, 41):
+            ids = torch.randint(0, cfg.vocab_size, (n,)).tolist()
+            seq = Sequence(ids, SamplingParams(), tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
+            seq.kv, _ = kv.acquire(ids, n + 4)
+            runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])  # prefill: the torch path
+            seqs.append((seq, n))
+        steps = []
+        for t in range(3):
+            items = [StepItem(seq, seq.kv, n + t, [7 + t], "last") for seq, n in seqs]
+            steps.append(torch.cat(runner.forward(items)))
+        results.append(torch.stack(steps))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)

@@ -88,6 +88,8 @@ SYSTEMS = {
         "peak_rss_mb": 300.0,
     },
     "rtserver-auto": {
+        "dtype": "auto",
+        "runs_as": "bfloat16",
         "burst": {
             "tokens_per_s": 150.0,
             "ttft_p50_ms": 500.0,
@@ -137,12 +139,12 @@ def test_chart_has_one_bar_per_figure_scaled_to_the_panel():
     rows = chart.chart_rows(report)
     burst_tps = [(system, value) for system, _, panel, value in rows if panel.startswith("burst: tokens/s")]
     assert burst_tps == [
-        ("llama-server", 100.0),
-        ("rtserver-auto", 150.0),
+        ("llama.cpp llama-server (Q4_1)", 100.0),
+        ("rtserver serve auto = bfloat16", 150.0),
         ("engine float16 (in-process)", 200.0),
         ("transformers generate_batch float32", 50.0),
     ]
-    assert ("llama-server", "llama-server", chart.PANELS[3][0], 0.8) in rows  # arrival TTFT, in s
+    assert ("llama.cpp llama-server (Q4_1)", "llama-server", chart.PANELS[3][0], 0.8) in rows  # TTFT in s
     svg = ET.fromstring(chart.render_svg(rows, "a <title> & more"))
     ns = "{http://www.w3.org/2000/svg}"
     bars = svg.findall(f"{ns}rect")[1:]  # the first one is the background
@@ -150,7 +152,7 @@ def test_chart_has_one_bar_per_figure_scaled_to_the_panel():
     widths = [float(b.get("width")) for b in bars[:4]]  # the burst tokens/s panel, in the rows' order
     assert widths[2] == max(widths) and widths[0] == pytest.approx(widths[2] / 2)
     texts = [t.text for t in svg.findall(f"{ns}text")]
-    assert "a <title> & more" in texts and "200.0" in texts and "0.8 s" in texts
+    assert "a <title> & more" in texts and "200.0" in texts and "0.80 s" in texts
 
 
 def test_write_chart_skips_a_report_without_figures(tmp_path):
@@ -195,6 +197,7 @@ def test_servers_comparison_on_a_tiny_budget(monkeypatch, tmp_path):
         assert s["arrival"]["arrivals"] == 3 and s["arrival"]["exact_token_counts"]
         assert s["arrival"]["background_ended_early"] == 0 and s["arrival"]["decode_step_ms"] > 0
         assert s["peak_rss_mb"] > 50
+    assert out["systems"]["rtserver-float32"]["runs_as"] == "float32"
     # the same prompts reach both: the chat template's default system prompt on each side
     prompts = [s["burst"]["prompt_tokens_mean"] for s in out["systems"].values()]
     assert prompts[0] == prompts[1]

@@ -663,6 +663,25 @@ def peak_rss_since_reset_mb() -> float:
     return peak_rss_mb()
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the instruction sets that change which dtype and kernels win here
+    (figures from machines of another kind are not comparable)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    wanted = [("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "bf16"), ("amx_bf16", "AMX")]
+    present = [label for flag, label in wanted if flag in flags]
+    return f"{name} ({', '.join(present)})" if present else name
+
+
 def dtype_label(loaded: LoadedModel) -> str:
     return loaded.weight_storage or str(loaded.dtype).removeprefix("torch.")
 
@@ -692,7 +711,7 @@ def run_bench(
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": _commit(),
         "threads": threads,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_description(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "workloads": workloads,
@@ -767,8 +786,9 @@ def run_bench(
     chart = write_chart(report, path.with_suffix(".svg"))
     width = max(len(r[0]) for r in report["table"])
     print(
-        f"\nrtserver bench — {report['date']} commit {report['commit']} model {report.get('model')} "
-        f"threads {report['threads']}; baselines in {report.get('baseline_dtype', '-')}"
+        f"\nrtserver bench — {report['date']} commit {report['commit']} "
+        f"model {report.get('model', 'embedded')} on {report['cpu']}, threads {report['threads']}; "
+        f"baselines in {report.get('baseline_dtype', '-')}"
     )
     for name, value, bar in report["table"]:
         print(f"  {name:<{width}}  {value:>24}  {bar}")

@@ -35,7 +35,11 @@ def chart_rows(report: dict) -> list[Row]:
                 rows.append((system, family, title, value * scale))
 
     for name, s in (report.get("servers") or {}).get("systems", {}).items():
-        add(name, "llama-server" if name == "llama-server" else "rtserver", s)
+        if name == "llama-server":
+            add("llama.cpp llama-server (Q4_1)", "llama-server", s)
+        else:
+            runs_as = f" = {s['runs_as']}" if s.get("runs_as") not in (None, s.get("dtype")) else ""
+            add(f"rtserver serve {s.get('dtype', '')}{runs_as}", "rtserver", s)
     for label, result in (report.get("engine") or {}).items():
         add(f"engine {label} (in-process)", "engine", result)
     base = report.get("baselines") or {}
@@ -67,10 +71,11 @@ def render_svg(rows: list[Row], title: str, width: int = 760) -> str:
         for system, family, _, value in bars:
             w = max(1.0, plot_w * value / top)
             colour = COLOURS.get(family, "#999")
+            shown = f"{value:,.{2 if unit else 1}f}{unit}"  # seconds with 2 decimals
             parts.append(
                 f'<text x="{label_w - 6}" y="{y + bar_h - 5}" text-anchor="end">{escape(system)}</text>'
                 f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colour}"/>'
-                f'<text x="{label_w + w + 4:.1f}" y="{y + bar_h - 5}">{value:,.1f}{unit}</text>'
+                f'<text x="{label_w + w + 4:.1f}" y="{y + bar_h - 5}">{shown}</text>'
             )
             y += bar_h + gap
         y += 14

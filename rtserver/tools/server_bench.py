@@ -259,7 +259,16 @@ def run_rtserver(
         result["health"] = server.health()
     finally:
         server.stop()
-    return {"system": "rtserver", "dtype": dtype, "ready_s": ready_s, **result}
+    return {"system": "rtserver", "dtype": dtype, "runs_as": runs_as(dtype), "ready_s": ready_s, **result}
+
+
+def runs_as(dtype: str) -> str:
+    """What a dtype setting means on this CPU (`auto` chooses per CPU): the server process, on the same
+    machine, resolves it the same way."""
+    from ..engine.model import resolve_dtype
+
+    torch_dtype, storage = resolve_dtype(dtype)
+    return storage or str(torch_dtype).removeprefix("torch.")
 
 
 def run_servers_bench(

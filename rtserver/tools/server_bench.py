@@ -252,7 +252,7 @@ def run_rtserver(
     )
     label = f"rtserver {dtype}"
     print(f"  [{label}] starting (log {server.log_path})", flush=True)
-    ready_s = server.start(timeout_s=300)
+    ready_s = server.start(timeout_s=600)  # a loaded machine reads the weights slowly (seen: 300 s)
     try:
         result = asyncio.run(run_workloads(server.base, workloads, {}, Progress(label), arrivals))
         result["peak_rss_mb"] = peak_rss_mb(server.proc.pid if server.proc else -1)

@@ -9,8 +9,10 @@ import sys
 
 from .config import DTYPES, ConfigError, load_settings
 
-BENCH_WORKLOADS = ["burst", "single", "arrival", "multi-turn", "sentiment", "e2e", "remote"]
-DEFAULT_WORKLOADS = BENCH_WORKLOADS[:-1]  # "remote" builds and runs llama-server: asked for by name
+BENCH_WORKLOADS = ["burst", "single", "arrival", "multi-turn", "sentiment", "e2e", "servers", "remote"]
+# "servers": llama-server beside `rtserver serve` (builds llama-server the first time; alone, the quick
+# re-run after an engine change); "remote" (the hub in front of llama-server) is asked for by name
+DEFAULT_WORKLOADS = BENCH_WORKLOADS[:-1]
 
 
 def _settings(args: argparse.Namespace):
@@ -70,6 +72,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.naive_requests,
         args.out,
         args.config,
+        settings.model.threads,
     )
     return 0
 
@@ -114,7 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int)
     serve.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="measure the engine and baselines side by side", parents=[common])
-    bench.add_argument("--workloads", help=f"comma-separated subset of {','.join(BENCH_WORKLOADS)}")
+    bench.add_argument(
+        "--workloads",
+        help=f"comma-separated subset of {','.join(BENCH_WORKLOADS)} (default: all but remote); "
+        "`--workloads servers` runs only llama-server beside `rtserver serve` (each --dtypes)",
+    )
     bench.add_argument(
         "--dtypes",
         help="comma-separated engine dtypes; all workloads run on the first, the "

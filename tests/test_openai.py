@@ -108,3 +108,30 @@ async def test_unsupported_fields_are_refused_with_400(smol):
             assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
             r = await c.post("/v1/chat/completions", json={"model": "m"})
             assert r.status_code == 400
+
+
+async def test_ignore_eos_gives_exactly_max_tokens(smol):
+    """`ignore_eos` (what the bench sends every server): a reply that ends at EOS well before max_tokens
+    without it goes on to exactly max_tokens with it, plain and streamed, finish_reason "length"."""
+    settings = make_settings(tasks={"auto_tasks": []})
+    async with serve(create_app(settings, lambda: smol), settings) as (base, url):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
+        common = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "temperature": 0}
+        short = await client.chat.completions.create(**common, max_tokens=40)
+        assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 40, short
+        full = await client.chat.completions.create(**common, max_tokens=40, extra_body={"ignore_eos": True})
+        assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 40
+        assert full.choices[0].message.content.startswith(short.choices[0].message.content)
+        stream = await client.chat.completions.create(
+            **common,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        usage, finish = None, None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for ch in chunk.choices:
+                finish = ch.finish_reason or finish
+        assert usage is not None and usage.completion_tokens == 40 and finish == "length"

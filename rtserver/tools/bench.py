@@ -5,6 +5,12 @@ end compare like with like. Baselines use the very same loaded transformers mode
   (1) naive   — `model.generate` per request, one after another (the write-ups' "before");
   (2) static4 — `model.generate` on static batches of 4, left padded (the write-ups' "after");
   (3) cb      — transformers' own continuous batching, `model.generate_batch`, manager warmed first.
+Every baseline generates exactly the asked tokens (EOS ignored), as the engine does; each row says
+whether its count was exact.
+
+The `servers` workload (tools/server_bench.py) runs llama.cpp's llama-server and a real `rtserver serve`
+one after the other, driven by the same OpenAI streaming clients. A chart of the figures (tools/chart.py)
+is written beside the JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from ..engine.backend import SamplingParams
 from ..engine.core import Engine, return_freed_memory
 from ..engine.model import LoadedModel
 from ..tasks.chat import continue_prompt, finished_turn
+from .chart import write_chart
 from .stats import accuracy, mean, per_second, percentile, ratio
 
 log = logging.getLogger("rtserver.bench")
@@ -98,6 +105,7 @@ async def engine_burst(engine: Engine, prompts: list[list[int]], new_tokens: int
     return {
         "requests": len(prompts),
         "generated_tokens": generated,
+        "exact_token_counts": exact_counts([r.usage.generated_tokens for r in results], new_tokens),
         "wall_s": wall,
         "tokens_per_s": per_second(generated, wall),
         "ttft_p50_ms": percentile(ttfts, 0.5),
@@ -105,6 +113,11 @@ async def engine_burst(engine: Engine, prompts: list[list[int]], new_tokens: int
         **lag.summary(),
         "outputs": [r.token_ids for r in results],
     }
+
+
+def exact_counts(counts: list[int], asked: int) -> bool:
+    """Whether every request generated exactly `asked` tokens (no early EOS, no shrinking batch)."""
+    return bool(counts) and all(c == asked for c in counts)
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
@@ -198,10 +211,8 @@ async def engine_multi_turn(
 
 def hf_naive(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
     started = time.perf_counter()
-    generated = 0
-    ttft = []
+    counts = []
     for p in prompts:
-        t = time.perf_counter()
         out = model.generate(
             torch.tensor([p]),
             attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -210,15 +221,14 @@ def hf_naive(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
             do_sample=False,
             pad_token_id=model.generation_config.pad_token_id or 0,
         )
-        generated += out.shape[1] - len(p)
-        ttft.append((time.perf_counter() - started) * 1000)  # a request's answer arrives all at once
-        del t
+        counts.append(out.shape[1] - len(p))
     wall = time.perf_counter() - started
     return {
         "requests": len(prompts),
-        "generated_tokens": generated,
+        "generated_tokens": sum(counts),
+        "exact_token_counts": exact_counts(counts, new_tokens),
         "wall_s": wall,
-        "tokens_per_s": per_second(generated, wall),
+        "tokens_per_s": per_second(sum(counts), wall),
     }
 
 
@@ -227,7 +237,7 @@ def hf_static_batches(
 ) -> dict:
     pad = model.generation_config.pad_token_id or tokenizer.eos_token_id
     started = time.perf_counter()
-    generated = 0
+    counts: list[int] = []
     for i in range(0, len(prompts), batch):
         group = prompts[i : i + batch]
         width = max(len(p) for p in group)
@@ -241,39 +251,51 @@ def hf_static_batches(
             do_sample=False,
             pad_token_id=pad,
         )
-        generated += (out.shape[1] - width) * len(group)
+        counts += [out.shape[1] - width] * len(group)  # min_new_tokens: no row ends before the others
     wall = time.perf_counter() - started
     return {
         "requests": len(prompts),
-        "generated_tokens": generated,
+        "generated_tokens": sum(counts),
+        "exact_token_counts": exact_counts(counts, new_tokens),
         "wall_s": wall,
-        "tokens_per_s": per_second(generated, wall),
+        "tokens_per_s": per_second(sum(counts), wall),
     }
 
 
 def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
+    """transformers' continuous batching at its best settings here: SDPA attention, no EOS (its
+    `min_new_tokens` is not honoured there: with EOS on, replies end early and its batches shrink), and
+    its manager warmed by one untimed run of the same batch."""
     from transformers import GenerationConfig
 
-    cfg = GenerationConfig(
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        eos_token_id=model.generation_config.eos_token_id,
-        pad_token_id=model.generation_config.pad_token_id or 0,
+    if model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")
+
+    def config(tokens: int) -> GenerationConfig:
+        return GenerationConfig(
+            max_new_tokens=tokens,
+            do_sample=False,
+            eos_token_id=-1,  # no token ends a request: exactly max_new_tokens each
+            pad_token_id=model.generation_config.pad_token_id or 0,
+        )
+
+    # the warm-up is the timed call itself: the manager's cache is sized for the first call's requests
+    model.generate_batch(
+        prompts, generation_config=config(new_tokens), persistent_manager=True, progress_bar=False
     )
-    # Warm the manager (and whatever it compiles) before the clock starts.
-    model.generate_batch(prompts[:2], generation_config=cfg, persistent_manager=True, progress_bar=False)
     started = time.perf_counter()
     outputs = model.generate_batch(
-        prompts, generation_config=cfg, persistent_manager=True, progress_bar=False
+        prompts, generation_config=config(new_tokens), persistent_manager=True, progress_bar=False
     )
     wall = time.perf_counter() - started
-    generated = sum(len(o.generated_tokens) for o in outputs.values())
+    counts = [len(o.generated_tokens) for o in outputs.values()]
     return {
         "requests": len(prompts),
-        "generated_tokens": generated,
+        "generated_tokens": sum(counts),
+        "exact_token_counts": len(counts) == len(prompts) and exact_counts(counts, new_tokens),
+        "attn_implementation": model.config._attn_implementation,
         "wall_s": wall,
-        "tokens_per_s": per_second(generated, wall),
+        "tokens_per_s": per_second(sum(counts), wall),
     }
 
 
@@ -296,7 +318,14 @@ def _commit() -> str:
         return "unknown"
 
 
-async def run_engine_workloads(loaded: LoadedModel, options: EngineSettings, workloads: list[str]) -> dict:
+def say(line: str) -> None:
+    """Progress while the bench runs: which system, which workload."""
+    print(line, flush=True)
+
+
+async def run_engine_workloads(
+    loaded: LoadedModel, options: EngineSettings, workloads: list[str], label: str = "engine"
+) -> dict:
     tok = loaded.tokenizer
     engine = Engine(loaded, options, release_dense_weights=True)  # as `rtserver serve` runs it
     engine.start()
@@ -304,25 +333,32 @@ async def run_engine_workloads(loaded: LoadedModel, options: EngineSettings, wor
     try:
         burst = [chat_ids(tok, t) for t in BURST_TEXTS]
         single = chat_ids(tok, SINGLE_TEXT)
+        say(f"  [{label}] warm-up")
         await engine.generate(single, SamplingParams(max_new_tokens=8)).result()  # warm-up, untimed
         await engine_burst(engine, burst[:4], 4)
         if "burst" in workloads:
+            say(f"  [{label}] burst: 32 x 64 tokens")
             results["burst"] = await engine_burst(engine, burst, 64)
         if "single" in workloads:
+            say(f"  [{label}] single: 1 x 128 tokens")
             results["single"] = await engine_burst(engine, [single], 128)
         if "arrival" in workloads:
+            say(f"  [{label}] arrival: 20 new requests while 32 streams decode")
             results["arrival"] = await engine_arrival(engine, burst, single, 20)
         if "multi-turn" in workloads:
+            say(f"  [{label}] multi-turn: 16 sessions x 6 turns")
             results["multi-turn"] = await engine_multi_turn(engine, tok, 16, 6, 48)
         if "e2e" in workloads:  # the engine-only twin of the end-to-end run below
             from .loadclient import DEFAULT_PROMPTS
 
+            say(f"  [{label}] e2e engine-only twin: 32 sessions x 5 turns")
             results["e2e-engine-only"] = await engine_multi_turn(
                 engine, tok, 32, 5, 64, DEFAULT_PROMPTS, ignore_eos=False
             )
         if "sentiment" in workloads:
             from .sentiment_bench import engine_sentiment
 
+            say(f"  [{label}] sentiment: 256 texts, then the same again")
             results["sentiment"] = await engine_sentiment(engine, tok)
     finally:
         await engine.stop()
@@ -341,16 +377,19 @@ def run_baselines(loaded: LoadedModel, workloads: list[str], naive_requests: int
     )  # warm-up
     out: dict[str, Any] = {}
     if "burst" in workloads:
-        out["burst"] = {
-            "naive": hf_naive(model, burst[:naive_requests], 64),
-            "static4": hf_static_batches(model, tok, burst, 64),
-            "cb": hf_generate_batch(model, burst, 64),
-        }
+        say(f"  [transformers] burst: generate one by one ({naive_requests} requests x 64 tokens)")
+        naive = hf_naive(model, burst[:naive_requests], 64)
+        say("  [transformers] burst: generate in batches of 4 (32 x 64 tokens)")
+        static4 = hf_static_batches(model, tok, burst, 64)
+        say("  [transformers] burst: generate_batch (32 x 64 tokens)")
+        out["burst"] = {"naive": naive, "static4": static4, "cb": hf_generate_batch(model, burst, 64)}
     if "single" in workloads:
+        say("  [transformers] single: generate (1 x 128 tokens)")
         out["single"] = {"naive": hf_naive(model, [single], 128)}
     if "sentiment" in workloads:
         from .sentiment_bench import hf_sentiment_baseline
 
+        say("  [transformers] sentiment: generative, batches of 4")
         out["sentiment"] = hf_sentiment_baseline(model, tok)
     return out
 
@@ -382,9 +421,19 @@ def run_e2e(dtype: str, config: str | None, sessions: int = 32, turns: int = 5, 
         server.stop()
 
 
+def rate(result: dict | None) -> str:
+    """A row's tokens/s and whether it generated exactly the asked tokens ("n/a" when it did not run)."""
+    if not result or result.get("tokens_per_s") is None:
+        return "n/a"
+    exact = result.get("exact_token_counts")
+    counted = f"{result.get('generated_tokens', 0):,} tokens"
+    return f"{result['tokens_per_s']:,.1f} ({counted}, {'exact' if exact else 'NOT exact'})"
+
+
 def summarize(report: dict) -> list[tuple[str, str, str]]:
     """(figure, value, bar) rows for the printed table."""
     e, b = report["engine"], report.get("baselines", {})
+    precision = report.get("baseline_dtype") or "n/a"  # what every ratio to a baseline is taken against
     rows: list[tuple[str, str, str]] = []
 
     def fmt(v: float | None, unit: str = "") -> str:
@@ -392,20 +441,21 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
 
     if "burst" in e:
         eb = e["burst"]["tokens_per_s"]
-        rows.append(("burst tokens/s (engine)", fmt(eb), ""))
+        rows.append(("burst tokens/s (engine)", rate(e["burst"]), ""))
         for name in ("naive", "static4", "cb"):
-            bb = b.get("burst", {}).get(name, {}).get("tokens_per_s")
-            rows.append((f"burst tokens/s baseline {name}", fmt(bb), ""))
+            rows.append(
+                (f"burst tokens/s baseline {name} ({precision})", rate(b.get("burst", {}).get(name)), "")
+            )
         rows.append(
             (
-                "burst ratio vs cb (generate_batch)",
+                f"burst ratio vs cb (generate_batch, {precision})",
                 fmt(ratio(eb, b.get("burst", {}).get("cb", {}).get("tokens_per_s")), "x"),
                 ">= 3x",
             )
         )
         rows.append(
             (
-                "burst ratio vs naive",
+                f"burst ratio vs naive ({precision})",
                 fmt(ratio(eb, b.get("burst", {}).get("naive", {}).get("tokens_per_s")), "x"),
                 ">= 20x",
             )
@@ -426,17 +476,13 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
         )
     if "single" in e:
         es = e["single"]["tokens_per_s"]
-        rows.append(("single tokens/s (engine)", fmt(es), ""))
+        rows.append(("single tokens/s (engine)", rate(e["single"]), ""))
         rows.append(
-            (
-                "single tokens/s baseline naive",
-                fmt(b.get("single", {}).get("naive", {}).get("tokens_per_s")),
-                "",
-            )
+            (f"single tokens/s baseline naive ({precision})", rate(b.get("single", {}).get("naive")), "")
         )
         rows.append(
             (
-                "single ratio vs naive",
+                f"single ratio vs naive ({precision})",
                 fmt(ratio(es, b.get("single", {}).get("naive", {}).get("tokens_per_s")), "x"),
                 ">= 2.5x",
             )
@@ -620,6 +666,25 @@ def peak_rss_since_reset_mb() -> float:
     return peak_rss_mb()
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the instruction sets that change which dtype and kernels win here
+    (figures from machines of another kind are not comparable)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    wanted = [("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "bf16"), ("amx_bf16", "AMX")]
+    present = [label for flag, label in wanted if flag in flags]
+    return f"{name} ({', '.join(present)})" if present else name
+
+
 def dtype_label(loaded: LoadedModel) -> str:
     return loaded.weight_storage or str(loaded.dtype).removeprefix("torch.")
 
@@ -637,15 +702,19 @@ def run_bench(
     naive_requests: int,
     out_dir: str,
     config: str | None = None,
+    threads: int = 0,
 ) -> dict:
     """Engine workloads on the first engine dtype, the burst, single, arrival and sentiment ones on the
-    others too (for speed and agreement with float32), each on a freshly loaded model; then the
-    baselines. The JSON is rewritten after every phase, so an interrupted run still leaves its figures."""
+    others too (for speed and agreement with float32), each on a freshly loaded model; then the servers
+    comparison (llama-server, then `rtserver serve` with each engine dtype); then the baselines. The JSON
+    is rewritten after every phase, so an interrupted run still leaves its figures; a chart of them is
+    written beside it at the end."""
+    threads = threads or os.cpu_count() or 1
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": _commit(),
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
+        "threads": threads,
+        "cpu": cpu_description(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "workloads": workloads,
@@ -654,7 +723,7 @@ def run_bench(
     }
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"bench-{report['date'].replace(':', '')}.json"
-    engine_workloads = [w for w in workloads if w != "remote"]
+    engine_workloads = [w for w in workloads if w not in ("remote", "servers")]
     for i, dtype in enumerate(engine_dtypes if engine_workloads else []):
         gc.collect()
         return_freed_memory()  # what the previous dtype's run left in the heap must not count for this one
@@ -663,20 +732,30 @@ def run_bench(
         report["model"] = loaded.name
         label = dtype_label(loaded)
         mine = engine_workloads if i == 0 else [w for w in workloads if w in EVERY_DTYPE_WORKLOADS]
-        result = asyncio.run(run_engine_workloads(loaded, options, mine))
+        say(f"[engine {label}] in-process: {', '.join(mine)}")
+        result = asyncio.run(run_engine_workloads(loaded, options, mine, f"engine {label}"))
         result["peak_rss_mb"] = peak_rss_since_reset_mb()
         del loaded
         if i == 0 and "e2e" in workloads:
+            say(f"[rtserver {dtype}] e2e: 32 WebSocket sessions x 5 turns")
             result["e2e"] = run_e2e(dtype, config)
         report["engine"][label] = result
+        path.write_text(json.dumps(report, indent=2, default=str))
+    if "servers" in workloads:
+        from .server_bench import run_servers_bench
+
+        say(f"[servers] llama-server, then rtserver serve ({', '.join(engine_dtypes)}), one at a time")
+        report["servers"] = run_servers_bench(engine_dtypes, threads, config)
         path.write_text(json.dumps(report, indent=2, default=str))
     if "remote" in workloads:
         from .remote_bench import run_remote_bench
 
-        report["remote"] = run_remote_bench(torch.get_num_threads())
+        say("[remote] rtserver as a hub in front of llama-server")
+        report["remote"] = run_remote_bench(threads)
         path.write_text(json.dumps(report, indent=2, default=str))
     if baselines and engine_workloads:
         gc.collect()
+        say(f"[transformers] baselines in {baseline_dtype}")
         loaded = load(baseline_dtype)
         report["baseline_dtype"] = dtype_label(loaded)
         report["baselines"] = run_baselines(loaded, workloads, naive_requests)
@@ -692,17 +771,29 @@ def run_bench(
     for label, result in report["engine"].items():
         report["table"] += [
             (f"[{label}] {name}", value, bar)
-            for name, value, bar in summarize({"engine": result, "baselines": report["baselines"]})
+            for name, value, bar in summarize(
+                {
+                    "engine": result,
+                    "baselines": report["baselines"],
+                    "baseline_dtype": report.get("baseline_dtype"),
+                }
+            )
         ]
+    if "servers" in report:
+        from .server_bench import table_rows
+
+        report["table"] += table_rows(report["servers"])
     if "remote" in report:
         report["table"] += remote_rows(report["remote"])
     path.write_text(json.dumps(report, indent=2, default=str))
+    chart = write_chart(report, path.with_suffix(".svg"))
     width = max(len(r[0]) for r in report["table"])
     print(
-        f"\nrtserver bench — {report['date']} commit {report['commit']} model {report.get('model')} "
-        f"threads {report['threads']}; baselines in {report.get('baseline_dtype', '-')}"
+        f"\nrtserver bench — {report['date']} commit {report['commit']} "
+        f"model {report.get('model', 'embedded')} on {report['cpu']}, threads {report['threads']}; "
+        f"baselines in {report.get('baseline_dtype', '-')}"
     )
     for name, value, bar in report["table"]:
         print(f"  {name:<{width}}  {value:>24}  {bar}")
-    print(f"\nwritten to {path}")
+    print(f"\nwritten to {path}" + (f" (chart: {chart})" if chart else ""))
     return report

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,12 @@ async def _chat(url: str, text: str, max_new_tokens: int, timeout_s: float = 300
 # -- server A phases -----------------------------------------------------------------------------------
 
 
+def _auto_tasks(server: ServerProcess) -> list[str]:
+    """The tasks the server runs on every user chat message (its /v1/tasks)."""
+    with urllib.request.urlopen(server.base + "/v1/tasks", timeout=10) as resp:
+        return list(json.loads(resp.read())["auto_tasks"])
+
+
 async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict:
     rss_before = server.rss_mb()
     idle_conns = []
@@ -118,6 +125,7 @@ async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict:
     open_s = time.perf_counter() - opened_at
     await asyncio.sleep(2)
     rss_idle = server.rss_mb()
+    auto_tasks = _auto_tasks(server)
     chat = await run_chat_load(server.ws_url, chatting, turns=2, max_new_tokens=24, timeout_s=600)
     rss_after_chat = server.rss_mb()
 
@@ -146,6 +154,10 @@ async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict:
         "errors": chat["errors"],
         "ttft_p50_ms": chat["ttft_p50_ms"],
         "ttft_p95_ms": chat["ttft_p95_ms"],
+        # the first turns all start at once, each with its auto tasks: the burst the TTFT bar is about
+        "auto_tasks": auto_tasks,
+        "first_turn_ttft_p50_ms": chat["per_turn"][1]["ttft_p50_ms"],
+        "first_turn_ttft_p95_ms": chat["per_turn"][1]["ttft_p95_ms"],
         "tokens_per_s": rounded(chat["tokens_per_s"], 1),
         "rss_before_mb": round(rss_before, 1),
         "rss_with_idle_mb": round(rss_idle, 1),
@@ -657,7 +669,12 @@ def print_report(r: dict) -> None:
                 f"{L['chatting_sessions']} sessions chatting: replies",
                 f"{L['completed_turns']}/{L['expected_turns']}, errors {L['errors'] or 0}",
             ),
-            ("  TTFT p50 / p95", f"{L['ttft_p50_ms']:.0f} / {L['ttft_p95_ms']:.0f} ms"),
+            ("  TTFT p50 / p95 (both turns)", f"{L['ttft_p50_ms']:.0f} / {L['ttft_p95_ms']:.0f} ms"),
+            (
+                f"  phase 1 burst: {L['chatting_sessions']} new chats at once + their auto tasks "
+                f"({', '.join(L['auto_tasks']) or 'none'}): first-turn TTFT p50 / p95 (bar: p95 <= 4 s)",
+                f"{L['first_turn_ttft_p50_ms']:.0f} / {L['first_turn_ttft_p95_ms']:.0f} ms",
+            ),
         ]
     if "overload" in r:
         ov = r["overload"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -43,6 +44,14 @@ def wait_until_up(
         if time.monotonic() - started > timeout_s:
             raise RuntimeError(f"{name} not up after {timeout_s:.0f} s; see {log_path}")
         time.sleep(0.2)
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The peak resident set size (VmHWM) of a running process, in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for process {pid}")
 
 
 def terminate(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
@@ -102,6 +111,11 @@ class ServerProcess:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         raise RuntimeError("no VmRSS")
+
+    def health(self) -> dict:
+        """The server's /health JSON (what it runs: model, dtype, kernels)."""
+        with urllib.request.urlopen(self.base + "/health", timeout=10) as resp:
+            return json.loads(resp.read())
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.base + "/metrics", timeout=10) as resp:

@@ -1,0 +1,94 @@
+"""One streamed OpenAI `/v1/chat/completions` request, timed: the client `rtserver bench` drives every
+server with (rtserver and llama.cpp's llama-server alike), so their figures differ only by the server.
+
+aiohttp, because a streamed request costs it a small fraction of httpx's CPU: 32 clients at once must
+not spread the burst's arrival at the server (see README, "Remote backends").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass
+class StreamResult:
+    """What one streamed reply took. `tokens` is the server's own count (usage.completion_tokens) when it
+    sends one, else the number of content chunks; `chunk_at` holds the perf_counter time of every content
+    chunk (for the gaps between decode steps)."""
+
+    started: float
+    first_at: float | None = None
+    tokens: int = 0
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    chunk_at: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first_at is None else (self.first_at - self.started) * 1000
+
+
+def chat_body(text: str, max_tokens: int, extra: dict | None = None) -> dict:
+    """A greedy streamed chat request for exactly `max_tokens` new tokens (EOS ignored), usage included."""
+    return {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **(extra or {}),
+    }
+
+
+async def stream_chat(
+    http: aiohttp.ClientSession,
+    base: str,
+    body: dict,
+    on_chunk: Callable[[], None] | None = None,
+) -> StreamResult:
+    """POST `body` to `base`/v1/chat/completions and read its server-sent events to the end.
+    `on_chunk` is called on every content chunk (the bench's progress count). An HTTP error status or
+    an error event raises RuntimeError with the server's message."""
+    result = StreamResult(started=time.perf_counter())
+    pieces = 0
+    usage: dict = {}
+    async with http.post(base + "/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{base}: HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:  # one line at a time
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("error"):
+                raise RuntimeError(f"{base}: error event in the stream: {event['error']}")
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    now = time.perf_counter()
+                    result.first_at = result.first_at or now
+                    result.chunk_at.append(now)
+                    pieces += 1
+                    if on_chunk is not None:
+                        on_chunk()
+                result.finish_reason = choice.get("finish_reason") or result.finish_reason
+    result.tokens = usage.get("completion_tokens", pieces)
+    result.prompt_tokens = usage.get("prompt_tokens")
+    return result
+
+
+def client_session(timeout_s: float = 900) -> aiohttp.ClientSession:
+    """A session without a connection limit (a limit must never be what queues a request) and one
+    connection per request: llama-server closes a connection after a streamed reply, and a pooled one
+    reused after that fails with "Server disconnected" (a local connect costs ~0.1 ms, for both servers)."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        connector=aiohttp.TCPConnector(limit=0, force_close=True),
+    )

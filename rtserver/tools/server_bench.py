@@ -1,0 +1,374 @@
+"""`rtserver bench --workloads servers`: llama.cpp's `llama-server` and a real `rtserver serve`, one after
+the other on the same machine, driven by the same OpenAI streaming clients (tools/openai_client.py)
+through /v1/chat/completions with the workloads of ../shared/WORKLOADS.md:
+
+- burst: the 32 burst messages at once, exactly 64 new tokens each (EOS ignored), greedy;
+- single: the one story prompt, exactly 128 new tokens;
+- arrival: 32 burst streams of 200 tokens decode while new single-style requests (2 tokens) are sent
+  one after another; the time to first token of each, against the gap between two tokens of the
+  background streams meanwhile (one decode step of that batch).
+
+Every request is greedy with `ignore_eos`; llama-server also gets `cache_prompt: false`, so no request
+reuses another's prompt. Each server is warmed with requests of other messages first (untimed), and its
+peak RSS (VmHWM) is read before it stops.
+
+llama-server runs the embedded GGUF as shipped (Q4_1) with `-np 33 -c 8448 -t <threads> --jinja`: 256
+tokens of context per slot as `-np 32 -c 8192`, plus one slot so that an arrival finds a free slot beside
+the 32 background streams instead of queueing until one of them ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .openai_client import StreamResult, chat_body, client_session, stream_chat
+from .serverproc import LlamaServerProcess, ServerProcess, peak_rss_mb
+from .stats import mean, median, per_second, percentile, ratio
+
+BURST_TEXTS = [f"Tell me a short fact about the number {i}." for i in range(32)]
+SINGLE_TEXT = "Write a short story about a robot who learns to paint."
+WARM_UP_TEXTS = [f"Say hello to visitor number {i}." for i in range(32)]  # no timed prompt's words
+BURST_TOKENS, SINGLE_TOKENS = 64, 128
+BACKGROUND_TOKENS = 200  # fits a llama-server slot of 256 tokens with the ~42-token prompt
+ARRIVAL_TOKENS = 2
+SERVER_WORKLOADS = ("burst", "single", "arrival")
+LLAMA_SLOTS, LLAMA_CTX_PER_SLOT = 33, 256
+
+
+# -- figures (pure) -----------------------------------------------------------------------------
+
+
+def burst_summary(results: list[StreamResult], asked: int, wall_s: float) -> dict:
+    """A burst's figures: tokens/s over the wall time (prefill included), TTFT from submission, and
+    whether every reply had exactly the `asked` number of tokens."""
+    ttfts = [r.ttft_ms for r in results if r.ttft_ms is not None]
+    tokens = sum(r.tokens for r in results)
+    return {
+        "requests": len(results),
+        "generated_tokens": tokens,
+        "asked_tokens": asked * len(results),
+        "exact_token_counts": all(r.tokens == asked for r in results),
+        "wall_s": wall_s,
+        "tokens_per_s": per_second(tokens, wall_s),
+        "ttft_p50_ms": percentile(ttfts, 0.5),
+        "ttft_p95_ms": percentile(ttfts, 0.95),
+        "prompt_tokens_mean": mean(r.prompt_tokens for r in results if r.prompt_tokens is not None),
+    }
+
+
+def step_gaps_ms(chunk_times: list[list[float]], start: float, end: float) -> list[float]:
+    """The gaps between consecutive tokens of each stream, for tokens that arrived in [start, end]."""
+    gaps = []
+    for times in chunk_times:
+        inside = [t for t in times if start <= t <= end]
+        gaps += [(b - a) * 1000 for a, b in zip(inside, inside[1:])]
+    return gaps
+
+
+def arrival_summary(
+    ttfts: list[float], exact: bool, decode_step_ms: float | None, background: int, ended_early: int
+) -> dict:
+    p95 = percentile(ttfts, 0.95)
+    return {
+        "arrivals": len(ttfts),
+        "background_streams": background,
+        "background_ended_early": ended_early,  # streams that finished before the last arrival did
+        "exact_token_counts": exact,
+        "ttft_p50_ms": percentile(ttfts, 0.5),
+        "ttft_p95_ms": p95,
+        "ttft_max_ms": max(ttfts, default=None),
+        "decode_step_ms": decode_step_ms,
+        "ttft_p95_in_steps": ratio(p95, decode_step_ms),
+    }
+
+
+# -- progress -----------------------------------------------------------------------------------
+
+
+class Progress:
+    """Prints which system and workload run and, every `every_s`, how many tokens have streamed."""
+
+    def __init__(self, label: str, every_s: float = 5.0, out: Callable[[str], None] = print):
+        self.label, self.every_s, self.out = label, every_s, out
+        self.tokens = 0
+
+    def count(self) -> None:
+        self.tokens += 1
+
+    @contextmanager
+    def phase(self, what: str, expected_tokens: int | None = None) -> Iterator[None]:
+        self.tokens = 0
+        self.out(f"  [{self.label}] {what} ...")
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+
+        def tick() -> None:
+            of = f"/{expected_tokens}" if expected_tokens else ""
+            self.out(
+                f"  [{self.label}] {what}: {self.tokens}{of} tokens, {time.perf_counter() - started:.0f} s"
+            )
+            handle[0] = loop.call_later(self.every_s, tick)
+
+        handle = [loop.call_later(self.every_s, tick)]
+        try:
+            yield
+        finally:
+            handle[0].cancel()
+            self.out(f"  [{self.label}] {what}: done in {time.perf_counter() - started:.1f} s")
+
+
+# -- workloads against one server ----------------------------------------------------------------
+
+
+async def burst(base: str, texts: list[str], new_tokens: int, extra: dict, progress: Progress) -> dict:
+    async with client_session() as http:
+        started = time.perf_counter()
+        results = await asyncio.gather(
+            *(stream_chat(http, base, chat_body(t, new_tokens, extra), progress.count) for t in texts)
+        )
+        wall = time.perf_counter() - started
+    return burst_summary(list(results), new_tokens, wall)
+
+
+async def arrival(base: str, count: int, extra: dict, progress: Progress) -> dict:
+    """TTFT of `count` new requests sent one after another while the 32 burst streams decode."""
+    chunk_times: list[list[float]] = [[] for _ in BURST_TEXTS]
+
+    def recorder(i: int) -> Callable[[], None]:
+        def record() -> None:
+            chunk_times[i].append(time.perf_counter())
+            progress.count()
+
+        return record
+
+    async with client_session() as http:
+        background = [
+            asyncio.ensure_future(
+                stream_chat(http, base, chat_body(t, BACKGROUND_TOKENS, extra), recorder(i))
+            )
+            for i, t in enumerate(BURST_TEXTS)
+        ]
+        try:
+            while not all(chunk_times):  # every background stream decodes
+                if any(task.done() for task in background):
+                    for task in background:
+                        if task.done():
+                            task.result()  # its error, if it failed
+                    raise RuntimeError(f"{base}: a background stream ended before all had started")
+                await asyncio.sleep(0.01)
+            window_start = time.perf_counter()
+            ttfts, exact = [], True
+            for _ in range(count):
+                r = await stream_chat(http, base, chat_body(SINGLE_TEXT, ARRIVAL_TOKENS, extra))
+                if r.ttft_ms is not None:
+                    ttfts.append(r.ttft_ms)
+                exact = exact and r.tokens == ARRIVAL_TOKENS
+            window_end = time.perf_counter()
+            ended_early = sum(task.done() for task in background)
+        finally:
+            for task in background:
+                task.cancel()  # closes the connection: the server stops that stream
+            await asyncio.gather(*background, return_exceptions=True)
+    step = median(step_gaps_ms(chunk_times, window_start, window_end))
+    return arrival_summary(ttfts, exact, step, len(BURST_TEXTS), ended_early)
+
+
+async def warm_up(base: str, extra: dict) -> None:
+    """Untimed: a batch as wide as the burst (whatever is built per batch size is built) and one lone
+    request, on messages no timed request uses."""
+    async with client_session() as http:
+        await asyncio.gather(*(stream_chat(http, base, chat_body(t, 4, extra)) for t in WARM_UP_TEXTS))
+        await stream_chat(http, base, chat_body(WARM_UP_TEXTS[0], 8, extra))
+
+
+async def run_workloads(
+    base: str, workloads: list[str], extra: dict, progress: Progress, arrivals: int = 20
+) -> dict:
+    out: dict[str, Any] = {}
+    with progress.phase("warm-up"):
+        await warm_up(base, extra)
+    if "burst" in workloads:
+        with progress.phase(
+            f"burst: {len(BURST_TEXTS)} x {BURST_TOKENS} tokens", len(BURST_TEXTS) * BURST_TOKENS
+        ):
+            out["burst"] = await burst(base, BURST_TEXTS, BURST_TOKENS, extra, progress)
+    if "single" in workloads:
+        with progress.phase(f"single: 1 x {SINGLE_TOKENS} tokens", SINGLE_TOKENS):
+            out["single"] = await burst(base, [SINGLE_TEXT], SINGLE_TOKENS, extra, progress)
+    if "arrival" in workloads:
+        with progress.phase(f"arrival: {arrivals} new requests while {len(BURST_TEXTS)} streams decode"):
+            out["arrival"] = await arrival(base, arrivals, extra, progress)
+    return out
+
+
+# -- the two servers ------------------------------------------------------------------------------
+
+
+def run_llama_server(
+    binary: Path, model: Path, threads: int, workloads: list[str], workdir: Path, arrivals: int = 20
+) -> dict:
+    llama = LlamaServerProcess(
+        binary,
+        model,
+        workdir / "llama-server.log",
+        slots=LLAMA_SLOTS,
+        ctx=LLAMA_SLOTS * LLAMA_CTX_PER_SLOT,
+        threads=threads,
+    )
+    label = "llama-server"
+    print(f"  [{label}] starting ({' '.join(llama.cmd[1:])}; log {llama.log_path})", flush=True)
+    ready_s = llama.start()
+    try:
+        result = asyncio.run(
+            run_workloads(llama.base, workloads, {"cache_prompt": False}, Progress(label), arrivals)
+        )
+        result["peak_rss_mb"] = peak_rss_mb(llama.proc.pid if llama.proc else -1)
+    finally:
+        llama.stop()
+    return {"system": "llama-server", "args": llama.cmd[1:], "ready_s": ready_s, **result}
+
+
+def run_rtserver(
+    dtype: str, threads: int, config: str | None, workloads: list[str], workdir: Path, arrivals: int = 20
+) -> dict:
+    server = ServerProcess(
+        {
+            "RTSERVER_MODEL_DTYPE": dtype,
+            "RTSERVER_MODEL_THREADS": str(threads),
+            "RTSERVER_TASKS_AUTO_TASKS": "",
+            "RTSERVER_SERVER_LOG_LEVEL": "warning",
+            # every client is 127.0.0.1: the per-IP limits would count them as one
+            "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
+            "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",
+        },
+        workdir / f"rtserver-{dtype}.log",
+        config,
+    )
+    label = f"rtserver {dtype}"
+    print(f"  [{label}] starting (log {server.log_path})", flush=True)
+    ready_s = server.start(timeout_s=600)  # a loaded machine reads the weights slowly (seen: 300 s)
+    try:
+        result = asyncio.run(run_workloads(server.base, workloads, {}, Progress(label), arrivals))
+        result["peak_rss_mb"] = peak_rss_mb(server.proc.pid if server.proc else -1)
+        result["health"] = server.health()
+    finally:
+        server.stop()
+    return {"system": "rtserver", "dtype": dtype, "runs_as": runs_as(dtype), "ready_s": ready_s, **result}
+
+
+def runs_as(dtype: str) -> str:
+    """What a dtype setting means on this CPU (`auto` chooses per CPU): the server process, on the same
+    machine, resolves it the same way."""
+    from ..engine.model import resolve_dtype
+
+    torch_dtype, storage = resolve_dtype(dtype)
+    return storage or str(torch_dtype).removeprefix("torch.")
+
+
+def run_servers_bench(
+    dtypes: list[str],
+    threads: int,
+    config: str | None = None,
+    workloads: list[str] | None = None,
+    arrivals: int = 20,
+    llama_binary: Path | None = None,
+    workdir: Path | None = None,
+) -> dict:
+    """llama-server, then `rtserver serve` with each of `dtypes`; one system at a time."""
+    from ..engine.model import embedded_model_path
+    from .llama_build import build
+
+    workloads = list(workloads or SERVER_WORKLOADS)
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="rtserver-servers-bench-"))
+    binary = llama_binary or build()
+    systems = {
+        "llama-server": run_llama_server(binary, embedded_model_path(), threads, workloads, workdir, arrivals)
+    }
+    for dtype in dtypes:
+        systems[f"rtserver-{dtype}"] = run_rtserver(dtype, threads, config, workloads, workdir, arrivals)
+    return {"threads": threads, "workloads": workloads, "systems": systems}
+
+
+def ratios(systems: dict, reference: str = "llama-server") -> dict:
+    """Each rtserver system's figures divided by the reference's: tokens/s (higher is better) and TTFT
+    p95 (lower is better)."""
+    ref = systems.get(reference, {})
+    out: dict[str, dict] = {}
+    for name, s in systems.items():
+        if name == reference:
+            continue
+        out[name] = {
+            f"{w}_tokens_per_s": ratio(s.get(w, {}).get("tokens_per_s"), ref.get(w, {}).get("tokens_per_s"))
+            for w in ("burst", "single")
+        } | {
+            f"{w}_ttft_p95": ratio(s.get(w, {}).get("ttft_p95_ms"), ref.get(w, {}).get("ttft_p95_ms"))
+            for w in ("burst", "arrival")
+        }
+    return out
+
+
+def table_rows(servers: dict) -> list[tuple[str, str, str]]:
+    """(figure, value, bar) rows of the servers comparison for the bench's printed table; the bars are
+    issue 12's, for the rtserver rows."""
+    systems = servers.get("systems", {})
+
+    def fmt(v: float | None, unit: str = "") -> str:
+        return "n/a" if v is None else f"{v:,.1f}{unit}"
+
+    def exact(r: dict) -> str:
+        return "exact" if r.get("exact_token_counts") else "NOT exact"
+
+    rows: list[tuple[str, str, str]] = []
+    for name, s in systems.items():
+        rtserver = name != "llama-server"
+        for w in ("burst", "single"):
+            r = s.get(w)
+            if r:
+                rows.append(
+                    (
+                        f"[servers] {name} {w} tokens/s; TTFT p50 / p95 ms",
+                        f"{fmt(r['tokens_per_s'])} ({exact(r)}); "
+                        f"{fmt(r['ttft_p50_ms'])} / {fmt(r['ttft_p95_ms'])}",
+                        "TTFT p95 <= 1000" if rtserver and w == "burst" else "",
+                    )
+                )
+        a = s.get("arrival")
+        if a:
+            rows.append(
+                (
+                    f"[servers] {name} arrival TTFT p50 / p95 ms; decode step ms; p95 in steps",
+                    f"{fmt(a['ttft_p50_ms'])} / {fmt(a['ttft_p95_ms'])}; {fmt(a['decode_step_ms'])}; "
+                    f"{fmt(a['ttft_p95_in_steps'], 'x')}"
+                    + (
+                        f" ({a['background_ended_early']} streams ended early)"
+                        if a["background_ended_early"]
+                        else ""
+                    ),
+                    "<= 1.5x" if rtserver else "",
+                )
+            )
+        rows.append(
+            (f"[servers] {name} peak RSS MB", fmt(s.get("peak_rss_mb")), "<= 1536" if rtserver else "")
+        )
+    for name, r in ratios(systems).items():
+        rows.append(
+            (
+                f"[servers] {name} / llama-server: burst tokens/s, single tokens/s",
+                f"{fmt(r['burst_tokens_per_s'], 'x')}, {fmt(r['single_tokens_per_s'], 'x')}",
+                ">= 2.5x, >= 1.0x",
+            )
+        )
+        rows.append(
+            (
+                f"[servers] {name} / llama-server: burst TTFT p95, arrival TTFT p95",
+                f"{fmt(r['burst_ttft_p95'], 'x')}, {fmt(r['arrival_ttft_p95'], 'x')}",
+                "",
+            )
+        )
+    return rows

@@ -139,6 +139,19 @@ def _dense_from_gguf(path: Path, cache_dir: Path) -> Path:
     return folder
 
 
+def effective_dtype(dtype: str, spec: str) -> str:
+    """What a `dtype` setting means for this model on this CPU. `auto` on a GGUF file is "gguf": the
+    file's own blocks for small steps (a third of float16's bytes a batch-1 step) and exact float32
+    everywhere else, the fastest lone stream whose answers stay those of float32; on other models it
+    is the per-CPU choice of `resolve_dtype`."""
+    if dtype != "auto":
+        return dtype
+    if gguf_file(spec) is not None:
+        return "gguf"
+    torch_dtype, storage = resolve_dtype("auto")
+    return storage or str(torch_dtype).removeprefix("torch.")
+
+
 def gguf_file(spec: str) -> Path | None:
     """The .gguf file a `model = ...` setting names (the embedded model is one), else None."""
     if spec == "embedded":
@@ -178,10 +191,7 @@ def load_model(
     gguf = gguf_file(spec)
     if dtype == "gguf" and gguf is None:
         raise ModelLoadError(f"dtype gguf needs a .gguf model file; {spec} is not one")
-    if dtype == "auto" and gguf is not None:
-        # The file's own blocks at batch 1 (a quarter of float16's bytes a step) and exact float32
-        # everywhere else: the fastest lone stream whose answers stay those of float32.
-        dtype = "gguf"
+    dtype = effective_dtype(dtype, spec)
     torch_dtype, storage = resolve_dtype(dtype)
     if storage and not fbgemm_available():
         raise ModelLoadError(f"dtype {dtype} needs torch's fbgemm backend (x86 CPUs); use float32")

@@ -686,7 +686,7 @@ def cpu_description() -> str:
 
 
 def dtype_label(loaded: LoadedModel) -> str:
-    return loaded.weight_storage or str(loaded.dtype).removeprefix("torch.")
+    return loaded.dtype_name
 
 
 EVERY_DTYPE_WORKLOADS = ("burst", "single", "arrival", "sentiment")  # the rest run on the first dtype only

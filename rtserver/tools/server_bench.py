@@ -262,13 +262,12 @@ def run_rtserver(
     return {"system": "rtserver", "dtype": dtype, "runs_as": runs_as(dtype), "ready_s": ready_s, **result}
 
 
-def runs_as(dtype: str) -> str:
-    """What a dtype setting means on this CPU (`auto` chooses per CPU): the server process, on the same
-    machine, resolves it the same way."""
-    from ..engine.model import resolve_dtype
+def runs_as(dtype: str, model: str = "embedded") -> str:
+    """What a dtype setting means for the model on this CPU (`auto` chooses per model and CPU): the
+    server process, on the same machine, resolves it the same way."""
+    from ..engine.model import effective_dtype
 
-    torch_dtype, storage = resolve_dtype(dtype)
-    return storage or str(torch_dtype).removeprefix("torch.")
+    return effective_dtype(dtype, model)
 
 
 def run_servers_bench(

@@ -808,3 +808,29 @@ async def test_a_kept_alive_connection_the_server_dropped_is_sent_again(smol):
         await backend.stop()
         server.close()
         await server.wait_closed()
+
+
+async def test_requests_created_together_leave_for_the_server_as_one_group(smol):
+    """A burst (8 generations and a label score made in one loop turn) reaches the server's queue
+    together: it passes the send gate as one group (remote/gate.py), and every request is answered;
+    with the gate off each one is sent on its own."""
+    async with fakes(smol) as [fake]:
+        for window_ms, groups in ((1.0, 1), (0.0, 9)):
+            backend = RemoteBackend(
+                smol.tokenizer, remote_settings([fake.url], send_window_ms=window_ms).backend
+            )
+            backend.start()
+            try:
+                await backend.check()
+                gens = [
+                    backend.generate(fake.ids(f"Hello {i}"), SamplingParams(max_new_tokens=8), session_key=i)
+                    for i in range(8)
+                ]
+                score = asyncio.ensure_future(backend.score(fake.ids("Hi"), [fake.ids(" yes")]))
+                results = await asyncio.wait_for(asyncio.gather(*(g.result() for g in gens)), STEP)
+                assert [r.text for r in results] == ["Hello there!"] * 8
+                with contextlib.suppress(Exception):  # the fake's reply is no logprobs answer: only sent
+                    await asyncio.wait_for(score, STEP)
+                assert backend.gate.requests == 9 and backend.gate.groups == groups
+            finally:
+                await backend.stop()

@@ -140,7 +140,8 @@ class FakeUpstream:
         self.tokenize_offset = tokenize_offset  # != 0: /tokenize disagrees with the local tokenizer
         self.script: Script = self.reply("Hello there!")
         self.status = 200
-        self.bodies: list[dict] = []  # each /v1/completions request
+        self.bodies: list[dict] = []  # each streamed /v1/completions request (a generation)
+        self.scores: list[dict] = []  # each other one (a label score)
         self.closed = asyncio.Event()  # the hub closed a completion's connection before its end
         self.closes = 0
         self.sent_bytes = 0
@@ -174,6 +175,14 @@ class FakeUpstream:
 
     async def completions(self, request: Request) -> Response:
         body = await request.json()
+        if not body.get("stream"):
+            # a label score (the hub calibrates its tasks at start-up): token 0 is the top one, every
+            # forced token gets the same log-probability
+            self.scores.append(body)
+            entry = {"id": 0, "logprob": -1.0, "top_logprobs": [{"id": 0, "logprob": -1.0}]}
+            return JSONResponse(
+                {"choices": [{"text": "", "logprobs": {"content": [entry] * body["max_tokens"]}}]}
+            )
         self.bodies.append(body)
         if self.status != 200:
             error = {"code": self.status, "message": "fake failure", "type": "server_error"}
@@ -826,11 +835,10 @@ async def test_requests_created_together_leave_for_the_server_as_one_group(smol)
                     backend.generate(fake.ids(f"Hello {i}"), SamplingParams(max_new_tokens=8), session_key=i)
                     for i in range(8)
                 ]
-                score = asyncio.ensure_future(backend.score(fake.ids("Hi"), [fake.ids(" yes")]))
+                score = asyncio.ensure_future(backend.score(fake.ids("Hi"), [[0]]))
                 results = await asyncio.wait_for(asyncio.gather(*(g.result() for g in gens)), STEP)
                 assert [r.text for r in results] == ["Hello there!"] * 8
-                with contextlib.suppress(Exception):  # the fake's reply is no logprobs answer: only sent
-                    await asyncio.wait_for(score, STEP)
+                assert await asyncio.wait_for(score, STEP) == [-1.0]
                 assert backend.gate.requests == 9 and backend.gate.groups == groups
             finally:
                 await backend.stop()

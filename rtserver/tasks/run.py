@@ -231,6 +231,11 @@ class PromptTask:
         for template, choices, chat in prompts:
             if choices is not None and choices.calibration:
                 candidates = self._candidate_ids(choices)
+                # first put the prompt's fixed prefix in the server's cache, as every call finds it: with
+                # the prefix computed in the same request, llama-server's score of "N/A" differed by 0.04
+                # (README, "Remote backends")
+                primer = self._calibration_prompt(template, chat, choices.calibration[0])
+                await backend.score(primer, candidates, normalize=False)
                 await self._calibration_offsets(backend, template, chat, choices, candidates)
 
     async def _compute_calibration(
@@ -241,14 +246,15 @@ class PromptTask:
         choices: Choices,
         candidates: list[list[int]],
     ) -> list[float]:
-        prefix, glue, suffix = self._split_template(template, chat)
         runs = [
-            await backend.score(
-                prefix + self._encode_input(glue + c) + self._suffix_ids(suffix), candidates, normalize=False
-            )
+            await backend.score(self._calibration_prompt(template, chat, c), candidates, normalize=False)
             for c in choices.calibration
         ]
         return [sum(r[i] for r in runs) / len(runs) for i in range(len(candidates))]
+
+    def _calibration_prompt(self, template: str, chat: bool, content_free: str) -> list[int]:
+        prefix, glue, suffix = self._split_template(template, chat)
+        return prefix + self._encode_input(glue + content_free) + self._suffix_ids(suffix)
 
     # -- the learned head -----------------------------------------------------------------------
     async def _feature_row(

@@ -355,7 +355,10 @@ async def test_streams_tokens_usage_and_sends_the_local_prompt_ids(smol):
             assert smol.tokenizer.decode(second).count("Sure?") == 1
         health = (await get(base, "/health")).json()
         server = server_health(health, fake.url)
-        assert server["state"] == "up" and server["requests"] == 2 and server["errors"] == 0
+        # the two turns, and the label scores of the start-up calibration
+        assert (
+            server["state"] == "up" and server["requests"] == 2 + len(fake.scores) and server["errors"] == 0
+        )
 
 
 # -- 2. garbage -------------------------------------------------------------------------------------
@@ -669,12 +672,13 @@ async def test_health_and_metrics_show_each_url(smol):
         remote = health["backends"]["openai"]
         assert remote["kind"] == "openai" and remote["model"] == "fake"
         assert {s["url"] for s in remote["servers"]} == {a.url, b.url}
+        scored = {f.url: len(f.scores) for f in pair}  # the start-up calibration's label scores
         for s in remote["servers"]:
             assert s["state"] == "up" and s["kind"] == "llama.cpp" and s["in_flight"] == 0
-            assert s["requests"] == (1 if s["url"] == home_url else 0)
+            assert s["requests"] == (1 if s["url"] == home_url else 0) + scored[s["url"]]
         label = 'url="%s"'
         assert await metric(base, "rtserver_backend_up", label % a.url) == 1.0
-        assert await metric(base, "rtserver_backend_requests_total", label % home_url) == 1.0
+        assert await metric(base, "rtserver_backend_requests_total", label % home_url) == 1 + scored[home_url]
         assert await metric(base, "rtserver_backend_in_flight", label % home_url) == 0.0
         assert await metric(base, "rtserver_backend_errors_total", label % home_url) == 0.0
         assert await metric(base, "rtserver_backend_ttfb_p50_seconds", label % home_url) > 0

@@ -12,11 +12,11 @@ same llama-server driven directly, in one run.
   at that llama-server. Tokens/s and time to first token; the hub's ratio and its added TTFT are taken
   against the better of the two direct runs.
 
-Every figure is taken REPS times, the runs interleaved (a burst: direct, hub, hub without the send
-gate, ...; multi-turn: through the hub, then driven directly with the same prompts), and the reported
+Every figure is taken REPS times, the runs interleaved (a burst: direct, hub, hub with the send gate,
+...; multi-turn: through the hub, then driven directly with the same prompts), and the reported
 figure is the median run's; every run's figure is kept in the JSON. Before each multi-turn run the
 server's slots are erased and the warm-up chats replayed, so every run starts from the same cache. The
-hub runs twice: as configured by default, and with `backend.send_window_ms = 0` (remote/gate.py off).
+hub runs twice: as configured by default, and with `backend.send_window_ms = 1` (remote/gate.py on).
 
 llama-server is built by rtserver/tools/llama_build.py (cached per CPU) and runs the embedded GGUF file
 as is, with `-np 32 -c 16384 -t <threads>`.
@@ -246,11 +246,11 @@ def run_remote_bench(threads: int, workdir: Path | None = None) -> dict:
     print(f"  [remote] llama-server: starting ({llama.log_path})", flush=True)
     llama.start()
     hub = _hub(llama, workdir / "hub.log")
-    ungated = _hub(llama, workdir / "hub-ungated.log", {"RTSERVER_BACKEND_SEND_WINDOW_MS": "0"})
-    runs: dict[str, list[dict]] = {k: [] for k in ("chat", "ids", "hub", "ungated", "turns", "direct_turns")}
+    gated = _hub(llama, workdir / "hub-gated.log", {"RTSERVER_BACKEND_SEND_WINDOW_MS": "1"})
+    runs: dict[str, list[dict]] = {k: [] for k in ("chat", "ids", "hub", "gated", "turns", "direct_turns")}
     try:
         hub.start(timeout_s=180)
-        ungated.start(timeout_s=180)
+        gated.start(timeout_s=180)
         # multi-turn first, on a server that has served other chats (the warm-up's): its cache holds the
         # system prompt, and no burst prompt shares the first turn's opening words
         for rep in range(REPS):
@@ -265,12 +265,10 @@ def run_remote_bench(threads: int, workdir: Path | None = None) -> dict:
             "chat": (llama.base, None),  # llama-server's /v1/chat/completions
             "ids": (llama.base, prompts),  # its /v1/completions with the hub's token ids
             "hub": (hub.base, None),
-            "ungated": (ungated.base, None),
+            "gated": (gated.base, None),
         }
         for rep in range(REPS):
-            print(
-                f"  [remote] burst {rep + 1}/{REPS}: direct (chat, token ids), hub, hub ungated", flush=True
-            )
+            print(f"  [remote] burst {rep + 1}/{REPS}: direct (chat, token ids), hub, hub gated", flush=True)
             for key, (base, ids) in targets.items():
                 try:
                     runs[key].append(asyncio.run(burst(base, ids, warm=rep == 0)))
@@ -278,15 +276,15 @@ def run_remote_bench(threads: int, workdir: Path | None = None) -> dict:
                     raise RuntimeError(f"burst {rep + 1} ({key}, {base}) failed: {exc!r}") from exc
     finally:
         hub.stop()
-        ungated.stop()
+        gated.stop()
         llama.stop()
     direct_chat, direct_ids = (
         _median_run(runs["chat"], "ttft_p50_ms"),
         _median_run(runs["ids"], "ttft_p50_ms"),
     )
-    through, through_ungated = (
+    through, through_gated = (
         _median_run(runs["hub"], "ttft_p50_ms"),
-        _median_run(runs["ungated"], "ttft_p50_ms"),
+        _median_run(runs["gated"], "ttft_p50_ms"),
     )
     direct = max(direct_chat, direct_ids, key=lambda r: r["tokens_per_s"])
     best_direct_ttft = min(
@@ -305,19 +303,19 @@ def run_remote_bench(threads: int, workdir: Path | None = None) -> dict:
         "burst_direct_token_ids": direct_ids,
         "burst_direct": direct,
         "burst_through_hub": through,
-        "burst_through_hub_ungated": through_ungated,
+        "burst_through_hub_gated": through_gated,
         "hub_tokens_per_s_ratio": ratio(
             median(r["tokens_per_s"] for r in runs["hub"]),
             median(r["tokens_per_s"] for r in runs["chat" if direct is direct_chat else "ids"]),
         ),
         "hub_added_ttft_p50_ms": (through["ttft_p50_ms"] or 0) - best_direct_ttft,
-        "hub_ungated_added_ttft_p50_ms": (through_ungated["ttft_p50_ms"] or 0) - best_direct_ttft,
+        "hub_gated_added_ttft_p50_ms": (through_gated["ttft_p50_ms"] or 0) - best_direct_ttft,
         # per run, against the token-id run just before it (the same cache and machine state)
         "hub_added_ttft_p50_ms_runs": [
             (h["ttft_p50_ms"] or 0) - (d["ttft_p50_ms"] or 0) for h, d in zip(runs["hub"], runs["ids"])
         ],
-        "hub_ungated_added_ttft_p50_ms_runs": [
-            (h["ttft_p50_ms"] or 0) - (d["ttft_p50_ms"] or 0) for h, d in zip(runs["ungated"], runs["ids"])
+        "hub_gated_added_ttft_p50_ms_runs": [
+            (h["ttft_p50_ms"] or 0) - (d["ttft_p50_ms"] or 0) for h, d in zip(runs["gated"], runs["ids"])
         ],
         "multi_turn": turns,
         "multi_turn_turn5_ratio": turns["turn5_ratio"],

@@ -76,6 +76,10 @@ class BackendSettings:
     # circuit breaker: this many failures in a row take a URL out for `retry_after_s`, then one probe
     failures_to_open: int = _setting(3, min=1, max=1000)
     retry_after_s: float = _setting(10.0, min=0.1, max=3600.0)
+    # > 0: requests are held until none has joined for this long (at most 4x it), so that a burst
+    # reaches the server together (remote/gate.py); off by default: 1 ms made no difference beyond the
+    # noise on the development machine (README, "Remote backends")
+    send_window_ms: float = _setting(0.0, min=0.0, max=1000.0)
 
 
 @dataclass

@@ -140,7 +140,8 @@ class FakeUpstream:
         self.tokenize_offset = tokenize_offset  # != 0: /tokenize disagrees with the local tokenizer
         self.script: Script = self.reply("Hello there!")
         self.status = 200
-        self.bodies: list[dict] = []  # each /v1/completions request
+        self.bodies: list[dict] = []  # each streamed /v1/completions request (a generation)
+        self.scores: list[dict] = []  # each other one (a label score)
         self.closed = asyncio.Event()  # the hub closed a completion's connection before its end
         self.closes = 0
         self.sent_bytes = 0
@@ -174,6 +175,14 @@ class FakeUpstream:
 
     async def completions(self, request: Request) -> Response:
         body = await request.json()
+        if not body.get("stream"):
+            # a label score (the hub calibrates its tasks at start-up): token 0 is the top one, every
+            # forced token gets the same log-probability
+            self.scores.append(body)
+            entry = {"id": 0, "logprob": -1.0, "top_logprobs": [{"id": 0, "logprob": -1.0}]}
+            return JSONResponse(
+                {"choices": [{"text": "", "logprobs": {"content": [entry] * body["max_tokens"]}}]}
+            )
         self.bodies.append(body)
         if self.status != 200:
             error = {"code": self.status, "message": "fake failure", "type": "server_error"}
@@ -305,8 +314,14 @@ def server_health(body: dict, url: str) -> dict:
 # -- 1. the normal case ------------------------------------------------------------------------------
 
 
+def requests_so_far(app) -> dict[str, int]:
+    """Requests per URL so far (the start-up calibration scores its tasks' content-free inputs)."""
+    return {u.url: u.requests for u in app.state.rt.backends["openai"].pool.upstreams}
+
+
 async def test_streams_tokens_usage_and_sends_the_local_prompt_ids(smol):
     async with fakes(smol) as [fake], hub(smol, [fake.url]) as (app, base, url):
+        at_start = requests_so_far(app)
         fake.script = fake.reply("Hello there!", cached=5)
         async with websockets.connect(url) as ws:
             await hello(ws)
@@ -346,7 +361,9 @@ async def test_streams_tokens_usage_and_sends_the_local_prompt_ids(smol):
             assert smol.tokenizer.decode(second).count("Sure?") == 1
         health = (await get(base, "/health")).json()
         server = server_health(health, fake.url)
-        assert server["state"] == "up" and server["requests"] == 2 and server["errors"] == 0
+        # the two turns, after the start-up calibration's label scores
+        assert server["state"] == "up" and server["requests"] == 2 + at_start[fake.url]
+        assert server["errors"] == 0
 
 
 # -- 2. garbage -------------------------------------------------------------------------------------
@@ -652,6 +669,7 @@ async def test_cancel_right_after_chat_leaves_the_session_usable(smol):
 async def test_health_and_metrics_show_each_url(smol):
     async with fakes(smol, 2) as pair, hub(smol, [f.url for f in pair]) as (app, base, url):
         a, b = pair
+        at_start = requests_so_far(app)
         async with websockets.connect(url) as ws:
             ready = await hello(ws)
             home_url = app.state.rt.backends["openai"].pool.choose(ready["session_id"]).url
@@ -662,10 +680,11 @@ async def test_health_and_metrics_show_each_url(smol):
         assert {s["url"] for s in remote["servers"]} == {a.url, b.url}
         for s in remote["servers"]:
             assert s["state"] == "up" and s["kind"] == "llama.cpp" and s["in_flight"] == 0
-            assert s["requests"] == (1 if s["url"] == home_url else 0)
+            assert s["requests"] == (1 if s["url"] == home_url else 0) + at_start[s["url"]]
         label = 'url="%s"'
         assert await metric(base, "rtserver_backend_up", label % a.url) == 1.0
-        assert await metric(base, "rtserver_backend_requests_total", label % home_url) == 1.0
+        requests = await metric(base, "rtserver_backend_requests_total", label % home_url)
+        assert requests == 1 + at_start[home_url]
         assert await metric(base, "rtserver_backend_in_flight", label % home_url) == 0.0
         assert await metric(base, "rtserver_backend_errors_total", label % home_url) == 0.0
         assert await metric(base, "rtserver_backend_ttfb_p50_seconds", label % home_url) > 0
@@ -808,3 +827,28 @@ async def test_a_kept_alive_connection_the_server_dropped_is_sent_again(smol):
         await backend.stop()
         server.close()
         await server.wait_closed()
+
+
+async def test_requests_created_together_leave_for_the_server_as_one_group(smol):
+    """A burst (8 generations and a label score made in one loop turn) reaches the server's queue
+    together: it passes the send gate as one group (remote/gate.py), and every request is answered;
+    with the gate off each one is sent on its own."""
+    async with fakes(smol) as [fake]:
+        for window_ms, groups in ((1.0, 1), (0.0, 9)):
+            backend = RemoteBackend(
+                smol.tokenizer, remote_settings([fake.url], send_window_ms=window_ms).backend
+            )
+            backend.start()
+            try:
+                await backend.check()
+                gens = [
+                    backend.generate(fake.ids(f"Hello {i}"), SamplingParams(max_new_tokens=8), session_key=i)
+                    for i in range(8)
+                ]
+                score = asyncio.ensure_future(backend.score(fake.ids("Hi"), [[0]]))
+                results = await asyncio.wait_for(asyncio.gather(*(g.result() for g in gens)), STEP)
+                assert [r.text for r in results] == ["Hello there!"] * 8
+                assert await asyncio.wait_for(score, STEP) == [-1.0]
+                assert backend.gate.requests == 9 and backend.gate.groups == groups
+            finally:
+                await backend.stop()

@@ -150,9 +150,7 @@ async def test_sentiment_labels_equal_the_local_engines_on_the_test_split(smol, 
                         assert r.status_code == 200, r.text
                         return r.json()["label"]
 
-                await one(
-                    "warm-up"
-                )  # the calibration scores are computed once, alone, as a server's first call
+                # no warm-up call: the server computed the calibration scores at start-up, alone
                 return await asyncio.gather(*(one(t) for t in texts))
 
     here, there = await labels(local), await labels(remote)

@@ -497,6 +497,54 @@ async def test_calibration_is_computed_once_for_a_burst(tok, engine):
     assert counting.scores == len(texts) + 1 + len(sentiment.task.choices.calibration)
 
 
+class OneAtATimeEngine(CountingEngine):
+    """Counts scores and the most in flight at once."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.running = self.most_at_once = 0
+
+    async def score(self, prompt, candidates, *, normalize=True):
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            return await super().score(prompt, candidates, normalize=normalize)
+        finally:
+            self.running -= 1
+
+
+async def test_calibration_is_computed_up_front_alone_and_per_backend(tok, engine):
+    """`calibrate` (start-up) scores the content-free inputs one at a time before any call, so a burst
+    of calls does not batch them with its own prompts; a second backend gets offsets of its own."""
+    registry = builtin(tok, sentiment={"cache_size": 0})
+    sentiment = registry.get("sentiment")
+    n = len(sentiment.task.choices.calibration)
+    first = OneAtATimeEngine(engine)
+    await registry.calibrate(lambda name: ("local", first))
+    calibrating = first.scores
+    # a primer and the inputs, sentiment's and intent's, one by one
+    assert calibrating >= n + 1 and first.most_at_once == 1
+    texts = [f"Review number {i}: it was fine." for i in range(6)]
+    await asyncio.gather(*(sentiment.run(first, t) for t in texts))
+    assert first.scores == calibrating + len(texts)  # nothing left to calibrate
+    second = CountingEngine(engine)
+    await sentiment.run(second, texts[0])
+    assert second.scores == 1 + n  # (computed by the first call: no primer)
+
+
+async def test_the_server_calibrates_its_tasks_before_it_is_ready(smol):
+    from rtserver.web.app import create_app
+
+    from .serverutil import make_settings, serve
+
+    settings = make_settings(tasks={"auto_tasks": []})
+    app = create_app(settings, lambda: smol)
+    async with serve(app, settings):
+        sentiment = app.state.rt.registry.get("sentiment")
+        offsets = list(sentiment._calibration.values())  # computed during start-up, before /ready
+        assert len(offsets) == 1 and offsets[0].done() and len(offsets[0].result()) == 2
+
+
 # -- result cache ------------------------------------------------------------------------------------
 
 

@@ -37,6 +37,7 @@ from ..engine.backend import (
     Tokenizer,
     Usage,
 )
+from .gate import SendGate
 from .pool import BackendUnavailable, Upstream, UpstreamPool
 from .sse import UpstreamProtocolError, sse_payloads
 
@@ -44,6 +45,7 @@ log = logging.getLogger("rtserver.remote")
 
 PROBE_TEXT = "Hello, world! How are you today? 你好，世界。 1234 🙂"
 TOP_LOGPROBS = 20
+JSON_HEADERS = {"Content-Type": "application/json"}
 SERVER_KINDS = {"rtserver": "rtserver", "llamacpp": "llama.cpp", "vllm": "vllm"}  # /v1/models owned_by
 
 
@@ -190,6 +192,7 @@ class RemoteBackend:
         self.kinds: dict[str, str] = {}  # url -> server kind, learned by check()
         for up in self.pool.upstreams:
             up.checked = False  # until check() (or the health check) has seen what it serves
+        self.gate = SendGate(settings.send_window_ms / 1000, 4 * settings.send_window_ms / 1000)
         self.client: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
         self.tokens_generated = 0
@@ -353,13 +356,15 @@ class RemoteBackend:
         through (a server drops idle ones when it likes): that is tried once more on another
         connection, not counted as the server's failure."""
         url = up.url + "/v1/completions"
+        data = json.dumps(body).encode()  # before the gate: after it, only the sending
+        await self.gate.wait()
         try:
-            resp = await self.http.post(url, json=body)
+            resp = await self.http.post(url, data=data, headers=JSON_HEADERS)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise  # no connection at all: the server is not there
             log.info("%s: a kept-alive connection failed (%s); sending again", up.url, _describe(exc))
-            resp = await self.http.post(url, json=body)
+            resp = await self.http.post(url, data=data, headers=JSON_HEADERS)
         async with resp:
             if resp.status != 200:
                 raise _status_error(up, resp.status, await _head(resp))
@@ -559,6 +564,7 @@ class RemoteBackend:
             "tokens_prefilled": 0,
             "kv": None,
             "upstreams": snapshot,
+            "send_groups": {"requests": self.gate.requests, "groups": self.gate.groups},
         }
 
     def health(self) -> dict[str, Any]:

@@ -182,6 +182,24 @@ class TaskRegistry:
                     self.auto_tasks.remove(name)
         return errors
 
+    async def calibrate(self, backend_for: Callable[[str], tuple[str, InferenceBackend]]) -> None:
+        """Compute the calibration offsets of the label-scoring tasks, each on its backend, alone (before
+        the server takes requests). A backend that fails here (a remote server down at start) leaves
+        them to the task's first call."""
+        for name, task in self.tasks.items():
+            if not isinstance(task, PromptTask):
+                continue
+            backend_name, backend = backend_for(name)
+            try:
+                await task.calibrate(backend)
+            except Exception as exc:
+                log.warning(
+                    "task %s: calibration on backend %s failed (%s); its first call computes it",
+                    name,
+                    backend_name,
+                    exc,
+                )
+
     def cache_stats(self) -> dict[str, tuple[int, int]]:
         return {
             n: (t.cache_hits, t.cache_misses)

@@ -202,9 +202,10 @@ class PromptTask:
         choices: Choices,
         candidates: list[list[int]],
     ) -> list[float]:
-        # One computation shared by every call that needs it (a burst of first calls must not each
-        # score the calibration inputs); a failed one is retried by the next call.
-        key = (template, chat, tuple(choices.labels.items()), tuple(choices.calibration))
+        # One computation per backend shared by every call that needs it (a burst of first calls must
+        # not each score the calibration inputs); a failed one is retried by the next call. `calibrate`
+        # computes them at start-up, alone.
+        key = (id(backend), template, chat, tuple(choices.labels.items()), tuple(choices.calibration))
         fut = self._calibration.get(key)
         if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
             fut = asyncio.ensure_future(
@@ -212,6 +213,30 @@ class PromptTask:
             )
             self._calibration[key] = fut
         return await asyncio.shield(fut)
+
+    async def calibrate(self, backend: InferenceBackend) -> None:
+        """Score the calibration inputs of every prompt of the task (its own and its variants'), one at a
+        time, before any call: on a server that batches requests (llama-server) a score depends a little
+        on what else is in the batch, and a content-free input scored beside a burst of calls moved the
+        offsets enough to flip labels (README, "Remote backends")."""
+        task = self.task
+        prompts = [(task.prompt, task.choices, task.chat_template)] + [
+            (
+                v.prompt,
+                v.choices if v.choices is not None else task.choices,
+                task.chat_template if v.chat_template is None else v.chat_template,
+            )
+            for v in task.variants
+        ]
+        for template, choices, chat in prompts:
+            if choices is not None and choices.calibration:
+                candidates = self._candidate_ids(choices)
+                # first put the prompt's fixed prefix in the server's cache, as every call finds it: with
+                # the prefix computed in the same request, llama-server's score of "N/A" differed by 0.04
+                # (README, "Remote backends")
+                primer = self._calibration_prompt(template, chat, choices.calibration[0])
+                await backend.score(primer, candidates, normalize=False)
+                await self._calibration_offsets(backend, template, chat, choices, candidates)
 
     async def _compute_calibration(
         self,
@@ -221,14 +246,15 @@ class PromptTask:
         choices: Choices,
         candidates: list[list[int]],
     ) -> list[float]:
-        prefix, glue, suffix = self._split_template(template, chat)
         runs = [
-            await backend.score(
-                prefix + self._encode_input(glue + c) + self._suffix_ids(suffix), candidates, normalize=False
-            )
+            await backend.score(self._calibration_prompt(template, chat, c), candidates, normalize=False)
             for c in choices.calibration
         ]
         return [sum(r[i] for r in runs) / len(runs) for i in range(len(candidates))]
+
+    def _calibration_prompt(self, template: str, chat: bool, content_free: str) -> list[int]:
+        prefix, glue, suffix = self._split_template(template, chat)
+        return prefix + self._encode_input(glue + content_free) + self._suffix_ids(suffix)
 
     # -- the learned head -----------------------------------------------------------------------
     async def _feature_row(

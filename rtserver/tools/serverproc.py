@@ -151,7 +151,14 @@ class LlamaServerProcess:
     own chat endpoint), log to a file."""
 
     def __init__(
-        self, binary: Path, model: Path, log_path: Path, slots: int = 4, ctx: int = 8192, threads: int = 2
+        self,
+        binary: Path,
+        model: Path,
+        log_path: Path,
+        slots: int = 4,
+        ctx: int = 8192,
+        threads: int = 2,
+        slot_save_path: Path | None = None,  # given: `POST /slots/<id>?action=erase` works (the bench)
     ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -171,7 +178,7 @@ class LlamaServerProcess:
             str(threads),
             "--metrics",
             "--jinja",
-        ]
+        ] + (["--slot-save-path", str(slot_save_path)] if slot_save_path else [])
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 

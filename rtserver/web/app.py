@@ -129,6 +129,13 @@ async def _load(
             engine.start()
             state.backends["local"] = engine
         registry = state.registry
+        default = settings.model.backend
+
+        def backend_for(task: str) -> tuple[str, InferenceBackend]:
+            assert registry is not None
+            name = registry.placement(task) or default
+            return name, state.backends[name]
+
         if (
             settings.tasks.learned_heads
             and registry is not None
@@ -137,15 +144,12 @@ async def _load(
             # Learned heads are fitted before the server is ready (their examples' features are cached
             # on disk: only a first start with new examples, prompt or model computes them).
             state.set_stage("fitting task heads", 0.95)
-            default = settings.model.backend
-
-            def backend_for(task: str) -> tuple[str, InferenceBackend]:
-                name = registry.placement(task) or default
-                return name, state.backends[name]
-
             state.load_errors += await registry.prepare(
                 backend_for, Path(settings.model.cache_dir).expanduser() / "heads"
             )
+        if registry is not None:
+            state.set_stage("calibrating tasks", 0.97)
+            await registry.calibrate(backend_for)
         state.set_stage("ready", 1.0)
         state.ready_after_s = time.monotonic() - state.started
         state.status = "ready"

@@ -5,7 +5,9 @@ exactly as before, and the head end to end on the real model (features cached on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from rtserver.config import EngineSettings
 from rtserver.engine.backend import FeatureScorer
 from rtserver.engine.core import Engine
 from rtserver.tasks import Choices, LearnedHead, Task
-from rtserver.tasks.head import LogisticHead, load_examples
+from rtserver.tasks.head import LogisticHead, load_examples, load_fitted, save_fitted
 from rtserver.tasks.registry import TaskRegistry
 from rtserver.tasks.run import PromptTask
 
@@ -117,6 +119,77 @@ async def test_no_examples_and_no_hidden_states_both_score_labels_as_before(smol
         out_head = await with_head.run(b, text)
         assert out_plain.output == out_head.output and a.calls == b.calls  # the same calls, same answer
         assert all(normalize is False for _, normalize in a.calls)
+
+
+# -- the fitted-heads file a plugin ships -----------------------------------------------------------
+
+
+class FakeFeatures:
+    """A backend with hidden states that are a fixed function of the message's tokens (no model):
+    counts what it computes."""
+
+    def __init__(self, model_id: str = "fake|float32"):
+        self.feature_model_id = model_id
+        self.feature_calls = 0
+
+    async def score(self, prompt, candidates, *, normalize=True):
+        return [0.25, -0.25]
+
+    async def score_features(self, prompt, candidates, *, features_from):
+        self.feature_calls += 1
+        body = prompt[features_from:]
+        rng = np.random.default_rng(sum(body) * 31 + len(body))
+        return [float(len(body) % 5), 1.0], rng.normal(size=6).tolist()
+
+
+async def test_a_shipped_fit_is_loaded_when_its_hash_matches_and_refitted_otherwise(smol, tmp_path, caplog):
+    caplog.set_level(logging.INFO, "rtserver.tasks")
+    tok = smol.tokenizer
+    examples = write_examples(tmp_path / "ex.jsonl", EXAMPLES)
+    fitted = tmp_path / "mood.head.npz"
+    spec = LearnedHead(examples, labels={"pos": "positive", "neg": "negative"}, fitted=fitted)
+    first, backend = PromptTask(sentiment_task(spec), tok), FakeFeatures()
+    await first.prepare(backend)  # no file yet: fitted from the examples
+    assert backend.feature_calls == len(EXAMPLES) and list(first.heads) == [-1]
+    assert "cannot read the fitted heads" in caplog.text and "has no head fitted" in caplog.text
+    save_fitted(fitted, first.fitted)
+    assert set(load_fitted(fitted)) == set(first.fitted)
+
+    caplog.clear()
+    loaded, backend = PromptTask(sentiment_task(spec), tok), FakeFeatures()
+    await loaded.prepare(backend)
+    assert backend.feature_calls == 0 and "loaded from" in caplog.text and "has no head" not in caplog.text
+    for text in ("I love it (0)", "A waste of money (2)", "never seen before"):
+        a, b = await first.run(FakeFeatures(), text), await loaded.run(FakeFeatures(), text)
+        assert a.output == b.output  # the same weights: the same probabilities, exactly
+
+    # Anything the fit depends on differs: fitted from the examples again, and the log says why.
+    edited = write_examples(tmp_path / "edited.jsonl", [*EXAMPLES[:-1], (EXAMPLES[-1][0], "pos")])
+    other_prompt = sentiment_task(spec)
+    other_prompt.prompt = "Review: {text}\nSentiment:"
+    for task, model_id in (
+        (sentiment_task(spec), "another|bfloat16"),
+        (other_prompt, "fake|float32"),
+        (sentiment_task(dataclasses.replace(spec, examples=edited)), "fake|float32"),
+        (sentiment_task(dataclasses.replace(spec, l2=0.5)), "fake|float32"),
+    ):
+        caplog.clear()
+        backend = FakeFeatures(model_id)
+        await PromptTask(task, tok).prepare(backend)
+        assert backend.feature_calls == len(EXAMPLES) and "has no head fitted for this model" in caplog.text
+
+
+async def test_a_broken_fitted_file_is_a_warning_and_a_fit(smol, tmp_path, caplog):
+    examples = write_examples(tmp_path / "ex.jsonl", EXAMPLES)
+    broken = tmp_path / "broken.npz"
+    broken.write_bytes(b"not a zip")
+    spec = LearnedHead(examples, labels={"pos": "positive", "neg": "negative"}, fitted=broken)
+    task, backend = PromptTask(sentiment_task(spec), smol.tokenizer), FakeFeatures()
+    await task.prepare(backend)
+    assert list(task.heads) == [-1] and backend.feature_calls == len(EXAMPLES)
+    assert "cannot read the fitted heads" in caplog.text
+    with pytest.raises(ValueError, match="head.fitted"):
+        sentiment_task(LearnedHead(examples, fitted=3)).validate()  # type: ignore[arg-type]
 
 
 # -- on the real model -------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ PROMPT = (
 WORDS = {"positive": " Positive", "negative": " Negative", "neutral": " Neutral"}  # one token each
 CALIBRATION = ["N/A"]
 EXAMPLES = Path(__file__).with_name("sentiment.examples.jsonl")
+FITTED = Path(__file__).with_name("sentiment.head.npz")  # `rtserver fit-heads` writes it
 HEAD_L2 = 1.0  # chosen on the dev splits (docs/sentiment-research.md)
 GENERATIVE_PROMPT = (
     "Classify the sentiment of this message. Answer with exactly one word: {labels}.\nMessage: {{text}}"
@@ -82,7 +83,7 @@ def make_task(options: dict) -> Task:
         # The same prompt for Chinese text, as a variant of its own: it gets its own head (fitted on the
         # Chinese examples); label scoring is the same either way.
         variants=[Variant(when=has_cjk, prompt=PROMPT)],
-        head=LearnedHead(EXAMPLES, labels=out, l2=HEAD_L2) if head and not neutral else None,
+        head=LearnedHead(EXAMPLES, labels=out, l2=HEAD_L2, fitted=FITTED) if head and not neutral else None,
         cache_size=4096,
         cache_ttl_s=600,
     )

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rtserver.config import EngineSettings
+from rtserver.config import EngineSettings, Settings
 from rtserver.engine.backend import FeatureScorer
 from rtserver.engine.core import Engine
 from rtserver.tasks import Choices, LearnedHead, Task
 from rtserver.tasks.head import LogisticHead, load_examples, load_fitted, save_fitted
-from rtserver.tasks.registry import TaskRegistry
+from rtserver.tasks.registry import TaskRegistry, load_registry
 from rtserver.tasks.run import PromptTask
 
 PROMPT = "Message: {text}\nSentiment:"
@@ -190,6 +190,42 @@ async def test_a_broken_fitted_file_is_a_warning_and_a_fit(smol, tmp_path, caplo
     assert "cannot read the fitted heads" in caplog.text
     with pytest.raises(ValueError, match="head.fitted"):
         sentiment_task(LearnedHead(examples, fitted=3)).validate()  # type: ignore[arg-type]
+
+
+class NoFeatures:
+    """A local-like backend that must not be asked for any feature (every head comes from its file)."""
+
+    def __init__(self, model_id: str):
+        self.feature_model_id = model_id
+
+    async def score(self, prompt, candidates, *, normalize=True):
+        return [0.0] * len(candidates)
+
+    async def score_features(self, prompt, candidates, *, features_from):
+        raise AssertionError("a shipped head was not used: features computed")
+
+
+async def test_the_built_in_tasks_load_their_shipped_heads(smol, tmp_path, caplog):
+    """Editing a built-in task's prompt, verbalizers or examples without `rtserver fit-heads` fails here
+    (the default start would compute features for minutes instead of loading the heads)."""
+    engine = Engine(smol, EngineSettings(kv_budget_mb=64))  # not started: only its feature model id
+    model_id = engine.feature_model_id
+    root = Path(__file__).resolve().parents[1]
+    settings = Settings()
+    settings.tasks.plugin_dirs = [str(root / "plugins")]
+    registry, errors = load_registry(settings, smol.tokenizer)
+    assert errors == []
+    for name, variants in (("sentiment", 2), ("intent", 2)):
+        task = registry.get(name)
+        assert isinstance(task, PromptTask) and task.task.head is not None
+        fitted = Path(task.task.head.fitted or "")
+        with np.load(fitted) as z:
+            models = {str(z[k]) for k in z.files if k.endswith("/model")}
+        if model_id not in models:
+            pytest.skip(f"{fitted.name} holds heads for {models}, this machine runs {model_id}")
+        caplog.clear()
+        assert await task.prepare(NoFeatures(model_id), tmp_path, "local") is None
+        assert sorted(task.heads) == list(range(-1, variants - 1)) and "has no head" not in caplog.text
 
 
 # -- on the real model -------------------------------------------------------------------------------

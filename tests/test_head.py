@@ -17,6 +17,7 @@ import pytest
 from rtserver.config import EngineSettings, Settings
 from rtserver.engine.backend import FeatureScorer
 from rtserver.engine.core import Engine
+from rtserver.engine.model import resolve_dtype
 from rtserver.tasks import Choices, LearnedHead, Task
 from rtserver.tasks.head import LogisticHead, load_examples, load_fitted, save_fitted
 from rtserver.tasks.registry import TaskRegistry, load_registry
@@ -208,8 +209,11 @@ class NoFeatures:
 async def test_the_built_in_tasks_load_their_shipped_heads(smol, tmp_path, caplog):
     """Editing a built-in task's prompt, verbalizers or examples without `rtserver fit-heads` fails here
     (the default start would compute features for minutes instead of loading the heads)."""
-    engine = Engine(smol, EngineSettings(kv_budget_mb=64))  # not started: only its feature model id
-    model_id = engine.feature_model_id
+    # The features' model id of a server with the default dtype (the session's model is float32); the
+    # engine is not started: only its id is read.
+    dtype, storage = resolve_dtype(Settings().model.dtype)
+    default = dataclasses.replace(smol, dtype=dtype, weight_storage=storage)
+    model_id = Engine(default, EngineSettings(kv_budget_mb=64)).feature_model_id
     root = Path(__file__).resolve().parents[1]
     settings = Settings()
     settings.tasks.plugin_dirs = [str(root / "plugins")]

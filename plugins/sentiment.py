@@ -6,11 +6,13 @@ answer is always one of the labels, with a probability for each. The same prompt
 `mode = "generate"` keeps the write-ups' method (instruction + greedy 3 tokens + strict parser) for
 comparison.
 
-A learned head (`Task.head`) is fitted at start-up on the labeled examples shipped next to this file
-(`sentiment.examples.jsonl`: the train split of data/sentiment, 2,000 English movie snippets and 2,000
-Chinese reviews; scripts/build_sentiment_data.py rebuilds it) and answers from the same forward pass as
-label scoring. Without a backend that returns hidden states, or with `head = false`, the task scores
-labels as above. With `neutral = true` there is no head (the examples have no neutral texts).
+A learned head (`Task.head`, one per language) answers from the same forward pass as label scoring. It is
+fitted on the labeled examples shipped next to this file (`sentiment.examples.jsonl`: the train split of
+data/sentiment, 2,000 English movie snippets and 6,000 Chinese reviews; scripts/build_sentiment_data.py
+rebuilds it) and shipped fitted (`sentiment.head.npz`, written by `rtserver fit-heads`): a server whose
+model, dtype, prompt and examples match loads it in milliseconds, any other fits it at start-up. Without
+a backend that returns hidden states, or with `head = false`, the task scores labels as above. With
+`neutral = true` there is no head (the examples have no neutral texts).
 
 Options in `[task.sentiment]`: `mode` ("score" | "generate"), `neutral` (bool), `label_names`
 (rename the output labels, e.g. {positive = "正面", negative = "负面"}), `head` (bool, default true).
@@ -34,7 +36,8 @@ PROMPT = (
 WORDS = {"positive": " Positive", "negative": " Negative", "neutral": " Neutral"}  # one token each
 CALIBRATION = ["N/A"]
 EXAMPLES = Path(__file__).with_name("sentiment.examples.jsonl")
-HEAD_L2 = 1.0  # chosen on the dev splits (docs/sentiment-research.md)
+FITTED = Path(__file__).with_name("sentiment.head.npz")  # `rtserver fit-heads` writes it
+HEAD_L2 = 0.3  # chosen on the dev splits (docs/sentiment-research.md)
 GENERATIVE_PROMPT = (
     "Classify the sentiment of this message. Answer with exactly one word: {labels}.\nMessage: {{text}}"
 )
@@ -82,7 +85,7 @@ def make_task(options: dict) -> Task:
         # The same prompt for Chinese text, as a variant of its own: it gets its own head (fitted on the
         # Chinese examples); label scoring is the same either way.
         variants=[Variant(when=has_cjk, prompt=PROMPT)],
-        head=LearnedHead(EXAMPLES, labels=out, l2=HEAD_L2) if head and not neutral else None,
+        head=LearnedHead(EXAMPLES, labels=out, l2=HEAD_L2, fitted=FITTED) if head and not neutral else None,
         cache_size=4096,
         cache_ttl_s=600,
     )

@@ -1,4 +1,5 @@
-"""Command line: `rtserver serve`, `rtserver bench`, `rtserver loadtest`, `rtserver eval`."""
+"""Command line: `rtserver serve`, `rtserver bench`, `rtserver loadtest`, `rtserver eval`,
+`rtserver fit-heads`."""
 
 from __future__ import annotations
 
@@ -86,6 +87,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit_heads(args: argparse.Namespace) -> int:
+    from .tools.fit_heads import run_fit_heads
+
+    settings = _settings(args)
+    run_fit_heads(_load(settings, args.dtype), settings, args.task)
+    return 0
+
+
 def cmd_loadtest(args: argparse.Namespace) -> int:
     from .tools.loadtest import run_loadtest
 
@@ -167,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", choices=DTYPES)
     ev.add_argument("--out", default="bench-results")
     ev.set_defaults(func=cmd_eval)
+    fh = sub.add_parser(
+        "fit-heads",
+        help="fit the tasks' learned heads and write the fitted-heads files their plugins ship",
+        parents=[common],
+    )
+    fh.add_argument("--task", action="append", help="only this task (repeatable)")
+    fh.add_argument("--dtype", choices=DTYPES)
+    fh.set_defaults(func=cmd_fit_heads)
     return parser
 
 

@@ -128,7 +128,7 @@ class TaskSettings:
     enabled: list[str] = _setting([])
     disabled: list[str] = _setting([])
     auto_tasks: list[str] = _setting(["sentiment"])
-    learned_heads: bool = _setting(False)
+    learned_heads: bool = _setting(True)
 
 
 @dataclass

@@ -33,8 +33,9 @@ def make_settings(**sections: dict) -> Settings:
     s.engine.kv_budget_mb = 64
     s.engine.max_sequence_tokens = 2048
     s.tasks.plugin_dirs = ["plugins"]
-    # The built-in sentiment's learned head would first compute its 4,000 examples' features: the test
-    # servers score labels (tests/test_head.py covers the head)
+    # On a machine whose default dtype is not the one the built-in tasks' shipped heads were fitted for,
+    # a start would first compute their examples' features (minutes): the test servers score labels
+    # (tests/test_head.py covers the heads, and that the shipped ones load)
     s.tasks.learned_heads = False
     # every test connection comes from 127.0.0.1 and many send fast: the limits are off unless a test
     # is about them (tests/test_hub.py)

@@ -5,19 +5,22 @@ exactly as before, and the head end to end on the real model (features cached on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from rtserver.config import EngineSettings
+from rtserver.config import EngineSettings, Settings
 from rtserver.engine.backend import FeatureScorer
 from rtserver.engine.core import Engine
+from rtserver.engine.model import resolve_dtype
 from rtserver.tasks import Choices, LearnedHead, Task
-from rtserver.tasks.head import LogisticHead, load_examples
-from rtserver.tasks.registry import TaskRegistry
+from rtserver.tasks.head import LogisticHead, load_examples, load_fitted, save_fitted
+from rtserver.tasks.registry import TaskRegistry, load_registry
 from rtserver.tasks.run import PromptTask
 
 PROMPT = "Message: {text}\nSentiment:"
@@ -117,6 +120,116 @@ async def test_no_examples_and_no_hidden_states_both_score_labels_as_before(smol
         out_head = await with_head.run(b, text)
         assert out_plain.output == out_head.output and a.calls == b.calls  # the same calls, same answer
         assert all(normalize is False for _, normalize in a.calls)
+
+
+# -- the fitted-heads file a plugin ships -----------------------------------------------------------
+
+
+class FakeFeatures:
+    """A backend with hidden states that are a fixed function of the message's tokens (no model):
+    counts what it computes."""
+
+    def __init__(self, model_id: str = "fake|float32"):
+        self.feature_model_id = model_id
+        self.feature_calls = 0
+
+    async def score(self, prompt, candidates, *, normalize=True):
+        return [0.25, -0.25]
+
+    async def score_features(self, prompt, candidates, *, features_from):
+        self.feature_calls += 1
+        body = prompt[features_from:]
+        rng = np.random.default_rng(sum(body) * 31 + len(body))
+        return [float(len(body) % 5), 1.0], rng.normal(size=6).tolist()
+
+
+async def test_a_shipped_fit_is_loaded_when_its_hash_matches_and_refitted_otherwise(smol, tmp_path, caplog):
+    caplog.set_level(logging.INFO, "rtserver.tasks")
+    tok = smol.tokenizer
+    examples = write_examples(tmp_path / "ex.jsonl", EXAMPLES)
+    fitted = tmp_path / "mood.head.npz"
+    spec = LearnedHead(examples, labels={"pos": "positive", "neg": "negative"}, fitted=fitted)
+    first, backend = PromptTask(sentiment_task(spec), tok), FakeFeatures()
+    await first.prepare(backend)  # no file yet: fitted from the examples
+    assert backend.feature_calls == len(EXAMPLES) and list(first.heads) == [-1]
+    assert "cannot read the fitted heads" in caplog.text and "has no head fitted" in caplog.text
+    save_fitted(fitted, first.fitted)
+    assert set(load_fitted(fitted)) == set(first.fitted)
+
+    caplog.clear()
+    loaded, backend = PromptTask(sentiment_task(spec), tok), FakeFeatures()
+    await loaded.prepare(backend)
+    assert backend.feature_calls == 0 and "loaded from" in caplog.text and "has no head" not in caplog.text
+    for text in ("I love it (0)", "A waste of money (2)", "never seen before"):
+        a, b = await first.run(FakeFeatures(), text), await loaded.run(FakeFeatures(), text)
+        assert a.output == b.output  # the same weights: the same probabilities, exactly
+
+    # Anything the fit depends on differs: fitted from the examples again, and the log says why.
+    edited = write_examples(tmp_path / "edited.jsonl", [*EXAMPLES[:-1], (EXAMPLES[-1][0], "pos")])
+    other_prompt = sentiment_task(spec)
+    other_prompt.prompt = "Review: {text}\nSentiment:"
+    for task, model_id in (
+        (sentiment_task(spec), "another|bfloat16"),
+        (other_prompt, "fake|float32"),
+        (sentiment_task(dataclasses.replace(spec, examples=edited)), "fake|float32"),
+        (sentiment_task(dataclasses.replace(spec, l2=0.5)), "fake|float32"),
+    ):
+        caplog.clear()
+        backend = FakeFeatures(model_id)
+        await PromptTask(task, tok).prepare(backend)
+        assert backend.feature_calls == len(EXAMPLES) and "has no head fitted for this model" in caplog.text
+
+
+async def test_a_broken_fitted_file_is_a_warning_and_a_fit(smol, tmp_path, caplog):
+    examples = write_examples(tmp_path / "ex.jsonl", EXAMPLES)
+    broken = tmp_path / "broken.npz"
+    broken.write_bytes(b"not a zip")
+    spec = LearnedHead(examples, labels={"pos": "positive", "neg": "negative"}, fitted=broken)
+    task, backend = PromptTask(sentiment_task(spec), smol.tokenizer), FakeFeatures()
+    await task.prepare(backend)
+    assert list(task.heads) == [-1] and backend.feature_calls == len(EXAMPLES)
+    assert "cannot read the fitted heads" in caplog.text
+    with pytest.raises(ValueError, match="head.fitted"):
+        sentiment_task(LearnedHead(examples, fitted=3)).validate()  # type: ignore[arg-type]
+
+
+class NoFeatures:
+    """A local-like backend that must not be asked for any feature (every head comes from its file)."""
+
+    def __init__(self, model_id: str):
+        self.feature_model_id = model_id
+
+    async def score(self, prompt, candidates, *, normalize=True):
+        return [0.0] * len(candidates)
+
+    async def score_features(self, prompt, candidates, *, features_from):
+        raise AssertionError("a shipped head was not used: features computed")
+
+
+async def test_the_built_in_tasks_load_their_shipped_heads(smol, tmp_path, caplog):
+    """Editing a built-in task's prompt, verbalizers or examples without `rtserver fit-heads` fails here
+    (the default start would compute features for minutes instead of loading the heads)."""
+    # The features' model id of a server with the default dtype (the session's model is float32); the
+    # engine is not started: only its id is read.
+    dtype, storage = resolve_dtype(Settings().model.dtype)
+    default = dataclasses.replace(smol, dtype=dtype, weight_storage=storage)
+    model_id = Engine(default, EngineSettings(kv_budget_mb=64)).feature_model_id
+    root = Path(__file__).resolve().parents[1]
+    settings = Settings()
+    settings.tasks.plugin_dirs = [str(root / "plugins")]
+    registry, errors = load_registry(settings, smol.tokenizer)
+    assert errors == []
+    for name, variants in (("sentiment", 2), ("intent", 2)):
+        task = registry.get(name)
+        assert isinstance(task, PromptTask) and task.task.head is not None
+        fitted = Path(task.task.head.fitted or "")
+        with np.load(fitted) as z:
+            models = {str(z[k]) for k in z.files if k.endswith("/model")}
+        if model_id not in models:
+            pytest.skip(f"{fitted.name} holds heads for {models}, this machine runs {model_id}")
+        caplog.clear()
+        assert await task.prepare(NoFeatures(model_id), tmp_path, "local") is None
+        assert sorted(task.heads) == list(range(-1, variants - 1)) and "has no head" not in caplog.text
 
 
 # -- on the real model -------------------------------------------------------------------------------

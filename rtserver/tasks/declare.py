@@ -65,13 +65,19 @@ class LearnedHead:
     variant (and one for the task's own prompt), fitted on the examples that select it: a variant with
     the task's very prompt gives e.g. Chinese input a head of its own. Needs a backend with hidden states
     (the local engine); on another the task falls back to label scoring, with a warning naming both.
-    Without a `head` a task scores labels exactly as before."""
+    Without a `head` a task scores labels exactly as before.
+
+    `fitted` names the plugin's fitted-heads file (`rtserver fit-heads` writes it): a head whose hash
+    (model, prompt, verbalizers, examples, fit settings) is in it is loaded instead of fitted, so a
+    start needs no feature computation; any mismatch (another model or dtype, an edited prompt or
+    examples file) fits the head from the examples as without the file, and the log says which."""
 
     examples: str | Path  # the JSONL file; a relative path is relative to the working directory
     labels: dict[str, str] = field(default_factory=dict)  # the file's label -> the task's label
     l2: float = 1e-2  # L2 penalty on the standardised weights (chosen on the dev splits for sentiment)
     use_scores: bool = True  # the calibrated label scores join the hidden features
     min_examples: int = 20  # a prompt with fewer examples (or one label only) keeps label scoring
+    fitted: str | Path | None = None  # the shipped fitted heads (.npz); None: always fit at start-up
 
 
 @dataclass
@@ -138,6 +144,8 @@ class Task:
         if self.head is not None:
             if not isinstance(self.head, LearnedHead) or not isinstance(self.head.examples, (str, Path)):
                 raise ValueError("head: expected LearnedHead(examples=path to a JSONL file)")
+            if self.head.fitted is not None and not isinstance(self.head.fitted, (str, Path)):
+                raise ValueError(f"head.fitted = {self.head.fitted!r}: expected a path to a .npz file")
             if self.choices is None:
                 raise ValueError("head: only a scoring task (with choices) can have a learned head")
             if not (isinstance(self.head.l2, (int, float)) and self.head.l2 >= 0):

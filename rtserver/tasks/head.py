@@ -3,10 +3,12 @@ start-up on the model's hidden-state features of the task's own labeled examples
 forward pass as label scoring (zero extra tokens).
 
 What it owns: reading a plugin's examples file (JSONL `{"text", "label"}`), the classifier (fit,
-probabilities), and the on-disk cache of the examples' features (keyed by a hash of the model, the
-prompt, the verbalizers and the data: only the first start with a new combination computes them). The
-features come from `FeatureScorer.score_features` (rtserver/engine/backend.py); `run.py` decides when
-the head is used.
+probabilities), the on-disk cache of the examples' features (keyed by a hash of the model, the prompt, the
+verbalizers and the data: only the first start with a new combination computes them), and the fitted-heads
+file a plugin ships (`LearnedHead.fitted`: each head's weights under the hash of everything its fit
+depends on, so a server whose model, prompt and data match loads it in milliseconds instead of computing
+the examples' features). The features come from `FeatureScorer.score_features`
+(rtserver/engine/backend.py); `run.py` decides when the head is used.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 log = logging.getLogger("rtserver.tasks")
 
 FEATURES_VERSION = 2  # bump when what score_features returns changes
+HEAD_VERSION = 1  # bump when LogisticHead's fit changes (a shipped fit is then refitted, not trusted)
 
 
 def load_examples(path: Path, label_map: dict[str, str], labels: list[str]) -> list[tuple[str, str]]:
@@ -48,6 +51,61 @@ def features_key(*parts: object) -> str:
     """A cache key: SHA-256 over the parts' JSON (model id, prompt, verbalizer ids, examples...)."""
     blob = json.dumps([FEATURES_VERSION, *parts], ensure_ascii=False, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def head_key(features: str, labels: list[str], y: list[str], head: LogisticHead, use_scores: bool) -> str:
+    """The hash a fitted head is stored under: its features' key plus the examples' labels and every
+    setting of the fit."""
+    return features_key("head", HEAD_VERSION, features, labels, y, head.l2, head.iterations, use_scores)
+
+
+def load_fitted(path: Path) -> dict[str, LogisticHead]:
+    """The heads in a fitted-heads file, by key. A missing or unreadable file is no heads (a warning): the
+    server then fits them from the examples, as without the file."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {name: z[name] for name in z.files}
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read the fitted heads %s (%s): heads are fitted from the examples", path, exc)
+        return {}
+    out: dict[str, LogisticHead] = {}
+    for key in {name.split("/")[0] for name in arrays}:
+        try:
+            head = LogisticHead([str(v) for v in arrays[f"{key}/labels"]])
+            head.l2 = float(arrays[f"{key}/l2"])
+            head.iterations = int(arrays[f"{key}/iterations"])
+            head.mean, head.scale = arrays[f"{key}/mean"], arrays[f"{key}/scale"]
+            head.w, head.b = arrays[f"{key}/w"], arrays[f"{key}/b"]
+        except (KeyError, ValueError, TypeError) as exc:
+            log.warning("fitted heads %s: entry %s is incomplete (%s): ignored", path, key[:12], exc)
+            continue
+        if head.w.shape != (head.mean.shape[0], len(head.labels)):
+            log.warning("fitted heads %s: entry %s has inconsistent shapes: ignored", path, key[:12])
+            continue
+        out[key] = head
+    return out
+
+
+def save_fitted(path: Path, heads: dict[str, tuple[str, LogisticHead]]) -> None:
+    """Write {key: (model id it was fitted for, head)} as a fitted-heads file (numpy .npz, no pickles)."""
+    arrays: dict[str, np.ndarray] = {}
+    for key, (model_id, head) in heads.items():
+        assert head.w is not None and head.b is not None and head.mean is not None and head.scale is not None
+        arrays.update(
+            {
+                f"{key}/model": np.array(model_id),
+                f"{key}/labels": np.array(head.labels),
+                f"{key}/l2": np.array(head.l2),
+                f"{key}/iterations": np.array(head.iterations),
+                f"{key}/mean": head.mean,
+                f"{key}/scale": head.scale,
+                f"{key}/w": head.w,
+                f"{key}/b": head.b,
+            }
+        )
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)  # type: ignore[arg-type]
+    tmp.replace(path)
 
 
 def load_cached(cache_dir: Path | None, key: str) -> np.ndarray | None:

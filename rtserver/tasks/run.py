@@ -2,8 +2,9 @@
 fixed prefix tokenized once, so every call shares its KV) and runs a call on an `InferenceBackend`:
 label scoring with calibration for `Choices`, or generation and the task's parser. Results are kept in
 the task's LRU/TTL cache when it declares one. A task with a learned head (`Task.head`) is `prepare`d
-once the backend runs: its examples' features are computed (or read from the cache) and a classifier
-per prompt is fitted (head.py); calls on that prompt then take the head's answer from the same forward.
+once the backend runs: a classifier per prompt is loaded from the plugin's fitted-heads file when its hash
+matches, else fitted on the examples' features (computed, or read from the cache; head.py); calls on that
+prompt then take the head's answer from the same forward.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from cachetools import TTLCache
 
 from ..engine.backend import FeatureScorer, InferenceBackend, Tokenizer
 from .declare import Choices, Task, TaskError, TaskOutput
-from .head import LogisticHead, features_key, load_cached, load_examples, store_cached
+from .head import (
+    LogisticHead,
+    features_key,
+    head_key,
+    load_cached,
+    load_examples,
+    load_fitted,
+    store_cached,
+)
 
 log = logging.getLogger("rtserver.tasks")
 
@@ -43,6 +52,7 @@ class PromptTask:
         self.cache_hits = 0
         self.cache_misses = 0
         self.heads: dict[int, LogisticHead] = {}  # variant index (-1: the task's prompt) -> fitted head
+        self.fitted: dict[str, tuple[str, LogisticHead]] = {}  # head key -> (model id, head): fit-heads
         self.head_note: str | None = None  # why a declared head is not used (None: used, or none)
 
     # -- prompts ------------------------------------------------------------------------------
@@ -283,6 +293,7 @@ class PromptTask:
         used on this backend (the task then scores labels as it would without a head)."""
         spec = self.task.head
         self.heads = {}
+        self.fitted = {}
         self.head_note = None
         if spec is None or self.task.choices is None:
             return None
@@ -299,6 +310,8 @@ class PromptTask:
         for text, label in raw:
             clean = self.task.clean_text(text)
             groups.setdefault(self.task.variant_of(clean), []).append((clean, label))
+        shipped = load_fitted(Path(spec.fitted)) if spec.fitted is not None else {}
+        model_id = backend.feature_model_id
         for index, rows in sorted(groups.items()):
             template, choices, chat = self.task.select(rows[0][0])
             assert choices is not None
@@ -312,34 +325,49 @@ class PromptTask:
                     template[:40],
                 )
                 continue
-            texts = [t for t, _ in rows]
-            x = await self._example_features(backend, choices, template, chat, texts, cache_dir)
-            started = time.perf_counter()
-            head = LogisticHead(labels, spec.l2).fit(
-                self._head_input(x, len(choices.labels)), [y for _, y in rows]
-            )
+            texts, y = [t for t, _ in rows], [label for _, label in rows]
+            fkey = self._features_key(model_id, choices, template, chat, texts)
+            key = head_key(fkey, labels, y, LogisticHead(labels, spec.l2), spec.use_scores)
+            head = shipped.get(key)
+            if head is not None:
+                log.info(
+                    "%s: learned head for prompt %r loaded from %s (fitted for this model, prompt and %d "
+                    "examples)",
+                    self.task.name,
+                    template[:40],
+                    spec.fitted,
+                    len(rows),
+                )
+            else:
+                if spec.fitted is not None:
+                    log.warning(
+                        "%s: %s has no head fitted for this model (%s), prompt %r and examples: fitting "
+                        "one from the %d examples (a first start computes their features)",
+                        self.task.name,
+                        spec.fitted,
+                        model_id,
+                        template[:40],
+                        len(rows),
+                    )
+                x = await self._example_features(backend, choices, template, chat, texts, cache_dir, fkey)
+                started = time.perf_counter()
+                head = LogisticHead(labels, spec.l2).fit(self._head_input(x, len(choices.labels)), y)
+                log.info(
+                    "%s: learned head fitted on %d examples in %.1f s (prompt %r)",
+                    self.task.name,
+                    len(rows),
+                    time.perf_counter() - started,
+                    template[:40],
+                )
             self.heads[index] = head
-            log.info(
-                "%s: learned head fitted on %d examples in %.1f s (prompt %r)",
-                self.task.name,
-                len(rows),
-                time.perf_counter() - started,
-                template[:40],
-            )
+            self.fitted[key] = (model_id, head)
         return None
 
-    async def _example_features(
-        self,
-        backend: InferenceBackend,
-        choices: Choices,
-        template: str,
-        chat: bool,
-        texts: list[str],
-        cache_dir: Path | None,
-    ) -> np.ndarray:
-        assert isinstance(backend, FeatureScorer)
-        key = features_key(
-            backend.feature_model_id,
+    def _features_key(
+        self, model_id: str, choices: Choices, template: str, chat: bool, texts: list[str]
+    ) -> str:
+        return features_key(
+            model_id,
             template,
             chat,
             self.task.system_prompt if chat else None,
@@ -349,6 +377,18 @@ class PromptTask:
             self.task.truncate,
             texts,
         )
+
+    async def _example_features(
+        self,
+        backend: InferenceBackend,
+        choices: Choices,
+        template: str,
+        chat: bool,
+        texts: list[str],
+        cache_dir: Path | None,
+        key: str,
+    ) -> np.ndarray:
+        assert isinstance(backend, FeatureScorer)
         cached = load_cached(cache_dir, key)
         if cached is not None and cached.shape[0] == len(texts):
             return cached

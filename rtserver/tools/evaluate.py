@@ -14,6 +14,9 @@ result cache). Sentiment configurations:
 - `generative`: the same task with `mode = "generate"` (the write-ups' method: strict-format
   instruction, greedy, 3 new tokens, strict parser);
 - other prompt wordings in scoring mode, declared below as plain `Task` objects.
+
+Intent: the shipped task (its learned head), the same with `head = false`, and the prompt shipped before
+issue 15 (the label names scored).
 """
 
 from __future__ import annotations
@@ -179,7 +182,15 @@ def configurations(settings: Settings, tokenizer: Any, tasks: tuple[str, ...] = 
         task = _registry_task(settings, tokenizer, "intent", {})
         choices = task.task.choices
         ident = {k: k for k in (choices.labels if choices is not None else {})}
-        out.append(Config("intent", "shipped (score)", task, ident))
+        out.append(Config("intent", "shipped (score + learned head)", task, ident))
+        out.append(
+            Config(
+                "intent",
+                "label scoring (no head)",
+                _registry_task(settings, tokenizer, "intent", {"head": False}),
+                ident,
+            )
+        )
         out.append(
             Config("intent", "before: label names scored", PromptTask(previous_intent(), tokenizer), ident)
         )

@@ -204,5 +204,17 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
         for t in range(3):
             items = [StepItem(seq, seq.kv, n + t, [7 + t], "last") for seq, n in seqs]
             steps.append(torch.cat(runner.forward(items)))
+        # A prompt joining a fused step before its last layer: the rest of the step runs the torch path.
+        ids = torch.randint(0, cfg.vocab_size, (9,)).tolist()
+        late = Sequence(ids, SamplingParams(), tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
+        late.kv, _ = kv.acquire(ids, 10)
+        items = [StepItem(seq, seq.kv, n + 3, [11], "last") for seq, n in seqs]
+        joining = [StepItem(late, late.kv, 0, ids, "last")]
+        joined = torch.cat(runner.forward(items, lambda layer, new=joining: new if layer == 1 else []))
+        assert len(items) == 4
+        steps.append(joined[:3])
         results.append(torch.stack(steps))
+        with torch.no_grad():
+            theirs = model(torch.tensor([ids])).logits[0, -1:].float()
+        torch.testing.assert_close(joined[3:], theirs, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)

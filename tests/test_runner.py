@@ -65,6 +65,38 @@ def test_decode_rows_of_very_different_lengths_match_transformers(tiny_qwen2):
             torch.testing.assert_close(got, theirs, atol=1e-4, rtol=1e-4)
 
 
+def test_a_prompt_joining_a_step_mid_way_gets_the_logits_of_its_own_forward(tiny_qwen2):
+    """Rows that join before the last layer catch up on the layers already done, alone, then go on with
+    the step: every row's logits equal transformers' forward of its own sequence."""
+    model, tok = tiny_qwen2.model, tiny_qwen2.tokenizer
+    cfg = model.config
+    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, 4 << 20, 16)
+    runner = ModelRunner(model, kv, 512)
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, len(tok), (n,)).tolist() for n in (6, 30, 11)]
+    seqs = []
+    for ids in prompts:
+        seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
+        seq.kv, _ = kv.acquire(ids, len(ids) + 1)
+        seqs.append(seq)
+    for seq, ids in zip(seqs[:2], prompts):
+        runner.forward([StepItem(seq, seq.kv, 0, ids[:-1], "none")])
+    items = [StepItem(s, s.kv, len(ids) - 1, ids[-1:], "last") for s, ids in zip(seqs[:2], prompts)]
+    joining = StepItem(seqs[2], seqs[2].kv, 0, prompts[2], "last")
+    asked = []
+
+    def join(layer: int) -> list[StepItem]:
+        asked.append(layer)
+        return [joining] if layer == cfg.num_hidden_layers - 1 else []
+
+    outs = runner.forward(items, join)
+    assert asked == list(range(1, cfg.num_hidden_layers)) and items[-1] is joining and len(outs) == 3
+    with torch.no_grad():
+        for got, ids in zip(outs, prompts):
+            theirs = model(torch.tensor([ids])).logits[0, -1:].float()
+            torch.testing.assert_close(got, theirs, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("storage, tolerance", [("float16", 1e-3), ("int8", 0.03)])
 def test_stored_linear_is_close_to_float32(storage, tolerance):
     torch.manual_seed(0)

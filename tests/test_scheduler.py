@@ -28,8 +28,12 @@ class FakeRunner:
 
     def __init__(self):
         self.steps: list[list[tuple[int, int, int]]] = []  # (seq id, start, n tokens)
+        self.before_layer_1 = None  # what "another thread" does while a step runs (submit, cancel)
 
-    def forward(self, items: list[StepItem]):
+    def forward(self, items: list[StepItem], join=None):
+        if self.before_layer_1 is not None and join is not None:
+            self.before_layer_1()
+            items.extend(join(1))  # the real runner asks before every layer but the first
         self.steps.append([(it.seq.id, it.start, len(it.tokens)) for it in items])
         out = []
         for it in items:
@@ -116,6 +120,57 @@ def test_sequences_join_at_any_step_without_waiting_for_a_batch():
     assert {sid for sid, _, _ in runner.steps[-1]} == {a.id, b.id}
     run_until_idle(sched)
     assert len(a.output_ids) == 6 and len(b.output_ids) == 3
+
+
+def test_a_prompt_arriving_during_a_step_joins_that_step():
+    """Its first token comes out with the step under way, not one step later."""
+    sched, runner, _, _ = make()
+    a = seq(4, 6)
+    sched.submit(a)
+    sched.step()  # a prefilled, decoding from now on
+    b = seq(3, 2, start=300)
+    runner.before_layer_1 = lambda: sched.submit(b)
+    sched.step()
+    runner.before_layer_1 = None
+    assert runner.steps[-1] == [(a.id, 4, 1), (b.id, 0, 3)]
+    assert b.output_ids == [3] and len(a.output_ids) == 2  # the fake predicts the next position
+    assert sched.joined == 1
+    run_until_idle(sched)
+    assert a.output_ids == [4, 5, 6, 7, 8, 9] and b.output_ids == [3, 4]
+
+
+def test_joining_keeps_queue_order_limits_and_the_prefill_budget():
+    """Only generation prompts from the front of the queue join, within the step's prefill budget and
+    max_running; a scoring call stops the joining, and a prompt too long for what is left of the budget
+    is admitted for the next step instead."""
+    sched, runner, _, _ = make(with_limits(max_running=3, max_waiting=8, prefill_chunk_tokens=8))
+    a = seq(4, 10)
+    sched.submit(a)
+    sched.step()
+    fits, too_long, later = seq(5, 2, start=200), seq(6, 2, start=300), seq(2, 2, start=400)
+    runner.before_layer_1 = lambda: [sched.submit(s) for s in (fits, too_long, later)]
+    sched.step()
+    runner.before_layer_1 = None
+    assert runner.steps[-1] == [(a.id, 4, 1), (fits.id, 0, 5)]  # 5 of 8 budget tokens; 6 more do not fit
+    assert too_long in sched.running and later in sched.waiting  # max_running 3: later waits
+    sched.step()
+    assert (too_long.id, 0, 6) in runner.steps[-1]
+    scoring = Sequence(
+        list(range(600, 604)),
+        SamplingParams(max_new_tokens=1),
+        tokenizer=FakeTokenizer(),
+        eos_token_ids=set(),
+        candidates=[[5], [7]],
+    )
+    run_until_idle(sched)
+    sched.submit(a2 := seq(3, 4, start=700))
+    sched.step()
+    runner.before_layer_1 = lambda: [sched.submit(s) for s in (scoring, seq(2, 2, start=800))]
+    sched.step()
+    runner.before_layer_1 = None
+    assert [sid for sid, _, _ in runner.steps[-1]] == [a2.id]  # a scoring call at the front: no joining
+    run_until_idle(sched)
+    assert scoring.scores is not None and len(a2.output_ids) == 4
 
 
 def test_max_running_and_bounded_queue():

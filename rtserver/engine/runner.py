@@ -15,7 +15,8 @@ it needs. Tests keep this equal to transformers' own forward.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -228,6 +229,28 @@ def _prefill_groups(items: list[StepItem]) -> list[list[int]]:
     return groups
 
 
+@dataclass
+class _Layout:
+    """Where a step's rows come from and go: index tensors and masks built once per step (and again
+    when items join it mid-step) and read by every layer."""
+
+    ids: torch.Tensor  # the rows' token ids
+    pos: torch.Tensor  # their positions
+    cos: torch.Tensor  # RoPE of those positions [rows, head_dim]
+    sin: torch.Tensor
+    write_slots: torch.Tensor  # KV pool slot of each row
+    row_offsets: list[int]  # first row of each item
+    wanted_rows: list[int]  # rows whose hidden state leaves the last layer
+    wanted: torch.Tensor
+    spans: list[tuple[int, int] | None]  # per item: (first wanted row, count) or None
+    # attention calls of the torch path (see _decode_group / _prefill_group)
+    decodes: list[tuple] = field(default_factory=list)
+    prefills: list[tuple] = field(default_factory=list)
+    # the fused path: each row's context slots and length
+    table: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -424,38 +447,16 @@ class ModelRunner:
         return rows, ctx_index.view(-1), shape, mask, ctx_index, torch.tensor(lengths, dtype=torch.long)
 
     # -- the forward ----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, items: list[StepItem]) -> list[torch.Tensor | None]:
-        """Run one step; returns per item the fp32 logits it asked for ([n, vocab], or [n, len(columns)])
-        or None."""
+    def _layout(self, items: list[StepItem], fused: bool) -> _Layout:
+        """Index tensors and masks of a step, built once and read by every layer."""
         tokens: list[int] = []
         positions: list[int] = []
+        row_offsets: list[int] = []
         for it in items:
+            row_offsets.append(len(tokens))
             tokens.extend(it.tokens)
             positions.extend(range(it.start, it.start + len(it.tokens)))
-        T = len(tokens)
-        ids = torch.tensor(tokens, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        cos = self.cos[pos][:, None, :]
-        sin = self.sin[pos][:, None, :]
-
-        # Where each new token's K/V goes, and the context each attention call reads.
-        write_slots = torch.cat([it.kv.slots[it.start : it.start + len(it.tokens)] for it in items])
-        row_offsets = []
-        off = 0
-        for it in items:
-            row_offsets.append(off)
-            off += len(it.tokens)
-        # A step of single-token decodes small enough for the quantized blocks runs each layer as one
-        # fused kernel call (engine/kernels/quant.cpp: decode_layer), the same arithmetic as below.
-        fused = self.fused_decode_rows >= T and all(
-            len(it.tokens) == 1 and it.logits == "last" and it.pool_from is None for it in items
-        )
-        decodes, prefills = [], []
-        if not fused:
-            decodes = [self._decode_group(items, g, row_offsets) for g in _decode_groups(items)]
-            prefills = [self._prefill_group(items, g, row_offsets) for g in _prefill_groups(items)]
-
         # Rows whose hidden state leaves the last layer: the last token of a chunk, or all for scoring.
         wanted_rows: list[int] = []
         spans: list[tuple[int, int] | None] = []
@@ -468,79 +469,183 @@ class ModelRunner:
                 wanted_rows.extend(range(row_offsets[i], row_offsets[i] + len(it.tokens)))
             else:
                 spans.append(None)
-        wanted = torch.tensor(wanted_rows, dtype=torch.long)
-        last = len(self.layers) - 1
+        lay = _Layout(
+            ids=torch.tensor(tokens, dtype=torch.long),
+            pos=pos,
+            cos=self.cos[pos],
+            sin=self.sin[pos],
+            # where each new token's K/V goes
+            write_slots=torch.cat([it.kv.slots[it.start : it.start + len(it.tokens)] for it in items]),
+            row_offsets=row_offsets,
+            wanted_rows=wanted_rows,
+            wanted=torch.tensor(wanted_rows, dtype=torch.long),
+            spans=spans,
+        )
+        if fused:  # each row's context, read in place by the kernel
+            lengths = [it.start + 1 for it in items]
+            lay.table = torch.zeros(len(items), max(lengths), dtype=torch.long)
+            for r, it in enumerate(items):
+                lay.table[r, : lengths[r]] = it.kv.slots[: lengths[r]]
+            lay.lengths = torch.tensor(lengths, dtype=torch.long)
+        else:
+            lay.decodes = [self._decode_group(items, g, row_offsets) for g in _decode_groups(items)]
+            lay.prefills = [self._prefill_group(items, g, row_offsets) for g in _prefill_groups(items)]
+        return lay
+
+    def _fusable(self, items: list[StepItem]) -> bool:
+        """A step of single-token decodes small enough for the quantized blocks runs each layer as one
+        fused kernel call (engine/kernels/quant.cpp: decode_layer), the same arithmetic as `_layer`."""
+        return self.fused_decode_rows >= len(items) and all(
+            len(it.tokens) == 1 and it.logits == "last" and it.pool_from is None for it in items
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, items: list[StepItem], join: Callable[[int], list[StepItem]] | None = None
+    ) -> list[torch.Tensor | None]:
+        """Run one step; returns per item the fp32 logits it asked for ([n, vocab], or [n, len(columns)])
+        or None.
+
+        `join`, when given, is asked before every layer but the first for more items: prompts that
+        arrived while this step runs, so that they need not wait for the next one (a step of many
+        streams is long). Their rows first run the layers already done, alone, then go on with the
+        step's rows; they are appended to `items` and get their logits with the others. Joining items
+        prefill whole prompts (logits "last", no pooled features)."""
+        fused = self._fusable(items)
+        lay = self._layout(items, fused)
         # Items that pool hidden states (a learned head's features): their rows at positions from
-        # pool_from on, summed after the mid layer.
+        # pool_from on, summed after the pool layers; their last row's state at the last layers.
         pooling: list[tuple[list[torch.Tensor], int, int]] = []
         lasts: list[tuple[list[torch.Tensor], int]] = []
         for i, it in enumerate(items):
             if it.pool_from is not None:
                 skip = max(0, it.pool_from - it.start)
+                first, end = lay.row_offsets[i], lay.row_offsets[i] + len(it.tokens)
                 if skip < len(it.tokens):
                     it.pooled = ([], len(it.tokens) - skip)
-                    pooling.append((it.pooled[0], row_offsets[i] + skip, row_offsets[i] + len(it.tokens)))
+                    pooling.append((it.pooled[0], first + skip, end))
                 if it.logits == "last":
                     it.last_hidden = []
-                    lasts.append((it.last_hidden, row_offsets[i] + len(it.tokens) - 1))
+                    lasts.append((it.last_hidden, end - 1))
 
-        x = self.embed[ids]
-        k_pool, v_pool = self.kv.k, self.kv.v
-        if fused:
-            x = self._fused_decode_layers(items, x, pos, write_slots)
-        for li, L in enumerate([] if fused else self.layers):
-            h = self._rms(x, L.ln1)
-            qkv = L.qkv(h)
-            # q and k side by side in one RoPE (the same elementwise arithmetic, half the small ops)
-            qk = qkv[:, : self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv, self.head_dim)
-            qk = self._rope(qk, cos, sin)
-            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-            v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
-            kl, vl = k_pool[li], v_pool[li]
-            kl.index_copy_(0, write_slots, k)
-            vl.index_copy_(0, write_slots, v)
-            attn = torch.empty(T, self.n_kv, self.group, self.head_dim, dtype=x.dtype)
-            for rows, ctx_index, ctx_shape, mask, ctx_slots, lengths in decodes:
-                if self.attention_kernel is not None:  # reads the pool in place: no gather, no mask
-                    kernel = self.attention_kernel
-                    o = kernel.decode_attention(q[rows], kl, vl, ctx_slots, lengths, self.scale)
-                    attn[rows] = o.view(-1, self.n_kv, self.group, self.head_dim)
-                    continue
-                # [B, kv, group, d] queries against [B, kv, L, d] keys: GQA without repeating K/V.
-                qd = q[rows].view(-1, self.n_kv, self.group, self.head_dim)
-                kd, vd = _context(kl, ctx_index, ctx_shape), _context(vl, ctx_index, ctx_shape)
-                attn[rows] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
-            for q_index, ctx_index, ctx_shape, mask, src, dst in prefills:
-                B, n = q_index.shape
-                qp = q[q_index].view(B, n, self.n_kv, self.group, self.head_dim)
-                qp = qp.permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, self.group * n, self.head_dim)
-                kp, vp = _context(kl, ctx_index, ctx_shape), _context(vl, ctx_index, ctx_shape)
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale)
-                o = o.view(B, self.n_kv, self.group, n, self.head_dim).permute(0, 3, 1, 2, 4)
-                o = o.reshape(B * n, self.n_kv, self.group, self.head_dim)
-                attn[dst] = o if src is None else o[src]
-            attn = attn.view(T, self.q_size)
-            if li == last and len(wanted_rows) < T:
-                # Past the last layer's K/V only the rows that give logits matter: the rest skip its
-                # output projection and MLP (row-wise operations, so the kept rows are unchanged).
-                if not wanted_rows:
-                    return [None] * len(items)
-                x, attn = x[wanted], attn[wanted]
-            x = x + L.o(attn)
-            h = self._rms(x, L.ln2)
-            gu = L.gate_up(h)
-            x = x + L.down(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
-            if li in self.pool_layers:
-                for sums, a, b in pooling:
-                    sums.append(x[a:b].float().sum(0))
-            if li in self.last_layers:
-                for states, r in lasts:
-                    states.append(x[r].float())
+        x = self.embed[lay.ids]
+        for li in range(len(self.layers)):
+            new = join(li) if join is not None and li > 0 else None
+            if new:
+                assert all(it.logits == "last" and it.pool_from is None and not it.columns for it in new)
+                # Rows are appended, so the rows (and pooled ranges) of the items already here stay put.
+                x = torch.cat([x, self._catch_up(new, li)])
+                items.extend(new)
+                fused = False
+                lay = self._layout(items, fused)
+            if fused:
+                x = self._fused_layer(li, lay, x)
+                continue
+            out = self._layer(li, lay, x, pooling, lasts)
+            if out is None:
+                return [None] * len(items)
+            x = out
+        return self._logits(items, lay, x)
 
-        # Logits only where someone needs them, and only the columns asked for.
+    def _catch_up(self, items: list[StepItem], layers: int) -> torch.Tensor:
+        """The residual stream of items joining a step before layer `layers`: the layers before it."""
+        lay = self._layout(items, fused=False)
+        x = self.embed[lay.ids]
+        for li in range(layers):
+            x = self._layer(li, lay, x, [], [])
+        return x
+
+    def _layer(
+        self,
+        li: int,
+        lay: _Layout,
+        x: torch.Tensor,
+        pooling: list[tuple[list[torch.Tensor], int, int]],
+        lasts: list[tuple[list[torch.Tensor], int]],
+    ) -> torch.Tensor | None:
+        """Decoder layer `li` over the step's rows, through torch ops (any step). None: the last layer
+        and no row gives logits."""
+        L = self.layers[li]
+        T = x.shape[0]
+        h = self._rms(x, L.ln1)
+        qkv = L.qkv(h)
+        # q and k side by side in one RoPE (the same elementwise arithmetic, half the small ops)
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv, self.head_dim)
+        qk = self._rope(qk, lay.cos[:, None, :], lay.sin[:, None, :])
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
+        kl, vl = self.kv.k[li], self.kv.v[li]
+        kl.index_copy_(0, lay.write_slots, k)
+        vl.index_copy_(0, lay.write_slots, v)
+        attn = torch.empty(T, self.n_kv, self.group, self.head_dim, dtype=x.dtype)
+        for rows, ctx_index, ctx_shape, mask, ctx_slots, lengths in lay.decodes:
+            if self.attention_kernel is not None:  # reads the pool in place: no gather, no mask
+                kernel = self.attention_kernel
+                o = kernel.decode_attention(q[rows], kl, vl, ctx_slots, lengths, self.scale)
+                attn[rows] = o.view(-1, self.n_kv, self.group, self.head_dim)
+                continue
+            # [B, kv, group, d] queries against [B, kv, L, d] keys: GQA without repeating K/V.
+            qd = q[rows].view(-1, self.n_kv, self.group, self.head_dim)
+            kd, vd = _context(kl, ctx_index, ctx_shape), _context(vl, ctx_index, ctx_shape)
+            attn[rows] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
+        for q_index, ctx_index, ctx_shape, mask, src, dst in lay.prefills:
+            B, n = q_index.shape
+            qp = q[q_index].view(B, n, self.n_kv, self.group, self.head_dim)
+            qp = qp.permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, self.group * n, self.head_dim)
+            kp, vp = _context(kl, ctx_index, ctx_shape), _context(vl, ctx_index, ctx_shape)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale)
+            o = o.view(B, self.n_kv, self.group, n, self.head_dim).permute(0, 3, 1, 2, 4)
+            o = o.reshape(B * n, self.n_kv, self.group, self.head_dim)
+            attn[dst] = o if src is None else o[src]
+        attn = attn.view(T, self.q_size)
+        if li == len(self.layers) - 1 and len(lay.wanted_rows) < T:
+            # Past the last layer's K/V only the rows that give logits matter: the rest skip its
+            # output projection and MLP (row-wise operations, so the kept rows are unchanged).
+            if not lay.wanted_rows:
+                return None
+            x, attn = x[lay.wanted], attn[lay.wanted]
+        x = x + L.o(attn)
+        h = self._rms(x, L.ln2)
+        gu = L.gate_up(h)
+        x = x + L.down(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+        if li in self.pool_layers:
+            for sums, a, b in pooling:
+                sums.append(x[a:b].float().sum(0))
+        if li in self.last_layers:
+            for states, r in lasts:
+                states.append(x[r].float())
+        return x
+
+    def _fused_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
+        """Decoder layer `li` of a fused decode step: one call of the kernel's `decode_layer`."""
+        L = self.layers[li]
+        assert L.qkv.small and L.o.small and L.gate_up.small and L.down.small  # see use_quantized_blocks
+        return self.attention_kernel.decode_layer(
+            x,
+            L.ln1,
+            *L.qkv.small.args,
+            L.qkv.bias,
+            *L.o.small.args,
+            L.ln2,
+            *L.gate_up.small.args,
+            *L.down.small.args,
+            lay.cos,
+            lay.sin,
+            self.kv.k[li],
+            self.kv.v[li],
+            lay.write_slots,
+            lay.table,
+            lay.lengths,
+            self.n_heads,
+            self.eps,
+            self.scale,
+        )
+
+    def _logits(self, items: list[StepItem], lay: _Layout, x: torch.Tensor) -> list[torch.Tensor | None]:
+        """Logits only where someone needs them, and only the columns asked for."""
         hs = self._rms(x, self.norm)
         out: list[torch.Tensor | None] = [None] * len(items)
-        asked = {i: span for i, span in enumerate(spans) if span is not None}
+        asked = {i: span for i, span in enumerate(lay.spans) if span is not None}
         for i, span in asked.items():
             item_states = items[i].last_hidden
             if item_states is not None:
@@ -548,7 +653,7 @@ class ModelRunner:
         full = [i for i in asked if items[i].columns is None]
         if full:
             rows = [r for i in full for r in range(asked[i][0], asked[i][0] + asked[i][1])]
-            logits = self.lm_head(hs if len(rows) == len(wanted_rows) else hs[torch.tensor(rows)]).float()
+            logits = self.lm_head(hs if len(rows) == len(lay.wanted_rows) else hs[torch.tensor(rows)]).float()
             at = 0
             for i in full:
                 out[i] = logits[at : at + asked[i][1]]
@@ -566,41 +671,6 @@ class ModelRunner:
                 out[i] = logits[at : at + asked[i][1]]
                 at += asked[i][1]
         return out
-
-    def _fused_decode_layers(
-        self, items: list[StepItem], x: torch.Tensor, pos: torch.Tensor, write_slots: torch.Tensor
-    ) -> torch.Tensor:
-        """Every layer of a decode step through the kernel's `decode_layer`: one call per layer."""
-        lengths = [it.start + 1 for it in items]
-        table = torch.zeros(len(items), max(lengths), dtype=torch.long)
-        for r, it in enumerate(items):
-            table[r, : lengths[r]] = it.kv.slots[: lengths[r]]
-        lengths_t = torch.tensor(lengths, dtype=torch.long)
-        cos, sin = self.cos[pos], self.sin[pos]
-        decode_layer = self.attention_kernel.decode_layer
-        for li, L in enumerate(self.layers):
-            assert L.qkv.small and L.o.small and L.gate_up.small and L.down.small  # see use_quantized_blocks
-            x = decode_layer(
-                x,
-                L.ln1,
-                *L.qkv.small.args,
-                L.qkv.bias,
-                *L.o.small.args,
-                L.ln2,
-                *L.gate_up.small.args,
-                *L.down.small.args,
-                cos,
-                sin,
-                self.kv.k[li],
-                self.kv.v[li],
-                write_slots,
-                table,
-                lengths_t,
-                self.n_heads,
-                self.eps,
-                self.scale,
-            )
-        return x
 
     def _column_logits(self, hs: torch.Tensor, columns: list[int]) -> torch.Tensor:
         """Logits of a few vocabulary entries: those rows of the output head, not the whole matmul."""

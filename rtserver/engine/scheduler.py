@@ -32,7 +32,9 @@ log = logging.getLogger("rtserver.scheduler")
 
 
 class Runner(Protocol):
-    def forward(self, items: list[StepItem]) -> list[torch.Tensor | None]: ...
+    def forward(
+        self, items: list[StepItem], join: Callable[[int], list[StepItem]] | None = None
+    ) -> list[torch.Tensor | None]: ...
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]: ...
     def score_labels(self, done: list[tuple[Sequence, torch.Tensor]]) -> None: ...
 
@@ -79,6 +81,8 @@ class Scheduler:
         self.steps = 0
         self.tokens_generated = 0
         self.tokens_prefilled = 0
+        self.joined = 0  # sequences that joined a step under way (see _join)
+        self._join_budget = 0  # prefill tokens the step under way may still take
         self.last_step: StepStats | None = None
         self.fault_hook: Callable[[list[StepItem]], None] | None = None  # tests inject step failures
 
@@ -162,19 +166,55 @@ class Scheduler:
                     self.waiting.popleft()
                     self._finish(seq, FinishReason.CANCELLED, events)
                     continue
-                try:
-                    seq.kv, reused = self.kv.acquire(
-                        seq.prompt_ids, seq.capacity_tokens, seq.session_key, seq.features_from
-                    )
-                except OutOfKVMemory:
+                if not self._admit_first():
                     break  # wait for running sequences to finish and free blocks
-                self.waiting.popleft()
-                seq.num_computed = reused
-                seq.usage.cached_tokens = reused
-                seq.kv.token_ids = seq.prompt_ids[:reused]
-                seq.phase = Phase.PREFILL
-                seq.admitted_at = time.perf_counter()
-                self.running.append(seq)
+
+    def _admit_first(self) -> bool:
+        """Move the first waiting sequence to running if its KV fits (the caller holds the lock and has
+        checked there is a running slot)."""
+        seq = self.waiting[0]
+        try:
+            seq.kv, reused = self.kv.acquire(
+                seq.prompt_ids, seq.capacity_tokens, seq.session_key, seq.features_from
+            )
+        except OutOfKVMemory:
+            return False
+        self.waiting.popleft()
+        seq.num_computed = reused
+        seq.usage.cached_tokens = reused
+        seq.kv.token_ids = seq.prompt_ids[:reused]
+        seq.phase = Phase.PREFILL
+        seq.admitted_at = time.perf_counter()
+        self.running.append(seq)
+        return True
+
+    def _join(self, layer: int) -> list[StepItem]:
+        """Asked by the runner between the layers of a step: generation prompts that arrived since the
+        step began and whose whole prompt fits what is left of its prefill budget join it now, so their
+        first token comes out with this step's tokens instead of one step later (a step of 32 streams
+        takes ~100 ms and more). Only from the front of the queue, in order: a scoring call or a prompt
+        too long for this step stops the joining (a long one is still admitted, for the next step)."""
+        items: list[StepItem] = []
+        if not self.waiting:  # the common case, without the lock
+            return items
+        with self._cond:
+            while self.waiting and len(self.running) < self.limits.max_running:
+                seq = self.waiting[0]
+                if seq.cancelled or seq.candidates is not None or seq.features_from is not None:
+                    break
+                if not self._admit_first():
+                    break
+                assert seq.kv is not None
+                remaining = len(seq.prompt_ids) - seq.num_computed
+                if remaining > self._join_budget:
+                    break  # admitted: its prefill starts next step
+                self._join_budget -= remaining
+                items.append(
+                    StepItem(seq, seq.kv, seq.num_computed, seq.prompt_ids[seq.num_computed :], "last")
+                )
+        if items:
+            self.joined += len(items)
+        return items
 
     def plan(self, events: list) -> list[StepItem]:
         """Admit what fits, drop what was cancelled, and lay out this step's tokens."""
@@ -212,6 +252,7 @@ class Scheduler:
                     pool_from=seq.features_from,
                 )
             )
+        self._join_budget = max(0, budget)  # what sequences joining mid-step may still prefill
         return items
 
     def step(self) -> None:
@@ -224,7 +265,7 @@ class Scheduler:
             return
         started = time.perf_counter()
         try:
-            logits = self._forward(items)
+            logits = self._forward(items, join=True)
         except Exception:
             # Isolate the culprit: run each sequence's part of the step alone (rewriting the same KV
             # slots), so one bad sequence fails alone and the others go on.
@@ -241,10 +282,10 @@ class Scheduler:
         )
         self.on_events(events)
 
-    def _forward(self, items: list[StepItem]) -> list[torch.Tensor | None]:
+    def _forward(self, items: list[StepItem], join: bool = False) -> list[torch.Tensor | None]:
         if self.fault_hook is not None:
             self.fault_hook(items)
-        return self.runner.forward(items)
+        return self.runner.forward(items, self._join if join else None)
 
     def _run_guarded(
         self, items: list[StepItem], events: list, logits: list[torch.Tensor | None] | None = None

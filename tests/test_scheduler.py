@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,12 +29,13 @@ class FakeRunner:
 
     def __init__(self):
         self.steps: list[list[tuple[int, int, int]]] = []  # (seq id, start, n tokens)
-        self.before_layer_1 = None  # what "another thread" does while a step runs (submit, cancel)
+        # What "another thread" does while a step runs, before the layer it is keyed by (submit, cancel).
+        self.during_step: dict[int, Callable[[], object]] = {}
 
     def forward(self, items: list[StepItem], join=None):
-        if self.before_layer_1 is not None and join is not None:
-            self.before_layer_1()
-            items.extend(join(1))  # the real runner asks before every layer but the first
+        for layer, happens in sorted(self.during_step.items()) if join is not None else ():
+            happens()
+            items.extend(join(layer))  # the real runner asks before every layer but the first
         self.steps.append([(it.seq.id, it.start, len(it.tokens)) for it in items])
         out = []
         for it in items:
@@ -129,14 +131,30 @@ def test_a_prompt_arriving_during_a_step_joins_that_step():
     sched.submit(a)
     sched.step()  # a prefilled, decoding from now on
     b = seq(3, 2, start=300)
-    runner.before_layer_1 = lambda: sched.submit(b)
+    runner.during_step = {1: lambda: sched.submit(b)}
     sched.step()
-    runner.before_layer_1 = None
+    runner.during_step = {}
     assert runner.steps[-1] == [(a.id, 4, 1), (b.id, 0, 3)]
     assert b.output_ids == [3] and len(a.output_ids) == 2  # the fake predicts the next position
     assert sched.joined == 1
     run_until_idle(sched)
     assert a.output_ids == [4, 5, 6, 7, 8, 9] and b.output_ids == [3, 4]
+
+
+def test_one_catch_up_per_step():
+    """Arrivals join once per step, together: a later one waits for the next step."""
+    sched, runner, _, _ = make()
+    a = seq(4, 6)
+    sched.submit(a)
+    sched.step()
+    b, c, d = seq(2, 2, start=300), seq(2, 2, start=400), seq(2, 2, start=500)
+    runner.during_step = {2: lambda: [sched.submit(b), sched.submit(c)], 5: lambda: sched.submit(d)}
+    sched.step()
+    runner.during_step = {}
+    assert runner.steps[-1] == [(a.id, 4, 1), (b.id, 0, 2), (c.id, 0, 2)]
+    assert d in sched.waiting and sched.joined == 2
+    sched.step()
+    assert (d.id, 0, 2) in runner.steps[-1]
 
 
 def test_joining_keeps_queue_order_limits_and_the_prefill_budget():
@@ -148,9 +166,9 @@ def test_joining_keeps_queue_order_limits_and_the_prefill_budget():
     sched.submit(a)
     sched.step()
     fits, too_long, later = seq(5, 2, start=200), seq(6, 2, start=300), seq(2, 2, start=400)
-    runner.before_layer_1 = lambda: [sched.submit(s) for s in (fits, too_long, later)]
+    runner.during_step = {1: lambda: [sched.submit(s) for s in (fits, too_long, later)]}
     sched.step()
-    runner.before_layer_1 = None
+    runner.during_step = {}
     assert runner.steps[-1] == [(a.id, 4, 1), (fits.id, 0, 5)]  # 5 of 8 budget tokens; 6 more do not fit
     assert too_long in sched.running and later in sched.waiting  # max_running 3: later waits
     sched.step()
@@ -165,9 +183,9 @@ def test_joining_keeps_queue_order_limits_and_the_prefill_budget():
     run_until_idle(sched)
     sched.submit(a2 := seq(3, 4, start=700))
     sched.step()
-    runner.before_layer_1 = lambda: [sched.submit(s) for s in (scoring, seq(2, 2, start=800))]
+    runner.during_step = {1: lambda: [sched.submit(s) for s in (scoring, seq(2, 2, start=800))]}
     sched.step()
-    runner.before_layer_1 = None
+    runner.during_step = {}
     assert [sid for sid, _, _ in runner.steps[-1]] == [a2.id]  # a scoring call at the front: no joining
     run_until_idle(sched)
     assert scoring.scores is not None and len(a2.output_ids) == 4

@@ -3,7 +3,9 @@
 Each step is ONE batched forward over a decode token for every running sequence plus up to
 `prefill_chunk_tokens` prompt tokens from sequences still prefilling (oldest first), so a long new
 prompt delays running streams by at most one bounded chunk. Sequences join at any step once they have
-KV room, and leave at the step after they finish or are cancelled. A bounded waiting queue refuses
+KV room, and leave at the step after they finish or are cancelled. A generation prompt that arrives
+while a step runs need not wait for it to end: the runner asks between layers (`_join`), and the
+prompt joins the step under way, its first token out with that step's tokens. A bounded waiting queue refuses
 work at once (`Overloaded`) instead of letting requests wait forever.
 
 The model work happens in `step()`, called by one worker thread (`run_forever`); `submit` and `cancel`
@@ -195,7 +197,7 @@ class Scheduler:
         takes ~100 ms and more). Only from the front of the queue, in order: a scoring call or a prompt
         too long for this step stops the joining (a long one is still admitted, for the next step)."""
         items: list[StepItem] = []
-        if not self.waiting:  # the common case, without the lock
+        if not self.waiting or self._join_budget <= 0:  # the common case, without the lock
             return items
         with self._cond:
             while self.waiting and len(self.running) < self.limits.max_running:
@@ -214,6 +216,9 @@ class Scheduler:
                 )
         if items:
             self.joined += len(items)
+            # Once per step: the joiners' catch-up is a pass of its own over the layers done, so a
+            # burst of arrivals catches up together (the rest wait for the next step, already admitted).
+            self._join_budget = 0
         return items
 
     def plan(self, events: list) -> list[StepItem]:

@@ -5,8 +5,8 @@ Each step is ONE batched forward over a decode token for every running sequence 
 prompt delays running streams by at most one bounded chunk. Sequences join at any step once they have
 KV room, and leave at the step after they finish or are cancelled. A generation prompt that arrives
 while a step runs need not wait for it to end: the runner asks between layers (`_join`), and the
-prompt joins the step under way, its first token out with that step's tokens. A bounded waiting queue refuses
-work at once (`Overloaded`) instead of letting requests wait forever.
+prompt joins the step under way, its first token out with that step's tokens. A bounded waiting
+queue refuses work at once (`Overloaded`) instead of letting requests wait forever.
 
 The model work happens in `step()`, called by one worker thread (`run_forever`); `submit` and `cancel`
 are safe to call from any thread.

@@ -183,12 +183,37 @@ def test_joining_keeps_queue_order_limits_and_the_prefill_budget():
     run_until_idle(sched)
     sched.submit(a2 := seq(3, 4, start=700))
     sched.step()
-    runner.during_step = {1: lambda: [sched.submit(s) for s in (scoring, seq(2, 2, start=800))]}
+    chat = seq(2, 2, start=800)
+    runner.during_step = {1: lambda: [sched.submit(s) for s in (scoring, chat)]}
     sched.step()
     runner.during_step = {}
-    assert [sid for sid, _, _ in runner.steps[-1]] == [a2.id]  # a scoring call at the front: no joining
+    # the scoring call waits for the next step; the chat behind it joins
+    assert runner.steps[-1] == [(a2.id, 3, 1), (chat.id, 0, 2)] and scoring in sched.waiting
     run_until_idle(sched)
     assert scoring.scores is not None and len(a2.output_ids) == 4
+
+
+def test_scoring_calls_have_running_places_of_their_own():
+    """A burst of label-scoring calls (auto-tasks) never keeps a chat out of the batch, nor the reverse."""
+    sched, runner, _, _ = make(with_limits(max_running=2, max_waiting=8, prefill_chunk_tokens=64))
+    chats = [seq(3, 6, start=100 * i) for i in range(3)]
+    scoring = [
+        Sequence(
+            list(range(1000 + 10 * i, 1004 + 10 * i)),
+            SamplingParams(max_new_tokens=1),
+            tokenizer=FakeTokenizer(),
+            eos_token_ids=set(),
+            candidates=[[5], [7]],
+        )
+        for i in range(3)
+    ]
+    for s in scoring + chats:  # the calls first
+        sched.submit(s)
+    sched.step()
+    first = {sid for sid, _, _ in runner.steps[0]}
+    assert first == {scoring[0].id, scoring[1].id, chats[0].id, chats[1].id}
+    run_until_idle(sched)
+    assert all(s.scores is not None for s in scoring) and all(len(c.output_ids) == 6 for c in chats)
 
 
 def test_max_running_and_bounded_queue():

@@ -162,26 +162,37 @@ class Scheduler:
 
     def _admit(self, events: list) -> None:
         with self._cond:
-            while self.waiting and len(self.running) < self.limits.max_running:
-                seq = self.waiting[0]
+            places = self._places()
+            for seq in list(self.waiting):
                 if seq.cancelled:
-                    self.waiting.popleft()
+                    self.waiting.remove(seq)
                     self._finish(seq, FinishReason.CANCELLED, events)
                     continue
-                if not self._admit_first():
+                scoring = seq.candidates is not None
+                if places[scoring] <= 0:
+                    continue
+                if not self._admit_one(seq):
                     break  # wait for running sequences to finish and free blocks
+                places[scoring] -= 1
 
-    def _admit_first(self) -> bool:
-        """Move the first waiting sequence to running if its KV fits (the caller holds the lock and has
-        checked there is a running slot)."""
-        seq = self.waiting[0]
+    def _places(self) -> dict[bool, int]:
+        """Free running places, for generations (False) and label-scoring calls (True) apart: a scoring
+        call only prefills and never decodes, so a burst of auto-task calls never keeps the next chat
+        turn out of the batch (nor chats the calls); each kind has `max_running` places."""
+        scoring = sum(1 for s in self.running if s.candidates is not None)
+        limit = self.limits.max_running
+        return {False: limit - (len(self.running) - scoring), True: limit - scoring}
+
+    def _admit_one(self, seq: Sequence) -> bool:
+        """Move a waiting sequence to running if its KV fits (the caller holds the lock and has checked
+        there is a running place)."""
         try:
             seq.kv, reused = self.kv.acquire(
                 seq.prompt_ids, seq.capacity_tokens, seq.session_key, seq.features_from
             )
         except OutOfKVMemory:
             return False
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         seq.num_computed = reused
         seq.usage.cached_tokens = reused
         seq.kv.token_ids = seq.prompt_ids[:reused]
@@ -194,18 +205,21 @@ class Scheduler:
         """Asked by the runner between the layers of a step: generation prompts that arrived since the
         step began and whose whole prompt fits what is left of its prefill budget join it now, so their
         first token comes out with this step's tokens instead of one step later (a step of 32 streams
-        takes ~100 ms and more). Only from the front of the queue, in order: a scoring call or a prompt
-        too long for this step stops the joining (a long one is still admitted, for the next step)."""
+        takes ~100 ms and more). Generation prompts in queue order (scoring calls wait for the next step);
+        one too long for this step stops the joining (it is still admitted, for the next step)."""
         items: list[StepItem] = []
         if not self.waiting or self._join_budget <= 0:  # the common case, without the lock
             return items
         with self._cond:
-            while self.waiting and len(self.running) < self.limits.max_running:
-                seq = self.waiting[0]
-                if seq.cancelled or seq.candidates is not None or seq.features_from is not None:
+            places = self._places()[False]
+            for seq in list(self.waiting):
+                if seq.candidates is not None:
+                    continue  # scoring calls have places of their own (admitted at the next step)
+                if seq.cancelled or seq.features_from is not None or places <= 0:
                     break
-                if not self._admit_first():
+                if not self._admit_one(seq):
                     break
+                places -= 1
                 assert seq.kv is not None
                 remaining = len(seq.prompt_ids) - seq.num_computed
                 if remaining > self._join_budget:

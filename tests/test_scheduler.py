@@ -86,6 +86,17 @@ def seq(n_prompt, n_new, start=100):
     )
 
 
+def scoring_seq(n_prompt, start):
+    """A label-scoring call: scores two one-token labels after its prompt, generates nothing."""
+    return Sequence(
+        list(range(start, start + n_prompt)),
+        SamplingParams(max_new_tokens=1),
+        tokenizer=FakeTokenizer(),
+        eos_token_ids=set(),
+        candidates=[[5], [7]],
+    )
+
+
 def run_until_idle(sched, limit=200):
     for _ in range(limit):
         if not sched.has_work:
@@ -173,13 +184,7 @@ def test_joining_keeps_queue_order_limits_and_the_prefill_budget():
     assert too_long in sched.running and later in sched.waiting  # max_running 3: later waits
     sched.step()
     assert (too_long.id, 0, 6) in runner.steps[-1]
-    scoring = Sequence(
-        list(range(600, 604)),
-        SamplingParams(max_new_tokens=1),
-        tokenizer=FakeTokenizer(),
-        eos_token_ids=set(),
-        candidates=[[5], [7]],
-    )
+    scoring = scoring_seq(4, start=600)
     run_until_idle(sched)
     sched.submit(a2 := seq(3, 4, start=700))
     sched.step()
@@ -197,16 +202,7 @@ def test_scoring_calls_have_running_places_of_their_own():
     """A burst of label-scoring calls (auto-tasks) never keeps a chat out of the batch, nor the reverse."""
     sched, runner, _, _ = make(with_limits(max_running=2, max_waiting=8, prefill_chunk_tokens=64))
     chats = [seq(3, 6, start=100 * i) for i in range(3)]
-    scoring = [
-        Sequence(
-            list(range(1000 + 10 * i, 1004 + 10 * i)),
-            SamplingParams(max_new_tokens=1),
-            tokenizer=FakeTokenizer(),
-            eos_token_ids=set(),
-            candidates=[[5], [7]],
-        )
-        for i in range(3)
-    ]
+    scoring = [scoring_seq(4, start=1000 + 10 * i) for i in range(3)]
     for s in scoring + chats:  # the calls first
         sched.submit(s)
     sched.step()
@@ -321,16 +317,7 @@ def test_label_scoring_runs_without_a_decode_loop():
 
 def test_generation_prompts_take_the_prefill_budget_before_scoring_ones():
     sched, runner, kv, _ = make()  # prefill chunk budget: 8 tokens per step
-    scoring = [
-        Sequence(
-            list(range(200 + 10 * i, 206 + 10 * i)),
-            SamplingParams(max_new_tokens=1),
-            tokenizer=FakeTokenizer(),
-            eos_token_ids=set(),
-            candidates=[[5], [7]],
-        )
-        for i in range(2)
-    ]
+    scoring = [scoring_seq(6, start=200 + 10 * i) for i in range(2)]
     chat = seq(6, 2, start=500)
     for s in scoring + [chat]:  # the chat arrives last
         sched.submit(s)

@@ -161,38 +161,51 @@ void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, c
   });
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& qs, int64_t bytes_per_block) {
+void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32");
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == x.size(1) / kBlock * bytes_per_block,
-              "blocks do not match x's width");
 }
 
+// A weight's blocks for inputs of width K: Q4_1 = 16 bytes of quants and float16 (d, m) per block,
+// Q8_0 = 32 bytes and float16 d.
+void check_weight(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, int64_t K) {
+  TORCH_CHECK(format == "Q4_1" || format == "Q8_0", "unknown block format ", format);
+  const bool q4 = format == "Q4_1";
+  const int64_t N = qs.size(0), nb = K / kBlock;
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() &&
+                  qs.size(1) == nb * (q4 ? 16 : 32),
+              "blocks do not match x's width");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
+                  scales.numel() == N * nb * (q4 ? 2 : 1),
+              q4 ? "dm must be float16 [N, K/32, 2]" : "d must be float16 [N, K/32]");
+}
+
+// y = x @ W.T for a weight given as (format, quants, scales), checked: the dispatch every caller shares.
+void block_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
+                  const torch::Tensor& scales, float* y) {
+  check_weight(format, qs, scales, K);
+  const int64_t N = qs.size(0);
+  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  if (format == "Q4_1")
+    matmul<true>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 16, y);
+  else
+    matmul<false>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 32, y);
+}
+
+torch::Tensor quantized_mm(const torch::Tensor& x, const std::string& format, const torch::Tensor& qs,
+                           const torch::Tensor& scales) {
+  check_x(x);
+  auto y = torch::empty({x.size(0), qs.size(0)}, x.options());
+  block_matmul(x.data_ptr<float>(), x.size(0), x.size(1), format, qs, scales, y.data_ptr<float>());
+  return y;
+}
 
 }  // namespace
 
-torch::Tensor q4_1_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  check(x, qs, 16);
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  TORCH_CHECK(dm.scalar_type() == torch::kFloat16 && dm.is_contiguous() && dm.numel() == N * (K / kBlock) * 2,
-              "dm must be float16 [N, K/32, 2]");
-  auto y = torch::empty({M, N}, x.options());
-  matmul<true>(x.data_ptr<float>(), M, K, N, qs.data_ptr<uint8_t>(),
-               reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), 16, y.data_ptr<float>());
-  return y;
-}
+torch::Tensor q4_1_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) { return quantized_mm(x, "Q4_1", qs, dm); }
 
-torch::Tensor q8_0_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
-  check(x, qs, 32);
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  TORCH_CHECK(d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.numel() == N * (K / kBlock),
-              "d must be float16 [N, K/32]");
-  auto y = torch::empty({M, N}, x.options());
-  matmul<false>(x.data_ptr<float>(), M, K, N, qs.data_ptr<uint8_t>(),
-                reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), 32, y.data_ptr<float>());
-  return y;
-}
+torch::Tensor q8_0_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) { return quantized_mm(x, "Q8_0", qs, d); }
 
 namespace {
 
@@ -256,17 +269,6 @@ void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, int64
               "pools must be contiguous float32 [slots, KV, D]");
 }
 
-// y = x @ W.T for a weight given as (format, quants, scales): the dispatch every caller shares.
-void block_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
-                  const torch::Tensor& scales, float* y) {
-  const int64_t N = qs.size(0);
-  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  if (format == "Q4_1")
-    matmul<true>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 16, y);
-  else
-    matmul<false>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 32, y);
-}
-
 void rms_norm(const float* x, const float* w, int64_t M, int64_t K, float eps, float* y) {
   for (int64_t r = 0; r < M; ++r) {
     float ss = 0.f;
@@ -312,6 +314,10 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, std::string qkv_f
   TORCH_CHECK(write_slots.scalar_type() == torch::kInt64 && write_slots.numel() == R, "write_slots must be int64 [R]");
   TORCH_CHECK(qkv_qs.size(0) == NQKV && o_qs.size(0) == E && down_qs.size(0) == E && cos.size(1) == D,
               "layer shapes do not match");
+  check_weight(qkv_format, qkv_qs, qkv_scales, E);  // all four before anything is written
+  check_weight(o_format, o_qs, o_scales, QS);
+  check_weight(gu_format, gu_qs, gu_scales, E);
+  check_weight(down_format, down_qs, down_scales, I);
   const int64_t* WS = write_slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(WS[r] >= 0 && WS[r] < k_pool.size(0), "a write slot is outside the pool");
 

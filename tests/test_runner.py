@@ -14,17 +14,17 @@ from rtserver.engine.sequence import Sequence
 from .conftest import chat_prompt
 
 
+def kv_pool(cfg, budget_bytes: int) -> KVCacheManager:
+    """A float32 KV pool for a model config, blocks of 16 tokens."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    return KVCacheManager(layers, kv_heads, head_dim, torch.float32, budget_bytes, 16)
+
+
 def test_prefill_logits_match_transformers(tiny_qwen2):
     model, tok = tiny_qwen2.model, tiny_qwen2.tokenizer
     cfg = model.config
-    kv = KVCacheManager(
-        cfg.num_hidden_layers,
-        cfg.num_key_value_heads,
-        cfg.hidden_size // cfg.num_attention_heads,
-        torch.float32,
-        1 << 20,
-        16,
-    )
+    kv = kv_pool(cfg, 1 << 20)
     runner = ModelRunner(model, kv, 512)
     ids = tok.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)
     seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
@@ -39,14 +39,7 @@ def test_decode_rows_of_very_different_lengths_match_transformers(tiny_qwen2):
     """A long context decoding beside short ones gets its own attention call; every row is still exact."""
     model, tok = tiny_qwen2.model, tiny_qwen2.tokenizer
     cfg = model.config
-    kv = KVCacheManager(
-        cfg.num_hidden_layers,
-        cfg.num_key_value_heads,
-        cfg.hidden_size // cfg.num_attention_heads,
-        torch.float32,
-        4 << 20,
-        16,
-    )
+    kv = kv_pool(cfg, 4 << 20)
     runner = ModelRunner(model, kv, 2048)
     torch.manual_seed(1)
     prompts = [torch.randint(0, len(tok), (n,)).tolist() for n in (700, 9, 12, 5)]
@@ -70,7 +63,7 @@ def test_a_prompt_joining_a_step_mid_way_gets_the_logits_of_its_own_forward(tiny
     the step: every row's logits equal transformers' forward of its own sequence."""
     model, tok = tiny_qwen2.model, tiny_qwen2.tokenizer
     cfg = model.config
-    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, 4 << 20, 16)
+    kv = kv_pool(cfg, 4 << 20)
     runner = ModelRunner(model, kv, 512)
     torch.manual_seed(2)
     prompts = [torch.randint(0, len(tok), (n,)).tolist() for n in (6, 30, 11)]
@@ -118,14 +111,7 @@ def test_float16_weights_give_float32_answers_on_the_embedded_model(smol):
     answers = {}
     for storage in (None, "float16"):
         cfg = smol.model.config
-        kv = KVCacheManager(
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.hidden_size // cfg.num_attention_heads,
-            torch.float32,
-            8 << 20,
-            16,
-        )
+        kv = kv_pool(cfg, 8 << 20)
         runner = ModelRunner(smol.model, kv, 512, weight_storage=storage)
         outputs = []
         for ids in prompts:

@@ -8,7 +8,7 @@ import torch
 from rtserver.engine.backend import SamplingParams
 from rtserver.engine.kv import KVCacheManager
 from rtserver.engine.plan import StepItem
-from rtserver.engine.runner import Linear, ModelRunner, _decode_groups
+from rtserver.engine.runner import Linear, ModelRunner, _decode_groups, sampling_candidates
 from rtserver.engine.sequence import Sequence
 
 from .conftest import chat_prompt
@@ -125,3 +125,59 @@ def test_float16_weights_give_float32_answers_on_the_embedded_model(smol):
                 outputs.append(step[0])
         answers[storage] = outputs
     assert answers["float16"] == answers[None]
+
+
+def reference_sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled step draws from, spelled out over the whole sorted vocabulary:
+    temperature, then top-k, then top-p (the token that crosses it kept)."""
+    row = row / p.temperature
+    if 0 < p.top_k < row.numel():
+        row[row < torch.topk(row, p.top_k).values[-1]] = float("-inf")
+    if p.top_p < 1.0:
+        vals, order = torch.sort(row, descending=True)
+        probs = torch.softmax(vals, -1)
+        row[order[probs.cumsum(-1) - probs >= p.top_p]] = float("-inf")
+    return torch.softmax(row, -1)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.999),  # a nucleus wider than the first look (64 tokens)
+        SamplingParams(temperature=1.3, top_k=40),
+        SamplingParams(temperature=0.5, top_k=100, top_p=0.5),
+        SamplingParams(temperature=1.0),
+    ],
+)
+def test_sampling_candidates_are_the_whole_vocabulary_distribution(params):
+    """Looking for the nucleus among the best logits only gives the same tokens and probabilities as
+    filtering the sorted vocabulary."""
+    torch.manual_seed(3)
+    for scale in (1.0, 4.0):
+        row = torch.randn(5000) * scale
+        want = reference_sampling_probs(row.clone(), params)
+        tokens, weights = sampling_candidates(row.clone(), params)
+        got = torch.zeros_like(want)
+        got[tokens] = weights / weights.sum()
+        assert set(tokens.tolist()) == set(torch.nonzero(want).flatten().tolist())
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_sampled_tokens_follow_the_distribution_and_the_seed(tiny_qwen2):
+    """Draws land only on kept tokens, about as often as their probability says, and a seed repeats them."""
+    runner = ModelRunner.__new__(ModelRunner)  # sampling needs no weights
+    torch.manual_seed(0)
+    logits = torch.randn(1, 200) * 2
+    params = SamplingParams(temperature=0.8, top_p=0.8, seed=11)
+    probs = reference_sampling_probs(logits[0].clone(), params)
+
+    def draws(n: int) -> list[int]:
+        seq = Sequence([1, 2], params, tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
+        return [runner.sample([seq], logits)[0] for _ in range(n)]
+
+    picks = draws(4000)
+    assert picks[:50] == draws(50)
+    counts = torch.bincount(torch.tensor(picks), minlength=200).float() / len(picks)
+    assert counts[probs == 0].sum() == 0
+    assert (counts - probs).abs().max() < 0.03

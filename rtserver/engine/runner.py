@@ -229,6 +229,32 @@ def _prefill_groups(items: list[StepItem]) -> list[list[int]]:
     return groups
 
 
+def sampling_candidates(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a sampled step may pick and their probabilities (unnormalised): softmax(row /
+    temperature) kept to the `top_k` best, then to the smallest set of those whose probability reaches
+    `top_p` (the token that crosses it included). The nucleus is looked for among the few best logits
+    first (`torch.topk`), widening until it is found: sorting the whole vocabulary costs milliseconds
+    per row, the nucleus of a chat reply is a handful of tokens."""
+    row = row / p.temperature
+    vocab = row.numel()
+    k = p.top_k if 0 < p.top_k < vocab else vocab
+    if p.top_p >= 1.0:
+        if k == vocab:
+            return torch.arange(vocab), torch.exp(row - row.max())
+        vals, idx = torch.topk(row, k)
+        return idx, torch.exp(vals - vals[0])
+    lse = torch.logsumexp(row if k == vocab else torch.topk(row, k).values, 0)
+    m = min(k, 64)
+    while True:
+        vals, idx = torch.topk(row, m)  # sorted, best first
+        probs = torch.exp(vals - lse)
+        before = probs.cumsum(0) - probs
+        kept = int((before < p.top_p).sum())
+        if kept < m or m == k:
+            return idx[:kept], probs[:kept]
+        m = min(k, m * 8)
+
+
 @dataclass
 class _Layout:
     """Where a step's rows come from and go: index tensors and masks built once per step (and again
@@ -724,9 +750,12 @@ class ModelRunner:
             row = self._process(s, logits[i].clone())
             if s.params.greedy:
                 out[i] = int(row.argmax())
-            else:
-                probs = torch.softmax(row, -1)
-                out[i] = int(torch.multinomial(probs, 1, generator=self._generator(s)))
+                continue
+            tokens, probs = sampling_candidates(row, s.params)
+            # inverse CDF: one uniform draw (from the sequence's own generator when it has a seed)
+            cdf = probs.cumsum(0)
+            u = torch.rand(1, generator=self._generator(s)) * cdf[-1]
+            out[i] = int(tokens[min(int(torch.searchsorted(cdf, u, right=True)), len(tokens) - 1)])
         return out
 
     @staticmethod
@@ -752,8 +781,7 @@ class ModelRunner:
             row[seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
         if p.min_new_tokens and len(s.output_ids) < p.min_new_tokens and s.eos_token_ids:
             row[torch.tensor(sorted(s.eos_token_ids))] = float("-inf")
-        if p.greedy:
-            return row
+        return row
         row = row / p.temperature
         if 0 < p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]

@@ -296,6 +296,27 @@ def test_step_exception_is_isolated_to_the_sequence_that_raises():
     assert kv.used_blocks == 0
 
 
+def test_a_sequence_that_raises_while_joining_a_step_fails_alone():
+    sched, runner, kv, events = make()
+    calm, victim = seq(4, 5), seq(4, 5, start=900)
+    sched.submit(calm)
+    sched.step()
+
+    def explode(items):
+        if any(it.seq is victim for it in items):
+            raise RuntimeError("boom")
+
+    sched.fault_hook = explode
+    runner.during_step = {1: lambda: sched.submit(victim)}
+    sched.step()
+    runner.during_step = {}
+    run_until_idle(sched)
+    assert victim.result().finish_reason is FinishReason.ERROR and "internal" in victim.error
+    assert calm.result().finish_reason is FinishReason.LENGTH and len(calm.output_ids) == 5
+    kv.clear_prefix_cache()
+    assert kv.used_blocks == 0
+
+
 def test_label_scoring_runs_without_a_decode_loop():
     sched, runner, kv, _ = make()
     s = Sequence(

@@ -80,6 +80,9 @@ class BackendSettings:
     # reaches the server together (remote/gate.py); off by default: 1 ms made no difference beyond the
     # noise on the development machine (README, "Remote backends")
     send_window_ms: float = _setting(0.0, min=0.0, max=1000.0)
+    # when a reply ends, send its session's next-turn prefix (history, end of the reply, next user header)
+    # to the session's server at once, so the next turn prefills only its message (remote/backend.py)
+    prefetch_next_turn: bool = _setting(True)
 
 
 @dataclass

@@ -13,6 +13,19 @@ Label scoring asks the server for log-probabilities. What each kind of server of
 - llama-server: the top-20 log-probabilities of the next token, a request forcing a candidate's first
   token (`logit_bias`) where it is not among them, and a token grammar forcing a longer candidate;
 - vLLM: `logprob_token_ids` (vLLM >= 0.26) for first tokens and `prompt_logprobs` for longer ones.
+
+Next-turn prefetch (`backend.prefetch_next_turn`): when a reply ends the hub hands over the tokens the
+session's next prompt will start with (tasks/chat.py `next_turn_prefix`: the history, the end of the
+reply and the next user header), and they go to the session's server at once as a one-token,
+non-streamed completion (`max_tokens: 0` still samples one token in llama-server 11434; vLLM and
+rtserver require at least 1), so its prefix cache holds them when the next message comes and that turn
+prefills only the message. It is optional work: it goes only where the URL is up with room for one
+more request beside it, bypasses the send gate, is not retried, does not count as a failure of the
+URL, and a failure is only logged. A session has at most one; a newer one, a disconnect or a reset
+cancels it. The session's next turn cancels it when it has not been written yet, and otherwise waits
+for it at most `PREFETCH_WAIT_S`: a server with slots (llama-server) would give a turn sent while its
+slot is busy another slot, without the session's cache, which costs far more than waiting for a
+prefill of a few tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +60,8 @@ PROBE_TEXT = "Hello, world! How are you today? 你好，世界。 1234 🙂"
 TOP_LOGPROBS = 20
 JSON_HEADERS = {"Content-Type": "application/json"}
 SERVER_KINDS = {"rtserver": "rtserver", "llamacpp": "llama.cpp", "vllm": "vllm"}  # /v1/models owned_by
+PREFETCH_WAIT_S = 0.5  # the longest a turn waits for its session's prefetch already sent (see above)
+PREFETCH_RESPONSE_LIMIT = 1 << 16  # bytes of a prefetch's answer read (one token's completion)
 
 
 class BackendMismatch(Exception):
@@ -59,6 +74,15 @@ class UpstreamError(Exception):
     def __init__(self, message: str, retryable: bool, code: str = "backend_unavailable"):
         super().__init__(message)
         self.message, self.retryable, self.code = message, retryable, code
+
+
+class _Prefetch:
+    """A session's next-turn prefetch in flight."""
+
+    task: asyncio.Task
+
+    def __init__(self) -> None:
+        self.sent = False  # being written to the server: cancelling it no longer spares the server
 
 
 class RemoteGeneration:
@@ -106,6 +130,7 @@ class RemoteGeneration:
     async def _run(self) -> None:
         reason, error, code = FinishReason.ERROR, None, None
         try:
+            await self.backend._settle_prefetch(self.session_key)
             reason = await self.backend._with_retries(
                 self.session_key, self._attempt, lambda: self._first is None
             )
@@ -196,6 +221,12 @@ class RemoteBackend:
         self.client: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
         self.tokens_generated = 0
+        self._prefetches: dict[Hashable, _Prefetch] = {}
+        # prefetches: started, done (answered 200), skipped (no room), failed, cancelled, waited for by
+        # the session's next turn, overtaken (that turn stopped waiting)
+        self.prefetch_counts = dict.fromkeys(
+            ("started", "done", "skipped", "failed", "cancelled", "waited", "overtaken"), 0
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -223,6 +254,8 @@ class RemoteBackend:
         return aiohttp.ClientTimeout(total=seconds)
 
     async def stop(self) -> None:
+        for key in list(self._prefetches):
+            self.cancel_prefetch(key)
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
@@ -550,9 +583,86 @@ class RemoteBackend:
             scores.append(score)
         return scores
 
+    # -- next-turn prefetch (see the module docstring) --------------------------------------------------
+    def prefetch(self, prompt_ids: list[int], *, session_key: Hashable) -> None:
+        self.cancel_prefetch(session_key)
+        if not self.settings.prefetch_next_turn or not prompt_ids:
+            return
+        try:
+            up = self.pool.choose(session_key)
+        except BackendUnavailable:
+            return
+        entry = _Prefetch()
+        entry.task = asyncio.get_running_loop().create_task(
+            self._prefetch(up, list(prompt_ids), session_key, entry)
+        )
+        entry.task.add_done_callback(lambda _: self._forget_prefetch(session_key, entry))
+        self._prefetches[session_key] = entry
+
+    def cancel_prefetch(self, session_key: Hashable) -> None:
+        entry = self._prefetches.pop(session_key, None)
+        if entry is not None and not entry.task.done():
+            entry.task.cancel()
+
+    def _forget_prefetch(self, session_key: Hashable, entry: _Prefetch) -> None:
+        if entry.task.cancelled():
+            self.prefetch_counts["cancelled"] += 1
+        if self._prefetches.get(session_key) is entry:
+            del self._prefetches[session_key]
+
+    async def _prefetch(
+        self, up: Upstream, prompt_ids: list[int], session_key: Hashable, entry: _Prefetch
+    ) -> None:
+        if not self.pool.try_acquire_spare(up):
+            self.prefetch_counts["skipped"] += 1
+            return
+        self.prefetch_counts["started"] += 1
+        try:
+            body = self._completion_body(
+                prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=1), stream=False
+            )
+            if self.kinds.get(up.url) == "rtserver":
+                body["rtserver_session"] = str(session_key)  # the node keeps it with the session
+            data = json.dumps(body).encode()
+            entry.sent = True
+            async with self.http.post(
+                up.url + "/v1/completions",
+                data=data,
+                headers=JSON_HEADERS,
+                timeout=self._timeout(self.settings.timeout_s),
+            ) as resp:
+                head = await _head(resp, PREFETCH_RESPONSE_LIMIT)
+                if resp.status != 200:
+                    raise UpstreamError(f"answered {resp.status}: {head[:200]}", False)
+                if not head.lstrip().startswith("{"):
+                    raise UpstreamProtocolError(f"an answer that is not JSON: {head[:80]!r}")
+            self.prefetch_counts["done"] += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.prefetch_counts["failed"] += 1
+            log.warning("next-turn prefetch on %s failed (no harm done): %s", up.url, _describe(exc))
+        finally:
+            self.pool.release(up)
+
+    async def _settle_prefetch(self, session_key: Hashable | None) -> None:
+        """Before a session's turn: drop its prefetch if not written yet, else wait for it (bounded)."""
+        entry = self._prefetches.get(session_key) if session_key is not None else None
+        if entry is None or entry.task.done():
+            return
+        if not entry.sent:
+            self.cancel_prefetch(session_key)
+            return
+        self.prefetch_counts["waited"] += 1
+        done, _ = await asyncio.wait({entry.task}, timeout=PREFETCH_WAIT_S)
+        if not done:
+            self.prefetch_counts["overtaken"] += 1
+            self.cancel_prefetch(session_key)
+
     def drop_session(self, session_key: Hashable) -> None:
-        """Nothing to free here: the servers' caches evict by themselves; affinity is a pure function of
-        the key."""
+        """Only the session's prefetch to cancel: the servers' caches evict by themselves; affinity is a
+        pure function of the key."""
+        self.cancel_prefetch(session_key)
 
     def stats(self) -> dict[str, Any]:
         snapshot = self.pool.snapshot()
@@ -565,6 +675,7 @@ class RemoteBackend:
             "kv": None,
             "upstreams": snapshot,
             "send_groups": {"requests": self.gate.requests, "groups": self.gate.groups},
+            "prefetch": {**self.prefetch_counts, "in_flight": len(self._prefetches)},
         }
 
     def health(self) -> dict[str, Any]:

@@ -788,8 +788,9 @@ async def test_a_task_placed_local_runs_on_the_local_engine_while_chat_goes_to_t
 
 async def test_a_kept_alive_connection_the_server_dropped_is_sent_again(smol):
     """A server that closes a kept-alive connection when the next request arrives on it (as servers do
-    with idle ones, racing the client): the request goes again on a new connection and succeeds; the
-    server is not counted as failing."""
+    with idle ones, racing the client, and cpp-httplib after a connection's 100th request): the request
+    goes again on a new connection and succeeds, also when the client's pool holds several such
+    connections; the server is not counted as failing."""
     served: list[int] = []  # per answered request: the connection's number
     connections = 0
 
@@ -832,6 +833,15 @@ async def test_a_kept_alive_connection_the_server_dropped_is_sent_again(smol):
             result = await asyncio.wait_for(gen.result(), STEP)
             assert result.finish_reason is FinishReason.EOS and result.text == "Hi", result
         assert served == [1, 2, 3]  # each request after the first met a dropped connection, then a new one
+        # four at once: four connections kept alive, each of which the server drops at its next request
+        gens = [backend.generate([1, 2], SamplingParams(max_new_tokens=4), session_key=i) for i in range(4)]
+        for result in await asyncio.wait_for(asyncio.gather(*(g.result() for g in gens)), STEP):
+            assert result.text == "Hi", result
+        for _ in range(4):  # each meets a dropped connection; the second try is not another one
+            gen = backend.generate([1, 2, 3], SamplingParams(max_new_tokens=4), session_key="k")
+            result = await asyncio.wait_for(gen.result(), STEP)
+            assert result.finish_reason is FinishReason.EOS and result.text == "Hi", result
+        assert len(served) == 11
         up = backend.pool.upstreams[0]
         assert up.errors == 0 and backend.pool.state(up) == "up"
     finally:

@@ -219,6 +219,7 @@ class RemoteBackend:
             up.checked = False  # until check() (or the health check) has seen what it serves
         self.gate = SendGate(settings.send_window_ms / 1000, 4 * settings.send_window_ms / 1000)
         self.client: aiohttp.ClientSession | None = None
+        self.fresh_client: aiohttp.ClientSession | None = None  # no kept-alive connections
         self._health: asyncio.Task | None = None
         self.tokens_generated = 0
         self._prefetches: dict[Hashable, _Prefetch] = {}
@@ -235,7 +236,7 @@ class RemoteBackend:
         if self._health is None:
             self._health = asyncio.get_running_loop().create_task(self._health_loop())
 
-    def _new_client(self) -> aiohttp.ClientSession:
+    def _new_client(self, fresh: bool = False) -> aiohttp.ClientSession:
         # aiohttp rather than httpx: its per-request CPU is a small fraction of httpx's, and in a burst
         # that CPU is spent before the last request reaches the server (README, "Remote backends").
         # `timeout_s` bounds the wait for the connection and for every read (a stall), not the whole
@@ -247,7 +248,10 @@ class RemoteBackend:
             timeout=aiohttp.ClientTimeout(total=None, connect=min(5.0, s.timeout_s), sock_read=s.timeout_s),
             # common servers drop a connection idle for 5 s (uvicorn's and cpp-httplib's default): ours
             # are dropped before that, so few requests meet one the server is closing
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+            # `fresh`: a new connection for every request (the second try after a kept-alive one failed)
+            connector=aiohttp.TCPConnector(limit=0, force_close=True)
+            if fresh
+            else aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
         )
 
     def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
@@ -260,9 +264,10 @@ class RemoteBackend:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
             self._health = None
-        if self.client is not None:
-            await self.client.close()
-            self.client = None
+        for client in (self.client, self.fresh_client):
+            if client is not None:
+                await client.close()
+        self.client = self.fresh_client = None
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -382,22 +387,29 @@ class RemoteBackend:
             return result
 
     @contextlib.asynccontextmanager
-    async def _completion(self, up: Upstream, body: dict) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def _completion(
+        self, up: Upstream, body: dict, gated: bool = True
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST `body` to the server's /v1/completions; the response, once it answered 200. Leaving the
         block closes the connection unless the response was read to its end (the server stops
         generating). A kept-alive connection the server has just closed fails before the request got
         through (a server drops idle ones when it likes): that is tried once more on another
-        connection, not counted as the server's failure."""
+        connection, not counted as the server's failure. `gated`: through the send gate."""
         url = up.url + "/v1/completions"
         data = json.dumps(body).encode()  # before the gate: after it, only the sending
-        await self.gate.wait()
+        if gated:
+            await self.gate.wait()
         try:
             resp = await self.http.post(url, data=data, headers=JSON_HEADERS)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise  # no connection at all: the server is not there
             log.info("%s: a kept-alive connection failed (%s); sending again", up.url, _describe(exc))
-            resp = await self.http.post(url, data=data, headers=JSON_HEADERS)
+            # on a new connection: the pool may hold more connections the server has closed (it also
+            # closes one after its 100th request, cpp-httplib's keep-alive limit)
+            if self.fresh_client is None:
+                self.fresh_client = self._new_client(fresh=True)
+            resp = await self.fresh_client.post(url, data=data, headers=JSON_HEADERS)
         async with resp:
             if resp.status != 200:
                 raise _status_error(up, resp.status, await _head(resp))
@@ -623,19 +635,12 @@ class RemoteBackend:
             )
             if self.kinds.get(up.url) == "rtserver":
                 body["rtserver_session"] = str(session_key)  # the node keeps it with the session
-            data = json.dumps(body).encode()
             entry.sent = True
-            async with self.http.post(
-                up.url + "/v1/completions",
-                data=data,
-                headers=JSON_HEADERS,
-                timeout=self._timeout(self.settings.timeout_s),
-            ) as resp:
-                head = await _head(resp, PREFETCH_RESPONSE_LIMIT)
-                if resp.status != 200:
-                    raise UpstreamError(f"answered {resp.status}: {head[:200]}", False)
-                if not head.lstrip().startswith("{"):
-                    raise UpstreamProtocolError(f"an answer that is not JSON: {head[:80]!r}")
+            async with asyncio.timeout(self.settings.timeout_s):
+                async with self._completion(up, body, gated=False) as resp:
+                    head = await _head(resp, PREFETCH_RESPONSE_LIMIT)
+            if not head.lstrip().startswith("{"):
+                raise UpstreamProtocolError(f"an answer that is not JSON: {head[:80]!r}")
             self.prefetch_counts["done"] += 1
         except asyncio.CancelledError:
             raise

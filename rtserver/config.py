@@ -20,8 +20,15 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "gguf")
 BACKENDS = ("local", "openai")
 
-# RTSERVER_* variables that are not settings: the config file, and the test suite's switches
-NOT_SETTINGS = {"RTSERVER_CONFIG", "RTSERVER_SLOW_TESTS", "RTSERVER_REPORT_DIR"}
+# RTSERVER_* variables that are not settings: the config file, the test suite's switches and the remote
+# bench's (tools/remote_bench.py)
+NOT_SETTINGS = {
+    "RTSERVER_CONFIG",
+    "RTSERVER_SLOW_TESTS",
+    "RTSERVER_REPORT_DIR",
+    "RTSERVER_BENCH_REMOTE_PLACEMENTS",
+    "RTSERVER_BENCH_REMOTE_REPS",
+}
 
 
 class ConfigError(ValueError):

@@ -919,11 +919,12 @@ async def test_no_prefetch_when_switched_off_or_the_url_has_no_room_beside_it(sm
     async with fakes(smol) as [fake]:
         for settings, sent in (({"prefetch_next_turn": False}, 0), ({"max_in_flight_per_url": 1}, 0)):
             async with hub(smol, [fake.url], **settings) as (app, _, url):
+                backend = app.state.rt.backends["openai"]
                 async with websockets.connect(url) as ws:
                     await hello(ws)
                     for i in range(2):
                         assert (await chat(ws, f"c{i}"))[-1]["type"] == "done"
-                backend = app.state.rt.backends["openai"]
+                        await wait_for(lambda b=backend: _true(not b._prefetches), STEP)  # its delay passed
                 assert len(fake.prefetches) == sent and backend.prefetch_counts["done"] == 0
         assert backend.prefetch_counts["skipped"] == 2  # max_in_flight_per_url = 1: no spare room
 

@@ -12,6 +12,7 @@ import pytest
 import websockets
 
 from rtserver.config import Settings
+from rtserver.remote.backend import PREFETCH_DELAY_S
 from rtserver.tools.evaluate import load_split
 from rtserver.tools.serverproc import ServerProcess
 from rtserver.web.app import create_app
@@ -115,9 +116,10 @@ async def test_the_next_turn_finds_its_template_prefix_in_the_servers_cache(smol
     assert prefilled[False] >= len(tail) + header, prefilled
 
 
-async def test_turns_sent_the_moment_the_reply_ends_keep_the_sessions_cache(smol, llama):
-    """A client that answers at once meets its session's prefetch still in flight: the turn is not
-    broken and still lands where the session's tokens are cached (not on another slot)."""
+async def test_turns_sent_while_their_prefetch_is_pending_keep_the_sessions_cache(smol, llama):
+    """A client that answers at once (its session's prefetch not sent yet) or just as the prefetch is
+    sent (then in flight): the turn is not broken and still lands where the session's tokens are cached
+    (not on another slot)."""
     settings = remote_settings(llama.url)
     app = create_app(settings, lambda: smol)
     async with serve(app, settings) as (_, ws_url):
@@ -125,13 +127,15 @@ async def test_turns_sent_the_moment_the_reply_ends_keep_the_sessions_cache(smol
             await hello(ws)
             last = await chat(ws, "t1", "Name a fruit.", max_new_tokens=12)
             assert last["type"] == "done", last
-            for turn in range(2, 6):
+            for turn in range(2, 8):
+                if turn % 2:
+                    await asyncio.sleep(PREFETCH_DELAY_S)  # about when the prefetch is written
                 done = await chat(ws, f"t{turn}", "Another one?", max_new_tokens=12)
                 assert done["type"] == "done", done
                 assert done["usage"]["cached_tokens"] >= last["usage"]["prompt_tokens"], (last, done)
                 last = done
         counts = app.state.rt.backends["openai"].prefetch_counts
-        assert counts["started"] + counts["cancelled"] >= 4 and counts["failed"] == 0, counts
+        assert counts["started"] + counts["cancelled"] >= 6 and counts["failed"] == 0, counts
 
 
 async def test_openai_endpoint_and_sentiment_through_the_server(smol, llama):

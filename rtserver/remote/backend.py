@@ -16,8 +16,8 @@ Label scoring asks the server for log-probabilities. What each kind of server of
 
 Next-turn prefetch (`backend.prefetch_next_turn`): when a reply ends the hub hands over the tokens the
 session's next prompt will start with (tasks/chat.py `next_turn_prefix`: the history, the end of the
-reply and the next user header), and they go to the session's server at once as a one-token,
-non-streamed completion (`max_tokens: 0` still samples one token in llama-server 11434; vLLM and
+reply and the next user header), and they go to the session's server `PREFETCH_DELAY_S` later as a
+one-token, non-streamed completion (`max_tokens: 0` still samples one token in llama-server 11434; vLLM and
 rtserver require at least 1), so its prefix cache holds them when the next message comes and that turn
 prefills only the message. It is optional work: it goes only where the URL is up with room for one
 more request beside it, bypasses the send gate, is not retried, does not count as a failure of the
@@ -25,7 +25,10 @@ URL, and a failure is only logged. A session has at most one; a newer one, a dis
 cancels it. The session's next turn cancels it when it has not been written yet, and otherwise waits
 for it at most `PREFETCH_WAIT_S`: a server with slots (llama-server) would give a turn sent while its
 slot is busy another slot, without the session's cache, which costs far more than waiting for a
-prefill of a few tokens.
+prefill of a few tokens. The delay is for clients that answer at once (scripts, load tests): their
+next message comes before a prefetch could be done, so it would only add a server iteration to wait
+for; waiting `PREFETCH_DELAY_S` first, their prefetch is cancelled unsent, while a person, who takes
+seconds to read and type, still finds the prefix computed.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ TOP_LOGPROBS = 20
 JSON_HEADERS = {"Content-Type": "application/json"}
 SERVER_KINDS = {"rtserver": "rtserver", "llamacpp": "llama.cpp", "vllm": "vllm"}  # /v1/models owned_by
 PREFETCH_WAIT_S = 0.5  # the longest a turn waits for its session's prefetch already sent (see above)
+PREFETCH_DELAY_S = 0.2  # from the end of a reply to its prefetch's request (see above)
 PREFETCH_RESPONSE_LIMIT = 1 << 16  # bytes of a prefetch's answer read (one token's completion)
 
 
@@ -625,6 +629,7 @@ class RemoteBackend:
     async def _prefetch(
         self, up: Upstream, prompt_ids: list[int], session_key: Hashable, entry: _Prefetch
     ) -> None:
+        await asyncio.sleep(PREFETCH_DELAY_S)
         if not self.pool.try_acquire_spare(up):
             self.prefetch_counts["skipped"] += 1
             return

@@ -20,8 +20,15 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "gguf")
 BACKENDS = ("local", "openai")
 
-# RTSERVER_* variables that are not settings: the config file, and the test suite's switches
-NOT_SETTINGS = {"RTSERVER_CONFIG", "RTSERVER_SLOW_TESTS", "RTSERVER_REPORT_DIR"}
+# RTSERVER_* variables that are not settings: the config file, the test suite's switches and the remote
+# bench's (tools/remote_bench.py)
+NOT_SETTINGS = {
+    "RTSERVER_CONFIG",
+    "RTSERVER_SLOW_TESTS",
+    "RTSERVER_REPORT_DIR",
+    "RTSERVER_BENCH_REMOTE_PLACEMENTS",
+    "RTSERVER_BENCH_REMOTE_REPS",
+}
 
 
 class ConfigError(ValueError):
@@ -80,6 +87,9 @@ class BackendSettings:
     # reaches the server together (remote/gate.py); off by default: 1 ms made no difference beyond the
     # noise on the development machine (README, "Remote backends")
     send_window_ms: float = _setting(0.0, min=0.0, max=1000.0)
+    # when a reply ends, send its session's next-turn prefix (history, end of the reply, next user header)
+    # to the session's server at once, so the next turn prefills only its message (remote/backend.py)
+    prefetch_next_turn: bool = _setting(True)
 
 
 @dataclass

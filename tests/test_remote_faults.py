@@ -141,7 +141,9 @@ class FakeUpstream:
         self.script: Script = self.reply("Hello there!")
         self.status = 200
         self.bodies: list[dict] = []  # each streamed /v1/completions request (a generation)
-        self.scores: list[dict] = []  # each other one (a label score)
+        self.scores: list[dict] = []  # each other one asking for log-probabilities (a label score)
+        self.prefetches: list[dict] = []  # each other one (a next-turn prefetch)
+        self.prefetch_answer = "ok"  # or "500", "garbage" (200, not JSON), "stall" (no answer for 60 s)
         self.closed = asyncio.Event()  # the hub closed a completion's connection before its end
         self.closes = 0
         self.sent_bytes = 0
@@ -175,6 +177,15 @@ class FakeUpstream:
 
     async def completions(self, request: Request) -> Response:
         body = await request.json()
+        if not body.get("stream") and "logprobs" not in body:
+            self.prefetches.append(body)
+            if self.prefetch_answer == "500":
+                return JSONResponse({"error": {"code": 500, "message": "fake failure"}}, status_code=500)
+            if self.prefetch_answer == "garbage":
+                return Response(b"<html>502 Bad Gateway</html>", media_type="text/html")
+            if self.prefetch_answer == "stall":
+                await asyncio.sleep(60)
+            return JSONResponse({"choices": [{"text": "x", "index": 0, "finish_reason": "length"}]})
         if not body.get("stream"):
             # a label score (the hub calibrates its tasks at start-up): token 0 is the top one, every
             # forced token gets the same log-probability
@@ -777,8 +788,9 @@ async def test_a_task_placed_local_runs_on_the_local_engine_while_chat_goes_to_t
 
 async def test_a_kept_alive_connection_the_server_dropped_is_sent_again(smol):
     """A server that closes a kept-alive connection when the next request arrives on it (as servers do
-    with idle ones, racing the client): the request goes again on a new connection and succeeds; the
-    server is not counted as failing."""
+    with idle ones, racing the client, and cpp-httplib after a connection's 100th request): the request
+    goes again on a new connection and succeeds, also when the client's pool holds several such
+    connections; the server is not counted as failing."""
     served: list[int] = []  # per answered request: the connection's number
     connections = 0
 
@@ -821,6 +833,15 @@ async def test_a_kept_alive_connection_the_server_dropped_is_sent_again(smol):
             result = await asyncio.wait_for(gen.result(), STEP)
             assert result.finish_reason is FinishReason.EOS and result.text == "Hi", result
         assert served == [1, 2, 3]  # each request after the first met a dropped connection, then a new one
+        # four at once: four connections kept alive, each of which the server drops at its next request
+        gens = [backend.generate([1, 2], SamplingParams(max_new_tokens=4), session_key=i) for i in range(4)]
+        for result in await asyncio.wait_for(asyncio.gather(*(g.result() for g in gens)), STEP):
+            assert result.text == "Hi", result
+        for _ in range(4):  # each meets a dropped connection; the second try is not another one
+            gen = backend.generate([1, 2, 3], SamplingParams(max_new_tokens=4), session_key="k")
+            result = await asyncio.wait_for(gen.result(), STEP)
+            assert result.finish_reason is FinishReason.EOS and result.text == "Hi", result
+        assert len(served) == 11
         up = backend.pool.upstreams[0]
         assert up.errors == 0 and backend.pool.state(up) == "up"
     finally:
@@ -852,3 +873,61 @@ async def test_requests_created_together_leave_for_the_server_as_one_group(smol)
                 assert backend.gate.requests == 9 and backend.gate.groups == groups
             finally:
                 await backend.stop()
+
+
+# -- next-turn prefetch ------------------------------------------------------------------------------
+
+
+async def test_a_reply_sends_the_next_turns_prefix_ahead_and_its_failures_are_harmless(smol, caplog):
+    """When a reply ends its session's next prompt, up to where the next message goes, is sent to the
+    session's server as a one-token completion; a prefetch answered with a 500, with garbage, or not at
+    all is logged, and neither the turns nor the URL's health notice (the stalled one is given up by
+    the next turn after a bounded wait)."""
+    caplog.set_level(logging.WARNING, logger="rtserver")
+    async with fakes(smol) as [fake], hub(smol, [fake.url]) as (app, base, url):
+        backend = app.state.rt.backends["openai"]
+        header = fake.ids("<|im_end|>\n<|im_start|>user\n")
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            answers = ["ok", "500", "garbage", "500", "stall", "ok"]
+            for i, answer in enumerate(answers):
+                fake.prefetch_answer = answer
+                assert (await chat(ws, f"c{i}", f"Question {i}?"))[-1]["type"] == "done"
+                await wait_for(lambda i=i: _true(len(fake.prefetches) == i + 1), STEP)
+                prefetch, turn = fake.prefetches[-1], fake.bodies[-1]
+                # the prompt just answered, the reply and the next user header: nothing else
+                assert prefetch["prompt"] == turn["prompt"] + fake.ids("Hello there!") + header
+                assert prefetch["max_tokens"] == 1 and prefetch["stream"] is False
+                if answer != "stall":
+                    await wait_for(lambda: _true(not backend._prefetches), STEP)
+            # each turn's prompt starts with the prefix prefetched after the turn before it
+            for prefetch, turn in zip(fake.prefetches, fake.bodies[1:]):
+                assert turn["prompt"][: len(prefetch["prompt"])] == prefetch["prompt"]
+                assert len(turn["prompt"]) == len(prefetch["prompt"]) + len(
+                    fake.ids("Question 0?<|im_end|>\n<|im_start|>assistant\n")
+                )
+        counts = backend.prefetch_counts
+        assert counts["started"] == 6 and counts["done"] == 2 and counts["failed"] == 3
+        assert counts["waited"] == 1 and counts["overtaken"] == 1  # the stalled one
+        logged = [r.getMessage() for r in caplog.records if "prefetch" in r.getMessage()]
+        assert len(logged) == 3 and all("no harm done" in m for m in logged)
+        server = server_health((await get(base, "/health")).json(), fake.url)
+        assert server["state"] == "up" and server["errors"] == 0 and server["in_flight"] == 0
+
+
+async def test_no_prefetch_when_switched_off_or_the_url_has_no_room_beside_it(smol):
+    async with fakes(smol) as [fake]:
+        for settings, sent in (({"prefetch_next_turn": False}, 0), ({"max_in_flight_per_url": 1}, 0)):
+            async with hub(smol, [fake.url], **settings) as (app, _, url):
+                backend = app.state.rt.backends["openai"]
+                async with websockets.connect(url) as ws:
+                    await hello(ws)
+                    for i in range(2):
+                        assert (await chat(ws, f"c{i}"))[-1]["type"] == "done"
+                        await wait_for(lambda b=backend: _true(not b._prefetches), STEP)  # its delay passed
+                assert len(fake.prefetches) == sent and backend.prefetch_counts["done"] == 0
+        assert backend.prefetch_counts["skipped"] == 2  # max_in_flight_per_url = 1: no spare room
+
+
+async def _true(value: bool) -> bool:
+    return value

@@ -12,6 +12,7 @@ import pytest
 import websockets
 
 from rtserver.config import Settings
+from rtserver.remote.backend import PREFETCH_DELAY_S
 from rtserver.tools.evaluate import load_split
 from rtserver.tools.serverproc import ServerProcess
 from rtserver.web.app import create_app
@@ -83,6 +84,58 @@ async def test_chat_streams_and_the_next_turn_reuses_the_servers_cache(smol, lla
             assert server["state"] == "up" and server["kind"] == "llama.cpp"
             metrics = (await http.get(base + "/metrics")).text
             assert f'rtserver_backend_up{{url="{llama.url}"}} 1.0' in metrics
+
+
+async def test_the_next_turn_finds_its_template_prefix_in_the_servers_cache(smol, llama):
+    """After a reply the hub sends the next prompt's start (history, end of the reply, next user
+    header) to llama-server: the next turn then finds all of it cached and prefills only its message
+    and the assistant header. Without the prefetch, the header is prefilled with the message."""
+    tail = smol.tokenizer.encode(
+        "And of Germany?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    prefilled = {}
+    for on in (True, False):
+        settings = remote_settings(llama.url, backend={"prefetch_next_turn": on})
+        app = create_app(settings, lambda: smol)
+        async with serve(app, settings) as (_, ws_url):
+            backend = app.state.rt.backends["openai"]
+            async with websockets.connect(ws_url) as ws:
+                await hello(ws)
+                first = await chat(ws, "t1", "What is the capital of France?", max_new_tokens=24)
+                assert first["type"] == "done", first
+                deadline = time.monotonic() + TIMEOUT
+                while backend._prefetches and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                second = await chat(ws, "t2", "And of Germany?", max_new_tokens=24)
+                assert second["type"] == "done", second
+        usage = second["usage"]
+        prefilled[on] = usage["prompt_tokens"] - usage["cached_tokens"]
+        assert backend.prefetch_counts["done"] == (1 if on else 0), backend.prefetch_counts
+    assert prefilled[True] == len(tail), prefilled
+    header = len(smol.tokenizer.encode("<|im_end|>\n<|im_start|>user\n", add_special_tokens=False))
+    assert prefilled[False] >= len(tail) + header, prefilled
+
+
+async def test_turns_sent_while_their_prefetch_is_pending_keep_the_sessions_cache(smol, llama):
+    """A client that answers at once (its session's prefetch not sent yet) or just as the prefetch is
+    sent (then in flight): the turn is not broken and still lands where the session's tokens are cached
+    (not on another slot)."""
+    settings = remote_settings(llama.url)
+    app = create_app(settings, lambda: smol)
+    async with serve(app, settings) as (_, ws_url):
+        async with websockets.connect(ws_url) as ws:
+            await hello(ws)
+            last = await chat(ws, "t1", "Name a fruit.", max_new_tokens=12)
+            assert last["type"] == "done", last
+            for turn in range(2, 8):
+                if turn % 2:
+                    await asyncio.sleep(PREFETCH_DELAY_S)  # about when the prefetch is written
+                done = await chat(ws, f"t{turn}", "Another one?", max_new_tokens=12)
+                assert done["type"] == "done", done
+                assert done["usage"]["cached_tokens"] >= last["usage"]["prompt_tokens"], (last, done)
+                last = done
+        counts = app.state.rt.backends["openai"].prefetch_counts
+        assert counts["started"] + counts["cancelled"] >= 6 and counts["failed"] == 0, counts
 
 
 async def test_openai_endpoint_and_sentiment_through_the_server(smol, llama):

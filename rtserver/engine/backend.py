@@ -183,3 +183,16 @@ class FeatureScorer(Protocol):
         `features_from`.. of the prompt (the part after a task's fixed prefix), and an early layer's
         hidden state at the last token. Zero extra tokens."""
         ...
+
+
+@runtime_checkable
+class NextTurnPrefetcher(Protocol):
+    """A backend that can compute a session's next prompt prefix ahead of its next turn (the remote one:
+    a prefill-only request on the session's server). Best effort: never raises, never delays a turn
+    beyond a short bound, failures are only logged."""
+
+    def prefetch(self, prompt_ids: list[int], *, session_key: Hashable) -> None:
+        """Start computing `prompt_ids` (the start of the session's next prompt) into its cache."""
+
+    def cancel_prefetch(self, session_key: Hashable) -> None:
+        """Drop the session's prefetch if one is in flight (its client left)."""

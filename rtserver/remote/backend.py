@@ -13,6 +13,22 @@ Label scoring asks the server for log-probabilities. What each kind of server of
 - llama-server: the top-20 log-probabilities of the next token, a request forcing a candidate's first
   token (`logit_bias`) where it is not among them, and a token grammar forcing a longer candidate;
 - vLLM: `logprob_token_ids` (vLLM >= 0.26) for first tokens and `prompt_logprobs` for longer ones.
+
+Next-turn prefetch (`backend.prefetch_next_turn`): when a reply ends the hub hands over the tokens the
+session's next prompt will start with (tasks/chat.py `next_turn_prefix`: the history, the end of the
+reply and the next user header), and they go to the session's server `PREFETCH_DELAY_S` later as a
+one-token, non-streamed completion (`max_tokens: 0` still samples one token in llama-server 11434; vLLM and
+rtserver require at least 1), so its prefix cache holds them when the next message comes and that turn
+prefills only the message. It is optional work: it goes only where the URL is up with room for one
+more request beside it, bypasses the send gate, is not retried, does not count as a failure of the
+URL, and a failure is only logged. A session has at most one; a newer one, a disconnect or a reset
+cancels it. The session's next turn cancels it when it has not been written yet, and otherwise waits
+for it at most `PREFETCH_WAIT_S`: a server with slots (llama-server) would give a turn sent while its
+slot is busy another slot, without the session's cache, which costs far more than waiting for a
+prefill of a few tokens. The delay is for clients that answer at once (scripts, load tests): their
+next message comes before a prefetch could be done, so it would only add a server iteration to wait
+for; waiting `PREFETCH_DELAY_S` first, their prefetch is cancelled unsent, while a person, who takes
+seconds to read and type, still finds the prefix computed.
 """
 
 from __future__ import annotations
@@ -47,6 +63,9 @@ PROBE_TEXT = "Hello, world! How are you today? 你好，世界。 1234 🙂"
 TOP_LOGPROBS = 20
 JSON_HEADERS = {"Content-Type": "application/json"}
 SERVER_KINDS = {"rtserver": "rtserver", "llamacpp": "llama.cpp", "vllm": "vllm"}  # /v1/models owned_by
+PREFETCH_WAIT_S = 0.5  # the longest a turn waits for its session's prefetch already sent (see above)
+PREFETCH_DELAY_S = 0.2  # from the end of a reply to its prefetch's request (see above)
+PREFETCH_RESPONSE_LIMIT = 1 << 16  # bytes of a prefetch's answer read (one token's completion)
 
 
 class BackendMismatch(Exception):
@@ -59,6 +78,15 @@ class UpstreamError(Exception):
     def __init__(self, message: str, retryable: bool, code: str = "backend_unavailable"):
         super().__init__(message)
         self.message, self.retryable, self.code = message, retryable, code
+
+
+class _Prefetch:
+    """A session's next-turn prefetch in flight."""
+
+    task: asyncio.Task
+
+    def __init__(self) -> None:
+        self.sent = False  # being written to the server: cancelling it no longer spares the server
 
 
 class RemoteGeneration:
@@ -106,6 +134,7 @@ class RemoteGeneration:
     async def _run(self) -> None:
         reason, error, code = FinishReason.ERROR, None, None
         try:
+            await self.backend._settle_prefetch(self.session_key)
             reason = await self.backend._with_retries(
                 self.session_key, self._attempt, lambda: self._first is None
             )
@@ -194,8 +223,15 @@ class RemoteBackend:
             up.checked = False  # until check() (or the health check) has seen what it serves
         self.gate = SendGate(settings.send_window_ms / 1000, 4 * settings.send_window_ms / 1000)
         self.client: aiohttp.ClientSession | None = None
+        self.fresh_client: aiohttp.ClientSession | None = None  # no kept-alive connections
         self._health: asyncio.Task | None = None
         self.tokens_generated = 0
+        self._prefetches: dict[Hashable, _Prefetch] = {}
+        # prefetches: started, done (answered 200), skipped (no room), failed, cancelled, waited for by
+        # the session's next turn, overtaken (that turn stopped waiting)
+        self.prefetch_counts = dict.fromkeys(
+            ("started", "done", "skipped", "failed", "cancelled", "waited", "overtaken"), 0
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -204,7 +240,7 @@ class RemoteBackend:
         if self._health is None:
             self._health = asyncio.get_running_loop().create_task(self._health_loop())
 
-    def _new_client(self) -> aiohttp.ClientSession:
+    def _new_client(self, fresh: bool = False) -> aiohttp.ClientSession:
         # aiohttp rather than httpx: its per-request CPU is a small fraction of httpx's, and in a burst
         # that CPU is spent before the last request reaches the server (README, "Remote backends").
         # `timeout_s` bounds the wait for the connection and for every read (a stall), not the whole
@@ -216,20 +252,26 @@ class RemoteBackend:
             timeout=aiohttp.ClientTimeout(total=None, connect=min(5.0, s.timeout_s), sock_read=s.timeout_s),
             # common servers drop a connection idle for 5 s (uvicorn's and cpp-httplib's default): ours
             # are dropped before that, so few requests meet one the server is closing
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+            # `fresh`: a new connection for every request (the second try after a kept-alive one failed)
+            connector=aiohttp.TCPConnector(limit=0, force_close=True)
+            if fresh
+            else aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
         )
 
     def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=seconds)
 
     async def stop(self) -> None:
+        for key in list(self._prefetches):
+            self.cancel_prefetch(key)
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
             self._health = None
-        if self.client is not None:
-            await self.client.close()
-            self.client = None
+        for client in (self.client, self.fresh_client):
+            if client is not None:
+                await client.close()
+        self.client = self.fresh_client = None
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -349,22 +391,29 @@ class RemoteBackend:
             return result
 
     @contextlib.asynccontextmanager
-    async def _completion(self, up: Upstream, body: dict) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def _completion(
+        self, up: Upstream, body: dict, gated: bool = True
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST `body` to the server's /v1/completions; the response, once it answered 200. Leaving the
         block closes the connection unless the response was read to its end (the server stops
         generating). A kept-alive connection the server has just closed fails before the request got
         through (a server drops idle ones when it likes): that is tried once more on another
-        connection, not counted as the server's failure."""
+        connection, not counted as the server's failure. `gated`: through the send gate."""
         url = up.url + "/v1/completions"
         data = json.dumps(body).encode()  # before the gate: after it, only the sending
-        await self.gate.wait()
+        if gated:
+            await self.gate.wait()
         try:
             resp = await self.http.post(url, data=data, headers=JSON_HEADERS)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise  # no connection at all: the server is not there
             log.info("%s: a kept-alive connection failed (%s); sending again", up.url, _describe(exc))
-            resp = await self.http.post(url, data=data, headers=JSON_HEADERS)
+            # on a new connection: the pool may hold more connections the server has closed (it also
+            # closes one after its 100th request, cpp-httplib's keep-alive limit)
+            if self.fresh_client is None:
+                self.fresh_client = self._new_client(fresh=True)
+            resp = await self.fresh_client.post(url, data=data, headers=JSON_HEADERS)
         async with resp:
             if resp.status != 200:
                 raise _status_error(up, resp.status, await _head(resp))
@@ -550,9 +599,80 @@ class RemoteBackend:
             scores.append(score)
         return scores
 
+    # -- next-turn prefetch (see the module docstring) --------------------------------------------------
+    def prefetch(self, prompt_ids: list[int], *, session_key: Hashable) -> None:
+        self.cancel_prefetch(session_key)
+        if not self.settings.prefetch_next_turn or not prompt_ids:
+            return
+        try:
+            up = self.pool.choose(session_key)
+        except BackendUnavailable:
+            return
+        entry = _Prefetch()
+        entry.task = asyncio.get_running_loop().create_task(
+            self._prefetch(up, list(prompt_ids), session_key, entry)
+        )
+        entry.task.add_done_callback(lambda _: self._forget_prefetch(session_key, entry))
+        self._prefetches[session_key] = entry
+
+    def cancel_prefetch(self, session_key: Hashable) -> None:
+        entry = self._prefetches.pop(session_key, None)
+        if entry is not None and not entry.task.done():
+            entry.task.cancel()
+
+    def _forget_prefetch(self, session_key: Hashable, entry: _Prefetch) -> None:
+        if entry.task.cancelled():
+            self.prefetch_counts["cancelled"] += 1
+        if self._prefetches.get(session_key) is entry:
+            del self._prefetches[session_key]
+
+    async def _prefetch(
+        self, up: Upstream, prompt_ids: list[int], session_key: Hashable, entry: _Prefetch
+    ) -> None:
+        await asyncio.sleep(PREFETCH_DELAY_S)
+        if not self.pool.try_acquire_spare(up):
+            self.prefetch_counts["skipped"] += 1
+            return
+        self.prefetch_counts["started"] += 1
+        try:
+            body = self._completion_body(
+                prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=1), stream=False
+            )
+            if self.kinds.get(up.url) == "rtserver":
+                body["rtserver_session"] = str(session_key)  # the node keeps it with the session
+            entry.sent = True
+            async with asyncio.timeout(self.settings.timeout_s):
+                async with self._completion(up, body, gated=False) as resp:
+                    head = await _head(resp, PREFETCH_RESPONSE_LIMIT)
+            if not head.lstrip().startswith("{"):
+                raise UpstreamProtocolError(f"an answer that is not JSON: {head[:80]!r}")
+            self.prefetch_counts["done"] += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.prefetch_counts["failed"] += 1
+            log.warning("next-turn prefetch on %s failed (no harm done): %s", up.url, _describe(exc))
+        finally:
+            self.pool.release(up)
+
+    async def _settle_prefetch(self, session_key: Hashable | None) -> None:
+        """Before a session's turn: drop its prefetch if not written yet, else wait for it (bounded)."""
+        entry = self._prefetches.get(session_key) if session_key is not None else None
+        if entry is None or entry.task.done():
+            return
+        if not entry.sent:
+            self.cancel_prefetch(session_key)
+            return
+        self.prefetch_counts["waited"] += 1
+        done, _ = await asyncio.wait({entry.task}, timeout=PREFETCH_WAIT_S)
+        if not done:
+            self.prefetch_counts["overtaken"] += 1
+            self.cancel_prefetch(session_key)
+
     def drop_session(self, session_key: Hashable) -> None:
-        """Nothing to free here: the servers' caches evict by themselves; affinity is a pure function of
-        the key."""
+        """Only the session's prefetch to cancel: the servers' caches evict by themselves; affinity is a
+        pure function of the key."""
+        self.cancel_prefetch(session_key)
 
     def stats(self) -> dict[str, Any]:
         snapshot = self.pool.snapshot()
@@ -565,6 +685,7 @@ class RemoteBackend:
             "kv": None,
             "upstreams": snapshot,
             "send_groups": {"requests": self.gate.requests, "groups": self.gate.groups},
+            "prefetch": {**self.prefetch_counts, "in_flight": len(self._prefetches)},
         }
 
     def health(self) -> dict[str, Any]:

@@ -139,6 +139,14 @@ class UpstreamPool:
         up.in_flight += 1
         up.requests += 1
 
+    def try_acquire_spare(self, up: Upstream) -> bool:
+        """Take room on `up` for optional work (a prefetch) only if it is up and, after it, room for at
+        least one more request stays free: optional work never makes a live request wait."""
+        if self.state(up) != "up" or up.in_flight + 2 > up.max_in_flight:
+            return False
+        up.in_flight += 1
+        return True
+
     def release(self, up: Upstream) -> None:
         up.in_flight -= 1
         self._wake()

@@ -12,6 +12,12 @@ the window is at most HALF of those limits. Cutting in big chunks instead of one
 the rendered prompt's beginning identical for many turns in a row, so the backend (which reuses a
 session's KV by longest common token prefix) recomputes only the new tokens on most turns and the whole
 window only once per cut.
+
+Next-turn prefix (`ChatTask.next_turn_prefix`): when a reply ends, the tokens that will come before the
+next user message are known already (the history, the end of the assistant turn and the next user
+turn's header), so a backend can compute them before that message arrives. They are found from the
+chat template itself: the history is rendered with a sentinel user message and the text before the
+sentinel is kept, only where that split is safe (see the method).
 """
 
 from __future__ import annotations
@@ -22,6 +28,12 @@ from typing import Any
 
 from ..engine.backend import Tokenizer
 from .declare import Task
+
+# a stand-in for the next user message: letters only (templates may trim or escape other characters)
+NEXT_MESSAGE_SENTINEL = "QzxNextUserMessageSentinelQzx"
+# messages whose tokens must not merge with the header before them (cleaned messages start with a
+# non-space character): a word, a capital, a digit, punctuation, CJK and an emoji
+BOUNDARY_PROBES = ("hello", "Hello", "1", "?", "你好", "🙂")
 
 
 @dataclass
@@ -156,6 +168,47 @@ class ChatTask:
         self, rendered: str, prompt_ids: list[int], reply: str, generated_ids: list[int]
     ) -> LastTurn | None:
         return finished_turn(self.tokenizer, rendered, prompt_ids, reply, generated_ids)
+
+    def next_turn_prefix(self, history: list[dict], last: LastTurn | None) -> list[int] | None:
+        """The token ids the next turn's prompt will start with, up to where the next user message
+        goes; None where that cannot be known safely. `history` ends with the reply just given.
+
+        Safe means: the template renders the history with a sentinel message as the history followed
+        by some text, the sentinel once (nothing after the message depends on it before it), the
+        window would not be cut by a message of that size, and the tokens up to the message do not
+        change with the message (tokenized with a few different messages, the prefix's tokens stay a
+        prefix). The ids are computed exactly as `prompt` will (the last turn's own ids kept)."""
+        if last is None or not history or history[-1].get("role") != "assistant":
+            return None
+        probe = history + [{"role": "user", "content": NEXT_MESSAGE_SENTINEL}]
+        _, cut = window(
+            probe,
+            self.task.max_history_turns,
+            self.task.max_history_tokens,
+            lambda h: len(self.render(h)),
+        )
+        if cut:
+            return None  # the next prompt starts elsewhere: nothing of this prefix would be reused
+        rendered = self.render_text(probe)
+        at = rendered.find(NEXT_MESSAGE_SENTINEL)
+        if at < 0 or rendered.find(NEXT_MESSAGE_SENTINEL, at + 1) >= 0:
+            return None
+        before = rendered[:at]
+        if not before.startswith(last.text):
+            return None  # the template renders the finished turn differently once another follows
+        # as continue_prompt: the last turn's ids and the rest tokenized, or (no special token to start
+        # the rest) all of it tokenized; the tokenized part must not change with the message after it
+        rest = before[len(last.text) :]
+        head = self.tokenizer.encode(rest, add_special_tokens=False)
+        if head and head[0] in self.tokenizer.all_special_ids:
+            ids = last.ids + head
+        else:
+            rest = before
+            ids = head = self.tokenizer.encode(before, add_special_tokens=False)
+        for message in BOUNDARY_PROBES:
+            if self.tokenizer.encode(rest + message, add_special_tokens=False)[: len(head)] != head:
+                return None  # the header's last token merges with the message: not a safe split
+        return ids
 
     def parse(self, text: str) -> dict:
         return self.task.parser(text) if self.task.parser else {"reply": text}

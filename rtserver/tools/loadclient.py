@@ -1,7 +1,8 @@
 """End-to-end WebSocket load client: N concurrent chat sessions, each sending several turns.
 
 `run_chat_load(url, sessions, turns, max_new_tokens)` opens `sessions` connections to `/ws` at once,
-each sends `turns` chat messages one after the other (waiting for each `done`), and returns a summary:
+each sends `turns` chat messages one after the other (waiting for each `done`, then `think_s` seconds, a
+user reading and typing: 0 by default), and returns a summary:
 tokens/s over the whole burst, TTFT p50/p95 measured by the client (send → first token frame) for every
 turn number, the server's own TTFT, errors by code. `rtserver bench` calls it against a running server.
 """
@@ -35,6 +36,7 @@ async def _session(
     timeout_s: float,
     record: dict,
     auth_token: str | None,
+    think_s: float,
 ) -> None:
     import websockets
 
@@ -51,6 +53,8 @@ async def _session(
                 record["errors"].append(ev["code"])
                 return
         for turn in range(1, turns + 1):
+            if turn > 1 and think_s > 0:
+                await asyncio.sleep(think_s)
             rid = f"t{turn}"
             text = prompts[(turn - 1) % len(prompts)]
             sent = time.perf_counter()
@@ -101,6 +105,7 @@ async def run_chat_load(
     options: dict | None = None,
     timeout_s: float = 600.0,
     auth_token: str | None = None,
+    think_s: float = 0.0,
 ) -> dict:
     """Run the load and return the summary dict:
 
@@ -118,7 +123,16 @@ async def run_chat_load(
     results = await asyncio.gather(
         *[
             _session(
-                url, i, turns, max_new_tokens, prompts or DEFAULT_PROMPTS, opts, timeout_s, record, auth_token
+                url,
+                i,
+                turns,
+                max_new_tokens,
+                prompts or DEFAULT_PROMPTS,
+                opts,
+                timeout_s,
+                record,
+                auth_token,
+                think_s,
             )
             for i in range(sessions)
         ],

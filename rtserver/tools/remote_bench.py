@@ -4,7 +4,10 @@ same llama-server driven directly, in one run.
 - multi-turn (first, on a server that has already served the warm-up's chats, so its cache holds the
   system prompt): the multi-turn workload through the hub (tools/loadclient.py; 16 WebSocket sessions ×
   6 turns, 48 new tokens per reply, as the engine's multi-turn workload): TTFT per turn, turn 5 / turn 1,
-  and the prompt tokens the server had cached (session affinity keeps them warm).
+  and the prompt tokens the server had cached (session affinity keeps them warm). Through the hub with
+  its next-turn prefetch (the default) and without it, llama-server driven directly with the same
+  prompts, and through the hub with THINK_S seconds between a reply and the next message (a person
+  reading and typing: where the prefetch can act), with and without the prefetch.
 - burst: 32 OpenAI streaming clients at once (the burst workload's messages, greedy, exactly 64 new
   tokens with EOS ignored) against llama-server itself — through its `/v1/chat/completions`, and through
   its `/v1/completions` with the very token ids the hub sends (the chat template rendered as the hub
@@ -12,14 +15,18 @@ same llama-server driven directly, in one run.
   at that llama-server. Tokens/s and time to first token; the hub's ratio and its added TTFT are taken
   against the better of the two direct runs.
 
-Every figure is taken REPS times, the runs interleaved (a burst: direct, hub, hub with the send gate,
-...; multi-turn: through the hub, then driven directly with the same prompts), and the reported
+Every figure is taken REPS times (RTSERVER_BENCH_REMOTE_REPS), the runs interleaved, and the reported
 figure is the median run's; every run's figure is kept in the JSON. Before each multi-turn run the
-server's slots are erased and the warm-up chats replayed, so every run starts from the same cache. The
-hub runs twice: as configured by default, and with `backend.send_window_ms = 1` (remote/gate.py on).
+server's slots are erased and the warm-up chats replayed, so every run starts from the same cache.
+
+Placements (RTSERVER_BENCH_REMOTE_PLACEMENTS, comma-separated, default "shared,split"): "shared" runs
+llama-server with `-t <threads>` and the hubs and clients on the same cores; "split" pins llama-server
+to half of the cores (`-t` one per core; one of two) and the hubs and this process (the clients) to the
+other half, as a hub on cores of its own in front of an inference server. The split runs the burst and
+the multi-turn bar's two runs (through the hub, directly); the prefetch's comparisons run on "shared".
 
 llama-server is built by rtserver/tools/llama_build.py (cached per CPU) and runs the embedded GGUF file
-as is, with `-np 32 -c 16384 -t <threads>`.
+as is, with `-np 32 -c 16384`.
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ MULTI_TURN = (16, 6, 48)  # sessions, turns, new tokens per reply: the multi-tur
 WARM_UP_CHAT = ["Hello!"]
 REPS = 3
 SLOTS = 32
+THINK_S = 2.0  # the multi-turn variant with a pause between turns (a user reading and typing)
+# the multi-turn runs: through the hub with the next-turn prefetch on and off, llama-server driven
+# directly, and through the hub with THINK_S between turns, prefetch on and off
+MULTI_TURN_RUNS = ("turns", "turns_no_prefetch", "direct_turns", "think_turns", "think_turns_no_prefetch")
 
 
 async def _stream(http: aiohttp.ClientSession, url: str, body: dict) -> dict:
@@ -213,8 +224,10 @@ def _turn_ratio(run: dict) -> float | None:
     return ratio(run["per_turn"][5]["ttft_p50_ms"], run["per_turn"][1]["ttft_p50_ms"])
 
 
-def _hub(llama: LlamaServerProcess, log_path: Path, extra: dict[str, str] | None = None) -> ServerProcess:
-    return ServerProcess(
+def _hub(
+    llama: LlamaServerProcess, log_path: Path, cpus: set[int] | None, extra: dict[str, str] | None = None
+) -> ServerProcess:
+    hub = ServerProcess(
         {
             "RTSERVER_MODEL_BACKEND": "openai",
             "RTSERVER_BACKEND_URLS": llama.base,
@@ -226,10 +239,70 @@ def _hub(llama: LlamaServerProcess, log_path: Path, extra: dict[str, str] | None
         },
         log_path,
     )
+    hub.cpus = cpus
+    return hub
+
+
+def placement_cpus(placement: str, threads: int) -> tuple[set[int] | None, set[int] | None, int, str]:
+    """(llama-server's CPUs, the hub's and the clients' CPUs, llama-server's threads, a description).
+    "shared": everything on every core, llama-server with `threads`; "split": llama-server on the
+    first half of this process's cores (one of two) with a thread per core, the hub and the clients on
+    the rest, as a hub on cores of its own in front of an inference server. ValueError where a split
+    is not possible (no sched_setaffinity, fewer than 2 cores)."""
+    if placement == "shared":
+        return None, None, threads, f"shared: llama-server -t {threads}, hub and clients on every core"
+    if placement != "split":
+        raise ValueError(f"unknown placement {placement!r} (shared, split)")
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("this platform cannot pin processes to cores (no os.sched_setaffinity)")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise ValueError(f"pinning needs at least 2 cores, this process may use {len(cores)}")
+    half = len(cores) // 2
+    llama, rest = set(cores[:half]), set(cores[half:])
+    return (
+        llama,
+        rest,
+        len(llama),
+        f"split: llama-server -t {len(llama)} on cores {sorted(llama)}, hub and clients on {sorted(rest)}",
+    )
 
 
 def run_remote_bench(threads: int, workdir: Path | None = None) -> dict:
+    """Every placement in RTSERVER_BENCH_REMOTE_PLACEMENTS (comma-separated; default "shared,split"),
+    each with RTSERVER_BENCH_REMOTE_REPS runs of every figure (default REPS). The first placement's
+    figures are the report's own keys (the bench table shows them); every placement's are under
+    "placements"."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="rtserver-remote-bench-"))
+    names = [p.strip() for p in os.environ.get("RTSERVER_BENCH_REMOTE_PLACEMENTS", "shared,split").split(",")]
+    reps = int(os.environ.get("RTSERVER_BENCH_REMOTE_REPS") or REPS)
+    placements: dict[str, dict] = {}
+    for name in names:
+        try:
+            cpus = placement_cpus(name, threads)
+        except ValueError as exc:
+            print(f"  [remote] placement {name}: skipped: {exc}", flush=True)
+            placements[name] = {"skipped": str(exc)}
+            continue
+        (workdir / name).mkdir(parents=True, exist_ok=True)
+        # split: the burst (the hub's overhead) and the multi-turn bar's runs; the prefetch's
+        # comparisons once, on the shared cores
+        kinds = MULTI_TURN_RUNS if name == "shared" else ("turns", "direct_turns")
+        placements[name] = run_placement(name, cpus, reps, workdir / name, kinds)
+    ran = [r for r in placements.values() if "skipped" not in r]
+    if not ran:
+        raise RuntimeError("no placement of the remote bench could run: " + json.dumps(placements))
+    return {**ran[0], "placements": placements}
+
+
+def run_placement(
+    name: str,
+    cpus: tuple[set[int] | None, set[int] | None, int, str],
+    reps: int,
+    workdir: Path,
+    kinds: tuple[str, ...] = MULTI_TURN_RUNS,
+) -> dict:
+    llama_cpus, hub_cpus, threads, described = cpus
     binary = build()
     _, tokenizer = load_tokenizer("embedded")
     chat = load_registry(Settings(), tokenizer)[0].chat
@@ -243,32 +316,52 @@ def run_remote_bench(threads: int, workdir: Path | None = None) -> dict:
         threads=threads,
         slot_save_path=workdir,
     )
-    print(f"  [remote] llama-server: starting ({llama.log_path})", flush=True)
+    llama.cpus = llama_cpus
+    print(f"  [remote] {described}; llama-server: starting ({llama.log_path})", flush=True)
+    own_cpus = os.sched_getaffinity(0) if hub_cpus else None
     llama.start()
-    hub = _hub(llama, workdir / "hub.log")
-    gated = _hub(llama, workdir / "hub-gated.log", {"RTSERVER_BACKEND_SEND_WINDOW_MS": "1"})
-    runs: dict[str, list[dict]] = {k: [] for k in ("chat", "ids", "hub", "gated", "turns", "direct_turns")}
+    hub = _hub(llama, workdir / "hub.log", hub_cpus)
+    # the same hub without the next-turn prefetch (it also replays the warm-up chats, so every
+    # multi-turn run starts from the same cache)
+    plain = _hub(
+        llama, workdir / "hub-no-prefetch.log", hub_cpus, {"RTSERVER_BACKEND_PREFETCH_NEXT_TURN": "0"}
+    )
+    runs: dict[str, list[dict]] = {k: [] for k in ("chat", "ids", "hub", *kinds)}
+
+    def warm() -> None:
+        asyncio.run(_erase_slots(llama.base))
+        asyncio.run(run_chat_load(plain.ws_url, MULTI_TURN[0], 1, 8, prompts=WARM_UP_CHAT))
+
     try:
+        if hub_cpus:
+            os.sched_setaffinity(0, hub_cpus)  # the clients: this process
         hub.start(timeout_s=180)
-        gated.start(timeout_s=180)
+        plain.start(timeout_s=180)
         # multi-turn first, on a server that has served other chats (the warm-up's): its cache holds the
         # system prompt, and no burst prompt shares the first turn's opening words
-        for rep in range(REPS):
-            print(f"  [remote] multi-turn {rep + 1}/{REPS}: through the hub, then directly", flush=True)
-            asyncio.run(_erase_slots(llama.base))
-            asyncio.run(run_chat_load(hub.ws_url, MULTI_TURN[0], 1, 8, prompts=WARM_UP_CHAT))
-            runs["turns"].append(asyncio.run(run_chat_load(hub.ws_url, *MULTI_TURN)))
-            asyncio.run(_erase_slots(llama.base))
-            asyncio.run(run_chat_load(hub.ws_url, MULTI_TURN[0], 1, 8, prompts=WARM_UP_CHAT))
-            runs["direct_turns"].append(asyncio.run(direct_multi_turn(llama.base, chat, *MULTI_TURN)))
+        for rep in range(reps):
+            print(f"  [remote] multi-turn {rep + 1}/{reps}: {', '.join(kinds)}", flush=True)
+            for key, url, think in (
+                ("turns", hub.ws_url, 0.0),
+                ("turns_no_prefetch", plain.ws_url, 0.0),
+                ("direct_turns", None, 0.0),
+                ("think_turns", hub.ws_url, THINK_S),
+                ("think_turns_no_prefetch", plain.ws_url, THINK_S),
+            ):
+                if key not in kinds:
+                    continue
+                warm()
+                if url is None:
+                    runs[key].append(asyncio.run(direct_multi_turn(llama.base, chat, *MULTI_TURN)))
+                else:
+                    runs[key].append(asyncio.run(run_chat_load(url, *MULTI_TURN, think_s=think)))
         targets = {
             "chat": (llama.base, None),  # llama-server's /v1/chat/completions
             "ids": (llama.base, prompts),  # its /v1/completions with the hub's token ids
             "hub": (hub.base, None),
-            "gated": (gated.base, None),
         }
-        for rep in range(REPS):
-            print(f"  [remote] burst {rep + 1}/{REPS}: direct (chat, token ids), hub, hub gated", flush=True)
+        for rep in range(reps):
+            print(f"  [remote] burst {rep + 1}/{reps}: direct (chat, token ids), hub", flush=True)
             for key, (base, ids) in targets.items():
                 try:
                     runs[key].append(asyncio.run(burst(base, ids, warm=rep == 0)))
@@ -276,53 +369,61 @@ def run_remote_bench(threads: int, workdir: Path | None = None) -> dict:
                     raise RuntimeError(f"burst {rep + 1} ({key}, {base}) failed: {exc!r}") from exc
     finally:
         hub.stop()
-        gated.stop()
+        plain.stop()
         llama.stop()
+        if own_cpus:
+            os.sched_setaffinity(0, own_cpus)
     direct_chat, direct_ids = (
         _median_run(runs["chat"], "ttft_p50_ms"),
         _median_run(runs["ids"], "ttft_p50_ms"),
     )
-    through, through_gated = (
-        _median_run(runs["hub"], "ttft_p50_ms"),
-        _median_run(runs["gated"], "ttft_p50_ms"),
-    )
+    through = _median_run(runs["hub"], "ttft_p50_ms")
     direct = max(direct_chat, direct_ids, key=lambda r: r["tokens_per_s"])
     best_direct_ttft = min(
         r["ttft_p50_ms"] for r in (direct_chat, direct_ids) if r["ttft_p50_ms"] is not None
     )
-    for run in runs["turns"] + runs["direct_turns"]:
-        run["turn5_ratio"] = _turn_ratio(run)
-    turns, direct_turns = (
-        _median_run(runs["turns"], "turn5_ratio"),
-        _median_run(runs["direct_turns"], "turn5_ratio"),
-    )
+    multi = {}
+    for key in kinds:
+        for run in runs[key]:
+            run["turn5_ratio"] = _turn_ratio(run)
+        multi[key] = _median_run(runs[key], "turn5_ratio")
     return {
-        "llama_server": {"binary": str(binary), "args": llama.cmd[1:]},
-        "reps": REPS,
+        "placement": name,
+        "placement_description": described,
+        "llama_server": {"binary": str(binary), "args": llama.cmd[1:], "cpus": sorted(llama_cpus or [])},
+        "hub_and_client_cpus": sorted(hub_cpus or []),
+        "reps": reps,
         "burst_direct_chat": direct_chat,
         "burst_direct_token_ids": direct_ids,
         "burst_direct": direct,
         "burst_through_hub": through,
-        "burst_through_hub_gated": through_gated,
         "hub_tokens_per_s_ratio": ratio(
             median(r["tokens_per_s"] for r in runs["hub"]),
             median(r["tokens_per_s"] for r in runs["chat" if direct is direct_chat else "ids"]),
         ),
         "hub_added_ttft_p50_ms": (through["ttft_p50_ms"] or 0) - best_direct_ttft,
-        "hub_gated_added_ttft_p50_ms": (through_gated["ttft_p50_ms"] or 0) - best_direct_ttft,
         # per run, against the token-id run just before it (the same cache and machine state)
         "hub_added_ttft_p50_ms_runs": [
             (h["ttft_p50_ms"] or 0) - (d["ttft_p50_ms"] or 0) for h, d in zip(runs["hub"], runs["ids"])
         ],
-        "hub_gated_added_ttft_p50_ms_runs": [
-            (h["ttft_p50_ms"] or 0) - (d["ttft_p50_ms"] or 0) for h, d in zip(runs["gated"], runs["ids"])
-        ],
-        "multi_turn": turns,
-        "multi_turn_turn5_ratio": turns["turn5_ratio"],
-        "multi_turn_cached_tokens_mean": mean(t["cached_tokens_mean"] for t in turns["per_turn"].values()),
-        "multi_turn_direct": direct_turns,
-        "multi_turn_direct_turn5_ratio": direct_turns["turn5_ratio"],
+        "multi_turn": multi["turns"],
+        "multi_turn_turn5_ratio": multi["turns"]["turn5_ratio"],
+        "multi_turn_cached_tokens_mean": mean(
+            t["cached_tokens_mean"] for t in multi["turns"]["per_turn"].values()
+        ),
+        "think_s": THINK_S,
+        # the other multi-turn runs, each as "multi_turn" (the median run by turn 5 / turn 1)
+        **{_KEYS[k]: multi[k] for k in kinds if k != "turns"},
+        **{_KEYS[k] + "_turn5_ratio": multi[k]["turn5_ratio"] for k in kinds if k != "turns"},
     }
+
+
+_KEYS = {
+    "turns_no_prefetch": "multi_turn_no_prefetch",
+    "direct_turns": "multi_turn_direct",
+    "think_turns": "multi_turn_think",
+    "think_turns_no_prefetch": "multi_turn_think_no_prefetch",
+}
 
 
 if __name__ == "__main__":  # a quick look without the whole bench: python -m rtserver.tools.remote_bench

@@ -88,6 +88,7 @@ class ServerProcess:
         )
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+        self.cpus: set[int] | None = None  # set before start(): the CPUs it may run on (Linux)
 
     @property
     def base(self) -> str:
@@ -101,8 +102,15 @@ class ServerProcess:
         """Start and wait for /ready; the seconds it took."""
         started = time.monotonic()
         log = self.log_path.open("w")
+        cpus = self.cpus
+
+        def prepare() -> None:
+            raise_nofile_limit()
+            if cpus:
+                os.sched_setaffinity(0, cpus)  # its threads, started later, inherit it
+
         self.proc = subprocess.Popen(
-            self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=raise_nofile_limit
+            self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=prepare
         )
         return wait_until_up(self.proc, self.base + "/ready", started, timeout_s, "server", self.log_path)
 
@@ -181,11 +189,18 @@ class LlamaServerProcess:
         ] + (["--slot-save-path", str(slot_save_path)] if slot_save_path else [])
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+        self.cpus: set[int] | None = None  # set before start(): the CPUs it may run on (Linux)
 
     def start(self, timeout_s: float = 120.0) -> float:
         """Start and wait for /health; the seconds it took."""
         started = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT)
+        cpus = self.cpus
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self.log_path.open("w"),
+            stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
         try:
             return wait_until_up(
                 self.proc, self.base + "/health", started, timeout_s, "llama-server", self.log_path

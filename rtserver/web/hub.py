@@ -35,7 +35,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..engine.backend import FinishReason, Generation
+from ..engine.backend import FinishReason, Generation, NextTurnPrefetcher
 from . import events
 from . import protocol as P
 from .cluster import ClusterUnavailable
@@ -366,6 +366,7 @@ class Connection(QueuedConnection):
             hub.metrics.observe_generation("ws_chat", result)
             hub.metrics.requests.labels("ws", "chat").inc()
             await self.send(events.done_event(msg.id, result, chat.parse(result.text)))
+            self.prefetch_next_turn(session)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -383,6 +384,22 @@ class Connection(QueuedConnection):
                 session.chat_request = None
             self.requests.pop(msg.id, None)
             hub.console.bot_done(session, msg.id, reply, reason)
+
+    def prefetch_next_turn(self, session: Session) -> None:
+        """The reply has ended: let the chat backend compute the next prompt's start (history, end of the
+        reply, next user header) before the next message comes, where it can (a remote backend) and the
+        chat template splits safely there."""
+        backend = self.hub.state.backend_for("chat")
+        if not (
+            self.hub.settings.backend.prefetch_next_turn
+            and isinstance(backend, NextTurnPrefetcher)
+            and session.last_turn is not None
+            and not self.stopping.is_set()
+        ):
+            return
+        ids = self.hub.state.tasks.chat.next_turn_prefix(session.history, session.last_turn)
+        if ids is not None:
+            backend.prefetch(ids, session_key=session.id)
 
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:
         hub = self.hub
@@ -593,6 +610,9 @@ class Hub:
             for task in list(conn.background):
                 task.cancel()
             if conn.session is not None:
+                for backend in self.state.backends.values():
+                    if isinstance(backend, NextTurnPrefetcher):  # nobody is typing a next message
+                        backend.cancel_prefetch(conn.session.id)
                 self.sessions.detach(conn.session, conn)
                 self.console.detached(conn.session)
                 if self.cluster_sessions is not None:

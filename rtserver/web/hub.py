@@ -388,18 +388,18 @@ class Connection(QueuedConnection):
     def prefetch_next_turn(self, session: Session) -> None:
         """The reply has ended: let the chat backend compute the next prompt's start (history, end of the
         reply, next user header) before the next message comes, where it can (a remote backend) and the
-        chat template splits safely there."""
-        backend = self.hub.state.backend_for("chat")
-        if not (
-            self.hub.settings.backend.prefetch_next_turn
-            and isinstance(backend, NextTurnPrefetcher)
-            and session.last_turn is not None
-            and not self.stopping.is_set()
-        ):
+        chat template splits safely there. Best effort: it never raises into the turn, which has ended."""
+        wanted = self.hub.settings.backend.prefetch_next_turn and session.last_turn is not None
+        if not wanted or self.stopping.is_set():
             return
-        ids = self.hub.state.tasks.chat.next_turn_prefix(session.history, session.last_turn)
-        if ids is not None:
-            backend.prefetch(ids, session_key=session.id)
+        try:
+            backend = self.hub.state.backend_for("chat")  # raises while the server stops
+            if isinstance(backend, NextTurnPrefetcher):
+                ids = self.hub.state.tasks.chat.next_turn_prefix(session.history, session.last_turn)
+                if ids is not None:
+                    backend.prefetch(ids, session_key=session.id)
+        except Exception as exc:
+            log.debug("no next-turn prefetch for session %s (%s)", session.id, exc)
 
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:
         hub = self.hub

@@ -8,7 +8,7 @@ comparison.
 
 A learned head (`Task.head`, one per language) answers from the same forward pass as label scoring. It is
 fitted on the labeled examples shipped next to this file (`sentiment.examples.jsonl`: the train split of
-data/sentiment, 2,000 English movie snippets and 6,000 Chinese reviews; scripts/build_sentiment_data.py
+data/sentiment, 8,191 English movie snippets and 5,995 Chinese reviews; scripts/build_sentiment_data.py
 rebuilds it) and shipped fitted (`sentiment.head.npz`, written by `rtserver fit-heads`): a server whose
 model, dtype, prompt and examples match loads it in milliseconds, any other fits it at start-up. Without
 a backend that returns hidden states, or with `head = false`, the task scores labels as above. With
@@ -37,7 +37,7 @@ WORDS = {"positive": " Positive", "negative": " Negative", "neutral": " Neutral"
 CALIBRATION = ["N/A"]
 EXAMPLES = Path(__file__).with_name("sentiment.examples.jsonl")
 FITTED = Path(__file__).with_name("sentiment.head.npz")  # `rtserver fit-heads` writes it
-HEAD_L2 = 0.3  # chosen on the dev splits (docs/sentiment-research.md)
+HEAD_L2 = 1.0  # chosen on the dev splits (docs/sentiment-research.md)
 GENERATIVE_PROMPT = (
     "Classify the sentiment of this message. Answer with exactly one word: {labels}.\nMessage: {{text}}"
 )

@@ -265,8 +265,8 @@ async def test_failing_step_fails_only_its_sequences(engine, loaded):
 
 
 async def test_score_features_match_transformers_hidden_states_whatever_is_cached(smol):
-    """The learned head's features: the final (normed) hidden state at the prompt's last token, the mid
-    layer's mean over the positions after the fixed prefix and an early layer's last token — equal to
+    """The learned head's features: the final (normed) hidden state at the prompt's last token, every
+    second layer's mean over the positions after the fixed prefix and an early layer's last token — equal to
     transformers' own hidden states, also when the prefix cache holds the same text (it may not serve
     the pooled positions) and when the prompt is prefilled in several chunks."""
     from rtserver.engine.backend import FeatureScorer
@@ -282,8 +282,10 @@ async def test_score_features_match_transformers_hidden_states_whatever_is_cache
     with torch.inference_mode():
         hs = smol.model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     n = smol.model.config.num_hidden_layers
-    # hidden_states[i + 1] is layer i's output: the final normed state, layer n/2-1's mean, n/6's last
-    want = torch.cat([hs[-1][0, -1], hs[n // 2][0, len(prefix) :].mean(0), hs[n // 6 + 1][0, -1]])
+    # hidden_states[i + 1] is layer i's output: the final normed state, the means of layers 0, 2, .. below
+    # the last, layer n/6's last token
+    means = [hs[i + 1][0, len(prefix) :].mean(0) for i in range(0, n - 1, 2)]
+    want = torch.cat([hs[-1][0, -1], *means, hs[n // 6 + 1][0, -1]])
     eng = Engine(smol, EngineSettings(prefill_chunk_tokens=8, kv_budget_mb=64))
     assert isinstance(eng, FeatureScorer)
     eng.start()
@@ -292,7 +294,7 @@ async def test_score_features_match_transformers_hidden_states_whatever_is_cache
         for _ in range(2):  # the second time the whole prompt is in the prefix cache
             scores, feats = await eng.score_features(prompt, cands, features_from=len(prefix))
             assert scores == pytest.approx(plain, abs=1e-3)
-            assert len(feats) == 3 * smol.model.config.hidden_size
+            assert len(feats) == (2 + len(means)) * smol.model.config.hidden_size
             torch.testing.assert_close(torch.tensor(feats), want, atol=2e-3, rtol=1e-3)
         with pytest.raises(ValueError):
             await eng.score_features(prompt, cands, features_from=len(prompt))

@@ -179,7 +179,7 @@ class FeatureScorer(Protocol):
         self, prompt_ids: list[int], candidates: list[list[int]], *, features_from: int
     ) -> tuple[list[float], list[float]]:
         """`score(..., normalize=False)` and, from the same forward, a feature vector: the final hidden
-        state at the prompt's last token, the mid layer's hidden states averaged over positions
+        state at the prompt's last token, every second layer's hidden states averaged over positions
         `features_from`.. of the prompt (the part after a task's fixed prefix), and an early layer's
         hidden state at the last token. Zero extra tokens."""
         ...

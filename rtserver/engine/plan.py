@@ -22,7 +22,7 @@ class StepItem:
     # Only these vocabulary columns of the logits (label scoring reads a few token ids: a gather of those
     # rows of the output embedding instead of the whole-vocabulary matmul). None = the full rows.
     columns: list[int] | None = None
-    # Hidden-state features (a learned head's input): pool the mid layer over this item's positions from
+    # Hidden-state features (a learned head's input): pool the pool layers over this item's positions from
     # `pool_from` on; the runner leaves the pooled sum (and, with logits, the last row's final hidden
     # state) here for the scheduler to add to the sequence once the step succeeded.
     pool_from: int | None = None

@@ -338,9 +338,10 @@ class ModelRunner:
         # The layers whose outputs a learned head reads (its features: see backend.FeatureScorer): the
         # mean over the message at `pool_layers`, the prompt's last token at `last_layers` (both before
         # the last layer's row cut), after the final hidden state.
-        # Chosen on the sentiment dev splits (docs/sentiment-research.md): the middle layer's mean and
-        # an early layer's (a sixth of the way up) last token, beside the final hidden state.
-        self.pool_layers: tuple[int, ...] = (max(0, len(self.layers) // 2 - 1),)
+        # Chosen on the sentiment dev splits (docs/sentiment-research.md): the means of every second layer
+        # below the last (the last one's rows are cut before its MLP) and an early layer's (a sixth of the
+        # way up) last token, beside the final hidden state. Sums over rows: no extra tokens or matmuls.
+        self.pool_layers: tuple[int, ...] = tuple(range(0, len(self.layers) - 1, 2)) or (0,)
         self.last_layers: tuple[int, ...] = (len(self.layers) // 6,)
         # RoPE tables from the model's own rotary module, so scaling variants come out identical.
         max_positions = min(max_positions, getattr(cfg, "max_position_embeddings", max_positions))
@@ -540,7 +541,7 @@ class ModelRunner:
         fused = self._fusable(items)
         lay = self._layout(items, fused)
         # Items that pool hidden states (a learned head's features): their rows at positions from
-        # pool_from on, summed after the pool layers; their last row's state at the last layers.
+        # pool_from on, summed after each pool layer; their last row's state at the last layers.
         pooling: list[tuple[list[torch.Tensor], int, int]] = []
         lasts: list[tuple[list[torch.Tensor], int]] = []
         for i, it in enumerate(items):

@@ -52,7 +52,7 @@ class Sequence:
         # these token ids (the candidates' first tokens) instead of a log-softmax over the vocabulary.
         self.score_columns: list[int] | None = None
         # Hidden-state features of a scoring prompt (a learned head's input): the final hidden state at
-        # the prompt's last token and the mid layer's mean over positions from `features_from` on.
+        # the prompt's last token and the pool layers' means over positions from `features_from` on.
         self.features_from: int | None = None
         self.pooled_sum: Any = None
         self.pooled_rows = 0

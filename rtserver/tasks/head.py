@@ -22,7 +22,7 @@ import numpy as np
 
 log = logging.getLogger("rtserver.tasks")
 
-FEATURES_VERSION = 2  # bump when what score_features returns changes
+FEATURES_VERSION = 3  # bump when what score_features returns changes
 HEAD_VERSION = 1  # bump when LogisticHead's fit changes (a shipped fit is then refitted, not trusted)
 
 

@@ -17,7 +17,7 @@ import pytest
 from rtserver.config import EngineSettings, Settings
 from rtserver.engine.backend import FeatureScorer
 from rtserver.engine.core import Engine
-from rtserver.engine.model import resolve_dtype
+from rtserver.engine.model import effective_dtype, resolve_dtype
 from rtserver.tasks import Choices, LearnedHead, Task
 from rtserver.tasks.head import LogisticHead, load_examples, load_fitted, save_fitted
 from rtserver.tasks.registry import TaskRegistry, load_registry
@@ -211,7 +211,8 @@ async def test_the_built_in_tasks_load_their_shipped_heads(smol, tmp_path, caplo
     (the default start would compute features for minutes instead of loading the heads)."""
     # The features' model id of a server with the default dtype (the session's model is float32); the
     # engine is not started: only its id is read.
-    dtype, storage = resolve_dtype(Settings().model.dtype)
+    model = Settings().model
+    dtype, storage = resolve_dtype(effective_dtype(model.dtype, model.model))  # auto on the embedded: gguf
     default = dataclasses.replace(smol, dtype=dtype, weight_storage=storage)
     model_id = Engine(default, EngineSettings(kv_budget_mb=64)).feature_model_id
     root = Path(__file__).resolve().parents[1]

@@ -541,7 +541,8 @@ async def test_the_server_calibrates_its_tasks_before_it_is_ready(smol):
     app = create_app(settings, lambda: smol)
     async with serve(app, settings):
         sentiment = app.state.rt.registry.get("sentiment")
-        offsets = list(sentiment._calibration.values())  # computed during start-up, before /ready
+        # computed during start-up, before /ready: one backend, one prompt
+        offsets = [f for known in sentiment._calibration.values() for f in known.values()]
         assert len(offsets) == 1 and offsets[0].done() and len(offsets[0].result()) == 2
 
 

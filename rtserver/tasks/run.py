@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,10 @@ class PromptTask:
         self._prefixes: dict[tuple[str, bool], tuple[list[int], str, str]] = {}
         self._suffixes: dict[str, list[int]] = {}
         self._candidates: dict[tuple, list[list[int]]] = {}
-        self._calibration: dict[tuple, asyncio.Future] = {}
+        # per backend object (weakly: an id() could be reused by a later backend), then per prompt
+        self._calibration: weakref.WeakKeyDictionary[Any, dict[tuple, asyncio.Future]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.cache: TTLCache | None = (
             TTLCache(task.cache_size, task.cache_ttl_s) if task.cache_size and not task.stateful else None
         )
@@ -215,13 +219,14 @@ class PromptTask:
         # One computation per backend shared by every call that needs it (a burst of first calls must
         # not each score the calibration inputs); a failed one is retried by the next call. `calibrate`
         # computes them at start-up, alone.
-        key = (id(backend), template, chat, tuple(choices.labels.items()), tuple(choices.calibration))
-        fut = self._calibration.get(key)
+        known = self._calibration.setdefault(backend, {})
+        key = (template, chat, tuple(choices.labels.items()), tuple(choices.calibration))
+        fut = known.get(key)
         if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
             fut = asyncio.ensure_future(
                 self._compute_calibration(backend, template, chat, choices, candidates)
             )
-            self._calibration[key] = fut
+            known[key] = fut
         return await asyncio.shield(fut)
 
     async def calibrate(self, backend: InferenceBackend) -> None:

@@ -261,7 +261,6 @@ class _Layout:
     when items join it mid-step) and read by every layer."""
 
     ids: torch.Tensor  # the rows' token ids
-    pos: torch.Tensor  # their positions
     cos: torch.Tensor  # RoPE of those positions [rows, head_dim]
     sin: torch.Tensor
     write_slots: torch.Tensor  # KV pool slot of each row
@@ -498,7 +497,6 @@ class ModelRunner:
                 spans.append(None)
         lay = _Layout(
             ids=torch.tensor(tokens, dtype=torch.long),
-            pos=pos,
             cos=self.cos[pos],
             sin=self.sin[pos],
             # where each new token's K/V goes
@@ -508,12 +506,8 @@ class ModelRunner:
             wanted=torch.tensor(wanted_rows, dtype=torch.long),
             spans=spans,
         )
-        if fused:  # each row's context, read in place by the kernel
-            lengths = [it.start + 1 for it in items]
-            lay.table = torch.zeros(len(items), max(lengths), dtype=torch.long)
-            for r, it in enumerate(items):
-                lay.table[r, : lengths[r]] = it.kv.slots[: lengths[r]]
-            lay.lengths = torch.tensor(lengths, dtype=torch.long)
+        if fused:  # each row's context slots and length, read in place by the kernel: one decode group
+            *_, lay.table, lay.lengths = self._decode_group(items, list(range(len(items))), row_offsets)
         else:
             lay.decodes = [self._decode_group(items, g, row_offsets) for g in _decode_groups(items)]
             lay.prefills = [self._prefill_group(items, g, row_offsets) for g in _prefill_groups(items)]
@@ -782,14 +776,4 @@ class ModelRunner:
             row[seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
         if p.min_new_tokens and len(s.output_ids) < p.min_new_tokens and s.eos_token_ids:
             row[torch.tensor(sorted(s.eos_token_ids))] = float("-inf")
-        return row
-        row = row / p.temperature
-        if 0 < p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row[row < kth] = float("-inf")
-        if p.top_p < 1.0:
-            sorted_vals, order = torch.sort(row, descending=True)
-            cum = torch.softmax(sorted_vals, -1).cumsum(-1)
-            remove = cum - torch.softmax(sorted_vals, -1) >= p.top_p  # keep the token that crosses top_p
-            row[order[remove]] = float("-inf")
         return row

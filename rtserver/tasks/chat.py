@@ -87,11 +87,20 @@ def continue_prompt(tokenizer: Tokenizer, rendered: str, last: LastTurn | None) 
     token (a hard token boundary, e.g. `<|im_end|>`), the last turn's own ids are kept and only the
     rest is tokenized; otherwise (a cut window, an agent's reply, a new system prompt) all of it is.
     """
+    kept, _, rest = _split_prompt(tokenizer, rendered, last)
+    return kept + rest
+
+
+def _split_prompt(
+    tokenizer: Tokenizer, rendered: str, last: LastTurn | None
+) -> tuple[list[int], str, list[int]]:
+    """`continue_prompt` in parts: (the last turn's ids kept, the text tokenized after them, its ids)."""
     if last is not None and rendered.startswith(last.text):
-        rest = tokenizer.encode(rendered[len(last.text) :], add_special_tokens=False)
+        text = rendered[len(last.text) :]
+        rest = tokenizer.encode(text, add_special_tokens=False)
         if rest and rest[0] in tokenizer.all_special_ids:
-            return last.ids + rest
-    return tokenizer.encode(rendered, add_special_tokens=False)
+            return last.ids, text, rest
+    return [], rendered, tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def finished_turn(
@@ -196,19 +205,12 @@ class ChatTask:
         before = rendered[:at]
         if not before.startswith(last.text):
             return None  # the template renders the finished turn differently once another follows
-        # as continue_prompt: the last turn's ids and the rest tokenized, or (no special token to start
-        # the rest) all of it tokenized; the tokenized part must not change with the message after it
-        rest = before[len(last.text) :]
-        head = self.tokenizer.encode(rest, add_special_tokens=False)
-        if head and head[0] in self.tokenizer.all_special_ids:
-            ids = last.ids + head
-        else:
-            rest = before
-            ids = head = self.tokenizer.encode(before, add_special_tokens=False)
+        # as `prompt` will compute them; the tokenized part must not change with the message after it
+        kept, text, head = _split_prompt(self.tokenizer, before, last)
         for message in BOUNDARY_PROBES:
-            if self.tokenizer.encode(rest + message, add_special_tokens=False)[: len(head)] != head:
+            if self.tokenizer.encode(text + message, add_special_tokens=False)[: len(head)] != head:
                 return None  # the header's last token merges with the message: not a safe split
-        return ids
+        return kept + head
 
     def parse(self, text: str) -> dict:
         return self.task.parser(text) if self.task.parser else {"reply": text}

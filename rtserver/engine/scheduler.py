@@ -228,9 +228,9 @@ class Scheduler:
                 items.append(
                     StepItem(seq, seq.kv, seq.num_computed, seq.prompt_ids[seq.num_computed :], "last")
                 )
-        if items and self.fault_hook is not None:
-            self.fault_hook(items)  # their catch-up is a model forward too
         if items:
+            if self.fault_hook is not None:
+                self.fault_hook(items)  # their catch-up is a model forward too
             self.joined += len(items)
             # Once per step: the joiners' catch-up is a pass of its own over the layers done, so a
             # burst of arrivals catches up together (the rest wait for the next step, already admitted).

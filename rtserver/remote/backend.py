@@ -602,7 +602,7 @@ class RemoteBackend:
     # -- next-turn prefetch (see the module docstring) --------------------------------------------------
     def prefetch(self, prompt_ids: list[int], *, session_key: Hashable) -> None:
         self.cancel_prefetch(session_key)
-        if not self.settings.prefetch_next_turn or not prompt_ids:
+        if not prompt_ids:  # whether to prefetch at all (`backend.prefetch_next_turn`) is the hub's call
             return
         try:
             up = self.pool.choose(session_key)

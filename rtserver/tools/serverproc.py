@@ -46,12 +46,17 @@ def wait_until_up(
         time.sleep(0.2)
 
 
+def status_mb(pid: int, field: str) -> float:
+    """A memory field of a running process's /proc status (VmRSS: resident now, VmHWM: its peak), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} for process {pid}")
+
+
 def peak_rss_mb(pid: int) -> float:
     """The peak resident set size (VmHWM) of a running process, in MB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmHWM for process {pid}")
+    return status_mb(pid, "VmHWM")
 
 
 def terminate(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
@@ -115,10 +120,7 @@ class ServerProcess:
         return wait_until_up(self.proc, self.base + "/ready", started, timeout_s, "server", self.log_path)
 
     def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise RuntimeError("no VmRSS")
+        return status_mb(self.proc.pid, "VmRSS")
 
     def health(self) -> dict:
         """The server's /health JSON (what it runs: model, dtype, kernels)."""

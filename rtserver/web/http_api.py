@@ -17,7 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.backend import FinishReason, SamplingError, SamplingParams, SequenceResult
+from ..engine.backend import FinishReason, Generation, SamplingError, SamplingParams, SequenceResult
 from ..tasks.chat import ChatTask
 from . import events
 from . import protocol as P
@@ -440,6 +440,13 @@ async def chat_completions(request: Request, state: AppState, body: dict) -> Res
         )
     include_usage = bool((stream_opts or {}).get("include_usage"))
     gen = state.backend.generate(prompt, params)  # Overloaded etc. raise here, before the 200
+    # The response starts with the first token: until then nothing is written to this client, so in a
+    # burst every request's generation reaches its backend (a remote server: its upstream request is
+    # written) before any response's headers and role chunk take their socket writes, and the role
+    # chunk and the first token go out in one write (README, "Remote backends").
+    first = await _first_text(request, gen)
+    if first is _GONE:
+        return Response(status_code=499)  # the client left before the first token (nobody reads it)
 
     def chunk(delta: dict, finish: str | None = None, usage: Any = None, choices: bool = True) -> str:
         data: dict = {
@@ -458,7 +465,8 @@ async def chat_completions(request: Request, state: AppState, body: dict) -> Res
     async def events():
         finished = False
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            head = chunk({"role": "assistant", "content": ""})
+            yield head + chunk({"content": first}) if first else head
             async for ev in gen:
                 if ev.text:
                     yield chunk({"content": ev.text})
@@ -485,6 +493,38 @@ async def chat_completions(request: Request, state: AppState, body: dict) -> Res
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+_GONE = object()  # `_first_text`: the client disconnected first
+
+
+async def _first_text(request: Request, gen: Generation) -> Any:
+    """The text of the stream's first event that has some ("" when it ends without any), or _GONE
+    (the generation cancelled) when the client disconnects before it."""
+
+    async def first() -> str:
+        async for ev in gen:
+            if ev.text:
+                return ev.text
+        return ""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    text, gone = asyncio.ensure_future(first()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({text, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        gen.cancel()
+        raise
+    finally:
+        for task in (text, gone):
+            task.cancel()
+    if not text.done() or text.cancelled():
+        gen.cancel()
+        return _GONE
+    return text.result()
 
 
 async def list_models(request: Request, state: AppState, body: Any) -> Response:

@@ -14,6 +14,7 @@ WINDOW_S = 1.0  # long beside the few loop turns between two joins: a busy machi
 
 
 async def joined(gate: SendGate, name: str, log: list[str]) -> None:
+    gate.arrived()  # as the backend does: the request is started, then reaches the gate
     await gate.wait()
     log.append(name)
 
@@ -27,6 +28,27 @@ async def test_a_request_waits_for_the_ones_that_join_within_the_window():
     second = asyncio.ensure_future(joined(gate, "b", log))
     await asyncio.wait_for(asyncio.gather(first, second), 10 * WINDOW_S)
     assert log == ["a", "b"] and gate.groups == 1 and gate.requests == 2
+
+
+async def test_a_request_started_but_not_yet_at_the_gate_holds_the_group():
+    """What counts is that requests are still being started (the hub is taking a burst in), not that
+    they have reached the gate: one started within the window keeps the first waiting although it
+    comes to the gate much later than the window."""
+    gate, log = SendGate(0.2, 10.0), []
+    first = asyncio.ensure_future(joined(gate, "a", log))
+    for _ in range(4):  # a request is started every 0.1 s for 0.4 s, none of them at the gate yet
+        await asyncio.sleep(0.1)
+        gate.arrived()
+    assert not first.done()
+    late = asyncio.ensure_future(gate.wait())  # one of them reaches the gate
+    await asyncio.wait_for(asyncio.gather(first, late), 10)
+    assert log == ["a"] and gate.groups == 1
+
+
+async def test_a_lone_request_waits_the_window_only():
+    gate, log = SendGate(0.05, 10.0), []
+    await asyncio.wait_for(joined(gate, "a", log), 5)
+    assert log == ["a"] and gate.groups == 1
 
 
 async def test_a_steady_stream_is_released_after_the_longest_hold():

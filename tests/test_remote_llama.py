@@ -161,6 +161,72 @@ async def test_openai_endpoint_and_sentiment_through_the_server(smol, llama):
                 assert r.json()["label"] == label
 
 
+def _sse_data(raw: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: {")]
+
+
+async def test_openai_stream_starts_with_the_first_token_in_one_chunk(smol, llama):
+    """The streamed response begins when the first token is there: its first body chunk holds the role
+    chunk and the first text together, and the text streamed is the plain reply's."""
+    settings = remote_settings(llama.url)
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 12, "temperature": 0}
+    async with serve(create_app(settings, lambda: smol), settings) as (base, _):
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            plain = await http.post(base + "/v1/chat/completions", json=body)
+            assert plain.status_code == 200, plain.text
+            raw: list[bytes] = []
+            async with http.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                async for piece in r.aiter_raw():
+                    raw.append(piece)
+    first = _sse_data(raw[0])
+    assert [e["choices"][0]["delta"] for e in first[:1]] == [{"role": "assistant", "content": ""}]
+    assert len(first) >= 2 and first[1]["choices"][0]["delta"]["content"]
+    events = _sse_data(b"".join(raw))
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert text == plain.json()["choices"][0]["message"]["content"]
+    assert b"".join(raw).rstrip().endswith(b"data: [DONE]")
+
+
+async def test_a_client_leaving_before_the_first_token_stops_the_upstream_generation(smol, llama):
+    """A streaming client that disconnects while the server still computes its (long) prompt: the hub
+    closes the upstream stream, so the server generates (almost) nothing of the max_tokens asked."""
+    settings = remote_settings(llama.url)
+    words = " ".join(f"item{i}" for i in range(700))  # ~1,400 tokens: a prefill of a good part of a second
+    body = {
+        "messages": [{"role": "user", "content": f"Repeat these: {words}"}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    def predicted() -> float:
+        text = httpx.get(llama.url + "/metrics", timeout=10).text
+        return next(
+            float(ln.split()[-1])
+            for ln in text.splitlines()
+            if ln.startswith("llamacpp:tokens_predicted_total")
+        )
+
+    async with serve(create_app(settings, lambda: smol), settings) as (base, _):
+        before = predicted()
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            request = asyncio.create_task(http.post(base + "/v1/chat/completions", json=body))
+            deadline = time.monotonic() + 30
+            while not llama.processing() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert llama.processing() == 1
+            request.cancel()  # the client goes away (its connection closes)
+            with pytest.raises(asyncio.CancelledError):
+                await request
+        deadline = time.monotonic() + 30
+        while llama.processing() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert llama.processing() == 0
+        assert predicted() - before < 50, "the server kept generating after the client left"
+
+
 async def test_a_disconnect_mid_reply_frees_the_servers_slot(smol, llama):
     settings = remote_settings(llama.url)
     async with serve(create_app(settings, lambda: smol), settings) as (_, ws_url):

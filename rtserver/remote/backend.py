@@ -65,6 +65,8 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 SERVER_KINDS = {"rtserver": "rtserver", "llamacpp": "llama.cpp", "vllm": "vllm"}  # /v1/models owned_by
 PREFETCH_WAIT_S = 0.5  # the longest a turn waits for its session's prefetch already sent (see above)
 PREFETCH_DELAY_S = 0.2  # from the end of a reply to its prefetch's request (see above)
+# the longest the send gate holds a group (a burst of 32 takes the hub ~10-15 ms to read and start)
+SEND_MAX_HOLD_S = 0.02
 PREFETCH_RESPONSE_LIMIT = 1 << 16  # bytes of a prefetch's answer read (one token's completion)
 
 
@@ -221,7 +223,8 @@ class RemoteBackend:
         self.kinds: dict[str, str] = {}  # url -> server kind, learned by check()
         for up in self.pool.upstreams:
             up.checked = False  # until check() (or the health check) has seen what it serves
-        self.gate = SendGate(settings.send_window_ms / 1000, 4 * settings.send_window_ms / 1000)
+        window = settings.send_window_ms / 1000
+        self.gate = SendGate(window, max(4 * window, SEND_MAX_HOLD_S))
         self.client: aiohttp.ClientSession | None = None
         self.fresh_client: aiohttp.ClientSession | None = None  # no kept-alive connections
         self._health: asyncio.Task | None = None
@@ -496,6 +499,7 @@ class RemoteBackend:
                 "no inference server is available: "
                 + ", ".join(f"{s['url']} {s['state']}" for s in self.pool.snapshot())
             )
+        self.gate.arrived()
         return RemoteGeneration(self, list(prompt_ids), params, session_key)
 
     async def score(
@@ -503,6 +507,7 @@ class RemoteBackend:
     ) -> list[float]:
         if not candidates or any(not c for c in candidates):
             raise ValueError("candidates must be non-empty token lists")
+        self.gate.arrived()
 
         async def attempt(up: Upstream) -> list[float]:
             kind = self.kinds.get(up.url, "openai")

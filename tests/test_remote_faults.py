@@ -699,6 +699,10 @@ async def test_health_and_metrics_show_each_url(smol):
         assert await metric(base, "rtserver_backend_in_flight", label % home_url) == 0.0
         assert await metric(base, "rtserver_backend_errors_total", label % home_url) == 0.0
         assert await metric(base, "rtserver_backend_ttfb_p50_seconds", label % home_url) > 0
+        gated = await metric(base, "rtserver_backend_gated_requests_total")
+        assert gated == app.state.rt.backends["openai"].gate.requests >= 1
+        assert 1 <= await metric(base, "rtserver_backend_send_groups_total") <= gated
+        assert await metric(base, "rtserver_backend_prefetches_total", 'outcome="failed"') == 0
 
         await b.stop()
 

@@ -243,6 +243,17 @@ def _hub(
     return hub
 
 
+def _flow(hub: ServerProcess) -> dict:
+    """A hub's send-gate requests and groups and its prefetches by outcome, from its /metrics."""
+    m = hub.metrics()
+    prefix = 'rtserver_backend_prefetches_total{outcome="'
+    return {
+        "gated_requests": m.get("rtserver_backend_gated_requests_total"),
+        "send_groups": m.get("rtserver_backend_send_groups_total"),
+        "prefetches": {k[len(prefix) : -2]: v for k, v in m.items() if k.startswith(prefix)},
+    }
+
+
 def placement_cpus(placement: str, threads: int) -> tuple[set[int] | None, set[int] | None, int, str]:
     """(llama-server's CPUs, the hub's and the clients' CPUs, llama-server's threads, a description).
     "shared": everything on every core, llama-server with `threads`; "split": llama-server on the
@@ -367,6 +378,8 @@ def run_placement(
                     runs[key].append(asyncio.run(burst(base, ids, warm=rep == 0)))
                 except aiohttp.ClientError as exc:
                     raise RuntimeError(f"burst {rep + 1} ({key}, {base}) failed: {exc!r}") from exc
+        # how the hubs' requests left (the send gate's groups) and what became of their prefetches
+        flow = {name: _flow(h) for name, h in (("hub", hub), ("hub_no_prefetch", plain))}
     finally:
         hub.stop()
         plain.stop()
@@ -402,6 +415,7 @@ def run_placement(
             median(r["tokens_per_s"] for r in runs["chat" if direct is direct_chat else "ids"]),
         ),
         "hub_added_ttft_p50_ms": (through["ttft_p50_ms"] or 0) - best_direct_ttft,
+        "hub_flow": flow,
         # per run, against the token-id run just before it (the same cache and machine state)
         "hub_added_ttft_p50_ms_runs": [
             (h["ttft_p50_ms"] or 0) - (d["ttft_p50_ms"] or 0) for h, d in zip(runs["hub"], runs["ids"])

@@ -40,6 +40,7 @@ class _LiveCollector:
         remote = s.get("openai")
         if remote:
             yield from _upstream_metrics(remote.get("upstreams") or [])
+            yield from _remote_flow_metrics(remote)
         engine = s.get("engine")
         if not engine:
             return
@@ -163,6 +164,30 @@ def _upstream_metrics(upstreams: list[dict]) -> Iterator[Any]:
         if u.get("ttfb_p50_ms") is not None:
             ttfb.add_metric([u["url"]], u["ttfb_p50_ms"] / 1000)
     yield from (up, flight, requests, errors, ttfb)
+
+
+def _remote_flow_metrics(remote: dict) -> Iterator[Any]:
+    """The send gate's requests and groups (requests / groups: how many of a burst left together) and
+    the next-turn prefetches by outcome."""
+    gate = remote.get("send_groups") or {}
+    yield CounterMetricFamily(
+        "rtserver_backend_gated_requests",
+        "Upstream requests through the send gate",
+        value=gate.get("requests", 0),
+    )
+    yield CounterMetricFamily(
+        "rtserver_backend_send_groups", "Groups the send gate let go together", value=gate.get("groups", 0)
+    )
+    prefetch = CounterMetricFamily(
+        "rtserver_backend_prefetches",
+        "Next-turn prefetches: started, done, skipped (no room), failed, cancelled, waited for by the "
+        "next turn, overtaken (it stopped waiting)",
+        labels=["outcome"],
+    )
+    for outcome, count in (remote.get("prefetch") or {}).items():
+        if outcome != "in_flight":
+            prefetch.add_metric([outcome], count)
+    yield prefetch
 
 
 class Metrics:

@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from rtserver.engine.backend import FinishReason, SamplingParams
 from rtserver.remote.backend import RemoteBackend
+from rtserver.tasks.chat import ChatTask
 from rtserver.web.app import create_app
 
 from .serverutil import (
@@ -931,6 +932,30 @@ async def test_no_prefetch_when_switched_off_or_the_url_has_no_room_beside_it(sm
                         await wait_for(lambda b=backend: _true(not b._prefetches), STEP)  # its delay passed
                 assert len(fake.prefetches) == sent and backend.prefetch_counts["done"] == 0
         assert backend.prefetch_counts["skipped"] == 2  # max_in_flight_per_url = 1: no spare room
+
+
+async def test_a_turn_sent_at_once_never_waits_for_its_prefix_to_be_computed(smol, monkeypatch):
+    """The next-turn prefix (the history rendered again) is computed only when the prefetch is about to
+    be sent: turns sent right after their `done` cancel it before, so it is never computed for them;
+    a turn after a pause finds it computed and sent."""
+    calls: list[int] = []
+    original = ChatTask.next_turn_prefix
+
+    def counted(self, history, last):
+        calls.append(len(history))
+        return original(self, history, last)
+
+    monkeypatch.setattr(ChatTask, "next_turn_prefix", counted)
+    async with fakes(smol) as [fake], hub(smol, [fake.url]) as (app, _, url):
+        backend = app.state.rt.backends["openai"]
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            for i in range(3):  # each next message at once
+                assert (await chat(ws, f"c{i}", f"Question {i}?"))[-1]["type"] == "done"
+            assert calls == [] and fake.prefetches == []
+            await wait_for(lambda: _true(not backend._prefetches), STEP)  # the last one's delay passed
+            assert calls == [6] and len(fake.prefetches) == 1  # 3 turns: 6 messages in the history
+        assert backend.prefetch_counts["cancelled"] == 2 and backend.prefetch_counts["done"] == 1
 
 
 async def _true(value: bool) -> bool:

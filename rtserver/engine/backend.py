@@ -8,7 +8,7 @@ This module imports no model code (no torch): plugins and the web layer can depe
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -191,8 +191,10 @@ class NextTurnPrefetcher(Protocol):
     a prefill-only request on the session's server). Best effort: never raises, never delays a turn
     beyond a short bound, failures are only logged."""
 
-    def prefetch(self, prompt_ids: list[int], *, session_key: Hashable) -> None:
-        """Start computing `prompt_ids` (the start of the session's next prompt) into its cache."""
+    def prefetch(self, prefix: Callable[[], list[int] | None], *, session_key: Hashable) -> None:
+        """Start computing the start of the session's next prompt into its cache. `prefix` gives its
+        ids (None: none to compute) and is called only when the prefetch is about to be sent, so a
+        next turn that comes first never waited for it (rendering the history costs milliseconds)."""
 
     def cancel_prefetch(self, session_key: Hashable) -> None:
         """Drop the session's prefetch if one is in flight (its client left)."""

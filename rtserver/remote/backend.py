@@ -14,9 +14,10 @@ Label scoring asks the server for log-probabilities. What each kind of server of
   token (`logit_bias`) where it is not among them, and a token grammar forcing a longer candidate;
 - vLLM: `logprob_token_ids` (vLLM >= 0.26) for first tokens and `prompt_logprobs` for longer ones.
 
-Next-turn prefetch (`backend.prefetch_next_turn`): when a reply ends the hub hands over the tokens the
-session's next prompt will start with (tasks/chat.py `next_turn_prefix`: the history, the end of the
-reply and the next user header), and they go to the session's server `PREFETCH_DELAY_S` later as a
+Next-turn prefetch (`backend.prefetch_next_turn`): when a reply ends the hub hands over how to compute
+the tokens the session's next prompt will start with (tasks/chat.py `next_turn_prefix`: the history,
+the end of the reply and the next user header; computed only when the prefetch is about to be sent, so
+a turn that comes first never paid for it), and they go to the session's server `PREFETCH_DELAY_S` later as a
 one-token, non-streamed completion (`max_tokens: 0` still samples one token in llama-server 11434; vLLM and
 rtserver require at least 1), so its prefix cache holds them when the next message comes and that turn
 prefills only the message. It is optional work: it goes only where the URL is up with room for one
@@ -38,7 +39,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 import aiohttp
@@ -605,18 +606,15 @@ class RemoteBackend:
         return scores
 
     # -- next-turn prefetch (see the module docstring) --------------------------------------------------
-    def prefetch(self, prompt_ids: list[int], *, session_key: Hashable) -> None:
+    def prefetch(self, prefix: Callable[[], list[int] | None], *, session_key: Hashable) -> None:
+        # whether to prefetch at all (`backend.prefetch_next_turn`) is the hub's call
         self.cancel_prefetch(session_key)
-        if not prompt_ids:  # whether to prefetch at all (`backend.prefetch_next_turn`) is the hub's call
-            return
         try:
             up = self.pool.choose(session_key)
         except BackendUnavailable:
             return
         entry = _Prefetch()
-        entry.task = asyncio.get_running_loop().create_task(
-            self._prefetch(up, list(prompt_ids), session_key, entry)
-        )
+        entry.task = asyncio.get_running_loop().create_task(self._prefetch(up, prefix, session_key, entry))
         entry.task.add_done_callback(lambda _: self._forget_prefetch(session_key, entry))
         self._prefetches[session_key] = entry
 
@@ -632,9 +630,16 @@ class RemoteBackend:
             del self._prefetches[session_key]
 
     async def _prefetch(
-        self, up: Upstream, prompt_ids: list[int], session_key: Hashable, entry: _Prefetch
+        self, up: Upstream, prefix: Callable[[], list[int] | None], session_key: Hashable, entry: _Prefetch
     ) -> None:
         await asyncio.sleep(PREFETCH_DELAY_S)
+        try:
+            prompt_ids = prefix()  # only now: a turn that came within the delay never paid for it
+        except Exception as exc:
+            log.debug("no next-turn prefix for session %s (%s)", session_key, exc)
+            return
+        if not prompt_ids:
+            return  # the template does not split safely there (tasks/chat.py next_turn_prefix)
         if not self.pool.try_acquire_spare(up):
             self.prefetch_counts["skipped"] += 1
             return

@@ -395,9 +395,10 @@ class Connection(QueuedConnection):
         try:
             backend = self.hub.state.backend_for("chat")  # raises while the server stops
             if isinstance(backend, NextTurnPrefetcher):
-                ids = self.hub.state.tasks.chat.next_turn_prefix(session.history, session.last_turn)
-                if ids is not None:
-                    backend.prefetch(ids, session_key=session.id)
+                # computed by the backend when it sends the prefetch, not here: a client that answers
+                # at once would otherwise wait for it (its next turn comes right after this `done`)
+                chat, history, last = self.hub.state.tasks.chat, list(session.history), session.last_turn
+                backend.prefetch(lambda: chat.next_turn_prefix(history, last), session_key=session.id)
         except Exception as exc:
             log.debug("no next-turn prefetch for session %s (%s)", session.id, exc)
 

@@ -188,6 +188,9 @@ def test_engine_in_dtype_gguf_says_what_it_chose(smol, kernel, monkeypatch, tmp_
     assert loaded.dtype_name == "gguf" and chosen["weights"] == "float32"
     if chosen.get("small_step_max_rows"):
         assert "Q4_1" in chosen["small_steps"] and "probe" in chosen["why"]
+        assert chosen["output_head"].startswith("blocks")
+        big = engine.runner.lm_head.small_rows >= 64
+        assert big == (chosen["output_head"] == "blocks at every step size")
     # No compiler (or a failed build): plain float32, and /health says why.
     monkeypatch.setattr("rtserver.engine.core.load_kernel", lambda cache: None)
     monkeypatch.setattr("rtserver.engine.core.kernel_error", lambda: "CalledProcessError: no c++")

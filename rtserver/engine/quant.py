@@ -278,3 +278,20 @@ def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, QuantizedWeight
                 break
             rows = m
     return rows
+
+
+def head_rows(head: Any, kernel: Any, rows: int, probe_rows: int = 64, repeats: int = 3) -> int:
+    """Rows up to which the output head multiplies with its blocks: every row count when the kernel
+    beats the dense head (`head.weight`, F.linear) at `probe_rows` (a big step's logits), else `rows`
+    (the linears' limit). Timed in turns, best of each. ~0.1 s at start."""
+    x = torch.randn(probe_rows, head.small.shape[1])
+    best = [float("inf"), float("inf")]
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            F.linear(x, head.weight)
+            t1 = time.perf_counter()
+            quantized_matmul(kernel, x, head.small)
+            t2 = time.perf_counter()
+            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+    return 1 << 30 if best[1] < 0.9 * best[0] else rows

@@ -18,10 +18,10 @@ DEFAULT_WORKLOADS = BENCH_WORKLOADS[:-1]
 
 # The model runs on the engine's scheduler thread, not the main one. libgomp (torch's OpenMP) counts
 # every thread that ever led a parallel region and, once that count passes the CPUs, lets idle workers
-# spin only ~100 iterations before sleeping: each of a decode step's ~150 parallel regions then waits
-# for a futex wake (measured: a 37 us kernel call took 95 us off the main thread, a whole step twice
-# as long). Active waiting with a bounded spin keeps workers hot between a step's regions and still
-# lets them sleep between steps. Read once, when torch loads libgomp: set before torch is imported.
+# spin only ~100 iterations before sleeping: each of a decode step's parallel regions then waits for a
+# futex wake, and a step off the main thread took twice as long (README, Performance). Active waiting
+# with a bounded spin keeps workers hot between a step's regions and still lets them sleep between
+# steps. Read once, when torch loads libgomp: set before torch is imported.
 OPENMP_WAIT = {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000"}
 
 

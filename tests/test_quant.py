@@ -64,13 +64,16 @@ def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kernel, fmt):
     The integer path is held to its own arithmetic (fixed-point activations) tightly, and to float32's
     within what 16-bit activations allow."""
     fixed = kernel.fixed_point_activations
+    # float unpacking sums in float32 (order differs from F.linear's); the integer path is exact but
+    # for its float32 scaling
+    tol = {"rtol": 1e-5, "atol": 2e-4} if fixed else {"rtol": 1e-4, "atol": 1e-3}
     for k in (32, 96, 1536):
         w = random_blocks(fmt, 72, k, seed=k)
         for m in range(1, 10):
             x = torch.randn(m, k) * torch.rand(m, k) * 4
             x[0, :32] = 0.0
             got = quant.quantized_matmul(kernel, x, w)
-            torch.testing.assert_close(got, quant.reference_matmul(x, w, fixed), rtol=1e-5, atol=2e-4)
+            torch.testing.assert_close(got, quant.reference_matmul(x, w, fixed), **tol)
             # against float32: each activation moved by at most half its block's step, times |w|
             want = quant.reference_matmul(x, w)
             step = x.view(m, -1, 32).abs().amax(-1, keepdim=True).expand(m, k // 32, 32).reshape(m, k)
@@ -92,7 +95,7 @@ def test_kernel_on_the_real_weights(kernel, blocks):
         x = torch.randn(3, blocks[name].shape[1])
         got = quant.quantized_matmul(kernel, x, blocks[name])
         want = quant.reference_matmul(x, blocks[name], fixed)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_kernel_runs_on_torchs_openmp_threads_without_a_second_runtime(kernel):

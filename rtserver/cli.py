@@ -16,6 +16,23 @@ BENCH_WORKLOADS = ["burst", "single", "arrival", "multi-turn", "sentiment", "e2e
 DEFAULT_WORKLOADS = BENCH_WORKLOADS[:-1]
 
 
+# The model runs on the engine's scheduler thread, not the main one. libgomp (torch's OpenMP) counts
+# every thread that ever led a parallel region and, once that count passes the CPUs, lets idle workers
+# spin only ~100 iterations before sleeping: each of a decode step's parallel regions then waits for a
+# futex wake, and a step off the main thread took twice as long (README, Performance). Active waiting
+# with a bounded spin keeps workers hot between a step's regions and still lets them sleep between
+# steps. Read once, when torch loads libgomp: set before torch is imported.
+OPENMP_WAIT = {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000"}
+
+
+def _openmp_wait_for_the_scheduler_thread() -> None:
+    """For the commands whose model runs on the scheduler thread (serve, eval); the bench leaves the
+    environment alone, so the llama-server it starts runs as it would anywhere."""
+    if "torch" not in sys.modules:
+        for key, value in OPENMP_WAIT.items():
+            os.environ.setdefault(key, value)
+
+
 def _settings(args: argparse.Namespace):
     try:
         return load_settings(args.config or os.environ.get("RTSERVER_CONFIG"))
@@ -36,6 +53,7 @@ def _load(settings, dtype: str | None = None):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    _openmp_wait_for_the_scheduler_thread()
     from .web.server import serve
 
     settings = _settings(args)
@@ -79,6 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    _openmp_wait_for_the_scheduler_thread()
     from .tools.evaluate import run_eval
 
     settings = _settings(args)

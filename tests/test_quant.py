@@ -59,20 +59,54 @@ def test_blocks_read_from_the_file_equal_the_dense_weights(smol, blocks):
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
 def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kernel, fmt):
-    """Row counts 1..9 cross the kernel's 4-row passes; widths 64 and 1536 one and many blocks."""
-    for k in (64, 1536):
+    """Row counts 1..9 cross the kernel's 4-row passes; widths 32, 96 and 1536 one block, an odd count
+    (the integer path's last block alone) and many; activations of mixed magnitudes and a zero block.
+    The integer path is held to its own arithmetic (fixed-point activations) tightly, and to float32's
+    within what 16-bit activations allow."""
+    fixed = kernel.fixed_point_activations
+    # float unpacking sums in float32 (order differs from F.linear's); the integer path is exact but
+    # for its float32 scaling
+    tol = {"rtol": 1e-5, "atol": 2e-4} if fixed else {"rtol": 1e-4, "atol": 1e-3}
+    for k in (32, 96, 1536):
         w = random_blocks(fmt, 72, k, seed=k)
         for m in range(1, 10):
-            x = torch.randn(m, k)
+            x = torch.randn(m, k) * torch.rand(m, k) * 4
+            x[0, :32] = 0.0
             got = quant.quantized_matmul(kernel, x, w)
-            torch.testing.assert_close(got, quant.reference_matmul(x, w), rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(got, quant.reference_matmul(x, w, fixed), **tol)
+            # against float32: each activation moved by at most half its block's step, times |w|
+            want = quant.reference_matmul(x, w)
+            step = x.view(m, -1, 32).abs().amax(-1, keepdim=True).expand(m, k // 32, 32).reshape(m, k)
+            bound = (step / quant.FIXED_POINT_MAX / 2) @ w.dequantize().abs().T if fixed else 0
+            assert ((got - want).abs() <= bound + 1e-4 * want.abs() + 1e-3).all()
+
+
+def test_fixed_point_reference_keeps_16_bits_of_each_block():
+    x = torch.randn(3, 96) * torch.tensor([1e-3, 1.0, 1e3]).repeat_interleave(32)
+    got = quant.fixed_point_reference(x)
+    step = x.view(3, 3, 32).abs().amax(-1, keepdim=True) / quant.FIXED_POINT_MAX
+    assert ((got - x).view(3, 3, 32).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert torch.equal(quant.fixed_point_reference(torch.zeros(2, 64)), torch.zeros(2, 64))
 
 
 def test_kernel_on_the_real_weights(kernel, blocks):
+    fixed = kernel.fixed_point_activations
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
         x = torch.randn(3, blocks[name].shape[1])
         got = quant.quantized_matmul(kernel, x, blocks[name])
-        torch.testing.assert_close(got, F.linear(x, blocks[name].dequantize()), rtol=1e-5, atol=1e-4)
+        want = quant.reference_matmul(x, blocks[name], fixed)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_runs_on_torchs_openmp_threads_without_a_second_runtime(kernel):
+    """The kernel's at::parallel_for is OpenMP compiled into the module: it must be built with it (or it
+    runs on one thread) and must share torch's libgomp rather than load a second one."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch does not use OpenMP here")
+    assert "-fopenmp" in quant._openmp_flags()
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
 
 
 def test_kernel_refuses_what_it_cannot_multiply(kernel):
@@ -157,6 +191,9 @@ def test_engine_in_dtype_gguf_says_what_it_chose(smol, kernel, monkeypatch, tmp_
     assert loaded.dtype_name == "gguf" and chosen["weights"] == "float32"
     if chosen.get("small_step_max_rows"):
         assert "Q4_1" in chosen["small_steps"] and "probe" in chosen["why"]
+        assert chosen["output_head"].startswith("blocks")
+        big = engine.runner.lm_head.small_rows >= 64
+        assert big == (chosen["output_head"] == "blocks at every step size")
     # No compiler (or a failed build): plain float32, and /health says why.
     monkeypatch.setattr("rtserver.engine.core.load_kernel", lambda cache: None)
     monkeypatch.setattr("rtserver.engine.core.kernel_error", lambda: "CalledProcessError: no c++")

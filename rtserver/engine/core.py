@@ -138,6 +138,11 @@ class Engine:
             "weights": "float32",
             "small_steps": f"{'/'.join(formats)} blocks of {loaded.gguf_blocks.name}",
             "small_step_max_rows": rows,
+            "output_head": (
+                "blocks at every step size"
+                if self.runner.lm_head.small_rows > rows
+                else f"blocks up to {rows} rows"
+            ),
             "why": "start-up probe: the quantized kernel beat the dense float32 matmul up to that many rows",
         }
 

@@ -2,10 +2,12 @@
 dequantize-matmul kernel that multiplies with them (C++, built once per CPU and cached), and its
 pure-torch twin the tests compare it with.
 
-Batch-1 decoding streams every weight once per step, so its speed is the bytes per weight: a Q4_1 block
-is 5 bits a weight against float16's 16. The kernel dequantizes each block in registers exactly as the
-GGUF reader does (d * q, then + m, in float32), so a quantized matmul equals the float32 engine's (which
-runs the same file's dequantized weights) up to the order of the sums.
+Batch-1 decoding streams every weight once per step, so its speed is the bytes per weight (a Q4_1 block
+is 5 bits a weight against float16's 16) and the instructions per weight. Where the CPU has VNNI the
+kernel rounds each block of 32 activations to 16-bit fixed point and multiplies it with the 8-bit quants
+in integer dot products (`fixed_point_reference` is that rounding in torch); elsewhere it dequantizes each
+block in registers exactly as the GGUF reader does (d * q, then + m, in float32). Either way a quantized
+matmul equals the float32 engine's (which runs the same file's dequantized weights) up to rounding.
 """
 
 from __future__ import annotations
@@ -124,9 +126,38 @@ def read_gguf_weights(
     return out
 
 
-def reference_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """x @ W.T through the dequantized float32 weight: what the kernel must equal up to rounding."""
-    return F.linear(x.float(), w.dequantize())
+FIXED_POINT_MAX = 32512.0  # 127 * 256: a block's largest activation still splits into two int8 limbs
+
+
+def fixed_point_reference(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernel's integer path rounds it: each block of 32 to the nearest multiple of
+    max|block| / 32512 (16-bit fixed point; relative error <= 1.5e-5 of the block's largest value)."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # tensor / tensor: correctly rounded, as the kernel's float division (torch's scalar / tensor
+    # multiplies by a reciprocal, an ulp off at times, which moves a value sitting on .5)
+    fixed = torch.full_like(amax, FIXED_POINT_MAX)
+    inv = torch.where(amax > 0, fixed / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).clamp(-FIXED_POINT_MAX, FIXED_POINT_MAX)
+    return (q * (amax / fixed)).reshape(m, k)
+
+
+def reference_matmul(x: torch.Tensor, w: QuantizedWeight, fixed_point: bool = False) -> torch.Tensor:
+    """x @ W.T through the dequantized float32 weight: what the kernel must equal up to float rounding.
+    `fixed_point`: the kernel's integer path, in float64 — the scaled quants meet the fixed-point
+    activations, while Q4_1's min meets the exact activation sums (as in the kernel)."""
+    if not fixed_point:
+        return F.linear(x.float(), w.dequantize())
+    n, k = w.shape
+    xf = fixed_point_reference(x).double()
+    if w.format == "Q8_0":
+        return F.linear(xf, w.dequantize().double()).float()
+    s = w.scales.double()
+    b = w.qs.view(n, k // BLOCK, 16)
+    q = torch.cat([b & 15, b >> 4], dim=-1).double()
+    sums = x.double().view(x.shape[0], k // BLOCK, BLOCK).sum(-1)
+    return (F.linear(xf, (s[..., :1] * q).view(n, k)) + sums @ s[..., 1].T).float()
 
 
 # -- the kernel --------------------------------------------------------------------------------------
@@ -150,7 +181,7 @@ def cpu_key() -> str:
         flags = []
     simd = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c")))
     src = KERNEL_SOURCE.read_bytes()
-    what = " ".join([*simd, torch.__version__, platform.machine()]).encode()
+    what = " ".join([*simd, *_openmp_flags(), torch.__version__, platform.machine()]).encode()
     h = hashlib.sha256(src + what)
     return h.hexdigest()[:16]
 
@@ -170,10 +201,12 @@ def load_kernel(cache_dir: Path) -> Any:
             key = cpu_key()
             build = cache_dir / "kernels" / key
             build.mkdir(parents=True, exist_ok=True)
+            openmp = _openmp_flags()
             _kernel = cpp_extension.load(
                 name=f"rtserver_quant_{key}",
                 sources=[str(KERNEL_SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", *openmp],
+                extra_ldflags=openmp,
                 build_directory=str(build),
                 verbose=False,
             )
@@ -182,6 +215,13 @@ def load_kernel(cache_dir: Path) -> Any:
             _kernel_error = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
             log.warning("quantized kernel unavailable, weights stay dense (%s)", _kernel_error)
         return _kernel
+
+
+def _openmp_flags() -> list[str]:
+    """-fopenmp where torch's own threads are OpenMP's: at::parallel_for is a header-only OpenMP loop, so
+    a kernel built without it runs on one thread. Linked with -fopenmp the module asks for libgomp.so.1,
+    which the loader finds already loaded from torch's folder (same soname): one runtime, one pool."""
+    return ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
 
 
 def _put_ninja_on_path() -> None:
@@ -238,3 +278,20 @@ def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, QuantizedWeight
                 break
             rows = m
     return rows
+
+
+def head_rows(head: Any, kernel: Any, rows: int, probe_rows: int = 64, repeats: int = 3) -> int:
+    """Rows up to which the output head multiplies with its blocks: every row count when the kernel
+    beats the dense head (`head.weight`, F.linear) at `probe_rows` (a big step's logits), else `rows`
+    (the linears' limit). Timed in turns, best of each. ~0.1 s at start."""
+    x = torch.randn(probe_rows, head.small.shape[1])
+    best = [float("inf"), float("inf")]
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            F.linear(x, head.weight)
+            t1 = time.perf_counter()
+            quantized_matmul(kernel, x, head.small)
+            t2 = time.perf_counter()
+            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+    return 1 << 30 if best[1] < 0.9 * best[0] else rows

@@ -1,17 +1,19 @@
 // Weight-only quantized matmuls over llama.cpp's block formats, float32 activations and results.
 //
-// A weight keeps the blocks it ships in (a third to a half of float16's bytes), and each block is
-// unpacked in registers right before its multiply-adds: batch-1 decoding streams every weight once per
-// step, so fewer bytes is what makes a step faster. The block's scale and min are applied to the
-// block's partial sums (y = sum_b d_b (q_b . x_b) + m_b sum(x_b)), the same value as a float32 matmul
-// of the dequantized weights up to float rounding.
+// A weight keeps the blocks it ships in (a third to a half of float16's bytes) and is multiplied block
+// by block: batch-1 decoding streams every weight once per step, so fewer bytes and fewer instructions
+// per weight are what make a step faster. The block's scale and min are applied to the block's partial
+// sums (y = sum_b d_b (q_b . x_b) + m_b sum(x_b)). With VNNI the partial sums are integer dot products
+// of the quants with 16-bit fixed-point activations (RTSERVER_INT_DOTS below); without, each block is
+// unpacked to float in registers. Both equal a float32 matmul of the dequantized weights up to rounding.
 //
 // Q4_1: per block of 32 weights: `qs` 16 bytes, byte j holds weight j (low nibble) and j + 16 (high);
 //       `dm` two float16: weight = d * q + m.
 // Q8_0: per block of 32 weights: `qs` 32 int8, `d` one float16: weight = d * q.
 //
-// Built at first start with -march=native for the CPU at hand (the cache key names the CPU), and run on
-// torch's own thread pool (at::parallel_for), so it never competes with a second OpenMP runtime.
+// Built at first start with -march=native for the CPU at hand (the cache key names the CPU) and
+// -fopenmp, so at::parallel_for (a header-only OpenMP loop) runs on torch's own OpenMP threads: without
+// the flag it silently ran on one thread, and linked this way there is no second OpenMP runtime.
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -134,18 +137,170 @@ void rows_pass(const float* x, const float* xsum, int64_t K, int64_t N, int64_t 
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RTSERVER_INT_DOTS 1
+// Integer dot products (VNNI): each activation block of 32 becomes 16-bit fixed point,
+// x_j ~= s_b * (256 hi_j + lo_j) with s_b = max|x_b| / 32512, and its two 8-bit limbs meet the 8-bit
+// quants in vpdpbusd (64 multiply-adds an instruction, exact in int32) instead of unpacking every quant
+// to float. The only new rounding is the activations' to 16 bits of their block's largest value
+// (relative 1.5e-5; float16 storage would be 4.9e-4); `fixed_point_reference` in quant.py is the same
+// arithmetic in torch. Q4_1 quants (0..15) are the unsigned operand and the limbs signed
+// (hi, lo in [-128, 127]); Q8_0 quants are signed, so there the limbs carry +32768 as unsigned bytes and
+// 32768 * sum(q_b) (one more vpdpbusd against ones) is taken off.
+constexpr float kFixed = 32512.f;  // 127 * 256: the high limb of the largest value still fits int8
+
+struct FixedRows {
+  std::vector<uint8_t> hi, lo;  // [M, K] the limbs (int8 bits, or uint8 with the offset)
+  std::vector<float> scale8;    // [M, nb, 8] s_b over the 8 int32 lanes a block's products land in
+  std::vector<float> xsum2;     // [M, nb, 2] (0, sum x_b): Q4_1's min term, against the block's (d, m)
+};
+
+void to_fixed(const float* x, int64_t M, int64_t K, bool offset, FixedRows& f) {
+  const int64_t nb = K / kBlock;
+  f.hi.resize(M * K), f.lo.resize(M * K), f.scale8.resize(M * nb * 8), f.xsum2.resize(M * nb * 2);
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * kBlock;
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j])), sum += xb[j];
+    const float inv = amax > 0.f ? kFixed / amax : 0.f;
+    for (int j = 0; j < kBlock; ++j) {
+      int v = static_cast<int>(std::nearbyint(xb[j] * inv));
+      v = std::min(32512, std::max(-32512, v));
+      int hi;
+      if (offset)
+        v += 32768, hi = v >> 8;
+      else
+        hi = (v + 128) >> 8;  // floor: lo = v - 256 hi lands in [-128, 127]
+      f.hi[i * kBlock + j] = static_cast<uint8_t>(hi);
+      f.lo[i * kBlock + j] = static_cast<uint8_t>(v - 256 * hi);
+    }
+    std::fill_n(f.scale8.data() + i * 8, 8, amax / kFixed);
+    f.xsum2[i * 2] = 0.f, f.xsum2[i * 2 + 1] = sum;
+  }
+}
+
+// 256 hi.q + lo.q per int32 lane (4 products each) for 64 quants w (the unsigned or the signed operand).
+inline __m512i fixed_dot(__m512i w, const uint8_t* hi, const uint8_t* lo, bool w_unsigned) {
+  const __m512i h = _mm512_loadu_si512(hi), l = _mm512_loadu_si512(lo);
+  __m512i t = w_unsigned ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, h)
+                         : _mm512_dpbusd_epi32(_mm512_setzero_si512(), h, w);
+  t = _mm512_slli_epi32(t, 8);
+  return w_unsigned ? _mm512_dpbusd_epi32(t, w, l) : _mm512_dpbusd_epi32(t, l, w);
+}
+inline __m256i fixed_dot(__m256i w, const uint8_t* hi, const uint8_t* lo, bool w_unsigned) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi));
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo));
+  __m256i t = w_unsigned ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, h)
+                         : _mm256_dpbusd_epi32(_mm256_setzero_si256(), h, w);
+  t = _mm256_slli_epi32(t, 8);
+  return w_unsigned ? _mm256_dpbusd_epi32(t, w, l) : _mm256_dpbusd_epi32(t, l, w);
+}
+
+// Rows r0.. r0+R of y for output columns [n0, n1): two blocks (64 quants) a step, the last odd block
+// on 256-bit vectors. A block's int32 lanes get d_b * s_b in float; Q4_1's m_b * sum(x_b) runs beside.
+template <int R, bool HasMin>
+void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0, int64_t n1,
+                const uint8_t* Q, const uint16_t* S, int64_t qbytes, float* y) {
+  const int64_t nb = K / kBlock;
+  constexpr int fields = HasMin ? 2 : 1;
+  const __m512i nib = _mm512_set1_epi8(15);
+  const __m512i ones = _mm512_set1_epi8(1);
+  // (d0, m0, d1, m1) or (d0, d1) -> d0 over lanes 0-7, d1 over lanes 8-15
+  const __m512i spread = HasMin ? _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0)
+                                : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[R];
+    __m256 tail[R];
+    __m128 macc[R];
+    float mtail[R];
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_setzero_ps(), tail[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps(), mtail[r] = 0.f;
+    const uint8_t* q = Q + n * nb * qbytes;
+    const uint16_t* s = S + n * nb * fields;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      __m512i w;
+      __m128 dm;
+      if (HasMin) {  // 32 bytes = two blocks' nibbles -> lanes (b0 low, b0 high, b1 low, b1 high)
+        __m512i z = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * qbytes)));
+        z = _mm512_shuffle_i64x2(z, z, 0x50);
+        w = _mm512_and_si512(_mm512_mask_srli_epi64(z, 0xCC, z, 4), nib);
+        dm = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + b * 2)));
+      } else {
+        w = _mm512_loadu_si512(q + b * qbytes);
+        uint32_t two;
+        std::memcpy(&two, s + b, 4);
+        dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+      }
+      const __m512 d = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(dm));
+      __m512i offset;
+      if (!HasMin) offset = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w), 15);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * K + b * kBlock, blk = (r0 + r) * nb + b;
+        __m512i t = fixed_dot(w, f.hi.data() + at, f.lo.data() + at, HasMin);
+        if (!HasMin) t = _mm512_sub_epi32(t, offset);
+        const __m512 sc = _mm512_mul_ps(d, _mm512_loadu_ps(f.scale8.data() + blk * 8));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc[r]);
+        if (HasMin) macc[r] = _mm_fmadd_ps(dm, _mm_loadu_ps(f.xsum2.data() + blk * 2), macc[r]);
+      }
+    }
+    if (b < nb) {
+      __m256i w;
+      if (HasMin) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * qbytes));
+        w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+      } else {
+        w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * qbytes));
+      }
+      const float d = half_to_float(s[b * fields]);
+      __m256i offset;
+      if (!HasMin)
+        offset = _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), w), 15);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * K + b * kBlock, blk = (r0 + r) * nb + b;
+        __m256i t = fixed_dot(w, f.hi.data() + at, f.lo.data() + at, HasMin);
+        if (!HasMin) t = _mm256_sub_epi32(t, offset);
+        tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d * f.scale8[blk * 8]), tail[r]);
+        if (HasMin) mtail[r] += half_to_float(s[b * fields + 1]) * f.xsum2[blk * 2 + 1];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      alignas(16) float m4[4];
+      _mm_store_ps(m4, macc[r]);
+      const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+      y[r * N + n] = _mm512_reduce_add_ps(_mm512_castps256_ps512(_mm256_add_ps(t, tail[r]))) + (m4[1] + m4[3]) + mtail[r];
+    }
+  }
+}
+#endif
+
 template <bool HasMin>
 void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, const uint16_t* S,
             int64_t qbytes, float* y) {
   const int64_t nb = K / kBlock;
+  // Output rows per task: enough to amortise scheduling, few enough that both threads get work.
+  const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
+#ifdef RTSERVER_INT_DOTS
+  FixedRows f;
+  to_fixed(x, M, K, !HasMin, f);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      float* yr = y + r0 * N;
+      switch (std::min<int64_t>(4, M - r0)) {
+        case 1: fixed_pass<1, HasMin>(f, r0, K, N, n0, n1, Q, S, qbytes, yr); break;
+        case 2: fixed_pass<2, HasMin>(f, r0, K, N, n0, n1, Q, S, qbytes, yr); break;
+        case 3: fixed_pass<3, HasMin>(f, r0, K, N, n0, n1, Q, S, qbytes, yr); break;
+        default: fixed_pass<4, HasMin>(f, r0, K, N, n0, n1, Q, S, qbytes, yr); break;
+      }
+    }
+  });
+#else
   std::vector<float> xsum(HasMin ? M * nb : 0);  // Q4_1's min term: each block's activation sum
   for (int64_t i = 0; i < (HasMin ? M * nb : 0); ++i) {
     float t = 0.f;
     for (int j = 0; j < kBlock; ++j) t += x[i * kBlock + j];
     xsum[i] = t;
   }
-  // Output rows per task: enough to amortise scheduling, few enough that both threads get work.
-  const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += 4) {
       const float* xr = x + r0 * K;
@@ -159,6 +314,7 @@ void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, c
       }
     }
   });
+#endif
 }
 
 void check_x(const torch::Tensor& x) {
@@ -376,5 +532,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_mm", &q4_1_mm, "x [M, K] float32 @ Q4_1 blocks [N, K].T -> [M, N] float32");
   m.def("q8_0_mm", &q8_0_mm, "x [M, K] float32 @ Q8_0 blocks [N, K].T -> [M, N] float32");
   m.def("decode_attention", &decode_attention, "single-token attention over paged float32 K/V");
+#ifdef RTSERVER_INT_DOTS
+  m.attr("fixed_point_activations") = true;
+#else
+  m.attr("fixed_point_activations") = false;
+#endif
   m.def("decode_layer", &decode_layer, "one decoder layer for single-token rows on quantized blocks");
 }

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -274,45 +275,44 @@ void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0
 }
 #endif
 
-template <bool HasMin>
-void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, const uint16_t* S,
-            int64_t qbytes, float* y) {
-  const int64_t nb = K / kBlock;
-  // Output rows per task: enough to amortise scheduling, few enough that both threads get work.
+// The output columns split over the threads; in each, the rows in passes of up to 4 (a pass keeps its
+// rows' accumulators in registers): pass(std::integral_constant<int, R>, first row, n0, n1).
+template <typename Pass>
+void row_passes(int64_t M, int64_t N, const Pass& pass) {
+  // Output columns per task: enough to amortise scheduling, few enough that every thread gets work.
   const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
-#ifdef RTSERVER_INT_DOTS
-  FixedRows f;
-  to_fixed(x, M, K, !HasMin, f);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += 4) {
-      float* yr = y + r0 * N;
       switch (std::min<int64_t>(4, M - r0)) {
-        case 1: fixed_pass<1, HasMin>(f, r0, K, N, n0, n1, Q, S, qbytes, yr); break;
-        case 2: fixed_pass<2, HasMin>(f, r0, K, N, n0, n1, Q, S, qbytes, yr); break;
-        case 3: fixed_pass<3, HasMin>(f, r0, K, N, n0, n1, Q, S, qbytes, yr); break;
-        default: fixed_pass<4, HasMin>(f, r0, K, N, n0, n1, Q, S, qbytes, yr); break;
+        case 1: pass(std::integral_constant<int, 1>{}, r0, n0, n1); break;
+        case 2: pass(std::integral_constant<int, 2>{}, r0, n0, n1); break;
+        case 3: pass(std::integral_constant<int, 3>{}, r0, n0, n1); break;
+        default: pass(std::integral_constant<int, 4>{}, r0, n0, n1); break;
       }
     }
   });
+}
+
+template <bool HasMin>
+void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, const uint16_t* S,
+            int64_t qbytes, float* y) {
+#ifdef RTSERVER_INT_DOTS
+  FixedRows f;
+  to_fixed(x, M, K, !HasMin, f);
+  row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
+    fixed_pass<decltype(R)::value, HasMin>(f, r0, K, N, n0, n1, Q, S, qbytes, y + r0 * N);
+  });
 #else
+  const int64_t nb = K / kBlock;
   std::vector<float> xsum(HasMin ? M * nb : 0);  // Q4_1's min term: each block's activation sum
   for (int64_t i = 0; i < (HasMin ? M * nb : 0); ++i) {
     float t = 0.f;
     for (int j = 0; j < kBlock; ++j) t += x[i * kBlock + j];
     xsum[i] = t;
   }
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t r0 = 0; r0 < M; r0 += 4) {
-      const float* xr = x + r0 * K;
-      const float* sr = xsum.data() + (HasMin ? r0 * nb : 0);
-      float* yr = y + r0 * N;
-      switch (std::min<int64_t>(4, M - r0)) {
-        case 1: rows_pass<1, HasMin>(xr, sr, K, N, n0, n1, Q, S, qbytes, yr); break;
-        case 2: rows_pass<2, HasMin>(xr, sr, K, N, n0, n1, Q, S, qbytes, yr); break;
-        case 3: rows_pass<3, HasMin>(xr, sr, K, N, n0, n1, Q, S, qbytes, yr); break;
-        default: rows_pass<4, HasMin>(xr, sr, K, N, n0, n1, Q, S, qbytes, yr); break;
-      }
-    }
+  row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
+    rows_pass<decltype(R)::value, HasMin>(x + r0 * K, xsum.data() + (HasMin ? r0 * nb : 0), K, N, n0, n1, Q, S,
+                                          qbytes, y + r0 * N);
   });
 #endif
 }

@@ -4,7 +4,7 @@ pure-torch twin the tests compare it with.
 
 Batch-1 decoding streams every weight once per step, so its speed is the bytes per weight (a Q4_1 block
 is 5 bits a weight against float16's 16) and the instructions per weight. Where the CPU has VNNI the
-kernel rounds each block of 32 activations to 16-bit fixed point and multiplies it with the 8-bit quants
+kernel rounds each block of 32 activations to 16-bit fixed point and multiplies it with the 4- or 8-bit quants
 in integer dot products (`fixed_point_reference` is that rounding in torch); elsewhere it dequantizes each
 block in registers exactly as the GGUF reader does (d * q, then + m, in float32). Either way a quantized
 matmul equals the float32 engine's (which runs the same file's dequantized weights) up to rounding.

@@ -405,7 +405,7 @@ class ModelRunner:
         attach(self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"])
         if self.lm_head.small is not None and self.lm_head.weight is not None:
             # The dense head is F.linear over the (tied) embedding, unpacked: beaten by the kernel at
-            # any step size a probe finds (README, engine speed); then every step's logits use it.
+            # any step size a probe finds (README, Performance); then every step's logits use it.
             self.lm_head.small_rows = head_rows(self.lm_head, kernel, max_rows)
         every_layer = all(
             lin.small is not None for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)

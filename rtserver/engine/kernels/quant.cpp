@@ -141,7 +141,7 @@ void rows_pass(const float* x, const float* xsum, int64_t K, int64_t N, int64_t 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define RTSERVER_INT_DOTS 1
 // Integer dot products (VNNI): each activation block of 32 becomes 16-bit fixed point,
-// x_j ~= s_b * (256 hi_j + lo_j) with s_b = max|x_b| / 32512, and its two 8-bit limbs meet the 8-bit
+// x_j ~= s_b * (256 hi_j + lo_j) with s_b = max|x_b| / 32512, and its two 8-bit limbs meet the 4/8-bit
 // quants in vpdpbusd (64 multiply-adds an instruction, exact in int32) instead of unpacking every quant
 // to float. The only new rounding is the activations' to 16 bits of their block's largest value
 // (relative 1.5e-5; float16 storage would be 4.9e-4); `fixed_point_reference` in quant.py is the same

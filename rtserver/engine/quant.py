@@ -18,6 +18,7 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,15 +78,21 @@ class QuantizedWeight:
             fmt.pop(), torch.cat([w.qs for w in weights]), torch.cat([w.scales for w in weights])
         )
 
+    def quants(self) -> torch.Tensor:
+        """The integer quants, unpacked: [out, in / 32, 32] (Q4_1 0..15 as uint8, Q8_0 int8)."""
+        n, k = self.shape
+        if self.format == "Q8_0":
+            return self.qs.view(torch.int8).view(n, k // BLOCK, BLOCK)
+        b = self.qs.view(n, k // BLOCK, 16)
+        return torch.cat([b & 15, b >> 4], dim=-1)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight, with the GGUF reader's arithmetic."""
         n, k = self.shape
         s = self.scales.float()
+        q = self.quants().float()
         if self.format == "Q8_0":
-            q = self.qs.view(torch.int8).view(n, k // BLOCK, BLOCK).float()
             return (s[..., :1] * q).view(n, k)
-        b = self.qs.view(n, k // BLOCK, 16)
-        q = torch.cat([b & 15, b >> 4], dim=-1).float()
         return (s[..., :1] * q + s[..., 1:2]).view(n, k)
 
 
@@ -154,10 +161,8 @@ def reference_matmul(x: torch.Tensor, w: QuantizedWeight, fixed_point: bool = Fa
     if w.format == "Q8_0":
         return F.linear(xf, w.dequantize().double()).float()
     s = w.scales.double()
-    b = w.qs.view(n, k // BLOCK, 16)
-    q = torch.cat([b & 15, b >> 4], dim=-1).double()
     sums = x.double().view(x.shape[0], k // BLOCK, BLOCK).sum(-1)
-    return (F.linear(xf, (s[..., :1] * q).view(n, k)) + sums @ s[..., 1].T).float()
+    return (F.linear(xf, (s[..., :1] * w.quants().double()).view(n, k)) + sums @ s[..., 1].T).float()
 
 
 # -- the kernel --------------------------------------------------------------------------------------
@@ -251,8 +256,7 @@ def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, QuantizedWeight
     """The largest step size (rows, up to 16) at which the kernel beats the runner's dense path over
     every layer's MLP weights, every smaller size beating it too; 0 if it never does. Every layer, not
     one: a decode step streams all weights from memory, while one layer's stay in cache and would
-    time the arithmetic only. The two are timed in turns and the best of each kept, so load from other
-    processes slows both alike. ~0.5 s at start."""
+    time the arithmetic only. ~0.5 s at start."""
     mlps = []
     for i, layer in enumerate(runner.layers):
         p = f"model.layers.{i}.mlp."
@@ -260,38 +264,52 @@ def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, QuantizedWeight
             return 0
         gate_up = QuantizedWeight.cat([blocks[p + "gate_proj.weight"], blocks[p + "up_proj.weight"]])
         mlps.append((layer, gate_up, blocks[p + "down_proj.weight"]))
+
+    def dense(x: torch.Tensor, h: torch.Tensor) -> None:
+        for layer, _, _ in mlps:
+            layer.gate_up(x), layer.down(h)
+
+    def on_blocks(x: torch.Tensor, h: torch.Tensor) -> None:
+        for _, gate_up, down in mlps:
+            quantized_matmul(kernel, x, gate_up), quantized_matmul(kernel, h, down)
+
     rows = 0
-    with torch.inference_mode():
-        for m in (1, 2, 4, 8, 16):
-            x, h = torch.randn(m, mlps[0][1].shape[1]), torch.randn(m, mlps[0][2].shape[1])
-            best = [float("inf"), float("inf")]
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                for layer, _, _ in mlps:
-                    layer.gate_up(x), layer.down(h)
-                t1 = time.perf_counter()
-                for _, gate_up, down in mlps:
-                    quantized_matmul(kernel, x, gate_up), quantized_matmul(kernel, h, down)
-                t2 = time.perf_counter()
-                best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
-            if best[1] >= 0.9 * best[0]:  # a clear win only: the dense path is exact at any size
-                break
-            rows = m
+    for m in (1, 2, 4, 8, 16):
+        inputs = (torch.randn(m, mlps[0][1].shape[1]), torch.randn(m, mlps[0][2].shape[1]))
+        if not _blocks_win(dense, on_blocks, inputs, repeats):
+            break
+        rows = m
     return rows
+
+
+def _blocks_win(
+    dense: Callable[..., object], on_blocks: Callable[..., object], inputs: tuple, repeats: int
+) -> bool:
+    """Whether `on_blocks(*inputs)` clearly beats `dense(*inputs)` (< 0.9 of its time; a clear win only:
+    the dense path is exact at any size). The two are timed in turns and the best of each kept, so load
+    from other processes slows both alike."""
+    best = [float("inf"), float("inf")]
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dense(*inputs)
+            t1 = time.perf_counter()
+            on_blocks(*inputs)
+            t2 = time.perf_counter()
+            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+    return best[1] < 0.9 * best[0]
 
 
 def head_rows(head: Any, kernel: Any, rows: int, probe_rows: int = 64, repeats: int = 3) -> int:
     """Rows up to which the output head multiplies with its blocks: every row count when the kernel
     beats the dense head (`head.weight`, F.linear) at `probe_rows` (a big step's logits), else `rows`
-    (the linears' limit). Timed in turns, best of each. ~0.1 s at start."""
-    x = torch.randn(probe_rows, head.small.shape[1])
-    best = [float("inf"), float("inf")]
-    with torch.inference_mode():
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            F.linear(x, head.weight)
-            t1 = time.perf_counter()
-            quantized_matmul(kernel, x, head.small)
-            t2 = time.perf_counter()
-            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
-    return 1 << 30 if best[1] < 0.9 * best[0] else rows
+    (the linears' limit). ~0.1 s at start."""
+    inputs = (torch.randn(probe_rows, head.small.shape[1]),)
+
+    def dense(x: torch.Tensor) -> None:
+        F.linear(x, head.weight)
+
+    def on_blocks(x: torch.Tensor) -> None:
+        quantized_matmul(kernel, x, head.small)
+
+    return 1 << 30 if _blocks_win(dense, on_blocks, inputs, repeats) else rows

@@ -85,7 +85,9 @@ def test_fixed_point_reference_keeps_16_bits_of_each_block():
     x = torch.randn(3, 96) * torch.tensor([1e-3, 1.0, 1e3]).repeat_interleave(32)
     got = quant.fixed_point_reference(x)
     step = x.view(3, 3, 32).abs().amax(-1, keepdim=True) / quant.FIXED_POINT_MAX
-    assert ((got - x).view(3, 3, 32).abs() <= step / 2 * (1 + 1e-5)).all()
+    # half a step, plus float32's rounding of q * step itself (a few ulp of x)
+    xb = x.view(3, 3, 32)
+    assert ((got.view(3, 3, 32) - xb).abs() <= step / 2 + xb.abs() * 2**-21).all()
     assert torch.equal(quant.fixed_point_reference(torch.zeros(2, 64)), torch.zeros(2, 64))
 
 

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+import tomllib
+from pathlib import Path
+
 import pytest
 
-from rtserver.config import ConfigError, load_settings, settings_from_mapping
+from rtserver.config import ConfigError, Settings, load_settings, settings_from_mapping
 
 
 def test_repository_config_toml_loads_with_defaults_documented():
     s = load_settings("config.toml", env={})
     assert s.model.model == "embedded" and s.engine.max_running == 64
     assert s.task["chat"]["max_new_tokens"] == 128
+    # every setting is in the file (the README points there for each key), with its default value
+    data = tomllib.loads(Path("config.toml").read_text())
+    defaults = Settings()
+    for section in dataclasses.fields(Settings):
+        value = getattr(defaults, section.name)
+        if not dataclasses.is_dataclass(value):
+            continue  # [task.<name>]: per-task overrides
+        for key in dataclasses.fields(value):
+            assert key.name in data.get(section.name, {}), f"{section.name}.{key.name} is not in config.toml"
+            assert getattr(getattr(s, section.name), key.name) == getattr(value, key.name), key.name
 
 
 def test_environment_overrides_win():

@@ -125,9 +125,9 @@ def test_kernel_refuses_what_it_cannot_multiply(kernel):
 
 def test_decode_attention_reads_the_pool_in_place_like_sdpa(kernel):
     torch.manual_seed(0)
-    slots, kv_heads, d, heads = 300, 3, 64, 9
+    slots, kv_heads, d, heads = 400, 3, 64, 9
     k_pool, v_pool = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
-    lengths = [1, 5, 40, 17]
+    lengths = [1, 5, 40, 17, 16, 333]  # whole vectors of scores and partial ones
     table = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
     for r, n in enumerate(lengths):
         table[r, :n] = torch.randperm(slots - 1)[:n] + 1
@@ -226,13 +226,15 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
             param.data = blocks[name].dequantize()
     cfg = model.config
     results = []
-    for fused in (False, True):
+    # the torch path; fused on the blocks; fused with oneDNN-packed linears (3-row steps above 1 row)
+    for fused in (None, "blocks", "onednn"):
         kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, 4 << 20, 16)
-        runner = ModelRunner(model, kv, 512)
+        runner = ModelRunner(copy.deepcopy(model), kv, 512, release_dense_weights=fused == "onednn")
         if fused:
             runner.use_attention_kernel(kernel)
-            runner.use_quantized_blocks(blocks, kernel, 8)
-            assert runner.fused_decode_rows == 8
+            runner.use_quantized_blocks(blocks, kernel, 8 if fused == "blocks" else 1)
+            assert runner.fused_decode_rows == (8 if fused == "blocks" else 1 << 30)
+            assert (runner.layers[0].qkv.fused_args(3)[0] == "onednn") == (fused == "onednn")
         torch.manual_seed(1)
         seqs = []
         for n in (3, 20, 41):
@@ -259,3 +261,46 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
             theirs = model(torch.tensor([ids])).logits[0, -1:].float()
         torch.testing.assert_close(joined[3:], theirs, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(results[2], results[0], rtol=1e-4, atol=1e-4)
+
+
+def test_packed_head_and_embedding_from_blocks_answer_as_float32(smol, kernel, blocks):
+    """Serving (linears packed): big steps' logits through the oneDNN-packed tied head and lookups in
+    the embedding's blocks, the dense embedding gone; batched greedy tokens equal float32's, and
+    a few columns' logits equal the full logits' columns."""
+    import copy
+
+    tok = smol.tokenizer
+    texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
+    prompts = [chat_prompt(tok, t) for t in texts]
+    cfg = smol.model.config
+    answers = []
+    for packed in (False, True):
+        kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
+        runner = ModelRunner(
+            copy.deepcopy(smol.model) if packed else smol.model, kv, 512, release_dense_weights=packed
+        )
+        if packed:
+            runner.use_attention_kernel(kernel)
+            runner.use_quantized_blocks(blocks, kernel, 1)
+            assert (
+                runner.embed is None and runner.lm_head.onednn is not None and runner.lm_head.weight is None
+            )
+        seqs = []
+        for ids in prompts:
+            seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
+            seq.kv, _ = kv.acquire(ids, len(ids) + 12)
+            seqs.append(seq)
+        logits = runner.forward([StepItem(s, s.kv, 0, ids, "last") for s, ids in zip(seqs, prompts)])
+        out = []
+        for t in range(12):  # 3-row steps: above the blocks' 1 row, so the packed head when its probe says
+            picks = [int(lg[-1].argmax()) for lg in logits]
+            out.append(picks)
+            items = [StepItem(s, s.kv, len(ids) + t, [p], "last") for s, ids, p in zip(seqs, prompts, picks)]
+            logits = runner.forward(items)
+        columns = [tok.convert_tokens_to_ids(w) for w in ("yes", "no", "Paris")]
+        hs = torch.randn(3, cfg.hidden_size)
+        full = runner.lm_head.big(hs)
+        torch.testing.assert_close(runner._column_logits(hs, columns), full[:, columns], rtol=1e-5, atol=1e-4)
+        answers.append(out)
+    assert answers[1] == answers[0]

@@ -138,13 +138,21 @@ class Engine:
             "weights": "float32",
             "small_steps": f"{'/'.join(formats)} blocks of {loaded.gguf_blocks.name}",
             "small_step_max_rows": rows,
-            "output_head": (
-                "blocks at every step size"
-                if self.runner.lm_head.small_rows > rows
-                else f"blocks up to {rows} rows"
+            "output_head": self._head_choice(),
+            "fused_decode_steps": (
+                "every size (oneDNN-packed linears above the blocks' limit)"
+                if self.runner.fused_decode_rows > rows
+                else f"up to {self.runner.fused_decode_rows} rows"
             ),
             "why": "start-up probe: the quantized kernel beat the dense float32 matmul up to that many rows",
         }
+
+    def _head_choice(self) -> str:
+        head = self.runner.lm_head
+        if head.small_rows >= 1 << 30:
+            return "blocks at every step size"
+        above = "oneDNN-packed float32" if head.onednn is not None else "dense float32"
+        return f"blocks up to {head.small_rows} rows, {above} above"
 
     @staticmethod
     def _eos_ids(loaded: LoadedModel) -> set[int]:

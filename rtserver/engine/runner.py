@@ -14,6 +14,7 @@ it needs. Tests keep this equal to transformers' own forward.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from .kv import KVCacheManager, KVHandle
 from .plan import StepItem
 from .quant import QuantizedWeight, head_rows, quantized_matmul
 from .sequence import Sequence
+
+log = logging.getLogger("rtserver.runner")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -101,10 +104,22 @@ class Linear:
             raise ValueError(f"blocks of shape {blocks.shape} do not fit {self.out_features} output rows")
         self.small, self.kernel, self.small_rows = blocks, kernel, max_rows
 
+    def fused_args(self, rows: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """The weight as the kernel's decode_layer takes it for a step of `rows` rows: the blocks where
+        `__call__` would use them, else the oneDNN-packed weight (see use_quantized_blocks)."""
+        if self.small is not None and rows <= self.small_rows:
+            return self.small.args
+        assert self.onednn is not None
+        return "onednn", self.onednn, _NO_TENSOR
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= self.small_rows:
             y = quantized_matmul(self.kernel, x.float().contiguous(), self.small)
             return (y if self.bias is None else y + self.bias).to(x.dtype)
+        return self.big(x)
+
+    def big(self, x: torch.Tensor) -> torch.Tensor:
+        """The path of steps too big for the blocks."""
         if self.storage == "float16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.packed is not None:
@@ -114,6 +129,9 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         assert self.weight is not None  # dense storage keeps its weight until pack_onednn replaces it
         return F.linear(x, self.weight, self.bias)
+
+
+_NO_TENSOR = torch.empty(0)
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -304,7 +322,8 @@ class ModelRunner:
         self.scale = self.head_dim**-0.5
         # The decoder stack (LlamaModel / Qwen2Model): its submodules are read by their transformers names.
         inner: Any = model.model
-        self.embed = inner.embed_tokens.weight
+        self.embed: torch.Tensor | None = inner.embed_tokens.weight
+        self.embed_blocks: QuantizedWeight | None = None  # lookups in the file's blocks (_pack_tied_head)
         self.norm = inner.norm.weight
         ws = weight_storage
         self.weight_storage = ws
@@ -404,15 +423,43 @@ class ModelRunner:
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         attach(self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"])
         if self.lm_head.small is not None and self.lm_head.weight is not None:
-            # The dense head is F.linear over the (tied) embedding, unpacked: beaten by the kernel at
-            # any step size a probe finds (README, Performance); then every step's logits use it.
-            self.lm_head.small_rows = head_rows(self.lm_head, kernel, max_rows)
+            if tied and self.layers[0].qkv.onednn is not None:
+                self._pack_tied_head(blocks["model.embed_tokens.weight"])
+            # A start-up probe: the kernel up to the step size where the head's big path wins
+            # (README, Performance).
+            self.lm_head.small_rows = head_rows(self.lm_head, kernel)
         every_layer = all(
             lin.small is not None for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)
         )
         if every_layer and self.attention_kernel is not None and self.dtype == torch.float32:
-            self.fused_decode_rows = max_rows
+            # Bigger decode steps run fused too where every linear also has its oneDNN-packed weight
+            # (release_dense_weights): the layer's ~35 small torch ops cost a 32-row step ~20 ms.
+            packed = all(
+                lin.onednn is not None for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)
+            )
+            self.fused_decode_rows = 1 << 30 if packed else max_rows
         return used
+
+    def _pack_tied_head(self, embedding: QuantizedWeight) -> None:
+        """Serving with packed linears: big steps' logits through a oneDNN-packed copy of the tied
+        embedding (a 32-row step's head: ~10 ms against ~24 for F.linear over the dense weight), and the
+        dense embedding dropped for lookups in its blocks (their dequantized rows are the dense rows
+        exactly: checked here, else nothing changes), so memory holds one float32 copy, as before."""
+        dense = self.embed
+        assert dense is not None and dense is self.lm_head.weight
+        for start in range(0, self.vocab_size, 4096):
+            index = torch.arange(start, min(start + 4096, self.vocab_size))
+            if not torch.equal(embedding.rows(index), dense[index]):
+                log.warning("the embedding's blocks do not dequantize to its dense rows: head left dense")
+                return
+        if self.lm_head.pack_onednn():
+            self.embed, self.embed_blocks = None, embedding
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is None:
+            assert self.embed_blocks is not None
+            return self.embed_blocks.rows(ids).to(self.dtype)
+        return self.embed[ids]
 
     # -- pieces -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -553,7 +600,7 @@ class ModelRunner:
                     it.last_hidden = []
                     lasts.append((it.last_hidden, end - 1))
 
-        x = self.embed[lay.ids]
+        x = self._embed(lay.ids)
         for li in range(len(self.layers)):
             new = join(li) if join is not None and li > 0 else None
             if new:
@@ -575,9 +622,11 @@ class ModelRunner:
     def _catch_up(self, items: list[StepItem], layers: int) -> torch.Tensor:
         """The residual stream of items joining a step before layer `layers`: the layers before it."""
         lay = self._layout(items, fused=False)
-        x = self.embed[lay.ids]
+        x = self._embed(lay.ids)
         for li in range(layers):
-            x = self._layer(li, lay, x, [], [])
+            out = self._layer(li, lay, x, [], [])
+            assert out is not None  # not past the last layer: every row goes on
+            x = out
         return x
 
     def _layer(
@@ -644,16 +693,16 @@ class ModelRunner:
     def _fused_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
         """Decoder layer `li` of a fused decode step: one call of the kernel's `decode_layer`."""
         L = self.layers[li]
-        assert L.qkv.small and L.o.small and L.gate_up.small and L.down.small  # see use_quantized_blocks
+        rows = x.shape[0]
         return self.attention_kernel.decode_layer(
             x,
             L.ln1,
-            *L.qkv.small.args,
+            *L.qkv.fused_args(rows),
             L.qkv.bias,
-            *L.o.small.args,
+            *L.o.fused_args(rows),
             L.ln2,
-            *L.gate_up.small.args,
-            *L.down.small.args,
+            *L.gate_up.fused_args(rows),
+            *L.down.fused_args(rows),
             lay.cos,
             lay.sin,
             self.kv.k[li],
@@ -699,9 +748,13 @@ class ModelRunner:
 
     def _column_logits(self, hs: torch.Tensor, columns: list[int]) -> torch.Tensor:
         """Logits of a few vocabulary entries: those rows of the output head, not the whole matmul."""
-        if self.lm_head.weight is None:  # int8: its rounding depends on the whole batch, so run it all
+        if self.lm_head.packed is not None:  # int8: its rounding depends on the whole batch, so run it all
             return self.lm_head(hs).float()[:, columns]
-        return F.linear(hs, self.lm_head.weight[columns]).float()
+        index = torch.tensor(columns)
+        if self.lm_head.weight is None:  # packed for big steps: the rows from its blocks, the same values
+            assert self.lm_head.small is not None
+            return F.linear(hs.float(), self.lm_head.small.rows(index))
+        return F.linear(hs, self.lm_head.weight[index]).float()
 
     # -- label scoring ------------------------------------------------------------------------
     def score_labels(self, done: list[tuple[Sequence, torch.Tensor]]) -> None:

@@ -461,6 +461,34 @@ float exp_shifted(float* p, int64_t n) {
 #endif
 }
 
+// h[r, i] = silu(gu[r, i]) * gu[r, I + i] for gu [R, 2I] (gate and up side by side), as torch computes
+// silu (x / (1 + exp(-x)), Sleef's exp): a scalar expf per element cost a 32-row step ~7 ms.
+void silu_mul(const float* GU, int64_t R, int64_t I, float* Hh) {
+  at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *g = GU + r * 2 * I, *u = g + I;
+      float* h = Hh + r * I;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+      for (; i + 16 <= I; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(zero, x));
+        _mm512_storeu_ps(h + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+      }
+#elif defined(__AVX2__)
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= I; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(zero, x));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) h[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+}
+
 // Attention of single-token queries over contexts read in place from a paged pool. q [R, H, D] rows,
 // pools [slots, KV, D], row r's context is slots[r, :lengths[r]] (checked by the caller). One task per
 // (row, KV head) computes the H / KV query heads that share that K/V, so each K/V row is read once.
@@ -519,8 +547,7 @@ void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, int64
 
 void rms_norm(const float* x, const float* w, int64_t M, int64_t K, float eps, float* y) {
   for (int64_t r = 0; r < M; ++r) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < K; ++i) ss += x[r * K + i] * x[r * K + i];
+    const float ss = dot(x + r * K, x + r * K, K);
     const float inv = 1.f / std::sqrt(ss / K + eps);
     for (int64_t i = 0; i < K; ++i) y[r * K + i] = w[i] * (x[r * K + i] * inv);
   }
@@ -610,11 +637,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, std::string qkv_f
   for (int64_t i = 0; i < R * E; ++i) X[i] += P[i];
   rms_norm(X, ln2.data_ptr<float>(), R, E, eps, Hh);
   linear(Hh, R, E, gu_format, gu_qs, gu_scales, GU);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = GU[r * I2 + i];
-      Hh[r * I + i] = g / (1.f + std::exp(-g)) * GU[r * I2 + I + i];
-    }
+  silu_mul(GU, R, I, Hh);
   linear(Hh, R, I, down_format, down_qs, down_scales, P);
   for (int64_t i = 0; i < R * E; ++i) X[i] += P[i];
   return out;

@@ -81,6 +81,31 @@ def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kernel, fmt):
             assert ((got - want).abs() <= bound + 1e-4 * want.abs() + 1e-3).all()
 
 
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_interleaved_blocks_equal_the_fixed_point_reference(kernel, fmt):
+    """Big steps' layout (16 columns a register): row counts 1..17 cross its 8-row passes, widths one
+    block to many; held to the same fixed-point arithmetic as the per-column layout, and refused
+    where the CPU has no integer dot products (the runner never interleaves there)."""
+    w = random_blocks(fmt, 48, 96, seed=3)
+    packed = quant.interleave(w)
+    assert packed is not None and packed.format == fmt + "x16"
+    assert quant.interleave(random_blocks(fmt, 40, 64, seed=1)) is None  # rows not a multiple of 16
+    if not kernel.fixed_point_activations:
+        with pytest.raises(RuntimeError, match="VNNI"):
+            quant.quantized_matmul(kernel, torch.randn(2, 96), packed)
+        return
+    for k in (32, 96, 1536):
+        w = random_blocks(fmt, 48, k, seed=k)
+        packed = quant.interleave(w)
+        for m in (1, 2, 7, 8, 9, 17):
+            x = torch.randn(m, k) * torch.rand(m, k) * 4
+            x[0, :32] = 0.0
+            got = quant.quantized_matmul(kernel, x, packed)
+            torch.testing.assert_close(got, quant.reference_matmul(x, w, True), rtol=1e-5, atol=2e-4)
+    with pytest.raises(RuntimeError, match="matching x's width"):
+        quant.quantized_matmul(kernel, torch.randn(2, 64), packed)
+
+
 def test_fixed_point_reference_keeps_16_bits_of_each_block():
     x = torch.randn(3, 96) * torch.tensor([1e-3, 1.0, 1e3]).repeat_interleave(32)
     got = quant.fixed_point_reference(x)
@@ -98,6 +123,9 @@ def test_kernel_on_the_real_weights(kernel, blocks):
         got = quant.quantized_matmul(kernel, x, blocks[name])
         want = quant.reference_matmul(x, blocks[name], fixed)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        if fixed:
+            got = quant.quantized_matmul(kernel, x, quant.interleave(blocks[name]))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_kernel_runs_on_torchs_openmp_threads_without_a_second_runtime(kernel):
@@ -264,11 +292,16 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
     torch.testing.assert_close(results[2], results[0], rtol=1e-4, atol=1e-4)
 
 
-def test_packed_head_and_embedding_from_blocks_answer_as_float32(smol, kernel, blocks):
-    """Serving (linears packed): big steps' logits through the oneDNN-packed tied head and lookups in
-    the embedding's blocks, the dense embedding gone; batched greedy tokens equal float32's, and
-    a few columns' logits equal the full logits' columns."""
+@pytest.mark.parametrize("route", ["onednn", "interleaved"])
+def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, blocks, route):
+    """Serving (release_dense_weights after the blocks): big steps on oneDNN-packed linears and head,
+    or on the interleaved blocks (VNNI CPUs) with no dense linear left; lookups in the embedding's
+    blocks, the dense embedding gone. Batched greedy tokens equal float32's, and a few columns' logits
+    equal the full logits' columns."""
     import copy
+
+    if route == "interleaved" and not kernel.fixed_point_activations:
+        pytest.skip("no integer dot products on this CPU: the runner never interleaves here")
 
     tok = smol.tokenizer
     texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
@@ -277,15 +310,19 @@ def test_packed_head_and_embedding_from_blocks_answer_as_float32(smol, kernel, b
     answers = []
     for packed in (False, True):
         kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
-        runner = ModelRunner(
-            copy.deepcopy(smol.model) if packed else smol.model, kv, 512, release_dense_weights=packed
-        )
+        runner = ModelRunner(copy.deepcopy(smol.model) if packed else smol.model, kv, 512)
         if packed:
             runner.use_attention_kernel(kernel)
+            if route == "interleaved":
+                assert runner.use_interleaved(blocks, kernel) == 4 * cfg.num_hidden_layers + 1
             runner.use_quantized_blocks(blocks, kernel, 1)
-            assert (
-                runner.embed is None and runner.lm_head.onednn is not None and runner.lm_head.weight is None
-            )
+            runner.release_dense_weights()
+            assert runner.embed is None and runner.lm_head.weight is None
+            head, qkv = runner.lm_head, runner.layers[0].qkv
+            if route == "onednn":
+                assert head.onednn is not None and qkv.onednn is not None
+            else:
+                assert head.interleaved is not None and qkv.weight is None and qkv.onednn is None
         seqs = []
         for ids in prompts:
             seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())

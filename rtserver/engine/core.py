@@ -90,19 +90,25 @@ class Engine:
             opts.kv_budget_mb << 20,
             opts.kv_block_tokens,
         )
+        gguf = loaded.gguf_blocks is not None
         self.runner = ModelRunner(
             loaded.model,
             self.kv,
             opts.max_sequence_tokens,
             weight_storage=loaded.weight_storage,
-            release_dense_weights=release_dense_weights,
+            # dtype gguf: after the blocks are attached (interleaved ones need no dense copy at all)
+            release_dense_weights=release_dense_weights and not gguf,
         )
-        if release_dense_weights:
-            return_freed_memory()
         # What each linear computes with, and why (shown in /health).
         self.kernels: dict[str, Any] = {"weights": loaded.dtype_name}
-        if loaded.gguf_blocks is not None:
+        if gguf:
             self.kernels = self._use_gguf_blocks(loaded)
+            if release_dense_weights:
+                self.runner.release_dense_weights()
+            if "small_steps" in self.kernels:
+                self.kernels.update(self._big_step_choice())
+        if release_dense_weights:
+            return_freed_memory()
         self.scheduler = Scheduler(
             self.runner,
             self.kv,
@@ -127,32 +133,41 @@ class Engine:
         blocks = read_gguf_weights(
             loaded.gguf_blocks, cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads
         )
+        interleaved = self.runner.use_interleaved(blocks, kernel)  # before the probe: its rival
+        formats = sorted({b.format for b in blocks.values()})
+        big = (
+            f"{'/'.join(formats)} blocks interleaved by 16 columns, integer dots ({interleaved} linears)"
+            if interleaved
+            else "float32 (oneDNN-packed when serving)"
+        )
         rows = probe_small_rows(self.runner, kernel, blocks)
         if rows == 0:
-            why = "the start-up probe found the quantized kernel slower at every step size"
-            return {"weights": "float32", "why": why}
+            why = "the start-up probe found the small-step kernel slower than the big-step path at every size"
+            return {"weights": "float32", "big_steps": big, "why": why}
         used = self.runner.use_quantized_blocks(blocks, kernel, rows)
-        formats = sorted({b.format for b in blocks.values()})
         log.info("steps of <= %d rows use the GGUF blocks (%s, %d linears)", rows, ", ".join(formats), used)
         return {
             "weights": "float32",
             "small_steps": f"{'/'.join(formats)} blocks of {loaded.gguf_blocks.name}",
             "small_step_max_rows": rows,
-            "output_head": self._head_choice(),
-            "fused_decode_steps": (
-                "every size (oneDNN-packed linears above the blocks' limit)"
-                if self.runner.fused_decode_rows > rows
-                else f"up to {self.runner.fused_decode_rows} rows"
-            ),
-            "why": "start-up probe: the quantized kernel beat the dense float32 matmul up to that many rows",
+            "big_steps": big,
+            "why": "start-up probe: the small-step kernel beat the big-step path up to that many rows",
         }
 
-    def _head_choice(self) -> str:
-        head = self.runner.lm_head
+    def _big_step_choice(self) -> dict[str, str]:
+        """The output head's and the fused decode layers' limits, as chosen once the weights are final."""
+        runner = self.runner
+        head = runner.lm_head
         if head.small_rows >= 1 << 30:
-            return "blocks at every step size"
-        above = "oneDNN-packed float32" if head.onednn is not None else "dense float32"
-        return f"blocks up to {head.small_rows} rows, {above} above"
+            where = "blocks at every step size"
+        else:
+            above = "interleaved blocks" if head.interleaved is not None else "float32"
+            where = f"blocks up to {head.small_rows} rows, {above} above"
+        fused = runner.fused_decode_rows
+        return {
+            "output_head": where,
+            "fused_decode_steps": "every size" if fused >= 1 << 30 else f"up to {fused} rows",
+        }
 
     @staticmethod
     def _eos_ids(loaded: LoadedModel) -> set[int]:

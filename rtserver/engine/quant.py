@@ -101,6 +101,39 @@ class QuantizedWeight:
         return (s[..., :1] * q + s[..., 1:2]).view(n, k)
 
 
+@dataclass
+class InterleavedWeight:
+    """A weight's blocks re-laid for big steps where the kernel has integer dot products: the quants of
+    16 output columns side by side, 4 at a time (one vpdpbusd advances all 16), as unsigned bytes
+    (Q8_0's carry +128), and the scales as float32 per 16 columns. `interleave` makes it."""
+
+    format: str  # "Q4_1x16" | "Q8_0x16"
+    qs: torch.Tensor  # uint8 [out, in]: [out / 16, in / 32, 8, 16, 4] in memory
+    scales: torch.Tensor  # float32 [out / 16, in / 32, fields, 16]
+
+    @property
+    def args(self) -> tuple[str, torch.Tensor, torch.Tensor]:
+        return self.format, self.qs, self.scales
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() + self.scales.numel() * 4
+
+
+def interleave(w: QuantizedWeight) -> InterleavedWeight | None:
+    """`w` laid out for the kernel's interleaved_mm; None when its rows are not a multiple of 16."""
+    n, k = w.shape
+    if n % 16:
+        return None
+    q = w.quants()
+    if w.format == "Q8_0":
+        q = (q.to(torch.int16) + 128).to(torch.uint8)
+    nb, fields = k // BLOCK, FORMATS[w.format][1]
+    qs = q.reshape(n // 16, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(n, k).contiguous()
+    scales = w.scales.float().reshape(n // 16, 16, nb, fields).permute(0, 2, 3, 1).contiguous()
+    return InterleavedWeight(w.format + "x16", qs, scales)
+
+
 def read_gguf_weights(
     path: Path, model_type: str, n_heads: int, n_kv_heads: int
 ) -> dict[str, QuantizedWeight]:
@@ -250,15 +283,17 @@ def kernel_error() -> str | None:
     return _kernel_error
 
 
-def quantized_matmul(kernel: Any, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+def quantized_matmul(kernel: Any, x: torch.Tensor, w: QuantizedWeight | InterleavedWeight) -> torch.Tensor:
     """x [M, K] float32 @ W.T → [M, N] float32 through the kernel."""
+    if isinstance(w, InterleavedWeight):
+        return kernel.interleaved_mm(x, *w.args)
     if w.format == "Q4_1":
         return kernel.q4_1_mm(x, w.qs, w.scales)
     return kernel.q8_0_mm(x, w.qs, w.scales)
 
 
 def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, QuantizedWeight], repeats: int = 3) -> int:
-    """The largest step size (rows, up to 16) at which the kernel beats the runner's dense path over
+    """The largest step size (rows, up to 16) at which the kernel beats the runner's big-step path over
     every layer's MLP weights, every smaller size beating it too; 0 if it never does. Every layer, not
     one: a decode step streams all weights from memory, while one layer's stay in cache and would
     time the arithmetic only. ~0.5 s at start."""

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .backend import SamplingParams
 from .kv import KVCacheManager, KVHandle
 from .plan import StepItem
-from .quant import QuantizedWeight, head_rows, quantized_matmul
+from .quant import InterleavedWeight, QuantizedWeight, head_rows, interleave, quantized_matmul
 from .sequence import Sequence
 
 log = logging.getLogger("rtserver.runner")
@@ -61,6 +61,9 @@ class Linear:
     small: QuantizedWeight | None = None
     small_rows = 0
     kernel: Any = None
+    # The blocks re-laid for big steps (quant.interleave), where the kernel has integer dot products:
+    # then the dense weight is not needed at all (release_dense_weights drops it).
+    interleaved: InterleavedWeight | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str | None = None):
         self.out_features = weight.shape[0]
@@ -99,6 +102,21 @@ class Linear:
         self.onednn, self.weight = packed, None
         return True
 
+    def use_interleaved(self, weight: InterleavedWeight, kernel: Any) -> None:
+        if weight.qs.shape[0] != self.out_features:
+            raise ValueError(
+                f"an interleaved weight of {weight.qs.shape[0]} rows does not fit {self.out_features}"
+            )
+        self.interleaved, self.kernel = weight, kernel
+
+    def release(self) -> None:
+        """Serving: drop the dense weight where the interleaved blocks take every big step, else pack it
+        for oneDNN."""
+        if self.interleaved is not None:
+            self.weight = None
+        else:
+            self.pack_onednn()
+
     def use_blocks(self, blocks: QuantizedWeight, kernel: Any, max_rows: int) -> None:
         if blocks.shape != (self.out_features, blocks.shape[1]):
             raise ValueError(f"blocks of shape {blocks.shape} do not fit {self.out_features} output rows")
@@ -109,6 +127,8 @@ class Linear:
         `__call__` would use them, else the oneDNN-packed weight (see use_quantized_blocks)."""
         if self.small is not None and rows <= self.small_rows:
             return self.small.args
+        if self.interleaved is not None:
+            return self.interleaved.args
         assert self.onednn is not None
         return "onednn", self.onednn, _NO_TENSOR
 
@@ -120,6 +140,9 @@ class Linear:
 
     def big(self, x: torch.Tensor) -> torch.Tensor:
         """The path of steps too big for the blocks."""
+        if self.interleaved is not None:
+            y = self.kernel.interleaved_mm(x.float().contiguous(), *self.interleaved.args)
+            return (y if self.bias is None else y + self.bias).to(x.dtype)
         if self.storage == "float16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.packed is not None:
@@ -323,7 +346,7 @@ class ModelRunner:
         # The decoder stack (LlamaModel / Qwen2Model): its submodules are read by their transformers names.
         inner: Any = model.model
         self.embed: torch.Tensor | None = inner.embed_tokens.weight
-        self.embed_blocks: QuantizedWeight | None = None  # lookups in the file's blocks (_pack_tied_head)
+        self.embed_blocks: QuantizedWeight | None = None  # lookups in the head's blocks (_release_tied_head)
         self.norm = inner.norm.weight
         ws = weight_storage
         self.weight_storage = ws
@@ -389,8 +412,10 @@ class ModelRunner:
             # output head), so dropping the modules' parameters frees only what was packed.
             for L, layer in zip(self.layers, self.model.model.layers):
                 for lin in (L.qkv, L.o, L.gate_up, L.down):
-                    lin.pack_onednn()
+                    lin.release()
                 _drop_parameters(layer)
+            self._release_tied_head()
+            self._choose_fused_rows()
         else:
             return
         _drop_parameters(self.model)
@@ -402,58 +427,77 @@ class ModelRunner:
         self.attention_kernel = kernel
         return True
 
-    def use_quantized_blocks(self, blocks: dict[str, QuantizedWeight], kernel: Any, max_rows: int) -> int:
-        """Give every linear whose weight the file ships in quantized blocks (`quant.read_gguf_weights`)
-        the kernel path for steps of at most `max_rows` rows; returns how many linears got it. The dense
-        weights stay for bigger steps."""
+    def use_interleaved(self, blocks: dict[str, QuantizedWeight], kernel: Any) -> int:
+        """Big steps on the blocks re-laid by quant.interleave, for every linear (and the output head)
+        the file ships in blocks, where the kernel has integer dot products (`fixed_point_activations`);
+        returns how many got them. With `release_dense_weights` afterwards, no dense copy is kept."""
+        if not getattr(kernel, "fixed_point_activations", False):
+            return 0
         used = 0
-
-        def attach(lin: Linear, names: list[str]) -> None:
-            nonlocal used
-            if all(n in blocks for n in names):
-                lin.use_blocks(QuantizedWeight.cat([blocks[n] for n in names]), kernel, max_rows)
+        for lin, names in self._block_names(blocks):
+            weight = interleave(QuantizedWeight.cat([blocks[n] for n in names]))
+            if weight is not None:
+                lin.use_interleaved(weight, kernel)
                 used += 1
-
-        for i, L in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attach(L.qkv, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
-            attach(L.o, [p + "self_attn.o_proj.weight"])
-            attach(L.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-            attach(L.down, [p + "mlp.down_proj.weight"])
-        tied = getattr(self.model.config, "tie_word_embeddings", False)
-        attach(self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"])
-        if self.lm_head.small is not None and self.lm_head.weight is not None:
-            if tied and self.layers[0].qkv.onednn is not None:
-                self._pack_tied_head(blocks["model.embed_tokens.weight"])
-            # A start-up probe: the kernel up to the step size where the head's big path wins
-            # (README, Performance).
-            self.lm_head.small_rows = head_rows(self.lm_head, kernel)
-        every_layer = all(
-            lin.small is not None for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)
-        )
-        if every_layer and self.attention_kernel is not None and self.dtype == torch.float32:
-            # Bigger decode steps run fused too where every linear also has its oneDNN-packed weight
-            # (release_dense_weights): the layer's ~35 small torch ops cost a 32-row step ~20 ms.
-            packed = all(
-                lin.onednn is not None for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)
-            )
-            self.fused_decode_rows = 1 << 30 if packed else max_rows
         return used
 
-    def _pack_tied_head(self, embedding: QuantizedWeight) -> None:
-        """Serving with packed linears: big steps' logits through a oneDNN-packed copy of the tied
-        embedding (a 32-row step's head: ~10 ms against ~24 for F.linear over the dense weight), and the
-        dense embedding dropped for lookups in its blocks (their dequantized rows are the dense rows
-        exactly: checked here, else nothing changes), so memory holds one float32 copy, as before."""
-        dense = self.embed
-        assert dense is not None and dense is self.lm_head.weight
+    def _block_names(self, blocks: dict[str, QuantizedWeight]) -> list[tuple[Linear, list[str]]]:
+        """Each linear whose weight the file ships in blocks, with the blocks' names (q/k/v fused)."""
+        out = []
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            out.append((L.qkv, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]))
+            out.append((L.o, [p + "self_attn.o_proj.weight"]))
+            out.append((L.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
+            out.append((L.down, [p + "mlp.down_proj.weight"]))
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        out.append((self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]))
+        return [(lin, names) for lin, names in out if all(n in blocks for n in names)]
+
+    def use_quantized_blocks(self, blocks: dict[str, QuantizedWeight], kernel: Any, max_rows: int) -> int:
+        """Give every linear whose weight the file ships in quantized blocks (`quant.read_gguf_weights`)
+        the kernel path for steps of at most `max_rows` rows; returns how many linears got it. Bigger
+        steps keep the dense (or interleaved, see use_interleaved) weights."""
+        attached = self._block_names(blocks)
+        for lin, names in attached:
+            lin.use_blocks(QuantizedWeight.cat([blocks[n] for n in names]), kernel, max_rows)
+        if self.lm_head.small is not None:
+            # A start-up probe: the kernel up to the step size where the head's big path wins
+            # (README, Performance); again once release_dense_weights has packed it.
+            self.lm_head.small_rows = head_rows(self.lm_head, kernel)
+        self._choose_fused_rows()
+        return len(attached)
+
+    def _choose_fused_rows(self) -> None:
+        """Decode steps run fused (the kernel's decode_layer) where every linear has its blocks: up to
+        the blocks' limit, and at every size where every linear also has a big-step weight the kernel
+        can take (interleaved blocks, or oneDNN-packed after release_dense_weights): a layer's ~35 small
+        torch ops cost a 32-row step ~20 ms."""
+        linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
+        if not all(lin.small is not None for lin in linears):
+            return
+        if self.attention_kernel is None or self.dtype != torch.float32:
+            return
+        big = all(lin.interleaved is not None or lin.onednn is not None for lin in linears)
+        self.fused_decode_rows = 1 << 30 if big else min(lin.small_rows for lin in linears)
+
+    def _release_tied_head(self) -> None:
+        """Serving: the tied head's big steps on its interleaved blocks, or else a oneDNN-packed copy of
+        the embedding (a 32-row step's head: ~10 ms against ~24 for F.linear over the dense weight), and
+        the dense embedding dropped for lookups in the head's blocks (their dequantized rows are the
+        dense rows exactly: checked here, else nothing changes)."""
+        head, dense = self.lm_head, self.embed
+        if head.small is None or dense is None or dense is not head.weight:
+            return  # no blocks, or not tied
         for start in range(0, self.vocab_size, 4096):
             index = torch.arange(start, min(start + 4096, self.vocab_size))
-            if not torch.equal(embedding.rows(index), dense[index]):
+            if not torch.equal(head.small.rows(index), dense[index]):
                 log.warning("the embedding's blocks do not dequantize to its dense rows: head left dense")
                 return
-        if self.lm_head.pack_onednn():
-            self.embed, self.embed_blocks = None, embedding
+        head.release()
+        if head.weight is None:
+            self.embed, self.embed_blocks = None, head.small
+            head.small_rows = head_rows(head, head.kernel)  # against its new big-step path
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:

@@ -274,6 +274,118 @@ void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0
     }
   }
 }
+
+// Big steps (many rows: compute-bound) on weights interleaved by 16 output columns ("Q4_1x16",
+// "Q8_0x16", packed once by quant.interleave): a register holds 4 quants of 16 columns, so one
+// vpdpbusd against a row's 4 broadcast limbs advances 16 outputs, and a block's scale is applied once
+// per 16 columns (the layout above computes one column at a time and loses to oneDNN's float32 GEMM
+// past a few rows). Same arithmetic as fixed_pass: the activations' 16-bit fixed point (limbs signed
+// here), exact int32 block sums, d_b * s_b in float; Q8_0's quants carry +128 as unsigned bytes and
+// 128 * sum(a_b) is taken off. Weight bytes [N/16, nb, 8, 16, 4]; scales float32 [N/16, nb, fields, 16].
+struct FixedBlocks {
+  std::vector<int8_t> hi, lo;     // [M, K] the limbs: a = 256 hi + lo
+  std::vector<float> step, sumx;  // [M, nb] s_b and sum(x_b) (Q4_1's min term)
+  std::vector<int32_t> corr;      // [M, nb] 128 * sum(a_b) (Q8_0's +128)
+};
+
+void to_fixed_blocks(const float* x, int64_t M, int64_t K, FixedBlocks& f) {
+  const int64_t nb = K / kBlock;
+  f.hi.resize(M * K), f.lo.resize(M * K), f.step.resize(M * nb), f.sumx.resize(M * nb), f.corr.resize(M * nb);
+  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xb = x + i * kBlock;
+      float amax = 0.f, sum = 0.f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j])), sum += xb[j];
+      const float inv = amax > 0.f ? kFixed / amax : 0.f;
+      int32_t total = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        int v = static_cast<int>(std::nearbyint(xb[j] * inv));
+        v = std::min(32512, std::max(-32512, v));
+        const int hi = (v + 128) >> 8;  // floor: lo = v - 256 hi lands in [-128, 127]
+        f.hi[i * kBlock + j] = static_cast<int8_t>(hi);
+        f.lo[i * kBlock + j] = static_cast<int8_t>(v - 256 * hi);
+        total += v;
+      }
+      f.step[i] = amax / kFixed, f.sumx[i] = sum, f.corr[i] = 128 * total;
+    }
+  });
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Rows r0.. r0+R of y for the 16 output columns of group c. The R rows' int32 sums of a block run
+// side by side (independent chains: vpdpbusd's latency hidden), the float outputs stay in registers.
+template <int R, bool HasMin>
+void column_group(const FixedBlocks& f, int64_t r0, int64_t K, int64_t N, int64_t c, const uint8_t* W,
+                  const float* S, float* y) {
+  const int64_t nb = K / kBlock;
+  constexpr int fields = HasMin ? 2 : 1;
+  __m512 out[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = W + (c * nb + b) * 512;
+    __m512i w[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(wb + 64 * j);
+    const int8_t* h = f.hi.data() + r0 * K + b * kBlock;
+    const int8_t* l = f.lo.data() + r0 * K + b * kBlock;
+    __m512i acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], w[j], broadcast4(h + r * K + 4 * j));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_slli_epi32(acc[r], 8);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], w[j], broadcast4(l + r * K + 4 * j));
+    const float* sb = S + (c * nb + b) * fields * 16;
+    const __m512 d = _mm512_loadu_ps(sb);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t blk = (r0 + r) * nb + b;
+      if (!HasMin) acc[r] = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(f.corr[blk]));
+      out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, _mm512_set1_ps(f.step[blk])), out[r]);
+    }
+    if (HasMin) {
+      const __m512 m = _mm512_loadu_ps(sb + 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(f.sumx[(r0 + r) * nb + b]), out[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + c * 16, out[r]);
+}
+
+template <bool HasMin>
+void interleaved_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* W, const float* S, float* y) {
+  FixedBlocks f;
+  to_fixed_blocks(x, M, K, f);
+  constexpr int kRows = 8;  // 8 rows x (sums + outputs) + the block's 8 weight registers fit 32 zmm
+  at::parallel_for(0, N / 16, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+        switch (std::min<int64_t>(kRows, M - r0)) {
+          case 1: column_group<1, HasMin>(f, r0, K, N, c, W, S, y); break;
+          case 2: column_group<2, HasMin>(f, r0, K, N, c, W, S, y); break;
+          case 3: column_group<3, HasMin>(f, r0, K, N, c, W, S, y); break;
+          case 4: column_group<4, HasMin>(f, r0, K, N, c, W, S, y); break;
+          case 5: column_group<5, HasMin>(f, r0, K, N, c, W, S, y); break;
+          case 6: column_group<6, HasMin>(f, r0, K, N, c, W, S, y); break;
+          case 7: column_group<7, HasMin>(f, r0, K, N, c, W, S, y); break;
+          default: column_group<8, HasMin>(f, r0, K, N, c, W, S, y); break;
+        }
+      }
+  });
+}
 #endif
 
 // The output columns split over the threads; in each, the rows in passes of up to 4 (a pass keeps its
@@ -350,12 +462,43 @@ void block_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
     matmul<false>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 32, y);
 }
 
+bool is_interleaved(const std::string& format) { return format == "Q4_1x16" || format == "Q8_0x16"; }
+
+// An interleaved weight (see interleaved_matmul) for inputs of width K: bytes [N, K] (one a quant, in
+// the interleaved order), scales float32 [N/16, K/32, fields, 16].
+void check_interleaved(const std::string& format, const torch::Tensor& w, const torch::Tensor& scales, int64_t K) {
+#ifndef RTSERVER_INT_DOTS
+  TORCH_CHECK(false, "interleaved weights need the integer dot products (AVX-512 VNNI), not built here");
+#endif
+  const int64_t N = w.size(0), fields = format == "Q4_1x16" ? 2 : 1;
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) == K &&
+                  N % 16 == 0,
+              "interleaved quants must be uint8 [N, K] matching x's width, N a multiple of 16");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+                  scales.numel() == N * (K / kBlock) * fields,
+              "interleaved scales must be float32 [N/16, K/32, fields, 16]");
+}
+
+void interleaved(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& w,
+                 const torch::Tensor& scales, float* y) {
+  check_interleaved(format, w, scales, K);
+#ifdef RTSERVER_INT_DOTS
+  const int64_t N = w.size(0);
+  if (format == "Q4_1x16")
+    interleaved_matmul<true>(x, M, K, N, w.data_ptr<uint8_t>(), scales.data_ptr<float>(), y);
+  else
+    interleaved_matmul<false>(x, M, K, N, w.data_ptr<uint8_t>(), scales.data_ptr<float>(), y);
+#endif
+}
+
 // A decode layer's linear, as the runner passes it: GGUF blocks ("Q4_1" / "Q8_0", quants, scales) for
-// small steps, or for big ones (compute-bound: oneDNN's float32 GEMM beats the block kernel there) a
-// weight packed by torch.ops.mkldnn._reorder_linear_weight ("onednn", packed weight, unused).
+// small steps; for big ones (compute-bound) the blocks interleaved by 16 columns ("Q4_1x16" /
+// "Q8_0x16") where the CPU has VNNI, else a weight packed by torch.ops.mkldnn._reorder_linear_weight
+// ("onednn", packed weight, unused): oneDNN's float32 GEMM beats the block kernel there.
 bool is_onednn(const std::string& format) { return format == "onednn"; }
 
 void check_linear(const std::string& format, const torch::Tensor& a, const torch::Tensor& b, int64_t K) {
+  if (is_interleaved(format)) return check_interleaved(format, a, b, K);
   if (!is_onednn(format)) return check_weight(format, a, b, K);
   TORCH_CHECK(a.is_mkldnn() && a.scalar_type() == torch::kFloat32 && a.dim() == 2 && a.size(1) == K,
               "an onednn weight must be a packed float32 [N, K] matching x's width");
@@ -365,6 +508,7 @@ void check_linear(const std::string& format, const torch::Tensor& a, const torch
 // kernel the runner's unfused path calls from Python).
 void linear(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& a,
             const torch::Tensor& b, float* y) {
+  if (is_interleaved(format)) return interleaved(x, M, K, format, a, b, y);
   if (!is_onednn(format)) return block_matmul(x, M, K, format, a, b, y);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   auto xt = torch::from_blob(const_cast<float*>(x), {M, K}, torch::kFloat32);
@@ -388,6 +532,14 @@ torch::Tensor quantized_mm(const torch::Tensor& x, const std::string& format, co
 torch::Tensor q4_1_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) { return quantized_mm(x, "Q4_1", qs, dm); }
 
 torch::Tensor q8_0_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) { return quantized_mm(x, "Q8_0", qs, d); }
+
+torch::Tensor interleaved_mm(torch::Tensor x, std::string format, torch::Tensor w, torch::Tensor scales) {
+  check_x(x);
+  TORCH_CHECK(is_interleaved(format), "unknown interleaved format ", format);
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  interleaved(x.data_ptr<float>(), x.size(0), x.size(1), format, w, scales, y.data_ptr<float>());
+  return y;
+}
 
 namespace {
 
@@ -646,6 +798,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, std::string qkv_f
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_mm", &q4_1_mm, "x [M, K] float32 @ Q4_1 blocks [N, K].T -> [M, N] float32");
   m.def("q8_0_mm", &q8_0_mm, "x [M, K] float32 @ Q8_0 blocks [N, K].T -> [M, N] float32");
+  m.def("interleaved_mm", &interleaved_mm, "x [M, K] float32 @ blocks interleaved by 16 columns -> [M, N] float32");
   m.def("decode_attention", &decode_attention, "single-token attention over paged float32 K/V");
 #ifdef RTSERVER_INT_DOTS
   m.attr("fixed_point_activations") = true;

@@ -338,6 +338,8 @@ def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, bl
         columns = [tok.convert_tokens_to_ids(w) for w in ("yes", "no", "Paris")]
         hs = torch.randn(3, cfg.hidden_size)
         full = runner.lm_head.big(hs)
-        torch.testing.assert_close(runner._column_logits(hs, columns), full[:, columns], rtol=1e-5, atol=1e-4)
+        # the columns are exact float32; the interleaved head rounds its activations to 16 bits
+        atol = 1e-3 if route == "interleaved" and packed else 1e-4
+        torch.testing.assert_close(runner._column_logits(hs, columns), full[:, columns], rtol=1e-5, atol=atol)
         answers.append(out)
     assert answers[1] == answers[0]

@@ -102,7 +102,7 @@ class Engine:
         # What each linear computes with, and why (shown in /health).
         self.kernels: dict[str, Any] = {"weights": loaded.dtype_name}
         if gguf:
-            self.kernels = self._use_gguf_blocks(loaded)
+            self.kernels = self._use_gguf_blocks(loaded, release_dense_weights)
             if release_dense_weights:
                 self.runner.release_dense_weights()
             if "small_steps" in self.kernels:
@@ -120,7 +120,7 @@ class Engine:
         self._streams: dict[int, Any] = {}
         self._thread: threading.Thread | None = None
 
-    def _use_gguf_blocks(self, loaded: LoadedModel) -> dict[str, Any]:
+    def _use_gguf_blocks(self, loaded: LoadedModel, release: bool) -> dict[str, Any]:
         """dtype gguf: small steps multiply with the file's quantized blocks where the kernel builds and
         a start-up probe finds it faster than the dense float32 weights; otherwise plain float32."""
         assert loaded.gguf_blocks is not None
@@ -133,7 +133,7 @@ class Engine:
         blocks = read_gguf_weights(
             loaded.gguf_blocks, cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads
         )
-        interleaved = self.runner.use_interleaved(blocks, kernel)  # before the probe: its rival
+        interleaved = self.runner.use_interleaved(blocks, kernel, release)  # before the probe: its rival
         formats = sorted({b.format for b in blocks.values()})
         big = (
             f"{'/'.join(formats)} blocks interleaved by 16 columns, integer dots ({interleaved} linears)"

@@ -427,10 +427,12 @@ class ModelRunner:
         self.attention_kernel = kernel
         return True
 
-    def use_interleaved(self, blocks: dict[str, QuantizedWeight], kernel: Any) -> int:
+    def use_interleaved(self, blocks: dict[str, QuantizedWeight], kernel: Any, release: bool = False) -> int:
         """Big steps on the blocks re-laid by quant.interleave, for every linear (and the output head)
         the file ships in blocks, where the kernel has integer dot products (`fixed_point_activations`);
-        returns how many got them. With `release_dense_weights` afterwards, no dense copy is kept."""
+        returns how many got them. `release` (serving): each layer's dense weights go as soon as its
+        four linears are interleaved, so memory never holds both copies of more than one layer (the
+        rest goes in release_dense_weights)."""
         if not getattr(kernel, "fixed_point_activations", False):
             return 0
         used = 0
@@ -439,7 +441,17 @@ class ModelRunner:
             if weight is not None:
                 lin.use_interleaved(weight, kernel)
                 used += 1
+            if release:
+                self._release_done_layers()
         return used
+
+    def _release_done_layers(self) -> None:
+        for L, layer in zip(self.layers, self.model.model.layers):
+            linears = (L.qkv, L.o, L.gate_up, L.down)
+            if all(lin.interleaved is not None for lin in linears) and L.qkv.weight is not None:
+                for lin in linears:
+                    lin.release()
+                _drop_parameters(layer)
 
     def _block_names(self, blocks: dict[str, QuantizedWeight]) -> list[tuple[Linear, list[str]]]:
         """Each linear whose weight the file ships in blocks, with the blocks' names (q/k/v fused)."""
@@ -645,22 +657,39 @@ class ModelRunner:
                     lasts.append((it.last_hidden, end - 1))
 
         x = self._embed(lay.ids)
+        # Prompts joining a fused step: their rows go on apart (the torch path) while the step's decode
+        # rows stay fused, and meet again for the logits.
+        joined: tuple[_Layout, torch.Tensor] | None = None
+        joiners: list[StepItem] = []
         for li in range(len(self.layers)):
             new = join(li) if join is not None and li > 0 else None
             if new:
                 assert all(it.logits == "last" and it.pool_from is None and not it.columns for it in new)
-                # Rows are appended, so the rows (and pooled ranges) of the items already here stay put.
-                x = torch.cat([x, self._catch_up(new, li)])
+                caught_up = self._catch_up(new, li)
                 items.extend(new)
-                fused = False
-                lay = self._layout(items, fused)
+                if fused:  # (a second join, if any: after the first joiners, as they are at the same layer)
+                    joiners = [*joiners, *new]
+                    rows = caught_up if joined is None else torch.cat([joined[1], caught_up])
+                    joined = (self._layout(joiners, fused=False), rows)
+                else:
+                    # Rows are appended, so the rows (and pooled ranges) of the items already here stay.
+                    x = torch.cat([x, caught_up])
+                    lay = self._layout(items, fused)
             if fused:
                 x = self._fused_layer(li, lay, x)
+                if joined is not None:
+                    out = self._layer(li, joined[0], joined[1], [], [])
+                    assert out is not None  # every joiner wants its last row's logits
+                    joined = (joined[0], out)
                 continue
             out = self._layer(li, lay, x, pooling, lasts)
             if out is None:
                 return [None] * len(items)
             x = out
+        if joined is not None:
+            # past the last layer both hold only rows that give logits: decode rows, then joiners' last
+            x = torch.cat([x, joined[1]])
+            lay = self._layout(items, fused=False)
         return self._logits(items, lay, x)
 
     def _catch_up(self, items: list[StepItem], layers: int) -> torch.Tensor:

@@ -268,18 +268,28 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
         for n in (3, 20, 41):
             ids = torch.randint(0, cfg.vocab_size, (n,)).tolist()
             seq = Sequence(ids, SamplingParams(), tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
-            seq.kv, _ = kv.acquire(ids, n + 4)
+            seq.kv, _ = kv.acquire(ids, n + 5)
             runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])  # prefill: the torch path
             seqs.append((seq, n))
         steps = []
         for t in range(3):
             items = [StepItem(seq, seq.kv, n + t, [7 + t], "last") for seq, n in seqs]
             steps.append(torch.cat(runner.forward(items)))
-        # A prompt joining a fused step before its last layer: the rest of the step runs the torch path.
+        # A prompt prefilled in a decode step (listed first): it runs beside the fused rows, torch path.
+        ids = torch.randint(0, cfg.vocab_size, (6,)).tolist()
+        mixed = Sequence(ids, SamplingParams(), tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
+        mixed.kv, _ = kv.acquire(ids, 7)
+        items = [StepItem(seq, seq.kv, n + 3, [5], "last") for seq, n in seqs]
+        out = runner.forward([StepItem(mixed, mixed.kv, 0, ids, "last"), *items])
+        steps.append(torch.cat(out[1:]))
+        with torch.no_grad():
+            theirs = model(torch.tensor([ids])).logits[0, -1:].float()
+        torch.testing.assert_close(out[0], theirs, rtol=1e-4, atol=1e-4)
+        # A prompt joining a fused step before its last layer: it goes on beside the fused rows.
         ids = torch.randint(0, cfg.vocab_size, (9,)).tolist()
         late = Sequence(ids, SamplingParams(), tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
         late.kv, _ = kv.acquire(ids, 10)
-        items = [StepItem(seq, seq.kv, n + 3, [11], "last") for seq, n in seqs]
+        items = [StepItem(seq, seq.kv, n + 4, [11], "last") for seq, n in seqs]
         joining = [StepItem(late, late.kv, 0, ids, "last")]
         joined = torch.cat(runner.forward(items, lambda layer, new=joining: new if layer == 1 else []))
         assert len(items) == 4

@@ -620,12 +620,17 @@ class ModelRunner:
             lay.prefills = [self._prefill_group(items, g, row_offsets) for g in _prefill_groups(items)]
         return lay
 
-    def _fusable(self, items: list[StepItem]) -> bool:
-        """A step of single-token decodes small enough for the quantized blocks runs each layer as one
-        fused kernel call (engine/kernels/quant.cpp: decode_layer), the same arithmetic as `_layer`."""
-        return self.fused_decode_rows >= len(items) and all(
-            len(it.tokens) == 1 and it.logits == "last" and it.pool_from is None for it in items
-        )
+    def _fused_part(self, items: list[StepItem]) -> list[int]:
+        """The items of a step that run each layer as one fused kernel call (engine/kernels/quant.cpp:
+        decode_layer, the same arithmetic as `_layer`): its single-token decodes, when there are few
+        enough for `fused_decode_rows`; the rest of the step (prefill chunks, scoring) runs beside them
+        through torch ops, so a prompt arriving among 32 streams does not slow their step to torch's."""
+        part = [
+            i
+            for i, it in enumerate(items)
+            if len(it.tokens) == 1 and it.logits == "last" and it.pool_from is None and it.columns is None
+        ]
+        return part if 0 < len(part) <= self.fused_decode_rows else []
 
     @torch.inference_mode()
     def forward(
@@ -639,10 +644,50 @@ class ModelRunner:
         streams is long). Their rows first run the layers already done, alone, then go on with the
         step's rows; they are appended to `items` and get their logits with the others. Joining items
         prefill whole prompts (logits "last", no pooled features)."""
-        fused = self._fusable(items)
-        lay = self._layout(items, fused)
-        # Items that pool hidden states (a learned head's features): their rows at positions from
-        # pool_from on, summed after each pool layer; their last row's state at the last layers.
+        fused_idx = self._fused_part(items)
+        fused_items = [items[i] for i in fused_idx]
+        in_fused = set(fused_idx)
+        rest_idx = [i for i in range(len(items)) if i not in in_fused]
+        rest = [items[i] for i in rest_idx]
+        # Two groups of rows, each with its own layout: the fused decodes (x_f) and the rest (x).
+        lay_f = self._layout(fused_items, fused=True) if fused_items else None
+        x_f = self._embed(lay_f.ids) if lay_f is not None else None
+        lay = self._layout(rest, fused=False) if rest else None
+        x = self._embed(lay.ids) if lay is not None else None
+        pooling, lasts = self._pooled_rows(rest, lay) if lay is not None else ([], [])
+        for li in range(len(self.layers)):
+            new = join(li) if join is not None and li > 0 else None
+            if new:
+                assert all(it.logits == "last" and it.pool_from is None and not it.columns for it in new)
+                caught_up = self._catch_up(new, li)
+                rest_idx += range(len(items), len(items) + len(new))
+                items.extend(new)
+                rest = [*rest, *new]
+                # Rows are appended, so the rows (and pooled ranges) of the items already here stay.
+                x = caught_up if x is None else torch.cat([x, caught_up])
+                lay = self._layout(rest, fused=False)
+            if x_f is not None:
+                assert lay_f is not None
+                x_f = self._fused_layer(li, lay_f, x_f)
+            if x is not None:
+                assert lay is not None
+                x = self._layer(li, lay, x, pooling, lasts)  # None past the last layer: no row asked
+        out: list[torch.Tensor | None] = [None] * len(items)
+        if x_f is not None:
+            assert lay_f is not None
+            for i, logits in zip(fused_idx, self._logits(fused_items, lay_f, x_f)):
+                out[i] = logits
+        if x is not None:
+            assert lay is not None
+            for i, logits in zip(rest_idx, self._logits(rest, lay, x)):
+                out[i] = logits
+        return out
+
+    def _pooled_rows(
+        self, items: list[StepItem], lay: _Layout
+    ) -> tuple[list[tuple[list[torch.Tensor], int, int]], list[tuple[list[torch.Tensor], int]]]:
+        """Items that pool hidden states (a learned head's features): their rows at positions from
+        pool_from on, summed after each pool layer; their last row's state at the last layers."""
         pooling: list[tuple[list[torch.Tensor], int, int]] = []
         lasts: list[tuple[list[torch.Tensor], int]] = []
         for i, it in enumerate(items):
@@ -655,42 +700,7 @@ class ModelRunner:
                 if it.logits == "last":
                     it.last_hidden = []
                     lasts.append((it.last_hidden, end - 1))
-
-        x = self._embed(lay.ids)
-        # Prompts joining a fused step: their rows go on apart (the torch path) while the step's decode
-        # rows stay fused, and meet again for the logits.
-        joined: tuple[_Layout, torch.Tensor] | None = None
-        joiners: list[StepItem] = []
-        for li in range(len(self.layers)):
-            new = join(li) if join is not None and li > 0 else None
-            if new:
-                assert all(it.logits == "last" and it.pool_from is None and not it.columns for it in new)
-                caught_up = self._catch_up(new, li)
-                items.extend(new)
-                if fused:  # (a second join, if any: after the first joiners, as they are at the same layer)
-                    joiners = [*joiners, *new]
-                    rows = caught_up if joined is None else torch.cat([joined[1], caught_up])
-                    joined = (self._layout(joiners, fused=False), rows)
-                else:
-                    # Rows are appended, so the rows (and pooled ranges) of the items already here stay.
-                    x = torch.cat([x, caught_up])
-                    lay = self._layout(items, fused)
-            if fused:
-                x = self._fused_layer(li, lay, x)
-                if joined is not None:
-                    out = self._layer(li, joined[0], joined[1], [], [])
-                    assert out is not None  # every joiner wants its last row's logits
-                    joined = (joined[0], out)
-                continue
-            out = self._layer(li, lay, x, pooling, lasts)
-            if out is None:
-                return [None] * len(items)
-            x = out
-        if joined is not None:
-            # past the last layer both hold only rows that give logits: decode rows, then joiners' last
-            x = torch.cat([x, joined[1]])
-            lay = self._layout(items, fused=False)
-        return self._logits(items, lay, x)
+        return pooling, lasts
 
     def _catch_up(self, items: list[StepItem], layers: int) -> torch.Tensor:
         """The residual stream of items joining a step before layer `layers`: the layers before it."""

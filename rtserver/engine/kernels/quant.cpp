@@ -796,14 +796,17 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, std::string qkv_f
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_1_mm", &q4_1_mm, "x [M, K] float32 @ Q4_1 blocks [N, K].T -> [M, N] float32");
-  m.def("q8_0_mm", &q8_0_mm, "x [M, K] float32 @ Q8_0 blocks [N, K].T -> [M, N] float32");
-  m.def("interleaved_mm", &interleaved_mm, "x [M, K] float32 @ blocks interleaved by 16 columns -> [M, N] float32");
-  m.def("decode_attention", &decode_attention, "single-token attention over paged float32 K/V");
+  // Every function lets go of the GIL while it runs: the model runs on the scheduler thread, and a
+  // fused step holding the GIL through its layers kept the event loop (the hub) waiting.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("q4_1_mm", &q4_1_mm, "x [M, K] float32 @ Q4_1 blocks [N, K].T -> [M, N] float32", nogil);
+  m.def("q8_0_mm", &q8_0_mm, "x [M, K] float32 @ Q8_0 blocks [N, K].T -> [M, N] float32", nogil);
+  m.def("interleaved_mm", &interleaved_mm, "x [M, K] float32 @ blocks interleaved by 16 columns -> [M, N] float32", nogil);
+  m.def("decode_attention", &decode_attention, "single-token attention over paged float32 K/V", nogil);
 #ifdef RTSERVER_INT_DOTS
   m.attr("fixed_point_activations") = true;
 #else
   m.attr("fixed_point_activations") = false;
 #endif
-  m.def("decode_layer", &decode_layer, "one decoder layer for single-token rows on quantized blocks");
+  m.def("decode_layer", &decode_layer, "one decoder layer for single-token rows on quantized blocks", nogil);
 }

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -69,6 +70,9 @@ PREFETCH_DELAY_S = 0.2  # from the end of a reply to its prefetch's request (see
 # the longest the send gate holds a group (a burst of 32 takes the hub ~10-15 ms to read and start)
 SEND_MAX_HOLD_S = 0.02
 PREFETCH_RESPONSE_LIMIT = 1 << 16  # bytes of a prefetch's answer read (one token's completion)
+# the send gate's ticket of the request the current task is making (`SendGate.arrived`): set by the
+# request's own task, read by its gated body (aiohttp writes it in a task that inherits the context)
+_GATE_TICKET: contextvars.ContextVar[object | None] = contextvars.ContextVar("gate_ticket", default=None)
 
 
 class BackendMismatch(Exception):
@@ -101,8 +105,10 @@ class RemoteGeneration:
         prompt_ids: list[int],
         params: SamplingParams,
         session_key: Hashable | None,
+        ticket: object | None = None,
     ):
         self.backend = backend
+        self._ticket = ticket  # its place in the send gate (SendGate.arrived)
         self.prompt_ids = prompt_ids
         self.params = params
         self.session_key = session_key
@@ -136,6 +142,7 @@ class RemoteGeneration:
     # -- the request ------------------------------------------------------------------------------------
     async def _run(self) -> None:
         reason, error, code = FinishReason.ERROR, None, None
+        _GATE_TICKET.set(self._ticket)  # this task's own context
         try:
             await self.backend._settle_prefetch(self.session_key)
             reason = await self.backend._with_retries(
@@ -149,9 +156,12 @@ class RemoteGeneration:
         except Exception as exc:  # a bug of ours: this request fails, nothing else
             log.exception("remote generation failed")
             error, code = f"internal error ({type(exc).__name__})", "internal"
+        finally:
+            self.backend.gate.forget(self._ticket)  # ended before the gate, if it did
         self._finish(reason, error, code)
 
     def _ended(self, task: asyncio.Task) -> None:
+        self.backend.gate.forget(self._ticket)
         if not self._result.done():  # cancelled before its first step: `_run` never ran
             self._finish(FinishReason.CANCELLED, None, None)
 
@@ -402,19 +412,27 @@ class RemoteBackend:
         block closes the connection unless the response was read to its end (the server stops
         generating). A kept-alive connection the server has just closed fails before the request got
         through (a server drops idle ones when it likes): that is tried once more on another
-        connection, not counted as the server's failure. `gated`: through the send gate."""
+        connection, not counted as the server's failure. `gated`: through the send gate.
+
+        A gated request takes its connection (a kept-alive one, or a new one: TCP connect, the server's
+        accept) while the gate holds it: only the writing waits for the gate. The request goes as a body
+        that waits for the gate before it yields its bytes (aiohttp writes the request line and headers
+        with the body's first bytes, so the whole request is one write, made as the group is let go).
+        Connecting after the gate, a burst's 32 new connections took ~5 ms to open, one after another,
+        between the gate's release and the first request reaching the server (README, "Remote
+        backends")."""
         url = up.url + "/v1/completions"
         data = json.dumps(body).encode()  # before the gate: after it, only the sending
-        if gated:
-            await self.gate.wait()
+        headers = {**JSON_HEADERS, "Content-Length": str(len(data))}
         try:
-            resp = await self.http.post(url, data=data, headers=JSON_HEADERS)
+            resp = await self.http.post(url, data=self._after_gate(data) if gated else data, headers=headers)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise  # no connection at all: the server is not there
             log.info("%s: a kept-alive connection failed (%s); sending again", up.url, _describe(exc))
             # on a new connection: the pool may hold more connections the server has closed (it also
-            # closes one after its 100th request, cpp-httplib's keep-alive limit)
+            # closes one after its 100th request, cpp-httplib's keep-alive limit); the gate has let this
+            # request go already
             if self.fresh_client is None:
                 self.fresh_client = self._new_client(fresh=True)
             resp = await self.fresh_client.post(url, data=data, headers=JSON_HEADERS)
@@ -422,6 +440,11 @@ class RemoteBackend:
             if resp.status != 200:
                 raise _status_error(up, resp.status, await _head(resp))
             yield resp
+
+    async def _after_gate(self, data: bytes) -> AsyncIterator[bytes]:
+        """A request body that waits for the send gate (see `_completion`)."""
+        await self.gate.wait(_GATE_TICKET.get())
+        yield data
 
     @contextlib.asynccontextmanager
     async def _stream(self, up: Upstream, body: dict) -> AsyncIterator[AsyncIterator[dict]]:
@@ -500,15 +523,15 @@ class RemoteBackend:
                 "no inference server is available: "
                 + ", ".join(f"{s['url']} {s['state']}" for s in self.pool.snapshot())
             )
-        self.gate.arrived()
-        return RemoteGeneration(self, list(prompt_ids), params, session_key)
+        ticket = self.gate.arrived()
+        return RemoteGeneration(self, list(prompt_ids), params, session_key, ticket)
 
     async def score(
         self, prompt_ids: list[int], candidates: list[list[int]], *, normalize: bool = True
     ) -> list[float]:
         if not candidates or any(not c for c in candidates):
             raise ValueError("candidates must be non-empty token lists")
-        self.gate.arrived()
+        ticket = self.gate.arrived()
 
         async def attempt(up: Upstream) -> list[float]:
             kind = self.kinds.get(up.url, "openai")
@@ -519,7 +542,12 @@ class RemoteBackend:
             return await self._score_llama(up, prompt_ids, candidates)
 
         # scores are log-probabilities: normalized whatever `normalize` says
-        return await self._with_retries(None, attempt, lambda: True)
+        context_token = _GATE_TICKET.set(ticket)
+        try:
+            return await self._with_retries(None, attempt, lambda: True)
+        finally:
+            _GATE_TICKET.reset(context_token)
+            self.gate.forget(ticket)
 
     def _score_body(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict:
         body: dict[str, Any] = {

@@ -15,11 +15,15 @@ the hub handles every message of a burst before the first upstream request is wr
 between requests reaching the gate say nothing about whether more are coming, while requests keep
 being started every few hundred microseconds for as long as the hub is taking a burst in.
 
-A request waits until no request has been started for `window_s`, and never longer than `max_hold_s`
-after its group's first (a steady stream of requests is not held back without end): a lone request
-pays `window_s`. Before letting a group go the gate lets the loop run the tasks already queued (the
-handlers of messages read in the same loop turn), so a request read but not yet started still counts.
-`window_s = 0` turns the gate off.
+A request waits until no request has been started for `window_s` and every request started has
+come to the gate (each takes its connection to the server first: a new connection's connect can take
+longer than the window while the hub is busy, and the request using a kept-alive connection is at the
+gate first: let go alone, it would start the server's iteration alone), and never longer than
+`max_hold_s` after its group's first (a steady stream of requests is not held back without end): a
+lone request pays `window_s`. A request that ends before it comes to the gate (cancelled, failed to
+connect) is `forget`-ed. Before letting a group go the gate lets the loop run the tasks already queued
+(the handlers of messages read in the same loop turn), so a request read but not yet started still
+counts. `window_s = 0` turns the gate off.
 """
 
 from __future__ import annotations
@@ -34,18 +38,29 @@ class SendGate:
         self._group: asyncio.Future[None] | None = None
         self._first = 0.0
         self._last = 0.0  # loop time of the latest `arrived`
+        self._pending: set[object] = set()  # tickets of requests started and not yet at the gate
         self.arrivals = 0  # requests started
         self.requests = 0  # requests that went through the gate
         self.groups = 0  # groups released: requests / groups is the mean group size
 
-    def arrived(self) -> None:
-        """A request has been started (it comes to `wait` a few loop turns later)."""
+    def arrived(self) -> object:
+        """A request has been started (it comes to `wait` a few loop turns later): its ticket, for
+        `wait` and `forget`."""
         self.arrivals += 1
+        ticket = object()
         if self.window_s > 0:
             self._last = asyncio.get_running_loop().time()
+            self._pending.add(ticket)
+        return ticket
 
-    async def wait(self) -> None:
-        """Return when this request's group is released (at once when the gate is off)."""
+    def forget(self, ticket: object) -> None:
+        """The request of `ticket` ended without coming to the gate (or came already: a no-op)."""
+        self._pending.discard(ticket)
+
+    async def wait(self, ticket: object | None = None) -> None:
+        """Return when this request's group is released (at once when the gate is off). `ticket`: the
+        one `arrived` gave this request (a request without one, e.g. a second try, just joins)."""
+        self._pending.discard(ticket)
         self.requests += 1
         if self.window_s <= 0:
             self.groups += 1
@@ -66,11 +81,19 @@ class SendGate:
         loop.call_soon(loop.call_soon, self._release_when_quiet, group)
 
     def _release_when_quiet(self, group: asyncio.Future[None]) -> None:
+        if group is not self._group:
+            return  # released already
         loop = asyncio.get_running_loop()
-        due = min(self._last + self.window_s, self._first + self.max_hold_s)
-        if loop.time() < due:  # a request was started since: look again when it is quiet
-            loop.call_at(due, self._after_queued, group)
-            return
+        now = loop.time()
+        last_call = self._first + self.max_hold_s
+        if now < last_call:
+            due = self._last + self.window_s
+            if now < due:  # a request was started since: look again when it is quiet
+                loop.call_at(min(due, last_call), self._after_queued, group)
+                return
+            if self._pending:  # started ones still connecting: look again a window later
+                loop.call_at(min(now + self.window_s, last_call), self._after_queued, group)
+                return
         self._group = None
         self.groups += 1
         group.set_result(None)  # the waiters resume in the order they joined, in one loop turn

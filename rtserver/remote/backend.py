@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import json
 import logging
 import time
@@ -70,9 +69,6 @@ PREFETCH_DELAY_S = 0.2  # from the end of a reply to its prefetch's request (see
 # the longest the send gate holds a group (a burst of 32 takes the hub ~10-15 ms to read and start)
 SEND_MAX_HOLD_S = 0.02
 PREFETCH_RESPONSE_LIMIT = 1 << 16  # bytes of a prefetch's answer read (one token's completion)
-# the send gate's ticket of the request the current task is making (`SendGate.arrived`): set by the
-# request's own task, read by its gated body (aiohttp writes it in a task that inherits the context)
-_GATE_TICKET: contextvars.ContextVar[object | None] = contextvars.ContextVar("gate_ticket", default=None)
 
 
 class BackendMismatch(Exception):
@@ -105,10 +101,8 @@ class RemoteGeneration:
         prompt_ids: list[int],
         params: SamplingParams,
         session_key: Hashable | None,
-        ticket: object | None = None,
     ):
         self.backend = backend
-        self._ticket = ticket  # its place in the send gate (SendGate.arrived)
         self.prompt_ids = prompt_ids
         self.params = params
         self.session_key = session_key
@@ -142,7 +136,6 @@ class RemoteGeneration:
     # -- the request ------------------------------------------------------------------------------------
     async def _run(self) -> None:
         reason, error, code = FinishReason.ERROR, None, None
-        _GATE_TICKET.set(self._ticket)  # this task's own context
         try:
             await self.backend._settle_prefetch(self.session_key)
             reason = await self.backend._with_retries(
@@ -156,12 +149,9 @@ class RemoteGeneration:
         except Exception as exc:  # a bug of ours: this request fails, nothing else
             log.exception("remote generation failed")
             error, code = f"internal error ({type(exc).__name__})", "internal"
-        finally:
-            self.backend.gate.forget(self._ticket)  # ended before the gate, if it did
         self._finish(reason, error, code)
 
     def _ended(self, task: asyncio.Task) -> None:
-        self.backend.gate.forget(self._ticket)
         if not self._result.done():  # cancelled before its first step: `_run` never ran
             self._finish(FinishReason.CANCELLED, None, None)
 
@@ -424,9 +414,14 @@ class RemoteBackend:
         url = up.url + "/v1/completions"
         data = json.dumps(body).encode()  # before the gate: after it, only the sending
         headers = {**JSON_HEADERS, "Content-Length": str(len(data))}
+        ticket = self.gate.expect() if gated else None
         try:
-            resp = await self.http.post(url, data=self._after_gate(data) if gated else data, headers=headers)
+            resp = await self.http.post(
+                url, data=self._after_gate(data, ticket) if ticket else data, headers=headers
+            )
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if ticket:
+                self.gate.forget(ticket)  # failed before its body was written (or after: a no-op)
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise  # no connection at all: the server is not there
             log.info("%s: a kept-alive connection failed (%s); sending again", up.url, _describe(exc))
@@ -436,14 +431,17 @@ class RemoteBackend:
             if self.fresh_client is None:
                 self.fresh_client = self._new_client(fresh=True)
             resp = await self.fresh_client.post(url, data=data, headers=JSON_HEADERS)
+        finally:
+            if ticket:
+                self.gate.forget(ticket)  # cancelled or failed otherwise before the gate
         async with resp:
             if resp.status != 200:
                 raise _status_error(up, resp.status, await _head(resp))
             yield resp
 
-    async def _after_gate(self, data: bytes) -> AsyncIterator[bytes]:
+    async def _after_gate(self, data: bytes, ticket: object) -> AsyncIterator[bytes]:
         """A request body that waits for the send gate (see `_completion`)."""
-        await self.gate.wait(_GATE_TICKET.get())
+        await self.gate.wait(ticket)
         yield data
 
     @contextlib.asynccontextmanager
@@ -523,15 +521,15 @@ class RemoteBackend:
                 "no inference server is available: "
                 + ", ".join(f"{s['url']} {s['state']}" for s in self.pool.snapshot())
             )
-        ticket = self.gate.arrived()
-        return RemoteGeneration(self, list(prompt_ids), params, session_key, ticket)
+        self.gate.arrived()
+        return RemoteGeneration(self, list(prompt_ids), params, session_key)
 
     async def score(
         self, prompt_ids: list[int], candidates: list[list[int]], *, normalize: bool = True
     ) -> list[float]:
         if not candidates or any(not c for c in candidates):
             raise ValueError("candidates must be non-empty token lists")
-        ticket = self.gate.arrived()
+        self.gate.arrived()
 
         async def attempt(up: Upstream) -> list[float]:
             kind = self.kinds.get(up.url, "openai")
@@ -542,12 +540,7 @@ class RemoteBackend:
             return await self._score_llama(up, prompt_ids, candidates)
 
         # scores are log-probabilities: normalized whatever `normalize` says
-        context_token = _GATE_TICKET.set(ticket)
-        try:
-            return await self._with_retries(None, attempt, lambda: True)
-        finally:
-            _GATE_TICKET.reset(context_token)
-            self.gate.forget(ticket)
+        return await self._with_retries(None, attempt, lambda: True)
 
     def _score_body(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict:
         body: dict[str, Any] = {

@@ -15,15 +15,14 @@ the hub handles every message of a burst before the first upstream request is wr
 between requests reaching the gate say nothing about whether more are coming, while requests keep
 being started every few hundred microseconds for as long as the hub is taking a burst in.
 
-A request waits until no request has been started for `window_s` and every request started has
-come to the gate (each takes its connection to the server first: a new connection's connect can take
-longer than the window while the hub is busy, and the request using a kept-alive connection is at the
-gate first: let go alone, it would start the server's iteration alone), and never longer than
-`max_hold_s` after its group's first (a steady stream of requests is not held back without end): a
-lone request pays `window_s`. A request that ends before it comes to the gate (cancelled, failed to
-connect) is `forget`-ed. Before letting a group go the gate lets the loop run the tasks already queued
-(the handlers of messages read in the same loop turn), so a request read but not yet started still
-counts. `window_s = 0` turns the gate off.
+A request waits until no request has been started for `window_s` and every request that is taking
+its connection to the server (`expect`) has come to the gate (connecting after the window has passed
+while the hub is busy, or one request finding a kept-alive connection and coming at once, would
+otherwise be let go alone and start the server's iteration alone), and never longer than `max_hold_s`
+after its group's first (a steady stream of requests is not held back without end): a lone request
+pays `window_s`. A request whose connection fails is `forget`-ed. Before letting a group go the gate
+lets the loop run the tasks already queued (the handlers of messages read in the same loop turn), so a
+request read but not yet started still counts. `window_s = 0` turns the gate off.
 """
 
 from __future__ import annotations
@@ -43,23 +42,27 @@ class SendGate:
         self.requests = 0  # requests that went through the gate
         self.groups = 0  # groups released: requests / groups is the mean group size
 
-    def arrived(self) -> object:
-        """A request has been started (it comes to `wait` a few loop turns later): its ticket, for
-        `wait` and `forget`."""
+    def arrived(self) -> None:
+        """A request has been started (it comes to `wait` a few loop turns later)."""
         self.arrivals += 1
-        ticket = object()
         if self.window_s > 0:
             self._last = asyncio.get_running_loop().time()
+
+    def expect(self) -> object:
+        """A request is taking its connection to the server and will come to `wait` (or `forget`) with
+        the ticket returned: until then its group is not let go (bounded by `max_hold_s`)."""
+        ticket = object()
+        if self.window_s > 0:
             self._pending.add(ticket)
         return ticket
 
     def forget(self, ticket: object) -> None:
-        """The request of `ticket` ended without coming to the gate (or came already: a no-op)."""
+        """The request of `ticket` will not come to the gate (its connection failed), or has come."""
         self._pending.discard(ticket)
 
     async def wait(self, ticket: object | None = None) -> None:
         """Return when this request's group is released (at once when the gate is off). `ticket`: the
-        one `arrived` gave this request (a request without one, e.g. a second try, just joins)."""
+        one `expect` gave this request, if any."""
         self._pending.discard(ticket)
         self.requests += 1
         if self.window_s <= 0:

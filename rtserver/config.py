@@ -84,8 +84,10 @@ class BackendSettings:
     failures_to_open: int = _setting(3, min=1, max=1000)
     retry_after_s: float = _setting(10.0, min=0.1, max=3600.0)
     # > 0: upstream requests are held until no request has been started for this long (at most 20 ms,
-    # or 4x it if longer), so that a burst reaches the server together (remote/gate.py); 0 = off
-    send_window_ms: float = _setting(1.0, min=0.0, max=1000.0)
+    # or 4x it if longer), so that a burst reaches the server together (remote/gate.py); 0 = off. 3 ms:
+    # the hub, reading a burst on new client connections, started its second request 0.3-3.2 ms after
+    # the first (README, "Remote backends"); a lone request pays the window
+    send_window_ms: float = _setting(3.0, min=0.0, max=1000.0)
     # when a reply ends, send its session's next-turn prefix (history, end of the reply, next user header)
     # to the session's server at once, so the next turn prefills only its message (remote/backend.py)
     prefetch_next_turn: bool = _setting(True)

@@ -855,6 +855,52 @@ async def test_a_kept_alive_connection_the_server_dropped_is_sent_again(smol):
         await server.wait_closed()
 
 
+async def test_a_held_request_has_its_connection_open_and_writes_nothing_until_let_go(smol):
+    """While the send gate holds a request its connection to the server is already open (the connect
+    overlaps the hold) and not one byte of the request has been sent; once let go, the whole request
+    arrives and is answered."""
+    accepted = asyncio.Event()
+    received: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+            received.append(head + await reader.readexactly(length))
+            events = sse({"choices": [{"index": 0, "text": "Hi", "finish_reason": "stop"}]}) + DONE
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(events), events)
+            )
+            await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = "http://127.0.0.1:%d" % server.sockets[0].getsockname()[1]
+    backend = RemoteBackend(smol.tokenizer, remote_settings([url], send_window_ms=1000).backend)
+    backend.pool.upstreams[0].checked = True  # as check() would have it (this server has no /v1/models)
+    backend.start()
+    try:
+        gen = backend.generate([1, 2, 3], SamplingParams(max_new_tokens=4), session_key="k")
+        await asyncio.wait_for(accepted.wait(), STEP)  # well within the 1 s hold of a lone request
+        await asyncio.sleep(0.1)
+        assert received == [] and backend.gate.groups == 0
+        result = await asyncio.wait_for(gen.result(), STEP)
+        assert result.text == "Hi" and backend.gate.groups == 1
+        assert len(received) == 1 and received[0].startswith(b"POST /v1/completions ")
+        assert json.loads(received[0].split(b"\r\n\r\n", 1)[1])["prompt"] == [1, 2, 3]
+    finally:
+        await backend.stop()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_requests_created_together_leave_for_the_server_as_one_group(smol):
     """A burst (8 generations and a label score made in one loop turn) reaches the server's queue
     together: it passes the send gate as one group (remote/gate.py), and every request is answered;

@@ -14,8 +14,8 @@ WINDOW_S = 1.0  # long beside the few loop turns between two joins: a busy machi
 
 
 async def joined(gate: SendGate, name: str, log: list[str]) -> None:
-    gate.arrived()  # as the backend does: the request is started, then reaches the gate
-    await gate.wait()
+    gate.arrived()  # as the backend does: the request is started, takes its connection, reaches the gate
+    await gate.wait(gate.expect())
     log.append(name)
 
 
@@ -42,6 +42,39 @@ async def test_a_request_started_but_not_yet_at_the_gate_holds_the_group():
     assert not first.done()
     late = asyncio.ensure_future(gate.wait())  # one of them reaches the gate
     await asyncio.wait_for(asyncio.gather(first, late), 10)
+    assert log == ["a"] and gate.groups == 1
+
+
+async def test_a_request_still_connecting_holds_the_group_past_the_window():
+    """A request started but not yet at the gate (taking its connection) keeps the group waiting long
+    after the window, until it comes: the one that found a kept-alive connection does not leave alone."""
+    gate, log = SendGate(0.05, 10.0), []
+    gate.arrived()
+    connecting = gate.expect()
+    first = asyncio.ensure_future(joined(gate, "a", log))
+    await asyncio.sleep(0.5)  # ten windows
+    assert not first.done()
+    second = asyncio.ensure_future(gate.wait(connecting))
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert log == ["a"] and gate.groups == 1 and gate.requests == 2
+
+
+async def test_a_request_that_ends_before_the_gate_no_longer_holds_the_group():
+    gate, log = SendGate(0.05, 10.0), []
+    gate.arrived()
+    failed = gate.expect()
+    first = asyncio.ensure_future(joined(gate, "a", log))
+    await asyncio.sleep(0.3)
+    assert not first.done()
+    gate.forget(failed)  # e.g. its connection was refused
+    await asyncio.wait_for(first, 5)
+    assert log == ["a"] and gate.groups == 1
+
+
+async def test_a_request_that_never_comes_holds_the_group_no_longer_than_the_longest_hold():
+    gate, log = SendGate(0.05, 0.3), []
+    gate.expect()  # never waits, never forgotten
+    await asyncio.wait_for(joined(gate, "a", log), 5)
     assert log == ["a"] and gate.groups == 1
 
 

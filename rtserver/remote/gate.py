@@ -15,11 +15,14 @@ the hub handles every message of a burst before the first upstream request is wr
 between requests reaching the gate say nothing about whether more are coming, while requests keep
 being started every few hundred microseconds for as long as the hub is taking a burst in.
 
-A request waits until no request has been started for `window_s`, and never longer than `max_hold_s`
+A request waits until no request has been started for `window_s` and every request that is taking
+its connection to the server (`expect`) has come to the gate (connecting after the window has passed
+while the hub is busy, or one request finding a kept-alive connection and coming at once, would
+otherwise be let go alone and start the server's iteration alone), and never longer than `max_hold_s`
 after its group's first (a steady stream of requests is not held back without end): a lone request
-pays `window_s`. Before letting a group go the gate lets the loop run the tasks already queued (the
-handlers of messages read in the same loop turn), so a request read but not yet started still counts.
-`window_s = 0` turns the gate off.
+pays `window_s`. A request whose connection fails is `forget`-ed. Before letting a group go the gate
+lets the loop run the tasks already queued (the handlers of messages read in the same loop turn), so a
+request read but not yet started still counts. `window_s = 0` turns the gate off.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class SendGate:
         self._group: asyncio.Future[None] | None = None
         self._first = 0.0
         self._last = 0.0  # loop time of the latest `arrived`
+        self._pending: set[object] = set()  # tickets of requests started and not yet at the gate
         self.arrivals = 0  # requests started
         self.requests = 0  # requests that went through the gate
         self.groups = 0  # groups released: requests / groups is the mean group size
@@ -44,8 +48,22 @@ class SendGate:
         if self.window_s > 0:
             self._last = asyncio.get_running_loop().time()
 
-    async def wait(self) -> None:
-        """Return when this request's group is released (at once when the gate is off)."""
+    def expect(self) -> object:
+        """A request is taking its connection to the server and will come to `wait` (or `forget`) with
+        the ticket returned: until then its group is not let go (bounded by `max_hold_s`)."""
+        ticket = object()
+        if self.window_s > 0:
+            self._pending.add(ticket)
+        return ticket
+
+    def forget(self, ticket: object) -> None:
+        """The request of `ticket` will not come to the gate (its connection failed), or has come."""
+        self._pending.discard(ticket)
+
+    async def wait(self, ticket: object | None = None) -> None:
+        """Return when this request's group is released (at once when the gate is off). `ticket`: the
+        one `expect` gave this request, if any."""
+        self._pending.discard(ticket)
         self.requests += 1
         if self.window_s <= 0:
             self.groups += 1
@@ -66,11 +84,19 @@ class SendGate:
         loop.call_soon(loop.call_soon, self._release_when_quiet, group)
 
     def _release_when_quiet(self, group: asyncio.Future[None]) -> None:
+        if group is not self._group:
+            return  # released already
         loop = asyncio.get_running_loop()
-        due = min(self._last + self.window_s, self._first + self.max_hold_s)
-        if loop.time() < due:  # a request was started since: look again when it is quiet
-            loop.call_at(due, self._after_queued, group)
-            return
+        now = loop.time()
+        last_call = self._first + self.max_hold_s
+        if now < last_call:
+            due = self._last + self.window_s
+            if now < due:  # a request was started since: look again when it is quiet
+                loop.call_at(min(due, last_call), self._after_queued, group)
+                return
+            if self._pending:  # started ones still connecting: look again a window later
+                loop.call_at(min(now + self.window_s, last_call), self._after_queued, group)
+                return
         self._group = None
         self.groups += 1
         group.set_result(None)  # the waiters resume in the order they joined, in one loop turn

@@ -74,6 +74,8 @@ class QuantizedWeight:
         fmt = {w.format for w in weights}
         if len(fmt) != 1:
             raise ValueError(f"cannot fuse weights of formats {sorted(fmt)}")
+        if len(weights) == 1:
+            return weights[0]  # nothing to fuse: no copy (memory at start-up)
         return QuantizedWeight(
             fmt.pop(), torch.cat([w.qs for w in weights]), torch.cat([w.scales for w in weights])
         )

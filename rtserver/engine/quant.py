@@ -117,10 +117,6 @@ class InterleavedWeight:
     def args(self) -> tuple[str, torch.Tensor, torch.Tensor]:
         return self.format, self.qs, self.scales
 
-    @property
-    def nbytes(self) -> int:
-        return self.qs.numel() + self.scales.numel() * 4
-
 
 def interleave(w: QuantizedWeight) -> InterleavedWeight | None:
     """`w` laid out for the kernel's interleaved_mm; None when its rows are not a multiple of 16."""
@@ -346,8 +342,9 @@ def head_rows(
     head: Any, kernel: Any, probe_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3
 ) -> int:
     """Rows up to which the output head multiplies with its blocks: the largest step size at which the
-    kernel beats the head's path for bigger steps (`head.big`: oneDNN-packed or F.linear), every smaller
-    size beating it too; every row count when it still wins at the last. ~0.2 s at start."""
+    kernel beats the head's path for bigger steps (`head.big`: interleaved blocks, oneDNN or F.linear),
+    every smaller size beating it too; every row count when it still wins at the last. ~0.2 s at
+    start."""
     rows = 0
     for m in probe_rows:
         if not _blocks_win(

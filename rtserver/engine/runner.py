@@ -124,7 +124,7 @@ class Linear:
 
     def fused_args(self, rows: int) -> tuple[str, torch.Tensor, torch.Tensor]:
         """The weight as the kernel's decode_layer takes it for a step of `rows` rows: the blocks where
-        `__call__` would use them, else the oneDNN-packed weight (see use_quantized_blocks)."""
+        `__call__` would use them, else the interleaved blocks, else the oneDNN-packed weight."""
         if self.small is not None and rows <= self.small_rows:
             return self.small.args
         if self.interleaved is not None:

@@ -490,6 +490,8 @@ class ModelRunner:
             return
         if self.attention_kernel is None or self.dtype != torch.float32:
             return
+        if any(L.o.bias is not None for L in self.layers):
+            return  # decode_layer adds q/k/v biases only (Llama's attention_bias also has o_proj's)
         big = all(lin.interleaved is not None or lin.onednn is not None for lin in linears)
         self.fused_decode_rows = 1 << 30 if big else min(lin.small_rows for lin in linears)
 

@@ -221,9 +221,16 @@ def test_engine_in_dtype_gguf_says_what_it_chose(smol, kernel, monkeypatch, tmp_
     assert loaded.dtype_name == "gguf" and chosen["weights"] == "float32"
     if chosen.get("small_step_max_rows"):
         assert "Q4_1" in chosen["small_steps"] and "probe" in chosen["why"]
-        assert chosen["output_head"].startswith("blocks")
-        big = engine.runner.lm_head.small_rows >= 64
-        assert big == (chosen["output_head"] == "blocks at every step size")
+        rows, head = engine.runner.lm_head.small_rows, chosen["output_head"]
+        big = "interleaved blocks" if kernel.fixed_point_activations else "float32"
+        if rows >= 64:
+            assert head == "blocks at every step size"
+        elif rows == 0:
+            assert head == f"{big} at every step size"
+        else:
+            assert head == f"blocks up to {rows} rows, {big} above"
+        if kernel.fixed_point_activations:  # every linear has a big-step weight the kernel takes
+            assert "interleaved" in chosen["big_steps"] and chosen["fused_decode_steps"] == "every size"
     # No compiler (or a failed build): plain float32, and /health says why.
     monkeypatch.setattr("rtserver.engine.core.load_kernel", lambda cache: None)
     monkeypatch.setattr("rtserver.engine.core.kernel_error", lambda: "CalledProcessError: no c++")

@@ -158,10 +158,12 @@ class Engine:
         """The output head's and the fused decode layers' limits, as chosen once the weights are final."""
         runner = self.runner
         head = runner.lm_head
+        above = "interleaved blocks" if head.interleaved is not None else "float32"
         if head.small_rows >= 1 << 30:
             where = "blocks at every step size"
+        elif head.small_rows == 0:
+            where = f"{above} at every step size"
         else:
-            above = "interleaved blocks" if head.interleaved is not None else "float32"
             where = f"blocks up to {head.small_rows} rows, {above} above"
         fused = runner.fused_decode_rows
         return {

@@ -134,15 +134,13 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= self.small_rows:
-            y = quantized_matmul(self.kernel, x.float().contiguous(), self.small)
-            return (y if self.bias is None else y + self.bias).to(x.dtype)
+            return self._on_blocks(x, self.small)
         return self.big(x)
 
     def big(self, x: torch.Tensor) -> torch.Tensor:
         """The path of steps too big for the blocks."""
         if self.interleaved is not None:
-            y = self.kernel.interleaved_mm(x.float().contiguous(), *self.interleaved.args)
-            return (y if self.bias is None else y + self.bias).to(x.dtype)
+            return self._on_blocks(x, self.interleaved)
         if self.storage == "float16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.packed is not None:
@@ -152,6 +150,10 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         assert self.weight is not None  # dense storage keeps its weight until pack_onednn replaces it
         return F.linear(x, self.weight, self.bias)
+
+    def _on_blocks(self, x: torch.Tensor, blocks: QuantizedWeight | InterleavedWeight) -> torch.Tensor:
+        y = quantized_matmul(self.kernel, x.float().contiguous(), blocks)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
 _NO_TENSOR = torch.empty(0)
@@ -511,7 +513,8 @@ class ModelRunner:
         head.release()
         if head.weight is None:
             self.embed, self.embed_blocks = None, head.small
-            head.small_rows = head_rows(head, head.kernel)  # against its new big-step path
+            if head.onednn is not None:  # its big steps left F.linear: probe against the packed copy
+                head.small_rows = head_rows(head, head.kernel)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:

@@ -157,26 +157,40 @@ struct FixedRows {
   std::vector<float> xsum2;     // [M, nb, 2] (0, sum x_b): Q4_1's min term, against the block's (d, m)
 };
 
+// One block of 32 activations to fixed point: put(j, v) gets each v_j = round(x_j / s) in
+// [-32512, 32512]; returns s = max|x| / 32512 and sets `sum` to the block's float sum. Both layouts'
+// limbs come from here, so both round exactly as fixed_point_reference.
+template <typename Put>
+inline float fixed_block(const float* xb, float& sum, const Put& put) {
+  float amax = 0.f;
+  sum = 0.f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j])), sum += xb[j];
+  const float inv = amax > 0.f ? kFixed / amax : 0.f;
+  for (int j = 0; j < kBlock; ++j) {
+    const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
+    put(j, std::min(32512, std::max(-32512, v)));
+  }
+  return amax / kFixed;
+}
+
+// The high limb of v as a signed byte: floor, so that lo = v - 256 hi lands in [-128, 127].
+inline int signed_high_limb(int v) { return (v + 128) >> 8; }
+
 void to_fixed(const float* x, int64_t M, int64_t K, bool offset, FixedRows& f) {
   const int64_t nb = K / kBlock;
   f.hi.resize(M * K), f.lo.resize(M * K), f.scale8.resize(M * nb * 8), f.xsum2.resize(M * nb * 2);
   for (int64_t i = 0; i < M * nb; ++i) {
-    const float* xb = x + i * kBlock;
-    float amax = 0.f, sum = 0.f;
-    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j])), sum += xb[j];
-    const float inv = amax > 0.f ? kFixed / amax : 0.f;
-    for (int j = 0; j < kBlock; ++j) {
-      int v = static_cast<int>(std::nearbyint(xb[j] * inv));
-      v = std::min(32512, std::max(-32512, v));
+    float sum;
+    const float step = fixed_block(x + i * kBlock, sum, [&](int j, int v) {
       int hi;
       if (offset)
         v += 32768, hi = v >> 8;
       else
-        hi = (v + 128) >> 8;  // floor: lo = v - 256 hi lands in [-128, 127]
+        hi = signed_high_limb(v);
       f.hi[i * kBlock + j] = static_cast<uint8_t>(hi);
       f.lo[i * kBlock + j] = static_cast<uint8_t>(v - 256 * hi);
-    }
-    std::fill_n(f.scale8.data() + i * 8, 8, amax / kFixed);
+    });
+    std::fill_n(f.scale8.data() + i * 8, 8, step);
     f.xsum2[i * 2] = 0.f, f.xsum2[i * 2 + 1] = sum;
   }
 }
@@ -293,20 +307,14 @@ void to_fixed_blocks(const float* x, int64_t M, int64_t K, FixedBlocks& f) {
   f.hi.resize(M * K), f.lo.resize(M * K), f.step.resize(M * nb), f.sumx.resize(M * nb), f.corr.resize(M * nb);
   at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* xb = x + i * kBlock;
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j])), sum += xb[j];
-      const float inv = amax > 0.f ? kFixed / amax : 0.f;
       int32_t total = 0;
-      for (int j = 0; j < kBlock; ++j) {
-        int v = static_cast<int>(std::nearbyint(xb[j] * inv));
-        v = std::min(32512, std::max(-32512, v));
-        const int hi = (v + 128) >> 8;  // floor: lo = v - 256 hi lands in [-128, 127]
+      f.step[i] = fixed_block(x + i * kBlock, f.sumx[i], [&](int j, int v) {
+        const int hi = signed_high_limb(v);
         f.hi[i * kBlock + j] = static_cast<int8_t>(hi);
         f.lo[i * kBlock + j] = static_cast<int8_t>(v - 256 * hi);
         total += v;
-      }
-      f.step[i] = amax / kFixed, f.sumx[i] = sum, f.corr[i] = 128 * total;
+      });
+      f.corr[i] = 128 * total;
     }
   });
 }

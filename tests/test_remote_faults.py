@@ -144,6 +144,7 @@ class FakeUpstream:
         self.bodies: list[dict] = []  # each streamed /v1/completions request (a generation)
         self.scores: list[dict] = []  # each other one asking for log-probabilities (a label score)
         self.prefetches: list[dict] = []  # each other one (a next-turn prefetch)
+        self.connection: dict[bool, list[str | None]] = {True: [], False: []}  # by stream: Connection
         self.prefetch_answer = "ok"  # or "500", "garbage" (200, not JSON), "stall" (no answer for 60 s)
         self.closed = asyncio.Event()  # the hub closed a completion's connection before its end
         self.closes = 0
@@ -178,6 +179,7 @@ class FakeUpstream:
 
     async def completions(self, request: Request) -> Response:
         body = await request.json()
+        self.connection[bool(body.get("stream"))].append(request.headers.get("connection"))
         if not body.get("stream") and "logprobs" not in body:
             self.prefetches.append(body)
             if self.prefetch_answer == "500":
@@ -371,6 +373,10 @@ async def test_streams_tokens_usage_and_sends_the_local_prompt_ids(smol):
             second, reply = fake.bodies[1]["prompt"], fake.ids("Hello there!")
             assert second[: len(expected) + len(reply)] == expected + reply
             assert smol.tokenizer.decode(second).count("Sure?") == 1
+        # a llama-server closes the connection after a streamed response (its headers say keep-alive):
+        # the hub does not keep those connections, and keeps the others (the label scores)
+        assert fake.connection[True] == ["close", "close"]
+        assert fake.connection[False] and "close" not in fake.connection[False]
         health = (await get(base, "/health")).json()
         server = server_health(health, fake.url)
         # the two turns, after the start-up calibration's label scores

@@ -368,6 +368,28 @@ def test_render_keeps_special_token_text_as_text(tok):
     assert ids.count(im_end) == template.count(im_end)  # only the template's own
 
 
+def test_chat_turn_continues_the_last_turn_and_counts_the_ids_it_sends(tok):
+    chat = builtin(tok).chat
+    first = chat.prepare_turn([], "Say hello.")
+    assert not first.cut and first.rendered == chat.render_text(first.history)
+    assert first.prompt_ids == chat.render(first.history)
+    # the model spelled "Hello there" with more tokens than the tokenizer would, then ended its turn
+    generated = [tok.convert_tokens_to_ids(t) for t in ("H", "ello", "Ġthere")] + [tok.eos_token_id]
+    last = chat.finished_turn(first.rendered, first.prompt_ids, "Hello there", generated)
+    history = first.history + [{"role": "assistant", "content": "Hello there"}]
+    second = chat.prepare_turn(history, "Again.", last)
+    assert second.prompt_ids[: len(last.ids)] == last.ids  # what the session's KV holds
+    assert second.rendered == chat.render_text(second.history) and not second.cut
+    sent = len(second.prompt_ids)
+    assert sent == len(chat.render(second.history)) + 1  # one token more than a fresh tokenization
+    # the history window is measured in the ids sent: one under them cuts the oldest turn
+    exact = builtin(tok, chat={"max_history_tokens": sent}).chat
+    assert not exact.prepare_turn(history, "Again.", last).cut
+    under = builtin(tok, chat={"max_history_tokens": sent - 1}).chat.prepare_turn(history, "Again.", last)
+    assert under.cut and under.history == [{"role": "user", "content": "Again."}]
+    assert under.prompt_ids == chat.render(under.history)  # a new window: tokenized afresh
+
+
 def test_variant_selects_prompt_and_choices(tok):
     from rtserver.tasks import Choices, Task, Variant, has_cjk
 

@@ -414,6 +414,10 @@ class RemoteBackend:
         url = up.url + "/v1/completions"
         data = json.dumps(body).encode()  # before the gate: after it, only the sending
         headers = {**JSON_HEADERS, "Content-Length": str(len(data))}
+        if body.get("stream") and self.kinds.get(up.url) == "llama.cpp":
+            # llama-server closes the connection after every streamed response while its headers say
+            # keep-alive: pooled, that connection would fail the next request after the gate let it go
+            headers["Connection"] = "close"
         ticket = self.gate.expect() if gated else None
         try:
             resp = await self.http.post(

@@ -2,8 +2,9 @@
 the agent console, the HTTP API).
 
 `ChatTask.prepare_turn` cleans the user's message (control characters stripped, the newest part kept
-within the task's token limit) and windows the history; `ChatTask.prompt` renders the window through
-the tokenizer's chat template and continues from the model's own reply tokens of the last turn.
+within the task's token limit), windows the history and renders the window through the tokenizer's
+chat template, continuing from the model's own reply tokens of the last turn (`continue_prompt`): only
+the text after the last turn is tokenized, so a turn's cost does not grow with the history.
 
 History window (chunked cut): the history is a list of `{"role", "content"}` messages. Before a new
 user turn is rendered, if the history plus that turn has more than `max_history_turns` user turns or
@@ -51,6 +52,8 @@ class ChatTurn:
     text: str  # the cleaned message
     history: list[dict]
     cut: bool  # whether older turns were dropped to fit the window
+    rendered: str  # the window rendered by the chat template
+    prompt_ids: list[int]  # its token ids, the last turn's own ids kept (`continue_prompt`)
 
 
 def window(
@@ -138,16 +141,26 @@ class ChatTask:
             return text
         return self.tokenizer.decode(ids[-limit:], skip_special_tokens=True).lstrip("\ufffd").strip()
 
-    def prepare_turn(self, history: list[dict], text: Any) -> ChatTurn:
-        """The cleaned message and the history window (ending with it) that its prompt renders."""
+    def prepare_turn(self, history: list[dict], text: Any, last: LastTurn | None = None) -> ChatTurn:
+        """The cleaned message, the history window (ending with it) and its prompt, continuing `last`
+        (the session's last turn) where the window still starts with it."""
         text = self.clean_message(text)
+        prompts: dict[int, tuple[str, list[int]]] = {}  # window size -> its prompt, as counted
+
+        def count(candidate: list[dict]) -> int:
+            # the window is measured in the tokens it is sent as; with the last turn's ids kept, only
+            # the new text is tokenized, not the whole history again
+            prompts[len(candidate)] = self.prompt(candidate, last)
+            return len(prompts[len(candidate)][1])
+
         window_, cut = window(
             history + [{"role": "user", "content": text}],
             self.task.max_history_turns,
             self.task.max_history_tokens,
-            lambda h: len(self.render(h)),
+            count,
         )
-        return ChatTurn(text, window_, cut)
+        rendered, ids = prompts.get(len(window_)) or self.prompt(window_, last)
+        return ChatTurn(text, window_, cut, rendered, ids)
 
     # -- rendering --------------------------------------------------------------------------------
     def _messages(self, history: list[dict]) -> list[dict]:
@@ -194,7 +207,7 @@ class ChatTask:
             probe,
             self.task.max_history_turns,
             self.task.max_history_tokens,
-            lambda h: len(self.render(h)),
+            lambda h: len(self.prompt(h, last)[1]),  # counted as `prepare_turn` will count
         )
         if cut:
             return None  # the next prompt starts elsewhere: nothing of this prefix would be reused

@@ -191,7 +191,7 @@ async def _stateless_chat(
     ]
     turn = chat.prepare_turn(earlier, history[-1]["content"])
     params = chat.task.sampling(options or None)
-    result = await _generate(state, chat.render(turn.history), params, endpoint)
+    result = await _generate(state, turn.prompt_ids, params, endpoint)
     return result, chat.parse(result.text)
 
 

@@ -329,9 +329,9 @@ class Connection(QueuedConnection):
         reply, reason = None, "error"
         try:
             chat = hub.state.tasks.chat
-            turn = chat.prepare_turn(session.history, msg.text)
+            turn = chat.prepare_turn(session.history, msg.text, session.last_turn)
             params = chat.task.sampling(msg.options or None)
-            rendered, prompt = chat.prompt(turn.history, session.last_turn)
+            rendered, prompt = turn.rendered, turn.prompt_ids
             stream = hub.state.backend_for("chat").generate(prompt, params, session_key=session.id)
             req.stream = stream
             if req.cancelled:

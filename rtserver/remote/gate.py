@@ -5,9 +5,9 @@ iterations. A burst reaches the hub within a few ms, but leaves it spread over t
 per-request work (HTTP parsing, the chat template, the upstream request); the first request then starts
 an iteration on its own and the others wait for that iteration to end. Held until the burst has stopped
 arriving and then written one right after another, they reach the server together. Measured
-(docs/remote-bench-history.md, runs A and B): driven directly, llama-server took all 32 requests of the burst into its
-first iteration; through the hub without the gate the first request came alone, ~1 ms after the hub
-read it, and the other 31 waited for its iteration (~30 ms) before theirs began.
+(docs/remote-bench-history.md, runs A and B): driven directly, llama-server took all 32 requests of
+the burst into its first iteration; through the hub without the gate the first request came alone,
+~1 ms after the hub read it, and the other 31 waited for its iteration (~30 ms) before theirs began.
 
 What "arriving" means: a request is started (`arrived()`, called by the backend when a generation or
 a label score begins, in the loop turn that handled its client's message), not when it reaches the gate:

@@ -75,14 +75,20 @@ class Client:
                 assert ev["type"] == "done", ev
                 self.acked.append((text, ev["text"]))
                 self.first_prompt_tokens = self.first_prompt_tokens or ev["usage"]["prompt_tokens"]
-            if then_unfinished:  # a turn in flight when the node dies: never acknowledged
+            if then_unfinished:  # a turn still running when the node dies, as a rule
                 await ws.send(
                     json.dumps({"type": "chat", "id": "late", "text": "Count to 200.", "options": {}})
                 )
-                await recv(ws)  # its first event: it is running
+
+                def note(ev: dict) -> None:
+                    if ev.get("id") == "late" and ev["type"] == "done":
+                        # a reply free to end early can end before the kill: acknowledged
+                        self.acked.append(("Count to 200.", ev["text"]))
+
+                note(await recv(ws))  # its first event: it is running (or, short, has ended)
                 try:  # held open until the node dies under it
-                    async for _ in ws:
-                        pass
+                    async for raw in ws:
+                        note(json.loads(raw))
                 except websockets.ConnectionClosed:
                     pass
 
@@ -98,7 +104,7 @@ async def test_sigkill_node_every_acknowledged_turn_resumes_on_the_other(tmp_pat
         tasks = [asyncio.create_task(c.chat_on(a.ws_url, 2, then_unfinished=True)) for c in clients]
 
         async def all_acked() -> None:
-            while not all(len(c.acked) == 2 for c in clients):
+            while not all(len(c.acked) >= 2 for c in clients):
                 failed = [t for t in tasks if t.done() and t.exception() is not None]
                 if failed:
                     raise failed[0].exception()  # type: ignore[misc]
@@ -124,14 +130,17 @@ async def test_sigkill_node_every_acknowledged_turn_resumes_on_the_other(tmp_pat
                     for text, reply in c.acked:
                         acked += 1
                         present += (("user", text), ("assistant", reply)) in stored
-                    assert len(stored) == 2, history  # the unfinished turn left no trace
+                    # nothing else: the turn still running at the kill left no trace, unless it was
+                    # stored whole and the node died before its `done` went out
+                    extra = stored[len(c.acked) :]
+                    assert len(extra) <= 1 and all(u == ("user", "Count to 200.") for u, _ in extra), history
                     if c.i < 10:  # the next reply, on B, is computed from that history
                         ev = await turn(ws, "next", "What was my code?")
                         assert ev["type"] == "done", ev
                         # the two stored turns are in its prompt
                         assert ev["usage"]["prompt_tokens"] > c.first_prompt_tokens + 30, ev
         print(f"\nSIGKILL resume: {present}/{acked} acknowledged turns present over {SESSIONS} sessions")
-        assert present == acked == 2 * SESSIONS
+        assert present == acked >= 2 * SESSIONS
         assert not b.log_errors(), b.log_errors()
     finally:
         for p in (a, b):

@@ -56,6 +56,11 @@ class ServerSettings:
     slow_client_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
     shutdown_grace_s: float = _setting(10.0, min=0.0, max=3600.0)
     forwarded_allow_ips: list[str] = _setting(["127.0.0.1"])
+    # connections (rtserver/web/admission.py): a /ws socket must start its session this soon; open
+    # sockets per client (IPv6 by /64; 0 = no cap); connections and requests in all (uvicorn)
+    hello_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
+    max_connections_per_ip: int = _setting(64, min=0, max=1_000_000)
+    max_connections: int = _setting(2000, min=1, max=1_000_000)
 
 
 @dataclass
@@ -121,8 +126,19 @@ class SecuritySettings:
     """Tokens, origins and rate limits (owned by the hub)."""
 
     console_token: str = _setting("")
+    # surfaces (rtserver/web/admission.py): /ws hello token (empty = public); the HTTP inference API's
+    # bearer token and switch; /metrics and /health detail. Empty API and ops tokens: loopback only.
+    ws_token: str = _setting("")
     api_token: str = _setting("")
+    api_enabled: bool = _setting(True)
+    ops_token: str = _setting("")
     allowed_origins: list[str] = _setting([])
+    # token costs per client and door: tokens held by running generations, tokens used per second
+    # (prompt + generated; 0 = off), and the share of the engine's KV the API may hold (1 = no limit)
+    ip_tokens_in_flight: int = _setting(16384, min=0, max=100_000_000)
+    ip_tokens_per_s: float = _setting(1000.0, min=0.0, max=1e9)
+    ip_tokens_burst: int = _setting(32768, min=1, max=100_000_000)
+    api_kv_share: float = _setting(0.5, min=0.0, max=1.0)
     # token buckets (rtserver/web/ratelimit.py); a rate of 0 turns that limit off
     rate_limit_per_s: float = _setting(5.0, min=0.0, max=1e6)
     rate_limit_burst: int = _setting(20, min=1, max=1_000_000)

@@ -329,8 +329,8 @@ async def _positive(base, name):
     return await metric(base, name + "_total") > 0
 
 
-async def test_auth_token_required_when_configured(smol):
-    settings = make_settings(security={"api_token": "s3cret"})
+async def test_ws_token_required_when_configured(smol):
+    settings = make_settings(security={"ws_token": "s3cret"})
     async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
         async with websockets.connect(url) as ws:
             await ws.send(json.dumps({"type": "ping"}))
@@ -342,6 +342,50 @@ async def test_auth_token_required_when_configured(smol):
             assert info.value.rcvd.code == 4401
         async with websockets.connect(url) as ws:
             assert (await hello(ws, auth_token="s3cret"))["type"] == "ready"
+
+
+async def test_api_token_does_not_lock_the_widget_door(smol):
+    """The inference API's token guards the HTTP API only: a widget's hello carries no token."""
+    settings = make_settings(security={"api_token": "s3cret"})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(url) as ws:
+            assert (await hello(ws))["type"] == "ready"
+
+
+async def test_idle_socket_closed_at_the_hello_deadline(smol):
+    settings = make_settings(server={"hello_timeout_s": 0.3})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(url) as ws:
+            err = await recv_json(ws)
+            assert err["type"] == "error" and err["code"] == "hello_timeout", err
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(ws.recv(), 5)
+            assert info.value.rcvd.code == 4408
+        async with websockets.connect(url) as ws:  # a client that says hello in time is served
+            assert (await hello(ws))["type"] == "ready"
+            await asyncio.sleep(0.5)
+            await ws.send(json.dumps({"type": "ping"}))
+            assert (await recv_json(ws))["type"] == "pong"
+
+
+async def test_open_sockets_capped_per_client(smol):
+    settings = make_settings(server={"max_connections_per_ip": 3})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        kept = [await websockets.connect(url) for _ in range(3)]
+        try:
+            async with websockets.connect(url) as extra:
+                err = await recv_json(extra)
+                assert err["code"] == "too_many_connections", err
+                with pytest.raises(websockets.ConnectionClosed) as info:
+                    await asyncio.wait_for(extra.recv(), 5)
+                assert info.value.rcvd.code == 4429
+        finally:
+            await kept.pop().close()
+        await asyncio.sleep(0.1)
+        async with websockets.connect(url) as ws:  # a closed socket frees its place
+            assert (await hello(ws))["type"] == "ready"
+        for ws in kept:
+            await ws.close()
 
 
 async def test_not_ready_while_loading(smol):

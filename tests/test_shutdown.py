@@ -13,7 +13,13 @@ import websockets
 from rtserver.tools.serverproc import ServerProcess
 
 GRACE_S = 4.0
-COUNT = "Count from 1 to 500, separated by commas, and say nothing else."  # greedy: counts, no early end
+COUNT = "Count from 1 to 500, separated by commas, and say nothing else."
+# The long reply may not end at EOS before its grace period is over, wherever greedy decoding stops on
+# this CPU: the test's config lets a client ask for a minimum length.
+CONFIG = """
+[task.chat]
+overridable = { min_new_tokens = [0, 512] }
+"""
 
 
 async def _recv(ws, timeout: float = 60.0) -> dict:
@@ -33,7 +39,7 @@ async def _events_until_closed(ws, timeout: float = 60.0) -> tuple[list[dict], i
 async def _chat(ws, rid: str, max_new_tokens: int) -> None:
     await ws.send(json.dumps({"type": "hello", "client": "shutdown test"}))
     assert (await _recv(ws))["type"] == "ready"
-    options = {"max_new_tokens": max_new_tokens, "temperature": 0}
+    options = {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens, "temperature": 0}
     await ws.send(json.dumps({"type": "chat", "id": rid, "text": COUNT, "options": options}))
     while (ev := await _recv(ws))["type"] != "token":
         assert ev["type"] != "error", ev
@@ -46,6 +52,8 @@ def _end(events: list[dict], rid: str) -> dict:
 
 
 async def test_sigterm_drains_short_reply_ends_long_one_and_exits_0(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text(CONFIG)
     server = ServerProcess(
         {
             "RTSERVER_MODEL_DTYPE": "float32",
@@ -56,6 +64,7 @@ async def test_sigterm_drains_short_reply_ends_long_one_and_exits_0(tmp_path):
             "RTSERVER_TASKS_AUTO_TASKS": "",
         },
         tmp_path / "server.log",
+        config=str(config),
     )
     await asyncio.to_thread(server.start, 180)
     try:
@@ -63,7 +72,7 @@ async def test_sigterm_drains_short_reply_ends_long_one_and_exits_0(tmp_path):
             websockets.connect(server.ws_url, open_timeout=60) as long_ws,
             websockets.connect(server.ws_url, open_timeout=60) as short_ws,
         ):
-            # long: 512 new tokens of counting, far beyond what the grace period allows; short: 16 tokens,
+            # long: 512 new tokens (EOS held off), far beyond what the grace period allows; short: 16 tokens,
             # still streaming when the signal comes, done well within it
             await _chat(long_ws, "long", 512)
             await _chat(short_ws, "short", 16)

@@ -102,6 +102,16 @@ def test_discovery_from_a_folder(tmp_path, tok):
     assert exc.value.code == "unknown_task"
 
 
+def test_a_task_table_sets_the_ranges_clients_may_use(tok):
+    registry = builtin(tok, chat={"overridable": {"min_new_tokens": [0, 64], "max_new_tokens": [1, 32]}})
+    task = registry.get("chat").task
+    assert task.overridable["min_new_tokens"] == [0, 64]
+    assert task.overridable["temperature"] == (0.0, 2.0)  # the plugin's other ranges stay
+    assert task.sampling({"min_new_tokens": 20, "max_new_tokens": 32}).min_new_tokens == 20
+    with pytest.raises(TaskError, match="'max_new_tokens' = 64 is outside 1..32"):
+        task.sampling({"max_new_tokens": 64})
+
+
 def test_builtin_plugins_and_auto_tasks(tok):
     registry, errors = load_registry(Settings(tasks=TaskSettings(plugin_dirs=[BUILTIN])), tok)
     assert errors == []

@@ -45,6 +45,7 @@ GENERIC_OVERRIDES = (
     "max_new_tokens",
     "stop",
     "decoding",
+    "overridable",
     "cache_size",
     "cache_ttl_s",
     "max_history_turns",
@@ -60,6 +61,7 @@ OVERRIDE_TYPES: dict[str, Any] = {
     "max_new_tokens": int,
     "stop": list,
     "decoding": dict,
+    "overridable": dict,
     "cache_size": int,
     "cache_ttl_s": (int, float),
     "max_history_turns": int,
@@ -105,8 +107,9 @@ def _apply_overrides(task: Task, table: dict) -> Task:
             raise ValueError(f"[task.{task.name}] {key} = {value!r}: expected {names[expected]}")
         if key == "cache_ttl_s":
             generic[key] = float(value)
-    if "decoding" in generic:
-        generic["decoding"] = {**task.decoding, **generic["decoding"]}
+    for key in ("decoding", "overridable"):  # a table's keys replace the plugin's, the others stay
+        if key in generic:
+            generic[key] = {**getattr(task, key), **generic[key]}
     return dataclasses.replace(task, **generic)
 
 

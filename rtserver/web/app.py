@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -27,7 +28,10 @@ from ..engine.backend import InferenceBackend, Tokenizer
 from ..engine.model import LoadedModel
 from ..tasks.registry import PluginError, TaskRegistry
 from . import http_api
+from .admission import Admission, Refused, SocketGate, Surface, bearer
 from .cluster import ClusterUnavailable
+from .connection import client_ip
+from .headers import SecurityHeaders
 from .hub import Hub
 from .metrics import CONTENT_TYPE
 from .protocol import transport_max_bytes
@@ -173,15 +177,29 @@ async def _load(
             on_failed(state.error)
 
 
+def _ops_refusal(request: Request) -> Refused | None:
+    """Why this client may not see operations detail (None: it may)."""
+    admission: Admission = request.app.state.admission
+    try:
+        admission.authorize(Surface.OPS, bearer(request.headers), client_ip(request))
+    except Refused as refused:
+        return refused
+    return None
+
+
+def _refused(refused: Refused) -> JSONResponse:
+    error = {"code": refused.code, "message": refused.message}
+    return JSONResponse({"error": error}, status_code=refused.status)
+
+
 async def health(request: Request) -> Response:
     st: AppState = request.app.state.rt
-    body = {
-        "status": st.status,
-        "stage": st.stage,
-        "progress": round(st.progress, 3),
-        "model": st.model_id,
-        "uptime_s": round(time.monotonic() - st.started, 3),
-    }
+    body: dict = {"status": st.status, "stage": st.stage, "progress": round(st.progress, 3)}
+    status_code = 503 if st.status == "failed" else 200
+    if _ops_refusal(request) is not None:  # the public view: nothing of what runs where
+        return JSONResponse(body, status_code=status_code)
+    body["model"] = st.model_id
+    body["uptime_s"] = round(time.monotonic() - st.started, 3)
     if st.error:
         body["error"] = st.error
     if st.ready_after_s is not None:
@@ -196,7 +214,7 @@ async def health(request: Request) -> Response:
             with contextlib.suppress(ClusterUnavailable):
                 cluster.update(await hub.nodes.view())
         body["cluster"] = cluster
-    return JSONResponse(body, status_code=503 if st.status == "failed" else 200)
+    return JSONResponse(body, status_code=status_code)
 
 
 async def ready(request: Request) -> Response:
@@ -204,12 +222,15 @@ async def ready(request: Request) -> Response:
     body: dict = {"ready": st.ready, "status": st.status}
     reason = st.not_ready_reason()
     if reason:
-        body["reason"] = reason
+        body["reason"] = reason if _ops_refusal(request) is None else st.public_not_ready_message()
     return JSONResponse(body, status_code=200 if st.ready else 503)
 
 
 async def metrics(request: Request) -> Response:
     st: AppState = request.app.state.rt
+    refused = _ops_refusal(request)
+    if refused is not None:
+        return _refused(refused)
     return Response(st.metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -244,7 +265,8 @@ def create_app(
     `registry_factory(settings, tokenizer)` are for tests; `on_load_failed(message)` is called when
     start-up fails (`rtserver serve` exits then)."""
     state = AppState(settings)
-    hub = Hub(state)
+    admission = Admission(state)
+    hub = Hub(state, admission)
     model_factory = loaded_model_factory or _default_model_factory(settings)
     tokenizer_factory = _default_tokenizer_factory(settings)
     if loaded_model_factory is not None:
@@ -302,9 +324,11 @@ def create_app(
         routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))
     if CLIENT_FAULTS not in logging.getLogger("uvicorn.error").filters:
         logging.getLogger("uvicorn.error").addFilter(CLIENT_FAULTS)
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = [Middleware(SecurityHeaders), Middleware(SocketGate, admission=admission)]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.rt = state
     app.state.hub = hub
+    app.state.admission = admission
     return app
 
 
@@ -319,4 +343,5 @@ def uvicorn_options(settings: Settings) -> dict:
         "proxy_headers": True,
         "forwarded_allow_ips": settings.server.forwarded_allow_ips,
         "timeout_graceful_shutdown": settings.server.shutdown_grace_s + 5,
+        "limit_concurrency": settings.server.max_connections,
     }

@@ -23,10 +23,11 @@ class Close(enum.IntEnum):
     POLICY = 1008  # origin not allowed
     NOT_READY = 1013  # the model is still loading
     SLOW_CLIENT = 4008  # the client did not read its events
+    HELLO_TIMEOUT = 4408  # no session started (or console login) within the deadline
     UNAUTHORIZED = 4401
     DISABLED = 4403  # the console is off (no console token)
     TAKEN_OVER = 4409  # the session was resumed by another connection
-    TOO_MANY_SESSIONS = 4429
+    TOO_MANY_SESSIONS = 4429  # also: too many open connections from one client
 
 
 def client_ip(conn: HTTPConnection) -> str:

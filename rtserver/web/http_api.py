@@ -21,6 +21,7 @@ from ..engine.backend import FinishReason, Generation, SamplingError, SamplingPa
 from ..tasks.chat import ChatTask
 from . import events
 from . import protocol as P
+from .admission import Admission, Refused, Surface, bearer
 from .connection import client_ip
 from .errors import GenerationFailed, error_code
 from .ratelimit import retry_after_header
@@ -70,35 +71,26 @@ def error_response(
     )
 
 
+def _refused(state: AppState, refused: Refused) -> JSONResponse:
+    response = error_response(state, refused.code, refused.message, status=refused.status)
+    if refused.retry_after_s > 0:
+        response.headers["Retry-After"] = retry_after_header(refused.retry_after_s)
+    return response
+
+
 def _api(handler):
     """Wraps an endpoint: auth, readiness, body parsing and error mapping."""
 
     async def endpoint(request: Request) -> Response:
         state: AppState = request.app.state.rt
-        limiter = state.ip_limiter
-        wait = await state.ip_take(client_ip(request))
-        if wait > 0:
-            response = error_response(
-                state,
-                "rate_limited",
-                f"too many requests (limit {limiter.rate:g}/s per "
-                f"client address, burst {limiter.burst}); retry in {wait:.2f} s",
-            )
-            response.headers["Retry-After"] = retry_after_header(wait)
-            return response
-        if state.shutting_down:
-            return error_response(state, "shutting_down", "the server is shutting down; retry in a moment")
-        token = state.settings.security.api_token
-        if token:
-            given = request.headers.get("authorization", "")
-            if not (
-                given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), token.encode())
-            ):
-                return error_response(
-                    state, "unauthorized", "missing or wrong bearer token (Authorization header)"
-                )
-        if not state.serving:
-            return error_response(state, "not_ready", state.not_ready_message())
+        admission: Admission = request.app.state.admission
+        ip = client_ip(request)
+        try:
+            admission.authorize(Surface.API, bearer(request.headers), ip)
+            await admission.take_request(ip)
+            admission.check_serving()
+        except Refused as refused:
+            return _refused(state, refused)
         try:
             body = None
             if request.method == "POST":
@@ -110,6 +102,8 @@ def _api(handler):
                 if not isinstance(body, dict):
                     raise HTTPError("bad_json", "body must be a JSON object")
             return await handler(request, state, body)
+        except Refused as refused:
+            return _refused(state, refused)
         except HTTPError as exc:
             return error_response(state, exc.code, exc.message, exc.param, exc.status)
         except Exception as exc:
@@ -162,10 +156,34 @@ def _history(value: Any) -> list[dict]:
     return out
 
 
+def _start(
+    request: Request,
+    state: AppState,
+    prompt: list[int],
+    params: SamplingParams,
+    session_key: str | None = None,
+) -> Generation:
+    """A generation on the chat backend, its tokens held against this client's API budget until it ends."""
+    admission: Admission = request.app.state.admission
+    held = admission.reserve(Surface.API, client_ip(request), len(prompt) + params.max_new_tokens)
+    try:
+        stream = state.backend.generate(prompt, params, session_key=session_key)
+    except BaseException:
+        held.release(0)
+        raise
+    admission.release_when_done(held, stream, len(prompt))
+    return stream
+
+
 async def _generate(
-    state: AppState, prompt: list[int], params: SamplingParams, endpoint: str, session_key: str | None = None
+    request: Request,
+    state: AppState,
+    prompt: list[int],
+    params: SamplingParams,
+    endpoint: str,
+    session_key: str | None = None,
 ) -> SequenceResult:
-    stream = state.backend.generate(prompt, params, session_key=session_key)
+    stream = _start(request, state, prompt, params, session_key)
     try:
         result = await stream.result()
     except asyncio.CancelledError:
@@ -179,7 +197,7 @@ async def _generate(
 
 
 async def _stateless_chat(
-    state: AppState, history_value: Any, options: Any, endpoint: str
+    request: Request, state: AppState, history_value: Any, options: Any, endpoint: str
 ) -> tuple[SequenceResult, dict]:
     chat = state.tasks.chat
     if options is not None and not isinstance(options, dict):
@@ -191,7 +209,7 @@ async def _stateless_chat(
     ]
     turn = chat.prepare_turn(earlier, history[-1]["content"])
     params = chat.task.sampling(options or None)
-    result = await _generate(state, turn.prompt_ids, params, endpoint)
+    result = await _generate(request, state, turn.prompt_ids, params, endpoint)
     return result, chat.parse(result.text)
 
 
@@ -216,7 +234,7 @@ async def run_task(request: Request, state: AppState, body: dict) -> Response:
         inp = body["input"]
         if not isinstance(inp, dict) or "history" not in inp:
             raise HTTPError("invalid_input", f'{name} takes {{"history": [{{role, content}}, ...]}}', "input")
-        result, output = await _stateless_chat(state, inp["history"], options, "http_task")
+        result, output = await _stateless_chat(request, state, inp["history"], options, "http_task")
         timing = {"queued_ms": result.queued_ms, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms}
         return JSONResponse(
             {
@@ -244,7 +262,7 @@ async def sentiment(request: Request, state: AppState, body: dict) -> Response:
 async def chat(request: Request, state: AppState, body: dict) -> Response:
     if "history" not in body:
         raise HTTPError("missing_field", "'history' is required", "history")
-    result, output = await _stateless_chat(state, body["history"], body.get("options"), "http_chat")
+    result, output = await _stateless_chat(request, state, body["history"], body.get("options"), "http_chat")
     return JSONResponse({**output, "usage": events.usage_json(result.usage)})
 
 
@@ -420,7 +438,7 @@ async def chat_completions(request: Request, state: AppState, body: dict) -> Res
     cid = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())
     if not body.get("stream"):
-        result = await _generate(state, prompt, params, "openai")
+        result = await _generate(request, state, prompt, params, "openai")
         return JSONResponse(
             {
                 "id": cid,
@@ -439,7 +457,7 @@ async def chat_completions(request: Request, state: AppState, body: dict) -> Res
             }
         )
     include_usage = bool((stream_opts or {}).get("include_usage"))
-    gen = state.backend.generate(prompt, params)  # Overloaded etc. raise here, before the 200
+    gen = _start(request, state, prompt, params)  # Overloaded etc. raise here, before the 200
     # The response starts with the first token: until then nothing is written to this client, so in a
     # burst every request's generation reaches its backend (a remote server: its upstream request is
     # written) before any response's headers and role chunk take their socket writes, and the role
@@ -681,7 +699,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
 
     key = f"remote:{session}" if session else None  # never collides with this node's own sessions
     if not body.get("stream"):
-        result = await _generate(state, prompt, params, "completions", key)
+        result = await _generate(request, state, prompt, params, "completions", key)
         return JSONResponse(
             {
                 "id": cid,
@@ -697,7 +715,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
         if isinstance(body.get("stream_options"), dict)
         else False
     )
-    gen = backend.generate(prompt, params, session_key=key)
+    gen = _start(request, state, prompt, params, key)
 
     def sse(data: dict) -> str:
         return (

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import secrets
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -36,8 +35,10 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..engine.backend import FinishReason, Generation, NextTurnPrefetcher
+from ..tasks.chat import LastTurn
 from . import events
 from . import protocol as P
+from .admission import Admission, NoReservation, Refused, Reservation, Surface, client_key
 from .cluster import ClusterUnavailable
 from .cluster.bus import ConsoleBus
 from .cluster.nodes import NodeRegistry
@@ -70,6 +71,13 @@ class Request:
         # task is never cancelled from outside, so its clean-up (the session's turn state) always runs
 
 
+def _kept_prefix(prompt: list[int], last: LastTurn | None) -> int:
+    """How many of the prompt's first tokens are the session's own last turn (its KV, kept)."""
+    if last is None or prompt[: len(last.ids)] != last.ids:
+        return 0
+    return len(last.ids)
+
+
 class Connection(QueuedConnection):
     def __init__(self, hub: Hub, ws: WebSocket):
         ss = hub.settings.server
@@ -81,6 +89,7 @@ class Connection(QueuedConnection):
         self.client_name: str | None = None
         self.background: set[asyncio.Task] = set()
         self.client_ip = client_ip(ws)
+        self.started = asyncio.Event()  # set once a session is attached (the hello deadline ends)
         sec = hub.settings.security
         self.bucket = (
             TokenBucket(sec.rate_limit_per_s, sec.rate_limit_burst) if sec.rate_limit_per_s > 0 else None
@@ -136,11 +145,12 @@ class Connection(QueuedConnection):
         if self.bucket is not None:
             wait = self.bucket.take()
             if wait > 0:
-                return wait, f"{self.bucket.rate:g} messages/s per connection (burst {self.bucket.burst})"
-        limiter = self.hub.state.ip_limiter
-        wait = await self.hub.state.ip_take(self.client_ip)
-        if wait > 0:
-            return wait, f"{limiter.rate:g} messages/s per client address (burst {limiter.burst})"
+                limit = f"{self.bucket.rate:g} messages/s per connection (burst {self.bucket.burst})"
+                return wait, f"too many messages (limit {limit}); retry in {wait:.2f} s"
+        try:
+            await self.hub.admission.take_request(self.client_ip, "messages")
+        except Refused as refused:
+            return refused.retry_after_s, refused.message
         return 0.0, ""
 
     async def handle_frame(self, raw: str | bytes) -> None:
@@ -149,15 +159,10 @@ class Connection(QueuedConnection):
         except P.ProtocolError as exc:
             msg, error = None, exc
         if not isinstance(msg, P.Cancel):  # cancelling lowers load: never refused
-            wait, limit = await self.rate_limit_wait()
+            wait, why = await self.rate_limit_wait()
             if wait > 0:
                 rid = getattr(msg, "id", None) if msg is not None else error.request_id
-                await self.error(
-                    "rate_limited",
-                    f"too many messages (limit {limit}); retry in {wait:.2f} s",
-                    rid,
-                    retry_after_s=round(wait, 3),
-                )
+                await self.error("rate_limited", why, rid, retry_after_s=round(wait, 3))
                 return
         if msg is None:
             await self.error(error.code, error.message, error.request_id)
@@ -235,12 +240,11 @@ class Connection(QueuedConnection):
     # -- session --------------------------------------------------------------------------------
     async def start_session(self, hello: P.Hello) -> bool:
         hub = self.hub
-        token = hub.settings.security.api_token
-        if token and not (
-            hello.auth_token and secrets.compare_digest(hello.auth_token.encode(), token.encode())
-        ):
-            await self.error("unauthorized", "a valid auth_token is required in hello")
-            self.stop(Close.UNAUTHORIZED, "unauthorized")
+        try:
+            hub.admission.authorize(Surface.PUBLIC, hello.auth_token or "", self.client_ip)
+        except Refused as refused:
+            await self.error(refused.code, refused.message)
+            self.stop(refused.close, refused.code)
             return False
         self.client_name = hello.client
         session: Session | None = None
@@ -273,7 +277,7 @@ class Connection(QueuedConnection):
                 if clustered is not None:
                     session = await clustered.create(self.client_ip, self.client_name)
                 else:
-                    session = hub.sessions.create(self.client_ip)
+                    session = hub.sessions.create(client_key(self.client_ip))
         except TooManySessions:
             cap = hub.settings.security.max_sessions_per_ip
             await self.error(
@@ -293,6 +297,7 @@ class Connection(QueuedConnection):
             old.stop(Close.TAKEN_OVER, "session taken over")
         session.connection = self
         self.session = session
+        self.started.set()
         await self.send(hub.ready_event(session, resumed))
         hub.console.attached(session, self.client_name, resumed)
         return True
@@ -327,11 +332,14 @@ class Connection(QueuedConnection):
         hub = self.hub
         added = False
         reply, reason = None, "error"
+        held: Reservation = NoReservation()
         try:
             chat = hub.state.tasks.chat
             turn = chat.prepare_turn(session.history, msg.text, session.last_turn)
             params = chat.task.sampling(msg.options or None)
             rendered, prompt = turn.rendered, turn.prompt_ids
+            new_tokens = len(prompt) - _kept_prefix(prompt, session.last_turn)
+            held = hub.admission.reserve(Surface.PUBLIC, self.client_ip, new_tokens + params.max_new_tokens)
             stream = hub.state.backend_for("chat").generate(prompt, params, session_key=session.id)
             req.stream = stream
             if req.cancelled:
@@ -347,6 +355,7 @@ class Connection(QueuedConnection):
                     await self.send(events.token_event(msg.id, event.text))
                     hub.console.bot_token(session, msg.id, event.text)
             result = await stream.result()
+            held.release(new_tokens + result.usage.generated_tokens)
             if result.finish_reason is FinishReason.ERROR:
                 raise GenerationFailed(result)
             if result.text or result.finish_reason is not FinishReason.CANCELLED:
@@ -369,6 +378,10 @@ class Connection(QueuedConnection):
             self.prefetch_next_turn(session)
         except asyncio.CancelledError:
             raise
+        except Refused as refused:
+            await self.error(
+                refused.code, refused.message, msg.id, retry_after_s=round(refused.retry_after_s, 3)
+            )
         except Exception as exc:
             code, message = error_code(exc)
             if isinstance(exc, GenerationFailed):  # the backend logged its cause
@@ -377,6 +390,7 @@ class Connection(QueuedConnection):
                 log.exception("chat turn %s failed", msg.id)
             await self.error(code, message, msg.id)
         finally:
+            held.release()
             if added and session.history and session.history[-1]["role"] == "user":
                 session.history.pop()  # a failed or empty cancelled turn leaves no trace
             session.touch(hub.sessions.clock())
@@ -452,8 +466,9 @@ class Connection(QueuedConnection):
 class Hub:
     """The /ws endpoint: live connections, the session registry, and the console it feeds."""
 
-    def __init__(self, state: AppState):
+    def __init__(self, state: AppState, admission: Admission):
         self.state = state
+        self.admission = admission
         self.settings = state.settings
         self.metrics = state.metrics
         ss, sec = self.settings.sessions, self.settings.security
@@ -602,9 +617,11 @@ class Hub:
         self.connections.add(conn)
         writer = asyncio.create_task(conn.writer())
         reader = asyncio.create_task(conn.reader())
+        deadline = asyncio.create_task(self._hello_deadline(conn))
         try:
             await conn.stopping.wait()
         finally:
+            deadline.cancel()
             self.connections.discard(conn)
             reader.cancel()
             conn.cancel_all()
@@ -620,6 +637,15 @@ class Hub:
                     with contextlib.suppress(ClusterUnavailable):  # else the slot's lease runs out
                         await self.cluster_sessions.release(conn.session, conn.client_ip)
             await conn.finish(reader, writer, drain=conn.close_code != Close.SLOW_CLIENT)
+
+    async def _hello_deadline(self, conn: Connection) -> None:
+        """A socket that starts no session in time is closed: idle sockets hold no server room."""
+        timeout = self.settings.server.hello_timeout_s
+        try:
+            await asyncio.wait_for(conn.started.wait(), timeout)
+        except TimeoutError:
+            await conn.error("hello_timeout", f"no hello within {timeout:g} s of connecting")
+            conn.stop(Close.HELLO_TIMEOUT, "hello timeout")
 
     async def drain(self, grace_s: float) -> None:
         """Graceful shutdown: refuse new work, give in-flight requests `grace_s` to finish, end the rest

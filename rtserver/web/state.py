@@ -109,6 +109,16 @@ class AppState:
     def not_ready_message(self) -> str:
         return f"{self.not_ready_reason() or 'not ready'}; retry when GET /ready answers 200"
 
+    def public_not_ready_message(self) -> str:
+        """Why requests cannot be served, without internal detail (URLs, hosts, paths)."""
+        if self.status != "ready":
+            what = f"the model is {self.status}"
+        elif self.serving_reason() is not None:
+            what = "no inference server is available"
+        else:
+            what = "the session store is unavailable"
+        return f"{what}; retry when GET /ready answers 200"
+
     def backends_needed(self) -> set[str]:
         """The backends the settings place work on: the default, and each task's `backend`."""
         needed = {self.settings.model.backend}

@@ -47,7 +47,8 @@ class ClusterUnavailable(Exception):
     code = "unavailable"
 
     def __init__(self, reason: str):
-        self.message = f"the session store is unavailable ({reason}); retry in a moment"
+        self.reason = reason  # for logs and /health's detail: it may name the Redis host
+        self.message = "the session store is unavailable; retry in a moment"
         super().__init__(self.message)
 
 

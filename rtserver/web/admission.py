@@ -1,0 +1,346 @@
+"""Who may use each door, and how much: surface credentials, open sockets per client, request and token
+budgets, readiness and shutdown. The /ws hub, the console and the HTTP API all admit through here.
+
+Surfaces: the public widget door (`/ws`, page assets), the inference API (HTTP `/v1/*`, `/chat`,
+`/sentiment`, `/tokenize`), the agent console and operations (`/metrics`, `/health` detail). Each has
+its own credential; the API and operations answer loopback clients only while their token is empty.
+
+Costs are tokens, not requests: a generation reserves its new prompt tokens plus `max_new_tokens` while
+it runs, against its client's share and its surface's share, and its client's token bucket pays for
+what it used. A client is an IPv4 address or an IPv6 /64 (one host's usual allocation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import ipaddress
+import math
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cachetools import TTLCache
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..config import Settings
+from ..engine.backend import Generation, InferenceBackend
+from . import events
+from .connection import Close
+from .state import AppState
+
+
+class Surface(enum.Enum):
+    PUBLIC = "public"
+    API = "api"
+    CONSOLE = "console"
+    OPS = "ops"
+
+
+class Refused(Exception):
+    """A request or connection that may not go on; `code` is stable, `message` says what to do."""
+
+    def __init__(
+        self, code: str, message: str, status: int, close: int = Close.POLICY, retry_after_s: float = 0.0
+    ):
+        super().__init__(message)
+        self.code, self.message, self.status, self.close = code, message, status, close
+        self.retry_after_s = retry_after_s
+
+
+def client_key(ip: str) -> str:
+    """The unit every per-client limit counts: an IPv4 address, or the /64 of an IPv6 one."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
+
+
+def is_loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return False
+
+
+def bearer(headers: dict[str, str] | object) -> str:
+    """The token of an `Authorization: Bearer` header, "" when there is none."""
+    value = getattr(headers, "get", lambda *_: "")("authorization", "") or ""
+    return value[7:] if value.startswith("Bearer ") else ""
+
+
+def same_token(given: str, expected: str) -> bool:
+    return bool(given) and secrets.compare_digest(given.encode(), expected.encode())
+
+
+class SocketCount:
+    """Open WebSocket connections per client; `open` refuses past the cap (0 = no cap)."""
+
+    def __init__(self, per_client: int):
+        self.per_client = per_client
+        self.open_by_client: dict[str, int] = {}
+
+    def open(self, ip: str) -> None:
+        key = client_key(ip)
+        count = self.open_by_client.get(key, 0)
+        if self.per_client and count >= self.per_client:
+            raise Refused(
+                "too_many_connections",
+                f"this address already has {self.per_client} open connections (the limit); close one first",
+                429,
+                Close.TOO_MANY_SESSIONS,
+            )
+        self.open_by_client[key] = count + 1
+
+    def close(self, ip: str) -> None:
+        key = client_key(ip)
+        count = self.open_by_client.get(key, 0) - 1
+        if count > 0:
+            self.open_by_client[key] = count
+        else:
+            self.open_by_client.pop(key, None)
+
+
+class TokenRate:
+    """Token buckets per client counted in model tokens; a debt is paid back before the next request."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        ttl = max(1.0, burst / rate) if rate > 0 else 1.0  # idle this long, a bucket is full again
+        self.levels: TTLCache = TTLCache(maxsize=100_000, ttl=ttl, timer=clock)
+
+    def _level(self, key: str) -> float:
+        level, at = self.levels.get(key, (float(self.burst), self.clock()))
+        return min(float(self.burst), level + (self.clock() - at) * self.rate)
+
+    def wait(self, key: str) -> float:
+        """Seconds until `key` may start a request (0.0: now)."""
+        if self.rate <= 0:
+            return 0.0
+        level = self._level(key)
+        return 0.0 if level > 0 else (1.0 - level) / self.rate
+
+    def pay(self, key: str, tokens: int) -> None:
+        if self.rate > 0:
+            self.levels[key] = (self._level(key) - tokens, self.clock())
+
+
+@dataclass
+class Reservation:
+    """Tokens held by one generation; `release` gives them back and pays for what was used."""
+
+    budget: TokenBudget
+    key: str
+    tokens: int
+    released: bool = False
+
+    def release(self, used: int | None = None) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.budget.give_back(self, self.tokens if used is None else min(used, self.tokens))
+
+
+class NoReservation(Reservation):
+    """What a caller holds when nothing was reserved (a refused or never-started request)."""
+
+    def __init__(self) -> None:
+        self.released = True
+
+
+class TokenBudget:
+    """One surface's tokens: in flight per client and in all, and each client's rate."""
+
+    def __init__(self, surface: Surface, per_client: int, rate: TokenRate, total: Callable[[], int]):
+        self.surface, self.per_client, self.rate, self.total = surface, per_client, rate, total
+        self.held_by_client: dict[str, int] = {}
+        self.held = 0
+
+    def reserve(self, ip: str, tokens: int) -> Reservation:
+        key = client_key(ip)
+        wait = self.rate.wait(key)
+        if wait > 0:
+            raise Refused(
+                "rate_limited",
+                f"this address used its tokens ({self.rate.rate:g} tokens/s, burst {self.rate.burst}); "
+                f"retry in {wait:.2f} s",
+                429,
+                retry_after_s=wait,
+            )
+        held = self.held_by_client.get(key, 0)
+        if self.per_client and held + tokens > self.per_client:
+            raise Refused(
+                "over_budget",
+                f"this request needs {tokens} tokens and this address already holds {held} of its "
+                f"{self.per_client} (security.ip_tokens_in_flight); wait for a reply to end",
+                429,
+                retry_after_s=1.0,
+            )
+        total = self.total()
+        if total and self.held + tokens > total:
+            raise Refused(
+                "over_budget",
+                f"this request needs {tokens} tokens; the {self.surface.value} door holds {self.held} of "
+                f"its {total} now; retry in a moment",
+                429,
+                retry_after_s=1.0,
+            )
+        self.held += tokens
+        self.held_by_client[key] = held + tokens
+        return Reservation(self, key, tokens)
+
+    def give_back(self, reservation: Reservation, used: int) -> None:
+        self.held -= reservation.tokens
+        left = self.held_by_client.get(reservation.key, 0) - reservation.tokens
+        if left > 0:
+            self.held_by_client[reservation.key] = left
+        else:
+            self.held_by_client.pop(reservation.key, None)
+        self.rate.pay(reservation.key, used)
+
+
+def kv_tokens(backends: dict[str, InferenceBackend], block_tokens: int) -> int:
+    """Tokens the local engine's KV pool holds (0 when inference is remote only)."""
+    local = backends.get("local")
+    if local is None:
+        return 0
+    try:
+        kv = local.stats()["kv"]
+    except (KeyError, TypeError):
+        return 0
+    return int(getattr(kv, "total_blocks", 0)) * block_tokens
+
+
+class Admission:
+    """The one admission path of every door: credentials, sockets, requests, tokens, readiness."""
+
+    def __init__(self, state: AppState):
+        self.state = state
+        s: Settings = state.settings
+        sec = s.security
+        self.sockets = SocketCount(s.server.max_connections_per_ip)
+        self._kv_tokens = 0
+        self._settling: set[asyncio.Task] = set()
+
+        def api_total() -> int:
+            # the API may hold this share of the engine's KV; the public chat door keeps the rest
+            return math.floor(self.kv_tokens() * sec.api_kv_share) if sec.api_kv_share < 1 else 0
+
+        def budget(surface: Surface, total: Callable[[], int]) -> TokenBudget:
+            rate = TokenRate(sec.ip_tokens_per_s, sec.ip_tokens_burst)
+            return TokenBudget(surface, sec.ip_tokens_in_flight, rate, total)
+
+        # each door has its own budgets: API callers cannot spend what the public chat needs
+        self.budgets = {
+            Surface.PUBLIC: budget(Surface.PUBLIC, lambda: 0),
+            Surface.API: budget(Surface.API, api_total),
+        }
+
+    def kv_tokens(self) -> int:
+        if not self._kv_tokens and self.state.status == "ready":
+            self._kv_tokens = kv_tokens(self.state.backends, self.state.settings.engine.kv_block_tokens)
+        return self._kv_tokens
+
+    # -- who --------------------------------------------------------------------------------------
+    def authorize(self, surface: Surface, token: str, ip: str) -> None:
+        """Raise `Refused` unless this client may use `surface` with `token` ("" = none given)."""
+        sec = self.state.settings.security
+        if surface is Surface.PUBLIC:
+            if sec.ws_token and not same_token(token, sec.ws_token):
+                raise Refused(
+                    "unauthorized", "a valid auth_token is required in hello", 401, Close.UNAUTHORIZED
+                )
+            return
+        if surface is Surface.API and not sec.api_enabled:
+            raise Refused("api_disabled", "the HTTP inference API is turned off on this server", 404)
+        expected = sec.api_token if surface is Surface.API else sec.ops_token
+        setting = "security.api_token" if surface is Surface.API else "security.ops_token"
+        if expected:
+            if not same_token(token, expected):
+                raise Refused(
+                    "unauthorized",
+                    "missing or wrong bearer token (Authorization header)",
+                    401,
+                    Close.UNAUTHORIZED,
+                )
+        elif not is_loopback(ip):
+            raise Refused(
+                "forbidden", f"this endpoint answers this host only while {setting} is not set", 403
+            )
+
+    # -- how often --------------------------------------------------------------------------------
+    async def take_request(self, ip: str, what: str = "requests") -> None:
+        """One request (or WebSocket message) from the client's bucket, shared by every door."""
+        wait = await self.state.ip_take(client_key(ip))
+        if wait > 0:
+            limiter = self.state.ip_limiter
+            raise Refused(
+                "rate_limited",
+                f"too many {what} (limit {limiter.rate:g}/s per client address, burst {limiter.burst}); "
+                f"retry in {wait:.2f} s",
+                429,
+                retry_after_s=wait,
+            )
+
+    # -- how much ---------------------------------------------------------------------------------
+    def reserve(self, surface: Surface, ip: str, tokens: int) -> Reservation:
+        """Hold `tokens` (new prompt tokens + max_new_tokens) for one generation of `surface`."""
+        return self.budgets[surface].reserve(ip, tokens)
+
+    def release_when_done(self, reservation: Reservation, stream: Generation, prompt_tokens: int) -> None:
+        """Give the tokens back when `stream` ends, however it ends (a client may leave mid-stream)."""
+
+        async def settle() -> None:
+            used = None
+            try:
+                used = prompt_tokens + (await stream.result()).usage.generated_tokens
+            finally:
+                reservation.release(used)
+
+        task = asyncio.create_task(settle())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    # -- whether ----------------------------------------------------------------------------------
+    def check_serving(self) -> None:
+        st = self.state
+        if st.shutting_down:
+            raise Refused(
+                "shutting_down", "the server is shutting down; retry in a moment", 503, Close.GOING_AWAY
+            )
+        if not st.serving:
+            raise Refused("not_ready", st.public_not_ready_message(), 503, Close.NOT_READY)
+
+
+class SocketGate:
+    """ASGI wrapper: a client's WebSocket connections past its cap are refused before any endpoint."""
+
+    def __init__(self, app: ASGIApp, admission: Admission):
+        self.app, self.admission = app, admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "websocket":
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        ip = client[0] if client else ""
+        try:
+            self.admission.sockets.open(ip)
+        except Refused as refused:
+            self.admission.state.metrics.error(refused.code)
+            await receive()  # websocket.connect
+            await send({"type": "websocket.accept"})
+            error = events.error_event(refused.code, refused.message, None)
+            await send({"type": "websocket.send", "text": events.dumps(error)})
+            await send({"type": "websocket.close", "code": int(refused.close), "reason": refused.code})
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.sockets.close(ip)

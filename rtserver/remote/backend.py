@@ -78,9 +78,11 @@ class BackendMismatch(Exception):
 class UpstreamError(Exception):
     """One upstream request failed; `retryable` when another URL may succeed (before any token)."""
 
-    def __init__(self, message: str, retryable: bool, code: str = "backend_unavailable"):
+    def __init__(self, message: str, retryable: bool, code: str = "backend_unavailable", public: str = ""):
         super().__init__(message)
         self.message, self.retryable, self.code = message, retryable, code
+        # what a client may read: never the server's URL or its error body
+        self.public = public or "the inference server failed"
 
 
 class _Prefetch:
@@ -143,8 +145,11 @@ class RemoteGeneration:
             )
         except asyncio.CancelledError:
             reason = FinishReason.CANCELLED
-        except (BackendUnavailable, UpstreamError) as exc:
+        except BackendUnavailable as exc:
             error, code = exc.message, exc.code
+            log.warning("generation failed: %s", exc.detail)
+        except UpstreamError as exc:
+            error, code = exc.public, exc.code
             log.warning("generation failed: %s", exc.message)
         except Exception as exc:  # a bug of ours: this request fails, nothing else
             log.exception("remote generation failed")
@@ -388,7 +393,9 @@ class RemoteBackend:
                 if may_retry() and len(tried) < len(self.pool.upstreams):
                     log.warning("%s failed (%s); trying another server", up.url, _describe(exc))
                     continue
-                raise UpstreamError(f"{up.url}: {_describe(exc)}", False) from exc
+                raise UpstreamError(
+                    f"{up.url}: {_describe(exc)}", False, public=f"the inference server failed: {_kind(exc)}"
+                ) from exc
             finally:
                 self.pool.release(up)
             self.pool.succeeded(up)
@@ -739,7 +746,9 @@ def _first_choice(event: dict) -> dict | None:
     if "error" in event:
         err = event["error"]
         message = err.get("message") if isinstance(err, dict) else str(err)
-        raise UpstreamError(f"the server reported an error: {message}", True)
+        raise UpstreamError(
+            f"the server reported an error: {message}", True, public="the inference server reported an error"
+        )
     choices = event.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         return choices[0]
@@ -779,12 +788,22 @@ async def _head(resp: aiohttp.ClientResponse, limit: int = 300) -> str:
 
 def _status_error(up: Upstream, status: int, detail: str) -> UpstreamError:
     if status >= 500 or status == 429:
-        return UpstreamError(f"{up.url} answered {status}: {detail}", True)
+        public = f"the inference server answered {status}"
+        return UpstreamError(f"{up.url} answered {status}: {detail}", True, public=public)
     if status == 400 and "exceed_context_size" in detail:
-        return UpstreamError(
-            f"{up.url}: the prompt does not fit the server's context", False, code="request_too_large"
-        )
-    return UpstreamError(f"{up.url} refused the request ({status}): {detail}", False, code="internal")
+        public = "the prompt does not fit the inference server's context"
+        return UpstreamError(f"{up.url}: {public}", False, code="request_too_large", public=public)
+    public = f"the inference server refused the request ({status})"
+    return UpstreamError(f"{up.url} refused the request ({status}): {detail}", False, "internal", public)
+
+
+def _kind(exc: BaseException) -> str:
+    """`_describe` without what an exception's text may carry (hosts, ports, paths)."""
+    if isinstance(exc, UpstreamProtocolError):
+        return str(exc).split(":")[0]  # our words; what follows is the server's bytes
+    if isinstance(exc, TimeoutError | aiohttp.ClientResponseError):
+        return _describe(exc)
+    return type(exc).__name__
 
 
 def _describe(exc: BaseException) -> str:

@@ -26,9 +26,10 @@ class BackendUnavailable(Exception):
 
     code = "backend_unavailable"
 
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
+    def __init__(self, detail: str):
+        super().__init__(detail)
+        self.detail = detail  # names servers: for logs and operators only
+        self.message = "no inference server can take this request now; retry in a moment"
 
 
 @dataclass

@@ -13,7 +13,9 @@ class GenerationFailed(Exception):
 
     def __init__(self, result: SequenceResult):
         self.code = result.error_code or "internal"
-        self.message = f"generation failed: {result.error or 'unknown error'}"
+        # an engine's own failure text names code and internals: the client gets the code only
+        detail = "internal error" if self.code == "internal" else result.error or "unknown error"
+        self.message = f"generation failed: {detail}"
         super().__init__(self.message)
 
 
@@ -28,6 +30,6 @@ def error_code(exc: Exception) -> tuple[str, str]:
     if isinstance(exc, TaskError):
         return exc.code, exc.message
     code = getattr(exc, "code", None)  # errors of the web layer that carry their own code
-    if isinstance(code, str):
-        return code, getattr(exc, "message", str(exc))
+    if isinstance(code, str):  # `public`: the part of a remote failure a client may read
+        return code, str(getattr(exc, "public", None) or getattr(exc, "message", exc))
     return "internal", f"internal error ({type(exc).__name__})"

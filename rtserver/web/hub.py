@@ -88,7 +88,7 @@ class Connection(QueuedConnection):
         self.session: Session | None = None
         self.client_name: str | None = None
         self.background: set[asyncio.Task] = set()
-        self.client_ip = client_ip(ws)
+        self.client_ip = client_key(client_ip(ws))  # what per-client limits count (IPv6: its /64)
         self.started = asyncio.Event()  # set once a session is attached (the hello deadline ends)
         sec = hub.settings.security
         self.bucket = (
@@ -277,7 +277,7 @@ class Connection(QueuedConnection):
                 if clustered is not None:
                     session = await clustered.create(self.client_ip, self.client_name)
                 else:
-                    session = hub.sessions.create(client_key(self.client_ip))
+                    session = hub.sessions.create(self.client_ip)
         except TooManySessions:
             cap = hub.settings.security.max_sessions_per_ip
             await self.error(

@@ -593,25 +593,10 @@ class Hub:
     async def endpoint(self, ws: WebSocket) -> None:
         if not await accept(ws, self.settings.security, self.metrics):
             return
-        if self.state.shutting_down:
-            await refuse(
-                ws,
-                self.metrics,
-                "shutting_down",
-                "the server is shutting down; reconnect in a moment",
-                Close.GOING_AWAY,
-                "server shutting down",
-            )
-            return
-        if not self.state.serving:  # Redis down: the hello gets `unavailable`, typed
-            await refuse(
-                ws,
-                self.metrics,
-                "not_ready",
-                self.state.not_ready_message(),
-                Close.NOT_READY,
-                "not ready",
-            )
+        try:
+            self.admission.check_serving()  # Redis down aside: the hello then gets `unavailable`
+        except Refused as refused:
+            await refuse(ws, self.metrics, refused.code, refused.message, refused.close, refused.code)
             return
         conn = Connection(self, ws)
         self.connections.add(conn)

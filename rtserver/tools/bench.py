@@ -399,16 +399,14 @@ def run_e2e(dtype: str, config: str | None, sessions: int = 32, turns: int = 5, 
     import tempfile
 
     from .loadclient import run_chat_load
-    from .serverproc import ServerProcess
+    from .serverproc import ONE_ADDRESS_LIMITS_OFF, ServerProcess
 
-    # every session comes from 127.0.0.1: the per-IP limits would count them as one client
     server = ServerProcess(
         {
             "RTSERVER_MODEL_DTYPE": dtype,
             "RTSERVER_TASKS_AUTO_TASKS": "",
             "RTSERVER_SERVER_LOG_LEVEL": "warning",
-            "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
-            "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",
+            **ONE_ADDRESS_LIMITS_OFF,
         },
         Path(tempfile.mkdtemp(prefix="rtserver-e2e-")) / "server.log",
         config,

@@ -27,7 +27,7 @@ from typing import Any
 import websockets
 
 from .loadclient import run_chat_load
-from .serverproc import RedisProcess, ServerProcess, raise_nofile_limit
+from .serverproc import ONE_ADDRESS_LIMITS_OFF, RedisProcess, ServerProcess, raise_nofile_limit
 from .stats import median, percentile, rounded
 
 
@@ -275,8 +275,7 @@ def run_cluster_loadtest(
     threads = str(max(1, (os.cpu_count() or 2) // nodes))
     common = {
         "RTSERVER_SERVER_LOG_LEVEL": "warning",
-        "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
-        "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",
+        **ONE_ADDRESS_LIMITS_OFF,
         "RTSERVER_MODEL_THREADS": threads,
     }
     if dtype:

@@ -32,7 +32,7 @@ from typing import Any
 import websockets
 
 from .loadclient import run_chat_load
-from .serverproc import ServerProcess, free_port, raise_nofile_limit
+from .serverproc import ONE_ADDRESS_LIMITS_OFF, ServerProcess, free_port, raise_nofile_limit
 from .stats import median, percentile, ratio, rounded
 
 STEP_FAULT_MARKER = "QXSTEPFAULTQX"
@@ -572,8 +572,7 @@ def run_loadtest(
     }
     common = {
         "RTSERVER_SERVER_LOG_LEVEL": "warning",
-        "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
-        "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",
+        **ONE_ADDRESS_LIMITS_OFF,
     }
     if dtype:
         common["RTSERVER_MODEL_DTYPE"] = dtype

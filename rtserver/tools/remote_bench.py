@@ -46,7 +46,7 @@ from ..tasks.chat import ChatTask
 from ..tasks.registry import load_registry
 from .llama_build import build
 from .loadclient import DEFAULT_PROMPTS, run_chat_load
-from .serverproc import LlamaServerProcess, ServerProcess
+from .serverproc import ONE_ADDRESS_LIMITS_OFF, LlamaServerProcess, ServerProcess
 from .stats import mean, median, percentile, ratio
 
 BURST_TEXTS = [f"Tell me a short fact about the number {i}." for i in range(32)]
@@ -233,8 +233,7 @@ def _hub(
             "RTSERVER_BACKEND_URLS": llama.base,
             "RTSERVER_TASKS_AUTO_TASKS": "",
             "RTSERVER_SERVER_LOG_LEVEL": "warning",
-            "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
-            "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",
+            **ONE_ADDRESS_LIMITS_OFF,
             **(extra or {}),
         },
         log_path,

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .openai_client import StreamResult, chat_body, client_session, stream_chat
-from .serverproc import LlamaServerProcess, ServerProcess, peak_rss_mb
+from .serverproc import ONE_ADDRESS_LIMITS_OFF, LlamaServerProcess, ServerProcess, peak_rss_mb
 from .stats import mean, median, per_second, percentile, ratio
 
 BURST_TEXTS = [f"Tell me a short fact about the number {i}." for i in range(32)]
@@ -243,9 +243,9 @@ def run_rtserver(
             "RTSERVER_MODEL_THREADS": str(threads),
             "RTSERVER_TASKS_AUTO_TASKS": "",
             "RTSERVER_SERVER_LOG_LEVEL": "warning",
-            # every client is 127.0.0.1: the per-IP limits would count them as one
-            "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
-            "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",
+            # the API may hold all of the KV: no chat door shares it here
+            "RTSERVER_SECURITY_API_KV_SHARE": "1",
+            **ONE_ADDRESS_LIMITS_OFF,
         },
         workdir / f"rtserver-{dtype}.log",
         config,

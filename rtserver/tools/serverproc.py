@@ -70,6 +70,16 @@ def terminate(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
             proc.wait()
 
 
+# A load tool's clients all come from 127.0.0.1: per-client limits would count them as one client.
+ONE_ADDRESS_LIMITS_OFF = {
+    "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "0",
+    "RTSERVER_SECURITY_MAX_SESSIONS_PER_IP": "0",
+    "RTSERVER_SECURITY_IP_TOKENS_IN_FLIGHT": "0",
+    "RTSERVER_SECURITY_IP_TOKENS_PER_S": "0",
+    "RTSERVER_SERVER_MAX_CONNECTIONS_PER_IP": "0",
+}
+
+
 class ServerProcess:
     """`rtserver serve` (or another launcher) in a subprocess on a free 127.0.0.1 port, log to a file."""
 

@@ -413,6 +413,19 @@ async def test_garbage_sse_is_a_typed_error_and_the_session_recovers(smol, caplo
         assert server_health((await get(base, "/health")).json(), fake.url)["errors"] == 1
 
 
+@pytest.mark.parametrize("bad_id", [-1, 10**9, "5", 1.5])
+async def test_a_token_id_outside_the_vocabulary_never_reaches_the_session(smol, bad_id):
+    async with fakes(smol) as [fake], hub(smol, [fake.url]) as (app, base, url):
+        fake.script = fake.then("Hel", token_chunk("lo", [bad_id]), DONE)
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            events = await chat(ws, "v1")
+            err = events[-1]
+            assert err["type"] == "error" and err["code"] == "backend_unavailable", events
+            assert "outside the vocabulary" in err["message"], err
+            await chats_again(ws, fake, "v2")  # the failed turn left nothing in the history
+
+
 async def test_an_open_breaker_waits_retry_after_s_even_when_health_answers(smol):
     """Completions fail while /health still answers 200: the breaker opens and stays open for
     retry_after_s (the health check does not probe before then), then a health probe closes it."""

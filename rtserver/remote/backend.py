@@ -197,7 +197,7 @@ class RemoteGeneration:
                     self.backend._take_usage(event, self._usage)
                     continue
                 text = choice.get("text") or ""
-                ids = _chunk_token_ids(choice)
+                ids = _chunk_token_ids(choice, self.backend.vocab)
                 if text or ids:
                     if self._first is None:
                         self._first = time.perf_counter()
@@ -221,6 +221,7 @@ class RemoteBackend:
 
     def __init__(self, tokenizer: Tokenizer, settings: BackendSettings):
         self.tokenizer = tokenizer
+        self.vocab = len(tokenizer)
         self.settings = settings
         self.pool = UpstreamPool(
             settings.urls, settings.max_in_flight_per_url, settings.failures_to_open, settings.retry_after_s
@@ -757,15 +758,18 @@ def _first_choice(event: dict) -> dict | None:
     raise UpstreamProtocolError("'choices' is not a list")
 
 
-def _chunk_token_ids(choice: dict) -> list[int]:
+def _chunk_token_ids(choice: dict, vocab: int) -> list[int]:
     ids = choice.get("token_ids")  # vLLM return_token_ids
-    if isinstance(ids, list):
-        return [int(t) for t in ids]
-    lp = choice.get("logprobs")
-    content = lp.get("content") if isinstance(lp, dict) else None  # llama-server
-    if isinstance(content, list):
-        return [int(e["id"]) for e in content if isinstance(e, dict) and "id" in e]
-    return []
+    if not isinstance(ids, list):
+        lp = choice.get("logprobs")
+        content = lp.get("content") if isinstance(lp, dict) else None  # llama-server
+        if not isinstance(content, list):
+            return []
+        ids = [e["id"] for e in content if isinstance(e, dict) and "id" in e]
+    # the ids become the session's next prompt: a server's stray id must not reach it
+    if not all(type(t) is int and 0 <= t < vocab for t in ids):
+        raise UpstreamProtocolError(f"token ids outside the vocabulary (0..{vocab - 1}) in a reply")
+    return ids
 
 
 def _llama_logprobs(data: dict) -> list[dict]:

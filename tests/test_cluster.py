@@ -449,3 +449,21 @@ async def test_a_stale_copy_cannot_overwrite_a_newer_record(tmp_path):
             assert stored is not None and stored.version == 2 and stored.history == newer
         finally:
             await cluster.stop()
+
+
+async def test_failed_console_logins_are_counted_across_nodes(smol, tmp_path):
+    sec = {"console_token": "tok", "console_login_failures_per_min": 3}
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=sec) as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b", security=sec) as (_, url_b, _, _),
+        ):
+            for url, token in ((url_a, "x"), (url_b, "y"), (url_a, "z"), (url_b, "tok")):
+                ws = await websockets.connect(url + "/console")
+                await ws.send(json.dumps({"type": "login", "token": token}))
+                err = await recv_json(ws)
+                expected = "unauthorized" if token != "tok" else "rate_limited"
+                assert err["type"] == "error" and err["code"] == expected, (url, err)
+                with pytest.raises(websockets.ConnectionClosed) as info:
+                    await asyncio.wait_for(ws.recv(), 30)
+                assert info.value.rcvd.code == (4401 if token != "tok" else 4429)

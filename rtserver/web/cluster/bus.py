@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -194,6 +195,19 @@ class ConsoleBus:
     async def holder(self, session_id: str) -> dict | None:
         raw: Any = await self.cluster.call(lambda: self.cluster.redis.get(self.holder_key(session_id)))
         return json.loads(raw) if raw else None
+
+    async def shared_secret(self, name: str) -> str:
+        """A random secret all nodes share (created by the first node that asks)."""
+        key = self.cluster.key("console", "secret", name)
+
+        async def run() -> Any:
+            await self.cluster.redis.set(key, secrets.token_hex(32), nx=True)
+            return await self.cluster.redis.get(key)
+
+        value: Any = await self.cluster.call(run)
+        if not isinstance(value, str) or not value:
+            raise ClusterUnavailable("no shared console secret in Redis")
+        return value
 
     async def command(self, node: str, command: dict) -> int:
         """Send an action to the node serving a conversation: how many nodes received it (0: none)."""

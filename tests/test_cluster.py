@@ -467,3 +467,93 @@ async def test_failed_console_logins_are_counted_across_nodes(smol, tmp_path):
                 with pytest.raises(websockets.ConnectionClosed) as info:
                     await asyncio.wait_for(ws.recv(), 30)
                 assert info.value.rcvd.code == (4401 if token != "tok" else 4429)
+
+
+class ReplyDropper:
+    """A TCP proxy in front of Redis that can swallow the next replies: the command runs in Redis, the
+    client never hears back (as when a reply times out)."""
+
+    def __init__(self, redis_url: str):
+        self.target = redis_url.split("//")[1].split("/")[0].rsplit(":", 1)
+        self.drop = 0
+        self.server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def __aenter__(self) -> ReplyDropper:
+        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self.target[0], int(self.target[1]))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, replies: bool) -> None:
+            try:
+                while data := await src.read(65536):
+                    if replies and self.drop > 0:
+                        self.drop -= 1
+                        continue
+                    dst.write(data)
+                    await dst.drain()
+            except OSError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
+
+
+async def test_a_save_whose_reply_was_lost_is_not_a_conflict(tmp_path):
+    """A write that landed but whose reply timed out: its retry (redis-py retries once) and the
+    session's later writes succeed; the version moves on, nothing is refused as another node's."""
+    from rtserver.config import Settings
+    from rtserver.web.cluster import Cluster, ClusterUnavailable
+    from rtserver.web.cluster.limits import ClusterLimits
+    from rtserver.web.cluster.sessions import ClusterSessions
+    from rtserver.web.cluster.store import SessionStore
+    from rtserver.web.session import SessionRegistry
+
+    with redis_server(tmp_path) as redis:
+        async with ReplyDropper(redis.url) as proxy:
+            settings = Settings()
+            settings.cluster.redis_url = proxy.url
+            settings.cluster.op_timeout_s = 0.3
+            cluster = Cluster(settings)
+            try:
+                assert await cluster.check()
+                store = SessionStore(cluster, 60)
+                sessions = ClusterSessions(
+                    cluster, store, ClusterLimits(cluster, 0, 1, 0), SessionRegistry(60, 10)
+                )
+                session = await sessions.create("127.0.0.1", "c")  # the script is loaded now
+                assert session.version == 1
+                # the reply of the first try is lost, the retry's arrives
+                session.history.append({"role": "user", "content": "one"})
+                proxy.drop = 1
+                await sessions.save(session, "c")
+                assert session.version == 2
+                # both tries' replies lost: reported as failed, though the write landed
+                session.history.append({"role": "user", "content": "two"})
+                proxy.drop = 2
+                with pytest.raises(ClusterUnavailable):
+                    await sessions.save(session, "c")
+                assert session.version == 2
+                assert await cluster.check()
+                stored = await store.load(session.id)
+                assert stored is not None and stored.version == 3  # it did land
+                # the session's next write replaces its own unacknowledged one
+                session.history[-1] = {"role": "user", "content": "three"}
+                await sessions.save(session, "c")
+                await sessions.save(session, "c")
+                stored = await store.load(session.id)
+                assert stored is not None and stored.version == session.version == 4
+                assert [m["content"] for m in stored.history] == ["one", "three"]
+            finally:
+                await cluster.stop()

@@ -530,6 +530,8 @@ class Hub:
         self.metrics.expired.inc()
         self.drop_backend_session(session)
         self.console.dropped(session)
+        if self.cluster_sessions is not None:
+            self.cluster_sessions.forget(session)
 
     def drop_backend_session(self, session: Session) -> None:
         for backend in self.state.backends.values():

@@ -17,6 +17,7 @@ from .serverutil import (
     recv_until,
     scripted_app,
     serve,
+    wait_for,
 )
 
 pytestmark = pytest.mark.asyncio
@@ -311,3 +312,34 @@ async def test_the_server_assigns_agent_ids_and_a_rejoin_token_gives_one_back(sm
             assert got["type"] == "agent_message" and got["text"] == "back", got
         await a.close()
         await b.close()
+
+
+async def test_a_message_forwarded_to_the_agent_survives_the_cancel_of_the_bot_turn_before_it(smol):
+    settings = settings_with(tasks={"auto_tasks": []})
+    engine = ScriptedEngine(smol)
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        a, _ = await login(url, "Alice")
+        async with websockets.connect(url) as cust:
+            ready = await hello(cust)
+            sid = ready["session_id"]
+            engine.gate = asyncio.Event()  # the bot's turn waits
+            await cust.send(json.dumps({"type": "chat", "id": "1", "text": "bot, are you there?"}))
+            await recv_until(a, lambda e: e["type"] == "message" and e["message"]["id"] == "1")
+            await a.send(json.dumps({"type": "take_over", "session_id": sid}))
+            assert (await recv_json(cust))["to"] == "agent"
+            await cust.send(json.dumps({"type": "chat", "id": "2", "text": "I want a human"}))
+            assert (await recv_until(cust, is_end("2")))[-1]["type"] == "forwarded"
+            await cust.send(json.dumps({"type": "cancel", "id": "1"}))
+            await wait_for(lambda: _true(bool(engine.cancelled)))
+            engine.gate.set()
+            end = (await recv_until(cust, is_end("1")))[-1]
+            assert end["type"] == "done" and end["finish_reason"] == "cancelled", end
+        async with websockets.connect(url) as cust:
+            again = await hello(cust, session_id=sid, resume_token=ready["resume_token"])
+            # the acknowledged message is kept; the cancelled turn's own message is gone
+            assert [m["content"] for m in again["history"]] == ["I want a human"], again["history"]
+        await a.close()
+
+
+async def _true(value: bool) -> bool:
+    return value

@@ -557,3 +557,35 @@ async def test_a_save_whose_reply_was_lost_is_not_a_conflict(tmp_path):
                 assert [m["content"] for m in stored.history] == ["one", "three"]
             finally:
                 await cluster.stop()
+
+
+async def test_a_take_over_ends_when_the_agents_node_dies(smol, tmp_path):
+    """The holder's node goes (its agent never hands back, the grace never runs out there): the key it
+    renewed expires, the customer's node hands the conversation back and tells its consoles."""
+    with redis_server(tmp_path) as redis:
+        async with scripted_node(smol, redis.url, "a", security=CONSOLE) as (_, url_a, _, _):
+            async with websockets.connect(url_a) as cust:
+                sid = (await hello(cust, client="Dana"))["session_id"]
+                watcher, _ = await _console_login(url_a, "Wendy", "")
+                async with scripted_node(smol, redis.url, "b", security=CONSOLE) as (_, url_b, _, _):
+                    await asyncio.sleep(0.3)  # the conversation record is written in the background
+                    agent, _ = await _console_login(url_b, "Bob", "")
+                    await agent.send(json.dumps({"type": "take_over", "session_id": sid}))
+                    got = await _until(cust, lambda e: e["type"] == "handover")
+                    assert got[-1] == {"type": "handover", "to": "agent", "agent": "Bob"}
+                    await _until(
+                        watcher,
+                        lambda e: e["type"] == "conversation" and e["conversation"]["agent"] is not None,
+                    )
+                    await asyncio.sleep(2.5)  # longer than a take-over lives unrenewed
+                    await agent.send(json.dumps({"type": "ping"}))  # still held while B lives
+                    assert (await _until(agent, lambda e: e["type"] == "pong"))[-1]["type"] == "pong"
+                # B is gone; Bob's take-over ends within a few heartbeats
+                back = await _until(cust, lambda e: e["type"] == "handover")
+                assert back[-1] == {"type": "handover", "to": "bot", "agent": None}, back
+                seen = await _until(
+                    watcher, lambda e: e["type"] == "conversation" and e["conversation"]["agent"] is None
+                )
+                assert seen[-1]["conversation"]["session_id"] == sid
+                assert (await chat(cust, "c1", "anyone?"))[-1]["type"] == "done"  # the bot answers
+                await watcher.close()

@@ -537,7 +537,7 @@ class ConsoleHub:
         self._cancel_release(session_id)
         conv = self.conversations.get(session_id)
         session = self._session(session_id)
-        if conv is None or session is None:
+        if conv is None or session is None or conv.agent is None:  # (handed back already)
             return
         conv.agent = None
         conv.updated_at = time.time()
@@ -671,6 +671,20 @@ class ConsoleHub:
             await self.apply_hand_back(sid)
         elif kind == "agent_message" and isinstance(agent, dict) and isinstance(command.get("text"), str):
             await self.apply_agent_message(sid, command["text"], str(agent.get("name")))
+
+    async def beat(self) -> None:
+        """Clustered heartbeat: the take-overs of this node's agents stay alive; a conversation served
+        here whose holder's key is gone (its node died) goes back to the bot."""
+        assert self.bus is not None
+        await self.bus.renew_holds(dict(self._holds))
+        held = [sid for sid, conv in self.conversations.items() if conv.agent is not None]
+        if not held:
+            return
+        for sid, holder in zip(held, await self.bus.holders(held), strict=True):
+            conv = self.conversations.get(sid)
+            if holder is None and conv is not None and conv.agent is not None:
+                log.info("conversation %s handed back: its agent's take-over expired", sid)
+                await self.apply_hand_back(sid)
 
     async def _cluster_release_orphan(self, session_id: str, agent_id: str) -> None:
         assert self.bus is not None

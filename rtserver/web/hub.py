@@ -506,6 +506,7 @@ class Hub:
             console.persist = self._persist
             console.node_id = state.cluster.node_id
             console.alive_nodes = self.nodes.alive
+            state.cluster.on_beat(console.beat)
             state.cluster_figures = self.cluster_figures
 
     def cluster_figures(self) -> dict[str, Any]:

@@ -283,12 +283,16 @@ async def test_console_agent_on_b_sees_takes_over_and_writes_to_a_customer_on_a(
                     carol.send(json.dumps({"type": "take_over", "session_id": sid})),
                 )
                 outcomes = []
-                for ws in (agent, carol):
+                for ws, name in ((agent, "Bob"), (carol, "Carol")):
+                    # (the loser may see the winner's take-over before its own error)
                     evs = await _until(
                         ws,
-                        lambda e: (
+                        lambda e, name=name: (
                             (e["type"] == "error" and e["code"] == "already_taken")
-                            or (e["type"] == "conversation" and e["conversation"]["agent"] is not None)
+                            or (
+                                e["type"] == "conversation"
+                                and (e["conversation"]["agent"] or {}).get("name") == name
+                            )
                         ),
                     )
                     outcomes.append(evs[-1])

@@ -145,6 +145,9 @@ class SecuritySettings:
     ip_rate_limit_per_s: float = _setting(20.0, min=0.0, max=1e6)
     ip_rate_limit_burst: int = _setting(60, min=1, max=1_000_000)
     max_sessions_per_ip: int = _setting(50, min=0, max=10_000_000)
+    # the agent console's door (rtserver/web/console.py)
+    console_login_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
+    console_login_failures_per_min: int = _setting(10, min=0, max=1_000_000)  # per client IP; 0 = off
 
 
 @dataclass

@@ -2,7 +2,7 @@
 // reply, hand back. Text from customers, the bot or agents only reaches the DOM via textContent.
 
 const $ = (id) => document.getElementById(id);
-const KEY = { token: "rtconsole:token", name: "rtconsole:name", agent: "rtconsole:agent_id", seen: "rtconsole:seen" };
+const KEY = { token: "rtconsole:token", name: "rtconsole:name", rejoin: "rtconsole:rejoin", seen: "rtconsole:seen" };
 const MOOD_TEXT = { negative: "Upset", neutral: "Neutral", positive: "Happy", unknown: "Not rated" };
 const MOOD_RANK = { negative: 0, neutral: 1, unknown: 2, positive: 3 };
 
@@ -41,15 +41,7 @@ function toast(text) {
 function setConn(text) { $("conn").textContent = text; }
 
 // -- login -------------------------------------------------------------------------------------
-function agentId() {
-  let id = sessionStorage.getItem(KEY.agent);
-  if (!id) {
-    id = (crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2));
-    save(KEY.agent, id);
-  }
-  return id;
-}
-
+// The server names agents; the rejoin token it gave keeps this agent's id (and take-overs) on reconnect.
 function showLogin(error) {
   $("login").hidden = false;
   $("app").hidden = true;
@@ -72,6 +64,7 @@ $("login-form").addEventListener("submit", (ev) => {
 });
 $("logout").addEventListener("click", () => {
   sessionStorage.removeItem(KEY.token);
+  sessionStorage.removeItem(KEY.rejoin);
   state.stopped = true;
   if (state.ws) state.ws.close(1000);
   showLogin("");
@@ -87,8 +80,10 @@ function connect() {
   const ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/ws/console");
   state.ws = ws;
   ws.onopen = () => {
-    ws.send(JSON.stringify({ type: "login", token, agent: sessionStorage.getItem(KEY.name) || "Agent",
-      agent_id: agentId() }));
+    const login = { type: "login", token, agent: sessionStorage.getItem(KEY.name) || "Agent" };
+    const rejoin = sessionStorage.getItem(KEY.rejoin);
+    if (rejoin) login.rejoin = rejoin;
+    ws.send(JSON.stringify(login));
   };
   ws.onmessage = (ev) => {
     let msg;
@@ -101,6 +96,10 @@ function connect() {
     if (ev.code === 4401) {
       sessionStorage.removeItem(KEY.token);
       showLogin("That console token is not right.");
+      return;
+    }
+    if (ev.code === 4429) {
+      showLogin("Too many failed sign-ins from this address; wait a minute and try again.");
       return;
     }
     if (ev.code === 4403) {
@@ -121,6 +120,7 @@ function onEvent(msg) {
   switch (msg.type) {
     case "console_ready":
       state.me = msg.agent;
+      if (msg.rejoin) save(KEY.rejoin, msg.rejoin);
       state.backoff = 0;
       state.convs = new Map(msg.conversations.map((c) => [c.session_id, c]));
       $("login").hidden = true;

@@ -111,6 +111,7 @@ ERROR_CODES = frozenset(  # the "Error codes" table
         "unknown_session",
         "already_taken",
         "not_taken_over",
+        "login_timeout",
     }
 )
 
@@ -166,6 +167,7 @@ def fuzz_settings():
     # client may
     s = make_settings(tasks={"auto_tasks": []}, server={"max_frame_bytes": MAX_FRAME, "max_in_flight": 8})
     s.security.console_token = CONSOLE_TOKEN
+    s.security.console_login_failures_per_min = 0  # the fuzzer's wrong tokens would lock it out
     return s
 
 

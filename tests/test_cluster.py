@@ -283,12 +283,16 @@ async def test_console_agent_on_b_sees_takes_over_and_writes_to_a_customer_on_a(
                     carol.send(json.dumps({"type": "take_over", "session_id": sid})),
                 )
                 outcomes = []
-                for ws in (agent, carol):
+                for ws, name in ((agent, "Bob"), (carol, "Carol")):
+                    # (the loser may see the winner's take-over before its own error)
                     evs = await _until(
                         ws,
-                        lambda e: (
+                        lambda e, name=name: (
                             (e["type"] == "error" and e["code"] == "already_taken")
-                            or (e["type"] == "conversation" and e["conversation"]["agent"] is not None)
+                            or (
+                                e["type"] == "conversation"
+                                and (e["conversation"]["agent"] or {}).get("name") == name
+                            )
                         ),
                     )
                     outcomes.append(evs[-1])
@@ -449,3 +453,143 @@ async def test_a_stale_copy_cannot_overwrite_a_newer_record(tmp_path):
             assert stored is not None and stored.version == 2 and stored.history == newer
         finally:
             await cluster.stop()
+
+
+async def test_failed_console_logins_are_counted_across_nodes(smol, tmp_path):
+    sec = {"console_token": "tok", "console_login_failures_per_min": 3}
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=sec) as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b", security=sec) as (_, url_b, _, _),
+        ):
+            for url, token in ((url_a, "x"), (url_b, "y"), (url_a, "z"), (url_b, "tok")):
+                ws = await websockets.connect(url + "/console")
+                await ws.send(json.dumps({"type": "login", "token": token}))
+                err = await recv_json(ws)
+                expected = "unauthorized" if token != "tok" else "rate_limited"
+                assert err["type"] == "error" and err["code"] == expected, (url, err)
+                with pytest.raises(websockets.ConnectionClosed) as info:
+                    await asyncio.wait_for(ws.recv(), 30)
+                assert info.value.rcvd.code == (4401 if token != "tok" else 4429)
+
+
+class ReplyDropper:
+    """A TCP proxy in front of Redis that can swallow the next replies: the command runs in Redis, the
+    client never hears back (as when a reply times out)."""
+
+    def __init__(self, redis_url: str):
+        self.target = redis_url.split("//")[1].split("/")[0].rsplit(":", 1)
+        self.drop = 0
+        self.server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def __aenter__(self) -> ReplyDropper:
+        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self.target[0], int(self.target[1]))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, replies: bool) -> None:
+            try:
+                while data := await src.read(65536):
+                    if replies and self.drop > 0:
+                        self.drop -= 1
+                        continue
+                    dst.write(data)
+                    await dst.drain()
+            except OSError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
+
+
+async def test_a_save_whose_reply_was_lost_is_not_a_conflict(tmp_path):
+    """A write that landed but whose reply timed out: its retry (redis-py retries once) and the
+    session's later writes succeed; the version moves on, nothing is refused as another node's."""
+    from rtserver.config import Settings
+    from rtserver.web.cluster import Cluster, ClusterUnavailable
+    from rtserver.web.cluster.limits import ClusterLimits
+    from rtserver.web.cluster.sessions import ClusterSessions
+    from rtserver.web.cluster.store import SessionStore
+    from rtserver.web.session import SessionRegistry
+
+    with redis_server(tmp_path) as redis:
+        async with ReplyDropper(redis.url) as proxy:
+            settings = Settings()
+            settings.cluster.redis_url = proxy.url
+            settings.cluster.op_timeout_s = 0.3
+            cluster = Cluster(settings)
+            try:
+                assert await cluster.check()
+                store = SessionStore(cluster, 60)
+                sessions = ClusterSessions(
+                    cluster, store, ClusterLimits(cluster, 0, 1, 0), SessionRegistry(60, 10)
+                )
+                session = await sessions.create("127.0.0.1", "c")  # the script is loaded now
+                assert session.version == 1
+                # the reply of the first try is lost, the retry's arrives
+                session.history.append({"role": "user", "content": "one"})
+                proxy.drop = 1
+                await sessions.save(session, "c")
+                assert session.version == 2
+                # both tries' replies lost: reported as failed, though the write landed
+                session.history.append({"role": "user", "content": "two"})
+                proxy.drop = 2
+                with pytest.raises(ClusterUnavailable):
+                    await sessions.save(session, "c")
+                assert session.version == 2
+                assert await cluster.check()
+                stored = await store.load(session.id)
+                assert stored is not None and stored.version == 3  # it did land
+                # the session's next write replaces its own unacknowledged one
+                session.history[-1] = {"role": "user", "content": "three"}
+                await sessions.save(session, "c")
+                await sessions.save(session, "c")
+                stored = await store.load(session.id)
+                assert stored is not None and stored.version == session.version == 4
+                assert [m["content"] for m in stored.history] == ["one", "three"]
+            finally:
+                await cluster.stop()
+
+
+async def test_a_take_over_ends_when_the_agents_node_dies(smol, tmp_path):
+    """The holder's node goes (its agent never hands back, the grace never runs out there): the key it
+    renewed expires, the customer's node hands the conversation back and tells its consoles."""
+    with redis_server(tmp_path) as redis:
+        async with scripted_node(smol, redis.url, "a", security=CONSOLE) as (_, url_a, _, _):
+            async with websockets.connect(url_a) as cust:
+                sid = (await hello(cust, client="Dana"))["session_id"]
+                watcher, _ = await _console_login(url_a, "Wendy", "")
+                async with scripted_node(smol, redis.url, "b", security=CONSOLE) as (_, url_b, _, _):
+                    await asyncio.sleep(0.3)  # the conversation record is written in the background
+                    agent, _ = await _console_login(url_b, "Bob", "")
+                    await agent.send(json.dumps({"type": "take_over", "session_id": sid}))
+                    got = await _until(cust, lambda e: e["type"] == "handover")
+                    assert got[-1] == {"type": "handover", "to": "agent", "agent": "Bob"}
+                    await _until(
+                        watcher,
+                        lambda e: e["type"] == "conversation" and e["conversation"]["agent"] is not None,
+                    )
+                    await asyncio.sleep(2.5)  # longer than a take-over lives unrenewed
+                    await agent.send(json.dumps({"type": "ping"}))  # still held while B lives
+                    assert (await _until(agent, lambda e: e["type"] == "pong"))[-1]["type"] == "pong"
+                # B is gone; Bob's take-over ends within a few heartbeats
+                back = await _until(cust, lambda e: e["type"] == "handover")
+                assert back[-1] == {"type": "handover", "to": "bot", "agent": None}, back
+                seen = await _until(
+                    watcher, lambda e: e["type"] == "conversation" and e["conversation"]["agent"] is None
+                )
+                assert seen[-1]["conversation"]["session_id"] == sid
+                assert (await chat(cust, "c1", "anyone?"))[-1]["type"] == "done"  # the bot answers
+                await watcher.close()

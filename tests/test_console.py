@@ -17,6 +17,7 @@ from .serverutil import (
     recv_until,
     scripted_app,
     serve,
+    wait_for,
 )
 
 pytestmark = pytest.mark.asyncio
@@ -28,11 +29,15 @@ def console_url(url: str) -> str:
     return url + "/console"
 
 
-async def login(url: str, name: str = "Alice", agent_id: str | None = None, token: str = TOKEN):
+async def login(
+    url: str, name: str = "Alice", agent_id: str | None = None, token: str = TOKEN, rejoin: str | None = None
+):
     ws = await websockets.connect(console_url(url))
     msg = {"type": "login", "token": token, "agent": name}
     if agent_id:
-        msg["agent_id"] = agent_id
+        msg["agent_id"] = agent_id  # ignored by the server: it assigns agent ids
+    if rejoin:
+        msg["rejoin"] = rejoin
     await ws.send(json.dumps(msg))
     return ws, await recv_json(ws)
 
@@ -185,13 +190,13 @@ async def test_agent_reconnect_keeps_take_over_and_grace_hands_back(smol):
     async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
         async with websockets.connect(url) as cust:
             sid = (await hello(cust))["session_id"]
-            a, _ = await login(url, "Alice", agent_id="agent-a")
+            a, first = await login(url, "Alice")
             await a.send(json.dumps({"type": "take_over", "session_id": sid}))
             assert (await recv_json(cust))["to"] == "agent"
             await a.close()
             # back within the grace period: the snapshot says the conversation is still hers
-            a, snap = await login(url, "Alice", agent_id="agent-a")
-            assert snap["conversations"][0]["agent"]["id"] == "agent-a"
+            a, snap = await login(url, "Alice", rejoin=first["rejoin"])
+            assert snap["conversations"][0]["agent"]["id"] == first["agent"]["id"]
             await asyncio.sleep(1.0)
             await a.send(json.dumps({"type": "agent_message", "session_id": sid, "text": "still here"}))
             assert (await recv_json(cust))["type"] == "agent_message"
@@ -227,3 +232,114 @@ async def test_console_refuses_a_foreign_origin_like_ws(smol):
             with pytest.raises(websockets.ConnectionClosed) as info:
                 await asyncio.wait_for(ws.recv(), 30)
             assert info.value.rcvd.code == 1008
+
+
+async def _closed_with(ws) -> int:
+    with pytest.raises(websockets.ConnectionClosed) as info:
+        while True:
+            await asyncio.wait_for(ws.recv(), 10)
+    assert info.value.rcvd is not None
+    return info.value.rcvd.code
+
+
+async def test_a_console_socket_that_does_not_log_in_is_closed_at_the_deadline(smol):
+    settings = settings_with(tasks={"auto_tasks": []}, security={"console_login_timeout_s": 0.5})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        async with websockets.connect(console_url(url)) as ws:
+            await ws.send(json.dumps({"type": "ping", "data": 1}))  # pings are no login
+            assert (await recv_json(ws)) == {"type": "pong", "data": 1}
+            err = await asyncio.wait_for(recv_json(ws), 10)
+            assert err["type"] == "error" and err["code"] == "login_timeout", err
+            assert await _closed_with(ws) == 4408
+        # an agent that logged in in time stays past the deadline
+        a, ready = await login(url)
+        assert ready["type"] == "console_ready"
+        await asyncio.sleep(0.8)
+        await a.send(json.dumps({"type": "ping", "data": 2}))
+        assert (await recv_json(a)) == {"type": "pong", "data": 2}
+        await a.close()
+
+
+async def test_failed_console_logins_are_rate_limited_per_address(smol):
+    settings = settings_with(tasks={"auto_tasks": []}, security={"console_login_failures_per_min": 3})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        ok, ready = await login(url)  # a right token counts nothing
+        assert ready["type"] == "console_ready"
+        await ok.close()
+        for guess in ("a", "b", 7):
+            ws, err = await login(url, token=guess)  # type: ignore[arg-type]
+            assert err["code"] == "unauthorized", err
+            assert await _closed_with(ws) == 4401
+        # over the limit: every login is refused, the right token too (a guesser learns nothing)
+        for token in ("c", TOKEN):
+            ws, err = await login(url, token=token)
+            assert err["type"] == "error" and err["code"] == "rate_limited", err
+            assert 0 < err["retry_after_s"] <= 60, err
+            assert await _closed_with(ws) == 4429
+
+
+async def test_the_server_assigns_agent_ids_and_a_rejoin_token_gives_one_back(smol):
+    settings = settings_with(tasks={"auto_tasks": []})
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        a, ready_a = await login(url, "Alice", agent_id="agent-b")
+        b, ready_b = await login(url, "Bob\x00\u202e" + "x" * 500, agent_id="agent-b")
+        ids = {ready_a["agent"]["id"], ready_b["agent"]["id"]}
+        assert len(ids) == 2 and "agent-b" not in ids, (ready_a, ready_b)
+        assert ready_b["agent"]["name"] == "Bob" + "x" * 57  # cleaned, bounded
+        async with websockets.connect(url) as cust:
+            sid = (await hello(cust))["session_id"]
+            await b.send(json.dumps({"type": "take_over", "session_id": sid}))
+            assert (await recv_json(cust))["to"] == "agent"
+            # Alice cannot pose as Bob: not by his id, nor by a rejoin token she made up
+            forged = f"{ready_b['agent']['id']}.{'0' * 64}"
+            for extra in ({"agent_id": ready_b["agent"]["id"]}, {"rejoin": forged}):
+                ws = await websockets.connect(console_url(url))
+                await ws.send(json.dumps({"type": "login", "token": TOKEN, "agent": "Alice", **extra}))
+                snap = await recv_json(ws)
+                assert snap["agent"]["id"] != ready_b["agent"]["id"], snap
+                await ws.send(json.dumps({"type": "agent_message", "session_id": sid, "text": "hi"}))
+                err = await recv_until(ws, lambda e: e["type"] == "error")
+                assert err[-1]["code"] == "not_taken_over", err
+                await ws.close()
+            # Bob's own rejoin token gives him his id and his take-over back
+            await b.close()
+            b = await websockets.connect(console_url(url))
+            await b.send(json.dumps({"type": "login", "token": TOKEN, "rejoin": ready_b["rejoin"]}))
+            snap = await recv_json(b)
+            assert snap["agent"]["id"] == ready_b["agent"]["id"], snap
+            await b.send(json.dumps({"type": "agent_message", "session_id": sid, "text": "back"}))
+            got = await recv_json(cust)
+            assert got["type"] == "agent_message" and got["text"] == "back", got
+        await a.close()
+        await b.close()
+
+
+async def test_a_message_forwarded_to_the_agent_survives_the_cancel_of_the_bot_turn_before_it(smol):
+    settings = settings_with(tasks={"auto_tasks": []})
+    engine = ScriptedEngine(smol)
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        a, _ = await login(url, "Alice")
+        async with websockets.connect(url) as cust:
+            ready = await hello(cust)
+            sid = ready["session_id"]
+            engine.gate = asyncio.Event()  # the bot's turn waits
+            await cust.send(json.dumps({"type": "chat", "id": "1", "text": "bot, are you there?"}))
+            await recv_until(a, lambda e: e["type"] == "message" and e["message"]["id"] == "1")
+            await a.send(json.dumps({"type": "take_over", "session_id": sid}))
+            assert (await recv_json(cust))["to"] == "agent"
+            await cust.send(json.dumps({"type": "chat", "id": "2", "text": "I want a human"}))
+            assert (await recv_until(cust, is_end("2")))[-1]["type"] == "forwarded"
+            await cust.send(json.dumps({"type": "cancel", "id": "1"}))
+            await wait_for(lambda: _true(bool(engine.cancelled)))
+            engine.gate.set()
+            end = (await recv_until(cust, is_end("1")))[-1]
+            assert end["type"] == "done" and end["finish_reason"] == "cancelled", end
+        async with websockets.connect(url) as cust:
+            again = await hello(cust, session_id=sid, resume_token=ready["resume_token"])
+            # the acknowledged message is kept; the cancelled turn's own message is gone
+            assert [m["content"] for m in again["history"]] == ["I want a human"], again["history"]
+        await a.close()
+
+
+async def _true(value: bool) -> bool:
+    return value

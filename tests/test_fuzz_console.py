@@ -81,7 +81,7 @@ console_frames = st.one_of(
             "type": st.just("login"),
             "token": st.one_of(st.just(CONSOLE_TOKEN), st.just(CONSOLE_TOKEN), json_values),
         },
-        optional={"agent": json_values, "agent_id": json_values},
+        optional={"agent": json_values, "agent_id": json_values, "rejoin": json_values},
     ),
     batch=st.lists(console_frames, min_size=1, max_size=3),
 )

@@ -23,11 +23,13 @@ class Close(enum.IntEnum):
     POLICY = 1008  # origin not allowed
     NOT_READY = 1013  # the model is still loading
     SLOW_CLIENT = 4008  # the client did not read its events
-    HELLO_TIMEOUT = 4408  # no session started (or console login) within the deadline
+    HELLO_TIMEOUT = 4408  # no session started within the deadline
+    LOGIN_TIMEOUT = 4408  # a console socket that did not log in in time
     UNAUTHORIZED = 4401
     DISABLED = 4403  # the console is off (no console token)
     TAKEN_OVER = 4409  # the session was resumed by another connection
     TOO_MANY_SESSIONS = 4429  # also: too many open connections from one client
+    RATE_LIMITED = 4429  # too many failed console logins from the address
 
 
 def client_ip(conn: HTTPConnection) -> str:

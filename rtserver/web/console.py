@@ -25,20 +25,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import hmac
 import logging
 import secrets
 import time
+import unicodedata
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from cachetools import TTLCache
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import events
 from . import protocol as P
 from .cluster import ClusterUnavailable
 from .cluster.bus import ConsoleBus
-from .connection import Close, QueuedConnection, accept, refuse
+from .connection import Close, QueuedConnection, accept, client_ip, refuse
 from .errors import error_code
 from .session import Customer, Session, SessionRegistry
 from .state import AppState
@@ -49,7 +53,9 @@ log = logging.getLogger("rtserver.console")
 MOOD_SCORE = {"positive": 1.0, "negative": -1.0, "neutral": 0.0, "正面": 1.0, "负面": -1.0, "中性": 0.0}
 SENTIMENT_TASK = "sentiment"
 MAX_AGENT_MESSAGE_CHARS = 4000
+MAX_AGENT_NAME_CHARS = 60
 AGENT_MESSAGE_TYPES = ("login", "take_over", "hand_back", "agent_message", "ping")
+LOGIN_WINDOW_S = 60.0  # failed logins are counted per client IP over this window
 
 
 Hook = TypeVar("Hook", bound=Callable[..., None])
@@ -70,6 +76,41 @@ def _safe(fn: Hook) -> Hook:
 
 def _clean(text: str) -> str:
     return "".join(c for c in text if c in "\n\t" or not (ord(c) < 32 or 127 <= ord(c) < 160)).strip()
+
+
+def _agent_name(raw: Any) -> str:
+    """A display name: one line, no control, format (bidi overrides) or surrogate characters."""
+    if not isinstance(raw, str):
+        return "Agent"
+    kept = "".join(
+        c for c in raw[: 4 * MAX_AGENT_NAME_CHARS] if unicodedata.category(c) not in ("Cc", "Cf", "Cs", "Co")
+    )
+    return " ".join(kept.split())[:MAX_AGENT_NAME_CHARS] or "Agent"
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+class LoginFailures:
+    """Failed console logins per client IP in a window from its first failure; at the limit every
+    login is refused, a right token too, so a guesser learns nothing more."""
+
+    def __init__(self, limit: int, max_ips: int = 100_000, clock: Callable[[], float] = time.monotonic):
+        self.limit = limit
+        self.clock = clock
+        self.windows: TTLCache = TTLCache(maxsize=max_ips, ttl=LOGIN_WINDOW_S, timer=clock)
+
+    def check(self, ip: str, failed: bool = False) -> float:
+        """Count a failure first if `failed`: seconds until the IP may try again (0.0: it may now)."""
+        window = self.windows.get(ip)
+        if failed:
+            if window is None:
+                window = self.windows[ip] = [self.clock() + LOGIN_WINDOW_S, 0]
+            window[1] += 1
+        if window is None or window[1] < self.limit:
+            return 0.0
+        return max(0.001, window[0] - self.clock())
 
 
 class Conversation:
@@ -142,6 +183,7 @@ class Agent(QueuedConnection):
         self.name = ""
         self.logged_in = False
         self.held: list[dict] | None = None  # events held while its snapshot is read from Redis
+        self.rejoin: str | None = None  # given back at a later login, it restores this id
 
     def put(self, event: dict) -> None:
         """Queue an event; an agent that does not read is closed (it resyncs from a snapshot)."""
@@ -180,6 +222,10 @@ class ConsoleHub:
         self._holders: dict[str, dict | None] = {}  # read from Redis at resume, until the session attaches
         self._holds: dict[str, str] = {}  # session id -> agent id: take-overs claimed by this node's agents
         self.closing = False  # the node is stopping
+        sec = self.settings.security
+        self.login_failures = LoginFailures(sec.console_login_failures_per_min)
+        # signs the `rejoin` tokens that give an agent its id back (clustered: a key shared in Redis)
+        self._rejoin_key: bytes | None = None if state.cluster is not None else secrets.token_bytes(32)
 
     # -- fan-out --------------------------------------------------------------------------------
     def agent_count(self) -> int:
@@ -491,7 +537,7 @@ class ConsoleHub:
         self._cancel_release(session_id)
         conv = self.conversations.get(session_id)
         session = self._session(session_id)
-        if conv is None or session is None:
+        if conv is None or session is None or conv.agent is None:  # (handed back already)
             return
         conv.agent = None
         conv.updated_at = time.time()
@@ -626,6 +672,20 @@ class ConsoleHub:
         elif kind == "agent_message" and isinstance(agent, dict) and isinstance(command.get("text"), str):
             await self.apply_agent_message(sid, command["text"], str(agent.get("name")))
 
+    async def beat(self) -> None:
+        """Clustered heartbeat: the take-overs of this node's agents stay alive; a conversation served
+        here whose holder's key is gone (its node died) goes back to the bot."""
+        assert self.bus is not None
+        await self.bus.renew_holds(dict(self._holds))
+        held = [sid for sid, conv in self.conversations.items() if conv.agent is not None]
+        if not held:
+            return
+        for sid, holder in zip(held, await self.bus.holders(held), strict=True):
+            conv = self.conversations.get(sid)
+            if holder is None and conv is not None and conv.agent is not None:
+                log.info("conversation %s handed back: its agent's take-over expired", sid)
+                await self.apply_hand_back(sid)
+
     async def _cluster_release_orphan(self, session_id: str, agent_id: str) -> None:
         assert self.bus is not None
         if not await self.bus.release(session_id, agent_id):
@@ -684,20 +744,80 @@ class ConsoleHub:
             "type": "console_ready",
             "protocol": P.PROTOCOL_VERSION,
             "agent": {"id": agent.id, "name": agent.name},
+            "rejoin": agent.rejoin,
             "mood_window": self.mood_window,
             "conversations": [c.to_json(self.mood_window) for c in self.conversations.values()],
         }
 
-    def _login(self, agent: Agent, obj: dict) -> bool:
-        token = self.settings.security.console_token
+    # -- the door -------------------------------------------------------------------------------
+    async def _failed_logins(self, ip: str, failed: bool = False) -> float:
+        """Seconds this IP must wait before its next login (counting a failure first if `failed`):
+        cluster-wide in Redis when clustered, this node's own count while Redis is down."""
+        limit = self.settings.security.console_login_failures_per_min
+        if not limit:
+            return 0.0
+        local = self.login_failures.check(ip, failed)
+        limits = self.state.cluster_limits
+        if limits is None:
+            return local
+        try:
+            return await limits.login_failures(ip, limit, LOGIN_WINDOW_S, failed)
+        except ClusterUnavailable:
+            return local
+
+    async def _rejoin_secret(self) -> bytes | None:
+        if self._rejoin_key is None and self.bus is not None:
+            try:
+                self._rejoin_key = (await self.bus.shared_secret("rejoin")).encode()
+            except ClusterUnavailable:
+                return None
+        return self._rejoin_key
+
+    def rejoin_token(self, agent_id: str, key: bytes) -> str:
+        return f"{agent_id}.{hmac.new(key, agent_id.encode(), hashlib.sha256).hexdigest()}"
+
+    def _rejoined_id(self, given: Any, key: bytes | None) -> str | None:
+        """The agent id a valid `rejoin` token names (an id this server gave out), else None."""
+        if key is None or not isinstance(given, str) or given.count(".") != 1:
+            return None
+        agent_id = given.split(".")[0]
+        if not agent_id or not hmac.compare_digest(_digest(self.rejoin_token(agent_id, key)), _digest(given)):
+            return None
+        return agent_id
+
+    async def login(self, agent: Agent, obj: dict) -> bool:
+        ip = client_ip(agent.ws)
+        wait = await self._failed_logins(ip)
+        if wait > 0:
+            limit = self.settings.security.console_login_failures_per_min
+            agent.put(
+                events.error_event(
+                    "rate_limited",
+                    f"too many failed console logins from this address (limit {limit} a minute); "
+                    f"retry in {wait:.0f} s",
+                    retry_after_s=round(wait, 3),
+                )
+            )
+            agent.stop(Close.RATE_LIMITED, "rate limited")
+            return False
         given = obj.get("token")
-        if not (isinstance(given, str) and secrets.compare_digest(given.encode(), token.encode())):
+        token = self.settings.security.console_token
+        # digests of equal length: the comparison tells nothing about the token, not even its length
+        if not (isinstance(given, str) and hmac.compare_digest(_digest(given), _digest(token))):
+            await self._failed_logins(ip, failed=True)
             agent.put(events.error_event("unauthorized", "wrong console token"))
             agent.stop(Close.UNAUTHORIZED, "unauthorized")
             return False
-        name, agent_id = obj.get("agent"), obj.get("agent_id")
-        agent.name = _clean(name)[:60] if isinstance(name, str) and _clean(name) else "Agent"
-        agent.id = agent_id[:64] if isinstance(agent_id, str) and agent_id else secrets.token_urlsafe(12)
+        key = await self._rejoin_secret()
+        if agent.stopping.is_set():  # closed meanwhile (login deadline, server stopping)
+            return False
+        return self._login(agent, obj, key)
+
+    def _login(self, agent: Agent, obj: dict, key: bytes | None) -> bool:
+        agent.name = _agent_name(obj.get("agent"))
+        # the server names agents: an id is only ever given back to who holds its rejoin token
+        agent.id = self._rejoined_id(obj.get("rejoin"), key) or secrets.token_urlsafe(12)
+        agent.rejoin = self.rejoin_token(agent.id, key) if key is not None else None
         # Snapshot and registration in one synchronous step: every later event follows the snapshot.
         # (Clustered, the snapshot is read from Redis: events are held until it is sent.)
         agent.logged_in = True
@@ -764,7 +884,7 @@ class ConsoleHub:
         if kind == "login":
             if agent.logged_in:
                 agent.put(events.error_event("already_started", "already logged in"))
-            elif self._login(agent, obj) and self.bus is not None:
+            elif await self.login(agent, obj) and self.bus is not None:
                 await self.cluster_snapshot(agent)
             return
         if not agent.logged_in:
@@ -795,6 +915,9 @@ class ConsoleHub:
         agent = Agent(ws, max(64, 4 * self.settings.server.send_queue_size))
         self.agents.add(agent)
         writer = asyncio.create_task(agent.writer())
+        deadline = asyncio.get_running_loop().call_later(
+            self.settings.security.console_login_timeout_s, self._login_late, agent
+        )
 
         async def reader() -> None:
             try:
@@ -813,12 +936,19 @@ class ConsoleHub:
         try:
             await agent.stopping.wait()
         finally:
+            deadline.cancel()
             self.agents.discard(agent)
             read.cancel()
             if agent.logged_in:
                 agent.logged_in = False
                 self._agent_left(agent)
             await agent.finish(read, writer)
+
+    def _login_late(self, agent: Agent) -> None:
+        if not agent.logged_in and not agent.stopping.is_set():
+            timeout = self.settings.security.console_login_timeout_s
+            agent.put(events.error_event("login_timeout", f"no login within {timeout:g} s"))
+            agent.stop(Close.LOGIN_TIMEOUT, "login timeout")
 
     async def on_bus_command(self, command: dict) -> None:
         await self.apply_command(command)

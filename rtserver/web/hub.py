@@ -78,6 +78,23 @@ def _kept_prefix(prompt: list[int], last: LastTurn | None) -> int:
     return len(last.ids)
 
 
+def _remove(history: list[dict], entry: dict) -> None:
+    """Take this very entry out (by identity: equal text may be another message)."""
+    for i in range(len(history) - 1, -1, -1):
+        if history[i] is entry:
+            del history[i]
+            return
+
+
+def _insert_after(history: list[dict], entry: dict, new: dict) -> None:
+    """Put `new` right after `entry` (at the end when the window cut `entry` off)."""
+    for i in range(len(history) - 1, -1, -1):
+        if history[i] is entry:
+            history.insert(i + 1, new)
+            return
+    history.append(new)
+
+
 class Connection(QueuedConnection):
     def __init__(self, hub: Hub, ws: WebSocket):
         ss = hub.settings.server
@@ -347,6 +364,7 @@ class Connection(QueuedConnection):
             if turn.cut:
                 session.cuts += 1
             session.history = turn.history
+            user = turn.history[-1]  # this turn's message: messages forwarded to an agent may follow it
             added = True
             hub.console.user_message(session, msg.id, turn.text)
             self.run_auto_tasks(msg.id, turn.text)
@@ -360,14 +378,18 @@ class Connection(QueuedConnection):
                 raise GenerationFailed(result)
             if result.text or result.finish_reason is not FinishReason.CANCELLED:
                 kept = (session.last_turn, session.turns)
-                session.history.append({"role": "assistant", "content": result.text})
-                session.last_turn = chat.finished_turn(rendered, prompt, result.text, result.token_ids)
+                answer = {"role": "assistant", "content": result.text}
+                _insert_after(session.history, user, answer)
+                last = session.history[-1] is answer  # else the KV of this turn is not the prompt's start
+                session.last_turn = (
+                    chat.finished_turn(rendered, prompt, result.text, result.token_ids) if last else None
+                )
                 session.turns += 1
                 if hub.cluster_sessions is not None:
                     try:  # the turn is acknowledged only once its record is stored
                         await hub.cluster_sessions.save(session, self.client_name)
                     except ClusterUnavailable:
-                        session.history.pop()  # neither stored nor acknowledged: as if it never ran
+                        _remove(session.history, answer)  # neither stored nor acknowledged: never ran
                         session.last_turn, session.turns = kept
                         raise
                 added = False
@@ -391,8 +413,8 @@ class Connection(QueuedConnection):
             await self.error(code, message, msg.id)
         finally:
             held.release()
-            if added and session.history and session.history[-1]["role"] == "user":
-                session.history.pop()  # a failed or empty cancelled turn leaves no trace
+            if added:  # a failed or empty cancelled turn leaves no trace (only its own message goes)
+                _remove(session.history, user)
             session.touch(hub.sessions.clock())
             if session.chat_request == msg.id:
                 session.chat_request = None
@@ -499,6 +521,7 @@ class Hub:
             console.persist = self._persist
             console.node_id = state.cluster.node_id
             console.alive_nodes = self.nodes.alive
+            state.cluster.on_beat(console.beat)
             state.cluster_figures = self.cluster_figures
 
     def cluster_figures(self) -> dict[str, Any]:
@@ -545,6 +568,8 @@ class Hub:
         self.metrics.expired.inc()
         self.drop_backend_session(session)
         self.console.dropped(session)
+        if self.cluster_sessions is not None:
+            self.cluster_sessions.forget(session)
 
     def drop_backend_session(self, session: Session) -> None:
         for backend in self.state.backends.values():

@@ -10,9 +10,11 @@
   agent must not miss is in the records — a node that lost Redis and resubscribes sends its agents a
   fresh snapshot. Streams would add replay we do not need at the price of trimming and consumer state.
 - Take-over: `SET <prefix>:console:holder:<session> NX` in a Lua script — of two agents racing, exactly
-  one wins; hand-back deletes it only for its holder. Actions on a conversation served by another node
-  are sent to that node on its own channel `<prefix>:console:node:<id>` and applied there (the
-  customer's connection lives there).
+  one wins; hand-back deletes it only for its holder. The key expires after three missed heartbeats of
+  the holding agent's node, which renews it: when that node dies, the node serving the conversation
+  sees the key gone at its next heartbeat and hands the conversation back to the bot. Actions on a
+  conversation served by another node are sent to that node on its own channel
+  `<prefix>:console:node:<id>` and applied there (the customer's connection lives there).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,14 +33,27 @@ from . import Cluster, ClusterUnavailable, stop_task
 
 log = logging.getLogger("rtserver.cluster")
 
-# KEYS[1] holder key; ARGV agent json, agent id → the holder json after the call
+# KEYS[1] holder key; ARGV agent json, TTL ms → the holder json after the call
 CLAIM = """
 local cur = redis.call('GET', KEYS[1])
 if not cur then
-  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return ARGV[1]
 end
 return cur
+"""
+
+# KEYS holder keys; ARGV TTL ms, then the agent id of each key in KEYS' order → keys renewed
+RENEW_HOLDS = """
+local n = 0
+for i, key in ipairs(KEYS) do
+  local cur = redis.call('GET', key)
+  if cur and cjson.decode(cur)['id'] == ARGV[i + 1] then
+    redis.call('PEXPIRE', key, ARGV[1])
+    n = n + 1
+  end
+end
+return n
 """
 
 # KEYS[1] holder key; ARGV agent id ('' = any) → 1 released, 0 not the holder
@@ -86,6 +102,8 @@ class ConsoleBus:
         self.convs_key = cluster.key("console", "convs")
         r = cluster.redis
         self._claim = r.register_script(CLAIM)
+        self._renew_holds = r.register_script(RENEW_HOLDS)
+        self.hold_ttl_ms = int((cluster.heartbeat_s * 3 + 1) * 1000)
         self._release = r.register_script(RELEASE)
         self._save = r.register_script(SAVE_CONV)
         self._remove = r.register_script(REMOVE_CONV)
@@ -181,9 +199,24 @@ class ConsoleBus:
     async def claim(self, session_id: str, agent: dict) -> dict:
         """Take the conversation for `agent` unless someone holds it: the holder afterwards."""
         raw: Any = await self.cluster.call(
-            lambda: self._claim(keys=[self.holder_key(session_id)], args=[json.dumps(agent)])
+            lambda: self._claim(
+                keys=[self.holder_key(session_id)], args=[json.dumps(agent), self.hold_ttl_ms]
+            )
         )
         return json.loads(raw)
+
+    async def renew_holds(self, holds: dict[str, str]) -> None:
+        """Heartbeat: session id -> agent id of the take-overs this node's agents hold stay alive."""
+        if holds:
+            keys = [self.holder_key(sid) for sid in holds]
+            args: list[str | int] = [self.hold_ttl_ms, *holds.values()]
+            await self.cluster.call(lambda: self._renew_holds(keys=keys, args=args))
+
+    async def holders(self, session_ids: list[str]) -> list[dict | None]:
+        """The holder of each conversation (None: nobody holds it, or its holder's node died)."""
+        keys = [self.holder_key(sid) for sid in session_ids]
+        raws: Any = await self.cluster.call(lambda: self.cluster.redis.mget(keys))
+        return [json.loads(raw) if raw else None for raw in raws]
 
     async def release(self, session_id: str, agent_id: str = "") -> bool:
         done: Any = await self.cluster.call(
@@ -194,6 +227,19 @@ class ConsoleBus:
     async def holder(self, session_id: str) -> dict | None:
         raw: Any = await self.cluster.call(lambda: self.cluster.redis.get(self.holder_key(session_id)))
         return json.loads(raw) if raw else None
+
+    async def shared_secret(self, name: str) -> str:
+        """A random secret all nodes share (created by the first node that asks)."""
+        key = self.cluster.key("console", "secret", name)
+
+        async def run() -> Any:
+            await self.cluster.redis.set(key, secrets.token_hex(32), nx=True)
+            return await self.cluster.redis.get(key)
+
+        value: Any = await self.cluster.call(run)
+        if not isinstance(value, str) or not value:
+            raise ClusterUnavailable("no shared console secret in Redis")
+        return value
 
     async def command(self, node: str, command: dict) -> int:
         """Send an action to the node serving a conversation: how many nodes received it (0: none)."""

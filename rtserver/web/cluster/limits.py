@@ -1,7 +1,8 @@
 """Cluster-wide per-IP limits: the client IP's token bucket and `security.max_sessions_per_ip`, each one
 Lua script run atomically in Redis (redis-py `register_script`: EVALSHA, loaded again by itself after a
 Redis restart). Time is Redis's own `TIME`, so nodes with skewed clocks share one bucket correctly.
-Per-connection buckets stay local (rtserver/web/ratelimit.py): a connection lives on one node.
+Per-connection buckets stay local (rtserver/web/ratelimit.py): a connection lives on one node. Failed
+console logins per IP are a counter per one-minute window (`security.console_login_failures_per_min`).
 
 Sessions per IP: a sorted set per IP of its connected sessions, scored by a lease deadline the holding
 node renews with its heartbeat; a session leaves it on disconnect, or when its node dies and the lease
@@ -60,6 +61,23 @@ end
 return #KEYS
 """
 
+# KEYS[1] the IP's failed-login counter; ARGV limit, window ms, '1' to count a failure first → ms until
+# the window ends when the IP is at the limit, else 0 (the window starts at its first failure)
+LOGIN_FAILURES = """
+local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+if ARGV[3] == '1' then
+  n = redis.call('INCR', KEYS[1])
+  if n == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+end
+if n < tonumber(ARGV[1]) then return 0 end
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl < 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  ttl = tonumber(ARGV[2])
+end
+return ttl
+"""
+
 
 class ClusterLimits:
     def __init__(self, cluster: Cluster, rate: float, burst: int, max_sessions_per_ip: int):
@@ -71,6 +89,7 @@ class ClusterLimits:
         self._bucket = r.register_script(TOKEN_BUCKET)
         self._slot = r.register_script(SESSION_SLOT)
         self._renew = r.register_script(RENEW)
+        self._login_failures = r.register_script(LOGIN_FAILURES)
 
     def _ip_key(self, ip: str) -> str:
         return self.cluster.key("ipsessions", ip)
@@ -101,3 +120,12 @@ class ClusterLimits:
         keys = [self._ip_key(ip) for ip, _ in connected]
         args: list[Any] = [self.lease_s, *(sid for _, sid in connected)]
         await self.cluster.call(lambda: self._renew(keys=keys, args=args))
+
+    async def login_failures(self, ip: str, limit: int, window_s: float, failed: bool) -> float:
+        """Failed console logins of an IP, cluster-wide (`failed` counts one more first): the seconds
+        until its window ends when it is at `limit`, else 0.0."""
+        args = [limit, int(window_s * 1000), "1" if failed else "0"]
+        ms: Any = await self.cluster.call(
+            lambda: self._login_failures(keys=[self.cluster.key("consolefail", ip)], args=args)
+        )
+        return int(ms) / 1000

@@ -7,6 +7,8 @@ Redis (`store.py`), which are the truth.
   next turn's prompt is rendered from the history and the KV recomputed;
 - save: one atomic write of the whole record; `done` is sent only after it succeeded. A resume writes
   it too: its `node` says where the session is served (a connection to it elsewhere is told to close).
+  A write that failed may still have landed: its write id is kept, and the session's next write may
+  replace that record (it is this node's own), so the version moves on instead of conflicting.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from collections.abc import Callable
 from ..session import Session, SessionExpired, SessionRegistry, TooManySessions
 from . import Cluster, ClusterUnavailable
 from .limits import ClusterLimits
-from .store import SessionRecord, SessionStore, token_hash
+from .store import SessionConflict, SessionRecord, SessionStore, token_hash
+
+MAX_UNKNOWN_WRITES = 8  # more failed writes in a row than this: the oldest may conflict
 
 
 class ClusterSessions:
@@ -36,6 +40,7 @@ class ClusterSessions:
         self.registry = registry
         self.console_record = console_record  # the console's conversation record, stored beside
         self.resumed_elsewhere = 0  # resumes of a session whose record this node did not hold current
+        self._unknown: dict[str, list[str]] = {}  # session id -> write ids whose outcome is unknown
 
     def record(self, session: Session, client: str | None, version: int) -> SessionRecord:
         return SessionRecord(
@@ -54,8 +59,21 @@ class ClusterSessions:
 
     async def save(self, session: Session, client: str | None) -> None:
         """Write the session's record (ClusterUnavailable when Redis fails; the version is kept then)."""
-        await self.store.save(self.record(session, client, session.version + 1))
+        record = self.record(session, client, session.version + 1)
+        unknown = self._unknown.get(session.id, [])
+        try:
+            await self.store.save(record, replaces=tuple(unknown))
+        except SessionConflict:
+            raise
+        except ClusterUnavailable:
+            self._unknown[session.id] = [*unknown, record.write_id][-MAX_UNKNOWN_WRITES:]
+            raise
+        self._unknown.pop(session.id, None)
         session.version += 1
+
+    def forget(self, session: Session) -> None:
+        """The session is gone from this node."""
+        self._unknown.pop(session.id, None)
 
     async def create(self, client_ip: str, client: str | None) -> Session:
         self.cluster.require()

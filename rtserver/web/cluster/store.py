@@ -10,7 +10,10 @@ A record that does not parse is treated as absent (logged): a bad record never c
 
 Each write carries the next version of the record and is refused (`SessionConflict`) when the stored one
 is already that new or newer: a node whose copy is stale — the session was resumed on another node
-meanwhile — cannot overwrite what that node stored (and acknowledged).
+meanwhile — cannot overwrite what that node stored (and acknowledged). Each write also carries a random
+write id, so a write is idempotent: a retry whose first try landed (its reply timed out) finds its own
+write id and succeeds, and a write whose outcome was unknown (reported as failed) may be replaced by
+the same node's next write of that session, which names it.
 """
 
 from __future__ import annotations
@@ -28,12 +31,18 @@ log = logging.getLogger("rtserver.cluster")
 
 VERSION = 1
 
-# KEYS[1] record; ARGV record json, its version, TTL ms → 1 written, 0 the stored version is as new
+# KEYS[1] record; ARGV record json, its version, TTL ms, its write id, ',id,id,' of this node's earlier
+# writes of unknown outcome → 1 written (or already), 0 the stored version is as new and not ours.
+# (JSON escapes the quotes inside strings: the patterns only match the record's own fields.)
 SAVE = """
 local cur = redis.call('GET', KEYS[1])
 if cur then
   local v = tonumber(string.match(cur, '"version":(%d+)'))
-  if v and v >= tonumber(ARGV[2]) then return 0 end
+  if v and v >= tonumber(ARGV[2]) then
+    local w = string.match(cur, '"write_id":"([%w_-]+)"')
+    if w == ARGV[4] then return 1 end
+    if not w or not string.find(ARGV[5], ',' .. w .. ',', 1, true) then return 0 end
+  end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 return 1
@@ -59,6 +68,7 @@ class SessionRecord:
     id: str
     token_sha256: str
     version: int  # bumped by every write: a node's cached copy is current when the versions agree
+    write_id: str = ""  # random per write (set by `save`): a retried write recognises itself
     history: list[dict] = field(default_factory=list)
     turns: int = 0
     cuts: int = 0
@@ -109,11 +119,13 @@ class SessionStore:
     def key(self, session_id: str) -> str:
         return self.cluster.key("session", session_id)
 
-    async def save(self, record: SessionRecord) -> None:
-        """One atomic write (SET with PX, if the stored version is older); ClusterUnavailable when Redis
-        fails, SessionConflict when another node wrote this version first."""
+    async def save(self, record: SessionRecord, replaces: tuple[str, ...] = ()) -> None:
+        """One atomic write (SET with PX, if the stored version is older or one of `replaces`, write ids
+        of this node's writes whose outcome was unknown); ClusterUnavailable when Redis fails (the
+        write may have landed), SessionConflict when another node wrote this version first."""
+        record.write_id = record.write_id or secrets.token_urlsafe(9)
         raw = record.dumps()
-        args: list[str | int] = [raw, record.version, self.ttl_ms]
+        args: list[str | int] = [raw, record.version, self.ttl_ms, record.write_id, f",{','.join(replaces)},"]
         written: Any = await self.cluster.call(lambda: self._save(keys=[self.key(record.id)], args=args))
         if not int(written):
             raise SessionConflict(record.id)

@@ -129,6 +129,8 @@ class SecuritySettings:
     ip_rate_limit_per_s: float = _setting(20.0, min=0.0, max=1e6)
     ip_rate_limit_burst: int = _setting(60, min=1, max=1_000_000)
     max_sessions_per_ip: int = _setting(50, min=0, max=10_000_000)
+    # the most tokens one request may ask for on /v1/completions and /v1/chat/completions
+    api_max_tokens: int = _setting(2048, min=1, max=1_000_000)
 
 
 @dataclass

@@ -24,7 +24,7 @@ class BoundError(ValueError):
 @dataclass(frozen=True)
 class Bound:
     """A number's type and range. `above`: `lo` itself is excluded. `tiny`: positive values below it
-    are refused (0 stays allowed), where they would overflow a float division."""
+    are refused, where the engine's float32 arithmetic would overflow or round them to 0."""
 
     integer: bool
     lo: float
@@ -35,7 +35,7 @@ class Bound:
 
 DECODING: dict[str, Bound] = {
     "temperature": Bound(False, 0.0, 2.0, tiny=1e-3),  # OpenAI's range; 0 is greedy
-    "top_p": Bound(False, 0.0, 1.0, above=True),
+    "top_p": Bound(False, 0.0, 1.0, above=True, tiny=1e-6),  # a float32 of 0 would keep no token
     "top_k": Bound(True, 0, 1000),  # 0 = off
     "min_p": Bound(False, 0.0, 1.0),
     "repetition_penalty": Bound(False, 0.05, 10.0),
@@ -64,9 +64,15 @@ SIZES: dict[str, int] = {
 
 
 def _range(bound: Bound, lo: float, hi: float) -> str:
+    def show(x: float) -> str:
+        return str(int(x)) if bound.integer else f"{x:g}"
+
+    excluded = bound.above and lo == bound.lo
     if bound.tiny and lo <= 0 < bound.tiny <= hi:
-        return f"0 or {bound.tiny:g}..{hi:g}"
-    return f"greater than {lo:g} and at most {hi:g}" if bound.above and lo == bound.lo else f"{lo:g}..{hi:g}"
+        return f"{show(bound.tiny)}..{show(hi)}" if excluded else f"0 or {show(bound.tiny)}..{show(hi)}"
+    if excluded:
+        return f"greater than {show(lo)} and at most {show(hi)}"
+    return f"{show(lo)}..{show(hi)}"
 
 
 def number(param: str, value: Any, bound: Bound, lo: float | None = None, hi: float | None = None) -> Any:

@@ -195,6 +195,14 @@ def _task_sampling(task: Task, options: Any, names: dict[str, str] | None = None
         raise HTTPError(exc.code, exc.message, param) from None
 
 
+def _task_text(task: Task, raw: Any, param: str) -> None:
+    """A stateless task's input text checked (type, emptiness, size) before it runs, naming the field."""
+    try:
+        task.clean_text(raw.get("text") if isinstance(raw, dict) else raw)
+    except TaskError as exc:
+        raise HTTPError(exc.code, exc.message, param) from None
+
+
 def _check_prompt(state: AppState, prompt_tokens: int, new_tokens: int, param: str) -> None:
     """The prompt and the tokens asked for fit one sequence (engine.max_sequence_tokens)."""
     limit = state.settings.engine.max_sequence_tokens
@@ -284,8 +292,9 @@ async def run_task(request: Request, state: AppState, body: dict) -> Response:
                 "cached": False,
             }
         )
+    _task_text(task.task, body["input"], "input")  # refused here with the field named, as below
     if options:
-        _task_sampling(task.task, options)  # refused here with its field named, not in the task
+        _task_sampling(task.task, options)
     out = await reg.run(state.backend_for(name), name, body["input"], options)
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(out.to_json())
@@ -294,6 +303,7 @@ async def run_task(request: Request, state: AppState, body: dict) -> Response:
 async def sentiment(request: Request, state: AppState, body: dict) -> Response:
     if "text" not in body:
         raise HTTPError("missing_field", "'text' is required", "text")
+    _task_text(state.tasks.get("sentiment").task, body["text"], "text")
     out = await state.tasks.run(state.backend_for("sentiment"), "sentiment", {"text": body["text"]})
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(dict(out.output))

@@ -237,6 +237,11 @@ def loads(text: str) -> Any:
         value = _DECODER.decode(text)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError:
+        limit = sys.get_int_max_str_digits()  # an integer over Python's digit limit (0: none)
+        if limit and re.search("[0-9]{%d}" % (limit + 1), text):
+            raise ValueError(f"a number is out of range (at most {_FLOAT_MAX:g} in magnitude)") from None
+        raise
     deep = text.count("[") + text.count("{") > MAX_JSON_DEPTH
     huge = _BIG_NUMBER.search(text) is not None
     if deep or huge:

@@ -148,6 +148,8 @@ class SecuritySettings:
     # the agent console's door (rtserver/web/console.py)
     console_login_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
     console_login_failures_per_min: int = _setting(10, min=0, max=1_000_000)  # per client IP; 0 = off
+    # the most tokens one request may ask for on /v1/completions and /v1/chat/completions
+    api_max_tokens: int = _setting(2048, min=1, max=1_000_000)
 
 
 @dataclass

@@ -216,3 +216,64 @@ async def test_completions_over_token_ids_serve_other_hubs(smol):
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_field"
             r = await c.post("/v1/completions", json={"prompt": prompt, "logit_bias": {"5": 1}})
             assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
+
+
+async def test_out_of_range_seed_is_refused_at_the_door_while_chats_stream(smol):
+    """Issue 24: `seed` 2**64 on /v1/completions (no auth) reached torch's `manual_seed` inside the
+    engine's batch step on 21d7172 and ended every sequence of that step, three /ws chats streaming
+    beside it included. Now it is a 400 naming `seed`, and the values at the edges of each accepted
+    range run in the real engine beside the chats, which all end with `done`."""
+    import json
+
+    import websockets
+
+    from .serverutil import hello, is_end, recv_json, recv_until
+
+    settings = make_settings(tasks={"auto_tasks": []})
+    async with serve(create_app(settings, lambda: smol), settings) as (base, url):
+        chats = [await websockets.connect(url) for _ in range(3)]
+        try:
+            for i, ws in enumerate(chats):
+                assert (await hello(ws))["type"] == "ready"
+                text = "Write a very long story about a dragon, a knight and a castle."
+                options = {"max_new_tokens": 256, "seed": i}
+                await ws.send(json.dumps({"type": "chat", "id": f"c{i}", "text": text, "options": options}))
+            for i, ws in enumerate(chats):  # each has its first token: it is in the engine's batch
+                first = await recv_json(ws)
+                assert first["type"] == "token" and first["id"] == f"c{i}", first
+            # read on while the requests below run (an unread stream would hold back its pongs)
+            ends = [asyncio.ensure_future(recv_until(ws, is_end(f"c{i}"))) for i, ws in enumerate(chats)]
+            async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+                attack = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.7, "seed": 2**64}
+                r = await c.post("/v1/completions", json=attack)
+                err = r.json()["error"]
+                assert r.status_code == 400 and (err["code"], err["param"]) == ("bad_decoding", "seed"), (
+                    r.text
+                )
+                assert "0..9223372036854775807" in err["message"], err
+                edges = [
+                    {"seed": 2**63 - 1, "temperature": 2},
+                    {"seed": 0, "temperature": 0.001, "top_p": 1e-6},
+                    {"top_k": 1000, "temperature": 1.5, "repetition_penalty": 10},
+                    {"top_k": -1, "repetition_penalty": 0.05, "min_p": 1},
+                    {"temperature": -0.0, "min_tokens": 3, "stop": ["x" * 256] * 16},
+                ]
+                # below what the engine's float32 sampling can take (top_p 1e-300 kept no token: an
+                # IndexError in the batch step on 21d7172)
+                for field, value in [("top_p", 1e-300), ("temperature", 1e-300), ("top_p", 1e-7)]:
+                    r = await c.post("/v1/completions", json={"prompt": [1], field: value, "seed": 1})
+                    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+                for edge in edges:
+                    body = {"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True, **edge}
+                    r = await c.post("/v1/completions", json=body)
+                    assert r.status_code == 200, (edge, r.text)
+                    assert r.json()["usage"]["completion_tokens"] == 3, (edge, r.text)
+                messages = [{"role": "user", "content": "Hi"}]
+                body = {"model": "m", "messages": messages, "max_tokens": 2, "seed": 2**31 - 1, "top_k": 200}
+                r = await c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+            for end in await asyncio.gather(*ends):
+                assert end[-1]["type"] == "done", end[-1]
+        finally:
+            for ws in chats:
+                await ws.close()

@@ -12,7 +12,6 @@ session's history through the tokenizer's chat template. How a declaration runs:
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import unicodedata
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.backend import SamplingError, SamplingParams
+from . import bounds
 
 TRUNCATE_MODES = ("reject", "head", "tail")
 DECODING_KEYS = (
@@ -36,12 +36,14 @@ DECODING_KEYS = (
 
 
 class TaskError(Exception):
-    """A request a task cannot take; `code` is stable, `message` says what to change."""
+    """A request a task cannot take; `code` is stable, `message` says what to change, `param` names
+    the client's field at fault when one is."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
 
 @dataclass
@@ -128,14 +130,20 @@ class Task:
         for key in list(self.decoding) + list(self.overridable):
             if key not in DECODING_KEYS:
                 raise ValueError(f"decoding key {key!r}: allowed {', '.join(DECODING_KEYS)}")
-        for key, bounds in self.overridable.items():
+        for key, span in self.overridable.items():
             if (
-                not isinstance(bounds, (tuple, list))
-                or len(bounds) != 2
-                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
-                or bounds[0] > bounds[1]
+                not isinstance(span, (tuple, list))
+                or len(span) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in span)
+                or span[0] > span[1]
             ):
-                raise ValueError(f"overridable {key!r}: expected a (low, high) range, got {bounds!r}")
+                raise ValueError(f"overridable {key!r}: expected a (low, high) range, got {span!r}")
+            widest = bounds.DECODING.get(key, bounds.Bound(True, 0, bounds.SIZES["stop"]))
+            if not widest.lo <= span[0] <= span[1] <= widest.hi:
+                raise ValueError(
+                    f"overridable {key!r}: {tuple(span)!r} is wider than a client may set "
+                    f"({widest.lo:g}..{widest.hi:g})"
+                )
         _check_choices(self.choices, "choices")
         if self.parser is not None and not callable(self.parser):
             raise ValueError("parser must be a function text -> dict")
@@ -232,31 +240,17 @@ class Task:
         for key, value in (overrides or {}).items():
             if key not in self.overridable:
                 allowed = ", ".join(sorted(self.overridable)) or "none"
-                raise TaskError("bad_decoding", f"{self.name}: '{key}' cannot be set (settable: {allowed})")
+                raise TaskError(
+                    "bad_decoding", f"{self.name}: '{key}' cannot be set (settable: {allowed})", key
+                )
             lo, hi = self.overridable[key]
-            if key == "stop":
-                if not (
-                    isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= hi
-                ):
-                    raise TaskError(
-                        "bad_decoding", f"{self.name}: 'stop' must be a list of at most {int(hi)} strings"
-                    )
-                values[key] = list(self.stop) + value
-                continue
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or isinstance(value, float)
-                and not math.isfinite(value)
-            ):  # a huge int has no float
-                raise TaskError("bad_decoding", f"{self.name}: '{key}' must be a number")
-            if not lo <= value <= hi:
-                raise TaskError("bad_decoding", f"{self.name}: '{key}' = {value} is outside {lo}..{hi}")
-            if key in ("top_k", "max_new_tokens", "min_new_tokens", "seed"):
-                if value != int(value):
-                    raise TaskError("bad_decoding", f"{self.name}: '{key}' must be an integer")
-                value = int(value)
-            values[key] = value
+            try:  # the task's range within the widest one any client may set (bounds.DECODING)
+                if key == "stop":
+                    values[key] = list(self.stop) + bounds.stop_list(key, value, int(hi))
+                else:
+                    values[key] = bounds.number(key, value, bounds.DECODING[key], lo, hi)
+            except bounds.BoundError as exc:
+                raise TaskError("bad_decoding", f"{self.name}: {exc.message}", key) from None
         try:
             params = SamplingParams(**values)
             params.validate()

@@ -8,16 +8,20 @@ codes as the WebSocket protocol) — the shape the `openai` client reads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.backend import FinishReason, Generation, SamplingError, SamplingParams, SequenceResult
+from ..tasks import Task, TaskError
+from ..tasks import bounds as B
 from ..tasks.chat import ChatTask
 from . import events
 from . import protocol as P
@@ -94,7 +98,7 @@ def _api(handler):
         try:
             body = None
             if request.method == "POST":
-                raw = await _read_body(request, P.transport_max_bytes(state.settings.server.max_frame_bytes))
+                raw = await _read_body(request, P.http_max_bytes(state.settings))
                 try:  # strict decoding: no surrogates smuggled in as UTF-8 bytes (json.loads lets them pass)
                     body = P.loads(raw.decode(json.detect_encoding(raw)))
                 except ValueError as exc:  # UnicodeDecodeError included
@@ -133,12 +137,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _history(value: Any) -> list[dict]:
-    """A validated user/assistant history ending with a user message."""
+    """A validated user/assistant history ending with a user message, within the size bounds."""
     if not isinstance(value, list) or not value:
         raise HTTPError(
             "invalid_input", "'history' must be a non-empty list of {role, content} messages", "history"
         )
-    out = []
+    count, chars = B.SIZES["history"], B.SIZES["text_chars"]
+    if len(value) > count:
+        raise HTTPError(
+            "request_too_large", f"'history' has {len(value)} messages, the limit is {count}", "history"
+        )
+    out, total = [], 0
     for i, m in enumerate(value):
         if (
             not isinstance(m, dict)
@@ -149,6 +158,11 @@ def _history(value: Any) -> list[dict]:
                 "invalid_input",
                 f'history[{i}] must be {{"role": "user"|"assistant", "content": string}}',
                 "history",
+            )
+        total += len(m["content"])
+        if total > chars:  # checked before any message is tokenized
+            raise HTTPError(
+                "request_too_large", f"'history' has more than {chars} characters of content", "history"
             )
         out.append({"role": m["role"], "content": m["content"]})
     if out[-1]["role"] != "user":
@@ -173,6 +187,56 @@ def _start(
         raise
     admission.release_when_done(held, stream, len(prompt))
     return stream
+
+
+@contextlib.contextmanager
+def _fields() -> Iterator[None]:
+    """A field refused by the bounds table (tasks/bounds.py) becomes an HTTP error naming it."""
+    try:
+        yield
+    except B.BoundError as exc:
+        raise HTTPError(exc.code, exc.message, exc.param) from None
+
+
+def _task_sampling(task: Task, options: Any, names: dict[str, str] | None = None) -> SamplingParams:
+    """A task's decoding with a client's overrides; an error names the client's field (`names` maps
+    the task's key to it)."""
+    try:
+        return task.sampling(options or None)
+    except TaskError as exc:
+        param = (names or {}).get(exc.param or "", exc.param)
+        raise HTTPError(exc.code, exc.message, param) from None
+
+
+def _task_text(task: Task, raw: Any, param: str) -> None:
+    """A stateless task's input text checked (type, emptiness, size) before it runs, naming the field."""
+    try:
+        task.clean_text(raw.get("text") if isinstance(raw, dict) else raw)
+    except TaskError as exc:
+        raise HTTPError(exc.code, exc.message, param) from None
+
+
+def _check_prompt(state: AppState, prompt_tokens: int, new_tokens: int, param: str) -> None:
+    """The prompt and the tokens asked for fit one sequence (engine.max_sequence_tokens)."""
+    limit = state.settings.engine.max_sequence_tokens
+    if prompt_tokens + new_tokens > limit:
+        raise HTTPError(
+            "request_too_large",
+            f"the prompt ({prompt_tokens} tokens) plus {new_tokens} new tokens exceeds the "
+            f"{limit}-token limit: shorten '{param}' or ask for fewer tokens",
+            param,
+        )
+
+
+def _optional(body: dict, key: str, kind: type | tuple[type, ...], what: str, chars: int = 0) -> None:
+    """An accepted field that must be null or of `kind` (strings at most `chars` characters)."""
+    value = body.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        raise HTTPError("invalid_field", f"'{key}' must be {what}", key)
+    if isinstance(value, str) and len(value) > chars:
+        raise HTTPError("invalid_field", f"'{key}' must be {what} of at most {chars} characters", key)
 
 
 async def _generate(
@@ -202,13 +266,13 @@ async def _stateless_chat(
     chat = state.tasks.chat
     if options is not None and not isinstance(options, dict):
         raise HTTPError("invalid_field", "'options' must be an object of decoding settings", "options")
+    params = _task_sampling(chat.task, options)  # before any tokenization
     history = _history(history_value)
     earlier = [
         m if m["role"] == "assistant" else {**m, "content": chat.clean_message(m["content"])}
         for m in history[:-1]
     ]
     turn = chat.prepare_turn(earlier, history[-1]["content"])
-    params = chat.task.sampling(options or None)
     result = await _generate(request, state, turn.prompt_ids, params, endpoint)
     return result, chat.parse(result.text)
 
@@ -246,6 +310,9 @@ async def run_task(request: Request, state: AppState, body: dict) -> Response:
                 "cached": False,
             }
         )
+    _task_text(task.task, body["input"], "input")  # refused here with the field named, as below
+    if options:
+        _task_sampling(task.task, options)
     out = await reg.run(state.backend_for(name), name, body["input"], options)
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(out.to_json())
@@ -254,6 +321,7 @@ async def run_task(request: Request, state: AppState, body: dict) -> Response:
 async def sentiment(request: Request, state: AppState, body: dict) -> Response:
     if "text" not in body:
         raise HTTPError("missing_field", "'text' is required", "text")
+    _task_text(state.tasks.get("sentiment").task, body["text"], "text")
     out = await state.tasks.run(state.backend_for("sentiment"), "sentiment", {"text": body["text"]})
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(dict(out.output))
@@ -317,22 +385,73 @@ def _refuse_unsupported(body: dict) -> None:
             + ")",
         )
     n = body.get("n")
-    if n is not None and n != 1:
+    if n is not None and (isinstance(n, bool) or n != 1):
         no("n", "only n = 1 (one choice per request)")
     if body.get("tools") or body.get("functions") or body.get("function_call"):
         no("tools" if body.get("tools") else "functions", "tool and function calling are not available")
     if body.get("tool_choice") not in (None, "none"):
         no("tool_choice", "tool calling is not available")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        no("logprobs", "log-probabilities are not returned")
+    with _fields():
+        if body.get("logprobs") is not None and B.flag("logprobs", body["logprobs"]):
+            no("logprobs", "log-probabilities are not returned")
+        if body.get("top_logprobs") is not None:
+            if B.number("top_logprobs", body["top_logprobs"], B.DECODING["top_logprobs"]):
+                no("top_logprobs", "log-probabilities are not returned")
+        for key in ("presence_penalty", "frequency_penalty"):
+            if body.get(key) is not None and B.number(key, body[key], B.DECODING[key]) != 0:
+                no(key, "use repetition_penalty instead")
+        for key in ("stream", "store", "parallel_tool_calls"):
+            if body.get(key) is not None:
+                B.flag(key, body[key])
     if body.get("logit_bias"):
         no("logit_bias", "logit bias is not available")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            no(key, "use repetition_penalty instead")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         no("response_format", 'only {"type": "text"}')
+    short = B.SIZES["short_chars"]
+    for key in ("model", "user", "service_tier"):
+        _optional(body, key, str, "a string", short)
+    _optional(body, "metadata", dict, "an object")
+
+
+def _stream_usage(body: dict) -> bool:
+    """`stream_options.include_usage`, checked (an object holding a boolean)."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise HTTPError("invalid_field", "'stream_options' must be an object", "stream_options")
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise HTTPError(
+            "invalid_field", "'stream_options.include_usage' must be true or false", "stream_options"
+        )
+    return bool(usage)
+
+
+def _messages_size(messages: Any) -> None:
+    """At most SIZES["messages"] messages and SIZES["text_chars"] characters of text, checked before
+    the chat template renders them."""
+    if not isinstance(messages, list):
+        return  # _openai_prompt says what it must be
+    count, chars = B.SIZES["messages"], B.SIZES["text_chars"]
+    if len(messages) > count:
+        raise HTTPError(
+            "request_too_large", f"'messages' has {len(messages)} messages, the limit is {count}", "messages"
+        )
+    total = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        if len(parts) > count:
+            raise HTTPError("request_too_large", f"a message has more than {count} parts", "messages")
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            total += len(text) if isinstance(text, str) else 0
+        if total > chars:
+            raise HTTPError(
+                "request_too_large", f"'messages' has more than {chars} characters of content", "messages"
+            )
 
 
 def _content(m: dict, i: int) -> str:
@@ -379,33 +498,39 @@ def _openai_prompt(state: AppState, messages: Any) -> list[int]:
 
 
 def _openai_params(state: AppState, body: dict) -> SamplingParams:
-    chat = state.tasks.chat
+    """The chat task's decoding with the request's fields, each checked against the bounds table and
+    the task's own range, the error naming the request's field."""
+    task = state.tasks.chat.task
     overrides: dict = {}
-    for src, dst in (
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("top_k", "top_k"),
-        ("repetition_penalty", "repetition_penalty"),
-        ("seed", "seed"),
-        ("max_tokens", "max_new_tokens"),
-        ("max_completion_tokens", "max_new_tokens"),
-    ):
-        if body.get(src) is not None:
-            overrides[dst] = body[src]
-    stop = body.get("stop")
-    if stop is not None:
-        overrides["stop"] = [stop] if isinstance(stop, str) else stop
-    params = chat.task.sampling(overrides or None)
-    min_tokens = body.get("min_tokens")
-    if min_tokens is not None:
-        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int):
-            raise HTTPError("bad_decoding", "'min_tokens' must be an integer", "min_tokens")
-        params.min_new_tokens = min_tokens
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is not None:
-        if not isinstance(ignore_eos, bool):
-            raise HTTPError("bad_decoding", "'ignore_eos' must be true or false", "ignore_eos")
-        params.ignore_eos = ignore_eos
+    names: dict[str, str] = {}
+    cap = state.settings.security.api_max_tokens
+    with _fields():
+        for src, dst in (
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("top_k", "top_k"),
+            ("repetition_penalty", "repetition_penalty"),
+            ("seed", "seed"),
+            ("max_tokens", "max_new_tokens"),
+            ("max_completion_tokens", "max_new_tokens"),
+        ):
+            if body.get(src) is None:
+                continue
+            lo, hi = task.overridable.get(dst, (None, None))
+            if dst == "max_new_tokens":
+                hi = cap if hi is None else min(hi, cap)
+            overrides[dst], names[dst] = B.number(src, body[src], B.DECODING[dst], lo, hi), src
+        if body.get("stop") is not None:
+            overrides["stop"] = B.stop_list("stop", body["stop"], B.SIZES["stop"], one_string=True)
+        params = _task_sampling(task, overrides, names)
+        if body.get("min_tokens") is not None:
+            params.min_new_tokens = int(
+                B.number(
+                    "min_tokens", body["min_tokens"], B.DECODING["min_new_tokens"], 0, params.max_new_tokens
+                )
+            )
+        if body.get("ignore_eos") is not None:
+            params.ignore_eos = B.flag("ignore_eos", body["ignore_eos"])
     try:
         params.validate()
     except SamplingError as exc:
@@ -429,11 +554,11 @@ def _openai_usage(result: SequenceResult) -> dict:
 
 async def chat_completions(request: Request, state: AppState, body: dict) -> Response:
     _refuse_unsupported(body)
-    stream_opts = body.get("stream_options")
-    if stream_opts is not None and not isinstance(stream_opts, dict):
-        raise HTTPError("invalid_field", "'stream_options' must be an object", "stream_options")
+    include_usage = _stream_usage(body)
+    params = _openai_params(state, body)  # the cheap checks first: no template rendered for a bad one
+    _messages_size(body.get("messages"))
     prompt = _openai_prompt(state, body.get("messages"))
-    params = _openai_params(state, body)
+    _check_prompt(state, len(prompt), params.max_new_tokens, "messages")
     model = state.model_id
     cid = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())
@@ -456,7 +581,6 @@ async def chat_completions(request: Request, state: AppState, body: dict) -> Res
                 "usage": _openai_usage(result),
             }
         )
-    include_usage = bool((stream_opts or {}).get("include_usage"))
     gen = _start(request, state, prompt, params)  # Overloaded etc. raise here, before the 200
     # The response starts with the first token: until then nothing is written to this client, so in a
     # burst every request's generation reaches its backend (a remote server: its upstream request is
@@ -589,52 +713,71 @@ COMPLETION_FIELDS = {
 }
 
 
-def _number(body: dict, key: str, default: float | None, integer: bool = False) -> Any:
+def _number(body: dict, key: str, default: Any, field: str | None = None, hi: float | None = None) -> Any:
+    """`body[key]` checked against the bounds table's `field` (the key itself by default), or `default`
+    when absent or null."""
     value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise HTTPError("bad_decoding", f"'{key}' must be {'an integer' if integer else 'a number'}", key)
-    return value
+    return default if value is None else B.number(key, value, B.DECODING[field or key], None, hi)
 
 
-def _token_ids(value: Any, what: str, vocab: int) -> list[int]:
-    if not (
-        isinstance(value, list)
-        and value
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    ):
-        raise HTTPError("invalid_field", f"'{what}' must be a non-empty list of token ids", what)
+def _token_ids(value: Any, what: str, vocab: int, most: int) -> list[int]:
+    if not (isinstance(value, list) and 0 < len(value) <= most):
+        raise HTTPError("invalid_field", f"'{what}' must be a list of 1..{most} token ids", what)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise HTTPError("invalid_field", f"'{what}' must be a list of token ids (integers)", what)
     if any(not 0 <= t < vocab for t in value):
         raise HTTPError("invalid_field", f"'{what}' holds a token id outside 0..{vocab - 1}", what)
     return value
 
 
-def _completion_params(body: dict) -> SamplingParams:
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
-        raise HTTPError("bad_decoding", "'stop' must be a string or a list of strings", "stop")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise HTTPError("bad_decoding", "'ignore_eos' must be true or false", "ignore_eos")
-    penalty = _number(body, "repetition_penalty", None)
-    params = SamplingParams(
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
-        top_k=max(0, _number(body, "top_k", 0, integer=True)),
-        max_new_tokens=_number(body, "max_tokens", 16, True),
-        min_new_tokens=_number(body, "min_tokens", 0, integer=True),
-        repetition_penalty=penalty if penalty is not None else _number(body, "repeat_penalty", 1.0),
-        seed=_number(body, "seed", None, integer=True),
-        stop=stop,
-        ignore_eos=ignore_eos,
-    )
+def _completion_params(body: dict, max_tokens: int) -> SamplingParams:
+    """Decoding from a /v1/completions body, every field checked against the bounds table."""
+    with _fields():
+        stop = body.get("stop")
+        stop = [] if stop is None else B.stop_list("stop", stop, B.SIZES["node_stop"], one_string=True)
+        top_k = body.get("top_k")
+        if top_k == -1 and not isinstance(top_k, bool):
+            top_k = 0  # vLLM's spelling of "off"
+        _number(body, "min_p", 0.0)  # accepted for llama-server's and vLLM's clients, not applied
+        penalty = _number(body, "repetition_penalty", None)
+        new_tokens = _number(body, "max_tokens", 16, "max_new_tokens", max_tokens)
+        params = SamplingParams(
+            temperature=_number(body, "temperature", 1.0),
+            top_p=_number(body, "top_p", 1.0),
+            top_k=0 if top_k is None else B.number("top_k", top_k, B.DECODING["top_k"]),
+            max_new_tokens=new_tokens,
+            min_new_tokens=_number(body, "min_tokens", 0, "min_new_tokens", new_tokens),
+            repetition_penalty=penalty
+            if penalty is not None
+            else _number(body, "repeat_penalty", 1.0, "repetition_penalty"),
+            seed=_number(body, "seed", None),
+            stop=stop,
+            ignore_eos=B.flag("ignore_eos", body.get("ignore_eos", False)),
+        )
     try:
         params.validate()
     except SamplingError as exc:
         raise HTTPError("bad_decoding", str(exc)) from None
     return params
+
+
+def _candidates(value: Any, vocab: int) -> list[list[int]]:
+    """`score_candidates`: 1..32 token-id lists of 1..64 tokens, at most 1024 tokens in all."""
+    count, each, total = (B.SIZES[k] for k in ("candidates", "candidate_tokens", "candidates_tokens"))
+    if not (isinstance(value, list) and 0 < len(value) <= count):
+        raise HTTPError(
+            "invalid_field",
+            f"'score_candidates' must be a list of 1..{count} token-id lists",
+            "score_candidates",
+        )
+    out = [_token_ids(c, "score_candidates", vocab, each) for c in value]
+    if sum(map(len, out)) > total:
+        raise HTTPError(
+            "request_too_large",
+            f"'score_candidates' holds more than {total} tokens in all",
+            "score_candidates",
+        )
+    return out
 
 
 async def completions(request: Request, state: AppState, body: dict) -> Response:
@@ -646,25 +789,54 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
     unknown = sorted(set(body) - COMPLETION_FIELDS)
     if unknown:
         raise HTTPError("unsupported", f"'{unknown[0]}' is not supported by /v1/completions here", unknown[0])
-    if body.get("n") not in (None, 1):
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise HTTPError("unsupported", "'n' is not supported: only n = 1", "n")
+    with _fields():
+        for name in ("stream", "return_token_ids", "cache_prompt"):
+            if body.get(name) is not None:
+                B.flag(name, body[name])
+        logprobs = body.get("logprobs")
+        if logprobs is not None and logprobs is not False and _number(body, "logprobs", 0):
+            raise HTTPError(
+                "unsupported",
+                "'logprobs' is not supported: log-probabilities are not returned "
+                "(score_candidates gives those of given continuations)",
+                "logprobs",
+            )
+    for name in ("model", "user"):
+        _optional(body, name, str, "a string", B.SIZES["short_chars"])
+    include_usage = _stream_usage(body)
+    session = body.get("rtserver_session")
+    chars = B.SIZES["session_chars"]
+    if session is not None and not (isinstance(session, str) and 0 < len(session) <= chars):
+        raise HTTPError(
+            "invalid_field",
+            f"'rtserver_session' must be a string of 1..{chars} characters",
+            "rtserver_session",
+        )
     backend = state.backend
     tokenizer = backend.tokenizer
     vocab = len(tokenizer)
+    limit = state.settings.engine.max_sequence_tokens
+    candidates = body.get("score_candidates")
+    scoring = candidates is not None
+    params = None if scoring else _completion_params(body, state.settings.security.api_max_tokens)
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
+        with _fields():
+            B.text("prompt", prompt, B.SIZES["text_chars"])
         prompt = tokenizer.encode(prompt, add_special_tokens=False)
-    prompt = _token_ids(prompt, "prompt", vocab)
+        if len(prompt) > limit:
+            _check_prompt(state, len(prompt), 0, "prompt")
+    elif isinstance(prompt, list) and len(prompt) > limit:
+        _check_prompt(state, len(prompt), 0, "prompt")  # refused before its ids are read
+    prompt = _token_ids(prompt, "prompt", vocab, limit)
     created, cid, model = int(time.time()), "cmpl-" + secrets.token_hex(12), state.model_id
-    candidates = body.get("score_candidates")
-    if candidates is not None:
-        if not (isinstance(candidates, list) and 0 < len(candidates) <= 128):
-            raise HTTPError(
-                "invalid_field",
-                "'score_candidates' must be a list of 1..128 token-id lists",
-                "score_candidates",
-            )
-        scores = await backend.score(prompt, [_token_ids(c, "score_candidates", vocab) for c in candidates])
+    if scoring:
+        lists = _candidates(candidates, vocab)
+        _check_prompt(state, len(prompt), max(map(len, lists)), "prompt")
+        scores = await backend.score(prompt, lists)
         return JSONResponse(
             {
                 "id": cid,
@@ -683,12 +855,8 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)},
             }
         )
-    params = _completion_params(body)
-    session = body.get("rtserver_session")
-    if session is not None and not (isinstance(session, str) and 0 < len(session) <= 128):
-        raise HTTPError(
-            "invalid_field", "'rtserver_session' must be a string of 1..128 characters", "rtserver_session"
-        )
+    assert params is not None
+    _check_prompt(state, len(prompt), params.max_new_tokens, "prompt")
     with_ids = body.get("return_token_ids") is True
 
     def choice(text: str, finish: str | None, ids: list[int] | None = None) -> dict:
@@ -710,11 +878,6 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
                 "usage": _openai_usage(result),
             }
         )
-    include_usage = (
-        bool((body.get("stream_options") or {}).get("include_usage"))
-        if isinstance(body.get("stream_options"), dict)
-        else False
-    )
     gen = _start(request, state, prompt, params, key)
 
     def sse(data: dict) -> str:
@@ -763,12 +926,9 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
 async def tokenize(request: Request, state: AppState, body: dict) -> Response:
     """llama-server's /tokenize: {"content", "add_special"} -> {"tokens"} (a hub checks that this node
     tokenizes as it does)."""
-    content = body.get("content")
-    if not isinstance(content, str):
-        raise HTTPError("invalid_field", "'content' must be a string", "content")
-    add_special = body.get("add_special", False)
-    if not isinstance(add_special, bool):
-        raise HTTPError("invalid_field", "'add_special' must be true or false", "add_special")
+    with _fields():
+        content = B.text("content", body.get("content"), B.SIZES["text_chars"])
+        add_special = B.flag("add_special", body.get("add_special", False))
     return JSONResponse({"tokens": state.backend.tokenizer.encode(content, add_special_tokens=add_special)})
 
 

@@ -12,12 +12,12 @@ Schema of both: schema.py. The full description is docs/protocol.md (PROTOCOL_VE
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 from dataclasses import field
 from typing import Annotated, Any, Literal, get_args
 
+import numpy as np
 from pydantic import AfterValidator, ConfigDict, Field, StrictStr, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
@@ -73,6 +73,16 @@ def transport_max_bytes(max_frame_bytes: int) -> int:
     this get a `frame_too_large` error and the connection stays; bigger ones close it with 1009. HTTP
     bodies are refused above it too."""
     return max(1 << 20, 4 * max_frame_bytes)
+
+
+HTTP_MIN_BODY_BYTES = 256 << 10
+
+
+def http_max_bytes(settings: Any) -> int:
+    """The largest HTTP body: room for the largest request the bounds let through (a prompt of
+    `engine.max_sequence_tokens` token ids, the most characters of messages) and no more, since a
+    body is parsed on the event loop; at least `server.max_frame_bytes`."""
+    return max(HTTP_MIN_BODY_BYTES, settings.server.max_frame_bytes, 8 * settings.engine.max_sequence_tokens)
 
 
 class ProtocolError(Exception):
@@ -219,20 +229,50 @@ def loads(text: str) -> Any:
     Beyond `json.loads`: NaN/Infinity, numbers out of a double's range, strings with an unpaired UTF-16
     surrogate (a lone `\\udXXX` escape) and nesting deeper than MAX_JSON_DEPTH are refused. Such values
     could not be echoed back (UTF-8 has no lone surrogates, strict JSON no NaN), overflow float
-    conversions, or exhaust the recursion limit of whatever serializes them later.
+    conversions, or exhaust the recursion limit of whatever serializes them later. The decoder's C
+    fast paths do the parsing; each check runs over the text or the value at C speed, and only when
+    the text may need it, so that a worst-case body (a MiB of tiny arrays or numbers) parses fast.
     """
     try:
         value = _DECODER.decode(text)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
-    if text.count("[") + text.count("{") > MAX_JSON_DEPTH or _may_hold_surrogate(text):
-        _check_tree(value)
+    except ValueError:
+        limit = sys.get_int_max_str_digits()  # an integer over Python's digit limit (0: none)
+        if limit and re.search("[0-9]{%d}" % (limit + 1), text):
+            raise ValueError(f"a number is out of range (at most {_FLOAT_MAX:g} in magnitude)") from None
+        raise
+    deep = text.count("[") + text.count("{") > MAX_JSON_DEPTH
+    huge = _BIG_NUMBER.search(text) is not None
+    if deep or huge:
+        skeleton = _STRING.sub('""', text).encode("ascii")  # outside strings JSON text is ASCII
+        if deep:
+            _check_depth(skeleton)
+        if huge:
+            _check_numbers(skeleton)
+    if huge or _may_hold_surrogate(text):
+        try:  # C speed: refuses infinite floats (1e400) and strings with an unpaired surrogate
+            json.dumps(value, ensure_ascii=False, allow_nan=False, check_circular=False).encode()
+        except ValueError:  # UnicodeEncodeError included
+            try:  # which of the two (ASCII output escapes surrogates)
+                json.dumps(value, allow_nan=False, check_circular=False)
+            except ValueError:
+                raise ValueError(f"a number is out of range (at most {_FLOAT_MAX:g} in magnitude)") from None
+            raise ValueError(
+                "a string holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape); "
+                "JSON text must be valid Unicode"
+            ) from None
     return value
 
 
 _FLOAT_MAX = sys.float_info.max
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (the text is valid JSON)
+# what may be out of a double's range: a 3-digit exponent, or 309 digits in a row
+_BIG_NUMBER = re.compile(r"[eE][+-]?0*[1-9][0-9]{2}|[0-9]{309}")
+# an integer of 309 digits or more: not a fraction's or an exponent's digits, not a float's mantissa
+_LONG_INT = re.compile(rb"(?<![0-9.eE+-])-?[0-9]{309,}(?![0-9.eE])")
 
 
 def _may_hold_surrogate(text: str) -> bool:
@@ -240,47 +280,30 @@ def _may_hold_surrogate(text: str) -> bool:
     return bool(_SURROGATE_ESCAPE.search(text)) or (not text.isascii() and bool(_SURROGATE.search(text)))
 
 
+def _check_depth(skeleton: bytes) -> None:
+    """Nesting depth of valid JSON text whose strings are emptied: the running count of brackets."""
+    chars = np.frombuffer(skeleton, np.uint8)
+    opens = (chars == ord("[")) | (chars == ord("{"))
+    steps = opens.astype(np.int32) - ((chars == ord("]")) | (chars == ord("}")))
+    if int(np.cumsum(steps).max(initial=0)) > MAX_JSON_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _check_numbers(skeleton: bytes) -> None:
+    """Integers beyond a double's range (floats are checked on the value: they parse to infinity)."""
+    for match in _LONG_INT.finditer(skeleton):
+        if abs(int(match.group())) > _FLOAT_MAX:
+            shown = match.group()[:24].decode()
+            raise ValueError(f"number {shown}... is out of range (at most {_FLOAT_MAX:g} in magnitude)")
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text[:24]} is out of range (at most {_FLOAT_MAX:g} in magnitude)")
-    return value
-
-
-def _bounded_int(text: str) -> int:
-    value = None if len(text) > 320 else int(text)  # a double has at most 309 integer digits
-    if value is None or abs(value) > _FLOAT_MAX:
-        raise ValueError(f"number {text[:24]}... is out of range (at most {_FLOAT_MAX:g} in magnitude)")
-    return value
-
-
-# one decoder for every call: `json.loads` with hooks would build a new one each time (half its cost)
-_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int)
-
-
-def _check_tree(value: Any) -> None:
-    """Nesting depth and unpaired surrogates, without recursion (the value may be nested ~1000 deep)."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, str):
-            if _SURROGATE.search(v):
-                raise ValueError(
-                    "a string holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape); "
-                    "JSON text must be valid Unicode"
-                )
-        elif isinstance(v, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
-            if isinstance(v, dict):
-                stack.extend((k, depth) for k in v)
-                stack.extend((x, depth + 1) for x in v.values())
-            else:
-                stack.extend((x, depth + 1) for x in v)
+# one decoder for every call (`json.loads` with a hook would build a new one each time); numbers take
+# the C parser's fast paths, which a parse_int or parse_float hook would turn off
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def _parse_object(obj: dict, rid: str | None) -> ClientMessage:

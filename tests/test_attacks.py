@@ -410,7 +410,9 @@ async def test_ops_token_guards_metrics_and_health_detail(hardened):
         r = await http.get("/metrics", headers=ops)
         assert r.status_code == 200 and "rtserver_requests_total" in r.text, r.text[:200]
         public = await http.get("/health")
-        assert public.status_code == 200 and set(public.json()) == {"status"}, public.text
+        # without it: whether the node serves, never what it runs
+        assert public.status_code == 200 and "status" in public.json(), public.text
+        assert set(public.json()) <= {"status", "stage", "progress"}, public.text
         detail = await http.get("/health", headers=ops)
         assert detail.status_code == 200 and {"model", "backends"} <= set(detail.json()), detail.text
         ready = await http.get("/ready")
@@ -490,13 +492,15 @@ async def test_failures_never_show_paths_hosts_or_upstream_urls(broken):
     secrets = [str(broken.plugin_dir), broken.upstream, broken.redis, str(Path.cwd()), str(Path.home())]
     secrets += ["site-packages", "Traceback"]
     seen: dict[str, str] = {}
+    # /health and /ws as a stranger does (loopback may be the operator's view); the API from loopback
+    stranger = {"X-Forwarded-For": "203.0.113.50"}
     async with httpx.AsyncClient(base_url=broken.server.base, timeout=30) as http:
-        seen["/health"] = (await http.get("/health")).text
+        seen["/health"] = (await http.get("/health", headers=stranger)).text
         for path, body in {**INFERENCE, "/v1/tasks/x": {"input": {"text": "hi"}}}.items():
             r = await http.post(path, json=body)
             assert r.status_code >= 400, (path, r.text)
             seen[path] = r.text
-    async with websockets.connect(broken.server.ws_url, open_timeout=30) as ws:
+    async with websockets.connect(broken.server.ws_url, open_timeout=30, additional_headers=stranger) as ws:
         events = []
         with contextlib.suppress(websockets.ConnectionClosed):  # it may have closed already: not ready
             await ws.send(json.dumps({"type": "hello"}))
@@ -512,42 +516,58 @@ async def test_failures_never_show_paths_hosts_or_upstream_urls(broken):
 
 # -- 4. hogs (near the end: on a server that lets them, they load it for minutes) -------------------
 
-HOG = {"prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
-HOG_IP, CUSTOMER_IP = "198.51.100.66", "203.0.113.7"
+HOG = {"prompt": [1, 2, 3], "ignore_eos": True, "stream": True}
+HOG_TOKENS, HOG_LEAST_TOKENS = 4000, 500
+CUSTOMER_IP = "203.0.113.7"  # the hogs call the API from loopback, its trusted side while no token is set
 
 
 @dataclass
 class Hog:
     status: int | None = None
+    max_tokens: int = HOG_TOKENS
     body: str = ""
     chunks: int = 0
     ended: bool = False
 
 
 async def _hog(http: httpx.AsyncClient, hog: Hog) -> None:
+    """Stream one long completion; a cap on max_tokens makes it ask for half as many, as an attacker would."""
     try:
-        async with http.stream("POST", "/v1/completions", json=HOG, headers={"X-Forwarded-For": HOG_IP}) as r:
-            hog.status = r.status_code
-            if r.status_code != 200:
-                hog.body = (await r.aread()).decode(errors="replace")
-                return
-            async for line in r.aiter_lines():
-                if line == "data: [DONE]":
+        while True:
+            body = {**HOG, "max_tokens": hog.max_tokens}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    hog.body = r.text
+                    if _param(r) == "max_tokens" and hog.max_tokens // 2 >= HOG_LEAST_TOKENS:
+                        hog.max_tokens //= 2
+                        continue
+                    hog.status = r.status_code
                     return
-                if line.startswith("data: "):
-                    hog.chunks += 1
+                hog.status = r.status_code
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        return
+                    if line.startswith("data: "):
+                        hog.chunks += 1
+                return
     finally:
         hog.ended = True
 
 
 async def test_long_generations_do_not_starve_a_customer(shared):
     """Attack: six streamed 4000-token completions that never stop, then a customer says hello."""
+    # (a hog whose 4000 tokens are refused asks for as many as the server allows)
     hogs = [Hog() for _ in range(6)]
     async with httpx.AsyncClient(base_url=shared.base, timeout=httpx.Timeout(30.0)) as http:
         tasks = [asyncio.create_task(_hog(http, h)) for h in hogs]
         try:
             deadline = time.monotonic() + WAIT_S
-            while not (all(h.status is not None for h in hogs) and any(h.chunks for h in hogs)):
+            # every hog answered and one streams (or all were refused: the last assertion tells)
+            while not (
+                all(h.status is not None for h in hogs)
+                and (any(h.chunks for h in hogs) or all(h.ended for h in hogs))
+            ):
                 assert time.monotonic() < deadline, hogs
                 await asyncio.sleep(0.05)
             await asyncio.sleep(1.0)  # the hogs are decoding

@@ -347,18 +347,19 @@ async def test_every_response_carries_the_browser_security_headers(shared):
 
 
 async def test_huge_chat_history_is_refused_at_once(shared):
-    """Attack: a /chat body just under the transport limit, all of it history to tokenize."""
+    """Attack: a /chat body of ~1 MB of history to tokenize, or as much as the transport limit lets in."""
     words = "I would like to talk about my order. " * 26
-    history = [{"role": ("user", "assistant")[i % 2], "content": words} for i in range(1000)]
-    history.append({"role": "user", "content": "hi"})
-    raw = json.dumps({"history": history, "options": {"max_new_tokens": 1}}).encode()
-    assert 950_000 < len(raw) < 1 << 20
+    huge = [{"role": ("user", "assistant")[i % 2], "content": words} for i in range(1000)]
+    many = [{"role": ("user", "assistant")[i % 2], "content": "my order?"} for i in range(301)]
+    long = [{"role": ("user", "assistant")[i % 2], "content": words} for i in range(81)]
     async with httpx.AsyncClient(base_url=shared.base, timeout=WAIT_S) as http:
-        started = time.monotonic()
-        r = await http.post("/chat", content=raw, headers={"Content-Type": "application/json"})
-        took = time.monotonic() - started
-    assert r.status_code in (400, 413) and _param(r) == "history", (r.status_code, r.text[:300])
-    assert took < 2.0, took
+        for history, status, param in ((huge, 413, None), (many, 413, "history"), (long, 413, "history")):
+            raw = json.dumps({"history": history + [{"role": "user", "content": "hi"}]}).encode()
+            started = time.monotonic()
+            r = await http.post("/chat", content=raw, headers={"Content-Type": "application/json"})
+            took = time.monotonic() - started
+            assert (r.status_code, _param(r)) == (status, param), (len(raw), r.status_code, r.text[:300])
+            assert took < 2.0, took
 
 
 # -- 7. surfaces ----------------------------------------------------------------------------------
@@ -608,13 +609,21 @@ async def test_long_generations_do_not_starve_a_customer(shared):
 
 
 async def test_huge_score_candidates_are_refused(shared):
-    """Attack: /v1/completions score_candidates of 128 candidates of 4000 tokens each."""
-    body = {"prompt": [1, 2, 3], "max_tokens": 1, "score_candidates": [[7] * 4000 for _ in range(128)]}
-    raw = json.dumps(body, separators=(",", ":")).encode()
-    assert len(raw) < 1 << 20  # under the transport limit: the body itself is accepted
+    """Attack: /v1/completions score_candidates of 128 candidates of 4000 tokens each, or as many as fit."""
+    bodies = [
+        ([[7] * 4000 for _ in range(128)], 413, None),  # refused before the body is read
+        ([[7] for _ in range(33)], 400, "score_candidates"),
+        ([[7] * 100 for _ in range(16)], 400, "score_candidates"),
+        ([[7] * 2000], 400, "score_candidates"),
+    ]
     async with httpx.AsyncClient(base_url=shared.base, timeout=15.0) as http:
-        try:
-            r = await http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
-        except httpx.TimeoutException:
-            pytest.fail("no answer within 15 s: the server took the scoring call and is computing it")
-    assert r.status_code == 400 and _param(r) == "score_candidates", (r.status_code, r.text[:300])
+        for candidates, status, param in bodies:
+            body = {"prompt": [1, 2, 3], "max_tokens": 1, "score_candidates": candidates}
+            raw = json.dumps(body, separators=(",", ":")).encode()
+            try:
+                r = await http.post(
+                    "/v1/completions", content=raw, headers={"Content-Type": "application/json"}
+                )
+            except httpx.TimeoutException:
+                pytest.fail("no answer within 15 s: the server took the scoring call and is computing it")
+            assert (r.status_code, _param(r)) == (status, param), (len(raw), r.status_code, r.text[:300])

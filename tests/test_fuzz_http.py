@@ -397,6 +397,7 @@ def test_numeric_extremes_on_every_field_of_every_route(server, http):
         ({"prompt": [1], "score_candidates": [[1]] * 33}, "score_candidates"),
         ({"prompt": [1], "score_candidates": [[1] * 65]}, "score_candidates"),
         ({"prompt": [1], "score_candidates": [[1] * 64] * 17}, "score_candidates"),
+        ({"prompt": [1], "score_candidates": [[1]], "seed": 2**64}, "seed"),
         ({"prompt": [1], "stop": ["x"] * 17}, "stop"),
         ({"prompt": [1], "stop": ["x" * 257]}, "stop"),
         ({"prompt": [1], "stop": [""]}, "stop"),

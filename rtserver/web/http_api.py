@@ -803,7 +803,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
     limit = state.settings.engine.max_sequence_tokens
     candidates = body.get("score_candidates")
     scoring = candidates is not None
-    params = None if scoring else _completion_params(body, state.settings.security.api_max_tokens)
+    params = _completion_params(body, state.settings.security.api_max_tokens)  # checked when scoring too
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         with _fields():
@@ -837,7 +837,6 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)},
             }
         )
-    assert params is not None
     _check_prompt(state, len(prompt), params.max_new_tokens, "prompt")
     with_ids = body.get("return_token_ids") is True
 

@@ -424,6 +424,27 @@ def test_numeric_extremes_on_every_field_of_every_route(server, http):
         assert 400 <= r.status_code < 500 and _error(r)["param"] == param, (body, r.text[:300])
 
 
+def test_api_max_tokens_caps_both_openai_routes(server, http):
+    """`security.api_max_tokens`: more is a 400 naming the field; up to it is served."""
+    security = server.state.settings.security
+    security.api_max_tokens = 8
+    try:
+        chat = {"model": "x", "messages": HISTORY}
+        for path, base, key in [
+            ("/v1/completions", {"prompt": [1]}, "max_tokens"),
+            ("/v1/chat/completions", chat, "max_tokens"),
+            ("/v1/chat/completions", chat, "max_completion_tokens"),
+        ]:
+            r = http.post(path, json={**base, key: 9})
+            check_response(r, (path, key))
+            assert r.status_code == 400 and _error(r)["param"] == key, r.text[:300]
+            assert "1..8" in _error(r)["message"], r.text[:300]
+            r = http.post(path, json={**base, key: 8})
+            assert r.status_code == 200, r.text[:300]
+    finally:
+        security.api_max_tokens = 2048
+
+
 def _deep(depth: int) -> str:
     return "[" * depth + "]" * depth
 

@@ -37,6 +37,7 @@ from .serverutil import ScriptedEngine, ServerThread, make_settings, scripted_ap
 
 MAX_FRAME = 65536
 TRANSPORT_MAX = max(1 << 20, 4 * MAX_FRAME)  # hub.transport_max_bytes
+HTTP_MAX = max(256 << 10, MAX_FRAME, 8 * 2048)  # protocol.http_max_bytes (engine.max_sequence_tokens 2048)
 MAX_DEPTH = 100  # documented nesting limit of a frame / body (docs/protocol.md, bad_json)
 RECV_TIMEOUT = 60.0  # generous: the machine is shared; a hang still fails
 API_TOKEN = "fuzz-api-token"

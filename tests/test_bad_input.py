@@ -78,6 +78,24 @@ BAD = [
         "r",
     ),
     (
+        "temperature a float32 cannot divide by",
+        {"type": "chat", "id": "r", "text": "hi", "options": {"temperature": 1e-300}},
+        "bad_decoding",
+        "r",
+    ),
+    (
+        "seed over 64 bits",
+        {"type": "chat", "id": "r", "text": "hi", "options": {"seed": 2**64}},
+        "bad_decoding",
+        "r",
+    ),
+    (
+        "stop string too long",
+        {"type": "chat", "id": "r", "text": "hi", "options": {"stop": ["x" * 257]}},
+        "bad_decoding",
+        "r",
+    ),
+    (
         "not overridable",
         {"type": "chat", "id": "r", "text": "hi", "options": {"ignore_eos": True}},
         "bad_decoding",

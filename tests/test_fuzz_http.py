@@ -27,8 +27,9 @@ from rtserver.web import http_api
 from . import fuzzutil
 from .fuzzutil import (
     API_TOKEN,
+    MAX_DEPTH,
+    OPTION_KEYS,
     TASK_NAMES,
-    TRANSPORT_MAX,
     WRONG,
     BadJSON,
     any_char,
@@ -220,7 +221,7 @@ def expected_http(method: str, path: str, body: bytes) -> int | None:
     simple_task = re.fullmatch(r"/v1/tasks/[A-Za-z0-9_-]+", path)
     if method != "POST" or not (path in posts or simple_task):
         return None
-    if len(body) > TRANSPORT_MAX:
+    if len(body) > fuzzutil.HTTP_MAX:
         return 413
     try:
         obj = ref_loads(body.decode(json.detect_encoding(body)))
@@ -251,7 +252,8 @@ def test_http_huge_bodies_and_wrong_methods(server, http):
             if method not in methods:  # 404 where the static files' mount at / answers the method
                 assert r.status_code in (404, 405), (method, url, r.status_code)
         if "POST" in methods:  # over the limit, with a Content-Length and chunked (no length given)
-            for body in (b'{"text":"' + b"x" * (TRANSPORT_MAX + 1) + b'"}', iter([b" " * 65536] * 17)):
+            over = fuzzutil.HTTP_MAX + 1
+            for body in (b'{"text":"' + b"x" * over + b'"}', iter([b" " * 65536] * (over // 65536 + 1))):
                 r = http.post(url, content=body)
                 check_response(r, ("huge", url))
                 assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text[:300]
@@ -294,6 +296,208 @@ def test_http_auth(server, http, api_token, route, auth):
     for open_path, _ in OPEN_ROUTES:  # never behind the token
         check_response(r := http.get(open_path), open_path)
         assert r.status_code == 200
+
+
+# -- every number of every route at its extremes; huge and deep bodies on every route ------------
+
+HISTORY = [{"role": "user", "content": "hi"}]
+# route -> (a valid body, where its numbers go: the body itself or its "options", the numeric fields)
+NUMERIC = {
+    "/v1/completions": (
+        {"prompt": [1, 2, 3], "max_tokens": 2},
+        None,
+        [
+            "max_tokens",
+            "min_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "repeat_penalty",
+            "seed",
+            "logprobs",
+            "n",
+        ],
+    ),
+    "/v1/chat/completions": (
+        {"model": "x", "messages": HISTORY, "max_tokens": 2},
+        None,
+        [
+            "max_tokens",
+            "max_completion_tokens",
+            "min_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "repetition_penalty",
+            "seed",
+            "n",
+            "top_logprobs",
+            "presence_penalty",
+            "frequency_penalty",
+        ],
+    ),
+    "/chat": ({"history": HISTORY}, "options", OPTION_KEYS[:7]),
+    "/v1/tasks/chat": ({"input": {"history": HISTORY}}, "options", OPTION_KEYS[:7]),
+    "/v1/tasks/sentiment": ({"input": {"text": "good"}}, "options", ["temperature", "seed"]),
+}
+# (value, always refused): out of every range, or not a number at all
+EXTREMES = [
+    (2**64, True),
+    (-(2**70), True),
+    (10**300, True),
+    (1e308, True),
+    (-1e308, True),
+    ("7", True),
+    (True, True),
+    ([1], True),
+    ({"x": 1}, True),
+    (-1, False),
+    (0, False),
+    (0.0, False),
+    (-0.0, False),
+    (1.5, False),
+    (0.5, False),
+    (2**63, False),
+    (2**63 - 1, False),
+    (1e-300, False),
+    (False, False),
+]
+
+
+def _error(r: httpx.Response) -> dict:
+    assert r.headers.get("content-type", "").startswith("application/json"), r.text[:300]
+    return r.json()["error"]
+
+
+def test_numeric_extremes_on_every_field_of_every_route(server, http):
+    """Each numeric field of each route at 2**64, -1, 1e308, huge negatives, floats where integers go,
+    strings, booleans...: a 200, or a 4xx naming that field; a value out of every range is a 4xx."""
+    for path, (base, where, fields) in NUMERIC.items():
+        for field in fields:
+            for value, bad in EXTREMES:
+                body = json.loads(json.dumps(base))
+                (body.setdefault("options", {}) if where else body)[field] = value
+                r = http.post(path, json=body)
+                what = (path, field, value, r.status_code, r.text[:300])
+                check_response(r, what)
+                if bad or r.status_code != 200:
+                    assert 400 <= r.status_code < 500, what
+                    err = _error(r)
+                    assert err["param"] == field and field in err["message"], what
+    for body, param in [
+        ({"prompt": [2**64]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": [1.5]}, "prompt"),
+        ({"prompt": [True]}, "prompt"),
+        ({"prompt": [1e308]}, "prompt"),
+        ({"prompt": [1], "score_candidates": [[2**64]]}, "score_candidates"),
+        ({"prompt": [1], "score_candidates": [[-1]]}, "score_candidates"),
+        ({"prompt": [1], "score_candidates": [[1]] * 33}, "score_candidates"),
+        ({"prompt": [1], "score_candidates": [[1] * 65]}, "score_candidates"),
+        ({"prompt": [1], "score_candidates": [[1] * 64] * 17}, "score_candidates"),
+        ({"prompt": [1], "score_candidates": [[1]], "seed": 2**64}, "seed"),
+        ({"prompt": [1], "stop": ["x"] * 17}, "stop"),
+        ({"prompt": [1], "stop": ["x" * 257]}, "stop"),
+        ({"prompt": [1], "stop": [""]}, "stop"),
+        ({"prompt": [1], "stream": "yes"}, "stream"),
+        ({"prompt": [1], "ignore_eos": 1}, "ignore_eos"),
+        ({"prompt": [1], "max_tokens": 2049}, "max_tokens"),  # security.api_max_tokens
+        ({"prompt": [1], "max_tokens": 8, "min_tokens": 9}, "min_tokens"),
+        ({"prompt": [1] * 2047, "max_tokens": 2}, "prompt"),  # engine.max_sequence_tokens
+        ({"prompt": [1] * 2048, "score_candidates": [[1]]}, "prompt"),
+    ]:
+        r = http.post("/v1/completions", json=body)
+        check_response(r, body)
+        assert 400 <= r.status_code < 500 and _error(r)["param"] == param, (body, r.text[:300])
+    for body, param in [
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stream": 1}, "stream"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"user": "x" * 257}, "user"),
+        ({"messages": [{"role": "user", "content": "x"}] * 257}, "messages"),
+    ]:
+        r = http.post("/v1/chat/completions", json={**NUMERIC["/v1/chat/completions"][0], **body})
+        check_response(r, body)
+        assert 400 <= r.status_code < 500 and _error(r)["param"] == param, (body, r.text[:300])
+
+
+def test_api_max_tokens_caps_both_openai_routes(server, http):
+    """`security.api_max_tokens`: more is a 400 naming the field; up to it is served."""
+    security = server.state.settings.security
+    security.api_max_tokens = 8
+    try:
+        chat = {"model": "x", "messages": HISTORY}
+        for path, base, key in [
+            ("/v1/completions", {"prompt": [1]}, "max_tokens"),
+            ("/v1/chat/completions", chat, "max_tokens"),
+            ("/v1/chat/completions", chat, "max_completion_tokens"),
+        ]:
+            r = http.post(path, json={**base, key: 9})
+            check_response(r, (path, key))
+            assert r.status_code == 400 and _error(r)["param"] == key, r.text[:300]
+            assert "1..8" in _error(r)["message"], r.text[:300]
+            r = http.post(path, json={**base, key: 8})
+            assert r.status_code == 200, r.text[:300]
+    finally:
+        security.api_max_tokens = 2048
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def test_huge_and_deep_bodies_on_every_route(server, http):
+    """Every POST route: nesting over the limit in each field is `bad_json`; a body near the size
+    limit filled with small numbers, tiny arrays, messages or one long string gets a 4xx naming the
+    field (or a 200 where the route cuts it), never a 5xx, and the server stays fast enough to answer."""
+    limit = fuzzutil.HTTP_MAX
+    for path, methods in API_ROUTES:
+        if "POST" not in methods:
+            continue
+        url = _fill(path, "chat" if path == "/v1/tasks/{name}" else "sentiment")
+        base = BODIES.get(path, {"prompt": [1, 2, 3]} if path == "/v1/completions" else {"content": "x"})
+        for field in [*base, "options", "extra"]:
+            for depth in (MAX_DEPTH + 1, 1000, 5000):
+                text = json.dumps({**base, field: "<deep>"}).replace('"<deep>"', _deep(depth))
+                r = http.post(url, content=text.encode())
+                check_response(r, (url, field, depth))
+                assert r.status_code == 400 and _error(r)["code"] == "bad_json", (url, field, r.text[:300])
+        fillers = {
+            "numbers": [1] * (limit // 2 - 500),
+            "arrays": [[]] * (limit // 3 - 500),
+            "string": "x" * (limit - 1000),
+        }
+        for field in base:
+            for kind, filler in fillers.items():
+                body = json.dumps({**base, field: filler}, separators=(",", ":")).encode()
+                assert len(body) <= limit, (url, field, kind, len(body))
+                r = http.post(url, content=body)
+                what = (url, field, kind, r.status_code, r.text[:300])
+                check_response(r, what)
+                assert r.status_code == 200 or 400 <= r.status_code < 500, what
+        r = http.post(url, content=b'{"x":"' + b"y" * limit + b'"}')
+        check_response(r, url)
+        assert r.status_code == 413 and _error(r)["code"] == "body_too_large", (url, r.text[:300])
+    for url, body, param in [
+        ("/v1/completions", {"prompt": [1] * (limit // 3)}, "prompt"),
+        ("/v1/completions", {"prompt": "x" * (limit - 100)}, "prompt"),
+        ("/v1/completions", {"prompt": [1], "score_candidates": [[1]] * (limit // 6)}, "score_candidates"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 6000}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 70000}]}, "messages"),
+        ("/chat", {"history": [{"role": "user", "content": "x"}] * 6000}, "history"),
+        ("/chat", {"history": [{"role": "user", "content": "x" * 70000}]}, "history"),
+        ("/v1/tasks/chat", {"input": {"history": [{"role": "user", "content": "x" * 70000}]}}, "history"),
+        ("/v1/tasks/sentiment", {"input": {"text": [1] * 1000}}, "input"),
+        ("/sentiment", {"text": [1] * 1000}, "text"),
+        ("/tokenize", {"content": "x" * 70000}, "content"),
+        ("/tokenize", {"content": [1] * 1000}, "content"),
+    ]:
+        r = http.post(url, json=body)
+        check_response(r, (url, param))
+        assert 400 <= r.status_code < 500 and _error(r)["param"] == param, (url, param, r.text[:300])
 
 
 # -- afterwards: the server is fine ---------------------------------------------------------------

@@ -146,6 +146,57 @@ def test_every_field_of_every_message_with_every_type(server, ws_client):
                 send_and_check(ws_client, [json.dumps(obj)])
 
 
+# (value, always refused): out of every range a client may set, or not a number at all
+OPTION_EXTREMES = [
+    (2**64, True),
+    (-(2**70), True),
+    (10**300, True),
+    (1e308, True),
+    (-1e308, True),
+    ("7", True),
+    (True, True),
+    ({"x": 1}, True),
+    (-1, False),
+    (0, False),
+    (0.0, False),
+    (-0.0, False),
+    (1.5, False),
+    (2**63, False),
+    (1e-300, False),
+    (False, False),
+    ([1], False),
+]
+
+
+def test_option_extremes(server, ws_client):
+    """/ws `options` of a chat and of a task at 2**64, 1e308, huge negatives, floats where integers go,
+    strings, booleans...: the request ends, with a `bad_decoding` error naming the option or normally;
+    a value out of every range is always refused; the connection stays."""
+    frames = {
+        "chat": {"type": "chat", "id": "x", "text": "hi"},
+        "task": {"type": "task", "id": "x", "task": "sentiment", "input": {"text": "good"}},
+    }
+    n = 0
+    for kind, frame in frames.items():
+        for key in fuzzutil.OPTION_KEYS[:8]:
+            for value, bad in OPTION_EXTREMES:
+                n += 1
+                rid = f"x{n}"
+                ws_client.send(json.dumps({**frame, "id": rid, "options": {key: value}}))
+                while True:
+                    ev = ws_client.recv()
+                    if (
+                        ev.get("id") == rid
+                        and ev["type"] in ("done", "result", "error")
+                        and not ev.get("auto")
+                    ):
+                        break
+                what = (kind, key, value, ev)
+                if bad or ev["type"] == "error":
+                    assert ev["type"] == "error" and ev["code"] == "bad_decoding", what
+                    assert f"'{key}'" in ev["message"], what
+
+
 @fuzz(500)
 @given(batch=st.lists(frames, min_size=1, max_size=3), fresh=st.integers(0, 19))
 def test_random_frames(server, ws_client, batch, fresh):

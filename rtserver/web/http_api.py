@@ -523,6 +523,7 @@ def _openai_params(state: AppState, body: dict) -> SamplingParams:
         if body.get("stop") is not None:
             overrides["stop"] = B.stop_list("stop", body["stop"], B.SIZES["stop"], one_string=True)
         params = _task_sampling(task, overrides, names)
+        params.max_new_tokens = min(params.max_new_tokens, cap)  # the task's default within the cap
         if body.get("min_tokens") is not None:
             params.min_new_tokens = int(
                 B.number(
@@ -740,7 +741,7 @@ def _completion_params(body: dict, max_tokens: int) -> SamplingParams:
             top_k = 0  # vLLM's spelling of "off"
         _number(body, "min_p", 0.0)  # accepted for llama-server's and vLLM's clients, not applied
         penalty = _number(body, "repetition_penalty", None)
-        new_tokens = _number(body, "max_tokens", 16, "max_new_tokens", max_tokens)
+        new_tokens = _number(body, "max_tokens", min(16, max_tokens), "max_new_tokens", max_tokens)
         params = SamplingParams(
             temperature=_number(body, "temperature", 1.0),
             top_p=_number(body, "top_p", 1.0),
@@ -821,7 +822,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
     limit = state.settings.engine.max_sequence_tokens
     candidates = body.get("score_candidates")
     scoring = candidates is not None
-    params = None if scoring else _completion_params(body, state.settings.security.api_max_tokens)
+    params = _completion_params(body, state.settings.security.api_max_tokens)  # checked when scoring too
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         with _fields():
@@ -855,7 +856,6 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)},
             }
         )
-    assert params is not None
     _check_prompt(state, len(prompt), params.max_new_tokens, "prompt")
     with_ids = body.get("return_token_ids") is True
 

@@ -242,42 +242,40 @@ def loads(text: str) -> Any:
         if limit and re.search("[0-9]{%d}" % (limit + 1), text):
             raise ValueError(f"a number is out of range (at most {_FLOAT_MAX:g} in magnitude)") from None
         raise
-    deep = text.count("[") + text.count("{") > MAX_JSON_DEPTH
-    huge = _BIG_NUMBER.search(text) is not None
-    if deep or huge:
-        skeleton = _STRING.sub('""', text).encode("ascii")  # outside strings JSON text is ASCII
-        if deep:
-            _check_depth(skeleton)
-        if huge:
-            _check_numbers(skeleton)
-    if huge or _may_hold_surrogate(text):
-        try:  # C speed: refuses infinite floats (1e400) and strings with an unpaired surrogate
-            json.dumps(value, ensure_ascii=False, allow_nan=False, check_circular=False).encode()
-        except ValueError:  # UnicodeEncodeError included
-            try:  # which of the two (ASCII output escapes surrogates)
-                json.dumps(value, allow_nan=False, check_circular=False)
-            except ValueError:
-                raise ValueError(f"a number is out of range (at most {_FLOAT_MAX:g} in magnitude)") from None
-            raise ValueError(
-                "a string holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape); "
-                "JSON text must be valid Unicode"
-            ) from None
+    skeleton = _STRING.sub('""', text).encode("ascii") if '"' in text else text.encode("ascii")
+    if skeleton.count(b"[") + skeleton.count(b"{") > MAX_JSON_DEPTH:  # outside strings JSON is ASCII
+        _check_depth(skeleton)
+    digits = skeleton.translate(_DIGITS)  # each digit a "0", anything else a space
+    if b"0" * 309 in digits:
+        _check_ints(skeleton)
+    if not text.isascii() and _SURROGATE.search(text):  # only in a string, where it is never valid
+        raise ValueError(_SURROGATE_MESSAGE)
+    # a float that may be out of a double's range (1.8e308): an exponent of 100 or more, or so many
+    # digits that an exponent under 100 takes it there
+    big_float = _BIG_EXPONENT.search(skeleton) is not None or b"0" * 210 in digits
+    if big_float or _SURROGATE_ESCAPE.search(text):
+        # at C speed: an infinite float (1e400), a lone surrogate (which a text test could not tell
+        # from an escaped backslash before "ud800")
+        try:
+            json.dumps(value, ensure_ascii=False, allow_nan=not big_float, check_circular=False).encode()
+        except UnicodeEncodeError:
+            raise ValueError(_SURROGATE_MESSAGE) from None
+        except ValueError:
+            raise ValueError(f"a number is out of range (at most {_FLOAT_MAX:g} in magnitude)") from None
     return value
 
 
 _FLOAT_MAX = sys.float_info.max
+_SURROGATE_MESSAGE = (
+    "a string holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape); "
+    "JSON text must be valid Unicode"
+)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (the text is valid JSON)
-# what may be out of a double's range: a 3-digit exponent, or 309 digits in a row
-_BIG_NUMBER = re.compile(r"[eE][+-]?0*[1-9][0-9]{2}|[0-9]{309}")
-# an integer of 309 digits or more: not a fraction's or an exponent's digits, not a float's mantissa
+_DIGITS = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
+_BIG_EXPONENT = re.compile(rb"[eE]\+?0*[1-9][0-9]{2}")
 _LONG_INT = re.compile(rb"(?<![0-9.eE+-])-?[0-9]{309,}(?![0-9.eE])")
-
-
-def _may_hold_surrogate(text: str) -> bool:
-    """A cheap pre-check: an escape `\\ud800`-`\\udfff`, or a surrogate itself (never in ASCII text)."""
-    return bool(_SURROGATE_ESCAPE.search(text)) or (not text.isascii() and bool(_SURROGATE.search(text)))
 
 
 def _check_depth(skeleton: bytes) -> None:
@@ -289,8 +287,8 @@ def _check_depth(skeleton: bytes) -> None:
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
 
 
-def _check_numbers(skeleton: bytes) -> None:
-    """Integers beyond a double's range (floats are checked on the value: they parse to infinity)."""
+def _check_ints(skeleton: bytes) -> None:
+    """Integers beyond a double's range, read from the text whose strings are emptied."""
     for match in _LONG_INT.finditer(skeleton):
         if abs(int(match.group())) > _FLOAT_MAX:
             shown = match.group()[:24].decode()

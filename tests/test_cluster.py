@@ -673,3 +673,24 @@ async def test_conversations_of_a_dead_node_expire_from_redis(smol, tmp_path):
                 await watcher.close()
         finally:
             await client.aclose()
+
+
+async def test_an_agent_id_is_the_servers_and_its_rejoin_token_works_on_any_node(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=CONSOLE) as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b", security=CONSOLE) as (_, url_b, _, _),
+        ):
+            first, snap = await _console_login(url_a, "Bob", "bob")
+            assert snap["agent"]["id"] != "bob" and snap["rejoin"], snap
+            await first.close()
+            again = await websockets.connect(url_b + "/console")
+            await again.send(json.dumps({"type": "login", "token": "tok", "rejoin": snap["rejoin"]}))
+            back = await recv_json(again)
+            assert back["agent"]["id"] == snap["agent"]["id"], back
+            await again.close()
+            forged = await websockets.connect(url_b + "/console")
+            token = snap["rejoin"].split(".")[0] + ".00"
+            await forged.send(json.dumps({"type": "login", "token": "tok", "rejoin": token}))
+            assert (await recv_json(forged))["agent"]["id"] != snap["agent"]["id"]
+            await forged.close()

@@ -13,6 +13,14 @@ replies go to the customer as `agent_message` events and into the history as ass
 bot knows what was said when the agent hands back. An agent whose console disconnects keeps its
 take-overs for `sessions.console_takeover_grace_s` (to reconnect), then they are handed back.
 
+The door: a console socket must log in within `security.console_login_timeout_s` (else 4408), and
+after `security.console_login_failures_per_min` wrong tokens from one client IP every login from it is
+refused for the rest of the minute (4429). The server assigns agent ids; the `rejoin` token it hands
+out (an HMAC of the id) is the only way back to one, so no agent can pose as another.
+
+The store: a conversation keeps at most `sessions.console_max_messages` messages and
+MAX_CONVERSATION_CHARS characters; a turn with no reply leaves nothing in it, as in the history.
+
 Hooks never raise: a console failure is logged and never breaks a customer's chat.
 
 Clustered (`cluster.redis_url`), `bus` (rtserver/web/cluster/bus.py) carries it across nodes: every event

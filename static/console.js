@@ -163,6 +163,7 @@ function onEvent(msg) {
     case "stream_end":
       if (!conv) return;
       if (conv.streaming && conv.streaming.id === msg.id) conv.streaming = null;
+      if (msg.dropped) conv.messages = conv.messages.filter((m) => m.seq !== msg.dropped);
       if (conv.session_id === state.selected) renderConv();
       break;
     case "tag": {

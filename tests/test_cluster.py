@@ -593,3 +593,104 @@ async def test_a_take_over_ends_when_the_agents_node_dies(smol, tmp_path):
                 assert seen[-1]["conversation"]["session_id"] == sid
                 assert (await chat(cust, "c1", "anyone?"))[-1]["type"] == "done"  # the bot answers
                 await watcher.close()
+
+
+async def _hash_writes(client, key: str, counts: list[str]) -> None:
+    """Collect the keyspace events of `key` (hset, hdel, ...) into `counts`."""
+    async with client.pubsub() as pubsub:
+        await pubsub.subscribe(f"__keyspace@0__:{key}")
+        while True:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            if msg is not None:
+                counts.append(msg["data"])
+
+
+async def test_a_turn_writes_the_console_record_once_and_a_cancelled_one_not_at_all(smol, tmp_path):
+    import redis.asyncio as aioredis
+
+    with redis_server(tmp_path) as redis:
+        async with scripted_node(smol, redis.url, "a", security=CONSOLE) as (_, url_a, engine, _):
+            client = aioredis.Redis.from_url(redis.url, decode_responses=True)
+            await client.config_set("notify-keyspace-events", "Kh")
+            events: list[str] = []
+            listener = asyncio.create_task(_hash_writes(client, "rtserver:console:convs", events))
+            try:
+                async with websockets.connect(url_a) as cust:
+                    sid = (await hello(cust))["session_id"]
+                    await wait_for(lambda: _true(events == ["hset"]))  # the attach
+                    got = await chat(cust, "c0", "I am happy today")
+                    assert got[-1]["type"] == "done"
+                    if not any(e.get("auto") for e in got):
+                        await _until(cust, lambda e: bool(e.get("auto")))  # the sentiment tag
+                    await asyncio.sleep(1.0)  # heartbeats
+                    assert events == ["hset", "hset"], events  # the turn, once, with its tag
+                    record = json.loads(await client.hget("rtserver:console:convs", sid))
+                    assert [m["role"] for m in record["messages"]] == ["user", "bot"]
+                    assert record["messages"][0]["sentiment"], record["messages"][0]
+                    # the session record does not carry a second copy of the conversation
+                    session = json.loads(await client.get(f"rtserver:session:{sid}"))
+                    assert session.get("console") is None, session
+                    engine.gate = asyncio.Event()
+                    await cust.send(json.dumps({"type": "chat", "id": "c1", "text": "never mind"}))
+                    await cust.send(json.dumps({"type": "cancel", "id": "c1"}))
+                    await wait_for(lambda: _true(bool(engine.cancelled)))
+                    engine.gate.set()
+                    await _until(cust, lambda e: e.get("id") == "c1" and e["type"] == "done")
+                    await asyncio.sleep(1.0)
+                    assert events == ["hset", "hset"], events  # nothing stored changed
+            finally:
+                listener.cancel()
+                await client.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_conversations_of_a_dead_node_expire_from_redis(smol, tmp_path):
+    import redis.asyncio as aioredis
+
+    sections = {"security": CONSOLE, "sessions": {"idle_timeout_s": 1.5}}
+    with redis_server(tmp_path) as redis:
+        client = aioredis.Redis.from_url(redis.url, decode_responses=True)
+        try:
+            async with scripted_node(smol, redis.url, "b", **sections) as (_, url_b, _, _):
+                watcher, _ = await _console_login(url_b, "Wendy", "")
+                async with scripted_node(smol, redis.url, "a", **sections) as (_, url_a, _, _):
+                    async with websockets.connect(url_a) as cust:
+                        sid = (await hello(cust, client="Dana"))["session_id"]
+                        await _until(
+                            watcher,
+                            lambda e: e["type"] == "conversation" and e["conversation"]["session_id"] == sid,
+                        )
+                        await asyncio.sleep(2.5)  # a node that lives renews its conversations
+                        assert await client.hexists("rtserver:console:convs", sid)
+                # A is gone and left its conversation: B's heartbeat removes it when it expires
+                gone = await _until(watcher, lambda e: e["type"] == "removed" and e["session_id"] == sid)
+                assert gone[-1]["session_id"] == sid
+                assert not await client.hexists("rtserver:console:convs", sid)
+                assert await client.ttl("rtserver:console:convs") in (-2, *range(1, 62))  # bounded too
+                await watcher.close()
+        finally:
+            await client.aclose()
+
+
+async def test_an_agent_id_is_the_servers_and_its_rejoin_token_works_on_any_node(smol, tmp_path):
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=CONSOLE) as (_, url_a, _, _),
+            scripted_node(smol, redis.url, "b", security=CONSOLE) as (_, url_b, _, _),
+        ):
+            first, snap = await _console_login(url_a, "Bob", "bob")
+            assert snap["agent"]["id"] != "bob" and snap["rejoin"], snap
+            await first.close()
+            again = await websockets.connect(url_b + "/console")
+            await again.send(json.dumps({"type": "login", "token": "tok", "rejoin": snap["rejoin"]}))
+            back = await recv_json(again)
+            assert back["agent"]["id"] == snap["agent"]["id"], back
+            await again.close()
+            forged = await websockets.connect(url_b + "/console")
+            token = snap["rejoin"].split(".")[0] + ".00"
+            await forged.send(json.dumps({"type": "login", "token": "tok", "rejoin": token}))
+            assert (await recv_json(forged))["agent"]["id"] != snap["agent"]["id"]
+            await forged.close()

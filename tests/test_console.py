@@ -343,3 +343,31 @@ async def test_a_message_forwarded_to_the_agent_survives_the_cancel_of_the_bot_t
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_chats_cancelled_at_once_leave_nothing_in_the_console_store(smol):
+    settings = settings_with(tasks={"auto_tasks": []})
+    engine = ScriptedEngine(smol)
+    async with serve(scripted_app(smol, settings, engine), settings) as (base, url):
+        a, _ = await login(url, "Alice")
+        async with websockets.connect(url) as cust:
+            await hello(cust)
+            await cust.send(json.dumps({"type": "chat", "id": "ok", "text": "a real question"}))
+            assert (await recv_until(cust, is_end("ok")))[-1]["type"] == "done"
+            engine.gate = asyncio.Event()
+            for i in range(5):
+                await cust.send(json.dumps({"type": "chat", "id": f"x{i}", "text": "x" * 3000}))
+                await cust.send(json.dumps({"type": "cancel", "id": f"x{i}"}))
+                await wait_for(lambda i=i: _true(len(engine.cancelled) == i + 1))
+                engine.gate.set()
+                assert (await recv_until(cust, is_end(f"x{i}")))[-1]["finish_reason"] == "cancelled"
+                engine.gate.clear()
+                # the live agent is told which message the cancelled turn took back
+                seen = await recv_until(a, lambda e, i=i: e["type"] == "stream_end" and e["id"] == f"x{i}")
+                added = [e["message"]["seq"] for e in seen if e["type"] == "message"]
+                assert seen[-1]["dropped"] == added[-1], seen
+            b, snap = await login(url, "Bob")
+            [conv] = snap["conversations"]
+            assert [m["text"] for m in conv["messages"]] == ["a real question", "Hello"], conv["messages"]
+            await b.close()
+        await a.close()

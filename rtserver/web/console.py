@@ -13,6 +13,14 @@ replies go to the customer as `agent_message` events and into the history as ass
 bot knows what was said when the agent hands back. An agent whose console disconnects keeps its
 take-overs for `sessions.console_takeover_grace_s` (to reconnect), then they are handed back.
 
+The door: a console socket must log in within `security.console_login_timeout_s` (else 4408), and
+after `security.console_login_failures_per_min` wrong tokens from one client IP every login from it is
+refused for the rest of the minute (4429). The server assigns agent ids; the `rejoin` token it hands
+out (an HMAC of the id) is the only way back to one, so no agent can pose as another.
+
+The store: a conversation keeps at most `sessions.console_max_messages` messages and
+MAX_CONVERSATION_CHARS characters; a turn with no reply leaves nothing in it, as in the history.
+
 Hooks never raise: a console failure is logged and never breaks a customer's chat.
 
 Clustered (`cluster.redis_url`), `bus` (rtserver/web/cluster/bus.py) carries it across nodes: every event
@@ -56,6 +64,9 @@ MAX_AGENT_MESSAGE_CHARS = 4000
 MAX_AGENT_NAME_CHARS = 60
 AGENT_MESSAGE_TYPES = ("login", "take_over", "hand_back", "agent_message", "ping")
 LOGIN_WINDOW_S = 60.0  # failed logins are counted per client IP over this window
+MAX_STORED_CHARS = 4000  # of one message's text in the console's store
+MAX_CONVERSATION_CHARS = 200_000  # of all the messages the store keeps for one conversation
+TAG_WAIT_S = 5.0  # clustered: a finished turn waits this long for its auto-task tags to be written with
 
 
 Hook = TypeVar("Hook", bound=Callable[..., None])
@@ -123,18 +134,43 @@ class Conversation:
         self.connected = True
         self.started_at = now
         self.updated_at = now
-        self.messages: deque[dict] = deque(maxlen=max_messages)
+        self.messages: deque[dict] = deque()
+        self.max_messages = max_messages
+        self.chars = 0  # of the messages' texts: the store is bounded in size as well as in count
         self.seq = 0
         self.streaming: dict | None = None  # {"id", "text"} of the bot reply being streamed
         self.agent: dict | None = None  # {"id", "name"} of the agent who took over
+        # clustered: changed since its record was written; a finished turn waits for its tags until
+        # `hold_until` (monotonic); the newest seq the stored record has
+        self.dirty = False
+        self.hold_until = 0.0
+        self.stored_seq = 0
 
     def add(self, message: dict) -> dict:
+        if len(message["text"]) > MAX_STORED_CHARS:
+            message["text"] = message["text"][:MAX_STORED_CHARS] + "…"
         self.seq += 1
         message["seq"] = self.seq
         message["ts"] = time.time()
         self.messages.append(message)
+        self.chars += len(message["text"])
+        while len(self.messages) > self.max_messages or (
+            self.chars > MAX_CONVERSATION_CHARS and len(self.messages) > 1
+        ):
+            self.chars -= len(self.messages.popleft()["text"])
         self.updated_at = message["ts"]
         return message
+
+    def remove(self, message: dict) -> None:
+        for i, m in enumerate(self.messages):
+            if m is message:
+                del self.messages[i]
+                self.chars -= len(m["text"])
+                return
+
+    def clear(self) -> None:
+        self.messages.clear()
+        self.chars = 0
 
     def find_user_message(self, request_id: str) -> dict | None:
         for m in reversed(self.messages):
@@ -248,7 +284,21 @@ class ConsoleHub:
 
     def _save(self, conv: Conversation, force: bool = False) -> None:
         if self.bus is not None:
+            conv.dirty, conv.hold_until, conv.stored_seq = False, 0.0, conv.seq
             self.bus.save_conversation(self.record(conv), force)
+
+    def _tagged(self, message: dict) -> bool:
+        """Every auto-task has tagged this customer message."""
+        return set(self.state.tasks.auto_tasks) <= set(message.get("tags", {}))
+
+    def _store_turn(self, conv: Conversation, message: dict | None) -> None:
+        """A turn ended (customer `message` answered or forwarded): write it once, with its tags."""
+        if self.bus is None:
+            return
+        if message is None or self._tagged(message):
+            self._save(conv)
+        else:  # written when the tags come, or by the heartbeat after TAG_WAIT_S
+            conv.dirty, conv.hold_until = True, time.monotonic() + TAG_WAIT_S
 
     def _conv_event(self, conv: Conversation, force: bool = False) -> None:
         self.broadcast({"type": "conversation", "conversation": conv.to_json(self.mood_window)})
@@ -341,8 +391,10 @@ class ConsoleHub:
             {"role": "user", "id": request_id, "text": text, "sentiment": None, "to_agent": to_agent}
         )
         # clustered: a message the bot answers is stored with the reply (bot_done), keeping Redis work
-        # off the way to the first token; one for an agent is stored now
-        self._message_event(conv, msg, save=to_agent)
+        # off the way to the first token; one for an agent ends its turn
+        self._message_event(conv, msg, save=False)
+        if to_agent:
+            self._store_turn(conv, msg)
 
     @_safe
     def bot_token(self, session: Session, request_id: str, delta: str) -> None:
@@ -362,19 +414,27 @@ class ConsoleHub:
             return
         if conv.streaming is not None and conv.streaming["id"] == request_id:
             conv.streaming = None
+        user = conv.find_user_message(request_id)
+        if user is not None and user.get("to_agent"):
+            user = None
         if text:
             msg = conv.add({"role": "bot", "id": request_id, "text": text, "finish_reason": finish_reason})
-            self._message_event(conv, msg)
-        else:
-            self._save(conv)  # the user message before it
-            self.broadcast(
-                {
-                    "type": "stream_end",
-                    "session_id": session.id,
-                    "id": request_id,
-                    "finish_reason": finish_reason,
-                }
-            )
+            self._message_event(conv, msg, save=False)
+            self._store_turn(conv, user)
+            return
+        # no reply: the turn leaves no trace here either (as in the session's history)
+        event = {
+            "type": "stream_end",
+            "session_id": session.id,
+            "id": request_id,
+            "finish_reason": finish_reason,
+        }
+        if user is not None:
+            conv.remove(user)
+            event["dropped"] = user["seq"]
+            if user["seq"] <= conv.stored_seq:  # the stored record has it: write it again, later
+                conv.dirty = True
+        self.broadcast(event)
 
     @_safe
     def auto_result(self, session: Session, request_id: str, task: str, output: Any) -> None:
@@ -390,7 +450,11 @@ class ConsoleHub:
         msg.setdefault("tags", {})[task] = label
         if task == SENTIMENT_TASK:
             msg["sentiment"] = label
-        self._save(conv)
+        if session.chat_request != request_id:  # else the reply's end writes it
+            if conv.hold_until and self._tagged(msg):
+                self._save(conv)  # the turn was waiting for this
+            else:
+                conv.dirty = True  # the heartbeat writes it
         self.broadcast(
             {
                 "type": "tag",
@@ -407,7 +471,7 @@ class ConsoleHub:
     def reset(self, session: Session) -> None:
         conv = self._conv(session)
         if conv is not None:
-            conv.messages.clear()
+            conv.clear()
             conv.streaming = None
             conv.updated_at = time.time()
             self._conv_event(conv)
@@ -673,10 +737,18 @@ class ConsoleHub:
             await self.apply_agent_message(sid, command["text"], str(agent.get("name")))
 
     async def beat(self) -> None:
-        """Clustered heartbeat: the take-overs of this node's agents stay alive; a conversation served
+        """Clustered heartbeat: the take-overs of this node's agents stay alive; changed conversations
+        are written, this node's renewed, expired ones removed (agents are told); a conversation served
         here whose holder's key is gone (its node died) goes back to the bot."""
         assert self.bus is not None
         await self.bus.renew_holds(dict(self._holds))
+        now = time.monotonic()
+        for dirty in list(self.conversations.values()):
+            if dirty.dirty and dirty.hold_until <= now:
+                self._save(dirty)
+        for sid in await self.bus.renew_and_sweep(list(self.conversations)):
+            if sid not in self.conversations:
+                self.broadcast({"type": "removed", "session_id": sid})
         held = [sid for sid, conv in self.conversations.items() if conv.agent is not None]
         if not held:
             return

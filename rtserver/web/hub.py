@@ -510,7 +510,7 @@ class Hub:
         if state.cluster is not None:
             assert state.session_store is not None and state.cluster_limits is not None
             self.cluster_sessions = ClusterSessions(
-                state.cluster, state.session_store, state.cluster_limits, self.sessions, self._console_record
+                state.cluster, state.session_store, state.cluster_limits, self.sessions
             )
             self.nodes = NodeRegistry(state.cluster, self.node_figures, self.live_session_ids)
             state.cluster.on_beat(self.nodes.beat)
@@ -535,10 +535,6 @@ class Hub:
             "resumed_from_store": self.cluster_sessions.resumed_elsewhere,
             "redis_failures": self.state.cluster.failures,
         }
-
-    def _console_record(self, session: Session) -> dict | None:
-        conv = self.console.conversations.get(session.id)
-        return self.console.record(conv) if conv is not None else None
 
     async def _persist(self, session: Session) -> None:
         """Write a session's record now (the console's agent messages and forwarded customer ones)."""

@@ -2,9 +2,12 @@
 
 - Conversation records: one hash `<prefix>:console:convs`, field = session id, value = the
   conversation as the console shows it (`Conversation.to_json` + the node serving it), written when a
-  conversation changes (not per token). An agent's snapshot on connect is read from it. A node writes
-  only the records of conversations it serves (a Lua check on the stored `node`), except when a customer
-  attaches — the node it attached to takes the record over.
+  conversation changes (not per token; a turn is written once, at its end). Each entry expires
+  (`<prefix>:console:convs:expiry`, a zset of deadlines) `sessions.idle_timeout_s` after its last
+  write or the last heartbeat of the node serving it; every node's heartbeat removes expired entries.
+  An agent's snapshot on connect is read from it. A node writes only the records of conversations it
+  serves (a Lua check on the stored `node`), except when a customer attaches — the node it attached to
+  takes the record over.
 - Live events go through Redis **pub/sub** (channel `<prefix>:console:events`), not streams: they are
   worth something only while they happen (tokens above all), every node wants all of them, and what an
   agent must not miss is in the records — a node that lost Redis and resubscribes sends its agents a
@@ -65,24 +68,52 @@ redis.call('DEL', KEYS[1])
 return 1
 """
 
-# KEYS[1] conversations hash; ARGV session id, record json, node, force ('1': take the record over)
+# KEYS[1] conversations hash, KEYS[2] their expiry (zset); ARGV session id, record json, node, force
+# ('1': take the record over), TTL s
 SAVE_CONV = """
 if ARGV[4] ~= '1' then
   local cur = redis.call('HGET', KEYS[1], ARGV[1])
   if cur and cjson.decode(cur)['node'] ~= ARGV[3] then return 0 end
 end
+local t = redis.call('TIME')
+local ttl = tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], tonumber(t[1]) + ttl, ARGV[1])
+redis.call('EXPIRE', KEYS[1], ttl + 60)
+redis.call('EXPIRE', KEYS[2], ttl + 60)
 return 1
 """
 
-# KEYS[1] conversations hash; ARGV session id, node → 1 removed (only this node's record)
+# KEYS[1] conversations hash, KEYS[2] their expiry; ARGV session id, node → 1 removed (only this node's)
 REMOVE_CONV = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur and cjson.decode(cur)['node'] == ARGV[2] then
   redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
   return 1
 end
 return 0
+"""
+
+# KEYS[1] conversations hash, KEYS[2] their expiry; ARGV TTL s, then the ids of the conversations this
+# node serves (heartbeat) → their expiry pushed back, and up to 200 expired ones removed: their ids
+RENEW_SWEEP_CONVS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1])
+local ttl = tonumber(ARGV[1])
+for i = 2, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then redis.call('ZADD', KEYS[2], now + ttl, ARGV[i]) end
+end
+if #ARGV > 1 then
+  redis.call('EXPIRE', KEYS[1], ttl + 60)
+  redis.call('EXPIRE', KEYS[2], ttl + 60)
+end
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 200)
+for _, sid in ipairs(gone) do
+  redis.call('HDEL', KEYS[1], sid)
+  redis.call('ZREM', KEYS[2], sid)
+end
+return gone
 """
 
 
@@ -100,6 +131,10 @@ class ConsoleBus:
         self.on_resubscribed = on_resubscribed  # events may have been missed: resync the agents
         self.events_channel = cluster.key("console", "events")
         self.convs_key = cluster.key("console", "convs")
+        self.expiry_key = cluster.key("console", "convs", "expiry")
+        # a conversation lives as long as its session record: renewed while its node serves it
+        self.conv_ttl_s = max(1, int(cluster.settings.sessions.idle_timeout_s + 0.999))
+        self.conversation_writes = 0
         r = cluster.redis
         self._claim = r.register_script(CLAIM)
         self._renew_holds = r.register_script(RENEW_HOLDS)
@@ -107,6 +142,7 @@ class ConsoleBus:
         self._release = r.register_script(RELEASE)
         self._save = r.register_script(SAVE_CONV)
         self._remove = r.register_script(REMOVE_CONV)
+        self._renew_sweep = r.register_script(RENEW_SWEEP_CONVS)
         self._task: asyncio.Task | None = None
         self._writes: set[asyncio.Task] = set()
         self.subscribed = asyncio.Event()
@@ -148,7 +184,9 @@ class ConsoleBus:
 
     def save_conversation(self, record: dict, force: bool = False) -> None:
         raw = json.dumps(record, ensure_ascii=False)
-        self._post("save", [record["session_id"], raw, self.cluster.node_id, "1" if force else "0"])
+        self.conversation_writes += 1
+        args = [record["session_id"], raw, self.cluster.node_id, "1" if force else "0", self.conv_ttl_s]
+        self._post("save", args)
 
     async def _publish_forever(self) -> None:
         while True:
@@ -162,7 +200,7 @@ class ConsoleBus:
                         if kind == "publish":
                             pipe.publish(self.events_channel, args[0])
                         else:
-                            await self._save(keys=[self.convs_key], args=args, client=pipe)
+                            await self._save(keys=[self.convs_key, self.expiry_key], args=args, client=pipe)
                     return await pipe.execute()
 
             try:
@@ -174,7 +212,16 @@ class ConsoleBus:
         if not self.cluster.available:
             return
         args = [session_id, self.cluster.node_id]
-        self._spawn(self.cluster.call(lambda: self._remove(keys=[self.convs_key], args=args)))
+        keys = [self.convs_key, self.expiry_key]
+        self._spawn(self.cluster.call(lambda: self._remove(keys=keys, args=args)))
+
+    async def renew_and_sweep(self, session_ids: list[str]) -> list[str]:
+        """Heartbeat: the conversations this node serves stay; expired ones (their node died, or never
+        removed them) go. The ids removed, for the agents."""
+        keys = [self.convs_key, self.expiry_key]
+        args: list[str | int] = [self.conv_ttl_s, *session_ids]
+        gone: Any = await self.cluster.call(lambda: self._renew_sweep(keys=keys, args=args))
+        return [sid for sid in gone if isinstance(sid, str)]
 
     # -- reads and atomic actions ---------------------------------------------------------------
     async def conversations(self) -> list[dict]:

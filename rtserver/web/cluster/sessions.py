@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 
 from ..session import Session, SessionExpired, SessionRegistry, TooManySessions
 from . import Cluster, ClusterUnavailable
@@ -32,13 +31,11 @@ class ClusterSessions:
         store: SessionStore,
         limits: ClusterLimits,
         registry: SessionRegistry,
-        console_record: Callable[[Session], dict | None] = lambda s: None,
     ):
         self.cluster = cluster
         self.store = store
         self.limits = limits
         self.registry = registry
-        self.console_record = console_record  # the console's conversation record, stored beside
         self.resumed_elsewhere = 0  # resumes of a session whose record this node did not hold current
         self._unknown: dict[str, list[str]] = {}  # session id -> write ids whose outcome is unknown
 
@@ -54,7 +51,6 @@ class ClusterSessions:
             client_ip=session.client_ip,
             created_at=session.created_wall,
             node=self.cluster.node_id,
-            console=self.console_record(session),
         )
 
     async def save(self, session: Session, client: str | None) -> None:

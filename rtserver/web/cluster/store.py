@@ -4,8 +4,9 @@ One record per session, one JSON string under `<prefix>:session:<id>`, written w
 (atomic: a reader sees the previous record or the new one, never a mix) and expiring after
 `sessions.idle_timeout_s` (the node holding a connected session renews it with its heartbeat). It
 holds the history window, a SHA-256 of the resume token (never the token), the client name and
-address, counters, and the console's conversation record. The hub writes it when a session starts,
-after every turn before `done`, on reset and after an agent's message: what a client was told is stored.
+address and counters (the console's conversation is stored once, in its own hash: bus.py). The hub
+writes it when a session starts, after every turn before `done`, on reset and after an agent's
+message: what a client was told is stored.
 A record that does not parse is treated as absent (logged): a bad record never crashes a node.
 
 Each write carries the next version of the record and is refused (`SessionConflict`) when the stored one
@@ -76,7 +77,7 @@ class SessionRecord:
     client_ip: str = ""
     created_at: float = 0.0  # wall clock
     node: str = ""  # the node that wrote it last
-    console: dict | None = None  # the console's conversation record (rtserver/web/console.py)
+    console: dict | None = None  # no longer written (records of older versions may have it)
 
     def token_matches(self, token: str) -> bool:
         return secrets.compare_digest(self.token_sha256.encode(), token_hash(token).encode())

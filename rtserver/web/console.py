@@ -48,6 +48,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import events
 from . import protocol as P
+from .admission import client_key
 from .cluster import ClusterUnavailable
 from .cluster.bus import ConsoleBus
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
@@ -858,7 +859,7 @@ class ConsoleHub:
         return agent_id
 
     async def login(self, agent: Agent, obj: dict) -> bool:
-        ip = client_ip(agent.ws)
+        ip = client_key(client_ip(agent.ws))  # an IPv6 guesser counts by its /64
         wait = await self._failed_logins(ip)
         if wait > 0:
             limit = self.settings.security.console_login_failures_per_min

@@ -300,3 +300,68 @@ async def test_score_features_match_transformers_hidden_states_whatever_is_cache
             await eng.score_features(prompt, cands, features_from=len(prompt))
     finally:
         await eng.stop()
+
+
+# -- a sequence's own failure after the forward ends only it ------------------------------------------
+
+
+class Unchecked(SamplingParams):
+    """Decoding that skips validation: a value no door lets through reaches the sampler."""
+
+    def validate(self, vocab_size=None) -> None:
+        pass
+
+
+async def test_a_sequence_whose_sampling_raises_ends_alone_and_its_neighbours_are_unchanged(smol):
+    tok = smol.tokenizer
+    prompts = [chat_prompt(tok, t) for t in TEXTS[:3]]
+    sampled = SamplingParams(temperature=0.7, seed=7, max_new_tokens=8, ignore_eos=True)
+
+    def run(with_victim: bool):
+        # not started: this test runs the scheduler's steps itself, so all three share the first step
+        eng = Engine(smol, EngineSettings(kv_budget_mb=64))
+        calm = [eng.generate(prompts[0], greedy(8)).seq, eng.generate(prompts[1], sampled).seq]
+        victim = None
+        if with_victim:  # torch.Generator.manual_seed raises on a seed of 2**64
+            victim = eng.generate(prompts[2], Unchecked(temperature=0.7, seed=2**64, max_new_tokens=8)).seq
+        while eng.scheduler.has_work:
+            eng.scheduler.step()
+        return [s.result() for s in calm], victim
+
+    alone, _ = run(False)
+    beside, victim = run(True)
+    for want, got in zip(alone, beside):
+        assert got.finish_reason is FinishReason.LENGTH and got.error is None
+        assert got.token_ids == want.token_ids and len(got.token_ids) == 8
+    assert beside[0].token_ids == reference_greedy(smol, prompts[0], 8)
+    bad = victim.result()
+    assert bad.finish_reason is FinishReason.ERROR and "sampling" in bad.error and not bad.token_ids
+
+
+async def test_sampling_params_are_bounded_at_submit(smol):
+    from rtserver.engine.backend import SamplingError
+
+    eng = Engine(smol, EngineSettings(kv_budget_mb=64))
+    prompt = chat_prompt(smol.tokenizer, "Hi")
+    vocab = len(smol.tokenizer)
+    for field, bad in [
+        ("seed", 2**64),
+        ("seed", -1),
+        ("seed", True),
+        ("temperature", float("nan")),
+        ("temperature", "1"),
+        ("top_p", 0.0),
+        ("top_k", 1.5),
+        ("max_new_tokens", 0),
+        ("min_new_tokens", 10**9),
+        ("stop_token_ids", [vocab]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", list(range(65))),
+        ("stop", ["x" * 257]),
+        ("ignore_eos", 1),
+    ]:
+        with pytest.raises(SamplingError) as exc:
+            eng.generate(prompt, SamplingParams(**{field: bad}))
+        assert str(exc.value).startswith(f"{field} = ")
+    assert not eng.scheduler.waiting  # nothing was queued
+    eng.generate(prompt, SamplingParams(seed=2**63 - 1, stop_token_ids=[vocab - 1]))  # the edges pass

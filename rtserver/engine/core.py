@@ -211,7 +211,7 @@ class Engine:
         self, prompt_ids: list[int], params: SamplingParams, *, session_key: Hashable | None = None
     ) -> GenerationStream:
         """Queue a generation; raises SamplingError, RequestTooLarge or Overloaded at once."""
-        params.validate()
+        params.validate(len(self.tokenizer))
         seq = Sequence(
             prompt_ids,
             params,

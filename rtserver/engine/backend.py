@@ -165,7 +165,12 @@ class Generation(Protocol):
 
 class InferenceBackend(Protocol):
     """What web and tasks use of the model. `generate` and `score` raise `SamplingError`,
-    `RequestTooLarge` or `Overloaded` at once, before anything is queued."""
+    `RequestTooLarge` or `Overloaded` at once, before anything is queued.
+
+    `public_tokens`: how many leading prompt tokens the server itself wrote (a system prompt, the
+    template's header, a task's fixed instruction). Only those are matched against and added to the
+    prefix cache that all sessions share; the rest is the session's own. The default 0 shares nothing,
+    so a caller that forgets it never lets one customer's text speed up, or show in another's usage."""
 
     tokenizer: Tokenizer
 
@@ -174,13 +179,23 @@ class InferenceBackend(Protocol):
     async def stop(self) -> None: ...
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, session_key: Hashable | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        session_key: Hashable | None = None,
+        public_tokens: int = 0,
     ) -> Generation:
         """Queue a generation. `session_key` keeps the prompt's KV for that session's next turn."""
         ...
 
     async def score(
-        self, prompt_ids: list[int], candidates: list[list[int]], *, normalize: bool = True
+        self,
+        prompt_ids: list[int],
+        candidates: list[list[int]],
+        *,
+        normalize: bool = True,
+        public_tokens: int = 0,
     ) -> list[float]:
         """Log-probability of each candidate continuation after the prompt; with `normalize=False` up to
         one constant shared by all candidates of this prompt (cheaper; differences unchanged)."""
@@ -209,7 +224,12 @@ class FeatureScorer(Protocol):
     feature_model_id: str  # what the features depend on (model, dtype, weight storage): a cache key
 
     async def score_features(
-        self, prompt_ids: list[int], candidates: list[list[int]], *, features_from: int
+        self,
+        prompt_ids: list[int],
+        candidates: list[list[int]],
+        *,
+        features_from: int,
+        public_tokens: int = 0,
     ) -> tuple[list[float], list[float]]:
         """`score(..., normalize=False)` and, from the same forward, a feature vector: the final hidden
         state at the prompt's last token, every second layer's hidden states averaged over positions

@@ -188,7 +188,7 @@ class Scheduler:
         there is a running place)."""
         try:
             seq.kv, reused = self.kv.acquire(
-                seq.prompt_ids, seq.capacity_tokens, seq.session_key, seq.features_from
+                seq.prompt_ids, seq.capacity_tokens, seq.session_key, seq.features_from, seq.public_tokens
             )
         except OutOfKVMemory:
             return False
@@ -339,7 +339,7 @@ class Scheduler:
             if seq.phase is Phase.PREFILL:
                 self.tokens_prefilled += len(it.tokens)
                 seq.usage.prefilled_tokens += len(it.tokens)
-                self.kv.register_prefix(it.kv)  # later prompts that start the same way share it
+                self.kv.register_prefix(it.kv, seq.public_tokens)  # later prompts that start so share it
             if it.pooled is not None:
                 sums, rows = it.pooled
                 total = torch.cat(sums)

@@ -163,9 +163,14 @@ def _history(value: Any) -> list[dict]:
 
 
 async def _generate(
-    state: AppState, prompt: list[int], params: SamplingParams, endpoint: str, session_key: str | None = None
+    state: AppState,
+    prompt: list[int],
+    params: SamplingParams,
+    endpoint: str,
+    session_key: str | None = None,
+    public_tokens: int = 0,
 ) -> SequenceResult:
-    stream = state.backend.generate(prompt, params, session_key=session_key)
+    stream = state.backend.generate(prompt, params, session_key=session_key, public_tokens=public_tokens)
     try:
         result = await stream.result()
     except asyncio.CancelledError:
@@ -566,6 +571,7 @@ COMPLETION_FIELDS = {
     "cache_prompt",
     "score_candidates",
     "rtserver_session",
+    "rtserver_public_tokens",
     "n",
     "user",
 }
@@ -619,12 +625,29 @@ def _completion_params(body: dict) -> SamplingParams:
     return params
 
 
+def _public_tokens(body: dict, prompt_tokens: int) -> int:
+    """`rtserver_public_tokens`: how much of the prompt a hub shares across its sessions (default: all
+    of it, this node API being a trusted hub's)."""
+    value = body.get("rtserver_public_tokens")
+    if value is None:
+        return prompt_tokens
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= prompt_tokens:
+        raise HTTPError(
+            "invalid_field",
+            f"'rtserver_public_tokens' must be an integer 0..{prompt_tokens} (the prompt's length)",
+            "rtserver_public_tokens",
+        )
+    return value
+
+
 async def completions(request: Request, state: AppState, body: dict) -> Response:
     """OpenAI-style /v1/completions over token ids, for hubs that use this node as their inference
     server: `prompt` is token ids (or text); `stream` with `stream_options.include_usage`;
     `return_token_ids` puts each chunk's token ids in `choices[0].token_ids` (as vLLM does);
-    `rtserver_session` keeps the prompt's KV for that key's next turn; `score_candidates` (a list of
-    token-id lists) answers `choices[0].candidate_logprobs`, the log-probability of each continuation."""
+    `rtserver_session` keeps the prompt's KV for that key's next turn; `rtserver_public_tokens` is how
+    many leading prompt tokens this node's prefix cache may share (default: all); `score_candidates` (a
+    list of token-id lists) answers `choices[0].candidate_logprobs`, the log-probability of each
+    continuation."""
     unknown = sorted(set(body) - COMPLETION_FIELDS)
     if unknown:
         raise HTTPError("unsupported", f"'{unknown[0]}' is not supported by /v1/completions here", unknown[0])
@@ -637,6 +660,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
     if isinstance(prompt, str) and prompt:
         prompt = tokenizer.encode(prompt, add_special_tokens=False)
     prompt = _token_ids(prompt, "prompt", vocab)
+    public = _public_tokens(body, len(prompt))
     created, cid, model = int(time.time()), "cmpl-" + secrets.token_hex(12), state.model_id
     candidates = body.get("score_candidates")
     if candidates is not None:
@@ -646,7 +670,9 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
                 "'score_candidates' must be a list of 1..128 token-id lists",
                 "score_candidates",
             )
-        scores = await backend.score(prompt, [_token_ids(c, "score_candidates", vocab) for c in candidates])
+        scores = await backend.score(
+            prompt, [_token_ids(c, "score_candidates", vocab) for c in candidates], public_tokens=public
+        )
         return JSONResponse(
             {
                 "id": cid,
@@ -681,7 +707,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
 
     key = f"remote:{session}" if session else None  # never collides with this node's own sessions
     if not body.get("stream"):
-        result = await _generate(state, prompt, params, "completions", key)
+        result = await _generate(state, prompt, params, "completions", key, public)
         return JSONResponse(
             {
                 "id": cid,
@@ -697,7 +723,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
         if isinstance(body.get("stream_options"), dict)
         else False
     )
-    gen = backend.generate(prompt, params, session_key=key)
+    gen = backend.generate(prompt, params, session_key=key, public_tokens=public)
 
     def sse(data: dict) -> str:
         return (

@@ -504,7 +504,7 @@ class CountingEngine:
     def __init__(self, engine):
         self.engine, self.scores = engine, 0
 
-    async def score(self, prompt, candidates, *, normalize=True):
+    async def score(self, prompt, candidates, *, normalize=True, public_tokens=0):
         self.scores += 1
         return await self.engine.score(prompt, candidates, normalize=normalize)
 
@@ -526,7 +526,7 @@ class OneAtATimeEngine(CountingEngine):
         super().__init__(engine)
         self.running = self.most_at_once = 0
 
-    async def score(self, prompt, candidates, *, normalize=True):
+    async def score(self, prompt, candidates, *, normalize=True, public_tokens=0):
         self.running += 1
         self.most_at_once = max(self.most_at_once, self.running)
         try:
@@ -576,23 +576,25 @@ async def test_result_cache_hit_miss_ttl(tok, engine):
     sentiment = registry.get("sentiment")
     now = [0.0]
     sentiment.cache = TTLCache(maxsize=2, ttl=10, timer=lambda: now[0])
-    first = await registry.run(engine, "sentiment", {"text": "Great food and friendly staff"})
+    first = await registry.run(engine, "sentiment", {"text": "Great food and friendly staff"}, scope="test")
     assert not first.cached and registry.cache_stats()["sentiment"] == (0, 1)
-    again = await registry.run(engine, "sentiment", {"text": "  great FOOD and\nfriendly staff "})
+    again = await registry.run(
+        engine, "sentiment", {"text": "  great FOOD and\nfriendly staff "}, scope="test"
+    )
     assert again.cached and again.output == first.output  # same normalised text
     assert registry.cache_stats()["sentiment"] == (1, 1)
     now[0] = 9.0
-    assert (await registry.run(engine, "sentiment", "Great food and friendly staff")).cached
+    assert (await registry.run(engine, "sentiment", "Great food and friendly staff", scope="test")).cached
     now[0] = 20.0  # past the TTL: computed again
-    late = await registry.run(engine, "sentiment", "Great food and friendly staff")
+    late = await registry.run(engine, "sentiment", "Great food and friendly staff", scope="test")
     # Recomputed (over prefix-cached KV, so float rounding may differ in the last digits): same answer.
     assert not late.cached and late.output["label"] == first.output["label"]
     assert late.output["probs"] == pytest.approx(first.output["probs"], abs=1e-4)
     assert registry.cache_stats()["sentiment"] == (2, 2)
     # LRU: a third distinct text evicts the least recently used one.
-    await registry.run(engine, "sentiment", "Awful")
-    await registry.run(engine, "sentiment", "Fine")
-    assert not (await registry.run(engine, "sentiment", "Great food and friendly staff")).cached
+    await registry.run(engine, "sentiment", "Awful", scope="test")
+    await registry.run(engine, "sentiment", "Fine", scope="test")
+    assert not (await registry.run(engine, "sentiment", "Great food and friendly staff", scope="test")).cached
     # Chat (stateful) has no result cache; a task with cache_size 0 neither.
     assert set(registry.cache_stats()) == {"intent", "sentiment"}
 
@@ -600,7 +602,7 @@ async def test_result_cache_hit_miss_ttl(tok, engine):
 async def test_cache_off(tok, engine):
     registry = builtin(tok, sentiment={"cache_size": 0})
     for _ in range(2):
-        assert not (await registry.run(engine, "sentiment", "Nice")).cached
+        assert not (await registry.run(engine, "sentiment", "Nice", scope="test")).cached
     assert "sentiment" not in registry.cache_stats()
 
 
@@ -626,17 +628,17 @@ async def test_readme_example_plugin_end_to_end(tok, engine):
     language = registry.get("language")
     assert await language.prepare(engine, None, "local") is None and len(language.heads) == 1
     for text, expected in cases.items():
-        out = await registry.run(engine, "language", {"text": text})
+        out = await registry.run(engine, "language", {"text": text}, scope="test")
         assert out.task == "language" and not out.cached
         assert out.output["label"] == expected
         assert set(out.output["probs"]) == set(desc["labels"])
         assert math.isclose(sum(out.output["probs"].values()), 1.0, rel_tol=1e-9)
-        assert (await registry.run(engine, "language", {"text": text})).cached
+        assert (await registry.run(engine, "language", {"text": text}, scope="test")).cached
     with pytest.raises(TaskError) as exc:
-        await registry.run(engine, "language", {"text": " \x00 "})
+        await registry.run(engine, "language", {"text": " \x00 "}, scope="test")
     assert exc.value.code == "empty_text"
     with pytest.raises(TaskError) as exc:
-        await registry.run(engine, "chat", {"text": "hi"})
+        await registry.run(engine, "chat", {"text": "hi"}, scope="test")
     assert exc.value.code == "invalid_input"
 
 
@@ -724,15 +726,15 @@ class NoEngine:
 
 async def test_cache_hit_needs_no_engine_and_returns_its_own_copy(tok, engine):
     registry = builtin(tok)
-    first = await registry.run(engine, "sentiment", {"text": "The staff were lovely."})
-    hit = await registry.run(NoEngine(), "sentiment", {"text": "the staff  were LOVELY."})
+    first = await registry.run(engine, "sentiment", {"text": "The staff were lovely."}, scope="test")
+    hit = await registry.run(NoEngine(), "sentiment", {"text": "the staff  were LOVELY."}, scope="test")
     assert hit.cached and not first.cached and hit.output == first.output and hit.text == first.text
     hit.cached = False  # a caller changing its copy changes nothing in the cache
-    assert (await registry.run(NoEngine(), "sentiment", "The staff were lovely.")).cached
+    assert (await registry.run(NoEngine(), "sentiment", "The staff were lovely.", scope="test")).cached
     # Overrides are still checked before the cache is read.
     for bad in ({"temperature": 0.5}, ["temperature"]):
         with pytest.raises(TaskError) as exc:
-            await registry.run(NoEngine(), "sentiment", "The staff were lovely.", bad)
+            await registry.run(NoEngine(), "sentiment", "The staff were lovely.", bad, scope="test")
         assert exc.value.code == "bad_decoding"
 
 

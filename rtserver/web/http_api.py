@@ -233,7 +233,7 @@ async def run_task(request: Request, state: AppState, body: dict) -> Response:
                 "cached": False,
             }
         )
-    out = await reg.run(state.backend_for(name), name, body["input"], options)
+    out = await reg.run(state.backend_for(name), name, body["input"], options, scope="api")
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(out.to_json())
 
@@ -241,7 +241,9 @@ async def run_task(request: Request, state: AppState, body: dict) -> Response:
 async def sentiment(request: Request, state: AppState, body: dict) -> Response:
     if "text" not in body:
         raise HTTPError("missing_field", "'text' is required", "text")
-    out = await state.tasks.run(state.backend_for("sentiment"), "sentiment", {"text": body["text"]})
+    out = await state.tasks.run(
+        state.backend_for("sentiment"), "sentiment", {"text": body["text"]}, scope="api"
+    )
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(dict(out.output))
 

@@ -52,14 +52,15 @@ async def test_batched_joins_and_cancels_equal_generate(engine, loaded):
     tok = loaded.tokenizer
     prompts = [chat_prompt(tok, t) for t in TEXTS]
     n = 12
-    first = [engine.generate(p, greedy(n)) for p in prompts[:2]]
+    header = public_header(tok)  # the template's header: shared by every prompt
+    first = [engine.generate(p, greedy(n), public_tokens=header) for p in prompts[:2]]
     # Join later, while the first two decode, and cancel one of them midway.
     joined_at = 0
     async for _ in first[0]:
         joined_at += 1
         if joined_at == 3:
             break
-    late = [engine.generate(p, greedy(n)) for p in prompts[2:]]
+    late = [engine.generate(p, greedy(n), public_tokens=header) for p in prompts[2:]]
     doomed = engine.generate(prompts[3], greedy(n))
     got_doomed = []
     async for ev in doomed:
@@ -217,7 +218,8 @@ async def test_shared_prefix_is_reused(engine, loaded):
     outs = []
     for text in ("Great!", "Awful service.", "Great!"):
         prompt = prefix + tok.encode(f"Message: {text}\nSentiment:", add_special_tokens=False)
-        outs.append(await engine.score(prompt, [tok.encode(" positive", add_special_tokens=False)]))
+        candidates = [tok.encode(" positive", add_special_tokens=False)]
+        outs.append(await engine.score(prompt, candidates, public_tokens=len(prefix)))
     shared = len(prefix) // engine.kv.block_tokens * engine.kv.block_tokens
     assert shared > 0 and engine.kv.prefix_hits >= 2 * shared
     assert outs[0] == pytest.approx(outs[2], abs=1e-4)
@@ -365,3 +367,68 @@ async def test_sampling_params_are_bounded_at_submit(smol):
         assert str(exc.value).startswith(f"{field} = ")
     assert not eng.scheduler.waiting  # nothing was queued
     eng.generate(prompt, SamplingParams(seed=2**63 - 1, stop_token_ids=[vocab - 1]))  # the edges pass
+
+
+# -- the prefix cache shares only what the server wrote -----------------------------------------------
+
+
+async def test_no_session_reads_another_ones_text_through_the_prefix_cache(smol):
+    import httpx
+
+    from rtserver.web.app import create_app
+
+    from .serverutil import make_settings, serve
+
+    settings = make_settings(tasks={"auto_tasks": []})
+    engine = Engine(smol, settings.engine)
+    app = create_app(settings, lambda: smol, engine_factory=lambda loaded_, s: engine)
+
+    def ask(text: str) -> dict:
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+
+    async with serve(app, settings) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            r = await c.post("/v1/chat/completions", json=ask("My card number is 4929 1234"))
+            assert r.status_code == 200
+            cached = {}
+            for guess in ("My card number is 4", "My card number is 49", "My card number is 48"):
+                r = await c.post("/v1/chat/completions", json=ask(guess))
+                cached[guess] = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # right and wrong digits look the same: only the template's header (system prompt) is shared
+    assert len(set(cached.values())) == 1, cached
+    assert cached["My card number is 49"] == public_header(smol.tokenizer) > 0, cached
+
+
+def public_header(tok) -> int:
+    """The chat prompt's ids before the user's text: what every session may share."""
+    from rtserver.tasks.chat import encode_chat
+
+    return encode_chat(tok, [{"role": "user", "content": "x"}]).public_tokens
+
+
+async def test_a_shared_system_prompt_is_still_shared_and_a_session_keeps_its_own_kv(smol):
+    eng = Engine(smol, EngineSettings(kv_budget_mb=64))
+    eng.start()
+    try:
+        from rtserver.tasks.chat import encode_chat
+
+        tok = smol.tokenizer
+        system = {"role": "system", "content": "You answer questions about the shop's opening hours. " * 3}
+        a = encode_chat(tok, [system, {"role": "user", "content": "When do you open?"}], public_messages=1)
+        b = encode_chat(
+            tok, [system, {"role": "user", "content": "Are you open on Sunday?"}], public_messages=1
+        )
+        assert a.public_tokens == b.public_tokens > 2 * eng.kv.block_tokens
+        ra = await eng.generate(a.ids, greedy(4), session_key="A", public_tokens=a.public_tokens).result()
+        rb = await eng.generate(b.ids, greedy(4), session_key="B", public_tokens=b.public_tokens).result()
+        assert ra.usage.cached_tokens == 0 and rb.usage.cached_tokens == b.public_tokens
+        # A's second turn reuses all of its own KV, its private text included
+        second = a.ids + ra.token_ids + tok.encode("<|im_end|>\n<|im_start|>user\nThanks<|im_end|>\n")
+        r2 = await eng.generate(second, greedy(4), session_key="A", public_tokens=a.public_tokens).result()
+        assert r2.usage.cached_tokens == len(a.ids) + len(ra.token_ids) - 1
+        assert r2.token_ids == reference_greedy(smol, second, 4)
+        # a forgotten public_tokens shares nothing
+        rc = await eng.generate(b.ids, greedy(4)).result()
+        assert rc.usage.cached_tokens == 0
+    finally:
+        await eng.stop()

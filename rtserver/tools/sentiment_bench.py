@@ -112,7 +112,8 @@ async def _chat_turn(engine: Engine, registry: TaskRegistry, text: str, mode: st
     reply's generation is queued, as the hub does) or "same-step" (the auto-task forced into the reply's
     first step: the worst case). Returns the reply's sequence."""
     chat = registry.chat
-    prompt = chat.render([{"role": "user", "content": text}])
+    encoded = chat.encode([{"role": "user", "content": text}])
+    prompt, public = encoded.ids, encoded.public_tokens
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     task = None
     if mode == "same-step":
@@ -120,12 +121,12 @@ async def _chat_turn(engine: Engine, registry: TaskRegistry, text: str, mode: st
         # submit) until both sequences wait, so they are admitted together.
         scheduler = engine.scheduler
         with scheduler._cond:
-            stream = engine.generate(prompt, params, session_key=key)
+            stream = engine.generate(prompt, params, session_key=key, public_tokens=public)
             task = asyncio.get_running_loop().create_task(registry.run(engine, "sentiment", text))
             while not task.done() and not any(s.candidates is not None for s in scheduler.waiting):
                 await asyncio.sleep(0)
     else:
-        stream = engine.generate(prompt, params, session_key=key)
+        stream = engine.generate(prompt, params, session_key=key, public_tokens=public)
         if mode == "auto":
             task = asyncio.get_running_loop().create_task(registry.run(engine, "sentiment", text))
     await stream.result()

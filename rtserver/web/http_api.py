@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.backend import FinishReason, Generation, SamplingError, SamplingParams, SequenceResult
-from ..tasks.chat import ChatTask
+from ..tasks.chat import ChatPrompt, ChatTask
 from . import events
 from . import protocol as P
 from .connection import client_ip
@@ -196,7 +196,7 @@ async def _stateless_chat(
     ]
     turn = chat.prepare_turn(earlier, history[-1]["content"])
     params = chat.task.sampling(options or None)
-    result = await _generate(state, turn.prompt_ids, params, endpoint)
+    result = await _generate(state, turn.prompt_ids, params, endpoint, public_tokens=turn.public_tokens)
     return result, chat.parse(result.text)
 
 
@@ -342,7 +342,8 @@ def _content(m: dict, i: int) -> str:
     )
 
 
-def _openai_prompt(state: AppState, messages: Any) -> list[int]:
+def _openai_prompt(state: AppState, messages: Any) -> ChatPrompt:
+    """The messages' prompt: client system messages kept (the trusted API), every content only text."""
     chat = state.tasks.chat
     if not isinstance(messages, list) or not messages:
         raise HTTPError("invalid_field", "'messages' must be a non-empty list", "messages")
@@ -360,11 +361,8 @@ def _openai_prompt(state: AppState, messages: Any) -> list[int]:
                 "messages",
             )
         out.append({"role": role, "content": _content(m, i)})
-    if not any(m["role"] == "system" for m in out):
-        return chat.render(out)  # the chat task's own system prompt
-    return chat.tokenizer.apply_chat_template(
-        out, tokenize=True, add_generation_prompt=True, return_dict=False
-    )
+    # without a system message of its own, the chat task's system prompt goes first
+    return chat.encode(out, system=not any(m["role"] == "system" for m in out))
 
 
 def _openai_params(state: AppState, body: dict) -> SamplingParams:
@@ -427,7 +425,7 @@ async def chat_completions(request: Request, state: AppState, body: dict) -> Res
     cid = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())
     if not body.get("stream"):
-        result = await _generate(state, prompt, params, "openai")
+        result = await _generate(state, prompt.ids, params, "openai", public_tokens=prompt.public_tokens)
         return JSONResponse(
             {
                 "id": cid,
@@ -446,7 +444,8 @@ async def chat_completions(request: Request, state: AppState, body: dict) -> Res
             }
         )
     include_usage = bool((stream_opts or {}).get("include_usage"))
-    gen = state.backend.generate(prompt, params)  # Overloaded etc. raise here, before the 200
+    # Overloaded etc. raise here, before the 200
+    gen = state.backend.generate(prompt.ids, params, public_tokens=prompt.public_tokens)
     # The response starts with the first token: until then nothing is written to this client, so in a
     # burst every request's generation reaches its backend (a remote server: its upstream request is
     # written) before any response's headers and role chunk take their socket writes, and the role

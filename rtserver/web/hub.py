@@ -332,7 +332,9 @@ class Connection(QueuedConnection):
             turn = chat.prepare_turn(session.history, msg.text, session.last_turn)
             params = chat.task.sampling(msg.options or None)
             rendered, prompt = turn.rendered, turn.prompt_ids
-            stream = hub.state.backend_for("chat").generate(prompt, params, session_key=session.id)
+            stream = hub.state.backend_for("chat").generate(
+                prompt, params, session_key=session.id, public_tokens=turn.public_tokens
+            )
             req.stream = stream
             if req.cancelled:
                 stream.cancel()

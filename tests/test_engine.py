@@ -432,3 +432,45 @@ async def test_a_shared_system_prompt_is_still_shared_and_a_session_keeps_its_ow
         assert rc.usage.cached_tokens == 0
     finally:
         await eng.stop()
+
+
+async def test_a_hub_tells_its_rtserver_node_what_is_public(smol):
+    """The node API shares what `rtserver_public_tokens` says (default: the whole prompt, it being a
+    trusted hub's), and the remote backend sends it: a hub's customers are kept apart on the node too."""
+    import httpx
+
+    from rtserver.remote.backend import RemoteBackend
+    from rtserver.web.app import create_app
+
+    from .serverutil import make_settings, serve
+
+    tok = smol.tokenizer
+    settings = make_settings(tasks={"auto_tasks": []})
+    engine = Engine(smol, settings.engine)
+    app = create_app(settings, lambda: smol, engine_factory=lambda loaded_, s: engine)
+    secret, header = chat_prompt(tok, "My card number is 4929 1234"), public_header(tok)
+    right, wrong = chat_prompt(tok, "My card number is 49"), chat_prompt(tok, "My card number is 48")
+    async with serve(app, settings) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            r = await c.post("/v1/completions", json={"prompt": right, "rtserver_public_tokens": 10**6})
+            assert r.status_code == 400 and "rtserver_public_tokens" in r.json()["error"]["message"]
+        hub = make_settings(model={"backend": "openai"}, backend={"urls": [base]}).backend
+        backend = RemoteBackend(tok, hub)
+        backend.start()
+        try:
+            await backend.check()
+            assert backend.kinds[base] == "rtserver"
+            params = SamplingParams(max_new_tokens=1)
+            await backend.generate(secret, params, session_key="A", public_tokens=header).result()
+            cached = [
+                (await backend.generate(p, params, public_tokens=header).result()).usage.cached_tokens
+                for p in (right, wrong)
+            ]
+            assert cached == [header, header]
+        finally:
+            await backend.stop()
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:  # the node's own default: all
+            body = {"prompt": secret, "max_tokens": 1, "stream": False}
+            await c.post("/v1/completions", json=body)
+            r = await c.post("/v1/completions", json={**body, "prompt": secret[:-1] + [secret[-1]]})
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(secret) - 1

@@ -233,7 +233,7 @@ class ScriptedEngine:
         seq.cancelled = True
         self.cancelled.append(seq)
 
-    def generate(self, prompt_ids, params, *, session_key=None) -> GenerationStream:
+    def generate(self, prompt_ids, params, *, session_key=None, public_tokens=0) -> GenerationStream:
         params.validate()
         self.prompts.append(list(prompt_ids))
         seq = Sequence(
@@ -281,7 +281,7 @@ class ScriptedEngine:
         seq.finished_at = time.perf_counter()
         stream._push("finish", seq.result())
 
-    async def score(self, prompt_ids, candidates, *, normalize: bool = True) -> list[float]:
+    async def score(self, prompt_ids, candidates, *, normalize: bool = True, public_tokens=0) -> list[float]:
         await asyncio.sleep(0)
         self.scored += 1
         return [-float(i) for i in range(len(candidates))]

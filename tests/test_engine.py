@@ -52,14 +52,15 @@ async def test_batched_joins_and_cancels_equal_generate(engine, loaded):
     tok = loaded.tokenizer
     prompts = [chat_prompt(tok, t) for t in TEXTS]
     n = 12
-    first = [engine.generate(p, greedy(n)) for p in prompts[:2]]
+    header = public_header(tok)  # the template's header: shared by every prompt
+    first = [engine.generate(p, greedy(n), public_tokens=header) for p in prompts[:2]]
     # Join later, while the first two decode, and cancel one of them midway.
     joined_at = 0
     async for _ in first[0]:
         joined_at += 1
         if joined_at == 3:
             break
-    late = [engine.generate(p, greedy(n)) for p in prompts[2:]]
+    late = [engine.generate(p, greedy(n), public_tokens=header) for p in prompts[2:]]
     doomed = engine.generate(prompts[3], greedy(n))
     got_doomed = []
     async for ev in doomed:
@@ -217,7 +218,8 @@ async def test_shared_prefix_is_reused(engine, loaded):
     outs = []
     for text in ("Great!", "Awful service.", "Great!"):
         prompt = prefix + tok.encode(f"Message: {text}\nSentiment:", add_special_tokens=False)
-        outs.append(await engine.score(prompt, [tok.encode(" positive", add_special_tokens=False)]))
+        candidates = [tok.encode(" positive", add_special_tokens=False)]
+        outs.append(await engine.score(prompt, candidates, public_tokens=len(prefix)))
     shared = len(prefix) // engine.kv.block_tokens * engine.kv.block_tokens
     assert shared > 0 and engine.kv.prefix_hits >= 2 * shared
     assert outs[0] == pytest.approx(outs[2], abs=1e-4)
@@ -300,3 +302,175 @@ async def test_score_features_match_transformers_hidden_states_whatever_is_cache
             await eng.score_features(prompt, cands, features_from=len(prompt))
     finally:
         await eng.stop()
+
+
+# -- a sequence's own failure after the forward ends only it ------------------------------------------
+
+
+class Unchecked(SamplingParams):
+    """Decoding that skips validation: a value no door lets through reaches the sampler."""
+
+    def validate(self, vocab_size=None) -> None:
+        pass
+
+
+async def test_a_sequence_whose_sampling_raises_ends_alone_and_its_neighbours_are_unchanged(smol):
+    tok = smol.tokenizer
+    prompts = [chat_prompt(tok, t) for t in TEXTS[:3]]
+    sampled = SamplingParams(temperature=0.7, seed=7, max_new_tokens=8, ignore_eos=True)
+
+    def run(with_victim: bool):
+        # not started: this test runs the scheduler's steps itself, so all three share the first step
+        eng = Engine(smol, EngineSettings(kv_budget_mb=64))
+        calm = [eng.generate(prompts[0], greedy(8)).seq, eng.generate(prompts[1], sampled).seq]
+        victim = None
+        if with_victim:  # torch.Generator.manual_seed raises on a seed of 2**64
+            victim = eng.generate(prompts[2], Unchecked(temperature=0.7, seed=2**64, max_new_tokens=8)).seq
+        while eng.scheduler.has_work:
+            eng.scheduler.step()
+        return [s.result() for s in calm], victim
+
+    alone, _ = run(False)
+    beside, victim = run(True)
+    for want, got in zip(alone, beside):
+        assert got.finish_reason is FinishReason.LENGTH and got.error is None
+        assert got.token_ids == want.token_ids and len(got.token_ids) == 8
+    assert beside[0].token_ids == reference_greedy(smol, prompts[0], 8)
+    bad = victim.result()
+    assert bad.finish_reason is FinishReason.ERROR and "sampling" in bad.error and not bad.token_ids
+
+
+async def test_sampling_params_are_bounded_at_submit(smol):
+    from rtserver.engine.backend import SamplingError
+
+    eng = Engine(smol, EngineSettings(kv_budget_mb=64))
+    prompt = chat_prompt(smol.tokenizer, "Hi")
+    vocab = len(smol.tokenizer)
+    for field, bad in [
+        ("seed", 2**64),
+        ("seed", -1),
+        ("seed", True),
+        ("temperature", float("nan")),
+        ("temperature", "1"),
+        ("top_p", 0.0),
+        ("top_k", 1.5),
+        ("max_new_tokens", 0),
+        ("min_new_tokens", 10**9),
+        ("stop_token_ids", [vocab]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", list(range(65))),
+        ("stop", ["x" * 257]),
+        ("ignore_eos", 1),
+    ]:
+        with pytest.raises(SamplingError) as exc:
+            eng.generate(prompt, SamplingParams(**{field: bad}))
+        assert str(exc.value).startswith(f"{field} = ")
+    assert not eng.scheduler.waiting  # nothing was queued
+    eng.generate(prompt, SamplingParams(seed=2**63 - 1, stop_token_ids=[vocab - 1]))  # the edges pass
+
+
+# -- the prefix cache shares only what the server wrote -----------------------------------------------
+
+
+async def test_no_session_reads_another_ones_text_through_the_prefix_cache(smol):
+    import httpx
+
+    from rtserver.web.app import create_app
+
+    from .serverutil import make_settings, serve
+
+    settings = make_settings(tasks={"auto_tasks": []})
+    engine = Engine(smol, settings.engine)
+    app = create_app(settings, lambda: smol, engine_factory=lambda loaded_, s: engine)
+
+    def ask(text: str) -> dict:
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+
+    async with serve(app, settings) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            r = await c.post("/v1/chat/completions", json=ask("My card number is 4929 1234"))
+            assert r.status_code == 200
+            cached = {}
+            for guess in ("My card number is 4", "My card number is 49", "My card number is 48"):
+                r = await c.post("/v1/chat/completions", json=ask(guess))
+                cached[guess] = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # right and wrong digits look the same: only the template's header (system prompt) is shared
+    assert len(set(cached.values())) == 1, cached
+    assert cached["My card number is 49"] == public_header(smol.tokenizer) > 0, cached
+
+
+def public_header(tok) -> int:
+    """The chat prompt's ids before the user's text: what every session may share."""
+    from rtserver.tasks.chat import encode_chat
+
+    return encode_chat(tok, [{"role": "user", "content": "x"}]).public_tokens
+
+
+async def test_a_shared_system_prompt_is_still_shared_and_a_session_keeps_its_own_kv(smol):
+    eng = Engine(smol, EngineSettings(kv_budget_mb=64))
+    eng.start()
+    try:
+        from rtserver.tasks.chat import encode_chat
+
+        tok = smol.tokenizer
+        system = {"role": "system", "content": "You answer questions about the shop's opening hours. " * 3}
+        a = encode_chat(tok, [system, {"role": "user", "content": "When do you open?"}], public_messages=1)
+        b = encode_chat(
+            tok, [system, {"role": "user", "content": "Are you open on Sunday?"}], public_messages=1
+        )
+        assert a.public_tokens == b.public_tokens > 2 * eng.kv.block_tokens
+        ra = await eng.generate(a.ids, greedy(4), session_key="A", public_tokens=a.public_tokens).result()
+        rb = await eng.generate(b.ids, greedy(4), session_key="B", public_tokens=b.public_tokens).result()
+        assert ra.usage.cached_tokens == 0 and rb.usage.cached_tokens == b.public_tokens
+        # A's second turn reuses all of its own KV, its private text included
+        second = a.ids + ra.token_ids + tok.encode("<|im_end|>\n<|im_start|>user\nThanks<|im_end|>\n")
+        r2 = await eng.generate(second, greedy(4), session_key="A", public_tokens=a.public_tokens).result()
+        assert r2.usage.cached_tokens == len(a.ids) + len(ra.token_ids) - 1
+        assert r2.token_ids == reference_greedy(smol, second, 4)
+        # a forgotten public_tokens shares nothing
+        rc = await eng.generate(b.ids, greedy(4)).result()
+        assert rc.usage.cached_tokens == 0
+    finally:
+        await eng.stop()
+
+
+async def test_a_hub_tells_its_rtserver_node_what_is_public(smol):
+    """The node API shares what `rtserver_public_tokens` says (default: the whole prompt, it being a
+    trusted hub's), and the remote backend sends it: a hub's customers are kept apart on the node too."""
+    import httpx
+
+    from rtserver.remote.backend import RemoteBackend
+    from rtserver.web.app import create_app
+
+    from .serverutil import make_settings, serve
+
+    tok = smol.tokenizer
+    settings = make_settings(tasks={"auto_tasks": []})
+    engine = Engine(smol, settings.engine)
+    app = create_app(settings, lambda: smol, engine_factory=lambda loaded_, s: engine)
+    secret, header = chat_prompt(tok, "My card number is 4929 1234"), public_header(tok)
+    right, wrong = chat_prompt(tok, "My card number is 49"), chat_prompt(tok, "My card number is 48")
+    async with serve(app, settings) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            r = await c.post("/v1/completions", json={"prompt": right, "rtserver_public_tokens": 10**6})
+            assert r.status_code == 400 and "rtserver_public_tokens" in r.json()["error"]["message"]
+        hub = make_settings(model={"backend": "openai"}, backend={"urls": [base]}).backend
+        backend = RemoteBackend(tok, hub)
+        backend.start()
+        try:
+            await backend.check()
+            assert backend.kinds[base] == "rtserver"
+            params = SamplingParams(max_new_tokens=1)
+            await backend.generate(secret, params, session_key="A", public_tokens=header).result()
+            cached = [
+                (await backend.generate(p, params, public_tokens=header).result()).usage.cached_tokens
+                for p in (right, wrong)
+            ]
+            assert cached == [header, header]
+        finally:
+            await backend.stop()
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:  # the node's own default: all
+            body = {"prompt": secret, "max_tokens": 1, "stream": False}
+            await c.post("/v1/completions", json=body)
+            r = await c.post("/v1/completions", json={**body, "prompt": secret[:-1] + [secret[-1]]})
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(secret) - 1

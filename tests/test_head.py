@@ -96,7 +96,7 @@ class ScoresOnly:
     def __init__(self):
         self.calls: list[tuple[tuple[int, ...], bool]] = []
 
-    async def score(self, prompt, candidates, *, normalize=True):
+    async def score(self, prompt, candidates, *, normalize=True, public_tokens=0):
         self.calls.append((tuple(prompt), normalize))
         await asyncio.sleep(0)
         return [float(len(prompt) % 7), 2.5]
@@ -133,10 +133,10 @@ class FakeFeatures:
         self.feature_model_id = model_id
         self.feature_calls = 0
 
-    async def score(self, prompt, candidates, *, normalize=True):
+    async def score(self, prompt, candidates, *, normalize=True, public_tokens=0):
         return [0.25, -0.25]
 
-    async def score_features(self, prompt, candidates, *, features_from):
+    async def score_features(self, prompt, candidates, *, features_from, public_tokens=0):
         self.feature_calls += 1
         body = prompt[features_from:]
         rng = np.random.default_rng(sum(body) * 31 + len(body))
@@ -199,10 +199,10 @@ class NoFeatures:
     def __init__(self, model_id: str):
         self.feature_model_id = model_id
 
-    async def score(self, prompt, candidates, *, normalize=True):
+    async def score(self, prompt, candidates, *, normalize=True, public_tokens=0):
         return [0.0] * len(candidates)
 
-    async def score_features(self, prompt, candidates, *, features_from):
+    async def score_features(self, prompt, candidates, *, features_from, public_tokens=0):
         raise AssertionError("a shipped head was not used: features computed")
 
 
@@ -243,10 +243,10 @@ class Counting:
         self.engine, self.feature_calls = engine, 0
         self.feature_model_id = engine.feature_model_id
 
-    async def score(self, prompt, candidates, *, normalize=True):
+    async def score(self, prompt, candidates, *, normalize=True, public_tokens=0):
         return await self.engine.score(prompt, candidates, normalize=normalize)
 
-    async def score_features(self, prompt, candidates, *, features_from):
+    async def score_features(self, prompt, candidates, *, features_from, public_tokens=0):
         self.feature_calls += 1
         return await self.engine.score_features(prompt, candidates, features_from=features_from)
 

@@ -14,9 +14,10 @@ def make(blocks=8, bs=4) -> KVCacheManager:
     return KVCacheManager(1, 1, 2, torch.float32, budget_bytes=(blocks + 1) * bs * 2 * 2 * 4, block_tokens=bs)
 
 
-def computed(kv, handle, tokens):
+def computed(kv, handle, tokens, public=None):
+    """The handle's tokens are computed; the first `public` of them (default all) may be shared."""
     handle.token_ids = list(tokens)
-    kv.register_prefix(handle)
+    kv.register_prefix(handle, len(handle.token_ids) if public is None else public)
 
 
 def test_budget_sets_block_count_and_zero_block_is_never_handed_out():
@@ -46,8 +47,8 @@ def test_session_reuse_keeps_common_prefix_and_copies_a_shared_partial_block():
 def test_prefix_cache_shares_full_blocks_between_unrelated_sequences():
     kv = make()
     a, _ = kv.acquire(list(range(10)), 10)
-    computed(kv, a, range(10))
-    b, reused = kv.acquire(list(range(9)) + [99, 98], 12)
+    computed(kv, a, range(10), 8)  # its two full blocks are public
+    b, reused = kv.acquire(list(range(9)) + [99, 98], 12, public_tokens=11)
     assert reused == 8 and b.blocks[:2] == a.blocks[:2]
     kv.release(a)
     kv.release(b)
@@ -84,10 +85,13 @@ def test_random_workload_never_leaks_blocks():
             if any(k == key for _, k in live if key is not None):
                 continue
             try:
-                h, reused = kv.acquire(prompt, len(prompt) + rng.randint(0, 8), session_key=key)
+                public = rng.randint(0, len(prompt))
+                h, reused = kv.acquire(
+                    prompt, len(prompt) + rng.randint(0, 8), session_key=key, public_tokens=public
+                )
             except OutOfKVMemory:
                 continue
-            computed(kv, h, prompt)
+            computed(kv, h, prompt, public)
             live.append((h, key))
         assert kv.used_blocks <= kv.total_blocks
         assert sum(kv._refs) >= kv.used_blocks
@@ -97,3 +101,47 @@ def test_random_workload_never_leaks_blocks():
         kv.drop_session(key)
     kv.clear_prefix_cache()
     assert kv.used_blocks == 0 and kv.free_blocks == kv.total_blocks and sum(kv._refs) == 0
+
+
+# -- what is shared across sessions: only the public prefix ---------------------------------------
+
+
+def test_only_the_public_prefix_is_matched_and_offered():
+    kv = make(blocks=16)
+    header = [7, 7, 7, 7, 7, 7]  # the server's text: a block and a half
+    secret = header + [4, 9, 2, 9, 1, 2, 3, 4]
+    a, _ = kv.acquire(secret, len(secret) + 1, session_key="A", public_tokens=len(header))
+    computed(kv, a, secret, len(header))
+    kv.release(a, "A")
+    # a fresh session guessing A's digits reuses the header only, whether its guess is right or wrong
+    for guess in ([4, 9, 2], [4, 8, 2], [5]):
+        b, reused = kv.acquire(header + guess, 12, public_tokens=len(header))
+        assert reused == len(header)
+        kv.release(b)
+    # a prompt that shares nothing public reuses nothing, even where its text is the same as A's
+    b, reused = kv.acquire(secret, len(secret) + 1)
+    assert reused == 0
+    kv.release(b)
+    # A's own next turn still reuses all of its own KV
+    a2, reused = kv.acquire(secret + [5, 6], len(secret) + 3, session_key="A", public_tokens=len(header))
+    assert reused == len(secret)
+    kv.release(a2)
+    kv.drop_session("A")
+    kv.clear_prefix_cache()
+    assert kv.used_blocks == 0 and sum(kv._refs) == 0
+
+
+def test_a_public_prefix_ending_mid_block_is_shared_up_to_its_end_only():
+    kv = make(blocks=16)
+    prefix = [1, 2, 3, 4, 5, 6]  # a task's fixed instruction, ending in the second block
+    a, _ = kv.acquire(prefix + [8, 8, 8], 12, public_tokens=len(prefix))
+    computed(kv, a, prefix + [8, 8, 8], len(prefix))
+    first = list(a.blocks)
+    kv.release(a)
+    # the next call's text starts like the last one's: still only the prefix is reused
+    b, reused = kv.acquire(prefix + [8, 8, 9], 12, public_tokens=len(prefix))
+    assert reused == len(prefix) and b.blocks[0] == first[0]
+    assert b.blocks[1] != first[1]  # its own copy of the block the prefix ends in: it writes there
+    kv.release(b)
+    kv.clear_prefix_cache()
+    assert kv.used_blocks == 0 and sum(kv._refs) == 0

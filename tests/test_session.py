@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtserver.tasks.chat import LastTurn, continue_prompt, finished_turn, window
+from rtserver.tasks.chat import LastTurn, encode_chat, finished_turn, window
 from rtserver.web.session import SessionExpired, SessionRegistry, TooManySessions
 
 
@@ -133,22 +133,24 @@ def test_window_always_keeps_the_new_message():
 def test_next_prompt_keeps_the_generated_tokens_even_when_retokenizing_differs(smol):
     tok = smol.tokenizer
     history = [{"role": "user", "content": "Say hello."}]
-    rendered = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-    prompt = continue_prompt(tok, rendered, None)
-    assert prompt == tok.apply_chat_template(
+    first = encode_chat(tok, history)
+    assert first.ids == tok.apply_chat_template(
         history, tokenize=True, add_generation_prompt=True, return_dict=False
     )
     # the model spelled "Hello there" with other tokens than the tokenizer would, then ended its turn
     generated = [tok.convert_tokens_to_ids(t) for t in ("H", "ello", "Ġthere")] + [tok.eos_token_id]
     assert tok.decode(generated[:-1]) == "Hello there" != tok.encode("Hello there")
-    last = finished_turn(tok, rendered, prompt, "Hello there", generated)
+    last = finished_turn(tok, first.rendered, first.ids, "Hello there", generated)
     history += [{"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Again."}]
-    rendered2 = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-    ids = continue_prompt(tok, rendered2, last)
-    assert ids[: len(prompt) + 3] == prompt + generated[:3]  # the session's KV covers all of these
-    assert tok.decode(ids) == rendered2
+    second = encode_chat(tok, history, last)
+    assert second.ids[: len(first.ids) + 3] == first.ids + generated[:3]  # the session's KV covers these
+    assert tok.decode(second.ids) == second.rendered
+    assert second.rendered == tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     # a different history (here: a cut window) is tokenized afresh
-    assert continue_prompt(tok, rendered2[5:], last) == tok.encode(rendered2[5:], add_special_tokens=False)
+    cut = encode_chat(tok, history[2:], last)
+    assert cut.ids == tok.apply_chat_template(
+        history[2:], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
 
 
 def test_finished_turn_needs_ids_that_spell_the_reply(smol):

@@ -44,6 +44,25 @@ class SamplingError(ValueError):
     """A decoding parameter out of its allowed range; the message names the parameter."""
 
 
+MAX_SEED = 2**63 - 1  # what every door accepts and torch.Generator.manual_seed takes
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _integer(value: Any, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _number(value: Any, lo: float, hi: float) -> bool:
+    # NaN compares false, so it is out of every range
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _shown(value: Any) -> str:
+    """A field's value for an error message, cut short (a client may send a huge one)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding. temperature 0 means greedy."""
@@ -59,23 +78,37 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise SamplingError naming the first field out of its range (types included: a bool is no
+        number). `vocab_size` bounds `stop_token_ids` where the caller knows it."""
+        top_id = MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
         checks = [
-            ("temperature", 0.0 <= self.temperature <= 5.0, "0..5"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "greater than 0 and at most 1"),
-            ("top_k", 0 <= self.top_k <= 100_000, "0 (off) ..100000"),
-            ("repetition_penalty", 0.05 <= self.repetition_penalty <= 10.0, "0.05..10"),
-            ("max_new_tokens", 1 <= self.max_new_tokens <= 1_000_000, "at least 1"),
-            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens, "0..max_new_tokens"),
+            ("temperature", _number(self.temperature, 0.0, 5.0), "0..5"),
+            ("top_p", _number(self.top_p, 0.0, 1.0) and self.top_p > 0, "greater than 0 and at most 1"),
+            ("top_k", _integer(self.top_k, 0, 100_000), "0 (off) ..100000"),
+            ("repetition_penalty", _number(self.repetition_penalty, 0.05, 10.0), "0.05..10"),
+            ("max_new_tokens", _integer(self.max_new_tokens, 1, 1_000_000), "1..1000000"),
+            ("min_new_tokens", _integer(self.min_new_tokens, 0, self.max_new_tokens), "0..max_new_tokens"),
             (
                 "stop",
-                len(self.stop) <= 16 and all(isinstance(s, str) and 0 < len(s) <= 256 for s in self.stop),
-                "up to 16 non-empty strings",
+                isinstance(self.stop, (list, tuple))
+                and len(self.stop) <= 16
+                and all(isinstance(s, str) and 0 < len(s) <= 256 for s in self.stop),
+                "up to 16 non-empty strings of at most 256 characters",
             ),
+            (
+                "stop_token_ids",
+                isinstance(self.stop_token_ids, (list, tuple))
+                and len(self.stop_token_ids) <= 64
+                and all(_integer(t, 0, top_id) for t in self.stop_token_ids),
+                f"up to 64 token ids 0..{top_id}",
+            ),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
+            ("seed", self.seed is None or _integer(self.seed, 0, MAX_SEED), f"none or 0..{MAX_SEED}"),
         ]
         for name, ok, allowed in checks:
             if not ok:
-                raise SamplingError(f"{name} = {getattr(self, name)!r}: allowed {allowed}")
+                raise SamplingError(f"{name} = {_shown(getattr(self, name))}: allowed {allowed}")
 
     @property
     def greedy(self) -> bool:
@@ -132,7 +165,12 @@ class Generation(Protocol):
 
 class InferenceBackend(Protocol):
     """What web and tasks use of the model. `generate` and `score` raise `SamplingError`,
-    `RequestTooLarge` or `Overloaded` at once, before anything is queued."""
+    `RequestTooLarge` or `Overloaded` at once, before anything is queued.
+
+    `public_tokens`: how many leading prompt tokens the server itself wrote (a system prompt, the
+    template's header, a task's fixed instruction). Only those are matched against and added to the
+    prefix cache that all sessions share; the rest is the session's own. The default 0 shares nothing,
+    so a caller that forgets it never lets one customer's text speed up, or show in another's usage."""
 
     tokenizer: Tokenizer
 
@@ -141,13 +179,23 @@ class InferenceBackend(Protocol):
     async def stop(self) -> None: ...
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, session_key: Hashable | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        session_key: Hashable | None = None,
+        public_tokens: int = 0,
     ) -> Generation:
         """Queue a generation. `session_key` keeps the prompt's KV for that session's next turn."""
         ...
 
     async def score(
-        self, prompt_ids: list[int], candidates: list[list[int]], *, normalize: bool = True
+        self,
+        prompt_ids: list[int],
+        candidates: list[list[int]],
+        *,
+        normalize: bool = True,
+        public_tokens: int = 0,
     ) -> list[float]:
         """Log-probability of each candidate continuation after the prompt; with `normalize=False` up to
         one constant shared by all candidates of this prompt (cheaper; differences unchanged)."""
@@ -176,7 +224,12 @@ class FeatureScorer(Protocol):
     feature_model_id: str  # what the features depend on (model, dtype, weight storage): a cache key
 
     async def score_features(
-        self, prompt_ids: list[int], candidates: list[list[int]], *, features_from: int
+        self,
+        prompt_ids: list[int],
+        candidates: list[list[int]],
+        *,
+        features_from: int,
+        public_tokens: int = 0,
     ) -> tuple[list[float], list[float]]:
         """`score(..., normalize=False)` and, from the same forward, a feature vector: the final hidden
         state at the prompt's last token, every second layer's hidden states averaged over positions

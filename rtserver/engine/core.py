@@ -208,16 +208,23 @@ class Engine:
 
     # -- public API (event loop) ----------------------------------------------------------------
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, session_key: Hashable | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        session_key: Hashable | None = None,
+        public_tokens: int = 0,
     ) -> GenerationStream:
-        """Queue a generation; raises SamplingError, RequestTooLarge or Overloaded at once."""
-        params.validate()
+        """Queue a generation; raises SamplingError, RequestTooLarge or Overloaded at once. Only the
+        first `public_tokens` prompt tokens are shared with other sessions (see `InferenceBackend`)."""
+        params.validate(len(self.tokenizer))
         seq = Sequence(
             prompt_ids,
             params,
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
             session_key=session_key,
+            public_tokens=public_tokens,
         )
         stream = GenerationStream(self, seq)
         self._streams[seq.id] = stream._push
@@ -229,7 +236,12 @@ class Engine:
         return stream
 
     async def score(
-        self, prompt_ids: list[int], candidates: list[list[int]], *, normalize: bool = True
+        self,
+        prompt_ids: list[int],
+        candidates: list[list[int]],
+        *,
+        normalize: bool = True,
+        public_tokens: int = 0,
     ) -> list[float]:
         """Log-probability of each candidate continuation (summed over its tokens) after the prompt.
 
@@ -238,12 +250,17 @@ class Engine:
         out): differences between candidates, and a softmax across them, are unchanged, and the model
         computes only the logits of the candidates' first tokens instead of the whole vocabulary.
         """
-        result = await self._score(prompt_ids, candidates, normalize, None)
+        result = await self._score(prompt_ids, candidates, normalize, None, public_tokens)
         assert result.scores is not None
         return result.scores
 
     async def score_features(
-        self, prompt_ids: list[int], candidates: list[list[int]], *, features_from: int
+        self,
+        prompt_ids: list[int],
+        candidates: list[list[int]],
+        *,
+        features_from: int,
+        public_tokens: int = 0,
     ) -> tuple[list[float], list[float]]:
         """`score(normalize=False)` plus the prompt's hidden-state features from the same forward (see
         `backend.FeatureScorer`). Positions from `features_from` on are always computed (the prefix
@@ -251,7 +268,7 @@ class Engine:
         cached."""
         if not 0 <= features_from < len(prompt_ids):
             raise ValueError(f"features_from = {features_from}: the prompt has {len(prompt_ids)} tokens")
-        result = await self._score(prompt_ids, candidates, False, features_from)
+        result = await self._score(prompt_ids, candidates, False, features_from, public_tokens)
         if result.scores is None or result.features is None:
             raise RuntimeError("scoring returned no features")
         return result.scores, result.features
@@ -262,7 +279,12 @@ class Engine:
         return f"{loaded.name}|{loaded.dtype}|{loaded.weight_storage}"
 
     async def _score(
-        self, prompt_ids: list[int], candidates: list[list[int]], normalize: bool, features_from: int | None
+        self,
+        prompt_ids: list[int],
+        candidates: list[list[int]],
+        normalize: bool,
+        features_from: int | None,
+        public_tokens: int,
     ) -> SequenceResult:
         if not candidates or any(not c for c in candidates):
             raise ValueError("candidates must be non-empty token lists")
@@ -272,6 +294,7 @@ class Engine:
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
             candidates=[list(c) for c in candidates],
+            public_tokens=public_tokens,
         )
         if not normalize:
             seq.score_columns = sorted({c[0] for c in candidates})

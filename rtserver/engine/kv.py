@@ -11,6 +11,9 @@ Two kinds of reuse, both reference counted so nothing is computed twice or freed
   task's fixed instruction) shares those blocks instead of recomputing them — and where the prompt
   leaves a cached block part-way (a task's few-shot prefix ending mid-block, then new text), the
   shared leading tokens of that block are reused too (copied into the prompt's own block).
+Only a prompt's public prefix (`public_tokens`: text the server wrote, such as the system prompt or a
+task's fixed instruction) is matched against and offered to the prefix cache: the rest is one session's
+own, so what is cached, and how fast a prompt starts, says nothing about another session's text.
 A block that is shared is never written: a sequence writes only past its reused prefix, and a partly
 reused block is copied first. Idle entries are evicted least recently used first when a new sequence
 needs room. The pool never grows, so the budget holds by construction.
@@ -196,16 +199,14 @@ class KVCacheManager:
                 del self._children[(parent, tokens[0])]
         self._drop_blocks([block])
 
-    def _match_prefix(self, prompt_ids: list[int], max_reuse: int | None = None) -> KVHandle:
-        """A handle sharing the longest run of cached KV that starts the prompt: whole cached blocks,
-        then the leading part of a cached block the prompt leaves part-way (its tokens up to there have
-        the same KV whatever follows them; the handle gets its own copy of that block before writing)."""
+    def _match_prefix(self, prompt_ids: list[int], limit: int) -> KVHandle:
+        """A handle sharing the longest run of cached KV that starts the prompt, at most `limit` tokens:
+        whole cached blocks, then the leading part of a cached block the prompt leaves part-way (its
+        tokens up to there have the same KV whatever follows them; the handle gets its own copy of that
+        block before writing)."""
         handle = KVHandle()
         parent = 0
         bs = self.block_tokens
-        limit = len(prompt_ids) - 1  # leave at least one token to compute
-        if max_reuse is not None:
-            limit = min(limit, max_reuse)
         for k in range(limit // bs):
             tokens = tuple(prompt_ids[k * bs : (k + 1) * bs])
             key = self._chain(parent, tokens)
@@ -236,21 +237,30 @@ class KVCacheManager:
             handle.token_ids.extend(want[:best_n])
         return handle
 
-    def register_prefix(self, handle: KVHandle) -> None:
-        """Offer every full, computed block of a sequence to the prefix cache."""
+    def register_prefix(self, handle: KVHandle, public_tokens: int = 0) -> None:
+        """Offer the computed blocks of a sequence's public prefix (its first `public_tokens` tokens) to
+        the prefix cache. The block that prefix ends in is offered under its public tokens only: a later
+        prompt may reuse those, never compare against the private rest."""
         with self.lock:
             bs = self.block_tokens
-            full = handle.num_tokens // bs
+            public = min(public_tokens, handle.num_tokens)
+            full = public // bs
             parent = handle.block_hashes[-1] if handle.block_hashes else 0
             for k in range(len(handle.block_hashes), full):
-                tokens = tuple(handle.token_ids[k * bs : (k + 1) * bs])
-                key = self._chain(parent, tokens)
-                if key not in self.prefix_blocks:
-                    self.prefix_blocks[key] = (parent, tokens, handle.blocks[k])
-                    self._children.setdefault((parent, tokens[0]), {})[key] = None
-                    self._refs[handle.blocks[k]] += 1
-                handle.block_hashes.append(key)
-                parent = key
+                parent = self._offer(parent, tuple(handle.token_ids[k * bs : (k + 1) * bs]), handle.blocks[k])
+                handle.block_hashes.append(parent)
+            if public % bs and len(handle.block_hashes) == full:
+                # computed up to its end: a leaf of the chain (no full block continues it)
+                self._offer(parent, tuple(handle.token_ids[full * bs : public]), handle.blocks[full])
+
+    def _offer(self, parent: int, tokens: tuple[int, ...], block: int) -> int:
+        """Cache `block` as holding `tokens` after the chain `parent` (unless one is already); its key."""
+        key = self._chain(parent, tokens)
+        if key not in self.prefix_blocks:
+            self.prefix_blocks[key] = (parent, tokens, block)
+            self._children.setdefault((parent, tokens[0]), {})[key] = None
+            self._refs[block] += 1
+        return key
 
     # -- sequences ------------------------------------------------------------------------------
     def acquire(
@@ -259,10 +269,12 @@ class KVCacheManager:
         capacity_tokens: int,
         session_key: Hashable | None = None,
         max_reuse: int | None = None,
+        public_tokens: int = 0,
     ) -> tuple[KVHandle, int]:
         """A handle with room for capacity_tokens, reusing cached KV; returns (handle, reused tokens).
-        `max_reuse` caps the prefix-cache reuse (positions from there on are computed, e.g. to pool their
-        hidden states).
+        The session's own KV is matched against the whole prompt, the prefix cache only against its
+        first `public_tokens` tokens. `max_reuse` caps the prefix-cache reuse too (positions from there
+        on are computed, e.g. to pool their hidden states).
 
         Raises OutOfKVMemory (leaving a session's cache in place) when the pool cannot hold it.
         At least one prompt token is always left to compute, since its logits are needed.
@@ -294,7 +306,8 @@ class KVCacheManager:
                 if handle is not None:
                     self._drop_blocks(handle.blocks)
                     from_session = False
-                handle = self._match_prefix(prompt_ids, max_reuse)
+                limit = min(len(prompt_ids) - 1, public_tokens)  # leave at least one token to compute
+                handle = self._match_prefix(prompt_ids, limit if max_reuse is None else min(limit, max_reuse))
                 self.prefix_hits += handle.num_tokens
             if need - len(handle.blocks) > self.reclaimable_blocks():
                 if from_session:

@@ -876,27 +876,34 @@ class ModelRunner:
                 scores[i] += float(lp[torch.arange(len(cand) - 1), torch.tensor(cand[1:])].sum())
 
     # -- sampling -------------------------------------------------------------------------------
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """One next token per sequence from its row of fp32 logits, per its own decoding params."""
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
+        """One next token per sequence from its row of fp32 logits, per its own decoding params. A
+        sequence whose decoding raises gets the exception in its place; the others get their tokens."""
         greedy_plain = [i for i, s in enumerate(seqs) if self._plain_greedy(s.params, s)]
-        out = [0] * len(seqs)
+        out: list[int | Exception] = [0] * len(seqs)
         if greedy_plain:
             picks = logits[greedy_plain].argmax(-1).tolist()
             for i, t in zip(greedy_plain, picks):
                 out[i] = t
+        plain = set(greedy_plain)
         for i, s in enumerate(seqs):
-            if i in greedy_plain:
+            if i in plain:
                 continue
-            row = self._process(s, logits[i].clone())
-            if s.params.greedy:
-                out[i] = int(row.argmax())
-                continue
-            tokens, probs = sampling_candidates(row, s.params)
-            # inverse CDF: one uniform draw (from the sequence's own generator when it has a seed)
-            cdf = probs.cumsum(0)
-            u = torch.rand(1, generator=self._generator(s)) * cdf[-1]
-            out[i] = int(tokens[min(int(torch.searchsorted(cdf, u, right=True)), len(tokens) - 1)])
+            try:
+                out[i] = self._sample_one(s, logits[i])
+            except Exception as exc:  # this sequence's parameters or state; its neighbours go on
+                out[i] = exc
         return out
+
+    def _sample_one(self, s: Sequence, logits: torch.Tensor) -> int:
+        row = self._process(s, logits.clone())
+        if s.params.greedy:
+            return int(row.argmax())
+        tokens, probs = sampling_candidates(row, s.params)
+        # inverse CDF: one uniform draw (from the sequence's own generator when it has a seed)
+        cdf = probs.cumsum(0)
+        u = torch.rand(1, generator=self._generator(s)) * cdf[-1]
+        return int(tokens[min(int(torch.searchsorted(cdf, u, right=True)), len(tokens) - 1)])
 
     @staticmethod
     def _plain_greedy(p: SamplingParams, s: Sequence) -> bool:

@@ -37,7 +37,7 @@ class Runner(Protocol):
     def forward(
         self, items: list[StepItem], join: Callable[[int], list[StepItem]] | None = None
     ) -> list[torch.Tensor | None]: ...
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]: ...
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]: ...
     def score_labels(self, done: list[tuple[Sequence, torch.Tensor]]) -> None: ...
 
 
@@ -188,7 +188,7 @@ class Scheduler:
         there is a running place)."""
         try:
             seq.kv, reused = self.kv.acquire(
-                seq.prompt_ids, seq.capacity_tokens, seq.session_key, seq.features_from
+                seq.prompt_ids, seq.capacity_tokens, seq.session_key, seq.features_from, seq.public_tokens
             )
         except OutOfKVMemory:
             return False
@@ -339,7 +339,7 @@ class Scheduler:
             if seq.phase is Phase.PREFILL:
                 self.tokens_prefilled += len(it.tokens)
                 seq.usage.prefilled_tokens += len(it.tokens)
-                self.kv.register_prefix(it.kv)  # later prompts that start the same way share it
+                self.kv.register_prefix(it.kv, seq.public_tokens)  # later prompts that start so share it
             if it.pooled is not None:
                 sums, rows = it.pooled
                 total = torch.cat(sums)
@@ -362,15 +362,41 @@ class Scheduler:
             seqs = [s for s, _ in sampling]
             tokens = self.runner.sample(seqs, torch.stack([row for _, row in sampling]))
             for seq, token in zip(seqs, tokens):
-                delta = seq.append_token(token)
+                if isinstance(token, Exception):
+                    self._fail_alone(seq, events, "sampling", token)
+                    continue
+                try:  # detokenizing and stop strings: per sequence too
+                    delta = seq.append_token(token)
+                except Exception as exc:
+                    self._fail_alone(seq, events, "detokenizing", exc)
+                    continue
                 self.tokens_generated += 1
                 events.append((seq, "token", (token, delta)))
                 if seq.finish_reason is not None:
                     self.running.remove(seq)
                     self._finish(seq, seq.finish_reason, events)
 
-    def _finish_scoring(self, done: list[tuple[Sequence, torch.Tensor]], events: list) -> None:
-        self.runner.score_labels(done)  # sets each sequence's scores
-        for seq, _ in done:
+    def _fail_alone(self, seq: Sequence, events: list, stage: str, exc: BaseException) -> None:
+        """End one sequence whose own work after the forward raised; the step's others go on."""
+        log.error("sequence %s failed in %s", seq.id, stage, exc_info=exc)
+        if seq in self.running:
             self.running.remove(seq)
-            self._finish(seq, FinishReason.LENGTH, events)
+        self._finish(
+            seq, FinishReason.ERROR, events, error=f"internal error in {stage} ({type(exc).__name__})"
+        )
+
+    def _finish_scoring(self, done: list[tuple[Sequence, torch.Tensor]], events: list) -> None:
+        try:
+            self.runner.score_labels(done)  # sets each sequence's scores
+        except Exception:
+            # one call's labels failed: score each alone (deterministic, in its own KV) so it fails alone
+            log.warning("label scoring failed for %s; retrying one by one", [s.id for s, _ in done])
+            for seq, row in done:
+                try:
+                    self.runner.score_labels([(seq, row)])
+                except Exception as exc:
+                    self._fail_alone(seq, events, "label scoring", exc)
+        for seq, _ in done:
+            if not seq.is_finished:
+                self.running.remove(seq)
+                self._finish(seq, FinishReason.LENGTH, events)

@@ -37,9 +37,13 @@ class Sequence:
         eos_token_ids: set[int],
         session_key: Hashable | None = None,
         candidates: list[list[int]] | None = None,
+        public_tokens: int = 0,
     ):
         if not prompt_ids:
             raise ValueError("empty prompt")
+        whole = isinstance(public_tokens, int) and not isinstance(public_tokens, bool)
+        if not (whole and 0 <= public_tokens <= len(prompt_ids)):
+            raise ValueError(f"public_tokens = {public_tokens!r}: the prompt has {len(prompt_ids)} tokens")
         self.id = next(_ids)
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -47,6 +51,8 @@ class Sequence:
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.eos_token_ids |= set(params.stop_token_ids)
         self.session_key = session_key
+        # leading prompt tokens the server wrote: the only ones shared with other sessions' prompts
+        self.public_tokens = public_tokens
         self.candidates = candidates  # label scoring: score these continuations, generate nothing
         # Label scoring that only needs scores up to a constant shared by all candidates: the logits of
         # these token ids (the candidates' first tokens) instead of a log-softmax over the vocabulary.

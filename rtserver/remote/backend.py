@@ -103,11 +103,13 @@ class RemoteGeneration:
         prompt_ids: list[int],
         params: SamplingParams,
         session_key: Hashable | None,
+        public_tokens: int = 0,
     ):
         self.backend = backend
         self.prompt_ids = prompt_ids
         self.params = params
         self.session_key = session_key
+        self.public_tokens = public_tokens
         self._queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         self._result: asyncio.Future[SequenceResult] = asyncio.get_running_loop().create_future()
         self._text = ""
@@ -187,8 +189,10 @@ class RemoteGeneration:
     async def _attempt(self, up: Upstream) -> FinishReason:
         self._started = self._started or time.perf_counter()
         body = self.backend._completion_body(self.prompt_ids, self.params, stream=True)
-        if self.session_key is not None and self.backend.kinds.get(up.url) == "rtserver":
-            body["rtserver_session"] = str(self.session_key)  # the node keeps this session's KV
+        if self.backend.kinds.get(up.url) == "rtserver":
+            body["rtserver_public_tokens"] = self.public_tokens  # the rest stays out of its prefix cache
+            if self.session_key is not None:
+                body["rtserver_session"] = str(self.session_key)  # the node keeps this session's KV
         reason: FinishReason | None = None
         async with self.backend._stream(up, body) as events:
             async for event in events:
@@ -523,30 +527,42 @@ class RemoteBackend:
 
     # -- the seam ----------------------------------------------------------------------------------------
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, session_key: Hashable | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        session_key: Hashable | None = None,
+        public_tokens: int = 0,
     ) -> RemoteGeneration:
-        params.validate()
+        params.validate(len(self.tokenizer))
         if not prompt_ids:
             raise SamplingError("empty prompt")
+        _check_public(public_tokens, prompt_ids)
         if not any(self.pool.usable(u) for u in self.pool.upstreams):
             raise BackendUnavailable(
                 "no inference server is available: "
                 + ", ".join(f"{s['url']} {s['state']}" for s in self.pool.snapshot())
             )
         self.gate.arrived()
-        return RemoteGeneration(self, list(prompt_ids), params, session_key)
+        return RemoteGeneration(self, list(prompt_ids), params, session_key, public_tokens)
 
     async def score(
-        self, prompt_ids: list[int], candidates: list[list[int]], *, normalize: bool = True
+        self,
+        prompt_ids: list[int],
+        candidates: list[list[int]],
+        *,
+        normalize: bool = True,
+        public_tokens: int = 0,
     ) -> list[float]:
         if not candidates or any(not c for c in candidates):
             raise ValueError("candidates must be non-empty token lists")
+        _check_public(public_tokens, prompt_ids)
         self.gate.arrived()
 
         async def attempt(up: Upstream) -> list[float]:
             kind = self.kinds.get(up.url, "openai")
             if kind == "rtserver":
-                return await self._score_rtserver(up, prompt_ids, candidates)
+                return await self._score_rtserver(up, prompt_ids, candidates, public_tokens)
             if kind == "vllm":
                 return await self._score_vllm(up, prompt_ids, candidates)
             return await self._score_llama(up, prompt_ids, candidates)
@@ -571,9 +587,10 @@ class RemoteBackend:
         return body
 
     async def _score_rtserver(
-        self, up: Upstream, prompt: list[int], candidates: list[list[int]]
+        self, up: Upstream, prompt: list[int], candidates: list[list[int]], public_tokens: int
     ) -> list[float]:
-        data = await self._post(up, self._score_body(prompt, 1, score_candidates=candidates))
+        body = self._score_body(prompt, 1, score_candidates=candidates, rtserver_public_tokens=public_tokens)
+        data = await self._post(up, body)
         scores = (_first_choice(data) or {}).get("candidate_logprobs")
         if not (
             isinstance(scores, list)
@@ -683,6 +700,7 @@ class RemoteBackend:
             )
             if self.kinds.get(up.url) == "rtserver":
                 body["rtserver_session"] = str(session_key)  # the node keeps it with the session
+                body["rtserver_public_tokens"] = 0  # the history is the session's own
             entry.sent = True
             async with asyncio.timeout(self.settings.timeout_s):
                 async with self._completion(up, body, gated=False) as resp:
@@ -741,6 +759,13 @@ class RemoteBackend:
     @property
     def available(self) -> bool:
         return any(self.pool.state(u) == "up" for u in self.pool.upstreams)
+
+
+def _check_public(public_tokens: int, prompt_ids: list[int]) -> None:
+    if isinstance(public_tokens, bool) or not isinstance(public_tokens, int):
+        raise ValueError(f"public_tokens = {public_tokens!r}: an integer")
+    if not 0 <= public_tokens <= len(prompt_ids):
+        raise ValueError(f"public_tokens = {public_tokens}: the prompt has {len(prompt_ids)} tokens")
 
 
 def _first_choice(event: dict) -> dict | None:

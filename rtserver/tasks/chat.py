@@ -14,11 +14,18 @@ the rendered prompt's beginning identical for many turns in a row, so the backen
 session's KV by longest common token prefix) recomputes only the new tokens on most turns and the whole
 window only once per cut.
 
+Message contents are data, never template: the template is rendered with a letters-only stand-in
+for each message's content, and the result is split at the stand-ins. The template's own pieces are
+tokenized with its special tokens, each content with `split_special_tokens=True`, so a message that
+spells "<|im_end|>" or "<|im_start|>system" stays plain text and can never open a turn of its own.
+Roles come only from the history's structure. The prompt's ids before the first content a client or
+agent wrote (`public_tokens`: the template's header and the server's system prompt) are the only ones
+a backend may share with other sessions' prompts.
+
 Next-turn prefix (`ChatTask.next_turn_prefix`): when a reply ends, the tokens that will come before the
 next user message are known already (the history, the end of the assistant turn and the next user
-turn's header), so a backend can compute them before that message arrives. They are found from the
-chat template itself: the history is rendered with a sentinel user message and the text before the
-sentinel is kept, only where that split is safe (see the method).
+turn's header), so a backend can compute them before that message arrives. A content is tokenized on
+its own, so they are the next prompt's ids up to that message's content, whatever it is.
 """
 
 from __future__ import annotations
@@ -28,13 +35,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.backend import Tokenizer
-from .declare import Task
+from .declare import Task, TaskError
 
-# a stand-in for the next user message: letters only (templates may trim or escape other characters)
+# a stand-in for the next user message when its prefix is computed (its size decides whether the window
+# would be cut)
 NEXT_MESSAGE_SENTINEL = "QzxNextUserMessageSentinelQzx"
-# messages whose tokens must not merge with the header before them (cleaned messages start with a
-# non-space character): a word, a capital, a digit, punctuation, CJK and an emoji
-BOUNDARY_PROBES = ("hello", "Hello", "1", "?", "你好", "🙂")
+
+
+def _stand_in(i: int) -> str:
+    """Message i's content while the template renders: letters only (templates may trim or escape other
+    characters), all of one length and frame so that none is part of another."""
+    return "QzxMessage" + "".join(chr(ord("a") + i // 26**k % 26) for k in (3, 2, 1, 0)) + "Qzx"
 
 
 @dataclass
@@ -46,6 +57,15 @@ class LastTurn:
 
 
 @dataclass
+class ChatPrompt:
+    """A chat prompt: its rendered text, its token ids and how many of those the server wrote."""
+
+    rendered: str
+    ids: list[int]
+    public_tokens: int  # the ids before the first content a client or agent wrote
+
+
+@dataclass
 class ChatTurn:
     """A user message made ready for the model: `history` is the window to render, ending with it."""
 
@@ -53,7 +73,8 @@ class ChatTurn:
     history: list[dict]
     cut: bool  # whether older turns were dropped to fit the window
     rendered: str  # the window rendered by the chat template
-    prompt_ids: list[int]  # its token ids, the last turn's own ids kept (`continue_prompt`)
+    prompt_ids: list[int]  # its token ids, the last turn's own ids kept (`encode_chat`)
+    public_tokens: int  # leading ids the server wrote (template header, system prompt): shareable
 
 
 def window(
@@ -81,29 +102,76 @@ def window(
     return history[starts[-k] :], True
 
 
-def continue_prompt(tokenizer: Tokenizer, rendered: str, last: LastTurn | None) -> list[int]:
-    """Token ids of a rendered chat prompt.
+def template_segments(tokenizer: Tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """The messages rendered through the chat template (generation prompt added), as (text, is_content)
+    pieces: the template's own text and each message's content, alternating, in order. Raises
+    TaskError where the template does not render each content exactly once, in order."""
+    marks = [_stand_in(i) for i in range(len(messages))]
+    rendered = tokenizer.apply_chat_template(
+        [{**m, "content": mark} for m, mark in zip(messages, marks)],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    segments: list[tuple[str, bool]] = []
+    at = 0
+    for m, mark in zip(messages, marks):
+        i = rendered.find(mark, at)
+        if i < 0 or rendered.count(mark) != 1:
+            raise TaskError("internal", "the chat template does not render each message once, in order")
+        segments += [(rendered[at:i], False), (m["content"], True)]
+        at = i + len(mark)
+    segments.append((rendered[at:], False))
+    return segments
+
+
+def _encode(tokenizer: Tokenizer, segments: list[tuple[str, bool]]) -> list[int]:
+    """Token ids of segments: the template's with its special tokens, contents as plain text."""
+    ids: list[int] = []
+    for text, content in segments:
+        if not text:
+            continue
+        if content:
+            ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        else:
+            ids += tokenizer.encode(text, add_special_tokens=False)
+    return ids
+
+
+def _continued_at(segments: list[tuple[str, bool]], rendered: str, last: LastTurn | None) -> int | None:
+    """The first segment after the last turn's text, where `rendered` continues it at a segment edge."""
+    if last is None or not rendered.startswith(last.text):
+        return None
+    offset = 0
+    for k, (text, _) in enumerate(segments):
+        if offset == len(last.text):
+            return k
+        offset += len(text)
+    return None
+
+
+def encode_chat(
+    tokenizer: Tokenizer, messages: list[dict], last: LastTurn | None = None, public_messages: int = 0
+) -> ChatPrompt:
+    """The prompt of chat messages; the first `public_messages` of them are the server's own (its system
+    prompt), so their contents count as public.
 
     Re-tokenizing a reply does not always give back the tokens the model generated (BPE spells one
     text in several ways), and every token after the first difference would be prefilled again
-    although the session's KV holds it. So when `rendered` continues the last turn's text at a special
+    although the session's KV holds it. So when the prompt continues the last turn's text at a special
     token (a hard token boundary, e.g. `<|im_end|>`), the last turn's own ids are kept and only the
     rest is tokenized; otherwise (a cut window, an agent's reply, a new system prompt) all of it is.
     """
-    kept, _, rest = _split_prompt(tokenizer, rendered, last)
-    return kept + rest
-
-
-def _split_prompt(
-    tokenizer: Tokenizer, rendered: str, last: LastTurn | None
-) -> tuple[list[int], str, list[int]]:
-    """`continue_prompt` in parts: (the last turn's ids kept, the text tokenized after them, its ids)."""
-    if last is not None and rendered.startswith(last.text):
-        text = rendered[len(last.text) :]
-        rest = tokenizer.encode(text, add_special_tokens=False)
+    segments = template_segments(tokenizer, messages)
+    rendered = "".join(text for text, _ in segments)
+    private = 2 * public_messages + 1  # the segment of the first content the server did not write
+    public = _encode(tokenizer, segments[:private])
+    start = _continued_at(segments, rendered, last)
+    if last is not None and start is not None:
+        rest = _encode(tokenizer, segments[start:])
         if rest and rest[0] in tokenizer.all_special_ids:
-            return last.ids, text, rest
-    return [], rendered, tokenizer.encode(rendered, add_special_tokens=False)
+            ids = last.ids + rest
+            return ChatPrompt(rendered, ids, len(public) if ids[: len(public)] == public else 0)
+    return ChatPrompt(rendered, public + _encode(tokenizer, segments[private:]), len(public))
 
 
 def finished_turn(
@@ -133,9 +201,9 @@ class ChatTask:
     # -- a new user message -----------------------------------------------------------------------
     def clean_message(self, text: Any) -> str:
         """The task's cleaning (control characters stripped, size checked), then its token limit: a
-        longer message keeps its newest `max_input_tokens` tokens."""
+        longer message keeps its newest `max_input_tokens` tokens (counted as the prompt holds it)."""
         text = self.task.clean_text(text)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
         limit = self.task.max_input_tokens
         if len(ids) <= limit:
             return text
@@ -145,13 +213,13 @@ class ChatTask:
         """The cleaned message, the history window (ending with it) and its prompt, continuing `last`
         (the session's last turn) where the window still starts with it."""
         text = self.clean_message(text)
-        prompts: dict[int, tuple[str, list[int]]] = {}  # window size -> its prompt, as counted
+        prompts: dict[int, ChatPrompt] = {}  # window size -> its prompt, as counted
 
         def count(candidate: list[dict]) -> int:
             # the window is measured in the tokens it is sent as; with the last turn's ids kept, only
             # the new text is tokenized, not the whole history again
-            prompts[len(candidate)] = self.prompt(candidate, last)
-            return len(prompts[len(candidate)][1])
+            prompts[len(candidate)] = self.encode(candidate, last)
+            return len(prompts[len(candidate)].ids)
 
         window_, cut = window(
             history + [{"role": "user", "content": text}],
@@ -159,32 +227,36 @@ class ChatTask:
             self.task.max_history_tokens,
             count,
         )
-        rendered, ids = prompts.get(len(window_)) or self.prompt(window_, last)
-        return ChatTurn(text, window_, cut, rendered, ids)
+        p = prompts.get(len(window_)) or self.encode(window_, last)
+        return ChatTurn(text, window_, cut, p.rendered, p.ids, p.public_tokens)
 
     # -- rendering --------------------------------------------------------------------------------
-    def _messages(self, history: list[dict]) -> list[dict]:
+    def _messages(self, history: list[dict], system: bool = True) -> tuple[list[dict], int]:
+        """(messages to render, how many of them lead as the server's own): the task's system prompt
+        goes first unless the history brings one (or `system` is False)."""
         messages = list(history)
-        if self.task.system_prompt and not (messages and messages[0].get("role") == "system"):
-            messages.insert(0, {"role": "system", "content": self.task.system_prompt})
-        return messages
+        if system and self.task.system_prompt and not (messages and messages[0].get("role") == "system"):
+            return [{"role": "system", "content": self.task.system_prompt}, *messages], 1
+        return messages, 0
+
+    def encode(self, history: list[dict], last: LastTurn | None = None, *, system: bool = True) -> ChatPrompt:
+        """The prompt of a history (its contents as plain text), reusing the last turn's own ids. With
+        `system` False the messages are rendered as given (the OpenAI door's own system messages)."""
+        messages, public = self._messages(history, system)
+        return encode_chat(self.tokenizer, messages, last, public)
 
     def render(self, history: list[dict]) -> list[int]:
         """Token ids of the history as a prompt (the task's system prompt first unless it has one)."""
-        return self.tokenizer.apply_chat_template(
-            self._messages(history), tokenize=True, add_generation_prompt=True, return_dict=False
-        )
+        return self.encode(history).ids
 
     def render_text(self, history: list[dict]) -> str:
-        """The prompt as text (what `render` tokenizes)."""
-        return self.tokenizer.apply_chat_template(
-            self._messages(history), tokenize=False, add_generation_prompt=True
-        )
+        """The prompt as text (what `render` tokenizes, piece by piece)."""
+        return "".join(text for text, _ in template_segments(self.tokenizer, self._messages(history)[0]))
 
     def prompt(self, history: list[dict], last: LastTurn | None) -> tuple[str, list[int]]:
         """(rendered text, token ids) of a session's prompt, reusing the last turn's own ids."""
-        rendered = self.render_text(history)
-        return rendered, continue_prompt(self.tokenizer, rendered, last)
+        p = self.encode(history, last)
+        return p.rendered, p.ids
 
     def finished_turn(
         self, rendered: str, prompt_ids: list[int], reply: str, generated_ids: list[int]
@@ -195,35 +267,31 @@ class ChatTask:
         """The token ids the next turn's prompt will start with, up to where the next user message
         goes; None where that cannot be known safely. `history` ends with the reply just given.
 
-        Safe means: the template renders the history with a sentinel message as the history followed
-        by some text, the sentinel once (nothing after the message depends on it before it), the
-        window would not be cut by a message of that size, and the tokens up to the message do not
-        change with the message (tokenized with a few different messages, the prefix's tokens stay a
-        prefix). The ids are computed exactly as `prompt` will (the last turn's own ids kept)."""
+        Safe means: the window would not be cut by a message of the stand-in's size, and the prompt
+        continues the last turn's own ids (the template renders the finished turn the same once another
+        follows). Each content is tokenized on its own, so the ids before the next one's content do not
+        change with it. The ids are computed exactly as `prepare_turn` will."""
         if last is None or not history or history[-1].get("role") != "assistant":
             return None
         probe = history + [{"role": "user", "content": NEXT_MESSAGE_SENTINEL}]
-        _, cut = window(
-            probe,
-            self.task.max_history_turns,
-            self.task.max_history_tokens,
-            lambda h: len(self.prompt(h, last)[1]),  # counted as `prepare_turn` will count
-        )
-        if cut:
-            return None  # the next prompt starts elsewhere: nothing of this prefix would be reused
-        rendered = self.render_text(probe)
-        at = rendered.find(NEXT_MESSAGE_SENTINEL)
-        if at < 0 or rendered.find(NEXT_MESSAGE_SENTINEL, at + 1) >= 0:
+        prompts: list[ChatPrompt] = []
+
+        def count(h: list[dict]) -> int:  # counted as `prepare_turn` will count
+            prompts.append(self.encode(h, last))
+            return len(prompts[-1].ids)
+
+        try:
+            _, cut = window(probe, self.task.max_history_turns, self.task.max_history_tokens, count)
+            if cut:
+                return None  # the next prompt starts elsewhere: nothing of this prefix would be reused
+            p = prompts[-1] if prompts else self.encode(probe, last)
+            segments = template_segments(self.tokenizer, self._messages(probe)[0])
+        except TaskError:
             return None
-        before = rendered[:at]
-        if not before.startswith(last.text):
+        if p.ids[: len(last.ids)] != last.ids:
             return None  # the template renders the finished turn differently once another follows
-        # as `prompt` will compute them; the tokenized part must not change with the message after it
-        kept, text, head = _split_prompt(self.tokenizer, before, last)
-        for message in BOUNDARY_PROBES:
-            if self.tokenizer.encode(text + message, add_special_tokens=False)[: len(head)] != head:
-                return None  # the header's last token merges with the message: not a safe split
-        return kept + head
+        after = len(_encode(self.tokenizer, segments[-2:]))  # the message and the generation prompt
+        return p.ids[: len(p.ids) - after]
 
     def parse(self, text: str) -> dict:
         return self.task.parser(text) if self.task.parser else {"reply": text}

@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,12 +156,19 @@ class TaskRegistry:
         return task
 
     async def run(
-        self, backend: InferenceBackend, name: str, raw_input: Any, overrides: dict | None = None
+        self,
+        backend: InferenceBackend,
+        name: str,
+        raw_input: Any,
+        overrides: dict | None = None,
+        *,
+        scope: Hashable | None = None,
     ) -> TaskOutput:
+        """Run a stateless task; `scope` keeps its cached results apart (see `PromptTask.run`)."""
         task = self.get(name)
         if isinstance(task, ChatTask):
             raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
-        return await task.run(backend, raw_input, overrides)
+        return await task.run(backend, raw_input, overrides, scope=scope)
 
     async def prepare(
         self, backend_for: Callable[[str], tuple[str, InferenceBackend]], cache_dir: Path | None

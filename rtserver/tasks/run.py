@@ -15,6 +15,7 @@ import logging
 import math
 import time
 import weakref
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -127,22 +128,35 @@ class PromptTask:
 
     # -- running ------------------------------------------------------------------------------
     async def run(
-        self, backend: InferenceBackend, raw_input: Any, overrides: dict | None = None
+        self,
+        backend: InferenceBackend,
+        raw_input: Any,
+        overrides: dict | None = None,
+        *,
+        scope: Hashable | None = None,
     ) -> TaskOutput:
+        """One call. Results are cached per `scope` (a session, the HTTP API): a scope never sees
+        another's entries, nor how fast they come back; without one the cache is not used."""
         text = raw_input.get("text") if isinstance(raw_input, dict) else raw_input
         text = self.task.clean_text(text)
         # Overrides are checked before the cache is read (a bad one is an error, cached or not); without
         # any, the task's own decoding is valid by construction and only built when generating.
         params = None if overrides is None else self.task.sampling(overrides)
-        key = (" ".join(text.split()).lower(), "[]" if not overrides else repr(sorted(overrides.items())))
-        if self.cache is not None:
-            hit = self.cache.get(key)
+        key = (
+            scope,
+            " ".join(text.split()).lower(),
+            "[]" if not overrides else repr(sorted(overrides.items())),
+        )
+        cache = self.cache if scope is not None else None
+        if cache is not None:
+            hit = cache.get(key)
             if hit is not None:
                 self.cache_hits += 1
                 return TaskOutput(hit.task, hit.output, hit.text, hit.usage, hit.timing, True)
             self.cache_misses += 1
         started = time.perf_counter()
         prompt, choices, template, chat = self._render(text)
+        public = len(self._split_template(template, chat)[0])  # the fixed prefix: the task's own text
         if choices is not None:
             head = self.heads.get(self.task.variant_of(text)) if self.heads else None
             output = await self._score(backend, prompt, choices, template, chat, head)
@@ -154,7 +168,8 @@ class PromptTask:
                 {"total_ms": (time.perf_counter() - started) * 1000},
             )
         else:
-            stream = backend.generate(prompt, params if params is not None else self.task.sampling(None))
+            params = params if params is not None else self.task.sampling(None)
+            stream = backend.generate(prompt, params, public_tokens=public)
             result = await stream.result()
             if result.error:
                 raise TaskError("internal", f"{self.task.name}: generation failed")
@@ -174,8 +189,8 @@ class PromptTask:
                 dataclasses.asdict(result.usage),
                 {"queued_ms": result.queued_ms, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms},
             )
-        if self.cache is not None:
-            self.cache[key] = out
+        if cache is not None:
+            cache[key] = out
         return out
 
     async def _score(
@@ -197,7 +212,8 @@ class PromptTask:
         candidates = self._candidate_ids(choices)
         # Only differences between the labels' scores matter below (calibration subtracts per label, the
         # softmax is across labels), so the backend may leave out the prompt's log-normaliser.
-        scores = await backend.score(prompt, candidates, normalize=False)
+        public = len(self._split_template(template, chat)[0])
+        scores = await backend.score(prompt, candidates, normalize=False, public_tokens=public)
         if choices.calibration:
             offsets = await self._calibration_offsets(backend, template, chat, choices, candidates)
             scores = [s - o for s, o in zip(scores, offsets)]
@@ -250,7 +266,8 @@ class PromptTask:
                 # the prefix computed in the same request, llama-server's score of "N/A" differed by 0.04
                 # (README, "Remote backends")
                 primer = self._calibration_prompt(template, chat, choices.calibration[0])
-                await backend.score(primer, candidates, normalize=False)
+                public = len(self._split_template(template, chat)[0])
+                await backend.score(primer, candidates, normalize=False, public_tokens=public)
                 await self._calibration_offsets(backend, template, chat, choices, candidates)
 
     async def _compute_calibration(
@@ -261,8 +278,11 @@ class PromptTask:
         choices: Choices,
         candidates: list[list[int]],
     ) -> list[float]:
+        public = len(self._split_template(template, chat)[0])
         runs = [
-            await backend.score(self._calibration_prompt(template, chat, c), candidates, normalize=False)
+            await backend.score(
+                self._calibration_prompt(template, chat, c), candidates, normalize=False, public_tokens=public
+            )
             for c in choices.calibration
         ]
         return [sum(r[i] for r in runs) / len(runs) for i in range(len(candidates))]
@@ -280,7 +300,9 @@ class PromptTask:
         assert isinstance(backend, FeatureScorer)
         prefix = self._split_template(template, chat)[0]
         candidates = self._candidate_ids(choices)
-        scores, feats = await backend.score_features(prompt, candidates, features_from=len(prefix))
+        scores, feats = await backend.score_features(
+            prompt, candidates, features_from=len(prefix), public_tokens=len(prefix)
+        )
         if choices.calibration:
             offsets = await self._calibration_offsets(backend, template, chat, choices, candidates)
             scores = [s - o for s, o in zip(scores, offsets)]

@@ -35,7 +35,7 @@ from ..config import EngineSettings
 from ..engine.backend import SamplingParams
 from ..engine.core import Engine, return_freed_memory
 from ..engine.model import LoadedModel
-from ..tasks.chat import continue_prompt, finished_turn
+from ..tasks.chat import encode_chat, finished_turn
 from .chart import write_chart
 from .stats import accuracy, mean, per_second, percentile, ratio
 
@@ -61,6 +61,12 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
+
+
+def header_tokens(tokenizer: Any) -> int:
+    """The chat prompt's ids before the user's message (template header, system prompt): what the server
+    shares across sessions, so the engine's workloads share exactly that, as the hub's prompts do."""
+    return encode_chat(tokenizer, [{"role": "user", "content": "Hi"}]).public_tokens
 
 
 class LoopLag:
@@ -93,11 +99,13 @@ class LoopLag:
 # -- the engine -------------------------------------------------------------------------------
 
 
-async def engine_burst(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+async def engine_burst(
+    engine: Engine, prompts: list[list[int]], new_tokens: int, public_tokens: int = 0
+) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     started = time.perf_counter()
     with LoopLag() as lag:
-        streams = [engine.generate(p, params) for p in prompts]
+        streams = [engine.generate(p, params, public_tokens=public_tokens) for p in prompts]
         results = [await s.result() for s in streams]
     wall = time.perf_counter() - started
     generated = sum(r.usage.generated_tokens for r in results)
@@ -134,16 +142,19 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
     }
 
 
-async def engine_arrival(engine: Engine, background: list[list[int]], arrival: list[int], count: int) -> dict:
+async def engine_arrival(
+    engine: Engine, background: list[list[int]], arrival: list[int], count: int, public_tokens: int = 0
+) -> dict:
     """TTFT of new requests submitted one at a time while the background streams decode."""
     long_params = SamplingParams(max_new_tokens=512, ignore_eos=True)  # outlasts the arrivals
-    streams = [engine.generate(p, long_params) for p in background]
+    streams = [engine.generate(p, long_params, public_tokens=public_tokens) for p in background]
     async for _ in streams[0]:  # wait until every background stream decodes
         if all(s.seq.first_token_at is not None for s in streams):
             break
     ttfts = []
     for _ in range(count):
-        r = await engine.generate(arrival, SamplingParams(max_new_tokens=2, ignore_eos=True)).result()
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        r = await engine.generate(arrival, params, public_tokens=public_tokens).result()
         ttfts.append(r.ttft_ms)
     for s in streams:
         s.cancel()
@@ -178,15 +189,15 @@ async def engine_multi_turn(
         for t in range(turns):
             text = messages[t % len(messages)]
             history.append({"role": "user", "content": f"{text} (session {s})" if ignore_eos else text})
-            rendered = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
-            prompt = continue_prompt(tokenizer, rendered, last)  # as the hub builds it
+            chat = encode_chat(tokenizer, history, last)  # as the hub builds it
             r = await engine.generate(
-                prompt,
+                chat.ids,
                 SamplingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos),
                 session_key=f"bench-{s}",
+                public_tokens=chat.public_tokens,
             ).result()
             history.append({"role": "assistant", "content": r.text})
-            last = finished_turn(tokenizer, rendered, prompt, r.text, r.token_ids)
+            last = finished_turn(tokenizer, chat.rendered, chat.ids, r.text, r.token_ids)
             ttft_by_turn[t + 1].append(r.ttft_ms)
             prefilled_by_turn[t + 1].append(r.usage.prefilled_tokens)
             generated += r.usage.generated_tokens
@@ -333,18 +344,19 @@ async def run_engine_workloads(
     try:
         burst = [chat_ids(tok, t) for t in BURST_TEXTS]
         single = chat_ids(tok, SINGLE_TEXT)
+        header = header_tokens(tok)
         say(f"  [{label}] warm-up")
         await engine.generate(single, SamplingParams(max_new_tokens=8)).result()  # warm-up, untimed
-        await engine_burst(engine, burst[:4], 4)
+        await engine_burst(engine, burst[:4], 4, header)
         if "burst" in workloads:
             say(f"  [{label}] burst: 32 x 64 tokens")
-            results["burst"] = await engine_burst(engine, burst, 64)
+            results["burst"] = await engine_burst(engine, burst, 64, header)
         if "single" in workloads:
             say(f"  [{label}] single: 1 x 128 tokens")
-            results["single"] = await engine_burst(engine, [single], 128)
+            results["single"] = await engine_burst(engine, [single], 128, header)
         if "arrival" in workloads:
             say(f"  [{label}] arrival: 20 new requests while 32 streams decode")
-            results["arrival"] = await engine_arrival(engine, burst, single, 20)
+            results["arrival"] = await engine_arrival(engine, burst, single, 20, header)
         if "multi-turn" in workloads:
             say(f"  [{label}] multi-turn: 16 sessions x 6 turns")
             results["multi-turn"] = await engine_multi_turn(engine, tok, 16, 6, 48)

@@ -112,7 +112,8 @@ async def _chat_turn(engine: Engine, registry: TaskRegistry, text: str, mode: st
     reply's generation is queued, as the hub does) or "same-step" (the auto-task forced into the reply's
     first step: the worst case). Returns the reply's sequence."""
     chat = registry.chat
-    prompt = chat.render([{"role": "user", "content": text}])
+    encoded = chat.encode([{"role": "user", "content": text}])
+    prompt, public = encoded.ids, encoded.public_tokens
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     task = None
     if mode == "same-step":
@@ -120,12 +121,12 @@ async def _chat_turn(engine: Engine, registry: TaskRegistry, text: str, mode: st
         # submit) until both sequences wait, so they are admitted together.
         scheduler = engine.scheduler
         with scheduler._cond:
-            stream = engine.generate(prompt, params, session_key=key)
+            stream = engine.generate(prompt, params, session_key=key, public_tokens=public)
             task = asyncio.get_running_loop().create_task(registry.run(engine, "sentiment", text))
             while not task.done() and not any(s.candidates is not None for s in scheduler.waiting):
                 await asyncio.sleep(0)
     else:
-        stream = engine.generate(prompt, params, session_key=key)
+        stream = engine.generate(prompt, params, session_key=key, public_tokens=public)
         if mode == "auto":
             task = asyncio.get_running_loop().create_task(registry.run(engine, "sentiment", text))
     await stream.result()
@@ -217,13 +218,17 @@ async def _sentiment_rates(engine: Engine, registry: TaskRegistry) -> dict:
     await registry.run(engine, "sentiment", {"text": "warm-up text"})  # calibration + warm-up
     stats0 = engine.stats()
     started = time.perf_counter()
-    fresh = await asyncio.gather(*(registry.run(engine, "sentiment", {"text": t}) for t in texts))
+    fresh = await asyncio.gather(
+        *(registry.run(engine, "sentiment", {"text": t}, scope="bench") for t in texts)
+    )
     fresh_s = time.perf_counter() - started
     stats1 = engine.stats()
     rates = []
     for _ in range(CACHED_ROUNDS):
         started = time.perf_counter()
-        again = await asyncio.gather(*(registry.run(engine, "sentiment", {"text": t}) for t in texts))
+        again = await asyncio.gather(
+            *(registry.run(engine, "sentiment", {"text": t}, scope="bench") for t in texts)
+        )
         rates.append(per_second(len(texts), time.perf_counter() - started))
         assert all(a.cached for a in again) and [a.output for a in again] == [f.output for f in fresh]
     steps = stats1["steps"] - stats0["steps"]

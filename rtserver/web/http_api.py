@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..engine.backend import FinishReason, Generation, SamplingError, SamplingParams, SequenceResult
 from ..tasks import Task, TaskError
 from ..tasks import bounds as B
-from ..tasks.chat import ChatTask
+from ..tasks.chat import ChatPrompt, ChatTask
 from . import events
 from . import protocol as P
 from .admission import Admission, Refused, Surface, bearer
@@ -176,12 +176,13 @@ def _start(
     prompt: list[int],
     params: SamplingParams,
     session_key: str | None = None,
+    public_tokens: int = 0,
 ) -> Generation:
     """A generation on the chat backend, its tokens held against this client's API budget until it ends."""
     admission: Admission = request.app.state.admission
     held = admission.reserve(Surface.API, client_ip(request), len(prompt) + params.max_new_tokens)
     try:
-        stream = state.backend.generate(prompt, params, session_key=session_key)
+        stream = state.backend.generate(prompt, params, session_key=session_key, public_tokens=public_tokens)
     except BaseException:
         held.release(0)
         raise
@@ -246,8 +247,9 @@ async def _generate(
     params: SamplingParams,
     endpoint: str,
     session_key: str | None = None,
+    public_tokens: int = 0,
 ) -> SequenceResult:
-    stream = _start(request, state, prompt, params, session_key)
+    stream = _start(request, state, prompt, params, session_key, public_tokens)
     try:
         result = await stream.result()
     except asyncio.CancelledError:
@@ -273,7 +275,9 @@ async def _stateless_chat(
         for m in history[:-1]
     ]
     turn = chat.prepare_turn(earlier, history[-1]["content"])
-    result = await _generate(request, state, turn.prompt_ids, params, endpoint)
+    result = await _generate(
+        request, state, turn.prompt_ids, params, endpoint, public_tokens=turn.public_tokens
+    )
     return result, chat.parse(result.text)
 
 
@@ -313,7 +317,7 @@ async def run_task(request: Request, state: AppState, body: dict) -> Response:
     _task_text(task.task, body["input"], "input")  # refused here with the field named, as below
     if options:
         _task_sampling(task.task, options)
-    out = await reg.run(state.backend_for(name), name, body["input"], options)
+    out = await reg.run(state.backend_for(name), name, body["input"], options, scope="api")
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(out.to_json())
 
@@ -322,7 +326,9 @@ async def sentiment(request: Request, state: AppState, body: dict) -> Response:
     if "text" not in body:
         raise HTTPError("missing_field", "'text' is required", "text")
     _task_text(state.tasks.get("sentiment").task, body["text"], "text")
-    out = await state.tasks.run(state.backend_for("sentiment"), "sentiment", {"text": body["text"]})
+    out = await state.tasks.run(
+        state.backend_for("sentiment"), "sentiment", {"text": body["text"]}, scope="api"
+    )
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(dict(out.output))
 
@@ -472,7 +478,8 @@ def _content(m: dict, i: int) -> str:
     )
 
 
-def _openai_prompt(state: AppState, messages: Any) -> list[int]:
+def _openai_prompt(state: AppState, messages: Any) -> ChatPrompt:
+    """The messages' prompt: client system messages kept (the trusted API), every content only text."""
     chat = state.tasks.chat
     if not isinstance(messages, list) or not messages:
         raise HTTPError("invalid_field", "'messages' must be a non-empty list", "messages")
@@ -490,11 +497,8 @@ def _openai_prompt(state: AppState, messages: Any) -> list[int]:
                 "messages",
             )
         out.append({"role": role, "content": _content(m, i)})
-    if not any(m["role"] == "system" for m in out):
-        return chat.render(out)  # the chat task's own system prompt
-    return chat.tokenizer.apply_chat_template(
-        out, tokenize=True, add_generation_prompt=True, return_dict=False
-    )
+    # without a system message of its own, the chat task's system prompt goes first
+    return chat.encode(out, system=not any(m["role"] == "system" for m in out))
 
 
 def _openai_params(state: AppState, body: dict) -> SamplingParams:
@@ -559,12 +563,14 @@ async def chat_completions(request: Request, state: AppState, body: dict) -> Res
     params = _openai_params(state, body)  # the cheap checks first: no template rendered for a bad one
     _messages_size(body.get("messages"))
     prompt = _openai_prompt(state, body.get("messages"))
-    _check_prompt(state, len(prompt), params.max_new_tokens, "messages")
+    _check_prompt(state, len(prompt.ids), params.max_new_tokens, "messages")
     model = state.model_id
     cid = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())
     if not body.get("stream"):
-        result = await _generate(request, state, prompt, params, "openai")
+        result = await _generate(
+            request, state, prompt.ids, params, "openai", public_tokens=prompt.public_tokens
+        )
         return JSONResponse(
             {
                 "id": cid,
@@ -582,7 +588,8 @@ async def chat_completions(request: Request, state: AppState, body: dict) -> Res
                 "usage": _openai_usage(result),
             }
         )
-    gen = _start(request, state, prompt, params)  # Overloaded etc. raise here, before the 200
+    # Overloaded etc. raise here, before the 200
+    gen = _start(request, state, prompt.ids, params, public_tokens=prompt.public_tokens)
     # The response starts with the first token: until then nothing is written to this client, so in a
     # burst every request's generation reaches its backend (a remote server: its upstream request is
     # written) before any response's headers and role chunk take their socket writes, and the role
@@ -709,6 +716,7 @@ COMPLETION_FIELDS = {
     "cache_prompt",
     "score_candidates",
     "rtserver_session",
+    "rtserver_public_tokens",
     "n",
     "user",
 }
@@ -781,12 +789,29 @@ def _candidates(value: Any, vocab: int) -> list[list[int]]:
     return out
 
 
+def _public_tokens(body: dict, prompt_tokens: int) -> int:
+    """`rtserver_public_tokens`: how much of the prompt a hub shares across its sessions (default: all
+    of it, this node API being a trusted hub's)."""
+    value = body.get("rtserver_public_tokens")
+    if value is None:
+        return prompt_tokens
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= prompt_tokens:
+        raise HTTPError(
+            "invalid_field",
+            f"'rtserver_public_tokens' must be an integer 0..{prompt_tokens} (the prompt's length)",
+            "rtserver_public_tokens",
+        )
+    return value
+
+
 async def completions(request: Request, state: AppState, body: dict) -> Response:
     """OpenAI-style /v1/completions over token ids, for hubs that use this node as their inference
     server: `prompt` is token ids (or text); `stream` with `stream_options.include_usage`;
     `return_token_ids` puts each chunk's token ids in `choices[0].token_ids` (as vLLM does);
-    `rtserver_session` keeps the prompt's KV for that key's next turn; `score_candidates` (a list of
-    token-id lists) answers `choices[0].candidate_logprobs`, the log-probability of each continuation."""
+    `rtserver_session` keeps the prompt's KV for that key's next turn; `rtserver_public_tokens` is how
+    many leading prompt tokens this node's prefix cache may share (default: all); `score_candidates` (a
+    list of token-id lists) answers `choices[0].candidate_logprobs`, the log-probability of each
+    continuation."""
     unknown = sorted(set(body) - COMPLETION_FIELDS)
     if unknown:
         raise HTTPError("unsupported", f"'{unknown[0]}' is not supported by /v1/completions here", unknown[0])
@@ -833,11 +858,12 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
     elif isinstance(prompt, list) and len(prompt) > limit:
         _check_prompt(state, len(prompt), 0, "prompt")  # refused before its ids are read
     prompt = _token_ids(prompt, "prompt", vocab, limit)
+    public = _public_tokens(body, len(prompt))
     created, cid, model = int(time.time()), "cmpl-" + secrets.token_hex(12), state.model_id
     if scoring:
         lists = _candidates(candidates, vocab)
         _check_prompt(state, len(prompt), max(map(len, lists)), "prompt")
-        scores = await backend.score(prompt, lists)
+        scores = await backend.score(prompt, lists, public_tokens=public)
         return JSONResponse(
             {
                 "id": cid,
@@ -867,7 +893,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
 
     key = f"remote:{session}" if session else None  # never collides with this node's own sessions
     if not body.get("stream"):
-        result = await _generate(request, state, prompt, params, "completions", key)
+        result = await _generate(request, state, prompt, params, "completions", key, public)
         return JSONResponse(
             {
                 "id": cid,
@@ -878,7 +904,7 @@ async def completions(request: Request, state: AppState, body: dict) -> Response
                 "usage": _openai_usage(result),
             }
         )
-    gen = _start(request, state, prompt, params, key)
+    gen = _start(request, state, prompt, params, key, public)
 
     def sse(data: dict) -> str:
         return (

@@ -357,7 +357,9 @@ class Connection(QueuedConnection):
             rendered, prompt = turn.rendered, turn.prompt_ids
             new_tokens = len(prompt) - _kept_prefix(prompt, session.last_turn)
             held = hub.admission.reserve(Surface.PUBLIC, self.client_ip, new_tokens + params.max_new_tokens)
-            stream = hub.state.backend_for("chat").generate(prompt, params, session_key=session.id)
+            stream = hub.state.backend_for("chat").generate(
+                prompt, params, session_key=session.id, public_tokens=turn.public_tokens
+            )
             req.stream = stream
             if req.cancelled:
                 stream.cancel()
@@ -442,7 +444,7 @@ class Connection(QueuedConnection):
         hub = self.hub
         try:
             out = await hub.state.tasks.run(
-                hub.state.backend_for(msg.task), msg.task, msg.input, msg.options or None
+                hub.state.backend_for(msg.task), msg.task, msg.input, msg.options or None, scope=self.scope
             )
             hub.metrics.requests.labels("ws", "task").inc()
             await self.send(events.result_event(msg.id, out))
@@ -469,7 +471,9 @@ class Connection(QueuedConnection):
 
     async def run_auto_task(self, request_id: str, name: str, text: str) -> None:
         try:
-            out = await self.hub.state.tasks.run(self.hub.state.backend_for(name), name, text)
+            out = await self.hub.state.tasks.run(
+                self.hub.state.backend_for(name), name, text, scope=self.scope
+            )
             await self.send(events.result_event(request_id, out, auto=True))
             if self.session is not None:
                 self.hub.console.auto_result(self.session, request_id, out.task, out.output)
@@ -478,6 +482,11 @@ class Connection(QueuedConnection):
         except Exception as exc:
             code, message = error_code(exc)
             await self.error(code, message, request_id, task=name, auto=True)
+
+    @property
+    def scope(self) -> str | None:
+        """Whose cached task results this connection may see: its session's only."""
+        return None if self.session is None else f"session:{self.session.id}"
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

@@ -68,7 +68,7 @@ CONSOLE_EVENTS = {
     "error",
     "pong",
 }
-HTTP_ONLY_CODES = {"body_too_large", "unsupported", "rate_limited", "shutting_down"}
+HTTP_ONLY_CODES = {"body_too_large", "unsupported", "rate_limited", "shutting_down", "forbidden", "api_disabled"}
 LEAKS = ("Traceback", "/work/", '.py"', 'File "', "site-packages")
 
 # -- what docs/protocol.md documents (the reference rules use these, never rtserver.web.protocol) ----
@@ -113,6 +113,9 @@ ERROR_CODES = frozenset(  # the "Error codes" table
         "already_taken",
         "not_taken_over",
         "login_timeout",
+        "over_budget",
+        "too_many_connections",
+        "hello_timeout",
     }
 )
 
@@ -215,13 +218,13 @@ def no_new_server_errors(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @contextlib.contextmanager
 def api_token_on(server: ServerThread) -> Iterator[str]:
-    """`security.api_token` set on the running server for a while."""
+    """`security.api_token` and `ws_token` set on the running server for a while."""
     sec = server.state.settings.security
-    sec.api_token = API_TOKEN
+    sec.api_token = sec.ws_token = API_TOKEN
     try:
         yield API_TOKEN
     finally:
-        sec.api_token = ""
+        sec.api_token = sec.ws_token = ""
 
 
 # -- reference rules (docs/protocol.md), independent of rtserver.web.protocol -------------------------

@@ -68,7 +68,14 @@ CONSOLE_EVENTS = {
     "error",
     "pong",
 }
-HTTP_ONLY_CODES = {"body_too_large", "unsupported", "rate_limited", "shutting_down", "forbidden", "api_disabled"}
+HTTP_ONLY_CODES = {
+    "body_too_large",
+    "unsupported",
+    "rate_limited",
+    "shutting_down",
+    "forbidden",
+    "api_disabled",
+}
 LEAKS = ("Traceback", "/work/", '.py"', 'File "', "site-packages")
 
 # -- what docs/protocol.md documents (the reference rules use these, never rtserver.web.protocol) ----

@@ -94,6 +94,8 @@ def test_tokens_in_flight_per_client_and_per_surface():
     assert budget.held == 450 and budget.held_by_client == {"10.0.0.2": 450}
     b.release()
     assert budget.held == 0 and budget.held_by_client == {}
+    too_big = refusal(budget.reserve, "10.0.0.4", 601)  # over what one client may ever hold
+    assert (too_big.code, too_big.status) == ("request_too_large", 413), too_big.message
 
 
 def test_the_token_rate_charges_what_was_used():

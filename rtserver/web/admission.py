@@ -173,6 +173,15 @@ class TokenBudget:
                 429,
                 retry_after_s=wait,
             )
+        total = self.total()
+        cap = min(c for c in (self.per_client, total) if c) if self.per_client or total else 0
+        if cap and tokens > cap:  # it would never fit: waiting does not help
+            raise Refused(
+                "request_too_large",
+                f"this request needs {tokens} tokens (prompt + max_tokens), more than the {cap} one "
+                f"client may hold at once at the {self.surface.value} door; ask for fewer tokens",
+                413,
+            )
         held = self.held_by_client.get(key, 0)
         if self.per_client and held + tokens > self.per_client:
             raise Refused(
@@ -182,7 +191,6 @@ class TokenBudget:
                 429,
                 retry_after_s=1.0,
             )
-        total = self.total()
         if total and self.held + tokens > total:
             raise Refused(
                 "over_budget",

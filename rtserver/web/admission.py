@@ -18,7 +18,7 @@ import ipaddress
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from cachetools import TTLCache
@@ -69,9 +69,9 @@ def is_loopback(ip: str) -> bool:
         return False
 
 
-def bearer(headers: dict[str, str] | object) -> str:
+def bearer(headers: Mapping[str, str]) -> str:
     """The token of an `Authorization: Bearer` header, "" when there is none."""
-    value = getattr(headers, "get", lambda *_: "")("authorization", "") or ""
+    value = headers.get("authorization", "")
     return value[7:] if value.startswith("Bearer ") else ""
 
 

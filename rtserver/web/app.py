@@ -187,11 +187,6 @@ def _ops_refusal(request: Request) -> Refused | None:
     return None
 
 
-def _refused(refused: Refused) -> JSONResponse:
-    error = {"code": refused.code, "message": refused.message}
-    return JSONResponse({"error": error}, status_code=refused.status)
-
-
 async def health(request: Request) -> Response:
     st: AppState = request.app.state.rt
     body: dict = {"status": st.status, "stage": st.stage, "progress": round(st.progress, 3)}
@@ -230,7 +225,7 @@ async def metrics(request: Request) -> Response:
     st: AppState = request.app.state.rt
     refused = _ops_refusal(request)
     if refused is not None:
-        return _refused(refused)
+        return http_api.refused_response(st, refused)
     return Response(st.metrics.render(), media_type=CONTENT_TYPE)
 
 

@@ -75,7 +75,8 @@ def error_response(
     )
 
 
-def _refused(state: AppState, refused: Refused) -> JSONResponse:
+def refused_response(state: AppState, refused: Refused) -> JSONResponse:
+    """An admission refusal as an HTTP error (with Retry-After when it says when to retry)."""
     response = error_response(state, refused.code, refused.message, status=refused.status)
     if refused.retry_after_s > 0:
         response.headers["Retry-After"] = retry_after_header(refused.retry_after_s)
@@ -94,7 +95,7 @@ def _api(handler):
             await admission.take_request(ip)
             admission.check_serving()
         except Refused as refused:
-            return _refused(state, refused)
+            return refused_response(state, refused)
         try:
             body = None
             if request.method == "POST":
@@ -107,7 +108,7 @@ def _api(handler):
                     raise HTTPError("bad_json", "body must be a JSON object")
             return await handler(request, state, body)
         except Refused as refused:
-            return _refused(state, refused)
+            return refused_response(state, refused)
         except HTTPError as exc:
             return error_response(state, exc.code, exc.message, exc.param, exc.status)
         except Exception as exc:

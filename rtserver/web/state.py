@@ -106,9 +106,6 @@ class AppState:
                 return f"no {name} inference server is available: {states}"
         return None
 
-    def not_ready_message(self) -> str:
-        return f"{self.not_ready_reason() or 'not ready'}; retry when GET /ready answers 200"
-
     def public_not_ready_message(self) -> str:
         """Why requests cannot be served, without internal detail (URLs, hosts, paths)."""
         if self.status != "ready":

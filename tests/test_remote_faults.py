@@ -136,14 +136,16 @@ class FakeUpstream:
     """A llama-server look-alike. `script(body)` yields the SSE bytes of a streamed completion (or
     ABORT); `status` other than 200 answers every completion with that status instead."""
 
-    def __init__(self, tokenizer: Any, *, tokenize_offset: int = 0):
+    def __init__(self, tokenizer: Any, *, tokenize_offset: int = 0, owned_by: str = "llamacpp"):
         self.tokenizer = tokenizer
+        self.owned_by = owned_by  # what /v1/models says: the hub learns the server's kind from it
         self.tokenize_offset = tokenize_offset  # != 0: /tokenize disagrees with the local tokenizer
         self.script: Script = self.reply("Hello there!")
         self.status = 200
         self.bodies: list[dict] = []  # each streamed /v1/completions request (a generation)
         self.scores: list[dict] = []  # each other one asking for log-probabilities (a label score)
         self.prefetches: list[dict] = []  # each other one (a next-turn prefetch)
+        self.cuts: list[dict] = []  # a label score's prompt cut back to its public prefix
         self.connection: dict[bool, list[str | None]] = {True: [], False: []}  # by stream: Connection
         self.prefetch_answer = "ok"  # or "500", "garbage" (200, not JSON), "stall" (no answer for 60 s)
         self.closed = asyncio.Event()  # the hub closed a completion's connection before its end
@@ -157,6 +159,7 @@ class FakeUpstream:
                 Route("/v1/models", self.models),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/health", self.health),
+                Route("/props", self.props),
                 Route("/v1/completions", self.completions, methods=["POST"]),
             ]
         )
@@ -164,12 +167,15 @@ class FakeUpstream:
     # -- endpoints ------------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         return JSONResponse(
-            {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "llamacpp"}]}
+            {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": self.owned_by}]}
         )
 
     async def tokenize(self, request: Request) -> Response:
         body = await request.json()
-        ids = self.tokenizer.encode(body["content"], add_special_tokens=bool(body.get("add_special")))
+        text, special = (
+            (body["prompt"], "add_special_tokens") if "prompt" in body else (body["content"], "add_special")
+        )
+        ids = self.tokenizer.encode(text, add_special_tokens=bool(body.get(special)))
         if self.tokenize_offset:
             ids = [(i + self.tokenize_offset) % len(self.tokenizer) for i in ids]
         return JSONResponse({"tokens": ids})
@@ -177,10 +183,16 @@ class FakeUpstream:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def props(self, request: Request) -> Response:
+        return JSONResponse({"total_slots": 32})
+
     async def completions(self, request: Request) -> Response:
         body = await request.json()
         self.connection[bool(body.get("stream"))].append(request.headers.get("connection"))
         if not body.get("stream") and "logprobs" not in body:
+            if any(s["prompt"][: len(body["prompt"])] == body["prompt"] for s in self.scores):
+                self.cuts.append(body)
+                return JSONResponse({"choices": [{"text": "x", "index": 0, "finish_reason": "length"}]})
             self.prefetches.append(body)
             if self.prefetch_answer == "500":
                 return JSONResponse({"error": {"code": 500, "message": "fake failure"}}, status_code=500)
@@ -1025,3 +1037,52 @@ async def test_a_turn_sent_at_once_never_waits_for_its_prefix_to_be_computed(smo
 
 async def _true(value: bool) -> bool:
     return value
+
+
+# -- what a server's prefix cache may share across sessions (remote/reuse.py) ---------------------------
+
+
+async def two_sessions_two_turns(url: str) -> None:
+    for session in ("a", "b"):
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            for turn in (1, 2):
+                assert (await chat(ws, f"{session}{turn}", f"My card number is 4929 {turn}"))[-1][
+                    "type"
+                ] == "done"
+
+
+async def test_llama_server_sessions_reuse_only_their_own_slot(smol):
+    """Each session on a slot of its own (`id_slot`); `cache_prompt` only on a turn that follows the
+    session's own on that slot. llama-server would otherwise pick the most similar slot, another
+    customer's, and say how many of its tokens matched."""
+    async with fakes(smol) as [fake], hub(smol, [fake.url], prefetch_next_turn=False) as (_, _, url):
+        await two_sessions_two_turns(url)
+    a1, a2, b1, b2 = ({k: b.get(k) for k in ("id_slot", "cache_prompt")} for b in fake.bodies)
+    assert a1 == {"id_slot": a1["id_slot"], "cache_prompt": False}
+    assert a2 == {"id_slot": a1["id_slot"], "cache_prompt": True}
+    assert b1 == {"id_slot": b1["id_slot"], "cache_prompt": False} and b1["id_slot"] != a1["id_slot"]
+    assert b2 == {"id_slot": b1["id_slot"], "cache_prompt": True}
+
+
+async def test_vllm_sessions_get_a_cache_salt_each(smol):
+    async with fakes(smol, owned_by="vllm") as [fake], hub(smol, [fake.url]) as (_, _, url):
+        await two_sessions_two_turns(url)
+    salts = [b.get("cache_salt") for b in fake.bodies]
+    assert all(isinstance(s, str) and len(s) == 32 for s in salts), salts
+    assert salts[0] == salts[1] != salts[2] == salts[3]
+
+
+async def test_another_openai_server_shows_no_more_than_the_public_prefix_cached(smol):
+    async with fakes(smol, owned_by="someone") as [fake], hub(smol, [fake.url]) as (app, _, url):
+        fake.script = fake.reply("Hello there!", cached=40)
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            done = (await chat(ws, "c1", "My card number is 4929"))[-1]
+    system = app.state.rt.tasks.chat.task.system_prompt
+    public = smol.tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": "\x00"}],
+        tokenize=False,
+    ).split("\x00")[0]
+    limit = len(smol.tokenizer.encode(public, add_special_tokens=False))
+    assert done["usage"]["cached_tokens"] <= limit < 40, (done["usage"], limit)

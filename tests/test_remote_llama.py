@@ -328,3 +328,30 @@ async def test_two_backends_spread_sessions_and_survive_one_dying(smol, llama, t
     finally:
         if node.proc is not None and node.proc.poll() is None:
             node.stop()
+
+
+async def test_no_session_reads_another_ones_text_from_llama_servers_cache(smol, llama):
+    """The card-number probe of docs/security.md through a hub: on its own, llama-server gives a new
+    request the slot whose prompt is most like it (or one restored from its host cache) and reports
+    how many tokens matched. Through the hub a probe reuses nothing, on a fresh slot or on one another
+    session used, and the victim's own next turn still reuses its slot."""
+    settings = remote_settings(llama.url, backend={"prefetch_next_turn": False})
+    async with serve(create_app(settings, lambda: smol), settings) as (_, ws_url):
+
+        async def probe(guess: str) -> int:
+            async with websockets.connect(ws_url) as prober:
+                await hello(prober)
+                done = await chat(prober, "p", f"My card number is {guess}", max_new_tokens=1)
+                assert done["type"] == "done", done
+                return done["usage"]["cached_tokens"]
+
+        async with websockets.connect(ws_url) as victim:
+            await hello(victim)
+            first = await chat(victim, "v1", "My card number is 4929 1234 5678 9012", max_new_tokens=8)
+            assert first["type"] == "done", first
+            fresh = {g: await probe(g) for g in ("4929 1", "4929 2", "4929 1234 5678 9012")}  # slots 1-3
+            second = await chat(victim, "v2", "Thanks.", max_new_tokens=4)
+            assert second["type"] == "done", second
+            assert second["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"], (first, second)
+            used = {g: await probe(g) for g in ("4", "5")}  # on the slots of the first probes
+        assert set(fresh.values()) == set(used.values()) == {0}, (fresh, used)

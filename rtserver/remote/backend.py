@@ -6,6 +6,8 @@ The hub renders prompts exactly as with the local engine and sends them as token
 session sticks to one URL. Every sampling field is sent explicitly (servers' defaults are not neutral).
 Cancelling closes the HTTP stream, which makes the server stop and free its slot. A request is retried
 on another URL only before its first token; after that a failure ends it with `backend_unavailable`.
+What each server's prefix cache may share across sessions is remote/reuse.py's: every request carries
+the fields of its lease (a slot, a salt, the public prefix), and `cached_tokens` passes through it.
 
 Label scoring asks the server for log-probabilities. What each kind of server offers differs, so
 `check()` learns the kind at start (from `/v1/models`) and `score` uses, per kind:
@@ -56,6 +58,7 @@ from ..engine.backend import (
 )
 from .gate import SendGate
 from .pool import BackendUnavailable, Upstream, UpstreamPool
+from .reuse import Lease, Reuse, Unlearned, reuse_for
 from .sse import UpstreamProtocolError, sse_payloads
 
 log = logging.getLogger("rtserver.remote")
@@ -137,6 +140,13 @@ class RemoteGeneration:
     def cancel(self) -> None:
         self._task.cancel()  # leaving the `async with` of the stream closes the connection upstream
 
+    def _spelled(self) -> list[int]:
+        """A text-only server's reply (llama-server) as our tokenizer spells it: what the next turn's
+        prompt will hold (the server's cache matches up to any difference from its own spelling)."""
+        if self._text and not self._ids:
+            self._ids = self.backend.tokenizer.encode(self._text, add_special_tokens=False)
+        return self._ids
+
     # -- the request ------------------------------------------------------------------------------------
     async def _run(self) -> None:
         reason, error, code = FinishReason.ERROR, None, None
@@ -165,12 +175,7 @@ class RemoteGeneration:
     def _finish(self, reason: FinishReason, error: str | None, code: str | None) -> None:
         end = time.perf_counter()
         self.backend.tokens_generated += self._usage.generated_tokens
-        ids = self._ids
-        if self._text and not ids:
-            # a server that streams text only (llama-server): the reply's ids as our tokenizer spells it,
-            # which is what the next turn's prompt will hold (the server's cache matches up to any
-            # difference from its own spelling)
-            ids = self.backend.tokenizer.encode(self._text, add_special_tokens=False)
+        ids = self._spelled()
         self._result.set_result(
             SequenceResult(
                 text=self._text,
@@ -189,34 +194,50 @@ class RemoteGeneration:
     async def _attempt(self, up: Upstream) -> FinishReason:
         self._started = self._started or time.perf_counter()
         body = self.backend._completion_body(self.prompt_ids, self.params, stream=True)
-        if self.backend.kinds.get(up.url) == "rtserver":
-            body["rtserver_public_tokens"] = self.public_tokens  # the rest stays out of its prefix cache
-            if self.session_key is not None:
-                body["rtserver_session"] = str(self.session_key)  # the node keeps this session's KV
+        lease = await self.backend.reuse_of(up).lease(
+            self.session_key, self.public_tokens, self.backend.settings.timeout_s
+        )
+        body.update(lease.fields(self.prompt_ids))
+        try:
+            return await self._read(up, body, lease)
+        finally:
+            lease.release()
+
+    async def _read(self, up: Upstream, body: dict, lease: Lease) -> FinishReason:
         reason: FinishReason | None = None
         async with self.backend._stream(up, body) as events:
-            async for event in events:
-                choice = _first_choice(event)
-                if choice is None:
-                    self.backend._take_usage(event, self._usage)
-                    continue
-                text = choice.get("text") or ""
-                ids = _chunk_token_ids(choice, self.backend.vocab)
-                if text or ids:
-                    if self._first is None:
-                        self._first = time.perf_counter()
-                        up.record_latency(self._first - (self._started or self._first))
-                    self._text += text
-                    self._ids += ids
-                    self._usage.generated_tokens += len(ids) or 1
-                    self._queue.put_nowait(TokenEvent(ids[-1] if ids else -1, text))
-                finish = choice.get("finish_reason")
-                if finish:
-                    # the OpenAI format does not tell an end-of-turn token from a stop string: "stop"
-                    reason = FinishReason.LENGTH if finish == "length" else FinishReason.EOS
-                self.backend._take_usage(event, self._usage)
+            try:
+                reason = await self._read_events(up, events, lease)
+            finally:  # answered, whole or in part: the server holds the prompt and what it streamed
+                lease.wrote(self.prompt_ids, self._spelled())
         if reason is None:  # the stream ended without a finish_reason: cut off, not finished
             raise UpstreamProtocolError("the stream ended before the reply finished")
+        return reason
+
+    async def _read_events(
+        self, up: Upstream, events: AsyncIterator[dict], lease: Lease
+    ) -> FinishReason | None:
+        reason: FinishReason | None = None
+        async for event in events:
+            choice = _first_choice(event)
+            if choice is None:
+                self.backend._take_usage(event, self._usage, lease)
+                continue
+            text = choice.get("text") or ""
+            ids = _chunk_token_ids(choice, self.backend.vocab)
+            if text or ids:
+                if self._first is None:
+                    self._first = time.perf_counter()
+                    up.record_latency(self._first - (self._started or self._first))
+                self._text += text
+                self._ids += ids
+                self._usage.generated_tokens += len(ids) or 1
+                self._queue.put_nowait(TokenEvent(ids[-1] if ids else -1, text))
+            finish = choice.get("finish_reason")
+            if finish:
+                # the OpenAI format does not tell an end-of-turn token from a stop string: "stop"
+                reason = FinishReason.LENGTH if finish == "length" else FinishReason.EOS
+            self.backend._take_usage(event, self._usage, lease)
         return reason
 
 
@@ -232,6 +253,7 @@ class RemoteBackend:
         )
         self.model = settings.model
         self.kinds: dict[str, str] = {}  # url -> server kind, learned by check()
+        self.reuse: dict[str, Reuse] = {}  # url -> what its prefix cache may share, learned with the kind
         for up in self.pool.upstreams:
             up.checked = False  # until check() (or the health check) has seen what it serves
         window = settings.send_window_ms / 1000
@@ -241,6 +263,7 @@ class RemoteBackend:
         self._health: asyncio.Task | None = None
         self.tokens_generated = 0
         self._prefetches: dict[Hashable, _Prefetch] = {}
+        self._background: set[asyncio.Task] = set()  # slots being cut back to a public prefix
         # prefetches: started, done (answered 200), skipped (no room), failed, cancelled, waited for by
         # the session's next turn, overtaken (that turn stopped waiting)
         self.prefetch_counts = dict.fromkeys(
@@ -278,6 +301,8 @@ class RemoteBackend:
     async def stop(self) -> None:
         for key in list(self._prefetches):
             self.cancel_prefetch(key)
+        for task in list(self._background):
+            task.cancel()
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
@@ -323,6 +348,7 @@ class RemoteBackend:
                 f"local one (model.model): {PROBE_TEXT!r} is {got[:12]}... there and {want[:12]}... here"
             )
         self.kinds[up.url] = kind
+        self.reuse[up.url] = reuse_for(kind, await self._total_slots(up) if kind == "llama.cpp" else None)
         up.checked = True  # the health check probes a URL until it is checked
         if not self.model:
             self.model = served[0] if served else ""
@@ -333,6 +359,19 @@ class RemoteBackend:
             kind,
             "matches" if got is not None else "not checked (no /tokenize)",
         )
+
+    async def _total_slots(self, up: Upstream) -> int | None:
+        """llama-server's slot count (`-np`), from /props."""
+        try:
+            async with self.http.get(up.url + "/props", timeout=self._timeout(self.settings.timeout_s)) as r:
+                props = await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        slots = props.get("total_slots") if isinstance(props, dict) else None
+        return slots if isinstance(slots, int) and 0 < slots <= 4096 else None
+
+    def reuse_of(self, up: Upstream) -> Reuse:
+        return self.reuse.get(up.url) or UNCHECKED
 
     async def _remote_tokens(self, up: Upstream, kind: str) -> list[int] | None:
         if kind == "vllm":
@@ -509,19 +548,18 @@ class RemoteBackend:
         if stream:
             body["stream_options"] = {"include_usage": True}
         body["return_token_ids"] = True  # vLLM >= 0.10.2 and rtserver: exact ids per chunk
-        body["cache_prompt"] = True  # llama-server: reuse the slot's KV
         return body
 
     @staticmethod
-    def _take_usage(event: dict, usage: Usage) -> None:
+    def _take_usage(event: dict, usage: Usage, lease: Lease) -> None:
         u = event.get("usage")
         if not isinstance(u, dict):
             return
         details = u.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if isinstance(cached, int):
-            usage.cached_tokens = cached
-            usage.prefilled_tokens = max(0, usage.prompt_tokens - cached)
+            usage.cached_tokens = lease.cached(cached)
+            usage.prefilled_tokens = max(0, usage.prompt_tokens - usage.cached_tokens)
         if isinstance(u.get("completion_tokens"), int):
             usage.generated_tokens = u["completion_tokens"]
 
@@ -561,16 +599,27 @@ class RemoteBackend:
 
         async def attempt(up: Upstream) -> list[float]:
             kind = self.kinds.get(up.url, "openai")
-            if kind == "rtserver":
-                return await self._score_rtserver(up, prompt_ids, candidates, public_tokens)
-            if kind == "vllm":
-                return await self._score_vllm(up, prompt_ids, candidates)
-            return await self._score_llama(up, prompt_ids, candidates)
+            lease = await self.reuse_of(up).lease(None, public_tokens, self.settings.timeout_s)
+            try:
+                if kind == "rtserver":
+                    scores = await self._score_rtserver(up, prompt_ids, candidates, lease)
+                elif kind == "vllm":
+                    scores = await self._score_vllm(up, prompt_ids, candidates, lease)
+                else:
+                    scores = await self._score_llama(up, prompt_ids, candidates, lease)
+            except BaseException:
+                lease.release()
+                raise
+            self._leave_public(up, lease, prompt_ids[:public_tokens])
+            return scores
 
         # scores are log-probabilities: normalized whatever `normalize` says
         return await self._with_retries(None, attempt, lambda: True)
 
-    def _score_body(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict:
+    async def _score_post(
+        self, up: Upstream, lease: Lease, prompt: list[int], max_tokens: int, **extra: Any
+    ) -> dict:
+        """One non-streamed scoring request; the slot it used then holds its prompt."""
         body: dict[str, Any] = {
             "prompt": prompt,
             "max_tokens": max_tokens,
@@ -579,18 +628,19 @@ class RemoteBackend:
             "top_p": 1.0,
             "min_p": 0.0,
             "stream": False,
-            "cache_prompt": True,
             **extra,
+            **lease.fields(prompt),
         }
         if self.model:
             body["model"] = self.model
-        return body
+        data = await self._post(up, body)
+        lease.wrote(prompt, [])
+        return data
 
     async def _score_rtserver(
-        self, up: Upstream, prompt: list[int], candidates: list[list[int]], public_tokens: int
+        self, up: Upstream, prompt: list[int], candidates: list[list[int]], lease: Lease
     ) -> list[float]:
-        body = self._score_body(prompt, 1, score_candidates=candidates, rtserver_public_tokens=public_tokens)
-        data = await self._post(up, body)
+        data = await self._score_post(up, lease, prompt, 1, score_candidates=candidates)
         scores = (_first_choice(data) or {}).get("candidate_logprobs")
         if not (
             isinstance(scores, list)
@@ -600,8 +650,10 @@ class RemoteBackend:
             raise UpstreamProtocolError("no candidate_logprobs in the scoring response")
         return [float(s) for s in scores]
 
-    async def _score_llama(self, up: Upstream, prompt: list[int], candidates: list[list[int]]) -> list[float]:
-        data = await self._post(up, self._score_body(prompt, 1, logprobs=TOP_LOGPROBS))
+    async def _score_llama(
+        self, up: Upstream, prompt: list[int], candidates: list[list[int]], lease: Lease
+    ) -> list[float]:
+        data = await self._score_post(up, lease, prompt, 1, logprobs=TOP_LOGPROBS)
         entries = _llama_logprobs(data)
         top = (
             {int(t["id"]): float(t["logprob"]) for t in (entries[0].get("top_logprobs") or [])}
@@ -616,7 +668,7 @@ class RemoteBackend:
             # force exactly this continuation: a grammar of its token ids (one token: the same)
             grammar = "root ::= " + " ".join(f"<[{t}]>" for t in cand)
             forced = _llama_logprobs(
-                await self._post(up, self._score_body(prompt, len(cand), logprobs=1, grammar=grammar))
+                await self._score_post(up, lease, prompt, len(cand), logprobs=1, grammar=grammar)
             )
             if len(forced) != len(cand):
                 raise UpstreamError(
@@ -627,13 +679,12 @@ class RemoteBackend:
             scores.append(sum(float(e["logprob"]) for e in forced))
         return scores
 
-    async def _score_vllm(self, up: Upstream, prompt: list[int], candidates: list[list[int]]) -> list[float]:
+    async def _score_vllm(
+        self, up: Upstream, prompt: list[int], candidates: list[list[int]], lease: Lease
+    ) -> list[float]:
         firsts = sorted({c[0] for c in candidates})
-        data = await self._post(
-            up,
-            self._score_body(
-                prompt, 1, logprobs=1, logprob_token_ids=firsts, return_tokens_as_token_ids=True
-            ),
+        data = await self._score_post(
+            up, lease, prompt, 1, logprobs=1, logprob_token_ids=firsts, return_tokens_as_token_ids=True
         )
         top = (((_first_choice(data) or {}).get("logprobs") or {}).get("top_logprobs") or [{}])[0] or {}
         first = {int(k.split(":", 1)[1]): float(v) for k, v in top.items() if str(k).startswith("token_id:")}
@@ -648,12 +699,41 @@ class RemoteBackend:
                 )
             score = first[cand[0]]
             if len(cand) > 1:  # the rest from prompt log-probabilities of prompt + candidate
-                rest = await self._post(up, self._score_body(prompt + cand, 1, prompt_logprobs=0))
+                rest = await self._score_post(up, lease, prompt + cand, 1, prompt_logprobs=0)
                 plp = (_first_choice(rest) or {}).get("prompt_logprobs") or []
                 for pos, tok in enumerate(cand[1:], start=len(prompt) + 1):
                     score += float(plp[pos][str(tok)]["logprob"])
             scores.append(score)
         return scores
+
+    def _leave_public(self, up: Upstream, lease: Lease, prefix: list[int]) -> None:
+        """After a scoring call, in the background: cut its slot back to the public prefix, so later
+        requests may reuse it (remote/reuse.py); the slot is released when that is done."""
+        fields = lease.public_fields() if prefix else None
+        if fields is None:
+            lease.release()
+            return
+        body = self._completion_body(prefix, SamplingParams(temperature=0.0, max_new_tokens=1), stream=False)
+        body.update(fields)
+
+        async def cut() -> None:
+            try:
+                async with asyncio.timeout(self.settings.timeout_s):
+                    async with self._completion(up, body, gated=False) as resp:
+                        await _head(resp, PREFETCH_RESPONSE_LIMIT)
+                lease.wrote_public(prefix)
+            except Exception as exc:
+                log.info(
+                    "%s: cutting a slot back to its public prefix failed (no harm done): %s",
+                    up.url,
+                    _describe(exc),
+                )
+            finally:
+                lease.release()
+
+        task = asyncio.get_running_loop().create_task(cut())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- next-turn prefetch (see the module docstring) --------------------------------------------------
     def prefetch(self, prefix: Callable[[], list[int] | None], *, session_key: Hashable) -> None:
@@ -690,7 +770,10 @@ class RemoteBackend:
             return
         if not prompt_ids:
             return  # the template does not split safely there (tasks/chat.py next_turn_prefix)
-        if not self.pool.try_acquire_spare(up):
+        lease = self.reuse_of(up).own_lease(session_key)  # only into the session's own cache
+        if lease is None or not self.pool.try_acquire_spare(up):
+            if lease is not None:
+                lease.release()
             self.prefetch_counts["skipped"] += 1
             return
         self.prefetch_counts["started"] += 1
@@ -698,15 +781,14 @@ class RemoteBackend:
             body = self._completion_body(
                 prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=1), stream=False
             )
-            if self.kinds.get(up.url) == "rtserver":
-                body["rtserver_session"] = str(session_key)  # the node keeps it with the session
-                body["rtserver_public_tokens"] = 0  # the history is the session's own
+            body.update(lease.fields(prompt_ids))
             entry.sent = True
             async with asyncio.timeout(self.settings.timeout_s):
                 async with self._completion(up, body, gated=False) as resp:
                     head = await _head(resp, PREFETCH_RESPONSE_LIMIT)
             if not head.lstrip().startswith("{"):
                 raise UpstreamProtocolError(f"an answer that is not JSON: {head[:80]!r}")
+            lease.wrote(prompt_ids, [])
             self.prefetch_counts["done"] += 1
         except asyncio.CancelledError:
             raise
@@ -714,6 +796,7 @@ class RemoteBackend:
             self.prefetch_counts["failed"] += 1
             log.warning("next-turn prefetch on %s failed (no harm done): %s", up.url, _describe(exc))
         finally:
+            lease.release()
             self.pool.release(up)
 
     async def _settle_prefetch(self, session_key: Hashable | None) -> None:
@@ -731,9 +814,11 @@ class RemoteBackend:
             self.cancel_prefetch(session_key)
 
     def drop_session(self, session_key: Hashable) -> None:
-        """Only the session's prefetch to cancel: the servers' caches evict by themselves; affinity is a
-        pure function of the key."""
+        """Cancel the session's prefetch; its slots may go to new sessions first. The servers' caches
+        evict by themselves; affinity is a pure function of the key."""
         self.cancel_prefetch(session_key)
+        for reuse in self.reuse.values():
+            reuse.forget(session_key)
 
     def stats(self) -> dict[str, Any]:
         snapshot = self.pool.snapshot()
@@ -759,6 +844,9 @@ class RemoteBackend:
     @property
     def available(self) -> bool:
         return any(self.pool.state(u) == "up" for u in self.pool.upstreams)
+
+
+UNCHECKED = Unlearned()  # a URL not yet probed: nothing private is reused there
 
 
 def _check_public(public_tokens: int, prompt_ids: list[int]) -> None:

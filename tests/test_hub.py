@@ -12,6 +12,7 @@ import websockets
 
 from rtserver.engine.backend import FinishReason
 from rtserver.engine.core import Engine
+from rtserver.web.admission import Surface
 from rtserver.web.app import create_app
 
 from .serverutil import (
@@ -523,3 +524,26 @@ async def test_drain_lets_short_replies_finish_and_ends_long_ones(smol):
             assert info.value.rcvd.code == 1001
             await drain
         assert not hub.connections
+
+
+async def test_task_calls_hold_their_tokens_against_the_clients_budget(smol):
+    """A task call reserves its most tokens (longest prompt + what it may generate) like a chat turn:
+    one over the client's budget alone is request_too_large, and what a finished call held comes back."""
+    settings = make_settings(tasks={"auto_tasks": []})
+    app = create_app(settings, lambda: smol)
+    async with serve(app, settings) as (_, url):
+        cost = app.state.rt.tasks.cost("sentiment")
+        public = app.state.admission.budgets[Surface.PUBLIC]
+        public.per_client = cost - 1
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            call = {"type": "task", "id": "s", "task": "sentiment", "input": {"text": "I love it"}}
+            await ws.send(json.dumps(call))
+            (err,) = await recv_until(ws, is_end("s"))
+            assert err["type"] == "error" and err["code"] == "request_too_large", err
+            assert f"needs {cost} tokens" in err["message"], err
+            public.per_client = cost
+            await ws.send(json.dumps({**call, "id": "t"}))
+            (ok,) = await recv_until(ws, is_end("t"))
+            assert ok["type"] == "result", ok
+            assert public.held == 0, public.held

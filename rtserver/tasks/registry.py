@@ -170,6 +170,13 @@ class TaskRegistry:
             raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
         return await task.run(backend, raw_input, overrides, scope=scope)
 
+    def cost(self, name: str, overrides: dict | None = None) -> int:
+        """The most tokens one call of a stateless task can take (what admission holds for it)."""
+        task = self.get(name)
+        if isinstance(task, ChatTask):
+            raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
+        return task.cost(overrides)
+
     async def prepare(
         self, backend_for: Callable[[str], tuple[str, InferenceBackend]], cache_dir: Path | None
     ) -> list[PluginError]:

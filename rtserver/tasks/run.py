@@ -126,6 +126,12 @@ class PromptTask:
             body = body[:keep] if self.task.truncate == "head" else body[-keep:]
         return prefix + body + self._suffix_ids(suffix), choices, template, chat
 
+    def cost(self, overrides: dict | None = None) -> int:
+        """The most tokens one call can take: the longest prompt and what it may generate."""
+        prompt, choices, _, _ = self._render("x")
+        new = 0 if choices is not None else self.task.sampling(overrides).max_new_tokens
+        return len(prompt) + self.task.max_input_tokens + new
+
     # -- running ------------------------------------------------------------------------------
     async def run(
         self,

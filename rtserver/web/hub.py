@@ -442,20 +442,31 @@ class Connection(QueuedConnection):
 
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:
         hub = self.hub
+        held: Reservation = NoReservation()
         try:
-            out = await hub.state.tasks.run(
+            tasks = hub.state.tasks
+            held = hub.admission.reserve(
+                Surface.PUBLIC, self.client_ip, tasks.cost(msg.task, msg.options or None)
+            )
+            out = await tasks.run(
                 hub.state.backend_for(msg.task), msg.task, msg.input, msg.options or None, scope=self.scope
             )
+            held.release(out.usage.get("prompt_tokens", 0) + out.usage.get("generated_tokens", 0))
             hub.metrics.requests.labels("ws", "task").inc()
             await self.send(events.result_event(msg.id, out))
         except asyncio.CancelledError:
             await self.error("cancelled", "the task was cancelled", msg.id)
+        except Refused as refused:
+            await self.error(
+                refused.code, refused.message, msg.id, retry_after_s=round(refused.retry_after_s, 3)
+            )
         except Exception as exc:
             code, message = error_code(exc)
             if code == "internal" and not hasattr(exc, "code"):  # a TaskError was logged where it arose
                 log.exception("task %s (request %s) failed", msg.task, msg.id)
             await self.error(code, message, msg.id)
         finally:
+            held.release()
             self.requests.pop(msg.id, None)
 
     def _task_ended(self, request_id: str, task: asyncio.Task) -> None:

@@ -1,10 +1,7 @@
-"""How a stateless task runs: `PromptTask` binds a `Task` to the tokenizer, renders its prompt (the
-fixed prefix tokenized once, so every call shares its KV) and runs a call on an `InferenceBackend`:
-label scoring with calibration for `Choices`, or generation and the task's parser. Results are kept in
-the task's LRU/TTL cache when it declares one. A task with a learned head (`Task.head`) is `prepare`d
-once the backend runs: a classifier per prompt is loaded from the plugin's fitted-heads file when its hash
-matches, else fitted on the examples' features (computed, or read from the cache; head.py); calls on that
-prompt then take the head's answer from the same forward.
+"""How a stateless task runs: `PromptTask` binds a `Task` to the tokenizer and runs calls on a backend.
+
+The prompt's fixed prefix is tokenized once, so every call shares its KV. Calls score `Choices` with
+calibration (or a learned head, `prepare`d once the backend runs) or generate and parse.
 """
 
 from __future__ import annotations

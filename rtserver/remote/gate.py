@@ -3,7 +3,7 @@
 Continuous-batching servers admit requests only between iterations, so a burst's first request sent
 alone would start an iteration alone while the rest wait. A request waits until none has been started
 (`arrived`) for `window_s` and every request taking its connection (`expect`) has come, for at most
-`max_hold_s`; `window_s = 0` turns the gate off.
+`max_hold_s`. A lone request pays `window_s`; `window_s = 0` turns the gate off.
 """
 
 from __future__ import annotations

@@ -16,12 +16,9 @@ BENCH_WORKLOADS = ["burst", "single", "arrival", "multi-turn", "sentiment", "e2e
 DEFAULT_WORKLOADS = BENCH_WORKLOADS[:-1]
 
 
-# The model runs on the engine's scheduler thread, not the main one. libgomp (torch's OpenMP) counts
-# every thread that ever led a parallel region and, once that count passes the CPUs, lets idle workers
-# spin only ~100 iterations before sleeping: each of a decode step's parallel regions then waits for a
-# futex wake, and a step off the main thread took twice as long (README, Performance). Active waiting
-# with a bounded spin keeps workers hot between a step's regions and still lets them sleep between
-# steps. Read once, when torch loads libgomp: set before torch is imported.
+# The model runs on the scheduler thread, where libgomp lets idle workers sleep almost at once, so each
+# parallel region of a step waits for a wake-up. A bounded active spin keeps them hot within a step;
+# libgomp reads it once, so it is set before torch is imported.
 OPENMP_WAIT = {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000"}
 
 

@@ -1,8 +1,7 @@
 """Typed settings: config.toml → `Settings`, with `RTSERVER_<SECTION>_<KEY>` environment overrides.
 
-Every setting is a dataclass field with a default and, where it matters, the allowed values
-(`choices`) or range (`min`/`max`) in its metadata. An invalid value raises `ConfigError` naming the
-key, the value and what is allowed, so start-up stops with a message a person can act on.
+Each field holds its default and its allowed values or range; what a key does is documented once, in
+config.toml. An invalid value raises `ConfigError` naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -16,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# model.dtype: how the engine stores and computes the weights (rtserver.engine.model maps each one)
+# rtserver.engine.model maps each dtype to a storage
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "gguf")
 BACKENDS = ("local", "openai")
 
-# RTSERVER_* variables that are not settings: the config file, the test suite's switches and the remote
-# bench's (tools/remote_bench.py)
+# RTSERVER_* variables that are not settings, so they are not reported as typos
 NOT_SETTINGS = {
     "RTSERVER_CONFIG",
     "RTSERVER_SLOW_TESTS",
@@ -49,15 +47,12 @@ class ServerSettings:
     host: str = _setting("127.0.0.1")
     port: int = _setting(8000, min=0, max=65535)
     log_level: str = _setting("info", choices=("debug", "info", "warning", "error"))
-    # WebSocket hub (rtserver/web/hub.py, docs/protocol.md)
     max_frame_bytes: int = _setting(65536, min=1024, max=16 << 20)
     max_in_flight: int = _setting(8, min=1, max=1024)
     send_queue_size: int = _setting(256, min=8, max=100_000)
     slow_client_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
     shutdown_grace_s: float = _setting(10.0, min=0.0, max=3600.0)
     forwarded_allow_ips: list[str] = _setting(["127.0.0.1"])
-    # connections (rtserver/web/admission.py): a /ws socket must start its session this soon; open
-    # sockets per client (IPv6 by /64; 0 = no cap); connections and requests in all (uvicorn)
     hello_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
     max_connections_per_ip: int = _setting(64, min=0, max=1_000_000)
     max_connections: int = _setting(2000, min=1, max=1_000_000)
@@ -69,32 +64,23 @@ class ModelSettings:
     dtype: str = _setting("auto", choices=DTYPES)
     threads: int = _setting(0, min=0, max=1024)
     cache_dir: str = _setting("~/.cache/rtserver")
-    # where inference runs: "local" (the in-process engine) or "openai" (the [backend] servers; the
-    # tokenizer and chat template still come from `model`)
     backend: str = _setting("local", choices=BACKENDS)
 
 
 @dataclass
 class BackendSettings:
-    """Remote OpenAI-compatible inference servers (vLLM, llama-server, rtserver nodes): model.backend =
-    "openai" or a task's `backend = "openai"`."""
+    """Remote OpenAI-compatible inference servers, used by model.backend or a task's backend = "openai"."""
 
     urls: list[str] = _setting([])
     api_key: str = _setting("")
-    model: str = _setting("")  # the served model name; empty: what the server's /v1/models lists first
+    model: str = _setting("")
     timeout_s: float = _setting(60.0, min=0.1, max=3600.0)
     max_in_flight_per_url: int = _setting(64, min=1, max=100_000)
     health_interval_s: float = _setting(5.0, min=0.1, max=3600.0)
-    # circuit breaker: this many failures in a row take a URL out for `retry_after_s`, then one probe
     failures_to_open: int = _setting(3, min=1, max=1000)
     retry_after_s: float = _setting(10.0, min=0.1, max=3600.0)
-    # > 0: upstream requests are held until no request has been started for this long (at most 20 ms,
-    # or 4x it if longer), so that a burst reaches the server together (remote/gate.py); 0 = off. 3 ms:
-    # the hub, reading a burst on new client connections, started its second request 0.3-3.2 ms after
-    # the first (README, "Remote backends"); a lone request pays the window
+    # A few ms covers the gap between a burst's requests as the hub reads them; a lone request pays it.
     send_window_ms: float = _setting(3.0, min=0.0, max=1000.0)
-    # when a reply ends, send its session's next-turn prefix (history, end of the reply, next user header)
-    # to the session's server at once, so the next turn prefills only its message (remote/backend.py)
     prefetch_next_turn: bool = _setting(True)
 
 
@@ -110,12 +96,10 @@ class EngineSettings:
 
 @dataclass
 class SessionSettings:
-    """Session lifetime and resume (owned by the hub)."""
+    """Session lifetime and resume, and the agent console's view of them."""
 
     idle_timeout_s: float = _setting(600.0, min=1.0, max=86400.0)
     max_sessions: int = _setting(10000, min=1, max=10_000_000)
-    # agent console (rtserver/web/console.py): mood over the last N tagged customer messages, messages kept
-    # per conversation for the console, and how long a disconnected agent keeps its take-overs
     console_mood_window: int = _setting(5, min=1, max=1000)
     console_max_messages: int = _setting(200, min=10, max=100_000)
     console_takeover_grace_s: float = _setting(30.0, min=0.0, max=86400.0)
@@ -123,32 +107,25 @@ class SessionSettings:
 
 @dataclass
 class SecuritySettings:
-    """Tokens, origins and rate limits (owned by the hub)."""
+    """Each door's credential, origins and the limits per connection and client."""
 
     console_token: str = _setting("")
-    # surfaces (rtserver/web/admission.py): /ws hello token (empty = public); the HTTP inference API's
-    # bearer token and switch; /metrics and /health detail. Empty API and ops tokens: loopback only.
     ws_token: str = _setting("")
     api_token: str = _setting("")
     api_enabled: bool = _setting(True)
     ops_token: str = _setting("")
     allowed_origins: list[str] = _setting([])
-    # token costs per client and door: tokens held by running generations, tokens used per second
-    # (prompt + generated; 0 = off), and the share of the engine's KV the API may hold (1 = no limit)
     ip_tokens_in_flight: int = _setting(16384, min=0, max=100_000_000)
     ip_tokens_per_s: float = _setting(1000.0, min=0.0, max=1e9)
     ip_tokens_burst: int = _setting(32768, min=1, max=100_000_000)
     api_kv_share: float = _setting(0.5, min=0.0, max=1.0)
-    # token buckets (rtserver/web/ratelimit.py); a rate of 0 turns that limit off
     rate_limit_per_s: float = _setting(5.0, min=0.0, max=1e6)
     rate_limit_burst: int = _setting(20, min=1, max=1_000_000)
     ip_rate_limit_per_s: float = _setting(20.0, min=0.0, max=1e6)
     ip_rate_limit_burst: int = _setting(60, min=1, max=1_000_000)
     max_sessions_per_ip: int = _setting(50, min=0, max=10_000_000)
-    # the agent console's door (rtserver/web/console.py)
     console_login_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
-    console_login_failures_per_min: int = _setting(10, min=0, max=1_000_000)  # per client IP; 0 = off
-    # the most tokens one request may ask for on /v1/completions and /v1/chat/completions
+    console_login_failures_per_min: int = _setting(10, min=0, max=1_000_000)
     api_max_tokens: int = _setting(2048, min=1, max=1_000_000)
 
 
@@ -165,15 +142,14 @@ class TaskSettings:
 
 @dataclass
 class ClusterSettings:
-    """Many nodes as one through Redis (rtserver/web/cluster/); an empty `redis_url` is the single
-    process, everything in memory."""
+    """Many nodes as one through Redis; an empty `redis_url` keeps everything in this process."""
 
-    redis_url: str = _setting("")  # redis://host:6379/0, rediss://… or unix:///path
-    node_id: str = _setting("")  # empty: host:port
+    redis_url: str = _setting("")
+    node_id: str = _setting("")
     key_prefix: str = _setting("rtserver")
-    heartbeat_s: float = _setting(2.0, min=0.1, max=600.0)  # node registry; a node is dead after 3 missed
-    op_timeout_s: float = _setting(2.0, min=0.05, max=60.0)  # bound of every Redis call
-    max_connections: int = _setting(32, min=2, max=10_000)  # Redis connections per node (calls wait)
+    heartbeat_s: float = _setting(2.0, min=0.1, max=600.0)
+    op_timeout_s: float = _setting(2.0, min=0.05, max=60.0)
+    max_connections: int = _setting(32, min=2, max=10_000)
 
 
 @dataclass
@@ -186,7 +162,7 @@ class Settings:
     security: SecuritySettings = field(default_factory=SecuritySettings)
     tasks: TaskSettings = field(default_factory=TaskSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
-    # [task.<name>] tables: per-task overrides of what a plugin declares (checked by the task registry)
+    # [task.<name>] tables; the task registry checks them against each plugin's declaration
     task: dict = field(default_factory=dict)
 
 
@@ -299,8 +275,7 @@ def _check_cluster(settings: Settings) -> None:
 
 
 def _check_backends(settings: Settings) -> None:
-    """Cross-setting rules of where inference runs: remote servers need URLs, and a task's placement
-    names a known backend."""
+    """Remote servers need URLs, and a task's placement names a known backend."""
     placements = {
         f"task.{name}.backend": table["backend"]
         for name, table in settings.task.items()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from pathlib import Path
 
@@ -11,20 +12,64 @@ import pytest
 from rtserver.config import ConfigError, Settings, load_settings, settings_from_mapping
 
 
+def _settings_sections():
+    """(section name, its dataclass of defaults) for every settings section; [task.<name>] is not one."""
+    defaults = Settings()
+    for section in dataclasses.fields(Settings):
+        value = getattr(defaults, section.name)
+        if dataclasses.is_dataclass(value):
+            yield section.name, value
+
+
+def _commented_keys(text: str) -> dict[tuple[str, str], str]:
+    """(section, key) -> the comment on that key's line in a TOML file of `key = value  # comment` lines."""
+    found: dict[tuple[str, str], str] = {}
+    section = ""
+    for line in text.splitlines():
+        if header := re.fullmatch(r"\[([\w.]+)\]\s*", line):
+            section = header.group(1)
+        elif key := re.match(r"(\w+)\s*=", line):
+            found[(section, key.group(1))] = _comment_after_value(line[key.end() :])
+    return found
+
+
+def _comment_after_value(rest: str) -> str:
+    """The comment after a TOML value: from the first `#` that is not inside the value."""
+    for at in (i for i, ch in enumerate(rest) if ch == "#"):
+        try:
+            tomllib.loads(f"v = {rest[:at]}")
+        except tomllib.TOMLDecodeError:
+            continue
+        return rest[at + 1 :].strip()
+    return ""
+
+
 def test_repository_config_toml_loads_with_defaults_documented():
     s = load_settings("config.toml", env={})
     assert s.model.model == "embedded" and s.engine.max_running == 64
     assert s.task["chat"]["max_new_tokens"] == 128
-    # every setting is in the file (the README points there for each key), with its default value
+    # every setting is in the file (the one place settings are documented), with its default value
     data = tomllib.loads(Path("config.toml").read_text())
-    defaults = Settings()
-    for section in dataclasses.fields(Settings):
-        value = getattr(defaults, section.name)
-        if not dataclasses.is_dataclass(value):
-            continue  # [task.<name>]: per-task overrides
-        for key in dataclasses.fields(value):
-            assert key.name in data.get(section.name, {}), f"{section.name}.{key.name} is not in config.toml"
-            assert getattr(getattr(s, section.name), key.name) == getattr(value, key.name), key.name
+    for name, defaults in _settings_sections():
+        for key in dataclasses.fields(defaults):
+            assert key.name in data.get(name, {}), f"{name}.{key.name} is not in config.toml"
+            assert getattr(getattr(s, name), key.name) == getattr(defaults, key.name), key.name
+
+
+def test_every_setting_in_config_toml_has_a_comment():
+    comments = _commented_keys(Path("config.toml").read_text(encoding="utf-8"))
+    sections = dict(_settings_sections())
+    expected = {(name, f.name) for name, defaults in sections.items() for f in dataclasses.fields(defaults)}
+    missing = sorted(f"{s}.{k}" for s, k in expected if len(comments.get((s, k), "")) < 8)
+    assert missing == [], f"keys in config.toml without a comment saying what they do: {missing}"
+    # and the file holds nothing else in the settings sections
+    assert {(s, k) for s, k in comments if s in sections} == expected
+
+
+def test_commented_keys_reads_what_the_test_relies_on():
+    text = '[a]\nx = 1  # one\ny = "p # q"\nw = "#" # three\n[b]\nz = [1, 2]  # two'
+    expected = {("a", "x"): "one", ("a", "y"): "", ("a", "w"): "three", ("b", "z"): "two"}
+    assert _commented_keys(text) == expected
 
 
 def test_environment_overrides_win():

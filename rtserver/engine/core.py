@@ -1,10 +1,7 @@
-"""The local engine: the async face of the model, an `InferenceBackend`. Owns the runner, KV manager,
-scheduler and its worker thread.
+"""The local engine: the async face of the model, an `InferenceBackend` over runner, KV and scheduler.
 
-`generate()` returns a `GenerationStream`, an async iterator of `TokenEvent`s whose `result()` is the
-final `SequenceResult`; `score()` returns label log-probabilities. The scheduler runs on its own
-thread; each step's events reach the event loop in one `call_soon_threadsafe`, so a busy step costs the
-loop one callback, not one per token.
+The scheduler runs on its own thread; each step's events reach the event loop in one
+`call_soon_threadsafe`, so a busy step costs the loop one callback, not one per token.
 """
 
 from __future__ import annotations

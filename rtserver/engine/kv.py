@@ -1,22 +1,10 @@
 """KV cache manager: where every sequence's keys and values live, inside one fixed memory budget.
 
-The pool is one preallocated tensor per K and V, `[layers, slots, kv_heads, head_dim]`, cut into blocks of
-`block_tokens` slots. A `KVHandle` is a list of blocks plus the token ids whose KV they hold; token
-position p lives in slot `blocks[p // block_tokens] * block_tokens + p % block_tokens`.
-
-Two kinds of reuse, both reference counted so nothing is computed twice or freed while in use:
-- a session's KV between its turns (`release(handle, session_key)`, matched by longest common prefix);
-- automatic prefix caching: every full block of computed prompt is registered under a hash chain of
-  the tokens up to its end, so any later prompt that starts the same way (the chat system prompt, a
-  task's fixed instruction) shares those blocks instead of recomputing them — and where the prompt
-  leaves a cached block part-way (a task's few-shot prefix ending mid-block, then new text), the
-  shared leading tokens of that block are reused too (copied into the prompt's own block).
-Only a prompt's public prefix (`public_tokens`: text the server wrote, such as the system prompt or a
-task's fixed instruction) is matched against and offered to the prefix cache: the rest is one session's
-own, so what is cached, and how fast a prompt starts, says nothing about another session's text.
-A block that is shared is never written: a sequence writes only past its reused prefix, and a partly
-reused block is copied first. Idle entries are evicted least recently used first when a new sequence
-needs room. The pool never grows, so the budget holds by construction.
+One preallocated pool is cut into blocks; a `KVHandle` is a list of blocks and the tokens they hold.
+Blocks are reused, reference counted, for a session's next turn and for prompts that share a public
+prefix (`public_tokens`: text the server wrote). A customer's text is never offered to other sessions,
+so what is cached says nothing about another session. Shared blocks are never written; idle entries
+are evicted LRU, and the pool never grows.
 """
 
 from __future__ import annotations

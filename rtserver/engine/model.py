@@ -88,8 +88,8 @@ def resolve_dtype(name: str) -> tuple[torch.dtype, str | None]:
     if name == "auto":
         if cpu_has_native_bf16():
             return torch.bfloat16, None
-        # float16 weights cut the bytes each decode step streams, and the answers stay those of float32
-        # (README: the bench prints the agreement). fbgemm (x86) runs them; elsewhere plain float32.
+        # float16 weights cut the bytes each decode step streams and keep float32's answers; fbgemm
+        # (x86) runs them, elsewhere plain float32 does.
         return (torch.float32, "float16") if fbgemm_available() else (torch.float32, None)
     return {
         "float32": (torch.float32, None),

@@ -1,13 +1,8 @@
-"""Weights kept in the quantized blocks a GGUF file ships (Q4_1, Q8_0): reading them, the fused
-dequantize-matmul kernel that multiplies with them (C++, built once per CPU and cached), and its
-pure-torch twin the tests compare it with.
+"""Weights kept in a GGUF file's own quantized blocks (Q4_1, Q8_0), and the kernel that multiplies with them.
 
-Batch-1 decoding streams every weight once per step, so its speed is the bytes per weight (a Q4_1 block
-is 5 bits a weight against float16's 16) and the instructions per weight. Where the CPU has VNNI the
-kernel rounds each block of 32 activations to 16-bit fixed point and multiplies it with the 4- or 8-bit quants
-in integer dot products (`fixed_point_reference` is that rounding in torch); elsewhere it dequantizes each
-block in registers exactly as the GGUF reader does (d * q, then + m, in float32). Either way a quantized
-matmul equals the float32 engine's (which runs the same file's dequantized weights) up to rounding.
+Batch-1 decoding streams every weight once per step, so fewer bytes a weight mean faster steps. The C++
+kernel is built once per CPU and cached; its pure-torch twin is what the tests compare it with. Results
+equal the float32 engine's on the dequantized weights up to rounding.
 """
 
 from __future__ import annotations
@@ -291,10 +286,9 @@ def quantized_matmul(kernel: Any, x: torch.Tensor, w: QuantizedWeight | Interlea
 
 
 def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, QuantizedWeight], repeats: int = 3) -> int:
-    """The largest step size (rows, up to 16) at which the kernel beats the runner's big-step path over
-    every layer's MLP weights, every smaller size beating it too; 0 if it never does. Every layer, not
-    one: a decode step streams all weights from memory, while one layer's stay in cache and would
-    time the arithmetic only. ~0.5 s at start."""
+    """The largest step size (up to 16 rows) at which the kernel beats the big-step path, 0 if none.
+    It times every layer's MLP, not one: one layer's weights stay in cache and would time only the
+    arithmetic."""
     mlps = []
     for i, layer in enumerate(runner.layers):
         p = f"model.layers.{i}.mlp."
@@ -342,9 +336,7 @@ def head_rows(
     head: Any, kernel: Any, probe_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3
 ) -> int:
     """Rows up to which the output head multiplies with its blocks: the largest step size at which the
-    kernel beats the head's path for bigger steps (`head.big`: interleaved blocks, oneDNN or F.linear),
-    every smaller size beating it too; every row count when it still wins at the last. ~0.2 s at
-    start."""
+    kernel beats `head.big`, every smaller size beating it too."""
     rows = 0
     for m in probe_rows:
         if not _blocks_win(

@@ -1,15 +1,8 @@
 """Model runner: one batched forward for a step plan over the paged KV pool, then sampling.
 
-A lean forward of the Llama/Qwen2 decoder block written directly over the loaded transformers weights
-(q/k/v and gate/up fused into one matmul each). Every token of the step — one per decoding sequence plus
-the prefill chunks — goes through the linear layers as one [tokens, hidden] batch. Attention is the only
-per-sequence part: single-token (decode) rows of similar context length share one SDPA call over their
-gathered, padded context (`_context`); prefill chunks of similar size share one call (queries and
-contexts padded, a causal mask offset by each one's cached length), so a step of many short task prompts
-costs a few calls per layer, not one per prompt.
-Index tensors and masks are built once per step and reused by every layer. Rows that give no logits
-skip the last layer's output projection and MLP, and label scoring reads only the vocabulary columns
-it needs. Tests keep this equal to transformers' own forward.
+A lean Llama/Qwen2 block over the loaded weights runs every token of the step through the linears as
+one batch; only attention is grouped per sequence. Index tensors are built once per step. Tests keep
+it equal to transformers' own forward.
 """
 
 from __future__ import annotations
@@ -476,8 +469,8 @@ class ModelRunner:
         for lin, names in attached:
             lin.use_blocks(QuantizedWeight.cat([blocks[n] for n in names]), kernel, max_rows)
         if self.lm_head.small is not None:
-            # A start-up probe: the kernel up to the step size where the head's big path wins
-            # (README, Performance); again once release_dense_weights has packed it.
+            # A start-up probe finds the step size where the head's big path starts to win; it runs
+            # again once release_dense_weights has packed the head.
             self.lm_head.small_rows = head_rows(self.lm_head, kernel)
         self._choose_fused_rows()
         return len(attached)
@@ -485,8 +478,8 @@ class ModelRunner:
     def _choose_fused_rows(self) -> None:
         """Decode steps run fused (the kernel's decode_layer) where every linear has its blocks: up to
         the blocks' limit, and at every size where every linear also has a big-step weight the kernel
-        can take (interleaved blocks, or oneDNN-packed after release_dense_weights): a layer's ~35 small
-        torch ops cost a 32-row step ~20 ms."""
+        can take (interleaved blocks, or oneDNN-packed after release_dense_weights), since a layer's
+        many small torch ops cost a big step more than one kernel call."""
         linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
         if not all(lin.small is not None for lin in linears):
             return
@@ -498,10 +491,8 @@ class ModelRunner:
         self.fused_decode_rows = 1 << 30 if big else min(lin.small_rows for lin in linears)
 
     def _release_tied_head(self) -> None:
-        """Serving: the tied head's big steps on its interleaved blocks, or else a oneDNN-packed copy of
-        the embedding (a 32-row step's head: ~10 ms against ~24 for F.linear over the dense weight), and
-        the dense embedding dropped for lookups in the head's blocks (their dequantized rows are the
-        dense rows exactly: checked here, else nothing changes)."""
+        """Serving: the tied head's big steps run on its interleaved blocks or a oneDNN-packed copy,
+        and lookups read the head's blocks. Only where their rows dequantize to the dense rows exactly."""
         head, dense = self.lm_head, self.embed
         if head.small is None or dense is None or dense is not head.weight:
             return  # no blocks, or not tied

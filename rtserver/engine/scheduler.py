@@ -1,15 +1,9 @@
 """The one scheduler: which sequences run in each step, admission, cancellation, and the step loop.
 
-Each step is ONE batched forward over a decode token for every running sequence plus up to
-`prefill_chunk_tokens` prompt tokens from sequences still prefilling (oldest first), so a long new
-prompt delays running streams by at most one bounded chunk. Sequences join at any step once they have
-KV room, and leave at the step after they finish or are cancelled. A generation prompt that arrives
-while a step runs need not wait for it to end: the runner asks between layers (`_join`), and the
-prompt joins the step under way, its first token out with that step's tokens. A bounded waiting
-queue refuses work at once (`Overloaded`) instead of letting requests wait forever.
-
-The model work happens in `step()`, called by one worker thread (`run_forever`); `submit` and `cancel`
-are safe to call from any thread.
+Each step is one batched forward: a decode token per running sequence plus a bounded prefill chunk,
+so a long prompt delays running streams by one chunk at most. Sequences join at any step, and a
+prompt arriving mid-step joins the step under way (`_join`). A bounded queue refuses work at once
+(`Overloaded`). One worker thread runs `step()`; `submit` and `cancel` are thread-safe.
 """
 
 from __future__ import annotations
@@ -204,9 +198,9 @@ class Scheduler:
     def _join(self, layer: int) -> list[StepItem]:
         """Asked by the runner between the layers of a step: generation prompts that arrived since the
         step began and whose whole prompt fits what is left of its prefill budget join it now, so their
-        first token comes out with this step's tokens instead of one step later (a step of 32 streams
-        takes ~100 ms and more). Generation prompts in queue order (scoring calls wait for the next step);
-        one too long for this step stops the joining (it is still admitted, for the next step)."""
+        first token comes out with this step's tokens instead of a whole step later. Generation prompts
+        join in queue order (scoring calls wait for the next step); one too long for this step stops the
+        joining (it is still admitted, for the next step)."""
         items: list[StepItem] = []
         if not self.waiting or self._join_budget <= 0:  # the common case, without the lock
             return items

@@ -1,28 +1,9 @@
 """`SendGate`: holds upstream requests for a moment so that the requests of a burst leave together.
 
-Why: llama-server (like other continuous-batching servers) admits new requests only between its decode
-iterations. A burst reaches the hub within a few ms, but leaves it spread over the hub's own
-per-request work (HTTP parsing, the chat template, the upstream request); the first request then starts
-an iteration on its own and the others wait for that iteration to end. Held until the burst has stopped
-arriving and then written one right after another, they reach the server together. Measured
-(docs/remote-bench-history.md, runs A and B): driven directly, llama-server took all 32 requests of
-the burst into its first iteration; through the hub without the gate the first request came alone,
-~1 ms after the hub read it, and the other 31 waited for its iteration (~30 ms) before theirs began.
-
-What "arriving" means: a request is started (`arrived()`, called by the backend when a generation or
-a label score begins, in the loop turn that handled its client's message), not when it reaches the gate:
-the hub handles every message of a burst before the first upstream request is written, so the gaps
-between requests reaching the gate say nothing about whether more are coming, while requests keep
-being started every few hundred microseconds for as long as the hub is taking a burst in.
-
-A request waits until no request has been started for `window_s` and every request that is taking
-its connection to the server (`expect`) has come to the gate (connecting after the window has passed
-while the hub is busy, or one request finding a kept-alive connection and coming at once, would
-otherwise be let go alone and start the server's iteration alone), and never longer than `max_hold_s`
-after its group's first (a steady stream of requests is not held back without end): a lone request
-pays `window_s`. A request whose connection fails is `forget`-ed. Before letting a group go the gate
-lets the loop run the tasks already queued (the handlers of messages read in the same loop turn), so a
-request read but not yet started still counts. `window_s = 0` turns the gate off.
+Continuous-batching servers admit requests only between iterations, so a burst's first request sent
+alone would start an iteration alone while the rest wait. A request waits until none has been started
+(`arrived`) for `window_s` and every request taking its connection (`expect`) has come, for at most
+`max_hold_s`. A lone request pays `window_s`; `window_s = 0` turns the gate off.
 """
 
 from __future__ import annotations
@@ -43,7 +24,8 @@ class SendGate:
         self.groups = 0  # groups released: requests / groups is the mean group size
 
     def arrived(self) -> None:
-        """A request has been started (it comes to `wait` a few loop turns later)."""
+        """A request has been started; it comes to `wait` a few loop turns later. Starts, not arrivals
+        at the gate, tell whether a burst is still coming in: the hub starts a whole burst first."""
         self.arrivals += 1
         if self.window_s > 0:
             self._last = asyncio.get_running_loop().time()

@@ -1,15 +1,8 @@
-"""The remote servers one backend spreads its work over: each URL's health, its circuit breaker and
-its bound on requests in flight, and which URL a session sticks to.
+"""The remote servers a backend spreads its work over: health, circuit breaker, in-flight bound, affinity.
 
-Affinity: a session goes to the URL with the highest rendezvous hash of (session key, URL) among the
-URLs that are up, so its turns land where the server's prefix cache holds its earlier tokens. When that
-URL goes down only its own sessions move (to their next-highest URL); when it comes back they return.
-Requests without a session key (task calls) spread by the fewest in flight.
-
-Circuit breaker per URL: `failures_to_open` failures in a row (a refused connection, a 5xx, a timeout)
-open it: nothing goes there for `retry_after_s` (the health check waits too), then it is half-open: the
-health check or one request probes it, one at a time; a success closes it, a failure opens it for
-another `retry_after_s`. A health check that fails counts as a failure too.
+A session sticks to the up URL with the highest rendezvous hash, so its turns meet the server's prefix
+cache and only a downed URL's sessions move. Task calls go to the fewest in flight. `failures_to_open`
+failures in a row open a URL's breaker for `retry_after_s`; then one probe at a time decides.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
-"""The stateful chat task: how one chat turn becomes a prompt, for every front door (WebSocket sessions,
-the agent console, the HTTP API).
+"""The stateful chat task: how one chat turn becomes a prompt, for every front door.
 
-`ChatTask.prepare_turn` cleans the user's message (control characters stripped, the newest part kept
-within the task's token limit), windows the history and renders the window through the tokenizer's
-chat template, continuing from the model's own reply tokens of the last turn (`continue_prompt`): only
-the text after the last turn is tokenized, so a turn's cost does not grow with the history.
-
-History window (chunked cut): the history is a list of `{"role", "content"}` messages. Before a new
-user turn is rendered, if the history plus that turn has more than `max_history_turns` user turns or
-its rendered prompt has more than `max_history_tokens` tokens, the oldest whole turns are dropped until
-the window is at most HALF of those limits. Cutting in big chunks instead of one turn per message keeps
-the rendered prompt's beginning identical for many turns in a row, so the backend (which reuses a
-session's KV by longest common token prefix) recomputes only the new tokens on most turns and the whole
-window only once per cut.
-
-Message contents are data, never template: the template is rendered with a letters-only stand-in
-for each message's content, and the result is split at the stand-ins. The template's own pieces are
-tokenized with its special tokens, each content with `split_special_tokens=True`, so a message that
-spells "<|im_end|>" or "<|im_start|>system" stays plain text and can never open a turn of its own.
-Roles come only from the history's structure. The prompt's ids before the first content a client or
-agent wrote (`public_tokens`: the template's header and the server's system prompt) are the only ones
-a backend may share with other sessions' prompts.
-
-Next-turn prefix (`ChatTask.next_turn_prefix`): when a reply ends, the tokens that will come before the
-next user message are known already (the history, the end of the assistant turn and the next user
-turn's header), so a backend can compute them before that message arrives. A content is tokenized on
-its own, so they are the next prompt's ids up to that message's content, whatever it is.
+`ChatTask.prepare_turn` continues from the last turn's ids, so a turn's cost does not grow with the
+history. The history window is cut in big chunks, down to half its limits, so the prompt's start stays
+the same for many turns and the backend reuses the session's KV. Message contents are data, never
+template: each is tokenized on its own with special tokens split, and roles come only from the history.
+Only the template's header and the system prompt (`public_tokens`) may be shared with other sessions.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The task declaration plugin authors write: `Task`, `Choices`, `Variant`, and what a declaration
-checks and decides by itself (its limits, input cleaning, decoding with client overrides).
+"""The task declaration plugin authors write: `Task`, `Choices`, `Variant`, `LearnedHead`.
 
-A plugin is a Python file that defines `TASK = Task(...)`, or `make_task(options) -> Task` when it takes
-options of its own from its `[task.<name>]` table. Stateless tasks render a prompt from a template whose
-part before `{text}` is a fixed prefix the engine shares between calls; they either generate text and
-parse it, or score a closed set of `Choices` in one forward pass. The stateful `chat` task renders a
-session's history through the tokenizer's chat template. How a declaration runs: `run.py` and
-`chat.py`; how plugins are found: `registry.py`.
+A declaration checks itself and owns its limits, input cleaning and decoding with client overrides.
+How it runs: `run.py` and `chat.py`; how plugins are found: `registry.py`.
 """
 
 from __future__ import annotations
@@ -60,19 +55,12 @@ class Choices:
 
 @dataclass
 class LearnedHead:
-    """Labeled examples a scoring task ships (a JSONL file of `{"text": ..., "label": ...}` next to the
-    plugin): at start-up rtserver computes each example's hidden-state features through the task's own
-    prompt and fits a logistic regression on them (plus the calibrated label scores); calls then take
-    the head's answer from the same forward pass as label scoring — no extra tokens. One head per
-    variant (and one for the task's own prompt), fitted on the examples that select it: a variant with
-    the task's very prompt gives e.g. Chinese input a head of its own. Needs a backend with hidden states
-    (the local engine); on another the task falls back to label scoring, with a warning naming both.
-    Without a `head` a task scores labels exactly as before.
+    """Labeled examples a scoring task ships, fitted at start-up into a classifier on hidden states.
 
-    `fitted` names the plugin's fitted-heads file (`rtserver fit-heads` writes it): a head whose hash
-    (model, prompt, verbalizers, examples, fit settings) is in it is loaded instead of fitted, so a
-    start needs no feature computation; any mismatch (another model or dtype, an edited prompt or
-    examples file) fits the head from the examples as without the file, and the log says which."""
+    Calls then answer from the same forward pass as label scoring, at no extra tokens. On a backend
+    without hidden states the task falls back to label scoring. `fitted` names the file `rtserver fit-heads`
+    writes; a head whose hash matches is loaded instead of fitted.
+    """
 
     examples: str | Path  # the JSONL file; a relative path is relative to the working directory
     labels: dict[str, str] = field(default_factory=dict)  # the file's label -> the task's label

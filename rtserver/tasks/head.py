@@ -1,14 +1,8 @@
-"""A task's learned head: a small calibrated classifier (multinomial logistic regression, numpy) fitted at
-start-up on the model's hidden-state features of the task's own labeled examples, applied in the same
-forward pass as label scoring (zero extra tokens).
+"""A task's learned head: a logistic regression on hidden-state features, read from the scoring forward.
 
-What it owns: reading a plugin's examples file (JSONL `{"text", "label"}`), the classifier (fit,
-probabilities), the on-disk cache of the examples' features (keyed by a hash of the model, the prompt, the
-verbalizers and the data: only the first start with a new combination computes them), and the fitted-heads
-file a plugin ships (`LearnedHead.fitted`: each head's weights under the hash of everything its fit
-depends on, so a server whose model, prompt and data match loads it in milliseconds instead of computing
-the examples' features). The features come from `FeatureScorer.score_features`
-(rtserver/engine/backend.py); `run.py` decides when the head is used.
+It owns reading the examples file, the classifier, the feature cache and the fitted-heads file a plugin
+ships. Both are keyed by a hash of everything the fit depends on, so only a new combination computes
+features. `run.py` decides when the head is used.
 """
 
 from __future__ import annotations

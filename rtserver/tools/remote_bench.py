@@ -1,32 +1,9 @@
-"""`rtserver bench --workloads remote`: rtserver as a hub in front of llama.cpp's llama-server, beside the
-same llama-server driven directly, in one run.
+"""`rtserver bench --workloads remote`: the hub in front of llama-server, beside it driven directly.
 
-- multi-turn (first, on a server that has already served the warm-up's chats, so its cache holds the
-  system prompt): the multi-turn workload through the hub (tools/loadclient.py; 16 WebSocket sessions ×
-  6 turns, 48 new tokens per reply, as the engine's multi-turn workload): TTFT per turn, turn 5 / turn 1,
-  and the prompt tokens the server had cached (session affinity keeps them warm). Through the hub with
-  its next-turn prefetch (the default) and without it, llama-server driven directly with the same
-  prompts, and through the hub with THINK_S seconds between a reply and the next message (a person
-  reading and typing: where the prefetch can act), with and without the prefetch.
-- burst: 32 OpenAI streaming clients at once (the burst workload's messages, greedy, exactly 64 new
-  tokens with EOS ignored) against llama-server itself — through its `/v1/chat/completions`, and through
-  its `/v1/completions` with the very token ids the hub sends (the chat template rendered as the hub
-  renders it) — then the first client against `rtserver serve` with `model.backend = "openai"` pointing
-  at that llama-server. Tokens/s and time to first token; the hub's ratio and its added TTFT are taken
-  against the better of the two direct runs.
-
-Every figure is taken REPS times (RTSERVER_BENCH_REMOTE_REPS), the runs interleaved, and the reported
-figure is the median run's; every run's figure is kept in the JSON. Before each multi-turn run the
-server's slots are erased and the warm-up chats replayed, so every run starts from the same cache.
-
-Placements (RTSERVER_BENCH_REMOTE_PLACEMENTS, comma-separated, default "shared,split"): "shared" runs
-llama-server with `-t <threads>` and the hubs and clients on the same cores; "split" pins llama-server
-to half of the cores (`-t` one per core; one of two) and the hubs and this process (the clients) to the
-other half, as a hub on cores of its own in front of an inference server. The split runs the burst and
-the multi-turn bar's two runs (through the hub, directly); the prefetch's comparisons run on "shared".
-
-llama-server is built by rtserver/tools/llama_build.py (cached per CPU) and runs the embedded GGUF file
-as is, with `-np 32 -c 16384`.
+Multi-turn sessions (with and without the next-turn prefetch, and with pauses between turns) and a
+32-stream burst run through the hub and directly. Each figure is the median of REPS interleaved runs
+(`RTSERVER_BENCH_REMOTE_REPS`), each run starting from the same server cache. Placements
+(`RTSERVER_BENCH_REMOTE_PLACEMENTS`): "shared" cores, or "split" with llama-server pinned apart.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ WRITEUP_PROMPT = (
     "Classify the sentiment of the following text as positive or negative. "
     "Answer with one word only.\nText: {text}"
 )
-CACHED_ROUNDS = 5  # the cached burst is repeated; its median is reported (a single ~10 ms burst is noisy)
+CACHED_ROUNDS = 5  # the cached burst is short and noisy: repeated, its median is reported
 AUTO_TASK_CHATS = 8  # chat replies measured per mode (alone / with the auto-task / forced same step)
 # Distinct first words: no message shares more than the chat template's head with another (prefix cache).
 AUTO_TASK_MESSAGES = [

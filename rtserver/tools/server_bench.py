@@ -1,20 +1,9 @@
-"""`rtserver bench --workloads servers`: llama.cpp's `llama-server` and a real `rtserver serve`, one after
-the other on the same machine, driven by the same OpenAI streaming clients (tools/openai_client.py)
-through /v1/chat/completions with the workloads of ../shared/WORKLOADS.md:
+"""`rtserver bench --workloads servers`: `llama-server` and a real `rtserver serve`, one at a time.
 
-- burst: the 32 burst messages at once, exactly 64 new tokens each (EOS ignored), greedy;
-- single: the one story prompt, exactly 128 new tokens;
-- arrival: 32 burst streams of 200 tokens decode while new single-style requests (2 tokens) are sent
-  one after another; the time to first token of each, against the gap between two tokens of the
-  background streams meanwhile (one decode step of that batch).
-
-Every request is greedy with `ignore_eos`; llama-server also gets `cache_prompt: false`, so no request
-reuses another's prompt. Each server is warmed with requests of other messages first (untimed), and its
-peak RSS (VmHWM) is read before it stops.
-
-llama-server runs the embedded GGUF as shipped (Q4_1) with `-np 33 -c 8448 -t <threads> --jinja`: 256
-tokens of context per slot as `-np 32 -c 8192`, plus one slot so that an arrival finds a free slot beside
-the 32 background streams instead of queueing until one of them ends.
+Both get the same OpenAI streaming clients on the burst, single and arrival workloads, greedy with
+`ignore_eos` (llama-server with `cache_prompt: false`), after an untimed warm-up; their peak RSS is read
+before they stop. llama-server runs the embedded GGUF as shipped, with one slot more than the 32 burst
+streams so that an arrival does not queue.
 """
 
 from __future__ import annotations

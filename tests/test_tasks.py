@@ -20,6 +20,8 @@ from rtserver.tasks.chat import ChatTask
 from rtserver.tasks.registry import load_registry
 from rtserver.tasks.run import PromptTask
 
+from .conftest import reference_greedy
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILTIN = str(ROOT / "plugins")
 EXAMPLES = str(ROOT / "examples" / "plugins")
@@ -470,12 +472,16 @@ def test_generative_parser_with_neutral_and_renamed_labels(tok):
     assert parse("正面还是负面") == {"label": None, "valid": False}
 
 
-async def test_generative_mode_end_to_end(tok, engine):
+async def test_generative_mode_end_to_end(smol, tok, engine):
+    """Greedy tokens equal transformers' float32 ones on the task's prompt; the parser reads them."""
     registry = builtin(tok, sentiment={"mode": "generate"})
-    out = await registry.run(engine, "sentiment", {"text": "I love this phone, it is wonderful."})
-    assert out.usage["generated_tokens"] <= 3
-    assert set(out.output) == {"label", "valid"}
-    assert out.output["valid"] == (out.output["label"] in ("positive", "negative"))
+    text = "I love this phone, it is wonderful."
+    prompt = registry.get("sentiment").render(text)[0]
+    want = reference_greedy(smol, prompt, 3)
+    out = await registry.run(engine, "sentiment", {"text": text})
+    assert out.text == tok.decode(want, skip_special_tokens=True)
+    assert out.usage["prompt_tokens"] == len(prompt) and out.usage["generated_tokens"] == len(want) == 3
+    assert out.output == {"label": "positive", "valid": True}
 
 
 # -- label scoring ---------------------------------------------------------------------------------

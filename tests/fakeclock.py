@@ -6,10 +6,11 @@ import time
 
 
 class FakeClock:
-    """Stands still until `advance`; starts at the real monotonic time so it can replace that clock."""
+    """Stands still until `advance`. It starts at the real monotonic time (so it can replace that clock),
+    rounded to a whole second so that steps such as 0.25 add exactly."""
 
     def __init__(self) -> None:
-        self.now = time.monotonic()
+        self.now = float(round(time.monotonic()))
 
     def __call__(self) -> float:
         return self.now

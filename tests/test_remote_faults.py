@@ -462,12 +462,12 @@ async def test_an_open_breaker_waits_retry_after_s_even_when_health_answers(smol
             assert err["type"] == "error" and err["code"] == "backend_unavailable", err
             fake.status = 200
             checks = fake.health_checks
-            clock.advance(0.99)
+            clock.advance(0.75)
             await asyncio.sleep(0.2)  # ten health intervals: none may probe yet
             assert fake.health_checks == checks
             health = (await get(base, "/health")).json()
             assert server_health(health, fake.url)["state"] == "down", health
-            clock.advance(0.01)
+            clock.advance(0.25)
 
             async def closed() -> bool:
                 return server_health((await get(base, "/health")).json(), fake.url)["state"] == "up"

@@ -98,16 +98,16 @@ def test_breaker_opens_after_failures_probes_after_retry_and_closes_on_success()
     assert p.state(up) == "down" and not p.usable(up)
     assert up.last_error == "boom 2" and up.errors == 5
     assert all(p.choose(k).url != up.url for k in KEYS)
-    clock.advance(9.9)
+    clock.advance(9.75)
     assert p.state(up) == "down" and not p.usable(up)  # not yet retry_after_s
-    clock.advance(0.1)
+    clock.advance(0.25)
     assert p.state(up) == "probing" and p.usable(up)  # one probe may go through now
     clock.advance(5.0)
     p.failed(up, "probe failed")  # a failed probe re-opens for another retry_after_s
     assert p.state(up) == "down"
-    clock.advance(9.9)
+    clock.advance(9.75)
     assert p.state(up) == "down"
-    clock.advance(0.1)
+    clock.advance(0.25)
     assert p.state(up) == "probing"
     p.succeeded(up)
     assert p.state(up) == "up" and up.failures == 0 and up.opened_at is None

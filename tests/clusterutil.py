@@ -9,17 +9,17 @@ import shutil
 from pathlib import Path
 
 import httpx
-import pytest
 
 from rtserver.tools.serverproc import RedisProcess
 
+from .components import missing
 from .serverutil import ScriptedEngine, make_settings, recv_json, scripted_app, serve, wait_for
 
 
 def redis_binary() -> str:
     found = shutil.which("redis-server")
     if found is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server; ./run test does it)")
+        missing("redis-server", "apt-get install -y redis-server (./run test does it)")
     return found
 
 

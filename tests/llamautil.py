@@ -4,7 +4,6 @@ rtserver/tools/llama_build.py (cached), started on a free 127.0.0.1 port, stoppe
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 from pathlib import Path
 
@@ -12,11 +11,21 @@ from rtserver.engine.model import embedded_model_path
 from rtserver.tools.llama_build import llama_server_path
 from rtserver.tools.serverproc import LlamaServerProcess
 
+from .components import missing
+
 
 def llama_server_binary() -> Path | None:
     """The cached build for this CPU, or None (`./run test` builds it when RTSERVER_SLOW_TESTS=1)."""
     path = llama_server_path()
     return path if path.is_file() else None
+
+
+def built_llama_server() -> Path:
+    """The cached build; when there is none, a skip locally and a failure in CI."""
+    path = llama_server_binary()
+    if path is None:
+        missing("the llama-server build", "python scripts/build_llama_server.py (./run test builds it in CI)")
+    return path
 
 
 class LlamaServer(LlamaServerProcess):
@@ -40,7 +49,3 @@ class LlamaServer(LlamaServerProcess):
         slots = self.get("/slots")
         assert isinstance(slots, list)
         return sum(1 for s in slots if s.get("is_processing"))
-
-
-def slow_tests_on() -> bool:
-    return os.environ.get("RTSERVER_SLOW_TESTS") == "1"

@@ -14,7 +14,8 @@ from rtserver.tools.bench import exact_counts, rate, summarize
 from rtserver.tools.openai_client import StreamResult, chat_body, client_session, stream_chat
 from rtserver.web.app import create_app
 
-from .llamautil import llama_server_binary, slow_tests_on
+from .components import slow_tests_on
+from .llamautil import built_llama_server
 from .serverutil import make_settings, serve
 
 
@@ -181,9 +182,7 @@ async def test_stream_chat_against_rtserver(smol):
 def test_servers_comparison_on_a_tiny_budget(monkeypatch, tmp_path):
     """llama-server and `rtserver serve` driven by the same clients: every workload ran on both, token
     counts exact, each server's peak RSS read."""
-    binary = llama_server_binary()
-    if binary is None:
-        pytest.skip("llama-server not built (python -m rtserver.tools.llama_build)")
+    binary = built_llama_server()
     monkeypatch.setattr(server_bench, "BURST_TEXTS", server_bench.BURST_TEXTS[:4])
     monkeypatch.setattr(server_bench, "WARM_UP_TEXTS", server_bench.WARM_UP_TEXTS[:4])
     monkeypatch.setattr(server_bench, "BURST_TOKENS", 8)

@@ -36,12 +36,18 @@ def test_session_reuse_keeps_common_prefix_and_copies_a_shared_partial_block():
     prompt = list(range(10))
     h, reused = kv.acquire(prompt, 12, session_key="s")
     assert reused == 0
-    computed(kv, h, prompt + [50])
+    computed(kv, h, prompt + [50])  # 11 tokens: block 2 holds 8, 9, 50 and is offered to the prefix cache
+    first = list(h.blocks)
+    kv.k[:, first[2] * 4 : first[2] * 4 + 3] = 7.0  # stands for the KV computed there
     kv.release(h, "s")
+    partial = first[2]
+    assert kv._refs[partial] == 2  # the session's and the prefix cache's: shared, part full
     h2, reused = kv.acquire(prompt + [50, 51, 52], 16, session_key="s")
     assert reused == 11 and kv.session_hits == 1
-    # block 2 (tokens 8..11) was partly reused; it is the session's own, not shared with anyone
-    assert all(kv._refs[b] >= 1 for b in h2.blocks)
+    # the full blocks are kept; the shared partial block is copied before the session writes into it
+    assert h2.blocks[:2] == first[:2] and h2.blocks[2] != partial
+    assert kv._refs[h2.blocks[2]] == 1 and kv._refs[partial] == 1  # the cache still holds the original
+    assert (kv.k[:, h2.blocks[2] * 4 : h2.blocks[2] * 4 + 3] == 7.0).all()
 
 
 def test_prefix_cache_shares_full_blocks_between_unrelated_sequences():

@@ -6,23 +6,33 @@ import httpx
 import openai
 import pytest
 
+from rtserver.tasks.registry import load_registry
 from rtserver.web.app import create_app
 
+from .conftest import reference_greedy
 from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
 
 pytestmark = pytest.mark.asyncio
 
 
 async def test_openai_client_plain_and_streaming(smol):
+    """Greedy replies equal transformers' float32 tokens on the prompt the chat task renders; usage
+    counts are exact; a seeded sampled reply is the same each time, and honours `stop`."""
     settings = make_settings(tasks={"auto_tasks": []})
+    chat = load_registry(settings, smol.tokenizer)[0].chat
+    msgs = [{"role": "user", "content": "Say hello."}]
+    prompt = chat.encode(msgs).ids  # the task's system prompt first
+    expected = reference_greedy(smol, prompt, 5)
+    assert smol.tokenizer.eos_token_id not in expected  # so the reply runs to max_tokens
+    text = smol.tokenizer.decode(expected)
     async with serve(create_app(settings, lambda: smol), settings) as (base, url):
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
         models = await client.models.list()
         model = models.data[0].id
-        msgs = [{"role": "user", "content": "Say hello."}]
         r = await client.chat.completions.create(model=model, messages=msgs, max_tokens=5, temperature=0)
-        assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("stop", "length")
-        assert r.usage.completion_tokens <= 5 and r.usage.prompt_tokens > 0
+        assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+        assert r.choices[0].message.content == text
+        assert r.usage.completion_tokens == 5 and r.usage.prompt_tokens == len(prompt)
         stream = await client.chat.completions.create(
             model=model,
             messages=msgs,
@@ -39,18 +49,21 @@ async def test_openai_client_plain_and_streaming(smol):
             for ch in chunk.choices:
                 pieces.append(ch.delta.content or "")
                 finish = ch.finish_reason or finish
-        assert "".join(pieces) == r.choices[0].message.content  # greedy: same text both ways
-        assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
-        assert finish in ("stop", "length")
-        # system prompt from the client, stop string and seed accepted
-        r2 = await client.chat.completions.create(
-            model=model,
-            messages=[{"role": "system", "content": "Be brief."}] + msgs,
-            max_tokens=4,
-            seed=3,
-            stop=["\n"],
-        )
-        assert isinstance(r2.choices[0].message.content, str)
+        assert "".join(pieces) == text  # greedy: same text both ways
+        assert usage is not None and usage.completion_tokens == 5 and usage.prompt_tokens == len(prompt)
+        assert finish == "length"
+        # system prompt from the client (in place of the task's), stop string and seed accepted
+        own = [{"role": "system", "content": "Be brief."}] + msgs
+        assert len(chat.encode(own, system=False).ids) != len(prompt)
+        seeded = []
+        for _ in range(2):
+            r2 = await client.chat.completions.create(
+                model=model, messages=own, max_tokens=4, seed=3, stop=["\n"]
+            )
+            seeded.append((r2.choices[0].message.content, r2.usage.completion_tokens))
+            assert r2.usage.prompt_tokens == len(chat.encode(own, system=False).ids)
+            assert "\n" not in r2.choices[0].message.content and 0 < r2.usage.completion_tokens <= 4
+        assert seeded[0] == seeded[1]  # the same seed, the same reply
 
 
 async def test_stop_is_honoured_plain_and_streaming(smol):

@@ -2,7 +2,7 @@
 
 Most tests run the real server with the scripted engine (fast, deterministic); one (`slow`) runs the
 embedded model. Screenshots go to artifacts/ (git-ignored). Without chromium or playwright these
-tests skip locally, and FAIL when RTSERVER_SLOW_TESTS=1 (CI), where they must run.
+tests skip locally, and fail when RTSERVER_SLOW_TESTS=1 (CI), where they must run (tests/components.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 from rtserver.engine.backend import Overloaded
 from rtserver.web.app import create_app
 
+from .components import missing
 from .serverutil import TIMEOUT, ScriptedEngine, make_settings, scripted_app, serve
 
 pytestmark = pytest.mark.asyncio
@@ -38,25 +39,21 @@ MS = TIMEOUT * 1000
 
 
 def _browser_missing() -> str | None:
-    missing = []
+    absent = []
     try:
         import playwright.async_api  # noqa: F401
     except ImportError:
-        missing.append("the 'playwright' pip package (pip install -e '.[test]')")
+        absent.append("the 'playwright' pip package")
     if not os.path.exists(CHROMIUM):
-        missing.append(f"{CHROMIUM} (apt-get install -y chromium)")
-    if missing:
-        return "browser tests need " + " and ".join(missing) + "; `./run test` installs both"
-    return None
+        absent.append(CHROMIUM)
+    return " and ".join(absent) or None
 
 
 @pytest.fixture
 async def browser():
-    why = _browser_missing()
-    if why:
-        if os.environ.get("RTSERVER_SLOW_TESTS") == "1":
-            pytest.fail(why, pytrace=False)
-        pytest.skip(why)
+    absent = _browser_missing()
+    if absent:
+        missing(absent, "pip install -e '.[test]' and apt-get install -y chromium (./run test installs both)")
     from playwright.async_api import async_playwright, expect
 
     expect.set_options(timeout=MS)

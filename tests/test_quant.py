@@ -82,21 +82,31 @@ def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kernel, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_interleaved_blocks_equal_the_fixed_point_reference(kernel, fmt):
-    """Big steps' layout (16 columns a register): row counts 1..17 cross its 8-row passes, widths one
-    block to many; held to the same fixed-point arithmetic as the per-column layout, and refused
-    where the CPU has no integer dot products (the runner never interleaves there)."""
-    w = random_blocks(fmt, 48, 96, seed=3)
-    packed = quant.interleave(w)
+def test_interleave_packs_only_whole_groups_of_16_rows(fmt):
+    packed = quant.interleave(random_blocks(fmt, 48, 96, seed=3))
     assert packed is not None and packed.format == fmt + "x16"
     assert quant.interleave(random_blocks(fmt, 40, 64, seed=1)) is None  # rows not a multiple of 16
+
+
+def test_interleaved_blocks_are_refused_without_integer_dot_products(kernel):
+    """Where the CPU has no VNNI the runner never interleaves; the kernel says so if asked."""
+    if kernel.fixed_point_activations:
+        pytest.skip("this CPU has AVX-512 VNNI: interleaved blocks run here")
+    packed = quant.interleave(random_blocks("Q8_0", 48, 96, seed=3))
+    with pytest.raises(RuntimeError, match="VNNI"):
+        quant.quantized_matmul(kernel, torch.randn(2, 96), packed)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_interleaved_blocks_equal_the_fixed_point_reference(kernel, fmt):
+    """Big steps' layout (16 columns a register): row counts 1..17 cross its 8-row passes, widths one
+    block to many; held to the same fixed-point arithmetic as the per-column layout."""
     if not kernel.fixed_point_activations:
-        with pytest.raises(RuntimeError, match="VNNI"):
-            quant.quantized_matmul(kernel, torch.randn(2, 96), packed)
-        return
+        pytest.skip("needs AVX-512 VNNI (integer dot products): the runner never interleaves here")
     for k in (32, 96, 1536):
         w = random_blocks(fmt, 48, k, seed=k)
         packed = quant.interleave(w)
+        assert packed is not None and packed.format == fmt + "x16"
         for m in (1, 2, 7, 8, 9, 17):
             x = torch.randn(m, k) * torch.rand(m, k) * 4
             x[0, :32] = 0.0
@@ -318,7 +328,7 @@ def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, bl
     import copy
 
     if route == "interleaved" and not kernel.fixed_point_activations:
-        pytest.skip("no integer dot products on this CPU: the runner never interleaves here")
+        pytest.skip("needs AVX-512 VNNI (integer dot products): the runner never interleaves here")
 
     tok = smol.tokenizer
     texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")

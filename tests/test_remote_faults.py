@@ -34,6 +34,7 @@ from rtserver.remote.backend import RemoteBackend
 from rtserver.tasks.chat import ChatTask
 from rtserver.web.app import create_app
 
+from .fakeclock import FakeClock
 from .serverutil import (
     ScriptedEngine,
     hello,
@@ -147,6 +148,7 @@ class FakeUpstream:
         self.prefetches: list[dict] = []  # each other one (a next-turn prefetch)
         self.cuts: list[dict] = []  # a label score's prompt cut back to its public prefix
         self.connection: dict[bool, list[str | None]] = {True: [], False: []}  # by stream: Connection
+        self.health_checks = 0  # GET /health requests answered
         self.prefetch_answer = "ok"  # or "500", "garbage" (200, not JSON), "stall" (no answer for 60 s)
         self.closed = asyncio.Event()  # the hub closed a completion's connection before its end
         self.closes = 0
@@ -181,6 +183,7 @@ class FakeUpstream:
         return JSONResponse({"tokens": ids})
 
     async def health(self, request: Request) -> Response:
+        self.health_checks += 1
         return JSONResponse({"status": "ok"})
 
     async def props(self, request: Request) -> Response:
@@ -440,32 +443,37 @@ async def test_a_token_id_outside_the_vocabulary_never_reaches_the_session(smol,
 
 async def test_an_open_breaker_waits_retry_after_s_even_when_health_answers(smol):
     """Completions fail while /health still answers 200: the breaker opens and stays open for
-    retry_after_s (the health check does not probe before then), then a health probe closes it."""
+    retry_after_s (the health check does not probe before then), then a health probe closes it.
+    The breaker's clock is the test's: only `advance` moves it."""
     async with (
         fakes(smol) as [fake],
-        hub(smol, [fake.url], failures_to_open=1, retry_after_s=1.0) as (
+        hub(smol, [fake.url], failures_to_open=1, retry_after_s=1.0, health_interval_s=0.02) as (
             app,
             base,
             url,
         ),
     ):
+        clock = FakeClock()
+        app.state.rt.backends["openai"].pool.clock = clock
         fake.status = 500
         async with websockets.connect(url) as ws:
             await hello(ws)
             err = (await chat(ws, "b1"))[-1]
             assert err["type"] == "error" and err["code"] == "backend_unavailable", err
-            opened = time.monotonic()
             fake.status = 200
-            await asyncio.sleep(0.6)  # three health intervals (0.2 s), all answered 200
+            checks = fake.health_checks
+            clock.advance(0.75)
+            await asyncio.sleep(0.2)  # ten health intervals: none may probe yet
+            assert fake.health_checks == checks
             health = (await get(base, "/health")).json()
-            assert time.monotonic() - opened < 1.0
             assert server_health(health, fake.url)["state"] == "down", health
+            clock.advance(0.25)
 
             async def closed() -> bool:
                 return server_health((await get(base, "/health")).json(), fake.url)["state"] == "up"
 
             await wait_for(closed, STEP)
-            assert time.monotonic() - opened >= 1.0
+            assert fake.health_checks > checks  # closed by a health probe
             await chats_again(ws, fake, "b2")
 
 
@@ -779,7 +787,11 @@ async def test_a_url_that_comes_back_with_a_different_tokenizer_stays_out(smol):
     try:
         async with fakes(smol) as [good], hub(smol, [down_url, good.url]) as (app, base, url):
             await wrong.start(sock)
-            await asyncio.sleep(6 * 0.2)  # six health checks
+
+            async def probed_twice() -> bool:  # found, refused, and after retry_after_s found again
+                return wrong.health_checks >= 2
+
+            await wait_for(probed_twice, STEP)
             health = (await get(base, "/health")).json()
             server = server_health(health, down_url)
             assert server["state"] != "up" and "tokenizer" in (server["last_error"] or ""), server

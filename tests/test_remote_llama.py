@@ -17,7 +17,7 @@ from rtserver.tools.evaluate import load_split
 from rtserver.tools.serverproc import ServerProcess
 from rtserver.web.app import create_app
 
-from .llamautil import LlamaServer, llama_server_binary, slow_tests_on
+from .llamautil import LlamaServer, built_llama_server
 from .serverutil import TIMEOUT, hello, is_end, make_settings, recv_until, serve
 
 pytestmark = pytest.mark.slow
@@ -25,12 +25,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    binary = llama_server_binary()
-    if binary is None:
-        if slow_tests_on():
-            pytest.fail("llama-server is not built: ./run test builds it (scripts/build_llama_server.py)")
-        pytest.skip("llama-server is not built (scripts/build_llama_server.py)")
-    server = LlamaServer(binary, tmp_path_factory.mktemp("llama") / "llama-server.log").start()
+    server = LlamaServer(built_llama_server(), tmp_path_factory.mktemp("llama") / "llama-server.log").start()
     yield server
     server.stop()
 

@@ -13,12 +13,16 @@ import pytest
 from rtserver.remote.pool import BackendUnavailable, UpstreamPool
 from rtserver.remote.sse import UpstreamProtocolError, sse_payloads
 
+from .fakeclock import FakeClock
+
 URLS = ["http://a.test:1", "http://b.test:2", "http://c.test:3"]
 KEYS = [f"session-{i}" for i in range(300)]
 
 
-def pool(max_in_flight: int = 4, failures_to_open: int = 3, retry_after_s: float = 0.05) -> UpstreamPool:
-    return UpstreamPool(URLS, max_in_flight, failures_to_open, retry_after_s)
+def pool(
+    max_in_flight: int = 4, failures_to_open: int = 3, retry_after_s: float = 0.05, clock=None
+) -> UpstreamPool:
+    return UpstreamPool(URLS, max_in_flight, failures_to_open, retry_after_s, clock or FakeClock())
 
 
 def assignment(p: UpstreamPool) -> dict[str, str]:
@@ -81,7 +85,8 @@ def test_excluded_urls_and_sessionless_requests():
 
 
 def test_breaker_opens_after_failures_probes_after_retry_and_closes_on_success():
-    p = pool(failures_to_open=3, retry_after_s=0.1)
+    clock = FakeClock()
+    p = pool(failures_to_open=3, retry_after_s=10.0, clock=clock)
     up = p.upstreams[0]
     p.failed(up, "boom 1")
     p.failed(up, "boom 2")
@@ -93,23 +98,30 @@ def test_breaker_opens_after_failures_probes_after_retry_and_closes_on_success()
     assert p.state(up) == "down" and not p.usable(up)
     assert up.last_error == "boom 2" and up.errors == 5
     assert all(p.choose(k).url != up.url for k in KEYS)
-    time.sleep(0.12)
+    clock.advance(9.75)
+    assert p.state(up) == "down" and not p.usable(up)  # not yet retry_after_s
+    clock.advance(0.25)
     assert p.state(up) == "probing" and p.usable(up)  # one probe may go through now
+    clock.advance(5.0)
     p.failed(up, "probe failed")  # a failed probe re-opens for another retry_after_s
     assert p.state(up) == "down"
-    time.sleep(0.12)
+    clock.advance(9.75)
+    assert p.state(up) == "down"
+    clock.advance(0.25)
     assert p.state(up) == "probing"
     p.succeeded(up)
     assert p.state(up) == "up" and up.failures == 0 and up.opened_at is None
-    assert up.last_ok is not None
+    assert up.last_ok == clock.now
 
 
 async def test_half_open_lets_one_probe_through_at_a_time():
-    p = pool(failures_to_open=1, retry_after_s=0.05)
+    clock = FakeClock()
+    p = pool(failures_to_open=1, retry_after_s=10.0, clock=clock)
     up = p.upstreams[0]
     key = next(k for k in KEYS if p.choose(k).url == up.url)  # a session whose home is `up`
     p.failed(up, "boom")
-    time.sleep(0.06)
+    assert p.choose(key) is not up
+    clock.advance(10.0)
     assert p.choose(key) is up  # half-open: the first request is the probe
     await p.acquire(up, 1.0)
     assert p.state(up) == "probing" and not p.usable(up)
@@ -120,11 +132,12 @@ async def test_half_open_lets_one_probe_through_at_a_time():
 
 
 def test_an_unchecked_url_gets_no_request_not_even_as_a_probe():
-    p = pool(failures_to_open=1, retry_after_s=0.01)
+    clock = FakeClock()
+    p = pool(failures_to_open=1, retry_after_s=10.0, clock=clock)
     up = p.upstreams[0]
     up.checked = False  # its owner has not seen what it serves (a wrong tokenizer, say)
     p.failed(up, "tokenizer differs")
-    time.sleep(0.02)  # long past retry_after_s: a checked URL would be half-open now
+    clock.advance(60.0)  # long past retry_after_s: a checked URL would be half-open now
     assert p.state(up) == "down" and not p.usable(up)
     assert all(p.choose(k).url != up.url for k in KEYS)
     up.checked = True
@@ -149,6 +162,12 @@ def test_all_down_is_backend_unavailable_naming_each_url():
 # -- bounded in-flight ---------------------------------------------------------------------------------
 
 
+async def settle() -> None:
+    """Let every ready task run until it waits again (no time passes)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
 async def test_acquire_bounds_in_flight_and_times_out():
     p = pool(max_in_flight=2)
     up = p.upstreams[0]
@@ -162,7 +181,7 @@ async def test_acquire_bounds_in_flight_and_times_out():
     assert "max_in_flight_per_url" in info.value.detail and up.in_flight == 2
     # a waiter gets the slot as soon as one is released
     waiter = asyncio.create_task(p.acquire(up, 5.0))
-    await asyncio.sleep(0.05)
+    await settle()
     assert not waiter.done()
     p.release(up)
     await asyncio.wait_for(waiter, 2.0)
@@ -177,13 +196,15 @@ async def test_released_slots_go_to_the_waiters_one_by_one():
     up = p.upstreams[0]
     await p.acquire(up, 1.0)
     waiters = [asyncio.create_task(p.acquire(up, 5.0)) for _ in range(3)]
-    await asyncio.sleep(0.02)
-    for _ in range(3):
+    await settle()
+    assert not any(w.done() for w in waiters)
+    for i in range(3):
         p.release(up)
-        await asyncio.sleep(0.02)
+        await settle()
+        assert sum(w.done() for w in waiters) == i + 1 and up.in_flight == 1  # one slot, one waiter
     p.release(up)
     await asyncio.wait_for(asyncio.gather(*waiters), 2.0)
-    assert up.requests == 4
+    assert up.requests == 4 and up.in_flight == 0
 
 
 # -- SSE -----------------------------------------------------------------------------------------------

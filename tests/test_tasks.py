@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from cachetools import TTLCache
 
 from rtserver.config import EngineSettings, Settings, TaskSettings
@@ -470,12 +471,18 @@ def test_generative_parser_with_neutral_and_renamed_labels(tok):
     assert parse("正面还是负面") == {"label": None, "valid": False}
 
 
-async def test_generative_mode_end_to_end(tok, engine):
+async def test_generative_mode_end_to_end(smol, tok, engine):
+    """Greedy tokens equal transformers' float32 ones on the task's prompt; the parser reads them."""
     registry = builtin(tok, sentiment={"mode": "generate"})
-    out = await registry.run(engine, "sentiment", {"text": "I love this phone, it is wonderful."})
-    assert out.usage["generated_tokens"] <= 3
-    assert set(out.output) == {"label", "valid"}
-    assert out.output["valid"] == (out.output["label"] in ("positive", "negative"))
+    text = "I love this phone, it is wonderful."
+    prompt = registry.get("sentiment").render(text)[0]
+    want = smol.model.generate(  # transformers greedy, at most 3 tokens, ending at EOS
+        torch.tensor([prompt]), max_new_tokens=3, do_sample=False, pad_token_id=tok.eos_token_id
+    )[0, len(prompt) :].tolist()
+    out = await registry.run(engine, "sentiment", {"text": text})
+    assert out.text == tok.decode(want, skip_special_tokens=True), want
+    assert out.usage["prompt_tokens"] == len(prompt) and out.usage["generated_tokens"] == len(want), want
+    assert out.output == {"label": "positive", "valid": True}
 
 
 # -- label scoring ---------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A session sticks to the up URL with the highest rendezvous hash, so its turns meet the server's prefix
 cache and only a downed URL's sessions move. Task calls go to the fewest in flight. `failures_to_open`
-failures in a row open a URL's breaker for `retry_after_s`; then one probe at a time decides.
+failures in a row open a URL's breaker for `retry_after_s`; then one probe at a time decides. The
+breaker reads `clock` (time.monotonic unless a test passes its own).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 
 
@@ -47,10 +48,18 @@ class Upstream:
 
 
 class UpstreamPool:
-    def __init__(self, urls: list[str], max_in_flight: int, failures_to_open: int, retry_after_s: float):
+    def __init__(
+        self,
+        urls: list[str],
+        max_in_flight: int,
+        failures_to_open: int,
+        retry_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.upstreams = [Upstream(url.rstrip("/"), max_in_flight) for url in urls]
         self.failures_to_open = failures_to_open
         self.retry_after_s = retry_after_s
+        self.clock = clock
         self.changed = asyncio.Event()  # set when a URL comes back or a slot frees (waiters retry)
 
     # -- state ------------------------------------------------------------------------------------------
@@ -67,7 +76,7 @@ class UpstreamPool:
         """Open for `retry_after_s` already: a probe may go (closed breakers too)."""
         if up.opened_at is None:
             return True
-        return (now if now is not None else time.monotonic()) - up.opened_at >= self.retry_after_s
+        return (now if now is not None else self.clock()) - up.opened_at >= self.retry_after_s
 
     def state(self, up: Upstream) -> str:
         if not up.checked:
@@ -78,7 +87,7 @@ class UpstreamPool:
 
     def succeeded(self, up: Upstream) -> None:
         was_down = up.opened_at is not None
-        up.failures, up.opened_at, up.last_error, up.last_ok = 0, None, None, time.monotonic()
+        up.failures, up.opened_at, up.last_error, up.last_ok = 0, None, None, self.clock()
         if was_down:
             self._wake()
 
@@ -87,14 +96,14 @@ class UpstreamPool:
         up.errors += 1
         up.last_error = reason
         if up.failures >= self.failures_to_open or up.opened_at is not None:
-            up.opened_at = time.monotonic()  # (re)open: a failed probe waits another retry_after_s
+            up.opened_at = self.clock()  # (re)open: a failed probe waits another retry_after_s
 
     def mark_down(self, up: Upstream, reason: str) -> None:
         """Open the breaker now (a URL found down at start)."""
         up.errors += 1
         up.failures = max(up.failures, self.failures_to_open)
         up.last_error = reason
-        up.opened_at = time.monotonic()
+        up.opened_at = self.clock()
 
     def _wake(self) -> None:
         self.changed.set()
@@ -105,7 +114,7 @@ class UpstreamPool:
         """The URL for a request: the session's by rendezvous hashing over usable URLs (full ones
         included: a session waits for its own server rather than losing its cache), else the least
         busy. Raises BackendUnavailable when none is usable."""
-        now = time.monotonic()
+        now = self.clock()
         live = [u for u in self.upstreams if u.url not in exclude and self.usable(u, now)]
         if not live:
             states = ", ".join(
@@ -119,6 +128,7 @@ class UpstreamPool:
 
     async def acquire(self, up: Upstream, timeout_s: float) -> None:
         """Wait (bounded) for room on `up`; BackendUnavailable if it stays full."""
+        # the wait is the event loop's (asyncio.wait_for), so its deadline is on the real clock, not `clock`
         deadline = time.monotonic() + timeout_s
         while up.in_flight >= up.max_in_flight:
             remaining = deadline - time.monotonic()

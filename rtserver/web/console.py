@@ -53,6 +53,7 @@ from .cluster import ClusterUnavailable
 from .cluster.bus import ConsoleBus
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
 from .errors import error_code
+from .seams import Resumed, SessionStore, Topology
 from .session import Customer, Session, SessionRegistry
 from .state import AppState
 
@@ -240,9 +241,11 @@ class ConsoleHub:
     """Registry of conversations + the set of agents; the hub publishes session events here through the
     hooks, and the console reaches customers through their sessions' `Customer` connections."""
 
-    def __init__(self, state: AppState, sessions: SessionRegistry):
+    def __init__(self, state: AppState, sessions: SessionRegistry, store: SessionStore, topology: Topology):
         self.state = state
         self.sessions = sessions
+        self.store = store  # agent messages and forwarded customer ones are stored through it
+        self.topology = topology
         self.settings = state.settings
         ss = self.settings.sessions
         self.mood_window = ss.console_mood_window
@@ -251,18 +254,17 @@ class ConsoleHub:
         self.conversations: dict[str, Conversation] = {}
         self.agents: set[Agent] = set()
         self._release: dict[str, asyncio.TimerHandle] = {}
-        # clustered: set by the hub (the bus across nodes, the session write-through)
-        self.bus: ConsoleBus | None = None
-        self.persist: Callable[[Session], Awaitable[None]] | None = None
-        self.node_id = ""
-        self.alive_nodes: Callable[[], Awaitable[set[str]]] | None = None
+        # clustered: the bus across nodes
+        self.bus: ConsoleBus | None = topology.console_bus(self.deliver, self.on_bus_command, self.resync)
+        self.node_id = topology.node_id
+        topology.on_beat(self.beat)
         self._holders: dict[str, dict | None] = {}  # read from Redis at resume, until the session attaches
         self._holds: dict[str, str] = {}  # session id -> agent id: take-overs claimed by this node's agents
         self.closing = False  # the node is stopping
         sec = self.settings.security
         self.login_failures = LoginFailures(sec.console_login_failures_per_min)
         # signs the `rejoin` tokens that give an agent its id back (clustered: a key shared in Redis)
-        self._rejoin_key: bytes | None = None if state.cluster is not None else secrets.token_bytes(32)
+        self._rejoin_key: bytes | None = None if self.bus is not None else secrets.token_bytes(32)
 
     # -- fan-out --------------------------------------------------------------------------------
     def agent_count(self) -> int:
@@ -502,19 +504,30 @@ class ConsoleHub:
             return
         kept = session.history
         session.history = turn.history
-        if self.persist is not None:  # clustered: stored before it is acknowledged (`forwarded`)
-            try:
-                await self.persist(session)
-            except ClusterUnavailable as exc:
-                session.history = kept
-                await conn.error(exc.code, exc.message, msg.id)
-                return
+        try:  # stored before it is acknowledged (`forwarded`)
+            await self._persist(session)
+        except ClusterUnavailable as exc:
+            session.history = kept
+            await conn.error(exc.code, exc.message, msg.id)
+            return
         if turn.cut:
             session.cuts += 1
         session.touch(self.sessions.clock())
         self.user_message(session, msg.id, turn.text, to_agent=True)
         await conn.send({"type": "forwarded", "id": msg.id, "agent": holder.get("name")})
         conn.run_auto_tasks(msg.id, turn.text)
+
+    async def _persist(self, session: Session) -> None:
+        await self.store.save(session, getattr(session.connection, "client_name", None))
+
+    async def resumed(self, found: Resumed) -> None:
+        """A session resumed: who holds it, and close its connection on the node that served it."""
+        session = found.session
+        if self.bus is not None:  # an agent may hold it (from another node)
+            self.set_holder(session, await self.bus.holder(session.id))
+            if found.served_on and found.served_on != self.node_id:
+                # a connection to it on another node is closed there (4409)
+                await self.bus.command(found.served_on, {"cmd": "session_taken", "session_id": session.id})
 
     # -- agent actions --------------------------------------------------------------------------
     def _session(self, session_id: Any) -> Session | None:
@@ -644,11 +657,10 @@ class ConsoleHub:
             return
         session.history.append({"role": "assistant", "content": text, "agent": agent_name})
         session.touch(self.sessions.clock())
-        if self.persist is not None:  # clustered: into the session's record (it survives this node)
-            try:
-                await self.persist(session)
-            except ClusterUnavailable:
-                log.warning("agent message in session %s not stored: Redis unavailable", session_id)
+        try:  # into the session's record (clustered, it survives this node)
+            await self._persist(session)
+        except ClusterUnavailable:
+            log.warning("agent message in session %s not stored: Redis unavailable", session_id)
         msg = conv.add({"role": "agent", "text": text, "agent": agent_name})
         self._message_event(conv, msg)
         await self._to_customer(session, {"type": "agent_message", "text": text, "agent": agent_name})
@@ -830,13 +842,7 @@ class ConsoleHub:
         if not limit:
             return 0.0
         local = self.login_failures.check(ip, failed)
-        limits = self.state.cluster_limits
-        if limits is None:
-            return local
-        try:
-            return await limits.login_failures(ip, limit, LOGIN_WINDOW_S, failed)
-        except ClusterUnavailable:
-            return local
+        return await self.topology.limits.failed_logins(ip, limit, LOGIN_WINDOW_S, failed, local)
 
     async def _rejoin_secret(self) -> bytes | None:
         if self._rejoin_key is None and self.bus is not None:
@@ -913,7 +919,7 @@ class ConsoleHub:
         assert self.bus is not None
         try:
             records = await self.bus.conversations()
-            alive = await self.alive_nodes() if self.alive_nodes is not None else set()
+            alive = await self.topology.alive_nodes()
         except ClusterUnavailable:
             records, alive = [], {self.node_id}
         convs: dict[str, dict] = {}

@@ -6,23 +6,24 @@ never ask which one they have.
 
 - `SessionStore`: where the hub's sessions are created, resumed, saved and released;
 - `Limits`: the per-client-IP request bucket and the console's failed logins;
+- `ConsoleBus`: the console's shared conversations, take-overs and actions (`LocalBus` alone: the
+  holder is the conversation's own agent, every conversation is served here);
 - `Topology`: the two above, the node's heartbeat, readiness, /health and /metrics figures.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ..config import Settings
 from .ratelimit import IPRateLimiter
 from .session import Session, SessionRegistry
 
-if TYPE_CHECKING:
-    from .cluster.bus import ConsoleBus
-
 Beat = Callable[[], Awaitable[None]]
+HolderOf = Callable[[str], "dict | None"]  # the agent holding a conversation, as this node knows it
 
 
 @dataclass
@@ -76,6 +77,84 @@ class Limits(Protocol):
         ...
 
 
+class ConsoleBus(Protocol):
+    """The console across nodes; the Redis one is `cluster/bus.py`."""
+
+    def publish(self, event: dict) -> None: ...
+
+    def save_conversation(self, record: dict, force: bool = False) -> None: ...
+
+    def remove_conversation(self, session_id: str) -> None: ...
+
+    async def renew_and_sweep(self, session_ids: list[str]) -> list[str]: ...
+
+    async def conversations(self) -> list[dict]: ...
+
+    async def conversation(self, session_id: str) -> dict | None: ...
+
+    async def claim(self, session_id: str, agent: dict) -> dict: ...
+
+    async def renew_holds(self, holds: dict[str, str]) -> None: ...
+
+    async def holders(self, session_ids: list[str]) -> list[dict | None]: ...
+
+    async def release(self, session_id: str, agent_id: str = "") -> bool: ...
+
+    async def holder(self, session_id: str) -> dict | None: ...
+
+    async def shared_secret(self, name: str) -> str: ...
+
+    async def command(self, node: str, command: dict) -> int: ...
+
+
+class LocalBus:
+    """The console alone: nothing is shared, the conversations' own agents are the holders."""
+
+    def __init__(self, holder_of: HolderOf):
+        self.holder_of = holder_of
+        self._secrets: dict[str, str] = {}
+
+    def publish(self, event: dict) -> None:
+        return None
+
+    def save_conversation(self, record: dict, force: bool = False) -> None:
+        return None
+
+    def remove_conversation(self, session_id: str) -> None:
+        return None
+
+    async def renew_and_sweep(self, session_ids: list[str]) -> list[str]:
+        return []
+
+    async def conversations(self) -> list[dict]:
+        return []  # the console's own are all there are
+
+    async def conversation(self, session_id: str) -> dict | None:
+        return None
+
+    async def claim(self, session_id: str, agent: dict) -> dict:
+        return self.holder_of(session_id) or agent
+
+    async def renew_holds(self, holds: dict[str, str]) -> None:
+        return None
+
+    async def holders(self, session_ids: list[str]) -> list[dict | None]:
+        return [self.holder_of(sid) for sid in session_ids]
+
+    async def release(self, session_id: str, agent_id: str = "") -> bool:
+        holder = self.holder_of(session_id)
+        return holder is not None and holder.get("id") == agent_id
+
+    async def holder(self, session_id: str) -> dict | None:
+        return self.holder_of(session_id)
+
+    async def shared_secret(self, name: str) -> str:
+        return self._secrets.setdefault(name, secrets.token_hex(32))
+
+    async def command(self, node: str, command: dict) -> int:
+        return 0  # there is no other node
+
+
 class Topology(Protocol):
     limits: Limits
     node_id: str
@@ -96,8 +175,9 @@ class Topology(Protocol):
         on_event: Callable[[dict], None],
         on_command: Callable[[dict], Awaitable[None]],
         on_resubscribed: Callable[[], None],
-    ) -> ConsoleBus | None:
-        """The console's events and actions across nodes (None alone)."""
+        holder_of: HolderOf,
+    ) -> ConsoleBus:
+        """The console's events and actions (across nodes when clustered)."""
         ...
 
     async def alive_nodes(self) -> set[str]:
@@ -186,8 +266,9 @@ class Alone:
         on_event: Callable[[dict], None],
         on_command: Callable[[dict], Awaitable[None]],
         on_resubscribed: Callable[[], None],
-    ) -> ConsoleBus | None:
-        return None
+        holder_of: HolderOf,
+    ) -> ConsoleBus:
+        return LocalBus(holder_of)
 
     async def alive_nodes(self) -> set[str]:
         return {self.node_id}

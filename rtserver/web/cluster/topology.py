@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ...config import Settings
-from ..seams import Beat, Limits, NodeView, Resumed, SessionStore, ip_limiter_for
+from ..seams import Beat, HolderOf, Limits, NodeView, Resumed, SessionStore, ip_limiter_for
 from ..session import Session, SessionRegistry
 from . import Cluster, ClusterUnavailable
 from .bus import ConsoleBus
@@ -109,7 +109,8 @@ class Clustered:
         on_event: Callable[[dict], None],
         on_command: Callable[[dict], Awaitable[None]],
         on_resubscribed: Callable[[], None],
-    ) -> ConsoleBus | None:
+        holder_of: HolderOf,
+    ) -> ConsoleBus:
         self.bus = ConsoleBus(self.cluster, on_event, on_command, on_resubscribed)
         return self.bus
 

@@ -241,8 +241,16 @@ class ConsoleHub:
     """Registry of conversations + the set of agents; the hub publishes session events here through the
     hooks, and the console reaches customers through their sessions' `Customer` connections."""
 
-    def __init__(self, state: AppState, sessions: SessionRegistry, store: SessionStore, topology: Topology):
+    def __init__(
+        self,
+        state: AppState,
+        sessions: SessionRegistry,
+        store: SessionStore,
+        topology: Topology,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.state = state
+        self.clock = clock  # when a turn's record waits for its tags (TAG_WAIT_S)
         self.sessions = sessions
         self.store = store  # agent messages and forwarded customer ones are stored through it
         self.topology = topology
@@ -297,7 +305,7 @@ class ConsoleHub:
         if message is None or self._tagged(message):
             self._save(conv)
         else:  # written when the tags come, or by the heartbeat after TAG_WAIT_S
-            conv.dirty, conv.hold_until = True, time.monotonic() + TAG_WAIT_S
+            conv.dirty, conv.hold_until = True, self.clock() + TAG_WAIT_S
 
     def _conv_event(self, conv: Conversation, force: bool = False) -> None:
         self.broadcast({"type": "conversation", "conversation": conv.to_json(self.mood_window)})
@@ -689,7 +697,7 @@ class ConsoleHub:
         are written, this node's renewed, expired ones removed (agents are told); a conversation served
         here whose holder's key is gone (its node died) goes back to the bot."""
         await self.bus.renew_holds(dict(self._holds))
-        now = time.monotonic()
+        now = self.clock()
         for dirty in list(self.conversations.values()):
             if dirty.dirty and dirty.hold_until <= now:
                 self._save(dirty)

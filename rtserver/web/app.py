@@ -29,13 +29,14 @@ from ..engine.model import LoadedModel
 from ..tasks.registry import PluginError, TaskRegistry
 from . import http_api
 from .admission import Admission, Refused, SocketGate, Surface, bearer
-from .cluster import ClusterUnavailable
+from .cluster.topology import Clustered
 from .connection import client_ip
 from .headers import SecurityHeaders
 from .hub import Hub
 from .metrics import CONTENT_TYPE
 from .protocol import transport_max_bytes
 from .schema import protocol_schema
+from .seams import Alone
 from .state import AppState
 
 log = logging.getLogger("rtserver.app")
@@ -202,13 +203,7 @@ async def health(request: Request) -> Response:
     if st.load_errors:
         body["plugin_errors"] = [str(e) for e in st.load_errors]
     body["backends"] = st.backends_health()
-    hub = request.app.state.hub
-    if st.cluster is not None:
-        cluster = st.cluster.health()
-        if st.cluster.available and hub.nodes is not None:
-            with contextlib.suppress(ClusterUnavailable):
-                cluster.update(await hub.nodes.view())
-        body["cluster"] = cluster
+    await st.topology.add_health(body)
     return JSONResponse(body, status_code=status_code)
 
 
@@ -259,7 +254,7 @@ def create_app(
     when no work runs locally only its tokenizer is used); `engine_factory(loaded, settings)` and
     `registry_factory(settings, tokenizer)` are for tests; `on_load_failed(message)` is called when
     start-up fails (`rtserver serve` exits then)."""
-    state = AppState(settings)
+    state = AppState(settings, Clustered(settings) if settings.cluster.redis_url else Alone(settings))
     admission = Admission(state)
     hub = Hub(state, admission)
     model_factory = loaded_model_factory or _default_model_factory(settings)
@@ -274,10 +269,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         hub.sessions.start()
-        if state.cluster is not None:
-            state.cluster.start()  # pings Redis from now on: /ready says why not while it is down
-            if hub.console.bus is not None:
-                hub.console.bus.start()
+        state.topology.start()  # clustered: pings Redis from now on (/ready says why not while down)
         loader = asyncio.create_task(
             _load(
                 state,
@@ -297,10 +289,7 @@ def create_app(
                 await loader
             await hub.close_all()
             await hub.sessions.stop()
-            if hub.console.bus is not None:
-                await hub.console.bus.stop()
-            if state.cluster is not None:
-                await state.cluster.stop()
+            await state.topology.stop()
             for backend in list(state.backends.values()):
                 await backend.stop()
 

@@ -23,10 +23,11 @@ MAX_CONVERSATION_CHARS characters; a turn with no reply leaves nothing in it, as
 
 Hooks never raise: a console failure is logged and never breaks a customer's chat.
 
-Clustered (`cluster.redis_url`), `bus` (rtserver/web/cluster/bus.py) carries it across nodes: every event
-is also published for the other nodes' agents, conversation records are kept in Redis (an agent's
-snapshot comes from there), a take-over is claimed atomically in Redis, and an action on a conversation
-another node serves is sent to that node and applied there.
+Every action goes through `bus` (`seams.ConsoleBus`), written once for both topologies. Alone it is
+the null `LocalBus`. Clustered (`cluster.redis_url`, rtserver/web/cluster/bus.py) every event is also
+published for the other nodes' agents, conversation records are kept in Redis (an agent's snapshot
+comes from there), a take-over is claimed atomically in Redis, and an action on a conversation another
+node serves is sent to that node and applied there.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ from . import events
 from . import protocol as P
 from .admission import client_key
 from .cluster import ClusterUnavailable
-from .cluster.bus import ConsoleBus
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
 from .errors import error_code
+from .seams import Resumed, SessionStore, Topology
 from .session import Customer, Session, SessionRegistry
 from .state import AppState
 
@@ -240,9 +241,19 @@ class ConsoleHub:
     """Registry of conversations + the set of agents; the hub publishes session events here through the
     hooks, and the console reaches customers through their sessions' `Customer` connections."""
 
-    def __init__(self, state: AppState, sessions: SessionRegistry):
+    def __init__(
+        self,
+        state: AppState,
+        sessions: SessionRegistry,
+        store: SessionStore,
+        topology: Topology,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.state = state
+        self.clock = clock  # when a turn's record waits for its tags (TAG_WAIT_S)
         self.sessions = sessions
+        self.store = store  # agent messages and forwarded customer ones are stored through it
+        self.topology = topology
         self.settings = state.settings
         ss = self.settings.sessions
         self.mood_window = ss.console_mood_window
@@ -251,18 +262,17 @@ class ConsoleHub:
         self.conversations: dict[str, Conversation] = {}
         self.agents: set[Agent] = set()
         self._release: dict[str, asyncio.TimerHandle] = {}
-        # clustered: set by the hub (the bus across nodes, the session write-through)
-        self.bus: ConsoleBus | None = None
-        self.persist: Callable[[Session], Awaitable[None]] | None = None
-        self.node_id = ""
-        self.alive_nodes: Callable[[], Awaitable[set[str]]] | None = None
+        # clustered: across nodes; alone, the null bus (the conversations here are all there are)
+        self.bus = topology.console_bus(self.deliver, self.on_bus_command, self.resync, self._holder_of)
+        self.node_id = topology.node_id
+        topology.on_beat(self.beat)
         self._holders: dict[str, dict | None] = {}  # read from Redis at resume, until the session attaches
         self._holds: dict[str, str] = {}  # session id -> agent id: take-overs claimed by this node's agents
         self.closing = False  # the node is stopping
         sec = self.settings.security
         self.login_failures = LoginFailures(sec.console_login_failures_per_min)
         # signs the `rejoin` tokens that give an agent its id back (clustered: a key shared in Redis)
-        self._rejoin_key: bytes | None = None if state.cluster is not None else secrets.token_bytes(32)
+        self._rejoin_key: bytes | None = None
 
     # -- fan-out --------------------------------------------------------------------------------
     def agent_count(self) -> int:
@@ -270,8 +280,7 @@ class ConsoleHub:
 
     def broadcast(self, event: dict) -> None:
         self.deliver(event)
-        if self.bus is not None:
-            self.bus.publish(event)
+        self.bus.publish(event)
 
     def deliver(self, event: dict) -> None:
         """To this node's agents (events of other nodes come in here from the bus)."""
@@ -284,9 +293,8 @@ class ConsoleHub:
         return {**conv.to_json(self.mood_window), "streaming": None, "node": self.node_id}
 
     def _save(self, conv: Conversation, force: bool = False) -> None:
-        if self.bus is not None:
-            conv.dirty, conv.hold_until, conv.stored_seq = False, 0.0, conv.seq
-            self.bus.save_conversation(self.record(conv), force)
+        conv.dirty, conv.hold_until, conv.stored_seq = False, 0.0, conv.seq
+        self.bus.save_conversation(self.record(conv), force)
 
     def _tagged(self, message: dict) -> bool:
         """Every auto-task has tagged this customer message."""
@@ -294,12 +302,10 @@ class ConsoleHub:
 
     def _store_turn(self, conv: Conversation, message: dict | None) -> None:
         """A turn ended (customer `message` answered or forwarded): write it once, with its tags."""
-        if self.bus is None:
-            return
         if message is None or self._tagged(message):
             self._save(conv)
         else:  # written when the tags come, or by the heartbeat after TAG_WAIT_S
-            conv.dirty, conv.hold_until = True, time.monotonic() + TAG_WAIT_S
+            conv.dirty, conv.hold_until = True, self.clock() + TAG_WAIT_S
 
     def _conv_event(self, conv: Conversation, force: bool = False) -> None:
         self.broadcast({"type": "conversation", "conversation": conv.to_json(self.mood_window)})
@@ -310,9 +316,12 @@ class ConsoleHub:
 
     def holder(self, session: Session) -> dict | None:
         """The agent ({"id", "name"}) answering this session instead of the bot, or None."""
-        conv = self.conversations.get(session.id)
+        return self._holder_of(session.id)
+
+    def _holder_of(self, session_id: str) -> dict | None:
+        conv = self.conversations.get(session_id)
         if conv is None:
-            return self._holders.get(session.id)
+            return self._holders.get(session_id)
         return conv.agent
 
     def set_holder(self, session: Session, agent: dict | None) -> None:
@@ -359,14 +368,11 @@ class ConsoleHub:
             timer = self._release.pop(session.id, None)
             if timer is not None:
                 timer.cancel()
-            if self.bus is None:
-                self.broadcast({"type": "removed", "session_id": session.id})
-            elif not self.closing:  # clustered: only if no other node serves it since; a node that
+            if not self.closing:  # clustered: only if no other node serves it since; a node that
                 # stops leaves its conversations in Redis (their sessions resume elsewhere)
-                self._spawn(self._remove_clustered(session.id))
+                self._spawn(self._remove(session.id))
 
-    async def _remove_clustered(self, session_id: str) -> None:
-        assert self.bus is not None
+    async def _remove(self, session_id: str) -> None:
         record = await self.bus.conversation(session_id)
         if record is None or record.get("node") == self.node_id:
             self.bus.remove_conversation(session_id)
@@ -502,19 +508,29 @@ class ConsoleHub:
             return
         kept = session.history
         session.history = turn.history
-        if self.persist is not None:  # clustered: stored before it is acknowledged (`forwarded`)
-            try:
-                await self.persist(session)
-            except ClusterUnavailable as exc:
-                session.history = kept
-                await conn.error(exc.code, exc.message, msg.id)
-                return
+        try:  # stored before it is acknowledged (`forwarded`)
+            await self._persist(session)
+        except ClusterUnavailable as exc:
+            session.history = kept
+            await conn.error(exc.code, exc.message, msg.id)
+            return
         if turn.cut:
             session.cuts += 1
         session.touch(self.sessions.clock())
         self.user_message(session, msg.id, turn.text, to_agent=True)
         await conn.send({"type": "forwarded", "id": msg.id, "agent": holder.get("name")})
         conn.run_auto_tasks(msg.id, turn.text)
+
+    async def _persist(self, session: Session) -> None:
+        await self.store.save(session, getattr(session.connection, "client_name", None))
+
+    async def resumed(self, found: Resumed) -> None:
+        """A session resumed: who holds it, and close its connection on the node that served it."""
+        session = found.session
+        self.set_holder(session, await self.bus.holder(session.id))  # clustered: maybe from another node
+        if found.served_on and found.served_on != self.node_id:
+            # a connection to it on another node is closed there (4409)
+            await self.bus.command(found.served_on, {"cmd": "session_taken", "session_id": session.id})
 
     # -- agent actions --------------------------------------------------------------------------
     def _session(self, session_id: Any) -> Session | None:
@@ -527,30 +543,8 @@ class ConsoleHub:
         if conn is not None:
             await conn.send(event)
 
-    def _live_conversation(self, agent: Agent, session_id: Any) -> tuple[Session | None, Conversation | None]:
-        """(session, conversation) an agent acts on; (None, None) after telling the agent there is none."""
-        session = self._session(session_id)
-        conv = self.conversations.get(session_id) if session is not None else None
-        if conv is None:
-            agent.put(
-                events.error_event(
-                    "unknown_session", f"no live conversation {session_id!r}", session_id=session_id
-                )
-            )
-            return None, None
-        return session, conv
-
     async def take_over(self, agent: Agent, session_id: Any) -> None:
-        if self.bus is not None:
-            await self._cluster_action(agent, "take_over", session_id)
-            return
-        session, conv = self._live_conversation(agent, session_id)
-        if session is None or conv is None:
-            return
-        if conv.agent is not None and conv.agent["id"] != agent.id:
-            agent.put(self._taken_error(session_id, conv.agent))
-            return
-        await self.apply_take_over(session_id, {"id": agent.id, "name": agent.name})
+        await self._action(agent, "take_over", session_id)
 
     def _taken_error(self, session_id: str, holder: dict) -> dict:
         return events.error_event(
@@ -575,28 +569,8 @@ class ConsoleHub:
         self._conv_event(conv)
         await self._to_customer(session, {"type": "handover", "to": "agent", "agent": holder["name"]})
 
-    async def hand_back(self, agent: Agent | None, session_id: Any) -> None:
-        if self.bus is not None and agent is not None:
-            await self._cluster_action(agent, "hand_back", session_id)
-            return
-        session = self._session(session_id)
-        conv = self.conversations.get(session_id) if session is not None else None
-        if session is None or conv is None:
-            if agent is not None:
-                agent.put(
-                    events.error_event(
-                        "unknown_session", f"no live conversation {session_id!r}", session_id=session_id
-                    )
-                )
-            return
-        if agent is not None and (conv.agent is None or conv.agent["id"] != agent.id):
-            agent.put(
-                events.error_event(
-                    "not_taken_over", "you have not taken over this conversation", session_id=session_id
-                )
-            )
-            return
-        await self.apply_hand_back(session_id)
+    async def hand_back(self, agent: Agent, session_id: Any) -> None:
+        await self._action(agent, "hand_back", session_id)
 
     async def apply_hand_back(self, session_id: str) -> None:
         self._cancel_release(session_id)
@@ -620,22 +594,7 @@ class ConsoleHub:
         return text
 
     async def agent_message(self, agent: Agent, session_id: Any, text: Any) -> None:
-        if self.bus is not None:
-            await self._cluster_action(agent, "agent_message", session_id, text)
-            return
-        session, conv = self._live_conversation(agent, session_id)
-        if session is None or conv is None:
-            return
-        if conv.agent is None or conv.agent["id"] != agent.id:
-            agent.put(
-                events.error_event(
-                    "not_taken_over", "take over the conversation before replying", session_id=session_id
-                )
-            )
-            return
-        clean = self._agent_text(agent, session_id, text)
-        if clean is not None:
-            await self.apply_agent_message(session_id, clean, agent.name)
+        await self._action(agent, "agent_message", session_id, text)
 
     async def apply_agent_message(self, session_id: str, text: str, agent_name: str) -> None:
         conv = self.conversations.get(session_id)
@@ -644,27 +603,23 @@ class ConsoleHub:
             return
         session.history.append({"role": "assistant", "content": text, "agent": agent_name})
         session.touch(self.sessions.clock())
-        if self.persist is not None:  # clustered: into the session's record (it survives this node)
-            try:
-                await self.persist(session)
-            except ClusterUnavailable:
-                log.warning("agent message in session %s not stored: Redis unavailable", session_id)
+        try:  # into the session's record (clustered, it survives this node)
+            await self._persist(session)
+        except ClusterUnavailable:
+            log.warning("agent message in session %s not stored: Redis unavailable", session_id)
         msg = conv.add({"role": "agent", "text": text, "agent": agent_name})
         self._message_event(conv, msg)
         await self._to_customer(session, {"type": "agent_message", "text": text, "agent": agent_name})
 
-    # -- clustered agent actions ----------------------------------------------------------------
-    async def _cluster_action(self, agent: Agent, kind: str, session_id: Any, text: Any = None) -> None:
-        """take_over / hand_back / agent_message when clustered: the holder in Redis decides, the node
-        serving the conversation applies it."""
-        assert self.bus is not None
+    async def _action(self, agent: Agent, kind: str, session_id: Any, text: Any = None) -> None:
+        """take_over / hand_back / agent_message: the holder on the bus decides (clustered: in Redis),
+        the node serving the conversation applies it."""
         try:
-            await self._cluster_action_inner(agent, kind, session_id, text)
+            await self._action_inner(agent, kind, session_id, text)
         except ClusterUnavailable as exc:
             agent.put(events.error_event(exc.code, exc.message, session_id=session_id))
 
-    async def _cluster_action_inner(self, agent: Agent, kind: str, session_id: Any, text: Any) -> None:
-        assert self.bus is not None
+    async def _action_inner(self, agent: Agent, kind: str, session_id: Any, text: Any) -> None:
         record = await self.bus.conversation(session_id) if isinstance(session_id, str) else None
         if record is None and isinstance(session_id, str) and session_id in self.conversations:
             record = {"node": self.node_id}
@@ -741,9 +696,8 @@ class ConsoleHub:
         """Clustered heartbeat: the take-overs of this node's agents stay alive; changed conversations
         are written, this node's renewed, expired ones removed (agents are told); a conversation served
         here whose holder's key is gone (its node died) goes back to the bot."""
-        assert self.bus is not None
         await self.bus.renew_holds(dict(self._holds))
-        now = time.monotonic()
+        now = self.clock()
         for dirty in list(self.conversations.values()):
             if dirty.dirty and dirty.hold_until <= now:
                 self._save(dirty)
@@ -759,8 +713,7 @@ class ConsoleHub:
                 log.info("conversation %s handed back: its agent's take-over expired", sid)
                 await self.apply_hand_back(sid)
 
-    async def _cluster_release_orphan(self, session_id: str, agent_id: str) -> None:
-        assert self.bus is not None
+    async def _release_held(self, session_id: str, agent_id: str) -> None:
         if not await self.bus.release(session_id, agent_id):
             return
         record = await self.bus.conversation(session_id)
@@ -781,35 +734,15 @@ class ConsoleHub:
         if not agent.id or any(a.id == agent.id and a.logged_in for a in self.agents):
             return
         loop = asyncio.get_running_loop()
-        if self.bus is not None:  # clustered: the take-overs this node's agents claimed, on any node
-            for sid, agent_id in list(self._holds.items()):
-                if agent_id == agent.id and sid not in self._release:
-                    self._release[sid] = loop.call_later(self.grace_s, self._release_orphan, sid, agent.id)
-            return
-        for conv in self.conversations.values():
-            if (
-                conv.agent is not None
-                and conv.agent["id"] == agent.id
-                and conv.session_id not in self._release
-            ):
-                self._release[conv.session_id] = loop.call_later(
-                    self.grace_s, self._release_orphan, conv.session_id, agent.id
-                )
+        for sid, agent_id in list(self._holds.items()):  # the take-overs its agents claimed, any node's
+            if agent_id == agent.id and sid not in self._release:
+                self._release[sid] = loop.call_later(self.grace_s, self._release_orphan, sid, agent.id)
 
     def _release_orphan(self, session_id: str, agent_id: str) -> None:
         self._release.pop(session_id, None)
-        if self.bus is not None:
-            if not any(a.id == agent_id and a.logged_in for a in self.agents):
-                self._holds.pop(session_id, None)
-                self._spawn(self._cluster_release_orphan(session_id, agent_id))
-            return
-        conv = self.conversations.get(session_id)
-        if conv is None or conv.agent is None or conv.agent["id"] != agent_id:
-            return
-        if any(a.id == agent_id and a.logged_in for a in self.agents):
-            return
-        task = asyncio.get_running_loop().create_task(self.hand_back(None, session_id))
-        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        if not any(a.id == agent_id and a.logged_in for a in self.agents):
+            self._holds.pop(session_id, None)
+            self._spawn(self._release_held(session_id, agent_id))
 
     # -- the endpoint ---------------------------------------------------------------------------
     def snapshot(self, agent: Agent) -> dict:
@@ -830,16 +763,10 @@ class ConsoleHub:
         if not limit:
             return 0.0
         local = self.login_failures.check(ip, failed)
-        limits = self.state.cluster_limits
-        if limits is None:
-            return local
-        try:
-            return await limits.login_failures(ip, limit, LOGIN_WINDOW_S, failed)
-        except ClusterUnavailable:
-            return local
+        return await self.topology.limits.failed_logins(ip, limit, LOGIN_WINDOW_S, failed, local)
 
     async def _rejoin_secret(self) -> bytes | None:
-        if self._rejoin_key is None and self.bus is not None:
+        if self._rejoin_key is None:
             try:
                 self._rejoin_key = (await self.bus.shared_secret("rejoin")).encode()
             except ClusterUnavailable:
@@ -894,10 +821,7 @@ class ConsoleHub:
         # Snapshot and registration in one synchronous step: every later event follows the snapshot.
         # (Clustered, the snapshot is read from Redis: events are held until it is sent.)
         agent.logged_in = True
-        if self.bus is not None:
-            agent.held = []
-        else:
-            agent.put(self.snapshot(agent))
+        agent.held = []
         for sid, timer in list(self._release.items()):
             conv = self.conversations.get(sid)
             if (conv is not None and conv.agent is not None and conv.agent["id"] == agent.id) or (
@@ -907,13 +831,12 @@ class ConsoleHub:
                 self._release.pop(sid, None)
         return True
 
-    async def cluster_snapshot(self, agent: Agent) -> None:
-        """Clustered login: the snapshot read from Redis (this node's own conversations as they are
-        now), then the events held meanwhile — a message the snapshot already has is not sent again."""
-        assert self.bus is not None
+    async def send_snapshot(self, agent: Agent) -> None:
+        """After login: the snapshot (clustered, read from Redis, with this node's own conversations as
+        they are now), then the events held meanwhile — a message the snapshot has is not sent again."""
         try:
             records = await self.bus.conversations()
-            alive = await self.alive_nodes() if self.alive_nodes is not None else set()
+            alive = await self.topology.alive_nodes()
         except ClusterUnavailable:
             records, alive = [], {self.node_id}
         convs: dict[str, dict] = {}
@@ -957,8 +880,8 @@ class ConsoleHub:
         if kind == "login":
             if agent.logged_in:
                 agent.put(events.error_event("already_started", "already logged in"))
-            elif await self.login(agent, obj) and self.bus is not None:
-                await self.cluster_snapshot(agent)
+            elif await self.login(agent, obj):
+                await self.send_snapshot(agent)
             return
         if not agent.logged_in:
             agent.put(events.error_event("unauthorized", "send login with the console token first"))
@@ -1031,7 +954,7 @@ class ConsoleHub:
         for agent in list(self.agents):
             if agent.logged_in and agent.held is None:
                 agent.held = []
-                self._spawn(self.cluster_snapshot(agent))
+                self._spawn(self.send_snapshot(agent))
 
     def close_all(self) -> None:
         self.closing = True

@@ -24,7 +24,6 @@ sockets close with 1001.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -40,13 +39,11 @@ from . import events
 from . import protocol as P
 from .admission import Admission, NoReservation, Refused, Reservation, Surface, client_key
 from .cluster import ClusterUnavailable
-from .cluster.bus import ConsoleBus
-from .cluster.nodes import NodeRegistry
-from .cluster.sessions import ClusterSessions
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
 from .console import ConsoleHub
 from .errors import GenerationFailed, error_code
 from .ratelimit import TokenBucket
+from .seams import NodeView
 from .session import Session, SessionExpired, SessionRegistry, TooManySessions
 from .state import AppState
 
@@ -239,9 +236,9 @@ class Connection(QueuedConnection):
                     busy_id=session.chat_request,
                 )
                 return
-            cluster = self.hub.state.cluster
-            if cluster is not None and not cluster.available:  # it could not be acknowledged
-                down = ClusterUnavailable(cluster.reason)
+            try:
+                self.hub.store.require()  # a turn that could not be acknowledged is not started
+            except ClusterUnavailable as down:
                 await self.error(down.code, down.message, msg.id)
                 return
             req = Request(msg.id, "chat")
@@ -266,35 +263,21 @@ class Connection(QueuedConnection):
         self.client_name = hello.client
         session: Session | None = None
         resumed = False
-        clustered = hub.cluster_sessions
         try:
             if hello.session_id is not None or hello.resume_token is not None:
                 try:
-                    if clustered is not None:
-                        session, record = await clustered.resume(
-                            hello.session_id or "", hello.resume_token or "", self.client_ip
-                        )
-                        self.client_name = self.client_name or record.client
-                        bus = hub.console.bus
-                        if bus is not None:  # an agent may hold it (from another node)
-                            hub.console.set_holder(session, await bus.holder(session.id))
-                            if record.node and record.node != clustered.cluster.node_id:
-                                # a connection to it on another node is closed there (4409)
-                                await bus.command(
-                                    record.node, {"cmd": "session_taken", "session_id": session.id}
-                                )
-                    else:
-                        session = hub.sessions.resume(hello.session_id or "", hello.resume_token or "")
-                    resumed = True
+                    found = await hub.store.resume(
+                        hello.session_id or "", hello.resume_token or "", self.client_ip
+                    )
+                    session, resumed = found.session, True
+                    self.client_name = self.client_name or found.client
+                    await hub.console.resumed(found)
                 except SessionExpired:
                     await self.error(
                         "session_expired", "that session is unknown or has expired; a new session was started"
                     )
             if session is None:
-                if clustered is not None:
-                    session = await clustered.create(self.client_ip, self.client_name)
-                else:
-                    session = hub.sessions.create(self.client_ip)
+                session = await hub.store.create(self.client_ip, self.client_name)
         except TooManySessions:
             cap = hub.settings.security.max_sessions_per_ip
             await self.error(
@@ -329,13 +312,12 @@ class Connection(QueuedConnection):
                 await asyncio.wait({req.task})
         kept = (session.history, session.last_turn, session.turns)
         session.history, session.last_turn, session.turns = [], None, 0
-        if self.hub.cluster_sessions is not None:
-            try:
-                await self.hub.cluster_sessions.save(session, self.client_name)
-            except ClusterUnavailable as exc:  # not stored: not done either
-                session.history, session.last_turn, session.turns = kept
-                await self.error(exc.code, exc.message)
-                return
+        try:
+            await self.hub.store.save(session, self.client_name)
+        except ClusterUnavailable as exc:  # not stored: not done either
+            session.history, session.last_turn, session.turns = kept
+            await self.error(exc.code, exc.message)
+            return
         self.hub.drop_backend_session(session)
         self.hub.console.reset(session)
         await self.send({"type": "reset", "session_id": session.id})
@@ -387,13 +369,12 @@ class Connection(QueuedConnection):
                     chat.finished_turn(rendered, prompt, result.text, result.token_ids) if last else None
                 )
                 session.turns += 1
-                if hub.cluster_sessions is not None:
-                    try:  # the turn is acknowledged only once its record is stored
-                        await hub.cluster_sessions.save(session, self.client_name)
-                    except ClusterUnavailable:
-                        _remove(session.history, answer)  # neither stored nor acknowledged: never ran
-                        session.last_turn, session.turns = kept
-                        raise
+                try:  # the turn is acknowledged only once it is stored
+                    await hub.store.save(session, self.client_name)
+                except ClusterUnavailable:
+                    _remove(session.history, answer)  # neither stored nor acknowledged: never ran
+                    session.last_turn, session.turns = kept
+                    raise
                 added = False
             reply, reason = result.text, result.finish_reason.value
             hub.metrics.observe_generation("ws_chat", result)
@@ -514,53 +495,19 @@ class Hub:
         self.settings = state.settings
         self.metrics = state.metrics
         ss, sec = self.settings.sessions, self.settings.security
-        clustered = state.cluster is not None
+        topology = state.topology
         self.sessions = SessionRegistry(
             ss.idle_timeout_s,
             ss.max_sessions,
             on_drop=self._on_drop,
-            # clustered, the cap is counted in Redis across the nodes (cluster/limits.py)
-            max_per_ip=0 if clustered else sec.max_sessions_per_ip,
+            max_per_ip=topology.registry_cap(sec.max_sessions_per_ip),
         )
+        self.store = topology.session_store(self.sessions)
         self.connections: set[Connection] = set()
-        self.console = ConsoleHub(state, self.sessions)  # the agent console's registry (/ws/console)
+        topology.join(NodeView(self.node_figures, self.connected))  # heartbeats before the console's
+        # the agent console's registry (/ws/console)
+        self.console = ConsoleHub(state, self.sessions, self.store, topology)
         state.counts = lambda: {"connections": len(self.connections), "sessions": len(self.sessions)}
-        self.cluster_sessions: ClusterSessions | None = None
-        self.nodes: NodeRegistry | None = None
-        if state.cluster is not None:
-            assert state.session_store is not None and state.cluster_limits is not None
-            self.cluster_sessions = ClusterSessions(
-                state.cluster, state.session_store, state.cluster_limits, self.sessions
-            )
-            self.nodes = NodeRegistry(state.cluster, self.node_figures, self.live_session_ids)
-            state.cluster.on_beat(self.nodes.beat)
-            state.cluster.on_beat(self._renew_sessions)
-            # the console across nodes
-            console = self.console
-            console.bus = ConsoleBus(state.cluster, console.deliver, console.on_bus_command, console.resync)
-            console.persist = self._persist
-            console.node_id = state.cluster.node_id
-            console.alive_nodes = self.nodes.alive
-            state.cluster.on_beat(console.beat)
-            state.cluster_figures = self.cluster_figures
-
-    def cluster_figures(self) -> dict[str, Any]:
-        assert self.nodes is not None and self.cluster_sessions is not None and self.state.cluster
-        view = self.nodes.last_view
-        return {
-            "nodes_alive": view.get("nodes_alive", 0),
-            "sessions": view.get("sessions", 0),
-            "console_agents": view.get("console_agents", 0),
-            "session_writes": self.cluster_sessions.store.writes,
-            "resumed_from_store": self.cluster_sessions.resumed_elsewhere,
-            "redis_failures": self.state.cluster.failures,
-        }
-
-    async def _persist(self, session: Session) -> None:
-        """Write a session's record now (the console's agent messages and forwarded customer ones)."""
-        assert self.cluster_sessions is not None
-        conn = session.connection
-        await self.cluster_sessions.save(session, getattr(conn, "client_name", None))
 
     def node_figures(self) -> dict[str, Any]:
         return {
@@ -569,23 +516,15 @@ class Hub:
             "console_agents": self.console.agent_count(),
         }
 
-    def live_session_ids(self) -> list[str]:
-        return [c.session.id for c in self.connections if c.session is not None]
-
-    async def _renew_sessions(self) -> None:
-        """Heartbeat: connected sessions' records and per-IP slots stay alive while connected."""
-        assert self.cluster_sessions is not None
-        connected = [(c.client_ip, c.session.id) for c in self.connections if c.session is not None]
-        await self.cluster_sessions.store.renew([sid for _, sid in connected])
-        if self.cluster_sessions.limits.max_sessions_per_ip:
-            await self.cluster_sessions.limits.renew(connected)
+    def connected(self) -> list[tuple[str, str]]:
+        """(client IP, session id) of every connection with a session."""
+        return [(c.client_ip, c.session.id) for c in self.connections if c.session is not None]
 
     def _on_drop(self, session: Session) -> None:
         self.metrics.expired.inc()
         self.drop_backend_session(session)
         self.console.dropped(session)
-        if self.cluster_sessions is not None:
-            self.cluster_sessions.forget(session)
+        self.store.forget(session)
 
     def drop_backend_session(self, session: Session) -> None:
         for backend in self.state.backends.values():
@@ -659,9 +598,7 @@ class Hub:
                         backend.cancel_prefetch(conn.session.id)
                 self.sessions.detach(conn.session, conn)
                 self.console.detached(conn.session)
-                if self.cluster_sessions is not None:
-                    with contextlib.suppress(ClusterUnavailable):  # else the slot's lease runs out
-                        await self.cluster_sessions.release(conn.session, conn.client_ip)
+                await self.store.release(conn.session, conn.client_ip)
             await conn.finish(reader, writer, drain=conn.close_code != Close.SLOW_CLIENT)
 
     async def _hello_deadline(self, conn: Connection) -> None:
@@ -677,9 +614,7 @@ class Hub:
         """Graceful shutdown: refuse new work, give in-flight requests `grace_s` to finish, end the rest
         with `shutting_down`, close every connection with 1001 and wait (briefly) for them to go."""
         self.state.shutting_down = True
-        if self.nodes is not None:  # out of the cluster's view: its clients reconnect elsewhere
-            with contextlib.suppress(ClusterUnavailable):
-                await self.nodes.leave()
+        await self.state.topology.leave()  # out of the cluster's view: its clients reconnect elsewhere
         self.console.close_all()
         for conn in list(self.connections):
             await conn.send({"type": "shutting_down", "deadline_s": grace_s})

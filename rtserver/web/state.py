@@ -1,7 +1,7 @@
 """What the front doors share (`AppState`): settings, the load status, the inference backends and the
 task registry once loaded (and which backend runs which task), metrics, the per-client-IP rate limiter,
-the cluster's Redis services when `cluster.redis_url` is set, and the shutdown flag. The app builds it;
-the hub, the console and the HTTP API read it."""
+the topology (alone or clustered: `seams.py`), and the shutdown flag. The app builds it; the hub, the
+console and the HTTP API read it."""
 
 from __future__ import annotations
 
@@ -13,11 +13,8 @@ from typing import Any
 from ..config import Settings
 from ..engine.backend import InferenceBackend
 from ..tasks.registry import PluginError, TaskRegistry
-from .cluster import Cluster, ClusterUnavailable
-from .cluster.limits import ClusterLimits
-from .cluster.store import SessionStore
 from .metrics import Metrics
-from .ratelimit import IPRateLimiter
+from .seams import Alone, Topology
 
 log = logging.getLogger("rtserver.app")
 
@@ -33,7 +30,7 @@ class NotReady(Exception):
 
 
 class AppState:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, topology: Topology | None = None):
         self.settings = settings
         self.status = "loading"  # loading | ready | failed | stopping
         self.stage = "starting"
@@ -48,35 +45,17 @@ class AppState:
         self.registry: TaskRegistry | None = None
         self.load_errors: list[PluginError] = []
         self.shutting_down = False  # set by the hub's drain: new requests are refused
-        sec = settings.security
-        self.ip_limiter = IPRateLimiter(sec.ip_rate_limit_per_s, sec.ip_rate_limit_burst)
-        # many nodes as one (rtserver/web/cluster/): None = this process alone, everything in memory
-        self.cluster: Cluster | None = None
-        self.session_store: SessionStore | None = None
-        self.cluster_limits: ClusterLimits | None = None
-        if settings.cluster.redis_url:
-            self.cluster = Cluster(settings)
-            self.session_store = SessionStore(self.cluster, settings.sessions.idle_timeout_s)
-            self.cluster_limits = ClusterLimits(
-                self.cluster, sec.ip_rate_limit_per_s, sec.ip_rate_limit_burst, sec.max_sessions_per_ip
-            )
+        # alone (everything in memory) or many nodes as one (rtserver/web/cluster/), chosen by the app
+        self.topology: Topology = topology or Alone(settings)
+        self.ip_limiter = self.topology.limits.ip_limiter
         # connection and session counts for /metrics, supplied by the hub once it exists
         self.counts: Callable[[], dict[str, int]] = lambda: {"connections": 0, "sessions": 0}
-        # the cluster's figures for /metrics (nodes alive, sessions, agents), supplied by the hub
-        self.cluster_figures: Callable[[], dict[str, Any]] = lambda: {}
         self.metrics = Metrics(self.live_metrics)
 
     async def ip_take(self, ip: str) -> float:
-        """A token from the client IP's bucket (WebSocket messages and HTTP requests): in Redis when
-        clustered (one bucket across the nodes), this node's own while Redis is down (the limit then
-        holds per node rather than not at all). 0.0 = allowed, else seconds to wait."""
-        limits, cluster = self.cluster_limits, self.cluster
-        if limits is not None and cluster is not None and cluster.available and limits.rate > 0:
-            try:
-                return await limits.take(ip)
-            except ClusterUnavailable:
-                pass
-        return self.ip_limiter.take(ip)
+        """A token from the client IP's bucket (WebSocket messages and HTTP requests), one bucket across
+        the nodes when clustered. 0.0 = allowed, else seconds to wait."""
+        return await self.topology.limits.take_ip(ip)
 
     @property
     def ready(self) -> bool:
@@ -89,9 +68,7 @@ class AppState:
 
     def not_ready_reason(self) -> str | None:
         reason = self.serving_reason()
-        if reason is None and self.cluster is not None and not self.cluster.available:
-            return self.cluster.reason
-        return reason
+        return reason or self.topology.down_reason()
 
     def serving_reason(self) -> str | None:
         if self.status != "ready":
@@ -162,6 +139,5 @@ class AppState:
                 log.exception("%s backend stats failed", name)
         if self.registry is not None:
             out["task_cache"] = self.registry.cache_stats()
-        if self.cluster is not None:
-            out["cluster"] = {"redis_up": self.cluster.available, **self.cluster_figures()}
+        self.topology.add_metrics(out)
         return out

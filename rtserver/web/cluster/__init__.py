@@ -59,8 +59,14 @@ def node_id_for(settings: Settings) -> str:
 class Cluster:
     """The Redis connection, its health, and the key names."""
 
-    def __init__(self, settings: Settings, client: aioredis.Redis | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        client: aioredis.Redis | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         c = settings.cluster
+        self.clock = clock
         self.settings = settings
         self.url = c.redis_url
         self.prefix = c.key_prefix
@@ -82,7 +88,7 @@ class Cluster:
         self.redis: aioredis.Redis = client or aioredis.Redis(connection_pool=pool)
         self.available = False
         self.reason = "connecting to Redis"
-        self.down_since: float | None = time.monotonic()
+        self.down_since: float | None = clock()
         self.failures = 0  # calls that failed since start
         self._loop_task: asyncio.Task | None = None
         self._beats: list[Callable[[], Awaitable[None]]] = []  # run after each good ping
@@ -96,7 +102,7 @@ class Cluster:
         self.failures += 1
         if self.available:
             log.warning("cluster: %s", reason)
-            self.down_since = time.monotonic()
+            self.down_since = self.clock()
         self.available, self.reason = False, reason
 
     def mark_up(self) -> None:

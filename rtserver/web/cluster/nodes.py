@@ -19,12 +19,17 @@ from . import Cluster
 
 class NodeRegistry:
     def __init__(
-        self, cluster: Cluster, figures: Callable[[], dict[str, Any]], live: Callable[[], list[str]]
+        self,
+        cluster: Cluster,
+        figures: Callable[[], dict[str, Any]],
+        live: Callable[[], list[str]],
+        clock: Callable[[], float] = time.time,
     ):
         self.cluster = cluster
+        self.clock = clock  # wall time: heartbeats are compared across nodes
         self.figures = figures  # this node's counts: connections, sessions, agents
         self.live = live  # ids of the sessions connected here
-        self.started_at = time.time()
+        self.started_at = self.clock()
         self.ttl_s = max(1, int(cluster.heartbeat_s * 3 + 0.999))
         self.last_view: dict[str, Any] = {}  # the cluster as of the last heartbeat (for /metrics)
         self.left = False  # draining: no more heartbeats
@@ -37,7 +42,7 @@ class NodeRegistry:
             {
                 "node_id": c.node_id,
                 "started_at": self.started_at,
-                "heartbeat_at": time.time(),
+                "heartbeat_at": self.clock(),
                 **self.figures(),
             }
         )
@@ -45,7 +50,7 @@ class NodeRegistry:
 
         async def run() -> Any:
             async with c.redis.pipeline(transaction=True) as pipe:
-                pipe.zadd(c.key("nodes"), {c.node_id: time.time()})
+                pipe.zadd(c.key("nodes"), {c.node_id: self.clock()})
                 pipe.set(c.key("node", c.node_id), record, ex=self.ttl_s)
                 pipe.delete(c.key("live", c.node_id))
                 if live:
@@ -72,7 +77,7 @@ class NodeRegistry:
     async def view(self) -> dict[str, Any]:
         """The live nodes with their figures, and the cluster's totals."""
         c = self.cluster
-        dead_before = time.time() - self.ttl_s
+        dead_before = self.clock() - self.ttl_s
         await c.call(lambda: c.redis.zremrangebyscore(c.key("nodes"), "-inf", dead_before))
         ids: Any = await c.call(lambda: c.redis.zrange(c.key("nodes"), 0, -1))
         raws: Any = await c.call(lambda: c.redis.mget([c.key("node", i) for i in ids])) if ids else []
@@ -93,7 +98,7 @@ class NodeRegistry:
         """Ids of the nodes whose heartbeat is recent."""
         c = self.cluster
         ids: Any = await c.call(
-            lambda: c.redis.zrangebyscore(c.key("nodes"), time.time() - self.ttl_s, "+inf")
+            lambda: c.redis.zrangebyscore(c.key("nodes"), self.clock() - self.ttl_s, "+inf")
         )
         return set(ids)
 

@@ -1,0 +1,292 @@
+"""The seam between one process alone and many nodes as one: `Topology` and the parts it hands out.
+
+`create_app` picks the topology once: `Alone` (everything in this process's memory) or the cluster's
+(`cluster/topology.py`, Redis behind the same methods). The hub and the state call these methods and
+never ask which one they have.
+
+- `SessionStore`: where the hub's sessions are created, resumed, saved and released;
+- `Limits`: the per-client-IP request bucket and the console's failed logins;
+- `ConsoleBus`: the console's shared conversations, take-overs and actions (`LocalBus` alone: the
+  holder is the conversation's own agent, every conversation is served here);
+- `Topology`: the two above, the node's heartbeat, readiness, /health and /metrics figures.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..config import Settings
+from .ratelimit import IPRateLimiter
+from .session import Session, SessionRegistry
+
+Beat = Callable[[], Awaitable[None]]
+HolderOf = Callable[[str], "dict | None"]  # the agent holding a conversation, as this node knows it
+
+
+@dataclass
+class Resumed:
+    """A resumed session, the client name its record keeps, and the node that served it last."""
+
+    session: Session
+    client: str | None = None
+    served_on: str = ""
+
+
+@dataclass
+class NodeView:
+    """What the hub tells the topology about this node: its figures and its connected sessions."""
+
+    figures: Callable[[], dict[str, Any]]
+    connected: Callable[[], list[tuple[str, str]]]  # (client IP, session id) of each live connection
+
+
+class SessionStore(Protocol):
+    """The hub's sessions. Clustered calls raise `ClusterUnavailable` while Redis is down."""
+
+    def require(self) -> None:
+        """Raise when a change could not be stored now (a turn is then refused at once)."""
+
+    async def create(self, client_ip: str, client: str | None) -> Session: ...
+
+    async def resume(self, session_id: str, resume_token: str, client_ip: str) -> Resumed:
+        """The session; SessionExpired the same way for every cause."""
+        ...
+
+    async def save(self, session: Session, client: str | None) -> None:
+        """Store the session's state; a turn is acknowledged only after this returns."""
+
+    async def release(self, session: Session, client_ip: str) -> None:
+        """The session's connection has gone (its per-IP slot is free)."""
+
+    def forget(self, session: Session) -> None:
+        """The session has expired on this node."""
+
+
+class Limits(Protocol):
+    ip_limiter: IPRateLimiter  # this node's own buckets (clustered: while Redis is down)
+
+    async def take_ip(self, ip: str) -> float:
+        """A token from the client IP's bucket: 0.0 = allowed, else seconds to wait."""
+        ...
+
+    async def failed_logins(self, ip: str, limit: int, window_s: float, failed: bool, local: float) -> float:
+        """Seconds before this IP's next console login; `local` is this node's own count."""
+        ...
+
+
+class ConsoleBus(Protocol):
+    """The console across nodes; the Redis one is `cluster/bus.py`."""
+
+    def publish(self, event: dict) -> None: ...
+
+    def save_conversation(self, record: dict, force: bool = False) -> None: ...
+
+    def remove_conversation(self, session_id: str) -> None: ...
+
+    async def renew_and_sweep(self, session_ids: list[str]) -> list[str]: ...
+
+    async def conversations(self) -> list[dict]: ...
+
+    async def conversation(self, session_id: str) -> dict | None: ...
+
+    async def claim(self, session_id: str, agent: dict) -> dict: ...
+
+    async def renew_holds(self, holds: dict[str, str]) -> None: ...
+
+    async def holders(self, session_ids: list[str]) -> list[dict | None]: ...
+
+    async def release(self, session_id: str, agent_id: str = "") -> bool: ...
+
+    async def holder(self, session_id: str) -> dict | None: ...
+
+    async def shared_secret(self, name: str) -> str: ...
+
+    async def command(self, node: str, command: dict) -> int: ...
+
+
+class LocalBus:
+    """The console alone: nothing is shared, the conversations' own agents are the holders."""
+
+    def __init__(self, holder_of: HolderOf):
+        self.holder_of = holder_of
+        self._secrets: dict[str, str] = {}
+
+    def publish(self, event: dict) -> None:
+        return None
+
+    def save_conversation(self, record: dict, force: bool = False) -> None:
+        return None
+
+    def remove_conversation(self, session_id: str) -> None:
+        return None
+
+    async def renew_and_sweep(self, session_ids: list[str]) -> list[str]:
+        return []
+
+    async def conversations(self) -> list[dict]:
+        return []  # the console's own are all there are
+
+    async def conversation(self, session_id: str) -> dict | None:
+        return None
+
+    async def claim(self, session_id: str, agent: dict) -> dict:
+        return self.holder_of(session_id) or agent
+
+    async def renew_holds(self, holds: dict[str, str]) -> None:
+        return None
+
+    async def holders(self, session_ids: list[str]) -> list[dict | None]:
+        return [self.holder_of(sid) for sid in session_ids]
+
+    async def release(self, session_id: str, agent_id: str = "") -> bool:
+        holder = self.holder_of(session_id)
+        return holder is not None and holder.get("id") == agent_id
+
+    async def holder(self, session_id: str) -> dict | None:
+        return self.holder_of(session_id)
+
+    async def shared_secret(self, name: str) -> str:
+        return self._secrets.setdefault(name, secrets.token_hex(32))
+
+    async def command(self, node: str, command: dict) -> int:
+        return 0  # there is no other node
+
+
+class Topology(Protocol):
+    limits: Limits
+    node_id: str
+
+    def registry_cap(self, max_sessions_per_ip: int) -> int:
+        """The connected-session cap per IP the local registry keeps (0: counted elsewhere)."""
+        ...
+
+    def session_store(self, registry: SessionRegistry) -> SessionStore: ...
+
+    def join(self, node: NodeView) -> None:
+        """Start beating for this node (called once, by the hub)."""
+
+    def on_beat(self, beat: Beat) -> None: ...
+
+    def console_bus(
+        self,
+        on_event: Callable[[dict], None],
+        on_command: Callable[[dict], Awaitable[None]],
+        on_resubscribed: Callable[[], None],
+        holder_of: HolderOf,
+    ) -> ConsoleBus:
+        """The console's events and actions (across nodes when clustered)."""
+        ...
+
+    async def alive_nodes(self) -> set[str]:
+        """Ids of the nodes whose heartbeat is recent."""
+        ...
+
+    async def leave(self) -> None:
+        """A draining node goes out of the view."""
+
+    def down_reason(self) -> str | None:
+        """Why the shared store cannot be used now, or None."""
+        ...
+
+    async def add_health(self, body: dict[str, Any]) -> None: ...
+
+    def add_metrics(self, out: dict[str, Any]) -> None: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def ip_limiter_for(settings: Settings) -> IPRateLimiter:
+    sec = settings.security
+    return IPRateLimiter(sec.ip_rate_limit_per_s, sec.ip_rate_limit_burst)
+
+
+class LocalSessions:
+    """Sessions in this process's registry only."""
+
+    def __init__(self, registry: SessionRegistry):
+        self.registry = registry
+
+    def require(self) -> None:
+        return None
+
+    async def create(self, client_ip: str, client: str | None) -> Session:
+        return self.registry.create(client_ip)
+
+    async def resume(self, session_id: str, resume_token: str, client_ip: str) -> Resumed:
+        return Resumed(self.registry.resume(session_id, resume_token))
+
+    async def save(self, session: Session, client: str | None) -> None:
+        return None
+
+    async def release(self, session: Session, client_ip: str) -> None:
+        return None
+
+    def forget(self, session: Session) -> None:
+        return None
+
+
+class LocalLimits:
+    def __init__(self, ip_limiter: IPRateLimiter):
+        self.ip_limiter = ip_limiter
+
+    async def take_ip(self, ip: str) -> float:
+        return self.ip_limiter.take(ip)
+
+    async def failed_logins(self, ip: str, limit: int, window_s: float, failed: bool, local: float) -> float:
+        return local
+
+
+class Alone:
+    """One process: sessions and limits in memory, no heartbeat, nothing that can be down."""
+
+    node_id = ""
+
+    def __init__(self, settings: Settings):
+        self.limits: Limits = LocalLimits(ip_limiter_for(settings))
+
+    def registry_cap(self, max_sessions_per_ip: int) -> int:
+        return max_sessions_per_ip
+
+    def session_store(self, registry: SessionRegistry) -> SessionStore:
+        return LocalSessions(registry)
+
+    def join(self, node: NodeView) -> None:
+        return None
+
+    def on_beat(self, beat: Beat) -> None:
+        return None
+
+    def console_bus(
+        self,
+        on_event: Callable[[dict], None],
+        on_command: Callable[[dict], Awaitable[None]],
+        on_resubscribed: Callable[[], None],
+        holder_of: HolderOf,
+    ) -> ConsoleBus:
+        return LocalBus(holder_of)
+
+    async def alive_nodes(self) -> set[str]:
+        return {self.node_id}
+
+    async def leave(self) -> None:
+        return None
+
+    def down_reason(self) -> str | None:
+        return None
+
+    async def add_health(self, body: dict[str, Any]) -> None:
+        return None
+
+    def add_metrics(self, out: dict[str, Any]) -> None:
+        return None
+
+    def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None

@@ -94,7 +94,7 @@ class BackendSettings:
     # the first (README, "Remote backends"); a lone request pays the window
     send_window_ms: float = _setting(3.0, min=0.0, max=1000.0)
     # when a reply ends, send its session's next-turn prefix (history, end of the reply, next user header)
-    # to the session's server at once, so the next turn prefills only its message (remote/backend.py)
+    # to the session's server at once, so the next turn prefills only its message (remote/prefetch.py)
     prefetch_next_turn: bool = _setting(True)
 
 

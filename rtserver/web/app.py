@@ -313,7 +313,7 @@ def create_app(
         WebSocketRoute("/ws/console", hub.console.endpoint),
         Route("/console", console_page),
     ]
-    routes += [Route(path, http_api._api(fn), methods=methods) for path, fn, methods in http_api.ROUTES]
+    routes += [Route(path, http_api.api(fn), methods=methods) for path, fn, methods in http_api.ROUTES]
     routes.append(Route("/", index))
     if STATIC_DIR.is_dir():
         routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))

@@ -13,6 +13,7 @@ import hashlib
 import time
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 
 class BackendUnavailable(Exception):
@@ -45,6 +46,18 @@ class Upstream:
     def record_latency(self, seconds: float) -> None:
         self.latency_s.append(seconds)
         del self.latency_s[:-256]
+
+
+class UpstreamStats(TypedDict):
+    """One server in `/health` and `/metrics` (`UpstreamPool.snapshot`)."""
+
+    url: str
+    state: str
+    in_flight: int
+    requests: int
+    errors: int
+    last_error: str | None
+    ttfb_p50_ms: float | None
 
 
 class UpstreamPool:
@@ -155,8 +168,8 @@ class UpstreamPool:
         up.in_flight -= 1
         self._wake()
 
-    def snapshot(self) -> list[dict]:
-        out = []
+    def snapshot(self) -> list[UpstreamStats]:
+        out: list[UpstreamStats] = []
         for u in self.upstreams:
             lat = sorted(u.latency_s)
             out.append(

@@ -16,6 +16,8 @@ from typing import Any
 from ..engine.backend import Tokenizer
 from .declare import Task, TaskError
 
+Message = dict[str, str]  # {"role", "content"}: one chat message as the template renders it
+
 # a stand-in for the next user message when its prefix is computed (its size decides whether the window
 # would be cut)
 NEXT_MESSAGE_SENTINEL = "QzxNextUserMessageSentinelQzx"
@@ -49,7 +51,7 @@ class ChatTurn:
     """A user message made ready for the model: `history` is the window to render, ending with it."""
 
     text: str  # the cleaned message
-    history: list[dict]
+    history: list[Message]
     cut: bool  # whether older turns were dropped to fit the window
     rendered: str  # the window rendered by the chat template
     prompt_ids: list[int]  # its token ids, the last turn's own ids kept (`encode_chat`)
@@ -57,8 +59,8 @@ class ChatTurn:
 
 
 def window(
-    history: list[dict], max_turns: int, max_tokens: int, count_tokens: Callable[[list[dict]], int]
-) -> tuple[list[dict], bool]:
+    history: list[Message], max_turns: int, max_tokens: int, count_tokens: Callable[[list[Message]], int]
+) -> tuple[list[Message], bool]:
     """(history to render, whether it was cut). `history` ends with the new user message.
 
     When over `max_turns` user turns or `max_tokens` rendered tokens, drop the oldest whole turns until
@@ -81,7 +83,7 @@ def window(
     return history[starts[-k] :], True
 
 
-def template_segments(tokenizer: Tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+def template_segments(tokenizer: Tokenizer, messages: list[Message]) -> list[tuple[str, bool]]:
     """The messages rendered through the chat template (generation prompt added), as (text, is_content)
     pieces: the template's own text and each message's content, alternating, in order. Raises
     TaskError where the template does not render each content exactly once, in order."""
@@ -129,7 +131,7 @@ def _continued_at(segments: list[tuple[str, bool]], rendered: str, last: LastTur
 
 
 def encode_chat(
-    tokenizer: Tokenizer, messages: list[dict], last: LastTurn | None = None, public_messages: int = 0
+    tokenizer: Tokenizer, messages: list[Message], last: LastTurn | None = None, public_messages: int = 0
 ) -> ChatPrompt:
     """The prompt of chat messages; the first `public_messages` of them are the server's own (its system
     prompt), so their contents count as public.
@@ -181,20 +183,20 @@ class ChatTask:
     def clean_message(self, text: Any) -> str:
         """The task's cleaning (control characters stripped, size checked), then its token limit: a
         longer message keeps its newest `max_input_tokens` tokens (counted as the prompt holds it)."""
-        text = self.task.clean_text(text)
-        ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        cleaned = self.task.clean_text(text)
+        ids = self.tokenizer.encode(cleaned, add_special_tokens=False, split_special_tokens=True)
         limit = self.task.max_input_tokens
         if len(ids) <= limit:
-            return text
+            return cleaned
         return self.tokenizer.decode(ids[-limit:], skip_special_tokens=True).lstrip("\ufffd").strip()
 
-    def prepare_turn(self, history: list[dict], text: Any, last: LastTurn | None = None) -> ChatTurn:
+    def prepare_turn(self, history: list[Message], text: Any, last: LastTurn | None = None) -> ChatTurn:
         """The cleaned message, the history window (ending with it) and its prompt, continuing `last`
         (the session's last turn) where the window still starts with it."""
         text = self.clean_message(text)
         prompts: dict[int, ChatPrompt] = {}  # window size -> its prompt, as counted
 
-        def count(candidate: list[dict]) -> int:
+        def count(candidate: list[Message]) -> int:
             # the window is measured in the tokens it is sent as; with the last turn's ids kept, only
             # the new text is tokenized, not the whole history again
             prompts[len(candidate)] = self.encode(candidate, last)
@@ -210,7 +212,7 @@ class ChatTask:
         return ChatTurn(text, window_, cut, p.rendered, p.ids, p.public_tokens)
 
     # -- rendering --------------------------------------------------------------------------------
-    def _messages(self, history: list[dict], system: bool = True) -> tuple[list[dict], int]:
+    def _messages(self, history: list[Message], system: bool = True) -> tuple[list[Message], int]:
         """(messages to render, how many of them lead as the server's own): the task's system prompt
         goes first unless the history brings one (or `system` is False)."""
         messages = list(history)
@@ -218,21 +220,23 @@ class ChatTask:
             return [{"role": "system", "content": self.task.system_prompt}, *messages], 1
         return messages, 0
 
-    def encode(self, history: list[dict], last: LastTurn | None = None, *, system: bool = True) -> ChatPrompt:
+    def encode(
+        self, history: list[Message], last: LastTurn | None = None, *, system: bool = True
+    ) -> ChatPrompt:
         """The prompt of a history (its contents as plain text), reusing the last turn's own ids. With
         `system` False the messages are rendered as given (the OpenAI door's own system messages)."""
         messages, public = self._messages(history, system)
         return encode_chat(self.tokenizer, messages, last, public)
 
-    def render(self, history: list[dict]) -> list[int]:
+    def render(self, history: list[Message]) -> list[int]:
         """Token ids of the history as a prompt (the task's system prompt first unless it has one)."""
         return self.encode(history).ids
 
-    def render_text(self, history: list[dict]) -> str:
+    def render_text(self, history: list[Message]) -> str:
         """The prompt as text (what `render` tokenizes, piece by piece)."""
         return "".join(text for text, _ in template_segments(self.tokenizer, self._messages(history)[0]))
 
-    def prompt(self, history: list[dict], last: LastTurn | None) -> tuple[str, list[int]]:
+    def prompt(self, history: list[Message], last: LastTurn | None) -> tuple[str, list[int]]:
         """(rendered text, token ids) of a session's prompt, reusing the last turn's own ids."""
         p = self.encode(history, last)
         return p.rendered, p.ids
@@ -242,7 +246,7 @@ class ChatTask:
     ) -> LastTurn | None:
         return finished_turn(self.tokenizer, rendered, prompt_ids, reply, generated_ids)
 
-    def next_turn_prefix(self, history: list[dict], last: LastTurn | None) -> list[int] | None:
+    def next_turn_prefix(self, history: list[Message], last: LastTurn | None) -> list[int] | None:
         """The token ids the next turn's prompt will start with, up to where the next user message
         goes; None where that cannot be known safely. `history` ends with the reply just given.
 
@@ -255,7 +259,7 @@ class ChatTask:
         probe = history + [{"role": "user", "content": NEXT_MESSAGE_SENTINEL}]
         prompts: list[ChatPrompt] = []
 
-        def count(h: list[dict]) -> int:  # counted as `prepare_turn` will count
+        def count(h: list[Message]) -> int:  # counted as `prepare_turn` will count
             prompts.append(self.encode(h, last))
             return len(prompts[-1].ids)
 
@@ -272,5 +276,5 @@ class ChatTask:
         after = len(_encode(self.tokenizer, segments[-2:]))  # the message and the generation prompt
         return p.ids[: len(p.ids) - after]
 
-    def parse(self, text: str) -> dict:
+    def parse(self, text: str) -> dict[str, Any]:
         return self.task.parser(text) if self.task.parser else {"reply": text}

@@ -12,7 +12,7 @@ import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from ..engine.backend import SamplingError, SamplingParams
 from . import bounds
@@ -97,7 +97,7 @@ class Task:
     decoding: dict[str, Any] = field(default_factory=dict)  # defaults, e.g. {"temperature": 0.7}
     overridable: dict[str, tuple[float, float]] = field(default_factory=dict)  # client-settable ranges
     choices: Choices | None = None
-    parser: Callable[[str], dict] | None = None
+    parser: Callable[[str], dict[str, Any]] | None = None
     variants: list[Variant] = field(default_factory=list)
     head: LearnedHead | None = None  # a learned head over hidden states, fitted on shipped examples
     cache_size: int = 0  # 0 = no result cache
@@ -118,6 +118,22 @@ class Task:
         for key in list(self.decoding) + list(self.overridable):
             if key not in DECODING_KEYS:
                 raise ValueError(f"decoding key {key!r}: allowed {', '.join(DECODING_KEYS)}")
+        self._validate_overridable()
+        _check_choices(self.choices, "choices")
+        if self.parser is not None and not callable(self.parser):
+            raise ValueError("parser must be a function text -> dict")
+        if self.choices is not None and self.parser is not None:
+            raise ValueError("declare either choices (scoring) or a parser (generation), not both")
+        self._validate_head()
+        self._validate_variants()
+        self._validate_sizes()
+        try:
+            self.sampling(None)
+        except TaskError as exc:
+            raise ValueError(f"decoding: {exc.message}") from None
+
+    def _validate_overridable(self) -> None:
+        """Each overridable range is (low, high) within what a client may set at all."""
         for key, span in self.overridable.items():
             if (
                 not isinstance(span, (tuple, list))
@@ -132,11 +148,8 @@ class Task:
                     f"overridable {key!r}: {tuple(span)!r} is wider than a client may set "
                     f"({widest.lo:g}..{widest.hi:g})"
                 )
-        _check_choices(self.choices, "choices")
-        if self.parser is not None and not callable(self.parser):
-            raise ValueError("parser must be a function text -> dict")
-        if self.choices is not None and self.parser is not None:
-            raise ValueError("declare either choices (scoring) or a parser (generation), not both")
+
+    def _validate_head(self) -> None:
         if self.head is not None:
             if not isinstance(self.head, LearnedHead) or not isinstance(self.head.examples, (str, Path)):
                 raise ValueError("head: expected LearnedHead(examples=path to a JSONL file)")
@@ -146,6 +159,8 @@ class Task:
                 raise ValueError("head: only a scoring task (with choices) can have a learned head")
             if not (isinstance(self.head.l2, (int, float)) and self.head.l2 >= 0):
                 raise ValueError(f"head.l2 = {self.head.l2!r}: must be a number >= 0")
+
+    def _validate_variants(self) -> None:
         for i, v in enumerate(self.variants):
             if not isinstance(v, Variant) or not callable(v.when):
                 raise ValueError(f"variants[{i}]: expected Variant(when=callable, prompt=...)")
@@ -154,6 +169,9 @@ class Task:
             _check_choices(v.choices, f"variants[{i}].choices")
             if v.choices is not None and self.choices is None:
                 raise ValueError(f"variants[{i}]: choices given but the task itself declares none")
+
+    def _validate_sizes(self) -> None:
+        """The limits are positive integers; the cache's size and lifetime are sane."""
         for key in (
             "max_input_chars",
             "max_input_tokens",
@@ -172,12 +190,8 @@ class Task:
             or not self.cache_ttl_s > 0
         ):
             raise ValueError(f"cache_ttl_s = {self.cache_ttl_s!r}: must be a number > 0")
-        try:
-            self.sampling(None)
-        except TaskError as exc:
-            raise ValueError(f"decoding: {exc.message}") from None
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "description": self.description,
@@ -205,6 +219,9 @@ class Task:
         """Strip control characters (keeping newlines and tabs), check emptiness and size."""
         if not isinstance(text, str):
             raise TaskError("invalid_input", f"{self.name}: 'text' must be a string")
+        return self._clean(text)
+
+    def _clean(self, text: str) -> str:
         if not text.isprintable():  # printable text has no control/format characters: nothing to strip
             text = "".join(c for c in text if c in "\n\t" or unicodedata.category(c)[0] != "C")
         text = text.strip()
@@ -219,7 +236,7 @@ class Task:
             text = text[: self.max_input_chars] if self.truncate == "head" else text[-self.max_input_chars :]
         return text
 
-    def sampling(self, overrides: dict | None) -> SamplingParams:
+    def sampling(self, overrides: dict[str, Any] | None) -> SamplingParams:
         """Decoding for one call: the task's defaults, then client overrides within allowed ranges."""
         values: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "stop": list(self.stop)}
         values.update(self.decoding)
@@ -289,14 +306,22 @@ def has_cjk(text: str) -> bool:
     return any("\u4e00" <= c <= "\u9fff" or "\u3400" <= c <= "\u4dbf" for c in text)
 
 
+class Timing(TypedDict, total=False):
+    """How long a task call took (a scored call has only `total_ms`)."""
+
+    queued_ms: float
+    ttft_ms: float | None
+    total_ms: float
+
+
 @dataclass
 class TaskOutput:
     task: str
-    output: dict
+    output: dict[str, Any]
     text: str
-    usage: dict
-    timing: dict
+    usage: dict[str, Any]
+    timing: Timing
     cached: bool = False
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

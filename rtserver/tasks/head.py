@@ -107,7 +107,8 @@ def load_cached(cache_dir: Path | None, key: str) -> np.ndarray | None:
         return None
     path = cache_dir / f"{key}.npy"
     try:
-        return np.load(path)
+        loaded: np.ndarray = np.load(path)
+        return loaded
     except (OSError, ValueError):
         return None
 
@@ -177,4 +178,5 @@ class LogisticHead:
 def _softmax(a: np.ndarray) -> np.ndarray:
     a = a - a.max(1, keepdims=True)
     e = np.exp(a)
-    return e / e.sum(1, keepdims=True)
+    out: np.ndarray = e / e.sum(1, keepdims=True)
+    return out

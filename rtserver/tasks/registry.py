@@ -69,7 +69,7 @@ OVERRIDE_TYPES: dict[str, Any] = {
 }
 
 
-def _task_from(obj: Any, options: dict, source: str) -> Task:
+def _task_from(obj: Any, options: dict[str, Any], source: str) -> Task:
     """A Task from a module (TASK or make_task), a Task, or a factory callable."""
     factory = getattr(obj, "make_task", None)
     if factory is None and callable(obj) and not isinstance(obj, Task):
@@ -88,7 +88,7 @@ def _task_from(obj: Any, options: dict, source: str) -> Task:
     return task
 
 
-def _apply_overrides(task: Task, table: dict) -> Task:
+def _apply_overrides(task: Task, table: dict[str, Any]) -> Task:
     generic = {k: v for k, v in table.items() if k in GENERIC_OVERRIDES}
     for key, value in generic.items():
         expected = OVERRIDE_TYPES[key]
@@ -146,7 +146,7 @@ class TaskRegistry:
     def names(self) -> list[str]:
         return sorted(self.tasks)
 
-    def describe(self) -> list[dict]:
+    def describe(self) -> list[dict[str, Any]]:
         return [self.tasks[n].task.describe() for n in self.names()]
 
     def get(self, name: str) -> PromptTask | ChatTask:
@@ -160,7 +160,7 @@ class TaskRegistry:
         backend: InferenceBackend,
         name: str,
         raw_input: Any,
-        overrides: dict | None = None,
+        overrides: dict[str, Any] | None = None,
         *,
         scope: Hashable | None = None,
     ) -> TaskOutput:
@@ -170,7 +170,7 @@ class TaskRegistry:
             raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
         return await task.run(backend, raw_input, overrides, scope=scope)
 
-    def cost(self, name: str, overrides: dict | None = None) -> int:
+    def cost(self, name: str, overrides: dict[str, Any] | None = None) -> int:
         """The most tokens one call of a stateless task can take (what admission holds for it)."""
         task = self.get(name)
         if isinstance(task, ChatTask):
@@ -286,7 +286,7 @@ def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistr
     """Discover, configure and validate every task. A broken plugin is reported, never fatal."""
     errors: list[PluginError] = []
     tasks: dict[str, PromptTask | ChatTask] = {}
-    overrides: dict = dict(settings.task)
+    overrides: dict[str, Any] = dict(settings.task)
     enabled, disabled = set(settings.tasks.enabled), set(settings.tasks.disabled)
     seen: set[str] = set()  # every task name a plugin declared, loaded or not
     for source, obj in _discover(settings):

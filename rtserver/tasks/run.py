@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 from cachetools import TTLCache
 
-from ..engine.backend import FeatureScorer, InferenceBackend, Tokenizer
-from .declare import Choices, Task, TaskError, TaskOutput
+from ..engine.backend import FeatureScorer, InferenceBackend, SamplingParams, Tokenizer
+from .declare import Choices, LearnedHead, Task, TaskError, TaskOutput
 from .head import (
     LogisticHead,
     features_key,
@@ -43,12 +43,12 @@ class PromptTask:
         self.tokenizer = tokenizer
         self._prefixes: dict[tuple[str, bool], tuple[list[int], str, str]] = {}
         self._suffixes: dict[str, list[int]] = {}
-        self._candidates: dict[tuple, list[list[int]]] = {}
+        self._candidates: dict[tuple[tuple[str, str], ...], list[list[int]]] = {}
         # per backend object (weakly: an id() could be reused by a later backend), then per prompt
-        self._calibration: weakref.WeakKeyDictionary[Any, dict[tuple, asyncio.Future]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self.cache: TTLCache | None = (
+        self._calibration: weakref.WeakKeyDictionary[
+            Any, dict[tuple[Any, ...], asyncio.Future[list[float]]]
+        ] = weakref.WeakKeyDictionary()
+        self.cache: TTLCache[tuple[Any, ...], TaskOutput] | None = (
             TTLCache(task.cache_size, task.cache_ttl_s) if task.cache_size and not task.stateful else None
         )
         self.cache_hits = 0
@@ -123,7 +123,7 @@ class PromptTask:
             body = body[:keep] if self.task.truncate == "head" else body[-keep:]
         return prefix + body + self._suffix_ids(suffix), choices, template, chat
 
-    def cost(self, overrides: dict | None = None) -> int:
+    def cost(self, overrides: dict[str, Any] | None = None) -> int:
         """The most tokens one call can take: the longest prompt and what it may generate."""
         prompt, choices, _, _ = self._render("x")
         new = 0 if choices is not None else self.task.sampling(overrides).max_new_tokens
@@ -134,7 +134,7 @@ class PromptTask:
         self,
         backend: InferenceBackend,
         raw_input: Any,
-        overrides: dict | None = None,
+        overrides: dict[str, Any] | None = None,
         *,
         scope: Hashable | None = None,
     ) -> TaskOutput:
@@ -172,29 +172,34 @@ class PromptTask:
             )
         else:
             params = params if params is not None else self.task.sampling(None)
-            stream = backend.generate(prompt, params, public_tokens=public)
-            result = await stream.result()
-            if result.error:
-                raise TaskError("internal", f"{self.task.name}: generation failed")
-            try:
-                parsed = self.task.parser(result.text) if self.task.parser else {"text": result.text}
-            except Exception as exc:  # a plugin bug: this request fails, nothing else does
-                log.exception("%s: output parser failed on %r", self.task.name, result.text)
-                raise TaskError(
-                    "internal", f"{self.task.name}: the task's output parser failed ({type(exc).__name__})"
-                ) from exc
-            if not isinstance(parsed, dict):
-                parsed = {"value": parsed}
-            out = TaskOutput(
-                self.task.name,
-                parsed,
-                result.text,
-                dataclasses.asdict(result.usage),
-                {"queued_ms": result.queued_ms, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms},
-            )
+            out = await self._generated(backend, prompt, params, public)
         if cache is not None:
             cache[key] = out
         return out
+
+    async def _generated(
+        self, backend: InferenceBackend, prompt: list[int], params: SamplingParams, public: int
+    ) -> TaskOutput:
+        """A generating task's call: the reply, parsed by the task's parser."""
+        result = await backend.generate(prompt, params, public_tokens=public).result()
+        if result.error:
+            raise TaskError("internal", f"{self.task.name}: generation failed")
+        try:
+            parsed = self.task.parser(result.text) if self.task.parser else {"text": result.text}
+        except Exception as exc:  # a plugin bug: this request fails, nothing else does
+            log.exception("%s: output parser failed on %r", self.task.name, result.text)
+            raise TaskError(
+                "internal", f"{self.task.name}: the task's output parser failed ({type(exc).__name__})"
+            ) from exc
+        if not isinstance(parsed, dict):
+            parsed = {"value": parsed}
+        return TaskOutput(
+            self.task.name,
+            parsed,
+            result.text,
+            dataclasses.asdict(result.usage),
+            {"queued_ms": result.queued_ms, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms},
+        )
 
     async def _score(
         self,
@@ -204,11 +209,11 @@ class PromptTask:
         template: str,
         chat: bool,
         head: LogisticHead | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         labels = list(choices.labels)
         if head is not None and isinstance(backend, FeatureScorer):
             row = await self._feature_row(backend, prompt, choices, template, chat)
-            p = head.predict_proba(self._head_input(row, len(labels)))[0]
+            p = head.predict_proba(_head_input(self.task, row, len(labels)))[0]
             probs = dict.fromkeys(labels, 0.0)
             probs.update({name: float(v) for name, v in zip(head.labels, p)})
             return {"label": max(probs, key=lambda name: probs[name]), "probs": probs}
@@ -308,11 +313,6 @@ class PromptTask:
             scores = [s - o for s, o in zip(scores, offsets)]
         return feats + scores
 
-    def _head_input(self, rows: list[float] | np.ndarray, n_labels: int) -> np.ndarray:
-        x = np.atleast_2d(np.asarray(rows, dtype=np.float64))
-        assert self.task.head is not None
-        return x if self.task.head.use_scores else x[:, :-n_labels]
-
     async def prepare(
         self, backend: InferenceBackend, cache_dir: Path | None = None, backend_name: str = ""
     ) -> str | None:
@@ -338,72 +338,69 @@ class PromptTask:
             clean = self.task.clean_text(text)
             groups.setdefault(self.task.variant_of(clean), []).append((clean, label))
         shipped = load_fitted(Path(spec.fitted)) if spec.fitted is not None else {}
-        model_id = backend.feature_model_id
         for index, rows in sorted(groups.items()):
-            template, choices, chat = self.task.select(rows[0][0])
-            assert choices is not None
-            labels = [name for name in choices.labels if any(label == name for _, label in rows)]
-            if len(rows) < spec.min_examples or len(labels) < 2:
-                log.warning(
-                    "%s: %d examples (%d labels) for prompt %r: too few for a head, it keeps label scoring",
-                    self.task.name,
-                    len(rows),
-                    len(labels),
-                    template[:40],
-                )
-                continue
-            texts, y = [t for t, _ in rows], [label for _, label in rows]
-            fkey = self._features_key(model_id, choices, template, chat, texts)
-            key = head_key(fkey, labels, y, LogisticHead(labels, spec.l2), spec.use_scores)
-            head = shipped.get(key)
-            if head is not None:
-                log.info(
-                    "%s: learned head for prompt %r loaded from %s (fitted for this model, prompt and %d "
-                    "examples)",
-                    self.task.name,
-                    template[:40],
-                    spec.fitted,
-                    len(rows),
-                )
-            else:
-                if spec.fitted is not None:
-                    log.warning(
-                        "%s: %s has no head fitted for this model (%s), prompt %r and examples: fitting "
-                        "one from the %d examples (a first start computes their features)",
-                        self.task.name,
-                        spec.fitted,
-                        model_id,
-                        template[:40],
-                        len(rows),
-                    )
-                x = await self._example_features(backend, choices, template, chat, texts, cache_dir, fkey)
-                started = time.perf_counter()
-                head = LogisticHead(labels, spec.l2).fit(self._head_input(x, len(choices.labels)), y)
-                log.info(
-                    "%s: learned head fitted on %d examples in %.1f s (prompt %r)",
-                    self.task.name,
-                    len(rows),
-                    time.perf_counter() - started,
-                    template[:40],
-                )
-            self.heads[index] = head
-            self.fitted[key] = (model_id, head)
+            await self._prepare_head(backend, backend.feature_model_id, spec, shipped, index, rows, cache_dir)
         return None
 
-    def _features_key(
-        self, model_id: str, choices: Choices, template: str, chat: bool, texts: list[str]
-    ) -> str:
-        return features_key(
-            model_id,
-            template,
-            chat,
-            self.task.system_prompt if chat else None,
-            self._candidate_ids(choices),
-            choices.calibration,
-            self.task.max_input_tokens,
-            self.task.truncate,
-            texts,
-        )
+    async def _prepare_head(
+        self,
+        backend: InferenceBackend,
+        model_id: str,
+        spec: LearnedHead,
+        shipped: dict[str, LogisticHead],
+        index: int,
+        rows: list[tuple[str, str]],
+        cache_dir: Path | None,
+    ) -> None:
+        """The head of one prompt (the task's or a variant's): shipped for this model, or fitted."""
+        template, choices, chat = self.task.select(rows[0][0])
+        assert choices is not None
+        labels = [name for name in choices.labels if any(label == name for _, label in rows)]
+        if len(rows) < spec.min_examples or len(labels) < 2:
+            log.warning(
+                "%s: %d examples (%d labels) for prompt %r: too few for a head, it keeps label scoring",
+                self.task.name,
+                len(rows),
+                len(labels),
+                template[:40],
+            )
+            return
+        texts, y = [t for t, _ in rows], [label for _, label in rows]
+        fkey = _features_key(self, model_id, choices, template, chat, texts)
+        key = head_key(fkey, labels, y, LogisticHead(labels, spec.l2), spec.use_scores)
+        head = shipped.get(key)
+        if head is not None:
+            log.info(
+                "%s: learned head for prompt %r loaded from %s (fitted for this model, prompt and %d "
+                "examples)",
+                self.task.name,
+                template[:40],
+                spec.fitted,
+                len(rows),
+            )
+        else:
+            if spec.fitted is not None:
+                log.warning(
+                    "%s: %s has no head fitted for this model (%s), prompt %r and examples: fitting "
+                    "one from the %d examples (a first start computes their features)",
+                    self.task.name,
+                    spec.fitted,
+                    model_id,
+                    template[:40],
+                    len(rows),
+                )
+            x = await self._example_features(backend, choices, template, chat, texts, cache_dir, fkey)
+            started = time.perf_counter()
+            head = LogisticHead(labels, spec.l2).fit(_head_input(self.task, x, len(choices.labels)), y)
+            log.info(
+                "%s: learned head fitted on %d examples in %.1f s (prompt %r)",
+                self.task.name,
+                len(rows),
+                time.perf_counter() - started,
+                template[:40],
+            )
+        self.heads[index] = head
+        self.fitted[key] = (model_id, head)
 
     async def _example_features(
         self,
@@ -436,3 +433,28 @@ class PromptTask:
         )
         store_cached(cache_dir, key, x)
         return x
+
+
+def _head_input(task: Task, rows: list[float] | np.ndarray, n_labels: int) -> np.ndarray:
+    """A learned head's input rows: the features, and the label scores where the head uses them."""
+    x = np.atleast_2d(np.asarray(rows, dtype=np.float64))
+    assert task.head is not None
+    return x if task.head.use_scores else x[:, :-n_labels]
+
+
+def _features_key(
+    pt: PromptTask, model_id: str, choices: Choices, template: str, chat: bool, texts: list[str]
+) -> str:
+    """The cache key of the examples' features: everything they depend on."""
+    task = pt.task
+    return features_key(
+        model_id,
+        template,
+        chat,
+        task.system_prompt if chat else None,
+        pt._candidate_ids(choices),
+        choices.calibration,
+        task.max_input_tokens,
+        task.truncate,
+        texts,
+    )

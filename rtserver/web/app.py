@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from ..config import Settings
@@ -108,74 +109,96 @@ async def _load(
     """Load what the configured backends need: the model and the local engine only when some work
     runs locally, else just the tokenizer; remote servers are checked (what they serve, their
     tokenizer) before the server is ready."""
-    settings = state.settings
     try:
-        needed = state.backends_needed()
-        if "local" in needed:
-            state.set_stage("loading model", 0.05)
-            loaded = await asyncio.to_thread(model_factory)
-            state.model_name, tokenizer = loaded.name, loaded.tokenizer
-        else:
-            state.set_stage("loading tokenizer", 0.05)
-            state.model_name, tokenizer = await asyncio.to_thread(tokenizer_factory)
-        state.set_stage("loading tasks", 0.7)
-        state.registry, state.load_errors = await asyncio.to_thread(registry_factory, settings, tokenizer)
-        if "openai" in needed:
-            from ..remote.backend import RemoteBackend
-
-            state.set_stage("checking inference servers", 0.8)
-            remote = RemoteBackend(tokenizer, settings.backend)
-            remote.start()
-            state.backends["openai"] = remote
-            await remote.check()
-        if "local" in needed:
-            state.set_stage("starting engine", 0.9)
-            engine = engine_factory(loaded, settings)
-            engine.start()
-            state.backends["local"] = engine
-        registry = state.registry
-        default = settings.model.backend
-
-        def backend_for(task: str) -> tuple[str, InferenceBackend]:
-            assert registry is not None
-            name = registry.placement(task) or default
-            return name, state.backends[name]
-
-        if (
-            settings.tasks.learned_heads
-            and registry is not None
-            and any(getattr(t.task, "head", None) is not None for t in registry.tasks.values())
-        ):
-            # Learned heads are fitted before the server is ready (their examples' features are cached
-            # on disk: only a first start with new examples, prompt or model computes them).
-            state.set_stage("fitting task heads", 0.95)
-            state.load_errors += await registry.prepare(
-                backend_for, Path(settings.model.cache_dir).expanduser() / "heads"
-            )
-        if registry is not None:
-            state.set_stage("calibrating tasks", 0.97)
-            await registry.calibrate(backend_for)
+        await _load_backends(state, model_factory, tokenizer_factory, engine_factory, registry_factory)
+        await _prepare_tasks(state)
         state.set_stage("ready", 1.0)
         state.ready_after_s = time.monotonic() - state.started
         state.status = "ready"
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        from ..engine.model import ModelLoadError
-        from ..remote.backend import BackendMismatch
+        _load_failed(state, exc, on_failed)
 
-        if isinstance(exc, ModelLoadError):  # its message names the file and the cause: no traceback
-            state.error = f"cannot load the model: {exc}"
-            log.error("startup failed: %s", state.error)
-        elif isinstance(exc, BackendMismatch):
-            state.error = f"the inference server does not match the local model: {exc}"
-            log.error("startup failed: %s", state.error)
-        else:
-            state.error = f"{type(exc).__name__}: {exc}"
-            log.exception("startup failed")
-        state.status = "failed"
-        if on_failed is not None:
-            on_failed(state.error)
+
+async def _load_backends(
+    state: AppState,
+    model_factory: ModelFactory,
+    tokenizer_factory: TokenizerFactory,
+    engine_factory: EngineFactory,
+    registry_factory: RegistryFactory,
+) -> None:
+    """The model or its tokenizer, the task registry, then each backend started (a remote one checked)."""
+    settings = state.settings
+    needed = state.backends_needed()
+    if "local" in needed:
+        state.set_stage("loading model", 0.05)
+        loaded = await asyncio.to_thread(model_factory)
+        state.model_name, tokenizer = loaded.name, loaded.tokenizer
+    else:
+        state.set_stage("loading tokenizer", 0.05)
+        state.model_name, tokenizer = await asyncio.to_thread(tokenizer_factory)
+    state.set_stage("loading tasks", 0.7)
+    state.registry, state.load_errors = await asyncio.to_thread(registry_factory, settings, tokenizer)
+    if "openai" in needed:
+        from ..remote.backend import RemoteBackend
+
+        state.set_stage("checking inference servers", 0.8)
+        remote = RemoteBackend(tokenizer, settings.backend)
+        remote.start()
+        state.backends["openai"] = remote
+        await remote.check()
+    if "local" in needed:
+        state.set_stage("starting engine", 0.9)
+        engine = engine_factory(loaded, settings)
+        engine.start()
+        state.backends["local"] = engine
+
+
+async def _prepare_tasks(state: AppState) -> None:
+    """The tasks' learned heads fitted and their calibration computed, each on its task's backend."""
+    settings = state.settings
+    registry = state.registry
+    default = settings.model.backend
+
+    def backend_for(task: str) -> tuple[str, InferenceBackend]:
+        assert registry is not None
+        name = registry.placement(task) or default
+        return name, state.backends[name]
+
+    if (
+        settings.tasks.learned_heads
+        and registry is not None
+        and any(getattr(t.task, "head", None) is not None for t in registry.tasks.values())
+    ):
+        # Learned heads are fitted before the server is ready (their examples' features are cached
+        # on disk: only a first start with new examples, prompt or model computes them).
+        state.set_stage("fitting task heads", 0.95)
+        state.load_errors += await registry.prepare(
+            backend_for, Path(settings.model.cache_dir).expanduser() / "heads"
+        )
+    if registry is not None:
+        state.set_stage("calibrating tasks", 0.97)
+        await registry.calibrate(backend_for)
+
+
+def _load_failed(state: AppState, exc: Exception, on_failed: Callable[[str], None] | None) -> None:
+    """Start-up failed: the cause kept for /health, logged, and `on_failed` told."""
+    from ..engine.model import ModelLoadError
+    from ..remote.backend import BackendMismatch
+
+    if isinstance(exc, ModelLoadError):  # its message names the file and the cause: no traceback
+        state.error = f"cannot load the model: {exc}"
+        log.error("startup failed: %s", state.error)
+    elif isinstance(exc, BackendMismatch):
+        state.error = f"the inference server does not match the local model: {exc}"
+        log.error("startup failed: %s", state.error)
+    else:
+        state.error = f"{type(exc).__name__}: {exc}"
+        log.exception("startup failed")
+    state.status = "failed"
+    if on_failed is not None:
+        on_failed(state.error)
 
 
 def _ops_refusal(request: Request) -> Refused | None:
@@ -242,6 +265,50 @@ async def console_page(request: Request) -> Response:
     )
 
 
+def _lifespan(
+    state: AppState, hub: Hub, load: Callable[[], Coroutine[None, None, None]]
+) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
+    """Start-up (the hub's sessions, the topology, `load` in the background) and the orderly stop."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        hub.sessions.start()
+        state.topology.start()  # clustered: pings Redis from now on (/ready says why not while down)
+        loader = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            state.status = "stopping" if state.status == "ready" else state.status
+            loader.cancel()
+            with contextlib.suppress(BaseException):
+                await loader
+            await hub.close_all()
+            await hub.sessions.stop()
+            await state.topology.stop()
+            for backend in list(state.backends.values()):
+                await backend.stop()
+
+    return lifespan
+
+
+def _routes(hub: Hub) -> list[BaseRoute]:
+    """Every route: operations, the WebSocket doors, the HTTP API, the static pages."""
+    routes: list[BaseRoute] = [
+        Route("/health", health),
+        Route("/ready", ready),
+        Route("/metrics", metrics),
+        Route("/v1/protocol.schema.json", lambda request: JSONResponse(protocol_schema())),
+        WebSocketRoute("/ws", hub.endpoint),
+        WebSocketRoute("/ws/console", hub.console.endpoint),
+        Route("/console", console_page),
+    ]
+    routes += [Route(path, http_api.api(fn), methods=methods) for path, fn, methods in http_api.ROUTES]
+    routes.append(Route("/", index))
+    if STATIC_DIR.is_dir():
+        routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))
+    return routes
+
+
 def create_app(
     settings: Settings,
     loaded_model_factory: ModelFactory | None = None,
@@ -266,50 +333,20 @@ def create_app(
             loaded = given()
             return loaded.name, loaded.tokenizer
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
-        hub.sessions.start()
-        state.topology.start()  # clustered: pings Redis from now on (/ready says why not while down)
-        loader = asyncio.create_task(
-            _load(
-                state,
-                model_factory,
-                tokenizer_factory,
-                engine_factory or _default_engine_factory,
-                registry_factory or _default_registry_factory,
-                on_load_failed,
-            )
-        )
-        try:
-            yield
-        finally:
-            state.status = "stopping" if state.status == "ready" else state.status
-            loader.cancel()
-            with contextlib.suppress(BaseException):
-                await loader
-            await hub.close_all()
-            await hub.sessions.stop()
-            await state.topology.stop()
-            for backend in list(state.backends.values()):
-                await backend.stop()
-
-    routes: list = [
-        Route("/health", health),
-        Route("/ready", ready),
-        Route("/metrics", metrics),
-        Route("/v1/protocol.schema.json", lambda request: JSONResponse(protocol_schema())),
-        WebSocketRoute("/ws", hub.endpoint),
-        WebSocketRoute("/ws/console", hub.console.endpoint),
-        Route("/console", console_page),
-    ]
-    routes += [Route(path, http_api._api(fn), methods=methods) for path, fn, methods in http_api.ROUTES]
-    routes.append(Route("/", index))
-    if STATIC_DIR.is_dir():
-        routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))
+    load = functools.partial(
+        _load,
+        state,
+        model_factory,
+        tokenizer_factory,
+        engine_factory or _default_engine_factory,
+        registry_factory or _default_registry_factory,
+        on_load_failed,
+    )
+    routes = _routes(hub)
     if CLIENT_FAULTS not in logging.getLogger("uvicorn.error").filters:
         logging.getLogger("uvicorn.error").addFilter(CLIENT_FAULTS)
     middleware = [Middleware(SecurityHeaders), Middleware(SocketGate, admission=admission)]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
+    app = Starlette(routes=routes, lifespan=_lifespan(state, hub, load), middleware=middleware)
     app.state.rt = state
     app.state.hub = hub
     app.state.admission = admission

@@ -1,0 +1,265 @@
+"""What every HTTP door shares: JSON errors with stable codes, the endpoint wrapper (the shared
+admission path of web/admission.py, the body read and parsed), generations held against the API
+budget, and the checks of fields the doors have in common.
+
+Every error is JSON `{"error": {"code", "message", "type", "param"}}` with a stable `code` (the same
+codes as the WebSocket protocol) — the shape the `openai` client reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ...engine.backend import FinishReason, Generation, SamplingParams, SequenceResult
+from ...tasks import Task, TaskError
+from ...tasks import bounds as B
+from .. import protocol as P
+from ..admission import Admission, Refused, Surface, bearer
+from ..connection import client_ip
+from ..errors import GenerationFailed, error_code
+from ..ratelimit import retry_after_header
+from ..state import AppState
+
+log = logging.getLogger("rtserver.http")
+
+Body = dict[str, Any]  # a request's JSON object
+Handler = Callable[[Request, AppState, Any], Awaitable[Response]]
+
+STATUS = {
+    "unknown_task": 404,
+    "input_too_long": 413,
+    "request_too_large": 413,
+    "body_too_large": 413,
+    "overloaded": 429,
+    "rate_limited": 429,
+    "not_ready": 503,
+    "shutting_down": 503,
+    "unauthorized": 401,
+    "internal": 500,
+    "backend_unavailable": 503,
+    "unavailable": 503,
+}
+
+
+class HTTPError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+        self.status = status or STATUS.get(code, 400)
+
+
+def error_response(
+    state: AppState, code: str, message: str, param: str | None = None, status: int | None = None
+) -> JSONResponse:
+    state.metrics.error(code)
+    status = status or STATUS.get(code, 400)
+    kind = (
+        "invalid_request_error"
+        if status < 500 and status not in (401, 429)
+        else "authentication_error"
+        if status == 401
+        else "rate_limit_error"
+        if status == 429
+        else "server_error"
+    )
+    return JSONResponse(
+        {"error": {"code": code, "message": message, "type": kind, "param": param}}, status_code=status
+    )
+
+
+def refused_response(state: AppState, refused: Refused) -> JSONResponse:
+    """An admission refusal as an HTTP error (with Retry-After when it says when to retry)."""
+    response = error_response(state, refused.code, refused.message, status=refused.status)
+    if refused.retry_after_s > 0:
+        response.headers["Retry-After"] = retry_after_header(refused.retry_after_s)
+    return response
+
+
+def api(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """Wraps an endpoint: auth, readiness, body parsing and error mapping."""
+
+    async def endpoint(request: Request) -> Response:
+        state: AppState = request.app.state.rt
+        admission: Admission = request.app.state.admission
+        ip = client_ip(request)
+        try:
+            admission.authorize(Surface.API, bearer(request.headers), ip)
+            await admission.take_request(ip)
+            admission.check_serving()
+        except Refused as refused:
+            return refused_response(state, refused)
+        try:
+            body = await _json_body(request, state) if request.method == "POST" else None
+            return await handler(request, state, body)
+        except Refused as refused:
+            return refused_response(state, refused)
+        except HTTPError as exc:
+            return error_response(state, exc.code, exc.message, exc.param, exc.status)
+        except Exception as exc:
+            code, message = error_code(exc)
+            if isinstance(exc, GenerationFailed):  # the backend logged its cause
+                log.warning("request failed: %s", message)
+            elif code == "internal":
+                log.exception("request failed")
+            return error_response(state, code, message)
+
+    return endpoint
+
+
+async def _json_body(request: Request, state: AppState) -> Body:
+    raw = await _read_body(request, P.http_max_bytes(state.settings))
+    try:  # strict decoding: no surrogates smuggled in as UTF-8 bytes (json.loads lets them pass)
+        body = P.loads(raw.decode(json.detect_encoding(raw)))
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise HTTPError("bad_json", f"body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise HTTPError("bad_json", "body must be a JSON object")
+    return body
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with body_too_large as soon as it is known to be over `limit` (from
+    Content-Length, or while reading) instead of after buffering all of it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise HTTPError("body_too_large", f"request body is larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError("body_too_large", f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# -- generations ---------------------------------------------------------------------------------------
+def start(
+    request: Request,
+    state: AppState,
+    prompt: list[int],
+    params: SamplingParams,
+    session_key: str | None = None,
+    public_tokens: int = 0,
+) -> Generation:
+    """A generation on the chat backend, its tokens held against this client's API budget until it ends."""
+    admission: Admission = request.app.state.admission
+    held = admission.reserve(Surface.API, client_ip(request), len(prompt) + params.max_new_tokens)
+    try:
+        stream = state.backend.generate(prompt, params, session_key=session_key, public_tokens=public_tokens)
+    except BaseException:
+        held.release(0)
+        raise
+    admission.release_when_done(held, stream, len(prompt))
+    return stream
+
+
+async def generate(
+    request: Request,
+    state: AppState,
+    prompt: list[int],
+    params: SamplingParams,
+    endpoint: str,
+    session_key: str | None = None,
+    public_tokens: int = 0,
+) -> SequenceResult:
+    """A whole generation's result (`start`, then waited for); GenerationFailed when it failed."""
+    stream = start(request, state, prompt, params, session_key, public_tokens)
+    try:
+        result = await stream.result()
+    except asyncio.CancelledError:
+        stream.cancel()
+        raise
+    if result.finish_reason is FinishReason.ERROR:
+        raise GenerationFailed(result)
+    state.metrics.observe_generation(endpoint, result)
+    state.metrics.requests.labels(endpoint, "chat").inc()
+    return result
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events, unbuffered by proxies."""
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def finish_reason(reason: FinishReason) -> str:
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+def openai_usage(result: SequenceResult) -> dict[str, Any]:
+    u = result.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.generated_tokens,
+        "total_tokens": u.prompt_tokens + u.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+# -- fields --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fields() -> Iterator[None]:
+    """A field refused by the bounds table (tasks/bounds.py) becomes an HTTP error naming it."""
+    try:
+        yield
+    except B.BoundError as exc:
+        raise HTTPError(exc.code, exc.message, exc.param) from None
+
+
+def task_sampling(task: Task, options: Any, names: dict[str, str] | None = None) -> SamplingParams:
+    """A task's decoding with a client's overrides; an error names the client's field (`names` maps
+    the task's key to it)."""
+    try:
+        return task.sampling(options or None)
+    except TaskError as exc:
+        param = (names or {}).get(exc.param or "", exc.param)
+        raise HTTPError(exc.code, exc.message, param) from None
+
+
+def check_prompt(state: AppState, prompt_tokens: int, new_tokens: int, param: str) -> None:
+    """The prompt and the tokens asked for fit one sequence (engine.max_sequence_tokens)."""
+    limit = state.settings.engine.max_sequence_tokens
+    if prompt_tokens + new_tokens > limit:
+        raise HTTPError(
+            "request_too_large",
+            f"the prompt ({prompt_tokens} tokens) plus {new_tokens} new tokens exceeds the "
+            f"{limit}-token limit: shorten '{param}' or ask for fewer tokens",
+            param,
+        )
+
+
+def optional(body: Body, key: str, kind: type | tuple[type, ...], what: str, chars: int = 0) -> None:
+    """An accepted field that must be null or of `kind` (strings at most `chars` characters)."""
+    value = body.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        raise HTTPError("invalid_field", f"'{key}' must be {what}", key)
+    if isinstance(value, str) and len(value) > chars:
+        raise HTTPError("invalid_field", f"'{key}' must be {what} of at most {chars} characters", key)
+
+
+def stream_usage(body: Body) -> bool:
+    """`stream_options.include_usage`, checked (an object holding a boolean)."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise HTTPError("invalid_field", "'stream_options' must be an object", "stream_options")
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise HTTPError(
+            "invalid_field", "'stream_options.include_usage' must be true or false", "stream_options"
+        )
+    return bool(usage)

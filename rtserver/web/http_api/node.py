@@ -1,0 +1,295 @@
+"""The node door: rtserver as the inference server of other hubs (`model.backend = "openai"`):
+`/v1/completions` over token ids (streamed or not, or scoring candidates) and llama-server's
+`/tokenize`, which a hub uses to check that this node tokenizes as it does."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ...engine.backend import FinishReason, Generation, SamplingError, SamplingParams
+from ...tasks import bounds as B
+from ..errors import GenerationFailed
+from ..state import AppState
+from .common import (
+    Body,
+    HTTPError,
+    check_prompt,
+    event_stream,
+    fields,
+    finish_reason,
+    generate,
+    openai_usage,
+    optional,
+    start,
+    stream_usage,
+)
+
+COMPLETION_FIELDS = {
+    "model",
+    "prompt",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "repeat_penalty",
+    "min_tokens",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "logprobs",
+    "return_token_ids",
+    "cache_prompt",
+    "score_candidates",
+    "rtserver_session",
+    "rtserver_public_tokens",
+    "n",
+    "user",
+}
+
+
+def _number(body: Body, key: str, default: Any, field: str | None = None, hi: float | None = None) -> Any:
+    """`body[key]` checked against the bounds table's `field` (the key itself by default), or `default`
+    when absent or null."""
+    value = body.get(key)
+    return default if value is None else B.number(key, value, B.DECODING[field or key], None, hi)
+
+
+def _token_ids(value: Any, what: str, vocab: int, most: int) -> list[int]:
+    if not (isinstance(value, list) and 0 < len(value) <= most):
+        raise HTTPError("invalid_field", f"'{what}' must be a list of 1..{most} token ids", what)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise HTTPError("invalid_field", f"'{what}' must be a list of token ids (integers)", what)
+    if any(not 0 <= t < vocab for t in value):
+        raise HTTPError("invalid_field", f"'{what}' holds a token id outside 0..{vocab - 1}", what)
+    return value
+
+
+def _completion_params(body: Body, max_tokens: int) -> SamplingParams:
+    """Decoding from a /v1/completions body, every field checked against the bounds table."""
+    with fields():
+        stop = body.get("stop")
+        stop = [] if stop is None else B.stop_list("stop", stop, B.SIZES["node_stop"], one_string=True)
+        top_k = body.get("top_k")
+        if top_k == -1 and not isinstance(top_k, bool):
+            top_k = 0  # vLLM's spelling of "off"
+        _number(body, "min_p", 0.0)  # accepted for llama-server's and vLLM's clients, not applied
+        penalty = _number(body, "repetition_penalty", None)
+        new_tokens = _number(body, "max_tokens", min(16, max_tokens), "max_new_tokens", max_tokens)
+        params = SamplingParams(
+            temperature=_number(body, "temperature", 1.0),
+            top_p=_number(body, "top_p", 1.0),
+            top_k=0 if top_k is None else B.number("top_k", top_k, B.DECODING["top_k"]),
+            max_new_tokens=new_tokens,
+            min_new_tokens=_number(body, "min_tokens", 0, "min_new_tokens", new_tokens),
+            repetition_penalty=penalty
+            if penalty is not None
+            else _number(body, "repeat_penalty", 1.0, "repetition_penalty"),
+            seed=_number(body, "seed", None),
+            stop=stop,
+            ignore_eos=B.flag("ignore_eos", body.get("ignore_eos", False)),
+        )
+    try:
+        params.validate()
+    except SamplingError as exc:
+        raise HTTPError("bad_decoding", str(exc)) from None
+    return params
+
+
+def _candidates(value: Any, vocab: int) -> list[list[int]]:
+    """`score_candidates`: 1..32 token-id lists of 1..64 tokens, at most 1024 tokens in all."""
+    count, each, total = (B.SIZES[k] for k in ("candidates", "candidate_tokens", "candidates_tokens"))
+    if not (isinstance(value, list) and 0 < len(value) <= count):
+        raise HTTPError(
+            "invalid_field",
+            f"'score_candidates' must be a list of 1..{count} token-id lists",
+            "score_candidates",
+        )
+    out = [_token_ids(c, "score_candidates", vocab, each) for c in value]
+    if sum(map(len, out)) > total:
+        raise HTTPError(
+            "request_too_large",
+            f"'score_candidates' holds more than {total} tokens in all",
+            "score_candidates",
+        )
+    return out
+
+
+def _public_tokens(body: Body, prompt_tokens: int) -> int:
+    """`rtserver_public_tokens`: how much of the prompt a hub shares across its sessions (default: all
+    of it, this node API being a trusted hub's)."""
+    value = body.get("rtserver_public_tokens")
+    if value is None:
+        return prompt_tokens
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= prompt_tokens:
+        raise HTTPError(
+            "invalid_field",
+            f"'rtserver_public_tokens' must be an integer 0..{prompt_tokens} (the prompt's length)",
+            "rtserver_public_tokens",
+        )
+    return value
+
+
+def _check_fields(body: Body) -> None:
+    """The fields a completion may have, each of the type it must be."""
+    unknown = sorted(set(body) - COMPLETION_FIELDS)
+    if unknown:
+        raise HTTPError("unsupported", f"'{unknown[0]}' is not supported by /v1/completions here", unknown[0])
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise HTTPError("unsupported", "'n' is not supported: only n = 1", "n")
+    with fields():
+        for name in ("stream", "return_token_ids", "cache_prompt"):
+            if body.get(name) is not None:
+                B.flag(name, body[name])
+        logprobs = body.get("logprobs")
+        if logprobs is not None and logprobs is not False and _number(body, "logprobs", 0):
+            raise HTTPError(
+                "unsupported",
+                "'logprobs' is not supported: log-probabilities are not returned "
+                "(score_candidates gives those of given continuations)",
+                "logprobs",
+            )
+    for name in ("model", "user"):
+        optional(body, name, str, "a string", B.SIZES["short_chars"])
+
+
+def _session(body: Body) -> str | None:
+    """`rtserver_session`: the hub's key of the session whose KV is kept for its next turn."""
+    session = body.get("rtserver_session")
+    chars = B.SIZES["session_chars"]
+    if session is not None and not (isinstance(session, str) and 0 < len(session) <= chars):
+        raise HTTPError(
+            "invalid_field",
+            f"'rtserver_session' must be a string of 1..{chars} characters",
+            "rtserver_session",
+        )
+    return session
+
+
+def _prompt(state: AppState, prompt: Any, vocab: int) -> list[int]:
+    """The prompt's token ids (a text prompt tokenized), within the sequence limit."""
+    limit = state.settings.engine.max_sequence_tokens
+    if isinstance(prompt, str) and prompt:
+        with fields():
+            B.text("prompt", prompt, B.SIZES["text_chars"])
+        prompt = state.backend.tokenizer.encode(prompt, add_special_tokens=False)
+        if len(prompt) > limit:
+            check_prompt(state, len(prompt), 0, "prompt")
+    elif isinstance(prompt, list) and len(prompt) > limit:
+        check_prompt(state, len(prompt), 0, "prompt")  # refused before its ids are read
+    return _token_ids(prompt, "prompt", vocab, limit)
+
+
+class _Reply:
+    """The `text_completion` objects of one answer (whole, or its stream's events)."""
+
+    def __init__(self, state: AppState, with_ids: bool, include_usage: bool):
+        self.cid, self.created, self.model = "cmpl-" + secrets.token_hex(12), int(time.time()), state.model_id
+        self.with_ids, self.include_usage = with_ids, include_usage
+
+    def choice(self, text: str, finish: str | None, ids: list[int] | None = None) -> Body:
+        c: Body = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        if self.with_ids and ids is not None:
+            c["token_ids"] = ids
+        return c
+
+    def body(self, **data: Any) -> Body:
+        return {
+            "id": self.cid,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            **data,
+        }
+
+    def sse(self, **data: Any) -> str:
+        return "data: " + json.dumps(self.body(**data), ensure_ascii=False) + "\n\n"
+
+
+async def completions(request: Request, state: AppState, body: Body) -> Response:
+    """OpenAI-style /v1/completions over token ids, for hubs that use this node as their inference
+    server: `prompt` is token ids (or text); `stream` with `stream_options.include_usage`;
+    `return_token_ids` puts each chunk's token ids in `choices[0].token_ids` (as vLLM does);
+    `rtserver_session` keeps the prompt's KV for that key's next turn; `rtserver_public_tokens` is how
+    many leading prompt tokens this node's prefix cache may share (default: all); `score_candidates` (a
+    list of token-id lists) answers `choices[0].candidate_logprobs`, the log-probability of each
+    continuation."""
+    _check_fields(body)
+    include_usage = stream_usage(body)
+    session = _session(body)
+    vocab = len(state.backend.tokenizer)
+    candidates = body.get("score_candidates")
+    params = _completion_params(body, state.settings.security.api_max_tokens)  # checked when scoring too
+    prompt = _prompt(state, body.get("prompt"), vocab)
+    public = _public_tokens(body, len(prompt))
+    reply = _Reply(state, body.get("return_token_ids") is True, include_usage)
+    if candidates is not None:
+        return await _score(state, reply, prompt, _candidates(candidates, vocab), public)
+    check_prompt(state, len(prompt), params.max_new_tokens, "prompt")
+    key = f"remote:{session}" if session else None  # never collides with this node's own sessions
+    if not body.get("stream"):
+        result = await generate(request, state, prompt, params, "completions", key, public)
+        choice = reply.choice(result.text, finish_reason(result.finish_reason), result.token_ids)
+        return JSONResponse(reply.body(choices=[choice], usage=openai_usage(result)))
+    return event_stream(_stream(state, start(request, state, prompt, params, key, public), reply))
+
+
+async def _score(
+    state: AppState, reply: _Reply, prompt: list[int], lists: list[list[int]], public: int
+) -> Response:
+    """`score_candidates`: each continuation's log-probability, no token generated."""
+    check_prompt(state, len(prompt), max(map(len, lists)), "prompt")
+    scores = await state.backend.score(prompt, lists, public_tokens=public)
+    choice = {
+        "index": 0,
+        "text": "",
+        "finish_reason": "length",
+        "logprobs": None,
+        "candidate_logprobs": scores,
+    }
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+    return JSONResponse(reply.body(choices=[choice], usage=usage))
+
+
+async def _stream(state: AppState, gen: Generation, reply: _Reply) -> AsyncIterator[str]:
+    """The completion's events, an error event when it failed."""
+    finished = False
+    try:
+        async for ev in gen:
+            if ev.text or reply.with_ids:
+                yield reply.sse(choices=[reply.choice(ev.text, None, [ev.token_id])])
+        result = await gen.result()
+        finished = True
+        if result.finish_reason is FinishReason.ERROR:
+            failed = GenerationFailed(result)
+            state.metrics.error(failed.code)
+            yield "data: " + json.dumps({"error": {"code": failed.code, "message": failed.message}}) + "\n\n"
+            return
+        state.metrics.observe_generation("completions", result)
+        yield reply.sse(choices=[reply.choice("", finish_reason(result.finish_reason), [])])
+        if reply.include_usage:
+            yield reply.sse(choices=[], usage=openai_usage(result))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:
+            gen.cancel()  # the hub went away mid-stream
+
+
+async def tokenize(request: Request, state: AppState, body: Body) -> Response:
+    """llama-server's /tokenize: {"content", "add_special"} -> {"tokens"} (a hub checks that this node
+    tokenizes as it does)."""
+    with fields():
+        content = B.text("content", body.get("content"), B.SIZES["text_chars"])
+        add_special = B.flag("add_special", body.get("add_special", False))
+    return JSONResponse({"tokens": state.backend.tokenizer.encode(content, add_special_tokens=add_special)})

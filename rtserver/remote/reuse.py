@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import Hashable
@@ -237,7 +238,7 @@ class SlotLedger:
         mine = slot.owner is not None and slot.owner == owner
         if not (mine or slot.public) or not slot.size:
             return False
-        common = _common_prefix(slot.tokens, prompt)
+        common = len(os.path.commonprefix([slot.tokens, prompt]))
         return common >= 0.5 * slot.size and common > 0.1 * len(prompt)
 
 
@@ -306,11 +307,3 @@ def reuse_for(kind: str, total_slots: int | None) -> Reuse:
             return Unlearned()
         return SlotLedger(total_slots)
     return BlindReuse()
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -8,6 +8,7 @@ import threading
 import httpx
 import pytest
 
+from rtserver.web.admission import Surface
 from rtserver.web.app import create_app
 
 from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
@@ -277,3 +278,26 @@ async def test_out_of_range_seed_is_refused_at_the_door_while_chats_stream(smol)
         finally:
             for ws in chats:
                 await ws.close()
+
+
+async def test_task_calls_hold_their_tokens_against_the_api_budget(smol):
+    """/sentiment and /v1/tasks/<name> hold a call's most tokens like a generation: one over the
+    client's API budget alone is a 413 naming the cost, and a finished call gives its tokens back."""
+    settings = make_settings(tasks={"auto_tasks": []})
+    app = create_app(settings, lambda: smol)
+    async with serve(app, settings) as (base, _):
+        cost = app.state.rt.tasks.cost("sentiment")
+        budget = app.state.admission.budgets[Surface.API]
+        budget.per_client = cost - 1
+        async with httpx.AsyncClient(timeout=60) as http:
+            for path, body in (
+                ("/sentiment", {"text": "I love it"}),
+                ("/v1/tasks/sentiment", {"input": "I love it"}),
+            ):
+                r = await http.post(base + path, json=body)
+                assert r.status_code == 413, (path, r.text)
+                assert r.json()["error"]["code"] == "request_too_large" and f"needs {cost} tokens" in r.text
+            budget.per_client = cost
+            r = await http.post(base + "/sentiment", json={"text": "I love it"})
+            assert r.status_code == 200 and r.json()["label"], r.text
+            assert budget.held == 0 and budget.held_by_client == {}

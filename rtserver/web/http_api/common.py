@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ...engine.backend import FinishReason, Generation, SamplingParams, SequenceResult
-from ...tasks import Task, TaskError
+from ...tasks import Task, TaskError, TaskOutput
 from ...tasks import bounds as B
 from .. import protocol as P
 from ..admission import Admission, Refused, Surface, bearer
@@ -159,6 +159,20 @@ def start(
         raise
     admission.release_when_done(held, stream, len(prompt))
     return stream
+
+
+async def run_held_task(
+    request: Request, state: AppState, name: str, raw_input: Any, options: dict[str, Any] | None
+) -> TaskOutput:
+    """A stateless task call, its most tokens held against this client's API budget while it runs."""
+    admission: Admission = request.app.state.admission
+    held = admission.reserve(Surface.API, client_ip(request), state.tasks.cost(name, options))
+    try:
+        out = await state.tasks.run(state.backend_for(name), name, raw_input, options, scope="api")
+        held.release(out.usage.get("prompt_tokens", 0) + out.usage.get("generated_tokens", 0))
+        return out
+    finally:
+        held.release()  # a call that failed pays what it held
 
 
 async def generate(

@@ -13,7 +13,7 @@ from ...tasks import bounds as B
 from ...tasks.chat import ChatTask
 from .. import events
 from ..state import AppState
-from .common import Body, HTTPError, generate, task_sampling
+from .common import Body, HTTPError, generate, run_held_task, task_sampling
 
 Message = dict[str, str]  # {"role", "content"}
 
@@ -102,7 +102,7 @@ async def run_task(request: Request, state: AppState, body: Body) -> Response:
     _task_text(task.task, body["input"], "input")  # refused here with the field named, as below
     if options:
         task_sampling(task.task, options)
-    out = await reg.run(state.backend_for(name), name, body["input"], options, scope="api")
+    out = await run_held_task(request, state, name, body["input"], options)
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(out.to_json())
 
@@ -129,9 +129,7 @@ async def sentiment(request: Request, state: AppState, body: Body) -> Response:
     if "text" not in body:
         raise HTTPError("missing_field", "'text' is required", "text")
     _task_text(state.tasks.get("sentiment").task, body["text"], "text")
-    out = await state.tasks.run(
-        state.backend_for("sentiment"), "sentiment", {"text": body["text"]}, scope="api"
-    )
+    out = await run_held_task(request, state, "sentiment", {"text": body["text"]}, None)
     state.metrics.requests.labels("http", "task").inc()
     return JSONResponse(dict(out.output))
 

@@ -61,8 +61,8 @@ class Upstreams:
         return self.client
 
     def _new_client(self, fresh: bool = False) -> aiohttp.ClientSession:
-        # aiohttp rather than httpx: its per-request CPU is a small fraction of httpx's, and in a burst
-        # that CPU is spent before the last request reaches the server (README, "Remote backends").
+        # aiohttp rather than httpx: it spends far less CPU per request, which a burst pays before
+        # its last request reaches the server.
         # `timeout_s` bounds the wait for the connection and for every read (a stall), not the whole
         # reply; the pool bounds the requests in flight, so the connector does not.
         s = self.settings
@@ -140,9 +140,8 @@ class Upstreams:
         accept) while the gate holds it: only the writing waits for the gate. The request goes as a body
         that waits for the gate before it yields its bytes (aiohttp writes the request line and headers
         with the body's first bytes, so the whole request is one write, made as the group is let go).
-        Connecting after the gate, a burst's 32 new connections took ~5 ms to open, one after another,
-        between the gate's release and the first request reaching the server (README, "Remote
-        backends")."""
+        Connecting after the gate would open a burst's connections one after another between the
+        gate's release and the first request reaching the server."""
         url = up.url + "/v1/completions"
         data = json.dumps(body).encode()  # before the gate: after it, only the sending
         headers = {**JSON_HEADERS, "Content-Length": str(len(data))}

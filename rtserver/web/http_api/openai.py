@@ -260,7 +260,7 @@ async def chat_completions(request: Request, state: AppState, body: Body) -> Res
     # The response starts with the first token: until then nothing is written to this client, so in a
     # burst every request's generation reaches its backend (a remote server: its upstream request is
     # written) before any response's headers and role chunk take their socket writes, and the role
-    # chunk and the first token go out in one write (README, "Remote backends").
+    # chunk and the first token go out in one write.
     first = await _first_text(request, gen)
     if first is _GONE:
         return Response(status_code=499)  # the client left before the first token (nobody reads it)

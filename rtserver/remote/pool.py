@@ -9,6 +9,7 @@ breaker reads `clock` (time.monotonic unless a test passes its own).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Collection, Hashable
@@ -60,6 +61,26 @@ class UpstreamStats(TypedDict):
     ttfb_p50_ms: float | None
 
 
+class Wakeup:
+    """Bounded waits for room: each `wake` lets every waiter look again."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def wake(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def next(self, deadline: float) -> bool:
+        """Wait for the next wake, at most until `deadline` (time.monotonic); False once it has passed."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), remaining)
+        return True
+
+
 class UpstreamPool:
     def __init__(
         self,
@@ -73,7 +94,7 @@ class UpstreamPool:
         self.failures_to_open = failures_to_open
         self.retry_after_s = retry_after_s
         self.clock = clock
-        self.changed = asyncio.Event()  # set when a URL comes back or a slot frees (waiters retry)
+        self.changed = Wakeup()  # a URL came back or a request ended: waiters look again
 
     # -- state ------------------------------------------------------------------------------------------
     def usable(self, up: Upstream, now: float | None = None) -> bool:
@@ -102,7 +123,7 @@ class UpstreamPool:
         was_down = up.opened_at is not None
         up.failures, up.opened_at, up.last_error, up.last_ok = 0, None, None, self.clock()
         if was_down:
-            self._wake()
+            self.changed.wake()
 
     def failed(self, up: Upstream, reason: str) -> None:
         up.failures += 1
@@ -117,10 +138,6 @@ class UpstreamPool:
         up.failures = max(up.failures, self.failures_to_open)
         up.last_error = reason
         up.opened_at = self.clock()
-
-    def _wake(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
 
     # -- choosing ---------------------------------------------------------------------------------------
     def choose(self, session_key: Hashable | None, exclude: Collection[str] = ()) -> Upstream:
@@ -144,15 +161,10 @@ class UpstreamPool:
         # the wait is the event loop's (asyncio.wait_for), so its deadline is on the real clock, not `clock`
         deadline = time.monotonic() + timeout_s
         while up.in_flight >= up.max_in_flight:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if not await self.changed.next(deadline):
                 raise BackendUnavailable(
                     f"{up.url}: {up.in_flight} requests in flight (max_in_flight_per_url)"
                 )
-            try:
-                await asyncio.wait_for(self.changed.wait(), remaining)
-            except TimeoutError:
-                pass
         up.in_flight += 1
         up.requests += 1
 
@@ -166,7 +178,7 @@ class UpstreamPool:
 
     def release(self, up: Upstream) -> None:
         up.in_flight -= 1
-        self._wake()
+        self.changed.wake()
 
     def snapshot(self) -> list[UpstreamStats]:
         out: list[UpstreamStats] = []

@@ -14,7 +14,6 @@ across sessions differs by kind:
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import os
@@ -23,7 +22,7 @@ import time
 from collections.abc import Hashable
 from typing import Any, Protocol
 
-from .pool import BackendUnavailable
+from .pool import BackendUnavailable, Wakeup
 
 log = logging.getLogger("rtserver.remote")
 
@@ -181,7 +180,7 @@ class SlotLedger:
     def __init__(self, total_slots: int):
         self.slots = [_Slot(i) for i in range(total_slots)]
         self._clock = 0
-        self._freed = asyncio.Event()
+        self._freed = Wakeup()
 
     async def lease(self, session_key: Hashable | None, public_tokens: int, timeout_s: float) -> Lease:
         # a request waits here for a slot rather than in the server's queue: sent without one, it
@@ -189,15 +188,10 @@ class SlotLedger:
         owner: Hashable = session_key if session_key is not None else object()
         deadline = time.monotonic() + timeout_s
         while (slot := self._take(owner)) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if not await self._freed.next(deadline):
                 raise BackendUnavailable(
                     f"all {len(self.slots)} llama-server slots stayed busy for {timeout_s} s"
                 )
-            try:
-                await asyncio.wait_for(self._freed.wait(), remaining)
-            except TimeoutError:
-                pass
         return _SlotLease(self, slot, owner)
 
     def own_lease(self, session_key: Hashable) -> Lease | None:
@@ -226,8 +220,7 @@ class SlotLedger:
         self._clock += 1
         slot.busy = False
         slot.last_used = self._clock
-        self._freed.set()
-        self._freed = asyncio.Event()
+        self._freed.wake()
 
     def reusable(self, slot: _Slot, owner: Hashable, prompt: list[int]) -> bool:
         """Whether `prompt` may reuse the slot: it holds only the owner's tokens or public ones (then a

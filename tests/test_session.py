@@ -6,6 +6,7 @@ import pytest
 
 from rtserver.tasks.chat import LastTurn, encode_chat, finished_turn, window
 from rtserver.web.session import SessionExpired, SessionRegistry, TooManySessions
+from rtserver.web.session_events import SessionEvents, Token, TurnFinished
 
 
 class Clock:
@@ -159,3 +160,72 @@ def test_finished_turn_needs_ids_that_spell_the_reply(smol):
     ids = tok.encode(" Hi. STOP", add_special_tokens=False)
     assert finished_turn(tok, "p", [1], " Hi.", ids) is None  # a stop string cut the reply text
     assert finished_turn(tok, "p", [1], " Hi. STOP", ids) == LastTurn("p Hi. STOP", [1] + ids)
+
+
+def _open_turn(session, request_id: str, text: str) -> dict:
+    session.begin(request_id)
+    session.add_message([*session.history, {"role": "user", "content": text}], cut=False)
+    return session.history[-1]
+
+
+def test_a_committed_turn_keeps_its_message_and_reply():
+    session = SessionRegistry(60, 10).create()
+    last = LastTurn("x", [1, 2, 3])
+    _open_turn(session, "r1", "hi")
+    session.add_reply("hello", lambda ends_history: last if ends_history else None)
+    session.commit()
+    session.end("r1", 5.0)
+    assert session.history == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert (session.turns, session.last_turn, session.chat_request, session.last_active) == (
+        1,
+        last,
+        None,
+        5.0,
+    )
+
+
+def test_a_turn_not_committed_leaves_no_trace_but_what_came_meanwhile():
+    session = SessionRegistry(60, 10).create()
+    _open_turn(session, "r0", "first")
+    session.add_reply("one", lambda _: None)
+    session.commit()
+    session.end("r0", 1.0)
+    before = (list(session.history), session.turns)
+    _open_turn(session, "r1", "second")
+    session.add_agent_reply("an agent said this meanwhile", "Ann")  # after the message, before the reply
+    session.add_reply("two", lambda ends_history: LastTurn("y", [9]) if ends_history else None)
+    assert session.history[-2]["content"] == "two" and session.last_turn is None  # not the history's end
+    session.end("r1", 2.0)  # the store failed: never committed
+    assert session.history == [
+        *before[0],
+        {"role": "assistant", "content": "an agent said this meanwhile", "agent": "Ann"},
+    ]
+    assert (session.turns, session.chat_request, session.turn) == (before[1], None, None)
+
+
+def test_a_reset_or_forward_that_is_not_stored_is_restored():
+    session = SessionRegistry(60, 10).create()
+    session.history = turns(2)
+    kept = session.clear()
+    assert session.history == [] and session.turns == 0
+    session.restore(kept)
+    assert session.history == turns(2)
+    kept = session.forward([{"role": "user", "content": "to the agent"}], cut=True)
+    assert session.cuts == 1 and session.history[-1]["content"] == "to the agent"
+    session.restore(kept)
+    assert (session.history, session.cuts) == (turns(2), 0)
+
+
+def test_session_events_reach_every_subscriber_even_after_one_fails():
+    session = SessionRegistry(60, 10).create()
+    seen: list = []
+
+    def broken(event):
+        raise RuntimeError("a console bug")
+
+    feed = SessionEvents()
+    feed.subscribe(broken)
+    feed.subscribe(seen.append)
+    feed.publish(Token(session, "r1", "hel"))
+    feed.publish(TurnFinished(session, "r1", "hello", "stop"))
+    assert seen == [Token(session, "r1", "hel"), TurnFinished(session, "r1", "hello", "stop")]

@@ -49,12 +49,12 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import events
 from . import protocol as P
+from . import session_events as se
 from .admission import client_key
 from .cluster import ClusterUnavailable
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
-from .errors import error_code
 from .seams import Resumed, SessionStore, Topology
-from .session import Customer, Session, SessionRegistry
+from .session import Session, SessionRegistry
 from .state import AppState
 
 log = logging.getLogger("rtserver.console")
@@ -332,7 +332,28 @@ class ConsoleHub:
         else:
             self._holders[session.id] = agent
 
-    # -- hooks (called by the hub; synchronous, never raise) ------------------------------------
+    # -- hooks (the hub's session events; synchronous, never raise) ------------------------------
+    def on_event(self, event: se.SessionEvent) -> None:
+        match event:
+            case se.Attached(session, client_name, resumed):
+                self.attached(session, client_name, resumed)
+            case se.Detached(session):
+                self.detached(session)
+            case se.Dropped(session):
+                self.dropped(session)
+            case se.TurnStarted(session, request_id, text):
+                self.user_message(session, request_id, text)
+            case se.Forwarded(session, request_id, text):
+                self.user_message(session, request_id, text, to_agent=True)
+            case se.Token(session, request_id, text):
+                self.bot_token(session, request_id, text)
+            case se.TurnFinished(session, request_id, reply, finish_reason):
+                self.bot_done(session, request_id, reply, finish_reason)
+            case se.Tagged(session, request_id, task, output):
+                self.auto_result(session, request_id, task, output)
+            case se.Cleared(session):
+                self.reset(session)
+
     @_safe
     def attached(self, session: Session, client_name: str | None, resumed: bool) -> None:
         conv = self._conv(session)
@@ -496,31 +517,6 @@ class ConsoleHub:
             }
         )
 
-    # -- customer side while an agent holds the session -----------------------------------------
-    async def forward_chat(self, conn: Customer, session: Session, msg: P.Chat) -> None:
-        """A customer `chat` while an agent holds the session: history + console, no bot reply."""
-        holder = self.holder(session) or {}
-        try:
-            turn = self.state.tasks.chat.prepare_turn(session.history, msg.text)
-        except Exception as exc:
-            code, message = error_code(exc)
-            await conn.error(code, message, msg.id)
-            return
-        kept = session.history
-        session.history = turn.history
-        try:  # stored before it is acknowledged (`forwarded`)
-            await self._persist(session)
-        except ClusterUnavailable as exc:
-            session.history = kept
-            await conn.error(exc.code, exc.message, msg.id)
-            return
-        if turn.cut:
-            session.cuts += 1
-        session.touch(self.sessions.clock())
-        self.user_message(session, msg.id, turn.text, to_agent=True)
-        await conn.send({"type": "forwarded", "id": msg.id, "agent": holder.get("name")})
-        conn.run_auto_tasks(msg.id, turn.text)
-
     async def _persist(self, session: Session) -> None:
         await self.store.save(session, getattr(session.connection, "client_name", None))
 
@@ -601,7 +597,7 @@ class ConsoleHub:
         session = self._session(session_id)
         if conv is None or session is None:
             return
-        session.history.append({"role": "assistant", "content": text, "agent": agent_name})
+        session.add_agent_reply(text, agent_name)
         session.touch(self.sessions.clock())
         try:  # into the session's record (clustered, it survives this node)
             await self._persist(session)

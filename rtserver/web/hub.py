@@ -33,10 +33,11 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..engine.backend import FinishReason, Generation, NextTurnPrefetcher
+from ..engine.backend import FinishReason, Generation, NextTurnPrefetcher, SequenceResult
 from ..tasks.chat import LastTurn
 from . import events
 from . import protocol as P
+from . import session_events as se
 from .admission import Admission, NoReservation, Refused, Reservation, Surface, client_key
 from .cluster import ClusterUnavailable
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
@@ -45,6 +46,7 @@ from .errors import GenerationFailed, error_code
 from .ratelimit import TokenBucket
 from .seams import NodeView
 from .session import Session, SessionExpired, SessionRegistry, TooManySessions
+from .session_events import SessionEvents
 from .state import AppState
 
 log = logging.getLogger("rtserver.hub")
@@ -73,23 +75,6 @@ def _kept_prefix(prompt: list[int], last: LastTurn | None) -> int:
     if last is None or prompt[: len(last.ids)] != last.ids:
         return 0
     return len(last.ids)
-
-
-def _remove(history: list[dict], entry: dict) -> None:
-    """Take this very entry out (by identity: equal text may be another message)."""
-    for i in range(len(history) - 1, -1, -1):
-        if history[i] is entry:
-            del history[i]
-            return
-
-
-def _insert_after(history: list[dict], entry: dict, new: dict) -> None:
-    """Put `new` right after `entry` (at the end when the window cut `entry` off)."""
-    for i in range(len(history) - 1, -1, -1):
-        if history[i] is entry:
-            history.insert(i + 1, new)
-            return
-    history.append(new)
 
 
 class Connection(QueuedConnection):
@@ -171,115 +156,107 @@ class Connection(QueuedConnection):
         try:
             msg = P.parse_client_message(raw, self.hub.settings.server.max_frame_bytes)
         except P.ProtocolError as exc:
-            msg, error = None, exc
-        if not isinstance(msg, P.Cancel):  # cancelling lowers load: never refused
-            wait, why = await self.rate_limit_wait()
-            if wait > 0:
-                rid = getattr(msg, "id", None) if msg is not None else error.request_id
-                await self.error("rate_limited", why, rid, retry_after_s=round(wait, 3))
-                return
-        if msg is None:
-            await self.error(error.code, error.message, error.request_id)
+            if await self.within_rate(exc.request_id):
+                await self.error(exc.code, exc.message, exc.request_id)
             return
+        if not isinstance(msg, P.Cancel) and not await self.within_rate(getattr(msg, "id", None)):
+            return  # cancelling lowers load: never refused
         if isinstance(msg, P.Ping):
             await self.send(events.pong_event(msg.data))
-            return
-        if isinstance(msg, P.Hello):
-            if self.session is not None:
-                await self.error(
-                    "already_started",
-                    "this connection already has a session; open a new connection to resume another",
-                )
-                return
-            await self.start_session(msg)
-            return
-        if self.session is None:
-            # No hello first: a fresh session, as if an empty hello had been sent (not when auth is on).
-            if not await self.start_session(P.Hello()):
-                return
-        session = self.session
-        assert session is not None  # start_session attached one
+        elif isinstance(msg, P.Hello):
+            await self.hello(msg)
+        elif self.session is not None or await self.start_session(P.Hello()):
+            # no hello first: a fresh session, as if an empty hello had been sent (not when auth is on)
+            assert self.session is not None
+            await self.route(msg, self.session)
+
+    async def within_rate(self, request_id: str | None) -> bool:
+        """Take a token for a message; an empty bucket gets `rate_limited`."""
+        wait, why = await self.rate_limit_wait()
+        if wait > 0:
+            await self.error("rate_limited", why, request_id, retry_after_s=round(wait, 3))
+        return wait <= 0
+
+    async def route(self, msg: P.ClientMessage, session: Session) -> None:
         if isinstance(msg, P.Cancel):
             req = self.requests.get(msg.id)
             if req is None:
                 await self.error("unknown_request", f"no request {msg.id!r} in flight", msg.id)
             else:
                 req.cancel()
-            return
-        if isinstance(msg, P.Reset):
-            await self.reset()
-            return
-        if self.hub.state.shutting_down:
-            await self.error("shutting_down", "the server is shutting down; reconnect in a moment", msg.id)
-            return
-        if msg.id in self.requests:
-            await self.error("duplicate_id", f"request {msg.id!r} is already in flight", msg.id)
-            return
-        max_in_flight = self.hub.settings.server.max_in_flight
-        if len(self.requests) >= max_in_flight:
-            await self.error(
-                "too_many_requests",
-                f"at most {max_in_flight} requests may be in flight on one connection",
-                msg.id,
-            )
-            return
-        if isinstance(msg, P.Chat):
-            if self.hub.console.holder(session) is not None:  # a human agent answers, not the bot
-                await self.hub.console.forward_chat(self, session, msg)
-                return
-            if session.chat_request is not None:
-                await self.error(
-                    "chat_busy",
-                    f"chat turn {session.chat_request!r} is still in progress; "
-                    "wait for its done (or cancel it)",
-                    msg.id,
-                    busy_id=session.chat_request,
-                )
-                return
-            try:
-                self.hub.store.require()  # a turn that could not be acknowledged is not started
-            except ClusterUnavailable as down:
-                await self.error(down.code, down.message, msg.id)
-                return
-            req = Request(msg.id, "chat")
-            session.chat_request = msg.id
-            self.requests[msg.id] = req
-            req.task = asyncio.create_task(self.run_chat(req, msg, session))
-        else:
+        elif isinstance(msg, P.Reset):
+            await self.reset(session)
+        elif isinstance(msg, P.Chat) and await self.admit(msg.id):
+            await self.chat(msg, session)
+        elif isinstance(msg, P.TaskCall) and await self.admit(msg.id):
             req = Request(msg.id, "task")
             self.requests[msg.id] = req
             req.task = asyncio.create_task(self.run_task(req, msg))
             req.task.add_done_callback(functools.partial(self._task_ended, msg.id))
 
-    # -- session --------------------------------------------------------------------------------
-    async def start_session(self, hello: P.Hello) -> bool:
-        hub = self.hub
+    async def admit(self, request_id: str) -> bool:
+        """Whether a new request may start on this connection now (else the client is told why)."""
+        max_in_flight = self.hub.settings.server.max_in_flight
+        if self.hub.state.shutting_down:
+            await self.error(
+                "shutting_down", "the server is shutting down; reconnect in a moment", request_id
+            )
+        elif request_id in self.requests:
+            await self.error("duplicate_id", f"request {request_id!r} is already in flight", request_id)
+        elif len(self.requests) >= max_in_flight:
+            await self.error(
+                "too_many_requests",
+                f"at most {max_in_flight} requests may be in flight on one connection",
+                request_id,
+            )
+        else:
+            return True
+        return False
+
+    async def chat(self, msg: P.Chat, session: Session) -> None:
+        if self.hub.console.holder(session) is not None:  # a human agent answers, not the bot
+            await self.forward_chat(msg, session)
+            return
+        if session.chat_request is not None:
+            await self.error(
+                "chat_busy",
+                f"chat turn {session.chat_request!r} is still in progress; wait for its done (or cancel it)",
+                msg.id,
+                busy_id=session.chat_request,
+            )
+            return
         try:
-            hub.admission.authorize(Surface.PUBLIC, hello.auth_token or "", self.client_ip)
+            self.hub.store.require()  # a turn that could not be acknowledged is not started
+        except ClusterUnavailable as down:
+            await self.error(down.code, down.message, msg.id)
+            return
+        session.begin(msg.id)
+        req = Request(msg.id, "chat")
+        self.requests[msg.id] = req
+        req.task = asyncio.create_task(self.run_chat(req, msg, session))
+
+    # -- session --------------------------------------------------------------------------------
+    async def hello(self, hello: P.Hello) -> None:
+        if self.session is not None:
+            await self.error(
+                "already_started",
+                "this connection already has a session; open a new connection to resume another",
+            )
+        else:
+            await self.start_session(hello)
+
+    async def start_session(self, hello: P.Hello) -> bool:
+        try:
+            self.hub.admission.authorize(Surface.PUBLIC, hello.auth_token or "", self.client_ip)
         except Refused as refused:
             await self.error(refused.code, refused.message)
             self.stop(refused.close, refused.code)
             return False
         self.client_name = hello.client
-        session: Session | None = None
-        resumed = False
         try:
-            if hello.session_id is not None or hello.resume_token is not None:
-                try:
-                    found = await hub.store.resume(
-                        hello.session_id or "", hello.resume_token or "", self.client_ip
-                    )
-                    session, resumed = found.session, True
-                    self.client_name = self.client_name or found.client
-                    await hub.console.resumed(found)
-                except SessionExpired:
-                    await self.error(
-                        "session_expired", "that session is unknown or has expired; a new session was started"
-                    )
-            if session is None:
-                session = await hub.store.create(self.client_ip, self.client_name)
+            session, resumed = await self.find_session(hello)
         except TooManySessions:
-            cap = hub.settings.security.max_sessions_per_ip
+            cap = self.hub.settings.security.max_sessions_per_ip
             await self.error(
                 "too_many_sessions",
                 f"this address already has {cap} connected sessions (the limit); close one first",
@@ -290,36 +267,52 @@ class Connection(QueuedConnection):
             await self.error(exc.code, exc.message)
             self.stop(Close.NOT_READY, "session store unavailable")
             return False
-        if session.connection is not None and session.connection is not self:
-            old = session.connection
+        await self.attach(session, resumed)
+        return True
+
+    async def find_session(self, hello: P.Hello) -> tuple[Session, bool]:
+        """The session the hello resumes, or a new one (and `session_expired` when it asked for one)."""
+        store = self.hub.store
+        if hello.session_id is not None or hello.resume_token is not None:
+            try:
+                found = await store.resume(hello.session_id or "", hello.resume_token or "", self.client_ip)
+            except SessionExpired:
+                await self.error(
+                    "session_expired", "that session is unknown or has expired; a new session was started"
+                )
+            else:
+                self.client_name = self.client_name or found.client
+                await self.hub.console.resumed(found)
+                return found.session, True
+        return await store.create(self.client_ip, self.client_name), False
+
+    async def attach(self, session: Session, resumed: bool) -> None:
+        old = session.connection
+        if old is not None and old is not self:
             await old.error("session_taken_over", "this session was resumed by another connection")
             old.cancel_all()
             old.stop(Close.TAKEN_OVER, "session taken over")
         session.connection = self
         self.session = session
         self.started.set()
-        await self.send(hub.ready_event(session, resumed))
-        hub.console.attached(session, self.client_name, resumed)
-        return True
+        await self.send(self.hub.ready_event(session, resumed))
+        self.hub.events.publish(se.Attached(session, self.client_name, resumed))
 
-    async def reset(self) -> None:
-        session = self.session
-        assert session is not None
+    async def reset(self, session: Session) -> None:
         req = self.requests.get(session.chat_request) if session.chat_request else None
         if req is not None:
             req.cancel()
             if req.task is not None:
                 await asyncio.wait({req.task})
-        kept = (session.history, session.last_turn, session.turns)
-        session.history, session.last_turn, session.turns = [], None, 0
+        kept = session.clear()
         try:
             await self.hub.store.save(session, self.client_name)
         except ClusterUnavailable as exc:  # not stored: not done either
-            session.history, session.last_turn, session.turns = kept
+            session.restore(kept)
             await self.error(exc.code, exc.message)
             return
         self.hub.drop_backend_session(session)
-        self.hub.console.reset(session)
+        self.hub.events.publish(se.Cleared(session))
         await self.send({"type": "reset", "session_id": session.id})
 
     def cancel_all(self) -> None:
@@ -329,97 +322,95 @@ class Connection(QueuedConnection):
     # -- requests -------------------------------------------------------------------------------
     async def run_chat(self, req: Request, msg: P.Chat, session: Session) -> None:
         hub = self.hub
-        added = False
         reply, reason = None, "error"
         held: Reservation = NoReservation()
         try:
             chat = hub.state.tasks.chat
             turn = chat.prepare_turn(session.history, msg.text, session.last_turn)
             params = chat.task.sampling(msg.options or None)
-            rendered, prompt = turn.rendered, turn.prompt_ids
-            new_tokens = len(prompt) - _kept_prefix(prompt, session.last_turn)
+            new_tokens = len(turn.prompt_ids) - _kept_prefix(turn.prompt_ids, session.last_turn)
             held = hub.admission.reserve(Surface.PUBLIC, self.client_ip, new_tokens + params.max_new_tokens)
-            stream = hub.state.backend_for("chat").generate(
-                prompt, params, session_key=session.id, public_tokens=turn.public_tokens
+            req.stream = hub.state.backend_for("chat").generate(
+                turn.prompt_ids, params, session_key=session.id, public_tokens=turn.public_tokens
             )
-            req.stream = stream
             if req.cancelled:
-                stream.cancel()
-            if turn.cut:
-                session.cuts += 1
-            session.history = turn.history
-            user = turn.history[-1]  # this turn's message: messages forwarded to an agent may follow it
-            added = True
-            hub.console.user_message(session, msg.id, turn.text)
+                req.stream.cancel()
+            session.add_message(turn.history, turn.cut)
+            hub.events.publish(se.TurnStarted(session, msg.id, turn.text))
             self.run_auto_tasks(msg.id, turn.text)
-            async for event in stream:
-                if event.text:
-                    await self.send(events.token_event(msg.id, event.text))
-                    hub.console.bot_token(session, msg.id, event.text)
-            result = await stream.result()
+            result = await self.stream_reply(msg.id, session, req.stream)
             held.release(new_tokens + result.usage.generated_tokens)
             if result.finish_reason is FinishReason.ERROR:
                 raise GenerationFailed(result)
             if result.text or result.finish_reason is not FinishReason.CANCELLED:
-                kept = (session.last_turn, session.turns)
-                answer = {"role": "assistant", "content": result.text}
-                _insert_after(session.history, user, answer)
-                last = session.history[-1] is answer  # else the KV of this turn is not the prompt's start
-                session.last_turn = (
-                    chat.finished_turn(rendered, prompt, result.text, result.token_ids) if last else None
+                session.add_reply(
+                    result.text,
+                    lambda last: (
+                        chat.finished_turn(turn.rendered, turn.prompt_ids, result.text, result.token_ids)
+                        if last
+                        else None
+                    ),
                 )
-                session.turns += 1
-                try:  # the turn is acknowledged only once it is stored
-                    await hub.store.save(session, self.client_name)
-                except ClusterUnavailable:
-                    _remove(session.history, answer)  # neither stored nor acknowledged: never ran
-                    session.last_turn, session.turns = kept
-                    raise
-                added = False
+                await hub.store.save(session, self.client_name)  # the turn is acknowledged once stored
+                session.commit()
             reply, reason = result.text, result.finish_reason.value
             hub.metrics.observe_generation("ws_chat", result)
             hub.metrics.requests.labels("ws", "chat").inc()
             await self.send(events.done_event(msg.id, result, chat.parse(result.text)))
-            self.prefetch_next_turn(session)
+            if not self.stopping.is_set():
+                hub.prefetch_next_turn(session)
         except asyncio.CancelledError:
             raise
-        except Refused as refused:
-            await self.error(
-                refused.code, refused.message, msg.id, retry_after_s=round(refused.retry_after_s, 3)
-            )
         except Exception as exc:
-            code, message = error_code(exc)
-            if isinstance(exc, GenerationFailed):  # the backend logged its cause
-                log.warning("chat turn %s failed: %s", msg.id, message)
-            elif code == "internal":
-                log.exception("chat turn %s failed", msg.id)
-            await self.error(code, message, msg.id)
+            await self.failed(msg.id, exc, f"chat turn {msg.id}")
         finally:
             held.release()
-            if added:  # a failed or empty cancelled turn leaves no trace (only its own message goes)
-                _remove(session.history, user)
-            session.touch(hub.sessions.clock())
-            if session.chat_request == msg.id:
-                session.chat_request = None
+            session.end(msg.id, hub.sessions.clock())  # a failed or empty cancelled turn leaves no trace
             self.requests.pop(msg.id, None)
-            hub.console.bot_done(session, msg.id, reply, reason)
+            hub.events.publish(se.TurnFinished(session, msg.id, reply, reason))
 
-    def prefetch_next_turn(self, session: Session) -> None:
-        """The reply has ended: let the chat backend compute the next prompt's start (history, end of the
-        reply, next user header) before the next message comes, where it can (a remote backend) and the
-        chat template splits safely there. Best effort: it never raises into the turn, which has ended."""
-        wanted = self.hub.settings.backend.prefetch_next_turn and session.last_turn is not None
-        if not wanted or self.stopping.is_set():
+    async def stream_reply(self, request_id: str, session: Session, stream: Generation) -> SequenceResult:
+        """Send the reply's text as it comes; its result at the end."""
+        async for event in stream:
+            if event.text:
+                await self.send(events.token_event(request_id, event.text))
+                self.hub.events.publish(se.Token(session, request_id, event.text))
+        return await stream.result()
+
+    async def failed(self, request_id: str, exc: Exception, what: str) -> None:
+        """Tell the client why a request failed; log what the client cannot act on."""
+        if isinstance(exc, Refused):
+            retry = round(exc.retry_after_s, 3)
+            await self.error(exc.code, exc.message, request_id, retry_after_s=retry)
             return
+        code, message = error_code(exc)
+        if isinstance(exc, GenerationFailed):  # the backend logged its cause
+            log.warning("%s failed: %s", what, message)
+        elif code == "internal" and not hasattr(exc, "code"):  # a TaskError was logged where it arose
+            log.exception("%s failed", what)
+        await self.error(code, message, request_id)
+
+    async def forward_chat(self, msg: P.Chat, session: Session) -> None:
+        """A customer `chat` while an agent holds the session: history and console, no bot reply."""
+        hub = self.hub
+        holder = hub.console.holder(session) or {}
         try:
-            backend = self.hub.state.backend_for("chat")  # raises while the server stops
-            if isinstance(backend, NextTurnPrefetcher):
-                # computed by the backend when it sends the prefetch, not here: a client that answers
-                # at once would otherwise wait for it (its next turn comes right after this `done`)
-                chat, history, last = self.hub.state.tasks.chat, list(session.history), session.last_turn
-                backend.prefetch(lambda: chat.next_turn_prefix(history, last), session_key=session.id)
+            turn = hub.state.tasks.chat.prepare_turn(session.history, msg.text)
         except Exception as exc:
-            log.debug("no next-turn prefetch for session %s (%s)", session.id, exc)
+            code, message = error_code(exc)
+            await self.error(code, message, msg.id)
+            return
+        kept = session.forward(turn.history, turn.cut)
+        try:  # stored before it is acknowledged (`forwarded`)
+            await hub.store.save(session, self.client_name)
+        except ClusterUnavailable as exc:
+            session.restore(kept)
+            await self.error(exc.code, exc.message, msg.id)
+            return
+        session.touch(hub.sessions.clock())
+        hub.events.publish(se.Forwarded(session, msg.id, turn.text))
+        await self.send({"type": "forwarded", "id": msg.id, "agent": holder.get("name")})
+        self.run_auto_tasks(msg.id, turn.text)
 
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:
         hub = self.hub
@@ -437,15 +428,8 @@ class Connection(QueuedConnection):
             await self.send(events.result_event(msg.id, out))
         except asyncio.CancelledError:
             await self.error("cancelled", "the task was cancelled", msg.id)
-        except Refused as refused:
-            await self.error(
-                refused.code, refused.message, msg.id, retry_after_s=round(refused.retry_after_s, 3)
-            )
         except Exception as exc:
-            code, message = error_code(exc)
-            if code == "internal" and not hasattr(exc, "code"):  # a TaskError was logged where it arose
-                log.exception("task %s (request %s) failed", msg.task, msg.id)
-            await self.error(code, message, msg.id)
+            await self.failed(msg.id, exc, f"task {msg.task} (request {msg.id})")
         finally:
             held.release()
             self.requests.pop(msg.id, None)
@@ -468,7 +452,7 @@ class Connection(QueuedConnection):
             )
             await self.send(events.result_event(request_id, out, auto=True))
             if self.session is not None:
-                self.hub.console.auto_result(self.session, request_id, out.task, out.output)
+                self.hub.events.publish(se.Tagged(self.session, request_id, out.task, out.output))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -507,6 +491,8 @@ class Hub:
         topology.join(NodeView(self.node_figures, self.connected))  # heartbeats before the console's
         # the agent console's registry (/ws/console)
         self.console = ConsoleHub(state, self.sessions, self.store, topology)
+        self.events = SessionEvents()
+        self.events.subscribe(self.console.on_event)
         state.counts = lambda: {"connections": len(self.connections), "sessions": len(self.sessions)}
 
     def node_figures(self) -> dict[str, Any]:
@@ -523,12 +509,28 @@ class Hub:
     def _on_drop(self, session: Session) -> None:
         self.metrics.expired.inc()
         self.drop_backend_session(session)
-        self.console.dropped(session)
+        self.events.publish(se.Dropped(session))
         self.store.forget(session)
 
     def drop_backend_session(self, session: Session) -> None:
         for backend in self.state.backends.values():
             backend.drop_session(session.id)
+
+    def prefetch_next_turn(self, session: Session) -> None:
+        """The reply has ended: let the chat backend compute the next prompt's start (history, end of the
+        reply, next user header) before the next message comes, where it can (a remote backend) and the
+        chat template splits safely there. Best effort: it never raises into the turn, which has ended."""
+        if not self.settings.backend.prefetch_next_turn or session.last_turn is None:
+            return
+        try:
+            backend = self.state.backend_for("chat")  # raises while the server stops
+            if isinstance(backend, NextTurnPrefetcher):
+                # computed by the backend when it sends the prefetch, not here: a client that answers
+                # at once would otherwise wait for it (its next turn comes right after this `done`)
+                chat, history, last = self.state.tasks.chat, list(session.history), session.last_turn
+                backend.prefetch(lambda: chat.next_turn_prefix(history, last), session_key=session.id)
+        except Exception as exc:
+            log.debug("no next-turn prefetch for session %s (%s)", session.id, exc)
 
     def limits(self) -> dict:
         s = self.settings
@@ -597,7 +599,7 @@ class Hub:
                     if isinstance(backend, NextTurnPrefetcher):  # nobody is typing a next message
                         backend.cancel_prefetch(conn.session.id)
                 self.sessions.detach(conn.session, conn)
-                self.console.detached(conn.session)
+                self.events.publish(se.Detached(conn.session))
                 await self.store.release(conn.session, conn.client_ip)
             await conn.finish(reader, writer, drain=conn.close_code != Close.SLOW_CLIENT)
 

@@ -43,8 +43,6 @@ class Customer(Protocol):
 
     async def error(self, code: str, message: str, request_id: str | None = None, **extra: Any) -> None: ...
 
-    def run_auto_tasks(self, request_id: str, text: str) -> None: ...
-
     def cancel_all(self) -> None: ...
 
     def stop(self, code: int | None = None, reason: str = "") -> None: ...
@@ -68,12 +66,127 @@ class Session:
     version: int = 0
     created_wall: float = 0.0
 
+    turn: OpenTurn | None = None  # the bot turn in progress: what `rollback` undoes
+
     @property
     def history_turns(self) -> int:
         return sum(1 for m in self.history if m["role"] == "user")
 
     def touch(self, now: float) -> None:
         self.last_active = now
+
+    # -- a bot turn: begin, add the message and the reply, then commit or roll back ---------------
+    def begin(self, request_id: str) -> None:
+        """A chat turn starts; the session is busy until `end`."""
+        self.chat_request = request_id
+        self.turn = OpenTurn(request_id)
+
+    def add_message(self, history: list[dict], cut: bool) -> None:
+        """The turn's prepared history: the customer's message is its last entry."""
+        assert self.turn is not None
+        self.history = history
+        self.cuts += cut
+        self.turn.message = history[-1]
+
+    def add_reply(self, text: str, last_turn: Callable[[bool], LastTurn | None]) -> None:
+        """The bot's reply, right after its message (messages forwarded meanwhile follow it).
+        `last_turn(True)` gives the reusable tokens when the reply ends the history."""
+        turn = self.turn
+        assert turn is not None and turn.message is not None
+        turn.kept = (self.last_turn, self.turns)
+        turn.reply = {"role": "assistant", "content": text}
+        _insert_after(self.history, turn.message, turn.reply)
+        self.last_turn = last_turn(self.history[-1] is turn.reply)
+        self.turns += 1
+
+    def commit(self) -> None:
+        """The turn is stored: `end` keeps it."""
+        self.turn = None
+
+    def rollback(self) -> None:
+        """Undo what the open turn added: a turn not stored never ran."""
+        turn = self.turn
+        if turn is None:
+            return
+        if turn.reply is not None:
+            _remove(self.history, turn.reply)
+            self.last_turn, self.turns = turn.kept
+        if turn.message is not None:
+            _remove(self.history, turn.message)
+        self.turn = None
+
+    def end(self, request_id: str, now: float) -> None:
+        """The turn is over: an uncommitted one is rolled back, the session is free again."""
+        if self.chat_request == request_id:
+            self.rollback()
+            self.chat_request = None
+        self.touch(now)
+
+    # -- edits outside a bot turn ------------------------------------------------------------------
+    def forward(self, history: list[dict], cut: bool) -> Snapshot:
+        """A customer message for the agent holding the session (its history's last entry)."""
+        kept = self.snapshot()
+        self.history = history
+        self.cuts += cut
+        return kept
+
+    def add_agent_reply(self, text: str, agent_name: str) -> None:
+        self.history.append({"role": "assistant", "content": text, "agent": agent_name})
+
+    def clear(self) -> Snapshot:
+        """Empty the history (a reset)."""
+        kept = self.snapshot()
+        self.history, self.last_turn, self.turns = [], None, 0
+        return kept
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.history, self.last_turn, self.turns, self.cuts)
+
+    def restore(self, kept: Snapshot) -> None:
+        """Undo an edit that could not be stored."""
+        self.history, self.last_turn, self.turns, self.cuts = (
+            kept.history,
+            kept.last_turn,
+            kept.turns,
+            kept.cuts,
+        )
+
+
+@dataclass
+class OpenTurn:
+    """The entries a bot turn added, until it is committed or rolled back."""
+
+    request_id: str
+    message: dict | None = None
+    reply: dict | None = None
+    kept: tuple[LastTurn | None, int] = (None, 0)  # last_turn and turns before the reply
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A session's turn state before an edit."""
+
+    history: list[dict]
+    last_turn: LastTurn | None
+    turns: int
+    cuts: int
+
+
+def _remove(history: list[dict], entry: dict) -> None:
+    """Take this very entry out (by identity: equal text may be another message)."""
+    for i in range(len(history) - 1, -1, -1):
+        if history[i] is entry:
+            del history[i]
+            return
+
+
+def _insert_after(history: list[dict], entry: dict, new: dict) -> None:
+    """Put `new` right after `entry` (at the end when the window cut `entry` off)."""
+    for i in range(len(history) - 1, -1, -1):
+        if history[i] is entry:
+            history.insert(i + 1, new)
+            return
+    history.append(new)
 
 
 class SessionRegistry:

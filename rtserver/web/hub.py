@@ -56,7 +56,7 @@ log = logging.getLogger("rtserver.hub")
 class Request:
     id: str
     kind: str  # chat | task
-    task: asyncio.Task | None = None
+    task: asyncio.Task[None] | None = None
     stream: Generation | None = None
     cancelled: bool = False
 
@@ -86,7 +86,7 @@ class Connection(QueuedConnection):
         self.requests: dict[str, Request] = {}
         self.session: Session | None = None
         self.client_name: str | None = None
-        self.background: set[asyncio.Task] = set()
+        self.background: set[asyncio.Task[None]] = set()
         self.client_ip = client_key(client_ip(ws))  # what per-client limits count (IPv6: its /64)
         self.started = asyncio.Event()  # set once a session is attached (the hello deadline ends)
         sec = hub.settings.security
@@ -95,7 +95,7 @@ class Connection(QueuedConnection):
         )
 
     # -- sending --------------------------------------------------------------------------------
-    async def send(self, event: dict) -> None:
+    async def send(self, event: dict[str, Any]) -> None:
         if self.stopping.is_set():
             return
         if event.get("type") == "error":
@@ -434,7 +434,7 @@ class Connection(QueuedConnection):
             held.release()
             self.requests.pop(msg.id, None)
 
-    def _task_ended(self, request_id: str, task: asyncio.Task) -> None:
+    def _task_ended(self, request_id: str, task: asyncio.Task[None]) -> None:
         if task.cancelled():  # cancelled before it started: run_task's own clean-up never ran
             self.requests.pop(request_id, None)
             self.spawn(self.error("cancelled", "the task was cancelled", request_id))
@@ -532,7 +532,7 @@ class Hub:
         except Exception as exc:
             log.debug("no next-turn prefetch for session %s (%s)", session.id, exc)
 
-    def limits(self) -> dict:
+    def limits(self) -> dict[str, Any]:
         s = self.settings
         limits: dict[str, Any] = {
             "max_frame_bytes": s.server.max_frame_bytes,
@@ -557,7 +557,7 @@ class Hub:
         )
         return limits
 
-    def ready_event(self, session: Session, resumed: bool) -> dict:
+    def ready_event(self, session: Session, resumed: bool) -> dict[str, Any]:
         registry = self.state.tasks
         holder = self.console.holder(session)
         return events.ready_event(

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..tasks.chat import LastTurn
+from ..tasks.chat import LastTurn, Message
 
 log = logging.getLogger("rtserver.session")
 
@@ -39,7 +39,7 @@ class Customer(Protocol):
 
     session: Session | None
 
-    async def send(self, event: dict) -> None: ...
+    async def send(self, event: dict[str, Any]) -> None: ...
 
     async def error(self, code: str, message: str, request_id: str | None = None, **extra: Any) -> None: ...
 
@@ -54,7 +54,7 @@ class Session:
     resume_token: str
     created_at: float
     last_active: float
-    history: list[dict] = field(default_factory=list)
+    history: list[Message] = field(default_factory=list)
     connection: Customer | None = None  # the hub connection that holds it, or None while detached
     chat_request: str | None = None  # id of the chat turn in progress
     turns: int = 0  # chat turns completed in this session
@@ -81,7 +81,7 @@ class Session:
         self.chat_request = request_id
         self.turn = OpenTurn(request_id)
 
-    def add_message(self, history: list[dict], cut: bool) -> None:
+    def add_message(self, history: list[Message], cut: bool) -> None:
         """The turn's prepared history: the customer's message is its last entry."""
         assert self.turn is not None
         self.history = history
@@ -123,7 +123,7 @@ class Session:
         self.touch(now)
 
     # -- edits outside a bot turn ------------------------------------------------------------------
-    def forward(self, history: list[dict], cut: bool) -> Snapshot:
+    def forward(self, history: list[Message], cut: bool) -> Snapshot:
         """A customer message for the agent holding the session (its history's last entry)."""
         kept = self.snapshot()
         self.history = history
@@ -157,8 +157,8 @@ class OpenTurn:
     """The entries a bot turn added, until it is committed or rolled back."""
 
     request_id: str
-    message: dict | None = None
-    reply: dict | None = None
+    message: Message | None = None
+    reply: Message | None = None
     kept: tuple[LastTurn | None, int] = (None, 0)  # last_turn and turns before the reply
 
 
@@ -166,13 +166,13 @@ class OpenTurn:
 class Snapshot:
     """A session's turn state before an edit."""
 
-    history: list[dict]
+    history: list[Message]
     last_turn: LastTurn | None
     turns: int
     cuts: int
 
 
-def _remove(history: list[dict], entry: dict) -> None:
+def _remove(history: list[Message], entry: Message) -> None:
     """Take this very entry out (by identity: equal text may be another message)."""
     for i in range(len(history) - 1, -1, -1):
         if history[i] is entry:
@@ -180,7 +180,7 @@ def _remove(history: list[dict], entry: dict) -> None:
             return
 
 
-def _insert_after(history: list[dict], entry: dict, new: dict) -> None:
+def _insert_after(history: list[Message], entry: Message, new: Message) -> None:
     """Put `new` right after `entry` (at the end when the window cut `entry` off)."""
     for i in range(len(history) - 1, -1, -1):
         if history[i] is entry:
@@ -208,7 +208,7 @@ class SessionRegistry:
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self.expired_total = 0
-        self._sweeper: asyncio.Task | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         return len(self.sessions)

@@ -1,4 +1,4 @@
-"""Shared pieces of the fuzz tests (tests/test_fuzz_ws.py, test_fuzz_console.py, test_fuzz_http.py):
+"""Shared pieces of the fuzz tests (tests/attacks/test_fuzz_ws.py, test_fuzz_console.py, test_fuzz_http.py):
 the one fuzzed server, the reference rules (an independent strict-JSON parser and the protocol-level
 errors docs/protocol.md promises), the hypothesis strategies and fixed-seed settings, the WebSocket
 client, the input counters and the summary line.

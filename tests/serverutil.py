@@ -35,10 +35,10 @@ def make_settings(**sections: dict) -> Settings:
     s.tasks.plugin_dirs = ["plugins"]
     # On a machine whose default dtype is not the one the built-in tasks' shipped heads were fitted for,
     # a start would first compute their examples' features (minutes): the test servers score labels
-    # (tests/test_head.py covers the heads, and that the shipped ones load)
+    # (tests/tasks/test_head.py covers the heads, and that the shipped ones load)
     s.tasks.learned_heads = False
     # every test connection comes from 127.0.0.1 and many send fast: the limits are off unless a test
-    # is about them (tests/test_hub.py)
+    # is about them (tests/web/test_hub.py)
     s.security.rate_limit_per_s = s.security.ip_rate_limit_per_s = 0.0
     s.security.max_sessions_per_ip = s.security.ip_tokens_in_flight = 0
     s.security.ip_tokens_per_s, s.security.api_kv_share = 0.0, 1.0

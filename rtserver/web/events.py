@@ -17,7 +17,7 @@ from .protocol import PROTOCOL_VERSION, ErrorCode
 
 #
 # The events as TypedDicts, for the schema (#/$defs/ServerEvent). The builders below, the hub and the
-# console build them as plain dicts; tests/test_protocol.py checks a real session's events against it.
+# console build them as plain dicts; tests/web/test_protocol.py checks a real session's events against it.
 
 
 class UsageCounts(TypedDict):

@@ -18,8 +18,8 @@ import pytest
 from rtserver.engine.backend import Overloaded
 from rtserver.web.app import create_app
 
-from .components import missing
-from .serverutil import TIMEOUT, ScriptedEngine, make_settings, scripted_app, serve
+from ..components import missing
+from ..serverutil import TIMEOUT, ScriptedEngine, make_settings, scripted_app, serve
 
 pytestmark = pytest.mark.asyncio
 
@@ -33,7 +33,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
     "--disable-quic",
 ]
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 TOKEN = "console-test-token"
 MS = TIMEOUT * 1000
 
@@ -426,7 +426,7 @@ async def test_widget_resumes_on_the_other_node_after_sigkill(browser, tmp_path)
 
     from rtserver.tools.serverproc import RedisProcess, ServerProcess
 
-    from .clusterutil import redis_binary
+    from ..clusterutil import redis_binary
 
     redis = RedisProcess(tmp_path / "redis", binary=redis_binary())
     redis.start()

@@ -9,8 +9,8 @@ import pytest
 from rtserver.tasks.registry import load_registry
 from rtserver.web.app import create_app
 
-from .conftest import reference_greedy
-from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
+from ..conftest import reference_greedy
+from ..serverutil import ScriptedEngine, make_settings, scripted_app, serve
 
 pytestmark = pytest.mark.asyncio
 

@@ -6,7 +6,7 @@ import pytest
 
 from rtserver.tools.loadclient import run_chat_load
 
-from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
+from ..serverutil import ScriptedEngine, make_settings, scripted_app, serve
 
 
 @pytest.mark.asyncio

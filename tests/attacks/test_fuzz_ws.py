@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from rtserver.web import protocol as P
 
-from . import fuzzutil
-from .fuzzutil import (
+from .. import fuzzutil
+from ..fuzzutil import (
     API_TOKEN,
     MAX_DEPTH,
     MAX_FRAME,
@@ -70,7 +70,7 @@ def api_token(server):
         yield token
 
 
-PROTOCOL_DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+PROTOCOL_DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
 
 def _doc_section(title: str) -> str:

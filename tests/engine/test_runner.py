@@ -11,7 +11,7 @@ from rtserver.engine.plan import StepItem
 from rtserver.engine.runner import Linear, ModelRunner, _decode_groups, sampling_candidates
 from rtserver.engine.sequence import Sequence
 
-from .conftest import chat_prompt
+from ..conftest import chat_prompt
 
 
 def kv_pool(cfg, budget_bytes: int) -> KVCacheManager:

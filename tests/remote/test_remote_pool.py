@@ -13,7 +13,7 @@ import pytest
 from rtserver.remote.pool import BackendUnavailable, UpstreamPool
 from rtserver.remote.sse import UpstreamProtocolError, sse_payloads
 
-from .fakeclock import FakeClock
+from ..fakeclock import FakeClock
 
 URLS = ["http://a.test:1", "http://b.test:2", "http://c.test:3"]
 KEYS = [f"session-{i}" for i in range(300)]

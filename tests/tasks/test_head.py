@@ -215,7 +215,7 @@ async def test_the_built_in_tasks_load_their_shipped_heads(smol, tmp_path, caplo
     dtype, storage = resolve_dtype(effective_dtype(model.dtype, model.model))  # auto on the embedded: gguf
     default = dataclasses.replace(smol, dtype=dtype, weight_storage=storage)
     model_id = Engine(default, EngineSettings(kv_budget_mb=64)).feature_model_id
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     settings = Settings()
     settings.tasks.plugin_dirs = [str(root / "plugins")]
     registry, errors = load_registry(settings, smol.tokenizer)

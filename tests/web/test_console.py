@@ -8,7 +8,7 @@ import json
 import pytest
 import websockets
 
-from .serverutil import (
+from ..serverutil import (
     ScriptedEngine,
     hello,
     is_end,

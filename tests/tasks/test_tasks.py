@@ -21,7 +21,7 @@ from rtserver.tasks.chat import ChatTask
 from rtserver.tasks.registry import load_registry
 from rtserver.tasks.run import PromptTask
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUILTIN = str(ROOT / "plugins")
 EXAMPLES = str(ROOT / "examples" / "plugins")
 
@@ -574,7 +574,7 @@ async def test_calibration_is_computed_up_front_alone_and_per_backend(tok, engin
 async def test_the_server_calibrates_its_tasks_before_it_is_ready(smol):
     from rtserver.web.app import create_app
 
-    from .serverutil import make_settings, serve
+    from ..serverutil import make_settings, serve
 
     settings = make_settings(tasks={"auto_tasks": []})
     app = create_app(settings, lambda: smol)
@@ -946,7 +946,7 @@ async def test_serving_engine_with_released_weights_equals_generate():
     from rtserver.engine.backend import SamplingParams
     from rtserver.engine.model import load_model
 
-    from .conftest import chat_prompt, reference_greedy
+    from ..conftest import chat_prompt, reference_greedy
 
     loaded = load_model("embedded", dtype="float32", threads=2)
     prompts = [
@@ -1092,7 +1092,7 @@ async def test_every_door_sends_message_text_as_text(smol):
     import httpx
     import websockets
 
-    from .serverutil import ScriptedEngine, hello, is_end, make_settings, recv_until, scripted_app, serve
+    from ..serverutil import ScriptedEngine, hello, is_end, make_settings, recv_until, scripted_app, serve
 
     tok = smol.tokenizer
     settings = make_settings(tasks={"auto_tasks": []})
@@ -1142,7 +1142,7 @@ async def test_no_session_learns_another_ones_text_from_the_result_cache(smol):
     import httpx
     import websockets
 
-    from .serverutil import ScriptedEngine, hello, is_end, make_settings, recv_until, scripted_app, serve
+    from ..serverutil import ScriptedEngine, hello, is_end, make_settings, recv_until, scripted_app, serve
 
     settings = make_settings(tasks={"auto_tasks": []})
     engine = ScriptedEngine(smol)

@@ -1,6 +1,6 @@
 """Many nodes as one through a real redis-server (rtserver/web/cluster/): in-process nodes on the
 scripted engine, so these run in the default suite. The real-process, real-model tests (SIGKILL of a
-node over 50 sessions) are in tests/test_cluster_nodes.py."""
+node over 50 sessions) are in tests/web/test_cluster_nodes.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import websockets
 
 from rtserver.config import ConfigError, settings_from_mapping
 
-from .clusterutil import chat, redis_server, scripted_node
-from .serverutil import hello, metric, recv_json, wait_for
+from ..clusterutil import chat, redis_server, scripted_node
+from ..serverutil import hello, metric, recv_json, wait_for
 
 
 async def _status(base: str, path: str) -> tuple[int, dict]:

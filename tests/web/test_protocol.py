@@ -18,7 +18,7 @@ from rtserver.web import events
 from rtserver.web import protocol as P
 from rtserver.web.schema import protocol_schema
 
-from .serverutil import ScriptedEngine, hello, make_settings, recv_json, scripted_app, serve
+from ..serverutil import ScriptedEngine, hello, make_settings, recv_json, scripted_app, serve
 
 LIMIT = 4096
 

@@ -17,7 +17,7 @@ import websockets
 
 from rtserver.tools.serverproc import RedisProcess, ServerProcess
 
-from .clusterutil import redis_binary
+from ..clusterutil import redis_binary
 
 pytestmark = pytest.mark.slow
 

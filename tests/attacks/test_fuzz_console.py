@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from . import fuzzutil
-from .fuzzutil import (
+from .. import fuzzutil
+from ..fuzzutil import (
     CONSOLE_EVENTS,
     CONSOLE_TOKEN,
     REPLY,

@@ -34,8 +34,8 @@ from rtserver.remote.backend import RemoteBackend
 from rtserver.tasks.chat import ChatTask
 from rtserver.web.app import create_app
 
-from .fakeclock import FakeClock
-from .serverutil import (
+from ..fakeclock import FakeClock
+from ..serverutil import (
     ScriptedEngine,
     hello,
     is_end,

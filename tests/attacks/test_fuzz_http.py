@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from rtserver.web import http_api
 
-from . import fuzzutil
-from .fuzzutil import (
+from .. import fuzzutil
+from ..fuzzutil import (
     API_TOKEN,
     MAX_DEPTH,
     OPTION_KEYS,

@@ -17,8 +17,8 @@ from rtserver.tools.evaluate import load_split
 from rtserver.tools.serverproc import ServerProcess
 from rtserver.web.app import create_app
 
-from .llamautil import LlamaServer, built_llama_server
-from .serverutil import TIMEOUT, hello, is_end, make_settings, recv_until, serve
+from ..llamautil import LlamaServer, built_llama_server
+from ..serverutil import TIMEOUT, hello, is_end, make_settings, recv_until, serve
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 from rtserver.web.admission import Surface
 from rtserver.web.app import create_app
 
-from .serverutil import ScriptedEngine, make_settings, scripted_app, serve
+from ..serverutil import ScriptedEngine, make_settings, scripted_app, serve
 
 pytestmark = pytest.mark.asyncio
 
@@ -146,7 +146,7 @@ async def test_completions_over_token_ids_serve_other_hubs(smol):
 
     import torch
 
-    from .conftest import chat_prompt, reference_greedy
+    from ..conftest import chat_prompt, reference_greedy
 
     settings = make_settings(tasks={"auto_tasks": []})
     app = create_app(settings, lambda: smol)
@@ -228,7 +228,7 @@ async def test_out_of_range_seed_is_refused_at_the_door_while_chats_stream(smol)
 
     import websockets
 
-    from .serverutil import hello, is_end, recv_json, recv_until
+    from ..serverutil import hello, is_end, recv_json, recv_until
 
     settings = make_settings(tasks={"auto_tasks": []})
     async with serve(create_app(settings, lambda: smol), settings) as (base, url):

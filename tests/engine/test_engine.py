@@ -13,7 +13,7 @@ from rtserver.config import EngineSettings
 from rtserver.engine.backend import FinishReason, Overloaded, SamplingParams
 from rtserver.engine.core import Engine
 
-from .conftest import chat_prompt, reference_greedy
+from ..conftest import chat_prompt, reference_greedy
 
 pytestmark = pytest.mark.asyncio
 
@@ -377,7 +377,7 @@ async def test_no_session_reads_another_ones_text_through_the_prefix_cache(smol)
 
     from rtserver.web.app import create_app
 
-    from .serverutil import make_settings, serve
+    from ..serverutil import make_settings, serve
 
     settings = make_settings(tasks={"auto_tasks": []})
     engine = Engine(smol, settings.engine)
@@ -442,7 +442,7 @@ async def test_a_hub_tells_its_rtserver_node_what_is_public(smol):
     from rtserver.remote.backend import RemoteBackend
     from rtserver.web.app import create_app
 
-    from .serverutil import make_settings, serve
+    from ..serverutil import make_settings, serve
 
     tok = smol.tokenizer
     settings = make_settings(tasks={"auto_tasks": []})

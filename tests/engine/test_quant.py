@@ -20,7 +20,7 @@ from rtserver.engine.plan import StepItem
 from rtserver.engine.runner import ModelRunner
 from rtserver.engine.sequence import Sequence
 
-from .conftest import chat_prompt
+from ..conftest import chat_prompt
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from rtserver.tools.bench import exact_counts, rate, summarize
 from rtserver.tools.openai_client import StreamResult, chat_body, client_session, stream_chat
 from rtserver.web.app import create_app
 
-from .components import slow_tests_on
-from .llamautil import built_llama_server
-from .serverutil import make_settings, serve
+from ..components import slow_tests_on
+from ..llamautil import built_llama_server
+from ..serverutil import make_settings, serve
 
 
 def result(started: float, first: float | None, tokens: int, prompt: int = 41) -> StreamResult:

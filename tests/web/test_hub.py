@@ -15,7 +15,7 @@ from rtserver.engine.core import Engine
 from rtserver.web.admission import Surface
 from rtserver.web.app import create_app
 
-from .serverutil import (
+from ..serverutil import (
     ScriptedEngine,
     hello,
     is_end,

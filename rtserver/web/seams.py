@@ -19,11 +19,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import Settings
+from .commands import BusCommand, Holder
 from .ratelimit import IPRateLimiter
 from .session import Session, SessionRegistry
 
 Beat = Callable[[], Awaitable[None]]
-HolderOf = Callable[[str], "dict | None"]  # the agent holding a conversation, as this node knows it
+ConsoleEvent = dict[str, Any]  # an event for the agents' consoles (docs/protocol.md)
+ConsoleRecord = dict[str, Any]  # a conversation as stored for the agents' snapshots
+HolderOf = Callable[[str], "Holder | None"]  # the agent holding a conversation, as this node knows it
+OnEvent = Callable[[ConsoleEvent], None]
+OnCommand = Callable[[BusCommand], Awaitable[None]]
 
 
 @dataclass
@@ -80,31 +85,31 @@ class Limits(Protocol):
 class ConsoleBus(Protocol):
     """The console across nodes; the Redis one is `cluster/bus.py`."""
 
-    def publish(self, event: dict) -> None: ...
+    def publish(self, event: ConsoleEvent) -> None: ...
 
-    def save_conversation(self, record: dict, force: bool = False) -> None: ...
+    def save_conversation(self, record: ConsoleRecord, force: bool = False) -> None: ...
 
     def remove_conversation(self, session_id: str) -> None: ...
 
     async def renew_and_sweep(self, session_ids: list[str]) -> list[str]: ...
 
-    async def conversations(self) -> list[dict]: ...
+    async def conversations(self) -> list[ConsoleRecord]: ...
 
-    async def conversation(self, session_id: str) -> dict | None: ...
+    async def conversation(self, session_id: str) -> ConsoleRecord | None: ...
 
-    async def claim(self, session_id: str, agent: dict) -> dict: ...
+    async def claim(self, session_id: str, agent: Holder) -> Holder: ...
 
     async def renew_holds(self, holds: dict[str, str]) -> None: ...
 
-    async def holders(self, session_ids: list[str]) -> list[dict | None]: ...
+    async def holders(self, session_ids: list[str]) -> list[Holder | None]: ...
 
     async def release(self, session_id: str, agent_id: str = "") -> bool: ...
 
-    async def holder(self, session_id: str) -> dict | None: ...
+    async def holder(self, session_id: str) -> Holder | None: ...
 
     async def shared_secret(self, name: str) -> str: ...
 
-    async def command(self, node: str, command: dict) -> int: ...
+    async def command(self, node: str, command: BusCommand) -> int: ...
 
 
 class LocalBus:
@@ -114,10 +119,10 @@ class LocalBus:
         self.holder_of = holder_of
         self._secrets: dict[str, str] = {}
 
-    def publish(self, event: dict) -> None:
+    def publish(self, event: ConsoleEvent) -> None:
         return None
 
-    def save_conversation(self, record: dict, force: bool = False) -> None:
+    def save_conversation(self, record: ConsoleRecord, force: bool = False) -> None:
         return None
 
     def remove_conversation(self, session_id: str) -> None:
@@ -126,32 +131,32 @@ class LocalBus:
     async def renew_and_sweep(self, session_ids: list[str]) -> list[str]:
         return []
 
-    async def conversations(self) -> list[dict]:
+    async def conversations(self) -> list[ConsoleRecord]:
         return []  # the console's own are all there are
 
-    async def conversation(self, session_id: str) -> dict | None:
+    async def conversation(self, session_id: str) -> ConsoleRecord | None:
         return None
 
-    async def claim(self, session_id: str, agent: dict) -> dict:
+    async def claim(self, session_id: str, agent: Holder) -> Holder:
         return self.holder_of(session_id) or agent
 
     async def renew_holds(self, holds: dict[str, str]) -> None:
         return None
 
-    async def holders(self, session_ids: list[str]) -> list[dict | None]:
+    async def holders(self, session_ids: list[str]) -> list[Holder | None]:
         return [self.holder_of(sid) for sid in session_ids]
 
     async def release(self, session_id: str, agent_id: str = "") -> bool:
         holder = self.holder_of(session_id)
-        return holder is not None and holder.get("id") == agent_id
+        return holder is not None and holder.id == agent_id
 
-    async def holder(self, session_id: str) -> dict | None:
+    async def holder(self, session_id: str) -> Holder | None:
         return self.holder_of(session_id)
 
     async def shared_secret(self, name: str) -> str:
         return self._secrets.setdefault(name, secrets.token_hex(32))
 
-    async def command(self, node: str, command: dict) -> int:
+    async def command(self, node: str, command: BusCommand) -> int:
         return 0  # there is no other node
 
 
@@ -172,8 +177,8 @@ class Topology(Protocol):
 
     def console_bus(
         self,
-        on_event: Callable[[dict], None],
-        on_command: Callable[[dict], Awaitable[None]],
+        on_event: OnEvent,
+        on_command: OnCommand,
         on_resubscribed: Callable[[], None],
         holder_of: HolderOf,
     ) -> ConsoleBus:
@@ -263,8 +268,8 @@ class Alone:
 
     def console_bus(
         self,
-        on_event: Callable[[dict], None],
-        on_command: Callable[[dict], Awaitable[None]],
+        on_event: OnEvent,
+        on_command: OnCommand,
         on_resubscribed: Callable[[], None],
         holder_of: HolderOf,
     ) -> ConsoleBus:

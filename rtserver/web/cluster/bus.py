@@ -32,6 +32,8 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from ..commands import BusCommand, Holder, parse_command
+from ..seams import ConsoleEvent, ConsoleRecord, OnCommand, OnEvent
 from . import Cluster, ClusterUnavailable, stop_task
 
 log = logging.getLogger("rtserver.cluster")
@@ -121,8 +123,8 @@ class ConsoleBus:
     def __init__(
         self,
         cluster: Cluster,
-        on_event: Callable[[dict], None],
-        on_command: Callable[[dict], Awaitable[None]],
+        on_event: OnEvent,
+        on_command: OnCommand,
         on_resubscribed: Callable[[], None],
     ):
         self.cluster = cluster
@@ -143,13 +145,13 @@ class ConsoleBus:
         self._save = r.register_script(SAVE_CONV)
         self._remove = r.register_script(REMOVE_CONV)
         self._renew_sweep = r.register_script(RENEW_SWEEP_CONVS)
-        self._task: asyncio.Task | None = None
-        self._writes: set[asyncio.Task] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._writes: set[asyncio.Task[None]] = set()
         self.subscribed = asyncio.Event()
         # events and record writes leave in the order they happened, in batches, from one task: the
         # hooks are synchronous, and separate tasks on a connection pool would reorder tokens
         self._outbox: asyncio.Queue[tuple[str, list[Any]]] = asyncio.Queue(maxsize=100_000)
-        self._publisher: asyncio.Task | None = None
+        self._publisher: asyncio.Task[None] | None = None
         self.dropped = 0  # events not sent: Redis down, or the outbox full
 
     def node_channel(self, node: str) -> str:
@@ -177,12 +179,12 @@ class ConsoleBus:
         except asyncio.QueueFull:
             self.dropped += 1
 
-    def publish(self, event: dict) -> None:
+    def publish(self, event: ConsoleEvent) -> None:
         self._post(
             "publish", [json.dumps({"node": self.cluster.node_id, "event": event}, ensure_ascii=False)]
         )
 
-    def save_conversation(self, record: dict, force: bool = False) -> None:
+    def save_conversation(self, record: ConsoleRecord, force: bool = False) -> None:
         raw = json.dumps(record, ensure_ascii=False)
         self.conversation_writes += 1
         args = [record["session_id"], raw, self.cluster.node_id, "1" if force else "0", self.conv_ttl_s]
@@ -224,9 +226,9 @@ class ConsoleBus:
         return [sid for sid in gone if isinstance(sid, str)]
 
     # -- reads and atomic actions ---------------------------------------------------------------
-    async def conversations(self) -> list[dict]:
+    async def conversations(self) -> list[ConsoleRecord]:
         raw: Any = await self.cluster.call(lambda: self.cluster.redis.hgetall(self.convs_key))
-        out = []
+        out: list[ConsoleRecord] = []
         for value in raw.values():
             try:
                 record = json.loads(value)
@@ -236,21 +238,23 @@ class ConsoleBus:
                 out.append(record)
         return out
 
-    async def conversation(self, session_id: str) -> dict | None:
+    async def conversation(self, session_id: str) -> ConsoleRecord | None:
         raw: Any = await self.cluster.call(lambda: self.cluster.redis.hget(self.convs_key, session_id))
         try:
-            return json.loads(raw) if raw else None
+            record = json.loads(raw) if raw else None
         except ValueError:
             return None
+        return record if isinstance(record, dict) else None
 
-    async def claim(self, session_id: str, agent: dict) -> dict:
+    async def claim(self, session_id: str, agent: Holder) -> Holder:
         """Take the conversation for `agent` unless someone holds it: the holder afterwards."""
         raw: Any = await self.cluster.call(
             lambda: self._claim(
-                keys=[self.holder_key(session_id)], args=[json.dumps(agent), self.hold_ttl_ms]
+                keys=[self.holder_key(session_id)], args=[json.dumps(agent.to_json()), self.hold_ttl_ms]
             )
         )
-        return json.loads(raw)
+        # an unreadable key is someone else's: the claim did not replace it
+        return _holder(raw) or Holder("", "another agent")
 
     async def renew_holds(self, holds: dict[str, str]) -> None:
         """Heartbeat: session id -> agent id of the take-overs this node's agents hold stay alive."""
@@ -259,11 +263,11 @@ class ConsoleBus:
             args: list[str | int] = [self.hold_ttl_ms, *holds.values()]
             await self.cluster.call(lambda: self._renew_holds(keys=keys, args=args))
 
-    async def holders(self, session_ids: list[str]) -> list[dict | None]:
+    async def holders(self, session_ids: list[str]) -> list[Holder | None]:
         """The holder of each conversation (None: nobody holds it, or its holder's node died)."""
         keys = [self.holder_key(sid) for sid in session_ids]
         raws: Any = await self.cluster.call(lambda: self.cluster.redis.mget(keys))
-        return [json.loads(raw) if raw else None for raw in raws]
+        return [_holder(raw) for raw in raws]
 
     async def release(self, session_id: str, agent_id: str = "") -> bool:
         done: Any = await self.cluster.call(
@@ -271,9 +275,9 @@ class ConsoleBus:
         )
         return bool(int(done))
 
-    async def holder(self, session_id: str) -> dict | None:
+    async def holder(self, session_id: str) -> Holder | None:
         raw: Any = await self.cluster.call(lambda: self.cluster.redis.get(self.holder_key(session_id)))
-        return json.loads(raw) if raw else None
+        return _holder(raw)
 
     async def shared_secret(self, name: str) -> str:
         """A random secret all nodes share (created by the first node that asks)."""
@@ -288,9 +292,9 @@ class ConsoleBus:
             raise ClusterUnavailable("no shared console secret in Redis")
         return value
 
-    async def command(self, node: str, command: dict) -> int:
+    async def command(self, node: str, command: BusCommand) -> int:
         """Send an action to the node serving a conversation: how many nodes received it (0: none)."""
-        raw = json.dumps(command, ensure_ascii=False)
+        raw = json.dumps(command.to_json(), ensure_ascii=False)
         n: Any = await self.cluster.call(lambda: self.cluster.redis.publish(self.node_channel(node), raw))
         return int(n)
 
@@ -336,22 +340,46 @@ class ConsoleBus:
                     continue
                 await self._dispatch(message)
         finally:
+            close: Callable[[], Awaitable[object]] = pubsub.aclose  # (redis leaves it untyped)
             with contextlib.suppress(Exception):
-                await pubsub.aclose()
+                await close()
 
-    async def _dispatch(self, message: dict) -> None:
+    async def _dispatch(self, message: dict[str, Any]) -> None:
+        channel = message.get("channel")
         try:
             data = json.loads(message["data"])
         except (ValueError, TypeError):
-            log.warning("console bus: unreadable message on %s", message.get("channel"))
-            return
-        if not isinstance(data, dict):
+            log.warning("console bus: unreadable message on %s", channel)
             return
         try:
-            if message["channel"] == self.events_channel:
-                if data.get("node") != self.cluster.node_id and isinstance(data.get("event"), dict):
-                    self.on_event(data["event"])
+            if channel == self.events_channel:
+                self._event(data)
             else:
-                await self.on_command(data)
+                await self._command(data, channel)
         except Exception:  # one bad message never stops the subscription
             log.exception("console bus: handling a message failed")
+
+    def _event(self, data: object) -> None:
+        """Another node's event, for this node's agents."""
+        if isinstance(data, dict) and data.get("node") != self.cluster.node_id:
+            event = data.get("event")
+            if isinstance(event, dict):
+                self.on_event(event)
+
+    async def _command(self, data: object, channel: object) -> None:
+        """An action for this node, read once: a malformed one is dropped."""
+        command = parse_command(data)
+        if command is None:
+            log.warning("console bus: malformed command on %s dropped", channel)
+            return
+        await self.on_command(command)
+
+
+def _holder(raw: object) -> Holder | None:
+    """The holder a key's JSON names; None when there is none or it cannot be read."""
+    if not isinstance(raw, str | bytes) or not raw:
+        return None
+    try:
+        return Holder.from_json(json.loads(raw))
+    except ValueError:
+        return None

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from ...config import Settings
-from ..seams import Beat, HolderOf, Limits, NodeView, Resumed, SessionStore, ip_limiter_for
+from ..seams import (
+    Beat,
+    HolderOf,
+    Limits,
+    NodeView,
+    OnCommand,
+    OnEvent,
+    Resumed,
+    SessionStore,
+    ip_limiter_for,
+)
 from ..session import Session, SessionRegistry
 from . import Cluster, ClusterUnavailable
 from .bus import ConsoleBus
@@ -106,8 +116,8 @@ class Clustered:
 
     def console_bus(
         self,
-        on_event: Callable[[dict], None],
-        on_command: Callable[[dict], Awaitable[None]],
+        on_event: OnEvent,
+        on_command: OnCommand,
         on_resubscribed: Callable[[], None],
         holder_of: HolderOf,
     ) -> ConsoleBus:

@@ -1,0 +1,156 @@
+"""The agent console: `/ws/console`, a registry of live conversations and the fan-out to agents.
+
+The hub publishes what happens in customer sessions as typed events (`session_events.py`);
+`ConsoleHub.on_event` hands each to its synchronous hook (`attached`, `user_message`, `bot_token`,
+...), which updates the conversation and puts one event on the send queue of every logged-in agent.
+Hooks never raise: a console failure is logged and never breaks a customer's chat. The parts, one
+job each:
+
+- `conversations.py`: the registry of conversations, the hooks, the store writes (`conversation.py`:
+  one conversation, its bounded messages and mood);
+- `actions.py`: take over, hand back, agent replies, decided through the bus and applied on the node
+  serving the conversation; the grace of an agent whose console went away; a resume elsewhere;
+- `door.py`: the endpoint, login and frames (`login.py`: failed logins, names, rejoin tokens;
+  `snapshot.py`: what an agent gets at login); `agents.py`: the connections and their fan-out.
+
+Every action goes through `bus` (`seams.ConsoleBus`), written once for both topologies. Alone it is
+the null `LocalBus`. Clustered (`cluster.redis_url`, rtserver/web/cluster/bus.py) every event is also
+published for the other nodes' agents, conversation records are kept in Redis (an agent's snapshot
+comes from there), a take-over is claimed atomically in Redis, and an action on a conversation another
+node serves is sent to that node and applied there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.websockets import WebSocket
+
+from .. import session_events as se
+from ..commands import BusCommand, Holder
+from ..seams import Resumed, SessionStore, Topology
+from ..session import Session, SessionRegistry
+from ..state import AppState
+from .actions import Actions
+from .agents import Agents
+from .conversations import Conversations
+from .door import Door
+from .guard import safe
+from .login import RejoinTokens
+from .snapshot import Snapshots
+from .timer import LOOP_TIMER, Timer
+
+__all__ = ["ConsoleHub"]
+
+
+class ConsoleHub:
+    """The console as the hub and the app see it: the hooks, the holder of a session, the endpoint."""
+
+    def __init__(
+        self,
+        state: AppState,
+        sessions: SessionRegistry,
+        store: SessionStore,
+        topology: Topology,
+        clock: Callable[[], float] = time.monotonic,
+        timer: Timer = LOOP_TIMER,
+    ):
+        ss = state.settings.sessions
+        self.agents = Agents()
+        # clustered: across nodes; alone, the null bus (the conversations here are all there are)
+        self.bus = topology.console_bus(self.agents.deliver, self._command, self._resync, self._holder_of)
+        self.conversations = Conversations(state, self.bus, self.agents, topology.node_id, clock)
+        self.actions = Actions(
+            self.conversations, sessions, store, self.bus, self.agents, ss.console_takeover_grace_s, timer
+        )
+        snapshots = Snapshots(self.conversations, self.bus, topology, ss.idle_timeout_s)
+        rejoin = RejoinTokens(self.bus)
+        self.door = Door(state, self.agents, self.actions, snapshots, rejoin, topology.limits, timer)
+        topology.on_beat(self.beat)
+
+    # -- what the hub calls ---------------------------------------------------------------------
+    def on_event(self, event: se.SessionEvent) -> None:
+        """A session event from the hub, to its hook."""
+        match event:
+            case se.Attached(session, client_name, resumed):
+                self.attached(session, client_name, resumed)
+            case se.Detached(session):
+                self.detached(session)
+            case se.Dropped(session):
+                self.dropped(session)
+            case se.TurnStarted(session, request_id, text):
+                self.user_message(session, request_id, text)
+            case se.Forwarded(session, request_id, text):
+                self.user_message(session, request_id, text, to_agent=True)
+            case se.Token(session, request_id, text):
+                self.bot_token(session, request_id, text)
+            case se.TurnFinished(session, request_id, reply, finish_reason):
+                self.bot_done(session, request_id, reply, finish_reason)
+            case se.Tagged(session, request_id, task, output):
+                self.auto_result(session, request_id, task, output)
+            case se.Cleared(session):
+                self.reset(session)
+
+    def attached(self, session: Session, client_name: str | None, resumed: bool) -> None:
+        self.conversations.attached(session, client_name, resumed)
+
+    def detached(self, session: Session) -> None:
+        self.conversations.detached(session)
+
+    @safe
+    def dropped(self, session: Session) -> None:
+        if self.conversations.drop(session):
+            self.actions.cancel_release(session.id)
+
+    async def resumed(self, found: Resumed) -> None:
+        await self.actions.resumed(found)
+
+    def user_message(self, session: Session, request_id: str, text: str, to_agent: bool = False) -> None:
+        self.conversations.user_message(session, request_id, text, to_agent)
+
+    def bot_token(self, session: Session, request_id: str, delta: str) -> None:
+        self.conversations.bot_token(session, request_id, delta)
+
+    def bot_done(self, session: Session, request_id: str, text: str | None, finish_reason: str) -> None:
+        self.conversations.bot_done(session, request_id, text, finish_reason)
+
+    def auto_result(self, session: Session, request_id: str, task: str, output: Any) -> None:
+        self.conversations.auto_result(session, request_id, task, output)
+
+    def reset(self, session: Session) -> None:
+        self.conversations.reset(session)
+
+    def holder(self, session: Session) -> dict[str, str] | None:
+        """The agent ({"id", "name"}) answering this session instead of the bot, or None."""
+        holder = self.conversations.holder_of(session.id)
+        return holder.to_json() if holder is not None else None
+
+    def agent_count(self) -> int:
+        return self.agents.count()
+
+    async def endpoint(self, ws: WebSocket) -> None:
+        await self.door.endpoint(ws)
+
+    def close_all(self) -> None:
+        self.conversations.closing = True
+        self.door.close()
+        self.actions.close()
+
+    # -- what the bus and the heartbeat call ----------------------------------------------------
+    async def beat(self) -> None:
+        """Clustered heartbeat: held take-overs renewed, conversations written and swept, and those
+        whose holder's node died handed back."""
+        await self.actions.renew_holds()
+        await self.conversations.beat()
+        await self.actions.expire_holders()
+
+    async def _command(self, command: BusCommand) -> None:
+        await self.actions.apply(command)
+
+    def _resync(self) -> None:
+        self.door.resync()
+
+    def _holder_of(self, session_id: str) -> Holder | None:
+        return self.conversations.holder_of(session_id)

@@ -1,0 +1,192 @@
+"""The console's door: `/ws/console`, its login (token, deadline, failed logins) and its frames.
+
+A console socket must log in within `security.console_login_timeout_s` (else 4408); a wrong token
+closes it (4401); too many wrong ones from a client IP refuse every login from it a while (4429).
+The frames of a logged-in agent are checked here once: below, a session id is a `str`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from .. import events
+from .. import protocol as P
+from ..admission import client_key
+from ..connection import Close, accept, client_ip, refuse
+from ..seams import Limits
+from ..state import AppState
+from .actions import Actions
+from .agents import Agent, Agents
+from .guard import spawn
+from .login import LOGIN_WINDOW_S, LoginFailures, RejoinTokens, agent_name, digest
+from .snapshot import Snapshots
+from .timer import Timer
+
+AGENT_MESSAGE_TYPES = ("login", "take_over", "hand_back", "agent_message", "ping")
+
+
+class Door:
+    """Lets agents in and hands their actions on."""
+
+    def __init__(
+        self,
+        state: AppState,
+        agents: Agents,
+        actions: Actions,
+        snapshots: Snapshots,
+        rejoin: RejoinTokens,
+        limits: Limits,
+        timer: Timer,
+    ):
+        self.state = state
+        self.settings = state.settings
+        self.agents = agents
+        self.actions = actions
+        self.snapshots = snapshots
+        self.rejoin = rejoin
+        self.limits = limits  # cluster-wide failed logins when clustered
+        self.timer = timer
+        self.login_failures = LoginFailures(self.settings.security.console_login_failures_per_min)
+
+    # -- the endpoint ---------------------------------------------------------------------------
+    async def endpoint(self, ws: WebSocket) -> None:
+        sec, metrics = self.settings.security, self.state.metrics
+        if not await accept(ws, sec, metrics):
+            return
+        if not sec.console_token:
+            message = "the console is disabled (security.console_token is empty)"
+            await refuse(ws, metrics, "console_disabled", message, Close.DISABLED, "console disabled")
+            return
+        agent = Agent(ws, max(64, 4 * self.settings.server.send_queue_size))
+        self.agents.add(agent)
+        writer = asyncio.create_task(agent.writer())
+        deadline = self.timer.call_later(sec.console_login_timeout_s, lambda: self._login_late(agent))
+        read = asyncio.create_task(self._read(agent))
+        try:
+            await agent.stopping.wait()
+        finally:
+            deadline.cancel()
+            self.agents.discard(agent)
+            read.cancel()
+            if agent.logged_in:
+                agent.logged_in = False
+                self.actions.agent_left(agent)
+            await agent.finish(read, writer)
+
+    async def _read(self, agent: Agent) -> None:
+        try:
+            while not agent.stopping.is_set():
+                message = await agent.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                raw = message.get("text")
+                await self.handle(agent, raw if raw is not None else (message.get("bytes") or b""))
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        finally:
+            agent.stop()
+
+    def _login_late(self, agent: Agent) -> None:
+        if not agent.logged_in and not agent.stopping.is_set():
+            timeout = self.settings.security.console_login_timeout_s
+            agent.put(events.error_event("login_timeout", f"no login within {timeout:g} s"))
+            agent.stop(Close.LOGIN_TIMEOUT, "login timeout")
+
+    # -- frames ---------------------------------------------------------------------------------
+    async def handle(self, agent: Agent, raw: str | bytes) -> None:
+        try:
+            obj = P.load_object(raw, self.settings.server.max_frame_bytes)
+        except P.ProtocolError as exc:
+            agent.put(events.error_event(exc.code, exc.message))
+            return
+        kind = obj.get("type")
+        if kind not in AGENT_MESSAGE_TYPES:
+            known = ", ".join(AGENT_MESSAGE_TYPES)
+            agent.put(events.error_event("unknown_type", f"unknown message type {kind!r} (known: {known})"))
+        elif kind == "ping":
+            agent.put(events.pong_event(obj.get("data")))
+        elif kind == "login":
+            if agent.logged_in:
+                agent.put(events.error_event("already_started", "already logged in"))
+            elif await self.login(agent, obj):
+                await self.snapshots.send(agent)
+        elif not agent.logged_in:
+            agent.put(events.error_event("unauthorized", "send login with the console token first"))
+            agent.stop(Close.UNAUTHORIZED, "unauthorized")
+        else:
+            await self._act(agent, kind, obj)
+
+    async def _act(self, agent: Agent, kind: str, obj: dict[str, Any]) -> None:
+        sid = obj.get("session_id")
+        if not isinstance(sid, str):  # no conversation has it
+            message = f"no live conversation {sid!r}"
+            agent.put(events.error_event("unknown_session", message, session_id=sid))
+        elif kind == "take_over":
+            await self.actions.take_over(agent, sid)
+        elif kind == "hand_back":
+            await self.actions.hand_back(agent, sid)
+        else:
+            await self.actions.agent_message(agent, sid, obj.get("text"))
+
+    # -- login ----------------------------------------------------------------------------------
+    async def _failed_logins(self, ip: str, failed: bool = False) -> float:
+        """Seconds this IP must wait before its next login (counting a failure first if `failed`):
+        cluster-wide in Redis when clustered, this node's own count while Redis is down."""
+        limit = self.settings.security.console_login_failures_per_min
+        if not limit:
+            return 0.0
+        local = self.login_failures.check(ip, failed)
+        return await self.limits.failed_logins(ip, limit, LOGIN_WINDOW_S, failed, local)
+
+    async def login(self, agent: Agent, obj: dict[str, Any]) -> bool:
+        ip = client_key(client_ip(agent.ws))  # an IPv6 guesser counts by its /64
+        wait = await self._failed_logins(ip)
+        if wait > 0:
+            limit = self.settings.security.console_login_failures_per_min
+            message = (
+                f"too many failed console logins from this address (limit {limit} a minute); "
+                f"retry in {wait:.0f} s"
+            )
+            agent.put(events.error_event("rate_limited", message, retry_after_s=round(wait, 3)))
+            agent.stop(Close.RATE_LIMITED, "rate limited")
+            return False
+        given = obj.get("token")
+        token = self.settings.security.console_token
+        # digests of equal length: the comparison tells nothing about the token, not even its length
+        if not (isinstance(given, str) and hmac.compare_digest(digest(given), digest(token))):
+            await self._failed_logins(ip, failed=True)
+            agent.put(events.error_event("unauthorized", "wrong console token"))
+            agent.stop(Close.UNAUTHORIZED, "unauthorized")
+            return False
+        key = await self.rejoin.key()
+        if agent.stopping.is_set():  # closed meanwhile (login deadline, server stopping)
+            return False
+        self._log_in(agent, obj, key)
+        return True
+
+    def _log_in(self, agent: Agent, obj: dict[str, Any], key: bytes | None) -> None:
+        agent.name = agent_name(obj.get("agent"))
+        # the server names agents: an id is only ever given back to who holds its rejoin token
+        agent.id = self.rejoin.agent_id(obj.get("rejoin"), key) or secrets.token_urlsafe(12)
+        agent.rejoin = self.rejoin.token(agent.id, key) if key is not None else None
+        # Snapshot and registration in one synchronous step: every later event follows the snapshot.
+        # (Clustered, the snapshot is read from Redis: events are held until it is sent.)
+        agent.logged_in = True
+        agent.held = []
+        self.actions.agent_back(agent.id)
+
+    def resync(self) -> None:
+        """The bus resubscribed after losing Redis: events may be missing, agents get a new snapshot."""
+        for agent in self.agents:
+            if agent.logged_in and agent.held is None:
+                agent.held = []
+                spawn(self.snapshots.send(agent))
+
+    def close(self) -> None:
+        for agent in self.agents:
+            agent.stop(Close.GOING_AWAY, "server shutting down")

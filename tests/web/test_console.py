@@ -8,6 +8,7 @@ import json
 import pytest
 import websockets
 
+from ..fakeclock import FakeTimer
 from ..serverutil import (
     ScriptedEngine,
     hello,
@@ -40,6 +41,19 @@ async def login(
         msg["rejoin"] = rejoin
     await ws.send(json.dumps(msg))
     return ws, await recv_json(ws)
+
+
+def fake_timer(app) -> FakeTimer:
+    """The console's login deadline and take-over grace, on a clock the test moves."""
+    timer = FakeTimer()
+    console = app.state.hub.console
+    console.door.timer = console.actions.timer = timer
+    return timer
+
+
+async def grace_started(timer: FakeTimer, grace_s: float) -> None:
+    """The server saw the agent's console go: its take-over's grace has begun."""
+    await wait_for(lambda: _true(timer.pending(grace_s) == 1))
 
 
 def settings_with(**extra):
@@ -187,21 +201,26 @@ async def test_take_over_reply_hand_back(smol):
 
 async def test_agent_reconnect_keeps_take_over_and_grace_hands_back(smol):
     settings = settings_with(tasks={"auto_tasks": []}, sessions={"console_takeover_grace_s": 0.5})
-    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+    app = scripted_app(smol, settings, ScriptedEngine(smol))
+    timer = fake_timer(app)
+    async with serve(app, settings) as (base, url):
         async with websockets.connect(url) as cust:
             sid = (await hello(cust))["session_id"]
             a, first = await login(url, "Alice")
             await a.send(json.dumps({"type": "take_over", "session_id": sid}))
             assert (await recv_json(cust))["to"] == "agent"
             await a.close()
+            await grace_started(timer, 0.5)
             # back within the grace period: the snapshot says the conversation is still hers
             a, snap = await login(url, "Alice", rejoin=first["rejoin"])
             assert snap["conversations"][0]["agent"]["id"] == first["agent"]["id"]
-            await asyncio.sleep(1.0)
+            timer.advance(1.0)  # past the grace her login cancelled
             await a.send(json.dumps({"type": "agent_message", "session_id": sid, "text": "still here"}))
             assert (await recv_json(cust))["type"] == "agent_message"
             await a.close()
             # gone for good: handed back to the bot after the grace period
+            await grace_started(timer, 0.5)
+            timer.advance(0.5)
             got = await recv_json(cust)
             assert got == {"type": "handover", "to": "bot", "agent": None}
             await cust.send(json.dumps({"type": "chat", "id": "x", "text": "anyone?"}))
@@ -244,17 +263,23 @@ async def _closed_with(ws) -> int:
 
 async def test_a_console_socket_that_does_not_log_in_is_closed_at_the_deadline(smol):
     settings = settings_with(tasks={"auto_tasks": []}, security={"console_login_timeout_s": 0.5})
-    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+    app = scripted_app(smol, settings, ScriptedEngine(smol))
+    timer = fake_timer(app)
+    async with serve(app, settings) as (base, url):
         async with websockets.connect(console_url(url)) as ws:
             await ws.send(json.dumps({"type": "ping", "data": 1}))  # pings are no login
             assert (await recv_json(ws)) == {"type": "pong", "data": 1}
+            timer.advance(0.4)  # before the deadline the socket is open
+            await ws.send(json.dumps({"type": "ping", "data": 1}))
+            assert (await recv_json(ws)) == {"type": "pong", "data": 1}
+            timer.advance(0.1)
             err = await asyncio.wait_for(recv_json(ws), 10)
             assert err["type"] == "error" and err["code"] == "login_timeout", err
             assert await _closed_with(ws) == 4408
         # an agent that logged in in time stays past the deadline
         a, ready = await login(url)
         assert ready["type"] == "console_ready"
-        await asyncio.sleep(0.8)
+        timer.advance(0.8)
         await a.send(json.dumps({"type": "ping", "data": 2}))
         assert (await recv_json(a)) == {"type": "pong", "data": 2}
         await a.close()

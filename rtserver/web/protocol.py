@@ -56,7 +56,7 @@ ErrorCode = Literal[
     "rate_limited",
     "too_many_sessions",
     "shutting_down",
-    # /ws/console (console.py)
+    # /ws/console (console/)
     "console_disabled",
     "unknown_session",
     "already_taken",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
@@ -347,6 +348,34 @@ async def test_resume_on_another_node_closes_the_old_connection(smol, tmp_path):
                         await asyncio.wait_for(old.recv(), 30)
                     assert info.value.rcvd.code == 4409
                     assert (await chat(new, "c0", "still here"))[-1]["type"] == "done"
+
+
+async def test_a_malformed_command_on_the_bus_is_dropped_and_the_next_one_applied(smol, tmp_path, caplog):
+    """A node's command channel is read from Redis: what is not a command is logged and dropped, and
+    the subscription goes on to apply the next one (here: the session resumed elsewhere)."""
+    caplog.set_level(logging.WARNING, "rtserver.cluster")
+    with redis_server(tmp_path) as redis:
+        async with scripted_node(smol, redis.url, "a") as (_, url, _, app):
+            async with websockets.connect(url) as cust:
+                sid = (await hello(cust))["session_id"]
+                bus = app.state.hub.console.bus
+                channel = bus.node_channel("a")
+                bad = [
+                    [1],
+                    {"cmd": "take_over", "session_id": sid},
+                    {"cmd": "agent_message", "session_id": sid, "agent": {"id": "x", "name": "X"}, "text": 5},
+                    {"cmd": "session_taken", "session_id": 7},
+                ]
+                for data in [*bad, {"cmd": "session_taken", "session_id": sid}]:
+                    await bus.cluster.redis.publish(channel, json.dumps(data))
+                err = await recv_json(cust)
+                assert err["type"] == "error" and err["code"] == "session_taken_over", err
+                with pytest.raises(websockets.ConnectionClosed) as info:
+                    await asyncio.wait_for(cust.recv(), 30)
+                assert info.value.rcvd.code == 4409
+    dropped = [r for r in caplog.records if "malformed command" in r.getMessage()]
+    assert len(dropped) == len(bad), caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 async def test_an_unreadable_record_in_redis_is_an_expired_session_not_a_crash(smol, tmp_path):

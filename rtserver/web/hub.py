@@ -393,7 +393,7 @@ class Connection(QueuedConnection):
     async def forward_chat(self, msg: P.Chat, session: Session) -> None:
         """A customer `chat` while an agent holds the session: history and console, no bot reply."""
         hub = self.hub
-        holder = hub.console.holder(session) or {}
+        holder = hub.console.holder(session)
         try:
             turn = hub.state.tasks.chat.prepare_turn(session.history, msg.text)
         except Exception as exc:
@@ -409,7 +409,7 @@ class Connection(QueuedConnection):
             return
         session.touch(hub.sessions.clock())
         hub.events.publish(se.Forwarded(session, msg.id, turn.text))
-        await self.send({"type": "forwarded", "id": msg.id, "agent": holder.get("name")})
+        await self.send({"type": "forwarded", "id": msg.id, "agent": holder.name if holder else None})
         self.run_auto_tasks(msg.id, turn.text)
 
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:
@@ -569,7 +569,7 @@ class Hub:
             registry.describe(),
             list(registry.auto_tasks),
             history=session.history,
-            agent=holder["name"] if holder else None,
+            agent=holder.name if holder else None,
         )
 
     async def endpoint(self, ws: WebSocket) -> None:

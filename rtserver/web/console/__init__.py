@@ -122,10 +122,9 @@ class ConsoleHub:
     def reset(self, session: Session) -> None:
         self.conversations.reset(session)
 
-    def holder(self, session: Session) -> dict[str, str] | None:
-        """The agent ({"id", "name"}) answering this session instead of the bot, or None."""
-        holder = self.conversations.holder_of(session.id)
-        return holder.to_json() if holder is not None else None
+    def holder(self, session: Session) -> Holder | None:
+        """The agent answering this session instead of the bot, or None."""
+        return self.conversations.holder_of(session.id)
 
     def agent_count(self) -> int:
         return self.agents.count()

@@ -23,7 +23,7 @@ from rtserver.tasks.run import PromptTask
 from rtserver.tools import fit_heads
 from rtserver.web.readiness import RETRY, assess
 
-from .serverutil import ScriptedEngine, make_settings, scripted_app, serve, wait_for
+from ..serverutil import ScriptedEngine, make_settings, scripted_app, serve, wait_for
 
 # -- one readiness value ------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,7 +31,12 @@ def _lower_priority() -> None:
         os.nice(BACKGROUND_NICE)
 
 
-def background_pace() -> Pace:
-    """Two examples at a time beside the users' requests, the fit on one low-priority thread."""
+@contextlib.contextmanager
+def background_pace() -> Iterator[Pace]:
+    """Two examples at a time beside the users' requests, the fit on one low-priority thread (let go
+    when the block ends)."""
     executor = ThreadPoolExecutor(1, thread_name_prefix="head-fit", initializer=_lower_priority)
-    return Pace(concurrency=2, executor=executor)
+    try:
+        yield Pace(concurrency=2, executor=executor)
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)

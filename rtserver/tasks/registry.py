@@ -217,10 +217,10 @@ class TaskRegistry:
         for name, task in list(self.tasks.items()):
             if not isinstance(task, PromptTask) or not task.fit_missing:
                 continue
-            backend_name, backend = backend_for(name)
             why = task.head_note
             task.head_note = f"{why} (fitting in the background)"
             try:
+                backend_name, backend = backend_for(name)
                 await task.prepare(backend, cache_dir, backend_name, pace=pace)
                 store_task_fit(task, cache_dir)
             except Exception as exc:

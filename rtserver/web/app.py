@@ -190,12 +190,8 @@ async def _prepare_tasks(state: AppState) -> None:
 async def _fit_heads_in_background(state: AppState) -> None:
     """After /ready: the heads without a fit for this model, fitted at low priority and stored; each
     task switches to its head when done."""
-    pace = background_pace()
-    try:
+    with background_pace() as pace:
         await state.tasks.fit_missing(_task_backends(state), _heads_dir(state.settings), pace)
-    finally:
-        if pace.executor is not None:
-            pace.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _load_failed(state: AppState, exc: Exception, on_failed: Callable[[str], None] | None) -> None:
@@ -204,17 +200,17 @@ def _load_failed(state: AppState, exc: Exception, on_failed: Callable[[str], Non
     from ..remote.backend import BackendMismatch
 
     if isinstance(exc, ModelLoadError):  # its message names the file and the cause: no traceback
-        state.error = f"cannot load the model: {exc}"
-        log.error("startup failed: %s", state.error)
+        error = f"cannot load the model: {exc}"
+        log.error("startup failed: %s", error)
     elif isinstance(exc, BackendMismatch):
-        state.error = f"the inference server does not match the local model: {exc}"
-        log.error("startup failed: %s", state.error)
+        error = f"the inference server does not match the local model: {exc}"
+        log.error("startup failed: %s", error)
     else:
-        state.error = f"{type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"
         log.exception("startup failed")
-    state.mark_failed(state.error)
+    state.mark_failed(error)
     if on_failed is not None:
-        on_failed(state.error)
+        on_failed(error)
 
 
 def _ops_refusal(request: Request) -> Refused | None:

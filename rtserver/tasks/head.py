@@ -101,9 +101,8 @@ def store_fitted(path: Path, heads: dict[str, tuple[str, LogisticHead]]) -> None
         kept = _read(path)
     except (OSError, ValueError):
         kept = {}
-    arrays = {name: a for name, a in kept.items() if name.split("/")[0] not in heads}
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write(path, {**arrays, **_arrays(heads)})
+    _write(path, {**kept, **_arrays(heads)})  # a key's arrays all replace its old ones
 
 
 def save_fitted(path: Path, heads: dict[str, tuple[str, LogisticHead]]) -> None:

@@ -9,9 +9,10 @@ comparison.
 A learned head (`Task.head`, one per language) answers from the same forward pass as label scoring. It is
 fitted on the labeled examples shipped next to this file (`sentiment.examples.jsonl`: the train split of
 data/sentiment, 8,191 English movie snippets and 5,995 Chinese reviews; scripts/build_sentiment_data.py
-rebuilds it) and shipped fitted (`sentiment.head.npz`, written by `rtserver fit-heads`): a server whose
-model, dtype, prompt and examples match loads it in milliseconds, any other fits it at start-up. Without
-a backend that returns hidden states, or with `head = false`, the task scores labels as above. With
+rebuilds it) and shipped fitted (`sentiment.head.npz`, written by `rtserver fit-heads --ship`): a server
+whose model, dtype, prompt and examples match loads it in milliseconds, any other scores labels until
+`rtserver fit-heads` fits it. Without a backend that returns hidden states, or with `head = false`, the
+task scores labels as above. With
 `neutral = true` there is no head (the examples have no neutral texts).
 
 Options in `[task.sentiment]`: `mode` ("score" | "generate"), `neutral` (bool), `label_names`

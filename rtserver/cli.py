@@ -104,10 +104,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_fit_heads(args: argparse.Namespace) -> int:
-    from .tools.fit_heads import run_fit_heads
+    from .tools.fit_heads import lower_priority, run_fit_heads
 
     settings = _settings(args)
-    run_fit_heads(_load(settings, args.dtype), settings, args.task)
+    if args.background:
+        lower_priority()  # before the model loads: torch's threads inherit it
+    run_fit_heads(_load(settings, args.dtype), settings, args.task, ship=args.ship)
     return 0
 
 
@@ -194,11 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
     fh = sub.add_parser(
         "fit-heads",
-        help="fit the tasks' learned heads and write the fitted-heads files their plugins ship",
+        help="fit the tasks' learned heads for the configured model and store them in the cache, "
+        "where the next start loads them",
         parents=[common],
     )
     fh.add_argument("--task", action="append", help="only this task (repeatable)")
     fh.add_argument("--dtype", choices=DTYPES)
+    fh.add_argument("--background", action="store_true", help="run at low priority, beside a serving server")
+    fh.add_argument(
+        "--ship", action="store_true", help="also write the fitted-heads file the plugin ships (maintainers)"
+    )
     fh.set_defaults(func=cmd_fit_heads)
     return parser
 

@@ -138,6 +138,7 @@ class TaskSettings:
     disabled: list[str] = _setting([])
     auto_tasks: list[str] = _setting(["sentiment"])
     learned_heads: bool = _setting(True)
+    fit_heads_in_background: bool = _setting(False)
 
 
 @dataclass

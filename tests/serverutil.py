@@ -33,9 +33,8 @@ def make_settings(**sections: dict) -> Settings:
     s.engine.kv_budget_mb = 64
     s.engine.max_sequence_tokens = 2048
     s.tasks.plugin_dirs = ["plugins"]
-    # On a machine whose default dtype is not the one the built-in tasks' shipped heads were fitted for,
-    # a start would first compute their examples' features (minutes): the test servers score labels
-    # (tests/tasks/test_head.py covers the heads, and that the shipped ones load)
+    # The test servers score labels whatever fits this machine's dtype has: the same answers everywhere
+    # (tests/tasks/test_head.py covers the heads, tests/web/test_readiness.py a start with them on)
     s.tasks.learned_heads = False
     # every test connection comes from 127.0.0.1 and many send fast: the limits are off unless a test
     # is about them (tests/web/test_hub.py)

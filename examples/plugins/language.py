@@ -26,8 +26,8 @@ TASK = Task(
     max_input_tokens=128,
     truncate="head",  # a longer message keeps its start
     choices=Choices(LANGUAGES, calibration=["N/A"]),  # one forward pass, always a valid label
-    # Optional: labeled examples next to this file; a classifier fitted on the model's hidden states at
-    # start-up answers from the same forward pass (without it: the label scores above).
+    # Optional: labeled examples next to this file; a classifier fitted on the model's hidden states by
+    # `rtserver fit-heads` answers from the same forward pass (until then: the label scores above).
     head=LearnedHead(Path(__file__).with_name("language.examples.jsonl")),
     cache_size=1024,  # LRU + TTL result cache (cache_ttl_s: 600 s by default)
 )

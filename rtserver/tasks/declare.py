@@ -55,11 +55,12 @@ class Choices:
 
 @dataclass
 class LearnedHead:
-    """Labeled examples a scoring task ships, fitted at start-up into a classifier on hidden states.
+    """Labeled examples a scoring task ships, fitted by `rtserver fit-heads` into a classifier on hidden
+    states.
 
-    Calls then answer from the same forward pass as label scoring, at no extra tokens. On a backend
-    without hidden states the task falls back to label scoring. `fitted` names the file `rtserver fit-heads`
-    writes; a head whose hash matches is loaded instead of fitted.
+    Calls then answer from the same forward pass as label scoring, at no extra tokens. A start loads a
+    fit whose hash matches (stored in the cache, or the plugin's `fitted` file) and never fits: without
+    one, or on a backend without hidden states, the task scores labels.
     """
 
     examples: str | Path  # the JSONL file; a relative path is relative to the working directory
@@ -67,7 +68,7 @@ class LearnedHead:
     l2: float = 1e-2  # L2 penalty on the standardised weights (chosen on the dev splits for sentiment)
     use_scores: bool = True  # the calibrated label scores join the hidden features
     min_examples: int = 20  # a prompt with fewer examples (or one label only) keeps label scoring
-    fitted: str | Path | None = None  # the shipped fitted heads (.npz); None: always fit at start-up
+    fitted: str | Path | None = None  # the fitted heads it ships (.npz, `fit-heads --ship`), or none
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """A task's learned head: a logistic regression on hidden-state features, read from the scoring forward.
 
-It owns reading the examples file, the classifier, the feature cache and the fitted-heads file a plugin
-ships. Both are keyed by a hash of everything the fit depends on, so only a new combination computes
-features. `run.py` decides when the head is used.
+It owns reading the examples file, the classifier, the feature cache and the fitted-heads files: the one
+a plugin ships and the one `rtserver fit-heads` stores in the cache. Both are keyed by a hash of
+everything the fit depends on, so only a new combination computes features. `run.py` decides when the
+head is used.
 """
 
 from __future__ import annotations
@@ -53,14 +54,17 @@ def head_key(features: str, labels: list[str], y: list[str], head: LogisticHead,
     return features_key("head", HEAD_VERSION, features, labels, y, head.l2, head.iterations, use_scores)
 
 
+def stored_path(cache_dir: Path | None, task: str) -> Path | None:
+    """Where `rtserver fit-heads` stores a task's heads: beside the features in the cache."""
+    return None if cache_dir is None else cache_dir / f"{task}.head.npz"
+
+
 def load_fitted(path: Path) -> dict[str, LogisticHead]:
-    """The heads in a fitted-heads file, by key. A missing or unreadable file is no heads (a warning): the
-    server then fits them from the examples, as without the file."""
+    """The heads in a fitted-heads file, by key. A missing or unreadable file is no heads (a warning)."""
     try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {name: z[name] for name in z.files}
+        arrays = _read(path)
     except (OSError, ValueError) as exc:
-        log.warning("cannot read the fitted heads %s (%s): heads are fitted from the examples", path, exc)
+        log.warning("cannot read the fitted heads %s (%s): none of its heads is used", path, exc)
         return {}
     out: dict[str, LogisticHead] = {}
     for key in {name.split("/")[0] for name in arrays}:
@@ -80,8 +84,33 @@ def load_fitted(path: Path) -> dict[str, LogisticHead]:
     return out
 
 
+def load_stored(path: Path | None) -> dict[str, LogisticHead]:
+    """The heads `rtserver fit-heads` stored; none yet is no heads, quietly."""
+    return load_fitted(path) if path is not None and path.exists() else {}
+
+
+def _read(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {name: z[name] for name in z.files}
+
+
+def store_fitted(path: Path, heads: dict[str, tuple[str, LogisticHead]]) -> None:
+    """Add heads to a stored fitted-heads file, keeping the entries of other models and prompts (an
+    unreadable file is replaced)."""
+    try:
+        kept = _read(path)
+    except (OSError, ValueError):
+        kept = {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write(path, {**kept, **_arrays(heads)})  # a key's arrays all replace its old ones
+
+
 def save_fitted(path: Path, heads: dict[str, tuple[str, LogisticHead]]) -> None:
     """Write {key: (model id it was fitted for, head)} as a fitted-heads file (numpy .npz, no pickles)."""
+    _write(path, _arrays(heads))
+
+
+def _arrays(heads: dict[str, tuple[str, LogisticHead]]) -> dict[str, np.ndarray]:
     arrays: dict[str, np.ndarray] = {}
     for key, (model_id, head) in heads.items():
         assert head.w is not None and head.b is not None and head.mean is not None and head.scale is not None
@@ -97,6 +126,10 @@ def save_fitted(path: Path, heads: dict[str, tuple[str, LogisticHead]]) -> None:
                 f"{key}/b": head.b,
             }
         )
+    return arrays
+
+
+def _write(path: Path, arrays: dict[str, np.ndarray]) -> None:
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez_compressed(tmp, **arrays)  # type: ignore[arg-type]
     tmp.replace(path)

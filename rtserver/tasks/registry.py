@@ -21,6 +21,8 @@ from ..config import Settings
 from ..engine.backend import InferenceBackend, Tokenizer
 from .chat import ChatTask
 from .declare import Task, TaskError, TaskOutput
+from .fitting import FULL, Pace
+from .head import store_fitted, stored_path
 from .run import PromptTask
 
 log = logging.getLogger("rtserver.tasks")
@@ -178,19 +180,24 @@ class TaskRegistry:
         return task.cost(overrides)
 
     async def prepare(
-        self, backend_for: Callable[[str], tuple[str, InferenceBackend]], cache_dir: Path | None
+        self,
+        backend_for: Callable[[str], tuple[str, InferenceBackend]],
+        cache_dir: Path | None,
+        *,
+        fit: bool = True,
+        pace: Pace = FULL,
     ) -> list[PluginError]:
-        """Fit the learned heads of the tasks that declare one, each on the backend that runs it
-        (`backend_for(task) -> (backend name, backend)`). A task whose head cannot be fitted (a broken
-        examples file) is dropped and reported like a broken plugin; one whose backend returns no hidden
-        states keeps label scoring (`PromptTask.prepare` logs it, naming the task and the backend)."""
+        """Load the learned heads of the tasks that declare one, each on the backend that runs it
+        (`backend_for(task) -> (backend name, backend)`); with `fit`, fit those without a stored fit.
+        A task whose examples file is broken is dropped and reported like a broken plugin. One without
+        hidden states or without a fit keeps label scoring (`PromptTask.prepare` logs it)."""
         errors: list[PluginError] = []
         for name, task in list(self.tasks.items()):
             if not isinstance(task, PromptTask) or task.task.head is None:
                 continue
             backend_name, backend = backend_for(name)
             try:
-                await task.prepare(backend, cache_dir, backend_name)
+                await task.prepare(backend, cache_dir, backend_name, fit=fit, pace=pace)
             except Exception as exc:
                 log.error("task %s: learned head failed: %s", name, exc)
                 errors.append(PluginError(f"task {name}", f"learned head: {exc}"))
@@ -198,6 +205,44 @@ class TaskRegistry:
                 if name in self.auto_tasks:
                     self.auto_tasks.remove(name)
         return errors
+
+    async def fit_missing(
+        self,
+        backend_for: Callable[[str], tuple[str, InferenceBackend]],
+        cache_dir: Path,
+        pace: Pace,
+    ) -> None:
+        """Fit the heads that had no fit for this model, store them for the next start and switch each
+        task to its head when done. A failure leaves that task on label scoring (logged)."""
+        for name, task in list(self.tasks.items()):
+            if not isinstance(task, PromptTask) or not task.fit_missing:
+                continue
+            why = task.head_note
+            task.head_note = f"{why} (fitting in the background)"
+            try:
+                backend_name, backend = backend_for(name)
+                await task.prepare(backend, cache_dir, backend_name, pace=pace)
+                store_task_fit(task, cache_dir)
+            except Exception as exc:
+                log.error("task %s: background head fit failed: %s", name, exc)
+                task.head_note = f"{why} (the background fit failed: {exc})"
+                continue
+            log.info("task %s: switched to its learned head, fitted in the background", name)
+
+    def heads_off(self, why: str) -> None:
+        """Learned heads are not used at all: every task with one says why on /health."""
+        for task in self.tasks.values():
+            if isinstance(task, PromptTask) and task.task.head is not None:
+                task.head_note = why
+
+    def head_states(self) -> dict[str, dict[str, str]]:
+        """Per task with a learned head: the scoring it uses (`head` or `labels`) and why."""
+        out: dict[str, dict[str, str]] = {}
+        for name, task in self.tasks.items():
+            state = task.head_state() if isinstance(task, PromptTask) else None
+            if state is not None:
+                out[name] = state
+        return out
 
     async def calibrate(self, backend_for: Callable[[str], tuple[str, InferenceBackend]]) -> None:
         """Compute the calibration offsets of the label-scoring tasks, each on its backend, alone (before
@@ -223,6 +268,14 @@ class TaskRegistry:
             for n, t in self.tasks.items()
             if isinstance(t, PromptTask) and t.cache is not None
         }
+
+
+def store_task_fit(task: PromptTask, cache_dir: Path) -> Path:
+    """Store a prepared task's heads in the cache, where the next start loads them."""
+    path = stored_path(cache_dir, task.task.name)
+    assert path is not None
+    store_fitted(path, task.fitted)
+    return path
 
 
 def _discover(settings: Settings) -> list[tuple[str, Any]]:

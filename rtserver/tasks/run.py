@@ -21,6 +21,7 @@ from cachetools import TTLCache
 
 from ..engine.backend import FeatureScorer, InferenceBackend, SamplingParams, Tokenizer
 from .declare import Choices, LearnedHead, Task, TaskError, TaskOutput
+from .fitting import FULL, Pace
 from .head import (
     LogisticHead,
     features_key,
@@ -28,7 +29,9 @@ from .head import (
     load_cached,
     load_examples,
     load_fitted,
+    load_stored,
     store_cached,
+    stored_path,
 )
 
 log = logging.getLogger("rtserver.tasks")
@@ -56,6 +59,8 @@ class PromptTask:
         self.heads: dict[int, LogisticHead] = {}  # variant index (-1: the task's prompt) -> fitted head
         self.fitted: dict[str, tuple[str, LogisticHead]] = {}  # head key -> (model id, head): fit-heads
         self.head_note: str | None = None  # why a declared head is not used (None: used, or none)
+        self.head_model = ""  # the model id the heads in use were fitted for
+        self.fit_missing = False  # no fit for this model: `rtserver fit-heads` or a background fit makes one
 
     # -- prompts ------------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -314,45 +319,87 @@ class PromptTask:
         return feats + scores
 
     async def prepare(
-        self, backend: InferenceBackend, cache_dir: Path | None = None, backend_name: str = ""
+        self,
+        backend: InferenceBackend,
+        cache_dir: Path | None = None,
+        backend_name: str = "",
+        *,
+        fit: bool = True,
+        pace: Pace = FULL,
     ) -> str | None:
-        """Fit the task's learned head (nothing to do without one). Returns a note when the head cannot be
-        used on this backend (the task then scores labels as it would without a head)."""
+        """Load the task's learned heads (nothing to do without one): the plugin's shipped fit, or the one
+        `rtserver fit-heads` stored in `cache_dir`. With `fit`, a prompt without one is fitted from the
+        examples at `pace`; without, the task scores labels. Returns a note when it scores labels (no
+        hidden states on this backend, or no fit). The heads switch in at once, when all are ready."""
         spec = self.task.head
-        self.heads = {}
-        self.fitted = {}
-        self.head_note = None
         if spec is None or self.task.choices is None:
+            self._use({}, {}, None)
             return None
         if not isinstance(backend, FeatureScorer):
-            self.head_note = (
+            note = (
                 f"task {self.task.name!r}: its learned head needs the model's hidden states, which backend "
                 f"{backend_name or type(backend).__name__!r} does not return; the task runs by label "
                 "scoring (no head)"
             )
-            log.warning("%s", self.head_note)
-            return self.head_note
+            log.warning("%s", note)
+            self._use({}, {}, note)
+            return note
         groups: dict[int, list[tuple[str, str]]] = {}
         raw = load_examples(Path(spec.examples), spec.labels, list(self.task.choices.labels))
         for text, label in raw:
             clean = self.task.clean_text(text)
             groups.setdefault(self.task.variant_of(clean), []).append((clean, label))
-        shipped = load_fitted(Path(spec.fitted)) if spec.fitted is not None else {}
+        known = _known_fits(spec, stored_path(cache_dir, self.task.name))
+        model_id = backend.feature_model_id
+        heads: dict[int, LogisticHead] = {}
+        fitted: dict[str, tuple[str, LogisticHead]] = {}
         for index, rows in sorted(groups.items()):
-            await self._prepare_head(backend, backend.feature_model_id, spec, shipped, index, rows, cache_dir)
+            prepared = await self._prepare_head(backend, model_id, spec, known, rows, cache_dir, fit, pace)
+            if prepared is None:
+                continue
+            key, head = prepared
+            if head is None:
+                note = f"no fit for model {model_id}; run rtserver fit-heads"
+                log.warning("task %s: %s (until then it scores labels)", self.task.name, note)
+                self._use({}, {}, note, missing=True)
+                return note
+            heads[index], fitted[key] = head, (model_id, head)
+        self._use(heads, fitted, None)
+        self.head_model = model_id
         return None
+
+    def _use(
+        self,
+        heads: dict[int, LogisticHead],
+        fitted: dict[str, tuple[str, LogisticHead]],
+        note: str | None,
+        *,
+        missing: bool = False,
+    ) -> None:
+        """Switch the task to these heads (none: label scoring, `note` says why)."""
+        self.heads, self.fitted, self.head_note, self.fit_missing = heads, fitted, note, missing
+
+    def head_state(self) -> dict[str, str] | None:
+        """Which scoring a task with a learned head uses and why, for /health (None: it declares none)."""
+        if self.task.head is None:
+            return None
+        if self.heads:
+            return {"mode": "head", "head": f"fitted for model {self.head_model}"}
+        return {"mode": "labels", "head": self.head_note or "learned heads are not loaded"}
 
     async def _prepare_head(
         self,
         backend: InferenceBackend,
         model_id: str,
         spec: LearnedHead,
-        shipped: dict[str, LogisticHead],
-        index: int,
+        known: dict[str, tuple[LogisticHead, str]],
         rows: list[tuple[str, str]],
         cache_dir: Path | None,
-    ) -> None:
-        """The head of one prompt (the task's or a variant's): shipped for this model, or fitted."""
+        fit: bool,
+        pace: Pace,
+    ) -> tuple[str, LogisticHead | None] | None:
+        """The head of one prompt (the task's or a variant's) by its key: a known fit for this model, else
+        fitted (`fit`) or none. None: too few examples, that prompt keeps label scoring."""
         template, choices, chat = self.task.select(rows[0][0])
         assert choices is not None
         labels = [name for name in choices.labels if any(label == name for _, label in rows)]
@@ -364,43 +411,44 @@ class PromptTask:
                 len(labels),
                 template[:40],
             )
-            return
+            return None
         texts, y = [t for t, _ in rows], [label for _, label in rows]
         fkey = _features_key(self, model_id, choices, template, chat, texts)
         key = head_key(fkey, labels, y, LogisticHead(labels, spec.l2), spec.use_scores)
-        head = shipped.get(key)
-        if head is not None:
+        if key in known:
+            head, source = known[key]
             log.info(
                 "%s: learned head for prompt %r loaded from %s (fitted for this model, prompt and %d "
                 "examples)",
                 self.task.name,
                 template[:40],
-                spec.fitted,
+                source,
                 len(rows),
             )
-        else:
-            if spec.fitted is not None:
-                log.warning(
-                    "%s: %s has no head fitted for this model (%s), prompt %r and examples: fitting "
-                    "one from the %d examples (a first start computes their features)",
-                    self.task.name,
-                    spec.fitted,
-                    model_id,
-                    template[:40],
-                    len(rows),
-                )
-            x = await self._example_features(backend, choices, template, chat, texts, cache_dir, fkey)
-            started = time.perf_counter()
-            head = LogisticHead(labels, spec.l2).fit(_head_input(self.task, x, len(choices.labels)), y)
-            log.info(
-                "%s: learned head fitted on %d examples in %.1f s (prompt %r)",
-                self.task.name,
-                len(rows),
-                time.perf_counter() - started,
-                template[:40],
-            )
-        self.heads[index] = head
-        self.fitted[key] = (model_id, head)
+            return key, head
+        if not fit:
+            return key, None
+        log.warning(
+            "task %s has no head fitted for this model (%s), prompt %r and examples: fitting one from the "
+            "%d examples (computing their features the first time)",
+            self.task.name,
+            model_id,
+            template[:40],
+            len(rows),
+        )
+        x = await self._example_features(backend, choices, template, chat, texts, cache_dir, fkey, pace)
+        started = time.perf_counter()
+        rows_in = _head_input(self.task, x, len(choices.labels))
+        loop = asyncio.get_running_loop()
+        head = await loop.run_in_executor(pace.executor, LogisticHead(labels, spec.l2).fit, rows_in, y)
+        log.info(
+            "%s: learned head fitted on %d examples in %.1f s (prompt %r)",
+            self.task.name,
+            len(rows),
+            time.perf_counter() - started,
+            template[:40],
+        )
+        return key, head
 
     async def _example_features(
         self,
@@ -411,13 +459,14 @@ class PromptTask:
         texts: list[str],
         cache_dir: Path | None,
         key: str,
+        pace: Pace,
     ) -> np.ndarray:
         assert isinstance(backend, FeatureScorer)
         cached = load_cached(cache_dir, key)
         if cached is not None and cached.shape[0] == len(texts):
             return cached
         started = time.perf_counter()
-        sem = asyncio.Semaphore(64)  # below the engine's waiting-queue bound
+        sem = asyncio.Semaphore(pace.concurrency)
 
         async def one(text: str) -> list[float]:
             async with sem:
@@ -433,6 +482,16 @@ class PromptTask:
         )
         store_cached(cache_dir, key, x)
         return x
+
+
+def _known_fits(spec: LearnedHead, stored: Path | None) -> dict[str, tuple[LogisticHead, str]]:
+    """Every fit on hand by key, with the file it came from: the plugin's shipped one, then the one
+    `rtserver fit-heads` stored."""
+    known: dict[str, tuple[LogisticHead, str]] = {}
+    if spec.fitted is not None:
+        known.update({key: (head, str(spec.fitted)) for key, head in load_fitted(Path(spec.fitted)).items()})
+    known.update({key: (head, str(stored)) for key, head in load_stored(stored).items()})
+    return known
 
 
 def _head_input(task: Task, rows: list[float] | np.ndarray, n_labels: int) -> np.ndarray:

@@ -1,23 +1,29 @@
-"""`rtserver fit-heads`: fit the learned heads of the tasks that name a fitted-heads file
-(`LearnedHead.fitted`) on the configured model and write them there. A plugin ships that file so that a
-server with the same model, prompt and examples loads its heads in milliseconds instead of computing the
-examples' features at start-up (minutes); rerun this after editing a prompt or an examples file."""
+"""`rtserver fit-heads`: fit the learned heads of the tasks that declare one on the configured model and
+store them in the cache (`model.cache_dir/heads`), where the next start loads them in milliseconds. A
+start never fits: without a stored or shipped fit for its model a task scores labels. `--ship` also
+writes the file a plugin ships (`LearnedHead.fitted`): rerun that after editing a built-in prompt or
+examples file."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
 from ..config import EngineSettings, Settings
 from ..engine.core import Engine
+from ..tasks.fitting import BACKGROUND_NICE
 from ..tasks.head import save_fitted
-from ..tasks.registry import load_registry
+from ..tasks.registry import load_registry, store_task_fit
 from ..tasks.run import PromptTask
 
 
-async def fit_heads(loaded: Any, settings: Settings, names: list[str] | None = None) -> list[Path]:
-    """Prepare every (or every named) task with a fitted-heads file and write its heads; the files written."""
+async def fit_heads(
+    loaded: Any, settings: Settings, names: list[str] | None = None, *, ship: bool = False
+) -> list[Path]:
+    """Prepare every (or every named) task with a learned head and store its heads; the files written."""
     registry, errors = load_registry(settings, loaded.tokenizer)
     for error in errors:
         print(f"  skipped: {error}", flush=True)
@@ -26,31 +32,45 @@ async def fit_heads(loaded: Any, settings: Settings, names: list[str] | None = N
         for name, task in registry.tasks.items()
         if isinstance(task, PromptTask)
         and task.task.head is not None
-        and task.task.head.fitted is not None
+        and (not ship or task.task.head.fitted is not None)
         and (not names or name in names)
     }
     if names and set(names) - set(tasks):
         missing = ", ".join(sorted(set(names) - set(tasks)))
-        raise SystemExit(f"rtserver fit-heads: no loaded task with a fitted-heads file named {missing}")
+        what = "a fitted-heads file to ship" if ship else "a learned head"
+        raise SystemExit(f"rtserver fit-heads: no loaded task with {what} named {missing}")
+    cache_dir = Path(settings.model.cache_dir).expanduser() / "heads"
     engine = Engine(loaded, EngineSettings())
     engine.start()
     written: list[Path] = []
     try:
         for name, task in tasks.items():
             spec = task.task.head
-            assert spec is not None and spec.fitted is not None
-            await task.prepare(engine, Path(settings.model.cache_dir).expanduser() / "heads", "local")
+            assert spec is not None
+            await task.prepare(engine, cache_dir, "local")
             if task.head_note is not None:
                 raise SystemExit(f"rtserver fit-heads: {task.head_note}")
-            path = Path(spec.fitted)
-            save_fitted(path, task.fitted)
+            paths = [store_task_fit(task, cache_dir)]
+            if ship and spec.fitted is not None:
+                save_fitted(Path(spec.fitted), task.fitted)
+                paths.append(Path(spec.fitted))
             model_id = engine.feature_model_id
-            print(f"  {name}: {len(task.fitted)} heads ({model_id}) written to {path}", flush=True)
-            written.append(path)
+            for path in paths:
+                print(f"  {name}: {len(task.fitted)} heads ({model_id}) written to {path}", flush=True)
+            written += paths
     finally:
         await engine.stop()
     return written
 
 
-def run_fit_heads(loaded: Any, settings: Settings, names: list[str] | None = None) -> list[Path]:
-    return asyncio.run(fit_heads(loaded, settings, names))
+def lower_priority() -> None:
+    """`--background`: this process yields the cores to a server beside it (threads started later
+    inherit the nice value)."""
+    with contextlib.suppress(OSError):
+        os.nice(BACKGROUND_NICE)
+
+
+def run_fit_heads(
+    loaded: Any, settings: Settings, names: list[str] | None = None, *, ship: bool = False
+) -> list[Path]:
+    return asyncio.run(fit_heads(loaded, settings, names, ship=ship))

@@ -317,13 +317,13 @@ class Admission:
 
     # -- whether ----------------------------------------------------------------------------------
     def check_serving(self) -> None:
-        st = self.state
-        if st.shutting_down:
+        readiness = self.state.readiness()
+        if readiness.draining:
             raise Refused(
                 "shutting_down", "the server is shutting down; retry in a moment", 503, Close.GOING_AWAY
             )
-        if not st.serving:
-            raise Refused("not_ready", st.public_not_ready_message(), 503, Close.NOT_READY)
+        if not readiness.serving:
+            raise Refused("not_ready", readiness.public_reason, 503, Close.NOT_READY)
 
 
 class SocketGate:

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -27,6 +28,7 @@ from starlette.staticfiles import StaticFiles
 from ..config import Settings
 from ..engine.backend import InferenceBackend, Tokenizer
 from ..engine.model import LoadedModel
+from ..tasks.fitting import background_pace
 from ..tasks.registry import PluginError, TaskRegistry
 from . import http_api
 from .admission import Admission, Refused, SocketGate, Surface, bearer
@@ -113,12 +115,14 @@ async def _load(
         await _load_backends(state, model_factory, tokenizer_factory, engine_factory, registry_factory)
         await _prepare_tasks(state)
         state.set_stage("ready", 1.0)
-        state.ready_after_s = time.monotonic() - state.started
-        state.status = "ready"
+        state.mark_ready()
     except asyncio.CancelledError:
         raise
     except Exception as exc:
         _load_failed(state, exc, on_failed)
+        return
+    if state.settings.tasks.learned_heads and state.settings.tasks.fit_heads_in_background:
+        await _fit_heads_in_background(state)
 
 
 async def _load_backends(
@@ -155,31 +159,39 @@ async def _load_backends(
         state.backends["local"] = engine
 
 
-async def _prepare_tasks(state: AppState) -> None:
-    """The tasks' learned heads fitted and their calibration computed, each on its task's backend."""
-    settings = state.settings
-    registry = state.registry
-    default = settings.model.backend
+def _task_backends(state: AppState) -> Callable[[str], tuple[str, InferenceBackend]]:
+    """`task -> (backend name, backend)`: where each task runs, for the registry's start-up work."""
 
     def backend_for(task: str) -> tuple[str, InferenceBackend]:
-        assert registry is not None
-        name = registry.placement(task) or default
+        name = state.tasks.placement(task) or state.settings.model.backend
         return name, state.backends[name]
 
-    if (
-        settings.tasks.learned_heads
-        and registry is not None
-        and any(getattr(t.task, "head", None) is not None for t in registry.tasks.values())
-    ):
-        # Learned heads are fitted before the server is ready (their examples' features are cached
-        # on disk: only a first start with new examples, prompt or model computes them).
-        state.set_stage("fitting task heads", 0.95)
-        state.load_errors += await registry.prepare(
-            backend_for, Path(settings.model.cache_dir).expanduser() / "heads"
-        )
-    if registry is not None:
-        state.set_stage("calibrating tasks", 0.97)
-        await registry.calibrate(backend_for)
+    return backend_for
+
+
+def _heads_dir(settings: Settings) -> Path:
+    """Where the heads' features and the fits of `rtserver fit-heads` are kept."""
+    return Path(settings.model.cache_dir).expanduser() / "heads"
+
+
+async def _prepare_tasks(state: AppState) -> None:
+    """The tasks' learned heads loaded (never fitted: a task without a fit for this model scores labels)
+    and their calibration computed, each on its task's backend."""
+    settings, registry = state.settings, state.tasks
+    if settings.tasks.learned_heads:
+        state.set_stage("loading task heads", 0.95)
+        state.load_errors += await registry.prepare(_task_backends(state), _heads_dir(settings), fit=False)
+    else:
+        registry.heads_off("learned heads are off (tasks.learned_heads = false)")
+    state.set_stage("calibrating tasks", 0.97)
+    await registry.calibrate(_task_backends(state))
+
+
+async def _fit_heads_in_background(state: AppState) -> None:
+    """After /ready: the heads without a fit for this model, fitted at low priority and stored; each
+    task switches to its head when done."""
+    with background_pace() as pace:
+        await state.tasks.fit_missing(_task_backends(state), _heads_dir(state.settings), pace)
 
 
 def _load_failed(state: AppState, exc: Exception, on_failed: Callable[[str], None] | None) -> None:
@@ -188,17 +200,17 @@ def _load_failed(state: AppState, exc: Exception, on_failed: Callable[[str], Non
     from ..remote.backend import BackendMismatch
 
     if isinstance(exc, ModelLoadError):  # its message names the file and the cause: no traceback
-        state.error = f"cannot load the model: {exc}"
-        log.error("startup failed: %s", state.error)
+        error = f"cannot load the model: {exc}"
+        log.error("startup failed: %s", error)
     elif isinstance(exc, BackendMismatch):
-        state.error = f"the inference server does not match the local model: {exc}"
-        log.error("startup failed: %s", state.error)
+        error = f"the inference server does not match the local model: {exc}"
+        log.error("startup failed: %s", error)
     else:
-        state.error = f"{type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"
         log.exception("startup failed")
-    state.status = "failed"
+    state.mark_failed(error)
     if on_failed is not None:
-        on_failed(state.error)
+        on_failed(error)
 
 
 def _ops_refusal(request: Request) -> Refused | None:
@@ -213,8 +225,9 @@ def _ops_refusal(request: Request) -> Refused | None:
 
 async def health(request: Request) -> Response:
     st: AppState = request.app.state.rt
-    body: dict = {"status": st.status, "stage": st.stage, "progress": round(st.progress, 3)}
-    status_code = 503 if st.status == "failed" else 200
+    status = st.readiness().status
+    body: dict[str, Any] = {"status": status, "stage": st.stage, "progress": round(st.progress, 3)}
+    status_code = 503 if status == "failed" else 200
     if _ops_refusal(request) is not None:  # the public view: nothing of what runs where
         return JSONResponse(body, status_code=status_code)
     body["model"] = st.model_id
@@ -225,18 +238,20 @@ async def health(request: Request) -> Response:
         body["ready_after_s"] = round(st.ready_after_s, 3)
     if st.load_errors:
         body["plugin_errors"] = [str(e) for e in st.load_errors]
+    heads = st.head_states()
+    if heads:  # per task with a learned head: `head` or `labels`, and why
+        body["tasks"] = heads
     body["backends"] = st.backends_health()
     await st.topology.add_health(body)
     return JSONResponse(body, status_code=status_code)
 
 
 async def ready(request: Request) -> Response:
-    st: AppState = request.app.state.rt
-    body: dict = {"ready": st.ready, "status": st.status}
-    reason = st.not_ready_reason()
-    if reason:
-        body["reason"] = reason if _ops_refusal(request) is None else st.public_not_ready_message()
-    return JSONResponse(body, status_code=200 if st.ready else 503)
+    readiness = request.app.state.rt.readiness()
+    body: dict[str, Any] = {"ready": readiness.ready, "status": readiness.status}
+    if readiness.reason:
+        body["reason"] = readiness.reason if _ops_refusal(request) is None else readiness.public_reason
+    return JSONResponse(body, status_code=200 if readiness.ready else 503)
 
 
 async def metrics(request: Request) -> Response:
@@ -278,7 +293,7 @@ def _lifespan(
         try:
             yield
         finally:
-            state.status = "stopping" if state.status == "ready" else state.status
+            state.mark_stopping()
             loader.cancel()
             with contextlib.suppress(BaseException):
                 await loader
@@ -353,7 +368,7 @@ def create_app(
     return app
 
 
-def uvicorn_options(settings: Settings) -> dict:
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """Keyword arguments for uvicorn.run/uvicorn.Config that the hub's limits rely on."""
     return {
         "host": settings.server.host,

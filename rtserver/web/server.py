@@ -38,8 +38,8 @@ class Server(uvicorn.Server):
     async def shutdown(self, sockets: list | None = None) -> None:
         for server in self.servers:  # stop accepting first; uvicorn's shutdown closes them again (no-op)
             server.close()
-        if self.state.serving:
-            self.state.status = "stopping"
+        if self.state.readiness().serving:
+            self.state.mark_stopping()
             grace = self.state.settings.server.shutdown_grace_s
             log.info("shutting down: in-flight replies get %.1f s to finish", grace)
             try:

@@ -1,7 +1,7 @@
-"""What the front doors share (`AppState`): settings, the load status, the inference backends and the
-task registry once loaded (and which backend runs which task), metrics, the per-client-IP rate limiter,
-the topology (alone or clustered: `seams.py`), and the shutdown flag. The app builds it; the hub, the
-console and the HTTP API read it."""
+"""What the front doors share (`AppState`): settings, the load status and its readiness
+(`readiness.py`), the inference backends and the task registry once loaded (and which backend runs which
+task), metrics, the per-client-IP rate limiter, the topology (alone or clustered: `seams.py`), and the
+shutdown flag. The app builds it; the hub, the console and the HTTP API read it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ..config import Settings
 from ..engine.backend import InferenceBackend
 from ..tasks.registry import PluginError, TaskRegistry
 from .metrics import Metrics
+from .readiness import RETRY, Readiness, Status, assess
 from .seams import Alone, Topology
 
 log = logging.getLogger("rtserver.app")
@@ -24,15 +25,15 @@ class NotReady(Exception):
 
     code = "not_ready"
 
-    def __init__(self, status: str):
-        self.message = f"the model is {status}; retry when GET /ready answers 200"
+    def __init__(self, status: Status):
+        self.message = f"the model is {status}; {RETRY}"
         super().__init__(self.message)
 
 
 class AppState:
     def __init__(self, settings: Settings, topology: Topology | None = None):
         self.settings = settings
-        self.status = "loading"  # loading | ready | failed | stopping
+        self.status: Status = "loading"  # set by mark_ready, mark_failed and mark_stopping
         self.stage = "starting"
         self.progress = 0.0
         self.error: str | None = None
@@ -57,41 +58,21 @@ class AppState:
         the nodes when clustered. 0.0 = allowed, else seconds to wait."""
         return await self.topology.limits.take_ip(ip)
 
-    @property
-    def ready(self) -> bool:
-        return self.status == "ready" and self.not_ready_reason() is None
+    def readiness(self) -> Readiness:
+        """Whether requests can be served now and why not: what every front door reads."""
+        return assess(self.status, self.error, self.backends, self.topology.down_reason(), self.shutting_down)
 
-    @property
-    def serving(self) -> bool:
-        """The model and backends can serve (Redis aside: without it sessions get `unavailable`)."""
-        return self.status == "ready" and self.serving_reason() is None
+    def mark_ready(self) -> None:
+        self.ready_after_s = time.monotonic() - self.started
+        self.status = "ready"
 
-    def not_ready_reason(self) -> str | None:
-        reason = self.serving_reason()
-        return reason or self.topology.down_reason()
+    def mark_failed(self, error: str) -> None:
+        self.error, self.status = error, "failed"
 
-    def serving_reason(self) -> str | None:
-        if self.status != "ready":
-            return self.error or f"the model is {self.status}"
-        for name, backend in self.backends.items():
-            if not backend.available:
-                servers = backend.health().get("servers", [])
-                states = "; ".join(
-                    f"{s['url']} {s['state']}" + (f" ({s['last_error']})" if s["last_error"] else "")
-                    for s in servers
-                )
-                return f"no {name} inference server is available: {states}"
-        return None
-
-    def public_not_ready_message(self) -> str:
-        """Why requests cannot be served, without internal detail (URLs, hosts, paths)."""
-        if self.status != "ready":
-            what = f"the model is {self.status}"
-        elif self.serving_reason() is not None:
-            what = "no inference server is available"
-        else:
-            what = "the session store is unavailable"
-        return f"{what}; retry when GET /ready answers 200"
+    def mark_stopping(self) -> None:
+        """A ready server stops; one still loading or failed keeps saying so."""
+        if self.status == "ready":
+            self.status = "stopping"
 
     def backends_needed(self) -> set[str]:
         """The backends the settings place work on: the default, and each task's `backend`."""
@@ -130,8 +111,12 @@ class AppState:
         self.stage, self.progress = stage, progress
         log.info("startup: %s (%.0f%%)", stage, progress * 100)
 
-    def live_metrics(self) -> dict:
-        out: dict[str, Any] = {**self.counts(), "ready": self.ready}
+    def head_states(self) -> dict[str, dict[str, str]]:
+        """Per task with a learned head: whether it scores with it or by labels, and why."""
+        return self.registry.head_states() if self.registry is not None else {}
+
+    def live_metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {**self.counts(), "ready": self.readiness().ready}
         for name, backend in self.backends.items():
             try:
                 out["engine" if name == "local" else name] = backend.stats()

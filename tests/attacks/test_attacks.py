@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 START_TIMEOUT_S = 180.0
 WAIT_S = 60.0  # bound of one reply's events on a shared machine; nothing here should take that long
 QUIET = {
-    "RTSERVER_TASKS_LEARNED_HEADS": "false",  # else a first start may fit heads for minutes
+    "RTSERVER_TASKS_LEARNED_HEADS": "false",  # label scoring, whatever fits this machine's dtype has
     "RTSERVER_TASKS_AUTO_TASKS": "",  # no sentiment call beside each chat: less load, same attacks
     "RTSERVER_SERVER_LOG_LEVEL": "warning",
 }

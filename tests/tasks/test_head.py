@@ -19,7 +19,7 @@ from rtserver.engine.backend import FeatureScorer
 from rtserver.engine.core import Engine
 from rtserver.engine.model import effective_dtype, resolve_dtype
 from rtserver.tasks import Choices, LearnedHead, Task
-from rtserver.tasks.head import LogisticHead, load_examples, load_fitted, save_fitted
+from rtserver.tasks.head import LogisticHead, load_examples, load_fitted, save_fitted, store_fitted
 from rtserver.tasks.registry import TaskRegistry, load_registry
 from rtserver.tasks.run import PromptTask
 
@@ -178,6 +178,23 @@ async def test_a_shipped_fit_is_loaded_when_its_hash_matches_and_refitted_otherw
         backend = FakeFeatures(model_id)
         await PromptTask(task, tok).prepare(backend)
         assert backend.feature_calls == len(EXAMPLES) and "has no head fitted for this model" in caplog.text
+
+
+def test_stored_fits_keep_the_other_models_entries(tmp_path):
+    """`rtserver fit-heads` adds to the cache's file: a fit for another model or prompt stays usable."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(40, 4)), ["a", "b"] * 20
+    heads = {
+        name: LogisticHead(["a", "b"], iterations=20).fit(x + i, y)
+        for i, name in enumerate(("one", "two", "new"))
+    }
+    path = tmp_path / "mood.head.npz"
+    store_fitted(path, {"k1": ("model-a", heads["one"]), "k2": ("model-b", heads["two"])})
+    store_fitted(path, {"k2": ("model-b", heads["new"])})  # refitted: replaces its own entry only
+    loaded = load_fitted(path)
+    assert sorted(loaded) == ["k1", "k2"]
+    for key, want in (("k1", heads["one"]), ("k2", heads["new"])):
+        assert np.array_equal(loaded[key].mean, want.mean)  # each fit's own data: its own mean
 
 
 async def test_a_broken_fitted_file_is_a_warning_and_a_fit(smol, tmp_path, caplog):

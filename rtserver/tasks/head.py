@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .declare import Task
+
 log = logging.getLogger("rtserver.tasks")
 
 FEATURES_VERSION = 3  # bump when what score_features returns changes
@@ -213,3 +215,10 @@ def _softmax(a: np.ndarray) -> np.ndarray:
     e = np.exp(a)
     out: np.ndarray = e / e.sum(1, keepdims=True)
     return out
+
+
+def head_input(task: Task, rows: list[float] | np.ndarray, n_labels: int) -> np.ndarray:
+    """A learned head's input rows: the features, and the label scores where the head uses them."""
+    x = np.atleast_2d(np.asarray(rows, dtype=np.float64))
+    assert task.head is not None
+    return x if task.head.use_scores else x[:, :-n_labels]

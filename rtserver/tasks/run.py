@@ -16,23 +16,13 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from cachetools import TTLCache
 
 from ..engine.backend import FeatureScorer, InferenceBackend, SamplingParams, Tokenizer
-from .declare import Choices, LearnedHead, Task, TaskError, TaskOutput
+from .declare import Choices, Task, TaskError, TaskOutput
 from .fitting import FULL, Pace
-from .head import (
-    LogisticHead,
-    features_key,
-    head_key,
-    load_cached,
-    load_examples,
-    load_fitted,
-    load_stored,
-    store_cached,
-    stored_path,
-)
+from .head import LogisticHead, head_input
+from .prepare import prepare_heads
 
 log = logging.getLogger("rtserver.tasks")
 
@@ -218,7 +208,7 @@ class PromptTask:
         labels = list(choices.labels)
         if head is not None and isinstance(backend, FeatureScorer):
             row = await self._feature_row(backend, prompt, choices, template, chat)
-            p = head.predict_proba(_head_input(self.task, row, len(labels)))[0]
+            p = head.predict_proba(head_input(self.task, row, len(labels)))[0]
             probs = dict.fromkeys(labels, 0.0)
             probs.update({name: float(v) for name, v in zip(head.labels, p)})
             return {"label": max(probs, key=lambda name: probs[name]), "probs": probs}
@@ -327,46 +317,8 @@ class PromptTask:
         fit: bool = True,
         pace: Pace = FULL,
     ) -> str | None:
-        """Load the task's learned heads (nothing to do without one): the plugin's shipped fit, or the one
-        `rtserver fit-heads` stored in `cache_dir`. With `fit`, a prompt without one is fitted from the
-        examples at `pace`; without, the task scores labels. Returns a note when it scores labels (no
-        hidden states on this backend, or no fit). The heads switch in at once, when all are ready."""
-        spec = self.task.head
-        if spec is None or self.task.choices is None:
-            self._use({}, {}, None)
-            return None
-        if not isinstance(backend, FeatureScorer):
-            note = (
-                f"task {self.task.name!r}: its learned head needs the model's hidden states, which backend "
-                f"{backend_name or type(backend).__name__!r} does not return; the task runs by label "
-                "scoring (no head)"
-            )
-            log.warning("%s", note)
-            self._use({}, {}, note)
-            return note
-        groups: dict[int, list[tuple[str, str]]] = {}
-        raw = load_examples(Path(spec.examples), spec.labels, list(self.task.choices.labels))
-        for text, label in raw:
-            clean = self.task.clean_text(text)
-            groups.setdefault(self.task.variant_of(clean), []).append((clean, label))
-        known = _known_fits(spec, stored_path(cache_dir, self.task.name))
-        model_id = backend.feature_model_id
-        heads: dict[int, LogisticHead] = {}
-        fitted: dict[str, tuple[str, LogisticHead]] = {}
-        for index, rows in sorted(groups.items()):
-            prepared = await self._prepare_head(backend, model_id, spec, known, rows, cache_dir, fit, pace)
-            if prepared is None:
-                continue
-            key, head = prepared
-            if head is None:
-                note = f"no fit for model {model_id}; run rtserver fit-heads"
-                log.warning("task %s: %s (until then it scores labels)", self.task.name, note)
-                self._use({}, {}, note, missing=True)
-                return note
-            heads[index], fitted[key] = head, (model_id, head)
-        self._use(heads, fitted, None)
-        self.head_model = model_id
-        return None
+        """Load the task's learned heads (`prepare.py`); a note says why it scores labels instead."""
+        return await prepare_heads(self, backend, cache_dir, backend_name, fit=fit, pace=pace)
 
     def _use(
         self,
@@ -386,134 +338,3 @@ class PromptTask:
         if self.heads:
             return {"mode": "head", "head": f"fitted for model {self.head_model}"}
         return {"mode": "labels", "head": self.head_note or "learned heads are not loaded"}
-
-    async def _prepare_head(
-        self,
-        backend: InferenceBackend,
-        model_id: str,
-        spec: LearnedHead,
-        known: dict[str, tuple[LogisticHead, str]],
-        rows: list[tuple[str, str]],
-        cache_dir: Path | None,
-        fit: bool,
-        pace: Pace,
-    ) -> tuple[str, LogisticHead | None] | None:
-        """The head of one prompt (the task's or a variant's) by its key: a known fit for this model, else
-        fitted (`fit`) or none. None: too few examples, that prompt keeps label scoring."""
-        template, choices, chat = self.task.select(rows[0][0])
-        assert choices is not None
-        labels = [name for name in choices.labels if any(label == name for _, label in rows)]
-        if len(rows) < spec.min_examples or len(labels) < 2:
-            log.warning(
-                "%s: %d examples (%d labels) for prompt %r: too few for a head, it keeps label scoring",
-                self.task.name,
-                len(rows),
-                len(labels),
-                template[:40],
-            )
-            return None
-        texts, y = [t for t, _ in rows], [label for _, label in rows]
-        fkey = _features_key(self, model_id, choices, template, chat, texts)
-        key = head_key(fkey, labels, y, LogisticHead(labels, spec.l2), spec.use_scores)
-        if key in known:
-            head, source = known[key]
-            log.info(
-                "%s: learned head for prompt %r loaded from %s (fitted for this model, prompt and %d "
-                "examples)",
-                self.task.name,
-                template[:40],
-                source,
-                len(rows),
-            )
-            return key, head
-        if not fit:
-            return key, None
-        log.warning(
-            "task %s has no head fitted for this model (%s), prompt %r and examples: fitting one from the "
-            "%d examples (computing their features the first time)",
-            self.task.name,
-            model_id,
-            template[:40],
-            len(rows),
-        )
-        x = await self._example_features(backend, choices, template, chat, texts, cache_dir, fkey, pace)
-        started = time.perf_counter()
-        rows_in = _head_input(self.task, x, len(choices.labels))
-        loop = asyncio.get_running_loop()
-        head = await loop.run_in_executor(pace.executor, LogisticHead(labels, spec.l2).fit, rows_in, y)
-        log.info(
-            "%s: learned head fitted on %d examples in %.1f s (prompt %r)",
-            self.task.name,
-            len(rows),
-            time.perf_counter() - started,
-            template[:40],
-        )
-        return key, head
-
-    async def _example_features(
-        self,
-        backend: InferenceBackend,
-        choices: Choices,
-        template: str,
-        chat: bool,
-        texts: list[str],
-        cache_dir: Path | None,
-        key: str,
-        pace: Pace,
-    ) -> np.ndarray:
-        assert isinstance(backend, FeatureScorer)
-        cached = load_cached(cache_dir, key)
-        if cached is not None and cached.shape[0] == len(texts):
-            return cached
-        started = time.perf_counter()
-        sem = asyncio.Semaphore(pace.concurrency)
-
-        async def one(text: str) -> list[float]:
-            async with sem:
-                prompt = self._render(text)[0]
-                return await self._feature_row(backend, prompt, choices, template, chat)
-
-        x = np.asarray(await asyncio.gather(*(one(t) for t in texts)), dtype=np.float32)
-        log.info(
-            "%s: features of %d examples computed in %.1f s",
-            self.task.name,
-            len(texts),
-            time.perf_counter() - started,
-        )
-        store_cached(cache_dir, key, x)
-        return x
-
-
-def _known_fits(spec: LearnedHead, stored: Path | None) -> dict[str, tuple[LogisticHead, str]]:
-    """Every fit on hand by key, with the file it came from: the plugin's shipped one, then the one
-    `rtserver fit-heads` stored."""
-    known: dict[str, tuple[LogisticHead, str]] = {}
-    if spec.fitted is not None:
-        known.update({key: (head, str(spec.fitted)) for key, head in load_fitted(Path(spec.fitted)).items()})
-    known.update({key: (head, str(stored)) for key, head in load_stored(stored).items()})
-    return known
-
-
-def _head_input(task: Task, rows: list[float] | np.ndarray, n_labels: int) -> np.ndarray:
-    """A learned head's input rows: the features, and the label scores where the head uses them."""
-    x = np.atleast_2d(np.asarray(rows, dtype=np.float64))
-    assert task.head is not None
-    return x if task.head.use_scores else x[:, :-n_labels]
-
-
-def _features_key(
-    pt: PromptTask, model_id: str, choices: Choices, template: str, chat: bool, texts: list[str]
-) -> str:
-    """The cache key of the examples' features: everything they depend on."""
-    task = pt.task
-    return features_key(
-        model_id,
-        template,
-        chat,
-        task.system_prompt if chat else None,
-        pt._candidate_ids(choices),
-        choices.calibration,
-        task.max_input_tokens,
-        task.truncate,
-        texts,
-    )

@@ -197,7 +197,7 @@ class Connection(QueuedConnection):
     async def admit(self, request_id: str) -> bool:
         """Whether a new request may start on this connection now (else the client is told why)."""
         max_in_flight = self.hub.settings.server.max_in_flight
-        if self.hub.state.shutting_down:
+        if self.hub.state.readiness().draining:
             await self.error(
                 "shutting_down", "the server is shutting down; reconnect in a moment", request_id
             )

@@ -17,9 +17,9 @@ import httpx
 import numpy as np
 import pytest
 
+from rtserver.tasks import prepare
 from rtserver.tasks.fitting import BACKGROUND_NICE
 from rtserver.tasks.head import LogisticHead
-from rtserver.tasks.run import PromptTask
 from rtserver.tools import fit_heads
 from rtserver.web.readiness import RETRY, assess
 
@@ -111,7 +111,7 @@ def no_fitting(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a learned head was fitted")
 
-    monkeypatch.setattr(PromptTask, "_example_features", refuse)
+    monkeypatch.setattr(prepare, "example_features", refuse)
     monkeypatch.setattr(LogisticHead, "fit", refuse)
 
 
@@ -148,7 +148,7 @@ async def test_fit_heads_stores_a_fit_the_next_start_uses(smol, tmp_path, monkey
     def refuse(*args, **kwargs):
         raise AssertionError("a learned head was fitted")
 
-    monkeypatch.setattr(PromptTask, "_example_features", refuse)
+    monkeypatch.setattr(prepare, "example_features", refuse)
     monkeypatch.setattr(LogisticHead, "fit", refuse)
     engine = FeatureEngine(smol)
     async with serve(scripted_app(smol, settings, engine), settings) as (base, _):

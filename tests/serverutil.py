@@ -18,7 +18,7 @@ import httpx
 import uvicorn
 
 from rtserver.config import Settings
-from rtserver.engine.backend import FinishReason
+from rtserver.engine.backend import FinishReason, TokenEvent
 from rtserver.engine.core import GenerationStream
 from rtserver.engine.sequence import Sequence
 from rtserver.web.app import create_app, uvicorn_options
@@ -256,7 +256,7 @@ class ScriptedEngine:
                 seq.output_ids.append(0)
                 seq.usage.generated_tokens += 1
                 seq.first_token_at = seq.first_token_at or time.perf_counter()
-                stream._push("token", (0, text))
+                stream._push(TokenEvent(0, text))
                 self.generated += 1
                 if i % 16 == 0:
                     await asyncio.sleep(self.delay)
@@ -269,16 +269,16 @@ class ScriptedEngine:
                     break
                 delta = seq.append_token(tok)
                 self.generated += 1
-                stream._push("token", (tok, delta))
+                stream._push(TokenEvent(tok, delta))
                 if seq.finish_reason is not None:
                     break
             else:
                 seq.finish_reason = FinishReason.LENGTH
                 tail = seq._flush()
                 if tail:
-                    stream._push("token", (0, tail))
+                    stream._push(TokenEvent(0, tail))
         seq.finished_at = time.perf_counter()
-        stream._push("finish", seq.result())
+        stream._push(seq.result())
 
     async def score(self, prompt_ids, candidates, *, normalize: bool = True, public_tokens=0) -> list[float]:
         await asyncio.sleep(0)

@@ -10,7 +10,7 @@ import asyncio
 import ctypes
 import logging
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from .kv import KVCacheManager
 from .model import LoadedModel
 from .quant import kernel_error, load_kernel, probe_small_rows, read_gguf_weights
 from .runner import ModelRunner
-from .scheduler import Scheduler, SchedulerLimits
+from .scheduler import Scheduler, SchedulerLimits, StepEvent
 from .sequence import Sequence
 
 log = logging.getLogger("rtserver.engine")
@@ -41,15 +41,15 @@ class GenerationStream:
     def __init__(self, engine: Engine, seq: Sequence):
         self._engine = engine
         self.seq = seq
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._result: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+        self._result: asyncio.Future[SequenceResult] = asyncio.get_running_loop().create_future()
 
-    def _push(self, kind: str, payload: Any) -> None:
-        if kind == "token":
-            self._queue.put_nowait(TokenEvent(*payload))
+    def _push(self, event: TokenEvent | SequenceResult) -> None:
+        if isinstance(event, TokenEvent):
+            self._queue.put_nowait(event)
         else:
             if not self._result.done():
-                self._result.set_result(payload)
+                self._result.set_result(event)
             self._queue.put_nowait(None)
 
     def __aiter__(self) -> GenerationStream:
@@ -114,7 +114,7 @@ class Engine:
         )
         self.eos_token_ids = self._eos_ids(loaded)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[int, Any] = {}
+        self._streams: dict[int, Callable[[TokenEvent | SequenceResult], None]] = {}
         self._thread: threading.Thread | None = None
 
     def _use_gguf_blocks(self, loaded: LoadedModel, release: bool) -> dict[str, Any]:
@@ -190,18 +190,18 @@ class Engine:
             self._thread = None
 
     # -- from the scheduler thread --------------------------------------------------------------
-    def _dispatch(self, events: list) -> None:
+    def _dispatch(self, events: list[StepEvent]) -> None:
         if events and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._deliver, events)
 
-    def _deliver(self, events: list) -> None:
-        for seq, kind, payload in events:
+    def _deliver(self, events: list[StepEvent]) -> None:
+        for seq, event in events:
             sink = self._streams.get(seq.id)
             if sink is None:
                 continue
-            if kind == "finish":
+            if isinstance(event, SequenceResult):
                 del self._streams[seq.id]
-            sink(kind, payload)
+            sink(event)
 
     # -- public API (event loop) ----------------------------------------------------------------
     def generate(
@@ -296,11 +296,11 @@ class Engine:
         if not normalize:
             seq.score_columns = sorted({c[0] for c in candidates})
         seq.features_from = features_from
-        future = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[SequenceResult] = asyncio.get_running_loop().create_future()
 
-        def sink(kind: str, payload: Any) -> None:
-            if kind == "finish" and not future.done():
-                future.set_result(payload)
+        def sink(event: TokenEvent | SequenceResult) -> None:
+            if isinstance(event, SequenceResult) and not future.done():
+                future.set_result(event)
 
         self._streams[seq.id] = sink
         try:

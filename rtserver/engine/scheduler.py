@@ -19,12 +19,15 @@ from typing import Protocol
 import torch
 
 from ..config import EngineSettings
-from .backend import FinishReason, Overloaded, RequestTooLarge
+from .backend import FinishReason, Overloaded, RequestTooLarge, SequenceResult, TokenEvent
 from .kv import KVCacheManager, OutOfKVMemory
 from .plan import StepItem
 from .sequence import Phase, Sequence
 
 log = logging.getLogger("rtserver.scheduler")
+
+# what a step reports of a sequence: a new token with its text delta, or its final result
+StepEvent = tuple[Sequence, TokenEvent | SequenceResult]
 
 
 class Runner(Protocol):
@@ -64,7 +67,7 @@ class Scheduler:
         runner: Runner,
         kv: KVCacheManager,
         limits: SchedulerLimits,
-        on_events: Callable[[list[tuple[Sequence, str, object]]], None] | None = None,
+        on_events: Callable[[list[StepEvent]], None] | None = None,
     ):
         self.runner = runner
         self.kv = kv
@@ -127,7 +130,7 @@ class Scheduler:
         self._fail_all(FinishReason.CANCELLED, "server shutting down")
 
     def _fail_all(self, reason: FinishReason, message: str) -> None:
-        events: list = []
+        events: list[StepEvent] = []
         with self._cond:
             doomed = list(self.running) + list(self.waiting)
             self.running.clear()
@@ -136,7 +139,9 @@ class Scheduler:
             self._finish(seq, reason, events, error=message)
         self.on_events(events)
 
-    def _finish(self, seq: Sequence, reason: FinishReason, events: list, error: str | None = None) -> None:
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, events: list[StepEvent], error: str | None = None
+    ) -> None:
         if seq.is_finished:
             return
         seq.finish_reason = seq.finish_reason or reason
@@ -152,9 +157,9 @@ class Scheduler:
                 seq.kv, seq.session_key if error is None or reason is FinishReason.CANCELLED else None
             )
             seq.kv = None
-        events.append((seq, "finish", seq.result()))
+        events.append((seq, seq.result()))
 
-    def _admit(self, events: list) -> None:
+    def _admit(self, events: list[StepEvent]) -> None:
         with self._cond:
             places = self._places()
             for seq in list(self.waiting):
@@ -231,7 +236,7 @@ class Scheduler:
             self._join_budget = 0
         return items
 
-    def plan(self, events: list) -> list[StepItem]:
+    def plan(self, events: list[StepEvent]) -> list[StepItem]:
         """Admit what fits, drop what was cancelled, and lay out this step's tokens."""
         for seq in [s for s in self.running if s.cancelled]:
             self.running.remove(seq)
@@ -271,7 +276,7 @@ class Scheduler:
         return items
 
     def step(self) -> None:
-        events: list = []
+        events: list[StepEvent] = []
         items = self.plan(events)
         if not items:
             self.on_events(events)
@@ -303,7 +308,7 @@ class Scheduler:
         return self.runner.forward(items, self._join if join else None)
 
     def _run_guarded(
-        self, items: list[StepItem], events: list, logits: list[torch.Tensor | None] | None = None
+        self, items: list[StepItem], events: list[StepEvent], logits: list[torch.Tensor | None] | None = None
     ) -> None:
         """Forward (unless `logits` are given) and apply `items`; a failure fails their sequences only —
         never the scheduler."""
@@ -323,7 +328,9 @@ class Scheduler:
                     error=f"internal error in model step ({type(exc).__name__})",
                 )
 
-    def _after_forward(self, items: list[StepItem], logits: list[torch.Tensor | None], events: list) -> None:
+    def _after_forward(
+        self, items: list[StepItem], logits: list[torch.Tensor | None], events: list[StepEvent]
+    ) -> None:
         sampling: list[tuple[Sequence, torch.Tensor]] = []
         scoring: list[tuple[Sequence, torch.Tensor]] = []
         for it, lg in zip(items, logits):
@@ -365,12 +372,12 @@ class Scheduler:
                     self._fail_alone(seq, events, "detokenizing", exc)
                     continue
                 self.tokens_generated += 1
-                events.append((seq, "token", (token, delta)))
+                events.append((seq, TokenEvent(token, delta)))
                 if seq.finish_reason is not None:
                     self.running.remove(seq)
                     self._finish(seq, seq.finish_reason, events)
 
-    def _fail_alone(self, seq: Sequence, events: list, stage: str, exc: BaseException) -> None:
+    def _fail_alone(self, seq: Sequence, events: list[StepEvent], stage: str, exc: BaseException) -> None:
         """End one sequence whose own work after the forward raised; the step's others go on."""
         log.error("sequence %s failed in %s", seq.id, stage, exc_info=exc)
         if seq in self.running:
@@ -379,7 +386,7 @@ class Scheduler:
             seq, FinishReason.ERROR, events, error=f"internal error in {stage} ({type(exc).__name__})"
         )
 
-    def _finish_scoring(self, done: list[tuple[Sequence, torch.Tensor]], events: list) -> None:
+    def _finish_scoring(self, done: list[tuple[Sequence, torch.Tensor]], events: list[StepEvent]) -> None:
         try:
             self.runner.score_labels(done)  # sets each sequence's scores
         except Exception:

@@ -11,15 +11,15 @@ import contextlib
 import json
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import uvicorn
 
 from rtserver.config import Settings
-from rtserver.engine.backend import FinishReason, TokenEvent
+from rtserver.engine.backend import BackendStats, FinishReason, TokenEvent
 from rtserver.engine.core import GenerationStream
+from rtserver.engine.kv import KVStats
 from rtserver.engine.sequence import Sequence
 from rtserver.web.app import create_app, uvicorn_options
 
@@ -293,11 +293,15 @@ class ScriptedEngine:
 
     available = True
 
-    def stats(self) -> dict:
-        kv = SimpleNamespace(
+    def stats(self) -> BackendStats:
+        kv = KVStats(
             budget_bytes=1,
             used_bytes=0,
+            block_bytes=0,
+            free_blocks=0,
+            total_blocks=0,
             cached_sessions=0,
+            cached_prefix_blocks=0,
             evictions=0,
             rebuilds=0,
             prefix_hits=0,

@@ -10,7 +10,10 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
+
+if TYPE_CHECKING:
+    from .kv import KVStats
 
 
 class Tokenizer(Protocol):
@@ -152,6 +155,45 @@ class TokenEvent:
     text: str  # the safe-to-show text delta; may be "" while a character or stop string is incomplete
 
 
+class BackendStats(TypedDict):
+    """A backend's counters, read by /metrics at each scrape (`InferenceBackend.stats`)."""
+
+    running: int
+    waiting: int
+    steps: int
+    tokens_generated: int
+    tokens_prefilled: int
+    kv: KVStats | None  # the local engine's KV cache; None where the model runs elsewhere
+
+
+class UpstreamStats(TypedDict):
+    """One inference server behind a remote backend, in /health and /metrics."""
+
+    url: str
+    state: str  # up | probing | down
+    in_flight: int
+    requests: int
+    errors: int
+    last_error: str | None
+    ttfb_p50_ms: float | None
+
+
+class ServerHealth(UpstreamStats):
+    kind: str | None  # what the server is (llama.cpp, vLLM, rtserver), once checked
+
+
+class BackendHealth(TypedDict):
+    """What /health shows of a backend (`InferenceBackend.health`): the local engine's state and
+    kernels, or a remote backend's model and servers."""
+
+    kind: str
+    state: NotRequired[str]
+    running: NotRequired[int]
+    kernels: NotRequired[dict[str, Any]]
+    model: NotRequired[str]
+    servers: NotRequired[list[ServerHealth]]
+
+
 class Generation(Protocol):
     """One generation in flight: iterate its token events; `result()` is the final outcome."""
 
@@ -204,9 +246,9 @@ class InferenceBackend(Protocol):
     def drop_session(self, session_key: Hashable) -> None:
         """Free what the backend keeps for a session (it closed or expired)."""
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> BackendStats: ...
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> BackendHealth:
         """What /health shows of this backend (a remote one: each server's state)."""
         ...
 

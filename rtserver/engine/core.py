@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EngineSettings
-from .backend import FinishReason, SamplingParams, SequenceResult, TokenEvent
+from .backend import BackendHealth, BackendStats, FinishReason, SamplingParams, SequenceResult, TokenEvent
 from .kv import KVCacheManager
 from .model import LoadedModel
 from .quant import kernel_error, load_kernel, probe_small_rows, read_gguf_weights
@@ -317,7 +317,7 @@ class Engine:
         """Free a session's cached KV (session closed or expired)."""
         self.kv.drop_session(session_key)
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> BackendHealth:
         running = len(self.scheduler.running)
         return {"kind": "local", "state": "up", "running": running, "kernels": self.kernels}
 
@@ -325,7 +325,7 @@ class Engine:
     def available(self) -> bool:
         return True  # in process: up as long as this server is
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> BackendStats:
         s = self.scheduler
         return {
             "running": len(s.running),

@@ -13,10 +13,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Hashable
-from typing import Any
+from typing import TypedDict
 
 from ..config import BackendSettings
-from ..engine.backend import SamplingError, SamplingParams, Tokenizer
+from ..engine.backend import (
+    BackendHealth,
+    BackendStats,
+    SamplingError,
+    SamplingParams,
+    ServerHealth,
+    Tokenizer,
+    UpstreamStats,
+)
 from .client import Upstreams
 from .generation import RemoteGeneration
 from .pool import BackendUnavailable
@@ -25,7 +33,30 @@ from .scoring import LabelScoring
 from .servers import ServerCheck
 from .wire import BackendMismatch, UpstreamError
 
-__all__ = ["PREFETCH_DELAY_S", "BackendMismatch", "RemoteBackend", "RemoteGeneration", "UpstreamError"]
+__all__ = [
+    "PREFETCH_DELAY_S",
+    "BackendMismatch",
+    "RemoteBackend",
+    "RemoteGeneration",
+    "RemoteStats",
+    "UpstreamError",
+]
+
+
+class SendGroups(TypedDict):
+    """The send gate's requests and the groups they left in."""
+
+    requests: int
+    groups: int
+
+
+class RemoteStats(BackendStats):
+    """A remote backend's counters: the common ones, each server's, the send gate's and the
+    next-turn prefetches' by outcome (with those in flight)."""
+
+    upstreams: list[UpstreamStats]
+    send_groups: SendGroups
+    prefetch: dict[str, int]
 
 
 class RemoteBackend:
@@ -137,7 +168,7 @@ class RemoteBackend:
         for reuse in self.reuse.values():
             reuse.forget(session_key)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> RemoteStats:
         snapshot = self.pool.snapshot()
         return {
             "running": sum(s["in_flight"] for s in snapshot),
@@ -151,12 +182,9 @@ class RemoteBackend:
             "prefetch": {**self.prefetch_counts, "in_flight": len(self._prefetches)},
         }
 
-    def health(self) -> dict[str, Any]:
-        return {
-            "kind": "openai",
-            "model": self.model,
-            "servers": [{**s, "kind": self.kinds.get(s["url"])} for s in self.pool.snapshot()],
-        }
+    def health(self) -> BackendHealth:
+        servers: list[ServerHealth] = [{**s, "kind": self.kinds.get(s["url"])} for s in self.pool.snapshot()]
+        return {"kind": "openai", "model": self.model, "servers": servers}
 
     @property
     def available(self) -> bool:

@@ -14,7 +14,8 @@ import hashlib
 import time
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
-from typing import TypedDict
+
+from ..engine.backend import UpstreamStats
 
 
 class BackendUnavailable(Exception):
@@ -47,18 +48,6 @@ class Upstream:
     def record_latency(self, seconds: float) -> None:
         self.latency_s.append(seconds)
         del self.latency_s[:-256]
-
-
-class UpstreamStats(TypedDict):
-    """One server in `/health` and `/metrics` (`UpstreamPool.snapshot`)."""
-
-    url: str
-    state: str
-    in_flight: int
-    requests: int
-    errors: int
-    last_error: str | None
-    ttfb_p50_ms: float | None
 
 
 class Wakeup:

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..config import Settings
 from ..engine.backend import InferenceBackend, Tokenizer
@@ -118,6 +118,13 @@ def _apply_overrides(task: Task, table: dict[str, Any]) -> Task:
 # `[task.<name>] backend = "local" | "openai"`: where the task runs, a deployment choice the web layer
 # reads (not part of the declaration)
 PLACEMENT_KEY = "backend"
+
+
+class CacheCounts(NamedTuple):
+    """A task's result cache, as /metrics counts it."""
+
+    hits: int
+    misses: int
 
 
 class TaskRegistry:
@@ -262,9 +269,9 @@ class TaskRegistry:
                     exc,
                 )
 
-    def cache_stats(self) -> dict[str, tuple[int, int]]:
+    def cache_stats(self) -> dict[str, CacheCounts]:
         return {
-            n: (t.cache_hits, t.cache_misses)
+            n: CacheCounts(t.cache_hits, t.cache_misses)
             for n, t in self.tasks.items()
             if isinstance(t, PromptTask) and t.cache is not None
         }

@@ -218,11 +218,8 @@ def kv_tokens(backends: dict[str, InferenceBackend], block_tokens: int) -> int:
     local = backends.get("local")
     if local is None:
         return 0
-    try:
-        kv = local.stats()["kv"]
-    except (KeyError, TypeError):
-        return 0
-    return int(getattr(kv, "total_blocks", 0)) * block_tokens
+    kv = local.stats()["kv"]
+    return kv.total_blocks * block_tokens if kv is not None else 0
 
 
 class Admission:

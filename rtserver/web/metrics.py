@@ -8,10 +8,19 @@ scrapes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from ..engine.backend import BackendStats, SequenceResult, UpstreamStats
+
+if TYPE_CHECKING:
+    from ..engine.kv import KVStats
+    from ..remote.backend import RemoteStats
+    from ..tasks.registry import CacheCounts
+    from .cluster.topology import ClusterFigures
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -20,10 +29,12 @@ TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
 
 
 class _LiveCollector:
+    """The gauges and counters read from the app's live figures at each scrape."""
+
     def __init__(self, source: Callable[[], dict[str, Any]]):
         self.source = source
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         s = self.source()
         yield GaugeMetricFamily("rtserver_connections", "Open WebSocket connections", value=s["connections"])
         yield GaugeMetricFamily(
@@ -34,22 +45,25 @@ class _LiveCollector:
             "1 when the model is loaded and requests are served",
             value=1 if s["ready"] else 0,
         )
-        cluster = s.get("cluster")
+        cluster: ClusterFigures | None = s.get("cluster")
         if cluster:
             yield from _cluster_metrics(cluster)
-        remote = s.get("openai")
+        remote: RemoteStats | None = s.get("openai")
         if remote:
-            yield from _upstream_metrics(remote.get("upstreams") or [])
+            yield from _upstream_metrics(remote["upstreams"])
             yield from _remote_flow_metrics(remote)
-        engine = s.get("engine")
+        engine: BackendStats | None = s.get("engine")
         if not engine:
             return
         yield from _engine_metrics(engine)
-        yield from _kv_metrics(engine["kv"])
-        yield from _task_cache_metrics(s.get("task_cache") or {})
+        kv = engine["kv"]
+        if kv is not None:  # the local engine always has one
+            yield from _kv_metrics(kv)
+        task_cache: dict[str, CacheCounts] = s.get("task_cache") or {}
+        yield from _task_cache_metrics(task_cache)
 
 
-def _engine_metrics(engine: dict[str, Any]) -> Iterator[Any]:
+def _engine_metrics(engine: BackendStats) -> Iterator[Metric]:
     """The local engine's batch and token counters."""
     yield GaugeMetricFamily(
         "rtserver_running_sequences", "Sequences in the running batch", value=engine["running"]
@@ -68,43 +82,39 @@ def _engine_metrics(engine: dict[str, Any]) -> Iterator[Any]:
     yield CounterMetricFamily("rtserver_engine_steps", "Scheduler steps run", value=engine["steps"])
 
 
-def _kv_metrics(kv: Any) -> Iterator[Any]:
+def _kv_metrics(kv: KVStats) -> Iterator[Metric]:
     """The local engine's KV cache: bytes, sessions kept, evictions, reuse."""
-
-    def kvget(name: str) -> float:
-        return float(getattr(kv, name, 0) or 0)
-
-    yield GaugeMetricFamily("rtserver_kv_used_bytes", "KV cache bytes in use", value=kvget("used_bytes"))
+    yield GaugeMetricFamily("rtserver_kv_used_bytes", "KV cache bytes in use", value=float(kv.used_bytes))
     yield GaugeMetricFamily(
-        "rtserver_kv_budget_bytes", "KV cache budget in bytes", value=kvget("budget_bytes")
+        "rtserver_kv_budget_bytes", "KV cache budget in bytes", value=float(kv.budget_bytes)
     )
     yield GaugeMetricFamily(
         "rtserver_kv_prefix_cache_bytes",
         "KV bytes held by the shared prefix cache (part of used, reclaimable)",
-        value=kvget("cached_prefix_blocks") * kvget("block_bytes"),
+        value=float(kv.cached_prefix_blocks * kv.block_bytes),
     )
     yield GaugeMetricFamily(
         "rtserver_kv_cached_sessions",
         "Sessions with KV kept between turns",
-        value=kvget("cached_sessions"),
+        value=float(kv.cached_sessions),
     )
     yield CounterMetricFamily(
-        "rtserver_kv_evictions", "Idle KV entries evicted to make room", value=kvget("evictions")
+        "rtserver_kv_evictions", "Idle KV entries evicted to make room", value=float(kv.evictions)
     )
     yield CounterMetricFamily(
-        "rtserver_kv_rebuilds", "Turns whose session KV had been evicted", value=kvget("rebuilds")
+        "rtserver_kv_rebuilds", "Turns whose session KV had been evicted", value=float(kv.rebuilds)
     )
     hits = CounterMetricFamily(
         "rtserver_kv_cache_hits",
         "KV cache reuse: session hits (turns) and prefix-cache hits",
         labels=["kind"],
     )
-    hits.add_metric(["session"], kvget("session_hits"))
-    hits.add_metric(["prefix"], kvget("prefix_hits"))
+    hits.add_metric(["session"], float(kv.session_hits))
+    hits.add_metric(["prefix"], float(kv.prefix_hits))
     yield hits
 
 
-def _task_cache_metrics(tasks: dict[str, tuple[int, int]]) -> Iterator[Any]:
+def _task_cache_metrics(tasks: dict[str, CacheCounts]) -> Iterator[Metric]:
     """Each task's result cache: (hits, misses)."""
     if tasks:
         th = CounterMetricFamily("rtserver_task_cache_hits", "Task result cache hits", labels=["task"])
@@ -116,40 +126,40 @@ def _task_cache_metrics(tasks: dict[str, tuple[int, int]]) -> Iterator[Any]:
         yield tm
 
 
-def _cluster_metrics(c: dict) -> Iterator[Any]:
+def _cluster_metrics(c: ClusterFigures) -> Iterator[Metric]:
     """Clustered (`cluster.redis_url`): Redis health and the cluster as of the last heartbeat."""
     yield GaugeMetricFamily(
         "rtserver_cluster_redis_up", "1 while Redis answers", value=1 if c["redis_up"] else 0
     )
     yield GaugeMetricFamily(
-        "rtserver_cluster_nodes_alive", "Nodes with a recent heartbeat", value=c.get("nodes_alive", 0)
+        "rtserver_cluster_nodes_alive", "Nodes with a recent heartbeat", value=c["nodes_alive"]
     )
     yield GaugeMetricFamily(
         "rtserver_cluster_sessions",
         "Sessions connected to any node of the cluster",
-        value=c.get("sessions", 0),
+        value=c["sessions"],
     )
     yield GaugeMetricFamily(
         "rtserver_cluster_console_agents",
         "Console agents logged in on any node",
-        value=c.get("console_agents", 0),
+        value=c["console_agents"],
     )
     yield CounterMetricFamily(
         "rtserver_cluster_session_writes",
         "Session records written by this node",
-        value=c.get("session_writes", 0),
+        value=c["session_writes"],
     )
     yield CounterMetricFamily(
         "rtserver_cluster_resumes_from_store",
         "Resumes this node rebuilt from the stored record (another node had served the session since)",
-        value=c.get("resumed_from_store", 0),
+        value=c["resumed_from_store"],
     )
     yield CounterMetricFamily(
-        "rtserver_cluster_redis_failures", "Redis calls that failed", value=c.get("redis_failures", 0)
+        "rtserver_cluster_redis_failures", "Redis calls that failed", value=c["redis_failures"]
     )
 
 
-def _upstream_metrics(upstreams: list[dict]) -> Iterator[Any]:
+def _upstream_metrics(upstreams: list[UpstreamStats]) -> Iterator[Metric]:
     """Per remote inference server (model.backend = "openai"): state, in flight, requests, errors and
     time to first byte."""
     up = GaugeMetricFamily(
@@ -172,22 +182,23 @@ def _upstream_metrics(upstreams: list[dict]) -> Iterator[Any]:
         flight.add_metric([u["url"]], u["in_flight"])
         requests.add_metric([u["url"]], u["requests"])
         errors.add_metric([u["url"]], u["errors"])
-        if u.get("ttfb_p50_ms") is not None:
-            ttfb.add_metric([u["url"]], u["ttfb_p50_ms"] / 1000)
+        p50 = u["ttfb_p50_ms"]
+        if p50 is not None:
+            ttfb.add_metric([u["url"]], p50 / 1000)
     yield from (up, flight, requests, errors, ttfb)
 
 
-def _remote_flow_metrics(remote: dict) -> Iterator[Any]:
+def _remote_flow_metrics(remote: RemoteStats) -> Iterator[Metric]:
     """The send gate's requests and groups (requests / groups: how many of a burst left together) and
     the next-turn prefetches by outcome."""
-    gate = remote.get("send_groups") or {}
+    gate = remote["send_groups"]
     yield CounterMetricFamily(
         "rtserver_backend_gated_requests",
         "Upstream requests through the send gate",
-        value=gate.get("requests", 0),
+        value=gate["requests"],
     )
     yield CounterMetricFamily(
-        "rtserver_backend_send_groups", "Groups the send gate let go together", value=gate.get("groups", 0)
+        "rtserver_backend_send_groups", "Groups the send gate let go together", value=gate["groups"]
     )
     prefetch = CounterMetricFamily(
         "rtserver_backend_prefetches",
@@ -195,7 +206,7 @@ def _remote_flow_metrics(remote: dict) -> Iterator[Any]:
         "next turn, overtaken (it stopped waiting)",
         labels=["outcome"],
     )
-    for outcome, count in (remote.get("prefetch") or {}).items():
+    for outcome, count in remote["prefetch"].items():
         if outcome != "in_flight":
             prefetch.add_metric([outcome], count)
     yield prefetch
@@ -230,7 +241,7 @@ class Metrics:
         self.expired = Counter("rtserver_sessions_expired", "Sessions expired or dropped", registry=r)
         r.register(_LiveCollector(live))
 
-    def observe_generation(self, endpoint: str, result: Any) -> None:
+    def observe_generation(self, endpoint: str, result: SequenceResult) -> None:
         """TTFT and mean inter-token latency of one finished generation."""
         if result.ttft_ms is None:
             return

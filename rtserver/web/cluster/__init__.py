@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NotRequired, TypedDict, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -29,7 +29,7 @@ log = logging.getLogger("rtserver.cluster")
 T = TypeVar("T")
 
 
-async def stop_task(task: asyncio.Task, timeout_s: float = 5.0) -> None:
+async def stop_task(task: asyncio.Task[Any], timeout_s: float = 5.0) -> None:
     """Cancel a background task and wait for it to end; cancel again while it goes on, for at most
     `timeout_s`. A cancellation that lands inside a Redis call can come out of it as a connection error,
     which a loop that outlives Redis outages catches and carries on from: one cancel is not enough."""
@@ -39,6 +39,19 @@ async def stop_task(task: asyncio.Task, timeout_s: float = 5.0) -> None:
         await asyncio.wait({task}, timeout=0.1)
     if not task.done():
         log.warning("a cluster task did not stop within %.0f s", timeout_s)
+
+
+class ClusterHealth(TypedDict):
+    """The cluster in /health: this node and Redis, and while Redis answers the nodes' view."""
+
+    node_id: str
+    redis: str  # up | down
+    reason: NotRequired[str]  # why Redis is down
+    nodes_alive: NotRequired[int]
+    connections: NotRequired[int]
+    sessions: NotRequired[int]
+    console_agents: NotRequired[int]
+    nodes: NotRequired[list[dict[str, Any]]]
 
 
 class ClusterUnavailable(Exception):
@@ -90,7 +103,7 @@ class Cluster:
         self.reason = "connecting to Redis"
         self.down_since: float | None = clock()
         self.failures = 0  # calls that failed since start
-        self._loop_task: asyncio.Task | None = None
+        self._loop_task: asyncio.Task[None] | None = None
         self._beats: list[Callable[[], Awaitable[None]]] = []  # run after each good ping
 
     def key(self, *parts: str) -> str:
@@ -169,8 +182,8 @@ class Cluster:
         except Exception:  # closing a broken connection: nothing to do
             pass
 
-    def health(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"node_id": self.node_id, "redis": "up" if self.available else "down"}
+    def health(self) -> ClusterHealth:
+        out: ClusterHealth = {"node_id": self.node_id, "redis": "up" if self.available else "down"}
         if not self.available:
             out["reason"] = self.reason
         return out

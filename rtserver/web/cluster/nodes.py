@@ -12,9 +12,22 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 from . import Cluster
+
+
+class ClusterView(TypedDict):
+    """The live nodes' records (as each wrote it) and the cluster's totals."""
+
+    nodes_alive: int
+    connections: int
+    sessions: int
+    console_agents: int
+    nodes: list[dict[str, Any]]
+
+
+NO_VIEW = ClusterView(nodes_alive=0, connections=0, sessions=0, console_agents=0, nodes=[])
 
 
 class NodeRegistry:
@@ -31,7 +44,7 @@ class NodeRegistry:
         self.live = live  # ids of the sessions connected here
         self.started_at = self.clock()
         self.ttl_s = max(1, int(cluster.heartbeat_s * 3 + 0.999))
-        self.last_view: dict[str, Any] = {}  # the cluster as of the last heartbeat (for /metrics)
+        self.last_view = NO_VIEW  # the cluster as of the last heartbeat (for /metrics)
         self.left = False  # draining: no more heartbeats
 
     async def beat(self) -> None:
@@ -74,14 +87,14 @@ class NodeRegistry:
 
         await c.call(run)
 
-    async def view(self) -> dict[str, Any]:
+    async def view(self) -> ClusterView:
         """The live nodes with their figures, and the cluster's totals."""
         c = self.cluster
         dead_before = self.clock() - self.ttl_s
         await c.call(lambda: c.redis.zremrangebyscore(c.key("nodes"), "-inf", dead_before))
         ids: Any = await c.call(lambda: c.redis.zrange(c.key("nodes"), 0, -1))
         raws: Any = await c.call(lambda: c.redis.mget([c.key("node", i) for i in ids])) if ids else []
-        nodes = []
+        nodes: list[dict[str, Any]] = []
         for raw in raws:
             if raw is None:
                 continue
@@ -89,10 +102,17 @@ class NodeRegistry:
                 nodes.append(json.loads(raw))
             except ValueError:
                 continue
-        totals = {
-            k: sum(int(n.get(k, 0)) for n in nodes) for k in ("connections", "sessions", "console_agents")
+
+        def total(key: str) -> int:
+            return sum(int(n.get(key, 0)) for n in nodes)
+
+        return {
+            "nodes_alive": len(nodes),
+            "connections": total("connections"),
+            "sessions": total("sessions"),
+            "console_agents": total("console_agents"),
+            "nodes": nodes,
         }
-        return {"nodes_alive": len(nodes), **totals, "nodes": nodes}
 
     async def alive(self) -> set[str]:
         """Ids of the nodes whose heartbeat is recent."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 from ...config import Settings
 from ..seams import (
@@ -22,9 +22,21 @@ from ..session import Session, SessionRegistry
 from . import Cluster, ClusterUnavailable
 from .bus import ConsoleBus
 from .limits import ClusterLimits
-from .nodes import NodeRegistry
+from .nodes import NO_VIEW, NodeRegistry
 from .sessions import ClusterSessions
 from .store import SessionStore as RecordStore
+
+
+class ClusterFigures(TypedDict):
+    """The cluster in /metrics: Redis, the view of the last heartbeat and this node's counters."""
+
+    redis_up: bool
+    nodes_alive: int
+    sessions: int
+    console_agents: int
+    session_writes: int
+    resumed_from_store: int
+    redis_failures: int
 
 
 class SharedLimits:
@@ -143,16 +155,17 @@ class Clustered:
         body["cluster"] = cluster
 
     def add_metrics(self, out: dict[str, Any]) -> None:
-        view = self.nodes.last_view if self.nodes is not None else {}
-        out["cluster"] = {
+        view = self.nodes.last_view if self.nodes is not None else NO_VIEW
+        figures: ClusterFigures = {
             "redis_up": self.cluster.available,
-            "nodes_alive": view.get("nodes_alive", 0),
-            "sessions": view.get("sessions", 0),
-            "console_agents": view.get("console_agents", 0),
+            "nodes_alive": view["nodes_alive"],
+            "sessions": view["sessions"],
+            "console_agents": view["console_agents"],
             "session_writes": self.records.writes,
             "resumed_from_store": self.sessions.resumed_elsewhere if self.sessions is not None else 0,
             "redis_failures": self.cluster.failures,
         }
+        out["cluster"] = figures
 
     def start(self) -> None:
         self.cluster.start()  # pings Redis from now on: /ready says why not while it is down

@@ -113,7 +113,7 @@ class TokenRate:
     def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
         self.rate, self.burst, self.clock = rate, burst, clock
         ttl = max(1.0, burst / rate) if rate > 0 else 1.0  # idle this long, a bucket is full again
-        self.levels: TTLCache = TTLCache(maxsize=100_000, ttl=ttl, timer=clock)
+        self.levels: TTLCache[str, tuple[float, float]] = TTLCache(maxsize=100_000, ttl=ttl, timer=clock)
 
     def _level(self, key: str) -> float:
         level, at = self.levels.get(key, (float(self.burst), self.clock()))
@@ -231,7 +231,7 @@ class Admission:
         sec = s.security
         self.sockets = SocketCount(s.server.max_connections_per_ip)
         self._kv_tokens = 0
-        self._settling: set[asyncio.Task] = set()
+        self._settling: set[asyncio.Task[None]] = set()
 
         def api_total() -> int:
             # the API may hold this share of the engine's KV; the public chat door keeps the rest

@@ -69,7 +69,7 @@ class QueuedConnection:
 
     def __init__(self, ws: WebSocket, queue_size: int):
         self.ws = ws
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
+        self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=queue_size)
         self.stopping = asyncio.Event()
         self.close_code: int | None = None
         self.close_reason = ""
@@ -88,7 +88,9 @@ class QueuedConnection:
         except Exception:  # client gone
             self.stop()
 
-    async def finish(self, reader: asyncio.Task, writer: asyncio.Task, drain: bool = True) -> None:
+    async def finish(
+        self, reader: asyncio.Task[None], writer: asyncio.Task[None], drain: bool = True
+    ) -> None:
         """Let queued events out for a moment (unless `drain` is off: a slow client's send would block),
         close with the stop's code when the server decided to close, and wait for both tasks to end."""
         if self.close_code is not None:

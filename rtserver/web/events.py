@@ -160,7 +160,10 @@ ServerEvent = (
 )
 
 
-def dumps(event: dict) -> str:
+Event = dict[str, Any]  # one server event as a client receives it: a JSON object
+
+
+def dumps(event: Event) -> str:
     return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -169,12 +172,12 @@ def ready_event(
     resume_token: str,
     resumed: bool,
     history_turns: int,
-    limits: dict,
-    tasks: list[dict],
+    limits: dict[str, Any],
+    tasks: list[dict[str, Any]],
     auto_tasks: list[str],
-    history: list[dict] | None = None,
+    history: list[dict[str, Any]] | None = None,
     agent: str | None = None,
-) -> dict:
+) -> Event:
     """`history` (1.1): the session's messages, for a client to show what it resumed; `agent` (1.1): the
     name of the human agent answering instead of the bot, or None."""
     return {
@@ -192,7 +195,7 @@ def ready_event(
     }
 
 
-def history_message(m: dict) -> dict:
+def history_message(m: dict[str, Any]) -> dict[str, Any]:
     """A history entry as clients see it: {role, content} plus `agent` for a human agent's reply."""
     out = {"role": m["role"], "content": m["content"]}
     if m.get("agent"):
@@ -200,11 +203,11 @@ def history_message(m: dict) -> dict:
     return out
 
 
-def token_event(request_id: str, text: str) -> dict:
+def token_event(request_id: str, text: str) -> Event:
     return {"type": "token", "id": request_id, "text": text}
 
 
-def usage_json(usage: Usage) -> dict:
+def usage_json(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "cached_tokens": usage.cached_tokens,
@@ -213,7 +216,7 @@ def usage_json(usage: Usage) -> dict:
     }
 
 
-def timing_json(result: SequenceResult) -> dict:
+def timing_json(result: SequenceResult) -> dict[str, Any]:
     return {
         "queued_ms": round(result.queued_ms, 2),
         "ttft_ms": None if result.ttft_ms is None else round(result.ttft_ms, 2),
@@ -221,7 +224,7 @@ def timing_json(result: SequenceResult) -> dict:
     }
 
 
-def done_event(request_id: str, result: SequenceResult, output: dict) -> dict:
+def done_event(request_id: str, result: SequenceResult, output: dict[str, Any]) -> Event:
     return {
         "type": "done",
         "id": request_id,
@@ -233,8 +236,8 @@ def done_event(request_id: str, result: SequenceResult, output: dict) -> dict:
     }
 
 
-def result_event(request_id: str, out: TaskOutput, auto: bool = False) -> dict:
-    event: dict[str, Any] = {
+def result_event(request_id: str, out: TaskOutput, auto: bool = False) -> Event:
+    event: Event = {
         "type": "result",
         "id": request_id,
         "task": out.task,
@@ -249,16 +252,16 @@ def result_event(request_id: str, out: TaskOutput, auto: bool = False) -> dict:
     return event
 
 
-def error_event(code: str, message: str, request_id: str | None = None, **extra: Any) -> dict:
-    event: dict[str, Any] = {"type": "error", "code": code, "message": message}
+def error_event(code: str, message: str, request_id: str | None = None, **extra: Any) -> Event:
+    event: Event = {"type": "error", "code": code, "message": message}
     if request_id is not None:
         event["id"] = request_id
     event.update(extra)
     return event
 
 
-def pong_event(data: Any = None) -> dict:
-    event: dict = {"type": "pong"}
+def pong_event(data: Any = None) -> Event:
+    event: Event = {"type": "pong"}
     if data is not None:
         event["data"] = data
     return event

@@ -21,6 +21,8 @@ import numpy as np
 from pydantic import AfterValidator, ConfigDict, Field, StrictStr, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
+from ..config import Settings
+
 PROTOCOL_VERSION = "1.1"
 
 # Stable error codes (docs/protocol.md lists them with their meaning).
@@ -78,7 +80,7 @@ def transport_max_bytes(max_frame_bytes: int) -> int:
 HTTP_MIN_BODY_BYTES = 256 << 10
 
 
-def http_max_bytes(settings: Any) -> int:
+def http_max_bytes(settings: Settings) -> int:
     """The largest HTTP body: room for the largest request the bounds let through (a prompt of
     `engine.max_sequence_tokens` token ids, the most characters of messages) and no more, since a
     body is parsed on the event loop; at least `server.max_frame_bytes`."""
@@ -208,7 +210,7 @@ def parse_client_message(raw: str | bytes, max_frame_bytes: int) -> ClientMessag
     return _parse_object(obj, rid)
 
 
-def load_object(raw: str | bytes, max_frame_bytes: int) -> dict:
+def load_object(raw: str | bytes, max_frame_bytes: int) -> dict[str, Any]:
     """The JSON object of one text frame (binary, size and JSON checked); raises ProtocolError."""
     if isinstance(raw, (bytes, bytearray)):
         raise ProtocolError("binary_frame", "binary frames are not accepted; send JSON text frames")
@@ -304,7 +306,7 @@ def _no_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
-def _parse_object(obj: dict, rid: str | None) -> ClientMessage:
+def _parse_object(obj: dict[str, Any], rid: str | None) -> ClientMessage:
     kind = obj.get("type")
     if kind is None:
         raise ProtocolError("missing_field", "'type' is required", rid)

@@ -40,7 +40,7 @@ class IPRateLimiter:
     ):
         self.rate, self.burst, self.clock = rate, burst, clock
         # a bucket idle for burst/rate seconds is full again: dropping it then changes nothing
-        self.buckets: TTLCache = TTLCache(
+        self.buckets: TTLCache[str, TokenBucket] = TTLCache(
             maxsize=max_ips, ttl=max(1.0, burst / rate) if rate > 0 else 1.0, timer=clock
         )
 

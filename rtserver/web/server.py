@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -35,7 +36,7 @@ class Server(uvicorn.Server):
         self.hub = hub
         self.exit_code = 0
 
-    async def shutdown(self, sockets: list | None = None) -> None:
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:  # stop accepting first; uvicorn's shutdown closes them again (no-op)
             server.close()
         if self.state.readiness().serving:

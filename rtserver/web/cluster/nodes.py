@@ -130,5 +130,5 @@ class NodeRegistry:
             key = c.key("live", node)
             member: Any = await c.call(lambda key=key: c.redis.sismember(key, session_id))  # type: ignore[misc]
             if member:
-                return node
+                return str(node)
         return None

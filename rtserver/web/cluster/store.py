@@ -70,14 +70,14 @@ class SessionRecord:
     token_sha256: str
     version: int  # bumped by every write: a node's cached copy is current when the versions agree
     write_id: str = ""  # random per write (set by `save`): a retried write recognises itself
-    history: list[dict] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
     turns: int = 0
     cuts: int = 0
     client: str | None = None
     client_ip: str = ""
     created_at: float = 0.0  # wall clock
     node: str = ""  # the node that wrote it last
-    console: dict | None = None  # no longer written (records of older versions may have it)
+    console: dict[str, Any] | None = None  # no longer written (records of older versions may have it)
 
     def token_matches(self, token: str) -> bool:
         return secrets.compare_digest(self.token_sha256.encode(), token_hash(token).encode())

@@ -151,7 +151,7 @@ class Clustered:
         cluster = self.cluster.health()
         if self.cluster.available and self.nodes is not None:
             with contextlib.suppress(ClusterUnavailable):
-                cluster.update(await self.nodes.view())
+                cluster = {**cluster, **await self.nodes.view()}
         body["cluster"] = cluster
 
     def add_metrics(self, out: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import httpx
+import redis.asyncio as aioredis
 
 from rtserver.tools.serverproc import RedisProcess
 
@@ -53,6 +54,27 @@ async def scripted_node(loaded, redis_url: str, node: str, wait_redis: bool = Tr
         if wait_redis:
             await wait_for(lambda: _ready(base))
         yield base, url, engine, app
+
+
+async def heartbeat(app) -> None:
+    """One heartbeat of an in-process node now, as its health loop runs every `heartbeat_s`."""
+    await app.state.rt.topology.cluster.beat()
+
+
+async def stored_conversation(redis_url: str, session_id: str, messages: int = 0) -> dict:
+    """The console's record of a session once Redis holds it with at least `messages` messages (a node
+    writes it in the background)."""
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+
+    async def record() -> dict | None:
+        raw = await client.hget("rtserver:console:convs", session_id)
+        found = json.loads(raw) if raw else None
+        return found if found is not None and len(found["messages"]) >= messages else None
+
+    try:
+        return await wait_for(record)
+    finally:
+        await client.aclose()
 
 
 async def _ready(base: str) -> bool:

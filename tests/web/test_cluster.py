@@ -14,7 +14,7 @@ import websockets
 
 from rtserver.config import ConfigError, settings_from_mapping
 
-from ..clusterutil import chat, redis_server, scripted_node
+from ..clusterutil import chat, heartbeat, redis_server, scripted_node, stored_conversation
 from ..serverutil import hello, metric, recv_json, wait_for
 
 
@@ -103,8 +103,9 @@ async def test_redis_lost_while_serving_typed_errors_then_recovers_by_itself(smo
                 assert (await chat(ws, "c0", "first"))[-1]["type"] == "done"
                 # a reply running when Redis goes: it streams to the end, but is not acknowledged
                 engine_a.gate = asyncio.Event()
+                asked = len(engine_a.prompts)
                 await ws.send(json.dumps({"type": "chat", "id": "c1", "text": "second"}))
-                await asyncio.sleep(0.1)
+                await wait_for(lambda: _true(len(engine_a.prompts) > asked))  # the reply waits at the gate
                 redis.stop()
                 engine_a.gate.set()
                 engine_a.gate = None
@@ -260,7 +261,7 @@ async def test_console_agent_on_b_sees_takes_over_and_writes_to_a_customer_on_a(
                 ready = await hello(cust, client="Dana")
                 sid, token = ready["session_id"], ready["resume_token"]
                 assert (await chat(cust, "c0", "hello there"))[-1]["type"] == "done"
-                await asyncio.sleep(0.3)  # the conversation record is written in the background
+                await stored_conversation(redis.url, sid, messages=2)
                 # an agent on B logs in: the snapshot (from Redis) has the customer on A
                 agent, snap = await _console_login(url_b, "Bob", "bob")
                 assert snap["type"] == "console_ready", snap
@@ -408,7 +409,7 @@ async def test_agent_gone_from_b_hands_back_a_customer_on_a_after_the_grace(smol
         ):
             async with websockets.connect(url_a) as cust:
                 sid = (await hello(cust, client="Dana"))["session_id"]
-                await asyncio.sleep(0.3)  # the conversation record is written in the background
+                await stored_conversation(redis.url, sid)
                 agent, _ = await _console_login(url_b, "Bob", "bob")
                 await agent.send(json.dumps({"type": "take_over", "session_id": sid}))
                 assert (await _until(cust, lambda e: e["type"] == "handover"))[-1]["to"] == "agent"
@@ -595,13 +596,15 @@ async def test_a_save_whose_reply_was_lost_is_not_a_conflict(tmp_path):
 async def test_a_take_over_ends_when_the_agents_node_dies(smol, tmp_path):
     """The holder's node goes (its agent never hands back, the grace never runs out there): the key it
     renewed expires, the customer's node hands the conversation back and tells its consoles."""
+    import redis.asyncio as aioredis
+
     with redis_server(tmp_path) as redis:
         async with scripted_node(smol, redis.url, "a", security=CONSOLE) as (_, url_a, _, _):
             async with websockets.connect(url_a) as cust:
                 sid = (await hello(cust, client="Dana"))["session_id"]
                 watcher, _ = await _console_login(url_a, "Wendy", "")
-                async with scripted_node(smol, redis.url, "b", security=CONSOLE) as (_, url_b, _, _):
-                    await asyncio.sleep(0.3)  # the conversation record is written in the background
+                async with scripted_node(smol, redis.url, "b", security=CONSOLE) as (_, url_b, _, app_b):
+                    await stored_conversation(redis.url, sid)
                     agent, _ = await _console_login(url_b, "Bob", "")
                     await agent.send(json.dumps({"type": "take_over", "session_id": sid}))
                     got = await _until(cust, lambda e: e["type"] == "handover")
@@ -610,7 +613,15 @@ async def test_a_take_over_ends_when_the_agents_node_dies(smol, tmp_path):
                         watcher,
                         lambda e: e["type"] == "conversation" and e["conversation"]["agent"] is not None,
                     )
-                    await asyncio.sleep(2.5)  # longer than a take-over lives unrenewed
+                    # the take-over's key runs down (Redis's clock): B's heartbeat renews it while B lives
+                    bus = app_b.state.rt.topology.bus
+                    client = aioredis.Redis.from_url(redis.url)
+                    try:
+                        await client.pexpire(bus.holder_key(sid), bus.hold_ttl_ms // 2)
+                        await heartbeat(app_b)
+                        assert await client.pttl(bus.holder_key(sid)) > bus.hold_ttl_ms // 2
+                    finally:
+                        await client.aclose()
                     await agent.send(json.dumps({"type": "ping"}))  # still held while B lives
                     assert (await _until(agent, lambda e: e["type"] == "pong"))[-1]["type"] == "pong"
                 # B is gone; Bob's take-over ends within a few heartbeats
@@ -624,25 +635,39 @@ async def test_a_take_over_ends_when_the_agents_node_dies(smol, tmp_path):
                 await watcher.close()
 
 
-async def _hash_writes(client, key: str, counts: list[str]) -> None:
-    """Collect the keyspace events of `key` (hset, hdel, ...) into `counts`."""
+MARK = "test:mark"
+
+
+async def _hash_writes(client, key: str, counts: list[str], marks: list[str]) -> None:
+    """Collect the keyspace events of `key` (hset, hdel, ...) into `counts`, and what is published on
+    MARK into `marks`: one subscription delivers in order, so a mark comes after every earlier event."""
     async with client.pubsub() as pubsub:
-        await pubsub.subscribe(f"__keyspace@0__:{key}")
+        await pubsub.subscribe(f"__keyspace@0__:{key}", MARK)
         while True:
             msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
             if msg is not None:
-                counts.append(msg["data"])
+                (marks if msg["channel"] == MARK else counts).append(msg["data"])
+
+
+async def _after_heartbeats(client, app, marks: list[str]) -> None:
+    """Two heartbeats of the node, then every keyspace event up to now collected."""
+    for _ in range(2):
+        await heartbeat(app)
+    seen = len(marks)
+    await client.publish(MARK, "mark")
+    await wait_for(lambda: _true(len(marks) > seen))
 
 
 async def test_a_turn_writes_the_console_record_once_and_a_cancelled_one_not_at_all(smol, tmp_path):
     import redis.asyncio as aioredis
 
     with redis_server(tmp_path) as redis:
-        async with scripted_node(smol, redis.url, "a", security=CONSOLE) as (_, url_a, engine, _):
+        async with scripted_node(smol, redis.url, "a", security=CONSOLE) as (_, url_a, engine, app):
             client = aioredis.Redis.from_url(redis.url, decode_responses=True)
             await client.config_set("notify-keyspace-events", "Kh")
             events: list[str] = []
-            listener = asyncio.create_task(_hash_writes(client, "rtserver:console:convs", events))
+            marks: list[str] = []
+            listener = asyncio.create_task(_hash_writes(client, "rtserver:console:convs", events, marks))
             try:
                 async with websockets.connect(url_a) as cust:
                     sid = (await hello(cust))["session_id"]
@@ -651,7 +676,8 @@ async def test_a_turn_writes_the_console_record_once_and_a_cancelled_one_not_at_
                     assert got[-1]["type"] == "done"
                     if not any(e.get("auto") for e in got):
                         await _until(cust, lambda e: bool(e.get("auto")))  # the sentiment tag
-                    await asyncio.sleep(1.0)  # heartbeats
+                    await wait_for(lambda: _true(len(events) >= 2))  # the turn's write
+                    await _after_heartbeats(client, app, marks)
                     assert events == ["hset", "hset"], events  # the turn, once, with its tag
                     record = json.loads(await client.hget("rtserver:console:convs", sid))
                     assert [m["role"] for m in record["messages"]] == ["user", "bot"]
@@ -665,7 +691,7 @@ async def test_a_turn_writes_the_console_record_once_and_a_cancelled_one_not_at_
                     await wait_for(lambda: _true(bool(engine.cancelled)))
                     engine.gate.set()
                     await _until(cust, lambda e: e.get("id") == "c1" and e["type"] == "done")
-                    await asyncio.sleep(1.0)
+                    await _after_heartbeats(client, app, marks)
                     assert events == ["hset", "hset"], events  # nothing stored changed
             finally:
                 listener.cancel()
@@ -683,16 +709,23 @@ async def test_conversations_of_a_dead_node_expire_from_redis(smol, tmp_path):
     with redis_server(tmp_path) as redis:
         client = aioredis.Redis.from_url(redis.url, decode_responses=True)
         try:
-            async with scripted_node(smol, redis.url, "b", **sections) as (_, url_b, _, _):
+            async with scripted_node(smol, redis.url, "b", **sections) as (_, url_b, _, app_b):
                 watcher, _ = await _console_login(url_b, "Wendy", "")
-                async with scripted_node(smol, redis.url, "a", **sections) as (_, url_a, _, _):
+                async with scripted_node(smol, redis.url, "a", **sections) as (_, url_a, _, app_a):
                     async with websockets.connect(url_a) as cust:
                         sid = (await hello(cust, client="Dana"))["session_id"]
                         await _until(
                             watcher,
                             lambda e: e["type"] == "conversation" and e["conversation"]["session_id"] == sid,
                         )
-                        await asyncio.sleep(2.5)  # a node that lives renews its conversations
+                        # its deadline comes near (Redis's clock): a node that lives renews its
+                        # conversations, and the other's sweep leaves it
+                        expiry = "rtserver:console:convs:expiry"
+                        now = (await client.time())[0]
+                        await client.zadd(expiry, {sid: now + 1}, xx=True)
+                        await heartbeat(app_a)
+                        assert await client.zscore(expiry, sid) >= now + 2
+                        await heartbeat(app_b)
                         assert await client.hexists("rtserver:console:convs", sid)
                 # A is gone and left its conversation: B's heartbeat removes it when it expires
                 gone = await _until(watcher, lambda e: e["type"] == "removed" and e["session_id"] == sid)

@@ -11,6 +11,7 @@ import signal
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import websockets
@@ -63,6 +64,7 @@ class Client:
         self.session_id = self.token = ""
         self.acked: list[tuple[str, str]] = []
         self.first_prompt_tokens = 0
+        self.streaming = asyncio.Event()  # its turns acknowledged and the unfinished one under way
 
     async def chat_on(self, url: str, turns: int, then_unfinished: bool = False) -> None:
         async with websockets.connect(url, open_timeout=60, max_size=None) as ws:
@@ -86,11 +88,26 @@ class Client:
                         self.acked.append(("Count to 200.", ev["text"]))
 
                 note(await recv(ws))  # its first event: it is running (or, short, has ended)
+                self.streaming.set()
                 try:  # held open until the node dies under it
                     async for raw in ws:
                         note(json.loads(raw))
                 except websockets.ConnectionClosed:
                     pass
+
+
+async def _all_set(events: list[asyncio.Event], tasks: list[asyncio.Task[None]]) -> None:
+    """Wait until every event is set; a task that fails first raises its error here."""
+    waiting = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in events)))
+    pending: set[asyncio.Future[Any]] = {waiting, *tasks}
+    try:
+        while not waiting.done():
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = [t for t in done if t is not waiting and t.exception() is not None]
+            if failed:
+                raise failed[0].exception()  # type: ignore[misc]
+    finally:
+        waiting.cancel()
 
 
 async def test_sigkill_node_every_acknowledged_turn_resumes_on_the_other(tmp_path):
@@ -103,15 +120,8 @@ async def test_sigkill_node_every_acknowledged_turn_resumes_on_the_other(tmp_pat
         clients = [Client(i) for i in range(SESSIONS)]
         tasks = [asyncio.create_task(c.chat_on(a.ws_url, 2, then_unfinished=True)) for c in clients]
 
-        async def all_acked() -> None:
-            while not all(len(c.acked) >= 2 for c in clients):
-                failed = [t for t in tasks if t.done() and t.exception() is not None]
-                if failed:
-                    raise failed[0].exception()  # type: ignore[misc]
-                await asyncio.sleep(0.05)
-
-        await asyncio.wait_for(all_acked(), 600)
-        await asyncio.sleep(0.3)  # the unfinished turns are streaming
+        await asyncio.wait_for(_all_set([c.streaming for c in clients], tasks), 600)
+        assert all(len(c.acked) >= 2 for c in clients)
         a.proc.kill()  # SIGKILL: no drain, no goodbye
         a.proc.wait()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -179,6 +179,8 @@ class UpstreamStats(TypedDict):
 
 
 class ServerHealth(UpstreamStats):
+    """One inference server in /health: its figures and what it is."""
+
     kind: str | None  # what the server is (llama.cpp, vLLM, rtserver), once checked
 
 

@@ -159,7 +159,7 @@ class Cluster:
 
     async def beat(self) -> None:
         """One heartbeat: ping Redis and, when it answers, run the beats in order. The health loop
-        calls it every `heartbeat_s`; a test may call it at once instead of waiting for the loop."""
+        calls it every `heartbeat_s`; tests call it directly rather than wait for the loop."""
         if not await self.check():
             return
         for beat in self._beats:

@@ -30,7 +30,7 @@ class Tokenizer(Protocol):
         """The vocabulary size, added tokens included."""
         ...
 
-    def apply_chat_template(self, conversation: list[dict], **kwargs: Any) -> Any:
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any:
         """The rendered prompt: text with `tokenize=False`, token ids with `tokenize=True`."""
         ...
 

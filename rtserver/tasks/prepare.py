@@ -10,12 +10,12 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ..engine.backend import FeatureScorer, InferenceBackend
-from .declare import Choices, LearnedHead
+from .declare import Choices, LearnedHead, Task
 from .fitting import FULL, Pace
 from .head import (
     LogisticHead,
@@ -30,10 +30,31 @@ from .head import (
     stored_path,
 )
 
-if TYPE_CHECKING:
-    from .run import PromptTask
-
 log = logging.getLogger("rtserver.tasks")
+
+
+class PromptTask(Protocol):
+    """What loading heads needs of `run.PromptTask` (named, not imported: run.py imports this)."""
+
+    task: Task
+    head_model: str
+
+    def render_parts(self, text: str) -> tuple[list[int], Choices | None, str, bool]: ...
+
+    def candidate_ids(self, choices: Choices) -> list[list[int]]: ...
+
+    async def feature_row(
+        self, backend: InferenceBackend, prompt: list[int], choices: Choices, template: str, chat: bool
+    ) -> list[float]: ...
+
+    def use_heads(
+        self,
+        heads: dict[int, LogisticHead],
+        fitted: dict[str, tuple[str, LogisticHead]],
+        note: str | None,
+        *,
+        missing: bool = False,
+    ) -> None: ...
 
 
 async def prepare_heads(
@@ -51,7 +72,7 @@ async def prepare_heads(
     hidden states on this backend, or no fit). The heads switch in at once, when all are ready."""
     spec = pt.task.head
     if spec is None or pt.task.choices is None:
-        pt._use({}, {}, None)
+        pt.use_heads({}, {}, None)
         return None
     if not isinstance(backend, FeatureScorer):
         note = (
@@ -60,7 +81,7 @@ async def prepare_heads(
             "scoring (no head)"
         )
         log.warning("%s", note)
-        pt._use({}, {}, note)
+        pt.use_heads({}, {}, note)
         return note
     groups: dict[int, list[tuple[str, str]]] = {}
     raw = load_examples(Path(spec.examples), spec.labels, list(pt.task.choices.labels))
@@ -79,10 +100,10 @@ async def prepare_heads(
         if head is None:
             note = f"no fit for model {model_id}; run rtserver fit-heads"
             log.warning("task %s: %s (until then it scores labels)", pt.task.name, note)
-            pt._use({}, {}, note, missing=True)
+            pt.use_heads({}, {}, note, missing=True)
             return note
         heads[index], fitted[key] = head, (model_id, head)
-    pt._use(heads, fitted, None)
+    pt.use_heads(heads, fitted, None)
     pt.head_model = model_id
     return None
 
@@ -151,8 +172,8 @@ async def example_features(
 
     async def one(text: str) -> list[float]:
         async with sem:
-            prompt = pt._render(text)[0]
-            return await pt._feature_row(backend, prompt, choices, template, chat)
+            prompt = pt.render_parts(text)[0]
+            return await pt.feature_row(backend, prompt, choices, template, chat)
 
     x = np.asarray(await asyncio.gather(*(one(t) for t in texts)), dtype=np.float32)
     log.info(
@@ -185,7 +206,7 @@ def _features_key(
         template,
         chat,
         task.system_prompt if chat else None,
-        pt._candidate_ids(choices),
+        pt.candidate_ids(choices),
         choices.calibration,
         task.max_input_tokens,
         task.truncate,

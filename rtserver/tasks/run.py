@@ -91,7 +91,7 @@ class PromptTask:
             ids = self._suffixes[suffix] = self._encode(suffix)
         return ids
 
-    def _candidate_ids(self, choices: Choices) -> list[list[int]]:
+    def candidate_ids(self, choices: Choices) -> list[list[int]]:
         key = tuple(choices.labels.items())
         ids = self._candidates.get(key)
         if ids is None:
@@ -101,9 +101,9 @@ class PromptTask:
     def render(self, text: str) -> tuple[list[int], Choices | None]:
         """(prompt ids, choices) for a cleaned input text, within the token limit. The fixed prefix is
         tokenized on its own so every call starts with the same tokens (and shares their KV)."""
-        return self._render(text)[:2]
+        return self.render_parts(text)[:2]
 
-    def _render(self, text: str) -> tuple[list[int], Choices | None, str, bool]:
+    def render_parts(self, text: str) -> tuple[list[int], Choices | None, str, bool]:
         template, choices, chat = self.task.select(text)
         prefix, glue, suffix = self._split_template(template, chat)
         body = self._encode_input(glue + text)
@@ -120,7 +120,7 @@ class PromptTask:
 
     def cost(self, overrides: dict[str, Any] | None = None) -> int:
         """The most tokens one call can take: the longest prompt and what it may generate."""
-        prompt, choices, _, _ = self._render("x")
+        prompt, choices, _, _ = self.render_parts("x")
         new = 0 if choices is not None else self.task.sampling(overrides).max_new_tokens
         return len(prompt) + self.task.max_input_tokens + new
 
@@ -153,7 +153,7 @@ class PromptTask:
                 return TaskOutput(hit.task, hit.output, hit.text, hit.usage, hit.timing, True)
             self.cache_misses += 1
         started = time.perf_counter()
-        prompt, choices, template, chat = self._render(text)
+        prompt, choices, template, chat = self.render_parts(text)
         public = len(self._split_template(template, chat)[0])  # the fixed prefix: the task's own text
         if choices is not None:
             head = self.heads.get(self.task.variant_of(text)) if self.heads else None
@@ -207,12 +207,12 @@ class PromptTask:
     ) -> dict[str, Any]:
         labels = list(choices.labels)
         if head is not None and isinstance(backend, FeatureScorer):
-            row = await self._feature_row(backend, prompt, choices, template, chat)
+            row = await self.feature_row(backend, prompt, choices, template, chat)
             p = head.predict_proba(head_input(self.task, row, len(labels)))[0]
             probs = dict.fromkeys(labels, 0.0)
             probs.update({name: float(v) for name, v in zip(head.labels, p)})
             return {"label": max(probs, key=lambda name: probs[name]), "probs": probs}
-        candidates = self._candidate_ids(choices)
+        candidates = self.candidate_ids(choices)
         # Only differences between the labels' scores matter below (calibration subtracts per label, the
         # softmax is across labels), so the backend may leave out the prompt's log-normaliser.
         public = len(self._split_template(template, chat)[0])
@@ -262,7 +262,7 @@ class PromptTask:
         ]
         for template, choices, chat in prompts:
             if choices is not None and choices.calibration:
-                candidates = self._candidate_ids(choices)
+                candidates = self.candidate_ids(choices)
                 # Put the prompt's fixed prefix in the server's cache first, as every call finds it:
                 # a prefix computed in the same request scores a little differently.
                 primer = self._calibration_prompt(template, chat, choices.calibration[0])
@@ -292,14 +292,14 @@ class PromptTask:
         return prefix + self._encode_input(glue + content_free) + self._suffix_ids(suffix)
 
     # -- the learned head -----------------------------------------------------------------------
-    async def _feature_row(
+    async def feature_row(
         self, backend: InferenceBackend, prompt: list[int], choices: Choices, template: str, chat: bool
     ) -> list[float]:
         """The head's raw input for one prompt: hidden-state features, then the calibrated label scores
         (the label-scoring path's numbers, from the same forward)."""
         assert isinstance(backend, FeatureScorer)
         prefix = self._split_template(template, chat)[0]
-        candidates = self._candidate_ids(choices)
+        candidates = self.candidate_ids(choices)
         scores, feats = await backend.score_features(
             prompt, candidates, features_from=len(prefix), public_tokens=len(prefix)
         )
@@ -320,7 +320,7 @@ class PromptTask:
         """Load the task's learned heads (`prepare.py`); a note says why it scores labels instead."""
         return await prepare_heads(self, backend, cache_dir, backend_name, fit=fit, pace=pace)
 
-    def _use(
+    def use_heads(
         self,
         heads: dict[int, LogisticHead],
         fitted: dict[str, tuple[str, LogisticHead]],

@@ -44,7 +44,7 @@ from .connection import Close, QueuedConnection, accept, client_ip, refuse
 from .console import ConsoleHub
 from .errors import GenerationFailed, error_code
 from .ratelimit import TokenBucket
-from .seams import NodeView
+from .seams import NodeFigures, NodeView
 from .session import Session, SessionExpired, SessionRegistry, TooManySessions
 from .session_events import SessionEvents
 from .state import AppState
@@ -495,7 +495,7 @@ class Hub:
         self.events.subscribe(self.console.on_event)
         state.counts = lambda: {"connections": len(self.connections), "sessions": len(self.sessions)}
 
-    def node_figures(self) -> dict[str, Any]:
+    def node_figures(self) -> NodeFigures:
         return {
             "connections": len(self.connections),
             "sessions": sum(1 for c in self.connections if c.session is not None),

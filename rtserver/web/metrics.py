@@ -8,7 +8,7 @@ scrapes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Required, TypedDict
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..engine.kv import KVStats
     from ..remote.backend import RemoteStats
     from ..tasks.registry import CacheCounts
-    from .cluster.topology import ClusterFigures
+    from .seams import ClusterFigures
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -28,10 +28,28 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
 
 
+class Counts(TypedDict):
+    """The hub's open connections and live sessions."""
+
+    connections: int
+    sessions: int
+
+
+class LiveFigures(Counts, total=False):
+    """What a scrape reads (`AppState.live_metrics`): the counts, readiness, each backend's counters,
+    the task result cache, and the cluster's figures when clustered."""
+
+    ready: Required[bool]
+    engine: BackendStats
+    openai: RemoteStats
+    task_cache: dict[str, CacheCounts]
+    cluster: ClusterFigures
+
+
 class _LiveCollector:
     """The gauges and counters read from the app's live figures at each scrape."""
 
-    def __init__(self, source: Callable[[], dict[str, Any]]):
+    def __init__(self, source: Callable[[], LiveFigures]):
         self.source = source
 
     def collect(self) -> Iterator[Metric]:
@@ -213,7 +231,7 @@ def _remote_flow_metrics(remote: RemoteStats) -> Iterator[Metric]:
 
 
 class Metrics:
-    def __init__(self, live: Callable[[], dict[str, Any]]):
+    def __init__(self, live: Callable[[], LiveFigures]):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from ..config import Settings
 from .commands import BusCommand, Holder
@@ -31,6 +31,18 @@ OnEvent = Callable[[ConsoleEvent], None]
 OnCommand = Callable[[BusCommand], Awaitable[None]]
 
 
+class ClusterFigures(TypedDict):
+    """The cluster in /metrics: Redis, the view of the last heartbeat and this node's counters."""
+
+    redis_up: bool
+    nodes_alive: int
+    sessions: int
+    console_agents: int
+    session_writes: int
+    resumed_from_store: int
+    redis_failures: int
+
+
 @dataclass
 class Resumed:
     """A resumed session, the client name its record keeps, and the node that served it last."""
@@ -40,11 +52,19 @@ class Resumed:
     served_on: str = ""
 
 
+class NodeFigures(TypedDict):
+    """This node's counts in its heartbeat record."""
+
+    connections: int
+    sessions: int
+    console_agents: int
+
+
 @dataclass
 class NodeView:
     """What the hub tells the topology about this node: its figures and its connected sessions."""
 
-    figures: Callable[[], dict[str, Any]]
+    figures: Callable[[], NodeFigures]
     connected: Callable[[], list[tuple[str, str]]]  # (client IP, session id) of each live connection
 
 
@@ -198,7 +218,9 @@ class Topology(Protocol):
 
     async def add_health(self, body: dict[str, Any]) -> None: ...
 
-    def add_metrics(self, out: dict[str, Any]) -> None: ...
+    def figures(self) -> ClusterFigures | None:
+        """The cluster's figures for /metrics; None alone."""
+        ...
 
     def start(self) -> None: ...
 
@@ -287,7 +309,7 @@ class Alone:
     async def add_health(self, body: dict[str, Any]) -> None:
         return None
 
-    def add_metrics(self, out: dict[str, Any]) -> None:
+    def figures(self) -> ClusterFigures | None:
         return None
 
     def start(self) -> None:

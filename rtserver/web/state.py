@@ -8,14 +8,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..config import Settings
 from ..engine.backend import InferenceBackend
 from ..tasks.registry import PluginError, TaskRegistry
-from .metrics import Metrics
+from .metrics import Counts, LiveFigures, Metrics
 from .readiness import RETRY, Readiness, Status, assess
 from .seams import Alone, Topology
+
+if TYPE_CHECKING:
+    from ..remote.backend import RemoteStats
 
 log = logging.getLogger("rtserver.app")
 
@@ -50,7 +53,7 @@ class AppState:
         self.topology: Topology = topology or Alone(settings)
         self.ip_limiter = self.topology.limits.ip_limiter
         # connection and session counts for /metrics, supplied by the hub once it exists
-        self.counts: Callable[[], dict[str, int]] = lambda: {"connections": 0, "sessions": 0}
+        self.counts: Callable[[], Counts] = lambda: {"connections": 0, "sessions": 0}
         self.metrics = Metrics(self.live_metrics)
 
     async def ip_take(self, ip: str) -> float:
@@ -115,14 +118,26 @@ class AppState:
         """Per task with a learned head: whether it scores with it or by labels, and why."""
         return self.registry.head_states() if self.registry is not None else {}
 
-    def live_metrics(self) -> dict[str, Any]:
-        out: dict[str, Any] = {**self.counts(), "ready": self.readiness().ready}
+    def live_metrics(self) -> LiveFigures:
+        counts = self.counts()
+        out: LiveFigures = {
+            "connections": counts["connections"],
+            "sessions": counts["sessions"],
+            "ready": self.readiness().ready,
+        }
         for name, backend in self.backends.items():
             try:
-                out["engine" if name == "local" else name] = backend.stats()
+                stats = backend.stats()
             except Exception:
                 log.exception("%s backend stats failed", name)
+                continue
+            if name == "local":
+                out["engine"] = stats
+            else:  # the "openai" backend is a RemoteBackend
+                out["openai"] = cast("RemoteStats", stats)
         if self.registry is not None:
             out["task_cache"] = self.registry.cache_stats()
-        self.topology.add_metrics(out)
+        cluster = self.topology.figures()
+        if cluster is not None:
+            out["cluster"] = cluster
         return out

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypedDict
 
+from ..seams import NodeFigures
 from . import Cluster
 
 
@@ -34,7 +35,7 @@ class NodeRegistry:
     def __init__(
         self,
         cluster: Cluster,
-        figures: Callable[[], dict[str, Any]],
+        figures: Callable[[], NodeFigures],
         live: Callable[[], list[str]],
         clock: Callable[[], float] = time.time,
     ):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import Any
 
 from ...config import Settings
 from ..seams import (
     Beat,
+    ClusterFigures,
     HolderOf,
     Limits,
     NodeView,
@@ -25,18 +26,6 @@ from .limits import ClusterLimits
 from .nodes import NO_VIEW, NodeRegistry
 from .sessions import ClusterSessions
 from .store import SessionStore as RecordStore
-
-
-class ClusterFigures(TypedDict):
-    """The cluster in /metrics: Redis, the view of the last heartbeat and this node's counters."""
-
-    redis_up: bool
-    nodes_alive: int
-    sessions: int
-    console_agents: int
-    session_writes: int
-    resumed_from_store: int
-    redis_failures: int
 
 
 class SharedLimits:
@@ -154,9 +143,9 @@ class Clustered:
                 cluster = {**cluster, **await self.nodes.view()}
         body["cluster"] = cluster
 
-    def add_metrics(self, out: dict[str, Any]) -> None:
+    def figures(self) -> ClusterFigures | None:
         view = self.nodes.last_view if self.nodes is not None else NO_VIEW
-        figures: ClusterFigures = {
+        return {
             "redis_up": self.cluster.available,
             "nodes_alive": view["nodes_alive"],
             "sessions": view["sessions"],
@@ -165,7 +154,6 @@ class Clustered:
             "resumed_from_store": self.sessions.resumed_elsewhere if self.sessions is not None else 0,
             "redis_failures": self.cluster.failures,
         }
-        out["cluster"] = figures
 
     def start(self) -> None:
         self.cluster.start()  # pings Redis from now on: /ready says why not while it is down

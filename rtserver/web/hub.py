@@ -40,6 +40,7 @@ from . import protocol as P
 from . import session_events as se
 from .admission import Admission, NoReservation, Refused, Reservation, Surface, client_key
 from .cluster import ClusterUnavailable
+from .commands import Holder
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
 from .console import ConsoleHub
 from .errors import GenerationFailed, error_code
@@ -214,8 +215,9 @@ class Connection(QueuedConnection):
         return False
 
     async def chat(self, msg: P.Chat, session: Session) -> None:
-        if self.hub.console.holder(session) is not None:  # a human agent answers, not the bot
-            await self.forward_chat(msg, session)
+        holder = self.hub.console.holder(session)
+        if holder is not None:  # a human agent answers, not the bot
+            await self.forward_chat(msg, session, holder)
             return
         if session.chat_request is not None:
             await self.error(
@@ -390,10 +392,9 @@ class Connection(QueuedConnection):
             log.exception("%s failed", what)
         await self.error(code, message, request_id)
 
-    async def forward_chat(self, msg: P.Chat, session: Session) -> None:
+    async def forward_chat(self, msg: P.Chat, session: Session, holder: Holder) -> None:
         """A customer `chat` while an agent holds the session: history and console, no bot reply."""
         hub = self.hub
-        holder = hub.console.holder(session)
         try:
             turn = hub.state.tasks.chat.prepare_turn(session.history, msg.text)
         except Exception as exc:
@@ -409,7 +410,7 @@ class Connection(QueuedConnection):
             return
         session.touch(hub.sessions.clock())
         hub.events.publish(se.Forwarded(session, msg.id, turn.text))
-        await self.send({"type": "forwarded", "id": msg.id, "agent": holder.name if holder else None})
+        await self.send({"type": "forwarded", "id": msg.id, "agent": holder.name})
         self.run_auto_tasks(msg.id, turn.text)
 
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:

@@ -3,7 +3,7 @@
 The hub publishes what happens in customer sessions as typed events (`session_events.py`);
 `ConsoleHub.on_event` hands each to its synchronous hook (`attached`, `user_message`, `bot_token`,
 ...), which updates the conversation and puts one event on the send queue of every logged-in agent.
-Hooks never raise: a console failure is logged and never breaks a customer's chat. The parts, one
+A hook's failure is logged by `SessionEvents` and never breaks a customer's chat. The parts, one
 job each:
 
 - `conversations.py`: the registry of conversations, the hooks, the store writes (`conversation.py`:
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from starlette.websockets import WebSocket
 
@@ -37,7 +36,6 @@ from .actions import Actions
 from .agents import Agents
 from .conversations import Conversations
 from .door import Door
-from .guard import safe
 from .login import RejoinTokens
 from .snapshot import Snapshots
 from .timer import LOOP_TIMER, Timer
@@ -72,55 +70,31 @@ class ConsoleHub:
 
     # -- what the hub calls ---------------------------------------------------------------------
     def on_event(self, event: se.SessionEvent) -> None:
-        """A session event from the hub, to its hook."""
+        """A session event from the hub, to the conversations' hook (`SessionEvents` logs a failure)."""
+        conversations = self.conversations
         match event:
             case se.Attached(session, client_name, resumed):
-                self.attached(session, client_name, resumed)
+                conversations.attached(session, client_name, resumed)
             case se.Detached(session):
-                self.detached(session)
+                conversations.detached(session)
             case se.Dropped(session):
-                self.dropped(session)
+                if conversations.drop(session):
+                    self.actions.cancel_release(session.id)
             case se.TurnStarted(session, request_id, text):
-                self.user_message(session, request_id, text)
+                conversations.user_message(session, request_id, text)
             case se.Forwarded(session, request_id, text):
-                self.user_message(session, request_id, text, to_agent=True)
+                conversations.user_message(session, request_id, text, to_agent=True)
             case se.Token(session, request_id, text):
-                self.bot_token(session, request_id, text)
+                conversations.bot_token(session, request_id, text)
             case se.TurnFinished(session, request_id, reply, finish_reason):
-                self.bot_done(session, request_id, reply, finish_reason)
+                conversations.bot_done(session, request_id, reply, finish_reason)
             case se.Tagged(session, request_id, task, output):
-                self.auto_result(session, request_id, task, output)
+                conversations.auto_result(session, request_id, task, output)
             case se.Cleared(session):
-                self.reset(session)
-
-    def attached(self, session: Session, client_name: str | None, resumed: bool) -> None:
-        self.conversations.attached(session, client_name, resumed)
-
-    def detached(self, session: Session) -> None:
-        self.conversations.detached(session)
-
-    @safe
-    def dropped(self, session: Session) -> None:
-        if self.conversations.drop(session):
-            self.actions.cancel_release(session.id)
+                conversations.reset(session)
 
     async def resumed(self, found: Resumed) -> None:
         await self.actions.resumed(found)
-
-    def user_message(self, session: Session, request_id: str, text: str, to_agent: bool = False) -> None:
-        self.conversations.user_message(session, request_id, text, to_agent)
-
-    def bot_token(self, session: Session, request_id: str, delta: str) -> None:
-        self.conversations.bot_token(session, request_id, delta)
-
-    def bot_done(self, session: Session, request_id: str, text: str | None, finish_reason: str) -> None:
-        self.conversations.bot_done(session, request_id, text, finish_reason)
-
-    def auto_result(self, session: Session, request_id: str, task: str, output: Any) -> None:
-        self.conversations.auto_result(session, request_id, task, output)
-
-    def reset(self, session: Session) -> None:
-        self.conversations.reset(session)
 
     def holder(self, session: Session) -> Holder | None:
         """The agent answering this session instead of the bot, or None."""

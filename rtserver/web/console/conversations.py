@@ -17,7 +17,7 @@ from ..session import Session
 from ..state import AppState
 from .agents import Agents
 from .conversation import Conversation, Message
-from .guard import safe, spawn
+from .guard import spawn
 
 SENTIMENT_TASK = "sentiment"
 TAG_WAIT_S = 5.0  # clustered: a finished turn waits this long for its auto-task tags to be written with
@@ -124,8 +124,7 @@ class Conversations:
         else:
             self._holders[session_id] = agent
 
-    # -- hooks (called by the hub; synchronous, never raise) ------------------------------------
-    @safe
+    # -- hooks (the hub's session events, through ConsoleHub.on_event; synchronous) ---------------
     def attached(self, session: Session, client_name: str | None, resumed: bool) -> None:
         conv = self._by_id.get(session.id)
         if conv is None:
@@ -139,7 +138,6 @@ class Conversations:
         conv.updated_at = time.time()
         self.changed(conv, force=True)  # clustered: this node serves the conversation now
 
-    @safe
     def detached(self, session: Session) -> None:
         conv = self._by_id.get(session.id)
         if conv is not None and session.connection is None:
@@ -163,7 +161,6 @@ class Conversations:
             self.bus.remove_conversation(session_id)
             self.broadcast({"type": "removed", "session_id": session_id})
 
-    @safe
     def user_message(self, session: Session, request_id: str, text: str, to_agent: bool = False) -> None:
         conv = self._by_id.get(session.id)
         if conv is None:
@@ -177,7 +174,6 @@ class Conversations:
         if to_agent:
             self._store_turn(conv, msg)
 
-    @safe
     def bot_token(self, session: Session, request_id: str, delta: str) -> None:
         conv = self._by_id.get(session.id)
         if conv is None:
@@ -187,7 +183,6 @@ class Conversations:
         conv.streaming["text"] += delta
         self.broadcast({"type": "token", "session_id": session.id, "id": request_id, "text": delta})
 
-    @safe
     def bot_done(self, session: Session, request_id: str, text: str | None, finish_reason: str) -> None:
         """The bot's turn ended: `text` is the reply (None when it failed or left no text)."""
         conv = self._by_id.get(session.id)
@@ -217,7 +212,6 @@ class Conversations:
                 conv.dirty = True
         self.broadcast(event)
 
-    @safe
     def auto_result(self, session: Session, request_id: str, task: str, output: Any) -> None:
         conv = self._by_id.get(session.id)
         msg = conv.find_user_message(request_id) if conv is not None else None
@@ -244,7 +238,6 @@ class Conversations:
             }
         )
 
-    @safe
     def reset(self, session: Session) -> None:
         conv = self._by_id.get(session.id)
         if conv is not None:

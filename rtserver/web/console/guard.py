@@ -1,32 +1,17 @@
-"""Console failures stay in the console: hooks never raise, background work logs what fails."""
+"""Console background work: it logs what fails and never raises into the caller."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any, ParamSpec
+from collections.abc import Coroutine
+from typing import Any
 
 from ..cluster import ClusterUnavailable
 
 log = logging.getLogger("rtserver.console")
 
-Params = ParamSpec("Params")
 _running: set[asyncio.Task[None]] = set()  # held until done: the loop keeps only weak references
-
-
-def safe(fn: Callable[Params, None]) -> Callable[Params, None]:
-    """A hook called from the hub: a failure is logged, never raised into a customer's chat."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Params.args, **kwargs: Params.kwargs) -> None:
-        try:
-            fn(*args, **kwargs)
-        except Exception:
-            log.exception("console hook %s failed", fn.__name__)
-
-    return wrapper
 
 
 def spawn(coro: Coroutine[Any, Any, object]) -> None:

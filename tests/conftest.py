@@ -1,5 +1,5 @@
-"""Shared fixtures: the embedded model (fp32, loaded once) and a tiny random Qwen2 model; at the end of
-the run, the fuzz summary line (tests/fuzzutil.py) when fuzz tests ran."""
+"""Shared fixtures: the embedded model (fp32, loaded once) and tiny random models of each family; at the
+end of the run, the fuzz summary line (tests/fuzzutil.py) when fuzz tests ran."""
 
 from __future__ import annotations
 
@@ -45,6 +45,104 @@ def tiny_qwen2(smol) -> LoadedModel:
             proj.bias.normal_(0, 0.5)
     model.generation_config.eos_token_id = tok.eos_token_id
     return LoadedModel(model=model, tokenizer=tok, name="tiny-qwen2", dtype=torch.float32, threads=2)
+
+
+def _tiny(model, tok, name: str) -> LoadedModel:
+    model = model.eval().requires_grad_(False)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return LoadedModel(model=model, tokenizer=tok, name=name, dtype=torch.float32, threads=2)
+
+
+def _ids(tok) -> dict:
+    return {
+        "vocab_size": len(tok),
+        "eos_token_id": tok.eos_token_id,
+        "bos_token_id": tok.bos_token_id,
+        "pad_token_id": tok.eos_token_id,
+    }
+
+
+def _perturb_norms(model, scale: float = 0.3) -> None:
+    """Norm weights start at one value; random ones make the norms' arithmetic count."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * scale)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(smol) -> LoadedModel:
+    """A random 3-layer Qwen3 model: per-head q/k RMS norms, GQA, head size apart from hidden / heads."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(1)
+    tok = smol.tokenizer
+    cfg = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        **_ids(tok),
+    )
+    model = Qwen3ForCausalLM(cfg)
+    _perturb_norms(model)
+    return _tiny(model, tok, "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(smol) -> LoadedModel:
+    """A random 7-layer Gemma 3 text model: five sliding-window layers of 16 tokens, a global one, one
+    more sliding; local and global RoPE bases, GeGLU, sandwich norms, scaled embeddings."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(2)
+    tok = smol.tokenizer
+    cfg = Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=16,
+        max_position_embeddings=2048,
+        **_ids(tok),
+    )
+    model = Gemma3ForCausalLM(cfg)
+    _perturb_norms(model)
+    return _tiny(model, tok, "tiny-gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3(smol) -> LoadedModel:
+    """A random 2-layer Llama with Llama 3's RoPE scaling (low frequencies stretched)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    tok = smol.tokenizer
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        **_ids(tok),
+    )
+    return _tiny(LlamaForCausalLM(cfg), tok, "tiny-llama3")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import SamplingParams
+from .families import LayerNorms, RMSNorm, attention_scale, family_of, layer_norms, layer_windows, rope_tables
 from .kv import KVCacheManager, KVHandle
 from .plan import StepItem
 from .quant import InterleavedWeight, QuantizedWeight, head_rows, interleave, quantized_matmul
@@ -27,15 +28,10 @@ log = logging.getLogger("rtserver.runner")
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # Once the transformers weights are released (serving), float32 linears run from oneDNN-packed copies:
 # the weight is reordered once instead of on every call (F.linear reorders it each time), which makes
 # the GEMMs at the scheduler's step sizes faster. Results differ from F.linear only in float rounding.
 ONEDNN_LINEAR = True
-
-
-class UnsupportedModel(ValueError):
-    pass
 
 
 class Linear:
@@ -170,12 +166,13 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 @dataclass
 class _Layer:
-    ln1: torch.Tensor
+    norms: LayerNorms
     qkv: Linear
     o: Linear
-    ln2: torch.Tensor
     gate_up: Linear
     down: Linear
+    window: int  # sliding attention window in tokens, 0 for the whole context
+    rope: int  # which RoPE table the layer reads
 
 
 def _cat_bias(*linears) -> torch.Tensor | None:
@@ -307,6 +304,11 @@ class _Layout:
     # attention calls of the torch path (see _decode_group / _prefill_group)
     decodes: list[tuple] = field(default_factory=list)
     prefills: list[tuple] = field(default_factory=list)
+    # the same for sliding-window layers (attending to the last `window` positions only)
+    local_decodes: list[tuple] = field(default_factory=list)
+    local_prefills: list[tuple] = field(default_factory=list)
+    # RoPE of the rows' positions, per table (Gemma's local and global layers differ)
+    rope: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # the fused path: each row's context slots and length
     table: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
@@ -322,13 +324,7 @@ class ModelRunner:
         release_dense_weights: bool = False,
     ):
         cfg = model.config
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(
-                f"model type '{cfg.model_type}' is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        if getattr(cfg, "mlp_bias", False):
-            raise UnsupportedModel("MLP biases are not supported")
+        self.family = family_of(cfg)
         self.model = model
         self.kv = kv
         self.dtype = model.dtype
@@ -337,33 +333,42 @@ class ModelRunner:
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.group = self.n_heads // self.n_kv
         self.eps: float = cfg.rms_norm_eps
-        self.scale = self.head_dim**-0.5
+        self.scale = attention_scale(cfg, self.head_dim)
         # The decoder stack (LlamaModel / Qwen2Model): its submodules are read by their transformers names.
         inner: Any = model.model
         self.embed: torch.Tensor | None = inner.embed_tokens.weight
         self.embed_blocks: QuantizedWeight | None = None  # lookups in the head's blocks (_release_tied_head)
-        self.norm = inner.norm.weight
+        # Gemma's embeddings are scaled by sqrt(hidden), in the model dtype as transformers rounds it.
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if self.family.scaled_embedding else 1.0)
+        self.norm = RMSNorm(inner.norm.weight, self.eps, self.family.gemma_norms)
         ws = weight_storage
         self.weight_storage = ws
         # The output head stays dense under float16 storage: fbgemm pads narrow rows (576 wide here) to
         # a larger block, so the packed head is no smaller than the dense one, which is usually the
         # embedding itself and held anyway.
         self.lm_head = Linear(model.lm_head.weight, None, "int8" if ws == "int8" else None)
+        max_positions = min(max_positions, getattr(cfg, "max_position_embeddings", max_positions))
+        self.max_positions = max_positions
+        self.rope, rope_of_layer = rope_tables(cfg, inner.rotary_emb, max_positions, self.dtype)
+        self.cos, self.sin = self.rope[0]  # the fused path's (plain families have one table)
+        windows = layer_windows(cfg)
+        self.window = max(windows)  # one window size per model: the sliding layers'
         self.layers: list[_Layer] = []
-        for layer in inner.layers:
+        for li, layer in enumerate(inner.layers):
             att, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 _Layer(
-                    ln1=layer.input_layernorm.weight,
+                    norms=layer_norms(self.family, layer, self.eps),
                     qkv=Linear(
                         _fuse(att.q_proj, att.k_proj, att.v_proj, share=ws is None),
                         _cat_bias(att.q_proj, att.k_proj, att.v_proj),
                         ws,
                     ),
                     o=Linear(att.o_proj.weight, att.o_proj.bias, ws),
-                    ln2=layer.post_attention_layernorm.weight,
                     gate_up=Linear(_fuse(mlp.gate_proj, mlp.up_proj, share=ws is None), None, ws),
                     down=Linear(mlp.down_proj.weight, None, ws),
+                    window=windows[li],
+                    rope=rope_of_layer[li],
                 )
             )
             if release_dense_weights and ws is not None:
@@ -379,12 +384,6 @@ class ModelRunner:
         # way up) last token, beside the final hidden state. Sums over rows: no extra tokens or matmuls.
         self.pool_layers: tuple[int, ...] = tuple(range(0, len(self.layers) - 1, 2)) or (0,)
         self.last_layers: tuple[int, ...] = (len(self.layers) // 6,)
-        # RoPE tables from the model's own rotary module, so scaling variants come out identical.
-        max_positions = min(max_positions, getattr(cfg, "max_position_embeddings", max_positions))
-        self.max_positions = max_positions
-        pos = torch.arange(max_positions)[None]
-        cos, sin = inner.rotary_emb(torch.zeros(1, dtype=self.dtype), pos)
-        self.cos, self.sin = cos[0], sin[0]
         self.vocab_size = self.lm_head.out_features
         self.attention_kernel: Any = None  # see use_attention_kernel
         self.fused_decode_rows = 0  # decode steps of up to this many rows run fused (use_quantized_blocks)
@@ -483,8 +482,10 @@ class ModelRunner:
         linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
         if not all(lin.small is not None for lin in linears):
             return
-        if self.attention_kernel is None or self.dtype != torch.float32:
+        if self.attention_kernel is None or self.dtype != torch.float32 or not self.family.plain:
             return
+        if self.window:
+            return  # decode_layer attends over whole contexts
         if any(L.o.bias is not None for L in self.layers):
             return  # decode_layer adds q/k/v biases only (Llama's attention_bias also has o_proj's)
         big = all(lin.interleaved is not None or lin.onednn is not None for lin in linears)
@@ -510,25 +511,24 @@ class ModelRunner:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
             assert self.embed_blocks is not None
-            return self.embed_blocks.rows(ids).to(self.dtype)
-        return self.embed[ids]
+            x = self.embed_blocks.rows(ids).to(self.dtype)
+        else:
+            x = self.embed[ids]
+        return x * self.embed_scale.to(x.dtype) if self.family.scaled_embedding else x
 
     # -- pieces -------------------------------------------------------------------------------
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as transformers' RMSNorm (fp32 statistics, weight applied in model dtype).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * xf.to(x.dtype)
-
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.head_dim // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _prefill_group(self, items: list[StepItem], group: list[int], row_offsets: list[int]) -> tuple:
+    def _prefill_group(
+        self, items: list[StepItem], group: list[int], row_offsets: list[int], window: int = 0
+    ) -> tuple:
         """Index tensors and mask for one attention call over several prefill chunks: queries padded to
         the longest chunk, contexts to the longest context (padding reads the zero block, masked out;
-        padded query rows see position 0 only and are dropped)."""
+        padded query rows see position 0 only and are dropped). A `window` also masks out keys that many
+        positions back or more, as a sliding-window layer does."""
         n = max(len(items[i].tokens) for i in group)
         ctx = max(items[i].start + len(items[i].tokens) for i in group)
         B = len(group)
@@ -546,7 +546,10 @@ class ModelRunner:
             ctx_index[b, :end] = it.kv.slots[:end]
             src.append(torch.arange(b * n, b * n + m))
             dst.append(rows)
-        mask = torch.arange(ctx)[None, None, :] <= q_pos[:, :, None]  # [B, n, ctx]: causal with offset
+        key_pos = torch.arange(ctx)[None, None, :]
+        mask = key_pos <= q_pos[:, :, None]  # [B, n, ctx]: causal with offset
+        if window:
+            mask &= key_pos > q_pos[:, :, None] - window
         # rows ordered (group member, query position), as the queries are laid out
         mask = mask[:, None].expand(B, self.group, n, ctx).reshape(B, 1, self.group * n, ctx)
         src_t = torch.cat(src)
@@ -560,14 +563,18 @@ class ModelRunner:
             torch.cat(dst),
         )
 
-    def _decode_group(self, items: list[StepItem], group: list[int], row_offsets: list[int]) -> tuple:
+    def _decode_group(
+        self, items: list[StepItem], group: list[int], row_offsets: list[int], window: int = 0
+    ) -> tuple:
         """Rows, gathered context slots and mask for one attention call over several decode tokens
-        (contexts padded to the group's longest with the zero block, masked out)."""
-        lengths = [items[i].start + 1 for i in group]
+        (contexts padded to the group's longest with the zero block, masked out). With a `window`, each
+        context is its last `window` positions."""
+        ends = [items[i].start + 1 for i in group]
+        lengths = [min(end, window) for end in ends] if window else ends
         lmax = max(lengths)
         ctx_index = torch.zeros(len(group), lmax, dtype=torch.long)
         for r, i in enumerate(group):
-            ctx_index[r, : lengths[r]] = items[i].kv.slots[: lengths[r]]
+            ctx_index[r, : lengths[r]] = items[i].kv.slots[ends[r] - lengths[r] : ends[r]]
         mask = None  # every context of the group has the same length: nothing padded to mask out
         if min(lengths) < lmax:
             mask = (torch.arange(lmax)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
@@ -602,6 +609,7 @@ class ModelRunner:
             ids=torch.tensor(tokens, dtype=torch.long),
             cos=self.cos[pos],
             sin=self.sin[pos],
+            rope=[(cos[pos], sin[pos]) for cos, sin in self.rope],
             # where each new token's K/V goes
             write_slots=torch.cat([it.kv.slots[it.start : it.start + len(it.tokens)] for it in items]),
             row_offsets=row_offsets,
@@ -612,8 +620,13 @@ class ModelRunner:
         if fused:  # each row's context slots and length, read in place by the kernel: one decode group
             *_, lay.table, lay.lengths = self._decode_group(items, list(range(len(items))), row_offsets)
         else:
-            lay.decodes = [self._decode_group(items, g, row_offsets) for g in _decode_groups(items)]
-            lay.prefills = [self._prefill_group(items, g, row_offsets) for g in _prefill_groups(items)]
+            decode_groups, prefill_groups = _decode_groups(items), _prefill_groups(items)
+            lay.decodes = [self._decode_group(items, g, row_offsets) for g in decode_groups]
+            lay.prefills = [self._prefill_group(items, g, row_offsets) for g in prefill_groups]
+            if self.window:
+                w = self.window
+                lay.local_decodes = [self._decode_group(items, g, row_offsets, w) for g in decode_groups]
+                lay.local_prefills = [self._prefill_group(items, g, row_offsets, w) for g in prefill_groups]
         return lay
 
     def _fused_part(self, items: list[StepItem]) -> list[int]:
@@ -720,18 +733,24 @@ class ModelRunner:
         and no row gives logits."""
         L = self.layers[li]
         T = x.shape[0]
-        h = self._rms(x, L.ln1)
+        h = L.norms.attn_in(x)
         qkv = L.qkv(h)
         # q and k side by side in one RoPE (the same elementwise arithmetic, half the small ops)
         qk = qkv[:, : self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv, self.head_dim)
-        qk = self._rope(qk, lay.cos[:, None, :], lay.sin[:, None, :])
+        if self.family.qk_norm:
+            qk = torch.cat([L.norms.q(qk[:, : self.n_heads]), L.norms.k(qk[:, self.n_heads :])], 1)
+        cos, sin = lay.rope[L.rope]
+        qk = self._rope(qk, cos[:, None, :], sin[:, None, :])
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
         kl, vl = self.kv.k[li], self.kv.v[li]
         kl.index_copy_(0, lay.write_slots, k)
         vl.index_copy_(0, lay.write_slots, v)
         attn = torch.empty(T, self.n_kv, self.group, self.head_dim, dtype=x.dtype)
-        for rows, ctx_index, ctx_shape, mask, ctx_slots, lengths in lay.decodes:
+        local = L.window > 0
+        decodes = lay.local_decodes if local else lay.decodes
+        prefills = lay.local_prefills if local else lay.prefills
+        for rows, ctx_index, ctx_shape, mask, ctx_slots, lengths in decodes:
             if self.attention_kernel is not None:  # reads the pool in place: no gather, no mask
                 kernel = self.attention_kernel
                 o = kernel.decode_attention(q[rows], kl, vl, ctx_slots, lengths, self.scale)
@@ -741,7 +760,7 @@ class ModelRunner:
             qd = q[rows].view(-1, self.n_kv, self.group, self.head_dim)
             kd, vd = _context(kl, ctx_index, ctx_shape), _context(vl, ctx_index, ctx_shape)
             attn[rows] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
-        for q_index, ctx_index, ctx_shape, mask, src, dst in lay.prefills:
+        for q_index, ctx_index, ctx_shape, mask, src, dst in prefills:
             B, n = q_index.shape
             qp = q[q_index].view(B, n, self.n_kv, self.group, self.head_dim)
             qp = qp.permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, self.group * n, self.head_dim)
@@ -757,10 +776,9 @@ class ModelRunner:
             if not lay.wanted_rows:
                 return None
             x, attn = x[lay.wanted], attn[lay.wanted]
-        x = x + L.o(attn)
-        h = self._rms(x, L.ln2)
-        gu = L.gate_up(h)
-        x = x + L.down(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+        x = x + L.norms.attn_out(L.o(attn))
+        gu = L.gate_up(L.norms.mlp_in(x))
+        x = x + L.norms.mlp_out(L.down(self.family.act(gu[:, : self.inter]) * gu[:, self.inter :]))
         if li in self.pool_layers:
             for sums, a, b in pooling:
                 sums.append(x[a:b].float().sum(0))
@@ -775,11 +793,11 @@ class ModelRunner:
         rows = x.shape[0]
         return self.attention_kernel.decode_layer(
             x,
-            L.ln1,
+            L.norms.attn_in.weight,
             *L.qkv.fused_args(rows),
             L.qkv.bias,
             *L.o.fused_args(rows),
-            L.ln2,
+            L.norms.mlp_in.weight,
             *L.gate_up.fused_args(rows),
             *L.down.fused_args(rows),
             lay.cos,
@@ -796,7 +814,7 @@ class ModelRunner:
 
     def _logits(self, items: list[StepItem], lay: _Layout, x: torch.Tensor) -> list[torch.Tensor | None]:
         """Logits only where someone needs them, and only the columns asked for."""
-        hs = self._rms(x, self.norm)
+        hs = self.norm(x)
         out: list[torch.Tensor | None] = [None] * len(items)
         asked = {i: span for i, span in enumerate(lay.spans) if span is not None}
         for i, span in asked.items():

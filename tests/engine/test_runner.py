@@ -16,7 +16,7 @@ from ..conftest import chat_prompt
 
 def kv_pool(cfg, budget_bytes: int) -> KVCacheManager:
     """A float32 KV pool for a model config, blocks of 16 tokens."""
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     return KVCacheManager(layers, kv_heads, head_dim, torch.float32, budget_bytes, 16)
 

@@ -1,7 +1,7 @@
 """Model loading: the embedded default, a hub id, a local folder or a .gguf file → model + tokenizer.
 
-A .gguf file is dequantized by transformers on first load (slow: every tensor is converted). The dense
-result is cached as safetensors in `<cache_dir>/dense/<sha256 of the file>/` so later starts are fast.
+A .gguf file is read natively (gguf_load.py); its tokenizer is converted by transformers once and
+cached in `<cache_dir>/tokenizers/<sha256 of the file>/`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from .backend import Tokenizer
+from .families import UnsupportedModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -107,27 +108,20 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()[:32]
 
 
-def _dense_from_gguf(path: Path, cache_dir: Path) -> Path:
-    """Folder with the dequantized weights, config and tokenizer of a .gguf file (built on first use)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def gguf_tokenizer(path: Path, cache_dir: Path) -> Tokenizer:
+    """The tokenizer a .gguf file describes, built by transformers once and kept in
+    `<cache_dir>/tokenizers/<sha256 of the file>/` (a large vocabulary takes a while to convert)."""
+    from transformers import AutoTokenizer
 
-    folder = cache_dir / "dense" / _file_digest(path)
-    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
-        log.info("using cached dense weights %s", folder)
-        return folder
-    log.info("first load of %s: dequantizing GGUF tensors (once; cached in %s)", path.name, folder)
-    started = time.perf_counter()
+    folder = cache_dir / "tokenizers" / _file_digest(path)
+    if (folder / "tokenizer_config.json").is_file():
+        return cast(Tokenizer, AutoTokenizer.from_pretrained(folder))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    except Exception as exc:  # the gguf reader raises many kinds; all mean "unusable file"
-        raise ModelLoadError(f"{path}: not a readable GGUF model ({type(exc).__name__}: {exc})") from exc
-    # Drop the gguf quantization marker so the dequantized model can be saved like any dense one.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it as always set
+    except Exception as exc:  # the converter raises many kinds; all mean "unusable file"
+        why = f"{type(exc).__name__}: {exc}"
+        raise ModelLoadError(f"{path}: no usable tokenizer in this GGUF file ({why})") from exc
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if folder.exists():  # another process finished first; its copy is as good as ours
         import shutil
@@ -135,8 +129,20 @@ def _dense_from_gguf(path: Path, cache_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         tmp.replace(folder)
-    log.info("dequantized and cached in %.1f s", time.perf_counter() - started)
-    return folder
+    return cast(Tokenizer, tokenizer)
+
+
+def _gguf_model(path: Path) -> PreTrainedModel:
+    from .gguf_file import GGUFError, GGUFFile
+    from .gguf_load import dense_model, gguf_config
+
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    try:
+        g = GGUFFile(path)
+        return cast("PreTrainedModel", dense_model(g, gguf_config(g)))
+    except (GGUFError, UnsupportedModel, KeyError) as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
 
 
 def effective_dtype(dtype: str, spec: str) -> str:
@@ -159,16 +165,10 @@ def gguf_file(spec: str) -> Path | None:
     return Path(spec).expanduser() if spec.endswith(".gguf") else None
 
 
-def resolve_source(spec: str, cache_dir: Path) -> tuple[str, str]:
-    """(name for logs, folder or hub id to pass to from_pretrained) for a `model = ...` setting."""
-    if spec == "embedded":
-        path = embedded_model_path()
-        return "SmolLM2-135M-Instruct (embedded)", str(_dense_from_gguf(path, cache_dir))
+def resolve_source(spec: str) -> tuple[str, str]:
+    """(name for logs, folder or hub id to pass to from_pretrained) for a `model = ...` setting that
+    is not a GGUF file."""
     path = Path(spec).expanduser()
-    if spec.endswith(".gguf"):
-        if not path.is_file():
-            raise ModelLoadError(f"{spec}: no such GGUF file")
-        return path.name, str(_dense_from_gguf(path, cache_dir))
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{spec}: folder has no config.json (not a transformers model folder)")
@@ -178,14 +178,18 @@ def resolve_source(spec: str, cache_dir: Path) -> tuple[str, str]:
     return spec, spec  # a hub id: only works when the weights are in the local HF cache
 
 
+def model_name(spec: str) -> str:
+    if spec == "embedded":
+        return "SmolLM2-135M-Instruct (embedded)"
+    return Path(spec).name if spec.endswith(".gguf") else resolve_source(spec)[0]
+
+
 def load_model(
     spec: str = "embedded",
     dtype: str = "auto",
     threads: int = 0,
     cache_dir: str | os.PathLike = "~/.cache/rtserver",
 ) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     n_threads = threads or os.cpu_count() or 1
     torch.set_num_threads(n_threads)
     gguf = gguf_file(spec)
@@ -197,7 +201,7 @@ def load_model(
         raise ModelLoadError(f"dtype {dtype} needs torch's fbgemm backend (x86 CPUs); use float32")
     cache = Path(cache_dir).expanduser()
     started = time.perf_counter()
-    name, source = resolve_source(spec, cache)
+    name = model_name(spec)
     log.info(
         "loading model %s (dtype %s%s, %d threads)",
         name,
@@ -205,6 +209,30 @@ def load_model(
         f", {storage} linear weights" if storage else "",
         n_threads,
     )
+    if gguf is not None:
+        model = _gguf_model(gguf)  # first: a broken or unsupported file is refused before the tokenizer
+        tokenizer = gguf_tokenizer(gguf, cache)
+        if torch_dtype != torch.float32:
+            model = model.to(dtype=torch_dtype)  # type: ignore[call-arg]  # nn.Module.to
+    else:
+        tokenizer, model = _from_pretrained(spec, torch_dtype)
+    log.info("model %s ready in %.1f s", name, time.perf_counter() - started)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        dtype=torch_dtype,
+        threads=n_threads,
+        weight_storage=storage,
+        gguf_blocks=gguf if dtype == "gguf" else None,
+        cache_dir=cache,
+    )
+
+
+def _from_pretrained(spec: str, torch_dtype: torch.dtype) -> tuple[Tokenizer, PreTrainedModel]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, source = resolve_source(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
@@ -218,17 +246,7 @@ def load_model(
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()
-    log.info("model %s ready in %.1f s", name, time.perf_counter() - started)
-    return LoadedModel(
-        model=model,
-        tokenizer=cast(Tokenizer, tokenizer),  # a transformers tokenizer; we use it through the protocol
-        name=name,
-        dtype=torch_dtype,
-        threads=n_threads,
-        weight_storage=storage,
-        gguf_blocks=gguf if dtype == "gguf" else None,
-        cache_dir=cache,
-    )
+    return cast(Tokenizer, tokenizer), model
 
 
 def load_tokenizer(
@@ -238,7 +256,12 @@ def load_tokenizer(
     node needs whose inference runs on remote servers."""
     from transformers import AutoTokenizer
 
-    name, source = resolve_source(spec, Path(cache_dir).expanduser())
+    gguf = gguf_file(spec)
+    if gguf is not None:
+        if not gguf.is_file():
+            raise ModelLoadError(f"{spec}: no such GGUF file")
+        return model_name(spec), gguf_tokenizer(gguf, Path(cache_dir).expanduser())
+    name, source = resolve_source(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except Exception as exc:

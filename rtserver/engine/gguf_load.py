@@ -1,0 +1,181 @@
+"""A GGUF file → a transformers config and model, read natively (no transformers GGUF loader).
+
+The config comes from llama.cpp's metadata keys, the tensors by their GGUF names straight into an
+uninitialised model, each dequantized with gguf-py on its own, so nothing but the model is built.
+Values equal transformers' own GGUF loading (Llama's q/k rows unpermuted, Gemma's norms less one).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from .families import UnsupportedModel
+from .gguf_file import GGUFFile
+
+log = logging.getLogger("rtserver.gguf")
+
+# llama.cpp architecture → transformers model type
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+
+# llama.cpp metadata key (after "<arch>.") → transformers config field
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base": "rope_theta",
+}
+_TOKEN_IDS = {
+    "bos_token_id": "bos",
+    "eos_token_id": "eos",
+    "pad_token_id": "padding",
+    "unk_token_id": "unknown",
+}
+
+# transformers parameter (inside model.layers.N) → GGUF tensor (inside blk.N), per family
+_COMMON = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_LAYER_TENSORS = {
+    "llama": {**_COMMON, "post_attention_layernorm": "ffn_norm"},
+    "gemma3": {
+        **_COMMON,
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+}
+_TOP_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def architecture(g: GGUFFile) -> str:
+    arch = str(g.field("general.architecture", ""))
+    if arch not in MODEL_TYPES:
+        supported = ", ".join(MODEL_TYPES)
+        why = f"GGUF architecture '{arch}' is not supported (supported: {supported})"
+        raise UnsupportedModel(f"{g.path.name}: {why}")
+    return arch
+
+
+def gguf_config(g: GGUFFile) -> Any:
+    """The transformers config a GGUF file's metadata describes."""
+    from transformers import AutoConfig
+
+    arch = architecture(g)
+    fields: dict[str, Any] = {}
+    for key, name in _CONFIG_KEYS.items():
+        value = g.field(f"{arch}.{key}")
+        if value is not None:
+            fields[name] = value.item() if isinstance(value, np.generic) else value
+    for name, key in _TOKEN_IDS.items():
+        value = g.field(f"tokenizer.ggml.{key}_token_id")
+        if value is not None:
+            fields[name] = int(value)
+    fields["vocab_size"] = g.tensors["token_embd.weight"].shape[0]
+    fields["tie_word_embeddings"] = "output.weight" not in g.tensors
+    scaling = g.field(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise UnsupportedModel(f"{g.path.name}: RoPE scaling '{scaling}' is not supported (linear is)")
+        fields["rope_parameters"] = {
+            "rope_type": "linear",
+            "factor": float(g.field(f"{arch}.rope.scaling.factor")),
+            "rope_theta": fields.pop("rope_theta", 10000.0),
+        }
+    if arch == "gemma3":
+        # llama.cpp scales Gemma 3's scores by the head size and alternates five local layers with
+        # one global layer; the local RoPE base is Gemma's fixed 10000.
+        fields["query_pre_attn_scalar"] = fields.get("head_dim", 256)
+    return AutoConfig.for_model(MODEL_TYPES[arch], **fields)
+
+
+def _tensor_name(arch: str, hf_name: str) -> str | None:
+    """The GGUF tensor holding a transformers parameter, None where the file has no such tensor."""
+    base, _, kind = hf_name.rpartition(".")
+    if base in _TOP_TENSORS:
+        return f"{_TOP_TENSORS[base]}.{kind}"
+    parts = base.split(".")
+    if parts[:2] != ["model", "layers"]:
+        return None
+    table = _LAYER_TENSORS["gemma3" if arch == "gemma3" else "llama"]
+    inner = table.get(".".join(parts[3:]))
+    return None if inner is None else f"blk.{parts[2]}.{inner}.{kind}"
+
+
+def dequantized(g: GGUFFile, name: str) -> np.ndarray:
+    """A tensor as float32, with gguf-py's arithmetic."""
+    info = g.tensors[name]
+    raw = g.raw(name)
+    if info.qtype == GGMLQuantizationType.F32:
+        return np.array(raw, dtype=np.float32)
+    return np.asarray(dequantize(raw, info.qtype), dtype=np.float32).reshape(info.shape)
+
+
+def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores Llama's q/k rows interleaved for its RoPE; transformers' order is halves."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dense_model(g: GGUFFile, config: Any) -> Any:
+    """The float32 transformers model of a GGUF file's tensors."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    arch = architecture(g)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    missing = []
+    with torch.no_grad():
+        for hf_name, param in params.items():
+            name = _tensor_name(arch, hf_name)
+            if name is None or name not in g.tensors:
+                missing.append(hf_name)
+                continue
+            w = dequantized(g, name)
+            if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+                heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+                w = unpermute_qk(w, heads)
+            if arch == "gemma3" and "norm" in name:
+                w = w - np.float32(1.0)  # the converter stored 1 + w
+            if tuple(w.shape) != tuple(param.shape):
+                wants = tuple(param.shape)
+                raise UnsupportedModel(f"{g.path.name}: tensor {name} is {w.shape}, the model wants {wants}")
+            param.copy_(torch.from_numpy(w))
+    tied = config.tie_word_embeddings and missing == ["lm_head.weight"]
+    if missing and not tied:
+        raise UnsupportedModel(f"{g.path.name}: no tensors for {', '.join(missing[:4])}")
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if "rope_freqs.weight" in g.tensors:
+        _scale_rope(model, dequantized(g, "rope_freqs.weight"))
+    return model.eval().requires_grad_(False)
+
+
+def _scale_rope(model: Any, factors: np.ndarray) -> None:
+    """Llama 3.1's RoPE scaling, which llama.cpp ships as per-frequency divisors (rope_freqs)."""
+    rotary = model.model.rotary_emb
+    inv = rotary.inv_freq / torch.from_numpy(factors).to(rotary.inv_freq.dtype)
+    rotary.inv_freq.copy_(inv)
+    if hasattr(rotary, "original_inv_freq"):
+        rotary.original_inv_freq = inv.clone()

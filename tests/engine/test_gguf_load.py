@@ -1,0 +1,114 @@
+"""The native GGUF reader and loader: the same metadata and tensors as gguf-py's reader, the same model
+as transformers' own GGUF loading, and clear refusals of broken or unsupported files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rtserver.engine.gguf_file import GGUFError, GGUFFile
+from rtserver.engine.gguf_load import dense_model, gguf_config
+from rtserver.engine.model import ModelLoadError, embedded_model_path, load_model
+
+from ..components import slow_tests_on
+
+
+def test_the_reader_reads_what_gguf_py_reads():
+    from gguf import GGUFReader
+    from gguf.constants import GGUFValueType
+
+    path = embedded_model_path()
+    ours, theirs = GGUFFile(path), GGUFReader(str(path))
+    assert set(ours.metadata) == {k for k in theirs.fields if not k.startswith("GGUF.")}
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if field.types[0] == GGUFValueType.ARRAY and field.types[-1] != GGUFValueType.STRING:
+            assert np.array_equal(ours.metadata[key], np.asarray(value)), key
+        else:
+            assert ours.metadata[key] == value, key
+    assert [t.name for t in theirs.tensors] == list(ours.tensors)
+    for t in theirs.tensors:
+        info = ours.tensors[t.name]
+        assert info.qtype == t.tensor_type
+        raw, expected = ours.raw(t.name), np.asarray(t.data)
+        assert raw.shape == expected.shape and raw.dtype == expected.dtype
+        assert np.array_equal(raw, expected), t.name
+
+
+def _transformers_gguf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+
+
+def _same_model(path: Path) -> None:
+    g = GGUFFile(path)
+    ours, theirs = dense_model(g, gguf_config(g)), _transformers_gguf(path)
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    mine, reference = ours.config.to_dict(), theirs.config.to_dict()
+    for key, value in reference.items():
+        if key not in ("quantization_config", "transformers_version") and not key.startswith("_"):
+            assert mine.get(key) == value, key
+
+
+def test_the_embedded_model_loads_as_transformers_loads_it():
+    _same_model(embedded_model_path())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not slow_tests_on(), reason="slow: set RTSERVER_SLOW_TESTS=1")
+def test_a_mixed_q4_k_m_file_and_gemma_3_load_as_transformers_loads_them():
+    from rtserver.tools.model_files import gemma3_270m, requantized
+
+    _same_model(requantized("Q4_K_M"))
+    _same_model(gemma3_270m())  # Gemma's norms stored as 1 + w, tied head, sliding layers
+
+
+def _write(path: Path, arch: str) -> Path:
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_an_unknown_architecture_is_refused_by_name(tmp_path):
+    path = _write(tmp_path / "phi.gguf", "phi2")
+    with pytest.raises(
+        ModelLoadError, match=r"GGUF architecture 'phi2' is not supported \(supported: llama, qwen2"
+    ):
+        load_model(str(path), dtype="float32", cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda b: b"GGUX" + b[4:], "not a GGUF file"),
+        (lambda b: b[:4] + (7).to_bytes(4, "little") + b[8:], "GGUF version 7"),
+        (lambda b: b[:40], "truncated"),
+        (lambda b: b[:-16], "runs past the end"),
+        (lambda b: b[:8] + (1 << 40).to_bytes(8, "little") + b[16:], "tensors"),
+    ],
+)
+def test_a_broken_file_is_a_clear_error(tmp_path, damage, message):
+    good = _write(tmp_path / "good.gguf", "llama").read_bytes()
+    GGUFFile(tmp_path / "good.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(damage(good))
+    with pytest.raises(GGUFError, match=message):
+        GGUFFile(bad)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(bad), dtype="float32", cache_dir=tmp_path)

@@ -97,26 +97,36 @@ def tree_rss_mb(pid: int) -> float:
 
 class RssWatch:
     """Follows a server's memory from its start: its own peak (VmHWM) and, polled every `every_s`, the
-    resident memory of its whole process tree (a helper process it starts counts too). The peak stays
-    readable after the process ended."""
+    resident memory of its whole process tree. A process it starts while serving counts toward the
+    peak; one it runs before it is ready (a compiler building kernels) only in `peak_tree_rss_mb`.
+    The figures stay readable after the process ended."""
 
     def __init__(self, every_s: float = 0.5):
         self.every_s = every_s
         self.hwm_mb = 0.0  # the main process's VmHWM at the last sample
-        self.tree_mb = 0.0  # the largest sampled sum over the tree
+        self.tree_mb = 0.0  # the largest sampled sum over the tree, start-up included
+        self.serving_tree_mb = 0.0  # the same, from `serving()` on
         self._pid = -1
+        self._serving = False
         self._stop = threading.Event()
 
     def follow(self, pid: int) -> None:
         self._pid = pid
         threading.Thread(target=self._poll, name=f"rss-{pid}", daemon=True).start()
 
+    def serving(self) -> None:
+        """The server is ready: from now on its whole tree counts toward the peak."""
+        self._serving = True
+
     def sample(self) -> None:
         try:
             self.hwm_mb = max(self.hwm_mb, peak_rss_mb(self._pid))
         except (OSError, RuntimeError):
             return  # not started, or gone: what was seen stays
-        self.tree_mb = max(self.tree_mb, tree_rss_mb(self._pid))
+        tree = tree_rss_mb(self._pid)
+        self.tree_mb = max(self.tree_mb, tree)
+        if self._serving:
+            self.serving_tree_mb = max(self.serving_tree_mb, tree)
 
     def _poll(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -128,8 +138,8 @@ class RssWatch:
 
     @property
     def peak_mb(self) -> float:
-        """The larger of the two peaks: VmHWM catches a spike between samples, the tree sum a child."""
-        return max(self.hwm_mb, self.tree_mb)
+        """The server's peak: VmHWM catches a spike between samples, the serving tree a helper."""
+        return max(self.hwm_mb, self.serving_tree_mb)
 
     def figures(self) -> dict[str, float]:
         return {"peak_rss_mb": self.peak_mb, "peak_hwm_mb": self.hwm_mb, "peak_tree_rss_mb": self.tree_mb}
@@ -220,12 +230,16 @@ class ServerProcess:
         )
         self.rss.follow(self.proc.pid)
         try:
-            return wait_until_up(self.proc, self.base + "/ready", started, timeout_s, "server", self.log_path)
+            ready_s = wait_until_up(
+                self.proc, self.base + "/ready", started, timeout_s, "server", self.log_path
+            )
         except RuntimeError as exc:
             terminate(self.proc)
             self.rss.stop()
             reason = log_reason(self.log_path, "startup failed:")
             raise RuntimeError(f"{exc}: {reason}" if reason else str(exc)) from None
+        self.rss.serving()
+        return ready_s
 
     def rss_mb(self) -> float:
         return status_mb(self.proc.pid, "VmRSS")
@@ -316,13 +330,15 @@ class LlamaServerProcess:
         )
         self.rss.follow(self.proc.pid)
         try:
-            return wait_until_up(
+            ready_s = wait_until_up(
                 self.proc, self.base + "/health", started, timeout_s, "llama-server", self.log_path
             )
         except RuntimeError as exc:
             self.stop()
             reason = log_reason(self.log_path, "error")
             raise RuntimeError(f"{exc}: {reason}" if reason else str(exc)) from None
+        self.rss.serving()
+        return ready_s
 
     def stop(self) -> None:
         self.rss.stop()

@@ -111,8 +111,9 @@ class RssWatch:
         self._stop = threading.Event()
 
     def follow(self, pid: int) -> None:
-        self._pid = pid
-        threading.Thread(target=self._poll, name=f"rss-{pid}", daemon=True).start()
+        """Poll `pid` from now on (a restarted server: its new process, the peaks carried on)."""
+        self._pid, self._serving, self._stop = pid, False, threading.Event()
+        threading.Thread(target=self._poll, args=(self._stop,), name=f"rss-{pid}", daemon=True).start()
 
     def serving(self) -> None:
         """The server is ready: from now on its whole tree counts toward the peak."""
@@ -128,8 +129,8 @@ class RssWatch:
         if self._serving:
             self.serving_tree_mb = max(self.serving_tree_mb, tree)
 
-    def _poll(self) -> None:
-        while not self._stop.wait(self.every_s):
+    def _poll(self, stop: threading.Event) -> None:
+        while not stop.wait(self.every_s):
             self.sample()
 
     def stop(self) -> None:

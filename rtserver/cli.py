@@ -10,10 +10,21 @@ import sys
 
 from .config import DTYPES, ConfigError, load_settings
 
-BENCH_WORKLOADS = ["burst", "single", "arrival", "multi-turn", "sentiment", "e2e", "servers", "remote"]
+BENCH_WORKLOADS = [
+    "burst",
+    "single",
+    "arrival",
+    "multi-turn",
+    "sentiment",
+    "e2e",
+    "servers",
+    "formats",
+    "remote",
+]
 # "servers": llama-server beside `rtserver serve` (builds llama-server the first time; alone, the quick
-# re-run after an engine change); "remote" (the hub in front of llama-server) is asked for by name
-DEFAULT_WORKLOADS = BENCH_WORKLOADS[:-1]
+# re-run after an engine change); "formats" (the model files matrix, long) and "remote" (the hub in
+# front of llama-server) are asked for by name
+DEFAULT_WORKLOADS = BENCH_WORKLOADS[:-2]
 
 
 # The model runs on the scheduler thread, where libgomp lets idle workers sleep almost at once, so each
@@ -75,6 +86,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    formats = args.formats.split(",") if args.formats else None
+    if formats:
+        from .tools.formats_bench import matrix, pick
+
+        try:
+            pick(matrix(), formats)
+        except ValueError as exc:
+            print(f"rtserver bench: {exc}", file=sys.stderr)
+            return 2
     native_bf16 = cpu_has_native_bf16()
     dtypes = args.dtypes.split(",") if args.dtypes else [settings.model.dtype]
     baseline_dtype = "bfloat16" if native_bf16 else "float32"
@@ -89,6 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.out,
         args.config,
         settings.model.threads,
+        formats,
     )
     return 0
 
@@ -153,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtypes",
         help="comma-separated engine dtypes; all workloads run on the first, the "
         "burst and sentiment (speed + agreement with float32) on the others (default: the configured one)",
+    )
+    bench.add_argument(
+        "--formats",
+        help="with --workloads formats: comma-separated rows of its matrix, e.g. embedded,q4_k_m "
+        "(default: all; an unknown name lists them)",
     )
     bench.add_argument("--no-baselines", action="store_true", help="engine figures only")
     bench.add_argument(

@@ -2,7 +2,8 @@
 
 Everything runs in one process, one workload after another, so the ratios compare like with like. The
 baselines use the same loaded model: `generate` per request, static batches of 4, and transformers'
-`generate_batch`, each generating exactly the asked tokens. The `servers` workload is in server_bench.py.
+`generate_batch`, each generating exactly the asked tokens. The `servers` workload is in server_bench.py,
+`formats` in formats_bench.py.
 """
 
 from __future__ import annotations
@@ -706,12 +707,14 @@ def run_bench(
     out_dir: str,
     config: str | None = None,
     threads: int = 0,
+    formats: list[str] | None = None,
 ) -> dict:
     """Engine workloads on the first engine dtype, the burst, single, arrival and sentiment ones on the
     others too (for speed and agreement with float32), each on a freshly loaded model; then the servers
-    comparison (llama-server, then `rtserver serve` with each engine dtype); then the baselines. The JSON
-    is rewritten after every phase, so an interrupted run still leaves its figures; a chart of them is
-    written beside it at the end."""
+    comparison (llama-server, then `rtserver serve` with each engine dtype); then the formats matrix
+    (`formats` picks its rows; rtserver on the first engine dtype); then the baselines. The JSON is
+    rewritten after every phase and formats row, so an interrupted run still leaves its figures; a chart
+    of them is written beside it at the end."""
     threads = threads or os.cpu_count() or 1
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -726,7 +729,7 @@ def run_bench(
     }
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"bench-{report['date'].replace(':', '')}.json"
-    engine_workloads = [w for w in workloads if w not in ("remote", "servers")]
+    engine_workloads = [w for w in workloads if w not in ("remote", "servers", "formats")]
     for i, dtype in enumerate(engine_dtypes if engine_workloads else []):
         gc.collect()
         return_freed_memory()  # what the previous dtype's run left in the heap must not count for this one
@@ -749,6 +752,18 @@ def run_bench(
 
         say(f"[servers] llama-server, then rtserver serve ({', '.join(engine_dtypes)}), one at a time")
         report["servers"] = run_servers_bench(engine_dtypes, threads, config)
+        path.write_text(json.dumps(report, indent=2, default=str))
+    if "formats" in workloads:
+        from .formats_bench import run_formats_bench
+
+        def saved(formats_so_far: dict) -> None:
+            report["formats"] = formats_so_far
+            path.write_text(json.dumps(report, indent=2, default=str))
+
+        say(f"[formats] the model files people run: llama-server, then rtserver serve {engine_dtypes[0]}")
+        report["formats"] = run_formats_bench(
+            formats, engine_dtypes[0], threads, options.kv_budget_mb, config, on_row=saved
+        )
         path.write_text(json.dumps(report, indent=2, default=str))
     if "remote" in workloads:
         from .remote_bench import run_remote_bench
@@ -786,6 +801,10 @@ def run_bench(
         from .server_bench import table_rows
 
         report["table"] += table_rows(report["servers"])
+    if "formats" in report:
+        from .formats_bench import table_rows as formats_rows
+
+        report["table"] += formats_rows(report["formats"])
     if "remote" in report:
         report["table"] += remote_rows(report["remote"])
     path.write_text(json.dumps(report, indent=2, default=str))

@@ -1,6 +1,8 @@
 """The chart `rtserver bench` writes beside its JSON: one panel per figure (burst and single tokens/s,
-burst and arrival TTFT p95), one horizontal bar per system, in a plain hand-written SVG (no plotting
-library: a few rectangles and labels, readable in any browser and on GitHub).
+burst and arrival TTFT p95, each prompt set's panel beside the other's), one horizontal bar per system,
+then the formats matrix (each model file's bars per server, and the rtserver / llama-server ratios), in
+a plain hand-written SVG (no plotting library: a few rectangles and labels, readable in any browser and
+on GitHub).
 
 `chart_rows(report)` picks the figures out of a bench report; `render_svg(rows, title)` draws them.
 """
@@ -11,26 +13,53 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-# (panel title, workload, key in that workload's result, scale to the unit shown, unit, higher is better)
+# (panel title, workload, key in that workload's result, scale to the unit shown, unit, higher is better);
+# an empty workload: the key is in the system's result itself
 PANELS = [
-    ("burst: tokens/s (32 x 64 tokens)", "burst", "tokens_per_s", 1.0, "", True),
+    ("burst: tokens/s (32 x 64 tokens), shared system prompt", "burst", "tokens_per_s", 1.0, "", True),
+    ("burst-unique: tokens/s, unique prefixes", "burst-unique", "tokens_per_s", 1.0, "", True),
     ("single: tokens/s (1 x 128 tokens)", "single", "tokens_per_s", 1.0, "", True),
-    ("burst: TTFT p95", "burst", "ttft_p95_ms", 0.001, " s", False),
+    ("burst: TTFT p95, shared system prompt", "burst", "ttft_p95_ms", 0.001, " s", False),
+    ("burst-unique: TTFT p95, unique prefixes", "burst-unique", "ttft_p95_ms", 0.001, " s", False),
     ("arrival: TTFT p95 (new request beside 32 streams)", "arrival", "ttft_p95_ms", 0.001, " s", False),
+    ("arrival-unique: TTFT p95, unique prefixes", "arrival-unique", "ttft_p95_ms", 0.001, " s", False),
 ]
-COLOURS = {"llama-server": "#d95f02", "rtserver": "#1b9e77", "engine": "#66a61e", "transformers": "#7570b3"}
+FORMAT_PANELS = [
+    ("formats: burst-unique tokens/s", "burst-unique", "tokens_per_s", 1.0, "", True),
+    ("formats: single tokens/s", "single", "tokens_per_s", 1.0, "", True),
+    ("formats: burst-unique TTFT p95", "burst-unique", "ttft_p95_ms", 0.001, " s", False),
+    ("formats: arrival-unique TTFT p95", "arrival-unique", "ttft_p95_ms", 0.001, " s", False),
+    ("formats: peak RSS", "", "peak_rss_mb", 1.0, " MB", False),
+]
+# (panel title, key in a formats row's ratios, higher is better)
+RATIO_PANELS = [
+    ("formats: rtserver / llama-server, burst tokens/s (bar 1.5x)", "burst_tokens_per_s", True),
+    ("formats: rtserver / llama-server, single tokens/s (bar 1.0x)", "single_tokens_per_s", True),
+    ("formats: rtserver / llama-server, burst TTFT p95 (bar 0.5x)", "burst_ttft_p95", False),
+]
+ALL_PANELS = (
+    PANELS + FORMAT_PANELS + [(title, "", key, 1.0, "x", higher) for title, key, higher in RATIO_PANELS]
+)
+COLOURS = {
+    "llama-server": "#d95f02",
+    "rtserver": "#1b9e77",
+    "engine": "#66a61e",
+    "transformers": "#7570b3",
+    "ratio": "#e7298a",
+}
 
 Row = tuple[str, str, str, float]  # (system, family for the colour, panel title, value in the shown unit)
 
 
 def chart_rows(report: dict) -> list[Row]:
     """Every figure of the report that has a panel: the servers comparison (llama-server and each
-    rtserver dtype), the in-process engine per dtype, and the transformers baselines."""
+    rtserver dtype), the in-process engine per dtype, the transformers baselines, and the formats
+    matrix (a server that refused a file has no bar there)."""
     rows: list[Row] = []
 
-    def add(system: str, family: str, results: dict) -> None:
-        for title, workload, key, scale, _, _ in PANELS:
-            value = (results.get(workload) or {}).get(key)
+    def add(system: str, family: str, results: dict, panels: list = PANELS) -> None:
+        for title, workload, key, scale, _, _ in panels:
+            value = (results.get(workload) or {}).get(key) if workload else results.get(key)
             if isinstance(value, int | float):
                 rows.append((system, family, title, value * scale))
 
@@ -48,6 +77,13 @@ def chart_rows(report: dict) -> list[Row]:
     for key, name in names.items():
         figures = {w: base[w][key] for w in ("burst", "single") if key in (base.get(w) or {})}
         add(f"transformers {name} {precision}".strip(), "transformers", figures)
+    for model, r in (report.get("formats") or {}).get("rows", {}).items():
+        for system, figures in (r.get("systems") or {}).items():
+            add(f"{model}: {system}", system, figures, FORMAT_PANELS)
+        for title, key, _ in RATIO_PANELS:
+            value = (r.get("ratios") or {}).get(key)
+            if isinstance(value, int | float):
+                rows.append((model, "ratio", title, value))
     return rows
 
 
@@ -57,7 +93,7 @@ def render_svg(rows: list[Row], title: str, width: int = 760) -> str:
     plot_w = width - label_w - value_w - 20
     parts: list[str] = []
     y = 34
-    for panel, _, _, _, unit, higher in PANELS:
+    for panel, _, _, _, unit, higher in ALL_PANELS:
         bars = [r for r in rows if r[2] == panel]
         if not bars:
             continue
@@ -71,7 +107,7 @@ def render_svg(rows: list[Row], title: str, width: int = 760) -> str:
         for system, family, _, value in bars:
             w = max(1.0, plot_w * value / top)
             colour = COLOURS.get(family, "#999")
-            shown = f"{value:,.{2 if unit else 1}f}{unit}"  # seconds with 2 decimals
+            shown = f"{value:,.{2 if unit in (' s', 'x') else 1}f}{unit}"  # seconds and ratios: 2 decimals
             parts.append(
                 f'<text x="{label_w - 6}" y="{y + bar_h - 5}" text-anchor="end">{escape(system)}</text>'
                 f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colour}"/>'

@@ -1,4 +1,5 @@
-"""One timed, streamed `/v1/chat/completions` request: the one client the bench drives every server with.
+"""One timed, streamed `/v1/chat/completions` (or `/v1/completions`) request: the one client the bench
+drives every server with.
 
 aiohttp, because its low CPU cost per streamed request keeps 32 clients from spreading a burst out.
 """
@@ -11,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 
 
 @dataclass
@@ -31,16 +34,29 @@ class StreamResult:
         return None if self.first_at is None else (self.first_at - self.started) * 1000
 
 
-def chat_body(text: str, max_tokens: int, extra: dict | None = None) -> dict:
-    """A greedy streamed chat request for exactly `max_tokens` new tokens (EOS ignored), usage included."""
+def chat_body(text: str, max_tokens: int, extra: dict | None = None, system: str | None = None) -> dict:
+    """A greedy streamed chat request for exactly `max_tokens` new tokens (EOS ignored), usage included.
+    Without `system` the chat template's default system prompt applies."""
+    system_message = [{"role": "system", "content": system}] if system else []
     return {
-        "messages": [{"role": "user", "content": text}],
+        "messages": system_message + [{"role": "user", "content": text}],
+        **_decoding(max_tokens),
+        **(extra or {}),
+    }
+
+
+def completion_body(prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
+    """The same greedy streamed request as a plain-text completion (a base model has no chat template)."""
+    return {"prompt": prompt, **_decoding(max_tokens), **(extra or {})}
+
+
+def _decoding(max_tokens: int) -> dict:
+    return {
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
-        **(extra or {}),
     }
 
 
@@ -49,14 +65,15 @@ async def stream_chat(
     base: str,
     body: dict,
     on_chunk: Callable[[], None] | None = None,
+    path: str = CHAT_PATH,
 ) -> StreamResult:
-    """POST `body` to `base`/v1/chat/completions and read its server-sent events to the end.
-    `on_chunk` is called on every content chunk (the bench's progress count). An HTTP error status or
-    an error event raises RuntimeError with the server's message."""
+    """POST `body` to `base` + `path` and read its server-sent events to the end: chat deltas or
+    completion text. `on_chunk` is called on every content chunk (the bench's progress count). An HTTP
+    error status or an error event raises RuntimeError with the server's message."""
     result = StreamResult(started=time.perf_counter())
     pieces = 0
     usage: dict = {}
-    async with http.post(base + "/v1/chat/completions", json=body) as resp:
+    async with http.post(base + path, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{base}: HTTP {resp.status}: {(await resp.text())[:300]}")
         async for raw in resp.content:  # one line at a time
@@ -69,7 +86,7 @@ async def stream_chat(
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
+                if (choice.get("delta") or {}).get("content") or choice.get("text"):
                     now = time.perf_counter()
                     result.first_at = result.first_at or now
                     result.chunk_at.append(now)

@@ -1,9 +1,11 @@
 """`rtserver bench --workloads servers`: `llama-server` and a real `rtserver serve`, one at a time.
 
 Both get the same OpenAI streaming clients on the burst, single and arrival workloads, greedy with
-`ignore_eos` (llama-server with `cache_prompt: false`), after an untimed warm-up; their peak RSS is read
-before they stop. llama-server runs the embedded GGUF as shipped, with one slot more than the 32 burst
-streams so that an arrival does not queue.
+`ignore_eos`, after an untimed warm-up; their peak RSS is followed from the start. Burst and arrival run
+on two prompt sets: the chat template's shared system prompt, and unique prefixes (every request its
+own system message, so no server can share a prefix between requests). llama-server keeps its default
+`cache_prompt` (a slot reuses its own earlier prompt) and runs the embedded GGUF as shipped, with one
+slot more than the 32 burst streams so that an arrival does not queue.
 """
 
 from __future__ import annotations
@@ -16,8 +18,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .openai_client import StreamResult, chat_body, client_session, stream_chat
-from .serverproc import ONE_ADDRESS_LIMITS_OFF, LlamaServerProcess, ServerProcess, peak_rss_mb
+from .openai_client import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    StreamResult,
+    chat_body,
+    client_session,
+    completion_body,
+    stream_chat,
+)
+from .serverproc import ONE_ADDRESS_LIMITS_OFF, LlamaServerProcess, ServerProcess
 from .stats import mean, median, per_second, percentile, ratio
 
 BURST_TEXTS = [f"Tell me a short fact about the number {i}." for i in range(32)]
@@ -26,8 +36,44 @@ WARM_UP_TEXTS = [f"Say hello to visitor number {i}." for i in range(32)]  # no t
 BURST_TOKENS, SINGLE_TOKENS = 64, 128
 BACKGROUND_TOKENS = 200  # fits a llama-server slot of 256 tokens with the ~42-token prompt
 ARRIVAL_TOKENS = 2
-SERVER_WORKLOADS = ("burst", "single", "arrival")
+UNIQUE_SYSTEM = "Conversation {i:03d}. You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+# workload -> (what runs, whether every request gets its own system message)
+WORKLOADS = {
+    "burst": ("burst", False),
+    "burst-unique": ("burst", True),
+    "single": ("single", False),
+    "arrival": ("arrival", False),
+    "arrival-unique": ("arrival", True),
+}
+SERVER_WORKLOADS = tuple(WORKLOADS)
+PROMPT_SETS = {
+    "shared": "burst, arrival: the chat template's default system prompt on every request",
+    "unique": "burst-unique, arrival-unique: request i has the system message " + repr(UNIQUE_SYSTEM),
+}
 LLAMA_SLOTS, LLAMA_CTX_PER_SLOT = 33, 256
+
+
+class Prompts:
+    """How a workload's texts become requests: chat messages through the model's chat template, or,
+    for a base model (`completion`), plain-text completions of a question and answer."""
+
+    def __init__(self, completion: bool = False):
+        self.completion = completion
+        self.path = COMPLETIONS_PATH if completion else CHAT_PATH
+
+    def body(self, text: str, tokens: int, extra: dict, system: str | None = None) -> dict:
+        if not self.completion:
+            return chat_body(text, tokens, extra, system)
+        prefix = f"{system}\n" if system else ""
+        return completion_body(f"{prefix}Question: {text}\nAnswer:", tokens, extra)
+
+
+CHAT = Prompts()
+
+
+def systems(count: int, unique: bool, first: int = 0) -> list[str | None]:
+    """The system message of each of `count` requests: its own numbered one, or the template's default."""
+    return [UNIQUE_SYSTEM.format(i=first + i) if unique else None for i in range(count)]
 
 
 # -- figures (pure) -----------------------------------------------------------------------------
@@ -115,19 +161,33 @@ class Progress:
 # -- workloads against one server ----------------------------------------------------------------
 
 
-async def burst(base: str, texts: list[str], new_tokens: int, extra: dict, progress: Progress) -> dict:
+async def burst(
+    base: str,
+    texts: list[str],
+    new_tokens: int,
+    extra: dict,
+    progress: Progress,
+    prompts: Prompts = CHAT,
+    unique: bool = False,
+) -> dict:
+    bodies = [prompts.body(t, new_tokens, extra, s) for t, s in zip(texts, systems(len(texts), unique))]
     async with client_session() as http:
         started = time.perf_counter()
         results = await asyncio.gather(
-            *(stream_chat(http, base, chat_body(t, new_tokens, extra), progress.count) for t in texts)
+            *(stream_chat(http, base, b, progress.count, prompts.path) for b in bodies)
         )
         wall = time.perf_counter() - started
     return burst_summary(list(results), new_tokens, wall)
 
 
-async def arrival(base: str, count: int, extra: dict, progress: Progress) -> dict:
-    """TTFT of `count` new requests sent one after another while the 32 burst streams decode."""
+async def arrival(
+    base: str, count: int, extra: dict, progress: Progress, prompts: Prompts = CHAT, unique: bool = False
+) -> dict:
+    """TTFT of `count` new requests sent one after another while the 32 burst streams decode. With
+    `unique`, every background stream and every arrival has its own system message."""
     chunk_times: list[list[float]] = [[] for _ in BURST_TEXTS]
+    backgrounds = systems(len(BURST_TEXTS), unique)
+    arrivals = systems(count, unique, first=len(BURST_TEXTS))
 
     def recorder(i: int) -> Callable[[], None]:
         def record() -> None:
@@ -139,7 +199,13 @@ async def arrival(base: str, count: int, extra: dict, progress: Progress) -> dic
     async with client_session() as http:
         background = [
             asyncio.ensure_future(
-                stream_chat(http, base, chat_body(t, BACKGROUND_TOKENS, extra), recorder(i))
+                stream_chat(
+                    http,
+                    base,
+                    prompts.body(t, BACKGROUND_TOKENS, extra, backgrounds[i]),
+                    recorder(i),
+                    prompts.path,
+                )
             )
             for i, t in enumerate(BURST_TEXTS)
         ]
@@ -153,8 +219,9 @@ async def arrival(base: str, count: int, extra: dict, progress: Progress) -> dic
                 await asyncio.sleep(0.01)
             window_start = time.perf_counter()
             ttfts, exact = [], True
-            for _ in range(count):
-                r = await stream_chat(http, base, chat_body(SINGLE_TEXT, ARRIVAL_TOKENS, extra))
+            for system in arrivals:
+                body = prompts.body(SINGLE_TEXT, ARRIVAL_TOKENS, extra, system)
+                r = await stream_chat(http, base, body, None, prompts.path)
                 if r.ttft_ms is not None:
                     ttfts.append(r.ttft_ms)
                 exact = exact and r.tokens == ARRIVAL_TOKENS
@@ -168,31 +235,44 @@ async def arrival(base: str, count: int, extra: dict, progress: Progress) -> dic
     return arrival_summary(ttfts, exact, step, len(BURST_TEXTS), ended_early)
 
 
-async def warm_up(base: str, extra: dict) -> None:
+async def warm_up(base: str, extra: dict, prompts: Prompts = CHAT) -> None:
     """Untimed: a batch as wide as the burst (whatever is built per batch size is built) and one lone
     request, on messages no timed request uses."""
     async with client_session() as http:
-        await asyncio.gather(*(stream_chat(http, base, chat_body(t, 4, extra)) for t in WARM_UP_TEXTS))
-        await stream_chat(http, base, chat_body(WARM_UP_TEXTS[0], 8, extra))
+        await asyncio.gather(
+            *(stream_chat(http, base, prompts.body(t, 4, extra), None, prompts.path) for t in WARM_UP_TEXTS)
+        )
+        await stream_chat(http, base, prompts.body(WARM_UP_TEXTS[0], 8, extra), None, prompts.path)
 
 
 async def run_workloads(
-    base: str, workloads: list[str], extra: dict, progress: Progress, arrivals: int = 20
+    base: str,
+    workloads: list[str] | tuple[str, ...],
+    extra: dict,
+    progress: Progress,
+    arrivals: int = 20,
+    prompts: Prompts = CHAT,
 ) -> dict:
+    """The asked workloads, in SERVER_WORKLOADS' order, after the warm-up."""
+    unknown = set(workloads) - set(WORKLOADS)
+    if unknown:
+        raise ValueError(f"unknown server workloads {sorted(unknown)} (known: {', '.join(WORKLOADS)})")
     out: dict[str, Any] = {}
     with progress.phase("warm-up"):
-        await warm_up(base, extra)
-    if "burst" in workloads:
-        with progress.phase(
-            f"burst: {len(BURST_TEXTS)} x {BURST_TOKENS} tokens", len(BURST_TEXTS) * BURST_TOKENS
-        ):
-            out["burst"] = await burst(base, BURST_TEXTS, BURST_TOKENS, extra, progress)
-    if "single" in workloads:
-        with progress.phase(f"single: 1 x {SINGLE_TOKENS} tokens", SINGLE_TOKENS):
-            out["single"] = await burst(base, [SINGLE_TEXT], SINGLE_TOKENS, extra, progress)
-    if "arrival" in workloads:
-        with progress.phase(f"arrival: {arrivals} new requests while {len(BURST_TEXTS)} streams decode"):
-            out["arrival"] = await arrival(base, arrivals, extra, progress)
+        await warm_up(base, extra, prompts)
+    for name in (w for w in SERVER_WORKLOADS if w in workloads):
+        kind, unique = WORKLOADS[name]
+        if kind == "burst":
+            with progress.phase(
+                f"{name}: {len(BURST_TEXTS)} x {BURST_TOKENS} tokens", len(BURST_TEXTS) * BURST_TOKENS
+            ):
+                out[name] = await burst(base, BURST_TEXTS, BURST_TOKENS, extra, progress, prompts, unique)
+        elif kind == "single":
+            with progress.phase(f"{name}: 1 x {SINGLE_TOKENS} tokens", SINGLE_TOKENS):
+                out[name] = await burst(base, [SINGLE_TEXT], SINGLE_TOKENS, extra, progress, prompts)
+        else:
+            with progress.phase(f"{name}: {arrivals} new requests while {len(BURST_TEXTS)} streams decode"):
+                out[name] = await arrival(base, arrivals, extra, progress, prompts, unique)
     return out
 
 
@@ -200,8 +280,15 @@ async def run_workloads(
 
 
 def run_llama_server(
-    binary: Path, model: Path, threads: int, workloads: list[str], workdir: Path, arrivals: int = 20
+    binary: Path,
+    model: Path,
+    threads: int,
+    workloads: list[str] | tuple[str, ...],
+    workdir: Path,
+    arrivals: int = 20,
+    prompts: Prompts = CHAT,
 ) -> dict:
+    """llama-server on `model` with its default `cache_prompt`, through the asked workloads."""
     llama = LlamaServerProcess(
         binary,
         model,
@@ -214,41 +301,65 @@ def run_llama_server(
     print(f"  [{label}] starting ({' '.join(llama.cmd[1:])}; log {llama.log_path})", flush=True)
     ready_s = llama.start()
     try:
-        result = asyncio.run(
-            run_workloads(llama.base, workloads, {"cache_prompt": False}, Progress(label), arrivals)
-        )
-        result["peak_rss_mb"] = peak_rss_mb(llama.proc.pid if llama.proc else -1)
+        result = asyncio.run(run_workloads(llama.base, workloads, {}, Progress(label), arrivals, prompts))
+        llama.rss.sample()
+        result |= llama.rss.figures()
     finally:
         llama.stop()
-    return {"system": "llama-server", "args": llama.cmd[1:], "ready_s": ready_s, **result}
+    return {
+        "system": "llama-server",
+        "args": llama.cmd[1:],
+        "cache_prompt": "default",
+        "ready_s": ready_s,
+        **result,
+    }
 
 
 def run_rtserver(
-    dtype: str, threads: int, config: str | None, workloads: list[str], workdir: Path, arrivals: int = 20
+    dtype: str,
+    threads: int,
+    config: str | None,
+    workloads: list[str] | tuple[str, ...],
+    workdir: Path,
+    arrivals: int = 20,
+    model: str | None = None,
+    prompts: Prompts = CHAT,
+    timeout_s: float = 600,
 ) -> dict:
+    """`rtserver serve` with `dtype` (and `model`, else the configured one) through the asked workloads."""
+    model_env = {"RTSERVER_MODEL_MODEL": model} if model else {}
     server = ServerProcess(
         {
             "RTSERVER_MODEL_DTYPE": dtype,
             "RTSERVER_MODEL_THREADS": str(threads),
             "RTSERVER_TASKS_AUTO_TASKS": "",
+            "RTSERVER_TASKS_FIT_HEADS_IN_BACKGROUND": "false",  # no fit competing with the figures
             "RTSERVER_SERVER_LOG_LEVEL": "warning",
             # the API may hold all of the KV: no chat door shares it here
             "RTSERVER_SECURITY_API_KV_SHARE": "1",
             **ONE_ADDRESS_LIMITS_OFF,
+            **model_env,
         },
         workdir / f"rtserver-{dtype}.log",
         config,
     )
     label = f"rtserver {dtype}"
     print(f"  [{label}] starting (log {server.log_path})", flush=True)
-    ready_s = server.start(timeout_s=600)  # a loaded machine reads the weights slowly (seen: 300 s)
+    ready_s = server.start(timeout_s)  # a loaded machine reads the weights slowly (seen: 300 s)
     try:
-        result = asyncio.run(run_workloads(server.base, workloads, {}, Progress(label), arrivals))
-        result["peak_rss_mb"] = peak_rss_mb(server.proc.pid if server.proc else -1)
+        result = asyncio.run(run_workloads(server.base, workloads, {}, Progress(label), arrivals, prompts))
+        server.rss.sample()
+        result |= server.rss.figures()
         result["health"] = server.health()
     finally:
         server.stop()
-    return {"system": "rtserver", "dtype": dtype, "runs_as": runs_as(dtype), "ready_s": ready_s, **result}
+    return {
+        "system": "rtserver",
+        "dtype": dtype,
+        "runs_as": runs_as(dtype, model or "embedded"),
+        "ready_s": ready_s,
+        **result,
+    }
 
 
 def runs_as(dtype: str, model: str = "embedded") -> str:
@@ -268,7 +379,8 @@ def run_servers_bench(
     llama_binary: Path | None = None,
     workdir: Path | None = None,
 ) -> dict:
-    """llama-server, then `rtserver serve` with each of `dtypes`; one system at a time."""
+    """llama-server, then `rtserver serve` with each of `dtypes`; one system at a time, each on both
+    prompt sets."""
     from ..engine.model import embedded_model_path
     from .llama_build import build
 
@@ -280,34 +392,48 @@ def run_servers_bench(
     }
     for dtype in dtypes:
         systems[f"rtserver-{dtype}"] = run_rtserver(dtype, threads, config, workloads, workdir, arrivals)
-    return {"threads": threads, "workloads": workloads, "systems": systems}
+    return {"threads": threads, "workloads": workloads, "prompt_sets": PROMPT_SETS, "systems": systems}
+
+
+def ratio_key(workload: str, figure: str) -> str:
+    return f"{workload.replace('-', '_')}_{figure}"
 
 
 def ratios(systems: dict, reference: str = "llama-server") -> dict:
     """Each rtserver system's figures divided by the reference's: tokens/s (higher is better) and TTFT
-    p95 (lower is better)."""
+    p95 (lower is better), on both prompt sets."""
     ref = systems.get(reference, {})
     out: dict[str, dict] = {}
     for name, s in systems.items():
         if name == reference:
             continue
         out[name] = {
-            f"{w}_tokens_per_s": ratio(s.get(w, {}).get("tokens_per_s"), ref.get(w, {}).get("tokens_per_s"))
-            for w in ("burst", "single")
+            ratio_key(w, "tokens_per_s"): ratio(
+                s.get(w, {}).get("tokens_per_s"), ref.get(w, {}).get("tokens_per_s")
+            )
+            for w in ("burst", "burst-unique", "single")
         } | {
-            f"{w}_ttft_p95": ratio(s.get(w, {}).get("ttft_p95_ms"), ref.get(w, {}).get("ttft_p95_ms"))
-            for w in ("burst", "arrival")
+            ratio_key(w, "ttft_p95"): ratio(
+                s.get(w, {}).get("ttft_p95_ms"), ref.get(w, {}).get("ttft_p95_ms")
+            )
+            for w in ("burst", "burst-unique", "arrival", "arrival-unique")
         }
     return out
 
 
-def table_rows(servers: dict) -> list[tuple[str, str, str]]:
-    """(figure, value, bar) rows of the servers comparison for the bench's printed table; the bars are
-    issue 12's, for the rtserver rows."""
-    systems = servers.get("systems", {})
+def fmt(v: float | None, unit: str = "") -> str:
+    return "n/a" if v is None else f"{v:,.1f}{unit}"
 
-    def fmt(v: float | None, unit: str = "") -> str:
-        return "n/a" if v is None else f"{v:,.1f}{unit}"
+
+def times(v: float | None) -> str:
+    """A ratio to two decimals: the bars sit at 0.5x and 1.5x."""
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def table_rows(servers: dict) -> list[tuple[str, str, str]]:
+    """(figure, value, bar) rows of the servers comparison for the bench's printed table, each prompt
+    set's row beside the other's; the shared set's bars are issue 12's, the unique set's issue 25's."""
+    systems = servers.get("systems", {})
 
     def exact(r: dict) -> str:
         return "exact" if r.get("exact_token_counts") else "NOT exact"
@@ -315,7 +441,7 @@ def table_rows(servers: dict) -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
     for name, s in systems.items():
         rtserver = name != "llama-server"
-        for w in ("burst", "single"):
+        for w in ("burst", "burst-unique", "single"):
             r = s.get(w)
             if r:
                 rows.append(
@@ -323,27 +449,29 @@ def table_rows(servers: dict) -> list[tuple[str, str, str]]:
                         f"[servers] {name} {w} tokens/s; TTFT p50 / p95 ms",
                         f"{fmt(r['tokens_per_s'])} ({exact(r)}); "
                         f"{fmt(r['ttft_p50_ms'])} / {fmt(r['ttft_p95_ms'])}",
-                        "TTFT p95 <= 1000" if rtserver and w == "burst" else "",
+                        "TTFT p95 <= 1000" if rtserver and w.startswith("burst") else "",
                     )
                 )
-        a = s.get("arrival")
-        if a:
-            rows.append(
-                (
-                    f"[servers] {name} arrival TTFT p50 / p95 ms; decode step ms; p95 in steps",
-                    f"{fmt(a['ttft_p50_ms'])} / {fmt(a['ttft_p95_ms'])}; {fmt(a['decode_step_ms'])}; "
-                    f"{fmt(a['ttft_p95_in_steps'], 'x')}"
-                    + (
-                        f" ({a['background_ended_early']} streams ended early)"
-                        if a["background_ended_early"]
-                        else ""
-                    ),
-                    "<= 1.5x" if rtserver else "",
+        for w in ("arrival", "arrival-unique"):
+            a = s.get(w)
+            if a:
+                rows.append(
+                    (
+                        f"[servers] {name} {w} TTFT p50 / p95 ms; decode step ms; p95 in steps",
+                        f"{fmt(a['ttft_p50_ms'])} / {fmt(a['ttft_p95_ms'])}; {fmt(a['decode_step_ms'])}; "
+                        f"{fmt(a['ttft_p95_in_steps'], 'x')}"
+                        + (
+                            f" ({a['background_ended_early']} streams ended early)"
+                            if a["background_ended_early"]
+                            else ""
+                        ),
+                        "<= 1.5x" if rtserver else "",
+                    )
                 )
-            )
         rows.append(
             (f"[servers] {name} peak RSS MB", fmt(s.get("peak_rss_mb")), "<= 1536" if rtserver else "")
         )
+    unique_ran = any("burst-unique" in s for s in systems.values())
     for name, r in ratios(systems).items():
         rows.append(
             (
@@ -359,4 +487,14 @@ def table_rows(servers: dict) -> list[tuple[str, str, str]]:
                 "",
             )
         )
+        if unique_ran:
+            rows.append(
+                (
+                    f"[servers] {name} / llama-server, unique prefixes: burst tokens/s; burst TTFT p95, "
+                    "arrival TTFT p95",
+                    f"{times(r['burst_unique_tokens_per_s'])}; {times(r['burst_unique_ttft_p95'])}, "
+                    f"{times(r['arrival_unique_ttft_p95'])}",
+                    ">= 1.5x; <= 0.5x",
+                )
+            )
     return rows

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -59,6 +60,105 @@ def peak_rss_mb(pid: int) -> float:
     return status_mb(pid, "VmHWM")
 
 
+def parents() -> dict[int, int]:
+    """Every process's parent id, from /proc/<pid>/stat (the field after the command's closing paren)."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            out[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            pass  # ended meanwhile
+    return out
+
+
+def process_tree(pid: int, parent_of: dict[int, int] | None = None) -> list[int]:
+    """`pid` and its living descendants."""
+    children: dict[int, list[int]] = {}
+    for child, parent in (parent_of if parent_of is not None else parents()).items():
+        children.setdefault(parent, []).append(child)
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        todo += children.get(current, [])
+    return out
+
+
+def tree_rss_mb(pid: int) -> float:
+    """The resident memory of `pid` and its descendants together, in MB (0 for ended processes)."""
+    total = 0.0
+    for member in process_tree(pid):
+        try:
+            total += status_mb(member, "VmRSS")
+        except (OSError, RuntimeError):
+            pass  # ended, or a zombie without memory
+    return total
+
+
+class RssWatch:
+    """Follows a server's memory from its start: its own peak (VmHWM) and, polled every `every_s`, the
+    resident memory of its whole process tree. A process it starts while serving counts toward the
+    peak; one it runs before it is ready (a compiler building kernels) only in `peak_tree_rss_mb`.
+    The figures stay readable after the process ended."""
+
+    def __init__(self, every_s: float = 0.5):
+        self.every_s = every_s
+        self.hwm_mb = 0.0  # the main process's VmHWM at the last sample
+        self.tree_mb = 0.0  # the largest sampled sum over the tree, start-up included
+        self.serving_tree_mb = 0.0  # the same, from `serving()` on
+        self._pid = -1
+        self._serving = False
+        self._stop = threading.Event()
+
+    def follow(self, pid: int) -> None:
+        """Poll `pid` from now on (a restarted server: its new process, the peaks carried on)."""
+        self._pid, self._serving, self._stop = pid, False, threading.Event()
+        threading.Thread(target=self._poll, args=(self._stop,), name=f"rss-{pid}", daemon=True).start()
+
+    def serving(self) -> None:
+        """The server is ready: from now on its whole tree counts toward the peak."""
+        self._serving = True
+
+    def sample(self) -> None:
+        try:
+            self.hwm_mb = max(self.hwm_mb, peak_rss_mb(self._pid))
+        except (OSError, RuntimeError):
+            return  # not started, or gone: what was seen stays
+        tree = tree_rss_mb(self._pid)
+        self.tree_mb = max(self.tree_mb, tree)
+        if self._serving:
+            self.serving_tree_mb = max(self.serving_tree_mb, tree)
+
+    def _poll(self, stop: threading.Event) -> None:
+        while not stop.wait(self.every_s):
+            self.sample()
+
+    def stop(self) -> None:
+        self.sample()  # the last word while the process may still be there
+        self._stop.set()
+
+    @property
+    def peak_mb(self) -> float:
+        """The server's peak: VmHWM catches a spike between samples, the serving tree a helper."""
+        return max(self.hwm_mb, self.serving_tree_mb)
+
+    def figures(self) -> dict[str, float]:
+        return {"peak_rss_mb": self.peak_mb, "peak_hwm_mb": self.hwm_mb, "peak_tree_rss_mb": self.tree_mb}
+
+
+def log_reason(log_path: Path, marker: str) -> str:
+    """Why a process stopped, from its log: the last line holding `marker`, from the marker on, else
+    its last line."""
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if marker in line:
+            return line[line.index(marker) :]
+    return lines[-1] if lines else ""
+
+
 def terminate(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
     """SIGTERM, then SIGKILL if it is still there after `grace_s`."""
     if proc is not None and proc.poll() is None:
@@ -104,6 +204,7 @@ class ServerProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.cpus: set[int] | None = None  # set before start(): the CPUs it may run on (Linux)
+        self.rss = RssWatch()
 
     @property
     def base(self) -> str:
@@ -114,7 +215,8 @@ class ServerProcess:
         return f"ws://127.0.0.1:{self.port}/ws"
 
     def start(self, timeout_s: float = 300.0) -> float:
-        """Start and wait for /ready; the seconds it took."""
+        """Start and wait for /ready; the seconds it took. When it exits first or does not get ready, it
+        is stopped and the RuntimeError says why (its log's start-up failure)."""
         started = time.monotonic()
         log = self.log_path.open("w")
         cpus = self.cpus
@@ -127,7 +229,18 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=prepare
         )
-        return wait_until_up(self.proc, self.base + "/ready", started, timeout_s, "server", self.log_path)
+        self.rss.follow(self.proc.pid)
+        try:
+            ready_s = wait_until_up(
+                self.proc, self.base + "/ready", started, timeout_s, "server", self.log_path
+            )
+        except RuntimeError as exc:
+            terminate(self.proc)
+            self.rss.stop()
+            reason = log_reason(self.log_path, "startup failed:")
+            raise RuntimeError(f"{exc}: {reason}" if reason else str(exc)) from None
+        self.rss.serving()
+        return ready_s
 
     def rss_mb(self) -> float:
         return status_mb(self.proc.pid, "VmRSS")
@@ -150,6 +263,7 @@ class ServerProcess:
     def stop(self, timeout_s: float = 60.0) -> tuple[int, float]:
         """SIGTERM; (exit code, seconds to exit). Killed (and -9 returned) past the timeout."""
         started = time.monotonic()
+        self.rss.stop()
         self.proc.send_signal(signal.SIGTERM)
         try:
             rc = self.proc.wait(timeout=timeout_s)
@@ -202,9 +316,11 @@ class LlamaServerProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.cpus: set[int] | None = None  # set before start(): the CPUs it may run on (Linux)
+        self.rss = RssWatch()
 
     def start(self, timeout_s: float = 120.0) -> float:
-        """Start and wait for /health; the seconds it took."""
+        """Start and wait for /health; the seconds it took. A failed start is stopped and its
+        RuntimeError ends with the log's last error line."""
         started = time.monotonic()
         cpus = self.cpus
         self.proc = subprocess.Popen(
@@ -213,15 +329,20 @@ class LlamaServerProcess:
             stderr=subprocess.STDOUT,
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
+        self.rss.follow(self.proc.pid)
         try:
-            return wait_until_up(
+            ready_s = wait_until_up(
                 self.proc, self.base + "/health", started, timeout_s, "llama-server", self.log_path
             )
-        except RuntimeError:
+        except RuntimeError as exc:
             self.stop()
-            raise
+            reason = log_reason(self.log_path, "error")
+            raise RuntimeError(f"{exc}: {reason}" if reason else str(exc)) from None
+        self.rss.serving()
+        return ready_s
 
     def stop(self) -> None:
+        self.rss.stop()
         terminate(self.proc)
 
 

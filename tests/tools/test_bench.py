@@ -11,7 +11,14 @@ import pytest
 
 from rtserver.tools import chart, server_bench
 from rtserver.tools.bench import exact_counts, rate, summarize
-from rtserver.tools.openai_client import StreamResult, chat_body, client_session, stream_chat
+from rtserver.tools.openai_client import (
+    COMPLETIONS_PATH,
+    StreamResult,
+    chat_body,
+    client_session,
+    completion_body,
+    stream_chat,
+)
 from rtserver.web.app import create_app
 
 from ..components import slow_tests_on
@@ -145,7 +152,8 @@ def test_chart_has_one_bar_per_figure_scaled_to_the_panel():
         ("engine float16 (in-process)", 200.0),
         ("transformers generate_batch float32", 50.0),
     ]
-    assert ("llama.cpp llama-server (Q4_1)", "llama-server", chart.PANELS[3][0], 0.8) in rows  # TTFT in s
+    arrival_ttft = next(p[0] for p in chart.PANELS if p[1:3] == ("arrival", "ttft_p95_ms"))
+    assert ("llama.cpp llama-server (Q4_1)", "llama-server", arrival_ttft, 0.8) in rows  # TTFT in s
     svg = ET.fromstring(chart.render_svg(rows, "a <title> & more"))
     ns = "{http://www.w3.org/2000/svg}"
     bars = svg.findall(f"{ns}rect")[1:]  # the first one is the background
@@ -154,6 +162,55 @@ def test_chart_has_one_bar_per_figure_scaled_to_the_panel():
     assert widths[2] == max(widths) and widths[0] == pytest.approx(widths[2] / 2)
     texts = [t.text for t in svg.findall(f"{ns}text")]
     assert "a <title> & more" in texts and "200.0" in texts and "0.80 s" in texts
+
+
+def test_unique_prefix_figures_sit_beside_the_shared_ones():
+    """Each prompt set's figures: their own ratios to llama-server, table rows and chart panels."""
+    unique = {"tokens_per_s": 80.0, "ttft_p50_ms": 4000.0, "ttft_p95_ms": 8000.0, "exact_token_counts": True}
+    ours = {"tokens_per_s": 120.0, "ttft_p50_ms": 900.0, "ttft_p95_ms": 2000.0, "exact_token_counts": True}
+    arrival = {**SYSTEMS["llama-server"]["arrival"], "ttft_p95_ms": 1000.0}
+    systems = {
+        "llama-server": {**SYSTEMS["llama-server"], "burst-unique": unique, "arrival-unique": arrival},
+        "rtserver-auto": {**SYSTEMS["rtserver-auto"], "burst-unique": ours},
+    }
+    r = server_bench.ratios(systems)["rtserver-auto"]
+    assert r["burst_unique_tokens_per_s"] == 1.5 and r["burst_unique_ttft_p95"] == 0.25
+    assert r["burst_tokens_per_s"] == 1.5 and r["arrival_unique_ttft_p95"] is None
+    names = [n for n, _, _ in server_bench.table_rows({"systems": systems})]
+    shared = names.index("[servers] rtserver-auto burst tokens/s; TTFT p50 / p95 ms")
+    assert names[shared + 1] == "[servers] rtserver-auto burst-unique tokens/s; TTFT p50 / p95 ms"
+    assert "[servers] llama-server arrival-unique TTFT p50 / p95 ms; decode step ms; p95 in steps" in names
+    rows = {n: (v, bar) for n, v, bar in server_bench.table_rows({"systems": systems})}
+    key = "[servers] rtserver-auto / llama-server, unique prefixes: burst tokens/s; burst TTFT p95, "
+    assert rows[key + "arrival TTFT p95"] == ("1.50x; 0.25x, n/a", ">= 1.5x; <= 0.5x")
+    # a run without the unique set has no row for it
+    assert not any("unique" in n for n, _, _ in server_bench.table_rows({"systems": SYSTEMS}))
+    panels = {
+        panel: value
+        for system, _, panel, value in chart.chart_rows({"servers": {"systems": systems}})
+        if system.startswith("rtserver")
+    }
+    assert panels["burst-unique: tokens/s, unique prefixes"] == 120.0
+    assert panels["burst: tokens/s (32 x 64 tokens), shared system prompt"] == 150.0
+
+
+def test_prompt_sets_give_each_request_its_own_system_message():
+    assert server_bench.systems(3, unique=False) == [None, None, None]
+    unique = server_bench.systems(2, unique=True, first=32)
+    assert unique == [
+        "Conversation 032. You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+        "Conversation 033. You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+    ]
+    chat = server_bench.CHAT.body("Hi.", 8, {}, unique[0])
+    assert chat["messages"] == [{"role": "system", "content": unique[0]}, {"role": "user", "content": "Hi."}]
+    assert server_bench.CHAT.body("Hi.", 8, {})["messages"] == [{"role": "user", "content": "Hi."}]
+    assert server_bench.CHAT.path == "/v1/chat/completions"
+    base = server_bench.Prompts(completion=True)
+    body = base.body("Hi.", 8, {"cache_prompt": True}, unique[1])
+    assert base.path == "/v1/completions" and "messages" not in body
+    assert body["prompt"] == f"{unique[1]}\nQuestion: Hi.\nAnswer:" and body["cache_prompt"] is True
+    assert body["max_tokens"] == 8 and body["ignore_eos"] and body["stream"]
+    assert base.body("Hi.", 8, {})["prompt"] == "Question: Hi.\nAnswer:"
 
 
 def test_write_chart_skips_a_report_without_figures(tmp_path):
@@ -176,6 +233,24 @@ async def test_stream_chat_against_rtserver(smol):
             assert r.ttft_ms is not None and r.ttft_ms > 0 and len(r.chunk_at) == len(seen) > 0
             with pytest.raises(RuntimeError, match="HTTP 400.*cache_prompt"):
                 await stream_chat(http, base, chat_body("Say hi.", 4, {"cache_prompt": False}))
+            done = await stream_chat(
+                http, base, completion_body("Once upon a time", 6), None, COMPLETIONS_PATH
+            )
+            assert done.tokens == 6 and done.ttft_ms is not None and len(done.chunk_at) > 0
+
+
+@pytest.mark.asyncio
+async def test_unique_prefix_burst_against_rtserver(smol):
+    """The unique set reaches the server as its own system messages: longer prompts than the template's
+    default system prompt, every request still exact."""
+    settings = make_settings(tasks={"auto_tasks": []})
+    progress = server_bench.Progress("test", out=lambda line: None)
+    texts = server_bench.BURST_TEXTS[:3]
+    async with serve(create_app(settings, lambda: smol), settings) as (base, url):
+        shared = await server_bench.burst(base, texts, 4, {}, progress)
+        unique = await server_bench.burst(base, texts, 4, {}, progress, unique=True)
+    assert shared["exact_token_counts"] and unique["exact_token_counts"]
+    assert unique["prompt_tokens_mean"] > shared["prompt_tokens_mean"]
 
 
 @pytest.mark.skipif(not slow_tests_on(), reason="slow: set RTSERVER_SLOW_TESTS=1")
@@ -196,7 +271,11 @@ def test_servers_comparison_on_a_tiny_budget(monkeypatch, tmp_path):
         assert s["arrival"]["arrivals"] == 3 and s["arrival"]["exact_token_counts"]
         assert s["arrival"]["background_ended_early"] == 0 and s["arrival"]["decode_step_ms"] > 0
         assert s["peak_rss_mb"] > 50
+        assert s["burst-unique"]["exact_token_counts"] and s["arrival-unique"]["arrivals"] == 3
+        assert s["peak_rss_mb"] >= s["peak_hwm_mb"] > 50
     assert out["systems"]["rtserver-float32"]["runs_as"] == "float32"
     # the same prompts reach both: the chat template's default system prompt on each side
     prompts = [s["burst"]["prompt_tokens_mean"] for s in out["systems"].values()]
     assert prompts[0] == prompts[1]
+    unique = [s["burst-unique"]["prompt_tokens_mean"] for s in out["systems"].values()]
+    assert unique[0] == unique[1] > prompts[0]

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from .backend import SamplingParams
 from .families import LayerNorms, RMSNorm, attention_scale, family_of, layer_norms, layer_windows, rope_tables
 from .kv import KVCacheManager, KVHandle
 from .plan import StepItem
 from .quant import InterleavedWeight, QuantizedWeight, head_rows, interleave, quantized_matmul
+from .sampler import Sampler
 from .sequence import Sequence
 
 log = logging.getLogger("rtserver.runner")
@@ -262,32 +262,6 @@ def _prefill_groups(items: list[StepItem]) -> list[list[int]]:
     return groups
 
 
-def sampling_candidates(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens a sampled step may pick and their probabilities (unnormalised): softmax(row /
-    temperature) kept to the `top_k` best, then to the smallest set of those whose probability reaches
-    `top_p` (the token that crosses it included). The nucleus is looked for among the few best logits
-    first (`torch.topk`), widening until it is found: sorting the whole vocabulary costs milliseconds
-    per row, the nucleus of a chat reply is a handful of tokens."""
-    row = row / p.temperature
-    vocab = row.numel()
-    k = p.top_k if 0 < p.top_k < vocab else vocab
-    if p.top_p >= 1.0:
-        if k == vocab:
-            return torch.arange(vocab), torch.exp(row - row.max())
-        vals, idx = torch.topk(row, k)
-        return idx, torch.exp(vals - vals[0])
-    lse = torch.logsumexp(row if k == vocab else torch.topk(row, k).values, 0)
-    m = min(k, 64)
-    while True:
-        vals, idx = torch.topk(row, m)  # sorted, best first
-        probs = torch.exp(vals - lse)
-        before = probs.cumsum(0) - probs
-        kept = int((before < p.top_p).sum())
-        if kept < m or m == k:
-            return idx[:kept], probs[:kept]
-        m = min(k, m * 8)
-
-
 @dataclass
 class _Layout:
     """Where a step's rows come from and go: index tensors and masks built once per step (and again
@@ -385,6 +359,7 @@ class ModelRunner:
         self.pool_layers: tuple[int, ...] = tuple(range(0, len(self.layers) - 1, 2)) or (0,)
         self.last_layers: tuple[int, ...] = (len(self.layers) // 6,)
         self.vocab_size = self.lm_head.out_features
+        self.sampler = Sampler()
         self.attention_kernel: Any = None  # see use_attention_kernel
         self.fused_decode_rows = 0  # decode steps of up to this many rows run fused (use_quantized_blocks)
         if release_dense_weights:
@@ -886,55 +861,4 @@ class ModelRunner:
 
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
-        """One next token per sequence from its row of fp32 logits, per its own decoding params. A
-        sequence whose decoding raises gets the exception in its place; the others get their tokens."""
-        greedy_plain = [i for i, s in enumerate(seqs) if self._plain_greedy(s.params, s)]
-        out: list[int | Exception] = [0] * len(seqs)
-        if greedy_plain:
-            picks = logits[greedy_plain].argmax(-1).tolist()
-            for i, t in zip(greedy_plain, picks):
-                out[i] = t
-        plain = set(greedy_plain)
-        for i, s in enumerate(seqs):
-            if i in plain:
-                continue
-            try:
-                out[i] = self._sample_one(s, logits[i])
-            except Exception as exc:  # this sequence's parameters or state; its neighbours go on
-                out[i] = exc
-        return out
-
-    def _sample_one(self, s: Sequence, logits: torch.Tensor) -> int:
-        row = self._process(s, logits.clone())
-        if s.params.greedy:
-            return int(row.argmax())
-        tokens, probs = sampling_candidates(row, s.params)
-        # inverse CDF: one uniform draw (from the sequence's own generator when it has a seed)
-        cdf = probs.cumsum(0)
-        u = torch.rand(1, generator=self._generator(s)) * cdf[-1]
-        return int(tokens[min(int(torch.searchsorted(cdf, u, right=True)), len(tokens) - 1)])
-
-    @staticmethod
-    def _plain_greedy(p: SamplingParams, s: Sequence) -> bool:
-        return (
-            p.greedy
-            and p.repetition_penalty == 1.0
-            and not (p.min_new_tokens and len(s.output_ids) < p.min_new_tokens)
-        )
-
-    def _generator(self, s: Sequence) -> torch.Generator | None:
-        if s.params.seed is None:
-            return None
-        if s.generator is None:
-            s.generator = torch.Generator().manual_seed(s.params.seed)
-        return s.generator
-
-    def _process(self, s: Sequence, row: torch.Tensor) -> torch.Tensor:
-        p = s.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(s.all_ids)), dtype=torch.long)
-            vals = row[seen]
-            row[seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
-        if p.min_new_tokens and len(s.output_ids) < p.min_new_tokens and s.eos_token_ids:
-            row[torch.tensor(sorted(s.eos_token_ids))] = float("-inf")
-        return row
+        return self.sampler.sample(seqs, logits)

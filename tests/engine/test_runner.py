@@ -8,7 +8,8 @@ import torch
 from rtserver.engine.backend import SamplingParams
 from rtserver.engine.kv import KVCacheManager
 from rtserver.engine.plan import StepItem
-from rtserver.engine.runner import Linear, ModelRunner, _decode_groups, sampling_candidates
+from rtserver.engine.runner import Linear, ModelRunner, _decode_groups
+from rtserver.engine.sampler import Sampler, sampling_candidates
 from rtserver.engine.sequence import Sequence
 
 from ..conftest import chat_prompt
@@ -166,7 +167,7 @@ def test_sampling_candidates_are_the_whole_vocabulary_distribution(params):
 
 def test_sampled_tokens_follow_the_distribution_and_the_seed(tiny_qwen2):
     """Draws land only on kept tokens, about as often as their probability says, and a seed repeats them."""
-    runner = ModelRunner.__new__(ModelRunner)  # sampling needs no weights
+    sampler = Sampler()
     torch.manual_seed(0)
     logits = torch.randn(1, 200) * 2
     params = SamplingParams(temperature=0.8, top_p=0.8, seed=11)
@@ -174,10 +175,35 @@ def test_sampled_tokens_follow_the_distribution_and_the_seed(tiny_qwen2):
 
     def draws(n: int) -> list[int]:
         seq = Sequence([1, 2], params, tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
-        return [runner.sample([seq], logits)[0] for _ in range(n)]
+        return [sampler.sample([seq], logits)[0] for _ in range(n)]
 
     picks = draws(4000)
     assert picks[:50] == draws(50)
     counts = torch.bincount(torch.tensor(picks), minlength=200).float() / len(picks)
     assert counts[probs == 0].sum() == 0
     assert (counts - probs).abs().max() < 0.03
+
+
+def test_a_batch_of_mixed_decoding_params_samples_as_each_row_alone(tiny_qwen2):
+    """Rows sampled together (different temperatures, top-k, top-p, penalties, greedy beside them)
+    draw the same tokens as each row sampled on its own with the same seed."""
+    torch.manual_seed(5)
+    logits = torch.randn(6, 300) * 3
+    params = [
+        SamplingParams(temperature=0.7, seed=1),
+        SamplingParams(temperature=1.3, top_k=5, seed=2),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_k=100, top_p=0.5, repetition_penalty=1.5, seed=4),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    ]
+
+    def seqs() -> list[Sequence]:
+        return [Sequence([1, 2, 7], p, tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set()) for p in params]
+
+    batch, alone = seqs(), seqs()
+    sampler = Sampler()
+    for _ in range(20):
+        together = sampler.sample(batch, logits)
+        each = [sampler.sample([s], logits[i : i + 1])[0] for i, s in enumerate(alone)]
+        assert together == each

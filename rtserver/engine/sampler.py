@@ -1,0 +1,149 @@
+"""The next token of every sequence in a step, from its logits row: greedy or sampled, a batch at a time.
+
+Sampled rows share one temperature division, one top-k and one cumulative sum; only what is per
+sequence by nature stays per row: the repetition penalty, the EOS ban before `min_new_tokens`, and
+the uniform draw from the sequence's own seeded generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import SamplingParams
+from .sequence import Sequence
+
+NUCLEUS_FIRST = 64  # best logits searched for the nucleus before widening (a chat reply's is a handful)
+
+
+def sampling_candidates(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a sampled step may pick and their probabilities (unnormalised): softmax(row /
+    temperature) kept to the `top_k` best, then to the smallest set of those whose probability reaches
+    `top_p` (the token that crosses it included). One row of `Sampler`'s batched arithmetic."""
+    tokens, weights, kept = _Rows(row[None], [p]).candidates()
+    return tokens[0, : int(kept[0])], weights[0, : int(kept[0])]
+
+
+class _Rows:
+    """Sampled rows and their parameters as tensors."""
+
+    def __init__(self, logits: torch.Tensor, params: list[SamplingParams]):
+        vocab = logits.shape[1]
+        self.logits = logits / torch.tensor([p.temperature for p in params])[:, None]
+        self.top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+        self.top_p = torch.tensor([p.top_p for p in params])
+        self.vocab = vocab
+
+    def candidates(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, m] token ids, best first, their probabilities (zero past each row's kept set) and how
+        many each row keeps. The
+        nucleus is looked for among the few best logits first (torch.topk), widening until every row
+        has found it: sorting the whole vocabulary costs milliseconds a row."""
+        k_max = int(self.top_k.max())
+        lse = torch.logsumexp(self.logits, -1)
+        cut = self.top_k < self.vocab
+        if bool(cut.any()):  # the normaliser over each row's top-k set
+            best = torch.topk(self.logits, k_max).values
+            best[torch.arange(k_max)[None] >= self.top_k[:, None]] = float("-inf")
+            lse = torch.where(cut, torch.logsumexp(best, -1), lse)
+        m = min(k_max, NUCLEUS_FIRST)
+        while True:
+            vals, idx = torch.topk(self.logits, m)  # sorted, best first
+            inside = torch.arange(m)[None] < self.top_k[:, None]
+            probs = torch.where(inside, torch.exp(vals - lse[:, None]), 0.0)
+            before = probs.cumsum(-1) - probs
+            # top_p 1 keeps the whole top-k set, whatever the rounding of the running sum
+            keep = inside & ((before < self.top_p[:, None]) | (self.top_p[:, None] >= 1.0))
+            kept = keep.sum(-1)
+            if m == k_max or bool(((kept < m) | (self.top_k <= m)).all()):
+                return idx, torch.where(keep, probs, 0.0), kept
+            m = min(k_max, m * 8)
+
+
+class Sampler:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
+        """One next token per sequence from its row of fp32 logits, per its own decoding params. A
+        sequence whose decoding raises gets the exception in its place; the others get their tokens."""
+        out: list[int | Exception] = [0] * len(seqs)
+        plain = [i for i, s in enumerate(seqs) if _plain_greedy(s)]
+        if plain:
+            for i, t in zip(plain, logits[plain].argmax(-1).tolist()):
+                out[i] = t
+        rest = [i for i in range(len(seqs)) if i not in set(plain)]
+        greedy: list[tuple[int, torch.Tensor]] = []
+        sampled: list[tuple[int, torch.Tensor, float]] = []
+        for i in rest:
+            s = seqs[i]
+            try:
+                row = _penalised(s, logits[i].clone())
+                if s.params.greedy:
+                    greedy.append((i, row))
+                else:
+                    sampled.append((i, row, float(torch.rand(1, generator=_generator(s)))))
+            except Exception as exc:  # this sequence's parameters or state; its neighbours go on
+                out[i] = exc
+        for i, row in greedy:
+            out[i] = int(row.argmax())
+        if sampled:
+            rows = torch.stack([row for _, row, _ in sampled])
+            draws = torch.tensor([u for _, _, u in sampled])
+            for (i, _, _), t in zip(
+                sampled, self._draw(rows, [seqs[i].params for i, _, _ in sampled], draws)
+            ):
+                out[i] = t
+        return out
+
+    @staticmethod
+    def _draw(rows: torch.Tensor, params: list[SamplingParams], draws: torch.Tensor) -> list[int]:
+        """Inverse CDF: each row's uniform draw over its kept tokens' cumulative probabilities. Rows
+        that keep the whole vocabulary (no top-k, no top-p) skip the sort: their CDF is in id order."""
+        tokens = [0] * len(params)
+        whole = [j for j, p in enumerate(params) if p.top_p >= 1.0 and not 0 < p.top_k < rows.shape[1]]
+        others = [j for j in range(len(params)) if j not in set(whole)]
+        if whole:
+            scaled = rows[whole] / torch.tensor([params[j].temperature for j in whole])[:, None]
+            cdf = torch.exp(scaled - scaled.amax(-1, keepdim=True)).cumsum(-1)
+            ids = _search(cdf, draws[whole], torch.full((len(whole),), cdf.shape[1]))
+            for j, t in zip(whole, ids.tolist()):
+                tokens[j] = t
+        if others:
+            idx, probs, kept = _Rows(rows[others], [params[j] for j in others]).candidates()
+            picks = _search(probs.cumsum(-1), draws[others], kept)
+            for j, t in zip(others, idx.gather(1, picks[:, None])[:, 0].tolist()):
+                tokens[j] = t
+        return tokens
+
+
+def _search(cdf: torch.Tensor, draws: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Per row, the first position whose cumulative weight passes draw * total, within the kept ones."""
+    targets = draws[:, None] * cdf.gather(1, (kept - 1)[:, None])
+    at = torch.searchsorted(cdf, targets, right=True)[:, 0]
+    return torch.minimum(at, kept - 1)
+
+
+def _plain_greedy(s: Sequence) -> bool:
+    p = s.params
+    return (
+        p.greedy
+        and p.repetition_penalty == 1.0
+        and not (p.min_new_tokens and len(s.output_ids) < p.min_new_tokens)
+    )
+
+
+def _generator(s: Sequence) -> torch.Generator | None:
+    if s.params.seed is None:
+        return None
+    if s.generator is None:
+        s.generator = torch.Generator().manual_seed(s.params.seed)
+    return s.generator
+
+
+def _penalised(s: Sequence, row: torch.Tensor) -> torch.Tensor:
+    """The row after the sequence's repetition penalty and its EOS ban before min_new_tokens."""
+    p = s.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(s.all_ids)), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
+    if p.min_new_tokens and len(s.output_ids) < p.min_new_tokens and s.eos_token_ids:
+        row[torch.tensor(sorted(s.eos_token_ids))] = float("-inf")
+    return row

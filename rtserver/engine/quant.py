@@ -253,7 +253,13 @@ def read_gguf_weights(path: Path, model_type: str, n_heads: int, n_kv_heads: int
     SUPPORTED_TYPES; other tensors (float, IQ1/IQ2/IQ3) are left out (the runner keeps those dense)."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    return weights_from_reader(GGUFReader(str(path)), model_type, n_heads, n_kv_heads)
+
+
+def weights_from_reader(
+    reader: Any, model_type: str, n_heads: int, n_kv_heads: int
+) -> dict[str, BlockWeight]:
+    """read_gguf_weights on an open gguf.GGUFReader (parsing a file's metadata takes seconds)."""
     out: dict[str, BlockWeight] = {}
     for t in reader.tensors:
         fmt = t.tensor_type.name

@@ -25,6 +25,7 @@ from rtserver.engine.plan import StepItem
 from rtserver.engine.runner import ModelRunner
 from rtserver.engine.sequence import Sequence
 
+from ..components import missing
 from ..conftest import chat_prompt
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
@@ -128,14 +129,18 @@ def test_a_stacked_weight_of_mixed_types_runs_part_by_part(kernel):
     """q/k in Q5_0 and v in Q8_0 (as a Q4_K_M layer ships them), gate Q4_K and up Q6_K: one stacked
     weight each, outputs side by side; runs of one type are joined into one weight."""
     k = 256
-    q, kk, v = (weight(f, random_rows(f, n, k, seed=n)) for f, n in (("Q5_0", 64), ("Q5_0", 32), ("Q8_0", 32)))
+    q, kk, v = (
+        weight(f, random_rows(f, n, k, seed=n)) for f, n in (("Q5_0", 64), ("Q5_0", 32), ("Q8_0", 32))
+    )
     qkv = quant.cat([q, kk, v])
     assert isinstance(qkv, quant.StackedWeight) and [p.format for p in qkv.parts] == ["Q5_0", "Q8_0"]
     assert qkv.shape == (128, k) and qkv.format == "Q5_0+Q8_0"
     dense = torch.cat([q.dequantize(), kk.dequantize(), v.dequantize()])
     assert torch.equal(qkv.dequantize(), dense)
     assert torch.equal(qkv.rows(torch.tensor([127, 3, 70])), dense[[127, 3, 70]])
-    gate_up = quant.cat([weight("Q4_K", random_rows("Q4_K", 48, k, 1)), weight("Q6_K", random_rows("Q6_K", 48, k, 2))])
+    gate_up = quant.cat(
+        [weight("Q4_K", random_rows("Q4_K", 48, k, 1)), weight("Q6_K", random_rows("Q6_K", 48, k, 2))]
+    )
     for w in (qkv, gate_up):
         for m in (1, 2, 5, 16):
             x = torch.randn(m, k)
@@ -151,11 +156,17 @@ def test_unsupported_types_are_refused_by_name(kernel):
     with pytest.raises(ValueError, match="IQ2_XXS is not supported"):
         quant.RawWeight("IQ2_XXS", torch.zeros(4, 66, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match=r"unsupported block type IQ3_S \(supported: Q4_0"):
-        kernel.blocks_mm(torch.randn(1, 256), ["IQ3_S"], [torch.zeros(4, 110, dtype=torch.uint8)], [torch.empty(0)])
+        kernel.blocks_mm(
+            torch.randn(1, 256), ["IQ3_S"], [torch.zeros(4, 110, dtype=torch.uint8)], [torch.empty(0)]
+        )
     with pytest.raises(RuntimeError, match="Q4_K blocks need K a multiple of 256"):
-        kernel.blocks_mm(torch.randn(1, 96), ["Q4_K"], [torch.zeros(4, 144, dtype=torch.uint8)], [torch.empty(0)])
+        kernel.blocks_mm(
+            torch.randn(1, 96), ["Q4_K"], [torch.zeros(4, 144, dtype=torch.uint8)], [torch.empty(0)]
+        )
     with pytest.raises(RuntimeError, match="Q6_K blocks do not match"):
-        kernel.blocks_mm(torch.randn(1, 512), ["Q6_K"], [torch.zeros(4, 210, dtype=torch.uint8)], [torch.empty(0)])
+        kernel.blocks_mm(
+            torch.randn(1, 512), ["Q6_K"], [torch.zeros(4, 210, dtype=torch.uint8)], [torch.empty(0)]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +249,11 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
             torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * float(b.abs().max()))
 
 
-FILES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"]
+# Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K tensors) in the fast run; the other files' types in the slow one
+FILES = ["Q4_K_M"] + [
+    pytest.param(t, marks=pytest.mark.slow)
+    for t in ("Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS")
+]
 
 
 def requantized(qtype: str) -> Path:
@@ -247,7 +262,7 @@ def requantized(qtype: str) -> Path:
     try:
         return requantized(qtype)
     except (ModelFileError, OSError) as exc:
-        pytest.skip(f"no {qtype} file here ({exc})")
+        missing(f"the embedded model requantized to {qtype} ({exc})", "a llama-quantize build")
 
 
 @pytest.mark.parametrize("qtype", FILES)
@@ -255,9 +270,8 @@ def test_real_rows_of_requantized_files(kernel, qtype):
     """The embedded model requantized by llama-quantize: one tensor of each type the file holds (an
     unpermuted one: MLP or v/o rows) reads as gguf-py dequantizes it, and the kernel multiplies it
     within the summation bound."""
-    path = requantized(qtype)
-    blocks = quant.read_gguf_weights(path, "llama", 9, 3)
-    reader = GGUFReader(str(path))
+    reader = GGUFReader(str(requantized(qtype)))
+    blocks = quant.weights_from_reader(reader, "llama", 9, 3)
     seen: set[str] = set()
     for t in reader.tensors:
         fmt, parts = t.tensor_type.name, t.name.split(".")
@@ -304,7 +318,11 @@ async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
     # the probe times the machine; here every size up to 4 rows runs on the blocks
     monkeypatch.setattr("rtserver.engine.core.probe_small_rows", lambda runner, kernel, blocks: 4)
     plain = LoadedModel(
-        model=copy.deepcopy(loaded.model), tokenizer=loaded.tokenizer, name="f32", dtype=torch.float32, threads=2
+        model=copy.deepcopy(loaded.model),
+        tokenizer=loaded.tokenizer,
+        name="f32",
+        dtype=torch.float32,
+        threads=2,
     )
     settings = EngineSettings(kv_budget_mb=32)
     engine = Engine(loaded, settings)

@@ -72,6 +72,12 @@ inline void q8_dequant(const int8_t* q, const float* D, const float* M, Vec* w) 
 inline Vec dot_acc(const Vec* w, const float* x, Vec acc) {
   return _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x), acc));
 }
+inline void q8_dequant(__m256i q, const float* D, const float* M, Vec* w) {
+  const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half[i])), _mm512_set1_ps(D[i])),
+                         _mm512_set1_ps(M[i]));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
@@ -109,6 +115,13 @@ inline void q8_dequant(const int8_t* q, const float* D, const float* M, Vec* w) 
 inline Vec dot_acc(const Vec* w, const float* x, Vec acc) {
   for (int i = 0; i < 4; ++i) acc = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + 8 * i), acc);
   return acc;
+}
+inline void q8_dequant(__m256i q, const float* D, const float* M, Vec* w) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i eight[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight[i])), _mm256_set1_ps(D[i / 2])),
+                         _mm256_set1_ps(M[i / 2]));
 }
 #else
 #define RTSERVER_SCALAR 1
@@ -167,9 +180,31 @@ void rows_pass(const float* x, const float* xsum, int64_t K, int64_t N, int64_t 
   }
 }
 
-// Rows of raw blocks of type T (blocks.h): each block decoded once per R rows into int8 quants and
-// per-16 scales and offsets, then 32 weights at a time dequantized to float vectors in registers
-// (q8_dequant: gguf-py's float32 arithmetic) and multiplied with the R rows' activations.
+// Chunk c (32 weights) of a raw block of type T as float vectors, scaled and offset (q8_dequant:
+// gguf-py's float32 arithmetic). With AVX2 the quants stay in a register; without, `q` holds the
+// block's quants, decoded once.
+template <typename T>
+inline void raw_chunk(const uint8_t* block, const int8_t* q, int c, const float* D, const float* M, Vec* w) {
+#if defined(BLOCKS_AVX2)
+  (void)q;
+  q8_dequant(T::chunk(block, c), D + 2 * c, M + 2 * c, w);
+#else
+  (void)block;
+  q8_dequant(q + 32 * c, D + 2 * c, M + 2 * c, w);
+#endif
+}
+
+template <typename T>
+inline void raw_decode(const uint8_t* block, int8_t* q) {
+#if defined(BLOCKS_AVX2)
+  (void)block, (void)q;
+#else
+  T::decode(block, q);
+#endif
+}
+
+// Rows of raw blocks of type T (blocks.h): a block's scales decoded once per R rows, then 32 weights
+// at a time dequantized to float vectors in registers and multiplied with the R rows' activations.
 template <int R, typename T>
 void raw_pass(const float* x, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W, int64_t row_bytes,
               float* y) {
@@ -179,12 +214,14 @@ void raw_pass(const float* x, int64_t K, int64_t ldy, int64_t n0, int64_t n1, co
     for (int r = 0; r < R; ++r) acc[r] = vzero();
     const uint8_t* row = W + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* block = row + b * T::kBytes;
       alignas(64) int8_t q[T::kWeights];
       float D[T::kWeights / 16], M[T::kWeights / 16];
-      T::decode(row + b * T::kBytes, q, D, M);
+      T::scales(block, D, M);
+      raw_decode<T>(block, q);
       for (int c = 0; c < T::kWeights / 32; ++c) {
         Vec w[kParts];
-        q8_dequant(q + 32 * c, D + 2 * c, M + 2 * c, w);
+        raw_chunk<T>(block, q, c, D, M, w);
         for (int r = 0; r < R; ++r) acc[r] = dot_acc(w, x + r * K + b * T::kWeights + 32 * c, acc[r]);
       }
     }
@@ -198,12 +235,14 @@ void raw_dequantize(const uint8_t* W, int64_t rows, int64_t K, int64_t row_bytes
   const int64_t nb = K / T::kWeights;
   for (int64_t n = 0; n < rows; ++n)
     for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* block = W + n * row_bytes + b * T::kBytes;
       alignas(64) int8_t q[T::kWeights];
       float D[T::kWeights / 16], M[T::kWeights / 16];
-      T::decode(W + n * row_bytes + b * T::kBytes, q, D, M);
+      T::scales(block, D, M);
+      raw_decode<T>(block, q);
       for (int c = 0; c < T::kWeights / 32; ++c) {
         Vec w[kParts];
-        q8_dequant(q + 32 * c, D + 2 * c, M + 2 * c, w);
+        raw_chunk<T>(block, q, c, D, M, w);
         std::memcpy(out + n * K + b * T::kWeights + 32 * c, w, 32 * sizeof(float));
       }
     }

@@ -1,8 +1,10 @@
-"""Weights kept in a GGUF file's own quantized blocks (Q4_1, Q8_0), and the kernel that multiplies with them.
+"""Weights kept in a GGUF file's own quantized blocks, and the kernel that multiplies with them.
 
-Batch-1 decoding streams every weight once per step, so fewer bytes a weight mean faster steps. The C++
-kernel is built once per CPU and cached; its pure-torch twin is what the tests compare it with. Results
-equal the float32 engine's on the dequantized weights up to rounding.
+Batch-1 decoding streams every weight once per step, so fewer bytes a weight mean faster steps. Q4_1
+and Q8_0 are split into quants and float16 scales (the kernel's tuned layout); every other block type
+keeps the file's raw rows. A mixed file (Q4_K_M ships several types) runs each tensor in its own type.
+The C++ kernel is built once per CPU and cached; its pure-torch twin is what the tests compare it with.
+Results equal the float32 engine's on the dequantized weights up to rounding.
 """
 
 from __future__ import annotations
@@ -25,9 +27,14 @@ import torch.nn.functional as F
 log = logging.getLogger("rtserver.quant")
 
 BLOCK = 32
-# bytes of one block's quants and of its float16 scale fields, per format
+# bytes of one block's quants and of its float16 scale fields, per format of the split layout
 FORMATS = {"Q4_1": (16, 2), "Q8_0": (32, 1)}
-KERNEL_SOURCE = Path(__file__).parent / "kernels" / "quant.cpp"
+# block types the kernel reads as the file's raw rows (engine/kernels/blocks.h)
+RAW_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+SUPPORTED_TYPES = ("Q4_1", "Q8_0", *RAW_TYPES)
+KERNEL_DIR = Path(__file__).parent / "kernels"
+KERNEL_SOURCE = KERNEL_DIR / "quant.cpp"
+_NO_TENSOR = torch.empty(0)
 
 # GGUF tensor name (within a block) → the transformers Llama/Qwen2 parameter it becomes
 _LAYER_NAMES = {
@@ -55,25 +62,19 @@ class QuantizedWeight:
         return self.qs.shape[0], self.qs.shape[1] // FORMATS[self.format][0] * BLOCK
 
     @property
-    def args(self) -> tuple[str, torch.Tensor, torch.Tensor]:
-        """How the kernel's functions take a weight: format, quants, scales."""
-        return self.format, self.qs, self.scales
+    def args(self) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+        """How the kernel's functions take a weight: per part its format, quants and scales."""
+        return [self.format], [self.qs], [self.scales]
 
     @property
     def nbytes(self) -> int:
         return self.qs.numel() + self.scales.numel() * 2
 
     @staticmethod
-    def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
-        """Several weights over the same input as one (rows stacked), as the runner fuses q/k/v."""
-        fmt = {w.format for w in weights}
-        if len(fmt) != 1:
-            raise ValueError(f"cannot fuse weights of formats {sorted(fmt)}")
-        if len(weights) == 1:
-            return weights[0]  # nothing to fuse: no copy (memory at start-up)
-        return QuantizedWeight(
-            fmt.pop(), torch.cat([w.qs for w in weights]), torch.cat([w.scales for w in weights])
-        )
+    def cat(weights: list[BlockWeight]) -> BlockWeight:
+        """Several weights over the same input as one (rows stacked), as the runner fuses q/k/v: one
+        weight where they share a type, else a StackedWeight of the parts."""
+        return cat(weights)
 
     def quants(self) -> torch.Tensor:
         """The integer quants, unpacked: [out, in / 32, 32] (Q4_1 0..15 as uint8, Q8_0 int8)."""
@@ -99,6 +100,123 @@ class QuantizedWeight:
 
 
 @dataclass
+class RawWeight:
+    """A [out_features, in_features] weight as the file's raw rows of blocks (uint8 [out, row bytes]),
+    any type of RAW_TYPES; gguf-py knows each type's block size."""
+
+    format: str
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.format not in RAW_TYPES:
+            supported = ", ".join(SUPPORTED_TYPES)
+            raise ValueError(f"block type {self.format} is not supported (supported: {supported})")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        weights, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.format]]
+        return self.data.shape[0], self.data.shape[1] // nbytes * weights
+
+    @property
+    def args(self) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+        return [self.format], [self.data], [_NO_TENSOR]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return RawWeight(self.format, self.data[index]).dequantize()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight: gguf-py's own dequantization."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        out = dequantize(self.data.numpy(), GGMLQuantizationType[self.format])
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).view(self.shape)
+
+
+@dataclass
+class StackedWeight:
+    """Weights of different block types over the same input, rows stacked (a Q4_K_M layer's q/k in
+    Q5_0 with v in Q8_0): the kernel runs them part by part, outputs side by side."""
+
+    parts: list[QuantizedWeight | RawWeight]
+
+    @property
+    def format(self) -> str:
+        return "+".join(p.format for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def args(self) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+        formats, a, b = [], [], []
+        for p in self.parts:
+            f, x, y = p.args
+            formats += f
+            a += x
+            b += y
+        return formats, a, b
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(index.numel(), self.shape[1])
+        start = 0
+        for p in self.parts:
+            inside = (index >= start) & (index < start + p.shape[0])
+            if inside.any():
+                out[inside] = p.rows(index[inside] - start)
+            start += p.shape[0]
+        return out.view(*index.shape, self.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+BlockWeight = QuantizedWeight | RawWeight | StackedWeight
+
+
+def cat(weights: list[BlockWeight]) -> BlockWeight:
+    """Several weights over the same input as one, rows stacked: runs of one type are joined into one
+    weight (a copy), a mix becomes a StackedWeight."""
+    if len({w.shape[1] for w in weights}) != 1:
+        raise ValueError(f"cannot stack weights of widths {sorted({w.shape[1] for w in weights})}")
+    if len(weights) == 1:
+        return weights[0]  # nothing to fuse: no copy (memory at start-up)
+    parts: list[QuantizedWeight | RawWeight] = []
+    for w in weights:
+        parts += w.parts if isinstance(w, StackedWeight) else [w]
+    runs: list[list[QuantizedWeight | RawWeight]] = []
+    for p in parts:
+        if runs and type(runs[-1][0]) is type(p) and runs[-1][0].format == p.format:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    joined = [_join(run) for run in runs]
+    return joined[0] if len(joined) == 1 else StackedWeight(joined)
+
+
+def _join(run: list[QuantizedWeight | RawWeight]) -> QuantizedWeight | RawWeight:
+    first = run[0]
+    if len(run) == 1:
+        return first
+    if isinstance(first, RawWeight):
+        return RawWeight(first.format, torch.cat([w.data for w in run if isinstance(w, RawWeight)]))
+    split = [w for w in run if isinstance(w, QuantizedWeight)]
+    qs, scales = torch.cat([w.qs for w in split]), torch.cat([w.scales for w in split])
+    return QuantizedWeight(first.format, qs, scales)
+
+
+@dataclass
 class InterleavedWeight:
     """A weight's blocks re-laid for big steps where the kernel has integer dot products: the quants of
     16 output columns side by side, 4 at a time (one vpdpbusd advances all 16), as unsigned bytes
@@ -109,12 +227,15 @@ class InterleavedWeight:
     scales: torch.Tensor  # float32 [out / 16, in / 32, fields, 16]
 
     @property
-    def args(self) -> tuple[str, torch.Tensor, torch.Tensor]:
-        return self.format, self.qs, self.scales
+    def args(self) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+        return [self.format], [self.qs], [self.scales]
 
 
-def interleave(w: QuantizedWeight) -> InterleavedWeight | None:
-    """`w` laid out for the kernel's interleaved_mm; None when its rows are not a multiple of 16."""
+def interleave(w: BlockWeight) -> InterleavedWeight | None:
+    """`w` laid out for the kernel's interleaved_mm; None when its rows are not a multiple of 16 or
+    it is not one Q4_1 / Q8_0 weight (other types keep their big steps dense)."""
+    if not isinstance(w, QuantizedWeight):
+        return None
     n, k = w.shape
     if n % 16:
         return None
@@ -127,20 +248,24 @@ def interleave(w: QuantizedWeight) -> InterleavedWeight | None:
     return InterleavedWeight(w.format + "x16", qs, scales)
 
 
-def read_gguf_weights(
-    path: Path, model_type: str, n_heads: int, n_kv_heads: int
-) -> dict[str, QuantizedWeight]:
-    """The quantized linear weights of a GGUF file under their transformers names; tensors in other
-    formats (float, K-quants) are left out (the runner keeps those dense)."""
+def read_gguf_weights(path: Path, model_type: str, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:
+    """The quantized linear weights of a GGUF file under their transformers names, every type of
+    SUPPORTED_TYPES; other tensors (float, IQ1/IQ2/IQ3) are left out (the runner keeps those dense)."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
-    out: dict[str, QuantizedWeight] = {}
+    return weights_from_reader(GGUFReader(str(path)), model_type, n_heads, n_kv_heads)
+
+
+def weights_from_reader(
+    reader: Any, model_type: str, n_heads: int, n_kv_heads: int
+) -> dict[str, BlockWeight]:
+    """read_gguf_weights on an open gguf.GGUFReader (parsing a file's metadata takes seconds)."""
+    out: dict[str, BlockWeight] = {}
     for t in reader.tensors:
         fmt = t.tensor_type.name
-        if fmt not in FORMATS:
-            continue
         parts = t.name.split(".")
+        if fmt not in SUPPORTED_TYPES:
+            continue
         if t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
         elif t.name == "output.weight":
@@ -150,18 +275,25 @@ def read_gguf_weights(
         else:
             continue
         raw = np.asarray(t.data)  # [rows, blocks * bytes per block]
-        qbytes, fields = FORMATS[fmt]
         rows = raw.shape[0]
-        blocks = raw.reshape(rows, -1, 2 * fields + qbytes)
         if model_type == "llama" and parts[-2] in ("attn_q", "attn_k"):
             # llama.cpp stores q/k rows permuted for its RoPE layout; transformers undoes it on load
             heads = n_heads if parts[-2] == "attn_q" else n_kv_heads
-            blocks = blocks.reshape(heads, rows // heads // 2, 2, *blocks.shape[1:]).swapaxes(1, 2)
-            blocks = blocks.reshape(rows, -1, 2 * fields + qbytes)
-        scales = np.ascontiguousarray(blocks[..., : 2 * fields]).view(np.float16)
-        qs = np.ascontiguousarray(blocks[..., 2 * fields :]).reshape(rows, -1)
-        out[name] = QuantizedWeight(fmt, torch.from_numpy(qs), torch.from_numpy(scales.copy()))
+            raw = raw.reshape(heads, rows // heads // 2, 2, raw.shape[1]).swapaxes(1, 2).reshape(rows, -1)
+        out[name] = _from_rows(fmt, np.ascontiguousarray(raw))
     return out
+
+
+def _from_rows(fmt: str, raw: np.ndarray) -> QuantizedWeight | RawWeight:
+    """A weight of type `fmt` from its raw rows: Q4_1 / Q8_0 split into quants and scales."""
+    if fmt not in FORMATS:
+        return RawWeight(fmt, torch.from_numpy(raw.copy()))
+    qbytes, fields = FORMATS[fmt]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 2 * fields + qbytes)
+    scales = np.ascontiguousarray(blocks[..., : 2 * fields]).view(np.float16)
+    qs = np.ascontiguousarray(blocks[..., 2 * fields :]).reshape(rows, -1)
+    return QuantizedWeight(fmt, torch.from_numpy(qs), torch.from_numpy(scales.copy()))
 
 
 FIXED_POINT_MAX = 32512.0  # 127 * 256: a block's largest activation still splits into two int8 limbs
@@ -181,11 +313,11 @@ def fixed_point_reference(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / fixed)).reshape(m, k)
 
 
-def reference_matmul(x: torch.Tensor, w: QuantizedWeight, fixed_point: bool = False) -> torch.Tensor:
+def reference_matmul(x: torch.Tensor, w: BlockWeight, fixed_point: bool = False) -> torch.Tensor:
     """x @ W.T through the dequantized float32 weight: what the kernel must equal up to float rounding.
     `fixed_point`: the kernel's integer path, in float64 — the scaled quants meet the fixed-point
     activations, while Q4_1's min meets the exact activation sums (as in the kernel)."""
-    if not fixed_point:
+    if not fixed_point or not isinstance(w, QuantizedWeight):
         return F.linear(x.float(), w.dequantize())
     n, k = w.shape
     xf = fixed_point_reference(x).double()
@@ -216,7 +348,7 @@ def cpu_key() -> str:
     except OSError:
         flags = []
     simd = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c")))
-    src = KERNEL_SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in sorted(KERNEL_DIR.iterdir()) if p.suffix in (".cpp", ".h"))
     what = " ".join([*simd, *_openmp_flags(), torch.__version__, platform.machine()]).encode()
     h = hashlib.sha256(src + what)
     return h.hexdigest()[:16]
@@ -276,16 +408,14 @@ def kernel_error() -> str | None:
     return _kernel_error
 
 
-def quantized_matmul(kernel: Any, x: torch.Tensor, w: QuantizedWeight | InterleavedWeight) -> torch.Tensor:
+def quantized_matmul(kernel: Any, x: torch.Tensor, w: BlockWeight | InterleavedWeight) -> torch.Tensor:
     """x [M, K] float32 @ W.T → [M, N] float32 through the kernel."""
     if isinstance(w, InterleavedWeight):
-        return kernel.interleaved_mm(x, *w.args)
-    if w.format == "Q4_1":
-        return kernel.q4_1_mm(x, w.qs, w.scales)
-    return kernel.q8_0_mm(x, w.qs, w.scales)
+        return kernel.interleaved_mm(x, w.format, w.qs, w.scales)
+    return kernel.blocks_mm(x, *w.args)
 
 
-def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, QuantizedWeight], repeats: int = 3) -> int:
+def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, BlockWeight], repeats: int = 3) -> int:
     """The largest step size (up to 16 rows) at which the kernel beats the big-step path, 0 if none.
     It times every layer's MLP, not one: one layer's weights stay in cache and would time only the
     arithmetic."""
@@ -294,7 +424,7 @@ def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, QuantizedWeight
         p = f"model.layers.{i}.mlp."
         if not all(p + n in blocks for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
             return 0
-        gate_up = QuantizedWeight.cat([blocks[p + "gate_proj.weight"], blocks[p + "up_proj.weight"]])
+        gate_up = cat([blocks[p + "gate_proj.weight"], blocks[p + "up_proj.weight"]])
         mlps.append((layer, gate_up, blocks[p + "down_proj.weight"]))
 
     def dense(x: torch.Tensor, h: torch.Tensor) -> None:

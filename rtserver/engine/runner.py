@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .families import LayerNorms, RMSNorm, attention_scale, family_of, layer_norms, layer_windows, rope_tables
 from .kv import KVCacheManager, KVHandle
 from .plan import StepItem
-from .quant import InterleavedWeight, QuantizedWeight, head_rows, interleave, quantized_matmul
+from .quant import BlockWeight, InterleavedWeight, cat, head_rows, interleave, quantized_matmul
 from .sampler import Sampler
 from .sequence import Sequence
 
@@ -47,7 +47,7 @@ class Linear:
     of at most `small_rows` rows (batch-1 decoding: every weight streamed for one token) multiply with
     the blocks through the fused kernel, bigger steps (compute-bound) with the dense weight."""
 
-    small: QuantizedWeight | None = None
+    small: BlockWeight | None = None
     small_rows = 0
     kernel: Any = None
     # The blocks re-laid for big steps (quant.interleave), where the kernel has integer dot products:
@@ -106,20 +106,21 @@ class Linear:
         else:
             self.pack_onednn()
 
-    def use_blocks(self, blocks: QuantizedWeight, kernel: Any, max_rows: int) -> None:
+    def use_blocks(self, blocks: BlockWeight, kernel: Any, max_rows: int) -> None:
         if blocks.shape != (self.out_features, blocks.shape[1]):
             raise ValueError(f"blocks of shape {blocks.shape} do not fit {self.out_features} output rows")
         self.small, self.kernel, self.small_rows = blocks, kernel, max_rows
 
-    def fused_args(self, rows: int) -> tuple[str, torch.Tensor, torch.Tensor]:
-        """The weight as the kernel's decode_layer takes it for a step of `rows` rows: the blocks where
-        `__call__` would use them, else the interleaved blocks, else the oneDNN-packed weight."""
+    def fused_args(self, rows: int) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+        """The weight as the kernel's decode_layer takes it for a step of `rows` rows (per part: format,
+        two tensors): the blocks where `__call__` would use them, else the interleaved blocks, else the
+        oneDNN-packed weight."""
         if self.small is not None and rows <= self.small_rows:
             return self.small.args
         if self.interleaved is not None:
             return self.interleaved.args
         assert self.onednn is not None
-        return "onednn", self.onednn, _NO_TENSOR
+        return ["onednn"], [self.onednn], [_NO_TENSOR]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= self.small_rows:
@@ -140,7 +141,7 @@ class Linear:
         assert self.weight is not None  # dense storage keeps its weight until pack_onednn replaces it
         return F.linear(x, self.weight, self.bias)
 
-    def _on_blocks(self, x: torch.Tensor, blocks: QuantizedWeight | InterleavedWeight) -> torch.Tensor:
+    def _on_blocks(self, x: torch.Tensor, blocks: BlockWeight | InterleavedWeight) -> torch.Tensor:
         y = quantized_matmul(self.kernel, x.float().contiguous(), blocks)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
@@ -311,7 +312,7 @@ class ModelRunner:
         # The decoder stack (LlamaModel / Qwen2Model): its submodules are read by their transformers names.
         inner: Any = model.model
         self.embed: torch.Tensor | None = inner.embed_tokens.weight
-        self.embed_blocks: QuantizedWeight | None = None  # lookups in the head's blocks (_release_tied_head)
+        self.embed_blocks: BlockWeight | None = None  # lookups in the head's blocks (_release_tied_head)
         # Gemma's embeddings are scaled by sqrt(hidden), in the model dtype as transformers rounds it.
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if self.family.scaled_embedding else 1.0)
         self.norm = RMSNorm(inner.norm.weight, self.eps, self.family.gemma_norms)
@@ -396,7 +397,7 @@ class ModelRunner:
         self.attention_kernel = kernel
         return True
 
-    def use_interleaved(self, blocks: dict[str, QuantizedWeight], kernel: Any, release: bool = False) -> int:
+    def use_interleaved(self, blocks: dict[str, BlockWeight], kernel: Any, release: bool = False) -> int:
         """Big steps on the blocks re-laid by quant.interleave, for every linear (and the output head)
         the file ships in blocks, where the kernel has integer dot products (`fixed_point_activations`);
         returns how many got them. `release` (serving): each layer's dense weights go as soon as its
@@ -406,7 +407,7 @@ class ModelRunner:
             return 0
         used = 0
         for lin, names in self._block_names(blocks):
-            weight = interleave(QuantizedWeight.cat([blocks[n] for n in names]))
+            weight = interleave(cat([blocks[n] for n in names]))
             if weight is not None:
                 lin.use_interleaved(weight, kernel)
                 used += 1
@@ -422,7 +423,7 @@ class ModelRunner:
                     lin.release()
                 _drop_parameters(layer)
 
-    def _block_names(self, blocks: dict[str, QuantizedWeight]) -> list[tuple[Linear, list[str]]]:
+    def _block_names(self, blocks: dict[str, BlockWeight]) -> list[tuple[Linear, list[str]]]:
         """Each linear whose weight the file ships in blocks, with the blocks' names (q/k/v fused)."""
         out = []
         for i, L in enumerate(self.layers):
@@ -435,13 +436,13 @@ class ModelRunner:
         out.append((self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]))
         return [(lin, names) for lin, names in out if all(n in blocks for n in names)]
 
-    def use_quantized_blocks(self, blocks: dict[str, QuantizedWeight], kernel: Any, max_rows: int) -> int:
+    def use_quantized_blocks(self, blocks: dict[str, BlockWeight], kernel: Any, max_rows: int) -> int:
         """Give every linear whose weight the file ships in quantized blocks (`quant.read_gguf_weights`)
         the kernel path for steps of at most `max_rows` rows; returns how many linears got it. Bigger
         steps keep the dense (or interleaved, see use_interleaved) weights."""
         attached = self._block_names(blocks)
         for lin, names in attached:
-            lin.use_blocks(QuantizedWeight.cat([blocks[n] for n in names]), kernel, max_rows)
+            lin.use_blocks(cat([blocks[n] for n in names]), kernel, max_rows)
         if self.lm_head.small is not None:
             # A start-up probe finds the step size where the head's big path starts to win; it runs
             # again once release_dense_weights has packed the head.

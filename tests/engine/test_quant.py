@@ -279,7 +279,7 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
             runner.use_attention_kernel(kernel)
             runner.use_quantized_blocks(blocks, kernel, 8 if fused == "blocks" else 1)
             assert runner.fused_decode_rows == (8 if fused == "blocks" else 1 << 30)
-            assert (runner.layers[0].qkv.fused_args(3)[0] == "onednn") == (fused == "onednn")
+            assert (runner.layers[0].qkv.fused_args(3)[0] == ["onednn"]) == (fused == "onednn")
         torch.manual_seed(1)
         seqs = []
         for n in (3, 20, 41):

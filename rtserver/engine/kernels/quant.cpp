@@ -29,6 +29,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "blocks.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -61,6 +63,21 @@ inline void q8_unpack(const uint8_t* qs, Vec* w) {
 inline Vec block_dot(const Vec* w, const float* x) {
   return _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(x)));
 }
+inline void q8_dequant(const int8_t* q, const float* D, const float* M, Vec* w) {
+  for (int i = 0; i < 2; ++i) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i))));
+    w[i] = _mm512_add_ps(_mm512_mul_ps(f, _mm512_set1_ps(D[i])), _mm512_set1_ps(M[i]));
+  }
+}
+inline Vec dot_acc(const Vec* w, const float* x, Vec acc) {
+  return _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x), acc));
+}
+inline void q8_dequant(__m256i q, const float* D, const float* M, Vec* w) {
+  const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half[i])), _mm512_set1_ps(D[i])),
+                         _mm512_set1_ps(M[i]));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
@@ -89,6 +106,23 @@ inline Vec block_dot(const Vec* w, const float* x) {
   for (int i = 1; i < 4; ++i) t = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + 8 * i), t);
   return t;
 }
+inline void q8_dequant(const int8_t* q, const float* D, const float* M, Vec* w) {
+  for (int i = 0; i < 4; ++i) {
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
+    w[i] = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(D[i / 2])), _mm256_set1_ps(M[i / 2]));
+  }
+}
+inline Vec dot_acc(const Vec* w, const float* x, Vec acc) {
+  for (int i = 0; i < 4; ++i) acc = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + 8 * i), acc);
+  return acc;
+}
+inline void q8_dequant(__m256i q, const float* D, const float* M, Vec* w) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i eight[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight[i])), _mm256_set1_ps(D[i / 2])),
+                         _mm256_set1_ps(M[i / 2]));
+}
 #else
 #define RTSERVER_SCALAR 1
 struct Vec { float v; };
@@ -106,6 +140,13 @@ inline Vec block_dot(const Vec* w, const float* x) {
   float t = 0.f;
   for (int j = 0; j < 32; ++j) t += w[j].v * x[j];
   return {t};
+}
+inline void q8_dequant(const int8_t* q, const float* D, const float* M, Vec* w) {
+  for (int j = 0; j < 32; ++j) w[j].v = static_cast<float>(q[j]) * D[j / 16] + M[j / 16];
+}
+inline Vec dot_acc(const Vec* w, const float* x, Vec acc) {
+  for (int j = 0; j < 32; ++j) acc.v += w[j].v * x[j];
+  return acc;
 }
 #endif
 
@@ -137,6 +178,74 @@ void rows_pass(const float* x, const float* xsum, int64_t K, int64_t N, int64_t 
     }
     for (int r = 0; r < R; ++r) y[r * N + n] = vsum(acc[r]) + msum[r];
   }
+}
+
+// Chunk c (32 weights) of a raw block of type T as float vectors, scaled and offset (q8_dequant:
+// gguf-py's float32 arithmetic). With AVX2 the quants stay in a register; without, `q` holds the
+// block's quants, decoded once.
+template <typename T>
+inline void raw_chunk(const uint8_t* block, const int8_t* q, int c, const float* D, const float* M, Vec* w) {
+#if defined(BLOCKS_AVX2)
+  (void)q;
+  q8_dequant(T::chunk(block, c), D + 2 * c, M + 2 * c, w);
+#else
+  (void)block;
+  q8_dequant(q + 32 * c, D + 2 * c, M + 2 * c, w);
+#endif
+}
+
+template <typename T>
+inline void raw_decode(const uint8_t* block, int8_t* q) {
+#if defined(BLOCKS_AVX2)
+  (void)block, (void)q;
+#else
+  T::decode(block, q);
+#endif
+}
+
+// Rows of raw blocks of type T (blocks.h): a block's scales decoded once per R rows, then 32 weights
+// at a time dequantized to float vectors in registers and multiplied with the R rows' activations.
+template <int R, typename T>
+void raw_pass(const float* x, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W, int64_t row_bytes,
+              float* y) {
+  const int64_t nb = K / T::kWeights;
+  for (int64_t n = n0; n < n1; ++n) {
+    Vec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vzero();
+    const uint8_t* row = W + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* block = row + b * T::kBytes;
+      alignas(64) int8_t q[T::kWeights];
+      float D[T::kWeights / 16], M[T::kWeights / 16];
+      T::scales(block, D, M);
+      raw_decode<T>(block, q);
+      for (int c = 0; c < T::kWeights / 32; ++c) {
+        Vec w[kParts];
+        raw_chunk<T>(block, q, c, D, M, w);
+        for (int r = 0; r < R; ++r) acc[r] = dot_acc(w, x + r * K + b * T::kWeights + 32 * c, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = vsum(acc[r]);
+  }
+}
+
+// The float32 rows of raw blocks, through the same decode and dequantization as raw_pass.
+template <typename T>
+void raw_dequantize(const uint8_t* W, int64_t rows, int64_t K, int64_t row_bytes, float* out) {
+  const int64_t nb = K / T::kWeights;
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* block = W + n * row_bytes + b * T::kBytes;
+      alignas(64) int8_t q[T::kWeights];
+      float D[T::kWeights / 16], M[T::kWeights / 16];
+      T::scales(block, D, M);
+      raw_decode<T>(block, q);
+      for (int c = 0; c < T::kWeights / 32; ++c) {
+        Vec w[kParts];
+        raw_chunk<T>(block, q, c, D, M, w);
+        std::memcpy(out + n * K + b * T::kWeights + 32 * c, w, 32 * sizeof(float));
+      }
+    }
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -374,7 +483,8 @@ void column_group(const FixedBlocks& f, int64_t r0, int64_t K, int64_t N, int64_
 }
 
 template <bool HasMin>
-void interleaved_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* W, const float* S, float* y) {
+void interleaved_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* W, const float* S, float* y,
+                        int64_t ldy) {
   FixedBlocks f;
   to_fixed_blocks(x, M, K, f);
   constexpr int kRows = 8;  // 8 rows x (sums + outputs) + the block's 8 weight registers fit 32 zmm
@@ -382,14 +492,14 @@ void interleaved_matmul(const float* x, int64_t M, int64_t K, int64_t N, const u
     for (int64_t c = c0; c < c1; ++c)
       for (int64_t r0 = 0; r0 < M; r0 += kRows) {
         switch (std::min<int64_t>(kRows, M - r0)) {
-          case 1: column_group<1, HasMin>(f, r0, K, N, c, W, S, y); break;
-          case 2: column_group<2, HasMin>(f, r0, K, N, c, W, S, y); break;
-          case 3: column_group<3, HasMin>(f, r0, K, N, c, W, S, y); break;
-          case 4: column_group<4, HasMin>(f, r0, K, N, c, W, S, y); break;
-          case 5: column_group<5, HasMin>(f, r0, K, N, c, W, S, y); break;
-          case 6: column_group<6, HasMin>(f, r0, K, N, c, W, S, y); break;
-          case 7: column_group<7, HasMin>(f, r0, K, N, c, W, S, y); break;
-          default: column_group<8, HasMin>(f, r0, K, N, c, W, S, y); break;
+          case 1: column_group<1, HasMin>(f, r0, K, ldy, c, W, S, y); break;
+          case 2: column_group<2, HasMin>(f, r0, K, ldy, c, W, S, y); break;
+          case 3: column_group<3, HasMin>(f, r0, K, ldy, c, W, S, y); break;
+          case 4: column_group<4, HasMin>(f, r0, K, ldy, c, W, S, y); break;
+          case 5: column_group<5, HasMin>(f, r0, K, ldy, c, W, S, y); break;
+          case 6: column_group<6, HasMin>(f, r0, K, ldy, c, W, S, y); break;
+          case 7: column_group<7, HasMin>(f, r0, K, ldy, c, W, S, y); break;
+          default: column_group<8, HasMin>(f, r0, K, ldy, c, W, S, y); break;
         }
       }
   });
@@ -414,14 +524,15 @@ void row_passes(int64_t M, int64_t N, const Pass& pass) {
   });
 }
 
+// y [M, N] (rows ldy apart) = x [M, K] @ W.T for a Q4_1 (HasMin) or Q8_0 weight in the split layout.
 template <bool HasMin>
 void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, const uint16_t* S,
-            int64_t qbytes, float* y) {
+            int64_t qbytes, float* y, int64_t ldy) {
 #ifdef RTSERVER_INT_DOTS
   FixedRows f;
   to_fixed(x, M, K, !HasMin, f);
   row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
-    fixed_pass<decltype(R)::value, HasMin>(f, r0, K, N, n0, n1, Q, S, qbytes, y + r0 * N);
+    fixed_pass<decltype(R)::value, HasMin>(f, r0, K, ldy, n0, n1, Q, S, qbytes, y + r0 * ldy);
   });
 #else
   const int64_t nb = K / kBlock;
@@ -432,10 +543,19 @@ void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, c
     xsum[i] = t;
   }
   row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
-    rows_pass<decltype(R)::value, HasMin>(x + r0 * K, xsum.data() + (HasMin ? r0 * nb : 0), K, N, n0, n1, Q, S,
-                                          qbytes, y + r0 * N);
+    rows_pass<decltype(R)::value, HasMin>(x + r0 * K, xsum.data() + (HasMin ? r0 * nb : 0), K, ldy, n0, n1, Q, S,
+                                          qbytes, y + r0 * ldy);
   });
 #endif
+}
+
+// y [M, N] (rows ldy apart) = x [M, K] @ W.T for raw blocks of type T, W uint8 [N, row_bytes].
+template <typename T>
+void raw_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* W, int64_t row_bytes, float* y,
+                int64_t ldy) {
+  row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
+    raw_pass<decltype(R)::value, T>(x + r0 * K, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);
+  });
 }
 
 void check_x(const torch::Tensor& x) {
@@ -444,10 +564,27 @@ void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32");
 }
 
-// A weight's blocks for inputs of width K: Q4_1 = 16 bytes of quants and float16 (d, m) per block,
-// Q8_0 = 32 bytes and float16 d.
+bool is_split(const std::string& format) { return format == "Q4_1" || format == "Q8_0"; }
+
+const char* kBlockTypes = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS";
+
+// Raw blocks (blocks.h) for inputs of width K: uint8 [N, K / weights per block * bytes per block].
+template <typename T>
+void check_raw(const std::string& format, const torch::Tensor& qs, int64_t K) {
+  TORCH_CHECK(K % T::kWeights == 0, format, " blocks need K a multiple of ", T::kWeights);
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() &&
+                  qs.size(1) == K / T::kWeights * T::kBytes,
+              format, " blocks do not match x's width");
+}
+
+// A weight's blocks for inputs of width K. The split layout: Q4_1 = 16 bytes of quants and float16
+// (d, m) per block, Q8_0 = 32 bytes and float16 d; every other type its raw rows (`scales` unused).
 void check_weight(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, int64_t K) {
-  TORCH_CHECK(format == "Q4_1" || format == "Q8_0", "unknown block format ", format);
+  if (!is_split(format)) {
+    const bool known = blocks::with_type(format, [&](auto t) { check_raw<decltype(t)>(format, qs, K); });
+    TORCH_CHECK(known, "unsupported block type ", format, " (supported: ", kBlockTypes, ")");
+    return;
+  }
   const bool q4 = format == "Q4_1";
   const int64_t N = qs.size(0), nb = K / kBlock;
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() &&
@@ -458,16 +595,23 @@ void check_weight(const std::string& format, const torch::Tensor& qs, const torc
               q4 ? "dm must be float16 [N, K/32, 2]" : "d must be float16 [N, K/32]");
 }
 
-// y = x @ W.T for a weight given as (format, quants, scales), checked: the dispatch every caller shares.
+// y = x @ W.T (rows ldy apart) for a weight given as (format, quants, scales), checked: the dispatch
+// every caller shares.
 void block_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
-                  const torch::Tensor& scales, float* y) {
+                  const torch::Tensor& scales, float* y, int64_t ldy) {
   check_weight(format, qs, scales, K);
   const int64_t N = qs.size(0);
+  if (!is_split(format)) {
+    blocks::with_type(format, [&](auto t) {
+      raw_matmul<decltype(t)>(x, M, K, N, qs.data_ptr<uint8_t>(), qs.size(1), y, ldy);
+    });
+    return;
+  }
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   if (format == "Q4_1")
-    matmul<true>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 16, y);
+    matmul<true>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 16, y, ldy);
   else
-    matmul<false>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 32, y);
+    matmul<false>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 32, y, ldy);
 }
 
 bool is_interleaved(const std::string& format) { return format == "Q4_1x16" || format == "Q8_0x16"; }
@@ -488,14 +632,14 @@ void check_interleaved(const std::string& format, const torch::Tensor& w, const 
 }
 
 void interleaved(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& w,
-                 const torch::Tensor& scales, float* y) {
+                 const torch::Tensor& scales, float* y, int64_t ldy) {
   check_interleaved(format, w, scales, K);
 #ifdef RTSERVER_INT_DOTS
   const int64_t N = w.size(0);
   if (format == "Q4_1x16")
-    interleaved_matmul<true>(x, M, K, N, w.data_ptr<uint8_t>(), scales.data_ptr<float>(), y);
+    interleaved_matmul<true>(x, M, K, N, w.data_ptr<uint8_t>(), scales.data_ptr<float>(), y, ldy);
   else
-    interleaved_matmul<false>(x, M, K, N, w.data_ptr<uint8_t>(), scales.data_ptr<float>(), y);
+    interleaved_matmul<false>(x, M, K, N, w.data_ptr<uint8_t>(), scales.data_ptr<float>(), y, ldy);
 #endif
 }
 
@@ -512,41 +656,85 @@ void check_linear(const std::string& format, const torch::Tensor& a, const torch
               "an onednn weight must be a packed float32 [N, K] matching x's width");
 }
 
-// y [M, N] = x [M, K] @ W.T; the oneDNN weight through torch's own op (the dispatcher, boxed: the same
-// kernel the runner's unfused path calls from Python).
-void linear(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& a,
-            const torch::Tensor& b, float* y) {
-  if (is_interleaved(format)) return interleaved(x, M, K, format, a, b, y);
-  if (!is_onednn(format)) return block_matmul(x, M, K, format, a, b, y);
+// y [M, N] (rows ldy apart) = x [M, K] @ W.T; the oneDNN weight through torch's own op (the
+// dispatcher, boxed: the same kernel the runner's unfused path calls from Python).
+void linear_part(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& a,
+                 const torch::Tensor& b, float* y, int64_t ldy) {
+  if (is_interleaved(format)) return interleaved(x, M, K, format, a, b, y, ldy);
+  if (!is_onednn(format)) return block_matmul(x, M, K, format, a, b, y, ldy);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   auto xt = torch::from_blob(const_cast<float*>(x), {M, K}, torch::kFloat32);
   torch::jit::Stack stack{xt, a, c10::IValue(), std::string("none"),
                           c10::List<std::optional<at::Scalar>>(), c10::IValue()};
   op.callBoxed(&stack);
   const auto out = stack[0].toTensor().contiguous();
-  std::memcpy(y, out.data_ptr<float>(), M * a.size(0) * sizeof(float));
+  const int64_t N = a.size(0);
+  for (int64_t r = 0; r < M; ++r) std::memcpy(y + r * ldy, out.data_ptr<float>() + r * N, N * sizeof(float));
 }
 
-torch::Tensor quantized_mm(const torch::Tensor& x, const std::string& format, const torch::Tensor& qs,
-                           const torch::Tensor& scales) {
+// A linear as the runner passes it: one or more parts over the same input (a stacked weight: q/k/v or
+// gate/up of different block types), each (format, a, b); their outputs lie side by side.
+struct Parts {
+  std::vector<std::string> formats;
+  std::vector<torch::Tensor> a, b;
+
+  int64_t rows() const {
+    int64_t n = 0;
+    for (const auto& t : a) n += t.size(0);
+    return n;
+  }
+  void check(int64_t K) const {
+    TORCH_CHECK(!formats.empty() && formats.size() == a.size() && formats.size() == b.size(),
+                "a linear needs one (format, a, b) per part");
+    for (size_t i = 0; i < formats.size(); ++i) check_linear(formats[i], a[i], b[i], K);
+  }
+  // y [M, rows()] = x [M, K] @ W.T, part by part (checked first).
+  void apply(const float* x, int64_t M, int64_t K, float* y) const {
+    check(K);
+    const int64_t N = rows();
+    int64_t at = 0;
+    for (size_t i = 0; i < formats.size(); ++i) {
+      linear_part(x, M, K, formats[i], a[i], b[i], y + at, N);
+      at += a[i].size(0);
+    }
+  }
+};
+
+torch::Tensor parts_mm(const torch::Tensor& x, const Parts& w) {
   check_x(x);
-  auto y = torch::empty({x.size(0), qs.size(0)}, x.options());
-  block_matmul(x.data_ptr<float>(), x.size(0), x.size(1), format, qs, scales, y.data_ptr<float>());
+  auto y = torch::empty({x.size(0), w.rows()}, x.options());
+  w.apply(x.data_ptr<float>(), x.size(0), x.size(1), y.data_ptr<float>());
   return y;
 }
 
 }  // namespace
 
-torch::Tensor q4_1_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) { return quantized_mm(x, "Q4_1", qs, dm); }
+torch::Tensor q4_1_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) { return parts_mm(x, {{"Q4_1"}, {qs}, {dm}}); }
 
-torch::Tensor q8_0_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) { return quantized_mm(x, "Q8_0", qs, d); }
+torch::Tensor q8_0_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) { return parts_mm(x, {{"Q8_0"}, {qs}, {d}}); }
+
+torch::Tensor blocks_mm(torch::Tensor x, std::vector<std::string> formats, std::vector<torch::Tensor> a,
+                        std::vector<torch::Tensor> b) {
+  for (const auto& f : formats) TORCH_CHECK(!is_onednn(f), "blocks_mm takes block weights only");
+  return parts_mm(x, {formats, a, b});
+}
 
 torch::Tensor interleaved_mm(torch::Tensor x, std::string format, torch::Tensor w, torch::Tensor scales) {
-  check_x(x);
   TORCH_CHECK(is_interleaved(format), "unknown interleaved format ", format);
-  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  interleaved(x.data_ptr<float>(), x.size(0), x.size(1), format, w, scales, y.data_ptr<float>());
-  return y;
+  return parts_mm(x, {{format}, {w}, {scales}});
+}
+
+// The float32 weight of raw blocks [N, row bytes] of width K, decoded as the kernel decodes it.
+torch::Tensor dequantize_blocks(std::string format, torch::Tensor qs, int64_t K) {
+  torch::Tensor out;
+  const bool known = blocks::with_type(format, [&](auto t) {
+    using T = decltype(t);
+    check_raw<T>(format, qs, K);
+    out = torch::empty({qs.size(0), K}, torch::kFloat32);
+    raw_dequantize<T>(qs.data_ptr<uint8_t>(), qs.size(0), K, qs.size(1), out.data_ptr<float>());
+  });
+  TORCH_CHECK(known, "unsupported block type ", format, " (supported: ", kBlockTypes, ")");
+  return out;
 }
 
 namespace {
@@ -733,25 +921,29 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
 // more than their arithmetic at batch 1). x [R, hidden] is the residual stream (returned updated);
 // cos/sin [R, D] the rows' RoPE; the rows' new K/V go to write_slots of the pools, then each row
 // attends over slots[r, :lengths[r]] (its context, the new token included).
-torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, std::string qkv_format, torch::Tensor qkv_qs,
-                           torch::Tensor qkv_scales, c10::optional<torch::Tensor> qkv_bias, std::string o_format,
-                           torch::Tensor o_qs, torch::Tensor o_scales, torch::Tensor ln2, std::string gu_format,
-                           torch::Tensor gu_qs, torch::Tensor gu_scales, std::string down_format,
-                           torch::Tensor down_qs, torch::Tensor down_scales, torch::Tensor cos, torch::Tensor sin,
+using Formats = std::vector<std::string>;
+using Tensors = std::vector<torch::Tensor>;
+
+torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, Formats qkv_format, Tensors qkv_a, Tensors qkv_b,
+                           c10::optional<torch::Tensor> qkv_bias, Formats o_format, Tensors o_a, Tensors o_b,
+                           torch::Tensor ln2, Formats gu_format, Tensors gu_a, Tensors gu_b, Formats down_format,
+                           Tensors down_a, Tensors down_b, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor write_slots,
                            torch::Tensor slots, torch::Tensor lengths, int64_t n_heads, double eps, double scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be float32 [R, hidden]");
   const int64_t R = x.size(0), E = x.size(1), D = k_pool.size(2), KV = k_pool.size(1), H = n_heads;
-  const int64_t QS = H * D, KS = KV * D, NQKV = QS + 2 * KS, I2 = gu_qs.size(0), I = I2 / 2;
+  const Parts qkv_w{qkv_format, qkv_a, qkv_b}, o_w{o_format, o_a, o_b}, gu_w{gu_format, gu_a, gu_b},
+      down_w{down_format, down_a, down_b};
+  const int64_t QS = H * D, KS = KV * D, NQKV = QS + 2 * KS, I2 = gu_w.rows(), I = I2 / 2;
   check_pools(k_pool, v_pool, D);
   check_context(slots, lengths, R, k_pool.size(0));
   TORCH_CHECK(write_slots.scalar_type() == torch::kInt64 && write_slots.numel() == R, "write_slots must be int64 [R]");
-  TORCH_CHECK(qkv_qs.size(0) == NQKV && o_qs.size(0) == E && down_qs.size(0) == E && cos.size(1) == D,
+  TORCH_CHECK(qkv_w.rows() == NQKV && o_w.rows() == E && down_w.rows() == E && cos.size(1) == D,
               "layer shapes do not match");
-  check_linear(qkv_format, qkv_qs, qkv_scales, E);  // all four before anything is written
-  check_linear(o_format, o_qs, o_scales, QS);
-  check_linear(gu_format, gu_qs, gu_scales, E);
-  check_linear(down_format, down_qs, down_scales, I);
+  qkv_w.check(E);  // all four before anything is written
+  o_w.check(QS);
+  gu_w.check(E);
+  down_w.check(I);
   const int64_t* WS = write_slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(WS[r] >= 0 && WS[r] < k_pool.size(0), "a write slot is outside the pool");
 
@@ -770,7 +962,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, std::string qkv_f
   const float *C = cos.data_ptr<float>(), *Sn = sin.data_ptr<float>();
 
   rms_norm(X, ln1.data_ptr<float>(), R, E, eps, Hh);
-  linear(Hh, R, E, qkv_format, qkv_qs, qkv_scales, QKV);
+  qkv_w.apply(Hh, R, E, QKV);
   if (qkv_bias.has_value()) {
     const float* B = qkv_bias->data_ptr<float>();
     for (int64_t r = 0; r < R; ++r)
@@ -792,12 +984,12 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, std::string qkv_f
   }
   attention(Qr, Kp, Vp, slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), R, H, KV, D, slots.size(1),
             static_cast<float>(scale), attn.data_ptr<float>());
-  linear(attn.data_ptr<float>(), R, QS, o_format, o_qs, o_scales, P);
+  o_w.apply(attn.data_ptr<float>(), R, QS, P);
   for (int64_t i = 0; i < R * E; ++i) X[i] += P[i];
   rms_norm(X, ln2.data_ptr<float>(), R, E, eps, Hh);
-  linear(Hh, R, E, gu_format, gu_qs, gu_scales, GU);
+  gu_w.apply(Hh, R, E, GU);
   silu_mul(GU, R, I, Hh);
-  linear(Hh, R, I, down_format, down_qs, down_scales, P);
+  down_w.apply(Hh, R, I, P);
   for (int64_t i = 0; i < R * E; ++i) X[i] += P[i];
   return out;
 }
@@ -808,6 +1000,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("q4_1_mm", &q4_1_mm, "x [M, K] float32 @ Q4_1 blocks [N, K].T -> [M, N] float32", nogil);
   m.def("q8_0_mm", &q8_0_mm, "x [M, K] float32 @ Q8_0 blocks [N, K].T -> [M, N] float32", nogil);
+  m.def("blocks_mm", &blocks_mm, "x [M, K] float32 @ a stacked block weight (parts side by side) -> [M, N]", nogil);
+  m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
   m.def("interleaved_mm", &interleaved_mm, "x [M, K] float32 @ blocks interleaved by 16 columns -> [M, N] float32", nogil);
   m.def("decode_attention", &decode_attention, "single-token attention over paged float32 K/V", nogil);
 #ifdef RTSERVER_INT_DOTS

@@ -1,0 +1,337 @@
+"""Every GGUF block type the kernel reads (engine/quant.py, engine/kernels/blocks.h): dequantization
+equals gguf-py's exactly, the kernel's matmul and fused decode layers equal a float32 matmul of the
+dequantized weight within float32's summation bound, a stacked weight of mixed types runs part by
+part, unsupported types are refused by name, and a requantized Q4_K_M file runs every linear on its
+blocks with float32's greedy tokens."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from rtserver.config import EngineSettings
+from rtserver.engine import quant
+from rtserver.engine.backend import SamplingParams
+from rtserver.engine.kv import KVCacheManager
+from rtserver.engine.model import LoadedModel, load_model
+from rtserver.engine.plan import StepItem
+from rtserver.engine.runner import ModelRunner
+from rtserver.engine.sequence import Sequence
+
+from ..components import missing
+from ..conftest import chat_prompt
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+# per type: byte offsets of its float16 fields in a block, and a magnitude for them that keeps the
+# dequantized weights near 0.1 (K-types multiply d by 6- or 8-bit sub-block scales)
+HALVES = {
+    "Q4_0": ([0], 1e-2),
+    "Q4_1": ([0, 2], 1e-2),
+    "Q5_0": ([0], 1e-2),
+    "Q5_1": ([0, 2], 5e-3),
+    "Q8_0": ([0], 1e-3),
+    "Q2_K": ([80, 82], 2e-3),
+    "Q3_K": ([108], 1e-3),
+    "Q4_K": ([0, 2], 5e-4),
+    "Q5_K": ([0, 2], 2e-4),
+    "Q6_K": ([208], 1e-4),
+    "IQ4_NL": ([0], 1e-3),
+    "IQ4_XS": ([0], 1e-4),
+}
+U = 2.0**-24  # float32's unit roundoff
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = quant.load_kernel(Path("~/.cache/rtserver").expanduser())
+    if k is None:
+        pytest.fail(f"the quantized kernel did not build: {quant.kernel_error()}")
+    return k
+
+
+def block_size(fmt: str) -> tuple[int, int]:
+    """(weights, bytes) of one block of `fmt`."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+
+
+def random_rows(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """n rows of width k in `fmt`'s raw layout: random quant bytes, random float16 fields."""
+    weights, nbytes = block_size(fmt)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // weights, nbytes), dtype=np.uint8)
+    offsets, scale = HALVES[fmt]
+    for at in offsets:
+        half = (rng.standard_normal((n, k // weights)) * scale).astype(np.float16)
+        raw[..., at : at + 2] = half.view(np.uint8).reshape(n, k // weights, 2)
+    return raw.reshape(n, -1)
+
+
+def weight(fmt: str, raw: np.ndarray) -> quant.BlockWeight:
+    return quant._from_rows(fmt, raw)
+
+
+def widths(fmt: str) -> tuple[int, ...]:
+    return (256, 1536) if block_size(fmt)[0] == 256 else (32, 96, 576)
+
+
+def summation_bound(x: torch.Tensor, w: torch.Tensor, kernel) -> torch.Tensor:
+    """|kernel - F.linear| allowed: both sum K products of the same float32 weights in float32, each
+    within gamma_K * sum|x||w| of the exact sum (gamma_K = K u / (1 - K u)), hence twice that apart.
+    The integer path (VNNI, Q4_1 / Q8_0 only) adds its activations' 16-bit rounding: half a step of
+    max|block| / 32512 per activation, times |w|."""
+    k = x.shape[1]
+    gamma = k * U / (1 - k * U)
+    bound = 2 * gamma * (x.abs() @ w.abs().T)
+    if kernel.fixed_point_activations:
+        step = x.view(x.shape[0], -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(x.shape)
+        bound = bound + (step / quant.FIXED_POINT_MAX / 2) @ w.abs().T
+    return bound + 1e-30
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_dequantize_equals_gguf_py(kernel, fmt):
+    """Random blocks: the weight's dequantize (and for raw types the kernel's own decode) is bit-equal to
+    gguf-py's; rows() picks rows with the same arithmetic."""
+    for k in widths(fmt):
+        raw = random_rows(fmt, 24, k, seed=k)
+        want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32))
+        w = weight(fmt, raw)
+        assert w.shape == (24, k)
+        assert torch.equal(w.dequantize(), want)
+        assert torch.equal(w.rows(torch.tensor([5, 0, 23])), want[[5, 0, 23]])
+        if fmt in quant.RAW_TYPES:
+            assert torch.equal(kernel.dequantize_blocks(fmt, torch.from_numpy(raw), k), want)
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_kernel_equals_a_float32_matmul_within_the_summation_bound(kernel, fmt):
+    """Steps of 1, 2, 5 and 16 rows (the kernel's 4-row passes and their remainders), widths of one
+    block to many, activations of mixed magnitudes with a zero block."""
+    for k in widths(fmt):
+        w = weight(fmt, random_rows(fmt, 40, k, seed=k + 1))
+        dense = w.dequantize()
+        for m in (1, 2, 5, 16):
+            x = torch.randn(m, k) * torch.rand(m, k) * 4
+            x[0, :32] = 0.0
+            got = quant.quantized_matmul(kernel, x, w)
+            want = F.linear(x, dense)
+            assert ((got - want).abs() <= summation_bound(x, dense, kernel)).all(), (fmt, k, m)
+
+
+def test_a_stacked_weight_of_mixed_types_runs_part_by_part(kernel):
+    """q/k in Q5_0 and v in Q8_0 (as a Q4_K_M layer ships them), gate Q4_K and up Q6_K: one stacked
+    weight each, outputs side by side; runs of one type are joined into one weight."""
+    k = 256
+    q, kk, v = (
+        weight(f, random_rows(f, n, k, seed=n)) for f, n in (("Q5_0", 64), ("Q5_0", 32), ("Q8_0", 32))
+    )
+    qkv = quant.cat([q, kk, v])
+    assert isinstance(qkv, quant.StackedWeight) and [p.format for p in qkv.parts] == ["Q5_0", "Q8_0"]
+    assert qkv.shape == (128, k) and qkv.format == "Q5_0+Q8_0"
+    dense = torch.cat([q.dequantize(), kk.dequantize(), v.dequantize()])
+    assert torch.equal(qkv.dequantize(), dense)
+    assert torch.equal(qkv.rows(torch.tensor([127, 3, 70])), dense[[127, 3, 70]])
+    gate_up = quant.cat(
+        [weight("Q4_K", random_rows("Q4_K", 48, k, 1)), weight("Q6_K", random_rows("Q6_K", 48, k, 2))]
+    )
+    for w in (qkv, gate_up):
+        for m in (1, 2, 5, 16):
+            x = torch.randn(m, k)
+            got = quant.quantized_matmul(kernel, x, w)
+            want = F.linear(x, w.dequantize())
+            assert got.shape == want.shape
+            assert ((got - want).abs() <= summation_bound(x, w.dequantize(), kernel)).all()
+    with pytest.raises(ValueError, match="widths"):
+        quant.cat([q, weight("Q5_0", random_rows("Q5_0", 8, 96, 3))])
+
+
+def test_unsupported_types_are_refused_by_name(kernel):
+    with pytest.raises(ValueError, match="IQ2_XXS is not supported"):
+        quant.RawWeight("IQ2_XXS", torch.zeros(4, 66, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match=r"unsupported block type IQ3_S \(supported: Q4_0"):
+        kernel.blocks_mm(
+            torch.randn(1, 256), ["IQ3_S"], [torch.zeros(4, 110, dtype=torch.uint8)], [torch.empty(0)]
+        )
+    with pytest.raises(RuntimeError, match="Q4_K blocks need K a multiple of 256"):
+        kernel.blocks_mm(
+            torch.randn(1, 96), ["Q4_K"], [torch.zeros(4, 144, dtype=torch.uint8)], [torch.empty(0)]
+        )
+    with pytest.raises(RuntimeError, match="Q6_K blocks do not match"):
+        kernel.blocks_mm(
+            torch.randn(1, 512), ["Q6_K"], [torch.zeros(4, 210, dtype=torch.uint8)], [torch.empty(0)]
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(smol):
+    """A random 2-layer Llama of width 256 (whole K-type blocks), GQA, head size 64, a small vocabulary
+    (the smol tokenizer's first 1024 ids)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = smol.tokenizer
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def _on_blocks(model, types: dict[str, str], seed: int) -> dict[str, quant.BlockWeight]:
+    """Random blocks for every linear of `model` (type by projection name, e.g. "v_proj"), and the
+    model's weights set to their dequantized values."""
+    blocks = {}
+    for i, (name, param) in enumerate(model.named_parameters()):
+        if param.dim() == 2 and "embed" not in name:
+            proj = name.split(".")[-2]
+            fmt = types.get(proj, types["*"])
+            n, k = param.shape
+            blocks[name] = weight(fmt, random_rows(fmt, n, k, seed=seed + i))
+            param.data = blocks[name].dequantize()
+    return blocks
+
+
+MIXES = [{"*": t} for t in TYPES] + [
+    {"*": "Q5_0", "v_proj": "Q8_0", "down_proj": "Q6_K", "up_proj": "Q4_K", "lm_head": "Q6_K"},
+]
+
+
+@pytest.mark.parametrize("types", MIXES, ids=lambda t: "+".join(sorted(set(t.values()))))
+def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, types):
+    """Decode steps of 1, 2, 5 and 16 rows (contexts of different lengths) through the fused
+    decode_layer on the blocks, and through the kernel's matmul unfused, give the logits of the torch
+    forward over the dequantized weights (within 1e-4 of the largest logit: float rounding, carried
+    through two layers)."""
+    model = copy.deepcopy(tiny_llama)
+    blocks = _on_blocks(model, types, seed=7)
+    cfg = model.config
+    results = []
+    for mode in ("torch", "fused", "unfused"):
+        kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
+        runner = ModelRunner(copy.deepcopy(model), kv, 512)
+        if mode != "torch":
+            if mode == "fused":
+                runner.use_attention_kernel(kernel)
+            assert runner.use_quantized_blocks(blocks, kernel, 16) == 4 * cfg.num_hidden_layers + 1
+            assert runner.fused_decode_rows == (16 if mode == "fused" else 0)
+        torch.manual_seed(1)
+        steps = []
+        for m in (1, 2, 5, 16):
+            seqs = []
+            for r in range(m):
+                ids = torch.randint(0, cfg.vocab_size, (3 + 5 * r,)).tolist()
+                seq = Sequence(ids, SamplingParams(), tokenizer=smol.tokenizer, eos_token_ids=set())
+                seq.kv, _ = kv.acquire(ids, len(ids) + 2)
+                runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])  # prefill: the torch path
+                seqs.append((seq, len(ids)))
+            items = [StepItem(seq, seq.kv, n, [11 + r], "last") for r, (seq, n) in enumerate(seqs)]
+            steps.append(torch.cat(runner.forward(items)))
+            for seq, _ in seqs:
+                kv.release(seq.kv)
+        results.append(steps)
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * float(b.abs().max()))
+
+
+# Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K tensors) in the fast run; the other files' types in the slow one
+FILES = ["Q4_K_M"] + [
+    pytest.param(t, marks=pytest.mark.slow)
+    for t in ("Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS")
+]
+
+
+def requantized(qtype: str) -> Path:
+    from rtserver.tools.model_files import ModelFileError, requantized
+
+    try:
+        return requantized(qtype)
+    except (ModelFileError, OSError) as exc:
+        missing(f"the embedded model requantized to {qtype} ({exc})", "a llama-quantize build")
+
+
+@pytest.mark.parametrize("qtype", FILES)
+def test_real_rows_of_requantized_files(kernel, qtype):
+    """The embedded model requantized by llama-quantize: one tensor of each type the file holds (an
+    unpermuted one: MLP or v/o rows) reads as gguf-py dequantizes it, and the kernel multiplies it
+    within the summation bound."""
+    reader = GGUFReader(str(requantized(qtype)))
+    blocks = quant.weights_from_reader(reader, "llama", 9, 3)
+    seen: set[str] = set()
+    for t in reader.tensors:
+        fmt, parts = t.tensor_type.name, t.name.split(".")
+        if fmt in seen or parts[0] != "blk" or parts[2] in ("attn_q", "attn_k", "attn_norm", "ffn_norm"):
+            continue
+        seen.add(fmt)
+        name = f"model.layers.{parts[1]}.{quant._LAYER_NAMES[parts[2]]}.weight"
+        if fmt not in quant.SUPPORTED_TYPES:
+            assert name not in blocks  # left dense
+            continue
+        want = torch.from_numpy(dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32))
+        w = blocks[name]
+        assert w.format == fmt and torch.equal(w.dequantize(), want)
+        for m in (1, 5):
+            x = torch.randn(m, want.shape[1])
+            got = quant.quantized_matmul(kernel, x, w)
+            assert ((got - F.linear(x, want)).abs() <= summation_bound(x, want, kernel)).all()
+    assert seen
+
+
+async def _greedy_tokens(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    engine.start()
+    try:
+        streams = [engine.generate(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p in prompts]
+        return [(await s.result()).token_ids for s in streams]
+    finally:
+        await engine.stop()
+
+
+async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
+    """dtype gguf on the requantized Q4_K_M file (Q5_0, Q8_0, Q4_K and Q6_K tensors): every linear
+    (121 of 121) gets its blocks, which dequantize to the dense weights transformers loaded (q/k rows
+    un-permuted), and batched greedy tokens equal the float32 engine's on those dense weights."""
+    from rtserver.engine.core import Engine
+
+    path = requantized("Q4_K_M")
+    loaded = load_model(str(path), dtype="gguf", threads=2)
+    cfg = loaded.model.config
+    blocks = quant.read_gguf_weights(path, cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads)
+    dense = loaded.model.state_dict()
+    assert {b.format for b in blocks.values()} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    for name, w in blocks.items():
+        assert torch.equal(w.dequantize(), dense[name]), name
+    # the probe times the machine; here every size up to 4 rows runs on the blocks
+    monkeypatch.setattr("rtserver.engine.core.probe_small_rows", lambda runner, kernel, blocks: 4)
+    plain = LoadedModel(
+        model=copy.deepcopy(loaded.model),
+        tokenizer=loaded.tokenizer,
+        name="f32",
+        dtype=torch.float32,
+        threads=2,
+    )
+    settings = EngineSettings(kv_budget_mb=32)
+    engine = Engine(loaded, settings)
+    linears = [lin for L in engine.runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
+    with_blocks = sum(lin.small is not None for lin in [*linears, engine.runner.lm_head])
+    assert with_blocks == len(linears) + 1 == 121
+    assert engine.health()["kernels"]["small_step_max_rows"] == 4
+    texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
+    prompts = [chat_prompt(loaded.tokenizer, t) for t in texts]
+    got = await _greedy_tokens(engine, prompts, 24)
+    want = await _greedy_tokens(Engine(plain, settings), prompts, 24)
+    assert got == want

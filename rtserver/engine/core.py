@@ -11,15 +11,14 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable, Hashable
-from pathlib import Path
 from typing import Any
 
 from ..config import EngineSettings
 from .backend import BackendHealth, BackendStats, FinishReason, SamplingParams, SequenceResult, TokenEvent
 from .kv import KVCacheManager
 from .model import LoadedModel
-from .quant import kernel_error, load_kernel, probe_small_rows, read_gguf_weights
-from .runner import ModelRunner
+from .quant import probe_panel_rows
+from .runner import ALL_ROWS, ModelRunner
 from .scheduler import Scheduler, SchedulerLimits, StepEvent
 from .sequence import Sequence
 
@@ -87,23 +86,21 @@ class Engine:
             opts.kv_budget_mb << 20,
             opts.kv_block_tokens,
         )
-        gguf = loaded.gguf_blocks is not None
         self.runner = ModelRunner(
             loaded.model,
             self.kv,
             opts.max_sequence_tokens,
             weight_storage=loaded.weight_storage,
-            # dtype gguf: after the blocks are attached (interleaved ones need no dense copy at all)
-            release_dense_weights=release_dense_weights and not gguf,
+            release_dense_weights=release_dense_weights,
+            blocks=loaded.blocks,
+            kernel=loaded.kernel,
         )
         # What each linear computes with, and why (shown in /health).
         self.kernels: dict[str, Any] = {"weights": loaded.dtype_name}
-        if gguf:
-            self.kernels = self._use_gguf_blocks(loaded, release_dense_weights)
+        if loaded.gguf_blocks is not None:
+            self.kernels = self._use_gguf_blocks(loaded)
             if release_dense_weights:
                 self.runner.release_dense_weights()
-            if "small_steps" in self.kernels:
-                self.kernels.update(self._big_step_choice())
         if release_dense_weights:
             return_freed_memory()
         self.scheduler = Scheduler(
@@ -117,55 +114,37 @@ class Engine:
         self._streams: dict[int, Callable[[TokenEvent | SequenceResult], None]] = {}
         self._thread: threading.Thread | None = None
 
-    def _use_gguf_blocks(self, loaded: LoadedModel, release: bool) -> dict[str, Any]:
-        """dtype gguf: small steps multiply with the file's quantized blocks where the kernel builds and
-        a start-up probe finds it faster than the dense float32 weights; otherwise plain float32."""
+    def _use_gguf_blocks(self, loaded: LoadedModel) -> dict[str, Any]:
+        """dtype gguf: every linear the file ships in a supported block type multiplies with its blocks;
+        steps above a start-up probe's row count dequantize 16 weight rows at a time beside a float32
+        GEMM. Without the kernel every weight is dense float32."""
         assert loaded.gguf_blocks is not None
-        cfg = loaded.model.config
-        kernel = load_kernel((loaded.cache_dir or Path("~/.cache/rtserver")).expanduser())
+        kernel = loaded.kernel
         if kernel is None:
-            why = f"the quantized kernel could not be built ({kernel_error()})"
-            return {"weights": "float32", "why": why}
-        self.runner.use_attention_kernel(kernel)
-        blocks = read_gguf_weights(
-            loaded.gguf_blocks, cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads
-        )
-        interleaved = self.runner.use_interleaved(blocks, kernel, release)  # before the probe: its rival
-        formats = sorted({b.format for b in blocks.values()})
-        big = (
-            f"{'/'.join(formats)} blocks interleaved by 16 columns, integer dots ({interleaved} linears)"
-            if interleaved
-            else "float32 (oneDNN-packed when serving)"
-        )
-        rows = probe_small_rows(self.runner, kernel, blocks)
-        if rows == 0:
-            why = "the start-up probe found the small-step kernel slower than the big-step path at every size"
-            return {"weights": "float32", "big_steps": big, "why": why}
-        used = self.runner.use_quantized_blocks(blocks, kernel, rows)
-        log.info("steps of <= %d rows use the GGUF blocks (%s, %d linears)", rows, ", ".join(formats), used)
-        return {
-            "weights": "float32",
-            "small_steps": f"{'/'.join(formats)} blocks of {loaded.gguf_blocks.name}",
-            "small_step_max_rows": rows,
-            "big_steps": big,
-            "why": "start-up probe: the small-step kernel beat the big-step path up to that many rows",
-        }
-
-    def _big_step_choice(self) -> dict[str, str]:
-        """The output head's and the fused decode layers' limits, as chosen once the weights are final."""
+            return {"weights": "float32", "why": loaded.blocks_why or "no supported block types in the file"}
         runner = self.runner
-        head = runner.lm_head
-        above = "interleaved blocks" if head.interleaved is not None else "float32"
-        if head.small_rows >= 1 << 30:
-            where = "blocks at every step size"
-        elif head.small_rows == 0:
-            where = f"{above} at every step size"
-        else:
-            where = f"blocks up to {head.small_rows} rows, {above} above"
+        runner.use_attention_kernel(kernel)
+        linears = [lin for L in runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [runner.lm_head]
+        on_blocks = [lin for lin in linears if lin.blocks_only]
+        rows = probe_panel_rows(runner, kernel)
+        kernel.set_panel_rows(rows)
+        runner.choose_fused_rows()
+        formats = sorted({b.format for b in loaded.blocks.values()})
+        log.info(
+            "%d of %d linears on GGUF blocks (%s); panels above %d rows",
+            len(on_blocks),
+            len(linears),
+            ", ".join(formats),
+            rows,
+        )
         fused = runner.fused_decode_rows
         return {
-            "output_head": where,
-            "fused_decode_steps": "every size" if fused >= 1 << 30 else f"up to {fused} rows",
+            "weights": f"GGUF blocks of {loaded.gguf_blocks.name} ({'/'.join(formats)})",
+            "linears_on_blocks": f"{len(on_blocks)} of {len(linears)}",
+            "small_steps": f"blocks, up to {rows} rows",
+            "big_steps": "16 weight rows dequantized at a time beside a float32 GEMM",
+            "fused_decode_steps": "every size" if fused >= ALL_ROWS else f"up to {fused} rows",
+            "why": "start-up probe: the small-step kernel beat the panels up to that many rows",
         }
 
     @staticmethod

@@ -1,8 +1,10 @@
-"""A GGUF file's metadata and tensor index, read in one pass; tensor bytes memory-mapped.
+"""A GGUF file's metadata and tensor index, read in one pass; each tensor's bytes read when asked for.
 
 gguf-py's GGUFReader builds a numpy view per array element, which takes tens of seconds on a large
 vocabulary's token and merge lists. This reader parses the header with `struct`, takes numeric
-arrays whole with numpy, and keeps gguf-py's type tables (block sizes, names).
+arrays whole with numpy, and keeps gguf-py's type tables (block sizes, names). Tensors are read into
+memory of their own rather than viewed in a mapping: the file's pages then never count beside the
+copies the engine keeps.
 """
 
 from __future__ import annotations
@@ -97,9 +99,17 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        with self.path.open("rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        cur = _Cursor(memoryview(self._map))
+        if self.path.stat().st_size < 24:  # magic, version and the two counts
+            raise GGUFError(f"{self.path}: not a GGUF file (too short)")
+        with self.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            self.size = len(mapped)
+            view = memoryview(mapped)
+            try:
+                self._parse(_Cursor(view))
+            finally:
+                view.release()
+
+    def _parse(self, cur: _Cursor) -> None:
         if bytes(cur.take(4)) != MAGIC:
             raise GGUFError(f"{self.path}: not a GGUF file (no GGUF magic)")
         self.version = cur.scalar("I")
@@ -118,7 +128,7 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {}
         for name, qtype, shape, offset in infos:
             info = TensorInfo(name, qtype, shape, start + offset)
-            if info.offset + info.nbytes > len(self._map):
+            if info.offset + info.nbytes > self.size:
                 raise GGUFError(f"{self.path}: tensor {name} runs past the end of the file")
             self.tensors[name] = info
 
@@ -143,11 +153,13 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
     def raw(self, name: str) -> np.ndarray:
-        """A tensor's bytes in place (read-only): uint8 [rows, bytes a row] for block types, the
-        element type ([rows, cols] or [cols]) for float and integer tensors."""
+        """A tensor's bytes, read from the file: uint8 [rows, bytes a row] for block types, the element
+        type ([rows, cols] or [cols]) for float and integer tensors."""
         info = self.tensors[name]
         block, size = GGML_QUANT_SIZES[info.qtype]
-        data = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        data = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        if data.size != info.nbytes:
+            raise GGUFError(f"{self.path}: tensor {name} was cut short (the file changed while read)")
         if block > 1:
             return data.reshape(*info.shape[:-1], info.shape[-1] // block * size)
         dtype = {

@@ -136,8 +136,9 @@ def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def dense_model(g: GGUFFile, config: Any) -> Any:
-    """The float32 transformers model of a GGUF file's tensors."""
+def dense_model(g: GGUFFile, config: Any, skip: frozenset[str] = frozenset()) -> Any:
+    """The float32 transformers model of a GGUF file's tensors. Parameters named in `skip` (linears the
+    runner multiplies with in their blocks) stay uninitialised: their memory is never touched."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -148,6 +149,8 @@ def dense_model(g: GGUFFile, config: Any) -> Any:
     missing = []
     with torch.no_grad():
         for hf_name, param in params.items():
+            if hf_name in skip:
+                continue
             name = _tensor_name(arch, hf_name)
             if name is None or name not in g.tensors:
                 missing.append(hf_name)
@@ -162,7 +165,7 @@ def dense_model(g: GGUFFile, config: Any) -> Any:
                 wants = tuple(param.shape)
                 raise UnsupportedModel(f"{g.path.name}: tensor {name} is {w.shape}, the model wants {wants}")
             param.copy_(torch.from_numpy(w))
-    tied = config.tie_word_embeddings and missing == ["lm_head.weight"]
+    tied = config.tie_word_embeddings and (missing == ["lm_head.weight"] or "lm_head.weight" in skip)
     if missing and not tied:
         raise UnsupportedModel(f"{g.path.name}: no tensors for {', '.join(missing[:4])}")
     if tied:

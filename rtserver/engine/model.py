@@ -11,9 +11,9 @@ import importlib.util
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -41,10 +41,15 @@ class LoadedModel:
     dtype: torch.dtype  # activations, KV cache and dense weights
     threads: int
     weight_storage: str | None = None  # "int8" | "float16": how the runner stores linear weights
-    # dtype "gguf": the GGUF file whose quantized blocks serve the small steps (engine/quant.py), and
-    # where the kernel that multiplies with them is built and cached
+    # dtype "gguf": the GGUF file whose quantized blocks the linears multiply with (engine/quant.py),
+    # where the kernel that multiplies with them is built and cached, the blocks by transformers
+    # parameter name (their dense parameters are left uninitialised), and the kernel (None: no blocks,
+    # every weight dense, `blocks_why` says why)
     gguf_blocks: Path | None = None
     cache_dir: Path | None = None
+    blocks: dict[str, Any] = field(default_factory=dict)
+    kernel: Any = None
+    blocks_why: str = ""
 
     @property
     def dtype_name(self) -> str:
@@ -132,15 +137,28 @@ def gguf_tokenizer(path: Path, cache_dir: Path) -> Tokenizer:
     return cast(Tokenizer, tokenizer)
 
 
-def _gguf_model(path: Path) -> PreTrainedModel:
+def _gguf_model(path: Path, cache_dir: Path | None) -> tuple[PreTrainedModel, dict[str, Any], Any, str]:
+    """The model of a GGUF file, and with a `cache_dir` (dtype gguf) its quantized linears as blocks
+    with the kernel that multiplies with them: those linears are never dequantized."""
     from .gguf_file import GGUFError, GGUFFile
     from .gguf_load import dense_model, gguf_config
+    from .quant import kernel_error, load_kernel, weights_from_file
 
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     try:
         g = GGUFFile(path)
-        return cast("PreTrainedModel", dense_model(g, gguf_config(g)))
+        config = gguf_config(g)
+        kernel, blocks, why = None, {}, ""
+        if cache_dir is not None:
+            kernel = load_kernel(cache_dir)
+            if kernel is None:
+                why = f"the quantized kernel could not be built ({kernel_error()})"
+            else:
+                heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+                blocks = weights_from_file(g, config.model_type, heads, kv_heads)
+        model = dense_model(g, config, skip=frozenset(blocks))
+        return cast("PreTrainedModel", model), blocks, kernel, why
     except (GGUFError, UnsupportedModel, KeyError) as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
 
@@ -209,8 +227,11 @@ def load_model(
         f", {storage} linear weights" if storage else "",
         n_threads,
     )
+    blocks: dict[str, Any] = {}
+    kernel, why = None, ""
     if gguf is not None:
-        model = _gguf_model(gguf)  # first: a broken or unsupported file is refused before the tokenizer
+        # first: a broken or unsupported file is refused before the tokenizer is converted
+        model, blocks, kernel, why = _gguf_model(gguf, cache if dtype == "gguf" else None)
         tokenizer = gguf_tokenizer(gguf, cache)
         if torch_dtype != torch.float32:
             model = model.to(dtype=torch_dtype)  # type: ignore[call-arg]  # nn.Module.to
@@ -226,6 +247,9 @@ def load_model(
         weight_storage=storage,
         gguf_blocks=gguf if dtype == "gguf" else None,
         cache_dir=cache,
+        blocks=blocks,
+        kernel=kernel,
+        blocks_why=why,
     )
 
 

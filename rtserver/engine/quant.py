@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -251,9 +252,15 @@ def interleave(w: BlockWeight) -> InterleavedWeight | None:
 def read_gguf_weights(path: Path, model_type: str, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:
     """The quantized linear weights of a GGUF file under their transformers names, every type of
     SUPPORTED_TYPES; other tensors (float, IQ1/IQ2/IQ3) are left out (the runner keeps those dense)."""
-    from gguf import GGUFReader
+    from .gguf_file import GGUFFile
 
-    return weights_from_reader(GGUFReader(str(path)), model_type, n_heads, n_kv_heads)
+    return weights_from_file(GGUFFile(path), model_type, n_heads, n_kv_heads)
+
+
+def weights_from_file(g: Any, model_type: str, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:
+    """read_gguf_weights on an open gguf_file.GGUFFile."""
+    tensors = [SimpleNamespace(name=n, tensor_type=t.qtype, data=g.raw(n)) for n, t in g.tensors.items()]
+    return weights_from_reader(SimpleNamespace(tensors=tensors), model_type, n_heads, n_kv_heads)
 
 
 def weights_from_reader(
@@ -439,6 +446,33 @@ def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, BlockWeight], r
     for m in (1, 2, 4, 8, 16):
         inputs = (torch.randn(m, mlps[0][1].shape[1]), torch.randn(m, mlps[0][2].shape[1]))
         if not _blocks_win(dense, on_blocks, inputs, repeats):
+            break
+        rows = m
+    return rows
+
+
+def probe_panel_rows(runner: Any, kernel: Any, repeats: int = 3) -> int:
+    """The largest step size (1 to 64 rows) at which the small-step kernel clearly beats the panel path
+    on linears that have only their blocks. It times every layer's MLP, not one: one layer's weights
+    stay in cache and would time only the arithmetic."""
+    mlps = [
+        (L.gate_up.small, L.down.small) for L in runner.layers if L.gate_up.blocks_only and L.down.blocks_only
+    ]
+    if not mlps:
+        return 1
+
+    def at(panel_rows: int) -> Callable[..., None]:
+        def run(x: torch.Tensor, h: torch.Tensor) -> None:
+            kernel.set_panel_rows(panel_rows)
+            for gate_up, down in mlps:
+                quantized_matmul(kernel, x, gate_up), quantized_matmul(kernel, h, down)
+
+        return run
+
+    rows = 1
+    for m in (2, 4, 8, 16, 32, 64):
+        inputs = (torch.randn(m, mlps[0][0].shape[1]), torch.randn(m, mlps[0][1].shape[1]))
+        if not _blocks_win(at(0), at(1 << 30), inputs, repeats):
             break
         rows = m
     return rows

@@ -106,6 +106,21 @@ class Linear:
         else:
             self.pack_onednn()
 
+    @classmethod
+    def of_blocks(cls, blocks: BlockWeight, bias: torch.Tensor | None, kernel: Any) -> Linear:
+        """A linear that has only its blocks (dtype gguf): every step multiplies with them, many-row
+        steps a panel of dequantized rows at a time (the kernel's choice); no dense weight exists."""
+        lin = cls.__new__(cls)
+        lin.out_features = blocks.shape[0]
+        lin.onednn, lin.packed, lin.storage = None, None, None
+        lin.weight, lin.bias = None, bias
+        lin.use_blocks(blocks, kernel, ALL_ROWS)
+        return lin
+
+    @property
+    def blocks_only(self) -> bool:
+        return self.small is not None and self.small_rows >= ALL_ROWS
+
     def use_blocks(self, blocks: BlockWeight, kernel: Any, max_rows: int) -> None:
         if blocks.shape != (self.out_features, blocks.shape[1]):
             raise ValueError(f"blocks of shape {blocks.shape} do not fit {self.out_features} output rows")
@@ -147,6 +162,8 @@ class Linear:
 
 
 _NO_TENSOR = torch.empty(0)
+ALL_ROWS = 1 << 30  # a step size limit no step reaches
+EMBED = "model.embed_tokens.weight"
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -297,7 +314,11 @@ class ModelRunner:
         max_positions: int,
         weight_storage: str | None = None,
         release_dense_weights: bool = False,
+        blocks: dict[str, BlockWeight] | None = None,
+        kernel: Any = None,
     ):
+        """`blocks` (with the `kernel`): linears whose weights are given as GGUF blocks, by transformers
+        parameter name; those linears use only them, and their dense parameters are never read."""
         cfg = model.config
         self.family = family_of(cfg)
         self.model = model
@@ -311,8 +332,10 @@ class ModelRunner:
         self.scale = attention_scale(cfg, self.head_dim)
         # The decoder stack (LlamaModel / Qwen2Model): its submodules are read by their transformers names.
         inner: Any = model.model
-        self.embed: torch.Tensor | None = inner.embed_tokens.weight
-        self.embed_blocks: BlockWeight | None = None  # lookups in the head's blocks (_release_tied_head)
+        blocks = blocks or {}
+        self._blocks, self._kernel = blocks, kernel
+        self.embed_blocks: BlockWeight | None = blocks.get(EMBED)  # lookups in blocks (_release_tied_head)
+        self.embed: torch.Tensor | None = None if self.embed_blocks is not None else inner.embed_tokens.weight
         # Gemma's embeddings are scaled by sqrt(hidden), in the model dtype as transformers rounds it.
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if self.family.scaled_embedding else 1.0)
         self.norm = RMSNorm(inner.norm.weight, self.eps, self.family.gemma_norms)
@@ -321,7 +344,12 @@ class ModelRunner:
         # The output head stays dense under float16 storage: fbgemm pads narrow rows (576 wide here) to
         # a larger block, so the packed head is no smaller than the dense one, which is usually the
         # embedding itself and held anyway.
-        self.lm_head = Linear(model.lm_head.weight, None, "int8" if ws == "int8" else None)
+        head = EMBED if getattr(cfg, "tie_word_embeddings", False) else "lm_head.weight"
+        self.lm_head = (
+            Linear.of_blocks(blocks[head], None, kernel)
+            if head in blocks
+            else Linear(model.lm_head.weight, None, "int8" if ws == "int8" else None)
+        )
         max_positions = min(max_positions, getattr(cfg, "max_position_embeddings", max_positions))
         self.max_positions = max_positions
         self.rope, rope_of_layer = rope_tables(cfg, inner.rotary_emb, max_positions, self.dtype)
@@ -334,14 +362,10 @@ class ModelRunner:
             self.layers.append(
                 _Layer(
                     norms=layer_norms(self.family, layer, self.eps),
-                    qkv=Linear(
-                        _fuse(att.q_proj, att.k_proj, att.v_proj, share=ws is None),
-                        _cat_bias(att.q_proj, att.k_proj, att.v_proj),
-                        ws,
-                    ),
-                    o=Linear(att.o_proj.weight, att.o_proj.bias, ws),
-                    gate_up=Linear(_fuse(mlp.gate_proj, mlp.up_proj, share=ws is None), None, ws),
-                    down=Linear(mlp.down_proj.weight, None, ws),
+                    qkv=self._linear(li, ("q_proj", "k_proj", "v_proj"), att),
+                    o=self._linear(li, ("o_proj",), att),
+                    gate_up=self._linear(li, ("gate_proj", "up_proj"), mlp),
+                    down=self._linear(li, ("down_proj",), mlp),
                     window=windows[li],
                     rope=rope_of_layer[li],
                 )
@@ -366,6 +390,19 @@ class ModelRunner:
         if release_dense_weights:
             self.release_dense_weights()
 
+    def _linear(self, li: int, names: tuple[str, ...], module: Any) -> Linear:
+        """One linear of layer `li` over the submodules `names` of `module` (several: fused side by
+        side), on its blocks where all of them have blocks."""
+        subs = [getattr(module, n) for n in names]
+        where = "self_attn" if names[0].endswith(("q_proj", "o_proj")) else "mlp"
+        keys = [f"model.layers.{li}.{where}.{n}.weight" for n in names]
+        bias = _cat_bias(*subs) if len(subs) > 1 else subs[0].bias
+        if all(k in self._blocks for k in keys):
+            return Linear.of_blocks(cat([self._blocks[k] for k in keys]), bias, self._kernel)
+        ws = self.weight_storage
+        weight = _fuse(*subs, share=ws is None) if len(subs) > 1 else subs[0].weight
+        return Linear(weight, bias, ws)
+
     def release_dense_weights(self) -> None:
         """Serving only (the transformers model cannot run afterwards): drop the model's own weights.
         int8 / float16 storage: its dense linear weights are dead weight (with `release_dense_weights`
@@ -385,7 +422,7 @@ class ModelRunner:
                     lin.release()
                 _drop_parameters(layer)
             self._release_tied_head()
-            self._choose_fused_rows()
+            self.choose_fused_rows()
         else:
             return
         _drop_parameters(self.model)
@@ -447,10 +484,10 @@ class ModelRunner:
             # A start-up probe finds the step size where the head's big path starts to win; it runs
             # again once release_dense_weights has packed the head.
             self.lm_head.small_rows = head_rows(self.lm_head, kernel)
-        self._choose_fused_rows()
+        self.choose_fused_rows()
         return len(attached)
 
-    def _choose_fused_rows(self) -> None:
+    def choose_fused_rows(self) -> None:
         """Decode steps run fused (the kernel's decode_layer) where every linear has its blocks: up to
         the blocks' limit, and at every size where every linear also has a big-step weight the kernel
         can take (interleaved blocks, or oneDNN-packed after release_dense_weights), since a layer's
@@ -464,8 +501,8 @@ class ModelRunner:
             return  # decode_layer attends over whole contexts
         if any(L.o.bias is not None for L in self.layers):
             return  # decode_layer adds q/k/v biases only (Llama's attention_bias also has o_proj's)
-        big = all(lin.interleaved is not None or lin.onednn is not None for lin in linears)
-        self.fused_decode_rows = 1 << 30 if big else min(lin.small_rows for lin in linears)
+        big = all(lin.interleaved is not None or lin.onednn is not None or lin.blocks_only for lin in linears)
+        self.fused_decode_rows = ALL_ROWS if big else min(lin.small_rows for lin in linears)
 
     def _release_tied_head(self) -> None:
         """Serving: the tied head's big steps run on its interleaved blocks or a oneDNN-packed copy,

@@ -20,7 +20,7 @@ from rtserver.config import EngineSettings
 from rtserver.engine import quant
 from rtserver.engine.backend import SamplingParams
 from rtserver.engine.kv import KVCacheManager
-from rtserver.engine.model import LoadedModel, load_model
+from rtserver.engine.model import load_model
 from rtserver.engine.plan import StepItem
 from rtserver.engine.runner import ModelRunner
 from rtserver.engine.sequence import Sequence
@@ -123,6 +123,31 @@ def test_kernel_equals_a_float32_matmul_within_the_summation_bound(kernel, fmt):
             got = quant.quantized_matmul(kernel, x, w)
             want = F.linear(x, dense)
             assert ((got - want).abs() <= summation_bound(x, dense, kernel)).all(), (fmt, k, m)
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_the_panel_path_equals_a_float32_matmul_within_the_summation_bound(kernel, fmt):
+    """Many-row steps dequantize 16 weight rows at a time beside a float32 GEMM: 6-row register blocks
+    and their remainders, a last panel of fewer than 16 rows, and the same bound as the small steps."""
+    kernel.set_panel_rows(0)
+    try:
+        for k in widths(fmt):
+            w = weight(fmt, random_rows(fmt, 37, k, seed=k + 2))
+            dense = w.dequantize()
+            for m in (1, 6, 13, 40):
+                x = torch.randn(m, k) * torch.rand(m, k) * 4
+                got = quant.quantized_matmul(kernel, x, w)
+                assert ((got - F.linear(x, dense)).abs() <= _float_bound(x, dense)).all(), (fmt, k, m)
+    finally:
+        kernel.set_panel_rows(1 << 40)
+
+
+def _float_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The panels multiply float32 weights with float32 activations, even where the small steps use
+    integer dots: summation_bound without its fixed-point term."""
+    k = x.shape[1]
+    gamma = k * U / (1 - k * U)
+    return 2 * gamma * (x.abs() @ w.abs().T) + 1e-30
 
 
 def test_a_stacked_weight_of_mixed_types_runs_part_by_part(kernel):
@@ -303,33 +328,25 @@ async def _greedy_tokens(engine, prompts: list[list[int]], n: int) -> list[list[
 
 async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
     """dtype gguf on the requantized Q4_K_M file (Q5_0, Q8_0, Q4_K and Q6_K tensors): every linear
-    (121 of 121) gets its blocks, which dequantize to the dense weights transformers loaded (q/k rows
-    un-permuted), and batched greedy tokens equal the float32 engine's on those dense weights."""
+    (121 of 121) has only its blocks, which dequantize to the dense weights of a float32 load (q/k rows
+    un-permuted), and batched greedy tokens equal the float32 engine's: decode steps on the small-step
+    kernel, prompts on the panels."""
     from rtserver.engine.core import Engine
 
     path = requantized("Q4_K_M")
     loaded = load_model(str(path), dtype="gguf", threads=2)
-    cfg = loaded.model.config
-    blocks = quant.read_gguf_weights(path, cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads)
-    dense = loaded.model.state_dict()
-    assert {b.format for b in blocks.values()} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
-    for name, w in blocks.items():
+    plain = load_model(str(path), dtype="float32", threads=2)
+    dense = plain.model.state_dict()
+    assert {b.format for b in loaded.blocks.values()} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    for name, w in loaded.blocks.items():
         assert torch.equal(w.dequantize(), dense[name]), name
-    # the probe times the machine; here every size up to 4 rows runs on the blocks
-    monkeypatch.setattr("rtserver.engine.core.probe_small_rows", lambda runner, kernel, blocks: 4)
-    plain = LoadedModel(
-        model=copy.deepcopy(loaded.model),
-        tokenizer=loaded.tokenizer,
-        name="f32",
-        dtype=torch.float32,
-        threads=2,
-    )
+    # the probe times the machine; here steps of up to 4 rows take the small-step path
+    monkeypatch.setattr("rtserver.engine.core.probe_panel_rows", lambda runner, kernel: 4)
     settings = EngineSettings(kv_budget_mb=32)
-    engine = Engine(loaded, settings)
+    engine = Engine(loaded, settings, release_dense_weights=True)
     linears = [lin for L in engine.runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
-    with_blocks = sum(lin.small is not None for lin in [*linears, engine.runner.lm_head])
-    assert with_blocks == len(linears) + 1 == 121
-    assert engine.health()["kernels"]["small_step_max_rows"] == 4
+    assert all(lin.blocks_only and lin.weight is None for lin in [*linears, engine.runner.lm_head])
+    assert engine.health()["kernels"]["linears_on_blocks"] == "121 of 121"
     texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
     prompts = [chat_prompt(loaded.tokenizer, t) for t in texts]
     got = await _greedy_tokens(engine, prompts, 24)

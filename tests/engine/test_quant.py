@@ -15,7 +15,7 @@ from rtserver.config import EngineSettings
 from rtserver.engine import quant
 from rtserver.engine.backend import SamplingParams
 from rtserver.engine.kv import KVCacheManager
-from rtserver.engine.model import LoadedModel, embedded_model_path
+from rtserver.engine.model import embedded_model_path, load_model
 from rtserver.engine.plan import StepItem
 from rtserver.engine.runner import ModelRunner
 from rtserver.engine.sequence import Sequence
@@ -213,40 +213,34 @@ def test_small_steps_on_the_blocks_answer_as_float32(smol, kernel, blocks):
     assert answers[1] == answers[0]
 
 
-def test_engine_in_dtype_gguf_says_what_it_chose(smol, kernel, monkeypatch, tmp_path):
+def test_engine_in_dtype_gguf_runs_every_linear_on_its_blocks_and_says_so(
+    smol, kernel, monkeypatch, tmp_path
+):
+    """No dense copy of a quantized linear exists: each one has only its blocks, the greedy answers are
+    the float32 engine's, and /health names the choice. Without the kernel: float32, and why."""
     from rtserver.engine.core import Engine
 
-    loaded = LoadedModel(
-        model=smol.model,
-        tokenizer=smol.tokenizer,
-        name=smol.name,
-        dtype=torch.float32,
-        threads=2,
-        gguf_blocks=embedded_model_path(),
-        cache_dir=Path("~/.cache/rtserver").expanduser(),
-    )
-    settings = EngineSettings(kv_budget_mb=16)
-    engine = Engine(loaded, settings)
+    loaded = load_model("embedded", dtype="gguf", threads=2)
+    engine = Engine(loaded, EngineSettings(kv_budget_mb=16), release_dense_weights=True)
     chosen = engine.health()["kernels"]
-    assert loaded.dtype_name == "gguf" and chosen["weights"] == "float32"
-    if chosen.get("small_step_max_rows"):
-        assert "Q4_1" in chosen["small_steps"] and "probe" in chosen["why"]
-        rows, head = engine.runner.lm_head.small_rows, chosen["output_head"]
-        big = "interleaved blocks" if kernel.fixed_point_activations else "float32"
-        if rows >= 64:
-            assert head == "blocks at every step size"
-        elif rows == 0:
-            assert head == f"{big} at every step size"
-        else:
-            assert head == f"blocks up to {rows} rows, {big} above"
-        if kernel.fixed_point_activations:  # every linear has a big-step weight the kernel takes
-            assert "interleaved" in chosen["big_steps"] and chosen["fused_decode_steps"] == "every size"
+    assert loaded.dtype_name == "gguf" and chosen["linears_on_blocks"] == "121 of 121"
+    assert "Q4_1/Q8_0" in chosen["weights"] and "probe" in chosen["why"]
+    runner = engine.runner
+    for lin in [runner.lm_head, *(lin for L in runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down))]:
+        assert lin.blocks_only and lin.weight is None and lin.onednn is None
+    assert runner.embed is None and runner.embed_blocks is not None
+    prompts = [chat_prompt(smol.tokenizer, t) for t in ("Hi!", "Count from one to five.")]
+    cfg = smol.model.config
+    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
+    dense = _greedy(ModelRunner(smol.model, kv, 512), kv, smol.tokenizer, prompts, 12)
+    assert _greedy(runner, engine.kv, smol.tokenizer, prompts, 12) == dense
     # No compiler (or a failed build): plain float32, and /health says why.
-    monkeypatch.setattr("rtserver.engine.core.load_kernel", lambda cache: None)
-    monkeypatch.setattr("rtserver.engine.core.kernel_error", lambda: "CalledProcessError: no c++")
-    fallback = Engine(loaded, settings).health()["kernels"]
+    monkeypatch.setattr("rtserver.engine.quant.load_kernel", lambda cache: None)
+    monkeypatch.setattr("rtserver.engine.quant.kernel_error", lambda: "CalledProcessError: no c++")
+    unbuilt = load_model("embedded", dtype="gguf", threads=2)
+    fallback = Engine(unbuilt, EngineSettings(kv_budget_mb=16)).health()["kernels"]
     why = "the quantized kernel could not be built (CalledProcessError: no c++)"
-    assert fallback == {"weights": "float32", "why": why}
+    assert fallback == {"weights": "float32", "why": why} and not unbuilt.blocks
 
 
 def quantize_q8_0(w: torch.Tensor) -> quant.QuantizedWeight:

@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "panel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -595,11 +597,61 @@ void check_weight(const std::string& format, const torch::Tensor& qs, const torc
               q4 ? "dm must be float16 [N, K/32, 2]" : "d must be float16 [N, K/32]");
 }
 
+// Steps of more rows than this multiply through panel::matmul (set by the runner's start-up probe).
+int64_t g_panel_rows = INT64_MAX;
+
+void set_panel_rows(int64_t rows) { g_panel_rows = rows; }
+
+// Rows n0 .. n0 + rows of a split-layout weight (Q4_1 / Q8_0) as float32 [rows, K]: d * q (+ m), a
+// product then a sum, as QuantizedWeight.dequantize computes it.
+template <bool HasMin>
+void split_dequantize(const uint8_t* Q, const uint16_t* S, int64_t qbytes, int64_t n0, int64_t rows, int64_t K,
+                      float* out) {
+  const int64_t nb = K / kBlock, fields = HasMin ? 2 : 1;
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i = (n0 + n) * nb + b;
+      const uint8_t* q = Q + i * qbytes;
+      const float d = half_to_float(S[i * fields]), m = HasMin ? half_to_float(S[i * fields + 1]) : 0.f;
+      float* o = out + n * K + b * kBlock;
+      if (HasMin) {
+        for (int j = 0; j < 16; ++j) o[j] = static_cast<float>(q[j] & 15) * d + m;
+        for (int j = 0; j < 16; ++j) o[j + 16] = static_cast<float>(q[j] >> 4) * d + m;
+      } else {
+        for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(static_cast<int8_t>(q[j])) * d;
+      }
+    }
+}
+
+// A many-row step: the weight dequantized 16 rows at a time beside a float32 GEMM (panel.h).
+void panel_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
+                  const torch::Tensor& scales, float* y, int64_t ldy) {
+  const int64_t N = qs.size(0);
+  const uint8_t* Q = qs.data_ptr<uint8_t>();
+  if (!is_split(format)) {
+    const int64_t row_bytes = qs.size(1);
+    blocks::with_type(format, [&](auto t) {
+      panel::matmul(x, M, K, N, y, ldy, [&](int64_t n0, int64_t rows, float* out) {
+        raw_dequantize<decltype(t)>(Q + n0 * row_bytes, rows, K, row_bytes, out);
+      });
+    });
+    return;
+  }
+  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  panel::matmul(x, M, K, N, y, ldy, [&](int64_t n0, int64_t rows, float* out) {
+    if (format == "Q4_1")
+      split_dequantize<true>(Q, S, 16, n0, rows, K, out);
+    else
+      split_dequantize<false>(Q, S, 32, n0, rows, K, out);
+  });
+}
+
 // y = x @ W.T (rows ldy apart) for a weight given as (format, quants, scales), checked: the dispatch
 // every caller shares.
 void block_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
                   const torch::Tensor& scales, float* y, int64_t ldy) {
   check_weight(format, qs, scales, K);
+  if (M > g_panel_rows) return panel_matmul(x, M, K, format, qs, scales, y, ldy);
   const int64_t N = qs.size(0);
   if (!is_split(format)) {
     blocks::with_type(format, [&](auto t) {
@@ -1001,6 +1053,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_mm", &q4_1_mm, "x [M, K] float32 @ Q4_1 blocks [N, K].T -> [M, N] float32", nogil);
   m.def("q8_0_mm", &q8_0_mm, "x [M, K] float32 @ Q8_0 blocks [N, K].T -> [M, N] float32", nogil);
   m.def("blocks_mm", &blocks_mm, "x [M, K] float32 @ a stacked block weight (parts side by side) -> [M, N]", nogil);
+  m.def("set_panel_rows", &set_panel_rows, "steps of more rows than this dequantize 16 weight rows at a time");
   m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
   m.def("interleaved_mm", &interleaved_mm, "x [M, K] float32 @ blocks interleaved by 16 columns -> [M, N] float32", nogil);
   m.def("decode_attention", &decode_attention, "single-token attention over paged float32 K/V", nogil);

@@ -100,7 +100,7 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if self.path.stat().st_size < 24:  # magic, version and the two counts
-            raise GGUFError(f"{self.path}: not a GGUF file (too short)")
+            raise GGUFError("not a GGUF file (too short)")
         with self.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             self.size = len(mapped)
             view = memoryview(mapped)
@@ -111,13 +111,13 @@ class GGUFFile:
 
     def _parse(self, cur: _Cursor) -> None:
         if bytes(cur.take(4)) != MAGIC:
-            raise GGUFError(f"{self.path}: not a GGUF file (no GGUF magic)")
+            raise GGUFError("not a GGUF file (no GGUF magic)")
         self.version = cur.scalar("I")
         if self.version not in (2, 3):
-            raise GGUFError(f"{self.path}: GGUF version {self.version} (2 and 3 are read)")
+            raise GGUFError(f"GGUF version {self.version} (2 and 3 are read)")
         n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
         if n_tensors > MAX_ITEMS or n_kv > MAX_ITEMS:
-            raise GGUFError(f"{self.path}: {n_tensors} tensors, {n_kv} metadata keys")
+            raise GGUFError(f"{n_tensors} tensors, {n_kv} metadata keys")
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
@@ -129,7 +129,7 @@ class GGUFFile:
         for name, qtype, shape, offset in infos:
             info = TensorInfo(name, qtype, shape, start + offset)
             if info.offset + info.nbytes > self.size:
-                raise GGUFError(f"{self.path}: tensor {name} runs past the end of the file")
+                raise GGUFError(f"tensor {name} runs past the end of the file")
             self.tensors[name] = info
 
     @staticmethod
@@ -159,7 +159,7 @@ class GGUFFile:
         block, size = GGML_QUANT_SIZES[info.qtype]
         data = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         if data.size != info.nbytes:
-            raise GGUFError(f"{self.path}: tensor {name} was cut short (the file changed while read)")
+            raise GGUFError(f"tensor {name} was cut short (the file changed while read)")
         if block > 1:
             return data.reshape(*info.shape[:-1], info.shape[-1] // block * size)
         dtype = {

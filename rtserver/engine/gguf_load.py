@@ -73,7 +73,7 @@ def architecture(g: GGUFFile) -> str:
     if arch not in MODEL_TYPES:
         supported = ", ".join(MODEL_TYPES)
         why = f"GGUF architecture '{arch}' is not supported (supported: {supported})"
-        raise UnsupportedModel(f"{g.path.name}: {why}")
+        raise UnsupportedModel(why)
     return arch
 
 
@@ -96,7 +96,7 @@ def gguf_config(g: GGUFFile) -> Any:
     scaling = g.field(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
-            raise UnsupportedModel(f"{g.path.name}: RoPE scaling '{scaling}' is not supported (linear is)")
+            raise UnsupportedModel(f"RoPE scaling '{scaling}' is not supported (linear is)")
         fields["rope_parameters"] = {
             "rope_type": "linear",
             "factor": float(g.field(f"{arch}.rope.scaling.factor")),
@@ -163,11 +163,11 @@ def dense_model(g: GGUFFile, config: Any, skip: frozenset[str] = frozenset()) ->
                 w = w - np.float32(1.0)  # the converter stored 1 + w
             if tuple(w.shape) != tuple(param.shape):
                 wants = tuple(param.shape)
-                raise UnsupportedModel(f"{g.path.name}: tensor {name} is {w.shape}, the model wants {wants}")
+                raise UnsupportedModel(f"tensor {name} is {w.shape}, the model wants {wants}")
             param.copy_(torch.from_numpy(w))
     tied = config.tie_word_embeddings and (missing == ["lm_head.weight"] or "lm_head.weight" in skip)
     if missing and not tied:
-        raise UnsupportedModel(f"{g.path.name}: no tensors for {', '.join(missing[:4])}")
+        raise UnsupportedModel(f"no tensors for {', '.join(missing[:4])}")
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     if "rope_freqs.weight" in g.tensors:

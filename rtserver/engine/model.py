@@ -159,7 +159,9 @@ def _gguf_model(path: Path, cache_dir: Path | None) -> tuple[PreTrainedModel, di
                 blocks = weights_from_file(g, config.model_type, heads, kv_heads)
         model = dense_model(g, config, skip=frozenset(blocks))
         return cast("PreTrainedModel", model), blocks, kernel, why
-    except (GGUFError, UnsupportedModel, KeyError) as exc:
+    except GGUFError as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF model ({exc})") from exc
+    except (UnsupportedModel, KeyError) as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
 
 

@@ -232,13 +232,14 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
         torch.manual_seed(1)
         steps = []
         for m in (1, 2, 5, 16):
-            seqs = []
+            seqs, prefill = [], []
             for r in range(m):
                 ids = torch.randint(0, cfg.vocab_size, (3 + 5 * r,)).tolist()
                 seq = Sequence(ids, SamplingParams(), tokenizer=smol.tokenizer, eos_token_ids=set())
                 seq.kv, _ = kv.acquire(ids, len(ids) + 2)
-                runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])  # prefill: the torch path
+                prefill.append(StepItem(seq, seq.kv, 0, ids, "last"))
                 seqs.append((seq, len(ids)))
+            runner.forward(prefill)  # the torch path
             items = [StepItem(seq, seq.kv, n, [11 + r], "last") for r, (seq, n) in enumerate(seqs)]
             steps.append(torch.cat(runner.forward(items)))
             for seq, _ in seqs:
@@ -304,19 +305,11 @@ async def _greedy_tokens(engine, prompts: list[list[int]], n: int) -> list[list[
 async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
     """dtype gguf on the requantized Q4_K_M file (Q5_0, Q8_0, Q4_K and Q6_K tensors): every linear
     (121 of 121) gets its blocks, which dequantize to the dense weights transformers loaded (q/k rows
-    un-permuted), and batched greedy tokens equal the float32 engine's on those dense weights."""
+    un-permuted, q/k/v and gate/up fused), and batched greedy tokens equal the float32 engine's on
+    those dense weights."""
     from rtserver.engine.core import Engine
 
-    path = requantized("Q4_K_M")
-    loaded = load_model(str(path), dtype="gguf", threads=2)
-    cfg = loaded.model.config
-    blocks = quant.read_gguf_weights(path, cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads)
-    dense = loaded.model.state_dict()
-    assert {b.format for b in blocks.values()} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
-    for name, w in blocks.items():
-        assert torch.equal(w.dequantize(), dense[name]), name
-    # the probe times the machine; here every size up to 4 rows runs on the blocks
-    monkeypatch.setattr("rtserver.engine.core.probe_small_rows", lambda runner, kernel, blocks: 4)
+    loaded = load_model(str(requantized("Q4_K_M")), dtype="gguf", threads=2)
     plain = LoadedModel(
         model=copy.deepcopy(loaded.model),
         tokenizer=loaded.tokenizer,
@@ -324,11 +317,19 @@ async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
         dtype=torch.float32,
         threads=2,
     )
+    # the probe times the machine; here every size up to 4 rows runs on the blocks
+    monkeypatch.setattr("rtserver.engine.core.probe_small_rows", lambda runner, kernel, blocks: 4)
     settings = EngineSettings(kv_budget_mb=32)
     engine = Engine(loaded, settings)
-    linears = [lin for L in engine.runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
-    with_blocks = sum(lin.small is not None for lin in [*linears, engine.runner.lm_head])
-    assert with_blocks == len(linears) + 1 == 121
+    runner = engine.runner
+    linears = [lin for L in runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [runner.lm_head]
+    assert sum(lin.small is not None for lin in linears) == len(linears) == 121
+    formats = set()
+    for lin in linears:
+        assert lin.small is not None and torch.equal(lin.small.dequantize(), lin.weight)
+        formats |= set(lin.small.args[0])
+    assert formats == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    assert any(isinstance(lin.small, quant.StackedWeight) for lin in linears)  # q/k Q5_0 beside v Q8_0
     assert engine.health()["kernels"]["small_step_max_rows"] == 4
     texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
     prompts = [chat_prompt(loaded.tokenizer, t) for t in texts]

@@ -7,9 +7,15 @@
 // of the quants with 16-bit fixed-point activations (RTSERVER_INT_DOTS below); without, each block is
 // unpacked to float in registers. Both equal a float32 matmul of the dequantized weights up to rounding.
 //
+// Two layouts. The split one (Q4_1, Q8_0: the tuned path above, integer dots on VNNI):
 // Q4_1: per block of 32 weights: `qs` 16 bytes, byte j holds weight j (low nibble) and j + 16 (high);
 //       `dm` two float16: weight = d * q + m.
 // Q8_0: per block of 32 weights: `qs` 32 int8, `d` one float16: weight = d * q.
+// Raw rows (every other type: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS): the file's bytes, one
+// row of blocks per output column; blocks.h decodes them, and raw_pass dequantizes 32 weights at a
+// time in registers with gguf-py's float32 arithmetic (on every instruction set).
+// A linear is a list of parts (format, a, b) over the same input, outputs side by side: a stacked
+// q/k/v or gate/up whose tensors ship in different types runs part by part.
 //
 // Built at first start with -march=native for the CPU at hand (the cache key names the CPU) and
 // -fopenmp, so at::parallel_for (a header-only OpenMP loop) runs on torch's own OpenMP threads: without

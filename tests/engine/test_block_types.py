@@ -336,3 +336,39 @@ async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
     got = await _greedy_tokens(engine, prompts, 24)
     want = await _greedy_tokens(Engine(plain, settings), prompts, 24)
     assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", [["-march=skylake-avx512", "-mavx512vnni"], ["-march=x86-64"]])
+def test_every_instruction_set_branch_compiles(tmp_path, march):
+    """The kernel's AVX-512 VNNI branch and its portable one (no AVX2) build on any x86 machine
+    (compile only): a CPU without them never builds them at start-up."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    if shutil.which("c++") is None:
+        missing("a C++ compiler", "apt-get install g++")
+    includes = [
+        f for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]] for f in ("-isystem", p)
+    ]
+    command = [
+        "c++",
+        "-DTORCH_EXTENSION_NAME=rtserver_quant_check",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *includes,
+        "-fPIC",
+        "-std=c++20",
+        "-O1",
+        *march,
+        "-ffp-contract=off",
+        "-fopenmp",
+        "-c",
+        str(quant.KERNEL_SOURCE),
+        "-o",
+        str(tmp_path / "quant.o"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -257,13 +257,14 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
         torch.manual_seed(1)
         steps = []
         for m in (1, 2, 5, 16):
-            seqs = []
+            seqs, prefill = [], []
             for r in range(m):
                 ids = torch.randint(0, cfg.vocab_size, (3 + 5 * r,)).tolist()
                 seq = Sequence(ids, SamplingParams(), tokenizer=smol.tokenizer, eos_token_ids=set())
                 seq.kv, _ = kv.acquire(ids, len(ids) + 2)
-                runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])  # prefill: the torch path
+                prefill.append(StepItem(seq, seq.kv, 0, ids, "last"))
                 seqs.append((seq, len(ids)))
+            runner.forward(prefill)  # the torch path
             items = [StepItem(seq, seq.kv, n, [11 + r], "last") for r, (seq, n) in enumerate(seqs)]
             steps.append(torch.cat(runner.forward(items)))
             for seq, _ in seqs:
@@ -347,8 +348,45 @@ async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
     linears = [lin for L in engine.runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
     assert all(lin.blocks_only and lin.weight is None for lin in [*linears, engine.runner.lm_head])
     assert engine.health()["kernels"]["linears_on_blocks"] == "121 of 121"
+    assert any(isinstance(lin.small, quant.StackedWeight) for lin in linears)  # q/k Q5_0 beside v Q8_0
     texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
     prompts = [chat_prompt(loaded.tokenizer, t) for t in texts]
     got = await _greedy_tokens(engine, prompts, 24)
     want = await _greedy_tokens(Engine(plain, settings), prompts, 24)
     assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", [["-march=skylake-avx512", "-mavx512vnni"], ["-march=x86-64"]])
+def test_every_instruction_set_branch_compiles(tmp_path, march):
+    """The kernel's AVX-512 VNNI branch and its portable one (no AVX2) build on any x86 machine
+    (compile only): a CPU without them never builds them at start-up."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    if shutil.which("c++") is None:
+        missing("a C++ compiler", "apt-get install g++")
+    includes = [
+        f for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]] for f in ("-isystem", p)
+    ]
+    command = [
+        "c++",
+        "-DTORCH_EXTENSION_NAME=rtserver_quant_check",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *includes,
+        "-fPIC",
+        "-std=c++20",
+        "-O1",
+        *march,
+        "-ffp-contract=off",
+        "-fopenmp",
+        "-c",
+        str(quant.KERNEL_SOURCE),
+        "-o",
+        str(tmp_path / "quant.o"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -7,9 +7,15 @@
 // of the quants with 16-bit fixed-point activations (RTSERVER_INT_DOTS below); without, each block is
 // unpacked to float in registers. Both equal a float32 matmul of the dequantized weights up to rounding.
 //
+// Two layouts. The split one (Q4_1, Q8_0: the tuned path above, integer dots on VNNI):
 // Q4_1: per block of 32 weights: `qs` 16 bytes, byte j holds weight j (low nibble) and j + 16 (high);
 //       `dm` two float16: weight = d * q + m.
 // Q8_0: per block of 32 weights: `qs` 32 int8, `d` one float16: weight = d * q.
+// Raw rows (every other type: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS): the file's bytes, one
+// row of blocks per output column; blocks.h decodes them, and raw_pass dequantizes 32 weights at a
+// time in registers with gguf-py's float32 arithmetic (on every instruction set).
+// A linear is a list of parts (format, a, b) over the same input, outputs side by side: a stacked
+// q/k/v or gate/up whose tensors ship in different types runs part by part.
 //
 // Built at first start with -march=native for the CPU at hand (the cache key names the CPU) and
 // -fopenmp, so at::parallel_for (a header-only OpenMP loop) runs on torch's own OpenMP threads: without
@@ -65,20 +71,24 @@ inline void q8_unpack(const uint8_t* qs, Vec* w) {
 inline Vec block_dot(const Vec* w, const float* x) {
   return _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(x)));
 }
+template <bool Offset>
 inline void q8_dequant(const int8_t* q, const float* D, const float* M, Vec* w) {
   for (int i = 0; i < 2; ++i) {
     const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i))));
-    w[i] = _mm512_add_ps(_mm512_mul_ps(f, _mm512_set1_ps(D[i])), _mm512_set1_ps(M[i]));
+    w[i] = _mm512_mul_ps(f, _mm512_set1_ps(D[i]));
+    if (Offset) w[i] = _mm512_add_ps(w[i], _mm512_set1_ps(M[i]));
   }
 }
 inline Vec dot_acc(const Vec* w, const float* x, Vec acc) {
   return _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x), acc));
 }
+template <bool Offset>
 inline void q8_dequant(__m256i q, const float* D, const float* M, Vec* w) {
   const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-  for (int i = 0; i < 2; ++i)
-    w[i] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half[i])), _mm512_set1_ps(D[i])),
-                         _mm512_set1_ps(M[i]));
+  for (int i = 0; i < 2; ++i) {
+    w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half[i])), _mm512_set1_ps(D[i]));
+    if (Offset) w[i] = _mm512_add_ps(w[i], _mm512_set1_ps(M[i]));
+  }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
@@ -108,22 +118,26 @@ inline Vec block_dot(const Vec* w, const float* x) {
   for (int i = 1; i < 4; ++i) t = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + 8 * i), t);
   return t;
 }
+template <bool Offset>
 inline void q8_dequant(const int8_t* q, const float* D, const float* M, Vec* w) {
   for (int i = 0; i < 4; ++i) {
     const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
-    w[i] = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(D[i / 2])), _mm256_set1_ps(M[i / 2]));
+    w[i] = _mm256_mul_ps(f, _mm256_set1_ps(D[i / 2]));
+    if (Offset) w[i] = _mm256_add_ps(w[i], _mm256_set1_ps(M[i / 2]));
   }
 }
 inline Vec dot_acc(const Vec* w, const float* x, Vec acc) {
   for (int i = 0; i < 4; ++i) acc = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + 8 * i), acc);
   return acc;
 }
+template <bool Offset>
 inline void q8_dequant(__m256i q, const float* D, const float* M, Vec* w) {
   const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
   const __m128i eight[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-  for (int i = 0; i < 4; ++i)
-    w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight[i])), _mm256_set1_ps(D[i / 2])),
-                         _mm256_set1_ps(M[i / 2]));
+  for (int i = 0; i < 4; ++i) {
+    w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight[i])), _mm256_set1_ps(D[i / 2]));
+    if (Offset) w[i] = _mm256_add_ps(w[i], _mm256_set1_ps(M[i / 2]));
+  }
 }
 #else
 #define RTSERVER_SCALAR 1
@@ -143,8 +157,9 @@ inline Vec block_dot(const Vec* w, const float* x) {
   for (int j = 0; j < 32; ++j) t += w[j].v * x[j];
   return {t};
 }
+template <bool Offset>
 inline void q8_dequant(const int8_t* q, const float* D, const float* M, Vec* w) {
-  for (int j = 0; j < 32; ++j) w[j].v = static_cast<float>(q[j]) * D[j / 16] + M[j / 16];
+  for (int j = 0; j < 32; ++j) w[j].v = Offset ? static_cast<float>(q[j]) * D[j / 16] + M[j / 16] : static_cast<float>(q[j]) * D[j / 16];
 }
 inline Vec dot_acc(const Vec* w, const float* x, Vec acc) {
   for (int j = 0; j < 32; ++j) acc.v += w[j].v * x[j];
@@ -189,10 +204,10 @@ template <typename T>
 inline void raw_chunk(const uint8_t* block, const int8_t* q, int c, const float* D, const float* M, Vec* w) {
 #if defined(BLOCKS_AVX2)
   (void)q;
-  q8_dequant(T::chunk(block, c), D + 2 * c, M + 2 * c, w);
+  q8_dequant<T::kOffset>(T::chunk(block, c), D + 2 * c, M + 2 * c, w);
 #else
   (void)block;
-  q8_dequant(q + 32 * c, D + 2 * c, M + 2 * c, w);
+  q8_dequant<T::kOffset>(q + 32 * c, D + 2 * c, M + 2 * c, w);
 #endif
 }
 

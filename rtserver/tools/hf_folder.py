@@ -2,6 +2,8 @@
 
 It holds config.json (the shape's, with the tokenizer's token ids), model.safetensors and the
 tokenizer files: the embedded SmolLM2 tokenizer, read from its GGUF by transformers and re-saved.
+Every family gets that one BPE tokenizer, Gemma 3 included: its converter reads tokenizer.json when
+there is no SentencePiece tokenizer.model, so none is trained.
 """
 
 from __future__ import annotations

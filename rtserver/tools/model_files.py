@@ -4,7 +4,8 @@
 
 - `random_gguf(shape, qtype)`: seeded random weights in a family's real shape (model_shapes.SHAPES),
   written as an HF folder (`random_folder(shape)`), converted by the pinned sdist's
-  `convert_hf_to_gguf.py` to F32, then quantized by its `llama-quantize` (F32 keeps the converted file);
+  `convert_hf_to_gguf.py` to F32, then quantized by its `llama-quantize` (F32 keeps the converted file).
+  The folder is the float32 reference: transformers reading the GGUF loses Llama 3's rope scaling;
 - `requantized(qtype)`: the embedded SmolLM2-135M requantized by the pinned llama.cpp's `llama-quantize`
   (Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, ...), the real-weight check of each block type;
 - `gemma3_270m()`: Gemma 3 270M Q4_K_M joined from its four PyPI chunk packages and checked against

@@ -6,7 +6,7 @@
 | llama-tiny  | LlamaForCausalLM  | 256    | 3      | 4/2      | 64       | 512  | 49152  | llama3 rope      |
 | qwen2-tiny  | Qwen2ForCausalLM  | 256    | 3      | 4/2      | 64       | 768  | 49216  | q/k/v biases     |
 | qwen3-tiny  | Qwen3ForCausalLM  | 256    | 3      | 4/2      | 128      | 768  | 49280  | q/k norms        |
-| gemma3-tiny | Gemma3ForCausalLM | 256    | 7      | 4/1      | 64       | 512  | 49152  | 5 local+1 global |
+| gemma3-tiny | Gemma3ForCausalLM | 256    | 7      | 4/1      | 256      | 512  | 49152  | 5 local+1 global |
 
 The tiny shapes keep each family's traits at widths that are multiples of 256, so the K-quants
 (256-wide blocks) apply to every linear. A vocab past the tokenizer's 49152 ids gets the converter's
@@ -134,7 +134,7 @@ GEMMA3_TINY = {
     "attention_dropout": 0.0,
     "attn_logit_softcapping": None,
     "final_logit_softcapping": None,
-    "head_dim": 64,
+    "head_dim": 256,  # wider than hidden / heads, as in Gemma 3 270M
     "hidden_activation": "gelu_pytorch_tanh",
     "hidden_size": 256,
     "initializer_range": 0.02,
@@ -146,7 +146,7 @@ GEMMA3_TINY = {
     "num_attention_heads": 4,
     "num_hidden_layers": _GEMMA3_LAYERS,
     "num_key_value_heads": 1,
-    "query_pre_attn_scalar": 64,  # = head_dim, as in Gemma 3 270M and 1B (llama.cpp assumes it)
+    "query_pre_attn_scalar": 256,  # = head_dim, as in Gemma 3 270M and 1B (llama.cpp assumes it)
     "rms_norm_eps": 1e-06,
     "rope_local_base_freq": 10000.0,
     "rope_scaling": None,

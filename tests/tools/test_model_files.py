@@ -107,7 +107,7 @@ def test_a_gemma_file_that_differs_from_its_checksum_is_refused(tmp_path, monkey
 
 # The random-weight files: each tiny shape converted by the sdist's convert_hf_to_gguf.py, then quantized.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
-TRAITS = {  # a tensor only the family's shape has
+TRAITS = {  # a tensor that shows the family's trait
     "llama-tiny": "rope_freqs.weight",  # Llama 3 rope scaling, as the converter writes it
     "qwen2-tiny": "blk.0.attn_q.bias",
     "qwen3-tiny": "blk.0.attn_q_norm.weight",

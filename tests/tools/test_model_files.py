@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import json
 import shutil
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from rtserver.engine.model import embedded_model_path
 from rtserver.tools import hf_folder, model_files
+from rtserver.tools.hf_convert import Job, convert_command
 from rtserver.tools.llama_build import tool_path
 from rtserver.tools.model_shapes import SHAPES, TINY
 from rtserver.tools.serverproc import LlamaServerProcess
@@ -241,3 +243,17 @@ def test_random_weights_are_seeded_per_tensor_at_the_documented_scale(tmp_path):
 
 def torch_equal(a, b) -> bool:
     return bool((a == b).all())
+
+
+@pytest.mark.slow
+def test_a_tokenizer_the_converter_does_not_know_is_named_smollm(tiny_files, tmp_path):
+    folder = tmp_path / "folder"
+    shutil.copytree(model_files.random_folder("llama-tiny"), folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["normalizer"] = {"type": "Lowercase"}  # other tokens for the converter's test text
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    out = tmp_path / "out.gguf"
+    done = subprocess.run(convert_command([Job(folder, out, "lowercase")]), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "pre-tokenizer was not recognized" in done.stderr  # the converter's own check ran
+    assert GGUFReader(out).fields["tokenizer.ggml.pre"].contents() == "smollm"

@@ -24,6 +24,9 @@ from .model_shapes import Shape
 GAIN = 1.0
 EMBED = 0.01
 SPREAD = 0.02  # of the vectors: norms near 1 (or near 0 where the family stores an offset), biases
+# Embedding rows past the tokenizer are zero: greedy decoding never picks a padding token, as a trained
+# model never does, so a 151936-row head still yields text.
+RULE = [GAIN, EMBED, SPREAD, "padding rows zero"]
 
 
 def smollm2_tokenizer(cache: Path) -> Path:
@@ -40,6 +43,13 @@ def smollm2_tokenizer(cache: Path) -> Path:
     tokenizer.save_pretrained(partial)
     _replace(partial, folder)
     return folder
+
+
+def token_count(tokenizer: Path) -> int:
+    """How many ids the saved tokenizer has (its vocabulary and added tokens)."""
+    data = json.loads((tokenizer / "tokenizer.json").read_text())
+    ids = [*data["model"]["vocab"].values(), *(t["id"] for t in data["added_tokens"])]
+    return max(ids) + 1
 
 
 def _token_ids(tokenizer: Path) -> dict[str, int]:
@@ -59,7 +69,7 @@ def _token_ids(tokenizer: Path) -> dict[str, int]:
 
 def weights_digest(shape: Shape) -> str:
     """A short digest of the shape's config and the rule above: what a cached folder's values depend on."""
-    text = json.dumps([shape.config, GAIN, EMBED, SPREAD], sort_keys=True)
+    text = json.dumps([shape.config, RULE], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
@@ -73,8 +83,9 @@ def _is_norm(name: str) -> bool:
     return name.endswith("norm.weight")
 
 
-def random_tensors(shape: Shape, seed: int, config_dir: Path) -> dict[str, torch.Tensor]:
-    """Every parameter of the family's model in `shape`, seeded per tensor name."""
+def random_tensors(shape: Shape, seed: int, config_dir: Path, tokens: int) -> dict[str, torch.Tensor]:
+    """Every parameter of the family's model in `shape`, seeded per tensor name; `tokens`: the
+    tokenizer's size (the embedding's used rows)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(config_dir)
@@ -90,6 +101,7 @@ def random_tensors(shape: Shape, seed: int, config_dir: Path) -> dict[str, torch
         values = torch.randn(param.shape, generator=_generator(seed, name))
         if "embed_tokens" in name:
             values *= EMBED
+            values[tokens:] = 0.0
         elif param.dim() >= 2:
             values *= GAIN / param.shape[-1] ** 0.5
         else:
@@ -107,7 +119,8 @@ def write_folder(shape: Shape, seed: int, folder: Path, tokenizer: Path) -> None
     shutil.copytree(tokenizer, partial)
     config = {**shape.config, **_token_ids(tokenizer)}
     (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(random_tensors(shape, seed, partial), str(partial / "model.safetensors"), {"format": "pt"})
+    tensors = random_tensors(shape, seed, partial, token_count(tokenizer))
+    save_file(tensors, str(partial / "model.safetensors"), {"format": "pt"})
     _replace(partial, folder)
 
 

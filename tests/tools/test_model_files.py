@@ -153,6 +153,7 @@ def test_a_tiny_file_names_its_architecture_and_shape(tiny_files, shape):
     assert len(tokens) == config["vocab_size"] and not tokens[49151].startswith("[PAD")
     if config["vocab_size"] > 49152:  # past the tokenizer: the converter's padding tokens
         assert tokens[49152:] == [f"[PAD{i}]" for i in range(49152, config["vocab_size"])]
+        assert not tensors["token_embd.weight"].data[49152:].any()  # zero rows: greedy never picks one
     assert _field(reader, "tokenizer.ggml.pre") == "smollm"
     if arch == "gemma3":
         assert _field(reader, "gemma3.attention.sliding_window") == config["sliding_window"]
@@ -229,13 +230,14 @@ def test_an_unknown_shape_is_refused_with_the_known_ones(tmp_path):
 def test_random_weights_are_seeded_per_tensor_at_the_documented_scale(tmp_path):
     gemma = SHAPES["gemma3-tiny"]
     (tmp_path / "config.json").write_text(json.dumps(gemma.config))
-    first = hf_folder.random_tensors(gemma, 0, tmp_path)
-    again = hf_folder.random_tensors(gemma, 0, tmp_path)
-    other = hf_folder.random_tensors(gemma, 1, tmp_path)
+    first = hf_folder.random_tensors(gemma, 0, tmp_path, tokens=49000)
+    again = hf_folder.random_tensors(gemma, 0, tmp_path, tokens=49000)
+    other = hf_folder.random_tensors(gemma, 1, tmp_path, tokens=49000)
     assert first.keys() == again.keys() and "lm_head.weight" not in first  # tied: stored once
     assert all(torch_equal(first[n], again[n]) and not torch_equal(first[n], other[n]) for n in first)
     embed = first["model.embed_tokens.weight"]
-    assert abs(embed.std().item() - hf_folder.EMBED) < 1e-3
+    assert abs(embed[:49000].std().item() - hf_folder.EMBED) < 1e-3
+    assert not embed[49000:].any() and embed[48999].all()  # rows past the tokenizer: never the argmax
     down = first["model.layers.0.mlp.down_proj.weight"]
     assert abs(down.std().item() - hf_folder.GAIN / gemma.config["intermediate_size"] ** 0.5) < 2e-3
     assert abs(first["model.norm.weight"].mean().item()) < 0.01  # Gemma's norm: an offset from 1

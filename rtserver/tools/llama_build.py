@@ -107,6 +107,15 @@ def _download(dest: Path) -> None:
         )
 
 
+def sdist_path(cache: Path | None = None) -> Path:
+    """The pinned sdist in the cache, downloaded and checked first when missing."""
+    sdist = (cache or default_cache()) / SDIST
+    if not sdist.is_file():
+        sdist.parent.mkdir(parents=True, exist_ok=True)
+        _download(sdist)
+    return sdist
+
+
 def build(cache: Path | None = None, jobs: int | None = None) -> Path:
     """The cached llama-server for this CPU, built first when missing."""
     return build_tools(cache, jobs)["llama-server"]
@@ -134,9 +143,7 @@ def _build(names: list[str], paths: dict[str, Path], jobs: int | None) -> None:
             )
     folder = paths[names[0]].parent
     folder.mkdir(parents=True, exist_ok=True)
-    sdist = folder.parent / SDIST
-    if not sdist.is_file():
-        _download(sdist)
+    sdist = sdist_path(folder.parent)
     with tempfile.TemporaryDirectory(prefix="llama-build-", dir=folder) as tmp:
         work = Path(tmp)
         with tarfile.open(sdist) as tar:

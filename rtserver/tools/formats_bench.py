@@ -47,11 +47,8 @@ class FormatRow:
 
 
 def random_model(shape: str, qtype: str) -> Path:
-    """The random model of `shape` in `qtype`; ModelFileError while model_files cannot make one yet."""
-    make = getattr(model_files, "random_gguf", None)
-    if make is None:
-        raise model_files.ModelFileError("rtserver.tools.model_files has no random_gguf")
-    return make(shape, qtype)
+    """The random model of `shape` in `qtype` (made once, cached)."""
+    return model_files.random_gguf(shape, qtype)
 
 
 def matrix() -> list[FormatRow]:

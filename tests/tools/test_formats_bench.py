@@ -76,25 +76,23 @@ def test_the_matrix_rows_and_picking_them():
         pick(rows, ["q3_k", "embedded"])
 
 
-def test_a_missing_random_model_maker_is_that_rows_error(monkeypatch, tmp_path):
-    monkeypatch.delattr(model_files, "random_gguf", raising=False)
-    with pytest.raises(model_files.ModelFileError, match="no random_gguf"):
-        formats_bench.random_model("qwen3-0.6b", "Q8_0")
+def _cannot_make(shape: str, qtype: str):
+    raise model_files.ModelFileError(f"llama-quantize to {qtype} failed: out of disk")
+
+
+def test_a_model_file_that_cannot_be_made_is_that_rows_error(monkeypatch, tmp_path):
     calls: list = []
     made = []
     monkeypatch.setattr(
-        model_files,
-        "random_gguf",
-        lambda shape, qtype: made.append((shape, qtype)) or tmp_path,
-        raising=False,
+        model_files, "random_gguf", lambda shape, qtype: made.append((shape, qtype)) or tmp_path
     )
     assert formats_bench.random_model("qwen3-0.6b", "Q8_0") == tmp_path and made == [("qwen3-0.6b", "Q8_0")]
-    monkeypatch.delattr(model_files, "random_gguf")
+    monkeypatch.setattr(model_files, "random_gguf", _cannot_make)
     [row] = pick(formats_bench.matrix(), ["qwen3-0.6b-q4_k_m"])
     out = run_row(row, 384, fake_runners(calls), tmp_path)
     assert (
-        out["error"].startswith("cannot make the model file: ModelFileError:")
-        and "random_gguf" in out["error"]
+        out["error"]
+        == "cannot make the model file: ModelFileError: llama-quantize to Q4_K_M failed: out of disk"
     )
     assert calls == [] and "systems" not in out  # no server ran without a file
 
@@ -158,8 +156,8 @@ def test_each_bar_at_its_edge():
 
 def test_the_bench_writes_the_matrix_into_its_json_table_and_chart(monkeypatch, tmp_path):
     """`rtserver bench --workloads formats --formats embedded,qwen3-0.6b-q8_0`: the rows in order, the
-    JSON rewritten after each, a missing maker one row's error, the table and the chart from them."""
-    monkeypatch.delattr(model_files, "random_gguf", raising=False)
+    JSON rewritten after each, a file that cannot be made one row's error, the table and the chart."""
+    monkeypatch.setattr(model_files, "random_gguf", _cannot_make)
     seen: list = []
     monkeypatch.setattr(formats_bench, "server_runners", lambda *args: fake_runners(seen))
     out = tmp_path / "out"
@@ -197,7 +195,7 @@ def test_the_bench_writes_the_matrix_into_its_json_table_and_chart(monkeypatch, 
     )
     embedded = f["rows"]["embedded"]
     assert embedded["rss_bar_mb"] == embedded["file_mb"] + 128 + 600 and embedded["bars"]["met"] is True
-    assert "random_gguf" in f["rows"]["qwen3-0.6b-q8_0"]["error"]
+    assert "llama-quantize to Q8_0 failed" in f["rows"]["qwen3-0.6b-q8_0"]["error"]
     assert [(s[0], s[1]) for s in seen] == [("llama-server", "embedded"), ("rtserver", "embedded")]
     [saved] = out.glob("bench-*.json")
     assert json.loads(saved.read_text())["formats"]["rows"]["embedded"]["ratios"]["burst_tokens_per_s"] == 1.5

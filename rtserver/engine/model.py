@@ -113,16 +113,22 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()[:32]
 
 
-def gguf_tokenizer(path: Path, cache_dir: Path) -> Tokenizer:
+def gguf_tokenizer(path: Path, cache_dir: Path, config: Any) -> Tokenizer:
     """The tokenizer a .gguf file describes, built by transformers once and kept in
-    `<cache_dir>/tokenizers/<sha256 of the file>/` (a large vocabulary takes a while to convert)."""
-    from transformers import AutoTokenizer
+    `<cache_dir>/tokenizers/<sha256 of the file>/` (a large vocabulary takes a while to convert). The
+    class is the one AutoTokenizer picks for `config`; asking AutoTokenizer itself would first read
+    the file's whole metadata again through gguf-py, the slow part of a first start."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     folder = cache_dir / "tokenizers" / _file_digest(path)
     if (folder / "tokenizer_config.json").is_file():
         return cast(Tokenizer, AutoTokenizer.from_pretrained(folder))
+    kind = type(config)
+    found: Any = TOKENIZER_MAPPING[kind] if kind in TOKENIZER_MAPPING else PreTrainedTokenizerFast
+    cls = (found[-1] or found[0]) if isinstance(found, tuple) else found  # (slow, fast) in older tables
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = cls.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as exc:  # the converter raises many kinds; all mean "unusable file"
         why = f"{type(exc).__name__}: {exc}"
         raise ModelLoadError(f"{path}: no usable tokenizer in this GGUF file ({why})") from exc
@@ -135,6 +141,20 @@ def gguf_tokenizer(path: Path, cache_dir: Path) -> Tokenizer:
     else:
         tmp.replace(folder)
     return cast(Tokenizer, tokenizer)
+
+
+def _gguf_config(path: Path) -> Any:
+    from .gguf_file import GGUFError, GGUFFile
+    from .gguf_load import gguf_config
+
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    try:
+        return gguf_config(GGUFFile(path))
+    except GGUFError as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF model ({exc})") from exc
+    except UnsupportedModel as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
 
 
 def _gguf_model(path: Path, cache_dir: Path | None) -> tuple[PreTrainedModel, dict[str, Any], Any, str]:
@@ -234,7 +254,7 @@ def load_model(
     if gguf is not None:
         # first: a broken or unsupported file is refused before the tokenizer is converted
         model, blocks, kernel, why = _gguf_model(gguf, cache if dtype == "gguf" else None)
-        tokenizer = gguf_tokenizer(gguf, cache)
+        tokenizer = gguf_tokenizer(gguf, cache, model.config)
         if torch_dtype != torch.float32:
             model = model.to(dtype=torch_dtype)  # type: ignore[call-arg]  # nn.Module.to
     else:
@@ -284,9 +304,7 @@ def load_tokenizer(
 
     gguf = gguf_file(spec)
     if gguf is not None:
-        if not gguf.is_file():
-            raise ModelLoadError(f"{spec}: no such GGUF file")
-        return model_name(spec), gguf_tokenizer(gguf, Path(cache_dir).expanduser())
+        return model_name(spec), gguf_tokenizer(gguf, Path(cache_dir).expanduser(), _gguf_config(gguf))
     name, source = resolve_source(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)

@@ -106,6 +106,12 @@ def gguf_config(g: GGUFFile) -> Any:
         # llama.cpp scales Gemma 3's scores by the head size and alternates five local layers with
         # one global layer; the local RoPE base is Gemma's fixed 10000.
         fields["query_pre_attn_scalar"] = fields.get("head_dim", 256)
+        local_base = g.field("gemma3.rope.freq_base_swa")
+        if local_base is not None and "rope_parameters" not in fields:
+            fields["rope_parameters"] = {
+                "full_attention": {"rope_type": "default", "rope_theta": fields.pop("rope_theta", 1e6)},
+                "sliding_attention": {"rope_type": "default", "rope_theta": float(local_base)},
+            }
     return AutoConfig.for_model(MODEL_TYPES[arch], **fields)
 
 

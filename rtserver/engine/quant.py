@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -258,18 +257,10 @@ def read_gguf_weights(path: Path, model_type: str, n_heads: int, n_kv_heads: int
 
 
 def weights_from_file(g: Any, model_type: str, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:
-    """read_gguf_weights on an open gguf_file.GGUFFile."""
-    tensors = [SimpleNamespace(name=n, tensor_type=t.qtype, data=g.raw(n)) for n, t in g.tensors.items()]
-    return weights_from_reader(SimpleNamespace(tensors=tensors), model_type, n_heads, n_kv_heads)
-
-
-def weights_from_reader(
-    reader: Any, model_type: str, n_heads: int, n_kv_heads: int
-) -> dict[str, BlockWeight]:
-    """read_gguf_weights on an open gguf.GGUFReader (parsing a file's metadata takes seconds)."""
+    """read_gguf_weights on an open gguf_file.GGUFFile; only the tensors kept are read."""
     out: dict[str, BlockWeight] = {}
-    for t in reader.tensors:
-        fmt = t.tensor_type.name
+    for t in g.tensors.values():
+        fmt = t.qtype.name
         parts = t.name.split(".")
         if fmt not in SUPPORTED_TYPES:
             continue
@@ -281,7 +272,7 @@ def weights_from_reader(
             name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
         else:
             continue
-        raw = np.asarray(t.data)  # [rows, blocks * bytes per block]
+        raw = g.raw(t.name)  # [rows, blocks * bytes per block]
         rows = raw.shape[0]
         if model_type == "llama" and parts[-2] in ("attn_q", "attn_k"):
             # llama.cpp stores q/k rows permuted for its RoPE layout; transformers undoes it on load
@@ -294,7 +285,7 @@ def weights_from_reader(
 def _from_rows(fmt: str, raw: np.ndarray) -> QuantizedWeight | RawWeight:
     """A weight of type `fmt` from its raw rows: Q4_1 / Q8_0 split into quants and scales."""
     if fmt not in FORMATS:
-        return RawWeight(fmt, torch.from_numpy(raw.copy()))
+        return RawWeight(fmt, torch.from_numpy(raw))  # the caller's own array (read from the file)
     qbytes, fields = FORMATS[fmt]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 2 * fields + qbytes)

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from rtserver.config import EngineSettings
 from rtserver.engine import quant
 from rtserver.engine.backend import SamplingParams
+from rtserver.engine.gguf_file import GGUFFile
 from rtserver.engine.kv import KVCacheManager
 from rtserver.engine.model import load_model
 from rtserver.engine.plan import StepItem
@@ -296,11 +297,11 @@ def test_real_rows_of_requantized_files(kernel, qtype):
     """The embedded model requantized by llama-quantize: one tensor of each type the file holds (an
     unpermuted one: MLP or v/o rows) reads as gguf-py dequantizes it, and the kernel multiplies it
     within the summation bound."""
-    reader = GGUFReader(str(requantized(qtype)))
-    blocks = quant.weights_from_reader(reader, "llama", 9, 3)
+    g = GGUFFile(requantized(qtype))
+    blocks = quant.weights_from_file(g, "llama", 9, 3)
     seen: set[str] = set()
-    for t in reader.tensors:
-        fmt, parts = t.tensor_type.name, t.name.split(".")
+    for t in g.tensors.values():
+        fmt, parts = t.qtype.name, t.name.split(".")
         if fmt in seen or parts[0] != "blk" or parts[2] in ("attn_q", "attn_k", "attn_norm", "ffn_norm"):
             continue
         seen.add(fmt)
@@ -308,7 +309,7 @@ def test_real_rows_of_requantized_files(kernel, qtype):
         if fmt not in quant.SUPPORTED_TYPES:
             assert name not in blocks  # left dense
             continue
-        want = torch.from_numpy(dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32))
+        want = torch.from_numpy(dequantize(g.raw(t.name), t.qtype).astype(np.float32))
         w = blocks[name]
         assert w.format == fmt and torch.equal(w.dequantize(), want)
         for m in (1, 5):

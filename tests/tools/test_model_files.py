@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from gguf import GGMLQuantizationType, GGUFReader
 
+from rtserver.engine.gguf_file import GGUFFile
 from rtserver.engine.model import embedded_model_path
 from rtserver.tools import hf_folder, model_files
 from rtserver.tools.hf_convert import Job, convert_command
@@ -29,12 +29,12 @@ LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 
 
 @functools.cache
-def _reader(path: Path) -> GGUFReader:
-    return GGUFReader(path)  # it parses every token string first: seconds a file, so once
+def _reader(path: Path) -> GGUFFile:
+    return GGUFFile(path)  # checked against gguf-py's reader in tests/engine/test_gguf_load.py
 
 
 def _types(path: Path) -> dict[str, str]:
-    return {t.name: GGMLQuantizationType(t.tensor_type).name for t in _reader(path).tensors}
+    return {name: t.qtype.name for name, t in _reader(path).tensors.items()}
 
 
 def _linear_types(types: dict[str, str]) -> set[str]:
@@ -82,7 +82,7 @@ def test_gemma_is_joined_from_its_chunks_and_checked(tmp_path):
     path = model_files.gemma3_270m(tmp_path)
     sums = (model_files._package_dir(model_files.GEMMA_PACKAGE) / "SHA256SUMS").read_text()
     assert hashlib.sha256(path.read_bytes()).hexdigest() in sums
-    assert GGUFReader(path).fields["general.architecture"].contents() == "gemma3"
+    assert GGUFFile(path).metadata["general.architecture"] == "gemma3"
 
 
 def test_a_gemma_file_that_differs_from_its_checksum_is_refused(tmp_path, monkeypatch):
@@ -126,8 +126,8 @@ def tiny_files(quantize_built) -> dict[str, dict[str, Path]]:
     return {qtype: dict(zip(TINY, model_files.random_ggufs(TINY, qtype))) for qtype in qtypes}
 
 
-def _field(reader: GGUFReader, key: str):
-    return reader.fields[key].contents()
+def _field(reader: GGUFFile, key: str):
+    return reader.metadata[key]
 
 
 @pytest.mark.slow
@@ -142,18 +142,18 @@ def test_a_tiny_file_names_its_architecture_and_shape(tiny_files, shape):
     assert _field(reader, f"{arch}.feed_forward_length") == config["intermediate_size"]
     assert _field(reader, f"{arch}.attention.head_count") == config["num_attention_heads"]
     assert _field(reader, f"{arch}.attention.head_count_kv") == config["num_key_value_heads"]
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = reader.tensors
     head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
     q_width = config["num_attention_heads"] * head_dim
-    assert list(tensors["blk.0.attn_q.weight"].shape) == [config["hidden_size"], q_width]
-    assert list(tensors["token_embd.weight"].shape) == [config["hidden_size"], config["vocab_size"]]
+    assert list(tensors["blk.0.attn_q.weight"].shape) == [q_width, config["hidden_size"]]
+    assert list(tensors["token_embd.weight"].shape) == [config["vocab_size"], config["hidden_size"]]
     assert TRAITS[shape] in tensors
-    assert {GGMLQuantizationType(t.tensor_type).name for t in reader.tensors} == {"F32"}
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert {t.qtype.name for t in tensors.values()} == {"F32"}
+    tokens = reader.metadata["tokenizer.ggml.tokens"]
     assert len(tokens) == config["vocab_size"] and not tokens[49151].startswith("[PAD")
     if config["vocab_size"] > 49152:  # past the tokenizer: the converter's padding tokens
         assert tokens[49152:] == [f"[PAD{i}]" for i in range(49152, config["vocab_size"])]
-        assert not tensors["token_embd.weight"].data[49152:].any()  # zero rows: greedy never picks one
+        assert not reader.raw("token_embd.weight")[49152:].any()  # zero rows: greedy never picks one
     assert _field(reader, "tokenizer.ggml.pre") == "smollm"
     if arch == "gemma3":
         assert _field(reader, "gemma3.attention.sliding_window") == config["sliding_window"]
@@ -258,4 +258,4 @@ def test_a_tokenizer_the_converter_does_not_know_is_named_smollm(tiny_files, tmp
     done = subprocess.run(convert_command([Job(folder, out, "lowercase")]), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "pre-tokenizer was not recognized" in done.stderr  # the converter's own check ran
-    assert GGUFReader(out).fields["tokenizer.ggml.pre"].contents() == "smollm"
+    assert GGUFFile(out).metadata["tokenizer.ggml.pre"] == "smollm"

@@ -140,13 +140,15 @@ def test_kernel_on_the_real_weights(kernel, blocks):
 
 def test_kernel_runs_on_torchs_openmp_threads_without_a_second_runtime(kernel):
     """The kernel's at::parallel_for is OpenMP compiled into the module: it must be built with it (or it
-    runs on one thread) and must share torch's libgomp rather than load a second one."""
+    runs on one thread) and must share torch's libgomp rather than load a second one. Packages that
+    bundle a private copy for themselves (sentencepiece's under sentencepiece.libs) do not count."""
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         pytest.skip("torch does not use OpenMP here")
     assert "-fopenmp" in quant._openmp_flags()
     maps = Path("/proc/self/maps").read_text().splitlines()
     runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
-    assert len(runtimes) == 1, runtimes
+    shared = {r for r in runtimes if ".libs/" not in r or "/torch" in r}
+    assert len(shared) == 1, runtimes
 
 
 def test_kernel_refuses_what_it_cannot_multiply(kernel):

@@ -17,6 +17,7 @@ from ..config import EngineSettings
 from .backend import BackendHealth, BackendStats, FinishReason, SamplingParams, SequenceResult, TokenEvent
 from .kv import KVCacheManager
 from .model import LoadedModel
+from .openmp import release_pool
 from .quant import probe_panel_rows
 from .runner import ALL_ROWS, ModelRunner
 from .scheduler import Scheduler, SchedulerLimits, StepEvent
@@ -156,6 +157,8 @@ class Engine:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        # The thread that built the engine lets its OpenMP workers go: the scheduler's are then the only ones.
+        release_pool()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(
             target=self.scheduler.run_forever, name="rtserver-scheduler", daemon=True

@@ -28,6 +28,7 @@ from starlette.staticfiles import StaticFiles
 from ..config import Settings
 from ..engine.backend import InferenceBackend, Tokenizer
 from ..engine.model import LoadedModel
+from ..engine.openmp import pool_released
 from ..tasks.fitting import background_pace
 from ..tasks.registry import PluginError, TaskRegistry
 from . import http_api
@@ -137,13 +138,15 @@ async def _load_backends(
     needed = state.backends_needed()
     if "local" in needed:
         state.set_stage("loading model", 0.05)
-        loaded = await asyncio.to_thread(model_factory)
+        loaded = await asyncio.to_thread(pool_released(model_factory))
         state.model_name, tokenizer = loaded.name, loaded.tokenizer
     else:
         state.set_stage("loading tokenizer", 0.05)
-        state.model_name, tokenizer = await asyncio.to_thread(tokenizer_factory)
+        state.model_name, tokenizer = await asyncio.to_thread(pool_released(tokenizer_factory))
     state.set_stage("loading tasks", 0.7)
-    state.registry, state.load_errors = await asyncio.to_thread(registry_factory, settings, tokenizer)
+    state.registry, state.load_errors = await asyncio.to_thread(
+        pool_released(registry_factory), settings, tokenizer
+    )
     if "openai" in needed:
         from ..remote.backend import RemoteBackend
 
@@ -154,7 +157,8 @@ async def _load_backends(
         await remote.check()
     if "local" in needed:
         state.set_stage("starting engine", 0.9)
-        engine = engine_factory(loaded, settings)
+        # Built off the event loop: its start-up probes take seconds.
+        engine = await asyncio.to_thread(pool_released(engine_factory), loaded, settings)
         engine.start()
         state.backends["local"] = engine
 

@@ -1,0 +1,52 @@
+"""Which threads keep an OpenMP pool: the scheduler's alone. `release_pool` drops the caller's.
+
+libgomp keeps a pool of worker threads for each thread that opens a parallel region. Once it manages
+more threads than the machine has CPUs it spins only briefly before its workers sleep, and they then
+wake late between the parallel loops of every step. So a thread that loaded or probed the model lets
+its pool go before the scheduler runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: threads go, the runtime stays usable
+
+
+@functools.cache
+def _runtime() -> ctypes.CDLL | None:
+    """torch's libgomp as already loaded (the same handle), or None without one."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return None
+    paths = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+    ours = sorted(p for p in paths if "/torch/" in p) or sorted(p for p in paths if ".libs/" not in p)
+    if not ours:
+        return None
+    lib = ctypes.CDLL(ours[0])
+    return lib if hasattr(lib, "omp_pause_resource_all") else None
+
+
+def release_pool() -> bool:
+    """End the calling thread's OpenMP workers; the next parallel region there makes new ones."""
+    lib = _runtime()
+    return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+
+
+def pool_released(fn: Callable[P, T]) -> Callable[P, T]:
+    """`fn` that lets its thread's OpenMP pool go when it returns (for work on a kept executor thread)."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            release_pool()
+
+    return run

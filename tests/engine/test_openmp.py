@@ -1,0 +1,96 @@
+"""OpenMP pools (rtserver/engine/openmp.py): only the scheduler's thread keeps one once the server runs.
+
+Each check runs in a fresh interpreter, so no other test's threads are counted. libgomp's workers are the
+process's threads that Python did not start: a pool of two threads is one such worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ..serverutil import TIMEOUT
+
+COUNT = """
+import os, threading
+def workers():  # threads Python did not start: libgomp's (rayon's are off, OpenBLAS's came at import)
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+"""
+
+pytestmark = pytest.mark.skipif(
+    "parallel backend: OpenMP" not in torch.__config__.parallel_info(),
+    reason="torch does not use OpenMP here",
+)
+
+
+def _run(script: str) -> dict:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="2")
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(COUNT) + textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=4 * TIMEOUT,
+        cwd=os.getcwd(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_release_pool_ends_the_calling_threads_workers_only():
+    got = _run(
+        """
+        import json, threading, torch
+        from rtserver.engine.openmp import release_pool
+        torch.set_num_threads(2)
+        before = workers()
+        a = torch.randn(1500, 1500)
+        a @ a  # the main thread's pool: one worker
+        main_pool = workers()
+        out = {}
+        def other():
+            a @ a  # a second pool beside it
+            out["both"] = workers()
+            out["released"] = release_pool()
+            out["after"] = workers()
+        t = threading.Thread(target=other); t.start(); t.join()
+        print(json.dumps({"before": before, "main": main_pool, **out}))
+        """
+    )
+    assert got == {
+        "before": got["before"],
+        "main": got["before"] + 1,
+        "both": got["before"] + 2,
+        "released": True,
+        "after": got["before"] + 1,
+    }
+
+
+def test_a_served_model_leaves_one_pool_the_schedulers():
+    """The app loads the model, tokenizer and tasks on executor threads and builds the engine on one; each
+    lets its pool go, so serving runs with the scheduler's workers alone (libgomp would otherwise throttle
+    their spin and put them to sleep between the parallel loops of a step)."""
+    got = _run(
+        """
+        import asyncio, json, httpx, torch
+        from rtserver.web.app import create_app
+        from tests.serverutil import make_settings, serve
+        torch.set_num_threads(2)
+        before = workers()
+        async def main():
+            settings = make_settings(model={"dtype": "auto", "threads": 2})
+            async with serve(create_app(settings), settings) as (base, _):
+                async with httpx.AsyncClient(timeout=120) as client:
+                    r = await client.post(base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+                    r.raise_for_status()
+                return workers()
+        print(json.dumps({"before": before, "serving": asyncio.run(main())}))
+        """
+    )
+    assert got["serving"] == got["before"] + 1, got

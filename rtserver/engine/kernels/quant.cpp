@@ -68,6 +68,12 @@ inline void q8_unpack(const uint8_t* qs, Vec* w) {
   for (int i = 0; i < 2; ++i)
     w[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * i))));
 }
+// o = w * d (+ m): a product then a sum, as QuantizedWeight.dequantize computes it.
+template <bool Offset>
+inline void scale_store(Vec w, float d, float m, float* o) {
+  const Vec v = _mm512_mul_ps(w, _mm512_set1_ps(d));
+  _mm512_storeu_ps(o, Offset ? _mm512_add_ps(v, _mm512_set1_ps(m)) : v);
+}
 inline Vec block_dot(const Vec* w, const float* x) {
   return _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(x)));
 }
@@ -113,6 +119,11 @@ inline void q8_unpack(const uint8_t* qs, Vec* w) {
   for (int i = 0; i < 4; ++i)
     w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i))));
 }
+template <bool Offset>
+inline void scale_store(Vec w, float d, float m, float* o) {
+  const Vec v = _mm256_mul_ps(w, _mm256_set1_ps(d));
+  _mm256_storeu_ps(o, Offset ? _mm256_add_ps(v, _mm256_set1_ps(m)) : v);
+}
 inline Vec block_dot(const Vec* w, const float* x) {
   Vec t = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
   for (int i = 1; i < 4; ++i) t = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + 8 * i), t);
@@ -151,6 +162,10 @@ inline void q4_unpack(const uint8_t* qs, Vec* w) {
 }
 inline void q8_unpack(const uint8_t* qs, Vec* w) {
   for (int j = 0; j < 32; ++j) w[j].v = static_cast<int8_t>(qs[j]);
+}
+template <bool Offset>
+inline void scale_store(Vec w, float d, float m, float* o) {
+  *o = Offset ? w.v * d + m : w.v * d;
 }
 inline Vec block_dot(const Vec* w, const float* x) {
   float t = 0.f;
@@ -629,12 +644,12 @@ void split_dequantize(const uint8_t* Q, const uint16_t* S, int64_t qbytes, int64
       const uint8_t* q = Q + i * qbytes;
       const float d = half_to_float(S[i * fields]), m = HasMin ? half_to_float(S[i * fields + 1]) : 0.f;
       float* o = out + n * K + b * kBlock;
-      if (HasMin) {
-        for (int j = 0; j < 16; ++j) o[j] = static_cast<float>(q[j] & 15) * d + m;
-        for (int j = 0; j < 16; ++j) o[j + 16] = static_cast<float>(q[j] >> 4) * d + m;
-      } else {
-        for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(static_cast<int8_t>(q[j])) * d;
-      }
+      Vec w[kParts];  // q4_unpack's order: low nibbles of bytes 0-15, then their high nibbles
+      if (HasMin)
+        q4_unpack(q, w);
+      else
+        q8_unpack(q, w);
+      for (int i = 0; i < kParts; ++i) scale_store<HasMin>(w[i], d, m, o + i * (kBlock / kParts));
     }
 }
 

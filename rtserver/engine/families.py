@@ -65,11 +65,6 @@ class Family:
     activation: str = "silu"  # of the gated MLP: silu or gelu_tanh
     scaled_embedding: bool = False  # embeddings times sqrt(hidden size)
 
-    @property
-    def plain(self) -> bool:
-        """Llama's layer exactly: what the kernel's fused decode_layer computes."""
-        return self == Family(self.name)
-
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) if self.activation == "silu" else _gelu_tanh(gate)
 

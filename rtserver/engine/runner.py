@@ -286,8 +286,6 @@ class _Layout:
     when items join it mid-step) and read by every layer."""
 
     ids: torch.Tensor  # the rows' token ids
-    cos: torch.Tensor  # RoPE of those positions [rows, head_dim]
-    sin: torch.Tensor
     write_slots: torch.Tensor  # KV pool slot of each row
     row_offsets: list[int]  # first row of each item
     wanted_rows: list[int]  # rows whose hidden state leaves the last layer
@@ -301,9 +299,11 @@ class _Layout:
     local_prefills: list[tuple] = field(default_factory=list)
     # RoPE of the rows' positions, per table (Gemma's local and global layers differ)
     rope: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # the fused path: each row's context slots and length
+    # the fused path: each row's context slots and length, whole and in the sliding window
     table: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    local_table: torch.Tensor | None = None
+    local_lengths: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -353,7 +353,6 @@ class ModelRunner:
         max_positions = min(max_positions, getattr(cfg, "max_position_embeddings", max_positions))
         self.max_positions = max_positions
         self.rope, rope_of_layer = rope_tables(cfg, inner.rotary_emb, max_positions, self.dtype)
-        self.cos, self.sin = self.rope[0]  # the fused path's (plain families have one table)
         windows = layer_windows(cfg)
         self.window = max(windows)  # one window size per model: the sliding layers'
         self.layers: list[_Layer] = []
@@ -495,10 +494,8 @@ class ModelRunner:
         linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
         if not all(lin.small is not None for lin in linears):
             return
-        if self.attention_kernel is None or self.dtype != torch.float32 or not self.family.plain:
+        if self.attention_kernel is None or self.dtype != torch.float32:
             return
-        if self.window:
-            return  # decode_layer attends over whole contexts
         if any(L.o.bias is not None for L in self.layers):
             return  # decode_layer adds q/k/v biases only (Llama's attention_bias also has o_proj's)
         big = all(lin.interleaved is not None or lin.onednn is not None or lin.blocks_only for lin in linears)
@@ -620,8 +617,6 @@ class ModelRunner:
                 spans.append(None)
         lay = _Layout(
             ids=torch.tensor(tokens, dtype=torch.long),
-            cos=self.cos[pos],
-            sin=self.sin[pos],
             rope=[(cos[pos], sin[pos]) for cos, sin in self.rope],
             # where each new token's K/V goes
             write_slots=torch.cat([it.kv.slots[it.start : it.start + len(it.tokens)] for it in items]),
@@ -631,7 +626,12 @@ class ModelRunner:
             spans=spans,
         )
         if fused:  # each row's context slots and length, read in place by the kernel: one decode group
-            *_, lay.table, lay.lengths = self._decode_group(items, list(range(len(items))), row_offsets)
+            every = list(range(len(items)))
+            *_, lay.table, lay.lengths = self._decode_group(items, every, row_offsets)
+            if self.window:
+                *_, lay.local_table, lay.local_lengths = self._decode_group(
+                    items, every, row_offsets, self.window
+                )
         else:
             decode_groups, prefill_groups = _decode_groups(items), _prefill_groups(items)
             lay.decodes = [self._decode_group(items, g, row_offsets) for g in decode_groups]
@@ -804,25 +804,33 @@ class ModelRunner:
         """Decoder layer `li` of a fused decode step: one call of the kernel's `decode_layer`."""
         L = self.layers[li]
         rows = x.shape[0]
+        cos, sin = lay.rope[L.rope]
+        table, lengths = (lay.local_table, lay.local_lengths) if L.window else (lay.table, lay.lengths)
+        n = L.norms
         return self.attention_kernel.decode_layer(
             x,
-            L.norms.attn_in.weight,
+            n.attn_in.scale,
             *L.qkv.fused_args(rows),
             L.qkv.bias,
             *L.o.fused_args(rows),
-            L.norms.mlp_in.weight,
+            n.mlp_in.scale,
             *L.gate_up.fused_args(rows),
             *L.down.fused_args(rows),
-            lay.cos,
-            lay.sin,
+            cos,
+            sin,
             self.kv.k[li],
             self.kv.v[li],
             lay.write_slots,
-            lay.table,
-            lay.lengths,
+            table,
+            lengths,
             self.n_heads,
             self.eps,
             self.scale,
+            n.q.scale,
+            n.k.scale,
+            n.attn_out.scale,
+            n.mlp_out.scale,
+            self.family.activation == "gelu_tanh",
         )
 
     def _logits(self, items: list[StepItem], lay: _Layout, x: torch.Tensor) -> list[torch.Tensor | None]:

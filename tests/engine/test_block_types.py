@@ -276,6 +276,52 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
             torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * float(b.abs().max()))
 
 
+def _decode_steps(runner, kv, vocab: int, tokenizer, rows=(1, 2, 5, 16)) -> list[torch.Tensor]:
+    """Logits of decode steps of each row count, after prompts of 3, 8, 13, ... tokens (torch path)."""
+    torch.manual_seed(1)
+    steps = []
+    for m in rows:
+        seqs, prefill = [], []
+        for r in range(m):
+            ids = torch.randint(0, vocab, (3 + 5 * r,)).tolist()
+            seq = Sequence(ids, SamplingParams(), tokenizer=tokenizer, eos_token_ids=set())
+            seq.kv, _ = kv.acquire(ids, len(ids) + 2)
+            prefill.append(StepItem(seq, seq.kv, 0, ids, "last"))
+            seqs.append((seq, len(ids)))
+        runner.forward(prefill)
+        items = [StepItem(seq, seq.kv, n, [11 + r], "last") for r, (seq, n) in enumerate(seqs)]
+        steps.append(torch.cat(runner.forward(items)))
+        for seq, _ in seqs:
+            kv.release(seq.kv)
+    return steps
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_gemma3"])
+def test_fused_decode_steps_of_each_family_equal_its_torch_forward(request, smol, kernel, family):
+    """Qwen3's per-head q/k norms and Gemma 3's as well, its (1 + w) norms, sandwich norms, GeGLU,
+    local and global RoPE and 16-token sliding windows (contexts up to 78 tokens) in the fused
+    decode_layer: the logits of the torch forward over the dequantized weights."""
+    model = copy.deepcopy(request.getfixturevalue(family).model)
+    blocks = _on_blocks(model, {"*": "Q8_0", "v_proj": "Q5_0", "down_proj": "Q4_0"}, seed=3)
+    cfg = model.config
+    results = []
+    for fused in (False, True):
+        kv = KVCacheManager(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, 8 << 20, 16
+        )
+        if fused:
+            runner = ModelRunner(copy.deepcopy(model), kv, 512, blocks=blocks, kernel=kernel)
+            runner.use_attention_kernel(kernel)
+            runner.choose_fused_rows()
+            assert runner.fused_decode_rows >= 16
+        else:
+            runner = ModelRunner(copy.deepcopy(model), kv, 512)
+            assert runner.fused_decode_rows == 0
+        results.append(_decode_steps(runner, kv, cfg.vocab_size, smol.tokenizer))
+    for a, b in zip(results[1], results[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * float(b.abs().max()))
+
+
 # Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K tensors) in the fast run; the other files' types in the slow one
 FILES = ["Q4_K_M"] + [
     pytest.param(t, marks=pytest.mark.slow)

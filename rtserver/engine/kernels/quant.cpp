@@ -841,12 +841,15 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc[0];
 }
 
-// Sleef's vectorised expf (u10: within 1 ulp), exported by libtorch_cpu: the exp torch's own softmax uses.
+// Sleef's vectorised expf and tanhf (u10: within 1 ulp), exported by libtorch_cpu: what torch's own
+// softmax and tanh-approximated GELU use.
 #if defined(__AVX512F__)
 extern "C" __m512 Sleef_expf16_u10(__m512);
+extern "C" __m512 Sleef_tanhf16_u10(__m512);
 constexpr int64_t kLanes = 16;
 #elif defined(__AVX2__)
 extern "C" __m256 Sleef_expf8_u10avx2(__m256);
+extern "C" __m256 Sleef_tanhf8_u10avx2(__m256);
 constexpr int64_t kLanes = 8;
 #else
 constexpr int64_t kLanes = 1;
@@ -890,53 +893,76 @@ float exp_shifted(float* p, int64_t n) {
 #endif
 }
 
-// h[r, i] = silu(gu[r, i]) * gu[r, I + i] for gu [R, 2I] (gate and up side by side), as torch computes
-// silu (x / (1 + exp(-x)), Sleef's vectorised exp, far cheaper than a scalar expf per element).
-void silu_mul(const float* GU, int64_t R, int64_t I, float* Hh) {
+// h[r, i] = act(gu[r, i]) * gu[r, I + i] for gu [R, 2I] (gate and up side by side), each activation
+// as torch computes it with Sleef's vectorised exp / tanh: silu x / (1 + exp(-x)), and GELU's tanh form
+// 0.5 x (1 + tanh(beta (x + kappa x^3))).
+constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kGeluKappa = 0.044715f;
+
+inline float gelu_tanh(float x) { return 0.5f * x * (1.f + std::tanh(kGeluBeta * (x + kGeluKappa * (x * x * x)))); }
+
+void gated_act(const float* GU, int64_t R, int64_t I, bool gelu, float* Hh) {
   at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float *g = GU + r * 2 * I, *u = g + I;
       float* h = Hh + r * I;
       int64_t i = 0;
 #if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+      const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps(), half = _mm512_set1_ps(0.5f),
+                   beta = _mm512_set1_ps(kGeluBeta), kappa = _mm512_set1_ps(kGeluKappa);
       for (; i + 16 <= I; i += 16) {
         const __m512 x = _mm512_loadu_ps(g + i);
-        const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(zero, x));
-        _mm512_storeu_ps(h + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+        __m512 a;
+        if (gelu) {
+          const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, _mm512_mul_ps(_mm512_mul_ps(x, x), x))));
+          a = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, Sleef_tanhf16_u10(inner)));
+        } else {
+          a = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(zero, x))));
+        }
+        _mm512_storeu_ps(h + i, _mm512_mul_ps(a, _mm512_loadu_ps(u + i)));
       }
 #elif defined(__AVX2__)
-      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f),
+                   beta = _mm256_set1_ps(kGeluBeta), kappa = _mm256_set1_ps(kGeluKappa);
       for (; i + 8 <= I; i += 8) {
         const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(zero, x));
-        _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        __m256 a;
+        if (gelu) {
+          const __m256 inner = _mm256_mul_ps(beta, _mm256_add_ps(x, _mm256_mul_ps(kappa, _mm256_mul_ps(_mm256_mul_ps(x, x), x))));
+          a = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, Sleef_tanhf8_u10avx2(inner)));
+        } else {
+          a = _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_sub_ps(zero, x))));
+        }
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
       }
 #endif
-      for (; i < I; ++i) h[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (; i < I; ++i) h[i] = (gelu ? gelu_tanh(g[i]) : g[i] / (1.f + std::exp(-g[i]))) * u[i];
     }
   });
 }
 
 // Attention of single-token queries over contexts read in place from a paged pool. q [R, H, D] rows,
-// pools [slots, KV, D], row r's context is slots[r, :lengths[r]] (checked by the caller). One task per
-// (row, KV head) computes the H / KV query heads that share that K/V, so each K/V row is read once.
+// pools [slots, KV, D], row r's context is slots[r, :lengths[r]] (checked by the caller). A task per
+// (row, KV head) computes the H / KV query heads that share that K/V, so each K/V row is read once;
+// with fewer such pairs than twice the threads (one row, few KV heads) the heads are split further.
 void attention(const float* Q, const float* Kp, const float* Vp, const int64_t* SL, const int64_t* LN,
                int64_t R, int64_t H, int64_t KV, int64_t D, int64_t Lmax, float sc, float* O) {
-  const int64_t G = H / KV;
-  at::parallel_for(0, R * KV, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t G = H / KV, pairs = R * KV, want = 2 * at::get_num_threads();
+  const int64_t split = pairs >= want ? 1 : std::min(G, (want + pairs - 1) / pairs);
+  const int64_t per = (G + split - 1) / split;
+  at::parallel_for(0, pairs * split, 1, [&](int64_t t0, int64_t t1) {
     const int64_t Lpad = (Lmax + kLanes - 1) / kLanes * kLanes;  // exp_shifted's whole vectors
-    std::vector<float> p(G * Lpad);
+    std::vector<float> p(per * Lpad);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / KV, kv = t % KV, L = LN[r];
+      const int64_t pair = t / split, r = pair / KV, kv = pair % KV, L = LN[r];
+      const int64_t g0 = t % split * per, g1 = std::min(G, g0 + per);
       const int64_t* sl = SL + r * Lmax;
       const float* qg = Q + (r * H + kv * G) * D;
       for (int64_t j = 0; j < L; ++j) {
         const float* k = Kp + (sl[j] * KV + kv) * D;
-        for (int64_t g = 0; g < G; ++g) p[g * Lpad + j] = dot(qg + g * D, k, D) * sc;
+        for (int64_t g = g0; g < g1; ++g) p[(g - g0) * Lpad + j] = dot(qg + g * D, k, D) * sc;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* pg = p.data() + g * Lpad;
+      for (int64_t g = g0; g < g1; ++g) {
+        float* pg = p.data() + (g - g0) * Lpad;
         const int64_t n = (L + kLanes - 1) / kLanes * kLanes;
         std::fill(pg + L, pg + n, -INFINITY);
         const float sum = exp_shifted(pg, n);
@@ -974,12 +1000,21 @@ void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, int64
               "pools must be contiguous float32 [slots, KV, D]");
 }
 
+// y = w * (x / rms(x)) per row; y may be x.
 void rms_norm(const float* x, const float* w, int64_t M, int64_t K, float eps, float* y) {
   for (int64_t r = 0; r < M; ++r) {
     const float ss = dot(x + r * K, x + r * K, K);
     const float inv = 1.f / std::sqrt(ss / K + eps);
     for (int64_t i = 0; i < K; ++i) y[r * K + i] = w[i] * (x[r * K + i] * inv);
   }
+}
+
+// A norm's factor [n] as a pointer, nullptr for an empty tensor (the family has no such norm).
+const float* optional_norm(const torch::Tensor& w, int64_t n, const char* name) {
+  if (w.numel() == 0) return nullptr;
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == n, name,
+              " must be float32 [", n, "] or empty");
+  return w.data_ptr<float>();
 }
 
 }  // namespace
@@ -998,11 +1033,14 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   return out;
 }
 
-// One Llama/Qwen2 decoder layer for R single-token rows, every linear on quantized blocks: what the
-// runner's forward does for a decode step, in one call instead of ~35 torch ops (their dispatch costs
-// more than their arithmetic at batch 1). x [R, hidden] is the residual stream (returned updated);
-// cos/sin [R, D] the rows' RoPE; the rows' new K/V go to write_slots of the pools, then each row
-// attends over slots[r, :lengths[r]] (its context, the new token included).
+// One decoder layer for R single-token rows, every linear on quantized blocks: what the runner's
+// forward does for a decode step, in one call instead of ~35 torch ops (their dispatch costs more than
+// their arithmetic at batch 1). x [R, hidden] is the residual stream (returned updated); cos/sin [R, D]
+// the rows' RoPE; the rows' new K/V go to write_slots of the pools, then each row attends over
+// slots[r, :lengths[r]] (its context, the new token included; a sliding window is the caller's cut).
+// The families' switches: q_norm / k_norm [D] an RMS norm over each head before RoPE, attn_out_norm /
+// mlp_out_norm [hidden] norms on the two outputs before the residual adds (an empty tensor: none), and
+// gelu for the tanh GELU in place of silu. Norm weights come as the factor applied (Gemma's 1 + w).
 using Formats = std::vector<std::string>;
 using Tensors = std::vector<torch::Tensor>;
 
@@ -1011,7 +1049,9 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, Formats qkv_forma
                            torch::Tensor ln2, Formats gu_format, Tensors gu_a, Tensors gu_b, Formats down_format,
                            Tensors down_a, Tensors down_b, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor write_slots,
-                           torch::Tensor slots, torch::Tensor lengths, int64_t n_heads, double eps, double scale) {
+                           torch::Tensor slots, torch::Tensor lengths, int64_t n_heads, double eps, double scale,
+                           torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor attn_out_norm,
+                           torch::Tensor mlp_out_norm, bool gelu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be float32 [R, hidden]");
   const int64_t R = x.size(0), E = x.size(1), D = k_pool.size(2), KV = k_pool.size(1), H = n_heads;
   const Parts qkv_w{qkv_format, qkv_a, qkv_b}, o_w{o_format, o_a, o_b}, gu_w{gu_format, gu_a, gu_b},
@@ -1026,6 +1066,10 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, Formats qkv_forma
   o_w.check(QS);
   gu_w.check(E);
   down_w.check(I);
+  const float* QN = optional_norm(q_norm, D, "q_norm");
+  const float* KN = optional_norm(k_norm, D, "k_norm");
+  const float* AN = optional_norm(attn_out_norm, E, "attn_out_norm");
+  const float* MN = optional_norm(mlp_out_norm, E, "mlp_out_norm");
   const int64_t* WS = write_slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(WS[r] >= 0 && WS[r] < k_pool.size(0), "a write slot is outside the pool");
 
@@ -1050,12 +1094,18 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, Formats qkv_forma
     for (int64_t r = 0; r < R; ++r)
       for (int64_t i = 0; i < NQKV; ++i) QKV[r * NQKV + i] += B[i];
   }
-  // RoPE (rotate-half) on q and k; k and v go straight into the pool.
+  // Per-head norms, then RoPE (rotate-half) on q and k; k and v go straight into the pool.
   const int64_t half = D / 2;
+  std::vector<float> head(D);
   for (int64_t r = 0; r < R; ++r) {
     const float *c = C + r * D, *sn = Sn + r * D;
     for (int64_t hd = 0; hd < H + KV; ++hd) {
       const float* src = QKV + r * NQKV + hd * D;
+      const float* norm = hd < H ? QN : KN;
+      if (norm != nullptr) {
+        rms_norm(src, norm, 1, D, eps, head.data());
+        src = head.data();
+      }
       float* dst = hd < H ? Qr + (r * H + hd) * D : Kp + (WS[r] * KV + (hd - H)) * D;
       for (int64_t i = 0; i < D; ++i) {
         const float rot = i < half ? -src[i + half] : src[i - half];
@@ -1067,11 +1117,13 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, Formats qkv_forma
   attention(Qr, Kp, Vp, slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), R, H, KV, D, slots.size(1),
             static_cast<float>(scale), attn.data_ptr<float>());
   o_w.apply(attn.data_ptr<float>(), R, QS, P);
+  if (AN != nullptr) rms_norm(P, AN, R, E, eps, P);
   for (int64_t i = 0; i < R * E; ++i) X[i] += P[i];
   rms_norm(X, ln2.data_ptr<float>(), R, E, eps, Hh);
   gu_w.apply(Hh, R, E, GU);
-  silu_mul(GU, R, I, Hh);
+  gated_act(GU, R, I, gelu, Hh);
   down_w.apply(Hh, R, I, P);
+  if (MN != nullptr) rms_norm(P, MN, R, E, eps, P);
   for (int64_t i = 0; i < R * E; ++i) X[i] += P[i];
   return out;
 }

@@ -145,6 +145,32 @@ def tiny_llama3(smol) -> LoadedModel:
     return _tiny(LlamaForCausalLM(cfg), tok, "tiny-llama3")
 
 
+@pytest.fixture(scope="session")
+def tiny_smollm3(smol) -> LoadedModel:
+    """A random 4-layer SmolLM3: Llama's layer, the fourth without RoPE."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    torch.manual_seed(4)
+    tok = smol.tokenizer
+    cfg = SmolLM3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        no_rope_layer_interval=4,
+        **_ids(tok),
+    )
+    assert cfg.no_rope_layers == [1, 1, 1, 0]
+    model = SmolLM3ForCausalLM(cfg)
+    with torch.no_grad():  # peaked attention, so that where RoPE is left out shows in the logits
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20.0)
+            layer.self_attn.k_proj.weight.mul_(20.0)
+    return _tiny(model, tok, "tiny-smollm3")
+
+
 def pytest_terminal_summary(terminalreporter):
     """The fuzz modules' counts, once for the run (and $RTSERVER_REPORT_DIR/fuzz.json)."""
     fuzzutil = sys.modules.get(f"{__package__}.fuzzutil")

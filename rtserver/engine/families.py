@@ -85,6 +85,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2": LLAMA,
     "qwen3": QWEN3,
     "gemma3_text": GEMMA3,
+    "smollm3": LLAMA,  # Llama's layer; some layers without RoPE (rope_tables)
 }
 
 
@@ -149,6 +150,8 @@ def layer_windows(cfg: Any) -> list[int]:
     """Per layer, its sliding attention window in tokens (0: the whole context)."""
     n = cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None) or 0
+    if not getattr(cfg, "use_sliding_window", True):
+        window = 0  # Qwen2 and SmolLM3 name sliding layers they only use when this is on
     types = getattr(cfg, "layer_types", None)
     if types:
         return [window if t == "sliding_attention" else 0 for t in types]
@@ -159,15 +162,23 @@ def layer_windows(cfg: Any) -> list[int]:
 
 def rope_tables(cfg: Any, rotary: Any, positions: int, dtype: torch.dtype) -> tuple[list, list[int]]:
     """The (cos, sin) tables by layer type, and each layer's index into them: from the model's own
-    rotary module, so scaling variants (Llama 3, linear, Gemma's local base) come out identical."""
+    rotary module, so scaling variants (Llama 3, linear, Gemma's local base) come out identical.
+    SmolLM3's layers without RoPE (`no_rope_layers[i] == 0`) get the identity: cos 1, sin 0."""
     pos = torch.arange(positions)[None]
     probe = torch.zeros(1, dtype=dtype)
     if "layer_type" not in inspect.signature(rotary.forward).parameters:
         cos, sin = rotary(probe, pos)
-        return [(cos[0], sin[0])], [0] * cfg.num_hidden_layers
-    kinds = sorted(set(cfg.layer_types))
-    tables = []
-    for kind in kinds:
-        cos, sin = rotary(probe, pos, kind)
-        tables.append((cos[0], sin[0]))
-    return tables, [kinds.index(t) for t in cfg.layer_types]
+        tables, index = [(cos[0], sin[0])], [0] * cfg.num_hidden_layers
+    else:
+        kinds = sorted(set(cfg.layer_types))
+        tables = []
+        for kind in kinds:
+            cos, sin = rotary(probe, pos, kind)
+            tables.append((cos[0], sin[0]))
+        index = [kinds.index(t) for t in cfg.layer_types]
+    uses_rope = getattr(cfg, "no_rope_layers", None)
+    if uses_rope and not all(uses_rope):
+        cos = tables[0][0]
+        tables.append((torch.ones_like(cos), torch.zeros_like(cos)))
+        index = [i if uses_rope[li] else len(tables) - 1 for li, i in enumerate(index)]
+    return tables, index

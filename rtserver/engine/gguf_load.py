@@ -21,7 +21,15 @@ from .gguf_file import GGUFFile
 log = logging.getLogger("rtserver.gguf")
 
 # llama.cpp architecture → transformers model type
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+    "smollm3": "smollm3",
+}
+# architectures (named as their transformers model types) whose q/k rows the converter interleaves
+PERMUTED_QK = ("llama", "smollm3")
 
 # llama.cpp metadata key (after "<arch>.") → transformers config field
 _CONFIG_KEYS = {
@@ -112,6 +120,8 @@ def gguf_config(g: GGUFFile) -> Any:
                 "full_attention": {"rope_type": "default", "rope_theta": fields.pop("rope_theta", 1e6)},
                 "sliding_attention": {"rope_type": "default", "rope_theta": float(local_base)},
             }
+    if arch == "smollm3":
+        fields["no_rope_layer_interval"] = 4  # llama.cpp's fixed step: every fourth layer has no RoPE
     return AutoConfig.for_model(MODEL_TYPES[arch], **fields)
 
 
@@ -162,7 +172,7 @@ def dense_model(g: GGUFFile, config: Any, skip: frozenset[str] = frozenset()) ->
                 missing.append(hf_name)
                 continue
             w = dequantized(g, name)
-            if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            if arch in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
                 heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
                 w = unpermute_qk(w, heads)
             if arch == "gemma3" and "norm" in name:

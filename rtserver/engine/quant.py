@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .gguf_load import PERMUTED_QK
+
 log = logging.getLogger("rtserver.quant")
 
 BLOCK = 32
@@ -274,7 +276,7 @@ def weights_from_file(g: Any, model_type: str, n_heads: int, n_kv_heads: int) ->
             continue
         raw = g.raw(t.name)  # [rows, blocks * bytes per block]
         rows = raw.shape[0]
-        if model_type == "llama" and parts[-2] in ("attn_q", "attn_k"):
+        if model_type in PERMUTED_QK and parts[-2] in ("attn_q", "attn_k"):
             # llama.cpp stores q/k rows permuted for its RoPE layout; transformers undoes it on load
             heads = n_heads if parts[-2] == "attn_q" else n_kv_heads
             raw = raw.reshape(heads, rows // heads // 2, 2, raw.shape[1]).swapaxes(1, 2).reshape(rows, -1)

@@ -30,6 +30,7 @@ from ..engine.core import Engine, return_freed_memory
 from ..engine.model import LoadedModel
 from ..tasks.chat import encode_chat, finished_turn
 from .chart import write_chart
+from .openai_client import completion_prompt
 from .stats import accuracy, mean, per_second, percentile, ratio
 
 log = logging.getLogger("rtserver.bench")
@@ -51,6 +52,10 @@ def peak_rss_mb() -> float:
 
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    """The chat prompt of one user message; a base model without a chat template gets the completion
+    prompt the servers bench sends it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(completion_prompt(text)).input_ids
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
@@ -59,6 +64,8 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
 def header_tokens(tokenizer: Any) -> int:
     """The chat prompt's ids before the user's message (template header, system prompt): what the server
     shares across sessions, so the engine's workloads share exactly that, as the hub's prompts do."""
+    if not getattr(tokenizer, "chat_template", None):
+        return 0
     return encode_chat(tokenizer, [{"role": "user", "content": "Hi"}]).public_tokens
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import model_files
-from .server_bench import Prompts, fmt, run_llama_server, run_rtserver, times
+from .server_bench import LLAMA_CTX_PER_SLOT, LLAMA_SLOTS, Prompts, fmt, run_llama_server, run_rtserver, times
 from .stats import ratio
 
 ROW_WORKLOADS = ("burst-unique", "single", "arrival-unique")
@@ -79,7 +79,7 @@ def pick(rows: list[FormatRow], names: list[str] | None) -> list[FormatRow]:
 
 # -- one row (pure but for the runners) ---------------------------------------------------------
 
-Runner = Callable[[FormatRow, Path, Path], dict]  # (row, model file, folder for logs) -> its figures
+Runner = Callable[[FormatRow, Path, Path, float], dict]  # (row, file, log folder, KV budget MB) -> figures
 
 
 def row_ratios(systems: dict) -> dict[str, float | None]:
@@ -112,8 +112,22 @@ def row_bars(ratios: dict[str, float | None], rss_mb: float | None, rss_bar_mb: 
     return {**bars, "met": all(v is True for v in bars.values())}
 
 
+def kv_budget_for(path: Path, configured_mb: float) -> float:
+    """rtserver's KV budget for a file: at least llama-server's context (its slots' tokens) in rtserver's
+    float32 K/V, so both hold the same number of tokens; never below the configured budget."""
+    from ..engine.gguf_file import GGUFFile
+    from ..engine.gguf_load import gguf_config
+
+    cfg = gguf_config(GGUFFile(path))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+    needed = LLAMA_SLOTS * LLAMA_CTX_PER_SLOT * per_token / (1 << 20)
+    return float(max(configured_mb, -(-needed // 16) * 16))  # in whole 16 MB
+
+
 def run_row(row: FormatRow, kv_budget_mb: float, runners: dict[str, Runner], workdir: Path) -> dict:
-    """The row's file made, then each server's figures, a failure of either being its error."""
+    """The row's file made, then each server's figures, a failure of either being its error. rtserver
+    gets a KV budget that holds what llama-server's context holds (`kv_budget_for`)."""
     out: dict[str, Any] = {"model": row.name, "prompts": "completion" if row.completion else "chat"}
     # a missing tool, package or maker is this row's error (a failed llama.cpp build exits); the run goes on
     try:
@@ -121,6 +135,10 @@ def run_row(row: FormatRow, kv_budget_mb: float, runners: dict[str, Runner], wor
     except (Exception, SystemExit) as exc:
         return out | {"error": f"cannot make the model file: {type(exc).__name__}: {exc}"}
     file_mb = path.stat().st_size / (1 << 20)
+    try:
+        kv_budget_mb = kv_budget_for(path, kv_budget_mb)
+    except Exception as exc:  # an unreadable or refused file: rtserver's run says why
+        out["kv_budget_error"] = str(exc)
     out |= {
         "file": str(path),
         "file_mb": file_mb,
@@ -132,7 +150,7 @@ def run_row(row: FormatRow, kv_budget_mb: float, runners: dict[str, Runner], wor
     systems: dict[str, dict] = {}
     for name, runner in runners.items():
         try:
-            systems[name] = runner(row, path, folder)
+            systems[name] = runner(row, path, folder, kv_budget_mb)
         except Exception as exc:  # a refusal or a crash: recorded, the other server still runs
             systems[name] = {"error": str(exc)}
     out["systems"] = systems
@@ -149,14 +167,23 @@ def server_runners(
 ) -> dict[str, Runner]:
     """llama-server and `rtserver serve` on a row's file, both on the row's prompts."""
 
-    def llama(row: FormatRow, path: Path, folder: Path) -> dict:
+    def llama(row: FormatRow, path: Path, folder: Path, kv_budget_mb: float) -> dict:
         return run_llama_server(binary, path, threads, ROW_WORKLOADS, folder, arrivals, row.prompts())
 
-    def rtserver(row: FormatRow, path: Path, folder: Path) -> dict:
+    def rtserver(row: FormatRow, path: Path, folder: Path, kv_budget_mb: float) -> dict:
         spec = row.spec or str(path)
         # a new model's first start builds its kernels before /ready
         return run_rtserver(
-            dtype, threads, config, ROW_WORKLOADS, folder, arrivals, spec, row.prompts(), timeout_s=1200
+            dtype,
+            threads,
+            config,
+            ROW_WORKLOADS,
+            folder,
+            arrivals,
+            spec,
+            row.prompts(),
+            timeout_s=1200,
+            kv_budget_mb=kv_budget_mb,
         )
 
     return {"llama-server": llama, "rtserver": rtserver}

@@ -7,6 +7,7 @@
 | qwen2-tiny  | Qwen2ForCausalLM  | 256    | 3      | 4/2      | 64       | 768  | 49216  | q/k/v biases     |
 | qwen3-tiny  | Qwen3ForCausalLM  | 256    | 3      | 4/2      | 128      | 768  | 49280  | q/k norms        |
 | gemma3-tiny | Gemma3ForCausalLM | 256    | 7      | 4/1      | 256      | 512  | 49152  | 5 local+1 global |
+| smollm3-tiny | SmolLM3ForCausalLM | 256  | 4      | 4/2      | 64       | 512  | 49152  | 4th: no RoPE |
 
 The tiny shapes keep each family's traits at widths that are multiples of 256, so the K-quants
 (256-wide blocks) apply to every linear. A vocab past the tokenizer's 49152 ids gets the converter's
@@ -158,6 +159,30 @@ GEMMA3_TINY = {
     "vocab_size": 49152,  # Gemma's converter cuts the embedding to the tokenizer's size anyway
 }
 
+SMOLLM3_TINY = {
+    "architectures": ["SmolLM3ForCausalLM"],
+    "model_type": "smollm3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "initializer_range": 0.02,
+    "intermediate_size": 512,
+    "max_position_embeddings": 65536,
+    "mlp_bias": False,
+    "no_rope_layer_interval": 4,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 5000000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 49152,
+}
+
 SHAPES: dict[str, Shape] = {
     shape.name: shape
     for shape in (
@@ -166,6 +191,7 @@ SHAPES: dict[str, Shape] = {
         Shape("qwen2-tiny", QWEN2_TINY, tiny=True),
         Shape("qwen3-tiny", QWEN3_TINY, tiny=True),
         Shape("gemma3-tiny", GEMMA3_TINY, tiny=True),
+        Shape("smollm3-tiny", SMOLLM3_TINY, tiny=True),
     )
 }
 

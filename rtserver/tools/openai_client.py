@@ -45,6 +45,12 @@ def chat_body(text: str, max_tokens: int, extra: dict | None = None, system: str
     }
 
 
+def completion_prompt(text: str, system: str | None = None) -> str:
+    """A question as a base model's plain-text prompt."""
+    prefix = f"{system}\n" if system else ""
+    return f"{prefix}Question: {text}\nAnswer:"
+
+
 def completion_body(prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
     """The same greedy streamed request as a plain-text completion (a base model has no chat template)."""
     return {"prompt": prompt, **_decoding(max_tokens), **(extra or {})}

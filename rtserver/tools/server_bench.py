@@ -27,6 +27,7 @@ from .openai_client import (
     chat_body,
     client_session,
     completion_body,
+    completion_prompt,
     stream_chat,
 )
 from .serverproc import ONE_ADDRESS_LIMITS_OFF, LlamaServerProcess, ServerProcess
@@ -66,8 +67,7 @@ class Prompts:
     def body(self, text: str, tokens: int, extra: dict, system: str | None = None) -> dict:
         if not self.completion:
             return chat_body(text, tokens, extra, system)
-        prefix = f"{system}\n" if system else ""
-        return completion_body(f"{prefix}Question: {text}\nAnswer:", tokens, extra)
+        return completion_body(completion_prompt(text, system), tokens, extra)
 
 
 CHAT = Prompts()
@@ -326,9 +326,13 @@ def run_rtserver(
     model: str | None = None,
     prompts: Prompts = CHAT,
     timeout_s: float = 600,
+    kv_budget_mb: float | None = None,
 ) -> dict:
-    """`rtserver serve` with `dtype` (and `model`, else the configured one) through the asked workloads."""
+    """`rtserver serve` with `dtype` (and `model`, else the configured one; `kv_budget_mb`, else the
+    configured budget) through the asked workloads."""
     model_env = {"RTSERVER_MODEL_MODEL": model} if model else {}
+    if kv_budget_mb is not None:
+        model_env["RTSERVER_ENGINE_KV_BUDGET_MB"] = str(int(kv_budget_mb))
     server = ServerProcess(
         {
             "RTSERVER_MODEL_DTYPE": dtype,

@@ -296,18 +296,20 @@ def _decode_steps(runner, kv, vocab: int, tokenizer, rows=(1, 2, 5, 16)) -> list
     return steps
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_gemma3"])
+@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_gemma3", "tiny_smollm3"])
 def test_fused_decode_steps_of_each_family_equal_its_torch_forward(request, smol, kernel, family):
     """Qwen3's per-head q/k norms and Gemma 3's as well, its (1 + w) norms, sandwich norms, GeGLU,
-    local and global RoPE and 16-token sliding windows (contexts up to 78 tokens) in the fused
-    decode_layer: the logits of the torch forward over the dequantized weights."""
+    local and global RoPE and 16-token sliding windows (contexts up to 78 tokens), SmolLM3's layer
+    without RoPE, in the fused decode_layer: the logits of the torch forward over the dequantized
+    weights."""
     model = copy.deepcopy(request.getfixturevalue(family).model)
     blocks = _on_blocks(model, {"*": "Q8_0", "v_proj": "Q5_0", "down_proj": "Q4_0"}, seed=3)
     cfg = model.config
     results = []
     for fused in (False, True):
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv = KVCacheManager(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, 8 << 20, 16
+            cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, torch.float32, 8 << 20, 16
         )
         if fused:
             runner = ModelRunner(copy.deepcopy(model), kv, 512, blocks=blocks, kernel=kernel)

@@ -32,7 +32,7 @@ TEXTS = [
 NEW_TOKENS = 32
 
 
-@pytest.fixture(params=["tiny_qwen3", "tiny_gemma3", "tiny_llama3", "tiny_qwen2"])
+@pytest.fixture(params=["tiny_qwen3", "tiny_gemma3", "tiny_llama3", "tiny_qwen2", "tiny_smollm3"])
 def family_model(request) -> LoadedModel:
     return request.getfixturevalue(request.param)
 
@@ -80,6 +80,30 @@ def test_sliding_layers_see_only_their_window(tiny_gemma3):
     kv = kv_pool(model.config, 16 << 20)
     runner = ModelRunner(model, kv, 512)
     seq = Sequence(ids, greedy(1), tokenizer=tiny_gemma3.tokenizer, eos_token_ids=set())
+    seq.kv, _ = kv.acquire(ids, len(ids) + 1)
+    [got] = runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])
+    assert got is not None
+    torch.testing.assert_close(got[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_smollm3_layers_without_rope_get_none(tiny_smollm3):
+    """SmolLM3's fourth layer has no RoPE: the runner's logits equal transformers', and differ from the
+    same weights with RoPE on every layer."""
+    from transformers import SmolLM3ForCausalLM
+
+    model = tiny_smollm3.model
+    ids = chat_prompt(tiny_smollm3.tokenizer, TEXTS[2])
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0, -1]
+        cfg = model.config.to_dict()
+        cfg["no_rope_layers"] = [1] * model.config.num_hidden_layers
+        every = SmolLM3ForCausalLM(type(model.config).from_dict(cfg)).eval()
+        every.load_state_dict(model.state_dict())
+        with_rope = every(torch.tensor([ids])).logits[0, -1]
+    assert not torch.allclose(expected, with_rope, atol=1e-3)
+    kv = kv_pool(model.config, 16 << 20)
+    runner = ModelRunner(model, kv, 512)
+    seq = Sequence(ids, greedy(1), tokenizer=tiny_smollm3.tokenizer, eos_token_ids=set())
     seq.kv, _ = kv.acquire(ids, len(ids) + 1)
     [got] = runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])
     assert got is not None

@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not slow_tests_on(), reason="slow: set RTSERVER_SLOW_TESTS=1"),
 ]
 
-SHAPES = ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "gemma3-tiny"]
+SHAPES = ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "gemma3-tiny", "smollm3-tiny"]
 TEXTS = [
     "Tell me a short fact about the number 7.",
     "Hi!",

@@ -45,12 +45,12 @@ def figures(burst_tps: float, single_tps: float, ttft_p95: float, rss: float) ->
 def fake_runners(seen: list, refuse: str = "") -> dict:
     """llama-server and rtserver stand-ins; rtserver refuses the rows named `refuse` as the server does."""
 
-    def llama(row: FormatRow, path: Path, folder: Path) -> dict:
+    def llama(row: FormatRow, path: Path, folder: Path, kv_budget_mb: float) -> dict:
         seen.append(("llama-server", row.name, path, folder, row.prompts().path))
         return figures(200.0, 100.0, 2000.0, 300.0)
 
-    def rtserver(row: FormatRow, path: Path, folder: Path) -> dict:
-        seen.append(("rtserver", row.name, path, folder, row.prompts().path))
+    def rtserver(row: FormatRow, path: Path, folder: Path, kv_budget_mb: float) -> dict:
+        seen.append(("rtserver", row.name, path, folder, row.prompts().path, kv_budget_mb))
         if row.name == refuse:
             raise RuntimeError(
                 "server exited with 3 during start-up; see x.log: startup failed: model type "
@@ -74,6 +74,17 @@ def test_the_matrix_rows_and_picking_them():
     assert pick(rows, None) == rows and pick(rows, []) == rows
     with pytest.raises(ValueError, match=r"unknown formats rows q3_k.*known: embedded, q4_0"):
         pick(rows, ["q3_k", "embedded"])
+
+
+def test_rtserver_gets_the_kv_that_holds_llama_servers_context(tmp_path):
+    """The embedded model's float32 K/V: 30 layers x 2 x 3 heads x 64 x 4 bytes a token, 8,448 tokens
+    (llama-server's 33 slots of 256) = 371.25 MB, in whole 16 MB: 384; never below the configured."""
+    path = embedded_model_path()
+    assert formats_bench.kv_budget_for(path, 100) == 384.0
+    assert formats_bench.kv_budget_for(path, 1000) == 1000.0
+    seen: list = []
+    out = run_row(FormatRow("embedded", lambda: path), 100, fake_runners(seen), tmp_path)
+    assert out["kv_budget_mb"] == 384.0 and seen[1][5] == 384.0 and "kv_budget_error" not in out
 
 
 def _cannot_make(shape: str, qtype: str):
@@ -194,7 +205,9 @@ def test_the_bench_writes_the_matrix_into_its_json_table_and_chart(monkeypatch, 
         and f["dtype"] == "auto"
     )
     embedded = f["rows"]["embedded"]
-    assert embedded["rss_bar_mb"] == embedded["file_mb"] + 128 + 600 and embedded["bars"]["met"] is True
+    # the configured 128 MB is less than llama-server's context in float32 K/V: 384 (kv_budget_for)
+    assert embedded["kv_budget_mb"] == 384 and embedded["bars"]["met"] is True
+    assert embedded["rss_bar_mb"] == embedded["file_mb"] + 384 + 600
     assert "llama-quantize to Q8_0 failed" in f["rows"]["qwen3-0.6b-q8_0"]["error"]
     assert [(s[0], s[1]) for s in seen] == [("llama-server", "embedded"), ("rtserver", "embedded")]
     [saved] = out.glob("bench-*.json")

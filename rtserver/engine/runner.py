@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .families import LayerNorms, RMSNorm, attention_scale, family_of, layer_norms, layer_windows, rope_tables
 from .kv import KVCacheManager, KVHandle
 from .plan import StepItem
-from .quant import BlockWeight, InterleavedWeight, cat, head_rows, interleave, quantized_matmul
+from .quant import BlockWeight, cat, quantized_matmul
 from .sampler import Sampler
 from .sequence import Sequence
 
@@ -50,9 +50,6 @@ class Linear:
     small: BlockWeight | None = None
     small_rows = 0
     kernel: Any = None
-    # The blocks re-laid for big steps (quant.interleave), where the kernel has integer dot products:
-    # then the dense weight is not needed at all (release_dense_weights drops it).
-    interleaved: InterleavedWeight | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str | None = None):
         self.out_features = weight.shape[0]
@@ -91,20 +88,9 @@ class Linear:
         self.onednn, self.weight = packed, None
         return True
 
-    def use_interleaved(self, weight: InterleavedWeight, kernel: Any) -> None:
-        if weight.qs.shape[0] != self.out_features:
-            raise ValueError(
-                f"an interleaved weight of {weight.qs.shape[0]} rows does not fit {self.out_features}"
-            )
-        self.interleaved, self.kernel = weight, kernel
-
     def release(self) -> None:
-        """Serving: drop the dense weight where the interleaved blocks take every big step, else pack it
-        for oneDNN."""
-        if self.interleaved is not None:
-            self.weight = None
-        else:
-            self.pack_onednn()
+        """Serving: pack the dense weight for oneDNN."""
+        self.pack_onednn()
 
     @classmethod
     def of_blocks(cls, blocks: BlockWeight, bias: torch.Tensor | None, kernel: Any) -> Linear:
@@ -127,15 +113,9 @@ class Linear:
         self.small, self.kernel, self.small_rows = blocks, kernel, max_rows
 
     def fused_args(self, rows: int) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
-        """The weight as the kernel's decode_layer takes it for a step of `rows` rows (per part: format,
-        two tensors): the blocks where `__call__` would use them, else the interleaved blocks, else the
-        oneDNN-packed weight."""
-        if self.small is not None and rows <= self.small_rows:
-            return self.small.args
-        if self.interleaved is not None:
-            return self.interleaved.args
-        assert self.onednn is not None
-        return ["onednn"], [self.onednn], [_NO_TENSOR]
+        """The weight as the kernel's decode_layer takes it (per part: format, two tensors): its blocks."""
+        assert self.small is not None and rows <= self.small_rows
+        return self.small.args
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= self.small_rows:
@@ -144,8 +124,6 @@ class Linear:
 
     def big(self, x: torch.Tensor) -> torch.Tensor:
         """The path of steps too big for the blocks."""
-        if self.interleaved is not None:
-            return self._on_blocks(x, self.interleaved)
         if self.storage == "float16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.packed is not None:
@@ -156,12 +134,11 @@ class Linear:
         assert self.weight is not None  # dense storage keeps its weight until pack_onednn replaces it
         return F.linear(x, self.weight, self.bias)
 
-    def _on_blocks(self, x: torch.Tensor, blocks: BlockWeight | InterleavedWeight) -> torch.Tensor:
+    def _on_blocks(self, x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor:
         y = quantized_matmul(self.kernel, x.float().contiguous(), blocks)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
-_NO_TENSOR = torch.empty(0)
 ALL_ROWS = 1 << 30  # a step size limit no step reaches
 EMBED = "model.embed_tokens.weight"
 
@@ -334,7 +311,7 @@ class ModelRunner:
         inner: Any = model.model
         blocks = blocks or {}
         self._blocks, self._kernel = blocks, kernel
-        self.embed_blocks: BlockWeight | None = blocks.get(EMBED)  # lookups in blocks (_release_tied_head)
+        self.embed_blocks: BlockWeight | None = blocks.get(EMBED)  # lookups in the embedding's blocks
         self.embed: torch.Tensor | None = None if self.embed_blocks is not None else inner.embed_tokens.weight
         # Gemma's embeddings are scaled by sqrt(hidden), in the model dtype as transformers rounds it.
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if self.family.scaled_embedding else 1.0)
@@ -386,7 +363,7 @@ class ModelRunner:
         self.vocab_size = self.lm_head.out_features
         self.sampler = Sampler()
         self.attention_kernel: Any = None  # see use_attention_kernel
-        self.fused_decode_rows = 0  # decode steps of up to this many rows run fused (use_quantized_blocks)
+        self.fused_decode_rows = 0  # decode steps of up to this many rows run fused (choose_fused_rows)
         if release_dense_weights:
             self.release_dense_weights()
 
@@ -421,7 +398,6 @@ class ModelRunner:
                 for lin in (L.qkv, L.o, L.gate_up, L.down):
                     lin.release()
                 _drop_parameters(layer)
-            self._release_tied_head()
             self.choose_fused_rows()
         else:
             return
@@ -434,66 +410,11 @@ class ModelRunner:
         self.attention_kernel = kernel
         return True
 
-    def use_interleaved(self, blocks: dict[str, BlockWeight], kernel: Any, release: bool = False) -> int:
-        """Big steps on the blocks re-laid by quant.interleave, for every linear (and the output head)
-        the file ships in blocks, where the kernel has integer dot products (`fixed_point_activations`);
-        returns how many got them. `release` (serving): each layer's dense weights go as soon as its
-        four linears are interleaved, so memory never holds both copies of more than one layer (the
-        rest goes in release_dense_weights)."""
-        if not getattr(kernel, "fixed_point_activations", False):
-            return 0
-        used = 0
-        for lin, names in self._block_names(blocks):
-            weight = interleave(cat([blocks[n] for n in names]))
-            if weight is not None:
-                lin.use_interleaved(weight, kernel)
-                used += 1
-            if release:
-                self._release_done_layers()
-        return used
-
-    def _release_done_layers(self) -> None:
-        for L, layer in zip(self.layers, self.model.model.layers):
-            linears = (L.qkv, L.o, L.gate_up, L.down)
-            if all(lin.interleaved is not None for lin in linears) and L.qkv.weight is not None:
-                for lin in linears:
-                    lin.release()
-                _drop_parameters(layer)
-
-    def _block_names(self, blocks: dict[str, BlockWeight]) -> list[tuple[Linear, list[str]]]:
-        """Each linear whose weight the file ships in blocks, with the blocks' names (q/k/v fused)."""
-        out = []
-        for i, L in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            out.append((L.qkv, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]))
-            out.append((L.o, [p + "self_attn.o_proj.weight"]))
-            out.append((L.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
-            out.append((L.down, [p + "mlp.down_proj.weight"]))
-        tied = getattr(self.model.config, "tie_word_embeddings", False)
-        out.append((self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]))
-        return [(lin, names) for lin, names in out if all(n in blocks for n in names)]
-
-    def use_quantized_blocks(self, blocks: dict[str, BlockWeight], kernel: Any, max_rows: int) -> int:
-        """Give every linear whose weight the file ships in quantized blocks (`quant.read_gguf_weights`)
-        the kernel path for steps of at most `max_rows` rows; returns how many linears got it. Bigger
-        steps keep the dense (or interleaved, see use_interleaved) weights."""
-        attached = self._block_names(blocks)
-        for lin, names in attached:
-            lin.use_blocks(cat([blocks[n] for n in names]), kernel, max_rows)
-        if self.lm_head.small is not None:
-            # A start-up probe finds the step size where the head's big path starts to win; it runs
-            # again once release_dense_weights has packed the head.
-            self.lm_head.small_rows = head_rows(self.lm_head, kernel)
-        self.choose_fused_rows()
-        return len(attached)
-
     def choose_fused_rows(self) -> None:
-        """Decode steps run fused (the kernel's decode_layer) where every linear has its blocks: up to
-        the blocks' limit, and at every size where every linear also has a big-step weight the kernel
-        can take (interleaved blocks, or oneDNN-packed after release_dense_weights), since a layer's
-        many small torch ops cost a big step more than one kernel call."""
+        """Decode steps run fused (the kernel's decode_layer) where every linear has only its blocks:
+        a layer's many small torch ops cost a step more than one kernel call."""
         linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
-        if not all(lin.small is not None for lin in linears):
+        if not all(lin.blocks_only for lin in linears):
             return
         if self.attention_kernel is None or self.dtype != torch.float32 or not self.family.plain:
             return
@@ -501,25 +422,7 @@ class ModelRunner:
             return  # decode_layer attends over whole contexts
         if any(L.o.bias is not None for L in self.layers):
             return  # decode_layer adds q/k/v biases only (Llama's attention_bias also has o_proj's)
-        big = all(lin.interleaved is not None or lin.onednn is not None or lin.blocks_only for lin in linears)
-        self.fused_decode_rows = ALL_ROWS if big else min(lin.small_rows for lin in linears)
-
-    def _release_tied_head(self) -> None:
-        """Serving: the tied head's big steps run on its interleaved blocks or a oneDNN-packed copy,
-        and lookups read the head's blocks. Only where their rows dequantize to the dense rows exactly."""
-        head, dense = self.lm_head, self.embed
-        if head.small is None or dense is None or dense is not head.weight:
-            return  # no blocks, or not tied
-        for start in range(0, self.vocab_size, 4096):
-            index = torch.arange(start, min(start + 4096, self.vocab_size))
-            if not torch.equal(head.small.rows(index), dense[index]):
-                log.warning("the embedding's blocks do not dequantize to its dense rows: head left dense")
-                return
-        head.release()
-        if head.weight is None:
-            self.embed, self.embed_blocks = None, head.small
-            if head.onednn is not None:  # its big steps left F.linear: probe against the packed copy
-                head.small_rows = head_rows(head, head.kernel)
+        self.fused_decode_rows = ALL_ROWS
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:

@@ -23,7 +23,7 @@ from rtserver.engine.gguf_file import GGUFFile
 from rtserver.engine.kv import KVCacheManager
 from rtserver.engine.model import load_model
 from rtserver.engine.plan import StepItem
-from rtserver.engine.runner import ModelRunner
+from rtserver.engine.runner import ALL_ROWS, ModelRunner
 from rtserver.engine.sequence import Sequence
 
 from ..components import missing
@@ -249,12 +249,14 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
     results = []
     for mode in ("torch", "fused", "unfused"):
         kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
-        runner = ModelRunner(copy.deepcopy(model), kv, 512)
-        if mode != "torch":
-            if mode == "fused":
-                runner.use_attention_kernel(kernel)
-            assert runner.use_quantized_blocks(blocks, kernel, 16) == 4 * cfg.num_hidden_layers + 1
-            assert runner.fused_decode_rows == (16 if mode == "fused" else 0)
+        on_blocks = {} if mode == "torch" else {"blocks": blocks, "kernel": kernel}
+        runner = ModelRunner(copy.deepcopy(model), kv, 512, **on_blocks)
+        if mode == "fused":
+            runner.use_attention_kernel(kernel)
+            runner.choose_fused_rows()
+        linears = [runner.lm_head, *(lin for L in runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down))]
+        assert sum(lin.blocks_only for lin in linears) == (0 if mode == "torch" else len(linears))
+        assert runner.fused_decode_rows == (ALL_ROWS if mode == "fused" else 0)
         torch.manual_seed(1)
         steps = []
         for m in (1, 2, 5, 16):
@@ -265,7 +267,7 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
                 seq.kv, _ = kv.acquire(ids, len(ids) + 2)
                 prefill.append(StepItem(seq, seq.kv, 0, ids, "last"))
                 seqs.append((seq, len(ids)))
-            runner.forward(prefill)  # the torch path
+            runner.forward(prefill)  # unfused
             items = [StepItem(seq, seq.kv, n, [11 + r], "last") for r, (seq, n) in enumerate(seqs)]
             steps.append(torch.cat(runner.forward(items)))
             for seq, _ in seqs:

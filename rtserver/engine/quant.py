@@ -379,13 +379,10 @@ def quantized_matmul(kernel: Any, x: torch.Tensor, w: BlockWeight) -> torch.Tens
     return kernel.blocks_mm(x, *w.args)
 
 
-def probe_panel_rows(runner: Any, kernel: Any, repeats: int = 3) -> int:
+def probe_panel_rows(kernel: Any, mlps: list[tuple[BlockWeight, BlockWeight]], repeats: int = 3) -> int:
     """The largest step size (1 to 64 rows) at which the small-step kernel clearly beats the panel path
-    on linears that have only their blocks. It times every layer's MLP, not one: one layer's weights
-    stay in cache and would time only the arithmetic."""
-    mlps = [
-        (L.gate_up.small, L.down.small) for L in runner.layers if L.gate_up.blocks_only and L.down.blocks_only
-    ]
+    on every layer's MLP blocks (gate/up, down), not one: one layer's weights stay in cache and would
+    time only the arithmetic."""
     if not mlps:
         return 1
 

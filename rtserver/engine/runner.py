@@ -8,7 +8,6 @@ it equal to transformers' own forward.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,8 +17,9 @@ import torch.nn.functional as F
 
 from .families import LayerNorms, RMSNorm, attention_scale, family_of, layer_norms, layer_windows, rope_tables
 from .kv import KVCacheManager, KVHandle
+from .linear import BlockEmbedding, BlockLinear, DenseEmbedding, FusedArgs, Linear, stored_linear
 from .plan import StepItem
-from .quant import BlockWeight, cat, quantized_matmul
+from .quant import BlockWeight, cat
 from .sampler import Sampler
 from .sequence import Sequence
 
@@ -28,135 +28,7 @@ log = logging.getLogger("rtserver.runner")
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-# Once the transformers weights are released (serving), float32 linears run from oneDNN-packed copies:
-# the weight is reordered once instead of on every call (F.linear reorders it each time), which makes
-# the GEMMs at the scheduler's step sizes faster. Results differ from F.linear only in float rounding.
-ONEDNN_LINEAR = True
-
-
-class Linear:
-    """y = x @ W.T + b, with the weight stored one of three ways (`storage`):
-    - None: dense in the model dtype (F.linear), or once the dense weight may go (`pack_onednn`), a
-      oneDNN-packed copy of a float32 weight;
-    - "float16": float16 weights, float32 math (fbgemm's fp16 GEMM converts them on the fly): fewer
-      bytes to stream per step (batch-1 decoding streams every weight), outputs equal up to rounding;
-    - "int8": per-output-channel int8 weights with activations quantized on the fly per batch (fbgemm's
-      dynamic linear): a quarter of the bytes, integer SIMD, answers change noticeably.
-
-    A linear may also hold its weight as a GGUF file's quantized blocks (`small`, see quant.py): steps
-    of at most `small_rows` rows (batch-1 decoding: every weight streamed for one token) multiply with
-    the blocks through the fused kernel, bigger steps (compute-bound) with the dense weight."""
-
-    small: BlockWeight | None = None
-    small_rows = 0
-    kernel: Any = None
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str | None = None):
-        self.out_features = weight.shape[0]
-        self.onednn: torch.Tensor | None = None
-        self.packed = None
-        self.storage = storage
-        if storage == "int8":
-            w = weight.detach().float()
-            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "quantized tensor creation is deprecated": still the API
-                qw = torch.quantize_per_channel(
-                    w, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8
-                )
-                self.packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
-            self.weight, self.bias = None, None
-            del w, qw
-        elif storage == "float16":
-            self.packed = torch.ops.quantized.linear_prepack_fp16(
-                weight.detach().float(), None if bias is None else bias.float()
-            )
-            self.weight, self.bias = None, None
-        elif storage is None:
-            self.weight, self.bias = weight, bias
-        else:
-            raise ValueError(f"unknown weight storage {storage!r}")
-
-    def pack_onednn(self) -> bool:
-        """Replace the dense float32 weight by a oneDNN-packed copy (the dense one is no longer held).
-        False (nothing changed) where oneDNN cannot take it."""
-        if self.weight is None or self.onednn is not None:
-            return False
-        packed = _onednn_pack(self.weight)
-        if packed is None:
-            return False
-        self.onednn, self.weight = packed, None
-        return True
-
-    def release(self) -> None:
-        """Serving: pack the dense weight for oneDNN."""
-        self.pack_onednn()
-
-    @classmethod
-    def of_blocks(cls, blocks: BlockWeight, bias: torch.Tensor | None, kernel: Any) -> Linear:
-        """A linear that has only its blocks (dtype gguf): every step multiplies with them, many-row
-        steps a panel of dequantized rows at a time (the kernel's choice); no dense weight exists."""
-        lin = cls.__new__(cls)
-        lin.out_features = blocks.shape[0]
-        lin.onednn, lin.packed, lin.storage = None, None, None
-        lin.weight, lin.bias = None, bias
-        lin.use_blocks(blocks, kernel, ALL_ROWS)
-        return lin
-
-    @property
-    def blocks_only(self) -> bool:
-        return self.small is not None and self.small_rows >= ALL_ROWS
-
-    def use_blocks(self, blocks: BlockWeight, kernel: Any, max_rows: int) -> None:
-        if blocks.shape != (self.out_features, blocks.shape[1]):
-            raise ValueError(f"blocks of shape {blocks.shape} do not fit {self.out_features} output rows")
-        self.small, self.kernel, self.small_rows = blocks, kernel, max_rows
-
-    def fused_args(self, rows: int) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
-        """The weight as the kernel's decode_layer takes it (per part: format, two tensors): its blocks."""
-        assert self.small is not None and rows <= self.small_rows
-        return self.small.args
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and x.shape[0] <= self.small_rows:
-            return self._on_blocks(x, self.small)
-        return self.big(x)
-
-    def big(self, x: torch.Tensor) -> torch.Tensor:
-        """The path of steps too big for the blocks."""
-        if self.storage == "float16":
-            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-        if self.packed is not None:
-            # reduce_range: 7-bit activations, so AVX2 u8*s8 pair sums cannot saturate int16 (no VNNI here)
-            return torch.ops.quantized.linear_dynamic(x, self.packed, True)
-        if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
-        assert self.weight is not None  # dense storage keeps its weight until pack_onednn replaces it
-        return F.linear(x, self.weight, self.bias)
-
-    def _on_blocks(self, x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor:
-        y = quantized_matmul(self.kernel, x.float().contiguous(), blocks)
-        return (y if self.bias is None else y + self.bias).to(x.dtype)
-
-
-ALL_ROWS = 1 << 30  # a step size limit no step reaches
 EMBED = "model.embed_tokens.weight"
-
-
-def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight reordered once into oneDNN's blocked layout (float32 only), or None where unavailable
-    (or where a probe disagrees with F.linear)."""
-    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-        probe = torch.linspace(-1, 1, 2 * weight.shape[1]).view(2, -1)
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-        if not torch.allclose(got, F.linear(probe, weight.detach()), rtol=1e-4, atol=1e-4):
-            return None
-        return packed
-    except (RuntimeError, AttributeError):
-        return None
 
 
 @dataclass
@@ -168,6 +40,20 @@ class _Layer:
     down: Linear
     window: int  # sliding attention window in tokens, 0 for the whole context
     rope: int  # which RoPE table the layer reads
+
+    @property
+    def linears(self) -> tuple[Linear, Linear, Linear, Linear]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+    def release(self) -> None:
+        """Serving: each linear becomes the one kept once the model's weights go."""
+        self.qkv, self.o, self.gate_up, self.down = (lin.release() for lin in self.linears)
+
+
+def _fused(lin: Linear) -> FusedArgs:
+    args = lin.fused_args()
+    assert args is not None  # choose_fused_decode runs fused only where every linear can
+    return args
 
 
 def _cat_bias(*linears) -> torch.Tensor | None:
@@ -311,8 +197,11 @@ class ModelRunner:
         inner: Any = model.model
         blocks = blocks or {}
         self._blocks, self._kernel = blocks, kernel
-        self.embed_blocks: BlockWeight | None = blocks.get(EMBED)  # lookups in the embedding's blocks
-        self.embed: torch.Tensor | None = None if self.embed_blocks is not None else inner.embed_tokens.weight
+        self.embed = (
+            BlockEmbedding(blocks[EMBED], self.dtype)
+            if EMBED in blocks
+            else DenseEmbedding(inner.embed_tokens.weight)
+        )
         # Gemma's embeddings are scaled by sqrt(hidden), in the model dtype as transformers rounds it.
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if self.family.scaled_embedding else 1.0)
         self.norm = RMSNorm(inner.norm.weight, self.eps, self.family.gemma_norms)
@@ -323,9 +212,9 @@ class ModelRunner:
         # embedding itself and held anyway.
         head = EMBED if getattr(cfg, "tie_word_embeddings", False) else "lm_head.weight"
         self.lm_head = (
-            Linear.of_blocks(blocks[head], None, kernel)
+            BlockLinear(blocks[head], None, kernel)
             if head in blocks
-            else Linear(model.lm_head.weight, None, "int8" if ws == "int8" else None)
+            else stored_linear(model.lm_head.weight, None, "int8" if ws == "int8" else None)
         )
         max_positions = min(max_positions, getattr(cfg, "max_position_embeddings", max_positions))
         self.max_positions = max_positions
@@ -363,7 +252,7 @@ class ModelRunner:
         self.vocab_size = self.lm_head.out_features
         self.sampler = Sampler()
         self.attention_kernel: Any = None  # see use_attention_kernel
-        self.fused_decode_rows = 0  # decode steps of up to this many rows run fused (choose_fused_rows)
+        self.fused_decode = False  # single-token decodes run fused (choose_fused_decode)
         if release_dense_weights:
             self.release_dense_weights()
 
@@ -375,10 +264,10 @@ class ModelRunner:
         keys = [f"model.layers.{li}.{where}.{n}.weight" for n in names]
         bias = _cat_bias(*subs) if len(subs) > 1 else subs[0].bias
         if all(k in self._blocks for k in keys):
-            return Linear.of_blocks(cat([self._blocks[k] for k in keys]), bias, self._kernel)
+            return BlockLinear(cat([self._blocks[k] for k in keys]), bias, self._kernel)
         ws = self.weight_storage
         weight = _fuse(*subs, share=ws is None) if len(subs) > 1 else subs[0].weight
-        return Linear(weight, bias, ws)
+        return stored_linear(weight, bias, ws)
 
     def release_dense_weights(self) -> None:
         """Serving only (the transformers model cannot run afterwards): drop the model's own weights.
@@ -391,14 +280,12 @@ class ModelRunner:
             # norms, a dense output head); packed linears need nothing of the modules after packing.
             for layer in self.model.model.layers:
                 _drop_parameters(layer)
-        elif ONEDNN_LINEAR and self.dtype == torch.float32:
+        elif self.dtype == torch.float32:
             # The runner keeps its own references to the tensors it still reads (embedding, norms, the
             # output head), so dropping the modules' parameters frees only what was packed.
             for L, layer in zip(self.layers, self.model.model.layers):
-                for lin in (L.qkv, L.o, L.gate_up, L.down):
-                    lin.release()
+                L.release()
                 _drop_parameters(layer)
-            self.choose_fused_rows()
         else:
             return
         _drop_parameters(self.model)
@@ -410,11 +297,10 @@ class ModelRunner:
         self.attention_kernel = kernel
         return True
 
-    def choose_fused_rows(self) -> None:
-        """Decode steps run fused (the kernel's decode_layer) where every linear has only its blocks:
-        a layer's many small torch ops cost a step more than one kernel call."""
-        linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
-        if not all(lin.blocks_only for lin in linears):
+    def choose_fused_decode(self) -> None:
+        """Decode steps run fused (the kernel's decode_layer) where every linear can: a layer's many
+        small torch ops cost a step more than one kernel call."""
+        if not all(lin.fused_args() is not None for L in self.layers for lin in L.linears):
             return
         if self.attention_kernel is None or self.dtype != torch.float32 or not self.family.plain:
             return
@@ -422,14 +308,10 @@ class ModelRunner:
             return  # decode_layer attends over whole contexts
         if any(L.o.bias is not None for L in self.layers):
             return  # decode_layer adds q/k/v biases only (Llama's attention_bias also has o_proj's)
-        self.fused_decode_rows = ALL_ROWS
+        self.fused_decode = True
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.embed is None:
-            assert self.embed_blocks is not None
-            x = self.embed_blocks.rows(ids).to(self.dtype)
-        else:
-            x = self.embed[ids]
+        x = self.embed(ids)
         return x * self.embed_scale.to(x.dtype) if self.family.scaled_embedding else x
 
     # -- pieces -------------------------------------------------------------------------------
@@ -548,14 +430,14 @@ class ModelRunner:
     def _fused_part(self, items: list[StepItem]) -> list[int]:
         """The items of a step that run each layer as one fused kernel call (engine/kernels/quant.cpp:
         decode_layer, the same arithmetic as `_layer`): its single-token decodes, when there are few
-        enough for `fused_decode_rows`; the rest of the step (prefill chunks, scoring) runs beside them
+        when `fused_decode` is on; the rest of the step (prefill chunks, scoring) runs beside them
         through torch ops, so a prompt arriving among 32 streams does not slow their step to torch's."""
         part = [
             i
             for i, it in enumerate(items)
             if len(it.tokens) == 1 and it.logits == "last" and it.pool_from is None and it.columns is None
         ]
-        return part if 0 < len(part) <= self.fused_decode_rows else []
+        return part if self.fused_decode else []
 
     @torch.inference_mode()
     def forward(
@@ -706,16 +588,15 @@ class ModelRunner:
     def _fused_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
         """Decoder layer `li` of a fused decode step: one call of the kernel's `decode_layer`."""
         L = self.layers[li]
-        rows = x.shape[0]
         return self.attention_kernel.decode_layer(
             x,
             L.norms.attn_in.weight,
-            *L.qkv.fused_args(rows),
+            *_fused(L.qkv),
             L.qkv.bias,
-            *L.o.fused_args(rows),
+            *_fused(L.o),
             L.norms.mlp_in.weight,
-            *L.gate_up.fused_args(rows),
-            *L.down.fused_args(rows),
+            *_fused(L.gate_up),
+            *_fused(L.down),
             lay.cos,
             lay.sin,
             self.kv.k[li],
@@ -760,14 +641,8 @@ class ModelRunner:
         return out
 
     def _column_logits(self, hs: torch.Tensor, columns: list[int]) -> torch.Tensor:
-        """Logits of a few vocabulary entries: those rows of the output head, not the whole matmul."""
-        if self.lm_head.packed is not None:  # int8: its rounding depends on the whole batch, so run it all
-            return self.lm_head(hs).float()[:, columns]
-        index = torch.tensor(columns)
-        if self.lm_head.weight is None:  # packed for big steps: the rows from its blocks, the same values
-            assert self.lm_head.small is not None
-            return F.linear(hs.float(), self.lm_head.small.rows(index))
-        return F.linear(hs, self.lm_head.weight[index]).float()
+        """Logits of a few vocabulary entries (the output head's way: see Linear.columns)."""
+        return self.lm_head.columns(hs, torch.tensor(columns))
 
     # -- label scoring ------------------------------------------------------------------------
     def score_labels(self, done: list[tuple[Sequence, torch.Tensor]]) -> None:

@@ -21,9 +21,10 @@ from rtserver.engine import quant
 from rtserver.engine.backend import SamplingParams
 from rtserver.engine.gguf_file import GGUFFile
 from rtserver.engine.kv import KVCacheManager
+from rtserver.engine.linear import BlockLinear
 from rtserver.engine.model import load_model
 from rtserver.engine.plan import StepItem
-from rtserver.engine.runner import ALL_ROWS, ModelRunner
+from rtserver.engine.runner import ModelRunner
 from rtserver.engine.sequence import Sequence
 
 from ..components import missing
@@ -253,10 +254,11 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
         runner = ModelRunner(copy.deepcopy(model), kv, 512, **on_blocks)
         if mode == "fused":
             runner.use_attention_kernel(kernel)
-            runner.choose_fused_rows()
-        linears = [runner.lm_head, *(lin for L in runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down))]
-        assert sum(lin.blocks_only for lin in linears) == (0 if mode == "torch" else len(linears))
-        assert runner.fused_decode_rows == (ALL_ROWS if mode == "fused" else 0)
+            runner.choose_fused_decode()
+        linears = [runner.lm_head, *(lin for L in runner.layers for lin in L.linears)]
+        on_blocks = sum(isinstance(lin, BlockLinear) for lin in linears)
+        assert on_blocks == (0 if mode == "torch" else len(linears))
+        assert runner.fused_decode == (mode == "fused")
         torch.manual_seed(1)
         steps = []
         for m in (1, 2, 5, 16):
@@ -345,13 +347,15 @@ async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
     for name, w in loaded.blocks.items():
         assert torch.equal(w.dequantize(), dense[name]), name
     # the probe times the machine; here steps of up to 4 rows take the small-step path
-    monkeypatch.setattr("rtserver.engine.core.probe_panel_rows", lambda runner, kernel: 4)
+    monkeypatch.setattr("rtserver.engine.core.probe_panel_rows", lambda kernel, mlps: 4)
     settings = EngineSettings(kv_budget_mb=32)
     engine = Engine(loaded, settings, release_dense_weights=True)
-    linears = [lin for L in engine.runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
-    assert all(lin.blocks_only and lin.weight is None for lin in [*linears, engine.runner.lm_head])
+    linears = [lin for L in engine.runner.layers for lin in L.linears]
+    assert all(isinstance(lin, BlockLinear) for lin in [*linears, engine.runner.lm_head])
     assert engine.health()["kernels"]["linears_on_blocks"] == "121 of 121"
-    assert any(isinstance(lin.small, quant.StackedWeight) for lin in linears)  # q/k Q5_0 beside v Q8_0
+    assert any(
+        isinstance(lin.blocks, quant.StackedWeight) for lin in linears if isinstance(lin, BlockLinear)
+    )  # q/k Q5_0 beside v Q8_0
     texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
     prompts = [chat_prompt(loaded.tokenizer, t) for t in texts]
     got = await _greedy_tokens(engine, prompts, 24)

@@ -15,9 +15,10 @@ from rtserver.config import EngineSettings
 from rtserver.engine import quant
 from rtserver.engine.backend import SamplingParams
 from rtserver.engine.kv import KVCacheManager
+from rtserver.engine.linear import BlockEmbedding, BlockLinear, OneDNNLinear
 from rtserver.engine.model import embedded_model_path, load_model
 from rtserver.engine.plan import StepItem
-from rtserver.engine.runner import ALL_ROWS, ModelRunner
+from rtserver.engine.runner import ModelRunner
 from rtserver.engine.sequence import Sequence
 
 from ..conftest import chat_prompt
@@ -172,8 +173,8 @@ def test_small_steps_on_the_blocks_answer_as_float32(smol, kernel, blocks):
         runner = ModelRunner(smol.model, kv, 512, **({"blocks": blocks, "kernel": kernel} if use else {}))
         if use:
             assert runner.use_attention_kernel(kernel)
-            runner.choose_fused_rows()
-            assert runner.fused_decode_rows == ALL_ROWS
+            runner.choose_fused_decode()
+            assert runner.fused_decode
         answers.append(_greedy(runner, kv, tok, prompts, 16))
     assert answers[1] == answers[0]
 
@@ -191,9 +192,11 @@ def test_engine_in_dtype_gguf_runs_every_linear_on_its_blocks_and_says_so(
     assert loaded.dtype_name == "gguf" and chosen["linears_on_blocks"] == "121 of 121"
     assert "Q4_1/Q8_0" in chosen["weights"] and "probe" in chosen["why"]
     runner = engine.runner
-    for lin in [runner.lm_head, *(lin for L in runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down))]:
-        assert lin.blocks_only and lin.weight is None and lin.onednn is None
-    assert runner.embed is None and runner.embed_blocks is not None
+    assert all(
+        isinstance(lin, BlockLinear)
+        for lin in [runner.lm_head, *(lin for L in runner.layers for lin in L.linears)]
+    )
+    assert isinstance(runner.embed, BlockEmbedding)
     prompts = [chat_prompt(smol.tokenizer, t) for t in ("Hi!", "Count from one to five.")]
     cfg = smol.model.config
     kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
@@ -237,8 +240,8 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
         runner = ModelRunner(copy.deepcopy(model), kv, 512, **on_blocks)
         if fused:
             runner.use_attention_kernel(kernel)
-            runner.choose_fused_rows()
-            assert runner.fused_decode_rows == ALL_ROWS
+            runner.choose_fused_decode()
+            assert runner.fused_decode
         torch.manual_seed(1)
         seqs = []
         for n in (3, 20, 41):
@@ -298,9 +301,10 @@ def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, bl
             runner.release_dense_weights()
             qkv = runner.layers[0].qkv
             if route == "onednn":
-                assert qkv.onednn is not None and qkv.weight is None
+                assert isinstance(qkv, OneDNNLinear)
             else:
-                assert runner.embed is None and runner.lm_head.weight is None and qkv.blocks_only
+                assert isinstance(runner.embed, BlockEmbedding) and isinstance(runner.lm_head, BlockLinear)
+                assert isinstance(qkv, BlockLinear)
         seqs = []
         for ids in prompts:
             seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())

@@ -7,8 +7,9 @@ import torch
 
 from rtserver.engine.backend import SamplingParams
 from rtserver.engine.kv import KVCacheManager
+from rtserver.engine.linear import stored_linear
 from rtserver.engine.plan import StepItem
-from rtserver.engine.runner import Linear, ModelRunner, _decode_groups
+from rtserver.engine.runner import ModelRunner, _decode_groups
 from rtserver.engine.sampler import Sampler, sampling_candidates
 from rtserver.engine.sequence import Sequence
 
@@ -97,7 +98,7 @@ def test_stored_linear_is_close_to_float32(storage, tolerance):
     weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96) * 0.1
     x = torch.randn(8, 64)
     exact = torch.nn.functional.linear(x, weight, bias)
-    approx = Linear(weight, bias, storage)(x)
+    approx = stored_linear(weight, bias, storage)(x)
     rel = (approx - exact).norm() / exact.norm()
     assert 0 < rel < tolerance, f"{storage} relative error {rel:.5f}"
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
+from .attention import AttentionPlan, KernelAttention, PagedAttention, rope
 from .families import LayerNorms, RMSNorm, attention_scale, family_of, layer_norms, layer_windows, rope_tables
 from .kv import KVCacheManager, KVHandle
 from .linear import BlockEmbedding, BlockLinear, DenseEmbedding, FusedArgs, Linear, stored_linear
@@ -90,59 +90,6 @@ def _drop_parameters(module: torch.nn.Module) -> None:
                 setattr(sub, name, torch.nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=False))
 
 
-def _context(pool: torch.Tensor, slots: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """The K or V of `slots` gathered from one layer's pool as [B, kv_heads, L, head_dim] (index_select:
-    a plain row gather, cheaper than advanced indexing's general path)."""
-    return pool.index_select(0, slots).view(shape).transpose(1, 2)
-
-
-def _decode_groups(items: list[StepItem]) -> list[list[int]]:
-    """Decode tokens (items of one token) grouped by context length for batched attention: a group's
-    contexts are padded to its longest, so a few long sessions beside many short streams get their own
-    call instead of making every short one gather and attend over the long padding. A new group costs
-    one more attention call per layer, so groups split only where padding would exceed about the
-    useful work."""
-    order = sorted((i for i, it in enumerate(items) if len(it.tokens) == 1), key=lambda i: items[i].start)
-    groups: list[list[int]] = []
-    group: list[int] = []
-    useful = 0
-    for i in order:
-        ctx = items[i].start + 1
-        if group and (len(group) + 1) * ctx > 2 * (useful + ctx) + 1024:
-            groups.append(group)
-            group, useful = [], 0
-        group.append(i)
-        useful += ctx
-    if group:
-        groups.append(group)
-    return groups
-
-
-def _prefill_groups(items: list[StepItem]) -> list[list[int]]:
-    """Prefill chunks (items of more than one token) grouped for batched attention: similar sizes
-    together, so that padding to the group's longest chunk and context costs at most about twice the
-    useful work (many short task prompts share one call; a long chat chunk keeps its own)."""
-    order = sorted(
-        (i for i, it in enumerate(items) if len(it.tokens) > 1),
-        key=lambda i: (items[i].start + len(items[i].tokens), len(items[i].tokens)),
-    )
-    groups: list[list[int]] = []
-    group: list[int] = []
-    useful = n_max = ctx_max = 0
-    for i in order:
-        n, ctx = len(items[i].tokens), items[i].start + len(items[i].tokens)
-        new_n, new_ctx = max(n_max, n), max(ctx_max, ctx)
-        if group and (len(group) + 1) * new_n * new_ctx > 2 * (useful + n * ctx) + 4096:
-            groups.append(group)
-            group, useful, new_n, new_ctx = [], 0, n, ctx
-        group.append(i)
-        useful += n * ctx
-        n_max, ctx_max = new_n, new_ctx
-    if group:
-        groups.append(group)
-    return groups
-
-
 @dataclass
 class _Layout:
     """Where a step's rows come from and go: index tensors and masks built once per step (and again
@@ -156,12 +103,9 @@ class _Layout:
     wanted_rows: list[int]  # rows whose hidden state leaves the last layer
     wanted: torch.Tensor
     spans: list[tuple[int, int] | None]  # per item: (first wanted row, count) or None
-    # attention calls of the torch path (see _decode_group / _prefill_group)
-    decodes: list[tuple] = field(default_factory=list)
-    prefills: list[tuple] = field(default_factory=list)
-    # the same for sliding-window layers (attending to the last `window` positions only)
-    local_decodes: list[tuple] = field(default_factory=list)
-    local_prefills: list[tuple] = field(default_factory=list)
+    # attention calls of the torch path, and of sliding-window layers (the last `window` positions)
+    attention: AttentionPlan = field(default_factory=AttentionPlan)
+    local: AttentionPlan = field(default_factory=AttentionPlan)
     # RoPE of the rows' positions, per table (Gemma's local and global layers differ)
     rope: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # the fused path: each row's context slots and length
@@ -190,7 +134,6 @@ class ModelRunner:
         self.n_heads: int = cfg.num_attention_heads
         self.n_kv: int = cfg.num_key_value_heads
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.group = self.n_heads // self.n_kv
         self.eps: float = cfg.rms_norm_eps
         self.scale = attention_scale(cfg, self.head_dim)
         # The decoder stack (LlamaModel / Qwen2Model): its submodules are read by their transformers names.
@@ -251,6 +194,7 @@ class ModelRunner:
         self.last_layers: tuple[int, ...] = (len(self.layers) // 6,)
         self.vocab_size = self.lm_head.out_features
         self.sampler = Sampler()
+        self.attention = PagedAttention(self.n_heads, self.n_kv, self.head_dim, self.scale)
         self.attention_kernel: Any = None  # see use_attention_kernel
         self.fused_decode = False  # single-token decodes run fused (choose_fused_decode)
         if release_dense_weights:
@@ -295,6 +239,7 @@ class ModelRunner:
         if self.kv.k.dtype != torch.float32:
             return False
         self.attention_kernel = kernel
+        self.attention = KernelAttention(self.n_heads, self.n_kv, self.head_dim, self.scale, kernel)
         return True
 
     def choose_fused_decode(self) -> None:
@@ -313,72 +258,6 @@ class ModelRunner:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         return x * self.embed_scale.to(x.dtype) if self.family.scaled_embedding else x
-
-    # -- pieces -------------------------------------------------------------------------------
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = self.head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
-    def _prefill_group(
-        self, items: list[StepItem], group: list[int], row_offsets: list[int], window: int = 0
-    ) -> tuple:
-        """Index tensors and mask for one attention call over several prefill chunks: queries padded to
-        the longest chunk, contexts to the longest context (padding reads the zero block, masked out;
-        padded query rows see position 0 only and are dropped). A `window` also masks out keys that many
-        positions back or more, as a sliding-window layer does."""
-        n = max(len(items[i].tokens) for i in group)
-        ctx = max(items[i].start + len(items[i].tokens) for i in group)
-        B = len(group)
-        q_index = torch.empty(B, n, dtype=torch.long)
-        ctx_index = torch.zeros(B, ctx, dtype=torch.long)
-        q_pos = torch.zeros(B, n, dtype=torch.long)
-        src, dst = [], []
-        for b, i in enumerate(group):
-            it = items[i]
-            m, end = len(it.tokens), it.start + len(it.tokens)
-            rows = torch.arange(row_offsets[i], row_offsets[i] + m)
-            q_index[b, :m] = rows
-            q_index[b, m:] = row_offsets[i]
-            q_pos[b, :m] = torch.arange(it.start, end)
-            ctx_index[b, :end] = it.kv.slots[:end]
-            src.append(torch.arange(b * n, b * n + m))
-            dst.append(rows)
-        key_pos = torch.arange(ctx)[None, None, :]
-        mask = key_pos <= q_pos[:, :, None]  # [B, n, ctx]: causal with offset
-        if window:
-            mask &= key_pos > q_pos[:, :, None] - window
-        # rows ordered (group member, query position), as the queries are laid out
-        mask = mask[:, None].expand(B, self.group, n, ctx).reshape(B, 1, self.group * n, ctx)
-        src_t = torch.cat(src)
-        padded = src_t.numel() != B * n
-        return (
-            q_index,
-            ctx_index.view(-1),
-            (B, ctx, self.n_kv, self.head_dim),
-            mask,
-            src_t if padded else None,
-            torch.cat(dst),
-        )
-
-    def _decode_group(
-        self, items: list[StepItem], group: list[int], row_offsets: list[int], window: int = 0
-    ) -> tuple:
-        """Rows, gathered context slots and mask for one attention call over several decode tokens
-        (contexts padded to the group's longest with the zero block, masked out). With a `window`, each
-        context is its last `window` positions."""
-        ends = [items[i].start + 1 for i in group]
-        lengths = [min(end, window) for end in ends] if window else ends
-        lmax = max(lengths)
-        ctx_index = torch.zeros(len(group), lmax, dtype=torch.long)
-        for r, i in enumerate(group):
-            ctx_index[r, : lengths[r]] = items[i].kv.slots[ends[r] - lengths[r] : ends[r]]
-        mask = None  # every context of the group has the same length: nothing padded to mask out
-        if min(lengths) < lmax:
-            mask = (torch.arange(lmax)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
-        rows = torch.tensor([row_offsets[i] for i in group], dtype=torch.long)
-        shape = (len(group), lmax, self.n_kv, self.head_dim)
-        return rows, ctx_index.view(-1), shape, mask, ctx_index, torch.tensor(lengths, dtype=torch.long)
 
     # -- the forward ----------------------------------------------------------------------------
     def _layout(self, items: list[StepItem], fused: bool) -> _Layout:
@@ -416,15 +295,12 @@ class ModelRunner:
             spans=spans,
         )
         if fused:  # each row's context slots and length, read in place by the kernel: one decode group
-            *_, lay.table, lay.lengths = self._decode_group(items, list(range(len(items))), row_offsets)
+            call = self.attention.decode_call(items, list(range(len(items))), row_offsets)
+            lay.table, lay.lengths = call.table, call.lengths
         else:
-            decode_groups, prefill_groups = _decode_groups(items), _prefill_groups(items)
-            lay.decodes = [self._decode_group(items, g, row_offsets) for g in decode_groups]
-            lay.prefills = [self._prefill_group(items, g, row_offsets) for g in prefill_groups]
+            lay.attention = self.attention.plan(items, row_offsets)
             if self.window:
-                w = self.window
-                lay.local_decodes = [self._decode_group(items, g, row_offsets, w) for g in decode_groups]
-                lay.local_prefills = [self._prefill_group(items, g, row_offsets, w) for g in prefill_groups]
+                lay.local = self.attention.plan(items, row_offsets, self.window)
         return lay
 
     def _fused_part(self, items: list[StepItem]) -> list[int]:
@@ -538,36 +414,13 @@ class ModelRunner:
         if self.family.qk_norm:
             qk = torch.cat([L.norms.q(qk[:, : self.n_heads]), L.norms.k(qk[:, self.n_heads :])], 1)
         cos, sin = lay.rope[L.rope]
-        qk = self._rope(qk, cos[:, None, :], sin[:, None, :])
+        qk = rope(qk, cos[:, None, :], sin[:, None, :])
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
         kl, vl = self.kv.k[li], self.kv.v[li]
         kl.index_copy_(0, lay.write_slots, k)
         vl.index_copy_(0, lay.write_slots, v)
-        attn = torch.empty(T, self.n_kv, self.group, self.head_dim, dtype=x.dtype)
-        local = L.window > 0
-        decodes = lay.local_decodes if local else lay.decodes
-        prefills = lay.local_prefills if local else lay.prefills
-        for rows, ctx_index, ctx_shape, mask, ctx_slots, lengths in decodes:
-            if self.attention_kernel is not None:  # reads the pool in place: no gather, no mask
-                kernel = self.attention_kernel
-                o = kernel.decode_attention(q[rows], kl, vl, ctx_slots, lengths, self.scale)
-                attn[rows] = o.view(-1, self.n_kv, self.group, self.head_dim)
-                continue
-            # [B, kv, group, d] queries against [B, kv, L, d] keys: GQA without repeating K/V.
-            qd = q[rows].view(-1, self.n_kv, self.group, self.head_dim)
-            kd, vd = _context(kl, ctx_index, ctx_shape), _context(vl, ctx_index, ctx_shape)
-            attn[rows] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
-        for q_index, ctx_index, ctx_shape, mask, src, dst in prefills:
-            B, n = q_index.shape
-            qp = q[q_index].view(B, n, self.n_kv, self.group, self.head_dim)
-            qp = qp.permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, self.group * n, self.head_dim)
-            kp, vp = _context(kl, ctx_index, ctx_shape), _context(vl, ctx_index, ctx_shape)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale)
-            o = o.view(B, self.n_kv, self.group, n, self.head_dim).permute(0, 3, 1, 2, 4)
-            o = o.reshape(B * n, self.n_kv, self.group, self.head_dim)
-            attn[dst] = o if src is None else o[src]
-        attn = attn.view(T, self.q_size)
+        attn = self.attention(q, kl, vl, lay.local if L.window > 0 else lay.attention)
         if li == len(self.layers) - 1 and len(lay.wanted_rows) < T:
             # Past the last layer's K/V only the rows that give logits matter: the rest skip its
             # output projection and MLP (row-wise operations, so the kept rows are unchanged).

@@ -8,7 +8,6 @@ it equal to transformers' own forward.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,12 +15,11 @@ import torch
 
 from .attention import AttentionPlan, KernelAttention, PagedAttention, rope
 from .families import LayerNorms, RMSNorm, attention_scale, family_of, layer_norms, layer_windows, rope_tables
-from .kv import KVCacheManager, KVHandle
+from .kv import KVCacheManager
 from .linear import BlockEmbedding, BlockLinear, DenseEmbedding, FusedArgs, Linear, stored_linear
 from .plan import StepItem
 from .quant import BlockWeight, cat
-from .sampler import Sampler
-from .sequence import Sequence
+from .step import Features, Forward, Join, StepRunner
 
 log = logging.getLogger("rtserver.runner")
 
@@ -112,8 +110,52 @@ class _Layout:
     table: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
 
+    @classmethod
+    def empty(cls) -> _Layout:
+        none = torch.empty(0, dtype=torch.long)
+        return cls(none, none, none, none, [], [], none, [])
 
-class ModelRunner:
+
+class _Rows:
+    """One group of a step's rows (the fused decodes, or the rest): its items, layout, residual stream
+    and what it pools for features."""
+
+    def __init__(self, runner: ModelRunner, items: list[StepItem], fused: bool):
+        self.items = items
+        self.lay = runner._layout(items, fused) if items else _Layout.empty()
+        self.x: torch.Tensor | None = runner._embed(self.lay.ids) if items else None
+        self._runner = runner
+        # (sums, first row, end) per item that pools; (states, row) per item that keeps its last row
+        self.pooling: list[tuple[list[torch.Tensor], int, int]] = []
+        self.lasts: list[tuple[list[torch.Tensor], int]] = []
+        self.features: list[Features | None] = [self._features(i, it) for i, it in enumerate(items)]
+
+    def _features(self, i: int, it: StepItem) -> Features | None:
+        """An item that pools hidden states (a learned head's features): its rows at positions from
+        pool_from on, summed after each pool layer; its last row's state at the last layers."""
+        if it.pool_from is None:
+            return None
+        f = Features()
+        skip = max(0, it.pool_from - it.start)
+        first, end = self.lay.row_offsets[i], self.lay.row_offsets[i] + len(it.tokens)
+        if skip < len(it.tokens):
+            f.rows = len(it.tokens) - skip
+            self.pooling.append((f.sums, first + skip, end))
+        if it.logits == "last":
+            f.last = []
+            self.lasts.append((f.last, end - 1))
+        return f
+
+    def join(self, items: list[StepItem], caught_up: torch.Tensor) -> None:
+        """Items joining before a layer, with their residual stream caught up to it. Rows are appended,
+        so the rows (and pooled ranges) of the items already here stay."""
+        self.items = [*self.items, *items]
+        self.features += [None] * len(items)
+        self.x = caught_up if self.x is None else torch.cat([self.x, caught_up])
+        self.lay = self._runner._layout(self.items, fused=False)
+
+
+class ModelRunner(StepRunner):
     def __init__(
         self,
         model: PreTrainedModel,
@@ -193,7 +235,6 @@ class ModelRunner:
         self.pool_layers: tuple[int, ...] = tuple(range(0, len(self.layers) - 1, 2)) or (0,)
         self.last_layers: tuple[int, ...] = (len(self.layers) // 6,)
         self.vocab_size = self.lm_head.out_features
-        self.sampler = Sampler()
         self.attention = PagedAttention(self.n_heads, self.n_kv, self.head_dim, self.scale)
         self.attention_kernel: Any = None  # see use_attention_kernel
         self.fused_decode = False  # single-token decodes run fused (choose_fused_decode)
@@ -316,11 +357,9 @@ class ModelRunner:
         return part if self.fused_decode else []
 
     @torch.inference_mode()
-    def forward(
-        self, items: list[StepItem], join: Callable[[int], list[StepItem]] | None = None
-    ) -> list[torch.Tensor | None]:
-        """Run one step; returns per item the fp32 logits it asked for ([n, vocab], or [n, len(columns)])
-        or None.
+    def run(self, items: list[StepItem], join: Join | None = None) -> Forward:
+        """Run one step: per item the fp32 logits it asked for ([n, vocab], or [n, len(columns)]) or
+        None, and its hidden-state features where it pools them.
 
         `join`, when given, is asked before every layer but the first for more items: prompts that
         arrived while this step runs, so that they need not wait for the next one (a step of many
@@ -328,62 +367,28 @@ class ModelRunner:
         step's rows; they are appended to `items` and get their logits with the others. Joining items
         prefill whole prompts (logits "last", no pooled features)."""
         fused_idx = self._fused_part(items)
-        fused_items = [items[i] for i in fused_idx]
         in_fused = set(fused_idx)
         rest_idx = [i for i in range(len(items)) if i not in in_fused]
-        rest = [items[i] for i in rest_idx]
-        # Two groups of rows, each with its own layout: the fused decodes (x_f) and the rest (x).
-        lay_f = self._layout(fused_items, fused=True) if fused_items else None
-        x_f = self._embed(lay_f.ids) if lay_f is not None else None
-        lay = self._layout(rest, fused=False) if rest else None
-        x = self._embed(lay.ids) if lay is not None else None
-        pooling, lasts = self._pooled_rows(rest, lay) if lay is not None else ([], [])
+        fused = _Rows(self, [items[i] for i in fused_idx], fused=True)
+        rest = _Rows(self, [items[i] for i in rest_idx], fused=False)
         for li in range(len(self.layers)):
             new = join(li) if join is not None and li > 0 else None
             if new:
                 assert all(it.logits == "last" and it.pool_from is None and not it.columns for it in new)
-                caught_up = self._catch_up(new, li)
                 rest_idx += range(len(items), len(items) + len(new))
                 items.extend(new)
-                rest = [*rest, *new]
-                # Rows are appended, so the rows (and pooled ranges) of the items already here stay.
-                x = caught_up if x is None else torch.cat([x, caught_up])
-                lay = self._layout(rest, fused=False)
-            if x_f is not None:
-                assert lay_f is not None
-                x_f = self._fused_layer(li, lay_f, x_f)
-            if x is not None:
-                assert lay is not None
-                x = self._layer(li, lay, x, pooling, lasts)  # None past the last layer: no row asked
-        out: list[torch.Tensor | None] = [None] * len(items)
-        if x_f is not None:
-            assert lay_f is not None
-            for i, logits in zip(fused_idx, self._logits(fused_items, lay_f, x_f)):
-                out[i] = logits
-        if x is not None:
-            assert lay is not None
-            for i, logits in zip(rest_idx, self._logits(rest, lay, x)):
-                out[i] = logits
+                rest.join(new, self._catch_up(new, li))
+            fused.x = None if fused.x is None else self._fused_layer(li, fused.lay, fused.x)
+            if rest.x is not None:  # None past the last layer: no row asked
+                rest.x = self._layer(li, rest.lay, rest.x, rest.pooling, rest.lasts)
+        out = Forward([None] * len(items), [None] * len(items))
+        for idx, rows in ((fused_idx, fused), (rest_idx, rest)):
+            logits = self._logits(rows.items, rows.lay, rows.x, rows.features) if rows.x is not None else []
+            for i, lg in zip(idx, logits):
+                out.logits[i] = lg
+            for i, f in zip(idx, rows.features):
+                out.features[i] = f
         return out
-
-    def _pooled_rows(
-        self, items: list[StepItem], lay: _Layout
-    ) -> tuple[list[tuple[list[torch.Tensor], int, int]], list[tuple[list[torch.Tensor], int]]]:
-        """Items that pool hidden states (a learned head's features): their rows at positions from
-        pool_from on, summed after each pool layer; their last row's state at the last layers."""
-        pooling: list[tuple[list[torch.Tensor], int, int]] = []
-        lasts: list[tuple[list[torch.Tensor], int]] = []
-        for i, it in enumerate(items):
-            if it.pool_from is not None:
-                skip = max(0, it.pool_from - it.start)
-                first, end = lay.row_offsets[i], lay.row_offsets[i] + len(it.tokens)
-                if skip < len(it.tokens):
-                    it.pooled = ([], len(it.tokens) - skip)
-                    pooling.append((it.pooled[0], first + skip, end))
-                if it.logits == "last":
-                    it.last_hidden = []
-                    lasts.append((it.last_hidden, end - 1))
-        return pooling, lasts
 
     def _catch_up(self, items: list[StepItem], layers: int) -> torch.Tensor:
         """The residual stream of items joining a step before layer `layers`: the layers before it."""
@@ -462,15 +467,18 @@ class ModelRunner:
             self.scale,
         )
 
-    def _logits(self, items: list[StepItem], lay: _Layout, x: torch.Tensor) -> list[torch.Tensor | None]:
-        """Logits only where someone needs them, and only the columns asked for."""
+    def _logits(
+        self, items: list[StepItem], lay: _Layout, x: torch.Tensor, features: list[Features | None]
+    ) -> list[torch.Tensor | None]:
+        """Logits only where someone needs them, and only the columns asked for; the final hidden
+        state of items whose features keep it."""
         hs = self.norm(x)
         out: list[torch.Tensor | None] = [None] * len(items)
         asked = {i: span for i, span in enumerate(lay.spans) if span is not None}
         for i, span in asked.items():
-            item_states = items[i].last_hidden
-            if item_states is not None:
-                item_states.insert(0, hs[span[0] + span[1] - 1].float())
+            f = features[i]
+            if f is not None and f.last is not None:
+                f.last.insert(0, hs[span[0] + span[1] - 1].float())
         full = [i for i in asked if items[i].columns is None]
         if full:
             rows = [r for i in full for r in range(asked[i][0], asked[i][0] + asked[i][1])]
@@ -496,38 +504,3 @@ class ModelRunner:
     def _column_logits(self, hs: torch.Tensor, columns: list[int]) -> torch.Tensor:
         """Logits of a few vocabulary entries (the output head's way: see Linear.columns)."""
         return self.lm_head.columns(hs, torch.tensor(columns))
-
-    # -- label scoring ------------------------------------------------------------------------
-    def score_labels(self, done: list[tuple[Sequence, torch.Tensor]]) -> None:
-        """Set `seq.scores` for sequences whose prompt is computed, given each one's logits row at the
-        prompt's last position. A candidate's first token is scored from that row: its log-softmax over
-        the vocabulary, or with `score_columns` its raw logit (the log-normaliser left out is the same for
-        every candidate of the prompt). Candidates longer than one token are teacher-forced in the
-        sequence's own KV past its prompt (room reserved at admission, never shared, never kept): round
-        r computes the r-th such candidate of every sequence in one forward."""
-        longer: list[list[tuple[Sequence, KVHandle, list[float], int, list[int]]]] = []
-        for seq, row in done:
-            assert seq.candidates is not None and seq.kv is not None
-            if seq.score_columns is None:
-                logprobs = torch.log_softmax(row, -1)
-                scores = [float(logprobs[c[0]]) for c in seq.candidates]
-            else:
-                column = {t: j for j, t in enumerate(seq.score_columns)}
-                scores = [float(row[column[c[0]]]) for c in seq.candidates]
-            seq.scores = scores
-            for r, (i, cand) in enumerate((i, c) for i, c in enumerate(seq.candidates) if len(c) > 1):
-                if r == len(longer):
-                    longer.append([])
-                longer[r].append((seq, seq.kv, scores, i, cand))
-        for group in longer:
-            outs = self.forward(
-                [StepItem(seq, kv, seq.num_computed, cand[:-1], "all") for seq, kv, _, _, cand in group]
-            )
-            for (_, _, scores, i, cand), out in zip(group, outs):
-                assert out is not None
-                lp = torch.log_softmax(out, -1)
-                scores[i] += float(lp[torch.arange(len(cand) - 1), torch.tensor(cand[1:])].sum())
-
-    # -- sampling -------------------------------------------------------------------------------
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
-        return self.sampler.sample(seqs, logits)

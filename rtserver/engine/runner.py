@@ -1,8 +1,9 @@
-"""Model runner: one batched forward for a step plan over the paged KV pool, then sampling.
+"""Model runner: one batched forward for a step plan over the paged KV pool.
 
-A lean Llama/Qwen2 block over the loaded weights runs every token of the step through the linears as
-one batch; only attention is grouped per sequence. Index tensors are built once per step. Tests keep
-it equal to transformers' own forward.
+A lean Llama/Qwen2 block over the loaded weights (layers.py) runs every token of the step through the
+linears as one batch; only attention is grouped per sequence (attention.py). Index tensors are built
+once per step. Sampling and label scoring over its logits are StepRunner's (step.py). Tests keep it
+equal to transformers' own forward.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .attention import AttentionPlan, KernelAttention, PagedAttention, rope
-from .families import LayerNorms, RMSNorm, attention_scale, family_of, layer_norms, layer_windows, rope_tables
+from .families import attention_scale, family_of, layer_windows, rope_tables
 from .kv import KVCacheManager
-from .linear import BlockEmbedding, BlockLinear, DenseEmbedding, FusedArgs, Linear, stored_linear
+from .layers import Weights
+from .linear import FusedArgs, Linear
 from .plan import StepItem
-from .quant import BlockWeight, cat
+from .quant import BlockWeight
 from .step import Features, Forward, Join, StepRunner
 
 log = logging.getLogger("rtserver.runner")
@@ -26,66 +28,11 @@ log = logging.getLogger("rtserver.runner")
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-EMBED = "model.embed_tokens.weight"
-
-
-@dataclass
-class _Layer:
-    norms: LayerNorms
-    qkv: Linear
-    o: Linear
-    gate_up: Linear
-    down: Linear
-    window: int  # sliding attention window in tokens, 0 for the whole context
-    rope: int  # which RoPE table the layer reads
-
-    @property
-    def linears(self) -> tuple[Linear, Linear, Linear, Linear]:
-        return self.qkv, self.o, self.gate_up, self.down
-
-    def release(self) -> None:
-        """Serving: each linear becomes the one kept once the model's weights go."""
-        self.qkv, self.o, self.gate_up, self.down = (lin.release() for lin in self.linears)
-
 
 def _fused(lin: Linear) -> FusedArgs:
     args = lin.fused_args()
     assert args is not None  # choose_fused_decode runs fused only where every linear can
     return args
-
-
-def _cat_bias(*linears) -> torch.Tensor | None:
-    biases = [lin.bias for lin in linears]
-    if all(b is None for b in biases):
-        return None
-    return torch.cat(
-        [
-            b if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype)
-            for b, lin in zip(biases, linears)
-        ]
-    )
-
-
-def _fuse(*linears: torch.nn.Linear, share: bool = True) -> torch.Tensor:
-    """One weight for several linears over the same input. With `share` the modules keep views into
-    it, so the transformers model still works (tests compare against it) and no weight is held twice;
-    without (int8, float16: the fused copy only feeds the packing) the modules are left alone."""
-    fused = torch.cat([lin.weight for lin in linears]).contiguous()
-    if not share:
-        return fused
-    row = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = torch.nn.Parameter(fused[row : row + n], requires_grad=False)
-        row += n
-    return fused
-
-
-def _drop_parameters(module: torch.nn.Module) -> None:
-    for sub in module.modules():
-        for name, param in list(sub.named_parameters(recurse=False)):
-            if param.numel():
-                setattr(sub, name, torch.nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=False))
 
 
 @dataclass
@@ -180,49 +127,19 @@ class ModelRunner(StepRunner):
         self.scale = attention_scale(cfg, self.head_dim)
         # The decoder stack (LlamaModel / Qwen2Model): its submodules are read by their transformers names.
         inner: Any = model.model
-        blocks = blocks or {}
-        self._blocks, self._kernel = blocks, kernel
-        self.embed = (
-            BlockEmbedding(blocks[EMBED], self.dtype)
-            if EMBED in blocks
-            else DenseEmbedding(inner.embed_tokens.weight)
-        )
         # Gemma's embeddings are scaled by sqrt(hidden), in the model dtype as transformers rounds it.
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if self.family.scaled_embedding else 1.0)
-        self.norm = RMSNorm(inner.norm.weight, self.eps, self.family.gemma_norms)
-        ws = weight_storage
-        self.weight_storage = ws
-        # The output head stays dense under float16 storage: fbgemm pads narrow rows (576 wide here) to
-        # a larger block, so the packed head is no smaller than the dense one, which is usually the
-        # embedding itself and held anyway.
-        head = EMBED if getattr(cfg, "tie_word_embeddings", False) else "lm_head.weight"
-        self.lm_head = (
-            BlockLinear(blocks[head], None, kernel)
-            if head in blocks
-            else stored_linear(model.lm_head.weight, None, "int8" if ws == "int8" else None)
-        )
+        self.weight_storage = weight_storage
         max_positions = min(max_positions, getattr(cfg, "max_position_embeddings", max_positions))
         self.max_positions = max_positions
         self.rope, rope_of_layer = rope_tables(cfg, inner.rotary_emb, max_positions, self.dtype)
         self.cos, self.sin = self.rope[0]  # the fused path's (plain families have one table)
-        windows = layer_windows(cfg)
-        self.window = max(windows)  # one window size per model: the sliding layers'
-        self.layers: list[_Layer] = []
-        for li, layer in enumerate(inner.layers):
-            att, mlp = layer.self_attn, layer.mlp
-            self.layers.append(
-                _Layer(
-                    norms=layer_norms(self.family, layer, self.eps),
-                    qkv=self._linear(li, ("q_proj", "k_proj", "v_proj"), att),
-                    o=self._linear(li, ("o_proj",), att),
-                    gate_up=self._linear(li, ("gate_proj", "up_proj"), mlp),
-                    down=self._linear(li, ("down_proj",), mlp),
-                    window=windows[li],
-                    rope=rope_of_layer[li],
-                )
-            )
-            if release_dense_weights and ws is not None:
-                _drop_parameters(layer)  # now, not after the loop: never both copies of every layer
+        self.window = max(layer_windows(cfg))  # one window size per model: the sliding layers'
+        self.weights = Weights(
+            model, self.family, weight_storage, blocks or {}, kernel, rope_of_layer, release_dense_weights
+        )
+        w = self.weights
+        self.embed, self.norm, self.lm_head, self.layers = w.embed, w.norm, w.lm_head, w.layers
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.inter = self.layers[0].gate_up.out_features // 2
@@ -241,39 +158,9 @@ class ModelRunner(StepRunner):
         if release_dense_weights:
             self.release_dense_weights()
 
-    def _linear(self, li: int, names: tuple[str, ...], module: Any) -> Linear:
-        """One linear of layer `li` over the submodules `names` of `module` (several: fused side by
-        side), on its blocks where all of them have blocks."""
-        subs = [getattr(module, n) for n in names]
-        where = "self_attn" if names[0].endswith(("q_proj", "o_proj")) else "mlp"
-        keys = [f"model.layers.{li}.{where}.{n}.weight" for n in names]
-        bias = _cat_bias(*subs) if len(subs) > 1 else subs[0].bias
-        if all(k in self._blocks for k in keys):
-            return BlockLinear(cat([self._blocks[k] for k in keys]), bias, self._kernel)
-        ws = self.weight_storage
-        weight = _fuse(*subs, share=ws is None) if len(subs) > 1 else subs[0].weight
-        return stored_linear(weight, bias, ws)
-
     def release_dense_weights(self) -> None:
-        """Serving only (the transformers model cannot run afterwards): drop the model's own weights.
-        int8 / float16 storage: its dense linear weights are dead weight (with `release_dense_weights`
-        at construction each layer's go as soon as its packed copies exist). float32: the linears move
-        to oneDNN-packed copies, one layer at a time, so memory never holds both copies of more than
-        one layer."""
-        if self.weight_storage is not None:
-            # The runner keeps its own references to the few dense tensors it still reads (embedding,
-            # norms, a dense output head); packed linears need nothing of the modules after packing.
-            for layer in self.model.model.layers:
-                _drop_parameters(layer)
-        elif self.dtype == torch.float32:
-            # The runner keeps its own references to the tensors it still reads (embedding, norms, the
-            # output head), so dropping the modules' parameters frees only what was packed.
-            for L, layer in zip(self.layers, self.model.model.layers):
-                L.release()
-                _drop_parameters(layer)
-        else:
-            return
-        _drop_parameters(self.model)
+        """Serving only (the transformers model cannot run afterwards): see Weights.release."""
+        self.weights.release()  # the layers' linears are replaced in place
 
     def use_attention_kernel(self, kernel: Any) -> bool:
         """Decode attention through the kernel's `decode_attention` (float32 KV pools only)."""

@@ -16,10 +16,11 @@ from typing import Any
 from ..config import EngineSettings
 from .backend import BackendHealth, BackendStats, FinishReason, SamplingParams, SequenceResult, TokenEvent
 from .kv import KVCacheManager
+from .linear import BlockLinear
 from .model import LoadedModel
 from .openmp import release_pool
 from .quant import probe_panel_rows
-from .runner import ALL_ROWS, ModelRunner
+from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerLimits, StepEvent
 from .sequence import Sequence
 
@@ -125,11 +126,16 @@ class Engine:
             return {"weights": "float32", "why": loaded.blocks_why or "no supported block types in the file"}
         runner = self.runner
         runner.use_attention_kernel(kernel)
-        linears = [lin for L in runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [runner.lm_head]
-        on_blocks = [lin for lin in linears if lin.blocks_only]
-        rows = probe_panel_rows(runner, kernel)
+        linears = [lin for L in runner.layers for lin in L.linears] + [runner.lm_head]
+        on_blocks = [lin for lin in linears if isinstance(lin, BlockLinear)]
+        mlps = [
+            (L.gate_up.blocks, L.down.blocks)
+            for L in runner.layers
+            if isinstance(L.gate_up, BlockLinear) and isinstance(L.down, BlockLinear)
+        ]
+        rows = probe_panel_rows(kernel, mlps)
         kernel.set_panel_rows(rows)
-        runner.choose_fused_rows()
+        runner.choose_fused_decode()
         formats = sorted({b.format for b in loaded.blocks.values()})
         log.info(
             "%d of %d linears on GGUF blocks (%s); panels above %d rows",
@@ -138,13 +144,12 @@ class Engine:
             ", ".join(formats),
             rows,
         )
-        fused = runner.fused_decode_rows
         return {
             "weights": f"GGUF blocks of {loaded.gguf_blocks.name} ({'/'.join(formats)})",
             "linears_on_blocks": f"{len(on_blocks)} of {len(linears)}",
             "small_steps": f"blocks, up to {rows} rows",
             "big_steps": "16 weight rows dequantized at a time beside a float32 GEMM",
-            "fused_decode_steps": "every size" if fused >= ALL_ROWS else f"up to {fused} rows",
+            "fused_decode_steps": "every size" if runner.fused_decode else "none",
             "why": "start-up probe: the small-step kernel beat the panels up to that many rows",
         }
 

@@ -4,7 +4,6 @@ so that the scheduler (who decides) and the runner (who computes) meet on neutra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .kv import KVHandle
 from .sequence import Sequence
@@ -23,8 +22,5 @@ class StepItem:
     # rows of the output embedding instead of the whole-vocabulary matmul). None = the full rows.
     columns: list[int] | None = None
     # Hidden-state features (a learned head's input): pool the pool layers over this item's positions from
-    # `pool_from` on; the runner leaves the pooled sum (and, with logits, the last row's final hidden
-    # state) here for the scheduler to add to the sequence once the step succeeded.
+    # `pool_from` on (the step's output carries them: step.Features).
     pool_from: int | None = None
-    pooled: tuple[list[Any], int] | None = None  # ([sum over rows per pool layer], rows): float32
-    last_hidden: list[Any] | None = None  # the final hidden state, then per last layer: float32

@@ -218,38 +218,6 @@ def _join(run: list[QuantizedWeight | RawWeight]) -> QuantizedWeight | RawWeight
     return QuantizedWeight(first.format, qs, scales)
 
 
-@dataclass
-class InterleavedWeight:
-    """A weight's blocks re-laid for big steps where the kernel has integer dot products: the quants of
-    16 output columns side by side, 4 at a time (one vpdpbusd advances all 16), as unsigned bytes
-    (Q8_0's carry +128), and the scales as float32 per 16 columns. `interleave` makes it."""
-
-    format: str  # "Q4_1x16" | "Q8_0x16"
-    qs: torch.Tensor  # uint8 [out, in]: [out / 16, in / 32, 8, 16, 4] in memory
-    scales: torch.Tensor  # float32 [out / 16, in / 32, fields, 16]
-
-    @property
-    def args(self) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
-        return [self.format], [self.qs], [self.scales]
-
-
-def interleave(w: BlockWeight) -> InterleavedWeight | None:
-    """`w` laid out for the kernel's interleaved_mm; None when its rows are not a multiple of 16 or
-    it is not one Q4_1 / Q8_0 weight (other types keep their big steps dense)."""
-    if not isinstance(w, QuantizedWeight):
-        return None
-    n, k = w.shape
-    if n % 16:
-        return None
-    q = w.quants()
-    if w.format == "Q8_0":
-        q = (q.to(torch.int16) + 128).to(torch.uint8)
-    nb, fields = k // BLOCK, FORMATS[w.format][1]
-    qs = q.reshape(n // 16, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(n, k).contiguous()
-    scales = w.scales.float().reshape(n // 16, 16, nb, fields).permute(0, 2, 3, 1).contiguous()
-    return InterleavedWeight(w.format + "x16", qs, scales)
-
-
 def read_gguf_weights(path: Path, model_type: str, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:
     """The quantized linear weights of a GGUF file under their transformers names, every type of
     SUPPORTED_TYPES; other tensors (float, IQ1/IQ2/IQ3) are left out (the runner keeps those dense)."""
@@ -408,49 +376,15 @@ def kernel_error() -> str | None:
     return _kernel_error
 
 
-def quantized_matmul(kernel: Any, x: torch.Tensor, w: BlockWeight | InterleavedWeight) -> torch.Tensor:
+def quantized_matmul(kernel: Any, x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     """x [M, K] float32 @ W.T → [M, N] float32 through the kernel."""
-    if isinstance(w, InterleavedWeight):
-        return kernel.interleaved_mm(x, w.format, w.qs, w.scales)
     return kernel.blocks_mm(x, *w.args)
 
 
-def probe_small_rows(runner: Any, kernel: Any, blocks: dict[str, BlockWeight], repeats: int = 3) -> int:
-    """The largest step size (up to 16 rows) at which the kernel beats the big-step path, 0 if none.
-    It times every layer's MLP, not one: one layer's weights stay in cache and would time only the
-    arithmetic."""
-    mlps = []
-    for i, layer in enumerate(runner.layers):
-        p = f"model.layers.{i}.mlp."
-        if not all(p + n in blocks for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
-            return 0
-        gate_up = cat([blocks[p + "gate_proj.weight"], blocks[p + "up_proj.weight"]])
-        mlps.append((layer, gate_up, blocks[p + "down_proj.weight"]))
-
-    def dense(x: torch.Tensor, h: torch.Tensor) -> None:
-        for layer, _, _ in mlps:
-            layer.gate_up(x), layer.down(h)
-
-    def on_blocks(x: torch.Tensor, h: torch.Tensor) -> None:
-        for _, gate_up, down in mlps:
-            quantized_matmul(kernel, x, gate_up), quantized_matmul(kernel, h, down)
-
-    rows = 0
-    for m in (1, 2, 4, 8, 16):
-        inputs = (torch.randn(m, mlps[0][1].shape[1]), torch.randn(m, mlps[0][2].shape[1]))
-        if not _blocks_win(dense, on_blocks, inputs, repeats):
-            break
-        rows = m
-    return rows
-
-
-def probe_panel_rows(runner: Any, kernel: Any, repeats: int = 3) -> int:
+def probe_panel_rows(kernel: Any, mlps: list[tuple[BlockWeight, BlockWeight]], repeats: int = 3) -> int:
     """The largest step size (1 to 64 rows) at which the small-step kernel clearly beats the panel path
-    on linears that have only their blocks. It times every layer's MLP, not one: one layer's weights
-    stay in cache and would time only the arithmetic."""
-    mlps = [
-        (L.gate_up.small, L.down.small) for L in runner.layers if L.gate_up.blocks_only and L.down.blocks_only
-    ]
+    on every layer's MLP blocks (gate/up, down), not one: one layer's weights stay in cache and would
+    time only the arithmetic."""
     if not mlps:
         return 1
 
@@ -465,43 +399,24 @@ def probe_panel_rows(runner: Any, kernel: Any, repeats: int = 3) -> int:
     rows = 1
     for m in (2, 4, 8, 16, 32, 64):
         inputs = (torch.randn(m, mlps[0][0].shape[1]), torch.randn(m, mlps[0][1].shape[1]))
-        if not _blocks_win(at(0), at(1 << 30), inputs, repeats):
+        if not _clearly_faster(at(1 << 30), at(0), inputs, repeats):
             break
         rows = m
     return rows
 
 
-def _blocks_win(
-    dense: Callable[..., object], on_blocks: Callable[..., object], inputs: tuple, repeats: int
+def _clearly_faster(
+    fast: Callable[..., object], other: Callable[..., object], inputs: tuple, repeats: int
 ) -> bool:
-    """Whether `on_blocks(*inputs)` clearly beats `dense(*inputs)` (< 0.9 of its time; a clear win only:
-    the dense path is exact at any size). The two are timed in turns and the best of each kept, so load
-    from other processes slows both alike."""
+    """Whether `fast(*inputs)` takes under 0.9 of `other(*inputs)`'s time (a clear win only). The two are
+    timed in turns and the best of each kept, so load from other processes slows both alike."""
     best = [float("inf"), float("inf")]
     with torch.inference_mode():
         for _ in range(repeats):
             t0 = time.perf_counter()
-            dense(*inputs)
+            other(*inputs)
             t1 = time.perf_counter()
-            on_blocks(*inputs)
+            fast(*inputs)
             t2 = time.perf_counter()
             best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
     return best[1] < 0.9 * best[0]
-
-
-def head_rows(
-    head: Any, kernel: Any, probe_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3
-) -> int:
-    """Rows up to which the output head multiplies with its blocks: the largest step size at which the
-    kernel beats `head.big`, every smaller size beating it too."""
-    rows = 0
-    for m in probe_rows:
-        if not _blocks_win(
-            head.big,
-            lambda x: quantized_matmul(kernel, x, head.small),
-            (torch.randn(m, head.small.shape[1]),),
-            repeats,
-        ):
-            return rows
-        rows = m
-    return 1 << 30

@@ -1,283 +1,38 @@
-"""Model runner: one batched forward for a step plan over the paged KV pool, then sampling.
+"""Model runner: one batched forward for a step plan over the paged KV pool.
 
-A lean Llama/Qwen2 block over the loaded weights runs every token of the step through the linears as
-one batch; only attention is grouped per sequence. Index tensors are built once per step. Tests keep
-it equal to transformers' own forward.
+A lean Llama/Qwen2 block over the loaded weights (layers.py) runs every token of the step through the
+linears as one batch; only attention is grouped per sequence (attention.py). Index tensors are built
+once per step. Sampling and label scoring over its logits are StepRunner's (step.py). Tests keep it
+equal to transformers' own forward.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
-from .families import LayerNorms, RMSNorm, attention_scale, family_of, layer_norms, layer_windows, rope_tables
-from .kv import KVCacheManager, KVHandle
+from .attention import AttentionPlan, KernelAttention, PagedAttention, rope
+from .families import attention_scale, family_of, layer_windows, rope_tables
+from .kv import KVCacheManager
+from .layers import Weights
+from .linear import FusedArgs, Linear
 from .plan import StepItem
-from .quant import BlockWeight, InterleavedWeight, cat, head_rows, interleave, quantized_matmul
-from .sampler import Sampler
-from .sequence import Sequence
+from .quant import BlockWeight
+from .step import Features, Forward, Join, StepRunner
 
 log = logging.getLogger("rtserver.runner")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-# Once the transformers weights are released (serving), float32 linears run from oneDNN-packed copies:
-# the weight is reordered once instead of on every call (F.linear reorders it each time), which makes
-# the GEMMs at the scheduler's step sizes faster. Results differ from F.linear only in float rounding.
-ONEDNN_LINEAR = True
 
-
-class Linear:
-    """y = x @ W.T + b, with the weight stored one of three ways (`storage`):
-    - None: dense in the model dtype (F.linear), or once the dense weight may go (`pack_onednn`), a
-      oneDNN-packed copy of a float32 weight;
-    - "float16": float16 weights, float32 math (fbgemm's fp16 GEMM converts them on the fly): fewer
-      bytes to stream per step (batch-1 decoding streams every weight), outputs equal up to rounding;
-    - "int8": per-output-channel int8 weights with activations quantized on the fly per batch (fbgemm's
-      dynamic linear): a quarter of the bytes, integer SIMD, answers change noticeably.
-
-    A linear may also hold its weight as a GGUF file's quantized blocks (`small`, see quant.py): steps
-    of at most `small_rows` rows (batch-1 decoding: every weight streamed for one token) multiply with
-    the blocks through the fused kernel, bigger steps (compute-bound) with the dense weight."""
-
-    small: BlockWeight | None = None
-    small_rows = 0
-    kernel: Any = None
-    # The blocks re-laid for big steps (quant.interleave), where the kernel has integer dot products:
-    # then the dense weight is not needed at all (release_dense_weights drops it).
-    interleaved: InterleavedWeight | None = None
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, storage: str | None = None):
-        self.out_features = weight.shape[0]
-        self.onednn: torch.Tensor | None = None
-        self.packed = None
-        self.storage = storage
-        if storage == "int8":
-            w = weight.detach().float()
-            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "quantized tensor creation is deprecated": still the API
-                qw = torch.quantize_per_channel(
-                    w, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8
-                )
-                self.packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
-            self.weight, self.bias = None, None
-            del w, qw
-        elif storage == "float16":
-            self.packed = torch.ops.quantized.linear_prepack_fp16(
-                weight.detach().float(), None if bias is None else bias.float()
-            )
-            self.weight, self.bias = None, None
-        elif storage is None:
-            self.weight, self.bias = weight, bias
-        else:
-            raise ValueError(f"unknown weight storage {storage!r}")
-
-    def pack_onednn(self) -> bool:
-        """Replace the dense float32 weight by a oneDNN-packed copy (the dense one is no longer held).
-        False (nothing changed) where oneDNN cannot take it."""
-        if self.weight is None or self.onednn is not None:
-            return False
-        packed = _onednn_pack(self.weight)
-        if packed is None:
-            return False
-        self.onednn, self.weight = packed, None
-        return True
-
-    def use_interleaved(self, weight: InterleavedWeight, kernel: Any) -> None:
-        if weight.qs.shape[0] != self.out_features:
-            raise ValueError(
-                f"an interleaved weight of {weight.qs.shape[0]} rows does not fit {self.out_features}"
-            )
-        self.interleaved, self.kernel = weight, kernel
-
-    def release(self) -> None:
-        """Serving: drop the dense weight where the interleaved blocks take every big step, else pack it
-        for oneDNN."""
-        if self.interleaved is not None:
-            self.weight = None
-        else:
-            self.pack_onednn()
-
-    @classmethod
-    def of_blocks(cls, blocks: BlockWeight, bias: torch.Tensor | None, kernel: Any) -> Linear:
-        """A linear that has only its blocks (dtype gguf): every step multiplies with them, many-row
-        steps a panel of dequantized rows at a time (the kernel's choice); no dense weight exists."""
-        lin = cls.__new__(cls)
-        lin.out_features = blocks.shape[0]
-        lin.onednn, lin.packed, lin.storage = None, None, None
-        lin.weight, lin.bias = None, bias
-        lin.use_blocks(blocks, kernel, ALL_ROWS)
-        return lin
-
-    @property
-    def blocks_only(self) -> bool:
-        return self.small is not None and self.small_rows >= ALL_ROWS
-
-    def use_blocks(self, blocks: BlockWeight, kernel: Any, max_rows: int) -> None:
-        if blocks.shape != (self.out_features, blocks.shape[1]):
-            raise ValueError(f"blocks of shape {blocks.shape} do not fit {self.out_features} output rows")
-        self.small, self.kernel, self.small_rows = blocks, kernel, max_rows
-
-    def fused_args(self, rows: int) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
-        """The weight as the kernel's decode_layer takes it for a step of `rows` rows (per part: format,
-        two tensors): the blocks where `__call__` would use them, else the interleaved blocks, else the
-        oneDNN-packed weight."""
-        if self.small is not None and rows <= self.small_rows:
-            return self.small.args
-        if self.interleaved is not None:
-            return self.interleaved.args
-        assert self.onednn is not None
-        return ["onednn"], [self.onednn], [_NO_TENSOR]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and x.shape[0] <= self.small_rows:
-            return self._on_blocks(x, self.small)
-        return self.big(x)
-
-    def big(self, x: torch.Tensor) -> torch.Tensor:
-        """The path of steps too big for the blocks."""
-        if self.interleaved is not None:
-            return self._on_blocks(x, self.interleaved)
-        if self.storage == "float16":
-            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-        if self.packed is not None:
-            # reduce_range: 7-bit activations, so AVX2 u8*s8 pair sums cannot saturate int16 (no VNNI here)
-            return torch.ops.quantized.linear_dynamic(x, self.packed, True)
-        if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
-        assert self.weight is not None  # dense storage keeps its weight until pack_onednn replaces it
-        return F.linear(x, self.weight, self.bias)
-
-    def _on_blocks(self, x: torch.Tensor, blocks: BlockWeight | InterleavedWeight) -> torch.Tensor:
-        y = quantized_matmul(self.kernel, x.float().contiguous(), blocks)
-        return (y if self.bias is None else y + self.bias).to(x.dtype)
-
-
-_NO_TENSOR = torch.empty(0)
-ALL_ROWS = 1 << 30  # a step size limit no step reaches
-EMBED = "model.embed_tokens.weight"
-
-
-def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight reordered once into oneDNN's blocked layout (float32 only), or None where unavailable
-    (or where a probe disagrees with F.linear)."""
-    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-        probe = torch.linspace(-1, 1, 2 * weight.shape[1]).view(2, -1)
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-        if not torch.allclose(got, F.linear(probe, weight.detach()), rtol=1e-4, atol=1e-4):
-            return None
-        return packed
-    except (RuntimeError, AttributeError):
-        return None
-
-
-@dataclass
-class _Layer:
-    norms: LayerNorms
-    qkv: Linear
-    o: Linear
-    gate_up: Linear
-    down: Linear
-    window: int  # sliding attention window in tokens, 0 for the whole context
-    rope: int  # which RoPE table the layer reads
-
-
-def _cat_bias(*linears) -> torch.Tensor | None:
-    biases = [lin.bias for lin in linears]
-    if all(b is None for b in biases):
-        return None
-    return torch.cat(
-        [
-            b if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype)
-            for b, lin in zip(biases, linears)
-        ]
-    )
-
-
-def _fuse(*linears: torch.nn.Linear, share: bool = True) -> torch.Tensor:
-    """One weight for several linears over the same input. With `share` the modules keep views into
-    it, so the transformers model still works (tests compare against it) and no weight is held twice;
-    without (int8, float16: the fused copy only feeds the packing) the modules are left alone."""
-    fused = torch.cat([lin.weight for lin in linears]).contiguous()
-    if not share:
-        return fused
-    row = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = torch.nn.Parameter(fused[row : row + n], requires_grad=False)
-        row += n
-    return fused
-
-
-def _drop_parameters(module: torch.nn.Module) -> None:
-    for sub in module.modules():
-        for name, param in list(sub.named_parameters(recurse=False)):
-            if param.numel():
-                setattr(sub, name, torch.nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=False))
-
-
-def _context(pool: torch.Tensor, slots: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """The K or V of `slots` gathered from one layer's pool as [B, kv_heads, L, head_dim] (index_select:
-    a plain row gather, cheaper than advanced indexing's general path)."""
-    return pool.index_select(0, slots).view(shape).transpose(1, 2)
-
-
-def _decode_groups(items: list[StepItem]) -> list[list[int]]:
-    """Decode tokens (items of one token) grouped by context length for batched attention: a group's
-    contexts are padded to its longest, so a few long sessions beside many short streams get their own
-    call instead of making every short one gather and attend over the long padding. A new group costs
-    one more attention call per layer, so groups split only where padding would exceed about the
-    useful work."""
-    order = sorted((i for i, it in enumerate(items) if len(it.tokens) == 1), key=lambda i: items[i].start)
-    groups: list[list[int]] = []
-    group: list[int] = []
-    useful = 0
-    for i in order:
-        ctx = items[i].start + 1
-        if group and (len(group) + 1) * ctx > 2 * (useful + ctx) + 1024:
-            groups.append(group)
-            group, useful = [], 0
-        group.append(i)
-        useful += ctx
-    if group:
-        groups.append(group)
-    return groups
-
-
-def _prefill_groups(items: list[StepItem]) -> list[list[int]]:
-    """Prefill chunks (items of more than one token) grouped for batched attention: similar sizes
-    together, so that padding to the group's longest chunk and context costs at most about twice the
-    useful work (many short task prompts share one call; a long chat chunk keeps its own)."""
-    order = sorted(
-        (i for i, it in enumerate(items) if len(it.tokens) > 1),
-        key=lambda i: (items[i].start + len(items[i].tokens), len(items[i].tokens)),
-    )
-    groups: list[list[int]] = []
-    group: list[int] = []
-    useful = n_max = ctx_max = 0
-    for i in order:
-        n, ctx = len(items[i].tokens), items[i].start + len(items[i].tokens)
-        new_n, new_ctx = max(n_max, n), max(ctx_max, ctx)
-        if group and (len(group) + 1) * new_n * new_ctx > 2 * (useful + n * ctx) + 4096:
-            groups.append(group)
-            group, useful, new_n, new_ctx = [], 0, n, ctx
-        group.append(i)
-        useful += n * ctx
-        n_max, ctx_max = new_n, new_ctx
-    if group:
-        groups.append(group)
-    return groups
+def _fused(lin: Linear) -> FusedArgs:
+    args = lin.fused_args()
+    assert args is not None  # choose_fused_decode runs fused only where every linear can
+    return args
 
 
 @dataclass
@@ -291,12 +46,9 @@ class _Layout:
     wanted_rows: list[int]  # rows whose hidden state leaves the last layer
     wanted: torch.Tensor
     spans: list[tuple[int, int] | None]  # per item: (first wanted row, count) or None
-    # attention calls of the torch path (see _decode_group / _prefill_group)
-    decodes: list[tuple] = field(default_factory=list)
-    prefills: list[tuple] = field(default_factory=list)
-    # the same for sliding-window layers (attending to the last `window` positions only)
-    local_decodes: list[tuple] = field(default_factory=list)
-    local_prefills: list[tuple] = field(default_factory=list)
+    # attention calls of the torch path, and of sliding-window layers (the last `window` positions)
+    attention: AttentionPlan = field(default_factory=AttentionPlan)
+    local: AttentionPlan = field(default_factory=AttentionPlan)
     # RoPE of the rows' positions, per table (Gemma's local and global layers differ)
     rope: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # the fused path: each row's context slots and length, whole and in the sliding window
@@ -305,8 +57,52 @@ class _Layout:
     local_table: torch.Tensor | None = None
     local_lengths: torch.Tensor | None = None
 
+    @classmethod
+    def empty(cls) -> _Layout:
+        none = torch.empty(0, dtype=torch.long)
+        return cls(none, none, [], [], none, [])
 
-class ModelRunner:
+
+class _Rows:
+    """One group of a step's rows (the fused decodes, or the rest): its items, layout, residual stream
+    and what it pools for features."""
+
+    def __init__(self, runner: ModelRunner, items: list[StepItem], fused: bool):
+        self.items = items
+        self.lay = runner._layout(items, fused) if items else _Layout.empty()
+        self.x: torch.Tensor | None = runner._embed(self.lay.ids) if items else None
+        self._runner = runner
+        # (sums, first row, end) per item that pools; (states, row) per item that keeps its last row
+        self.pooling: list[tuple[list[torch.Tensor], int, int]] = []
+        self.lasts: list[tuple[list[torch.Tensor], int]] = []
+        self.features: list[Features | None] = [self._features(i, it) for i, it in enumerate(items)]
+
+    def _features(self, i: int, it: StepItem) -> Features | None:
+        """An item that pools hidden states (a learned head's features): its rows at positions from
+        pool_from on, summed after each pool layer; its last row's state at the last layers."""
+        if it.pool_from is None:
+            return None
+        f = Features()
+        skip = max(0, it.pool_from - it.start)
+        first, end = self.lay.row_offsets[i], self.lay.row_offsets[i] + len(it.tokens)
+        if skip < len(it.tokens):
+            f.rows = len(it.tokens) - skip
+            self.pooling.append((f.sums, first + skip, end))
+        if it.logits == "last":
+            f.last = []
+            self.lasts.append((f.last, end - 1))
+        return f
+
+    def join(self, items: list[StepItem], caught_up: torch.Tensor) -> None:
+        """Items joining before a layer, with their residual stream caught up to it. Rows are appended,
+        so the rows (and pooled ranges) of the items already here stay."""
+        self.items = [*self.items, *items]
+        self.features += [None] * len(items)
+        self.x = caught_up if self.x is None else torch.cat([self.x, caught_up])
+        self.lay = self._runner._layout(self.items, fused=False)
+
+
+class ModelRunner(StepRunner):
     def __init__(
         self,
         model: PreTrainedModel,
@@ -327,50 +123,22 @@ class ModelRunner:
         self.n_heads: int = cfg.num_attention_heads
         self.n_kv: int = cfg.num_key_value_heads
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.group = self.n_heads // self.n_kv
         self.eps: float = cfg.rms_norm_eps
         self.scale = attention_scale(cfg, self.head_dim)
         # The decoder stack (LlamaModel / Qwen2Model): its submodules are read by their transformers names.
         inner: Any = model.model
-        blocks = blocks or {}
-        self._blocks, self._kernel = blocks, kernel
-        self.embed_blocks: BlockWeight | None = blocks.get(EMBED)  # lookups in blocks (_release_tied_head)
-        self.embed: torch.Tensor | None = None if self.embed_blocks is not None else inner.embed_tokens.weight
         # Gemma's embeddings are scaled by sqrt(hidden), in the model dtype as transformers rounds it.
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5 if self.family.scaled_embedding else 1.0)
-        self.norm = RMSNorm(inner.norm.weight, self.eps, self.family.gemma_norms)
-        ws = weight_storage
-        self.weight_storage = ws
-        # The output head stays dense under float16 storage: fbgemm pads narrow rows (576 wide here) to
-        # a larger block, so the packed head is no smaller than the dense one, which is usually the
-        # embedding itself and held anyway.
-        head = EMBED if getattr(cfg, "tie_word_embeddings", False) else "lm_head.weight"
-        self.lm_head = (
-            Linear.of_blocks(blocks[head], None, kernel)
-            if head in blocks
-            else Linear(model.lm_head.weight, None, "int8" if ws == "int8" else None)
-        )
+        self.weight_storage = weight_storage
         max_positions = min(max_positions, getattr(cfg, "max_position_embeddings", max_positions))
         self.max_positions = max_positions
         self.rope, rope_of_layer = rope_tables(cfg, inner.rotary_emb, max_positions, self.dtype)
-        windows = layer_windows(cfg)
-        self.window = max(windows)  # one window size per model: the sliding layers'
-        self.layers: list[_Layer] = []
-        for li, layer in enumerate(inner.layers):
-            att, mlp = layer.self_attn, layer.mlp
-            self.layers.append(
-                _Layer(
-                    norms=layer_norms(self.family, layer, self.eps),
-                    qkv=self._linear(li, ("q_proj", "k_proj", "v_proj"), att),
-                    o=self._linear(li, ("o_proj",), att),
-                    gate_up=self._linear(li, ("gate_proj", "up_proj"), mlp),
-                    down=self._linear(li, ("down_proj",), mlp),
-                    window=windows[li],
-                    rope=rope_of_layer[li],
-                )
-            )
-            if release_dense_weights and ws is not None:
-                _drop_parameters(layer)  # now, not after the loop: never both copies of every layer
+        self.window = max(layer_windows(cfg))  # one window size per model: the sliding layers'
+        self.weights = Weights(
+            model, self.family, weight_storage, blocks or {}, kernel, rope_of_layer, release_dense_weights
+        )
+        w = self.weights
+        self.embed, self.norm, self.lm_head, self.layers = w.embed, w.norm, w.lm_head, w.layers
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.inter = self.layers[0].gate_up.out_features // 2
@@ -383,214 +151,38 @@ class ModelRunner:
         self.pool_layers: tuple[int, ...] = tuple(range(0, len(self.layers) - 1, 2)) or (0,)
         self.last_layers: tuple[int, ...] = (len(self.layers) // 6,)
         self.vocab_size = self.lm_head.out_features
-        self.sampler = Sampler()
+        self.attention = PagedAttention(self.n_heads, self.n_kv, self.head_dim, self.scale)
         self.attention_kernel: Any = None  # see use_attention_kernel
-        self.fused_decode_rows = 0  # decode steps of up to this many rows run fused (use_quantized_blocks)
+        self.fused_decode = False  # single-token decodes run fused (choose_fused_decode)
         if release_dense_weights:
             self.release_dense_weights()
 
-    def _linear(self, li: int, names: tuple[str, ...], module: Any) -> Linear:
-        """One linear of layer `li` over the submodules `names` of `module` (several: fused side by
-        side), on its blocks where all of them have blocks."""
-        subs = [getattr(module, n) for n in names]
-        where = "self_attn" if names[0].endswith(("q_proj", "o_proj")) else "mlp"
-        keys = [f"model.layers.{li}.{where}.{n}.weight" for n in names]
-        bias = _cat_bias(*subs) if len(subs) > 1 else subs[0].bias
-        if all(k in self._blocks for k in keys):
-            return Linear.of_blocks(cat([self._blocks[k] for k in keys]), bias, self._kernel)
-        ws = self.weight_storage
-        weight = _fuse(*subs, share=ws is None) if len(subs) > 1 else subs[0].weight
-        return Linear(weight, bias, ws)
-
     def release_dense_weights(self) -> None:
-        """Serving only (the transformers model cannot run afterwards): drop the model's own weights.
-        int8 / float16 storage: its dense linear weights are dead weight (with `release_dense_weights`
-        at construction each layer's go as soon as its packed copies exist). float32: the linears move
-        to oneDNN-packed copies, one layer at a time, so memory never holds both copies of more than
-        one layer."""
-        if self.weight_storage is not None:
-            # The runner keeps its own references to the few dense tensors it still reads (embedding,
-            # norms, a dense output head); packed linears need nothing of the modules after packing.
-            for layer in self.model.model.layers:
-                _drop_parameters(layer)
-        elif ONEDNN_LINEAR and self.dtype == torch.float32:
-            # The runner keeps its own references to the tensors it still reads (embedding, norms, the
-            # output head), so dropping the modules' parameters frees only what was packed.
-            for L, layer in zip(self.layers, self.model.model.layers):
-                for lin in (L.qkv, L.o, L.gate_up, L.down):
-                    lin.release()
-                _drop_parameters(layer)
-            self._release_tied_head()
-            self.choose_fused_rows()
-        else:
-            return
-        _drop_parameters(self.model)
+        """Serving only (the transformers model cannot run afterwards): see Weights.release."""
+        self.weights.release()  # the layers' linears are replaced in place
 
     def use_attention_kernel(self, kernel: Any) -> bool:
         """Decode attention through the kernel's `decode_attention` (float32 KV pools only)."""
         if self.kv.k.dtype != torch.float32:
             return False
         self.attention_kernel = kernel
+        self.attention = KernelAttention(self.n_heads, self.n_kv, self.head_dim, self.scale, kernel)
         return True
 
-    def use_interleaved(self, blocks: dict[str, BlockWeight], kernel: Any, release: bool = False) -> int:
-        """Big steps on the blocks re-laid by quant.interleave, for every linear (and the output head)
-        the file ships in blocks, where the kernel has integer dot products (`fixed_point_activations`);
-        returns how many got them. `release` (serving): each layer's dense weights go as soon as its
-        four linears are interleaved, so memory never holds both copies of more than one layer (the
-        rest goes in release_dense_weights)."""
-        if not getattr(kernel, "fixed_point_activations", False):
-            return 0
-        used = 0
-        for lin, names in self._block_names(blocks):
-            weight = interleave(cat([blocks[n] for n in names]))
-            if weight is not None:
-                lin.use_interleaved(weight, kernel)
-                used += 1
-            if release:
-                self._release_done_layers()
-        return used
-
-    def _release_done_layers(self) -> None:
-        for L, layer in zip(self.layers, self.model.model.layers):
-            linears = (L.qkv, L.o, L.gate_up, L.down)
-            if all(lin.interleaved is not None for lin in linears) and L.qkv.weight is not None:
-                for lin in linears:
-                    lin.release()
-                _drop_parameters(layer)
-
-    def _block_names(self, blocks: dict[str, BlockWeight]) -> list[tuple[Linear, list[str]]]:
-        """Each linear whose weight the file ships in blocks, with the blocks' names (q/k/v fused)."""
-        out = []
-        for i, L in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            out.append((L.qkv, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]))
-            out.append((L.o, [p + "self_attn.o_proj.weight"]))
-            out.append((L.gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
-            out.append((L.down, [p + "mlp.down_proj.weight"]))
-        tied = getattr(self.model.config, "tie_word_embeddings", False)
-        out.append((self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]))
-        return [(lin, names) for lin, names in out if all(n in blocks for n in names)]
-
-    def use_quantized_blocks(self, blocks: dict[str, BlockWeight], kernel: Any, max_rows: int) -> int:
-        """Give every linear whose weight the file ships in quantized blocks (`quant.read_gguf_weights`)
-        the kernel path for steps of at most `max_rows` rows; returns how many linears got it. Bigger
-        steps keep the dense (or interleaved, see use_interleaved) weights."""
-        attached = self._block_names(blocks)
-        for lin, names in attached:
-            lin.use_blocks(cat([blocks[n] for n in names]), kernel, max_rows)
-        if self.lm_head.small is not None:
-            # A start-up probe finds the step size where the head's big path starts to win; it runs
-            # again once release_dense_weights has packed the head.
-            self.lm_head.small_rows = head_rows(self.lm_head, kernel)
-        self.choose_fused_rows()
-        return len(attached)
-
-    def choose_fused_rows(self) -> None:
-        """Decode steps run fused (the kernel's decode_layer) where every linear has its blocks: up to
-        the blocks' limit, and at every size where every linear also has a big-step weight the kernel
-        can take (interleaved blocks, or oneDNN-packed after release_dense_weights), since a layer's
-        many small torch ops cost a big step more than one kernel call."""
-        linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
-        if not all(lin.small is not None for lin in linears):
+    def choose_fused_decode(self) -> None:
+        """Decode steps run fused (the kernel's decode_layer) where every linear can: a layer's many
+        small torch ops cost a step more than one kernel call."""
+        if not all(lin.fused_args() is not None for L in self.layers for lin in L.linears):
             return
         if self.attention_kernel is None or self.dtype != torch.float32:
             return
         if any(L.o.bias is not None for L in self.layers):
             return  # decode_layer adds q/k/v biases only (Llama's attention_bias also has o_proj's)
-        big = all(lin.interleaved is not None or lin.onednn is not None or lin.blocks_only for lin in linears)
-        self.fused_decode_rows = ALL_ROWS if big else min(lin.small_rows for lin in linears)
-
-    def _release_tied_head(self) -> None:
-        """Serving: the tied head's big steps run on its interleaved blocks or a oneDNN-packed copy,
-        and lookups read the head's blocks. Only where their rows dequantize to the dense rows exactly."""
-        head, dense = self.lm_head, self.embed
-        if head.small is None or dense is None or dense is not head.weight:
-            return  # no blocks, or not tied
-        for start in range(0, self.vocab_size, 4096):
-            index = torch.arange(start, min(start + 4096, self.vocab_size))
-            if not torch.equal(head.small.rows(index), dense[index]):
-                log.warning("the embedding's blocks do not dequantize to its dense rows: head left dense")
-                return
-        head.release()
-        if head.weight is None:
-            self.embed, self.embed_blocks = None, head.small
-            if head.onednn is not None:  # its big steps left F.linear: probe against the packed copy
-                head.small_rows = head_rows(head, head.kernel)
+        self.fused_decode = True
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.embed is None:
-            assert self.embed_blocks is not None
-            x = self.embed_blocks.rows(ids).to(self.dtype)
-        else:
-            x = self.embed[ids]
+        x = self.embed(ids)
         return x * self.embed_scale.to(x.dtype) if self.family.scaled_embedding else x
-
-    # -- pieces -------------------------------------------------------------------------------
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = self.head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
-    def _prefill_group(
-        self, items: list[StepItem], group: list[int], row_offsets: list[int], window: int = 0
-    ) -> tuple:
-        """Index tensors and mask for one attention call over several prefill chunks: queries padded to
-        the longest chunk, contexts to the longest context (padding reads the zero block, masked out;
-        padded query rows see position 0 only and are dropped). A `window` also masks out keys that many
-        positions back or more, as a sliding-window layer does."""
-        n = max(len(items[i].tokens) for i in group)
-        ctx = max(items[i].start + len(items[i].tokens) for i in group)
-        B = len(group)
-        q_index = torch.empty(B, n, dtype=torch.long)
-        ctx_index = torch.zeros(B, ctx, dtype=torch.long)
-        q_pos = torch.zeros(B, n, dtype=torch.long)
-        src, dst = [], []
-        for b, i in enumerate(group):
-            it = items[i]
-            m, end = len(it.tokens), it.start + len(it.tokens)
-            rows = torch.arange(row_offsets[i], row_offsets[i] + m)
-            q_index[b, :m] = rows
-            q_index[b, m:] = row_offsets[i]
-            q_pos[b, :m] = torch.arange(it.start, end)
-            ctx_index[b, :end] = it.kv.slots[:end]
-            src.append(torch.arange(b * n, b * n + m))
-            dst.append(rows)
-        key_pos = torch.arange(ctx)[None, None, :]
-        mask = key_pos <= q_pos[:, :, None]  # [B, n, ctx]: causal with offset
-        if window:
-            mask &= key_pos > q_pos[:, :, None] - window
-        # rows ordered (group member, query position), as the queries are laid out
-        mask = mask[:, None].expand(B, self.group, n, ctx).reshape(B, 1, self.group * n, ctx)
-        src_t = torch.cat(src)
-        padded = src_t.numel() != B * n
-        return (
-            q_index,
-            ctx_index.view(-1),
-            (B, ctx, self.n_kv, self.head_dim),
-            mask,
-            src_t if padded else None,
-            torch.cat(dst),
-        )
-
-    def _decode_group(
-        self, items: list[StepItem], group: list[int], row_offsets: list[int], window: int = 0
-    ) -> tuple:
-        """Rows, gathered context slots and mask for one attention call over several decode tokens
-        (contexts padded to the group's longest with the zero block, masked out). With a `window`, each
-        context is its last `window` positions."""
-        ends = [items[i].start + 1 for i in group]
-        lengths = [min(end, window) for end in ends] if window else ends
-        lmax = max(lengths)
-        ctx_index = torch.zeros(len(group), lmax, dtype=torch.long)
-        for r, i in enumerate(group):
-            ctx_index[r, : lengths[r]] = items[i].kv.slots[ends[r] - lengths[r] : ends[r]]
-        mask = None  # every context of the group has the same length: nothing padded to mask out
-        if min(lengths) < lmax:
-            mask = (torch.arange(lmax)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
-        rows = torch.tensor([row_offsets[i] for i in group], dtype=torch.long)
-        shape = (len(group), lmax, self.n_kv, self.head_dim)
-        return rows, ctx_index.view(-1), shape, mask, ctx_index, torch.tensor(lengths, dtype=torch.long)
 
     # -- the forward ----------------------------------------------------------------------------
     def _layout(self, items: list[StepItem], fused: bool) -> _Layout:
@@ -627,39 +219,33 @@ class ModelRunner:
         )
         if fused:  # each row's context slots and length, read in place by the kernel: one decode group
             every = list(range(len(items)))
-            *_, lay.table, lay.lengths = self._decode_group(items, every, row_offsets)
+            call = self.attention.decode_call(items, every, row_offsets)
+            lay.table, lay.lengths = call.table, call.lengths
             if self.window:
-                *_, lay.local_table, lay.local_lengths = self._decode_group(
-                    items, every, row_offsets, self.window
-                )
+                local = self.attention.decode_call(items, every, row_offsets, self.window)
+                lay.local_table, lay.local_lengths = local.table, local.lengths
         else:
-            decode_groups, prefill_groups = _decode_groups(items), _prefill_groups(items)
-            lay.decodes = [self._decode_group(items, g, row_offsets) for g in decode_groups]
-            lay.prefills = [self._prefill_group(items, g, row_offsets) for g in prefill_groups]
+            lay.attention = self.attention.plan(items, row_offsets)
             if self.window:
-                w = self.window
-                lay.local_decodes = [self._decode_group(items, g, row_offsets, w) for g in decode_groups]
-                lay.local_prefills = [self._prefill_group(items, g, row_offsets, w) for g in prefill_groups]
+                lay.local = self.attention.plan(items, row_offsets, self.window)
         return lay
 
     def _fused_part(self, items: list[StepItem]) -> list[int]:
         """The items of a step that run each layer as one fused kernel call (engine/kernels/quant.cpp:
-        decode_layer, the same arithmetic as `_layer`): its single-token decodes, when there are few
-        enough for `fused_decode_rows`; the rest of the step (prefill chunks, scoring) runs beside them
+        decode_layer, the same arithmetic as `_layer`): its single-token decodes, when `fused_decode`
+        is on; the rest of the step (prefill chunks, scoring) runs beside them
         through torch ops, so a prompt arriving among 32 streams does not slow their step to torch's."""
         part = [
             i
             for i, it in enumerate(items)
             if len(it.tokens) == 1 and it.logits == "last" and it.pool_from is None and it.columns is None
         ]
-        return part if 0 < len(part) <= self.fused_decode_rows else []
+        return part if self.fused_decode else []
 
     @torch.inference_mode()
-    def forward(
-        self, items: list[StepItem], join: Callable[[int], list[StepItem]] | None = None
-    ) -> list[torch.Tensor | None]:
-        """Run one step; returns per item the fp32 logits it asked for ([n, vocab], or [n, len(columns)])
-        or None.
+    def run(self, items: list[StepItem], join: Join | None = None) -> Forward:
+        """Run one step: per item the fp32 logits it asked for ([n, vocab], or [n, len(columns)]) or
+        None, and its hidden-state features where it pools them.
 
         `join`, when given, is asked before every layer but the first for more items: prompts that
         arrived while this step runs, so that they need not wait for the next one (a step of many
@@ -667,62 +253,28 @@ class ModelRunner:
         step's rows; they are appended to `items` and get their logits with the others. Joining items
         prefill whole prompts (logits "last", no pooled features)."""
         fused_idx = self._fused_part(items)
-        fused_items = [items[i] for i in fused_idx]
         in_fused = set(fused_idx)
         rest_idx = [i for i in range(len(items)) if i not in in_fused]
-        rest = [items[i] for i in rest_idx]
-        # Two groups of rows, each with its own layout: the fused decodes (x_f) and the rest (x).
-        lay_f = self._layout(fused_items, fused=True) if fused_items else None
-        x_f = self._embed(lay_f.ids) if lay_f is not None else None
-        lay = self._layout(rest, fused=False) if rest else None
-        x = self._embed(lay.ids) if lay is not None else None
-        pooling, lasts = self._pooled_rows(rest, lay) if lay is not None else ([], [])
+        fused = _Rows(self, [items[i] for i in fused_idx], fused=True)
+        rest = _Rows(self, [items[i] for i in rest_idx], fused=False)
         for li in range(len(self.layers)):
             new = join(li) if join is not None and li > 0 else None
             if new:
                 assert all(it.logits == "last" and it.pool_from is None and not it.columns for it in new)
-                caught_up = self._catch_up(new, li)
                 rest_idx += range(len(items), len(items) + len(new))
                 items.extend(new)
-                rest = [*rest, *new]
-                # Rows are appended, so the rows (and pooled ranges) of the items already here stay.
-                x = caught_up if x is None else torch.cat([x, caught_up])
-                lay = self._layout(rest, fused=False)
-            if x_f is not None:
-                assert lay_f is not None
-                x_f = self._fused_layer(li, lay_f, x_f)
-            if x is not None:
-                assert lay is not None
-                x = self._layer(li, lay, x, pooling, lasts)  # None past the last layer: no row asked
-        out: list[torch.Tensor | None] = [None] * len(items)
-        if x_f is not None:
-            assert lay_f is not None
-            for i, logits in zip(fused_idx, self._logits(fused_items, lay_f, x_f)):
-                out[i] = logits
-        if x is not None:
-            assert lay is not None
-            for i, logits in zip(rest_idx, self._logits(rest, lay, x)):
-                out[i] = logits
+                rest.join(new, self._catch_up(new, li))
+            fused.x = None if fused.x is None else self._fused_layer(li, fused.lay, fused.x)
+            if rest.x is not None:  # None past the last layer: no row asked
+                rest.x = self._layer(li, rest.lay, rest.x, rest.pooling, rest.lasts)
+        out = Forward([None] * len(items), [None] * len(items))
+        for idx, rows in ((fused_idx, fused), (rest_idx, rest)):
+            logits = self._logits(rows.items, rows.lay, rows.x, rows.features) if rows.x is not None else []
+            for i, lg in zip(idx, logits):
+                out.logits[i] = lg
+            for i, f in zip(idx, rows.features):
+                out.features[i] = f
         return out
-
-    def _pooled_rows(
-        self, items: list[StepItem], lay: _Layout
-    ) -> tuple[list[tuple[list[torch.Tensor], int, int]], list[tuple[list[torch.Tensor], int]]]:
-        """Items that pool hidden states (a learned head's features): their rows at positions from
-        pool_from on, summed after each pool layer; their last row's state at the last layers."""
-        pooling: list[tuple[list[torch.Tensor], int, int]] = []
-        lasts: list[tuple[list[torch.Tensor], int]] = []
-        for i, it in enumerate(items):
-            if it.pool_from is not None:
-                skip = max(0, it.pool_from - it.start)
-                first, end = lay.row_offsets[i], lay.row_offsets[i] + len(it.tokens)
-                if skip < len(it.tokens):
-                    it.pooled = ([], len(it.tokens) - skip)
-                    pooling.append((it.pooled[0], first + skip, end))
-                if it.logits == "last":
-                    it.last_hidden = []
-                    lasts.append((it.last_hidden, end - 1))
-        return pooling, lasts
 
     def _catch_up(self, items: list[StepItem], layers: int) -> torch.Tensor:
         """The residual stream of items joining a step before layer `layers`: the layers before it."""
@@ -753,36 +305,13 @@ class ModelRunner:
         if self.family.qk_norm:
             qk = torch.cat([L.norms.q(qk[:, : self.n_heads]), L.norms.k(qk[:, self.n_heads :])], 1)
         cos, sin = lay.rope[L.rope]
-        qk = self._rope(qk, cos[:, None, :], sin[:, None, :])
+        qk = rope(qk, cos[:, None, :], sin[:, None, :])
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
         kl, vl = self.kv.k[li], self.kv.v[li]
         kl.index_copy_(0, lay.write_slots, k)
         vl.index_copy_(0, lay.write_slots, v)
-        attn = torch.empty(T, self.n_kv, self.group, self.head_dim, dtype=x.dtype)
-        local = L.window > 0
-        decodes = lay.local_decodes if local else lay.decodes
-        prefills = lay.local_prefills if local else lay.prefills
-        for rows, ctx_index, ctx_shape, mask, ctx_slots, lengths in decodes:
-            if self.attention_kernel is not None:  # reads the pool in place: no gather, no mask
-                kernel = self.attention_kernel
-                o = kernel.decode_attention(q[rows], kl, vl, ctx_slots, lengths, self.scale)
-                attn[rows] = o.view(-1, self.n_kv, self.group, self.head_dim)
-                continue
-            # [B, kv, group, d] queries against [B, kv, L, d] keys: GQA without repeating K/V.
-            qd = q[rows].view(-1, self.n_kv, self.group, self.head_dim)
-            kd, vd = _context(kl, ctx_index, ctx_shape), _context(vl, ctx_index, ctx_shape)
-            attn[rows] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
-        for q_index, ctx_index, ctx_shape, mask, src, dst in prefills:
-            B, n = q_index.shape
-            qp = q[q_index].view(B, n, self.n_kv, self.group, self.head_dim)
-            qp = qp.permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, self.group * n, self.head_dim)
-            kp, vp = _context(kl, ctx_index, ctx_shape), _context(vl, ctx_index, ctx_shape)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale)
-            o = o.view(B, self.n_kv, self.group, n, self.head_dim).permute(0, 3, 1, 2, 4)
-            o = o.reshape(B * n, self.n_kv, self.group, self.head_dim)
-            attn[dst] = o if src is None else o[src]
-        attn = attn.view(T, self.q_size)
+        attn = self.attention(q, kl, vl, lay.local if L.window > 0 else lay.attention)
         if li == len(self.layers) - 1 and len(lay.wanted_rows) < T:
             # Past the last layer's K/V only the rows that give logits matter: the rest skip its
             # output projection and MLP (row-wise operations, so the kept rows are unchanged).
@@ -803,19 +332,18 @@ class ModelRunner:
     def _fused_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
         """Decoder layer `li` of a fused decode step: one call of the kernel's `decode_layer`."""
         L = self.layers[li]
-        rows = x.shape[0]
         cos, sin = lay.rope[L.rope]
         table, lengths = (lay.local_table, lay.local_lengths) if L.window else (lay.table, lay.lengths)
         n = L.norms
         return self.attention_kernel.decode_layer(
             x,
             n.attn_in.scale,
-            *L.qkv.fused_args(rows),
+            *_fused(L.qkv),
             L.qkv.bias,
-            *L.o.fused_args(rows),
+            *_fused(L.o),
             n.mlp_in.scale,
-            *L.gate_up.fused_args(rows),
-            *L.down.fused_args(rows),
+            *_fused(L.gate_up),
+            *_fused(L.down),
             cos,
             sin,
             self.kv.k[li],
@@ -833,15 +361,18 @@ class ModelRunner:
             self.family.activation == "gelu_tanh",
         )
 
-    def _logits(self, items: list[StepItem], lay: _Layout, x: torch.Tensor) -> list[torch.Tensor | None]:
-        """Logits only where someone needs them, and only the columns asked for."""
+    def _logits(
+        self, items: list[StepItem], lay: _Layout, x: torch.Tensor, features: list[Features | None]
+    ) -> list[torch.Tensor | None]:
+        """Logits only where someone needs them, and only the columns asked for; the final hidden
+        state of items whose features keep it."""
         hs = self.norm(x)
         out: list[torch.Tensor | None] = [None] * len(items)
         asked = {i: span for i, span in enumerate(lay.spans) if span is not None}
         for i, span in asked.items():
-            item_states = items[i].last_hidden
-            if item_states is not None:
-                item_states.insert(0, hs[span[0] + span[1] - 1].float())
+            f = features[i]
+            if f is not None and f.last is not None:
+                f.last.insert(0, hs[span[0] + span[1] - 1].float())
         full = [i for i in asked if items[i].columns is None]
         if full:
             rows = [r for i in full for r in range(asked[i][0], asked[i][0] + asked[i][1])]
@@ -865,46 +396,5 @@ class ModelRunner:
         return out
 
     def _column_logits(self, hs: torch.Tensor, columns: list[int]) -> torch.Tensor:
-        """Logits of a few vocabulary entries: those rows of the output head, not the whole matmul."""
-        if self.lm_head.packed is not None:  # int8: its rounding depends on the whole batch, so run it all
-            return self.lm_head(hs).float()[:, columns]
-        index = torch.tensor(columns)
-        if self.lm_head.weight is None:  # packed for big steps: the rows from its blocks, the same values
-            assert self.lm_head.small is not None
-            return F.linear(hs.float(), self.lm_head.small.rows(index))
-        return F.linear(hs, self.lm_head.weight[index]).float()
-
-    # -- label scoring ------------------------------------------------------------------------
-    def score_labels(self, done: list[tuple[Sequence, torch.Tensor]]) -> None:
-        """Set `seq.scores` for sequences whose prompt is computed, given each one's logits row at the
-        prompt's last position. A candidate's first token is scored from that row: its log-softmax over
-        the vocabulary, or with `score_columns` its raw logit (the log-normaliser left out is the same for
-        every candidate of the prompt). Candidates longer than one token are teacher-forced in the
-        sequence's own KV past its prompt (room reserved at admission, never shared, never kept): round
-        r computes the r-th such candidate of every sequence in one forward."""
-        longer: list[list[tuple[Sequence, KVHandle, list[float], int, list[int]]]] = []
-        for seq, row in done:
-            assert seq.candidates is not None and seq.kv is not None
-            if seq.score_columns is None:
-                logprobs = torch.log_softmax(row, -1)
-                scores = [float(logprobs[c[0]]) for c in seq.candidates]
-            else:
-                column = {t: j for j, t in enumerate(seq.score_columns)}
-                scores = [float(row[column[c[0]]]) for c in seq.candidates]
-            seq.scores = scores
-            for r, (i, cand) in enumerate((i, c) for i, c in enumerate(seq.candidates) if len(c) > 1):
-                if r == len(longer):
-                    longer.append([])
-                longer[r].append((seq, seq.kv, scores, i, cand))
-        for group in longer:
-            outs = self.forward(
-                [StepItem(seq, kv, seq.num_computed, cand[:-1], "all") for seq, kv, _, _, cand in group]
-            )
-            for (_, _, scores, i, cand), out in zip(group, outs):
-                assert out is not None
-                lp = torch.log_softmax(out, -1)
-                scores[i] += float(lp[torch.arange(len(cand) - 1), torch.tensor(cand[1:])].sum())
-
-    # -- sampling -------------------------------------------------------------------------------
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
-        return self.sampler.sample(seqs, logits)
+        """Logits of a few vocabulary entries (the output head's way: see Linear.columns)."""
+        return self.lm_head.columns(hs, torch.tensor(columns))

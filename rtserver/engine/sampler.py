@@ -78,7 +78,7 @@ class Sampler:
                 if s.params.greedy:
                     greedy.append((i, row))
                 else:
-                    sampled.append((i, row, float(torch.rand(1, generator=_generator(s)))))
+                    sampled.append((i, row, float(torch.rand(1, generator=s.generator()))))
             except Exception as exc:  # this sequence's parameters or state; its neighbours go on
                 out[i] = exc
         for i, row in greedy:
@@ -127,14 +127,6 @@ def _plain_greedy(s: Sequence) -> bool:
         and p.repetition_penalty == 1.0
         and not (p.min_new_tokens and len(s.output_ids) < p.min_new_tokens)
     )
-
-
-def _generator(s: Sequence) -> torch.Generator | None:
-    if s.params.seed is None:
-        return None
-    if s.generator is None:
-        s.generator = torch.Generator().manual_seed(s.params.seed)
-    return s.generator
 
 
 def _penalised(s: Sequence, row: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from .backend import FinishReason, Overloaded, RequestTooLarge, SequenceResult, 
 from .kv import KVCacheManager, OutOfKVMemory
 from .plan import StepItem
 from .sequence import Phase, Sequence
+from .step import StepOutput
 
 log = logging.getLogger("rtserver.scheduler")
 
@@ -31,11 +32,9 @@ StepEvent = tuple[Sequence, TokenEvent | SequenceResult]
 
 
 class Runner(Protocol):
-    def forward(
+    def execute(
         self, items: list[StepItem], join: Callable[[int], list[StepItem]] | None = None
-    ) -> list[torch.Tensor | None]: ...
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]: ...
-    def score_labels(self, done: list[tuple[Sequence, torch.Tensor]]) -> None: ...
+    ) -> StepOutput: ...
 
 
 @dataclass
@@ -285,7 +284,7 @@ class Scheduler:
             return
         started = time.perf_counter()
         try:
-            logits = self._forward(items, join=True)
+            out = self._execute(items, join=True)
         except Exception:
             # Isolate the culprit: run each sequence's part of the step alone (rewriting the same KV
             # slots), so one bad sequence fails alone and the others go on.
@@ -293,7 +292,7 @@ class Scheduler:
             for it in items:
                 self._run_guarded([it], events)
         else:
-            self._run_guarded(items, events, logits)
+            self._run_guarded(items, events, out)
         self.steps += 1
         self.last_step = StepStats(
             sum(1 for it in items if it.seq.phase is Phase.DECODE),
@@ -302,20 +301,18 @@ class Scheduler:
         )
         self.on_events(events)
 
-    def _forward(self, items: list[StepItem], join: bool = False) -> list[torch.Tensor | None]:
+    def _execute(self, items: list[StepItem], join: bool = False) -> StepOutput:
         if self.fault_hook is not None:
             self.fault_hook(items)
-        return self.runner.forward(items, self._join if join else None)
+        return self.runner.execute(items, self._join if join else None)
 
     def _run_guarded(
-        self, items: list[StepItem], events: list[StepEvent], logits: list[torch.Tensor | None] | None = None
+        self, items: list[StepItem], events: list[StepEvent], out: StepOutput | None = None
     ) -> None:
-        """Forward (unless `logits` are given) and apply `items`; a failure fails their sequences only —
+        """Execute (unless `out` is given) and apply `items`; a failure fails their sequences only —
         never the scheduler."""
         try:
-            if logits is None:
-                logits = self._forward(items)
-            self._after_forward(items, logits, events)
+            self._apply(out if out is not None else self._execute(items), events)
         except Exception as exc:
             log.exception("step failed for sequences %s", [it.seq.id for it in items])
             for it in items:
@@ -328,12 +325,10 @@ class Scheduler:
                     error=f"internal error in model step ({type(exc).__name__})",
                 )
 
-    def _after_forward(
-        self, items: list[StepItem], logits: list[torch.Tensor | None], events: list[StepEvent]
-    ) -> None:
-        sampling: list[tuple[Sequence, torch.Tensor]] = []
-        scoring: list[tuple[Sequence, torch.Tensor]] = []
-        for it, lg in zip(items, logits):
+    def _apply(self, out: StepOutput, events: list[StepEvent]) -> None:
+        """The one place a step's output reaches its sequences: computed positions, pooled features,
+        label scores, sampled tokens (with their text), and each sequence's own failures."""
+        for i, it in enumerate(out.items):
             seq = it.seq
             seq.num_computed = it.start + len(it.tokens)
             it.kv.token_ids.extend(it.tokens)
@@ -341,41 +336,37 @@ class Scheduler:
                 self.tokens_prefilled += len(it.tokens)
                 seq.usage.prefilled_tokens += len(it.tokens)
                 self.kv.register_prefix(it.kv, seq.public_tokens)  # later prompts that start so share it
-            if it.pooled is not None:
-                sums, rows = it.pooled
-                total = torch.cat(sums)
+            f = out.features[i]
+            if f is not None and f.sums:
+                total = torch.cat(f.sums)
                 seq.pooled_sum = total if seq.pooled_sum is None else seq.pooled_sum + total
-                seq.pooled_rows += rows
-            if lg is None:
-                continue
-            if seq.candidates is not None:
-                if it.last_hidden is not None and seq.pooled_sum is not None:
+                seq.pooled_rows += f.rows
+            error = out.errors[i]
+            if error is not None:
+                self._fail_alone(seq, events, *error)
+            elif out.scores[i] is not None:
+                if f is not None and f.last is not None and seq.pooled_sum is not None:
                     # the final hidden state, the pool layers' means, the last layers' last token
                     mean = seq.pooled_sum / seq.pooled_rows
-                    seq.features = torch.cat([it.last_hidden[0], mean, *it.last_hidden[1:]]).tolist()
-                scoring.append((seq, lg[-1]))
-                continue
-            seq.phase = Phase.DECODE
-            sampling.append((seq, lg[-1]))
-        if scoring:
-            self._finish_scoring(scoring, events)
-        if sampling:
-            seqs = [s for s, _ in sampling]
-            tokens = self.runner.sample(seqs, torch.stack([row for _, row in sampling]))
-            for seq, token in zip(seqs, tokens):
-                if isinstance(token, Exception):
-                    self._fail_alone(seq, events, "sampling", token)
-                    continue
-                try:  # detokenizing and stop strings: per sequence too
-                    delta = seq.append_token(token)
-                except Exception as exc:
-                    self._fail_alone(seq, events, "detokenizing", exc)
-                    continue
-                self.tokens_generated += 1
-                events.append((seq, TokenEvent(token, delta)))
-                if seq.finish_reason is not None:
-                    self.running.remove(seq)
-                    self._finish(seq, seq.finish_reason, events)
+                    seq.features = torch.cat([f.last[0], mean, *f.last[1:]]).tolist()
+                seq.scores = out.scores[i]
+                self.running.remove(seq)
+                self._finish(seq, FinishReason.LENGTH, events)
+            elif (token := out.tokens[i]) is not None:
+                seq.phase = Phase.DECODE
+                self._append(seq, token, events)
+
+    def _append(self, seq: Sequence, token: int, events: list[StepEvent]) -> None:
+        try:  # detokenizing and stop strings: per sequence too
+            delta = seq.append_token(token)
+        except Exception as exc:
+            self._fail_alone(seq, events, "detokenizing", exc)
+            return
+        self.tokens_generated += 1
+        events.append((seq, TokenEvent(token, delta)))
+        if seq.finish_reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, seq.finish_reason, events)
 
     def _fail_alone(self, seq: Sequence, events: list[StepEvent], stage: str, exc: BaseException) -> None:
         """End one sequence whose own work after the forward raised; the step's others go on."""
@@ -385,19 +376,3 @@ class Scheduler:
         self._finish(
             seq, FinishReason.ERROR, events, error=f"internal error in {stage} ({type(exc).__name__})"
         )
-
-    def _finish_scoring(self, done: list[tuple[Sequence, torch.Tensor]], events: list[StepEvent]) -> None:
-        try:
-            self.runner.score_labels(done)  # sets each sequence's scores
-        except Exception:
-            # one call's labels failed: score each alone (deterministic, in its own KV) so it fails alone
-            log.warning("label scoring failed for %s; retrying one by one", [s.id for s, _ in done])
-            for seq, row in done:
-                try:
-                    self.runner.score_labels([(seq, row)])
-                except Exception as exc:
-                    self._fail_alone(seq, events, "label scoring", exc)
-        for seq, _ in done:
-            if not seq.is_finished:
-                self.running.remove(seq)
-                self._finish(seq, FinishReason.LENGTH, events)

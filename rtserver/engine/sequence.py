@@ -13,6 +13,8 @@ import time
 from collections.abc import Hashable
 from typing import Any
 
+import torch
+
 from .backend import FinishReason, SamplingParams, SequenceResult, Usage
 from .kv import KVHandle
 
@@ -72,7 +74,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.scores: list[float] | None = None
-        self.generator: Any = None  # a torch.Generator, made by the runner when a seed is given
+        self._generator: torch.Generator | None = None  # see generator()
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
@@ -101,6 +103,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.phase is Phase.FINISHED
+
+    def generator(self) -> torch.Generator | None:
+        """Where the sampler draws from when a seed is given (its state advances with each draw). Made
+        at the first draw, so a seed torch refuses fails that draw: this sequence alone."""
+        if self.params.seed is not None and self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.params.seed)
+        return self._generator
 
     # -- output -------------------------------------------------------------------------------
     def append_token(self, token_id: int) -> str:

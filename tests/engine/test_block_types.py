@@ -21,6 +21,7 @@ from rtserver.engine import quant
 from rtserver.engine.backend import SamplingParams
 from rtserver.engine.gguf_file import GGUFFile
 from rtserver.engine.kv import KVCacheManager
+from rtserver.engine.linear import BlockLinear
 from rtserver.engine.model import load_model
 from rtserver.engine.plan import StepItem
 from rtserver.engine.runner import ModelRunner
@@ -249,12 +250,15 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
     results = []
     for mode in ("torch", "fused", "unfused"):
         kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
-        runner = ModelRunner(copy.deepcopy(model), kv, 512)
-        if mode != "torch":
-            if mode == "fused":
-                runner.use_attention_kernel(kernel)
-            assert runner.use_quantized_blocks(blocks, kernel, 16) == 4 * cfg.num_hidden_layers + 1
-            assert runner.fused_decode_rows == (16 if mode == "fused" else 0)
+        on_blocks = {} if mode == "torch" else {"blocks": blocks, "kernel": kernel}
+        runner = ModelRunner(copy.deepcopy(model), kv, 512, **on_blocks)
+        if mode == "fused":
+            runner.use_attention_kernel(kernel)
+            runner.choose_fused_decode()
+        linears = [runner.lm_head, *(lin for L in runner.layers for lin in L.linears)]
+        on_blocks = sum(isinstance(lin, BlockLinear) for lin in linears)
+        assert on_blocks == (0 if mode == "torch" else len(linears))
+        assert runner.fused_decode == (mode == "fused")
         torch.manual_seed(1)
         steps = []
         for m in (1, 2, 5, 16):
@@ -265,7 +269,7 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
                 seq.kv, _ = kv.acquire(ids, len(ids) + 2)
                 prefill.append(StepItem(seq, seq.kv, 0, ids, "last"))
                 seqs.append((seq, len(ids)))
-            runner.forward(prefill)  # the torch path
+            runner.forward(prefill)  # unfused
             items = [StepItem(seq, seq.kv, n, [11 + r], "last") for r, (seq, n) in enumerate(seqs)]
             steps.append(torch.cat(runner.forward(items)))
             for seq, _ in seqs:
@@ -314,11 +318,11 @@ def test_fused_decode_steps_of_each_family_equal_its_torch_forward(request, smol
         if fused:
             runner = ModelRunner(copy.deepcopy(model), kv, 512, blocks=blocks, kernel=kernel)
             runner.use_attention_kernel(kernel)
-            runner.choose_fused_rows()
-            assert runner.fused_decode_rows >= 16
+            runner.choose_fused_decode()
+            assert runner.fused_decode
         else:
             runner = ModelRunner(copy.deepcopy(model), kv, 512)
-            assert runner.fused_decode_rows == 0
+            assert not runner.fused_decode
         results.append(_decode_steps(runner, kv, cfg.vocab_size, smol.tokenizer))
     for a, b in zip(results[1], results[0]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * float(b.abs().max()))
@@ -391,13 +395,15 @@ async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
     for name, w in loaded.blocks.items():
         assert torch.equal(w.dequantize(), dense[name]), name
     # the probe times the machine; here steps of up to 4 rows take the small-step path
-    monkeypatch.setattr("rtserver.engine.core.probe_panel_rows", lambda runner, kernel: 4)
+    monkeypatch.setattr("rtserver.engine.core.probe_panel_rows", lambda kernel, mlps: 4)
     settings = EngineSettings(kv_budget_mb=32)
     engine = Engine(loaded, settings, release_dense_weights=True)
-    linears = [lin for L in engine.runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
-    assert all(lin.blocks_only and lin.weight is None for lin in [*linears, engine.runner.lm_head])
+    linears = [lin for L in engine.runner.layers for lin in L.linears]
+    assert all(isinstance(lin, BlockLinear) for lin in [*linears, engine.runner.lm_head])
     assert engine.health()["kernels"]["linears_on_blocks"] == "121 of 121"
-    assert any(isinstance(lin.small, quant.StackedWeight) for lin in linears)  # q/k Q5_0 beside v Q8_0
+    assert any(
+        isinstance(lin.blocks, quant.StackedWeight) for lin in linears if isinstance(lin, BlockLinear)
+    )  # q/k Q5_0 beside v Q8_0
     texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
     prompts = [chat_prompt(loaded.tokenizer, t) for t in texts]
     got = await _greedy_tokens(engine, prompts, 24)

@@ -15,6 +15,7 @@ from rtserver.config import EngineSettings
 from rtserver.engine import quant
 from rtserver.engine.backend import SamplingParams
 from rtserver.engine.kv import KVCacheManager
+from rtserver.engine.linear import BlockEmbedding, BlockLinear, OneDNNLinear
 from rtserver.engine.model import embedded_model_path, load_model
 from rtserver.engine.plan import StepItem
 from rtserver.engine.runner import ModelRunner
@@ -81,41 +82,6 @@ def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kernel, fmt):
             assert ((got - want).abs() <= bound + 1e-4 * want.abs() + 1e-3).all()
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_interleave_packs_only_whole_groups_of_16_rows(fmt):
-    packed = quant.interleave(random_blocks(fmt, 48, 96, seed=3))
-    assert packed is not None and packed.format == fmt + "x16"
-    assert quant.interleave(random_blocks(fmt, 40, 64, seed=1)) is None  # rows not a multiple of 16
-
-
-def test_interleaved_blocks_are_refused_without_integer_dot_products(kernel):
-    """Where the CPU has no VNNI the runner never interleaves; the kernel says so if asked."""
-    if kernel.fixed_point_activations:
-        pytest.skip("this CPU has AVX-512 VNNI: interleaved blocks run here")
-    packed = quant.interleave(random_blocks("Q8_0", 48, 96, seed=3))
-    with pytest.raises(RuntimeError, match="VNNI"):
-        quant.quantized_matmul(kernel, torch.randn(2, 96), packed)
-
-
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_interleaved_blocks_equal_the_fixed_point_reference(kernel, fmt):
-    """Big steps' layout (16 columns a register): row counts 1..17 cross its 8-row passes, widths one
-    block to many; held to the same fixed-point arithmetic as the per-column layout."""
-    if not kernel.fixed_point_activations:
-        pytest.skip("needs AVX-512 VNNI (integer dot products): the runner never interleaves here")
-    for k in (32, 96, 1536):
-        w = random_blocks(fmt, 48, k, seed=k)
-        packed = quant.interleave(w)
-        assert packed is not None and packed.format == fmt + "x16"
-        for m in (1, 2, 7, 8, 9, 17):
-            x = torch.randn(m, k) * torch.rand(m, k) * 4
-            x[0, :32] = 0.0
-            got = quant.quantized_matmul(kernel, x, packed)
-            torch.testing.assert_close(got, quant.reference_matmul(x, w, True), rtol=1e-5, atol=2e-4)
-    with pytest.raises(RuntimeError, match="matching x's width"):
-        quant.quantized_matmul(kernel, torch.randn(2, 64), packed)
-
-
 def test_fixed_point_reference_keeps_16_bits_of_each_block():
     x = torch.randn(3, 96) * torch.tensor([1e-3, 1.0, 1e3]).repeat_interleave(32)
     got = quant.fixed_point_reference(x)
@@ -133,9 +99,6 @@ def test_kernel_on_the_real_weights(kernel, blocks):
         got = quant.quantized_matmul(kernel, x, blocks[name])
         want = quant.reference_matmul(x, blocks[name], fixed)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-        if fixed:
-            got = quant.quantized_matmul(kernel, x, quant.interleave(blocks[name]))
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_kernel_runs_on_torchs_openmp_threads_without_a_second_runtime(kernel):
@@ -199,18 +162,19 @@ def _greedy(runner: ModelRunner, kv: KVCacheManager, tok, prompts: list[list[int
 
 
 def test_small_steps_on_the_blocks_answer_as_float32(smol, kernel, blocks):
-    """Decode steps (one row) through the fused decode layers give float32's greedy tokens."""
+    """Decode steps (one row) through the fused decode layers, every linear on its blocks, give
+    float32's greedy tokens."""
     tok = smol.tokenizer
     prompts = [chat_prompt(tok, t) for t in ("Tell me a short fact about the number 7.", "Name a colour.")]
     cfg = smol.model.config
     answers = []
     for use in (False, True):
         kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
-        runner = ModelRunner(smol.model, kv, 512)
+        runner = ModelRunner(smol.model, kv, 512, **({"blocks": blocks, "kernel": kernel} if use else {}))
         if use:
             assert runner.use_attention_kernel(kernel)
-            assert runner.use_quantized_blocks(blocks, kernel, 1) == 4 * cfg.num_hidden_layers + 1
-            assert runner.fused_decode_rows == 1
+            runner.choose_fused_decode()
+            assert runner.fused_decode
         answers.append(_greedy(runner, kv, tok, prompts, 16))
     assert answers[1] == answers[0]
 
@@ -228,9 +192,11 @@ def test_engine_in_dtype_gguf_runs_every_linear_on_its_blocks_and_says_so(
     assert loaded.dtype_name == "gguf" and chosen["linears_on_blocks"] == "121 of 121"
     assert "Q4_1/Q8_0" in chosen["weights"] and "probe" in chosen["why"]
     runner = engine.runner
-    for lin in [runner.lm_head, *(lin for L in runner.layers for lin in (L.qkv, L.o, L.gate_up, L.down))]:
-        assert lin.blocks_only and lin.weight is None and lin.onednn is None
-    assert runner.embed is None and runner.embed_blocks is not None
+    assert all(
+        isinstance(lin, BlockLinear)
+        for lin in [runner.lm_head, *(lin for L in runner.layers for lin in L.linears)]
+    )
+    assert isinstance(runner.embed, BlockEmbedding)
     prompts = [chat_prompt(smol.tokenizer, t) for t in ("Hi!", "Count from one to five.")]
     cfg = smol.model.config
     kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
@@ -256,7 +222,7 @@ def quantize_q8_0(w: torch.Tensor) -> quant.QuantizedWeight:
 def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, kernel):
     """A Qwen2 model (q/k/v biases, GQA) on Q8_0 blocks: decode steps of several rows with different
     context lengths through the fused layers give the logits of the torch forward over the same
-    (dequantized) weights."""
+    (dequantized) weights; prompts beside them and joining them run on the blocks unfused."""
     import copy
 
     model = copy.deepcopy(tiny_qwen2.model)
@@ -267,28 +233,28 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
             param.data = blocks[name].dequantize()
     cfg = model.config
     results = []
-    # the torch path; fused on the blocks; fused with oneDNN-packed linears (3-row steps above 1 row)
-    for fused in (None, "blocks", "onednn"):
+    # the torch path; fused on the blocks
+    for fused in (False, True):
         kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, 4 << 20, 16)
-        runner = ModelRunner(copy.deepcopy(model), kv, 512, release_dense_weights=fused == "onednn")
+        on_blocks = {"blocks": blocks, "kernel": kernel} if fused else {}
+        runner = ModelRunner(copy.deepcopy(model), kv, 512, **on_blocks)
         if fused:
             runner.use_attention_kernel(kernel)
-            runner.use_quantized_blocks(blocks, kernel, 8 if fused == "blocks" else 1)
-            assert runner.fused_decode_rows == (8 if fused == "blocks" else 1 << 30)
-            assert (runner.layers[0].qkv.fused_args(3)[0] == ["onednn"]) == (fused == "onednn")
+            runner.choose_fused_decode()
+            assert runner.fused_decode
         torch.manual_seed(1)
         seqs = []
         for n in (3, 20, 41):
             ids = torch.randint(0, cfg.vocab_size, (n,)).tolist()
             seq = Sequence(ids, SamplingParams(), tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
             seq.kv, _ = kv.acquire(ids, n + 5)
-            runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])  # prefill: the torch path
+            runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])  # prefill: unfused
             seqs.append((seq, n))
         steps = []
         for t in range(3):
             items = [StepItem(seq, seq.kv, n + t, [7 + t], "last") for seq, n in seqs]
             steps.append(torch.cat(runner.forward(items)))
-        # A prompt prefilled in a decode step (listed first): it runs beside the fused rows, torch path.
+        # A prompt prefilled in a decode step (listed first): it runs beside the fused rows, unfused.
         ids = torch.randint(0, cfg.vocab_size, (6,)).tolist()
         mixed = Sequence(ids, SamplingParams(), tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
         mixed.kv, _ = kv.acquire(ids, 7)
@@ -312,19 +278,14 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
             theirs = model(torch.tensor([ids])).logits[0, -1:].float()
         torch.testing.assert_close(joined[3:], theirs, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(results[2], results[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("route", ["onednn", "interleaved"])
+@pytest.mark.parametrize("route", ["onednn", "blocks"])
 def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, blocks, route):
-    """Serving (release_dense_weights after the blocks): big steps on oneDNN-packed linears and head,
-    or on the interleaved blocks (VNNI CPUs) with no dense linear left; lookups in the embedding's
-    blocks, the dense embedding gone. Batched greedy tokens equal float32's, and a few columns' logits
-    equal the full logits' columns."""
+    """Serving (release_dense_weights): float32 linears on oneDNN-packed copies, or every linear and the
+    head on their blocks with lookups in the embedding's blocks (no dense embedding). Batched greedy
+    tokens equal float32's, and a few columns' logits equal the full logits' columns."""
     import copy
-
-    if route == "interleaved" and not kernel.fixed_point_activations:
-        pytest.skip("needs AVX-512 VNNI (integer dot products): the runner never interleaves here")
 
     tok = smol.tokenizer
     texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
@@ -333,19 +294,17 @@ def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, bl
     answers = []
     for packed in (False, True):
         kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
-        runner = ModelRunner(copy.deepcopy(smol.model) if packed else smol.model, kv, 512)
+        on_blocks = {"blocks": blocks, "kernel": kernel} if packed and route == "blocks" else {}
+        runner = ModelRunner(copy.deepcopy(smol.model) if packed else smol.model, kv, 512, **on_blocks)
         if packed:
             runner.use_attention_kernel(kernel)
-            if route == "interleaved":
-                assert runner.use_interleaved(blocks, kernel) == 4 * cfg.num_hidden_layers + 1
-            runner.use_quantized_blocks(blocks, kernel, 1)
             runner.release_dense_weights()
-            assert runner.embed is None and runner.lm_head.weight is None
-            head, qkv = runner.lm_head, runner.layers[0].qkv
+            qkv = runner.layers[0].qkv
             if route == "onednn":
-                assert head.onednn is not None and qkv.onednn is not None
+                assert isinstance(qkv, OneDNNLinear)
             else:
-                assert head.interleaved is not None and qkv.weight is None and qkv.onednn is None
+                assert isinstance(runner.embed, BlockEmbedding) and isinstance(runner.lm_head, BlockLinear)
+                assert isinstance(qkv, BlockLinear)
         seqs = []
         for ids in prompts:
             seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
@@ -353,16 +312,14 @@ def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, bl
             seqs.append(seq)
         logits = runner.forward([StepItem(s, s.kv, 0, ids, "last") for s, ids in zip(seqs, prompts)])
         out = []
-        for t in range(12):  # 3-row steps: above the blocks' 1 row, so the packed head when its probe says
+        for t in range(12):
             picks = [int(lg[-1].argmax()) for lg in logits]
             out.append(picks)
             items = [StepItem(s, s.kv, len(ids) + t, [p], "last") for s, ids, p in zip(seqs, prompts, picks)]
             logits = runner.forward(items)
         columns = [tok.convert_tokens_to_ids(w) for w in ("yes", "no", "Paris")]
         hs = torch.randn(3, cfg.hidden_size)
-        full = runner.lm_head.big(hs)
-        # the columns are exact float32; the interleaved head rounds its activations to 16 bits
-        atol = 1e-3 if route == "interleaved" and packed else 1e-4
-        torch.testing.assert_close(runner._column_logits(hs, columns), full[:, columns], rtol=1e-5, atol=atol)
+        full = runner.lm_head(hs)
+        torch.testing.assert_close(runner._column_logits(hs, columns), full[:, columns], rtol=1e-5, atol=1e-4)
         answers.append(out)
     assert answers[1] == answers[0]

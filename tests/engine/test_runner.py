@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rtserver.engine.attention import decode_groups
 from rtserver.engine.backend import SamplingParams
 from rtserver.engine.kv import KVCacheManager
+from rtserver.engine.linear import stored_linear
 from rtserver.engine.plan import StepItem
-from rtserver.engine.runner import Linear, ModelRunner, _decode_groups
+from rtserver.engine.runner import ModelRunner
 from rtserver.engine.sampler import Sampler, sampling_candidates
 from rtserver.engine.sequence import Sequence
 
@@ -51,7 +53,7 @@ def test_decode_rows_of_very_different_lengths_match_transformers(tiny_qwen2):
         runner.forward([StepItem(seq, seq.kv, 0, ids[:-1], "none")])  # everything but the last token
         seqs.append(seq)
     decode = [StepItem(s, s.kv, len(ids) - 1, ids[-1:], "last") for s, ids in zip(seqs, prompts)]
-    assert sorted(map(len, _decode_groups(decode))) == [1, 3]
+    assert sorted(map(len, decode_groups(decode))) == [1, 3]
     ours = runner.forward(decode)
     with torch.no_grad():
         for got, ids in zip(ours, prompts):
@@ -97,7 +99,7 @@ def test_stored_linear_is_close_to_float32(storage, tolerance):
     weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96) * 0.1
     x = torch.randn(8, 64)
     exact = torch.nn.functional.linear(x, weight, bias)
-    approx = Linear(weight, bias, storage)(x)
+    approx = stored_linear(weight, bias, storage)(x)
     rel = (approx - exact).norm() / exact.norm()
     assert 0 < rel < tolerance, f"{storage} relative error {rel:.5f}"
 

@@ -12,9 +12,9 @@ from rtserver.config import EngineSettings
 from rtserver.engine.backend import FinishReason, Overloaded, RequestTooLarge, SamplingParams
 from rtserver.engine.kv import KVCacheManager
 from rtserver.engine.plan import StepItem
-from rtserver.engine.runner import ModelRunner
 from rtserver.engine.scheduler import Scheduler, SchedulerLimits
 from rtserver.engine.sequence import Phase, Sequence
+from rtserver.engine.step import Forward, StepRunner
 
 VOCAB = 32
 
@@ -24,15 +24,16 @@ class FakeTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-class FakeRunner:
-    """Always predicts token (position % VOCAB); records every step's plan."""
+class FakeRunner(StepRunner):
+    """Always predicts token (position % VOCAB); records every step's plan. Sampling and label scoring
+    are the real runner's (StepRunner), over this fake forward."""
 
     def __init__(self):
         self.steps: list[list[tuple[int, int, int]]] = []  # (seq id, start, n tokens)
         # What "another thread" does while a step runs, before the layer it is keyed by (submit, cancel).
         self.during_step: dict[int, Callable[[], object]] = {}
 
-    def forward(self, items: list[StepItem], join=None):
+    def run(self, items: list[StepItem], join=None) -> Forward:
         for layer, happens in sorted(self.during_step.items()) if join is not None else ():
             happens()
             items.extend(join(layer))  # the real runner asks before every layer but the first
@@ -47,12 +48,10 @@ class FakeRunner:
             for r in range(n):
                 logits[r, (it.start + len(it.tokens) - n + r + 1) % VOCAB] = 1.0
             out.append(logits)
-        return out
+        return Forward(out, [None] * len(out))
 
     def sample(self, seqs, logits):
         return logits.argmax(-1).tolist()
-
-    score_labels = ModelRunner.score_labels  # the runner's own label arithmetic, over this fake forward
 
 
 def with_limits(**changes) -> SchedulerLimits:

@@ -871,6 +871,7 @@ def _tiny_model():
 def test_runner_columns_pruning_and_onednn_match_transformers():
     import torch
 
+    from rtserver.engine import linear
     from rtserver.engine import runner as R
     from rtserver.engine.backend import SamplingParams
     from rtserver.engine.kv import KVCacheManager
@@ -900,8 +901,8 @@ def test_runner_columns_pruning_and_onednn_match_transformers():
     torch.testing.assert_close(full[0], want[-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(cols[0], want[-1, [3, 50, 7]], atol=1e-4, rtol=1e-4)
     runner.release_dense_weights()  # serving: float32 linears move to oneDNN-packed copies
-    if R.ONEDNN_LINEAR and torch.backends.mkldnn.is_available():
-        assert all(L.qkv.onednn is not None and L.qkv.weight is None for L in runner.layers)
+    if linear.ONEDNN_LINEAR and torch.backends.mkldnn.is_available():
+        assert all(isinstance(L.qkv, linear.OneDNNLinear) for L in runner.layers)
     assert all(p.numel() == 0 for p in model.parameters())  # the model's own weights are gone
     full, cols = run()
     torch.testing.assert_close(full[0], want[-1], atol=1e-4, rtol=1e-4)

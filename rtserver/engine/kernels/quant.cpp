@@ -22,7 +22,6 @@
 // the flag it silently ran on one thread, and linked this way there is no second OpenMP runtime.
 
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -430,112 +429,6 @@ void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0
   }
 }
 
-// Big steps (many rows: compute-bound) on weights interleaved by 16 output columns ("Q4_1x16",
-// "Q8_0x16", packed once by quant.interleave): a register holds 4 quants of 16 columns, so one
-// vpdpbusd against a row's 4 broadcast limbs advances 16 outputs, and a block's scale is applied once
-// per 16 columns (the layout above computes one column at a time and loses to oneDNN's float32 GEMM
-// past a few rows). Same arithmetic as fixed_pass: the activations' 16-bit fixed point (limbs signed
-// here), exact int32 block sums, d_b * s_b in float; Q8_0's quants carry +128 as unsigned bytes and
-// 128 * sum(a_b) is taken off. Weight bytes [N/16, nb, 8, 16, 4]; scales float32 [N/16, nb, fields, 16].
-struct FixedBlocks {
-  std::vector<int8_t> hi, lo;     // [M, K] the limbs: a = 256 hi + lo
-  std::vector<float> step, sumx;  // [M, nb] s_b and sum(x_b) (Q4_1's min term)
-  std::vector<int32_t> corr;      // [M, nb] 128 * sum(a_b) (Q8_0's +128)
-};
-
-void to_fixed_blocks(const float* x, int64_t M, int64_t K, FixedBlocks& f) {
-  const int64_t nb = K / kBlock;
-  f.hi.resize(M * K), f.lo.resize(M * K), f.step.resize(M * nb), f.sumx.resize(M * nb), f.corr.resize(M * nb);
-  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      int32_t total = 0;
-      f.step[i] = fixed_block(x + i * kBlock, f.sumx[i], [&](int j, int v) {
-        const int hi = signed_high_limb(v);
-        f.hi[i * kBlock + j] = static_cast<int8_t>(hi);
-        f.lo[i * kBlock + j] = static_cast<int8_t>(v - 256 * hi);
-        total += v;
-      });
-      f.corr[i] = 128 * total;
-    }
-  });
-}
-
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-// Rows r0.. r0+R of y for the 16 output columns of group c. The R rows' int32 sums of a block run
-// side by side (independent chains: vpdpbusd's latency hidden), the float outputs stay in registers.
-template <int R, bool HasMin>
-void column_group(const FixedBlocks& f, int64_t r0, int64_t K, int64_t N, int64_t c, const uint8_t* W,
-                  const float* S, float* y) {
-  const int64_t nb = K / kBlock;
-  constexpr int fields = HasMin ? 2 : 1;
-  __m512 out[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = W + (c * nb + b) * 512;
-    __m512i w[8];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(wb + 64 * j);
-    const int8_t* h = f.hi.data() + r0 * K + b * kBlock;
-    const int8_t* l = f.lo.data() + r0 * K + b * kBlock;
-    __m512i acc[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j)
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], w[j], broadcast4(h + r * K + 4 * j));
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_slli_epi32(acc[r], 8);
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j)
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], w[j], broadcast4(l + r * K + 4 * j));
-    const float* sb = S + (c * nb + b) * fields * 16;
-    const __m512 d = _mm512_loadu_ps(sb);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const int64_t blk = (r0 + r) * nb + b;
-      if (!HasMin) acc[r] = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(f.corr[blk]));
-      out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, _mm512_set1_ps(f.step[blk])), out[r]);
-    }
-    if (HasMin) {
-      const __m512 m = _mm512_loadu_ps(sb + 16);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(f.sumx[(r0 + r) * nb + b]), out[r]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + c * 16, out[r]);
-}
-
-template <bool HasMin>
-void interleaved_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* W, const float* S, float* y,
-                        int64_t ldy) {
-  FixedBlocks f;
-  to_fixed_blocks(x, M, K, f);
-  constexpr int kRows = 8;  // 8 rows x (sums + outputs) + the block's 8 weight registers fit 32 zmm
-  at::parallel_for(0, N / 16, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
-        switch (std::min<int64_t>(kRows, M - r0)) {
-          case 1: column_group<1, HasMin>(f, r0, K, ldy, c, W, S, y); break;
-          case 2: column_group<2, HasMin>(f, r0, K, ldy, c, W, S, y); break;
-          case 3: column_group<3, HasMin>(f, r0, K, ldy, c, W, S, y); break;
-          case 4: column_group<4, HasMin>(f, r0, K, ldy, c, W, S, y); break;
-          case 5: column_group<5, HasMin>(f, r0, K, ldy, c, W, S, y); break;
-          case 6: column_group<6, HasMin>(f, r0, K, ldy, c, W, S, y); break;
-          case 7: column_group<7, HasMin>(f, r0, K, ldy, c, W, S, y); break;
-          default: column_group<8, HasMin>(f, r0, K, ldy, c, W, S, y); break;
-        }
-      }
-  });
-}
 #endif
 
 // The output columns split over the threads; in each, the rows in passes of up to 4 (a pass keeps its
@@ -696,64 +589,6 @@ void block_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
     matmul<false>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 32, y, ldy);
 }
 
-bool is_interleaved(const std::string& format) { return format == "Q4_1x16" || format == "Q8_0x16"; }
-
-// An interleaved weight (see interleaved_matmul) for inputs of width K: bytes [N, K] (one a quant, in
-// the interleaved order), scales float32 [N/16, K/32, fields, 16].
-void check_interleaved(const std::string& format, const torch::Tensor& w, const torch::Tensor& scales, int64_t K) {
-#ifndef RTSERVER_INT_DOTS
-  TORCH_CHECK(false, "interleaved weights need the integer dot products (AVX-512 VNNI), not built here");
-#endif
-  const int64_t N = w.size(0), fields = format == "Q4_1x16" ? 2 : 1;
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) == K &&
-                  N % 16 == 0,
-              "interleaved quants must be uint8 [N, K] matching x's width, N a multiple of 16");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
-                  scales.numel() == N * (K / kBlock) * fields,
-              "interleaved scales must be float32 [N/16, K/32, fields, 16]");
-}
-
-void interleaved(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& w,
-                 const torch::Tensor& scales, float* y, int64_t ldy) {
-  check_interleaved(format, w, scales, K);
-#ifdef RTSERVER_INT_DOTS
-  const int64_t N = w.size(0);
-  if (format == "Q4_1x16")
-    interleaved_matmul<true>(x, M, K, N, w.data_ptr<uint8_t>(), scales.data_ptr<float>(), y, ldy);
-  else
-    interleaved_matmul<false>(x, M, K, N, w.data_ptr<uint8_t>(), scales.data_ptr<float>(), y, ldy);
-#endif
-}
-
-// A decode layer's linear, as the runner passes it: GGUF blocks ("Q4_1" / "Q8_0", quants, scales) for
-// small steps; for big ones (compute-bound) the blocks interleaved by 16 columns ("Q4_1x16" /
-// "Q8_0x16") where the CPU has VNNI, else a weight packed by torch.ops.mkldnn._reorder_linear_weight
-// ("onednn", packed weight, unused): oneDNN's float32 GEMM beats the block kernel there.
-bool is_onednn(const std::string& format) { return format == "onednn"; }
-
-void check_linear(const std::string& format, const torch::Tensor& a, const torch::Tensor& b, int64_t K) {
-  if (is_interleaved(format)) return check_interleaved(format, a, b, K);
-  if (!is_onednn(format)) return check_weight(format, a, b, K);
-  TORCH_CHECK(a.is_mkldnn() && a.scalar_type() == torch::kFloat32 && a.dim() == 2 && a.size(1) == K,
-              "an onednn weight must be a packed float32 [N, K] matching x's width");
-}
-
-// y [M, N] (rows ldy apart) = x [M, K] @ W.T; the oneDNN weight through torch's own op (the
-// dispatcher, boxed: the same kernel the runner's unfused path calls from Python).
-void linear_part(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& a,
-                 const torch::Tensor& b, float* y, int64_t ldy) {
-  if (is_interleaved(format)) return interleaved(x, M, K, format, a, b, y, ldy);
-  if (!is_onednn(format)) return block_matmul(x, M, K, format, a, b, y, ldy);
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  auto xt = torch::from_blob(const_cast<float*>(x), {M, K}, torch::kFloat32);
-  torch::jit::Stack stack{xt, a, c10::IValue(), std::string("none"),
-                          c10::List<std::optional<at::Scalar>>(), c10::IValue()};
-  op.callBoxed(&stack);
-  const auto out = stack[0].toTensor().contiguous();
-  const int64_t N = a.size(0);
-  for (int64_t r = 0; r < M; ++r) std::memcpy(y + r * ldy, out.data_ptr<float>() + r * N, N * sizeof(float));
-}
-
 // A linear as the runner passes it: one or more parts over the same input (a stacked weight: q/k/v or
 // gate/up of different block types), each (format, a, b); their outputs lie side by side.
 struct Parts {
@@ -768,7 +603,7 @@ struct Parts {
   void check(int64_t K) const {
     TORCH_CHECK(!formats.empty() && formats.size() == a.size() && formats.size() == b.size(),
                 "a linear needs one (format, a, b) per part");
-    for (size_t i = 0; i < formats.size(); ++i) check_linear(formats[i], a[i], b[i], K);
+    for (size_t i = 0; i < formats.size(); ++i) check_weight(formats[i], a[i], b[i], K);
   }
   // y [M, rows()] = x [M, K] @ W.T, part by part (checked first).
   void apply(const float* x, int64_t M, int64_t K, float* y) const {
@@ -776,7 +611,7 @@ struct Parts {
     const int64_t N = rows();
     int64_t at = 0;
     for (size_t i = 0; i < formats.size(); ++i) {
-      linear_part(x, M, K, formats[i], a[i], b[i], y + at, N);
+      block_matmul(x, M, K, formats[i], a[i], b[i], y + at, N);
       at += a[i].size(0);
     }
   }
@@ -797,13 +632,7 @@ torch::Tensor q8_0_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) { retu
 
 torch::Tensor blocks_mm(torch::Tensor x, std::vector<std::string> formats, std::vector<torch::Tensor> a,
                         std::vector<torch::Tensor> b) {
-  for (const auto& f : formats) TORCH_CHECK(!is_onednn(f), "blocks_mm takes block weights only");
   return parts_mm(x, {formats, a, b});
-}
-
-torch::Tensor interleaved_mm(torch::Tensor x, std::string format, torch::Tensor w, torch::Tensor scales) {
-  TORCH_CHECK(is_interleaved(format), "unknown interleaved format ", format);
-  return parts_mm(x, {{format}, {w}, {scales}});
 }
 
 // The float32 weight of raw blocks [N, row bytes] of width K, decoded as the kernel decodes it.
@@ -1137,7 +966,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocks_mm", &blocks_mm, "x [M, K] float32 @ a stacked block weight (parts side by side) -> [M, N]", nogil);
   m.def("set_panel_rows", &set_panel_rows, "steps of more rows than this dequantize 16 weight rows at a time");
   m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
-  m.def("interleaved_mm", &interleaved_mm, "x [M, K] float32 @ blocks interleaved by 16 columns -> [M, N] float32", nogil);
   m.def("decode_attention", &decode_attention, "single-token attention over paged float32 K/V", nogil);
 #ifdef RTSERVER_INT_DOTS
   m.attr("fixed_point_activations") = true;

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -288,6 +289,17 @@ async def test_two_backends_spread_sessions_and_survive_one_dying(smol, llama, t
     node.start()
     try:
         settings = remote_settings(llama.url, node.base)
+        # the built-in chat with min_new_tokens settable: a reply must not end, wherever the model would
+        # stop, before the node is killed under it
+        plugins = tmp_path / "plugins"
+        plugins.mkdir()
+        built_in = Path("plugins/chat.py").read_text()
+        settable = '"max_new_tokens": (1, 512),'
+        assert settable in built_in
+        (plugins / "chat.py").write_text(
+            built_in.replace(settable, settable + ' "min_new_tokens": (0, 512),')
+        )
+        settings.tasks.plugin_dirs = [str(plugins)]
         async with serve(create_app(settings, lambda: smol), settings) as (base, ws_url):
             sockets = [await websockets.connect(ws_url) for _ in range(8)]
             for ws in sockets:
@@ -302,10 +314,12 @@ async def test_two_backends_spread_sessions_and_survive_one_dying(smol, llama, t
             # every session replies again after the rtserver node dies mid-reply: the ones it served end
             # with backend_unavailable (never a hang), then move to llama-server
             long = [
-                asyncio.create_task(chat(ws, f"b{i}", "Count from 1 to 500.", max_new_tokens=200))
+                asyncio.create_task(
+                    chat(ws, f"b{i}", "Count from 1 to 500.", max_new_tokens=500, min_new_tokens=500)
+                )
                 for i, ws in enumerate(sockets)
             ]
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(3.0)  # past the node's first tokens, well before 500 of them
             node.proc.kill()
             ends = await asyncio.wait_for(asyncio.gather(*long), 120)
             codes = [e.get("code") for e in ends if e["type"] == "error"]

@@ -61,53 +61,40 @@ async def test_every_family_equals_transformers_float32_token_for_token(family_m
         assert out == reference_greedy(family_model, prompt, NEW_TOKENS)
 
 
-def test_sliding_layers_see_only_their_window(tiny_gemma3):
-    """A prompt longer than the window: the engine's logits at its end equal transformers', and differ
-    from what the same weights give with every layer attending to the whole context."""
-    from transformers import Gemma3ForCausalLM
-
-    model = tiny_gemma3.model
-    ids = chat_prompt(tiny_gemma3.tokenizer, TEXTS[2])
-    assert len(ids) > 2 * model.config.sliding_window
+def _runner_follows_the_config(loaded: LoadedModel, ids: list[int], changed: dict) -> None:
+    """Transformers' logits at the prompt's end differ once the config's `changed` fields are set on
+    the same weights, and the runner's equal the model's own (it reads those fields as transformers)."""
+    model = loaded.model
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0, -1]
-        cfg = model.config.to_dict()
-        cfg["layer_types"] = ["full_attention"] * model.config.num_hidden_layers
-        full = Gemma3ForCausalLM(type(model.config).from_dict(cfg)).eval()
-        full.load_state_dict(model.state_dict())
-        unwindowed = full(torch.tensor([ids])).logits[0, -1]
-    assert not torch.allclose(expected, unwindowed, atol=1e-3)
+        other = type(model)(type(model.config).from_dict({**model.config.to_dict(), **changed})).eval()
+        other.load_state_dict(model.state_dict())
+        changed_logits = other(torch.tensor([ids])).logits[0, -1]
+    assert not torch.allclose(expected, changed_logits, atol=1e-3)
     kv = kv_pool(model.config, 16 << 20)
     runner = ModelRunner(model, kv, 512)
-    seq = Sequence(ids, greedy(1), tokenizer=tiny_gemma3.tokenizer, eos_token_ids=set())
+    seq = Sequence(ids, greedy(1), tokenizer=loaded.tokenizer, eos_token_ids=set())
     seq.kv, _ = kv.acquire(ids, len(ids) + 1)
     [got] = runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])
     assert got is not None
     torch.testing.assert_close(got[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_layers_see_only_their_window(tiny_gemma3):
+    """A prompt longer than the window: the engine's logits at its end equal transformers', and differ
+    from what the same weights give with every layer attending to the whole context."""
+    cfg = tiny_gemma3.model.config
+    ids = chat_prompt(tiny_gemma3.tokenizer, TEXTS[2])
+    assert len(ids) > 2 * cfg.sliding_window
+    _runner_follows_the_config(tiny_gemma3, ids, {"layer_types": ["full_attention"] * cfg.num_hidden_layers})
 
 
 def test_smollm3_layers_without_rope_get_none(tiny_smollm3):
     """SmolLM3's fourth layer has no RoPE: the runner's logits equal transformers', and differ from the
     same weights with RoPE on every layer."""
-    from transformers import SmolLM3ForCausalLM
-
-    model = tiny_smollm3.model
+    cfg = tiny_smollm3.model.config
     ids = chat_prompt(tiny_smollm3.tokenizer, TEXTS[2])
-    with torch.no_grad():
-        expected = model(torch.tensor([ids])).logits[0, -1]
-        cfg = model.config.to_dict()
-        cfg["no_rope_layers"] = [1] * model.config.num_hidden_layers
-        every = SmolLM3ForCausalLM(type(model.config).from_dict(cfg)).eval()
-        every.load_state_dict(model.state_dict())
-        with_rope = every(torch.tensor([ids])).logits[0, -1]
-    assert not torch.allclose(expected, with_rope, atol=1e-3)
-    kv = kv_pool(model.config, 16 << 20)
-    runner = ModelRunner(model, kv, 512)
-    seq = Sequence(ids, greedy(1), tokenizer=tiny_smollm3.tokenizer, eos_token_ids=set())
-    seq.kv, _ = kv.acquire(ids, len(ids) + 1)
-    [got] = runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])
-    assert got is not None
-    torch.testing.assert_close(got[0], expected, rtol=1e-4, atol=1e-4)
+    _runner_follows_the_config(tiny_smollm3, ids, {"no_rope_layers": [1] * cfg.num_hidden_layers})
 
 
 def test_an_unknown_family_is_refused_by_name(smol):

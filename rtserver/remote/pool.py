@@ -114,6 +114,12 @@ class UpstreamPool:
         if was_down:
             self.changed.wake()
 
+    def probe_answered(self, up: Upstream, opened_at: float | None) -> None:
+        """A health probe that began when the breaker was at `opened_at` answered. A request that
+        failed while it was in flight is newer news: then the breaker stays open."""
+        if up.opened_at == opened_at:
+            self.succeeded(up)
+
     def failed(self, up: Upstream, reason: str) -> None:
         up.failures += 1
         up.errors += 1

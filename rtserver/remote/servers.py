@@ -115,6 +115,7 @@ class ServerCheck:
 
     async def _health(self, up: Upstream) -> None:
         ups, pool = self.ups, self.ups.pool
+        opened_at = up.opened_at
         try:
             async with ups.http.get(
                 up.url + "/health", timeout=ups.timeout(min(5.0, ups.settings.timeout_s))
@@ -123,7 +124,7 @@ class ServerCheck:
                     raise UpstreamError(f"/health answered {r.status}", True)
             if not up.checked:
                 await self.probe(up)
-            pool.succeeded(up)
+            pool.probe_answered(up, opened_at)
         except BackendMismatch as exc:
             pool.failed(up, str(exc))
             log.error("%s", exc)

@@ -149,6 +149,8 @@ class FakeUpstream:
         self.cuts: list[dict] = []  # a label score's prompt cut back to its public prefix
         self.connection: dict[bool, list[str | None]] = {True: [], False: []}  # by stream: Connection
         self.health_checks = 0  # GET /health requests answered
+        self.health_held = 0  # GET /health requests waiting for `health_gate`
+        self.health_gate: asyncio.Event | None = None  # set: /health answers only once it is set
         self.prefetch_answer = "ok"  # or "500", "garbage" (200, not JSON), "stall" (no answer for 60 s)
         self.closed = asyncio.Event()  # the hub closed a completion's connection before its end
         self.closes = 0
@@ -183,6 +185,9 @@ class FakeUpstream:
         return JSONResponse({"tokens": ids})
 
     async def health(self, request: Request) -> Response:
+        if self.health_gate is not None:
+            self.health_held += 1
+            await self.health_gate.wait()
         self.health_checks += 1
         return JSONResponse({"status": "ok"})
 
@@ -475,6 +480,35 @@ async def test_an_open_breaker_waits_retry_after_s_even_when_health_answers(smol
             await wait_for(closed, STEP)
             assert fake.health_checks > checks  # closed by a health probe
             await chats_again(ws, fake, "b2")
+
+
+async def test_a_health_probe_in_flight_when_a_request_fails_leaves_the_breaker_open(smol):
+    """The probe began before the failure: its 200 is older news and closes nothing."""
+    async with (
+        fakes(smol) as [fake],
+        hub(smol, [fake.url], failures_to_open=1, retry_after_s=60.0, health_interval_s=0.02) as (
+            app,
+            base,
+            url,
+        ),
+    ):
+        fake.health_gate = asyncio.Event()
+
+        async def held() -> bool:
+            return fake.health_held > 0
+
+        await wait_for(held, STEP)
+        fake.status = 500
+        async with websockets.connect(url) as ws:
+            await hello(ws)
+            err = (await chat(ws, "h1"))[-1]
+            assert err["type"] == "error" and err["code"] == "backend_unavailable", err
+            fake.status = 200
+            fake.health_gate.set()
+            await asyncio.sleep(0.2)
+            assert fake.health_checks >= 1  # the held probe answered
+            health = (await get(base, "/health")).json()
+            assert server_health(health, fake.url)["state"] == "down", health
 
 
 # -- 3. HTTP 500 ------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 //
 // Every type decodes one block into a common form: int8 quants q, and per 16 weights a scale D and an
 // offset M, so that weight = D * q + M (a float32 product, then a float32 sum; kOffset false: M is 0
-// and not added). D and M are computed
+// and not added; kSigned false: no quant is negative, which the integer dots use). D and M are computed
 // with the same float32 operations as gguf-py's `dequantize`, so a decoded weight equals its value
 // bit for bit. Per type: `scales` (D and M of a block), `chunk` (AVX2: the 32 quants of chunk c in
 // one register, never through memory) and `decode` (portable: all quants to memory, for CPUs without
@@ -94,6 +94,7 @@ inline void nibbles32(const uint8_t* qs, int8_t* q, int bias) {
 struct Q4_0 {
   static constexpr int kWeights = 32, kBytes = 18;
   static constexpr bool kOffset = false;
+  static constexpr bool kSigned = true;
   static void scales(const uint8_t* b, float* D, float* M) { fill(D, M, 2, f16(b), 0.f); }
   static void decode(const uint8_t* b, int8_t* q) { nibbles32(b + 2, q, 8); }
 #ifdef BLOCKS_AVX2
@@ -105,6 +106,7 @@ template <bool HasMin>
 struct Q5 {
   static constexpr int kWeights = 32, kBytes = HasMin ? 24 : 22;
   static constexpr bool kOffset = HasMin;
+  static constexpr bool kSigned = !HasMin;
   static void scales(const uint8_t* b, float* D, float* M) { fill(D, M, 2, f16(b), HasMin ? f16(b + 2) : 0.f); }
 #ifdef BLOCKS_AVX2
   static __m256i chunk(const uint8_t* b, int) {
@@ -129,6 +131,7 @@ struct Q5 {
 struct IQ4_NL {
   static constexpr int kWeights = 32, kBytes = 18;
   static constexpr bool kOffset = false;
+  static constexpr bool kSigned = true;
   static void scales(const uint8_t* b, float* D, float* M) { fill(D, M, 2, f16(b), 0.f); }
   static void decode(const uint8_t* b, int8_t* q) {
     for (int j = 0; j < 16; ++j) q[j] = kIq4Values[b[2 + j] & 15], q[j + 16] = kIq4Values[b[2 + j] >> 4];
@@ -148,6 +151,7 @@ inline void crumbs256(const uint8_t* qs, int8_t* q) {
 struct Q2_K {
   static constexpr int kWeights = 256, kBytes = 84;
   static constexpr bool kOffset = true;
+  static constexpr bool kSigned = false;
   static void scales(const uint8_t* b, float* D, float* M) {
     const float d = f16(b + 80), dmin = f16(b + 82);
     for (int s = 0; s < 16; ++s) D[s] = d * static_cast<float>(b[s] & 15), M[s] = -(dmin * static_cast<float>(b[s] >> 4));
@@ -162,6 +166,7 @@ struct Q2_K {
 struct Q3_K {
   static constexpr int kWeights = 256, kBytes = 110;
   static constexpr bool kOffset = false;
+  static constexpr bool kSigned = true;
   static void scales(const uint8_t* b, float* D, float* M) {
     const uint8_t* sc = b + 96;
     const float d = f16(b + 108);
@@ -200,6 +205,7 @@ template <bool FifthBit>
 struct QK45 {
   static constexpr int kWeights = 256, kBytes = FifthBit ? 176 : 144;
   static constexpr bool kOffset = true;
+  static constexpr bool kSigned = false;
   static void scales(const uint8_t* b, float* D, float* M) {
     const float d = f16(b), dmin = f16(b + 2);
     for (int c = 0; c < 8; ++c) {
@@ -233,6 +239,7 @@ struct QK45 {
 struct Q6_K {
   static constexpr int kWeights = 256, kBytes = 210;
   static constexpr bool kOffset = false;
+  static constexpr bool kSigned = true;
   static void scales(const uint8_t* b, float* D, float* M) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = f16(b + 208);
@@ -263,6 +270,7 @@ struct Q6_K {
 struct IQ4_XS {
   static constexpr int kWeights = 256, kBytes = 136;
   static constexpr bool kOffset = false;
+  static constexpr bool kSigned = true;
   static void scales(const uint8_t* b, float* D, float* M) {
     const float d = f16(b);
     uint16_t sh;

@@ -13,7 +13,8 @@
 // Q8_0: per block of 32 weights: `qs` 32 int8, `d` one float16: weight = d * q.
 // Raw rows (every other type: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS): the file's bytes, one
 // row of blocks per output column; blocks.h decodes them, and raw_pass dequantizes 32 weights at a
-// time in registers with gguf-py's float32 arithmetic (on every instruction set).
+// time in registers with gguf-py's float32 arithmetic. On VNNI, steps of one or two rows take the
+// decoded quants to integer dots instead (raw_fixed_pass).
 // A linear is a list of parts (format, a, b) over the same input, outputs side by side: a stacked
 // q/k/v or gate/up whose tensors ship in different types runs part by part.
 //
@@ -295,43 +296,36 @@ struct FixedRows {
   std::vector<uint8_t> hi, lo;  // [M, K] the limbs (int8 bits, or uint8 with the offset)
   std::vector<float> scale8;    // [M, nb, 8] s_b over the 8 int32 lanes a block's products land in
   std::vector<float> xsum2;     // [M, nb, 2] (0, sum x_b): Q4_1's min term, against the block's (d, m)
+  std::vector<float> xsum16;    // [M, K / 16] the sums of 16: raw blocks' offsets M, one per 16 weights
 };
 
-// One block of 32 activations to fixed point: put(j, v) gets each v_j = round(x_j / s) in
-// [-32512, 32512]; returns s = max|x| / 32512 and sets `sum` to the block's float sum. Both layouts'
-// limbs come from here, so both round exactly as fixed_point_reference.
-template <typename Put>
-inline float fixed_block(const float* xb, float& sum, const Put& put) {
-  float amax = 0.f;
-  sum = 0.f;
-  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j])), sum += xb[j];
-  const float inv = amax > 0.f ? kFixed / amax : 0.f;
-  for (int j = 0; j < kBlock; ++j) {
-    const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
-    put(j, std::min(32512, std::max(-32512, v)));
-  }
-  return amax / kFixed;
-}
-
-// The high limb of v as a signed byte: floor, so that lo = v - 256 hi lands in [-128, 127].
-inline int signed_high_limb(int v) { return (v + 128) >> 8; }
-
+// Activation rows to fixed point, a block of 32 (two vectors) at a time: v_j = round(x_j / s) in
+// [-32512, 32512] with s = max|x| / 32512 (cvtps rounds to nearest even, as nearbyint), then its limbs.
+// Every integer path's activations come from here, so all round as fixed_point_reference.
 void to_fixed(const float* x, int64_t M, int64_t K, bool offset, FixedRows& f) {
   const int64_t nb = K / kBlock;
   f.hi.resize(M * K), f.lo.resize(M * K), f.scale8.resize(M * nb * 8), f.xsum2.resize(M * nb * 2);
+  f.xsum16.resize(M * K / 16);
+  const __m512i limit = _mm512_set1_epi32(32512), bias = _mm512_set1_epi32(offset ? 32768 : 128);
   for (int64_t i = 0; i < M * nb; ++i) {
-    float sum;
-    const float step = fixed_block(x + i * kBlock, sum, [&](int j, int v) {
-      int hi;
-      if (offset)
-        v += 32768, hi = v >> 8;
-      else
-        hi = signed_high_limb(v);
-      f.hi[i * kBlock + j] = static_cast<uint8_t>(hi);
-      f.lo[i * kBlock + j] = static_cast<uint8_t>(v - 256 * hi);
-    });
-    std::fill_n(f.scale8.data() + i * 8, 8, step);
-    f.xsum2[i * 2] = 0.f, f.xsum2[i * 2 + 1] = sum;
+    const float* xb = x + i * kBlock;
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? kFixed / amax : 0.f);
+    const float s0 = _mm512_reduce_add_ps(a), s1 = _mm512_reduce_add_ps(b);
+    f.xsum16[i * 2] = s0, f.xsum16[i * 2 + 1] = s1;
+    for (int h = 0; h < 2; ++h) {
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(h == 0 ? a : b, inv));
+      v = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+      // offset: v + 32768 = 256 hi + lo, both unsigned; else hi = floor((v + 128) / 256), lo = v - 256 hi
+      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(v, bias), 8);
+      const __m512i lo = offset ? _mm512_and_si512(_mm512_add_epi32(v, bias), _mm512_set1_epi32(255))
+                                : _mm512_sub_epi32(v, _mm512_slli_epi32(hi, 8));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(f.hi.data() + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(f.lo.data() + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(lo));
+    }
+    std::fill_n(f.scale8.data() + i * 8, 8, amax / kFixed);
+    f.xsum2[i * 2] = 0.f, f.xsum2[i * 2 + 1] = s0 + s1;
   }
 }
 
@@ -429,6 +423,87 @@ void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0
   }
 }
 
+// Raw blocks of type T (blocks.h) on integer dots: each chunk's 32 quants (T::chunk, in a register)
+// meet the fixed-point activations as Q8_0's do (signed quants: offset limbs; none negative: signed
+// limbs, as Q4_1). Two chunks make a 64-quant step; its 16 int32 lanes hold 4 weights each, so each
+// per-16 scale D covers four lanes, and the offsets M meet the exact sums of 16. A 32-weight type
+// with an odd block count ends on a 256-bit step.
+template <int R, typename T>
+void raw_fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1,
+                    const uint8_t* W, int64_t row_bytes, float* y) {
+  constexpr int kChunks = T::kWeights / 32;
+  const int64_t nb32 = K / kBlock, nb = K / T::kWeights, n16 = K / 16;
+  const __m512i quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane -> its 16
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[R];
+    __m256 tail[R];
+    __m128 macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), tail[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
+    const uint8_t* row = W + n * row_bytes;
+    // 64 quants at chunk g (of the row's 32-weight chunks), with their four groups' D and M
+    const auto step = [&](__m256i w0, __m256i w1, const float* D4, const float* M4, int64_t g) {
+      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+      const __m512 d = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(D4)));
+      __m512i offset = _mm512_setzero_si512();
+      if (T::kSigned) offset = _mm512_slli_epi32(_mm512_dpbusd_epi32(offset, _mm512_set1_epi8(1), w), 15);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * K + g * kBlock, blk = (r0 + r) * nb32 + g;
+        __m512i t = fixed_dot(w, f.hi.data() + at, f.lo.data() + at, !T::kSigned);
+        if (T::kSigned) t = _mm512_sub_epi32(t, offset);
+        const __m512 sc = _mm512_mul_ps(d, _mm512_loadu_ps(f.scale8.data() + blk * 8));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc[r]);
+        if (T::kOffset)
+          macc[r] = _mm_fmadd_ps(_mm_loadu_ps(M4), _mm_loadu_ps(f.xsum16.data() + (r0 + r) * n16 + g * 2), macc[r]);
+      }
+    };
+    int64_t b = 0;
+    if (kChunks > 1) {
+      for (; b < nb; ++b) {
+        const uint8_t* block = row + b * T::kBytes;
+        float D[T::kWeights / 16], M[T::kWeights / 16];
+        T::scales(block, D, M);
+        for (int c = 0; c + 1 < kChunks; c += 2)
+          step(T::chunk(block, c), T::chunk(block, c + 1), D + 2 * c, M + 2 * c, b * kChunks + c);
+      }
+    } else {
+      for (; b + 2 <= nb; b += 2) {
+        const uint8_t *b0 = row + b * T::kBytes, *b1 = b0 + T::kBytes;
+        float D[4], M[4];
+        T::scales(b0, D, M);
+        T::scales(b1, D + 2, M + 2);
+        step(T::chunk(b0, 0), T::chunk(b1, 0), D, M, b);
+      }
+    }
+    if (b < nb) {  // the last of an odd count of 32-weight blocks
+      const uint8_t* block = row + b * T::kBytes;
+      float D[2], M[2];
+      T::scales(block, D, M);
+      const __m256i w = T::chunk(block, 0);
+      const __m256 d = _mm256_set_ps(D[1], D[1], D[1], D[1], D[0], D[0], D[0], D[0]);
+      __m256i offset = _mm256_setzero_si256();
+      if (T::kSigned) offset = _mm256_slli_epi32(_mm256_dpbusd_epi32(offset, _mm256_set1_epi8(1), w), 15);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * K + b * kBlock, blk = (r0 + r) * nb32 + b;
+        __m256i t = fixed_dot(w, f.hi.data() + at, f.lo.data() + at, !T::kSigned);
+        if (T::kSigned) t = _mm256_sub_epi32(t, offset);
+        const __m256 sc = _mm256_mul_ps(d, _mm256_loadu_ps(f.scale8.data() + blk * 8));
+        tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, tail[r]);
+        if (T::kOffset) {
+          const float* xs = f.xsum16.data() + (r0 + r) * n16 + b * 2;
+          macc[r] = _mm_add_ps(macc[r], _mm_set_ps(0.f, 0.f, M[1] * xs[1], M[0] * xs[0]));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      alignas(16) float m4[4];
+      _mm_store_ps(m4, macc[r]);
+      const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_castps256_ps512(_mm256_add_ps(t, tail[r]))) +
+                       ((m4[0] + m4[1]) + (m4[2] + m4[3]));
+    }
+  }
+}
+
 #endif
 
 // The output columns split over the threads; in each, the rows in passes of up to 4 (a pass keeps its
@@ -478,6 +553,18 @@ void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, c
 template <typename T>
 void raw_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* W, int64_t row_bytes, float* y,
                 int64_t ldy) {
+#ifdef RTSERVER_INT_DOTS
+  // Integer dots save the unpacking to float, which one or two rows cannot share; from three rows on,
+  // float quants unpacked once for all rows cost less per row than the limbs' loads and scaling.
+  if (M <= 2) {
+    FixedRows f;
+    to_fixed(x, M, K, T::kSigned, f);
+    row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
+      raw_fixed_pass<decltype(R)::value, T>(f, r0, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);
+    });
+    return;
+  }
+#endif
   row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
     raw_pass<decltype(R)::value, T>(x + r0 * K, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);
   });

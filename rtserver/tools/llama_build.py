@@ -46,17 +46,34 @@ def default_cache() -> Path:
     return Path("~/.cache/rtserver/llama-server").expanduser()  # beside model.cache_dir's default
 
 
-def cpu_key() -> str:
-    """A short digest of what a native build depends on: the architecture and the CPU's feature flags."""
-    flags = ""
+def cpu_flags() -> list[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                break
+                return sorted(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+    return []
+
+
+# ggml's AMX matmul crashed (SIGSEGV) in its first graph on an AMX Xeon guest whose kernel granted the
+# tile state; without AMX ggml takes its AVX-512 VNNI kernels.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cmake_options(flags: list[str]) -> list[str]:
+    """CMAKE_OPTIONS for a CPU with these feature flags (an explicit -mno-amx-* outlasts -march=native)."""
+    if "amx_tile" not in flags:
+        return CMAKE_OPTIONS
+    return [*CMAKE_OPTIONS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+
+
+def cpu_key() -> str:
+    """A short digest of what a native build depends on: the architecture, the CPU's feature flags
+    and the build's options."""
+    flags = cpu_flags()
+    what = f"{platform.machine()} {' '.join(flags)} {' '.join(cmake_options(flags))}"
+    return hashlib.sha256(what.encode()).hexdigest()[:12]
 
 
 TARGETS = ("llama-server", "llama-quantize")
@@ -156,7 +173,7 @@ def _build(names: list[str], paths: dict[str, Path], jobs: int | None) -> None:
             flush=True,
         )
         subprocess.run(
-            ["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", *CMAKE_OPTIONS],
+            ["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", *cmake_options(cpu_flags())],
             check=True,
             stdout=sys.stderr,
         )

@@ -136,7 +136,7 @@ class Engine:
         rows = probe_panel_rows(kernel, mlps)
         kernel.set_panel_rows(rows)
         runner.choose_fused_decode()
-        formats = sorted({b.format for b in loaded.blocks.values()})
+        formats = sorted({b.shipped for b in loaded.blocks.values()})
         log.info(
             "%d of %d linears on GGUF blocks (%s); panels above %d rows",
             len(on_blocks),

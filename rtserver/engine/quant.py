@@ -1,10 +1,10 @@
 """Weights kept in a GGUF file's own quantized blocks, and the kernel that multiplies with them.
 
 Batch-1 decoding streams every weight once per step, so fewer bytes a weight mean faster steps. Q4_1
-and Q8_0 are split into quants and float16 scales (the kernel's tuned layout); every other block type
-keeps the file's raw rows. A mixed file (Q4_K_M ships several types) runs each tensor in its own type.
-The C++ kernel is built once per CPU and cached; its pure-torch twin is what the tests compare it with.
-Results equal the float32 engine's on the dequantized weights up to rounding.
+and Q8_0 are split into quants and float16 scales (the kernel's tuned layout), and Q4_0 runs as Q4_1;
+every other block type keeps the file's raw rows. A mixed file (Q4_K_M ships several types) runs
+each tensor in its own type. The C++ kernel is built once per CPU and cached; its pure-torch twin is
+what the tests compare it with. Results equal the float32 engine's on the dequantized weights up to rounding.
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ class QuantizedWeight:
     format: str  # "Q4_1" | "Q8_0"
     qs: torch.Tensor
     scales: torch.Tensor
+    shipped: str = ""  # the file's block type, where it differs (Q4_0 runs as Q4_1)
+
+    def __post_init__(self) -> None:
+        self.shipped = self.shipped or self.format
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -109,6 +113,10 @@ class RawWeight:
     format: str
     data: torch.Tensor
 
+    @property
+    def shipped(self) -> str:
+        return self.format
+
     def __post_init__(self) -> None:
         if self.format not in RAW_TYPES:
             supported = ", ".join(SUPPORTED_TYPES)
@@ -151,6 +159,10 @@ class StackedWeight:
     @property
     def format(self) -> str:
         return "+".join(p.format for p in self.parts)
+
+    @property
+    def shipped(self) -> str:
+        return "+".join(p.shipped for p in self.parts)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -215,7 +227,7 @@ def _join(run: list[QuantizedWeight | RawWeight]) -> QuantizedWeight | RawWeight
         return RawWeight(first.format, torch.cat([w.data for w in run if isinstance(w, RawWeight)]))
     split = [w for w in run if isinstance(w, QuantizedWeight)]
     qs, scales = torch.cat([w.qs for w in split]), torch.cat([w.scales for w in split])
-    return QuantizedWeight(first.format, qs, scales)
+    return QuantizedWeight(first.format, qs, scales, "+".join(sorted({w.shipped for w in split})))
 
 
 def read_gguf_weights(path: Path, model_type: str, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:
@@ -253,7 +265,9 @@ def weights_from_file(g: Any, model_type: str, n_heads: int, n_kv_heads: int) ->
 
 
 def _from_rows(fmt: str, raw: np.ndarray) -> QuantizedWeight | RawWeight:
-    """A weight of type `fmt` from its raw rows: Q4_1 / Q8_0 split into quants and scales."""
+    """A weight of type `fmt` from its raw rows: Q4_1 / Q8_0 split into quants and scales, Q4_0 too."""
+    if fmt == "Q4_0":
+        return _q4_0_as_q4_1(raw)
     if fmt not in FORMATS:
         return RawWeight(fmt, torch.from_numpy(raw))  # the caller's own array (read from the file)
     qbytes, fields = FORMATS[fmt]
@@ -262,6 +276,19 @@ def _from_rows(fmt: str, raw: np.ndarray) -> QuantizedWeight | RawWeight:
     scales = np.ascontiguousarray(blocks[..., : 2 * fields]).view(np.float16)
     qs = np.ascontiguousarray(blocks[..., 2 * fields :]).reshape(rows, -1)
     return QuantizedWeight(fmt, torch.from_numpy(qs), torch.from_numpy(scales.copy()))
+
+
+def _q4_0_as_q4_1(raw: np.ndarray) -> QuantizedWeight | RawWeight:
+    """Q4_0's d (q - 8) is Q4_1's d q + m with m = -8 d, exactly (both sides are exact in float32, and
+    -8 d in float16 is), so Q4_0 takes the faster split path; a d that -8 d would overflow stays raw."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 18)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)
+    if not np.isfinite(d).all() or np.abs(d).max(initial=0) > 8000:
+        return RawWeight("Q4_0", torch.from_numpy(raw))
+    scales = np.concatenate([d, (d * np.float16(-8)).astype(np.float16)], axis=-1)
+    qs = np.ascontiguousarray(blocks[..., 2:]).reshape(rows, -1)
+    return QuantizedWeight("Q4_1", torch.from_numpy(qs), torch.from_numpy(scales), shipped="Q4_0")
 
 
 FIXED_POINT_MAX = 32512.0  # 127 * 256: a block's largest activation still splits into two int8 limbs

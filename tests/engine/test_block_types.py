@@ -89,6 +89,14 @@ MINS = {"Q4_1": 2, "Q5_1": 2, "Q2_K": 82, "Q4_K": 2, "Q5_K": 2}  # the float16 m
 def scaled_quants(fmt: str, raw: np.ndarray) -> torch.Tensor:
     """D * q of each weight (its value less the block's offset M): what meets the activations'
     fixed-point rounding on the integer path, while M meets their exact sums."""
+    if fmt == "Q4_0":  # it runs as Q4_1 with m = -8 d: the quants meet the activations unshifted
+        d = (
+            np.ascontiguousarray(raw.reshape(raw.shape[0], -1, 18)[..., :2])
+            .view(np.float16)
+            .astype(np.float32)
+        )
+        shifted = dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32)
+        return torch.from_numpy(shifted + 8 * np.repeat(d[..., 0], 32, axis=-1))
     if fmt in MINS:
         weights, nbytes = block_size(fmt)
         raw = raw.copy().reshape(raw.shape[0], -1, nbytes)
@@ -389,7 +397,7 @@ def test_real_rows_of_requantized_files(kernel, qtype):
             continue
         want = torch.from_numpy(dequantize(g.raw(t.name), t.qtype).astype(np.float32))
         w = blocks[name]
-        assert w.format == fmt and torch.equal(w.dequantize(), want)
+        assert w.shipped == fmt and torch.equal(w.dequantize(), want)
         scaled = scaled_quants(fmt, np.ascontiguousarray(g.raw(t.name)))
         for m in (1, 5):
             x = torch.randn(m, want.shape[1])

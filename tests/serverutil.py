@@ -193,12 +193,13 @@ async def hello(ws, **fields) -> dict:
     return await recv_json(ws)
 
 
-# -- a scripted engine: real Sequence detokenization, no model -----------------------------------
+# -- a scripted engine: the engine's own output side, no model -------------------------------------
 
 
 class ScriptedEngine:
-    """Emits a fixed token script (through a real Sequence, so deltas are UTF-8 safe exactly as in the
-    engine), or `chunks` of raw text as fast as possible. `gate` (an asyncio.Event) holds generation
+    """Emits a fixed token script (through a real Sequence and the engine's GenerationStream, so deltas
+    are UTF-8 safe and stop strings end the output exactly as in the engine), or `chunks` of raw text
+    as fast as possible. `gate` (an asyncio.Event) holds generation
     until set. Records cancels and dropped sessions."""
 
     def __init__(
@@ -235,9 +236,7 @@ class ScriptedEngine:
     def generate(self, prompt_ids, params, *, session_key=None, public_tokens=0) -> GenerationStream:
         params.validate()
         self.prompts.append(list(prompt_ids))
-        seq = Sequence(
-            prompt_ids, params, tokenizer=self.tokenizer, eos_token_ids=set(), session_key=session_key
-        )
+        seq = Sequence(prompt_ids, params, eos_token_ids=set(), session_key=session_key)
         stream = GenerationStream(self, seq)
         task = asyncio.get_running_loop().create_task(self._run(seq, stream))
         self.tasks.add(task)
@@ -252,33 +251,31 @@ class ScriptedEngine:
             for i, text in enumerate(self.chunks):
                 if seq.cancelled:
                     break
-                seq.text += text
+                stream.detokenizer.text += text
                 seq.output_ids.append(0)
                 seq.usage.generated_tokens += 1
                 seq.first_token_at = seq.first_token_at or time.perf_counter()
-                stream._push(TokenEvent(0, text))
+                stream._queue.put_nowait(TokenEvent(0, text))
                 self.generated += 1
                 if i % 16 == 0:
                     await asyncio.sleep(self.delay)
             seq.finish_reason = FinishReason.CANCELLED if seq.cancelled else FinishReason.LENGTH
         else:
-            for tok in self.script:
+            for i, tok in enumerate(self.script):
                 await asyncio.sleep(self.delay)
                 if seq.cancelled:
                     seq.finish_reason = FinishReason.CANCELLED
                     break
-                delta = seq.append_token(tok)
+                seq.append_token(tok)
+                last = seq.finish_reason is not None or i == len(self.script) - 1
                 self.generated += 1
-                stream._push(TokenEvent(tok, delta))
+                stream.token(tok, last)
                 if seq.finish_reason is not None:
                     break
             else:
                 seq.finish_reason = FinishReason.LENGTH
-                tail = seq._flush()
-                if tail:
-                    stream._push(TokenEvent(0, tail))
         seq.finished_at = time.perf_counter()
-        stream._push(seq.result())
+        stream.end(seq.result())
 
     async def score(self, prompt_ids, candidates, *, normalize: bool = True, public_tokens=0) -> list[float]:
         await asyncio.sleep(0)

@@ -1,20 +1,23 @@
 """The local engine: the async face of the model, an `InferenceBackend` over runner, KV and scheduler.
 
-The scheduler runs on its own thread; each step's events reach the event loop in one
-`call_soon_threadsafe`, so a busy step costs the loop one callback, not one per token.
+The scheduler runs on its own thread and deals in token ids; each step's events reach the event loop
+in one `call_soon_threadsafe`, so a busy step costs the loop one callback, not one per token. There
+each stream's detokenizer makes the text, and a stop string cancels its sequence.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Hashable
-from typing import Any
+from collections.abc import Hashable
+from typing import Any, Protocol
 
 from ..config import EngineSettings
 from .backend import BackendHealth, BackendStats, FinishReason, SamplingParams, SequenceResult, TokenEvent
+from .detokenizer import Detokenizer
 from .kv import KVCacheManager
 from .linear import BlockLinear
 from .model import LoadedModel
@@ -36,22 +39,45 @@ def return_freed_memory() -> None:
         pass  # not glibc: nothing to do
 
 
+class OutputSink(Protocol):
+    """Where a sequence's events go on the event loop."""
+
+    def token(self, token_id: int, last: bool) -> None: ...
+
+    def end(self, result: SequenceResult) -> None: ...
+
+
 class GenerationStream:
     """Async iterator over one sequence's tokens; `await result()` gives the final outcome."""
 
     def __init__(self, engine: Engine, seq: Sequence):
         self._engine = engine
         self.seq = seq
+        self.detokenizer = Detokenizer(engine.tokenizer, seq.params.stop, seq.eos_token_ids)
         self._queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         self._result: asyncio.Future[SequenceResult] = asyncio.get_running_loop().create_future()
 
-    def _push(self, event: TokenEvent | SequenceResult) -> None:
-        if isinstance(event, TokenEvent):
-            self._queue.put_nowait(event)
-        else:
-            if not self._result.done():
-                self._result.set_result(event)
-            self._queue.put_nowait(None)
+    def token(self, token_id: int, last: bool) -> None:
+        detok = self.detokenizer
+        if detok.stopped:
+            return  # sampled before the cancel took effect
+        delta = detok.update(token_id, last)
+        self._queue.put_nowait(TokenEvent(token_id, delta))
+        if detok.stopped:
+            self._engine.scheduler.cancel(self.seq)
+
+    def end(self, result: SequenceResult) -> None:
+        detok = self.detokenizer
+        result = dataclasses.replace(result, text=detok.text)
+        if detok.stopped:  # the output ends at the stop string, whatever the scheduler saw after it
+            ids = detok.token_ids[: detok.stop_tokens]
+            usage = dataclasses.replace(result.usage, generated_tokens=len(ids))
+            result = dataclasses.replace(
+                result, token_ids=ids, usage=usage, finish_reason=FinishReason.STOP_STRING
+            )
+        if not self._result.done():
+            self._result.set_result(result)
+        self._queue.put_nowait(None)
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -68,6 +94,20 @@ class GenerationStream:
 
     def cancel(self) -> None:
         self._engine.scheduler.cancel(self.seq)
+
+
+class _ScoreSink:
+    """A scoring sequence's end, as a future; it samples no tokens."""
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[SequenceResult] = asyncio.get_running_loop().create_future()
+
+    def token(self, token_id: int, last: bool) -> None:
+        pass
+
+    def end(self, result: SequenceResult) -> None:
+        if not self.future.done():
+            self.future.set_result(result)
 
 
 class Engine:
@@ -113,7 +153,7 @@ class Engine:
         )
         self.eos_token_ids = self._eos_ids(loaded)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[int, Callable[[TokenEvent | SequenceResult], None]] = {}
+        self._streams: dict[int, OutputSink] = {}
         self._thread: threading.Thread | None = None
 
     def _use_gguf_blocks(self, loaded: LoadedModel) -> dict[str, Any]:
@@ -182,13 +222,16 @@ class Engine:
             self._loop.call_soon_threadsafe(self._deliver, events)
 
     def _deliver(self, events: list[StepEvent]) -> None:
+        ending = {seq.id for seq, event in events if isinstance(event, SequenceResult)}
         for seq, event in events:
             sink = self._streams.get(seq.id)
             if sink is None:
                 continue
             if isinstance(event, SequenceResult):
                 del self._streams[seq.id]
-            sink(event)
+                sink.end(event)
+            else:  # its last token comes in the same step as its end
+                sink.token(event, seq.id in ending)
 
     # -- public API (event loop) ----------------------------------------------------------------
     def generate(
@@ -205,13 +248,12 @@ class Engine:
         seq = Sequence(
             prompt_ids,
             params,
-            tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
             session_key=session_key,
             public_tokens=public_tokens,
         )
         stream = GenerationStream(self, seq)
-        self._streams[seq.id] = stream._push
+        self._streams[seq.id] = stream
         try:
             self.scheduler.submit(seq)
         except Exception:
@@ -275,7 +317,6 @@ class Engine:
         seq = Sequence(
             prompt_ids,
             SamplingParams(max_new_tokens=1),
-            tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
             candidates=[list(c) for c in candidates],
             public_tokens=public_tokens,
@@ -283,19 +324,14 @@ class Engine:
         if not normalize:
             seq.score_columns = sorted({c[0] for c in candidates})
         seq.features_from = features_from
-        future: asyncio.Future[SequenceResult] = asyncio.get_running_loop().create_future()
-
-        def sink(event: TokenEvent | SequenceResult) -> None:
-            if isinstance(event, SequenceResult) and not future.done():
-                future.set_result(event)
-
+        sink = _ScoreSink()
         self._streams[seq.id] = sink
         try:
             self.scheduler.submit(seq)
         except Exception:
             del self._streams[seq.id]
             raise
-        result: SequenceResult = await future
+        result: SequenceResult = await sink.future
         if result.finish_reason is FinishReason.ERROR or result.scores is None:
             raise RuntimeError(result.error or "scoring failed")
         return result

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from ..config import EngineSettings
-from .backend import FinishReason, Overloaded, RequestTooLarge, SequenceResult, TokenEvent
+from .backend import FinishReason, Overloaded, RequestTooLarge, SequenceResult
 from .kv import KVCacheManager, OutOfKVMemory
 from .plan import StepItem
 from .sequence import Phase, Sequence
@@ -28,7 +28,7 @@ from .step import StepOutput
 log = logging.getLogger("rtserver.scheduler")
 
 # what a step reports of a sequence: a new token with its text delta, or its final result
-StepEvent = tuple[Sequence, TokenEvent | SequenceResult]
+StepEvent = tuple[Sequence, int | SequenceResult]  # a sampled token id, or the sequence's end
 
 
 class Runner(Protocol):
@@ -327,7 +327,7 @@ class Scheduler:
 
     def _apply(self, out: StepOutput, events: list[StepEvent]) -> None:
         """The one place a step's output reaches its sequences: computed positions, pooled features,
-        label scores, sampled tokens (with their text), and each sequence's own failures."""
+        label scores, sampled token ids, and each sequence's own failures."""
         for i, it in enumerate(out.items):
             seq = it.seq
             seq.num_computed = it.start + len(it.tokens)
@@ -357,13 +357,9 @@ class Scheduler:
                 self._append(seq, token, events)
 
     def _append(self, seq: Sequence, token: int, events: list[StepEvent]) -> None:
-        try:  # detokenizing and stop strings: per sequence too
-            delta = seq.append_token(token)
-        except Exception as exc:
-            self._fail_alone(seq, events, "detokenizing", exc)
-            return
+        seq.append_token(token)
         self.tokens_generated += 1
-        events.append((seq, TokenEvent(token, delta)))
+        events.append((seq, token))
         if seq.finish_reason is not None:
             self.running.remove(seq)
             self._finish(seq, seq.finish_reason, events)

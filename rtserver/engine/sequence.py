@@ -1,8 +1,7 @@
 """Sequence state: one piece of model work (a chat turn, a task call) from submission to its end.
 
-A sequence owns its prompt, decoding parameters, KV handle, generated tokens and the incremental
-detokenizer that turns tokens into text deltas that are always whole UTF-8 characters and never show
-a part of a stop string.
+A sequence owns its prompt, decoding parameters, KV handle and generated token ids; it ends on an
+EOS id or its token limit. Text and stop strings are the output side's (detokenizer.py).
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ class Sequence:
         prompt_ids: list[int],
         params: SamplingParams,
         *,
-        tokenizer: Any,
         eos_token_ids: set[int],
         session_key: Hashable | None = None,
         candidates: list[list[int]] | None = None,
@@ -49,7 +47,6 @@ class Sequence:
         self.id = next(_ids)
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        self.tokenizer = tokenizer
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.eos_token_ids |= set(params.stop_token_ids)
         self.session_key = session_key
@@ -79,11 +76,6 @@ class Sequence:
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
-        # incremental detokenizer state
-        self.text = ""
-        self._emitted = 0
-        self._prefix_offset = 0
-        self._read_offset = 0
 
     # -- the token list the model sees --------------------------------------------------------
     @property
@@ -112,72 +104,22 @@ class Sequence:
         return self._generator
 
     # -- output -------------------------------------------------------------------------------
-    def append_token(self, token_id: int) -> str:
-        """Record a generated token; returns the text delta that is now safe to stream."""
-        now = time.perf_counter()
+    def append_token(self, token_id: int) -> None:
+        """Record a generated token; an EOS id or the token limit sets the finish reason."""
         if self.first_token_at is None:
-            self.first_token_at = now
+            self.first_token_at = time.perf_counter()
         self.output_ids.append(token_id)
         self.usage.generated_tokens = len(self.output_ids)
         if token_id in self.eos_token_ids:
             self.finish_reason = FinishReason.EOS
-            return self._flush()
-        self._decode_new()
-        for stop in self.params.stop:
-            # Only the region that the new token could have completed needs a look.
-            at = self.text.find(stop, max(0, self._emitted - len(stop)))
-            if at != -1:
-                self.text = self.text[:at]
-                self.finish_reason = FinishReason.STOP_STRING
-                return self._flush()
-        if len(self.output_ids) >= self.params.max_new_tokens:
+        elif len(self.output_ids) >= self.params.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
-            return self._flush()
-        safe = len(self.text) - self._stop_prefix_overlap()
-        delta = self.text[self._emitted : safe] if safe > self._emitted else ""
-        self._emitted = max(self._emitted, safe)
-        return delta
-
-    def _decode_new(self) -> None:
-        ids = self.output_ids
-        prefix = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=True)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(ids)
-
-    def _stop_prefix_overlap(self) -> int:
-        """Length of the longest text tail that could still grow into a stop string."""
-        best = 0
-        for stop in self.params.stop:
-            for n in range(min(len(stop) - 1, len(self.text)), best, -1):
-                if self.text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
-
-    def _flush(self) -> str:
-        if self.finish_reason is not FinishReason.STOP_STRING:
-            # Whatever is still held back (a half character at the very end) is emitted as decoded.
-            ids = self.output_ids
-            if ids and ids[-1] in self.eos_token_ids:
-                ids = ids[:-1]
-            tail = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=True)
-            prefix = self.tokenizer.decode(
-                ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
-            )
-            if len(tail) > len(prefix):
-                self.text += tail[len(prefix) :]
-        delta = self.text[self._emitted :]
-        self._emitted = len(self.text)
-        return delta
 
     def result(self) -> SequenceResult:
         end = self.finished_at or time.perf_counter()
         start = self.submitted_at
         return SequenceResult(
-            text=self.text,
+            text="",  # the output side's (Detokenizer)
             token_ids=list(self.output_ids),
             finish_reason=self.finish_reason or FinishReason.ERROR,
             usage=self.usage,

@@ -80,7 +80,6 @@ def seq(n_prompt, n_new, start=100):
     return Sequence(
         list(range(start, start + n_prompt)),
         SamplingParams(max_new_tokens=n_new),
-        tokenizer=FakeTokenizer(),
         eos_token_ids=set(),
     )
 
@@ -90,7 +89,6 @@ def scoring_seq(n_prompt, start):
     return Sequence(
         list(range(start, start + n_prompt)),
         SamplingParams(max_new_tokens=1),
-        tokenizer=FakeTokenizer(),
         eos_token_ids=set(),
         candidates=[[5], [7]],
     )
@@ -321,7 +319,6 @@ def test_label_scoring_runs_without_a_decode_loop():
     s = Sequence(
         list(range(5)),
         SamplingParams(max_new_tokens=1),
-        tokenizer=FakeTokenizer(),
         eos_token_ids=set(),
         candidates=[[5], [7], [5, 6, 7]],
     )

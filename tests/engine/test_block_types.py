@@ -292,7 +292,7 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
             seqs, prefill = [], []
             for r in range(m):
                 ids = torch.randint(0, cfg.vocab_size, (3 + 5 * r,)).tolist()
-                seq = Sequence(ids, SamplingParams(), tokenizer=smol.tokenizer, eos_token_ids=set())
+                seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
                 seq.kv, _ = kv.acquire(ids, len(ids) + 2)
                 prefill.append(StepItem(seq, seq.kv, 0, ids, "last"))
                 seqs.append((seq, len(ids)))
@@ -322,7 +322,7 @@ def _decode_steps(runner, kv, vocab: int, tokenizer, rows=(1, 2, 5, 16)) -> list
         seqs, prefill = [], []
         for r in range(m):
             ids = torch.randint(0, vocab, (3 + 5 * r,)).tolist()
-            seq = Sequence(ids, SamplingParams(), tokenizer=tokenizer, eos_token_ids=set())
+            seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
             seq.kv, _ = kv.acquire(ids, len(ids) + 2)
             prefill.append(StepItem(seq, seq.kv, 0, ids, "last"))
             seqs.append((seq, len(ids)))

@@ -73,7 +73,7 @@ def _runner_follows_the_config(loaded: LoadedModel, ids: list[int], changed: dic
     assert not torch.allclose(expected, changed_logits, atol=1e-3)
     kv = kv_pool(model.config, 16 << 20)
     runner = ModelRunner(model, kv, 512)
-    seq = Sequence(ids, greedy(1), tokenizer=loaded.tokenizer, eos_token_ids=set())
+    seq = Sequence(ids, greedy(1), eos_token_ids=set())
     seq.kv, _ = kv.acquire(ids, len(ids) + 1)
     [got] = runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])
     assert got is not None

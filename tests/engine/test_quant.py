@@ -150,7 +150,7 @@ def test_decode_attention_reads_the_pool_in_place_like_sdpa(kernel):
 def _greedy(runner: ModelRunner, kv: KVCacheManager, tok, prompts: list[list[int]], n: int) -> list[int]:
     out = []
     for ids in prompts:
-        seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
+        seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
         seq.kv, _ = kv.acquire(ids, len(ids) + n)
         start, step = 0, ids
         for _ in range(n):
@@ -247,7 +247,7 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
         seqs = []
         for n in (3, 20, 41):
             ids = torch.randint(0, cfg.vocab_size, (n,)).tolist()
-            seq = Sequence(ids, SamplingParams(), tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
+            seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
             seq.kv, _ = kv.acquire(ids, n + 5)
             runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])  # prefill: unfused
             seqs.append((seq, n))
@@ -257,7 +257,7 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
             steps.append(torch.cat(runner.forward(items)))
         # A prompt prefilled in a decode step (listed first): it runs beside the fused rows, unfused.
         ids = torch.randint(0, cfg.vocab_size, (6,)).tolist()
-        mixed = Sequence(ids, SamplingParams(), tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
+        mixed = Sequence(ids, SamplingParams(), eos_token_ids=set())
         mixed.kv, _ = kv.acquire(ids, 7)
         items = [StepItem(seq, seq.kv, n + 3, [5], "last") for seq, n in seqs]
         out = runner.forward([StepItem(mixed, mixed.kv, 0, ids, "last"), *items])
@@ -267,7 +267,7 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
         torch.testing.assert_close(out[0], theirs, rtol=1e-4, atol=1e-4)
         # A prompt joining a fused step before its last layer: it goes on beside the fused rows.
         ids = torch.randint(0, cfg.vocab_size, (9,)).tolist()
-        late = Sequence(ids, SamplingParams(), tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
+        late = Sequence(ids, SamplingParams(), eos_token_ids=set())
         late.kv, _ = kv.acquire(ids, 10)
         items = [StepItem(seq, seq.kv, n + 4, [11], "last") for seq, n in seqs]
         joining = [StepItem(late, late.kv, 0, ids, "last")]
@@ -308,7 +308,7 @@ def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, bl
                 assert isinstance(qkv, BlockLinear)
         seqs = []
         for ids in prompts:
-            seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
+            seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
             seq.kv, _ = kv.acquire(ids, len(ids) + 12)
             seqs.append(seq)
         logits = runner.forward([StepItem(s, s.kv, 0, ids, "last") for s, ids in zip(seqs, prompts)])

@@ -30,7 +30,7 @@ def test_prefill_logits_match_transformers(tiny_qwen2):
     kv = kv_pool(cfg, 1 << 20)
     runner = ModelRunner(model, kv, 512)
     ids = tok.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)
-    seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
+    seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
     seq.kv, _ = kv.acquire(ids, len(ids) + 1)
     (ours,) = runner.forward([StepItem(seq, seq.kv, 0, ids, "all")])
     with torch.no_grad():
@@ -48,7 +48,7 @@ def test_decode_rows_of_very_different_lengths_match_transformers(tiny_qwen2):
     prompts = [torch.randint(0, len(tok), (n,)).tolist() for n in (700, 9, 12, 5)]
     seqs = []
     for ids in prompts:
-        seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
+        seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
         seq.kv, _ = kv.acquire(ids, len(ids))
         runner.forward([StepItem(seq, seq.kv, 0, ids[:-1], "none")])  # everything but the last token
         seqs.append(seq)
@@ -72,7 +72,7 @@ def test_a_prompt_joining_a_step_mid_way_gets_the_logits_of_its_own_forward(tiny
     prompts = [torch.randint(0, len(tok), (n,)).tolist() for n in (6, 30, 11)]
     seqs = []
     for ids in prompts:
-        seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
+        seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
         seq.kv, _ = kv.acquire(ids, len(ids) + 1)
         seqs.append(seq)
     for seq, ids in zip(seqs[:2], prompts):
@@ -118,7 +118,7 @@ def test_float16_weights_give_float32_answers_on_the_embedded_model(smol):
         runner = ModelRunner(smol.model, kv, 512, weight_storage=storage)
         outputs = []
         for ids in prompts:
-            seq = Sequence(ids, SamplingParams(), tokenizer=tok, eos_token_ids=set())
+            seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
             seq.kv, _ = kv.acquire(ids, len(ids) + 16)
             start, step = 0, ids
             for _ in range(16):
@@ -176,7 +176,7 @@ def test_sampled_tokens_follow_the_distribution_and_the_seed(tiny_qwen2):
     probs = reference_sampling_probs(logits[0].clone(), params)
 
     def draws(n: int) -> list[int]:
-        seq = Sequence([1, 2], params, tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set())
+        seq = Sequence([1, 2], params, eos_token_ids=set())
         return [sampler.sample([seq], logits)[0] for _ in range(n)]
 
     picks = draws(4000)
@@ -201,7 +201,7 @@ def test_a_batch_of_mixed_decoding_params_samples_as_each_row_alone(tiny_qwen2):
     ]
 
     def seqs() -> list[Sequence]:
-        return [Sequence([1, 2, 7], p, tokenizer=tiny_qwen2.tokenizer, eos_token_ids=set()) for p in params]
+        return [Sequence([1, 2, 7], p, eos_token_ids=set()) for p in params]
 
     batch, alone = seqs(), seqs()
     sampler = Sampler()

@@ -888,7 +888,7 @@ def test_runner_columns_pruning_and_onednn_match_transformers():
     def run():
         out = []
         for columns in (None, [3, 50, 7]):
-            seq = Sequence(ids, SamplingParams(), tokenizer=None, eos_token_ids=set())
+            seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
             h, _ = kv.acquire(ids, len(ids))
             # two chunks in two steps: the first gives no logits (skips the last layer's MLP)
             assert runner.forward([StepItem(seq, h, 0, ids[:6], "none")]) == [None]

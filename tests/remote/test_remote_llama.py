@@ -247,13 +247,13 @@ async def test_a_disconnect_mid_reply_frees_the_servers_slot(smol, llama):
         assert llama.processing() == 0, "the upstream slot still generates after the client left"
 
 
-async def test_sentiment_labels_equal_the_local_engines_on_a_third_of_the_test_split(smol, llama):
+async def test_sentiment_labels_equal_the_local_engines_on_a_sixth_of_the_test_split(smol, llama):
     """Same weights (the embedded Q4_1 file) through llama-server's log-probabilities and through the
-    local float32 engine: the labels agree on at least 95% of every third text of the test split (a
-    fixed third keeps CI within its time)."""
+    local float32 engine: the labels agree on at least 95% of every sixth text of the test split (a
+    fixed sixth keeps CI within its time)."""
     local = make_settings(tasks={"auto_tasks": []})
     remote = remote_settings(llama.url)
-    texts = [ex["text"] for lang in ("en", "zh") for ex in load_split(lang, "test")][::3]
+    texts = [ex["text"] for lang in ("en", "zh") for ex in load_split(lang, "test")][::6]
 
     async def labels(settings: Settings) -> list[str]:
         async with serve(create_app(settings, lambda: smol), settings) as (base, _):

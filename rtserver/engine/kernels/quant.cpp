@@ -441,9 +441,9 @@ void raw_fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int6
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), tail[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps();
     const uint8_t* row = W + n * row_bytes;
     // 64 quants at chunk g (of the row's 32-weight chunks), with their four groups' D and M
-    const auto step = [&](__m256i w0, __m256i w1, const float* D4, const float* M4, int64_t g) {
+    const auto step = [&](__m256i w0, __m256i w1, __m128 d4, __m128 m4, int64_t g) {
       const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
-      const __m512 d = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(D4)));
+      const __m512 d = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(d4));
       __m512i offset = _mm512_setzero_si512();
       if (T::kSigned) offset = _mm512_slli_epi32(_mm512_dpbusd_epi32(offset, _mm512_set1_epi8(1), w), 15);
       for (int r = 0; r < R; ++r) {
@@ -453,7 +453,7 @@ void raw_fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int6
         const __m512 sc = _mm512_mul_ps(d, _mm512_loadu_ps(f.scale8.data() + blk * 8));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc[r]);
         if (T::kOffset)
-          macc[r] = _mm_fmadd_ps(_mm_loadu_ps(M4), _mm_loadu_ps(f.xsum16.data() + (r0 + r) * n16 + g * 2), macc[r]);
+          macc[r] = _mm_fmadd_ps(m4, _mm_loadu_ps(f.xsum16.data() + (r0 + r) * n16 + g * 2), macc[r]);
       }
     };
     int64_t b = 0;
@@ -463,15 +463,18 @@ void raw_fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int6
         float D[T::kWeights / 16], M[T::kWeights / 16];
         T::scales(block, D, M);
         for (int c = 0; c + 1 < kChunks; c += 2)
-          step(T::chunk(block, c), T::chunk(block, c + 1), D + 2 * c, M + 2 * c, b * kChunks + c);
+          step(T::chunk(block, c), T::chunk(block, c + 1), _mm_loadu_ps(D + 2 * c), _mm_loadu_ps(M + 2 * c),
+               b * kChunks + c);
       }
     } else {
       for (; b + 2 <= nb; b += 2) {
         const uint8_t *b0 = row + b * T::kBytes, *b1 = b0 + T::kBytes;
-        float D[4], M[4];
-        T::scales(b0, D, M);
-        T::scales(b1, D + 2, M + 2);
-        step(T::chunk(b0, 0), T::chunk(b1, 0), D, M, b);
+        float D0[2], M0[2], D1[2], M1[2];
+        T::scales(b0, D0, M0);
+        T::scales(b1, D1, M1);
+        // built from scalars: a vector load of four separately stored floats would stall on forwarding
+        step(T::chunk(b0, 0), T::chunk(b1, 0), _mm_set_ps(D1[0], D1[0], D0[0], D0[0]),
+             _mm_set_ps(M1[0], M1[0], M0[0], M0[0]), b);
       }
     }
     if (b < nb) {  // the last of an odd count of 32-weight blocks

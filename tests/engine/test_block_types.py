@@ -178,22 +178,25 @@ def _float_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_stacked_weight_of_mixed_types_runs_part_by_part(kernel):
-    """q/k in Q5_0 and v in Q8_0 (as a Q4_K_M layer ships them), gate Q4_K and up Q6_K: one stacked
-    weight each, outputs side by side; runs of one type are joined into one weight."""
+    """q/k in Q5_1 and v in Q8_0, gate Q4_K and up Q6_K: one stacked weight each, outputs side by
+    side; runs of one type are joined into one weight, and Q5_0 joins Q8_0 (it runs as Q8_0)."""
     k = 256
-    q, kk, v = (
-        weight(f, random_rows(f, n, k, seed=n)) for f, n in (("Q5_0", 64), ("Q5_0", 32), ("Q8_0", 32))
-    )
+    raws = [random_rows(f, n, k, seed=n) for f, n in (("Q5_1", 64), ("Q5_1", 32), ("Q8_0", 32))]
+    q, kk, v = weight("Q5_1", raws[0]), weight("Q5_1", raws[1]), weight("Q8_0", raws[2])
     qkv = quant.cat([q, kk, v])
-    assert isinstance(qkv, quant.StackedWeight) and [p.format for p in qkv.parts] == ["Q5_0", "Q8_0"]
-    assert qkv.shape == (128, k) and qkv.format == "Q5_0+Q8_0"
+    assert isinstance(qkv, quant.StackedWeight) and [p.format for p in qkv.parts] == ["Q5_1", "Q8_0"]
+    assert qkv.shape == (128, k) and qkv.format == "Q5_1+Q8_0"
     dense = torch.cat([q.dequantize(), kk.dequantize(), v.dequantize()])
     assert torch.equal(qkv.dequantize(), dense)
     assert torch.equal(qkv.rows(torch.tensor([127, 3, 70])), dense[[127, 3, 70]])
+    q5 = quant.cat([weight("Q5_0", random_rows("Q5_0", 16, k, 5)), v])
+    assert isinstance(q5, quant.QuantizedWeight) and (q5.format, q5.shipped) == ("Q8_0", "Q5_0+Q8_0")
     gate, up = random_rows("Q4_K", 48, k, 1), random_rows("Q6_K", 48, k, 2)
     gate_up = quant.cat([weight("Q4_K", gate), weight("Q6_K", up)])
     scaled = {
-        "Q5_0+Q8_0": dense,
+        "Q5_1+Q8_0": torch.cat(
+            [scaled_quants("Q5_1", raws[0]), scaled_quants("Q5_1", raws[1]), v.dequantize()]
+        ),
         "Q4_K+Q6_K": torch.cat([scaled_quants("Q4_K", gate), gate_up.parts[1].dequantize()]),
     }
     for w in (qkv, gate_up):
@@ -204,7 +207,7 @@ def test_a_stacked_weight_of_mixed_types_runs_part_by_part(kernel):
             assert got.shape == want.shape
             assert ((got - want).abs() <= summation_bound(x, w.dequantize(), kernel, scaled[w.format])).all()
     with pytest.raises(ValueError, match="widths"):
-        quant.cat([q, weight("Q5_0", random_rows("Q5_0", 8, 96, 3))])
+        quant.cat([q, weight("Q5_1", random_rows("Q5_1", 8, 96, 3))])
 
 
 def test_unsupported_types_are_refused_by_name(kernel):
@@ -426,7 +429,7 @@ async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
     loaded = load_model(str(path), dtype="gguf", threads=2)
     plain = load_model(str(path), dtype="float32", threads=2)
     dense = plain.model.state_dict()
-    assert {b.format for b in loaded.blocks.values()} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    assert {b.shipped for b in loaded.blocks.values()} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
     for name, w in loaded.blocks.items():
         assert torch.equal(w.dequantize(), dense[name]), name
     # the probe times the machine; here steps of up to 4 rows take the small-step path
@@ -437,8 +440,8 @@ async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
     assert all(isinstance(lin, BlockLinear) for lin in [*linears, engine.runner.lm_head])
     assert engine.health()["kernels"]["linears_on_blocks"] == "121 of 121"
     assert any(
-        isinstance(lin.blocks, quant.StackedWeight) for lin in linears if isinstance(lin, BlockLinear)
-    )  # q/k Q5_0 beside v Q8_0
+        "+" in lin.blocks.shipped for lin in linears if isinstance(lin, BlockLinear)
+    )  # q/k Q5_0 beside v Q8_0: one Q8_0 weight
     texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
     prompts = [chat_prompt(loaded.tokenizer, t) for t in texts]
     got = await _greedy_tokens(engine, prompts, 24)

@@ -54,14 +54,21 @@ class GenerationStream:
         self._engine = engine
         self.seq = seq
         self.detokenizer = Detokenizer(engine.tokenizer, seq.params.stop, seq.eos_token_ids)
+        self._failed: str | None = None  # why detokenizing failed
         self._queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         self._result: asyncio.Future[SequenceResult] = asyncio.get_running_loop().create_future()
 
     def token(self, token_id: int, last: bool) -> None:
         detok = self.detokenizer
-        if detok.stopped:
+        if detok.stopped or self._failed is not None:
             return  # sampled before the cancel took effect
-        delta = detok.update(token_id, last)
+        try:
+            delta = detok.update(token_id, last)
+        except Exception as exc:  # this sequence's alone: the step's other streams go on
+            log.error("sequence %s failed in detokenizing", self.seq.id, exc_info=exc)
+            self._failed = f"internal error in detokenizing ({type(exc).__name__})"
+            self._engine.scheduler.cancel(self.seq)
+            return
         self._queue.put_nowait(TokenEvent(token_id, delta))
         if detok.stopped:
             self._engine.scheduler.cancel(self.seq)
@@ -69,7 +76,9 @@ class GenerationStream:
     def end(self, result: SequenceResult) -> None:
         detok = self.detokenizer
         result = dataclasses.replace(result, text=detok.text)
-        if detok.stopped:  # the output ends at the stop string, whatever the scheduler saw after it
+        if self._failed is not None:
+            result = dataclasses.replace(result, finish_reason=FinishReason.ERROR, error=self._failed)
+        elif detok.stopped:  # the output ends at the stop string, whatever the scheduler saw after it
             ids = detok.token_ids[: detok.stop_tokens]
             usage = dataclasses.replace(result.usage, generated_tokens=len(ids))
             result = dataclasses.replace(

@@ -85,3 +85,24 @@ def test_stop_strings_of_the_bounded_sizes_work_alone_or_together(smol, stop):
     detok = Detokenizer(tok, stop, set())
     text = "".join(feed(detok, ids))
     assert text == ("first line" if stop == ["\n"] else "first line\nsecond line")
+
+
+class BrokenDecode:
+    def decode(self, ids, skip_special_tokens=True):
+        raise UnicodeError("a broken vocabulary entry")
+
+
+async def test_a_sequence_whose_detokenizing_raises_ends_alone(smol):
+    eng = Engine(smol, EngineSettings(prefill_chunk_tokens=32, kv_budget_mb=64))
+    eng.start()
+    try:
+        prompt = smol.tokenizer.encode("Count: 1 2 3", add_special_tokens=False)
+        params = SamplingParams(max_new_tokens=16, min_new_tokens=16)
+        broken, fine = eng.generate(prompt, params), eng.generate(prompt, params)
+        broken.detokenizer.tokenizer = BrokenDecode()
+        bad, good = await broken.result(), await fine.result()
+        assert bad.finish_reason is FinishReason.ERROR and "detokenizing (UnicodeError)" in (bad.error or "")
+        assert good.finish_reason is FinishReason.LENGTH and len(good.token_ids) == 16 and good.text
+        assert eng.scheduler.running == []
+    finally:
+        await eng.stop()

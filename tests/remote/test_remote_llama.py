@@ -247,13 +247,13 @@ async def test_a_disconnect_mid_reply_frees_the_servers_slot(smol, llama):
         assert llama.processing() == 0, "the upstream slot still generates after the client left"
 
 
-async def test_sentiment_labels_equal_the_local_engines_on_a_sixth_of_the_test_split(smol, llama):
+async def test_sentiment_labels_equal_the_local_engines_on_a_third_of_the_test_split(smol, llama):
     """Same weights (the embedded Q4_1 file) through llama-server's log-probabilities and through the
-    local float32 engine: the labels agree on at least 95% of every sixth text of the test split (a
-    fixed sixth keeps CI within its time)."""
+    local float32 engine: the labels agree on at least 95% of every third text of the test split (a
+    fixed third keeps CI within its time)."""
     local = make_settings(tasks={"auto_tasks": []})
     remote = remote_settings(llama.url)
-    texts = [ex["text"] for lang in ("en", "zh") for ex in load_split(lang, "test")][::6]
+    texts = [ex["text"] for lang in ("en", "zh") for ex in load_split(lang, "test")][::3]
 
     async def labels(settings: Settings) -> list[str]:
         async with serve(create_app(settings, lambda: smol), settings) as (base, _):
@@ -273,6 +273,17 @@ async def test_sentiment_labels_equal_the_local_engines_on_a_sixth_of_the_test_s
     agree = sum(a == b for a, b in zip(here, there)) / len(texts)
     print(f"\nsentiment labels local vs llama-server: {agree:.3f} equal over {len(texts)} texts")
     assert agree >= 0.95
+
+
+async def generated(base: str) -> float:
+    """An rtserver node's tokens generated so far, from its /metrics."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+        text = (await http.get(base + "/metrics")).text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("rtserver_tokens_generated_total")
+    )
 
 
 async def test_two_backends_spread_sessions_and_survive_one_dying(smol, llama, tmp_path):
@@ -313,13 +324,18 @@ async def test_two_backends_spread_sessions_and_survive_one_dying(smol, llama, t
             assert kinds == {llama.url: "llama.cpp", node.base: "rtserver"}
             # every session replies again after the rtserver node dies mid-reply: the ones it served end
             # with backend_unavailable (never a hang), then move to llama-server
+            before = await generated(node.base)
             long = [
                 asyncio.create_task(
                     chat(ws, f"b{i}", "Count from 1 to 500.", max_new_tokens=500, min_new_tokens=500)
                 )
                 for i, ws in enumerate(sockets)
             ]
-            await asyncio.sleep(3.0)  # past the node's first tokens, well before 500 of them
+            # past the node's first tokens (a failure before them retries elsewhere), long before 500
+            deadline = time.monotonic() + 60
+            while await generated(node.base) < before + 64:
+                assert time.monotonic() < deadline, "the node generated no replies"
+                await asyncio.sleep(0.05)
             node.proc.kill()
             ends = await asyncio.wait_for(asyncio.gather(*long), 120)
             codes = [e.get("code") for e in ends if e["type"] == "error"]

@@ -7,12 +7,12 @@ A stop string found in the text ends the output there; the engine then cancels t
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable
 from typing import Any
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, stop: Sequence[str], eos_token_ids: Collection[int]):
+    def __init__(self, tokenizer: Any, stop: Iterable[str], eos_token_ids: Collection[int]):
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.eos_token_ids = set(eos_token_ids)

@@ -59,7 +59,7 @@ class QuantizedWeight:
     format: str  # "Q4_1" | "Q8_0"
     qs: torch.Tensor
     scales: torch.Tensor
-    shipped: str = ""  # the file's block type, where it differs (Q4_0 runs as Q4_1)
+    shipped: str = ""  # the file's block type, where it differs (Q4_0 runs as Q4_1, Q5_0 as Q8_0)
 
     def __post_init__(self) -> None:
         self.shipped = self.shipped or self.format
@@ -266,7 +266,8 @@ def weights_from_file(g: Any, model_type: str, n_heads: int, n_kv_heads: int) ->
 
 
 def _from_rows(fmt: str, raw: np.ndarray) -> QuantizedWeight | RawWeight:
-    """A weight of type `fmt` from its raw rows: Q4_1 / Q8_0 split into quants and scales, Q4_0 too."""
+    """A weight of type `fmt` from its raw rows: Q4_1 / Q8_0 split into quants and scales, Q4_0 and
+    Q5_0 as Q4_1 and Q8_0."""
     if fmt == "Q4_0":
         return _q4_0_as_q4_1(raw)
     if fmt == "Q5_0":

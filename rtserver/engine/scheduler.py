@@ -27,8 +27,8 @@ from .step import StepOutput
 
 log = logging.getLogger("rtserver.scheduler")
 
-# what a step reports of a sequence: a new token with its text delta, or its final result
-StepEvent = tuple[Sequence, int | SequenceResult]  # a sampled token id, or the sequence's end
+# what a step reports of a sequence: a sampled token id, or its final result
+StepEvent = tuple[Sequence, int | SequenceResult]
 
 
 class Runner(Protocol):

@@ -472,7 +472,6 @@ void raw_fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int6
         float D0[2], M0[2], D1[2], M1[2];
         T::scales(b0, D0, M0);
         T::scales(b1, D1, M1);
-        // built from scalars: a vector load of four separately stored floats would stall on forwarding
         step(T::chunk(b0, 0), T::chunk(b1, 0), _mm_set_ps(D1[0], D1[0], D0[0], D0[0]),
              _mm_set_ps(M1[0], M1[0], M0[0], M0[0]), b);
       }

@@ -16,6 +16,7 @@ BENCH_WORKLOADS = [
     "arrival",
     "multi-turn",
     "sentiment",
+    "structured",
     "e2e",
     "servers",
     "formats",

@@ -12,6 +12,11 @@ from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
+# re-exported: every type that crosses the seam is importable from here
+from .output_format import TEXT as TEXT
+from .output_format import OutputFormat as OutputFormat
+from .output_format import OutputFormatError as OutputFormatError
+
 if TYPE_CHECKING:
     from .kv import KVStats
 
@@ -80,6 +85,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    output: OutputFormat = TEXT  # what the text must match (a JSON Schema, a regex...), while decoding
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise SamplingError naming the first field out of its range (types included: a bool is no
@@ -112,6 +118,9 @@ class SamplingParams:
         for name, ok, allowed in checks:
             if not ok:
                 raise SamplingError(f"{name} = {_shown(getattr(self, name))}: allowed {allowed}")
+        why = self.output.problem() if isinstance(self.output, OutputFormat) else "expected an OutputFormat"
+        if why is not None:
+            raise SamplingError(f"output: {why}")
 
     @property
     def greedy(self) -> bool:
@@ -279,6 +288,17 @@ class FeatureScorer(Protocol):
         state at the prompt's last token, every second layer's hidden states averaged over positions
         `features_from`.. of the prompt (the part after a task's fixed prefix), and an early layer's
         hidden state at the last token. Zero extra tokens."""
+        ...
+
+
+@runtime_checkable
+class StructuredOutput(Protocol):
+    """A backend that constrains generation to an `OutputFormat` (the local engine). Without it a
+    generation whose params name a format is refused."""
+
+    async def prepare_output(self, fmt: OutputFormat, *, pin: bool = False) -> None:
+        """Compile `fmt` for this model off the event loop, so `generate` with it starts at once; raises
+        OutputFormatError naming what is wrong. `pin` keeps it compiled for good (a task's format)."""
         ...
 
 

@@ -16,8 +16,17 @@ from collections.abc import Hashable
 from typing import Any, Protocol
 
 from ..config import EngineSettings
-from .backend import BackendHealth, BackendStats, FinishReason, SamplingParams, SequenceResult, TokenEvent
+from .backend import (
+    BackendHealth,
+    BackendStats,
+    FinishReason,
+    OutputFormat,
+    SamplingParams,
+    SequenceResult,
+    TokenEvent,
+)
 from .detokenizer import Detokenizer
+from .grammar import Grammars
 from .kv import KVCacheManager
 from .linear import BlockLinear
 from .model import LoadedModel
@@ -161,6 +170,7 @@ class Engine:
             self._dispatch,
         )
         self.eos_token_ids = self._eos_ids(loaded)
+        self.grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[int, OutputSink] = {}
         self._thread: threading.Thread | None = None
@@ -251,8 +261,9 @@ class Engine:
         session_key: Hashable | None = None,
         public_tokens: int = 0,
     ) -> GenerationStream:
-        """Queue a generation; raises SamplingError, RequestTooLarge or Overloaded at once. Only the
-        first `public_tokens` prompt tokens are shared with other sessions (see `InferenceBackend`)."""
+        """Queue a generation; raises SamplingError, OutputFormatError, RequestTooLarge or Overloaded at
+        once. Only the first `public_tokens` prompt tokens are shared with other sessions (see
+        `InferenceBackend`). An output format not yet compiled is compiled here (see prepare_output)."""
         params.validate(len(self.tokenizer))
         seq = Sequence(
             prompt_ids,
@@ -261,6 +272,7 @@ class Engine:
             session_key=session_key,
             public_tokens=public_tokens,
         )
+        seq.constraint = self.grammars.constraint(params.output, seq.eos_token_ids)
         stream = GenerationStream(self, seq)
         self._streams[seq.id] = stream
         try:
@@ -269,6 +281,10 @@ class Engine:
             del self._streams[seq.id]
             raise
         return stream
+
+    async def prepare_output(self, fmt: OutputFormat, *, pin: bool = False) -> None:
+        """Compile `fmt` on a worker thread (see backend.StructuredOutput)."""
+        await asyncio.to_thread(self.grammars.compile, fmt, pin=pin)
 
     async def score(
         self,

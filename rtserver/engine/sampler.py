@@ -2,7 +2,8 @@
 
 Sampled rows share one temperature division, one top-k and one cumulative sum; only what is per
 sequence by nature stays per row: the repetition penalty, the EOS ban before `min_new_tokens`, and
-the uniform draw from the sequence's own seeded generator.
+the uniform draw from the sequence's own seeded generator. Rows with an output format are first
+masked to the tokens their grammar allows (grammar.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .backend import SamplingParams
+from .grammar import apply_masks
 from .sequence import Sequence
 
 NUCLEUS_FIRST = 64  # best logits searched for the nucleus before widening (a chat reply's is a handful)
@@ -64,11 +66,16 @@ class Sampler:
         """One next token per sequence from its row of fp32 logits, per its own decoding params. A
         sequence whose decoding raises gets the exception in its place; the others get their tokens."""
         out: list[int | Exception] = [0] * len(seqs)
-        plain = [i for i, s in enumerate(seqs) if _plain_greedy(s)]
+        failed = apply_masks([s.constraint for s in seqs], logits)
+        for i, exc in enumerate(failed):
+            if exc is not None:
+                out[i] = exc
+        live = [i for i, exc in enumerate(failed) if exc is None]
+        plain = [i for i in live if _plain_greedy(seqs[i])]
         if plain:
             for i, t in zip(plain, logits[plain].argmax(-1).tolist()):
                 out[i] = t
-        rest = [i for i in range(len(seqs)) if i not in set(plain)]
+        rest = [i for i in live if i not in set(plain)]
         greedy: list[tuple[int, torch.Tensor]] = []
         sampled: list[tuple[int, torch.Tensor, float]] = []
         for i in rest:

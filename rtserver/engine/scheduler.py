@@ -20,6 +20,7 @@ import torch
 
 from ..config import EngineSettings
 from .backend import FinishReason, Overloaded, RequestTooLarge, SequenceResult
+from .grammar import ConstraintError
 from .kv import KVCacheManager, OutOfKVMemory
 from .plan import StepItem
 from .sequence import Phase, Sequence
@@ -357,7 +358,11 @@ class Scheduler:
                 self._append(seq, token, events)
 
     def _append(self, seq: Sequence, token: int, events: list[StepEvent]) -> None:
-        seq.append_token(token)
+        try:
+            seq.append_token(token)
+        except ConstraintError as exc:
+            self._fail_alone(seq, events, "structured output", exc)
+            return
         self.tokens_generated += 1
         events.append((seq, token))
         if seq.finish_reason is not None:

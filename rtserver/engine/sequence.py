@@ -1,7 +1,8 @@
 """Sequence state: one piece of model work (a chat turn, a task call) from submission to its end.
 
-A sequence owns its prompt, decoding parameters, KV handle and generated token ids; it ends on an
-EOS id or its token limit. Text and stop strings are the output side's (detokenizer.py).
+A sequence owns its prompt, decoding parameters, KV handle, output constraint and generated token
+ids; it ends on an EOS id, a complete structured output or its token limit. Text and stop strings
+are the output side's (detokenizer.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from .backend import FinishReason, SamplingParams, SequenceResult, Usage
+from .grammar import FREE, Constraint
 from .kv import KVHandle
 
 
@@ -52,6 +54,7 @@ class Sequence:
         self.session_key = session_key
         # leading prompt tokens the server wrote: the only ones shared with other sessions' prompts
         self.public_tokens = public_tokens
+        self.constraint: Constraint = FREE  # the tokens its output format allows (grammar.py)
         self.candidates = candidates  # label scoring: score these continuations, generate nothing
         # Label scoring that only needs scores up to a constant shared by all candidates: the logits of
         # these token ids (the candidates' first tokens) instead of a log-softmax over the vocabulary.
@@ -105,12 +108,13 @@ class Sequence:
 
     # -- output -------------------------------------------------------------------------------
     def append_token(self, token_id: int) -> None:
-        """Record a generated token; an EOS id or the token limit sets the finish reason."""
+        """Record a generated token; an EOS id, a complete structured output or the token limit sets
+        the finish reason. Raises ConstraintError for a token its grammar does not allow."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.output_ids.append(token_id)
         self.usage.generated_tokens = len(self.output_ids)
-        if token_id in self.eos_token_ids:
+        if token_id in self.eos_token_ids or self.constraint.advance(token_id):
             self.finish_reason = FinishReason.EOS
         elif len(self.output_ids) >= self.params.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH

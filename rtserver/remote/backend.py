@@ -19,6 +19,7 @@ from ..config import BackendSettings
 from ..engine.backend import (
     BackendHealth,
     BackendStats,
+    OutputFormatError,
     SamplingError,
     SamplingParams,
     ServerHealth,
@@ -116,6 +117,11 @@ class RemoteBackend:
         public_tokens: int = 0,
     ) -> RemoteGeneration:
         params.validate(len(self.tokenizer))
+        if not params.output.free:
+            raise OutputFormatError(
+                "structured output (an output format) needs the local engine; this server's model runs "
+                "on remote servers"
+            )
         if not prompt_ids:
             raise SamplingError("empty prompt")
         _check_public(public_tokens, prompt_ids)

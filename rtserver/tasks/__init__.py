@@ -1,7 +1,29 @@
 """Tasks: what the model is asked to do. The declaration API for plugin authors is re-exported here
-(`from rtserver.tasks import Task, Choices`); `run.py` runs stateless tasks, `chat.py` prepares chat turns,
-`head.py` fits a task's learned head, `registry.py` finds and configures plugins."""
+(`from rtserver.tasks import Task, Choices, JSONSchema`); `run.py` runs stateless tasks, `chat.py` prepares
+chat turns, `head.py` fits a task's learned head, `registry.py` finds and configures plugins."""
 
-from .declare import Choices, LearnedHead, Task, TaskError, TaskOutput, Variant, has_cjk
+from .declare import (
+    Choices,
+    Grammar,
+    JSONSchema,
+    LearnedHead,
+    Regex,
+    Task,
+    TaskError,
+    TaskOutput,
+    Variant,
+    has_cjk,
+)
 
-__all__ = ["Choices", "LearnedHead", "Task", "TaskError", "TaskOutput", "Variant", "has_cjk"]
+__all__ = [
+    "Choices",
+    "Grammar",
+    "JSONSchema",
+    "LearnedHead",
+    "Regex",
+    "Task",
+    "TaskError",
+    "TaskOutput",
+    "Variant",
+    "has_cjk",
+]

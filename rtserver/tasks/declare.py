@@ -1,4 +1,5 @@
-"""The task declaration plugin authors write: `Task`, `Choices`, `Variant`, `LearnedHead`.
+"""The task declaration plugin authors write: `Task`, `Choices`, `JSONSchema`, `Regex`, `Grammar`,
+`Variant`, `LearnedHead`.
 
 A declaration checks itself and owns its limits, input cleaning and decoding with client overrides.
 How it runs: `run.py` and `chat.py`; how plugins are found: `registry.py`.
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from ..engine.backend import SamplingError, SamplingParams
+from ..engine.backend import OutputFormat, OutputFormatError, SamplingError, SamplingParams
 from . import bounds
 
 TRUNCATE_MODES = ("reject", "head", "tail")
@@ -51,6 +52,40 @@ class Choices:
 
     labels: dict[str, str]  # output label -> continuation text scored after the prompt
     calibration: list[str] = field(default_factory=list)
+
+
+@dataclass
+class JSONSchema:
+    """Generated text that is JSON valid under `schema`: every token is masked while decoding so the
+    text stays valid, and the call's output is the parsed value."""
+
+    schema: dict[str, Any]
+
+    def format(self) -> OutputFormat:
+        return OutputFormat.json_schema(self.schema)
+
+
+@dataclass
+class Regex:
+    """Generated text that matches `pattern` (whole), enforced while decoding."""
+
+    pattern: str
+
+    def format(self) -> OutputFormat:
+        return OutputFormat.regex(self.pattern)
+
+
+@dataclass
+class Grammar:
+    """Generated text in the language of a Lark grammar (llguidance's dialect), enforced while decoding."""
+
+    lark: str
+
+    def format(self) -> OutputFormat:
+        return OutputFormat.lark(self.lark)
+
+
+Output = JSONSchema | Regex | Grammar
 
 
 @dataclass
@@ -98,6 +133,7 @@ class Task:
     decoding: dict[str, Any] = field(default_factory=dict)  # defaults, e.g. {"temperature": 0.7}
     overridable: dict[str, tuple[float, float]] = field(default_factory=dict)  # client-settable ranges
     choices: Choices | None = None
+    output: Output | None = None  # a generating task's text constrained while decoding
     parser: Callable[[str], dict[str, Any]] | None = None
     variants: list[Variant] = field(default_factory=list)
     head: LearnedHead | None = None  # a learned head over hidden states, fitted on shipped examples
@@ -125,6 +161,7 @@ class Task:
             raise ValueError("parser must be a function text -> dict")
         if self.choices is not None and self.parser is not None:
             raise ValueError("declare either choices (scoring) or a parser (generation), not both")
+        self._validate_output()
         self._validate_head()
         self._validate_variants()
         self._validate_sizes()
@@ -149,6 +186,30 @@ class Task:
                     f"overridable {key!r}: {tuple(span)!r} is wider than a client may set "
                     f"({widest.lo:g}..{widest.hi:g})"
                 )
+
+    def _validate_output(self) -> None:
+        """The output format is one of ours and llguidance compiles it."""
+        if self.output is None:
+            return
+        if not isinstance(self.output, (JSONSchema, Regex, Grammar)):
+            raise ValueError("output: expected JSONSchema({...}), Regex('...') or Grammar('...')")
+        if self.choices is not None:
+            raise ValueError("output: a scoring task (with choices) generates no text to constrain")
+        if isinstance(self.output, JSONSchema) and not isinstance(self.output.schema, dict):
+            raise ValueError("output: JSONSchema takes the schema as a dict")
+        fmt = self.output.format()
+        why = fmt.problem()
+        if why is not None:
+            raise ValueError(f"output: {why}")
+        try:
+            fmt.check()
+        except OutputFormatError as exc:
+            raise ValueError(f"output: {exc}") from None
+
+    @property
+    def output_format(self) -> OutputFormat:
+        """What the task's generated text must match (free text without an `output`)."""
+        return OutputFormat() if self.output is None else self.output.format()
 
     def _validate_head(self) -> None:
         if self.head is not None:
@@ -205,6 +266,7 @@ class Task:
             if self.input_kind == "text"
             else {"type": "object", "required": ["history"], "properties": {"history": {"type": "array"}}},
             "output": "choices" if self.choices else "text",
+            "format": self.output_format.describe() if self.output is not None else None,
             "labels": list(self.choices.labels) if self.choices else None,
             "limits": {
                 "max_input_tokens": self.max_input_tokens,
@@ -239,7 +301,11 @@ class Task:
 
     def sampling(self, overrides: dict[str, Any] | None) -> SamplingParams:
         """Decoding for one call: the task's defaults, then client overrides within allowed ranges."""
-        values: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "stop": list(self.stop)}
+        values: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "stop": list(self.stop),
+            "output": self.output_format,
+        }
         values.update(self.decoding)
         if overrides is not None and not isinstance(overrides, dict):
             raise TaskError("bad_decoding", f"{self.name}: decoding options must be an object")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..config import Settings
-from ..engine.backend import InferenceBackend, Tokenizer
+from ..engine.backend import InferenceBackend, StructuredOutput, Tokenizer
 from .chat import ChatTask
 from .declare import Task, TaskError, TaskOutput
 from .fitting import FULL, Pace
@@ -208,10 +208,37 @@ class TaskRegistry:
             except Exception as exc:
                 log.error("task %s: learned head failed: %s", name, exc)
                 errors.append(PluginError(f"task {name}", f"learned head: {exc}"))
-                del self.tasks[name]
-                if name in self.auto_tasks:
-                    self.auto_tasks.remove(name)
+                self._drop(name)
         return errors
+
+    async def prepare_outputs(
+        self, backend_for: Callable[[str], tuple[str, InferenceBackend]]
+    ) -> list[PluginError]:
+        """Compile each task's output format for good on the backend that runs it. A task whose format
+        does not compile for this model, or whose backend cannot constrain output, is dropped and
+        reported like a broken plugin."""
+        errors: list[PluginError] = []
+        for name, task in list(self.tasks.items()):
+            fmt = task.task.output_format if isinstance(task, PromptTask) else None
+            if fmt is None or fmt.free:
+                continue
+            backend = backend_for(name)[1]
+            try:
+                if not isinstance(backend, StructuredOutput):
+                    raise TaskError(
+                        "unsupported", "its backend cannot constrain output (only the local engine can)"
+                    )
+                await backend.prepare_output(fmt, pin=True)
+            except Exception as exc:
+                log.error("task %s: output format failed: %s", name, exc)
+                errors.append(PluginError(f"task {name}", f"output format: {exc}"))
+                self._drop(name)
+        return errors
+
+    def _drop(self, name: str) -> None:
+        del self.tasks[name]
+        if name in self.auto_tasks:
+            self.auto_tasks.remove(name)
 
     async def fit_missing(
         self,

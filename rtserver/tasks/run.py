@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -18,7 +19,7 @@ from typing import Any
 
 from cachetools import TTLCache
 
-from ..engine.backend import FeatureScorer, InferenceBackend, SamplingParams, Tokenizer
+from ..engine.backend import FeatureScorer, FinishReason, InferenceBackend, SamplingParams, Tokenizer
 from .declare import Choices, Task, TaskError, TaskOutput
 from .fitting import FULL, Pace
 from .head import LogisticHead, head_input
@@ -175,12 +176,22 @@ class PromptTask:
     async def _generated(
         self, backend: InferenceBackend, prompt: list[int], params: SamplingParams, public: int
     ) -> TaskOutput:
-        """A generating task's call: the reply, parsed by the task's parser."""
+        """A generating task's call: the reply, parsed by the task's parser (a JSON task's: as JSON)."""
         result = await backend.generate(prompt, params, public_tokens=public).result()
         if result.error:
             raise TaskError("internal", f"{self.task.name}: generation failed")
+        fmt = params.output
+        if not fmt.free and result.finish_reason is not FinishReason.EOS:
+            raise TaskError(
+                "output_truncated",
+                f"{self.task.name}: the output reached {params.max_new_tokens} tokens before its "
+                f"{fmt.kind} was complete",
+            )
         try:
-            parsed = self.task.parser(result.text) if self.task.parser else {"text": result.text}
+            if self.task.parser:
+                parsed = self.task.parser(result.text)
+            else:
+                parsed = json.loads(result.text) if fmt.is_json else {"text": result.text}
         except Exception as exc:  # a plugin bug: this request fails, nothing else does
             log.exception("%s: output parser failed on %r", self.task.name, result.text)
             raise TaskError(

@@ -179,9 +179,11 @@ def _heads_dir(settings: Settings) -> Path:
 
 
 async def _prepare_tasks(state: AppState) -> None:
-    """The tasks' learned heads loaded (never fitted: a task without a fit for this model scores labels)
-    and their calibration computed, each on its task's backend."""
+    """The tasks' output formats compiled, their learned heads loaded (never fitted: a task without a fit
+    for this model scores labels) and their calibration computed, each on its task's backend."""
     settings, registry = state.settings, state.tasks
+    state.set_stage("compiling output formats", 0.94)
+    state.load_errors += await registry.prepare_outputs(_task_backends(state))
     if settings.tasks.learned_heads:
         state.set_stage("loading task heads", 0.95)
         state.load_errors += await registry.prepare(_task_backends(state), _heads_dir(settings), fit=False)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..engine.backend import Overloaded, RequestTooLarge, SamplingError, SequenceResult
+from ..engine.backend import OutputFormatError, Overloaded, RequestTooLarge, SamplingError, SequenceResult
 from ..tasks import TaskError
 
 
@@ -27,6 +27,8 @@ def error_code(exc: Exception) -> tuple[str, str]:
         return "request_too_large", str(exc)
     if isinstance(exc, SamplingError):
         return "bad_decoding", str(exc)
+    if isinstance(exc, OutputFormatError):
+        return "bad_output_format", str(exc)
     if isinstance(exc, TaskError):
         return exc.code, exc.message
     code = getattr(exc, "code", None)  # errors of the web layer that carry their own code

@@ -43,6 +43,8 @@ ErrorCode = Literal[
     "empty_text",
     "input_too_long",
     "bad_decoding",
+    "bad_output_format",
+    "output_truncated",
     "session_expired",
     "session_taken_over",
     "unauthorized",

@@ -16,7 +16,16 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...engine.backend import FinishReason, Generation, SamplingError, SamplingParams
+from ...engine.backend import (
+    TEXT,
+    FinishReason,
+    Generation,
+    OutputFormat,
+    OutputFormatError,
+    SamplingError,
+    SamplingParams,
+    StructuredOutput,
+)
 from ...tasks import bounds as B
 from ...tasks.chat import ChatPrompt
 from ..errors import GenerationFailed
@@ -105,9 +114,6 @@ def _refuse_unsupported(body: Body) -> None:
                 B.flag(key, body[key])
     if body.get("logit_bias"):
         no("logit_bias", "logit bias is not available")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        no("response_format", 'only {"type": "text"}')
     short = B.SIZES["short_chars"]
     for key in ("model", "user", "service_tier"):
         optional(body, key, str, "a string", short)
@@ -222,6 +228,54 @@ def _openai_params(state: AppState, body: Body) -> SamplingParams:
     return params
 
 
+def _response_format(body: Body) -> OutputFormat:
+    """`response_format` as an output format: text, any JSON object, or JSON under a schema."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return TEXT
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return TEXT
+    if kind == "json_object":
+        return OutputFormat.json_object()
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise HTTPError(
+                "invalid_field",
+                "response_format.json_schema must be an object with a 'schema' object",
+                "response_format",
+            )
+        out = OutputFormat.json_schema(json.dumps(schema, ensure_ascii=False))
+        why = out.problem()
+        if why is not None:
+            raise HTTPError("bad_output_format", f"response_format: {why}", "response_format")
+        return out
+    raise HTTPError(
+        "invalid_field",
+        "response_format.type: allowed text, json_object, json_schema",
+        "response_format",
+    )
+
+
+async def _prepared(state: AppState, fmt: OutputFormat) -> None:
+    """The format compiled for the chat backend before anything is queued (off the event loop)."""
+    if fmt.free:
+        return
+    backend = state.backend
+    if not isinstance(backend, StructuredOutput):
+        raise HTTPError(
+            "unsupported",
+            "'response_format' needs the local engine: this server's model runs on remote servers",
+            "response_format",
+        )
+    try:
+        await backend.prepare_output(fmt)
+    except OutputFormatError as exc:
+        raise HTTPError("bad_output_format", f"response_format: {exc}", "response_format") from None
+
+
 class _Chunks:
     """The `chat.completion.chunk` events of one streamed reply; with `include_usage` every chunk has
     a `usage` (null but in the last one), as OpenAI's have."""
@@ -249,9 +303,11 @@ async def chat_completions(request: Request, state: AppState, body: Body) -> Res
     _refuse_unsupported(body)
     include_usage = stream_usage(body)
     params = _openai_params(state, body)  # the cheap checks first: no template rendered for a bad one
+    params.output = _response_format(body)
     _messages_size(body.get("messages"))
     prompt = _openai_prompt(state, body.get("messages"))
     check_prompt(state, len(prompt.ids), params.max_new_tokens, "messages")
+    await _prepared(state, params.output)
     chunks = _Chunks("chatcmpl-" + secrets.token_hex(12), int(time.time()), state.model_id, include_usage)
     if not body.get("stream"):
         return await _answer(request, state, prompt, params, chunks)

@@ -1,0 +1,169 @@
+"""Structured output on the local engine: `OutputFormat`s compiled by llguidance against the model's
+tokenizer (`Grammars`), and each sequence's `Constraint`, which masks its logits row to the tokens
+that keep the text valid and follows the tokens it samples.
+
+llguidance computes a step's allowed tokens as a bitmask in microseconds; compiling a format (and
+its first mask, which builds the lexer) is done once per format, off the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from .output_format import OutputFormat, OutputFormatError
+
+MAX_FORMATS = 128  # compiled formats kept (a task's are pinned; a client's drop out least recently used)
+
+
+def _limits() -> Any:
+    """Bounds on the work of one compile and one mask step, whoever wrote the format."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(max_grammar_size=100_000, verbose_errors=False)
+
+
+class ConstraintError(RuntimeError):
+    """A sampled token the grammar does not allow (the mask kept every other)."""
+
+
+class Constraint:
+    """No constraint: free text. The null object of `GrammarConstraint`."""
+
+    active = False
+
+    def fill(self, words: np.ndarray) -> None:
+        """Write this step's allowed tokens into `words` (uint32; bit i of word j: token 32j + i)."""
+
+    def advance(self, token: int) -> bool:
+        """Follow a sampled token; True when the text is complete (nothing may follow)."""
+        return False
+
+
+FREE = Constraint()
+
+
+class GrammarConstraint(Constraint):
+    """One sequence's place in its grammar."""
+
+    active = True
+
+    def __init__(self, matcher: Any, eos_ids: set[int]):
+        self.matcher = matcher
+        self.eos_ids = sorted(eos_ids)  # the sequence's own: its stop token ids too
+
+    def fill(self, words: np.ndarray) -> None:
+        m = self.matcher
+        m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if m.is_error():
+            raise ConstraintError(m.get_error())
+        if m.is_accepting():  # every end-of-sequence id may end a complete text, not just llguidance's
+            for t in self.eos_ids:
+                words[t >> 5] |= np.uint32(1 << (t & 31))
+
+    def advance(self, token: int) -> bool:
+        m = self.matcher
+        if not m.consume_token(token):
+            raise ConstraintError(m.get_error() or f"token {token} is not allowed here")
+        return bool(m.is_stopped())
+
+
+# Byte value -> the 8 logit offsets it stands for (0 where its bit is set, -inf elsewhere): a mask
+# row becomes the row's additive bias by one gather of 32-byte rows.
+_BIAS = np.array([[0.0 if (b >> i) & 1 else -np.inf for i in range(8)] for b in range(256)], dtype=np.float32)
+
+
+def apply_masks(constraints: list[Constraint], logits: torch.Tensor) -> list[Exception | None]:
+    """Mask each constrained row of `logits` ([n, vocab] float32, in place) to its allowed tokens. A
+    row whose grammar fails gets the error in its place; the others are masked."""
+    errors: list[Exception | None] = [None] * len(constraints)
+    rows = [i for i, c in enumerate(constraints) if c.active]
+    if not rows:
+        return errors
+    vocab = logits.shape[1]
+    words = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.uint32)
+    values = logits.numpy()  # the same memory
+    for j, i in enumerate(rows):
+        try:
+            constraints[i].fill(words[j])
+        except Exception as exc:  # this sequence's grammar alone
+            errors[i] = exc
+            continue
+        bias = _BIAS.take(words[j].view(np.uint8), axis=0).reshape(-1)[:vocab]
+        np.add(values[i], bias, out=values[i])
+    return errors
+
+
+class Grammars:
+    """The formats compiled for one tokenizer: llguidance's view of it built once, each compiled format
+    kept as a pristine matcher that every sequence of that format copies."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int]):
+        self._hf = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self._tokenizer: Any = None
+        self._compiled: OrderedDict[OutputFormat, Any] = OrderedDict()
+        self._pinned: set[OutputFormat] = set()
+        self._lock = threading.Lock()
+
+    def _ll_tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
+                )
+            return self._tokenizer
+
+    def compile(self, fmt: OutputFormat, *, pin: bool = False) -> None:
+        """Compile `fmt` (and compute its first mask) unless done; raises OutputFormatError. Slow for a
+        big grammar: call it off the event loop. `pin` keeps it for good (a task's format)."""
+        if fmt.free:
+            return
+        with self._lock:
+            if fmt in self._compiled:
+                self._compiled.move_to_end(fmt)
+                if pin:
+                    self._pinned.add(fmt)
+                return
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._ll_tokenizer(), fmt.grammar(), log_level=0, limits=_limits())
+        if matcher.is_error():
+            raise OutputFormatError(f"{fmt.kind}: {matcher.get_error()}")
+        words = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
+        matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if matcher.is_error():
+            raise OutputFormatError(f"{fmt.kind}: {matcher.get_error()}")
+        if not words.any():
+            raise OutputFormatError(f"{fmt.kind}: the grammar allows no text at all")
+        with self._lock:
+            self._compiled[fmt] = matcher
+            if pin:
+                self._pinned.add(fmt)
+            self._evict()
+
+    def _evict(self) -> None:
+        for fmt in list(self._compiled):
+            if len(self._compiled) <= MAX_FORMATS:
+                return
+            if fmt not in self._pinned:
+                del self._compiled[fmt]
+
+    def constraint(self, fmt: OutputFormat, eos_ids: set[int]) -> Constraint:
+        """A new sequence's constraint for `fmt` (compiled here if it is not already); `eos_ids` are
+        the ids that end the sequence, allowed once the text is complete."""
+        if fmt.free:
+            return FREE
+        self.compile(fmt)
+        with self._lock:
+            pristine = self._compiled.get(fmt)
+            if pristine is None:  # evicted in between by other formats
+                raise OutputFormatError(f"{fmt.kind}: too many formats in use; try again")
+            return GrammarConstraint(pristine.deep_copy(), eos_ids)

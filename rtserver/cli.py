@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+import time
+from pathlib import Path
 
 from .config import DTYPES, ConfigError, load_settings
 
@@ -147,6 +150,18 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
             args.nodes, idle, chatting, config=args.config, out_dir=args.out, dtype=args.dtype
         )
         return 0 if cluster["passed"] else 1
+    if args.assist:  # agent assist beside chatting customers (rtserver/tools/assistload.py)
+        from .tools.assistload import run_assist_loadtest
+
+        chatting = 32 if args.chatting == 64 else args.chatting  # the default run is 32 customers
+        report = run_assist_loadtest(chatting, config=args.config, dtype=args.dtype)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"loadtest-assist-{time.strftime('%Y-%m-%dT%H%M%S%z')}.json"
+        path.write_text(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2))
+        print(f"written to {path}")
+        return 0 if report["ttft_p95_ratio"] is not None and not report["draft_errors"] else 1
     sizes = (200, 16, 20) if args.quick else (args.idle, args.chatting, args.disconnects)
     report = run_loadtest(*sizes, config=args.config, out_dir=args.out, dtype=args.dtype)
     return 0 if report["passed"] else 1
@@ -201,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--chatting", type=int, default=64, help="sessions chatting beside them")
     lt.add_argument("--disconnects", type=int, default=100, help="clients leaving mid-stream, per pattern")
     lt.add_argument("--quick", action="store_true", help="200 idle, 16 chatting, 20 disconnects (the CI run)")
+    lt.add_argument(
+        "--assist",
+        action="store_true",
+        help="only agent assist: 32 chatting customers alone, then beside 4 agents asking drafts every 5 s",
+    )
     lt.add_argument(
         "--nodes",
         type=int,

@@ -1,5 +1,7 @@
 // rtserver agent console: live list of conversations over /ws/console (docs/protocol.md), take over,
-// reply, hand back. Text from customers, the bot or agents only reaches the DOM via textContent.
+// reply, hand back, and the model's assist: reply drafts, a summary on take-over, translation, the
+// fields read from the conversation. Text from customers, the bot, agents or the model only reaches
+// the DOM via textContent.
 
 const $ = (id) => document.getElementById(id);
 const KEY = { token: "rtconsole:token", name: "rtconsole:name", rejoin: "rtconsole:rejoin", seen: "rtconsole:seen" };
@@ -10,6 +12,9 @@ const state = {
   ws: null, me: null, convs: new Map(), selected: null, backoff: 0, retry: null, stopped: false,
   seen: load(KEY.seen, {}),
 };
+// Assist results per conversation: {drafts, fields, summary: {seq, output} | {seq, pending, error}},
+// translations by message seq, and the calls in flight by request id.
+const assist = { byConv: new Map(), translateOn: new Set(), pending: new Map(), next: 1, timer: null };
 
 function load(key, dflt) {
   try { return JSON.parse(sessionStorage.getItem(key)) ?? dflt; } catch { return dflt; }
@@ -131,11 +136,16 @@ function onEvent(msg) {
       renderList();
       renderConv();
       break;
-    case "conversation":
+    case "conversation": {
+      const before = state.convs.get(msg.conversation.session_id);
+      const tookOver = msg.conversation.agent && msg.conversation.agent.id === state.me?.id &&
+        !(before && before.agent && before.agent.id === state.me?.id);
       state.convs.set(msg.conversation.session_id, msg.conversation);
+      if (tookOver) ask(msg.conversation.session_id, "summarize", "summary");
       renderList();
       if (msg.conversation.session_id === state.selected) renderConv();
       break;
+    }
     case "removed":
       state.convs.delete(msg.session_id);
       if (state.selected === msg.session_id) state.selected = null;
@@ -152,7 +162,13 @@ function onEvent(msg) {
       conv.last_message = { role: msg.message.role, text: msg.message.text.slice(0, 200), ts: msg.message.ts };
       if (msg.message.role === "bot" && conv.streaming && conv.streaming.id === msg.message.id) conv.streaming = null;
       renderList();
-      if (conv.session_id === state.selected) renderConv();
+      if (conv.session_id === state.selected) {
+        renderConv();
+        if (msg.message.role === "user") {
+          refreshAssist(conv.session_id);
+          if (assist.translateOn.has(conv.session_id)) translate(conv.session_id, msg.message);
+        }
+      }
       break;
     case "token":
       if (!conv) return;
@@ -178,8 +194,12 @@ function onEvent(msg) {
       if (conv.session_id === state.selected) renderConv();
       break;
     }
+    case "assist":
+      onAssist(msg);
+      break;
     case "error":
       if (msg.code === "unauthorized" || msg.code === "console_disabled") return; // the close follows
+      if (msg.id && assist.pending.has(msg.id)) { onAssistError(msg); return; }
       toast(msg.message || msg.code);
       break;
     default:
@@ -256,8 +276,116 @@ function select(sid) {
   state.selected = sid;
   renderList();
   renderConv();
+  openAssist(sid);
   $("messages").focus();
 }
+
+// -- assist ------------------------------------------------------------------------------------
+// Drafts and fields are asked for when a conversation is opened and again after each new customer
+// message (once the conversation has settled for a moment); the summary when this agent takes over.
+function slot(sid) {
+  if (!assist.byConv.has(sid)) assist.byConv.set(sid, { translations: new Map() });
+  return assist.byConv.get(sid);
+}
+function ask(sid, task, key, extra = {}) {
+  const id = `a${assist.next++}`;
+  const conv = state.convs.get(sid);
+  assist.pending.set(id, { sid, key, seq: conv ? conv.seq : 0 });
+  if (key !== "translation") slot(sid)[key] = { ...(slot(sid)[key] || {}), pending: true, error: null };
+  sendWs({ type: "assist", id, session_id: sid, task, ...extra });
+  if (sid === state.selected) renderAssist();
+  return id;
+}
+function openAssist(sid) {
+  const conv = state.convs.get(sid);
+  const mine = slot(sid);
+  if (!conv || !conv.messages.some((m) => m.role === "user")) { renderAssist(); return; }
+  if (!mine.drafts || (mine.drafts.seq !== conv.seq && !mine.drafts.pending)) ask(sid, "suggest_reply", "drafts");
+  if (!mine.fields || (mine.fields.seq !== conv.seq && !mine.fields.pending)) ask(sid, "extract", "fields");
+  renderAssist();
+}
+function refreshAssist(sid) {
+  clearTimeout(assist.timer);
+  assist.timer = setTimeout(() => { if (state.selected === sid) openAssist(sid); }, 400);
+}
+function translate(sid, message) {
+  const mine = slot(sid);
+  if (mine.translations.has(message.seq)) return;
+  mine.translations.set(message.seq, { pending: true });
+  assist.pending.get(ask(sid, "translate", "translation", { text: message.text })).msgSeq = message.seq;
+}
+function onAssist(msg) {
+  const call = assist.pending.get(msg.id);
+  if (!call) return;
+  assist.pending.delete(msg.id);
+  const mine = slot(call.sid);
+  if (call.key === "translation") mine.translations.set(call.msgSeq, { text: msg.text.trim() });
+  else mine[call.key] = { seq: call.seq, output: msg.output, pending: false, error: null };
+  if (call.sid === state.selected) { renderAssist(); if (call.key === "translation") renderConv(); }
+}
+function onAssistError(msg) {
+  const call = assist.pending.get(msg.id);
+  assist.pending.delete(msg.id);
+  const mine = slot(call.sid);
+  if (call.key === "translation") mine.translations.set(call.msgSeq, { error: msg.message });
+  else mine[call.key] = { seq: call.seq, pending: false, error: msg.message || msg.code };
+  if (call.sid === state.selected) renderAssist();
+}
+function useDraft(text) {
+  const reply = $("reply");
+  reply.value = text;
+  if (!reply.disabled) { reply.focus(); reply.setSelectionRange(text.length, text.length); }
+  else toast("Take over to send this reply.");
+}
+function renderAssist() {
+  const sid = state.selected;
+  const mine = sid ? slot(sid) : {};
+  const list = $("drafts-list");
+  const d = mine.drafts;
+  const texts = d && d.output ? d.output.samples.map((x) => x.text).filter((x) => x) : [];
+  list.replaceChildren(...texts.map((text) => {
+    const b = el("button", { type: "button", class: "draft", text, title: "Put this reply in the reply box to edit" });
+    b.addEventListener("click", () => useDraft(text));
+    return el("li", {}, b);
+  }));
+  $("drafts-note").textContent = d?.pending ? "Drafting replies…" : d?.error ? `No drafts: ${d.error}` :
+    d ? "" : "Drafts appear when the customer has written.";
+  const f = mine.fields;
+  const dl = $("fields-list");
+  dl.replaceChildren();
+  for (const [k, v] of Object.entries((f && f.output) || {})) {
+    dl.append(el("dt", { text: k.replaceAll("_", " ") }),
+      el("dd", { class: v === null ? "none" : null, text: v === null ? "not given" : String(v) }));
+  }
+  $("fields-note").textContent = f?.pending ? "Reading the conversation…" : f?.error ? `Not read: ${f.error}` : "";
+  const box = $("summary");
+  const sm = mine.summary;
+  const conv = state.convs.get(sid);
+  const held = conv && conv.agent && conv.agent.id === state.me?.id;
+  box.hidden = !(held && sm);
+  if (held && sm) {
+    if (sm.output) {
+      box.replaceChildren(
+        el("p", {}, el("strong", { text: "Issue: " }), sm.output.issue),
+        el("p", {}, el("strong", { text: "Tried: " }), sm.output.tried),
+        el("p", {}, el("strong", { text: "Mood: " }), sm.output.mood.join(" → ")));
+    } else {
+      box.replaceChildren(el("p", { text: sm.pending ? "Summarizing the conversation…" : `No summary: ${sm.error}` }));
+    }
+  }
+  $("translate").checked = assist.translateOn.has(sid);
+}
+$("redraft").addEventListener("click", () => { if (state.selected) ask(state.selected, "suggest_reply", "drafts"); });
+$("translate").addEventListener("change", (ev) => {
+  const sid = state.selected;
+  if (!sid) return;
+  if (ev.target.checked) {
+    assist.translateOn.add(sid);
+    // the newest customer messages: the server runs a few assist calls of an agent at once
+    for (const m of state.convs.get(sid).messages.filter((x) => x.role === "user").slice(-2)) translate(sid, m);
+  } else assist.translateOn.delete(sid);
+  renderConv();
+});
 
 // -- one conversation --------------------------------------------------------------------------
 function renderMessage(m) {
@@ -272,6 +400,12 @@ function renderMessage(m) {
     if (m.to_agent) li.append(el("span", { class: "tag tag-routed", text: "to agent" }));
   }
   if (m.finish_reason === "cancelled") li.append(el("span", { class: "tag", text: "stopped by customer" }));
+  const tr = m.role === "user" && assist.translateOn.has(state.selected) ?
+    slot(state.selected).translations.get(m.seq) : null;
+  if (tr) {
+    li.append(el("span", { class: "translation",
+      text: tr.text ? tr.text : tr.error ? `(not translated: ${tr.error})` : "translating…" }));
+  }
   return li;
 }
 
@@ -310,6 +444,7 @@ function renderConv() {
   box.replaceChildren(...conv.messages.map(renderMessage));
   if (conv.streaming) updateStreaming(conv);
   box.scrollTop = box.scrollHeight;
+  renderAssist();
 }
 
 function sendWs(obj) {

@@ -71,6 +71,15 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+class Priority(enum.IntEnum):
+    """Who waits for a piece of model work, most urgent first: a customer's reply, an agent's assist
+    (drafts, summaries), background work (prefetch, head fitting)."""
+
+    CUSTOMER = 0
+    ASSIST = 1
+    BACKGROUND = 2
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding. temperature 0 means greedy."""
@@ -86,6 +95,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     output: OutputFormat = TEXT  # what the text must match (a JSON Schema, a regex...), while decoding
+    priority: Priority = Priority.CUSTOMER  # the engine admits and prefills the more urgent first
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise SamplingError naming the first field out of its range (types included: a bool is no
@@ -118,6 +128,10 @@ class SamplingParams:
         for name, ok, allowed in checks:
             if not ok:
                 raise SamplingError(f"{name} = {_shown(getattr(self, name))}: allowed {allowed}")
+        if not isinstance(self.priority, Priority):
+            raise SamplingError(
+                f"priority = {_shown(self.priority)}: allowed {', '.join(p.name for p in Priority)}"
+            )
         why = self.output.problem() if isinstance(self.output, OutputFormat) else "expected an OutputFormat"
         if why is not None:
             raise SamplingError(f"output: {why}")
@@ -154,6 +168,7 @@ class SequenceResult:
     total_ms: float
     error: str | None = None
     error_code: str | None = None  # a stable client-facing code for the error (None: "internal")
+    priority: Priority = Priority.CUSTOMER
     scores: list[float] | None = None
     features: list[float] | None = None  # hidden-state features of a scoring prompt (score_features)
 
@@ -162,6 +177,16 @@ class SequenceResult:
 class TokenEvent:
     token_id: int
     text: str  # the safe-to-show text delta; may be "" while a character or stop string is incomplete
+
+
+class PriorityStats(TypedDict):
+    """One priority's sequences now, and the totals of those that produced a first token."""
+
+    running: int
+    waiting: int
+    started: int
+    queued_s: float  # summed: submission to admission
+    ttft_s: float  # summed: submission to first token
 
 
 class BackendStats(TypedDict):
@@ -173,6 +198,7 @@ class BackendStats(TypedDict):
     tokens_generated: int
     tokens_prefilled: int
     kv: KVStats | None  # the local engine's KV cache; None where the model runs elsewhere
+    priorities: NotRequired[dict[str, PriorityStats]]  # the local engine's, by priority name
 
 
 class UpstreamStats(TypedDict):

@@ -21,6 +21,8 @@ from .backend import (
     BackendStats,
     FinishReason,
     OutputFormat,
+    Priority,
+    PriorityStats,
     SamplingParams,
     SequenceResult,
     TokenEvent,
@@ -382,4 +384,19 @@ class Engine:
             "tokens_generated": s.tokens_generated,
             "tokens_prefilled": s.tokens_prefilled,
             "kv": self.kv.stats(),
+            "priorities": self._by_priority(),
+        }
+
+    def _by_priority(self) -> dict[str, PriorityStats]:
+        s = self.scheduler
+        running, waiting = list(s.running), list(s.waiting)  # copies: the scheduler thread moves them
+        return {
+            p.name.lower(): {
+                "running": sum(q.priority == p for q in running),
+                "waiting": sum(q.priority == p for q in waiting),
+                "started": int(s.latency[p][0]),
+                "queued_s": s.latency[p][1],
+                "ttft_s": s.latency[p][2],
+            }
+            for p in Priority
         }

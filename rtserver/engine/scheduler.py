@@ -4,6 +4,11 @@ Each step is one batched forward: a decode token per running sequence plus a bou
 so a long prompt delays running streams by one chunk at most. Sequences join at any step, and a
 prompt arriving mid-step joins the step under way (`_join`). A bounded queue refuses work at once
 (`Overloaded`). One worker thread runs `step()`; `submit` and `cancel` are thread-safe.
+
+Priorities: the more urgent sequences (customers, then agent assist, then background work) are
+admitted and prefilled first, less urgent prompts take a quarter of a step's prefill budget while
+more urgent sequences run, and a customer waiting for a running place pauses a less urgent
+generation, which keeps its KV and resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Protocol
 import torch
 
 from ..config import EngineSettings
-from .backend import FinishReason, Overloaded, RequestTooLarge, SequenceResult
+from .backend import FinishReason, Overloaded, Priority, RequestTooLarge, SequenceResult
 from .grammar import ConstraintError
 from .kv import KVCacheManager, OutOfKVMemory
 from .plan import StepItem
@@ -81,6 +86,9 @@ class Scheduler:
         self.tokens_generated = 0
         self.tokens_prefilled = 0
         self.joined = 0  # sequences that joined a step under way (see _join)
+        self.paused = 0  # generations paused for a more urgent one (see _pause)
+        # per priority, of the generations that produced a token: count, seconds queued, seconds to it
+        self.latency: dict[Priority, list[float]] = {p: [0, 0.0, 0.0] for p in Priority}
         self._join_budget = 0  # prefill tokens the step under way may still take
         self.last_step: StepStats | None = None
         self.fault_hook: Callable[[list[StepItem]], None] | None = None  # tests inject step failures
@@ -150,6 +158,11 @@ class Scheduler:
             seq.error = error
         seq.phase = Phase.FINISHED
         seq.finished_at = time.perf_counter()
+        if seq.first_token_at is not None:
+            figures = self.latency[seq.priority]
+            figures[0] += 1
+            figures[1] += (seq.admitted_at or seq.first_token_at) - seq.submitted_at
+            figures[2] += seq.first_token_at - seq.submitted_at
         if seq.kv is not None:
             # A cancelled or failed turn keeps only KV that is known good (its computed tokens).
             seq.kv.token_ids = seq.all_ids[: seq.num_computed]
@@ -160,19 +173,34 @@ class Scheduler:
         events.append((seq, seq.result()))
 
     def _admit(self, events: list[StepEvent]) -> None:
+        """Waiting sequences into the running batch, the most urgent first (arrival order within a
+        priority); a generation without a place pauses a less urgent running one."""
         with self._cond:
             places = self._places()
-            for seq in list(self.waiting):
+            for seq in sorted(self.waiting, key=lambda s: s.priority):
                 if seq.cancelled:
                     self.waiting.remove(seq)
                     self._finish(seq, FinishReason.CANCELLED, events)
                     continue
                 scoring = seq.candidates is not None
-                if places[scoring] <= 0:
+                if places[scoring] <= 0 and not (not scoring and self._pause(seq.priority)):
                     continue
+                places[scoring] = max(places[scoring], 1)
                 if not self._admit_one(seq):
                     break  # wait for running sequences to finish and free blocks
                 places[scoring] -= 1
+
+    def _pause(self, priority: int) -> bool:
+        """Move the least urgent, latest admitted running generation less urgent than `priority` back
+        to the waiting queue; it keeps its KV and computed tokens. False: none to pause."""
+        victims = [s for s in self.running if s.candidates is None and s.priority > priority]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda s: (s.priority, s.admitted_at or 0.0))
+        self.running.remove(victim)
+        self.waiting.appendleft(victim)
+        self.paused += 1
+        return True
 
     def _places(self) -> dict[bool, int]:
         """Free running places, for generations (False) and label-scoring calls (True) apart: a scoring
@@ -184,7 +212,11 @@ class Scheduler:
 
     def _admit_one(self, seq: Sequence) -> bool:
         """Move a waiting sequence to running if its KV fits (the caller holds the lock and has checked
-        there is a running place)."""
+        there is a running place). A paused one already holds its KV and goes on where it stopped."""
+        if seq.kv is not None:
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            return True
         try:
             seq.kv, reused = self.kv.acquire(
                 seq.prompt_ids, seq.capacity_tokens, seq.session_key, seq.features_from, seq.public_tokens
@@ -211,9 +243,9 @@ class Scheduler:
             return items
         with self._cond:
             places = self._places()[False]
-            for seq in list(self.waiting):
-                if seq.candidates is not None:
-                    continue  # scoring calls have places of their own (admitted at the next step)
+            for seq in sorted(self.waiting, key=lambda s: s.priority):
+                if seq.candidates is not None or seq.kv is not None:
+                    continue  # scoring calls have places of their own, paused ones resume next step
                 if seq.cancelled or seq.features_from is not None or places <= 0:
                     break
                 if not self._admit_one(seq):
@@ -248,15 +280,21 @@ class Scheduler:
             assert seq.kv is not None  # running sequences hold KV from admission until they finish
             if seq.phase is Phase.DECODE:
                 items.append(StepItem(seq, seq.kv, seq.num_computed, [seq.output_ids[-1]], "last"))
-        # Generation prompts take the prefill budget before scoring ones (task calls, auto-tasks): a
-        # burst of sentiment tags never delays the first token of a reply someone is waiting for.
+        # The more urgent prompts take the prefill budget first, and within a priority generation
+        # prompts before scoring ones (task calls, auto-tasks): a burst of sentiment tags never delays
+        # the first token of a reply someone is waiting for.
         prefilling = [s for s in self.running if s.phase is Phase.PREFILL]
-        prefilling.sort(key=lambda s: s.candidates is not None)  # stable: arrival order within each kind
+        prefilling.sort(key=lambda s: (s.priority, s.candidates is not None))  # stable: arrival order
+        urgent = min((s.priority for s in self.running), default=Priority.CUSTOMER)
+        spare = budget // 4  # what less urgent prompts may take while more urgent sequences run
         for seq in prefilling:
             if budget <= 0:
                 break
             remaining = len(seq.prompt_ids) - seq.num_computed
-            n = min(remaining, budget)
+            n = min(remaining, budget if seq.priority == urgent else min(budget, spare))
+            if n <= 0:
+                break
+            spare -= n if seq.priority != urgent else 0
             budget -= n
             done = n == remaining
             tokens = seq.prompt_ids[seq.num_computed : seq.num_computed + n]

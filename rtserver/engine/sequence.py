@@ -52,6 +52,7 @@ class Sequence:
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.eos_token_ids |= set(params.stop_token_ids)
         self.session_key = session_key
+        self.priority = params.priority
         # leading prompt tokens the server wrote: the only ones shared with other sessions' prompts
         self.public_tokens = public_tokens
         self.constraint: Constraint = FREE  # the tokens its output format allows (grammar.py)
@@ -133,4 +134,5 @@ class Sequence:
             error=self.error,
             scores=self.scores,
             features=self.features,
+            priority=self.priority,
         )

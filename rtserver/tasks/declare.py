@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from ..engine.backend import OutputFormat, OutputFormatError, SamplingError, SamplingParams
+from ..engine.backend import OutputFormat, OutputFormatError, Priority, SamplingError, SamplingParams
 from . import bounds
 
 TRUNCATE_MODES = ("reject", "head", "tail")
+PRIORITIES = {p.name.lower(): p for p in Priority}
 DECODING_KEYS = (
     "temperature",
     "top_p",
@@ -134,6 +135,8 @@ class Task:
     overridable: dict[str, tuple[float, float]] = field(default_factory=dict)  # client-settable ranges
     choices: Choices | None = None
     output: Output | None = None  # a generating task's text constrained while decoding
+    priority: str = "customer"  # customer | assist | background: who waits for its calls
+    samples: int = 1  # a generating task's replies per call, side by side (output {"samples": [...]})
     parser: Callable[[str], dict[str, Any]] | None = None
     variants: list[Variant] = field(default_factory=list)
     head: LearnedHead | None = None  # a learned head over hidden states, fitted on shipped examples
@@ -148,6 +151,8 @@ class Task:
             raise ValueError(f"name {self.name!r}: use lowercase letters, digits, - or _")
         if self.truncate not in TRUNCATE_MODES:
             raise ValueError(f"truncate {self.truncate!r}: allowed {', '.join(TRUNCATE_MODES)}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority {self.priority!r}: allowed {', '.join(PRIORITIES)}")
         if self.input_kind not in ("text", "chat"):
             raise ValueError(f"input_kind {self.input_kind!r}: allowed text, chat")
         if not self.stateful and self.prompt.count("{text}") != 1:
@@ -234,6 +239,10 @@ class Task:
 
     def _validate_sizes(self) -> None:
         """The limits are positive integers; the cache's size and lifetime are sane."""
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or not 1 <= self.samples <= 5:
+            raise ValueError(f"samples = {self.samples!r}: an integer 1..5")
+        if self.samples > 1 and self.choices is not None:
+            raise ValueError("samples: a scoring task (with choices) generates no replies")
         for key in (
             "max_input_chars",
             "max_input_tokens",
@@ -305,6 +314,7 @@ class Task:
             "max_new_tokens": self.max_new_tokens,
             "stop": list(self.stop),
             "output": self.output_format,
+            "priority": PRIORITIES[self.priority],
         }
         values.update(self.decoding)
         if overrides is not None and not isinstance(overrides, dict):

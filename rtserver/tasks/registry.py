@@ -52,6 +52,7 @@ GENERIC_OVERRIDES = (
     "cache_ttl_s",
     "max_history_turns",
     "max_history_tokens",
+    "priority",
 )
 OVERRIDE_TYPES: dict[str, Any] = {
     "description": str,
@@ -68,6 +69,7 @@ OVERRIDE_TYPES: dict[str, Any] = {
     "cache_ttl_s": (int, float),
     "max_history_turns": int,
     "max_history_tokens": int,
+    "priority": str,
 }
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import math
+import random
 import time
 import weakref
 from collections.abc import Hashable
@@ -19,7 +20,14 @@ from typing import Any
 
 from cachetools import TTLCache
 
-from ..engine.backend import FeatureScorer, FinishReason, InferenceBackend, SamplingParams, Tokenizer
+from ..engine.backend import (
+    FeatureScorer,
+    FinishReason,
+    InferenceBackend,
+    SamplingParams,
+    SequenceResult,
+    Tokenizer,
+)
 from .declare import Choices, Task, TaskError, TaskOutput
 from .fitting import FULL, Pace
 from .head import LogisticHead, head_input
@@ -122,8 +130,10 @@ class PromptTask:
     def cost(self, overrides: dict[str, Any] | None = None) -> int:
         """The most tokens one call can take: the longest prompt and what it may generate."""
         prompt, choices, _, _ = self.render_parts("x")
-        new = 0 if choices is not None else self.task.sampling(overrides).max_new_tokens
-        return len(prompt) + self.task.max_input_tokens + new
+        if choices is not None:
+            return len(prompt) + self.task.max_input_tokens
+        one = len(prompt) + self.task.max_input_tokens + self.task.sampling(overrides).max_new_tokens
+        return one * self.task.samples
 
     # -- running ------------------------------------------------------------------------------
     async def run(
@@ -176,8 +186,41 @@ class PromptTask:
     async def _generated(
         self, backend: InferenceBackend, prompt: list[int], params: SamplingParams, public: int
     ) -> TaskOutput:
-        """A generating task's call: the reply, parsed by the task's parser (a JSON task's: as JSON)."""
-        result = await backend.generate(prompt, params, public_tokens=public).result()
+        """A generating task's call: the reply parsed by the task's parser (a JSON task's: as JSON);
+        with `samples` above 1, that many replies side by side, `{"samples": [parsed, ...]}` (the
+        distinct ones, in order), each drawn with its own seed."""
+        n = self.task.samples
+        if n == 1:
+            results = [await backend.generate(prompt, params, public_tokens=public).result()]
+        else:
+            seed = params.seed if params.seed is not None else random.getrandbits(48)
+            streams = [
+                backend.generate(prompt, dataclasses.replace(params, seed=seed + i), public_tokens=public)
+                for i in range(n)
+            ]
+            results = list(await asyncio.gather(*(s.result() for s in streams)))
+        parsed = [self._parsed(r, params) for r in results]
+        if n == 1:
+            output = parsed[0]
+        else:
+            output = {"samples": [p for i, p in enumerate(parsed) if p not in parsed[:i]]}
+        first = min(results, key=lambda r: r.ttft_ms if r.ttft_ms is not None else float("inf"))
+        usage = dataclasses.asdict(results[0].usage)
+        usage["generated_tokens"] = sum(r.usage.generated_tokens for r in results)
+        return TaskOutput(
+            self.task.name,
+            output,
+            results[0].text if n == 1 else "\n".join(r.text for r in results),
+            usage,
+            {
+                "queued_ms": first.queued_ms,
+                "ttft_ms": first.ttft_ms,
+                "total_ms": max(r.total_ms for r in results),
+            },
+        )
+
+    def _parsed(self, result: SequenceResult, params: SamplingParams) -> dict[str, Any]:
+        """One reply's value: the task's parser on its text, its JSON, or the text itself."""
         if result.error:
             raise TaskError("internal", f"{self.task.name}: generation failed")
         fmt = params.output
@@ -197,15 +240,7 @@ class PromptTask:
             raise TaskError(
                 "internal", f"{self.task.name}: the task's output parser failed ({type(exc).__name__})"
             ) from exc
-        if not isinstance(parsed, dict):
-            parsed = {"value": parsed}
-        return TaskOutput(
-            self.task.name,
-            parsed,
-            result.text,
-            dataclasses.asdict(result.usage),
-            {"queued_ms": result.queued_ms, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms},
-        )
+        return parsed if isinstance(parsed, dict) else {"value": parsed}
 
     async def _score(
         self,

@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Required, TypedDict
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from ..engine.backend import BackendStats, SequenceResult, UpstreamStats
+from ..engine.backend import BackendStats, PriorityStats, SequenceResult, UpstreamStats
 
 if TYPE_CHECKING:
     from ..engine.kv import KVStats
@@ -98,6 +98,29 @@ def _engine_metrics(engine: BackendStats) -> Iterator[Metric]:
         value=engine["tokens_prefilled"],
     )
     yield CounterMetricFamily("rtserver_engine_steps", "Scheduler steps run", value=engine["steps"])
+    yield from _priority_metrics(engine.get("priorities") or {})
+
+
+def _priority_metrics(by: dict[str, PriorityStats]) -> Iterator[Metric]:
+    """Queue depth and latency per priority (customer, assist, background)."""
+    running = GaugeMetricFamily(
+        "rtserver_priority_running", "Running sequences by priority", labels=["priority"]
+    )
+    waiting = GaugeMetricFamily(
+        "rtserver_priority_waiting", "Waiting sequences by priority", labels=["priority"]
+    )
+    queued = SummaryMetricFamily(
+        "rtserver_priority_queue_seconds", "Submission to admission, by priority", labels=["priority"]
+    )
+    ttft = SummaryMetricFamily(
+        "rtserver_priority_first_token_seconds", "Submission to first token, by priority", labels=["priority"]
+    )
+    for name, p in by.items():
+        running.add_metric([name], p["running"])
+        waiting.add_metric([name], p["waiting"])
+        queued.add_metric([name], count_value=p["started"], sum_value=p["queued_s"])
+        ttft.add_metric([name], count_value=p["started"], sum_value=p["ttft_s"])
+    yield from (running, waiting, queued, ttft)
 
 
 def _kv_metrics(kv: KVStats) -> Iterator[Metric]:

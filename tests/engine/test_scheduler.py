@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rtserver.config import EngineSettings
-from rtserver.engine.backend import FinishReason, Overloaded, RequestTooLarge, SamplingParams
+from rtserver.engine.backend import FinishReason, Overloaded, Priority, RequestTooLarge, SamplingParams
 from rtserver.engine.kv import KVCacheManager
 from rtserver.engine.plan import StepItem
 from rtserver.engine.scheduler import Scheduler, SchedulerLimits
@@ -343,3 +343,61 @@ def test_generation_prompts_take_the_prefill_budget_before_scoring_ones():
     assert runner.steps[0][1] == (scoring[0].id, 0, 2)
     run_until_idle(sched)
     assert all(s.scores is not None for s in scoring) and len(chat.output_ids) == 2
+
+
+def prioritised(n_prompt, n_new, start, priority):
+    return Sequence(
+        list(range(start, start + n_prompt)),
+        SamplingParams(max_new_tokens=n_new, priority=priority),
+        eos_token_ids=set(),
+    )
+
+
+def test_customers_are_admitted_and_prefilled_before_assist_and_background():
+    sched, runner, _, _ = make()  # 4 running places, an 8-token prefill chunk
+    background = prioritised(6, 2, 100, Priority.BACKGROUND)
+    assist = prioritised(6, 2, 200, Priority.ASSIST)
+    customer = prioritised(6, 2, 300, Priority.CUSTOMER)
+    for s in (background, assist, customer):  # the customer arrives last
+        sched.submit(s)
+    sched.step()
+    # the customer's whole prompt first; the less urgent ones share a quarter of the chunk (2 tokens)
+    assert runner.steps[0] == [(customer.id, 0, 6), (assist.id, 0, 2)]
+    run_until_idle(sched)
+    assert all(len(s.output_ids) == 2 for s in (background, assist, customer))
+
+
+def test_a_customer_without_a_place_pauses_an_assist_generation_which_resumes_with_its_kv():
+    sched, runner, kv, events = make(with_limits(max_running=2, max_waiting=4, prefill_chunk_tokens=8))
+    assists = [prioritised(4, 12, 100 + 10 * i, Priority.ASSIST) for i in range(2)]
+    for s in assists:
+        sched.submit(s)
+    for _ in range(3):
+        sched.step()
+    late = assists[1]
+    done_before = list(late.output_ids)
+    computed = late.num_computed
+    customer = prioritised(4, 3, 300, Priority.CUSTOMER)
+    sched.submit(customer)
+    sched.step()
+    assert sched.paused == 1 and late not in sched.running and customer in sched.running
+    assert late.kv is not None and late.num_computed == computed  # paused with its KV
+    run_until_idle(sched)
+    assert len(customer.output_ids) == 3 and all(len(s.output_ids) == 12 for s in assists)
+    # it went on where it stopped: its positions were never computed twice
+    starts = [start for step in runner.steps for sid, start, n in step if sid == late.id]
+    assert starts == sorted(set(starts)) and late.output_ids[: len(done_before)] == done_before
+
+
+def test_a_paused_sequence_that_is_cancelled_frees_its_kv():
+    sched, _, kv, _ = make(with_limits(max_running=1, max_waiting=4, prefill_chunk_tokens=8))
+    assist = prioritised(4, 20, 100, Priority.ASSIST)
+    sched.submit(assist)
+    sched.step()
+    sched.step()
+    sched.submit(prioritised(4, 20, 300, Priority.CUSTOMER))
+    sched.step()
+    assert assist in sched.waiting and assist.kv is not None
+    sched.cancel(assist)
+    run_until_idle(sched)
+    assert assist.result().finish_reason is FinishReason.CANCELLED and assist.kv is None

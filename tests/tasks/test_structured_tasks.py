@@ -113,3 +113,60 @@ async def test_a_backend_that_cannot_constrain_output_drops_the_task_by_name(tmp
         "task fields: output format: its backend cannot constrain output (only the local engine can)"
     ]
     assert registry.names() == []
+
+
+TRANSCRIPT = (
+    "Customer: Hi, my order AB-1234 still hasn't arrived and it has been two weeks.\n"
+    "Bot: I'm sorry to hear that. Could you give me your e-mail address?\n"
+    "Customer: It's jane.doe@example.com. I ordered a blue kettle.\n"
+    "Agent: Thanks Jane, I'm checking with the courier now.\n"
+    "Customer: This is the second time this happens, I'm really upset."
+)
+
+
+async def test_the_assist_tasks_answer_valid_json_at_assist_priority(smol, engine):
+    """summarize and extract (the built-in plugins) answer values that validate under their own
+    schemas; suggest_reply answers drafts drawn side by side; translate answers text."""
+    from .test_tasks import BUILTIN
+
+    registry, errors = load_registry(
+        settings(BUILTIN, task={"extract": {"fields": {"order": "/^[A-Z]{2}-[0-9]{4}$/", "email": "email"}}}),
+        smol.tokenizer,
+    )
+    assert errors == []
+    assert await registry.prepare_outputs(backends(engine)) == []
+    for name in ("summarize", "extract"):
+        task = registry.get(name).task
+        assert task.sampling(None).priority.name == "ASSIST"
+        out = await registry.run(engine, name, {"text": TRANSCRIPT})
+        jsonschema.validate(out.output, task.output.schema)
+    assert set(out.output) == {"order", "email"}
+    # three drafts drawn side by side with their own seeds; the same seed gives the same drafts
+    first = await registry.run(engine, "suggest_reply", {"text": TRANSCRIPT}, {"seed": 7})
+    again = await registry.run(engine, "suggest_reply", {"text": TRANSCRIPT}, {"seed": 7})
+    drafts = [d["text"] for d in first.output["samples"]]
+    assert 1 <= len(drafts) <= 3 and all("\n" not in d for d in drafts)
+    assert first.output == again.output and first.usage["generated_tokens"] <= 3 * 64
+    translated = await registry.run(engine, "translate", {"text": "Bonjour, où est ma commande ?"})
+    assert translated.text and "\n\n" not in translated.text
+
+
+def test_assist_task_options_are_checked(smol):
+    from .test_tasks import BUILTIN
+
+    registry, errors = load_registry(
+        settings(
+            BUILTIN,
+            task={
+                "extract": {"fields": {"order": "/[unclosed/"}},
+                "suggest_reply": {"drafts": 9},
+                "translate": {"to": "Eng<lish>"},
+            },
+        ),
+        smol.tokenizer,
+    )
+    reasons = " | ".join(str(e) for e in errors)
+    assert "fields.order: '/[unclosed/' is not a regular expression" in reasons
+    assert "drafts = 9: an integer 1..5" in reasons
+    assert "to = 'Eng<lish>': a language name" in reasons
+    assert not {"extract", "suggest_reply", "translate"} & set(registry.names())

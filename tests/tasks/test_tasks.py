@@ -24,6 +24,7 @@ from rtserver.tasks.run import PromptTask
 ROOT = Path(__file__).resolve().parents[2]
 BUILTIN = str(ROOT / "plugins")
 EXAMPLES = str(ROOT / "examples" / "plugins")
+BUILTIN_TASKS = ["chat", "extract", "intent", "sentiment", "suggest_reply", "summarize", "translate"]
 
 GOOD = """
 from rtserver.tasks import Task
@@ -116,7 +117,7 @@ def test_a_task_table_sets_the_ranges_clients_may_use(tok):
 def test_builtin_plugins_and_auto_tasks(tok):
     registry, errors = load_registry(Settings(tasks=TaskSettings(plugin_dirs=[BUILTIN])), tok)
     assert errors == []
-    assert registry.names() == ["chat", "intent", "sentiment"]
+    assert registry.names() == BUILTIN_TASKS
     assert isinstance(registry.chat, ChatTask)
     assert registry.auto_tasks == ["sentiment"]
     # A stateful task cannot be an auto-task; an unknown one neither.
@@ -130,7 +131,7 @@ def test_builtin_plugins_and_auto_tasks(tok):
 
 def test_enabled_and_disabled(tok):
     registry, errors = load_registry(settings(BUILTIN, disabled=["intent"]), tok)
-    assert errors == [] and registry.names() == ["chat", "sentiment"]
+    assert errors == [] and registry.names() == [n for n in BUILTIN_TASKS if n != "intent"]
     registry, errors = load_registry(
         settings(BUILTIN, enabled=["sentiment"], task={"chat": {"max_new_tokens": 64}}), tok
     )
@@ -219,7 +220,7 @@ def test_broken_plugins_beside_good_ones(tmp_path, tok):
 
 def test_missing_plugin_folder_is_reported(tmp_path, tok):
     registry, errors = load_registry(settings(BUILTIN, str(tmp_path / "absent")), tok)
-    assert registry.names() == ["chat", "intent", "sentiment"]
+    assert registry.names() == BUILTIN_TASKS
     assert [e.reason for e in errors] == ["plugin folder not found (tasks.plugin_dirs)"]
 
 

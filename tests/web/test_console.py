@@ -396,3 +396,47 @@ async def test_chats_cancelled_at_once_leave_nothing_in_the_console_store(smol):
             assert [m["text"] for m in conv["messages"]] == ["a real question", "Hello"], conv["messages"]
             await b.close()
         await a.close()
+
+
+async def test_assist_calls_answer_the_agent_who_asked_with_valid_json(smol):
+    """`assist` on the embedded model: drafts and fields of a live conversation, as JSON valid under
+    the tasks' schemas, to the asking agent only; bad frames get their codes."""
+    import jsonschema
+
+    from rtserver.web.app import create_app
+
+    settings = settings_with(tasks={"auto_tasks": []})
+    settings.task = {"chat": {"max_new_tokens": 8}}
+    app = create_app(settings, lambda: smol)
+    async with serve(app, settings) as (base, url):
+        a, _ = await login(url, "Alice")
+        b, _ = await login(url, "Bob")
+        async with websockets.connect(url) as cust:
+            sid = (await hello(cust, client="Eve"))["session_id"]
+            await cust.send(json.dumps({"type": "chat", "id": "1", "text": "My order AB-1234 is late!"}))
+            await recv_until(cust, is_end("1"))
+            await recv_until(a, lambda e: e["type"] == "message" and e["message"]["role"] == "bot")
+
+            async def ask(ws, **frame) -> dict:
+                await ws.send(json.dumps({"type": "assist", "session_id": sid, **frame}))
+                return (await recv_until(ws, lambda e: e["type"] in ("assist", "error")))[-1]
+
+            assert (await ask(a, id="x" * 65, task="extract"))["code"] == "invalid_field"
+            err = await ask(a, id="1", task="sentiment")
+            assert err["code"] == "unknown_task" and "suggest_reply" in err["message"] and err["id"] == "1"
+            err = await ask(a, id="2", task="extract", session_id="nope")
+            assert err["code"] == "unknown_session" and err["id"] == "2"
+            registry = app.state.rt.tasks
+            drafts = await ask(a, id="d", task="suggest_reply")
+            assert drafts["type"] == "assist" and drafts["session_id"] == sid, drafts
+            assert 1 <= len(drafts["output"]["samples"]) <= 3
+            assert all(isinstance(d["text"], str) for d in drafts["output"]["samples"])
+            out = await ask(a, id="e", task="extract")
+            assert out["type"] == "assist" and out["task"] == "extract", out
+            jsonschema.validate(out["output"], registry.get("extract").task.output.schema)
+            assert set(out["output"]) == {"order_number", "email", "product"}
+            # Bob asked nothing and got nothing: results go to the asking agent alone
+            await b.send(json.dumps({"type": "ping", "data": 1}))
+            assert not [e for e in await recv_until(b, lambda e: e["type"] == "pong") if e["type"] == "assist"]
+        await a.close()
+        await b.close()

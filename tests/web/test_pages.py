@@ -412,6 +412,62 @@ async def test_widget_with_the_real_model(smol, browser):
         assert not page.js_errors and not agent.js_errors, (page.js_errors, agent.js_errors)
 
 
+async def test_console_copilot_drafts_summary_translation_and_fields(smol, browser):
+    """The agent's copilot on the embedded model: opening a conversation brings reply drafts and the
+    fields panel; taking over heads it with a summary; a draft clicked lands in the reply box, is
+    edited and sent, and reaches the widget; the translate toggle shows the customer's message in
+    English under it. Everything the model wrote is shown as text."""
+    from playwright.async_api import expect
+
+    settings = make_settings(security={"console_token": TOKEN}, tasks={"auto_tasks": []})
+    settings.task = {
+        "chat": {"max_new_tokens": 16},
+        "suggest_reply": {"max_new_tokens": 40},
+        "summarize": {"max_chars": 80},
+    }
+    async with serve(create_app(settings, lambda: smol), settings) as (base, url):
+        customer = await new_page(browser)
+        await customer.goto(base + "/")
+        await open_widget(customer)
+        await send(customer, "Bonjour, ma commande AB-1234 n'est pas arrivée. Mon e-mail: jean@example.fr")
+        await expect(customer.locator(".rt-send")).to_be_visible()
+        await expect(customer.locator(".rt-thinking")).to_have_count(0)
+
+        agent = await new_page(browser, viewport={"width": 1280, "height": 860})
+        await agent.goto(base + "/console")
+        await agent.get_by_label("Console token").fill(TOKEN)
+        await agent.get_by_label("Your name").fill("Sam")
+        await agent.get_by_role("button", name="Sign in").click()
+        await agent.locator(".item").first.click()
+        # opening: drafts appear under the conversation, the fields panel fills
+        drafts = agent.locator(".draft")
+        await expect(drafts.first).to_be_visible()
+        assert 1 <= await drafts.count() <= 3
+        await expect(agent.locator("#fields-list dt")).to_have_count(3)
+        await expect(agent.locator("#fields-list dt").first).to_have_text("order number")
+        # take over: the summary heads the conversation
+        await agent.get_by_role("button", name="Take over").click()
+        await expect(agent.locator("#summary")).to_contain_text("Issue:")
+        await expect(agent.locator("#summary")).to_contain_text("Mood:")
+        # translate: the customer's message gets its English line
+        await agent.get_by_label("Translate").check()
+        await expect(agent.locator(".msg-user .translation")).not_to_have_text(re.compile("translating…"))
+        translated = await agent.locator(".msg-user .translation").first.text_content()
+        assert translated and not translated.startswith("(not translated"), translated
+        # one click puts a draft in the reply box; edited, it is sent and reaches the widget
+        first = (await drafts.first.text_content()) or ""
+        await drafts.first.click()
+        reply_box = agent.get_by_label("Reply to the customer", exact=True)
+        await expect(reply_box).to_have_value(first)
+        await reply_box.press("End")
+        await reply_box.type(" — Sam")
+        await reply_box.press("Enter")
+        await expect(customer.locator(".rt-agent .rt-body")).to_have_text((first + " — Sam").strip())
+        await agent.screenshot(path=shot("console-copilot.png"))
+        assert await agent.locator(".drafts img, .summary img, .fields img").count() == 0
+        assert not customer.js_errors and not agent.js_errors, (customer.js_errors, agent.js_errors)
+
+
 CLUSTER_PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Shop</title></head>
 <body><h1>Some shop</h1>
 <script src="{a}/widget.js" defer data-servers="{a},{b}" data-name="Dana"></script></body></html>"""

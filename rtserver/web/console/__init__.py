@@ -10,6 +10,8 @@ job each:
   one conversation, its bounded messages and mood);
 - `actions.py`: take over, hand back, agent replies, decided through the bus and applied on the node
   serving the conversation; the grace of an agent whose console went away; a resume elsewhere;
+- `assist.py`: agent assist — reply drafts, summaries, fields, translation — run on a conversation's
+  messages for the agent who asked;
 - `door.py`: the endpoint, login and frames (`login.py`: failed logins, names, rejoin tokens;
   `snapshot.py`: what an agent gets at login); `agents.py`: the connections and their fan-out.
 
@@ -34,6 +36,7 @@ from ..session import Session, SessionRegistry
 from ..state import AppState
 from .actions import Actions
 from .agents import Agents
+from .assist import Assist
 from .conversations import Conversations
 from .door import Door
 from .login import RejoinTokens
@@ -63,9 +66,12 @@ class ConsoleHub:
         self.actions = Actions(
             self.conversations, sessions, store, self.bus, self.agents, ss.console_takeover_grace_s, timer
         )
+        self.assist = Assist(state, self.conversations, self.bus)
         snapshots = Snapshots(self.conversations, self.bus, topology, ss.idle_timeout_s)
         rejoin = RejoinTokens(self.bus)
-        self.door = Door(state, self.agents, self.actions, snapshots, rejoin, topology.limits, timer)
+        self.door = Door(
+            state, self.agents, self.actions, self.assist, snapshots, rejoin, topology.limits, timer
+        )
         topology.on_beat(self.beat)
 
     # -- what the hub calls ---------------------------------------------------------------------

@@ -22,12 +22,13 @@ from ..seams import Limits
 from ..state import AppState
 from .actions import Actions
 from .agents import Agent, Agents
+from .assist import Assist
 from .guard import spawn
 from .login import LOGIN_WINDOW_S, LoginFailures, RejoinTokens, agent_name, digest
 from .snapshot import Snapshots
 from .timer import Timer
 
-AGENT_MESSAGE_TYPES = ("login", "take_over", "hand_back", "agent_message", "ping")
+AGENT_MESSAGE_TYPES = ("login", "take_over", "hand_back", "agent_message", "assist", "ping")
 
 
 class Door:
@@ -38,6 +39,7 @@ class Door:
         state: AppState,
         agents: Agents,
         actions: Actions,
+        assist: Assist,
         snapshots: Snapshots,
         rejoin: RejoinTokens,
         limits: Limits,
@@ -47,6 +49,7 @@ class Door:
         self.settings = state.settings
         self.agents = agents
         self.actions = actions
+        self.assist = assist
         self.snapshots = snapshots
         self.rejoin = rejoin
         self.limits = limits  # cluster-wide failed logins when clustered
@@ -72,6 +75,7 @@ class Door:
         finally:
             deadline.cancel()
             self.agents.discard(agent)
+            self.assist.agent_left(agent)
             read.cancel()
             if agent.logged_in:
                 agent.logged_in = False
@@ -130,6 +134,8 @@ class Door:
             await self.actions.take_over(agent, sid)
         elif kind == "hand_back":
             await self.actions.hand_back(agent, sid)
+        elif kind == "assist":
+            self.assist.request(agent, obj)
         else:
             await self.actions.agent_message(agent, sid, obj.get("text"))
 

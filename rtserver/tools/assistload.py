@@ -1,0 +1,155 @@
+"""`rtserver loadtest --assist`: does agent assist slow the customers? 32 chatting customers alone,
+then the same beside 4 agents who each ask reply drafts for a live conversation every 5 s.
+
+Both runs are on one `rtserver serve` (the console on), one after the other. The report has the
+customers' first-token p95 of each run and their ratio, and the drafts' first token (the engine's
+time to first token of the `suggest_reply` call) and round trip at the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import secrets
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import websockets
+
+from .loadclient import run_chat_load
+from .serverproc import ONE_ADDRESS_LIMITS_OFF, ServerProcess, raise_nofile_limit
+from .stats import percentile, ratio
+
+TURNS = 3
+THINK_S = 2.0  # between a customer's turns, so the load lasts while the agents work
+MAX_NEW_TOKENS = 24
+
+
+class Agent:
+    """One console connection that asks drafts for a random live conversation every `every_s`."""
+
+    def __init__(self, url: str, token: str, name: str, every_s: float):
+        self.url, self.token, self.name, self.every_s = url, token, name, every_s
+        self.live: set[str] = set()  # conversations with a customer message
+        self.sent: dict[str, float] = {}
+        self.results: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with websockets.connect(self.url, open_timeout=60, max_size=None) as ws:
+            await ws.send(json.dumps({"type": "login", "token": self.token, "agent": self.name}))
+            reader = asyncio.create_task(self._read(ws))
+            n = 0
+            try:
+                while not stop.is_set():
+                    with_messages = sorted(self.live)
+                    if with_messages:
+                        n += 1
+                        rid = f"{self.name}-{n}"
+                        self.sent[rid] = time.perf_counter()
+                        sid = random.choice(with_messages)
+                        await ws.send(
+                            json.dumps(
+                                {"type": "assist", "id": rid, "session_id": sid, "task": "suggest_reply"}
+                            )
+                        )
+                    try:
+                        await asyncio.wait_for(stop.wait(), self.every_s)
+                    except TimeoutError:
+                        pass
+                while self.sent and len(self.results) + len(self.errors) < n:  # the last answers
+                    await asyncio.sleep(0.2)
+            finally:
+                reader.cancel()
+
+    async def _read(self, ws: Any) -> None:
+        async for raw in ws:
+            ev = json.loads(raw)
+            kind = ev.get("type")
+            if kind == "console_ready":
+                self.live |= {c["session_id"] for c in ev["conversations"] if c["messages"]}
+            elif kind == "message" and ev["message"]["role"] == "user":
+                self.live.add(ev["session_id"])
+            elif kind == "removed":
+                self.live.discard(ev["session_id"])
+            elif kind == "assist" and ev["id"] in self.sent:
+                wall = time.perf_counter() - self.sent[ev["id"]]
+                self.results.append({"wall_s": wall, "ttft_ms": ev["timing"].get("ttft_ms")})
+            elif kind == "error" and ev.get("id") in self.sent:
+                self.errors.append(ev["code"])
+
+
+async def _with_agents(server: ServerProcess, token: str, chatting: int, agents: int, every_s: float) -> dict:
+    console = server.ws_url + "/console"
+    crew = [Agent(console, token, f"agent{i}", every_s) for i in range(agents)]
+    stop = asyncio.Event()
+    running = [asyncio.create_task(a.run(stop)) for a in crew]
+    try:
+        chat = await run_chat_load(
+            server.ws_url, chatting, turns=TURNS, max_new_tokens=MAX_NEW_TOKENS, think_s=THINK_S
+        )
+    finally:
+        stop.set()
+    await asyncio.gather(*running, return_exceptions=True)
+    results = [r for a in crew for r in a.results]
+    ttfts = [r["ttft_ms"] for r in results if r["ttft_ms"] is not None]
+    return {
+        "chat": chat,
+        "drafts": len(results),
+        "draft_errors": [e for a in crew for e in a.errors],
+        "draft_first_token_p50_ms": percentile(ttfts, 0.5),
+        "draft_first_token_p95_ms": percentile(ttfts, 0.95),
+        "draft_round_trip_p95_s": percentile([r["wall_s"] for r in results], 0.95),
+    }
+
+
+def run_assist_loadtest(
+    chatting: int = 32,
+    agents: int = 4,
+    every_s: float = 5.0,
+    config: str | None = None,
+    dtype: str | None = None,
+) -> dict:
+    raise_nofile_limit()
+    workdir = Path(tempfile.mkdtemp(prefix="rtserver-assistload-"))
+    token = secrets.token_urlsafe(16)
+    env = {
+        "RTSERVER_SERVER_LOG_LEVEL": "warning",
+        "RTSERVER_SECURITY_CONSOLE_TOKEN": token,
+        **ONE_ADDRESS_LIMITS_OFF,
+    }
+    if dtype:
+        env["RTSERVER_MODEL_DTYPE"] = dtype
+    server = ServerProcess(env, workdir / "server.log", config)
+    print(f"server: starting ({server.log_path})", flush=True)
+    ready_s = server.start()
+    try:
+        print(f"customers alone: {chatting} sessions x {TURNS} turns", flush=True)
+        alone = asyncio.run(
+            run_chat_load(
+                server.ws_url, chatting, turns=TURNS, max_new_tokens=MAX_NEW_TOKENS, think_s=THINK_S
+            )
+        )
+        print(f"customers beside {agents} agents asking drafts every {every_s:g} s", flush=True)
+        beside = asyncio.run(_with_agents(server, token, chatting, agents, every_s))
+    finally:
+        server.stop()
+    with_agents = beside.pop("chat")
+    return {
+        "command": f"rtserver loadtest --assist --chatting {chatting}"
+        + (f" --dtype {dtype}" if dtype else ""),
+        "server_ready_s": round(ready_s, 1),
+        "customers": chatting,
+        "agents": agents,
+        "assist_every_s": every_s,
+        "ttft_p95_ms_alone": alone["ttft_p95_ms"],
+        "ttft_p95_ms_with_agents": with_agents["ttft_p95_ms"],
+        "ttft_p95_ratio": ratio(with_agents["ttft_p95_ms"], alone["ttft_p95_ms"]),
+        "ttft_p50_ms_alone": alone["ttft_p50_ms"],
+        "ttft_p50_ms_with_agents": with_agents["ttft_p50_ms"],
+        "chat_errors": {"alone": alone["errors"], "with_agents": with_agents["errors"]},
+        **beside,
+    }

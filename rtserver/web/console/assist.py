@@ -1,0 +1,150 @@
+"""Agent assist in the console: an agent's `assist` frame runs an assist task (reply drafts, summary,
+fields, translation) on a conversation's messages and answers that agent alone.
+
+The conversation is read where the console keeps it: this node's copy, or clustered the record in
+Redis (written once a turn), so an agent on any node can ask about any conversation. Calls run at
+the tasks' own priority (`assist`: customers' replies first); an agent has at most
+`MAX_IN_FLIGHT` of them at once, and those still running end when its console closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from .. import events
+from ..errors import error_code
+from ..seams import ConsoleBus
+from ..state import AppState
+from .agents import Agent
+from .conversation import Message
+from .conversations import Conversations
+
+log = logging.getLogger("rtserver.console")
+
+MAX_IN_FLIGHT = 6  # assist calls of one agent running at once
+MAX_ID_CHARS = 64
+MAX_TRANSCRIPT_CHARS = 6000  # the newest messages that fit; the tasks keep the tail of longer ones
+SPEAKERS = {"user": "Customer", "bot": "Bot", "agent": "Agent"}
+
+
+def transcript(messages: Iterable[Message]) -> str:
+    """The conversation as the assist prompts read it: one line a message, newest kept."""
+    lines: list[str] = []
+    size = 0
+    for m in reversed(list(messages)):
+        text = " ".join(str(m.get("text", "")).split())
+        line = f"{SPEAKERS.get(str(m.get('role')), 'Customer')}: {text}"
+        if size + len(line) > MAX_TRANSCRIPT_CHARS and lines:
+            break
+        lines.append(line[-MAX_TRANSCRIPT_CHARS:])
+        size += len(line) + 1
+    return "\n".join(reversed(lines))
+
+
+def last_customer_text(messages: Iterable[Message]) -> str:
+    for m in reversed(list(messages)):
+        if m.get("role") == "user":
+            return str(m.get("text", ""))
+    return ""
+
+
+class Assist:
+    """Runs agents' assist calls; one instance per console."""
+
+    def __init__(self, state: AppState, conversations: Conversations, bus: ConsoleBus):
+        self.state = state
+        self.conversations = conversations
+        self.bus = bus
+        self._running: dict[Agent, dict[str, asyncio.Task[None]]] = {}
+
+    def names(self) -> list[str]:
+        """The loaded tasks an agent may call here: those declared at `assist` priority."""
+        registry = self.state.tasks
+        return [n for n in registry.names() if getattr(registry.get(n).task, "priority", "") == "assist"]
+
+    def request(self, agent: Agent, obj: dict[str, Any]) -> None:
+        """Check an `assist` frame and start its call; a bad one is answered with an error at once."""
+        rid, sid, task, text = obj.get("id"), obj.get("session_id"), obj.get("task"), obj.get("text")
+
+        def refuse(code: str, message: str) -> None:
+            agent.put(
+                events.error_event(code, message, rid if isinstance(rid, str) else None, session_id=sid)
+            )
+
+        mine = self._running.setdefault(agent, {})
+        if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_CHARS:
+            refuse("invalid_field", f"'id' must be a string of 1..{MAX_ID_CHARS} characters")
+        elif rid in mine:
+            refuse("duplicate_id", f"request {rid!r} is already running")
+        elif task not in self.names():
+            refuse(
+                "unknown_task",
+                f"assist task {task!r} is not available (available: {', '.join(self.names())})",
+            )
+        elif text is not None and not (isinstance(text, str) and len(text) <= MAX_TRANSCRIPT_CHARS):
+            refuse("invalid_field", f"'text' must be a string of at most {MAX_TRANSCRIPT_CHARS} characters")
+        elif len(mine) >= MAX_IN_FLIGHT:
+            refuse("too_many_requests", f"at most {MAX_IN_FLIGHT} assist calls at once")
+        else:
+            assert isinstance(sid, str)
+            call = asyncio.get_running_loop().create_task(self._run(agent, rid, sid, task, text))
+            mine[rid] = call  # held until done: the loop keeps only weak references
+
+    async def _run(self, agent: Agent, rid: str, sid: str, task: str, text: str | None) -> None:
+        try:
+            messages = await self._messages(sid)
+            if messages is None:
+                agent.put(
+                    events.error_event(
+                        "unknown_session", f"no live conversation {sid!r}", rid, session_id=sid
+                    )
+                )
+                return
+            given = (
+                text if text is not None else (last_customer_text(messages) if task == "translate" else "")
+            )
+            source = given or transcript(messages)
+            if not source.strip():
+                agent.put(
+                    events.error_event(
+                        "empty_text", "the conversation has no messages yet", rid, session_id=sid
+                    )
+                )
+                return
+            out = await self.state.tasks.run(self.state.backend_for(task), task, {"text": source})
+            agent.put(
+                {
+                    "type": "assist",
+                    "id": rid,
+                    "session_id": sid,
+                    "task": task,
+                    "output": out.output,
+                    "text": out.text,
+                    "timing": out.timing,
+                }
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # this call's alone: the agent gets its code
+            code, message = error_code(exc)
+            if code == "internal":
+                log.exception("assist %s on %s failed", task, sid)
+            agent.put(events.error_event(code, message, rid, session_id=sid))
+        finally:
+            self._running.get(agent, {}).pop(rid, None)
+
+    async def _messages(self, sid: str) -> list[Message] | None:
+        """The conversation's messages: this node's copy, else its record in the store (clustered)."""
+        conv = self.conversations.get(sid)
+        if conv is not None:
+            return list(conv.messages)
+        record = await self.bus.conversation(sid)
+        return None if record is None else list(record.get("messages") or [])
+
+    def agent_left(self, agent: Agent) -> None:
+        """Its console closed: its calls still running are cancelled."""
+        for running in self._running.pop(agent, {}).values():
+            running.cancel()

@@ -92,6 +92,8 @@ ERROR_CODES = frozenset(  # the "Error codes" table
         "invalid_field",
         "duplicate_id",
         "unknown_request",
+        "bad_output_format",
+        "output_truncated",
         "too_many_requests",
         "chat_busy",
         "already_started",

@@ -233,6 +233,10 @@ class ScriptedEngine:
         seq.cancelled = True
         self.cancelled.append(seq)
 
+    async def prepare_output(self, fmt, *, pin: bool = False) -> None:
+        """Checks the format as the engine would; the script is what it generates all the same."""
+        fmt.check()
+
     def generate(self, prompt_ids, params, *, session_key=None, public_tokens=0) -> GenerationStream:
         params.validate()
         self.prompts.append(list(prompt_ids))

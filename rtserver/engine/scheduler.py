@@ -8,7 +8,8 @@ prompt arriving mid-step joins the step under way (`_join`). A bounded queue ref
 Priorities: the more urgent sequences (customers, then agent assist, then background work) are
 admitted and prefilled first, less urgent prompts take a quarter of a step's prefill budget while
 more urgent sequences run, and a customer waiting for a running place pauses a less urgent
-generation, which keeps its KV and resumes where it stopped.
+generation, which keeps its KV and resumes where it stopped; one short of KV pauses one whose KV waits
+in the cache (evictable), so it resumes from what is still there.
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ class Scheduler:
             figures[0] += 1
             figures[1] += (seq.admitted_at or seq.first_token_at) - seq.submitted_at
             figures[2] += seq.first_token_at - seq.submitted_at
+        if seq.kv is None and seq.resume_key not in (None, seq.session_key):
+            self.kv.drop_session(seq.resume_key)  # paused for KV and never resumed
         if seq.kv is not None:
             # A cancelled or failed turn keeps only KV that is known good (its computed tokens).
             seq.kv.token_ids = seq.all_ids[: seq.num_computed]
@@ -186,7 +189,9 @@ class Scheduler:
                 if places[scoring] <= 0 and not (not scoring and self._pause(seq.priority)):
                     continue
                 places[scoring] = max(places[scoring], 1)
-                if not self._admit_one(seq):
+                if not self._admit_one(seq) and not (
+                    not scoring and self._evict(seq.priority) and self._admit_one(seq)
+                ):
                     break  # wait for running sequences to finish and free blocks
                 places[scoring] -= 1
 
@@ -210,11 +215,42 @@ class Scheduler:
         limit = self.limits.max_running
         return {False: limit - (len(self.running) - scoring), True: limit - scoring}
 
+    def _evict(self, priority: int) -> bool:
+        """For a more urgent sequence short of KV: pause the least urgent, latest admitted running
+        generation less urgent than `priority` and put its KV in the cache under a key of its own
+        (evictable, like an idle session's); it resumes from what is still cached and computes the
+        rest again. False: none to pause."""
+        victims = [s for s in self.running if s.candidates is None and s.priority > priority]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda s: (s.priority, s.admitted_at or 0.0))
+        assert victim.kv is not None
+        self.running.remove(victim)
+        victim.kv.token_ids = victim.all_ids[: victim.num_computed]
+        victim.resume_key = victim.session_key if victim.session_key is not None else ("paused", victim.id)
+        self.kv.release(victim.kv, victim.resume_key)
+        victim.kv = None
+        victim.phase = Phase.PREFILL  # what the cache lost is computed again, then it decodes on
+        self.waiting.appendleft(victim)
+        self.paused += 1
+        return True
+
     def _admit_one(self, seq: Sequence) -> bool:
         """Move a waiting sequence to running if its KV fits (the caller holds the lock and has checked
         there is a running place). A paused one already holds its KV and goes on where it stopped."""
         if seq.kv is not None:
             self.waiting.remove(seq)
+            self.running.append(seq)
+            return True
+        if seq.resume_key is not None:  # paused for KV: what is still cached, then the rest again
+            try:
+                seq.kv, reused = self.kv.acquire(seq.all_ids, seq.capacity_tokens, seq.resume_key)
+            except OutOfKVMemory:
+                return False
+            seq.resume_key = None
+            self.waiting.remove(seq)
+            seq.num_computed = reused
+            seq.kv.token_ids = seq.all_ids[:reused]
             self.running.append(seq)
             return True
         try:
@@ -244,7 +280,7 @@ class Scheduler:
         with self._cond:
             places = self._places()[False]
             for seq in sorted(self.waiting, key=lambda s: s.priority):
-                if seq.candidates is not None or seq.kv is not None:
+                if seq.candidates is not None or seq.kv is not None or seq.resume_key is not None:
                     continue  # scoring calls have places of their own, paused ones resume next step
                 if seq.cancelled or seq.features_from is not None or places <= 0:
                     break
@@ -290,14 +326,14 @@ class Scheduler:
         for seq in prefilling:
             if budget <= 0:
                 break
-            remaining = len(seq.prompt_ids) - seq.num_computed
+            remaining = seq.num_tokens - seq.num_computed  # a resumed generation: its output too
             n = min(remaining, budget if seq.priority == urgent else min(budget, spare))
             if n <= 0:
                 break
             spare -= n if seq.priority != urgent else 0
             budget -= n
             done = n == remaining
-            tokens = seq.prompt_ids[seq.num_computed : seq.num_computed + n]
+            tokens = seq.all_ids[seq.num_computed : seq.num_computed + n]
             assert seq.kv is not None
             items.append(
                 StepItem(

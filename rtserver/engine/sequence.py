@@ -68,6 +68,7 @@ class Sequence:
         self.features: list[float] | None = None
         self.phase = Phase.WAITING
         self.kv: KVHandle | None = None
+        self.resume_key: Hashable | None = None  # paused for KV: where its KV waits in the cache
         self.num_computed = 0  # prompt/output positions whose KV is in the cache
         self.output_ids: list[int] = []
         self.usage = Usage(prompt_tokens=len(prompt_ids))

@@ -225,11 +225,13 @@ class TaskRegistry:
             if fmt is None or fmt.free:
                 continue
             backend = backend_for(name)[1]
+            if not isinstance(backend, StructuredOutput):  # not the task's fault: here it is unavailable
+                why = "its backend cannot constrain output (only the local engine can)"
+                log.warning("task %s: not loaded: %s", name, why)
+                errors.append(PluginError(f"task {name}", f"output format: {why}"))
+                self._drop(name)
+                continue
             try:
-                if not isinstance(backend, StructuredOutput):
-                    raise TaskError(
-                        "unsupported", "its backend cannot constrain output (only the local engine can)"
-                    )
                 await backend.prepare_output(fmt, pin=True)
             except Exception as exc:
                 log.error("task %s: output format failed: %s", name, exc)

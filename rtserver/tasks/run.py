@@ -23,6 +23,7 @@ from cachetools import TTLCache
 from ..engine.backend import (
     FeatureScorer,
     FinishReason,
+    Generation,
     InferenceBackend,
     SamplingParams,
     SequenceResult,
@@ -187,24 +188,34 @@ class PromptTask:
         self, backend: InferenceBackend, prompt: list[int], params: SamplingParams, public: int
     ) -> TaskOutput:
         """A generating task's call: the reply parsed by the task's parser (a JSON task's: as JSON);
-        with `samples` above 1, that many replies side by side, `{"samples": [parsed, ...]}` (the
-        distinct ones, in order), each drawn with its own seed."""
+        with `samples` above 1, that many replies, `{"samples": [parsed, ...]}` (the distinct ones, in
+        order), each drawn with its own seed."""
         n = self.task.samples
         if n == 1:
             results = [await backend.generate(prompt, params, public_tokens=public).result()]
         else:
             seed = params.seed if params.seed is not None else random.getrandbits(48)
-            streams = [
-                backend.generate(prompt, dataclasses.replace(params, seed=seed + i), public_tokens=public)
-                for i in range(n)
-            ]
+
+            def draw(i: int) -> Generation:
+                return backend.generate(
+                    prompt, dataclasses.replace(params, seed=seed + i), public_tokens=public
+                )
+
+            # The first reply's prompt goes alone; the others follow its first token, so a burst of
+            # calls brings each call's first reply first.
+            lead = draw(0)
+            async for _ in lead:
+                break
+            streams = [lead] + [draw(i) for i in range(1, n)]
             results = list(await asyncio.gather(*(s.result() for s in streams)))
         parsed = [self._parsed(r, params) for r in results]
         if n == 1:
             output = parsed[0]
         else:
             output = {"samples": [p for i, p in enumerate(parsed) if p not in parsed[:i]]}
-        first = min(results, key=lambda r: r.ttft_ms if r.ttft_ms is not None else float("inf"))
+        first = min(
+            results, key=lambda r: r.ttft_ms if r.ttft_ms is not None else float("inf")
+        )  # the earliest token
         usage = dataclasses.asdict(results[0].usage)
         usage["generated_tokens"] = sum(r.usage.generated_tokens for r in results)
         return TaskOutput(

@@ -148,6 +148,8 @@ def run_assist_loadtest(
         "ttft_p95_ms_alone": alone["ttft_p95_ms"],
         "ttft_p95_ms_with_agents": with_agents["ttft_p95_ms"],
         "ttft_p95_ratio": ratio(with_agents["ttft_p95_ms"], alone["ttft_p95_ms"]),
+        "server_ttft_p95_ms_alone": alone["server_ttft_p95_ms"],
+        "server_ttft_p95_ms_with_agents": with_agents["server_ttft_p95_ms"],
         "ttft_p50_ms_alone": alone["ttft_p50_ms"],
         "ttft_p50_ms_with_agents": with_agents["ttft_p50_ms"],
         "chat_errors": {"alone": alone["errors"], "with_agents": with_agents["errors"]},

@@ -169,5 +169,8 @@ async def run_chat_load(
         "per_turn": per_turn,
         "ttft_p50_ms": percentile(all_ttft, 0.5),
         "ttft_p95_ms": percentile(all_ttft, 0.95),
+        "server_ttft_p95_ms": percentile(
+            [t["server_ttft_ms"] for t in record["turns"] if t["server_ttft_ms"] is not None], 0.95
+        ),
         "turn_ratio_p50": ratio(last, first),
     }

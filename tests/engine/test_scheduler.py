@@ -401,3 +401,42 @@ def test_a_paused_sequence_that_is_cancelled_frees_its_kv():
     sched.cancel(assist)
     run_until_idle(sched)
     assert assist.result().finish_reason is FinishReason.CANCELLED and assist.kv is None
+
+
+def test_a_customer_short_of_kv_pauses_an_assist_generation_which_resumes_from_the_cache():
+    """8 blocks of 4 tokens: a running assist generation holds 6, a customer needs 3. The assist one
+    is paused, its KV put in the cache; the customer runs; the assist one then resumes from what is
+    still cached and ends with the very tokens it would have had alone."""
+    alone_sched, _, _, _ = make(blocks=8, block_tokens=4)
+    alone = prioritised(12, 12, 100, Priority.ASSIST)
+    alone_sched.submit(alone)
+    run_until_idle(alone_sched)
+
+    sched, runner, kv, _ = make(blocks=8, block_tokens=4)
+    assist = prioritised(12, 12, 100, Priority.ASSIST)
+    sched.submit(assist)
+    for _ in range(4):
+        sched.step()
+    customer = prioritised(8, 4, 300, Priority.CUSTOMER)
+    sched.submit(customer)
+    sched.step()
+    assert sched.paused == 1 and assist not in sched.running and assist.kv is None
+    assert customer in sched.running
+    run_until_idle(sched)
+    assert len(customer.output_ids) == 4
+    assert assist.output_ids == alone.output_ids and assist.finish_reason is FinishReason.LENGTH
+    assert ("paused", assist.id) not in kv.sessions  # taken back at its resume
+
+
+def test_a_sequence_paused_for_kv_and_cancelled_leaves_nothing_cached():
+    sched, _, kv, _ = make(blocks=8, block_tokens=4)
+    assist = prioritised(12, 20, 100, Priority.ASSIST)
+    sched.submit(assist)
+    sched.step()
+    sched.submit(prioritised(8, 12, 300, Priority.CUSTOMER))
+    sched.step()
+    assert assist.resume_key == ("paused", assist.id) and assist.resume_key in kv.sessions
+    sched.cancel(assist)
+    run_until_idle(sched)
+    assert assist.result().finish_reason is FinishReason.CANCELLED
+    assert ("paused", assist.id) not in kv.sessions

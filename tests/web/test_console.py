@@ -437,6 +437,8 @@ async def test_assist_calls_answer_the_agent_who_asked_with_valid_json(smol):
             assert set(out["output"]) == {"order_number", "email", "product"}
             # Bob asked nothing and got nothing: results go to the asking agent alone
             await b.send(json.dumps({"type": "ping", "data": 1}))
-            assert not [e for e in await recv_until(b, lambda e: e["type"] == "pong") if e["type"] == "assist"]
+            assert not [
+                e for e in await recv_until(b, lambda e: e["type"] == "pong") if e["type"] == "assist"
+            ]
         await a.close()
         await b.close()

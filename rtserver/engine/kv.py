@@ -258,13 +258,15 @@ class KVCacheManager:
         session_key: Hashable | None = None,
         max_reuse: int | None = None,
         public_tokens: int = 0,
+        evict: bool = True,
     ) -> tuple[KVHandle, int]:
         """A handle with room for capacity_tokens, reusing cached KV; returns (handle, reused tokens).
         The session's own KV is matched against the whole prompt, the prefix cache only against its
         first `public_tokens` tokens. `max_reuse` caps the prefix-cache reuse too (positions from there
         on are computed, e.g. to pool their hidden states).
 
-        Raises OutOfKVMemory (leaving a session's cache in place) when the pool cannot hold it.
+        Raises OutOfKVMemory (leaving a session's cache in place) when the pool cannot hold it, or
+        without `evict` when it cannot without evicting what other sessions keep.
         At least one prompt token is always left to compute, since its logits are needed.
         """
         with self.lock:
@@ -297,7 +299,8 @@ class KVCacheManager:
                 limit = min(len(prompt_ids) - 1, public_tokens)  # leave at least one token to compute
                 handle = self._match_prefix(prompt_ids, limit if max_reuse is None else min(limit, max_reuse))
                 self.prefix_hits += handle.num_tokens
-            if need - len(handle.blocks) > self.reclaimable_blocks():
+            room = self.reclaimable_blocks() if evict else len(self._free)
+            if need - len(handle.blocks) > room:
                 if from_session:
                     self.sessions[session_key] = handle  # still valid: the session keeps it while it waits
                 else:

@@ -6,10 +6,11 @@ prompt arriving mid-step joins the step under way (`_join`). A bounded queue ref
 (`Overloaded`). One worker thread runs `step()`; `submit` and `cancel` are thread-safe.
 
 Priorities: the more urgent sequences (customers, then agent assist, then background work) are
-admitted and prefilled first, less urgent prompts take a quarter of a step's prefill budget while
-more urgent sequences run, and a customer waiting for a running place pauses a less urgent
+admitted and prefilled first, other prompts than customers' take a quarter of a step's prefill
+budget at most, and a customer waiting for a running place pauses a less urgent
 generation, which keeps its KV and resumes where it stopped; one short of KV pauses one whose KV waits
-in the cache (evictable), so it resumes from what is still there.
+in the cache (evictable), so it resumes from what is still there. Only the most urgent work evicts
+what idle sessions keep in the cache.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class Scheduler:
         self.tokens_prefilled = 0
         self.joined = 0  # sequences that joined a step under way (see _join)
         self.paused = 0  # generations paused for a more urgent one (see _pause)
+        self._urgent = Priority.CUSTOMER  # the most urgent priority with work, as of the last admission
         # per priority, of the generations that produced a token: count, seconds queued, seconds to it
         self.latency: dict[Priority, list[float]] = {p: [0, 0.0, 0.0] for p in Priority}
         self._join_budget = 0  # prefill tokens the step under way may still take
@@ -180,6 +182,10 @@ class Scheduler:
         priority); a generation without a place pauses a less urgent running one."""
         with self._cond:
             places = self._places()
+            # only the most urgent work may evict what idle sessions keep in the cache
+            self._urgent = min(
+                (s.priority for s in (*self.running, *self.waiting)), default=Priority.CUSTOMER
+            )
             for seq in sorted(self.waiting, key=lambda s: s.priority):
                 if seq.cancelled:
                     self.waiting.remove(seq)
@@ -244,7 +250,9 @@ class Scheduler:
             return True
         if seq.resume_key is not None:  # paused for KV: what is still cached, then the rest again
             try:
-                seq.kv, reused = self.kv.acquire(seq.all_ids, seq.capacity_tokens, seq.resume_key)
+                seq.kv, reused = self.kv.acquire(
+                    seq.all_ids, seq.capacity_tokens, seq.resume_key, evict=seq.priority <= self._urgent
+                )
             except OutOfKVMemory:
                 return False
             seq.resume_key = None
@@ -255,7 +263,12 @@ class Scheduler:
             return True
         try:
             seq.kv, reused = self.kv.acquire(
-                seq.prompt_ids, seq.capacity_tokens, seq.session_key, seq.features_from, seq.public_tokens
+                seq.prompt_ids,
+                seq.capacity_tokens,
+                seq.session_key,
+                seq.features_from,
+                seq.public_tokens,
+                evict=seq.priority <= self._urgent,
             )
         except OutOfKVMemory:
             return False
@@ -321,16 +334,18 @@ class Scheduler:
         # the first token of a reply someone is waiting for.
         prefilling = [s for s in self.running if s.phase is Phase.PREFILL]
         prefilling.sort(key=lambda s: (s.priority, s.candidates is not None))  # stable: arrival order
-        urgent = min((s.priority for s in self.running), default=Priority.CUSTOMER)
-        spare = budget // 4  # what less urgent prompts may take while more urgent sequences run
+        # Work for agents and the background takes a quarter of the budget at most, customers there or
+        # not: a step stays short, so a customer's message that comes during it waits little.
+        spare = budget // 4
         for seq in prefilling:
             if budget <= 0:
                 break
             remaining = seq.num_tokens - seq.num_computed  # a resumed generation: its output too
-            n = min(remaining, budget if seq.priority == urgent else min(budget, spare))
+            customer = seq.priority == Priority.CUSTOMER
+            n = min(remaining, budget if customer else min(budget, spare))
             if n <= 0:
                 break
-            spare -= n if seq.priority != urgent else 0
+            spare -= 0 if customer else n
             budget -= n
             done = n == remaining
             tokens = seq.all_ids[seq.num_computed : seq.num_computed + n]

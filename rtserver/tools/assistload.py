@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import secrets
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,30 @@ async def _with_agents(server: ServerProcess, token: str, chatting: int, agents:
     }
 
 
+def priority_figures(server: ServerProcess) -> dict[str, dict[str, float]]:
+    """Per priority, from /metrics: generations that produced a token, mean seconds queued and to the
+    first token (the engine's own view, since the server started)."""
+    with urllib.request.urlopen(server.base + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    got: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        m = re.match(
+            r'rtserver_priority_(queue|first_token)_seconds_(sum|count)\{priority="(\w+)"\} (\S+)', line
+        )
+        if m:
+            got.setdefault(m[3], {})[f"{m[1]}_{m[2]}"] = float(m[4])
+    return {
+        p: {
+            "started": f.get("queue_count", 0.0),
+            "queued_mean_ms": 1000 * f.get("queue_sum", 0.0) / max(f.get("queue_count", 0.0), 1.0),
+            "first_token_mean_ms": 1000
+            * f.get("first_token_sum", 0.0)
+            / max(f.get("first_token_count", 0.0), 1.0),
+        }
+        for p, f in got.items()
+    }
+
+
 def run_assist_loadtest(
     chatting: int = 32,
     agents: int = 4,
@@ -133,8 +159,10 @@ def run_assist_loadtest(
                 server.ws_url, chatting, turns=TURNS, max_new_tokens=MAX_NEW_TOKENS, think_s=THINK_S
             )
         )
+        engine_alone = priority_figures(server)
         print(f"customers beside {agents} agents asking drafts every {every_s:g} s", flush=True)
         beside = asyncio.run(_with_agents(server, token, chatting, agents, every_s))
+        engine_total = priority_figures(server)
     finally:
         server.stop()
     with_agents = beside.pop("chat")
@@ -153,5 +181,6 @@ def run_assist_loadtest(
         "ttft_p50_ms_alone": alone["ttft_p50_ms"],
         "ttft_p50_ms_with_agents": with_agents["ttft_p50_ms"],
         "chat_errors": {"alone": alone["errors"], "with_agents": with_agents["errors"]},
+        "engine_by_priority": {"after_alone": engine_alone, "after_both": engine_total},
         **beside,
     }

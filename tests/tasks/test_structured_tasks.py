@@ -6,45 +6,27 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from rtserver.config import EngineSettings
-from rtserver.engine.core import Engine
 from rtserver.tasks import JSONSchema, Task, TaskError
 from rtserver.tasks.registry import load_registry
 from rtserver.tasks.run import PromptTask
 
 from .test_tasks import settings, write
 
-EXTRACT = """
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"},
+        "mood": {"enum": ["angry", "calm"]},
+    },
+    "required": ["order_id", "mood"],
+    "additionalProperties": False,
+}
+EXTRACT = f"""
 from rtserver.tasks import JSONSchema, Task
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "order_id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"},
-        "mood": {"enum": ["angry", "calm"]},
-    },
-    "required": ["order_id", "mood"],
-    "additionalProperties": False,
-}
+SCHEMA = {SCHEMA!r}
 TASK = Task(name="fields", description="order fields", max_new_tokens=40,
-            prompt="Extract the order id and the mood as JSON from: {text}", output=JSONSchema(SCHEMA))
+            prompt="Extract the order id and the mood as JSON from: {{text}}", output=JSONSchema(SCHEMA))
 """
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "order_id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"},
-        "mood": {"enum": ["angry", "calm"]},
-    },
-    "required": ["order_id", "mood"],
-    "additionalProperties": False,
-}
-
-
-@pytest.fixture
-async def engine(smol):
-    eng = Engine(smol, EngineSettings(kv_budget_mb=64))
-    eng.start()
-    yield eng
-    await eng.stop()
 
 
 def backends(engine):
@@ -80,7 +62,7 @@ async def test_a_task_cut_by_its_token_limit_says_so(smol, engine):
 
 
 def test_a_format_that_cannot_compile_is_reported_naming_the_plugin(tmp_path, smol):
-    bad = write(tmp_path, "bad.py", EXTRACT.replace('"pattern": "^[A-Z]{2}-[0-9]{4}$"', '"format": "nope"'))
+    bad = write(tmp_path, "bad.py", EXTRACT.replace("'pattern': '^[A-Z]{2}-[0-9]{4}$'", "'format': 'nope'"))
     both = write(
         tmp_path,
         "both.py",

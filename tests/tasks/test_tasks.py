@@ -70,14 +70,6 @@ def tok(smol):
     return smol.tokenizer
 
 
-@pytest.fixture
-async def engine(smol):
-    eng = Engine(smol, EngineSettings(kv_budget_mb=64))
-    eng.start()
-    yield eng
-    await eng.stop()
-
-
 def builtin(tok, **task_tables):
     registry, errors = load_registry(settings(BUILTIN, task=task_tables), tok)
     assert errors == []

@@ -82,7 +82,7 @@ class Assist:
         elif task not in self.names():
             refuse(
                 "unknown_task",
-                f"assist task {task!r} is not available (available: {', '.join(self.names())})",
+                f"assist task {str(task)[:40]!r} is not available (available: {', '.join(self.names())})",
             )
         elif text is not None and not (isinstance(text, str) and len(text) <= MAX_TRANSCRIPT_CHARS):
             refuse("invalid_field", f"'text' must be a string of at most {MAX_TRANSCRIPT_CHARS} characters")

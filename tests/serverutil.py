@@ -237,7 +237,9 @@ class ScriptedEngine:
         """Checks the format as the engine would; the script is what it generates all the same."""
         fmt.check()
 
-    def generate(self, prompt_ids, params, *, session_key=None, public_tokens=0) -> GenerationStream:
+    def generate(
+        self, prompt_ids, params, *, session_key=None, public_tokens=0, prefix_scope=None
+    ) -> GenerationStream:
         params.validate()
         self.prompts.append(list(prompt_ids))
         seq = Sequence(prompt_ids, params, eos_token_ids=set(), session_key=session_key)

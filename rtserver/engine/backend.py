@@ -264,8 +264,11 @@ class InferenceBackend(Protocol):
         *,
         session_key: Hashable | None = None,
         public_tokens: int = 0,
+        prefix_scope: int | None = None,
     ) -> Generation:
-        """Queue a generation. `session_key` keeps the prompt's KV for that session's next turn."""
+        """Queue a generation. `session_key` keeps the prompt's KV for that session's next turn.
+        Generations given one `prefix_scope` (a random number per call: one call's samples) may share
+        their whole prompt's KV with each other, and with nothing else."""
         ...
 
     async def score(

@@ -262,10 +262,12 @@ class Engine:
         *,
         session_key: Hashable | None = None,
         public_tokens: int = 0,
+        prefix_scope: int | None = None,
     ) -> GenerationStream:
         """Queue a generation; raises SamplingError, OutputFormatError, RequestTooLarge or Overloaded at
         once. Only the first `public_tokens` prompt tokens are shared with other sessions (see
-        `InferenceBackend`). An output format not yet compiled is compiled here (see prepare_output)."""
+        `InferenceBackend`). An output format not yet compiled is compiled here (see prepare_output).
+        Generations of one `prefix_scope` share their whole prompt's KV with each other alone."""
         params.validate(len(self.tokenizer))
         seq = Sequence(
             prompt_ids,
@@ -273,6 +275,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             session_key=session_key,
             public_tokens=public_tokens,
+            prefix_scope=prefix_scope,
         )
         seq.constraint = self.grammars.constraint(params.output, seq.eos_token_ids)
         stream = GenerationStream(self, seq)

@@ -187,13 +187,14 @@ class KVCacheManager:
                 del self._children[(parent, tokens[0])]
         self._drop_blocks([block])
 
-    def _match_prefix(self, prompt_ids: list[int], limit: int) -> KVHandle:
+    def _match_prefix(self, prompt_ids: list[int], limit: int, root: int = 0) -> KVHandle:
         """A handle sharing the longest run of cached KV that starts the prompt, at most `limit` tokens:
         whole cached blocks, then the leading part of a cached block the prompt leaves part-way (its
         tokens up to there have the same KV whatever follows them; the handle gets its own copy of that
-        block before writing)."""
+        block before writing). `root` starts the chain: 0 for the cache all sessions share, another
+        value for a namespace of its own."""
         handle = KVHandle()
-        parent = 0
+        parent = root
         bs = self.block_tokens
         for k in range(limit // bs):
             tokens = tuple(prompt_ids[k * bs : (k + 1) * bs])
@@ -225,7 +226,7 @@ class KVCacheManager:
             handle.token_ids.extend(want[:best_n])
         return handle
 
-    def register_prefix(self, handle: KVHandle, public_tokens: int = 0) -> None:
+    def register_prefix(self, handle: KVHandle, public_tokens: int = 0, root: int = 0) -> None:
         """Offer the computed blocks of a sequence's public prefix (its first `public_tokens` tokens) to
         the prefix cache. The block that prefix ends in is offered under its public tokens only: a later
         prompt may reuse those, never compare against the private rest."""
@@ -233,7 +234,7 @@ class KVCacheManager:
             bs = self.block_tokens
             public = min(public_tokens, handle.num_tokens)
             full = public // bs
-            parent = handle.block_hashes[-1] if handle.block_hashes else 0
+            parent = handle.block_hashes[-1] if handle.block_hashes else root
             for k in range(len(handle.block_hashes), full):
                 parent = self._offer(parent, tuple(handle.token_ids[k * bs : (k + 1) * bs]), handle.blocks[k])
                 handle.block_hashes.append(parent)
@@ -259,6 +260,7 @@ class KVCacheManager:
         max_reuse: int | None = None,
         public_tokens: int = 0,
         evict: bool = True,
+        root: int = 0,
     ) -> tuple[KVHandle, int]:
         """A handle with room for capacity_tokens, reusing cached KV; returns (handle, reused tokens).
         The session's own KV is matched against the whole prompt, the prefix cache only against its
@@ -266,7 +268,8 @@ class KVCacheManager:
         on are computed, e.g. to pool their hidden states).
 
         Raises OutOfKVMemory (leaving a session's cache in place) when the pool cannot hold it, or
-        without `evict` when it cannot without evicting what other sessions keep.
+        without `evict` when it cannot without evicting what other sessions keep. `root`: the prefix
+        cache's namespace (see `_match_prefix`).
         At least one prompt token is always left to compute, since its logits are needed.
         """
         with self.lock:
@@ -297,7 +300,9 @@ class KVCacheManager:
                     self._drop_blocks(handle.blocks)
                     from_session = False
                 limit = min(len(prompt_ids) - 1, public_tokens)  # leave at least one token to compute
-                handle = self._match_prefix(prompt_ids, limit if max_reuse is None else min(limit, max_reuse))
+                handle = self._match_prefix(
+                    prompt_ids, limit if max_reuse is None else min(limit, max_reuse), root
+                )
                 self.prefix_hits += handle.num_tokens
             room = self.reclaimable_blocks() if evict else len(self._free)
             if need - len(handle.blocks) > room:

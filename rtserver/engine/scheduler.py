@@ -267,8 +267,9 @@ class Scheduler:
                 seq.capacity_tokens,
                 seq.session_key,
                 seq.features_from,
-                seq.public_tokens,
+                seq.shared_tokens,
                 evict=seq.priority <= self._urgent,
+                root=seq.cache_root,
             )
         except OutOfKVMemory:
             return False
@@ -425,7 +426,8 @@ class Scheduler:
             if seq.phase is Phase.PREFILL:
                 self.tokens_prefilled += len(it.tokens)
                 seq.usage.prefilled_tokens += len(it.tokens)
-                self.kv.register_prefix(it.kv, seq.public_tokens)  # later prompts that start so share it
+                # later prompts that start so share it (in its scope, if it has one)
+                self.kv.register_prefix(it.kv, seq.shared_tokens, seq.cache_root)
             f = out.features[i]
             if f is not None and f.sums:
                 total = torch.cat(f.sums)

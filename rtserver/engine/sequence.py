@@ -40,6 +40,7 @@ class Sequence:
         session_key: Hashable | None = None,
         candidates: list[list[int]] | None = None,
         public_tokens: int = 0,
+        prefix_scope: int | None = None,
     ):
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -55,6 +56,9 @@ class Sequence:
         self.priority = params.priority
         # leading prompt tokens the server wrote: the only ones shared with other sessions' prompts
         self.public_tokens = public_tokens
+        # A scope of its own (one call's samples): the whole prompt is shared, only within the scope.
+        self.cache_root = 0 if prefix_scope is None else hash(("scope", prefix_scope)) or 1
+        self.shared_tokens = public_tokens if prefix_scope is None else len(prompt_ids)
         self.constraint: Constraint = FREE  # the tokens its output format allows (grammar.py)
         self.candidates = candidates  # label scoring: score these continuations, generate nothing
         # Label scoring that only needs scores up to a constant shared by all candidates: the logits of

@@ -115,6 +115,7 @@ class RemoteBackend:
         *,
         session_key: Hashable | None = None,
         public_tokens: int = 0,
+        prefix_scope: int | None = None,  # the servers' own caches decide what they share
     ) -> RemoteGeneration:
         params.validate(len(self.tokenizer))
         if not params.output.free:

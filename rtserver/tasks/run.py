@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import random
+import secrets
 import time
 import weakref
 from collections.abc import Hashable
@@ -196,13 +197,14 @@ class PromptTask:
         else:
             seed = params.seed if params.seed is not None else random.getrandbits(48)
 
-            def draw(i: int) -> Generation:
-                return backend.generate(
-                    prompt, dataclasses.replace(params, seed=seed + i), public_tokens=public
-                )
+            scope = secrets.randbits(62)  # this call's own: no other call, nor session, shares it
 
-            # The first reply's prompt goes alone; the others follow its first token, so a burst of
-            # calls brings each call's first reply first.
+            def draw(i: int) -> Generation:
+                one = dataclasses.replace(params, seed=seed + i)
+                return backend.generate(prompt, one, public_tokens=public, prefix_scope=scope)
+
+            # The first reply's prompt goes alone; the others follow its first token and reuse its
+            # prompt's KV.
             lead = draw(0)
             async for _ in lead:
                 break

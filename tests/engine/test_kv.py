@@ -151,3 +151,21 @@ def test_a_public_prefix_ending_mid_block_is_shared_up_to_its_end_only():
     kv.release(b)
     kv.clear_prefix_cache()
     assert kv.used_blocks == 0 and sum(kv._refs) == 0
+
+
+def test_a_scope_shares_a_whole_prompt_within_itself_only():
+    """One call's samples (a scope) share their whole prompt, customer text included; the shared
+    cache, and another scope, see none of it."""
+    kv = make(blocks=16)
+    prompt = list(range(100, 110))  # 10 tokens, none of them public
+    lead, reused = kv.acquire(prompt, 12, public_tokens=len(prompt), root=77)
+    assert reused == 0
+    lead.token_ids = list(prompt)  # computed
+    kv.register_prefix(lead, len(prompt), root=77)
+    follower, reused = kv.acquire(prompt, 12, public_tokens=len(prompt), root=77)
+    assert reused == 9  # all but the last token, whose logits are needed
+    assert follower.blocks[:2] == lead.blocks[:2]
+    for stranger_root in (0, 78):
+        other, reused = kv.acquire(prompt, 12, public_tokens=len(prompt), root=stranger_root)
+        assert reused == 0 and not set(other.blocks) & set(lead.blocks)
+        kv.release(other)

@@ -6,11 +6,11 @@ prompt arriving mid-step joins the step under way (`_join`). A bounded queue ref
 (`Overloaded`). One worker thread runs `step()`; `submit` and `cancel` are thread-safe.
 
 Priorities: the more urgent sequences (customers, then agent assist, then background work) are
-admitted and prefilled first, other prompts than customers' take a quarter of a step's prefill
-budget at most, and a customer waiting for a running place pauses a less urgent
-generation, which keeps its KV and resumes where it stopped; one short of KV pauses one whose KV waits
-in the cache (evictable), so it resumes from what is still there. Only the most urgent work evicts
-what idle sessions keep in the cache.
+admitted and prefilled first; prompts other than customers' take a quarter of a step's prefill
+budget at most. A customer waiting for a running place pauses a less urgent generation, which keeps
+its KV and resumes where it stopped; one short of KV pauses one whose KV then waits in the cache
+(evictable), so it resumes from what is still there. Only the most urgent work evicts what idle
+sessions keep in the cache.
 """
 
 from __future__ import annotations
@@ -201,13 +201,17 @@ class Scheduler:
                     break  # wait for running sequences to finish and free blocks
                 places[scoring] -= 1
 
-    def _pause(self, priority: int) -> bool:
-        """Move the least urgent, latest admitted running generation less urgent than `priority` back
-        to the waiting queue; it keeps its KV and computed tokens. False: none to pause."""
+    def _victim(self, priority: int) -> Sequence | None:
+        """The least urgent, latest admitted running generation less urgent than `priority`."""
         victims = [s for s in self.running if s.candidates is None and s.priority > priority]
-        if not victims:
+        return max(victims, key=lambda s: (s.priority, s.admitted_at or 0.0), default=None)
+
+    def _pause(self, priority: int) -> bool:
+        """Move `_victim(priority)` back to the waiting queue; it keeps its KV and computed tokens.
+        False: none to pause."""
+        victim = self._victim(priority)
+        if victim is None:
             return False
-        victim = max(victims, key=lambda s: (s.priority, s.admitted_at or 0.0))
         self.running.remove(victim)
         self.waiting.appendleft(victim)
         self.paused += 1
@@ -222,14 +226,12 @@ class Scheduler:
         return {False: limit - (len(self.running) - scoring), True: limit - scoring}
 
     def _evict(self, priority: int) -> bool:
-        """For a more urgent sequence short of KV: pause the least urgent, latest admitted running
-        generation less urgent than `priority` and put its KV in the cache under a key of its own
-        (evictable, like an idle session's); it resumes from what is still cached and computes the
-        rest again. False: none to pause."""
-        victims = [s for s in self.running if s.candidates is None and s.priority > priority]
-        if not victims:
+        """For a more urgent sequence short of KV: pause `_victim(priority)` and put its KV in the cache
+        under a key of its own (evictable, like an idle session's); it resumes from what is still
+        cached and computes the rest again. False: none to pause."""
+        victim = self._victim(priority)
+        if victim is None:
             return False
-        victim = max(victims, key=lambda s: (s.priority, s.admitted_at or 0.0))
         assert victim.kv is not None
         self.running.remove(victim)
         victim.kv.token_ids = victim.all_ids[: victim.num_computed]

@@ -135,12 +135,11 @@ class Grammars:
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self._ll_tokenizer(), fmt.grammar(), log_level=0, limits=_limits())
-        if matcher.is_error():
-            raise OutputFormatError(f"{fmt.kind}: {matcher.get_error()}")
         words = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
-        matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        if matcher.is_error():
-            raise OutputFormatError(f"{fmt.kind}: {matcher.get_error()}")
+        try:  # a matcher whose grammar failed to build is in its error state: the first mask says so
+            GrammarConstraint(matcher, set()).fill(words)
+        except ConstraintError as exc:
+            raise OutputFormatError(f"{fmt.kind}: {exc}") from None
         if not words.any():
             raise OutputFormatError(f"{fmt.kind}: the grammar allows no text at all")
         with self._lock:

@@ -62,14 +62,7 @@ class OutputFormat:
             return f"the {self.kind} must be a string of at most {MAX_SOURCE_CHARS} characters"
         if self.kind in ("regex", "lark") and not self.source:
             return f"the {self.kind} is empty"
-        if self.kind == "json_schema":
-            try:
-                schema = json.loads(self.source)
-            except ValueError as exc:
-                return f"the JSON Schema is not JSON ({exc})"
-            if not isinstance(schema, (dict, bool)):
-                return "a JSON Schema is an object (or true / false)"
-        return None
+        return _schema_problem(self.source) if self.kind == "json_schema" else None
 
     def grammar(self) -> str:
         """llguidance's grammar for this format; raises OutputFormatError."""
@@ -93,6 +86,18 @@ class OutputFormat:
 
 
 TEXT = OutputFormat()
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(source: str) -> str | None:
+    """Why a schema text is no JSON Schema, else None; parsed once per text (every call checks it)."""
+    try:
+        schema = json.loads(source)
+    except ValueError as exc:
+        return f"the JSON Schema is not JSON ({exc})"
+    if not isinstance(schema, (dict, bool)):
+        return "a JSON Schema is an object (or true / false)"
+    return None
 
 
 @functools.lru_cache(maxsize=256)

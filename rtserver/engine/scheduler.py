@@ -250,37 +250,29 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
             return True
-        if seq.resume_key is not None:  # paused for KV: what is still cached, then the rest again
-            try:
-                seq.kv, reused = self.kv.acquire(
-                    seq.all_ids, seq.capacity_tokens, seq.resume_key, evict=seq.priority <= self._urgent
-                )
-            except OutOfKVMemory:
-                return False
-            seq.resume_key = None
-            self.waiting.remove(seq)
-            seq.num_computed = reused
-            seq.kv.token_ids = seq.all_ids[:reused]
-            self.running.append(seq)
-            return True
+        resumed = seq.resume_key is not None  # paused for KV: what is still cached, then the rest again
+        ids = seq.all_ids if resumed else seq.prompt_ids
         try:
             seq.kv, reused = self.kv.acquire(
-                seq.prompt_ids,
+                ids,
                 seq.capacity_tokens,
-                seq.session_key,
-                seq.features_from,
-                seq.shared_tokens,
+                seq.resume_key if resumed else seq.session_key,
+                None if resumed else seq.features_from,
+                0 if resumed else seq.shared_tokens,
                 evict=seq.priority <= self._urgent,
-                root=seq.cache_root,
+                root=0 if resumed else seq.cache_root,
             )
         except OutOfKVMemory:
             return False
         self.waiting.remove(seq)
         seq.num_computed = reused
-        seq.usage.cached_tokens = reused
-        seq.kv.token_ids = seq.prompt_ids[:reused]
-        seq.phase = Phase.PREFILL
-        seq.admitted_at = time.perf_counter()
+        seq.kv.token_ids = ids[:reused]
+        if resumed:
+            seq.resume_key = None
+        else:
+            seq.usage.cached_tokens = reused
+            seq.phase = Phase.PREFILL
+            seq.admitted_at = time.perf_counter()
         self.running.append(seq)
         return True
 

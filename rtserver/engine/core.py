@@ -277,7 +277,7 @@ class Engine:
             public_tokens=public_tokens,
             prefix_scope=prefix_scope,
         )
-        seq.constraint = self.grammars.constraint(params.output, seq.eos_token_ids)
+        seq.constraint = self.grammars.constraint(params.output, seq.eos_token_ids, params.max_new_tokens)
         stream = GenerationStream(self, seq)
         self._streams[seq.id] = stream
         try:

@@ -8,6 +8,7 @@ its first mask, which builds the lexer) is done once per format, off the schedul
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -47,28 +48,88 @@ class Constraint:
 FREE = Constraint()
 
 
+def closing_reserve(max_tokens: int) -> int:
+    """How many of a sequence's last tokens steer its text to an end (see `Closers`)."""
+    return min(64, max(24, max_tokens // 4))
+
+
+class Closers:
+    """Token sets a text near its token limit is steered to, most closing first: tokens of `"]}`
+    that open with a quote (inside a string they end it), then tokens of `]}` alone, then of
+    `"]},:`. Where the grammar allows one of a set, the mask keeps that set alone, so strings,
+    numbers and arrays end instead of running to the limit."""
+
+    TIERS = ((b'"', b'"]}'), (b"", b"]}"), (b"", b'"]},:'))  # (opening, made only of)
+
+    def __init__(self, tiers: list[np.ndarray]):
+        self.tiers = tiers
+
+    @classmethod
+    def of(cls, ll_tokenizer: Any, vocab_size: int) -> Closers:
+        tiers = [np.zeros((vocab_size + 31) // 32, dtype=np.uint32) for _ in cls.TIERS]
+        for t in range(min(vocab_size, ll_tokenizer.vocab_size)):
+            if ll_tokenizer.is_special_token(t):
+                continue
+            text = ll_tokenizer.decode_bytes([t])
+            for tier, (opening, chars) in zip(tiers, cls.TIERS, strict=True):
+                if text.startswith(opening) and text and not text.strip(chars):
+                    tier[t >> 5] |= np.uint32(1 << (t & 31))
+        return cls(tiers)
+
+    def narrow(self, words: np.ndarray) -> None:
+        """Keep the first tier `words` allows any token of; all of `words` when none."""
+        for tier in self.tiers:
+            narrowed = words & tier
+            if narrowed.any():
+                words[:] = narrowed
+                return
+
+
+NO_CLOSERS = Closers([])  # steers nothing: before the tokenizer is loaded, and in checks
+
+
 class GrammarConstraint(Constraint):
-    """One sequence's place in its grammar."""
+    """One sequence's place in its grammar. In its last `closing_reserve` tokens it ends as soon as
+    the text is complete and otherwise prefers closing tokens, so a long text still ends valid."""
 
     active = True
 
-    def __init__(self, matcher: Any, eos_ids: set[int]):
+    def __init__(self, matcher: Any, eos_ids: set[int], closers: Closers, max_tokens: int):
         self.matcher = matcher
         self.eos_ids = sorted(eos_ids)  # the sequence's own: its stop token ids too
+        self.closers = closers
+        self.closing_after = max(0, max_tokens - closing_reserve(max_tokens))
+        self.tokens = 0
 
     def fill(self, words: np.ndarray) -> None:
         m = self.matcher
         m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         if m.is_error():
             raise ConstraintError(m.get_error())
+        closing = self.tokens >= self.closing_after
         if m.is_accepting():  # every end-of-sequence id may end a complete text, not just llguidance's
+            if closing:
+                words[:] = 0
             for t in self.eos_ids:
                 words[t >> 5] |= np.uint32(1 << (t & 31))
+        elif closing:
+            self._steer(words)
+
+    def _steer(self, words: np.ndarray) -> None:
+        """Text the grammar forces (a required key, say) goes in as its canonical tokens, one each
+        step, rather than in however many pieces a sampler would pick; otherwise closers lead."""
+        forced = self.matcher.compute_ff_tokens()
+        if forced and words[forced[0] >> 5] & np.uint32(1 << (forced[0] & 31)):
+            words[:] = 0
+            words[forced[0] >> 5] = np.uint32(1 << (forced[0] & 31))
+        else:
+            self.closers.narrow(words)
 
     def advance(self, token: int) -> bool:
         m = self.matcher
         if not m.consume_token(token):
             raise ConstraintError(m.get_error() or f"token {token} is not allowed here")
+        self.tokens += 1
         return bool(m.is_stopped())
 
 
@@ -107,6 +168,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self._tokenizer: Any = None
+        self._closers = NO_CLOSERS
         self._compiled: OrderedDict[OutputFormat, Any] = OrderedDict()
         self._pinned: set[OutputFormat] = set()
         self._lock = threading.Lock()
@@ -119,6 +181,7 @@ class Grammars:
                 self._tokenizer = llguidance.hf.from_tokenizer(
                     self._hf, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
                 )
+                self._closers = Closers.of(self._tokenizer, self.vocab_size)
             return self._tokenizer
 
     def compile(self, fmt: OutputFormat, *, pin: bool = False) -> None:
@@ -137,7 +200,7 @@ class Grammars:
         matcher = LLMatcher(self._ll_tokenizer(), fmt.grammar(), log_level=0, limits=_limits())
         words = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
         try:  # a matcher whose grammar failed to build is in its error state: the first mask says so
-            GrammarConstraint(matcher, set()).fill(words)
+            GrammarConstraint(matcher, set(), NO_CLOSERS, sys.maxsize).fill(words)
         except ConstraintError as exc:
             raise OutputFormatError(f"{fmt.kind}: {exc}") from None
         if not words.any():
@@ -155,9 +218,9 @@ class Grammars:
             if fmt not in self._pinned:
                 del self._compiled[fmt]
 
-    def constraint(self, fmt: OutputFormat, eos_ids: set[int]) -> Constraint:
+    def constraint(self, fmt: OutputFormat, eos_ids: set[int], max_tokens: int) -> Constraint:
         """A new sequence's constraint for `fmt` (compiled here if it is not already); `eos_ids` are
-        the ids that end the sequence, allowed once the text is complete."""
+        the ids that end the sequence, allowed once the text is complete; `max_tokens` is its limit."""
         if fmt.free:
             return FREE
         self.compile(fmt)
@@ -165,4 +228,4 @@ class Grammars:
             pristine = self._compiled.get(fmt)
             if pristine is None:  # evicted in between by other formats
                 raise OutputFormatError(f"{fmt.kind}: too many formats in use; try again")
-            return GrammarConstraint(pristine.deep_copy(), eos_ids)
+            return GrammarConstraint(pristine.deep_copy(), eos_ids, self._closers, max_tokens)

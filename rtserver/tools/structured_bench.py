@@ -217,7 +217,7 @@ def mask_cost_us(engine: Engine, runs: list[Checked]) -> list[float]:
     costs: list[float] = []
     for run in runs:
         constraint = engine.grammars.constraint(
-            OutputFormat.json_schema(SCHEMAS[run.schema]), engine.eos_token_ids
+            OutputFormat.json_schema(SCHEMAS[run.schema]), engine.eos_token_ids, MAX_NEW_TOKENS
         )
         for token in run.token_ids:
             started = time.perf_counter()

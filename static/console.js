@@ -13,7 +13,8 @@ const state = {
   seen: load(KEY.seen, {}),
 };
 // Assist results per conversation: {drafts, fields, summary: {seq, output} | {seq, pending, error}},
-// translations by message seq, and the calls in flight by request id.
+// translations by message seq, and the calls in flight by request id. Drafts stream: while their call
+// runs, `drafts.writing` holds each draft's text so far (from `assist_delta`).
 const assist = { byConv: new Map(), translateOn: new Set(), pending: new Map(), next: 1, timer: null };
 
 function load(key, dflt) {
@@ -194,6 +195,9 @@ function onEvent(msg) {
       if (conv.session_id === state.selected) renderConv();
       break;
     }
+    case "assist_delta":
+      onAssistDelta(msg);
+      break;
     case "assist":
       onAssist(msg);
       break;
@@ -291,8 +295,9 @@ function ask(sid, task, key, extra = {}) {
   const id = `a${assist.next++}`;
   const conv = state.convs.get(sid);
   assist.pending.set(id, { sid, key, seq: conv ? conv.seq : 0 });
-  if (key !== "translation") slot(sid)[key] = { ...(slot(sid)[key] || {}), pending: true, error: null };
-  sendWs({ type: "assist", id, session_id: sid, task, ...extra });
+  const stream = key === "drafts";
+  if (key !== "translation") slot(sid)[key] = { ...(slot(sid)[key] || {}), pending: true, error: null, call: id, writing: [] };
+  sendWs({ type: "assist", id, session_id: sid, task, stream, ...extra });
   if (sid === state.selected) renderAssist();
   return id;
 }
@@ -313,6 +318,13 @@ function translate(sid, message) {
   if (mine.translations.has(message.seq)) return;
   mine.translations.set(message.seq, { pending: true });
   assist.pending.get(ask(sid, "translate", "translation", { text: message.text })).msgSeq = message.seq;
+}
+function onAssistDelta(msg) {
+  const call = assist.pending.get(msg.id);
+  const d = call && slot(call.sid)[call.key];
+  if (!d || d.call !== msg.id || !Number.isInteger(msg.sample) || msg.sample < 0 || msg.sample > 8) return;
+  d.writing[msg.sample] = (d.writing[msg.sample] || "") + String(msg.text);
+  if (call.sid === state.selected) renderAssist();
 }
 function onAssist(msg) {
   const call = assist.pending.get(msg.id);
@@ -342,12 +354,15 @@ function renderAssist() {
   const mine = sid ? slot(sid) : {};
   const list = $("drafts-list");
   const d = mine.drafts;
+  const writing = d?.pending ? d.writing.filter((x) => x && x.trim()) : [];
   const texts = d && d.output ? d.output.samples.map((x) => x.text).filter((x) => x) : [];
-  list.replaceChildren(...texts.map((text) => {
+  const written = (text) => {
     const b = el("button", { type: "button", class: "draft", text, title: "Put this reply in the reply box to edit" });
     b.addEventListener("click", () => useDraft(text));
     return el("li", {}, b);
-  }));
+  };
+  const inProgress = (text) => el("li", {}, el("span", { class: "draft writing", text: text.trim() }));
+  list.replaceChildren(...(writing.length ? writing.map(inProgress) : texts.map(written)));
   $("drafts-note").textContent = d?.pending ? "Drafting replies…" : d?.error ? `No drafts: ${d.error}` :
     d ? "" : "Drafts appear when the customer has written.";
   const f = mine.fields;

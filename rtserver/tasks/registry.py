@@ -23,7 +23,7 @@ from .chat import ChatTask
 from .declare import Task, TaskError, TaskOutput
 from .fitting import FULL, Pace
 from .head import store_fitted, stored_path
-from .run import PromptTask
+from .run import Deltas, PromptTask, no_deltas
 
 log = logging.getLogger("rtserver.tasks")
 
@@ -174,12 +174,14 @@ class TaskRegistry:
         overrides: dict[str, Any] | None = None,
         *,
         scope: Hashable | None = None,
+        on_delta: Deltas = no_deltas,
     ) -> TaskOutput:
-        """Run a stateless task; `scope` keeps its cached results apart (see `PromptTask.run`)."""
+        """Run a stateless task; `scope` keeps its cached results apart, `on_delta` sees its replies
+        stream (see `PromptTask.run`)."""
         task = self.get(name)
         if isinstance(task, ChatTask):
             raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
-        return await task.run(backend, raw_input, overrides, scope=scope)
+        return await task.run(backend, raw_input, overrides, scope=scope, on_delta=on_delta)
 
     def cost(self, name: str, overrides: dict[str, Any] | None = None) -> int:
         """The most tokens one call of a stateless task can take (what admission holds for it)."""

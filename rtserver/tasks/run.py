@@ -15,7 +15,7 @@ import random
 import secrets
 import time
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,12 @@ from .head import LogisticHead, head_input
 from .prepare import prepare_heads
 
 log = logging.getLogger("rtserver.tasks")
+
+Deltas = Callable[[int, str], None]  # (sample index, text): a generating call's replies as they stream
+
+
+def no_deltas(sample: int, text: str) -> None:
+    """Nobody watches the replies arrive."""
 
 
 class PromptTask:
@@ -145,9 +151,11 @@ class PromptTask:
         overrides: dict[str, Any] | None = None,
         *,
         scope: Hashable | None = None,
+        on_delta: Deltas = no_deltas,
     ) -> TaskOutput:
         """One call. Results are cached per `scope` (a session, the HTTP API): a scope never sees
-        another's entries, nor how fast they come back; without one the cache is not used."""
+        another's entries, nor how fast they come back; without one the cache is not used. A
+        generating call hands each reply's text to `on_delta` as it streams (not on a cache hit)."""
         text = raw_input.get("text") if isinstance(raw_input, dict) else raw_input
         text = self.task.clean_text(text)
         # Overrides are checked before the cache is read (a bad one is an error, cached or not); without
@@ -180,36 +188,24 @@ class PromptTask:
             )
         else:
             params = params if params is not None else self.task.sampling(None)
-            out = await self._generated(backend, prompt, params, public)
+            out = await self._generated(backend, prompt, params, public, on_delta)
         if cache is not None:
             cache[key] = out
         return out
 
     async def _generated(
-        self, backend: InferenceBackend, prompt: list[int], params: SamplingParams, public: int
+        self,
+        backend: InferenceBackend,
+        prompt: list[int],
+        params: SamplingParams,
+        public: int,
+        on_delta: Deltas,
     ) -> TaskOutput:
         """A generating task's call: the reply parsed by the task's parser (a JSON task's: as JSON);
         with `samples` above 1, that many replies, `{"samples": [parsed, ...]}` (the distinct ones, in
         order), each drawn with its own seed."""
         n = self.task.samples
-        if n == 1:
-            results = [await backend.generate(prompt, params, public_tokens=public).result()]
-        else:
-            seed = params.seed if params.seed is not None else random.getrandbits(48)
-
-            scope = secrets.randbits(62)  # this call's own: no other call, nor session, shares it
-
-            def draw(i: int) -> Generation:
-                one = dataclasses.replace(params, seed=seed + i)
-                return backend.generate(prompt, one, public_tokens=public, prefix_scope=scope)
-
-            # The first reply's prompt goes alone; the others follow its first token and reuse its
-            # prompt's KV.
-            lead = draw(0)
-            async for _ in lead:
-                break
-            streams = [lead] + [draw(i) for i in range(1, n)]
-            results = list(await asyncio.gather(*(s.result() for s in streams)))
+        results = await self._replies(backend, prompt, params, public, on_delta)
         parsed = [self._parsed(r, params) for r in results]
         if n == 1:
             output = parsed[0]
@@ -231,6 +227,52 @@ class PromptTask:
                 "total_ms": max(r.total_ms for r in results),
             },
         )
+
+    async def _replies(
+        self,
+        backend: InferenceBackend,
+        prompt: list[int],
+        params: SamplingParams,
+        public: int,
+        on_delta: Deltas,
+    ) -> list[SequenceResult]:
+        """The call's `samples` replies. The first one's prompt goes alone; the others follow its
+        first token and reuse that prompt's KV. A cancelled call cancels its generations."""
+        n = self.task.samples
+        seed = params.seed if params.seed is not None else random.getrandbits(48)
+        scope = secrets.randbits(62)  # this call's own: no other call, nor session, shares it
+        streams: list[Generation] = []
+
+        def draw(i: int) -> Generation:
+            if n == 1:
+                stream = backend.generate(prompt, params, public_tokens=public)
+            else:
+                one = dataclasses.replace(params, seed=seed + i)
+                stream = backend.generate(prompt, one, public_tokens=public, prefix_scope=scope)
+            streams.append(stream)
+            return stream
+
+        async def forward(i: int, stream: Generation, *, first_only: bool = False) -> None:
+            async for event in stream:
+                if event.text:
+                    on_delta(i, event.text)
+                if first_only:
+                    return
+
+        async def follow(i: int, stream: Generation) -> SequenceResult:
+            await forward(i, stream)
+            return await stream.result()
+
+        try:
+            lead = draw(0)
+            if n > 1:
+                await forward(0, lead, first_only=True)
+            rest = [draw(i) for i in range(1, n)]
+            return list(await asyncio.gather(*(follow(i, s) for i, s in enumerate([lead, *rest]))))
+        except asyncio.CancelledError:
+            for stream in streams:
+                stream.cancel()
+            raise
 
     def _parsed(self, result: SequenceResult, params: SamplingParams) -> dict[str, Any]:
         """One reply's value: the task's parser on its text, its JSON, or the text itself."""

@@ -2,8 +2,9 @@
 then the same beside 4 agents who each ask reply drafts for a live conversation every 5 s.
 
 Both runs are on one `rtserver serve` (the console on), one after the other. The report has the
-customers' first-token p95 of each run and their ratio, and the drafts' first token (the engine's
-time to first token of the `suggest_reply` call) and round trip at the agent.
+customers' first-token p95 of each run and their ratio, and the drafts' first token: at the agent
+(the `assist` frame sent to its first streamed `assist_delta`) and the engine's time to first token of
+the `suggest_reply` call; and the round trip at the agent.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Agent:
         self.url, self.token, self.name, self.every_s = url, token, name, every_s
         self.live: set[str] = set()  # conversations with a customer message
         self.sent: dict[str, float] = {}
+        self.first_delta_s: dict[str, float] = {}
         self.results: list[dict[str, Any]] = []
         self.errors: list[str] = []
 
@@ -55,7 +57,13 @@ class Agent:
                         sid = random.choice(with_messages)
                         await ws.send(
                             json.dumps(
-                                {"type": "assist", "id": rid, "session_id": sid, "task": "suggest_reply"}
+                                {
+                                    "type": "assist",
+                                    "id": rid,
+                                    "session_id": sid,
+                                    "task": "suggest_reply",
+                                    "stream": True,
+                                }
                             )
                         )
                     try:
@@ -77,9 +85,17 @@ class Agent:
                 self.live.add(ev["session_id"])
             elif kind == "removed":
                 self.live.discard(ev["session_id"])
+            elif kind == "assist_delta" and ev["id"] in self.sent and ev["id"] not in self.first_delta_s:
+                self.first_delta_s[ev["id"]] = time.perf_counter() - self.sent[ev["id"]]
             elif kind == "assist" and ev["id"] in self.sent:
                 wall = time.perf_counter() - self.sent[ev["id"]]
-                self.results.append({"wall_s": wall, "ttft_ms": ev["timing"].get("ttft_ms")})
+                self.results.append(
+                    {
+                        "wall_s": wall,
+                        "ttft_ms": ev["timing"].get("ttft_ms"),
+                        "first_delta_s": self.first_delta_s.get(ev["id"]),
+                    }
+                )
             elif kind == "error" and ev.get("id") in self.sent:
                 self.errors.append(ev["code"])
 
@@ -98,12 +114,15 @@ async def _with_agents(server: ServerProcess, token: str, chatting: int, agents:
     await asyncio.gather(*running, return_exceptions=True)
     results = [r for a in crew for r in a.results]
     ttfts = [r["ttft_ms"] for r in results if r["ttft_ms"] is not None]
+    at_agent = [1000 * r["first_delta_s"] for r in results if r["first_delta_s"] is not None]
     return {
         "chat": chat,
         "drafts": len(results),
         "draft_errors": [e for a in crew for e in a.errors],
         "draft_first_token_p50_ms": percentile(ttfts, 0.5),
         "draft_first_token_p95_ms": percentile(ttfts, 0.95),
+        "draft_first_token_at_agent_p50_ms": percentile(at_agent, 0.5),
+        "draft_first_token_at_agent_p95_ms": percentile(at_agent, 0.95),
         "draft_round_trip_p95_s": percentile([r["wall_s"] for r in results], 0.95),
     }
 

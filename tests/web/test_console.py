@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -441,4 +442,70 @@ async def test_assist_calls_answer_the_agent_who_asked_with_valid_json(smol):
                 e for e in await recv_until(b, lambda e: e["type"] == "pong") if e["type"] == "assist"
             ]
         await a.close()
+        await b.close()
+
+
+async def test_streamed_drafts_come_first_spell_the_answer_and_end_with_the_console(smol):
+    """`assist` with `stream`: the drafts' text arrives in `assist_delta` frames before the answer, and
+    per draft they spell exactly the raw text the answer carries. A console that closes mid-draft
+    cancels its drafts' generations. The drafts run to their token limit here (no EOS, no stop
+    string), so only the cancel can end them early."""
+    from rtserver.engine.backend import FinishReason, Priority
+    from rtserver.engine.core import Engine
+    from rtserver.web.app import create_app
+
+    settings = settings_with(tasks={"auto_tasks": []})
+    settings.task = {"chat": {"max_new_tokens": 8}}
+    engine = Engine(smol, settings.engine)
+    drafts: list = []
+    generate = engine.generate
+
+    def generate_to_the_limit(prompt_ids, params, **kwargs):
+        if params.priority is Priority.ASSIST:
+            params = dataclasses.replace(params, ignore_eos=True, stop=[])
+        stream = generate(prompt_ids, params, **kwargs)
+        if params.priority is Priority.ASSIST:
+            drafts.append(stream)
+        return stream
+
+    engine.generate = generate_to_the_limit
+    app = create_app(settings, lambda: smol, engine_factory=lambda loaded, s: engine)
+    async with serve(app, settings) as (base, url):
+        a, _ = await login(url, "Alice")
+        b, _ = await login(url, "Bob")
+        async with websockets.connect(url) as cust:
+            sid = (await hello(cust, client="Eve"))["session_id"]
+            await cust.send(json.dumps({"type": "chat", "id": "1", "text": "Where is my parcel?"}))
+            await recv_until(cust, is_end("1"))
+            frame = {"type": "assist", "session_id": sid, "task": "suggest_reply"}
+            await a.send(json.dumps({**frame, "id": "bad", "stream": "yes"}))
+            err = (await recv_until(a, lambda e: e["type"] == "error"))[-1]
+            assert err["code"] == "invalid_field" and "'stream'" in err["message"], err
+
+            await a.send(json.dumps({**frame, "id": "d1", "stream": True}))
+            got = await recv_until(a, lambda e: e["type"] in ("assist", "error") and e.get("id") == "d1")
+            answer = got[-1]
+            assert answer["type"] == "assist", answer
+            deltas = [e for e in got if e["type"] == "assist_delta"]
+            assert {(e["id"], e["session_id"], e["task"]) for e in deltas} == {("d1", sid, "suggest_reply")}
+            spelled: dict[int, str] = {}
+            for e in deltas:
+                spelled[e["sample"]] = spelled.get(e["sample"], "") + e["text"]
+            assert sorted(spelled) == [0, 1, 2]
+            assert "\n".join(spelled[i] for i in range(3)) == answer["text"]
+            assert len(deltas) > 3  # gathered, not one frame a draft: the text came in pieces
+            assert all(r.finish_reason is FinishReason.LENGTH for r in [await d.result() for d in drafts])
+
+            before = len(drafts)
+            await a.send(json.dumps({**frame, "id": "d2", "stream": True}))
+            await recv_until(a, lambda e: e["type"] == "assist_delta" and e["id"] == "d2")
+            await a.close()
+            await wait_for(lambda: _true(len(drafts) == before + 3))
+            results = [await asyncio.wait_for(d.result(), 30) for d in drafts[before:]]
+            assert all(r.finish_reason is FinishReason.CANCELLED for r in results), results
+            assert all(r.usage.generated_tokens < 64 for r in results)
+            # Bob asked nothing: no deltas reached him
+            await b.send(json.dumps({"type": "ping", "data": 1}))
+            seen = await recv_until(b, lambda e: e["type"] == "pong")
+            assert not [e for e in seen if e["type"].startswith("assist")]
         await b.close()

@@ -412,9 +412,18 @@ async def test_widget_with_the_real_model(smol, browser):
         assert not page.js_errors and not agent.js_errors, (page.js_errors, agent.js_errors)
 
 
+# Every text a streaming draft showed while it was being written, recorded in the page.
+WATCH_WRITING = """() => {
+  window.sawWriting = [];
+  new MutationObserver(() => {
+    for (const e of document.querySelectorAll(".draft.writing")) window.sawWriting.push(e.textContent);
+  }).observe(document.getElementById("drafts-list"), { childList: true, subtree: true });
+}"""
+
+
 async def test_console_copilot_drafts_summary_translation_and_fields(smol, browser):
-    """The agent's copilot on the embedded model: opening a conversation brings reply drafts and the
-    fields panel; taking over heads it with a summary; a draft clicked lands in the reply box, is
+    """The agent's copilot on the embedded model: opening a conversation streams reply drafts (shown
+    as they are written, then the finished ones to click) and fills the fields panel; taking over heads it with a summary; a draft clicked lands in the reply box, is
     edited and sent, and reaches the widget; the translate toggle shows the customer's message in
     English under it. Everything the model wrote is shown as text."""
     from playwright.async_api import expect
@@ -438,11 +447,15 @@ async def test_console_copilot_drafts_summary_translation_and_fields(smol, brows
         await agent.get_by_label("Console token").fill(TOKEN)
         await agent.get_by_label("Your name").fill("Sam")
         await agent.get_by_role("button", name="Sign in").click()
+        await agent.evaluate(WATCH_WRITING)
         await agent.locator(".item").first.click()
-        # opening: drafts appear under the conversation, the fields panel fills
-        drafts = agent.locator(".draft")
+        # opening: drafts stream in under the conversation, the fields panel fills
+        drafts = agent.locator("button.draft")
         await expect(drafts.first).to_be_visible()
         assert 1 <= await drafts.count() <= 3
+        written = [" ".join(w.split()).strip('"') for w in await agent.evaluate("window.sawWriting")]
+        for text in await drafts.all_text_contents():  # each finished draft was shown as it was written
+            assert any(w.startswith(text) for w in written), (text, written)
         await expect(agent.locator("#fields-list dt")).to_have_count(3)
         await expect(agent.locator("#fields-list dt").first).to_have_text("order number")
         # take over: the summary heads the conversation

@@ -1,5 +1,6 @@
 """Agent assist in the console: an agent's `assist` frame runs an assist task (reply drafts, summary,
-fields, translation) on a conversation's messages and answers that agent alone.
+fields, translation) on a conversation's messages and answers that agent alone; asked to, it streams
+the replies' text first (`assist_delta`), so drafts show as they are written.
 
 The conversation is read where the console keeps it: this node's copy, or clustered the record in
 Redis (written once a turn), so an agent on any node can ask about any conversation. Calls run at
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
+from ...tasks.run import Deltas, no_deltas
 from .. import events
 from ..errors import error_code
 from ..seams import ConsoleBus
@@ -28,6 +31,7 @@ MAX_IN_FLIGHT = 6  # assist calls of one agent running at once
 MAX_ID_CHARS = 64
 MAX_TRANSCRIPT_CHARS = 6000  # the newest messages that fit; the tasks keep the tail of longer ones
 SPEAKERS = {"user": "Customer", "bot": "Bot", "agent": "Agent"}
+DELTA_EVERY_S = 0.05  # one call's text deltas go out at most this often (the first at once)
 
 
 def transcript(messages: Iterable[Message]) -> str:
@@ -51,6 +55,40 @@ def last_customer_text(messages: Iterable[Message]) -> str:
     return ""
 
 
+class StreamedText:
+    """One call's text deltas on their way to its agent: gathered per reply and sent at most every
+    `DELTA_EVERY_S`, the first at once, so a fast model does not flood the agent's queue."""
+
+    def __init__(self, agent: Agent, head: dict[str, Any]):
+        self.agent = agent
+        self.head = head  # id, session_id, task
+        self.pending: dict[int, str] = {}
+        self.sent_at = -DELTA_EVERY_S
+        self.timer: asyncio.TimerHandle | None = None
+
+    def __call__(self, sample: int, text: str) -> None:
+        self.pending[sample] = self.pending.get(sample, "") + text
+        if self.timer is None:
+            wait = self.sent_at + DELTA_EVERY_S - time.monotonic()
+            if wait <= 0:
+                self.flush()
+            else:
+                self.timer = asyncio.get_running_loop().call_later(wait, self.flush)
+
+    def flush(self) -> None:
+        """Send what is gathered (before the call's answer, so the deltas always come first)."""
+        self.close()
+        for sample, text in sorted(self.pending.items()):
+            self.agent.put({"type": "assist_delta", **self.head, "sample": sample, "text": text})
+        self.pending.clear()
+        self.sent_at = time.monotonic()
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
 class Assist:
     """Runs agents' assist calls; one instance per console."""
 
@@ -68,6 +106,7 @@ class Assist:
     def request(self, agent: Agent, obj: dict[str, Any]) -> None:
         """Check an `assist` frame and start its call; a bad one is answered with an error at once."""
         rid, sid, task, text = obj.get("id"), obj.get("session_id"), obj.get("task"), obj.get("text")
+        stream = obj.get("stream", False)
 
         def refuse(code: str, message: str) -> None:
             agent.put(
@@ -86,14 +125,18 @@ class Assist:
             )
         elif text is not None and not (isinstance(text, str) and len(text) <= MAX_TRANSCRIPT_CHARS):
             refuse("invalid_field", f"'text' must be a string of at most {MAX_TRANSCRIPT_CHARS} characters")
+        elif not isinstance(stream, bool):
+            refuse("invalid_field", "'stream' must be true or false")
         elif len(mine) >= MAX_IN_FLIGHT:
             refuse("too_many_requests", f"at most {MAX_IN_FLIGHT} assist calls at once")
         else:
             assert isinstance(sid, str)
-            call = asyncio.get_running_loop().create_task(self._run(agent, rid, sid, task, text))
+            call = asyncio.get_running_loop().create_task(self._run(agent, rid, sid, task, text, stream))
             mine[rid] = call  # held until done: the loop keeps only weak references
 
-    async def _run(self, agent: Agent, rid: str, sid: str, task: str, text: str | None) -> None:
+    async def _run(self, agent: Agent, rid: str, sid: str, task: str, text: str | None, stream: bool) -> None:
+        streamed = StreamedText(agent, {"id": rid, "session_id": sid, "task": task})
+        on_delta: Deltas = streamed if stream else no_deltas
         try:
             messages = await self._messages(sid)
             if messages is None:
@@ -114,7 +157,10 @@ class Assist:
                     )
                 )
                 return
-            out = await self.state.tasks.run(self.state.backend_for(task), task, {"text": source})
+            out = await self.state.tasks.run(
+                self.state.backend_for(task), task, {"text": source}, on_delta=on_delta
+            )
+            streamed.flush()
             agent.put(
                 {
                     "type": "assist",
@@ -134,6 +180,7 @@ class Assist:
                 log.exception("assist %s on %s failed", task, sid)
             agent.put(events.error_event(code, message, rid, session_id=sid))
         finally:
+            streamed.close()
             self._running.get(agent, {}).pop(rid, None)
 
     async def _messages(self, sid: str) -> list[Message] | None:

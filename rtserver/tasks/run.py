@@ -205,15 +205,14 @@ class PromptTask:
         with `samples` above 1, that many replies, `{"samples": [parsed, ...]}` (the distinct ones, in
         order), each drawn with its own seed."""
         n = self.task.samples
+        started = time.perf_counter()
         results = await self._replies(backend, prompt, params, public, on_delta)
         parsed = [self._parsed(r, params) for r in results]
         if n == 1:
             output = parsed[0]
         else:
             output = {"samples": [p for i, p in enumerate(parsed) if p not in parsed[:i]]}
-        first = min(
-            results, key=lambda r: r.ttft_ms if r.ttft_ms is not None else float("inf")
-        )  # the earliest token
+        lead = results[0]  # submitted as the call began: its first token is the call's
         usage = dataclasses.asdict(results[0].usage)
         usage["generated_tokens"] = sum(r.usage.generated_tokens for r in results)
         return TaskOutput(
@@ -222,9 +221,9 @@ class PromptTask:
             results[0].text if n == 1 else "\n".join(r.text for r in results),
             usage,
             {
-                "queued_ms": first.queued_ms,
-                "ttft_ms": first.ttft_ms,
-                "total_ms": max(r.total_ms for r in results),
+                "queued_ms": lead.queued_ms,
+                "ttft_ms": lead.ttft_ms,
+                "total_ms": (time.perf_counter() - started) * 1000,
             },
         )
 

@@ -93,6 +93,7 @@ class Agent:
                     {
                         "wall_s": wall,
                         "ttft_ms": ev["timing"].get("ttft_ms"),
+                        "queued_ms": ev["timing"].get("queued_ms"),
                         "first_delta_s": self.first_delta_s.get(ev["id"]),
                     }
                 )
@@ -115,12 +116,14 @@ async def _with_agents(server: ServerProcess, token: str, chatting: int, agents:
     results = [r for a in crew for r in a.results]
     ttfts = [r["ttft_ms"] for r in results if r["ttft_ms"] is not None]
     at_agent = [1000 * r["first_delta_s"] for r in results if r["first_delta_s"] is not None]
+    queued = [r["queued_ms"] for r in results if r["queued_ms"] is not None]
     return {
         "chat": chat,
         "drafts": len(results),
         "draft_errors": [e for a in crew for e in a.errors],
         "draft_first_token_p50_ms": percentile(ttfts, 0.5),
         "draft_first_token_p95_ms": percentile(ttfts, 0.95),
+        "draft_queued_p95_ms": percentile(queued, 0.95),
         "draft_first_token_at_agent_p50_ms": percentile(at_agent, 0.5),
         "draft_first_token_at_agent_p95_ms": percentile(at_agent, 0.95),
         "draft_round_trip_p95_s": percentile([r["wall_s"] for r in results], 0.95),

@@ -296,7 +296,7 @@ function ask(sid, task, key, extra = {}) {
   const conv = state.convs.get(sid);
   assist.pending.set(id, { sid, key, seq: conv ? conv.seq : 0 });
   const stream = key === "drafts";
-  if (key !== "translation") slot(sid)[key] = { ...(slot(sid)[key] || {}), pending: true, error: null, call: id, writing: [] };
+  if (key !== "translation" && key !== "reply") slot(sid)[key] = { ...(slot(sid)[key] || {}), pending: true, error: null, call: id, writing: [] };
   sendWs({ type: "assist", id, session_id: sid, task, stream, ...extra });
   if (sid === state.selected) renderAssist();
   return id;
@@ -331,6 +331,7 @@ function onAssist(msg) {
   if (!call) return;
   assist.pending.delete(msg.id);
   const mine = slot(call.sid);
+  if (call.key === "reply") { onReplyTranslated(call, msg); return; }
   if (call.key === "translation") mine.translations.set(call.msgSeq, { text: msg.text.trim() });
   else mine[call.key] = { seq: call.seq, output: msg.output, pending: false, error: null };
   if (call.sid === state.selected) { renderAssist(); if (call.key === "translation") renderConv(); }
@@ -339,9 +340,34 @@ function onAssistError(msg) {
   const call = assist.pending.get(msg.id);
   assist.pending.delete(msg.id);
   const mine = slot(call.sid);
+  if (call.key === "reply") { replyNote(call.sid, `Not translated: ${msg.message || msg.code}`); return; }
   if (call.key === "translation") mine.translations.set(call.msgSeq, { error: msg.message });
   else mine[call.key] = { seq: call.seq, pending: false, error: msg.message || msg.code };
   if (call.sid === state.selected) renderAssist();
+}
+// The agent's reply, translated to the customer's language in the reply box (to edit, then send).
+function translateReply() {
+  const sid = state.selected;
+  const text = $("reply").value.trim();
+  if (!sid || !text) return;
+  replyNote(sid, "Translating your reply…");
+  $("reply-translate").disabled = true;
+  assist.pending.get(ask(sid, "translate_reply", "reply", { text })).original = text;
+}
+function onReplyTranslated(call, msg) {
+  if (call.sid !== state.selected) return;
+  $("reply-translate").disabled = false;
+  const reply = $("reply");
+  if (reply.value.trim() !== call.original) { replyNote(call.sid, ""); return; } // edited meanwhile
+  reply.value = msg.output.text.trim();
+  const language = String(msg.output.language || "");
+  replyNote(call.sid, `In ${language.charAt(0).toUpperCase() + language.slice(1)}: check it, then send.`);
+}
+function replyNote(sid, text) {
+  if (sid !== state.selected) return;
+  $("reply-note").textContent = text;
+  $("reply-note").hidden = !text;
+  if (!text.startsWith("Translating")) $("reply-translate").disabled = false;
 }
 function useDraft(text) {
   const reply = $("reply");
@@ -389,7 +415,9 @@ function renderAssist() {
     }
   }
   $("translate").checked = assist.translateOn.has(sid);
+  $("reply-translate").hidden = !(assist.translateOn.has(sid) && held);
 }
+$("reply-translate").addEventListener("click", translateReply);
 $("redraft").addEventListener("click", () => { if (state.selected) ask(state.selected, "suggest_reply", "drafts"); });
 $("translate").addEventListener("change", (ev) => {
   const sid = state.selected;
@@ -476,6 +504,7 @@ $("reply-form").addEventListener("submit", (ev) => {
   const text = $("reply").value.trim();
   if (!text) return;
   sendWs({ type: "agent_message", session_id: state.selected, text });
+  replyNote(state.selected, "");
   $("reply").value = "";
   $("reply").focus();
 });

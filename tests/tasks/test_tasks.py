@@ -24,7 +24,16 @@ from rtserver.tasks.run import PromptTask
 ROOT = Path(__file__).resolve().parents[2]
 BUILTIN = str(ROOT / "plugins")
 EXAMPLES = str(ROOT / "examples" / "plugins")
-BUILTIN_TASKS = ["chat", "extract", "intent", "sentiment", "suggest_reply", "summarize", "translate"]
+BUILTIN_TASKS = [
+    "chat",
+    "extract",
+    "intent",
+    "sentiment",
+    "suggest_reply",
+    "summarize",
+    "translate",
+    "translate_reply",
+]
 
 GOOD = """
 from rtserver.tasks import Task

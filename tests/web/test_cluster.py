@@ -330,6 +330,41 @@ async def test_console_agent_on_b_sees_takes_over_and_writes_to_a_customer_on_a(
                 assert "Hi, I'm here" in contents and "thanks" in contents, ready["history"]
 
 
+async def test_an_agent_on_b_gets_drafts_of_a_conversation_on_a_streamed(smol, tmp_path):
+    """Assist across nodes: a customer chats on A; an agent on B asks reply drafts with `stream`. B
+    reads the conversation from its record in Redis and runs the task on its own engine: the prompt
+    holds the customer's words, the streamed pieces spell each draft, and A's engine does none of it."""
+    reply = smol.tokenizer.encode(" Sure, I will check.", add_special_tokens=False)
+    draft = smol.tokenizer.encode(" Your parcel is on its way.", add_special_tokens=False)
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", security=CONSOLE) as (_, url_a, engine_a, _),
+            scripted_node(smol, redis.url, "b", security=CONSOLE) as (_, url_b, engine_b, _),
+        ):
+            engine_a.script, engine_b.script = reply, draft
+            async with websockets.connect(url_a) as cust:
+                sid = (await hello(cust, client="Dana"))["session_id"]
+                assert (await chat(cust, "c0", "My order AB-1234 is late"))[-1]["type"] == "done"
+                await stored_conversation(redis.url, sid, messages=2)
+                prompts_on_a = len(engine_a.prompts)
+                agent, _ = await _console_login(url_b, "Bob", "bob")
+                frame = {"type": "assist", "id": "d", "session_id": sid, "task": "suggest_reply"}
+                await agent.send(json.dumps({**frame, "stream": True}))
+                got = await _until(agent, lambda e: e.get("id") == "d" and e["type"] in ("assist", "error"))
+                answer = got[-1]
+                assert answer["type"] == "assist", answer
+                assert answer["output"] == {"samples": [{"text": "Your parcel is on its way."}]}
+                spelled: dict[int, str] = {}
+                for e in got:
+                    if e["type"] == "assist_delta":
+                        spelled[e["sample"]] = spelled.get(e["sample"], "") + e["text"]
+                assert spelled == {i: " Your parcel is on its way." for i in range(3)}, spelled
+                prompt = smol.tokenizer.decode(engine_b.prompts[-1])
+                assert "Customer: My order AB-1234 is late" in prompt and "Bot: Sure, I will check." in prompt
+                assert len(engine_a.prompts) == prompts_on_a
+                await agent.close()
+
+
 async def test_resume_on_another_node_closes_the_old_connection(smol, tmp_path):
     with redis_server(tmp_path) as redis:
         async with (

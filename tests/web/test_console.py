@@ -423,6 +423,8 @@ async def test_assist_calls_answer_the_agent_who_asked_with_valid_json(smol):
                 return (await recv_until(ws, lambda e: e["type"] in ("assist", "error")))[-1]
 
             assert (await ask(a, id="x" * 65, task="extract"))["code"] == "invalid_field"
+            err = await ask(a, id="t", task="translate_reply", text="We will send it today.")
+            assert err["code"] == "unknown_task" and "'language' task" in err["message"], err
             err = await ask(a, id="1", task="sentiment")
             assert err["code"] == "unknown_task" and "suggest_reply" in err["message"] and err["id"] == "1"
             err = await ask(a, id="2", task="extract", session_id="nope")
@@ -509,3 +511,50 @@ async def test_streamed_drafts_come_first_spell_the_answer_and_end_with_the_cons
             seen = await recv_until(b, lambda e: e["type"] == "pong")
             assert not [e for e in seen if e["type"].startswith("assist")]
         await b.close()
+
+
+async def test_an_agents_reply_is_translated_to_the_language_of_the_customers_message(smol):
+    """`translate_reply`: the language task names the customer's language from their last message,
+    and the reply is translated to it; the prompt names that language on the input's first line.
+    A missing reply is refused by name."""
+    from pathlib import Path
+
+    from rtserver.web.app import create_app
+
+    root = Path(__file__).resolve().parents[2]
+    settings = settings_with(
+        tasks={
+            "auto_tasks": [],
+            "learned_heads": False,
+            "plugin_dirs": [str(root / "plugins"), str(root / "examples" / "plugins")],
+        }
+    )
+    settings.task = {"chat": {"max_new_tokens": 8}, "translate_reply": {"max_new_tokens": 24}}
+    app = create_app(settings, lambda: smol)
+    prompts: list[list[int]] = []
+    async with serve(app, settings) as (base, url):
+        engine = app.state.rt.backend
+        generate = engine.generate
+
+        def recording(prompt_ids, params, **kwargs):
+            prompts.append(list(prompt_ids))
+            return generate(prompt_ids, params, **kwargs)
+
+        engine.generate = recording
+        a, _ = await login(url, "Alice")
+        async with websockets.connect(url) as cust:
+            sid = (await hello(cust, client="Jean"))["session_id"]
+            text = "Bonjour, ma commande n'est pas arrivée et je suis très inquiet."
+            await cust.send(json.dumps({"type": "chat", "id": "1", "text": text}))
+            await recv_until(cust, is_end("1"))
+            frame = {"type": "assist", "session_id": sid, "task": "translate_reply"}
+            await a.send(json.dumps({**frame, "id": "none"}))
+            err = (await recv_until(a, lambda e: e.get("id") == "none"))[-1]
+            assert err["code"] == "invalid_field" and "the reply to translate" in err["message"], err
+            await a.send(json.dumps({**frame, "id": "r", "text": "We will send your order today."}))
+            answer = (await recv_until(a, lambda e: e.get("id") == "r"))[-1]
+            assert answer["type"] == "assist", answer
+            assert answer["output"]["language"] == "french" and answer["output"]["text"].strip()
+            said = smol.tokenizer.decode(prompts[-1])
+            assert "\nFrench\nWe will send your order today." in said, said
+        await a.close()

@@ -33,7 +33,8 @@ CHROMIUM_ARGS = [
     "--no-first-run",
     "--disable-quic",
 ]
-ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "artifacts"
 TOKEN = "console-test-token"
 MS = TIMEOUT * 1000
 
@@ -424,14 +425,20 @@ WATCH_WRITING = """() => {
 async def test_console_copilot_drafts_summary_translation_and_fields(smol, browser):
     """The agent's copilot on the embedded model: opening a conversation streams reply drafts (shown
     as they are written, then the finished ones to click) and fills the fields panel; taking over heads it with a summary; a draft clicked lands in the reply box, is
-    edited and sent, and reaches the widget; the translate toggle shows the customer's message in
-    English under it. Everything the model wrote is shown as text."""
+    edited, translated to the customer's language (French, found by the `language` task) and sent,
+    and reaches the widget; the translate toggle shows the customer's message in English under it.
+    Everything the model wrote is shown as text."""
     from playwright.async_api import expect
 
-    settings = make_settings(security={"console_token": TOKEN}, tasks={"auto_tasks": []})
+    plugins = [str(ROOT / "plugins"), str(ROOT / "examples" / "plugins")]
+    settings = make_settings(
+        security={"console_token": TOKEN},
+        tasks={"auto_tasks": [], "learned_heads": False, "plugin_dirs": plugins},
+    )
     settings.task = {
         "chat": {"max_new_tokens": 16},
         "suggest_reply": {"max_new_tokens": 40},
+        "translate_reply": {"max_new_tokens": 40},
         "summarize": {"max_chars": 80},
     }
     async with serve(create_app(settings, lambda: smol), settings) as (base, url):
@@ -476,6 +483,15 @@ async def test_console_copilot_drafts_summary_translation_and_fields(smol, brows
         await reply_box.type(" — Sam")
         await reply_box.press("Enter")
         await expect(customer.locator(".rt-agent .rt-body")).to_have_text((first + " — Sam").strip())
+        # a reply the agent writes in English goes out in the customer's language
+        english = "We will send your order today."
+        await reply_box.fill(english)
+        await agent.get_by_role("button", name="Translate for the customer").click()
+        await expect(agent.locator("#reply-note")).to_have_text("In French: check it, then send.")
+        translated_reply = (await reply_box.input_value()).strip()
+        assert translated_reply and translated_reply != english, translated_reply
+        await reply_box.press("Enter")
+        await expect(customer.locator(".rt-agent .rt-body").last).to_have_text(translated_reply)
         await agent.screenshot(path=shot("console-copilot.png"))
         assert await agent.locator(".drafts img, .summary img, .fields img").count() == 0
         assert not customer.js_errors and not agent.js_errors, (customer.js_errors, agent.js_errors)

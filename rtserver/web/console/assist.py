@@ -1,6 +1,8 @@
 """Agent assist in the console: an agent's `assist` frame runs an assist task (reply drafts, summary,
 fields, translation) on a conversation's messages and answers that agent alone; asked to, it streams
-the replies' text first (`assist_delta`), so drafts show as they are written.
+the replies' text first (`assist_delta`), so drafts show as they are written. An agent's reply is
+translated (`translate_reply`) to the language a scoring task (`language`) finds in the customer's
+last message.
 
 The conversation is read where the console keeps it: this node's copy, or clustered the record in
 Redis (written once a turn), so an agent on any node can ask about any conversation. Calls run at
@@ -16,6 +18,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from ...tasks import TaskError
 from ...tasks.run import Deltas, no_deltas
 from .. import events
 from ..errors import error_code
@@ -31,6 +34,8 @@ MAX_IN_FLIGHT = 6  # assist calls of one agent running at once
 MAX_ID_CHARS = 64
 MAX_TRANSCRIPT_CHARS = 6000  # the newest messages that fit; the tasks keep the tail of longer ones
 SPEAKERS = {"user": "Customer", "bot": "Bot", "agent": "Agent"}
+REPLY_TASK = "translate_reply"  # its input: the target language's name, a newline, the reply
+LANGUAGE_TASK = "language"  # the scoring task that names the customer's language
 DELTA_EVERY_S = 0.05  # one call's text deltas go out at most this often (the first at once)
 
 
@@ -127,6 +132,14 @@ class Assist:
             refuse("invalid_field", f"'text' must be a string of at most {MAX_TRANSCRIPT_CHARS} characters")
         elif not isinstance(stream, bool):
             refuse("invalid_field", "'stream' must be true or false")
+        elif task == REPLY_TASK and not (isinstance(text, str) and text.strip()):
+            refuse("invalid_field", f"'text' (the reply to translate) is required for {REPLY_TASK}")
+        elif task == REPLY_TASK and LANGUAGE_TASK not in self.state.tasks.names():
+            refuse(
+                "unknown_task",
+                f"{REPLY_TASK} needs the {LANGUAGE_TASK!r} task to find the customer's language "
+                "(examples/plugins/language.py)",
+            )
         elif len(mine) >= MAX_IN_FLIGHT:
             refuse("too_many_requests", f"at most {MAX_IN_FLIGHT} assist calls at once")
         else:
@@ -157,6 +170,10 @@ class Assist:
                     )
                 )
                 return
+            found: dict[str, str] = {}
+            if task == REPLY_TASK:
+                found["language"] = await self._customer_language(sid, messages)
+                source = f"{found['language'].capitalize()}\n{given}"
             out = await self.state.tasks.run(
                 self.state.backend_for(task), task, {"text": source}, on_delta=on_delta
             )
@@ -167,7 +184,7 @@ class Assist:
                     "id": rid,
                     "session_id": sid,
                     "task": task,
-                    "output": out.output,
+                    "output": {**out.output, **found},
                     "text": out.text,
                     "timing": out.timing,
                 }
@@ -182,6 +199,15 @@ class Assist:
         finally:
             streamed.close()
             self._running.get(agent, {}).pop(rid, None)
+
+    async def _customer_language(self, sid: str, messages: list[Message]) -> str:
+        """The label the language task gives the customer's last message (cached per conversation)."""
+        said = last_customer_text(messages)
+        if not said.strip():
+            raise TaskError("empty_text", "the customer has not written yet: no language to translate to")
+        backend = self.state.backend_for(LANGUAGE_TASK)
+        out = await self.state.tasks.run(backend, LANGUAGE_TASK, {"text": said}, scope=("assist", sid))
+        return str(out.output["label"])
 
     async def _messages(self, sid: str) -> list[Message] | None:
         """The conversation's messages: this node's copy, else its record in the store (clustered)."""

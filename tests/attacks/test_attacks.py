@@ -618,6 +618,65 @@ async def test_long_generations_do_not_starve_a_customer(shared):
     assert streaming, f"no hog was still streaming when the customer's first token came: {hogs}"
 
 
+def _nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+async def test_costly_response_formats_are_refused_or_bounded_and_chats_live_on(shared):
+    """Attack: /v1/chat/completions with response formats built to cost: a schema past the size
+    bound, one nested past the body's depth bound, one 90 arrays deep, a pattern repeated a thousand
+    times, a 3,000-way alternation, and 24 distinct schemas at once. The oversized and the too-deep
+    ones are refused by name; the rest answer within bounds as JSON; a customer chatting meanwhile is
+    served."""
+    enum = [f"value-{i}" for i in range(3000)]  # about 36,000 characters of schema
+    refused = [
+        ({"type": "string", "enum": enum}, "bad_output_format", "at most 32768 characters"),
+        (_nested_arrays(300), "bad_json", "nested deeper than 100 levels"),
+    ]
+    bounded = [
+        _nested_arrays(90),
+        {"type": "string", "pattern": "^(a|b|c|d|e){500}(x|y){500}$"},
+        {"type": "string", "pattern": "^(" + "|".join(f"w{i}x" for i in range(3000)) + ")$"},
+        *(
+            {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+            for i in range(24)
+        ),
+    ]
+
+    def body(schema: dict) -> dict:
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        return {
+            "messages": [{"role": "user", "content": "JSON please"}],
+            "max_tokens": 8,
+            "response_format": fmt,
+        }
+
+    async with httpx.AsyncClient(base_url=shared.base, timeout=30.0) as http:
+        for schema, code, why in refused:
+            r = await http.post("/v1/chat/completions", json=body(schema))
+            assert r.status_code == 400 and _code(r) == code, r.text[:300]
+            assert why in r.json()["error"]["message"], r.text[:300]
+        started = time.monotonic()
+        calls = [asyncio.create_task(http.post("/v1/chat/completions", json=body(s))) for s in bounded]
+        customer = await _fresh_turn(shared.ws_url, "Hello, where is my order?", max_new_tokens=4)
+        answers = await asyncio.gather(*calls)
+        took = time.monotonic() - started
+    assert customer["type"] == "done", customer
+    for r in answers:
+        assert (r.status_code, _code(r)) in ((200, None), (429, "overloaded"), (400, "bad_output_format")), (
+            r.text[:300]
+        )
+        if r.status_code == 200:
+            choice = r.json()["choices"][0]
+            if choice["finish_reason"] == "stop":
+                json.loads(choice["message"]["content"])
+    assert sum(r.status_code == 200 for r in answers) >= 20, [r.status_code for r in answers]
+    assert took < WAIT_S, took
+
+
 # -- 6. cost (scoring; last: on a server that accepts it, the engine is busy for minutes) ------------
 
 

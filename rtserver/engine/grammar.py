@@ -48,6 +48,11 @@ class Constraint:
 FREE = Constraint()
 
 
+def word_bit(token: int) -> tuple[int, np.uint32]:
+    """Where a token sits in a packed mask: the index of its 32-bit word and its bit there."""
+    return token >> 5, np.uint32(1 << (token & 31))
+
+
 def closing_reserve(max_tokens: int) -> int:
     """How many of a sequence's last tokens steer its text to an end (see `Closers`)."""
     return min(64, max(24, max_tokens // 4))
@@ -73,7 +78,8 @@ class Closers:
             text = ll_tokenizer.decode_bytes([t])
             for tier, (opening, chars) in zip(tiers, cls.TIERS, strict=True):
                 if text.startswith(opening) and text and not text.strip(chars):
-                    tier[t >> 5] |= np.uint32(1 << (t & 31))
+                    word, bit = word_bit(t)
+                    tier[word] |= bit
         return cls(tiers)
 
     def narrow(self, words: np.ndarray) -> None:
@@ -111,7 +117,8 @@ class GrammarConstraint(Constraint):
             if closing:
                 words[:] = 0
             for t in self.eos_ids:
-                words[t >> 5] |= np.uint32(1 << (t & 31))
+                word, bit = word_bit(t)
+                words[word] |= bit
         elif closing:
             self._steer(words)
 
@@ -119,9 +126,10 @@ class GrammarConstraint(Constraint):
         """Text the grammar forces (a required key, say) goes in as its canonical tokens, one each
         step, rather than in however many pieces a sampler would pick; otherwise closers lead."""
         forced = self.matcher.compute_ff_tokens()
-        if forced and words[forced[0] >> 5] & np.uint32(1 << (forced[0] & 31)):
+        word, bit = word_bit(forced[0]) if forced else (0, np.uint32(0))
+        if words[word] & bit:
             words[:] = 0
-            words[forced[0] >> 5] = np.uint32(1 << (forced[0] & 31))
+            words[word] = bit
         else:
             self.closers.narrow(words)
 

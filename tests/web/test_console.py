@@ -57,6 +57,14 @@ async def grace_started(timer: FakeTimer, grace_s: float) -> None:
     await wait_for(lambda: _true(timer.pending(grace_s) == 1))
 
 
+async def customer_turn(cust, client: str, text: str) -> str:
+    """A customer's hello and first chat turn, waited to its end; the session id."""
+    sid = (await hello(cust, client=client))["session_id"]
+    await cust.send(json.dumps({"type": "chat", "id": "1", "text": text}))
+    await recv_until(cust, is_end("1"))
+    return sid
+
+
 def settings_with(**extra):
     sections = {"security": {"console_token": TOKEN}}
     for k, v in extra.items():
@@ -413,9 +421,7 @@ async def test_assist_calls_answer_the_agent_who_asked_with_valid_json(smol):
         a, _ = await login(url, "Alice")
         b, _ = await login(url, "Bob")
         async with websockets.connect(url) as cust:
-            sid = (await hello(cust, client="Eve"))["session_id"]
-            await cust.send(json.dumps({"type": "chat", "id": "1", "text": "My order AB-1234 is late!"}))
-            await recv_until(cust, is_end("1"))
+            sid = await customer_turn(cust, "Eve", "My order AB-1234 is late!")
             await recv_until(a, lambda e: e["type"] == "message" and e["message"]["role"] == "bot")
 
             async def ask(ws, **frame) -> dict:
@@ -476,9 +482,7 @@ async def test_streamed_drafts_come_first_spell_the_answer_and_end_with_the_cons
         a, _ = await login(url, "Alice")
         b, _ = await login(url, "Bob")
         async with websockets.connect(url) as cust:
-            sid = (await hello(cust, client="Eve"))["session_id"]
-            await cust.send(json.dumps({"type": "chat", "id": "1", "text": "Where is my parcel?"}))
-            await recv_until(cust, is_end("1"))
+            sid = await customer_turn(cust, "Eve", "Where is my parcel?")
             frame = {"type": "assist", "session_id": sid, "task": "suggest_reply"}
             await a.send(json.dumps({**frame, "id": "bad", "stream": "yes"}))
             err = (await recv_until(a, lambda e: e["type"] == "error"))[-1]
@@ -543,10 +547,9 @@ async def test_an_agents_reply_is_translated_to_the_language_of_the_customers_me
         engine.generate = recording
         a, _ = await login(url, "Alice")
         async with websockets.connect(url) as cust:
-            sid = (await hello(cust, client="Jean"))["session_id"]
-            text = "Bonjour, ma commande n'est pas arrivée et je suis très inquiet."
-            await cust.send(json.dumps({"type": "chat", "id": "1", "text": text}))
-            await recv_until(cust, is_end("1"))
+            sid = await customer_turn(
+                cust, "Jean", "Bonjour, ma commande n'est pas arrivée et je suis très inquiet."
+            )
             frame = {"type": "assist", "session_id": sid, "task": "translate_reply"}
             await a.send(json.dumps({**frame, "id": "none"}))
             err = (await recv_until(a, lambda e: e.get("id") == "none"))[-1]

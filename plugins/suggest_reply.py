@@ -1,13 +1,17 @@
 """Built-in `suggest_reply`: reply drafts for the agent, from the conversation so far.
 
-The input is the conversation as a transcript (one line a message, `Customer:` / `Agent:` / `Bot:`, the
-console renders it); the newest messages are kept when it is long. The model writes the agent's next
-reply as it writes a chat reply, once per draft, each drawn with its own seed (`samples`), so a small
-model gives plain sentences rather than a list it must also format: `{"samples": [{"text": "..."},
-...]}`, the distinct drafts in order, each cut at its last whole sentence. Agent assist runs at
-`assist` priority, so customers' replies are served first.
+On a conversation whose session lives on this node, a draft is the chat's own next reply: the
+prompt is the conversation as the chat task renders it (`conversation_prompt = ""`, no instruction
+added), so it starts from the session's cached KV and only the reply is computed. Elsewhere (another
+node's conversation, or a text given) the input is a transcript (one line a message, `Customer:` /
+`Agent:` / `Bot:`, the console renders it; the newest messages kept) in `PROMPT`. Either way the model
+writes one reply per draft, each drawn with its own seed (`samples`), so a small model gives plain
+sentences rather than a list it must also format: `{"samples": [{"text": "..."}, ...]}`, the distinct
+drafts in order, each cut at its last whole sentence. Agent assist runs at `assist` priority, so
+customers' replies are served first.
 
-Options in `[task.suggest_reply]`: `drafts` (how many, 1..5, default 3), `max_new_tokens` (per draft).
+Options in `[task.suggest_reply]`: `drafts` (how many, 1..5, default 3), `max_new_tokens` (per draft),
+`continue_session` (default true; false: the transcript prompt always).
 """
 
 import re
@@ -32,10 +36,13 @@ def draft(text: str) -> dict:
 
 def make_task(options: dict) -> Task:
     most = options.pop("drafts", 3)
+    follow = options.pop("continue_session", True)
     if options:
-        raise ValueError(f"unknown settings: {', '.join(sorted(options))} (known: drafts)")
+        raise ValueError(f"unknown settings: {', '.join(sorted(options))} (known: drafts, continue_session)")
     if not isinstance(most, int) or isinstance(most, bool) or not 1 <= most <= 5:
         raise ValueError(f"drafts = {most!r}: an integer 1..5")
+    if not isinstance(follow, bool):
+        raise ValueError(f"continue_session = {follow!r}: true or false")
     return Task(
         name=NAME,
         description="Reply drafts for the agent from the conversation so far.",
@@ -51,4 +58,5 @@ def make_task(options: dict) -> Task:
         parser=draft,
         samples=most,
         priority="assist",
+        conversation_prompt="" if follow else None,
     )

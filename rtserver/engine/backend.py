@@ -265,10 +265,13 @@ class InferenceBackend(Protocol):
         session_key: Hashable | None = None,
         public_tokens: int = 0,
         prefix_scope: int | None = None,
+        fork_session: Hashable | None = None,
     ) -> Generation:
         """Queue a generation. `session_key` keeps the prompt's KV for that session's next turn.
         Generations given one `prefix_scope` (a random number per call: one call's samples) may share
-        their whole prompt's KV with each other, and with nothing else."""
+        their whole prompt's KV with each other, and with nothing else. `fork_session`: a session this
+        prompt is about (an agent's assist call on that conversation); the prompt may start from
+        that session's KV, which the session keeps."""
         ...
 
     async def score(

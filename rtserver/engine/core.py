@@ -263,11 +263,13 @@ class Engine:
         session_key: Hashable | None = None,
         public_tokens: int = 0,
         prefix_scope: int | None = None,
+        fork_session: Hashable | None = None,
     ) -> GenerationStream:
         """Queue a generation; raises SamplingError, OutputFormatError, RequestTooLarge or Overloaded at
         once. Only the first `public_tokens` prompt tokens are shared with other sessions (see
         `InferenceBackend`). An output format not yet compiled is compiled here (see prepare_output).
-        Generations of one `prefix_scope` share their whole prompt's KV with each other alone."""
+        Generations of one `prefix_scope` share their whole prompt's KV with each other alone; one
+        given `fork_session` may start from that session's KV (see `InferenceBackend`)."""
         params.validate(len(self.tokenizer))
         seq = Sequence(
             prompt_ids,
@@ -276,6 +278,7 @@ class Engine:
             session_key=session_key,
             public_tokens=public_tokens,
             prefix_scope=prefix_scope,
+            fork_session=fork_session,
         )
         seq.constraint = self.grammars.constraint(params.output, seq.eos_token_ids, params.max_new_tokens)
         stream = GenerationStream(self, seq)

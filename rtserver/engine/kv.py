@@ -3,8 +3,9 @@
 One preallocated pool is cut into blocks; a `KVHandle` is a list of blocks and the tokens they hold.
 Blocks are reused, reference counted, for a session's next turn and for prompts that share a public
 prefix (`public_tokens`: text the server wrote). A customer's text is never offered to other sessions,
-so what is cached says nothing about another session. Shared blocks are never written; idle entries
-are evicted LRU, and the pool never grows.
+so what is cached says nothing about another session. A prompt about one conversation (an agent's
+assist call) may start from that session's own KV, idle or running (`fork`). Shared blocks are never
+written; idle entries are evicted LRU, and the pool never grows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class KVHandle:
     token_ids: list[int] = field(default_factory=list)
     slot_table: torch.Tensor | None = None  # slot of each position, length = len(blocks) * block_tokens
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
+    owner: Hashable | None = None  # the session whose running sequence holds it (see `fork`)
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +52,7 @@ class KVStats:
     rebuilds: int
     prefix_hits: int  # prompt tokens served from the prefix cache
     session_hits: int
+    fork_hits: int  # prompt tokens served from another sequence's KV of the same conversation
 
 
 class OutOfKVMemory(Exception):
@@ -91,6 +94,7 @@ class KVCacheManager:
         self._free: list[int] = list(range(self.total_blocks, 0, -1))
         self._refs = [0] * (self.total_blocks + 1)
         self.sessions: OrderedDict[Hashable, KVHandle] = OrderedDict()
+        self.live: dict[Hashable, KVHandle] = {}  # running sessions' handles, by session key
         # prefix cache: chain hash -> (parent hash, block tokens, block); LRU order
         self.prefix_blocks: OrderedDict[int, tuple[int, tuple[int, ...], int]] = OrderedDict()
         # (parent hash, first token) -> the cached blocks that continue that parent with that token, so a
@@ -102,6 +106,7 @@ class KVCacheManager:
         self.rebuilds = 0
         self.prefix_hits = 0
         self.session_hits = 0
+        self.fork_hits = 0
         self.lock = threading.RLock()
 
     # -- blocks ---------------------------------------------------------------------------------
@@ -252,6 +257,21 @@ class KVCacheManager:
         return key
 
     # -- sequences ------------------------------------------------------------------------------
+    def _fork(self, key: Hashable, prompt_ids: list[int]) -> KVHandle | None:
+        """A handle sharing what session `key`'s KV (running or idle) holds of the prompt's start; the
+        session keeps all of it. The computed blocks it shares are never written again: the session
+        writes past them, and the handle copies a partial last block before writing (`acquire`)."""
+        source = self.live.get(key) or self.sessions.get(key)
+        if source is None:
+            return None
+        if key in self.sessions:
+            self.sessions.move_to_end(key)  # in use: the last idle session to evict
+        reused = min(_common_prefix(source.token_ids, prompt_ids), len(prompt_ids) - 1)
+        blocks = source.blocks[: self.blocks_for(reused)]
+        for b in blocks:
+            self._refs[b] += 1
+        return KVHandle(blocks=list(blocks), token_ids=prompt_ids[:reused])
+
     def acquire(
         self,
         prompt_ids: list[int],
@@ -261,6 +281,7 @@ class KVCacheManager:
         public_tokens: int = 0,
         evict: bool = True,
         root: int = 0,
+        fork: Hashable | None = None,
     ) -> tuple[KVHandle, int]:
         """A handle with room for capacity_tokens, reusing cached KV; returns (handle, reused tokens).
         The session's own KV is matched against the whole prompt, the prefix cache only against its
@@ -269,7 +290,8 @@ class KVCacheManager:
 
         Raises OutOfKVMemory (leaving a session's cache in place) when the pool cannot hold it, or
         without `evict` when it cannot without evicting what other sessions keep. `root`: the prefix
-        cache's namespace (see `_match_prefix`).
+        cache's namespace (see `_match_prefix`). `fork`: a session whose KV the prompt may start from
+        (without a `session_key`: the handle is the sequence's own and is freed at its end).
         At least one prompt token is always left to compute, since its logits are needed.
         """
         with self.lock:
@@ -295,6 +317,10 @@ class KVCacheManager:
                 elif session_key in self.evicted_sessions:
                     self.evicted_sessions.discard(session_key)
                     self.rebuilds += 1
+            elif fork is not None:
+                handle = self._fork(fork, prompt_ids)
+                if handle is not None and handle.num_tokens >= self.block_tokens:
+                    self.fork_hits += handle.num_tokens
             if handle is None or handle.num_tokens < self.block_tokens:
                 if handle is not None:
                     self._drop_blocks(handle.blocks)
@@ -317,11 +343,17 @@ class KVCacheManager:
             except OutOfKVMemory:
                 self._drop_blocks(handle.blocks)
                 raise
+            if session_key is not None:
+                handle.owner = session_key
+                self.live[session_key] = handle
             return handle, handle.num_tokens
 
     def release(self, handle: KVHandle, session_key: Hashable | None = None) -> None:
         """A sequence ended: keep its KV for the session's next turn, or free it."""
         with self.lock:
+            if handle.owner is not None and self.live.get(handle.owner) is handle:
+                del self.live[handle.owner]
+            handle.owner = None
             if session_key is None:
                 self._drop_blocks(handle.blocks)
                 handle.blocks = []
@@ -363,4 +395,5 @@ class KVCacheManager:
                 rebuilds=self.rebuilds,
                 prefix_hits=self.prefix_hits,
                 session_hits=self.session_hits,
+                fork_hits=self.fork_hits,
             )

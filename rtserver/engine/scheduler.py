@@ -35,6 +35,9 @@ from .step import StepOutput
 
 log = logging.getLogger("rtserver.scheduler")
 
+# less urgent work than customers' may evict idle KV while it holds under 1/EVICT_SHARE of the pool
+EVICT_SHARE = 16
+
 # what a step reports of a sequence: a sampled token id, or its final result
 StepEvent = tuple[Sequence, int | SequenceResult]
 
@@ -93,6 +96,7 @@ class Scheduler:
         # per priority, of the generations that produced a token: count, seconds queued, seconds to it
         self.latency: dict[Priority, list[float]] = {p: [0, 0.0, 0.0] for p in Priority}
         self._join_budget = 0  # prefill tokens the step under way may still take
+        self._join_floor = 0  # those that only less urgent work may take (see `plan`)
         self.last_step: StepStats | None = None
         self.fault_hook: Callable[[list[StepItem]], None] | None = None  # tests inject step failures
 
@@ -243,6 +247,17 @@ class Scheduler:
         self.paused += 1
         return True
 
+    def _may_evict(self, seq: Sequence) -> bool:
+        """Whether `seq` may evict idle KV to fit. The most urgent work may. Less urgent work may while
+        what such work holds stays under a share of the pool: under steady customer load no block
+        is ever free, and it would wait until the customers stop."""
+        if seq.priority <= self._urgent:
+            return True
+        held = sum(
+            len(s.kv.blocks) for s in self.running if s.kv is not None and s.priority > Priority.CUSTOMER
+        )
+        return held < self.kv.total_blocks // EVICT_SHARE
+
     def _admit_one(self, seq: Sequence) -> bool:
         """Move a waiting sequence to running if its KV fits (the caller holds the lock and has checked
         there is a running place). A paused one already holds its KV and goes on where it stopped."""
@@ -259,8 +274,9 @@ class Scheduler:
                 seq.resume_key if resumed else seq.session_key,
                 None if resumed else seq.features_from,
                 0 if resumed else seq.shared_tokens,
-                evict=seq.priority <= self._urgent,
+                evict=self._may_evict(seq),
                 root=0 if resumed else seq.cache_root,
+                fork=None if resumed else seq.fork_session,
             )
         except OutOfKVMemory:
             return False
@@ -280,26 +296,36 @@ class Scheduler:
         """Asked by the runner between the layers of a step: generation prompts that arrived since the
         step began and whose whole prompt fits what is left of its prefill budget join it now, so their
         first token comes out with this step's tokens instead of a whole step later. Generation prompts
-        join in queue order (scoring calls wait for the next step); one too long for this step stops the
-        joining (it is still admitted, for the next step)."""
+        join in queue order (scoring calls wait for the next step); a customer's too long for this step
+        stops the joining of customers' (it is still admitted, for the next step). Less urgent prompts
+        may also take what is left of the plan's floor for them."""
         items: list[StepItem] = []
-        if not self.waiting or self._join_budget <= 0:  # the common case, without the lock
+        if not self.waiting or self._join_budget + self._join_floor <= 0:  # the common case, unlocked
             return items
         with self._cond:
             places = self._places()[False]
+            blocked = False  # a customer's prompt too long for this step: later ones wait behind it
             for seq in sorted(self.waiting, key=lambda s: s.priority):
                 if seq.candidates is not None or seq.kv is not None or seq.resume_key is not None:
                     continue  # scoring calls have places of their own, paused ones resume next step
                 if seq.cancelled or seq.features_from is not None or places <= 0:
                     break
+                customer = seq.priority == Priority.CUSTOMER
+                if customer and blocked:
+                    continue
                 if not self._admit_one(seq):
                     break
                 places -= 1
                 assert seq.kv is not None
                 remaining = len(seq.prompt_ids) - seq.num_computed
-                if remaining > self._join_budget:
-                    break  # admitted: its prefill starts next step
-                self._join_budget -= remaining
+                if remaining > self._join_budget + (0 if customer else self._join_floor):
+                    if customer:  # admitted: its prefill starts next step
+                        blocked = True
+                        continue
+                    break
+                if not customer:
+                    self._join_floor -= max(0, remaining - self._join_budget)
+                self._join_budget = max(0, self._join_budget - remaining)
                 items.append(
                     StepItem(seq, seq.kv, seq.num_computed, seq.prompt_ids[seq.num_computed :], "last")
                 )
@@ -309,7 +335,7 @@ class Scheduler:
             self.joined += len(items)
             # Once per step: the joiners' catch-up is a pass of its own over the layers done, so a
             # burst of arrivals catches up together (the rest wait for the next step, already admitted).
-            self._join_budget = 0
+            self._join_budget = self._join_floor = 0
         return items
 
     def plan(self, events: list[StepEvent]) -> list[StepItem]:
@@ -330,17 +356,23 @@ class Scheduler:
         prefilling = [s for s in self.running if s.phase is Phase.PREFILL]
         prefilling.sort(key=lambda s: (s.priority, s.candidates is not None))  # stable: arrival order
         # Work for agents and the background takes a quarter of the budget at most, customers there or
-        # not: a step stays short, so a customer's message that comes during it waits little.
+        # not: a step stays short, so a customer's message that comes during it waits little. It has a
+        # sixteenth more of its own, so that under steady customer load an assist call whose prompt
+        # is mostly cached (a conversation's own KV) still gets its few tokens through.
         spare = budget // 4
+        floor = budget // 16
         for seq in prefilling:
-            if budget <= 0:
+            customer = seq.priority == Priority.CUSTOMER
+            room = budget if customer else min(max(budget, 0) + floor, spare)
+            if room <= 0:
+                if customer:
+                    continue  # the less urgent may still have their floor
                 break
             remaining = seq.num_tokens - seq.num_computed  # a resumed generation: its output too
-            customer = seq.priority == Priority.CUSTOMER
-            n = min(remaining, budget if customer else min(budget, spare))
-            if n <= 0:
-                break
-            spare -= 0 if customer else n
+            n = min(remaining, room)
+            if not customer:
+                spare -= n
+                floor -= max(0, n - max(budget, 0))
             budget -= n
             done = n == remaining
             tokens = seq.all_ids[seq.num_computed : seq.num_computed + n]
@@ -357,6 +389,7 @@ class Scheduler:
                 )
             )
         self._join_budget = max(0, budget)  # what sequences joining mid-step may still prefill
+        self._join_floor = max(0, floor)  # and what the less urgent of them may take beyond it
         return items
 
     def step(self) -> None:

@@ -41,6 +41,7 @@ class Sequence:
         candidates: list[list[int]] | None = None,
         public_tokens: int = 0,
         prefix_scope: int | None = None,
+        fork_session: Hashable | None = None,
     ):
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -59,6 +60,7 @@ class Sequence:
         # A scope of its own (one call's samples): the whole prompt is shared, only within the scope.
         self.cache_root = 0 if prefix_scope is None else hash(("scope", prefix_scope)) or 1
         self.shared_tokens = public_tokens if prefix_scope is None else len(prompt_ids)
+        self.fork_session = fork_session  # a conversation whose KV its prompt may start from (assist)
         self.constraint: Constraint = FREE  # the tokens its output format allows (grammar.py)
         self.candidates = candidates  # label scoring: score these continuations, generate nothing
         # Label scoring that only needs scores up to a constant shared by all candidates: the logits of

@@ -116,6 +116,7 @@ class RemoteBackend:
         session_key: Hashable | None = None,
         public_tokens: int = 0,
         prefix_scope: int | None = None,  # the servers' own caches decide what they share
+        fork_session: Hashable | None = None,  # likewise
     ) -> RemoteGeneration:
         params.validate(len(self.tokenizer))
         if not params.output.free:

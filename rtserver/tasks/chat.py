@@ -9,7 +9,7 @@ Only the template's header and the system prompt (`public_tokens`) may be shared
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,15 @@ class LastTurn:
 
     text: str  # the rendered prompt followed by the reply text
     ids: list[int]  # the prompt's ids followed by the generated ids (end-of-turn token excluded)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A live chat session as an assist call reads it: the window the model saw, and its KV's key."""
+
+    history: list[Message]
+    last: LastTurn | None
+    session_key: Hashable
 
 
 @dataclass
@@ -235,6 +244,15 @@ class ChatTask:
     def render_text(self, history: list[Message]) -> str:
         """The prompt as text (what `render` tokenizes, piece by piece)."""
         return "".join(text for text, _ in template_segments(self.tokenizer, self._messages(history)[0]))
+
+    def continued(self, conversation: Conversation, instruction: str) -> ChatPrompt | None:
+        """The conversation's prompt as its next reply would see it, `instruction` (if any) after it
+        as a system message; None where the template cannot render that (roles must alternate)."""
+        extra = [{"role": "system", "content": instruction}] if instruction else []
+        try:
+            return self.encode([*conversation.history, *extra], conversation.last)
+        except Exception:  # a template's own error (jinja raises its own types)
+            return None
 
     def prompt(self, history: list[Message], last: LastTurn | None) -> tuple[str, list[int]]:
         """(rendered text, token ids) of a session's prompt, reusing the last turn's own ids."""

@@ -144,6 +144,10 @@ class Task:
     cache_ttl_s: float = 600.0
     max_history_turns: int = 20
     max_history_tokens: int = 1500
+    # An assist task on a live conversation of this node: the call's prompt is the conversation as
+    # the chat task renders it, then this instruction as a system message ("": none, so the model
+    # writes the next reply), so it starts from that session's cached KV. None: always `prompt`.
+    conversation_prompt: str | None = None
 
     # -- checks ---------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -162,6 +166,10 @@ class Task:
                 raise ValueError(f"decoding key {key!r}: allowed {', '.join(DECODING_KEYS)}")
         self._validate_overridable()
         _check_choices(self.choices, "choices")
+        if self.conversation_prompt is not None and (
+            not isinstance(self.conversation_prompt, str) or self.choices is not None or self.stateful
+        ):
+            raise ValueError("conversation_prompt: a string, on a generating task (no choices, not stateful)")
         if self.parser is not None and not callable(self.parser):
             raise ValueError("parser must be a function text -> dict")
         if self.choices is not None and self.parser is not None:

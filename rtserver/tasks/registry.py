@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from ..config import Settings
 from ..engine.backend import InferenceBackend, StructuredOutput, Tokenizer
-from .chat import ChatTask
+from .chat import ChatTask, Conversation
 from .declare import Task, TaskError, TaskOutput
 from .fitting import FULL, Pace
 from .head import store_fitted, stored_path
@@ -53,6 +53,7 @@ GENERIC_OVERRIDES = (
     "max_history_turns",
     "max_history_tokens",
     "priority",
+    "conversation_prompt",
 )
 OVERRIDE_TYPES: dict[str, Any] = {
     "description": str,
@@ -70,6 +71,7 @@ OVERRIDE_TYPES: dict[str, Any] = {
     "max_history_turns": int,
     "max_history_tokens": int,
     "priority": str,
+    "conversation_prompt": str,
 }
 
 
@@ -175,12 +177,19 @@ class TaskRegistry:
         *,
         scope: Hashable | None = None,
         on_delta: Deltas = no_deltas,
+        conversation: Conversation | None = None,
     ) -> TaskOutput:
         """Run a stateless task; `scope` keeps its cached results apart, `on_delta` sees its replies
-        stream (see `PromptTask.run`)."""
+        stream (see `PromptTask.run`). A task with a `conversation_prompt` given the live
+        `conversation` its input is about continues that conversation instead (`PromptTask.follow`)."""
         task = self.get(name)
         if isinstance(task, ChatTask):
             raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
+        instruction = task.task.conversation_prompt
+        if conversation is not None and instruction is not None:
+            prompt = self.chat.continued(conversation, instruction)
+            if prompt is not None:
+                return await task.follow(backend, prompt, conversation.session_key, overrides, on_delta)
         return await task.run(backend, raw_input, overrides, scope=scope, on_delta=on_delta)
 
     def cost(self, name: str, overrides: dict[str, Any] | None = None) -> int:

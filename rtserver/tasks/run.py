@@ -30,6 +30,7 @@ from ..engine.backend import (
     SequenceResult,
     Tokenizer,
 )
+from .chat import ChatPrompt
 from .declare import Choices, Task, TaskError, TaskOutput
 from .fitting import FULL, Pace
 from .head import LogisticHead, head_input
@@ -193,6 +194,19 @@ class PromptTask:
             cache[key] = out
         return out
 
+    async def follow(
+        self,
+        backend: InferenceBackend,
+        prompt: ChatPrompt,
+        session_key: Hashable,
+        overrides: dict[str, Any] | None = None,
+        on_delta: Deltas = no_deltas,
+    ) -> TaskOutput:
+        """One call on a live conversation's own prompt (`Task.conversation_prompt`): it starts from
+        that session's KV (`fork_session`), so only the instruction and the reply are computed."""
+        params = self.task.sampling(overrides)
+        return await self._generated(backend, prompt.ids, params, prompt.public_tokens, on_delta, session_key)
+
     async def _generated(
         self,
         backend: InferenceBackend,
@@ -200,13 +214,14 @@ class PromptTask:
         params: SamplingParams,
         public: int,
         on_delta: Deltas,
+        fork: Hashable | None = None,
     ) -> TaskOutput:
         """A generating task's call: the reply parsed by the task's parser (a JSON task's: as JSON);
         with `samples` above 1, that many replies, `{"samples": [parsed, ...]}` (the distinct ones, in
         order), each drawn with its own seed."""
         n = self.task.samples
         started = time.perf_counter()
-        results = await self._replies(backend, prompt, params, public, on_delta)
+        results = await self._replies(backend, prompt, params, public, on_delta, fork)
         parsed = [self._parsed(r, params) for r in results]
         if n == 1:
             output = parsed[0]
@@ -234,20 +249,25 @@ class PromptTask:
         params: SamplingParams,
         public: int,
         on_delta: Deltas,
+        fork: Hashable | None,
     ) -> list[SequenceResult]:
-        """The call's `samples` replies. The first one's prompt goes alone; the others follow its
-        first token and reuse that prompt's KV. A cancelled call cancels its generations."""
+        """The call's `samples` replies. The first one's prompt goes alone (from `fork`'s KV where
+        given); the others follow its first token and reuse that prompt's KV. A cancelled call
+        cancels its generations."""
         n = self.task.samples
         seed = params.seed if params.seed is not None else random.getrandbits(48)
         scope = secrets.randbits(62)  # this call's own: no other call, nor session, shares it
         streams: list[Generation] = []
 
         def draw(i: int) -> Generation:
+            source = fork if i == 0 else None
             if n == 1:
-                stream = backend.generate(prompt, params, public_tokens=public)
+                stream = backend.generate(prompt, params, public_tokens=public, fork_session=source)
             else:
                 one = dataclasses.replace(params, seed=seed + i)
-                stream = backend.generate(prompt, one, public_tokens=public, prefix_scope=scope)
+                stream = backend.generate(
+                    prompt, one, public_tokens=public, prefix_scope=scope, fork_session=source
+                )
             streams.append(stream)
             return stream
 

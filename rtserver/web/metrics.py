@@ -147,11 +147,12 @@ def _kv_metrics(kv: KVStats) -> Iterator[Metric]:
     )
     hits = CounterMetricFamily(
         "rtserver_kv_cache_hits",
-        "KV cache reuse: session hits (turns) and prefix-cache hits",
+        "KV cache reuse: session hits (turns); prefix-cache and conversation-fork hits (tokens)",
         labels=["kind"],
     )
     hits.add_metric(["session"], float(kv.session_hits))
     hits.add_metric(["prefix"], float(kv.prefix_hits))
+    hits.add_metric(["fork"], float(kv.fork_hits))
     yield hits
 
 

@@ -474,3 +474,50 @@ async def test_a_hub_tells_its_rtserver_node_what_is_public(smol):
             await c.post("/v1/completions", json=body)
             r = await c.post("/v1/completions", json={**body, "prompt": secret[:-1] + [secret[-1]]})
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(secret) - 1
+
+
+async def test_an_assist_prompt_starts_from_its_conversations_kv_idle_or_running(engine, loaded):
+    """A prompt about a conversation (`fork_session`) shares that session's computed KV, idle or
+    running; its answer is exact, and the session keeps its KV and its own answers."""
+    tok = loaded.tokenizer
+
+    def then(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    history = [{"role": "user", "content": "My order #4411 has not arrived after two weeks. Where is it?"}]
+    p1 = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    r1 = await engine.generate(p1, greedy(8), session_key="s").result()
+    kept = len(p1) + len(r1.token_ids) - 1
+    # idle: a draft after the bot's reply starts from the session's KV
+    draft = p1 + r1.token_ids + then("<|im_end|>\n<|im_start|>assistant\n")
+    d1 = await engine.generate(draft, greedy(6), fork_session="s").result()
+    assert d1.usage.cached_tokens == kept
+    assert d1.token_ids == reference_greedy(loaded, draft, 6)
+    # the session's next turn still finds all of its KV, unchanged by what the draft wrote
+    p2 = (
+        p1 + r1.token_ids + then("<|im_end|>\n<|im_start|>user\nAny news?<|im_end|>\n<|im_start|>assistant\n")
+    )
+    r2 = await engine.generate(p2, greedy(8), session_key="s").result()
+    assert r2.usage.cached_tokens == kept
+    assert r2.token_ids == reference_greedy(loaded, p2, 8)
+    # running: a draft for the message the bot is answering shares its whole prompt
+    p3 = (
+        p2
+        + r2.token_ids
+        + then("<|im_end|>\n<|im_start|>user\nPlease hurry.<|im_end|>\n<|im_start|>assistant\n")
+    )
+    turn = engine.generate(p3, greedy(24), session_key="s")
+    seen = 0
+    async for _ in turn:
+        seen += 1
+        if seen == 3:
+            break
+    d2 = await engine.generate(p3, greedy(6), fork_session="s").result()
+    assert d2.usage.cached_tokens == len(p3) - 1
+    assert d2.token_ids == reference_greedy(loaded, p3, 6)
+    r3 = await turn.result()
+    assert r3.token_ids == reference_greedy(loaded, p3, 24)
+    # the conversation's text is offered to nobody else, and an unknown session gives nothing
+    assert (await engine.generate(draft, greedy(1)).result()).usage.cached_tokens == 0
+    assert (await engine.generate(draft, greedy(1), fork_session="x").result()).usage.cached_tokens == 0
+    assert engine.kv.stats().fork_hits == kept + len(p3) - 1

@@ -440,3 +440,50 @@ def test_a_sequence_paused_for_kv_and_cancelled_leaves_nothing_cached():
     run_until_idle(sched)
     assert assist.result().finish_reason is FinishReason.CANCELLED
     assert ("paused", assist.id) not in kv.sessions
+
+
+def test_under_steady_customer_prefill_an_assist_prompt_still_gets_its_floor():
+    """A customer's long prompt takes the whole 32-token chunk step after step; an assist call's
+    short prompt still gets a sixteenth more of its own (2 tokens) in each of those steps."""
+    sched, runner, _, _ = make(with_limits(max_running=4, max_waiting=4, prefill_chunk_tokens=32))
+    customer = prioritised(160, 2, 300, Priority.CUSTOMER)
+    assist = prioritised(3, 2, 100, Priority.ASSIST)
+    sched.submit(customer)
+    sched.submit(assist)
+    sched.step()
+    sched.step()
+    assert runner.steps[0] == [(customer.id, 0, 32), (assist.id, 0, 2)]
+    assert runner.steps[1] == [(customer.id, 32, 32), (assist.id, 2, 1)]
+    assert assist.output_ids and customer.num_computed == 64  # its first token, the customer's pace
+    run_until_idle(sched)
+
+
+def test_assist_may_evict_idle_sessions_while_it_holds_under_its_share():
+    """64 blocks, every one held by a running customer or idle sessions. An assist call may evict idle
+    KV while assist work holds under 1/16 of the pool (4 blocks), so it runs beside the customer; a
+    second one, with that share held, waits for the first to end rather than evict more."""
+    sched, runner, kv, _ = make(with_limits(max_running=8, max_waiting=16, prefill_chunk_tokens=64))
+    for i in range(12):  # 12 idle sessions of 4 blocks each
+        idle = Sequence(
+            list(range(1000 + 20 * i, 1012 + 20 * i)),
+            SamplingParams(max_new_tokens=4),
+            eos_token_ids=set(),
+            session_key=f"s{i}",
+        )
+        sched.submit(idle)
+    run_until_idle(sched)
+    customer = prioritised(4, 60, 300, Priority.CUSTOMER)  # 16 blocks while it runs
+    sched.submit(customer)
+    sched.step()
+    assert kv.free_blocks == 0 and len(kv.sessions) == 12
+    first = prioritised(8, 8, 100, Priority.ASSIST)  # 4 blocks
+    second = prioritised(4, 4, 200, Priority.ASSIST)
+    sched.submit(first)
+    sched.submit(second)
+    sched.step()
+    assert first in sched.running and second in sched.waiting and kv.evictions == 1
+    while first in sched.running:
+        sched.step()
+    sched.step()
+    assert second in sched.running and customer in sched.running
+    run_until_idle(sched)

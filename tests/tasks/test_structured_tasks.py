@@ -152,3 +152,55 @@ def test_assist_task_options_are_checked(smol):
     assert "drafts = 9: an integer 1..5" in reasons
     assert "to = 'Eng<lish>': a language name" in reasons
     assert not {"extract", "suggest_reply", "translate"} & set(registry.names())
+
+
+async def test_drafts_on_a_live_conversation_continue_its_own_prompt_and_kv(smol, engine):
+    """suggest_reply on a conversation whose session this engine holds: the prompt is the chat's
+    own next-turn prompt, its KV comes from the session, and the session's next turn keeps it."""
+    from rtserver.tasks.chat import Conversation
+
+    from .test_tasks import BUILTIN
+
+    registry, errors = load_registry(settings(BUILTIN), smol.tokenizer)
+    assert errors == []
+    chat = registry.chat
+    turn = chat.prepare_turn([], "Hi, my order AB-1234 is two weeks late. Where is it?")
+    params = chat.task.sampling(None)
+    params.max_new_tokens = 12
+    reply = await engine.generate(
+        turn.prompt_ids, params, session_key="c1", public_tokens=turn.public_tokens
+    ).result()
+    history = [*turn.history, {"role": "assistant", "content": reply.text}]
+    last = chat.finished_turn(turn.rendered, turn.prompt_ids, reply.text, reply.token_ids)
+    assert last is not None
+    live = Conversation(history, last, "c1")
+    out = await registry.run(engine, "suggest_reply", {"text": TRANSCRIPT}, {"seed": 3}, conversation=live)
+    again = await registry.run(engine, "suggest_reply", {"text": TRANSCRIPT}, {"seed": 3}, conversation=live)
+    drafts = [d["text"] for d in out.output["samples"]]
+    assert 1 <= len(drafts) <= 3 and all("\n" not in d for d in drafts) and out.output == again.output
+    prompt = chat.continued(live, "")
+    assert prompt is not None and prompt.ids == chat.encode(history, last).ids
+    assert prompt.ids[: len(last.ids)] == last.ids
+    assert out.usage["prompt_tokens"] == len(prompt.ids)
+    assert out.usage["cached_tokens"] >= len(last.ids) - 1  # all the session computed of it
+    # the transcript form computes its prompt instead (only the task's fixed prefix is cached)
+    plain = await registry.run(engine, "suggest_reply", {"text": TRANSCRIPT}, {"seed": 3})
+    assert plain.usage["prompt_tokens"] - plain.usage["cached_tokens"] > 40
+    # an instruction goes after the conversation as a system message
+    told = chat.continued(live, "Answer in French.")
+    assert told is not None and told.ids[: len(prompt.ids) - 3] == prompt.ids[:-3]
+    assert "<|im_start|>system\nAnswer in French.<|im_end|>" in smol.tokenizer.decode(told.ids)
+    nxt = chat.prepare_turn(history, "Thanks, any news?", last)
+    r2 = await engine.generate(nxt.prompt_ids, params, session_key="c1").result()
+    assert r2.usage.cached_tokens >= len(last.ids) - 1
+    # `continue_session = false`: the transcript prompt, live conversation or not
+    registry, errors = load_registry(
+        settings(BUILTIN, task={"suggest_reply": {"continue_session": False}}), smol.tokenizer
+    )
+    assert errors == []
+    apart = await registry.run(engine, "suggest_reply", {"text": TRANSCRIPT}, {"seed": 3}, conversation=live)
+    assert apart.usage["prompt_tokens"] == plain.usage["prompt_tokens"]
+    registry, errors = load_registry(
+        settings(BUILTIN, task={"suggest_reply": {"continue_session": 1}}), smol.tokenizer
+    )
+    assert "continue_session = 1: true or false" in str(errors[0])

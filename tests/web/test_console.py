@@ -500,7 +500,11 @@ async def test_streamed_drafts_come_first_spell_the_answer_and_end_with_the_cons
             assert sorted(spelled) == [0, 1, 2]
             assert "\n".join(spelled[i] for i in range(3)) == answer["text"]
             assert len(deltas) > 3  # gathered, not one frame a draft: the text came in pieces
-            assert all(r.finish_reason is FinishReason.LENGTH for r in [await d.result() for d in drafts])
+            results = [await d.result() for d in drafts]
+            assert all(r.finish_reason is FinishReason.LENGTH for r in results)
+            # the conversation lives here: the lead draft's prompt is the chat's own, its KV the session's
+            lead = results[0].usage
+            assert lead.cached_tokens >= lead.prompt_tokens - 8, lead
 
             before = len(drafts)
             await a.send(json.dumps({**frame, "id": "d2", "stream": True}))

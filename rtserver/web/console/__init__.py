@@ -66,7 +66,7 @@ class ConsoleHub:
         self.actions = Actions(
             self.conversations, sessions, store, self.bus, self.agents, ss.console_takeover_grace_s, timer
         )
-        self.assist = Assist(state, self.conversations, self.bus)
+        self.assist = Assist(state, self.conversations, sessions, self.bus)
         snapshots = Snapshots(self.conversations, self.bus, topology, ss.idle_timeout_s)
         rejoin = RejoinTokens(self.bus)
         self.door = Door(

@@ -5,7 +5,9 @@ translated (`translate_reply`) to the language a scoring task (`language`) finds
 last message.
 
 The conversation is read where the console keeps it: this node's copy, or clustered the record in
-Redis (written once a turn), so an agent on any node can ask about any conversation. Calls run at
+Redis (written once a turn), so an agent on any node can ask about any conversation. A task with a
+`conversation_prompt` on a session of this node continues the session's own prompt and KV instead
+of reading a transcript. Calls run at
 the tasks' own priority (`assist`: customers' replies first); an agent has at most
 `MAX_IN_FLIGHT` of them at once, and those still running end when its console closes.
 """
@@ -19,10 +21,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...tasks import TaskError
+from ...tasks.chat import Conversation
 from ...tasks.run import Deltas, no_deltas
 from .. import events
 from ..errors import error_code
 from ..seams import ConsoleBus
+from ..session import SessionRegistry
 from ..state import AppState
 from .agents import Agent
 from .conversation import Message
@@ -97,9 +101,12 @@ class StreamedText:
 class Assist:
     """Runs agents' assist calls; one instance per console."""
 
-    def __init__(self, state: AppState, conversations: Conversations, bus: ConsoleBus):
+    def __init__(
+        self, state: AppState, conversations: Conversations, sessions: SessionRegistry, bus: ConsoleBus
+    ):
         self.state = state
         self.conversations = conversations
+        self.sessions = sessions
         self.bus = bus
         self._running: dict[Agent, dict[str, asyncio.Task[None]]] = {}
 
@@ -175,7 +182,11 @@ class Assist:
                 found["language"] = await self._customer_language(sid, messages)
                 source = f"{found['language'].capitalize()}\n{given}"
             out = await self.state.tasks.run(
-                self.state.backend_for(task), task, {"text": source}, on_delta=on_delta
+                self.state.backend_for(task),
+                task,
+                {"text": source},
+                on_delta=on_delta,
+                conversation=None if given else self._live(sid),
             )
             streamed.flush()
             agent.put(
@@ -208,6 +219,13 @@ class Assist:
         backend = self.state.backend_for(LANGUAGE_TASK)
         out = await self.state.tasks.run(backend, LANGUAGE_TASK, {"text": said}, scope=("assist", sid))
         return str(out.output["label"])
+
+    def _live(self, sid: str) -> Conversation | None:
+        """The session as this node's model sees it (None: it lives on another node)."""
+        session = self.sessions.sessions.get(sid)
+        if session is None or not session.history:
+            return None
+        return Conversation(list(session.history), session.last_turn, session.id)
 
     async def _messages(self, sid: str) -> list[Message] | None:
         """The conversation's messages: this node's copy, else its record in the store (clustered)."""

@@ -356,11 +356,11 @@ class Scheduler:
         prefilling = [s for s in self.running if s.phase is Phase.PREFILL]
         prefilling.sort(key=lambda s: (s.priority, s.candidates is not None))  # stable: arrival order
         # Work for agents and the background takes a quarter of the budget at most, customers there or
-        # not: a step stays short, so a customer's message that comes during it waits little. It has a
-        # sixteenth more of its own, so that under steady customer load an assist call whose prompt
-        # is mostly cached (a conversation's own KV) still gets its few tokens through.
+        # not: a step stays short, so a customer's message that comes during it waits little. It has an
+        # eighth more of its own, so that under steady customer load an assist call whose prompt is
+        # mostly cached (a conversation's own KV) still gets its few tokens through in one step.
         spare = budget // 4
-        floor = budget // 16
+        floor = budget // 8
         for seq in prefilling:
             customer = seq.priority == Priority.CUSTOMER
             room = budget if customer else min(max(budget, 0) + floor, spare)

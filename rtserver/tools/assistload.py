@@ -1,11 +1,12 @@
 """`rtserver loadtest --assist`: does agent assist slow the customers? 32 chatting customers alone,
-then the same beside 4 agents who each ask reply drafts for a live conversation every 5 s.
+then the same beside 4 agents who each ask reply drafts for a live conversation every 5 s; twice, in
+turn (alone, beside, alone, beside).
 
-Each run has an `rtserver serve` of its own (the console on), started fresh, so the second does not
-find the first one's sessions in its KV cache. The report has the
-customers' first-token p95 of each run and their ratio, and the drafts' first token: at the agent
-(the `assist` frame sent to its first streamed `assist_delta`) and the engine's time to first token of
-the `suggest_reply` call; and the round trip at the agent.
+Each phase has an `rtserver serve` of its own (the console on), started fresh, so none finds another
+one's sessions in its KV cache. The report has the customers' first-token p95 of the pooled phases
+of each kind and their ratio (and each round's), and the drafts' first token: at the agent (the
+`assist` frame sent to its first streamed `assist_delta`) and the engine's time to first token of the
+`suggest_reply` call; and the round trip at the agent.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from .loadclient import run_chat_load
 from .serverproc import ONE_ADDRESS_LIMITS_OFF, ServerProcess, raise_nofile_limit
 from .stats import percentile, ratio
 
-TURNS = 8  # a customer's turns: the load lasts for some 40 drafts, enough for a p95
+TURNS = 8  # a customer's turns: a round lasts for some 40 drafts
+ROUNDS = 2  # alone, beside, alone, beside: the customers' p95 moves between runs of the same code
 THINK_S = 2.0  # between a customer's turns, so the load lasts while the agents work
 MAX_NEW_TOKENS = 24
 
@@ -102,26 +104,37 @@ class Agent:
                 self.errors.append(ev["code"])
 
 
-async def _with_agents(server: ServerProcess, token: str, chatting: int, agents: int, every_s: float) -> dict:
+async def _with_agents(
+    server: ServerProcess, token: str, chatting: int, agents: int, every_s: float, samples: list[float]
+) -> tuple[dict, list[dict], list[str]]:
+    """The chat load beside the agents: (its summary, the agents' answers, their error codes)."""
     console = server.ws_url + "/console"
     crew = [Agent(console, token, f"agent{i}", every_s) for i in range(agents)]
     stop = asyncio.Event()
     running = [asyncio.create_task(a.run(stop)) for a in crew]
     try:
         chat = await run_chat_load(
-            server.ws_url, chatting, turns=TURNS, max_new_tokens=MAX_NEW_TOKENS, think_s=THINK_S
+            server.ws_url,
+            chatting,
+            turns=TURNS,
+            max_new_tokens=MAX_NEW_TOKENS,
+            think_s=THINK_S,
+            samples=samples,
         )
     finally:
         stop.set()
     await asyncio.gather(*running, return_exceptions=True)
-    results = [r for a in crew for r in a.results]
+    return chat, [r for a in crew for r in a.results], [e for a in crew for e in a.errors]
+
+
+def draft_figures(results: list[dict], errors: list[str]) -> dict:
+    """The drafts' figures: first token in the engine and at the agent, queueing, round trip."""
     ttfts = [r["ttft_ms"] for r in results if r["ttft_ms"] is not None]
     at_agent = [1000 * r["first_delta_s"] for r in results if r["first_delta_s"] is not None]
     queued = [r["queued_ms"] for r in results if r["queued_ms"] is not None]
     return {
-        "chat": chat,
         "drafts": len(results),
-        "draft_errors": [e for a in crew for e in a.errors],
+        "draft_errors": errors,
         "draft_first_token_p50_ms": percentile(ttfts, 0.5),
         "draft_first_token_p95_ms": percentile(ttfts, 0.95),
         "draft_queued_p95_ms": percentile(queued, 0.95),
@@ -162,6 +175,7 @@ def run_assist_loadtest(
     every_s: float = 5.0,
     config: str | None = None,
     dtype: str | None = None,
+    rounds: int = ROUNDS,
 ) -> dict:
     raise_nofile_limit()
     workdir = Path(tempfile.mkdtemp(prefix="rtserver-assistload-"))
@@ -173,44 +187,62 @@ def run_assist_loadtest(
     }
     if dtype:
         env["RTSERVER_MODEL_DTYPE"] = dtype
-    server = ServerProcess(env, workdir / "alone.log", config)
-    print(f"server: starting ({server.log_path})", flush=True)
-    ready_s = server.start()
-    try:
-        print(f"customers alone: {chatting} sessions x {TURNS} turns", flush=True)
-        alone = asyncio.run(
-            run_chat_load(
-                server.ws_url, chatting, turns=TURNS, max_new_tokens=MAX_NEW_TOKENS, think_s=THINK_S
-            )
-        )
-        engine_alone = priority_figures(server)
-    finally:
-        server.stop()
-    server = ServerProcess(env, workdir / "beside.log", config)
-    print(f"server: starting again ({server.log_path})", flush=True)
-    server.start()
-    try:
-        print(f"customers beside {agents} agents asking drafts every {every_s:g} s", flush=True)
-        beside = asyncio.run(_with_agents(server, token, chatting, agents, every_s))
-        engine_beside = priority_figures(server)
-    finally:
-        server.stop()
-    with_agents = beside.pop("chat")
+    pooled: dict[str, list[float]] = {"alone": [], "beside": []}
+    results: list[dict] = []
+    errors: list[str] = []
+    per_round: list[dict] = []
+    ready: list[float] = []
+    for r in range(rounds):
+        row: dict = {}
+        for phase in ("alone", "beside"):
+            server = ServerProcess(env, workdir / f"{phase}-{r + 1}.log", config)
+            print(f"round {r + 1}, {phase}: server starting ({server.log_path})", flush=True)
+            ready.append(server.start())
+            samples: list[float] = []
+            try:
+                if phase == "alone":
+                    chat = asyncio.run(
+                        run_chat_load(
+                            server.ws_url,
+                            chatting,
+                            turns=TURNS,
+                            max_new_tokens=MAX_NEW_TOKENS,
+                            think_s=THINK_S,
+                            samples=samples,
+                        )
+                    )
+                else:
+                    chat, found, failed = asyncio.run(
+                        _with_agents(server, token, chatting, agents, every_s, samples)
+                    )
+                    results += found
+                    errors += failed
+                row[phase] = {
+                    "ttft_p95_ms": chat["ttft_p95_ms"],
+                    "ttft_p50_ms": chat["ttft_p50_ms"],
+                    "errors": chat["errors"],
+                    "engine_by_priority": priority_figures(server),
+                }
+            finally:
+                server.stop()
+            pooled[phase] += samples
+        row["ttft_p95_ratio"] = ratio(row["beside"]["ttft_p95_ms"], row["alone"]["ttft_p95_ms"])
+        per_round.append(row)
+    alone, beside = (percentile(pooled[k], 0.95) for k in ("alone", "beside"))
     return {
         "command": f"rtserver loadtest --assist --chatting {chatting}"
         + (f" --dtype {dtype}" if dtype else ""),
-        "server_ready_s": round(ready_s, 1),
+        "server_ready_s": round(max(ready), 1),
         "customers": chatting,
+        "turns": TURNS,
         "agents": agents,
         "assist_every_s": every_s,
-        "ttft_p95_ms_alone": alone["ttft_p95_ms"],
-        "ttft_p95_ms_with_agents": with_agents["ttft_p95_ms"],
-        "ttft_p95_ratio": ratio(with_agents["ttft_p95_ms"], alone["ttft_p95_ms"]),
-        "server_ttft_p95_ms_alone": alone["server_ttft_p95_ms"],
-        "server_ttft_p95_ms_with_agents": with_agents["server_ttft_p95_ms"],
-        "ttft_p50_ms_alone": alone["ttft_p50_ms"],
-        "ttft_p50_ms_with_agents": with_agents["ttft_p50_ms"],
-        "chat_errors": {"alone": alone["errors"], "with_agents": with_agents["errors"]},
-        "engine_by_priority": {"alone": engine_alone, "beside_agents": engine_beside},
-        **beside,
+        "rounds": rounds,
+        "ttft_p95_ms_alone": alone,
+        "ttft_p95_ms_with_agents": beside,
+        "ttft_p95_ratio": ratio(beside, alone),
+        "ttft_p50_ms_alone": percentile(pooled["alone"], 0.5),
+        "ttft_p50_ms_with_agents": percentile(pooled["beside"], 0.5),
+        "per_round": per_round,
+        **draft_figures(results, errors),
     }

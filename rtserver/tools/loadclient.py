@@ -102,8 +102,9 @@ async def run_chat_load(
     timeout_s: float = 600.0,
     auth_token: str | None = None,
     think_s: float = 0.0,
+    samples: list[float] | None = None,
 ) -> dict:
-    """Run the load and return the summary dict:
+    """Run the load and return the summary dict (`samples`, where given, gets every turn's TTFT):
 
     {"sessions", "turns", "max_new_tokens", "wall_s", "tokens", "tokens_per_s", "completed_turns",
      "errors": {code: count}, "per_turn": {turn: {"n", "ttft_p50_ms", "ttft_p95_ms",
@@ -153,6 +154,8 @@ async def run_chat_load(
             "cached_tokens_mean": mean(t["cached"] for t in rows),
         }
     all_ttft = [t["client_ttft_ms"] for t in record["turns"] if t["client_ttft_ms"] is not None]
+    if samples is not None:
+        samples.extend(all_ttft)
     errors: dict[str, int] = {}
     for code in record["errors"]:
         errors[code] = errors.get(code, 0) + 1

@@ -444,16 +444,16 @@ def test_a_sequence_paused_for_kv_and_cancelled_leaves_nothing_cached():
 
 def test_under_steady_customer_prefill_an_assist_prompt_still_gets_its_floor():
     """A customer's long prompt takes the whole 32-token chunk step after step; an assist call's
-    short prompt still gets a sixteenth more of its own (2 tokens) in each of those steps."""
+    short prompt still gets an eighth more of its own (4 tokens) in each of those steps."""
     sched, runner, _, _ = make(with_limits(max_running=4, max_waiting=4, prefill_chunk_tokens=32))
     customer = prioritised(160, 2, 300, Priority.CUSTOMER)
-    assist = prioritised(3, 2, 100, Priority.ASSIST)
+    assist = prioritised(6, 2, 100, Priority.ASSIST)
     sched.submit(customer)
     sched.submit(assist)
     sched.step()
     sched.step()
-    assert runner.steps[0] == [(customer.id, 0, 32), (assist.id, 0, 2)]
-    assert runner.steps[1] == [(customer.id, 32, 32), (assist.id, 2, 1)]
+    assert runner.steps[0] == [(customer.id, 0, 32), (assist.id, 0, 4)]
+    assert runner.steps[1] == [(customer.id, 32, 32), (assist.id, 4, 2)]
     assert assist.output_ids and customer.num_computed == 64  # its first token, the customer's pace
     run_until_idle(sched)
 

@@ -309,6 +309,7 @@ class ScriptedEngine:
             rebuilds=0,
             prefix_hits=0,
             session_hits=0,
+            fork_hits=0,
         )
         return {
             "running": 0,

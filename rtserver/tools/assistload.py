@@ -104,6 +104,13 @@ class Agent:
                 self.errors.append(ev["code"])
 
 
+async def customers(server: ServerProcess, chatting: int, samples: list[float]) -> dict:
+    """The customers' chat load; every turn's first-token time goes into `samples`."""
+    return await run_chat_load(
+        server.ws_url, chatting, turns=TURNS, max_new_tokens=MAX_NEW_TOKENS, think_s=THINK_S, samples=samples
+    )
+
+
 async def _with_agents(
     server: ServerProcess, token: str, chatting: int, agents: int, every_s: float, samples: list[float]
 ) -> tuple[dict, list[dict], list[str]]:
@@ -113,14 +120,7 @@ async def _with_agents(
     stop = asyncio.Event()
     running = [asyncio.create_task(a.run(stop)) for a in crew]
     try:
-        chat = await run_chat_load(
-            server.ws_url,
-            chatting,
-            turns=TURNS,
-            max_new_tokens=MAX_NEW_TOKENS,
-            think_s=THINK_S,
-            samples=samples,
-        )
+        chat = await customers(server, chatting, samples)
     finally:
         stop.set()
     await asyncio.gather(*running, return_exceptions=True)
@@ -201,16 +201,7 @@ def run_assist_loadtest(
             samples: list[float] = []
             try:
                 if phase == "alone":
-                    chat = asyncio.run(
-                        run_chat_load(
-                            server.ws_url,
-                            chatting,
-                            turns=TURNS,
-                            max_new_tokens=MAX_NEW_TOKENS,
-                            think_s=THINK_S,
-                            samples=samples,
-                        )
-                    )
+                    chat = asyncio.run(customers(server, chatting, samples))
                 else:
                     chat, found, failed = asyncio.run(
                         _with_agents(server, token, chatting, agents, every_s, samples)

@@ -7,9 +7,9 @@ last message.
 The conversation is read where the console keeps it: this node's copy, or clustered the record in
 Redis (written once a turn), so an agent on any node can ask about any conversation. A task with a
 `conversation_prompt` on a session of this node continues the session's own prompt and KV instead
-of reading a transcript. Calls run at
-the tasks' own priority (`assist`: customers' replies first); an agent has at most
-`MAX_IN_FLIGHT` of them at once, and those still running end when its console closes.
+of reading a transcript. Calls run at the tasks' own priority (`assist`: customers' replies first);
+an agent has at most `MAX_IN_FLIGHT` of them at once, and those still running end when its console
+closes.
 """
 
 from __future__ import annotations

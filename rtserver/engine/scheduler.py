@@ -296,9 +296,9 @@ class Scheduler:
         """Asked by the runner between the layers of a step: generation prompts that arrived since the
         step began and whose whole prompt fits what is left of its prefill budget join it now, so their
         first token comes out with this step's tokens instead of a whole step later. Generation prompts
-        join in queue order (scoring calls wait for the next step); a customer's too long for this step
-        stops the joining of customers' (it is still admitted, for the next step). Less urgent prompts
-        may also take what is left of the plan's floor for them."""
+        join in queue order (scoring calls wait for the next step); a customer prompt too long for this
+        step keeps later customers' from joining (it is still admitted, for the next step). Less urgent
+        prompts may also take what is left of the plan's floor for them."""
         items: list[StepItem] = []
         if not self.waiting or self._join_budget + self._join_floor <= 0:  # the common case, unlocked
             return items

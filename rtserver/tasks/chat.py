@@ -13,6 +13,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+
 from ..engine.backend import Tokenizer
 from .declare import Task, TaskError
 
@@ -251,7 +253,7 @@ class ChatTask:
         extra = [{"role": "system", "content": instruction}] if instruction else []
         try:
             return self.encode([*conversation.history, *extra], conversation.last)
-        except Exception:  # a template's own error (jinja raises its own types)
+        except (TaskError, TemplateError):  # e.g. "Conversation roles must alternate"
             return None
 
     def prompt(self, history: list[Message], last: LastTurn | None) -> tuple[str, list[int]]:

@@ -28,7 +28,7 @@ from .loadclient import run_chat_load
 from .serverproc import ONE_ADDRESS_LIMITS_OFF, ServerProcess, raise_nofile_limit
 from .stats import percentile, ratio
 
-TURNS = 8  # a customer's turns: a round lasts for some 40 drafts
+TURNS = 8  # a customer's turns: long enough for the drafts' p95 to mean something
 ROUNDS = 2  # alone, beside, alone, beside: the customers' p95 moves between runs of the same code
 THINK_S = 2.0  # between a customer's turns, so the load lasts while the agents work
 MAX_NEW_TOKENS = 24

@@ -204,3 +204,30 @@ async def test_drafts_on_a_live_conversation_continue_its_own_prompt_and_kv(smol
         settings(BUILTIN, task={"suggest_reply": {"continue_session": 1}}), smol.tokenizer
     )
     assert "continue_session = 1: true or false" in str(errors[0])
+
+
+def test_a_template_that_cannot_continue_a_conversation_falls_back_and_other_errors_surface(smol):
+    """A chat template that refuses the conversation (roles must alternate) gives no conversation
+    prompt, so the call reads the transcript; any other error is a bug and is not swallowed."""
+    from jinja2.exceptions import TemplateError
+
+    from rtserver.tasks.chat import ChatTask, Conversation
+
+    from .test_tasks import BUILTIN
+
+    registry, _ = load_registry(settings(BUILTIN), smol.tokenizer)
+    live = Conversation([{"role": "user", "content": "Hi"}], None, "c1")
+
+    class Refusing:
+        def __init__(self, error: Exception):
+            self.error = error
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise self.error
+
+    assert (
+        ChatTask(registry.chat.task, Refusing(TemplateError("roles must alternate"))).continued(live, "")
+        is None
+    )
+    with pytest.raises(RuntimeError):
+        ChatTask(registry.chat.task, Refusing(RuntimeError("bug"))).continued(live, "")

@@ -1,8 +1,9 @@
 """Weights kept in a GGUF file's own quantized blocks, and the kernel that multiplies with them.
 
 Batch-1 decoding streams every weight once per step, so fewer bytes a weight mean faster steps. Q4_1
-and Q8_0 are split into quants and float16 scales (the kernel's tuned layout); Q4_0 runs as Q4_1 and
-Q5_0 as Q8_0, both exactly; every other block type keeps the file's raw rows. A mixed file (Q4_K_M
+and Q8_0 are split into quants and float16 scales (the kernel's tuned layout), and so are Q5_1 and
+Q5_0 as Q5_1S (Q4_1's nibbles and a mask of fifth bits); Q4_0 runs as Q4_1, all exactly. Every other
+block type keeps the file's raw rows. A mixed file (Q4_K_M
 ships several types) runs each tensor in its own type. The C++ kernel is built once per CPU and
 cached; its pure-torch twin is what the tests compare it with. Results equal the float32 engine's on
 the dequantized weights up to rounding.
@@ -30,8 +31,9 @@ from .gguf_load import PERMUTED_QK
 log = logging.getLogger("rtserver.quant")
 
 BLOCK = 32
-# bytes of one block's quants and of its float16 scale fields, per format of the split layout
-FORMATS = {"Q4_1": (16, 2), "Q8_0": (32, 1)}
+# bytes of one block's quants and of its float16 scale fields, per format of the split layout (Q5_1S
+# is no GGUF type: a row's Q4_1 nibbles, then its blocks' 32-bit masks of fifth bits)
+FORMATS = {"Q4_1": (16, 2), "Q8_0": (32, 1), "Q5_1S": (20, 2)}
 # block types the kernel reads as the file's raw rows (engine/kernels/blocks.h)
 RAW_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 SUPPORTED_TYPES = ("Q4_1", "Q8_0", *RAW_TYPES)
@@ -56,10 +58,10 @@ class QuantizedWeight:
     """A [out_features, in_features] weight as blocks of 32 along each row: `qs` the quants
     ([out, in / 32 * quant bytes], uint8) and `scales` the float16 fields ([out, in / 32, fields])."""
 
-    format: str  # "Q4_1" | "Q8_0"
+    format: str  # "Q4_1" | "Q8_0" | "Q5_1S"
     qs: torch.Tensor
     scales: torch.Tensor
-    shipped: str = ""  # the file's block type, where it differs (Q4_0 runs as Q4_1, Q5_0 as Q8_0)
+    shipped: str = ""  # the file's block type, where it differs (Q4_0 runs as Q4_1, Q5_1 as Q5_1S, …)
 
     def __post_init__(self) -> None:
         self.shipped = self.shipped or self.format
@@ -84,12 +86,19 @@ class QuantizedWeight:
         return cat(weights)
 
     def quants(self) -> torch.Tensor:
-        """The integer quants, unpacked: [out, in / 32, 32] (Q4_1 0..15 as uint8, Q8_0 int8)."""
+        """The integer quants, unpacked: [out, in / 32, 32] (Q4_1 0..15 and Q5_1S 0..31 as uint8, Q8_0
+        int8)."""
         n, k = self.shape
+        nb = k // BLOCK
         if self.format == "Q8_0":
-            return self.qs.view(torch.int8).view(n, k // BLOCK, BLOCK)
-        b = self.qs.view(n, k // BLOCK, 16)
-        return torch.cat([b & 15, b >> 4], dim=-1)
+            return self.qs.view(torch.int8).view(n, nb, BLOCK)
+        b = self.qs[:, : nb * 16].reshape(n, nb, 16)
+        low = torch.cat([b & 15, b >> 4], dim=-1)
+        if self.format == "Q4_1":
+            return low
+        masks = self.qs[:, nb * 16 :].reshape(n, nb, 4)  # bit j (byte j // 8): weight j's fifth bit
+        bits = (masks.repeat_interleave(8, dim=-1) >> torch.arange(8, dtype=torch.uint8).repeat(4)) & 1
+        return low | (bits << 4)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of the float32 weight (an embedding lookup, a few output-head rows), with
@@ -266,12 +275,12 @@ def weights_from_file(g: Any, model_type: str, n_heads: int, n_kv_heads: int) ->
 
 
 def _from_rows(fmt: str, raw: np.ndarray) -> QuantizedWeight | RawWeight:
-    """A weight of type `fmt` from its raw rows: Q4_1 / Q8_0 split into quants and scales, Q4_0 and
-    Q5_0 as Q4_1 and Q8_0."""
+    """A weight of type `fmt` from its raw rows: Q4_1 / Q8_0 split into quants and scales, Q4_0 as
+    Q4_1, Q5_0 and Q5_1 as Q5_1S."""
     if fmt == "Q4_0":
         return _q4_0_as_q4_1(raw)
-    if fmt == "Q5_0":
-        return _q5_0_as_q8_0(raw)
+    if fmt in ("Q5_0", "Q5_1"):
+        return _q5_as_q5_1s(fmt, raw)
     if fmt not in FORMATS:
         return RawWeight(fmt, torch.from_numpy(raw))  # the caller's own array (read from the file)
     qbytes, fields = FORMATS[fmt]
@@ -288,25 +297,42 @@ def _q4_0_as_q4_1(raw: np.ndarray) -> QuantizedWeight | RawWeight:
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 18)
     d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)
-    if not np.isfinite(d).all() or np.abs(d).max(initial=0) > 8000:
+    if not _scales_fit(d, 8):
         return RawWeight("Q4_0", torch.from_numpy(raw))
     scales = np.concatenate([d, (d * np.float16(-8)).astype(np.float16)], axis=-1)
     qs = np.ascontiguousarray(blocks[..., 2:]).reshape(rows, -1)
     return QuantizedWeight("Q4_1", torch.from_numpy(qs), torch.from_numpy(scales), shipped="Q4_0")
 
 
-def _q5_0_as_q8_0(raw: np.ndarray) -> QuantizedWeight:
-    """Q5_0's d (q - 16) is Q8_0's d q8 with q8 = q - 16 in [-16, 15], exactly. Unpacked so, its
-    tensors take half as many bytes again (34 for 22 a block) and the split path's speed."""
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, 22)
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)
-    fifth = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)  # bit j: weight j's fifth bit
-    nibbles = blocks[..., 6:]
+def _scales_fit(d: np.ndarray, shift: int) -> bool:
+    """Whether every d is finite and -shift d still fits float16 (then it is exact there)."""
+    return bool(np.isfinite(d).all()) and float(np.abs(d).max(initial=0)) * shift <= 64000
+
+
+def _q5_as_q5_1s(fmt: str, raw: np.ndarray) -> QuantizedWeight:
+    """Q5_1 rows (d, m, a 32-bit mask of fifth bits, Q4_1's nibbles) as Q5_1S: the same bytes, the
+    nibbles first and the masks after them, so the kernel reads the nibbles as Q4_1's. Q5_0's
+    d (q - 16) is Q5_1's d q + m with m = -16 d, exactly, as Q4_0's is Q4_1's; a d too large for that
+    runs as Q8_0 (q - 16 a byte each, also exact)."""
+    rows, fields = raw.shape[0], 2 if fmt == "Q5_1" else 1
+    blocks = raw.reshape(rows, -1, 2 * fields + 20)
+    halves = np.ascontiguousarray(blocks[..., : 2 * fields]).view(np.float16)
+    masks, nibbles = blocks[..., 2 * fields : 2 * fields + 4], blocks[..., 2 * fields + 4 :]
+    if fmt == "Q5_0" and not _scales_fit(halves, 16):
+        return _q5_0_as_q8_0(halves, masks, nibbles)
+    if fmt == "Q5_0":
+        halves = np.concatenate([halves, (halves * np.float16(-16)).astype(np.float16)], axis=-1)
+    qs = np.concatenate([nibbles.reshape(rows, -1), masks.reshape(rows, -1)], axis=1)
+    return QuantizedWeight("Q5_1S", torch.from_numpy(qs), torch.from_numpy(halves.copy()), shipped=fmt)
+
+
+def _q5_0_as_q8_0(d: np.ndarray, masks: np.ndarray, nibbles: np.ndarray) -> QuantizedWeight:
+    """Q5_0's d (q - 16) as Q8_0's d q8 with q8 = q - 16 in [-16, 15], exactly."""
+    # bit j of the little-endian mask (bit j % 8 of byte j // 8): weight j's fifth bit
+    high = (np.repeat(masks, 8, axis=-1) >> np.tile(np.arange(8, dtype=np.uint8), 4)) & 1
     low = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # weights 0-15, then 16-31
-    high = (fifth >> np.arange(32, dtype=np.uint32)) & 1
-    q8 = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 16
-    qs = q8.astype(np.int8).view(np.uint8).reshape(rows, -1)
+    q8 = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
+    qs = q8.view(np.uint8).reshape(d.shape[0], -1)
     return QuantizedWeight("Q8_0", torch.from_numpy(qs), torch.from_numpy(d.copy()), shipped="Q5_0")
 
 

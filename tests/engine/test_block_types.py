@@ -84,19 +84,22 @@ def widths(fmt: str) -> tuple[int, ...]:
 
 
 MINS = {"Q4_1": 2, "Q5_1": 2, "Q2_K": 82, "Q4_K": 2, "Q5_K": 2}  # the float16 min (dmin) of a block
+# types that run with a min m = -shift d (Q4_0 as Q4_1, Q5_0 as Q5_1S): (block bytes, shift)
+SHIFTED = {"Q4_0": (18, 8), "Q5_0": (22, 16)}
 
 
 def scaled_quants(fmt: str, raw: np.ndarray) -> torch.Tensor:
     """D * q of each weight (its value less the block's offset M): what meets the activations'
     fixed-point rounding on the integer path, while M meets their exact sums."""
-    if fmt == "Q4_0":  # it runs as Q4_1 with m = -8 d: the quants meet the activations unshifted
+    if fmt in SHIFTED:  # the quants meet the activations unshifted
+        nbytes, shift = SHIFTED[fmt]
         d = (
-            np.ascontiguousarray(raw.reshape(raw.shape[0], -1, 18)[..., :2])
+            np.ascontiguousarray(raw.reshape(raw.shape[0], -1, nbytes)[..., :2])
             .view(np.float16)
             .astype(np.float32)
         )
         shifted = dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32)
-        return torch.from_numpy(shifted + 8 * np.repeat(d[..., 0], 32, axis=-1))
+        return torch.from_numpy(shifted + shift * np.repeat(d[..., 0], 32, axis=-1))
     if fmt in MINS:
         weights, nbytes = block_size(fmt)
         raw = raw.copy().reshape(raw.shape[0], -1, nbytes)
@@ -134,6 +137,23 @@ def test_dequantize_equals_gguf_py(kernel, fmt):
         assert torch.equal(w.rows(torch.tensor([5, 0, 23])), want[[5, 0, 23]])
         if fmt in quant.RAW_TYPES:
             assert torch.equal(kernel.dequantize_blocks(fmt, torch.from_numpy(raw), k), want)
+
+
+@pytest.mark.parametrize(("fmt", "runs_as"), [("Q4_0", "Q4_0"), ("Q5_0", "Q8_0")])
+def test_a_scale_too_large_for_a_float16_min_keeps_an_exact_layout(kernel, fmt, runs_as):
+    """Q4_0 and Q5_0 run with a min of -8 d and -16 d; where that overflows float16 (d near 8,000 or
+    4,000), the tensor keeps its raw rows (Q4_0) or runs as Q8_0 (Q5_0), still equal to gguf-py's."""
+    nbytes, shift = SHIFTED[fmt]
+    raw = random_rows(fmt, 8, 96, seed=4).reshape(8, -1, nbytes)
+    raw[3, 1, :2] = np.array([70000.0 / shift], dtype=np.float16).view(np.uint8)
+    raw = raw.reshape(8, -1)
+    w = weight(fmt, raw)
+    assert w.format == runs_as and w.shipped == fmt
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32))
+    assert torch.equal(w.dequantize(), want)
+    x = torch.randn(3, 96)
+    got = quant.quantized_matmul(kernel, x, w)
+    assert ((got - F.linear(x, want)).abs() <= summation_bound(x, want, kernel)).all()
 
 
 @pytest.mark.parametrize("fmt", TYPES)
@@ -179,22 +199,22 @@ def _float_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def test_a_stacked_weight_of_mixed_types_runs_part_by_part(kernel):
     """q/k in Q5_1 and v in Q8_0, gate Q4_K and up Q6_K: one stacked weight each, outputs side by
-    side; runs of one type are joined into one weight, and Q5_0 joins Q8_0 (it runs as Q8_0)."""
+    side; runs of one type are joined into one weight, and Q5_0 joins Q5_1 (both run as Q5_1S)."""
     k = 256
     raws = [random_rows(f, n, k, seed=n) for f, n in (("Q5_1", 64), ("Q5_1", 32), ("Q8_0", 32))]
     q, kk, v = weight("Q5_1", raws[0]), weight("Q5_1", raws[1]), weight("Q8_0", raws[2])
     qkv = quant.cat([q, kk, v])
-    assert isinstance(qkv, quant.StackedWeight) and [p.format for p in qkv.parts] == ["Q5_1", "Q8_0"]
-    assert qkv.shape == (128, k) and qkv.format == "Q5_1+Q8_0"
+    assert isinstance(qkv, quant.StackedWeight) and [p.format for p in qkv.parts] == ["Q5_1S", "Q8_0"]
+    assert qkv.shape == (128, k) and (qkv.format, qkv.shipped) == ("Q5_1S+Q8_0", "Q5_1+Q8_0")
     dense = torch.cat([q.dequantize(), kk.dequantize(), v.dequantize()])
     assert torch.equal(qkv.dequantize(), dense)
     assert torch.equal(qkv.rows(torch.tensor([127, 3, 70])), dense[[127, 3, 70]])
-    q5 = quant.cat([weight("Q5_0", random_rows("Q5_0", 16, k, 5)), v])
-    assert isinstance(q5, quant.QuantizedWeight) and (q5.format, q5.shipped) == ("Q8_0", "Q5_0+Q8_0")
+    q5 = quant.cat([weight("Q5_0", random_rows("Q5_0", 16, k, 5)), q])
+    assert isinstance(q5, quant.QuantizedWeight) and (q5.format, q5.shipped) == ("Q5_1S", "Q5_0+Q5_1")
     gate, up = random_rows("Q4_K", 48, k, 1), random_rows("Q6_K", 48, k, 2)
     gate_up = quant.cat([weight("Q4_K", gate), weight("Q6_K", up)])
     scaled = {
-        "Q5_1+Q8_0": torch.cat(
+        "Q5_1S+Q8_0": torch.cat(
             [scaled_quants("Q5_1", raws[0]), scaled_quants("Q5_1", raws[1]), v.dequantize()]
         ),
         "Q4_K+Q6_K": torch.cat([scaled_quants("Q4_K", gate), gate_up.parts[1].dequantize()]),
@@ -441,7 +461,7 @@ async def test_q4_k_m_file_runs_every_linear_on_its_blocks(kernel, monkeypatch):
     assert engine.health()["kernels"]["linears_on_blocks"] == "121 of 121"
     assert any(
         "+" in lin.blocks.shipped for lin in linears if isinstance(lin, BlockLinear)
-    )  # q/k Q5_0 beside v Q8_0: one Q8_0 weight
+    )  # q/k Q5_0 (as Q5_1S) beside v Q8_0: one stacked weight
     texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
     prompts = [chat_prompt(loaded.tokenizer, t) for t in texts]
     got = await _greedy_tokens(engine, prompts, 24)

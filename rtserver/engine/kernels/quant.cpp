@@ -7,10 +7,12 @@
 // of the quants with 16-bit fixed-point activations (RTSERVER_INT_DOTS below); without, each block is
 // unpacked to float in registers. Both equal a float32 matmul of the dequantized weights up to rounding.
 //
-// Two layouts. The split one (Q4_1, Q8_0: the tuned path above, integer dots on VNNI):
+// Two layouts. The split one (Q4_1, Q8_0, Q5_1S: the tuned path above, integer dots on VNNI):
 // Q4_1: per block of 32 weights: `qs` 16 bytes, byte j holds weight j (low nibble) and j + 16 (high);
 //       `dm` two float16: weight = d * q + m.
 // Q8_0: per block of 32 weights: `qs` 32 int8, `d` one float16: weight = d * q.
+// Q5_1S: Q4_1's nibbles, then (after the row's last block) each block's 32-bit mask of fifth bits
+//        (bit j: weight j's 16), `dm` two float16: weight = d * q + m with q in 0..31 (Q5_1, Q5_0).
 // Raw rows (every other type: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS): the file's bytes, one
 // row of blocks per output column; blocks.h decodes them, and raw_pass dequantizes 32 weights at a
 // time in registers with gguf-py's float32 arithmetic. On VNNI, steps of one or two rows take the
@@ -43,6 +45,13 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
+// The split layout's formats: how a block stores its quants, and whether it has a min.
+enum class Split { Q4_1, Q8_0, Q5_1S };
+constexpr bool has_min(Split f) { return f != Split::Q8_0; }
+constexpr bool has_nibbles(Split f) { return f != Split::Q8_0; }
+constexpr int64_t quant_bytes(Split f) { return f == Split::Q8_0 ? 32 : 16; }
+constexpr int64_t mask_bytes(Split f) { return f == Split::Q5_1S ? 4 : 0; }
+
 #if defined(__F16C__)
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 #else
@@ -67,6 +76,16 @@ inline void q4_unpack(const uint8_t* qs, Vec* w) {
 inline void q8_unpack(const uint8_t* qs, Vec* w) {
   for (int i = 0; i < 2; ++i)
     w[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * i))));
+}
+// Q5_1S: the nibbles as q4_unpack's, plus 16 where the mask has the weight's bit.
+inline void q5_unpack(const uint8_t* qs, const uint8_t* qh, Vec* w) {
+  uint32_t m;
+  std::memcpy(&m, qh, 4);
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(b, 4);
+  w[0] = _mm512_cvtepi32_ps(_mm512_mask_add_epi32(lo, static_cast<__mmask16>(m), lo, sixteen));
+  w[1] = _mm512_cvtepi32_ps(_mm512_mask_add_epi32(hi, static_cast<__mmask16>(m >> 16), hi, sixteen));
 }
 // o = w * d (+ m): a product then a sum, as QuantizedWeight.dequantize computes it.
 template <bool Offset>
@@ -119,6 +138,13 @@ inline void q8_unpack(const uint8_t* qs, Vec* w) {
   for (int i = 0; i < 4; ++i)
     w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i))));
 }
+// Q5_1S: the nibbles (weights 0-15, then 16-31) with blocks.h's fifth bits, 8 weights a vector.
+inline void q5_unpack(const uint8_t* qs, const uint8_t* qh, Vec* w) {
+  const __m256i q = _mm256_or_si256(blocks::nibbles(qs), blocks::fifth_bits(qh));
+  const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(i % 2 ? _mm_srli_si128(half[i / 2], 8) : half[i / 2]));
+}
 template <bool Offset>
 inline void scale_store(Vec w, float d, float m, float* o) {
   const Vec v = _mm256_mul_ps(w, _mm256_set1_ps(d));
@@ -163,6 +189,12 @@ inline void q4_unpack(const uint8_t* qs, Vec* w) {
 inline void q8_unpack(const uint8_t* qs, Vec* w) {
   for (int j = 0; j < 32; ++j) w[j].v = static_cast<int8_t>(qs[j]);
 }
+inline void q5_unpack(const uint8_t* qs, const uint8_t* qh, Vec* w) {
+  uint32_t m;
+  std::memcpy(&m, qh, 4);
+  for (int j = 0; j < 16; ++j)
+    w[j].v = (qs[j] & 15) | (((m >> j) & 1) << 4), w[j + 16].v = (qs[j] >> 4) | (((m >> (j + 16)) & 1) << 4);
+}
 template <bool Offset>
 inline void scale_store(Vec w, float d, float m, float* o) {
   *o = Offset ? w.v * d + m : w.v * d;
@@ -182,26 +214,43 @@ inline Vec dot_acc(const Vec* w, const float* x, Vec acc) {
 }
 #endif
 
+// A split block's quants as float vectors, in the order of its weights (qh: Q5_1S's mask).
+template <Split F>
+inline void split_unpack(const uint8_t* qs, const uint8_t* qh, Vec* w) {
+  if (F == Split::Q4_1)
+    q4_unpack(qs, w);
+  else if (F == Split::Q8_0)
+    q8_unpack(qs, w);
+  else
+    q5_unpack(qs, qh, w);
+}
+
+// Where row n of a split weight starts, and its fifth-bit masks (Q5_1S) after its blocks' quants.
+template <Split F>
+inline const uint8_t* split_row(const uint8_t* Q, int64_t n, int64_t nb) {
+  return Q + n * nb * (quant_bytes(F) + mask_bytes(F));
+}
+
 // Activation rows sharing one pass over the weights: each weight block is read once per R rows, and
 // R is a template argument so the accumulators stay in registers.
-template <int R, bool HasMin>
+template <int R, Split F>
 void rows_pass(const float* x, const float* xsum, int64_t K, int64_t N, int64_t n0, int64_t n1,
-               const uint8_t* Q, const uint16_t* S, int64_t qbytes, float* y) {
+               const uint8_t* Q, const uint16_t* S, float* y) {
   const int64_t nb = K / kBlock;
+  constexpr bool HasMin = has_min(F);
+  constexpr int64_t qbytes = quant_bytes(F);
   constexpr int fields = HasMin ? 2 : 1;
   for (int64_t n = n0; n < n1; ++n) {
     Vec acc[R];
     float msum[R];
     for (int r = 0; r < R; ++r) acc[r] = vzero(), msum[r] = 0.f;
-    const uint8_t* q = Q + n * nb * qbytes;
+    const uint8_t* q = split_row<F>(Q, n, nb);
+    const uint8_t* qh = q + nb * qbytes;
     const uint16_t* s = S + n * nb * fields;
     for (int64_t b = 0; b < nb; ++b) {
       const float d = half_to_float(s[b * fields]);
       Vec w[kParts];  // the block's quants as floats, unpacked once for all R rows
-      if (HasMin)
-        q4_unpack(q + b * qbytes, w);
-      else
-        q8_unpack(q + b * qbytes, w);
+      split_unpack<F>(q + b * qbytes, qh + b * 4, w);
       for (int r = 0; r < R; ++r) acc[r] = vfma(block_dot(w, x + r * K + b * kBlock), d, acc[r]);
       if (HasMin) {
         const float m = half_to_float(s[b * fields + 1]);
@@ -287,8 +336,8 @@ void raw_dequantize(const uint8_t* W, int64_t rows, int64_t K, int64_t row_bytes
 // quants in vpdpbusd (64 multiply-adds an instruction, exact in int32) instead of unpacking every quant
 // to float. The only new rounding is the activations' to 16 bits of their block's largest value
 // (relative 1.5e-5; float16 storage would be 4.9e-4); `fixed_point_reference` in quant.py is the same
-// arithmetic in torch. Q4_1 quants (0..15) are the unsigned operand and the limbs signed
-// (hi, lo in [-128, 127]); Q8_0 quants are signed, so there the limbs carry +32768 as unsigned bytes and
+// arithmetic in torch. Q4_1 and Q5_1S quants (0..15, 0..31) are the unsigned operand and the limbs
+// signed (hi, lo in [-128, 127]); Q8_0 quants are signed, so there the limbs carry +32768 as unsigned bytes and
 // 32768 * sum(q_b) (one more vpdpbusd against ones) is taken off.
 constexpr float kFixed = 32512.f;  // 127 * 256: the high limb of the largest value still fits int8
 
@@ -347,11 +396,13 @@ inline __m256i fixed_dot(__m256i w, const uint8_t* hi, const uint8_t* lo, bool w
 }
 
 // Rows r0.. r0+R of y for output columns [n0, n1): two blocks (64 quants) a step, the last odd block
-// on 256-bit vectors. A block's int32 lanes get d_b * s_b in float; Q4_1's m_b * sum(x_b) runs beside.
-template <int R, bool HasMin>
+// on 256-bit vectors. A block's int32 lanes get d_b * s_b in float; a min's m_b * sum(x_b) runs beside.
+template <int R, Split F>
 void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0, int64_t n1,
-                const uint8_t* Q, const uint16_t* S, int64_t qbytes, float* y) {
+                const uint8_t* Q, const uint16_t* S, float* y) {
   const int64_t nb = K / kBlock;
+  constexpr bool HasMin = has_min(F);
+  constexpr int64_t qbytes = quant_bytes(F);
   constexpr int fields = HasMin ? 2 : 1;
   const __m512i nib = _mm512_set1_epi8(15);
   const __m512i ones = _mm512_set1_epi8(1);
@@ -365,19 +416,28 @@ void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0
     float mtail[R];
     for (int r = 0; r < R; ++r)
       acc[r] = _mm512_setzero_ps(), tail[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps(), mtail[r] = 0.f;
-    const uint8_t* q = Q + n * nb * qbytes;
+    const uint8_t* q = split_row<F>(Q, n, nb);
+    const uint8_t* qh = q + nb * qbytes;
     const uint16_t* s = S + n * nb * fields;
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
       __m512i w;
       __m128 dm;
-      if (HasMin) {  // 32 bytes = two blocks' nibbles -> lanes (b0 low, b0 high, b1 low, b1 high)
+      if (has_nibbles(F)) {  // 32 bytes = two blocks' nibbles -> lanes (b0 low, b0 high, b1 low, b1 high)
         __m512i z = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * qbytes)));
         z = _mm512_shuffle_i64x2(z, z, 0x50);
         w = _mm512_and_si512(_mm512_mask_srli_epi64(z, 0xCC, z, 4), nib);
-        dm = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + b * 2)));
+        if (mask_bytes(F)) {  // byte i is weight i of the two blocks, as is bit i of their two masks
+          uint64_t m;
+          std::memcpy(&m, qh + b * 4, 8);
+          w = _mm512_or_si512(w, _mm512_maskz_mov_epi8(m, _mm512_set1_epi8(16)));
+        }
       } else {
         w = _mm512_loadu_si512(q + b * qbytes);
+      }
+      if (HasMin) {
+        dm = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + b * 2)));
+      } else {
         uint32_t two;
         std::memcpy(&two, s + b, 4);
         dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
@@ -396,9 +456,14 @@ void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0
     }
     if (b < nb) {
       __m256i w;
-      if (HasMin) {
+      if (has_nibbles(F)) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * qbytes));
         w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+        if (mask_bytes(F)) {
+          uint32_t m;
+          std::memcpy(&m, qh + b * 4, 4);
+          w = _mm256_or_si256(w, _mm256_maskz_mov_epi8(m, _mm256_set1_epi8(16)));
+        }
       } else {
         w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * qbytes));
       }
@@ -526,27 +591,28 @@ void row_passes(int64_t M, int64_t N, const Pass& pass) {
   });
 }
 
-// y [M, N] (rows ldy apart) = x [M, K] @ W.T for a Q4_1 (HasMin) or Q8_0 weight in the split layout.
-template <bool HasMin>
-void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, const uint16_t* S,
-            int64_t qbytes, float* y, int64_t ldy) {
+// y [M, N] (rows ldy apart) = x [M, K] @ W.T for a weight in the split layout.
+template <Split F>
+void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, const uint16_t* S, float* y,
+            int64_t ldy) {
+  constexpr bool HasMin = has_min(F);
 #ifdef RTSERVER_INT_DOTS
   FixedRows f;
   to_fixed(x, M, K, !HasMin, f);
   row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
-    fixed_pass<decltype(R)::value, HasMin>(f, r0, K, ldy, n0, n1, Q, S, qbytes, y + r0 * ldy);
+    fixed_pass<decltype(R)::value, F>(f, r0, K, ldy, n0, n1, Q, S, y + r0 * ldy);
   });
 #else
   const int64_t nb = K / kBlock;
-  std::vector<float> xsum(HasMin ? M * nb : 0);  // Q4_1's min term: each block's activation sum
+  std::vector<float> xsum(HasMin ? M * nb : 0);  // the min term: each block's activation sum
   for (int64_t i = 0; i < (HasMin ? M * nb : 0); ++i) {
     float t = 0.f;
     for (int j = 0; j < kBlock; ++j) t += x[i * kBlock + j];
     xsum[i] = t;
   }
   row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
-    rows_pass<decltype(R)::value, HasMin>(x + r0 * K, xsum.data() + (HasMin ? r0 * nb : 0), K, ldy, n0, n1, Q, S,
-                                          qbytes, y + r0 * ldy);
+    rows_pass<decltype(R)::value, F>(x + r0 * K, xsum.data() + (HasMin ? r0 * nb : 0), K, ldy, n0, n1, Q, S,
+                                     y + r0 * ldy);
   });
 #endif
 }
@@ -578,7 +644,18 @@ void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32");
 }
 
-bool is_split(const std::string& format) { return format == "Q4_1" || format == "Q8_0"; }
+bool is_split(const std::string& format) { return format == "Q4_1" || format == "Q8_0" || format == "Q5_1S"; }
+
+// Calls f(std::integral_constant<Split, ...>) for a split format's name.
+template <typename Fn>
+void with_split(const std::string& format, const Fn& f) {
+  if (format == "Q4_1")
+    f(std::integral_constant<Split, Split::Q4_1>{});
+  else if (format == "Q8_0")
+    f(std::integral_constant<Split, Split::Q8_0>{});
+  else
+    f(std::integral_constant<Split, Split::Q5_1S>{});
+}
 
 const char* kBlockTypes = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS";
 
@@ -592,21 +669,22 @@ void check_raw(const std::string& format, const torch::Tensor& qs, int64_t K) {
 }
 
 // A weight's blocks for inputs of width K. The split layout: Q4_1 = 16 bytes of quants and float16
-// (d, m) per block, Q8_0 = 32 bytes and float16 d; every other type its raw rows (`scales` unused).
+// (d, m) per block, Q8_0 = 32 bytes and float16 d, Q5_1S = Q4_1's and a 4-byte mask; every other type
+// its raw rows (`scales` unused).
 void check_weight(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, int64_t K) {
   if (!is_split(format)) {
     const bool known = blocks::with_type(format, [&](auto t) { check_raw<decltype(t)>(format, qs, K); });
     TORCH_CHECK(known, "unsupported block type ", format, " (supported: ", kBlockTypes, ")");
     return;
   }
-  const bool q4 = format == "Q4_1";
-  const int64_t N = qs.size(0), nb = K / kBlock;
+  const bool with_min = format != "Q8_0";
+  const int64_t N = qs.size(0), nb = K / kBlock, block_bytes = format == "Q4_1" ? 16 : format == "Q8_0" ? 32 : 20;
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() &&
-                  qs.size(1) == nb * (q4 ? 16 : 32),
+                  qs.size(1) == nb * block_bytes,
               "blocks do not match x's width");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
-                  scales.numel() == N * nb * (q4 ? 2 : 1),
-              q4 ? "dm must be float16 [N, K/32, 2]" : "d must be float16 [N, K/32]");
+                  scales.numel() == N * nb * (with_min ? 2 : 1),
+              with_min ? "dm must be float16 [N, K/32, 2]" : "d must be float16 [N, K/32]");
 }
 
 // Steps of more rows than this multiply through panel::matmul (set by the runner's start-up probe).
@@ -614,23 +692,22 @@ int64_t g_panel_rows = INT64_MAX;
 
 void set_panel_rows(int64_t rows) { g_panel_rows = rows; }
 
-// Rows n0 .. n0 + rows of a split-layout weight (Q4_1 / Q8_0) as float32 [rows, K]: d * q (+ m), a
-// product then a sum, as QuantizedWeight.dequantize computes it.
-template <bool HasMin>
-void split_dequantize(const uint8_t* Q, const uint16_t* S, int64_t qbytes, int64_t n0, int64_t rows, int64_t K,
-                      float* out) {
+// Rows n0 .. n0 + rows of a split-layout weight as float32 [rows, K]: d * q (+ m), a product then a
+// sum, as QuantizedWeight.dequantize computes it.
+template <Split F>
+void split_dequantize(const uint8_t* Q, const uint16_t* S, int64_t n0, int64_t rows, int64_t K, float* out) {
+  constexpr bool HasMin = has_min(F);
+  constexpr int64_t qbytes = quant_bytes(F);
   const int64_t nb = K / kBlock, fields = HasMin ? 2 : 1;
   for (int64_t n = 0; n < rows; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t i = (n0 + n) * nb + b;
-      const uint8_t* q = Q + i * qbytes;
+      const uint8_t* row = split_row<F>(Q, n0 + n, nb);
+      const uint8_t* q = row + b * qbytes;
       const float d = half_to_float(S[i * fields]), m = HasMin ? half_to_float(S[i * fields + 1]) : 0.f;
       float* o = out + n * K + b * kBlock;
-      Vec w[kParts];  // q4_unpack's order: low nibbles of bytes 0-15, then their high nibbles
-      if (HasMin)
-        q4_unpack(q, w);
-      else
-        q8_unpack(q, w);
+      Vec w[kParts];  // the weights' order (Q4_1: low nibbles of bytes 0-15, then their high nibbles)
+      split_unpack<F>(q, row + nb * qbytes + b * 4, w);
       for (int i = 0; i < kParts; ++i) scale_store<HasMin>(w[i], d, m, o + i * (kBlock / kParts));
     }
 }
@@ -650,11 +727,10 @@ void panel_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
     return;
   }
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  panel::matmul(x, M, K, N, y, ldy, [&](int64_t n0, int64_t rows, float* out) {
-    if (format == "Q4_1")
-      split_dequantize<true>(Q, S, 16, n0, rows, K, out);
-    else
-      split_dequantize<false>(Q, S, 32, n0, rows, K, out);
+  with_split(format, [&](auto f) {
+    panel::matmul(x, M, K, N, y, ldy, [&](int64_t n0, int64_t rows, float* out) {
+      split_dequantize<decltype(f)::value>(Q, S, n0, rows, K, out);
+    });
   });
 }
 
@@ -672,10 +748,7 @@ void block_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
     return;
   }
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  if (format == "Q4_1")
-    matmul<true>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 16, y, ldy);
-  else
-    matmul<false>(x, M, K, N, qs.data_ptr<uint8_t>(), S, 32, y, ldy);
+  with_split(format, [&](auto f) { matmul<decltype(f)::value>(x, M, K, N, qs.data_ptr<uint8_t>(), S, y, ldy); });
 }
 
 // A linear as the runner passes it: one or more parts over the same input (a stacked weight: q/k/v or

@@ -192,8 +192,10 @@ inline void q8_unpack(const uint8_t* qs, Vec* w) {
 inline void q5_unpack(const uint8_t* qs, const uint8_t* qh, Vec* w) {
   uint32_t m;
   std::memcpy(&m, qh, 4);
-  for (int j = 0; j < 16; ++j)
-    w[j].v = (qs[j] & 15) | (((m >> j) & 1) << 4), w[j + 16].v = (qs[j] >> 4) | (((m >> (j + 16)) & 1) << 4);
+  for (int j = 0; j < 16; ++j) {
+    w[j].v = (qs[j] & 15) | (((m >> j) & 1) << 4);
+    w[j + 16].v = (qs[j] >> 4) | (((m >> (j + 16)) & 1) << 4);
+  }
 }
 template <bool Offset>
 inline void scale_store(Vec w, float d, float m, float* o) {
@@ -337,8 +339,8 @@ void raw_dequantize(const uint8_t* W, int64_t rows, int64_t K, int64_t row_bytes
 // to float. The only new rounding is the activations' to 16 bits of their block's largest value
 // (relative 1.5e-5; float16 storage would be 4.9e-4); `fixed_point_reference` in quant.py is the same
 // arithmetic in torch. Q4_1 and Q5_1S quants (0..15, 0..31) are the unsigned operand and the limbs
-// signed (hi, lo in [-128, 127]); Q8_0 quants are signed, so there the limbs carry +32768 as unsigned bytes and
-// 32768 * sum(q_b) (one more vpdpbusd against ones) is taken off.
+// signed (hi, lo in [-128, 127]); Q8_0 quants are signed, so there the limbs carry +32768 as unsigned
+// bytes and 32768 * sum(q_b) (one more vpdpbusd against ones) is taken off.
 constexpr float kFixed = 32512.f;  // 127 * 256: the high limb of the largest value still fits int8
 
 struct FixedRows {
@@ -677,8 +679,12 @@ void check_weight(const std::string& format, const torch::Tensor& qs, const torc
     TORCH_CHECK(known, "unsupported block type ", format, " (supported: ", kBlockTypes, ")");
     return;
   }
-  const bool with_min = format != "Q8_0";
-  const int64_t N = qs.size(0), nb = K / kBlock, block_bytes = format == "Q4_1" ? 16 : format == "Q8_0" ? 32 : 20;
+  bool with_min = true;
+  int64_t block_bytes = 0;
+  with_split(format, [&](auto f) {
+    with_min = has_min(f), block_bytes = quant_bytes(f) + mask_bytes(f);
+  });
+  const int64_t N = qs.size(0), nb = K / kBlock;
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() &&
                   qs.size(1) == nb * block_bytes,
               "blocks do not match x's width");

@@ -2,10 +2,11 @@
 
 Batch-1 decoding streams every weight once per step, so fewer bytes a weight mean faster steps. Q4_1
 and Q8_0 are split into quants and float16 scales (the kernel's tuned layout), and so are Q5_1 and
-Q5_0 as Q5_1S (Q4_1's nibbles and a mask of fifth bits); Q4_0 runs as Q4_1, all exactly. Every other
-block type keeps the file's raw rows. A mixed file (Q4_K_M ships several types) runs each tensor in
-its own type. The C++ kernel is built once per CPU and cached; its pure-torch twin is what the tests
-compare it with. Results equal the float32 engine's on the dequantized weights up to rounding.
+Q5_0 as Q5_1S (Q4_1's nibbles and a mask of fifth bits) and Q4_K as Q4_1F (Q4_1's nibbles, float32
+scales); Q4_0 runs as Q4_1, all exactly. Every other block type keeps the file's raw rows. A mixed
+file (Q4_K_M ships several types) runs each tensor in its own type. The C++ kernel is built once per
+CPU and cached; its pure-torch twin is what the tests compare it with. Results equal the float32
+engine's on the dequantized weights up to rounding.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from .gguf_load import PERMUTED_QK
 log = logging.getLogger("rtserver.quant")
 
 BLOCK = 32
-# bytes of one block's quants and of its float16 scale fields, per format of the split layout (Q5_1S
-# is no GGUF type: a row's Q4_1 nibbles, then its blocks' 32-bit masks of fifth bits)
-FORMATS = {"Q4_1": (16, 2), "Q8_0": (32, 1), "Q5_1S": (20, 2)}
+# bytes of one block's quants and its scale fields (float16; Q4_1F's float32), per format of the split
+# layout. Q5_1S and Q4_1F are no GGUF types: Q5_1S is a row's Q4_1 nibbles, then its blocks' 32-bit
+# masks of fifth bits; Q4_1F is Q4_1 with float32 fields, Q4_K's scale and min per 32 weights.
+FORMATS = {"Q4_1": (16, 2), "Q8_0": (32, 1), "Q5_1S": (20, 2), "Q4_1F": (16, 2)}
 # block types the kernel reads as the file's raw rows (engine/kernels/blocks.h)
 RAW_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 SUPPORTED_TYPES = ("Q4_1", "Q8_0", *RAW_TYPES)
@@ -55,9 +57,10 @@ _LAYER_NAMES = {
 @dataclass
 class QuantizedWeight:
     """A [out_features, in_features] weight as blocks of 32 along each row: `qs` the quants
-    ([out, in / 32 * quant bytes], uint8) and `scales` the float16 fields ([out, in / 32, fields])."""
+    ([out, in / 32 * quant bytes], uint8) and `scales` the fields ([out, in / 32, fields], float16 or
+    Q4_1F's float32)."""
 
-    format: str  # "Q4_1" | "Q8_0" | "Q5_1S"
+    format: str  # "Q4_1" | "Q8_0" | "Q5_1S" | "Q4_1F"
     qs: torch.Tensor
     scales: torch.Tensor
     shipped: str = ""  # the file's block type, where it differs (Q4_0 runs as Q4_1, Q5_1 as Q5_1S, …)
@@ -76,7 +79,7 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.qs.numel() + self.scales.numel() * 2
+        return self.qs.numel() + self.scales.numel() * self.scales.element_size()
 
     @staticmethod
     def cat(weights: list[BlockWeight]) -> BlockWeight:
@@ -85,15 +88,15 @@ class QuantizedWeight:
         return cat(weights)
 
     def quants(self) -> torch.Tensor:
-        """The integer quants, unpacked: [out, in / 32, 32] (Q4_1 0..15 and Q5_1S 0..31 as uint8, Q8_0
-        int8)."""
+        """The integer quants, unpacked: [out, in / 32, 32] (Q4_1 / Q4_1F 0..15 and Q5_1S 0..31 as
+        uint8, Q8_0 int8)."""
         n, k = self.shape
         nb = k // BLOCK
         if self.format == "Q8_0":
             return self.qs.view(torch.int8).view(n, nb, BLOCK)
         b = self.qs[:, : nb * 16].reshape(n, nb, 16)
         low = torch.cat([b & 15, b >> 4], dim=-1)
-        if self.format == "Q4_1":
+        if self.format != "Q5_1S":
             return low
         masks = self.qs[:, nb * 16 :].reshape(n, nb, 4)  # bit j (byte j // 8): weight j's fifth bit
         bits = (masks.repeat_interleave(8, dim=-1) >> torch.arange(8, dtype=torch.uint8).repeat(4)) & 1
@@ -275,9 +278,11 @@ def weights_from_file(g: Any, model_type: str, n_heads: int, n_kv_heads: int) ->
 
 def _from_rows(fmt: str, raw: np.ndarray) -> QuantizedWeight | RawWeight:
     """A weight of type `fmt` from its raw rows: Q4_1 / Q8_0 split into quants and scales, Q4_0 as
-    Q4_1, Q5_0 and Q5_1 as Q5_1S."""
+    Q4_1, Q5_0 and Q5_1 as Q5_1S, Q4_K as Q4_1F."""
     if fmt == "Q4_0":
         return _q4_0_as_q4_1(raw)
+    if fmt == "Q4_K":
+        return _q4_k_as_q4_1f(raw)
     if fmt in ("Q5_0", "Q5_1"):
         return _q5_as_q5_1s(fmt, raw)
     if fmt not in FORMATS:
@@ -301,6 +306,26 @@ def _q4_0_as_q4_1(raw: np.ndarray) -> QuantizedWeight | RawWeight:
     scales = np.concatenate([d, (d * np.float16(-8)).astype(np.float16)], axis=-1)
     qs = np.ascontiguousarray(blocks[..., 2:]).reshape(rows, -1)
     return QuantizedWeight("Q4_1", torch.from_numpy(qs), torch.from_numpy(scales), shipped="Q4_0")
+
+
+def _q4_k_as_q4_1f(raw: np.ndarray) -> QuantizedWeight:
+    """Q4_K's weight d sc q - dmin mn, per 32 weights, is Q4_1F's D q + M with D = d sc and
+    M = -(dmin mn) in float32, computed as gguf-py computes them: exactly. The nibbles move into
+    Q4_1's order; 24 bytes a block for Q4_K's 18, for the split path's speed."""
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, 144)  # super-blocks of 256: d, dmin, 12 bytes of scales, 128 of nibbles
+    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)
+    dmin = np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    fields = np.stack([d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))], axis=-1)
+    # 32 bytes per two sub-blocks: the low nibbles are sub-block 2i's weights, the high 2i + 1's
+    nibbles = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (nibbles & 15).reshape(-1, 8, 32)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(rows, -1)  # Q4_1: byte j holds weights j and j + 16
+    scales = torch.from_numpy(np.ascontiguousarray(fields.reshape(rows, -1, 2)))
+    return QuantizedWeight("Q4_1F", torch.from_numpy(qs), scales, shipped="Q4_K")
 
 
 def _scales_fit(d: np.ndarray, shift: int) -> bool:

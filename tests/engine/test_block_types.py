@@ -214,7 +214,7 @@ def test_a_stacked_weight_of_mixed_types_runs_part_by_part(kernel):
     gate, up = random_rows("Q4_K", 48, k, 1), random_rows("Q6_K", 48, k, 2)
     gate_up = quant.cat([weight("Q4_K", gate), weight("Q6_K", up)])
     scaled = {
-        "Q5_1S+Q8_0": torch.cat(
+        "Q5_1+Q8_0": torch.cat(
             [scaled_quants("Q5_1", raws[0]), scaled_quants("Q5_1", raws[1]), v.dequantize()]
         ),
         "Q4_K+Q6_K": torch.cat([scaled_quants("Q4_K", gate), gate_up.parts[1].dequantize()]),
@@ -225,7 +225,7 @@ def test_a_stacked_weight_of_mixed_types_runs_part_by_part(kernel):
             got = quant.quantized_matmul(kernel, x, w)
             want = F.linear(x, w.dequantize())
             assert got.shape == want.shape
-            assert ((got - want).abs() <= summation_bound(x, w.dequantize(), kernel, scaled[w.format])).all()
+            assert ((got - want).abs() <= summation_bound(x, w.dequantize(), kernel, scaled[w.shipped])).all()
     with pytest.raises(ValueError, match="widths"):
         quant.cat([q, weight("Q5_1", random_rows("Q5_1", 8, 96, 3))])
 

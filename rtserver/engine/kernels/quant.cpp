@@ -7,12 +7,13 @@
 // of the quants with 16-bit fixed-point activations (RTSERVER_INT_DOTS below); without, each block is
 // unpacked to float in registers. Both equal a float32 matmul of the dequantized weights up to rounding.
 //
-// Two layouts. The split one (Q4_1, Q8_0, Q5_1S: the tuned path above, integer dots on VNNI):
+// Two layouts. The split one (Q4_1, Q8_0, Q5_1S, Q4_1F: the tuned path above, integer dots on VNNI):
 // Q4_1: per block of 32 weights: `qs` 16 bytes, byte j holds weight j (low nibble) and j + 16 (high);
 //       `dm` two float16: weight = d * q + m.
 // Q8_0: per block of 32 weights: `qs` 32 int8, `d` one float16: weight = d * q.
 // Q5_1S: Q4_1's nibbles, then (after the row's last block) each block's 32-bit mask of fifth bits
 //        (bit j: weight j's 16), `dm` two float16: weight = d * q + m with q in 0..31 (Q5_1, Q5_0).
+// Q4_1F: Q4_1's nibbles, `dm` two float32 (Q4_K's per-32 scale and min, d * sc and -dmin * mn).
 // Raw rows (every other type: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS): the file's bytes, one
 // row of blocks per output column; blocks.h decodes them, and raw_pass dequantizes 32 weights at a
 // time in registers with gguf-py's float32 arithmetic. On VNNI, steps of one or two rows take the
@@ -46,17 +47,25 @@ namespace {
 constexpr int64_t kBlock = 32;
 
 // The split layout's formats: how a block stores its quants, and whether it has a min.
-enum class Split { Q4_1, Q8_0, Q5_1S };
+enum class Split { Q4_1, Q8_0, Q5_1S, Q4_1F };
 constexpr bool has_min(Split f) { return f != Split::Q8_0; }
 constexpr bool has_nibbles(Split f) { return f != Split::Q8_0; }
 constexpr int64_t quant_bytes(Split f) { return f == Split::Q8_0 ? 32 : 16; }
 constexpr int64_t mask_bytes(Split f) { return f == Split::Q5_1S ? 4 : 0; }
+constexpr bool float32_fields(Split f) { return f == Split::Q4_1F; }
 
 #if defined(__F16C__)
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 #else
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 #endif
+
+// Field i of a split weight's scales (float16, or float32 for Q4_1F) as a float.
+template <Split F>
+inline float scale_field(const void* S, int64_t i) {
+  if (float32_fields(F)) return static_cast<const float*>(S)[i];
+  return half_to_float(static_cast<const uint16_t*>(S)[i]);
+}
 
 // Per instruction set: `Vec`, a block's quants unpacked to float vectors (q4_unpack: the nibbles,
 // q8_unpack: the int8s), and their dot product with 32 activations left unreduced (lanes summed at the
@@ -219,12 +228,12 @@ inline Vec dot_acc(const Vec* w, const float* x, Vec acc) {
 // A split block's quants as float vectors, in the order of its weights (qh: Q5_1S's mask).
 template <Split F>
 inline void split_unpack(const uint8_t* qs, const uint8_t* qh, Vec* w) {
-  if (F == Split::Q4_1)
-    q4_unpack(qs, w);
-  else if (F == Split::Q8_0)
+  if (!has_nibbles(F))
     q8_unpack(qs, w);
-  else
+  else if (mask_bytes(F))
     q5_unpack(qs, qh, w);
+  else
+    q4_unpack(qs, w);
 }
 
 // Where row n of a split weight starts, and its fifth-bit masks (Q5_1S) after its blocks' quants.
@@ -237,7 +246,7 @@ inline const uint8_t* split_row(const uint8_t* Q, int64_t n, int64_t nb) {
 // R is a template argument so the accumulators stay in registers.
 template <int R, Split F>
 void rows_pass(const float* x, const float* xsum, int64_t K, int64_t N, int64_t n0, int64_t n1,
-               const uint8_t* Q, const uint16_t* S, float* y) {
+               const uint8_t* Q, const void* S, float* y) {
   const int64_t nb = K / kBlock;
   constexpr bool HasMin = has_min(F);
   constexpr int64_t qbytes = quant_bytes(F);
@@ -248,14 +257,14 @@ void rows_pass(const float* x, const float* xsum, int64_t K, int64_t N, int64_t 
     for (int r = 0; r < R; ++r) acc[r] = vzero(), msum[r] = 0.f;
     const uint8_t* q = split_row<F>(Q, n, nb);
     const uint8_t* qh = q + nb * qbytes;
-    const uint16_t* s = S + n * nb * fields;
+    const int64_t s = n * nb * fields;
     for (int64_t b = 0; b < nb; ++b) {
-      const float d = half_to_float(s[b * fields]);
+      const float d = scale_field<F>(S, s + b * fields);
       Vec w[kParts];  // the block's quants as floats, unpacked once for all R rows
       split_unpack<F>(q + b * qbytes, qh + b * 4, w);
       for (int r = 0; r < R; ++r) acc[r] = vfma(block_dot(w, x + r * K + b * kBlock), d, acc[r]);
       if (HasMin) {
-        const float m = half_to_float(s[b * fields + 1]);
+        const float m = scale_field<F>(S, s + b * fields + 1);
         for (int r = 0; r < R; ++r) msum[r] += m * xsum[r * nb + b];
       }
     }
@@ -399,9 +408,20 @@ inline __m256i fixed_dot(__m256i w, const uint8_t* hi, const uint8_t* lo, bool w
 
 // Rows r0.. r0+R of y for output columns [n0, n1): two blocks (64 quants) a step, the last odd block
 // on 256-bit vectors. A block's int32 lanes get d_b * s_b in float; a min's m_b * sum(x_b) runs beside.
+// The scale fields i.. i+3 (two blocks' d and m) or i, i+1 (two blocks' d) as floats, lanes 0-3.
+template <Split F>
+inline __m128 two_blocks_fields(const void* S, int64_t i) {
+  if (float32_fields(F)) return _mm_loadu_ps(static_cast<const float*>(S) + i);
+  const uint16_t* h = static_cast<const uint16_t*>(S) + i;
+  if (has_min(F)) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
+  uint32_t two;
+  std::memcpy(&two, h, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+}
+
 template <int R, Split F>
 void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0, int64_t n1,
-                const uint8_t* Q, const uint16_t* S, float* y) {
+                const uint8_t* Q, const void* S, float* y) {
   const int64_t nb = K / kBlock;
   constexpr bool HasMin = has_min(F);
   constexpr int64_t qbytes = quant_bytes(F);
@@ -420,7 +440,7 @@ void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0
       acc[r] = _mm512_setzero_ps(), tail[r] = _mm256_setzero_ps(), macc[r] = _mm_setzero_ps(), mtail[r] = 0.f;
     const uint8_t* q = split_row<F>(Q, n, nb);
     const uint8_t* qh = q + nb * qbytes;
-    const uint16_t* s = S + n * nb * fields;
+    const int64_t s = n * nb * fields;
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
       __m512i w;
@@ -437,13 +457,7 @@ void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0
       } else {
         w = _mm512_loadu_si512(q + b * qbytes);
       }
-      if (HasMin) {
-        dm = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + b * 2)));
-      } else {
-        uint32_t two;
-        std::memcpy(&two, s + b, 4);
-        dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
-      }
+      dm = two_blocks_fields<F>(S, s + b * fields);
       const __m512 d = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(dm));
       __m512i offset;
       if (!HasMin) offset = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w), 15);
@@ -469,7 +483,7 @@ void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0
       } else {
         w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * qbytes));
       }
-      const float d = half_to_float(s[b * fields]);
+      const float d = scale_field<F>(S, s + b * fields);
       __m256i offset;
       if (!HasMin)
         offset = _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), w), 15);
@@ -478,7 +492,7 @@ void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0
         __m256i t = fixed_dot(w, f.hi.data() + at, f.lo.data() + at, HasMin);
         if (!HasMin) t = _mm256_sub_epi32(t, offset);
         tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d * f.scale8[blk * 8]), tail[r]);
-        if (HasMin) mtail[r] += half_to_float(s[b * fields + 1]) * f.xsum2[blk * 2 + 1];
+        if (HasMin) mtail[r] += scale_field<F>(S, s + b * fields + 1) * f.xsum2[blk * 2 + 1];
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -595,7 +609,7 @@ void row_passes(int64_t M, int64_t N, const Pass& pass) {
 
 // y [M, N] (rows ldy apart) = x [M, K] @ W.T for a weight in the split layout.
 template <Split F>
-void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, const uint16_t* S, float* y,
+void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, const void* S, float* y,
             int64_t ldy) {
   constexpr bool HasMin = has_min(F);
 #ifdef RTSERVER_INT_DOTS
@@ -646,7 +660,9 @@ void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32");
 }
 
-bool is_split(const std::string& format) { return format == "Q4_1" || format == "Q8_0" || format == "Q5_1S"; }
+bool is_split(const std::string& format) {
+  return format == "Q4_1" || format == "Q8_0" || format == "Q5_1S" || format == "Q4_1F";
+}
 
 // Calls f(std::integral_constant<Split, ...>) for a split format's name.
 template <typename Fn>
@@ -655,8 +671,10 @@ void with_split(const std::string& format, const Fn& f) {
     f(std::integral_constant<Split, Split::Q4_1>{});
   else if (format == "Q8_0")
     f(std::integral_constant<Split, Split::Q8_0>{});
-  else
+  else if (format == "Q5_1S")
     f(std::integral_constant<Split, Split::Q5_1S>{});
+  else
+    f(std::integral_constant<Split, Split::Q4_1F>{});
 }
 
 const char* kBlockTypes = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS";
@@ -671,26 +689,27 @@ void check_raw(const std::string& format, const torch::Tensor& qs, int64_t K) {
 }
 
 // A weight's blocks for inputs of width K. The split layout: Q4_1 = 16 bytes of quants and float16
-// (d, m) per block, Q8_0 = 32 bytes and float16 d, Q5_1S = Q4_1's and a 4-byte mask; every other type
-// its raw rows (`scales` unused).
+// (d, m) per block, Q8_0 = 32 bytes and float16 d, Q5_1S = Q4_1's and a 4-byte mask, Q4_1F = Q4_1's
+// with float32 (d, m); every other type its raw rows (`scales` unused).
 void check_weight(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, int64_t K) {
   if (!is_split(format)) {
     const bool known = blocks::with_type(format, [&](auto t) { check_raw<decltype(t)>(format, qs, K); });
     TORCH_CHECK(known, "unsupported block type ", format, " (supported: ", kBlockTypes, ")");
     return;
   }
-  bool with_min = true;
+  bool with_min = true, float32 = false;
   int64_t block_bytes = 0;
   with_split(format, [&](auto f) {
-    with_min = has_min(f), block_bytes = quant_bytes(f) + mask_bytes(f);
+    with_min = has_min(f), float32 = float32_fields(f), block_bytes = quant_bytes(f) + mask_bytes(f);
   });
   const int64_t N = qs.size(0), nb = K / kBlock;
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() &&
                   qs.size(1) == nb * block_bytes,
               "blocks do not match x's width");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == (float32 ? torch::kFloat32 : torch::kFloat16) && scales.is_contiguous() &&
                   scales.numel() == N * nb * (with_min ? 2 : 1),
-              with_min ? "dm must be float16 [N, K/32, 2]" : "d must be float16 [N, K/32]");
+              format, with_min ? ": dm must be " : ": d must be ", float32 ? "float32" : "float16",
+              with_min ? " [N, K/32, 2]" : " [N, K/32]");
 }
 
 // Steps of more rows than this multiply through panel::matmul (set by the runner's start-up probe).
@@ -701,7 +720,7 @@ void set_panel_rows(int64_t rows) { g_panel_rows = rows; }
 // Rows n0 .. n0 + rows of a split-layout weight as float32 [rows, K]: d * q (+ m), a product then a
 // sum, as QuantizedWeight.dequantize computes it.
 template <Split F>
-void split_dequantize(const uint8_t* Q, const uint16_t* S, int64_t n0, int64_t rows, int64_t K, float* out) {
+void split_dequantize(const uint8_t* Q, const void* S, int64_t n0, int64_t rows, int64_t K, float* out) {
   constexpr bool HasMin = has_min(F);
   constexpr int64_t qbytes = quant_bytes(F);
   const int64_t nb = K / kBlock, fields = HasMin ? 2 : 1;
@@ -710,7 +729,7 @@ void split_dequantize(const uint8_t* Q, const uint16_t* S, int64_t n0, int64_t r
       const int64_t i = (n0 + n) * nb + b;
       const uint8_t* row = split_row<F>(Q, n0 + n, nb);
       const uint8_t* q = row + b * qbytes;
-      const float d = half_to_float(S[i * fields]), m = HasMin ? half_to_float(S[i * fields + 1]) : 0.f;
+      const float d = scale_field<F>(S, i * fields), m = HasMin ? scale_field<F>(S, i * fields + 1) : 0.f;
       float* o = out + n * K + b * kBlock;
       Vec w[kParts];  // the weights' order (Q4_1: low nibbles of bytes 0-15, then their high nibbles)
       split_unpack<F>(q, row + nb * qbytes + b * 4, w);
@@ -732,7 +751,7 @@ void panel_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
     });
     return;
   }
-  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const void* S = scales.data_ptr();
   with_split(format, [&](auto f) {
     panel::matmul(x, M, K, N, y, ldy, [&](int64_t n0, int64_t rows, float* out) {
       split_dequantize<decltype(f)::value>(Q, S, n0, rows, K, out);
@@ -753,7 +772,7 @@ void block_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
     });
     return;
   }
-  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const void* S = scales.data_ptr();
   with_split(format, [&](auto f) { matmul<decltype(f)::value>(x, M, K, N, qs.data_ptr<uint8_t>(), S, y, ldy); });
 }
 

@@ -3,7 +3,8 @@
 Batch-1 decoding streams every weight once per step, so fewer bytes a weight mean faster steps. Q4_1
 and Q8_0 are split into quants and float16 scales (the kernel's tuned layout), and so are Q5_1 and
 Q5_0 as Q5_1S (Q4_1's nibbles and a mask of fifth bits) and Q4_K as Q4_1F (Q4_1's nibbles, float32
-scales); Q4_0 runs as Q4_1, all exactly. Every other block type keeps the file's raw rows. A mixed
+scales); Q4_0 runs as Q4_1, all exactly. Every other block type keeps the file's raw rows, Q6_K's
+unpacked to Q8_2F (a byte a quant beside float32 scales, exactly). A mixed
 file (Q4_K_M ships several types) runs each tensor in its own type. The C++ kernel is built once per
 CPU and cached; its pure-torch twin is what the tests compare it with. Results equal the float32
 engine's on the dequantized weights up to rounding.
@@ -37,6 +38,9 @@ BLOCK = 32
 FORMATS = {"Q4_1": (16, 2), "Q8_0": (32, 1), "Q5_1S": (20, 2), "Q4_1F": (16, 2)}
 # block types the kernel reads as the file's raw rows (engine/kernels/blocks.h)
 RAW_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+# raw layouts of our own, read as the types above: (weights, bytes) of a block. Q8_2F: two float32
+# scales (one per 16 weights), then 32 int8 quants.
+REPACKED = {"Q8_2F": (32, 40)}
 SUPPORTED_TYPES = ("Q4_1", "Q8_0", *RAW_TYPES)
 KERNEL_DIR = Path(__file__).parent / "kernels"
 KERNEL_SOURCE = KERNEL_DIR / "quant.cpp"
@@ -119,26 +123,27 @@ class QuantizedWeight:
 
 @dataclass
 class RawWeight:
-    """A [out_features, in_features] weight as the file's raw rows of blocks (uint8 [out, row bytes]),
-    any type of RAW_TYPES; gguf-py knows each type's block size."""
+    """A [out_features, in_features] weight as raw rows of blocks (uint8 [out, row bytes]): the file's,
+    any type of RAW_TYPES (gguf-py knows each type's block size), or a layout of REPACKED."""
 
     format: str
     data: torch.Tensor
-
-    @property
-    def shipped(self) -> str:
-        return self.format
+    shipped: str = ""  # the file's block type, where it differs (Q6_K runs as Q8_2F)
 
     def __post_init__(self) -> None:
-        if self.format not in RAW_TYPES:
+        if self.format not in RAW_TYPES and self.format not in REPACKED:
             supported = ", ".join(SUPPORTED_TYPES)
             raise ValueError(f"block type {self.format} is not supported (supported: {supported})")
+        self.shipped = self.shipped or self.format
 
     @property
     def shape(self) -> tuple[int, int]:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        weights, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.format]]
+        if self.format in REPACKED:
+            weights, nbytes = REPACKED[self.format]
+        else:
+            weights, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.format]]
         return self.data.shape[0], self.data.shape[1] // nbytes * weights
 
     @property
@@ -153,10 +158,17 @@ class RawWeight:
         return RawWeight(self.format, self.data[index]).dequantize()
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight: gguf-py's own dequantization."""
+        """The float32 weight: gguf-py's own dequantization (Q8_2F: its scale times each quant, as
+        gguf-py's for the Q6_K it came from)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
+        if self.format == "Q8_2F":
+            n = self.data.shape[0]
+            blocks = self.data.numpy().reshape(n, -1, 40)
+            d = np.ascontiguousarray(blocks[..., :8]).view(np.float32)
+            q = np.ascontiguousarray(blocks[..., 8:]).view(np.int8).reshape(n, -1, 2, 16)
+            return torch.from_numpy((d[..., None] * q.astype(np.float32)).reshape(n, -1))
         out = dequantize(self.data.numpy(), GGMLQuantizationType[self.format])
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).view(self.shape)
 
@@ -236,7 +248,9 @@ def _join(run: list[QuantizedWeight | RawWeight]) -> QuantizedWeight | RawWeight
     if len(run) == 1:
         return first
     if isinstance(first, RawWeight):
-        return RawWeight(first.format, torch.cat([w.data for w in run if isinstance(w, RawWeight)]))
+        raws = [w for w in run if isinstance(w, RawWeight)]
+        shipped = "+".join(sorted({w.shipped for w in raws}))
+        return RawWeight(first.format, torch.cat([w.data for w in raws]), shipped)
     split = [w for w in run if isinstance(w, QuantizedWeight)]
     qs, scales = torch.cat([w.qs for w in split]), torch.cat([w.scales for w in split])
     return QuantizedWeight(first.format, qs, scales, "+".join(sorted({w.shipped for w in split})))
@@ -283,6 +297,8 @@ def _from_rows(fmt: str, raw: np.ndarray) -> QuantizedWeight | RawWeight:
         return _q4_0_as_q4_1(raw)
     if fmt == "Q4_K":
         return _q4_k_as_q4_1f(raw)
+    if fmt == "Q6_K":
+        return _q6_k_as_q8_2f(raw)
     if fmt in ("Q5_0", "Q5_1"):
         return _q5_as_q5_1s(fmt, raw)
     if fmt not in FORMATS:
@@ -326,6 +342,23 @@ def _q4_k_as_q4_1f(raw: np.ndarray) -> QuantizedWeight:
     qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(rows, -1)  # Q4_1: byte j holds weights j and j + 16
     scales = torch.from_numpy(np.ascontiguousarray(fields.reshape(rows, -1, 2)))
     return QuantizedWeight("Q4_1F", torch.from_numpy(qs), scales, shipped="Q4_K")
+
+
+def _q6_k_as_q8_2f(raw: np.ndarray) -> RawWeight:
+    """Q6_K's weight d sc (q - 32), per 16 weights, as Q8_2F: each 32 weights' two float32 scales d sc
+    (gguf-py's products) and q - 32 a byte each, exactly. 40 bytes per 32 for Q6_K's 26.25: the
+    kernel then loads the quants instead of assembling them from two bit planes."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, 210)  # super-blocks of 256: 128 bytes low nibbles, 64 high bits, 16 scales, d
+    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    d = np.ascontiguousarray(blocks[:, 208:210]).view(np.float16).astype(np.float32)
+    scales = np.ascontiguousarray((d * sc).reshape(-1, 8, 2))  # per 32 weights: its two 16s' scales
+    low = (blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+    shift = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shift) & 3
+    q = ((low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).astype(np.int8) - 32).view(np.uint8)
+    out = np.concatenate([scales.view(np.uint8), q], axis=-1)  # [super-blocks, 8, 40]
+    return RawWeight("Q8_2F", torch.from_numpy(out.reshape(rows, -1)), shipped="Q6_K")
 
 
 def _scales_fit(d: np.ndarray, shift: int) -> bool:

@@ -14,10 +14,10 @@
 // Q5_1S: Q4_1's nibbles, then (after the row's last block) each block's 32-bit mask of fifth bits
 //        (bit j: weight j's 16), `dm` two float16: weight = d * q + m with q in 0..31 (Q5_1, Q5_0).
 // Q4_1F: Q4_1's nibbles, `dm` two float32 (Q4_K's per-32 scale and min, d * sc and -dmin * mn).
-// Raw rows (every other type: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS): the file's bytes, one
-// row of blocks per output column; blocks.h decodes them, and raw_pass dequantizes 32 weights at a
-// time in registers with gguf-py's float32 arithmetic. On VNNI, steps of one or two rows take the
-// decoded quants to integer dots instead (raw_fixed_pass).
+// Raw rows (every other type: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS, and Q8_2F, Q6_K unpacked
+// at load): the file's bytes, one row of blocks per output column; blocks.h decodes them, and raw_pass
+// dequantizes 32 weights at a time in registers with gguf-py's float32 arithmetic. On VNNI, steps of one
+// or two rows take the decoded quants to integer dots instead (raw_fixed_pass).
 // A linear is a list of parts (format, a, b) over the same input, outputs side by side: a stacked
 // q/k/v or gate/up whose tensors ship in different types runs part by part.
 //
@@ -553,8 +553,8 @@ void raw_fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int6
         float D0[2], M0[2], D1[2], M1[2];
         T::scales(b0, D0, M0);
         T::scales(b1, D1, M1);
-        step(T::chunk(b0, 0), T::chunk(b1, 0), _mm_set_ps(D1[0], D1[0], D0[0], D0[0]),
-             _mm_set_ps(M1[0], M1[0], M0[0], M0[0]), b);
+        step(T::chunk(b0, 0), T::chunk(b1, 0), _mm_set_ps(D1[1], D1[0], D0[1], D0[0]),
+             _mm_set_ps(M1[1], M1[0], M0[1], M0[0]), b);
       }
     }
     if (b < nb) {  // the last of an odd count of 32-weight blocks

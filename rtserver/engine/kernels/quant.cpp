@@ -406,8 +406,6 @@ inline __m256i fixed_dot(__m256i w, const uint8_t* hi, const uint8_t* lo, bool w
   return w_unsigned ? _mm256_dpbusd_epi32(t, w, l) : _mm256_dpbusd_epi32(t, l, w);
 }
 
-// Rows r0.. r0+R of y for output columns [n0, n1): two blocks (64 quants) a step, the last odd block
-// on 256-bit vectors. A block's int32 lanes get d_b * s_b in float; a min's m_b * sum(x_b) runs beside.
 // The scale fields i.. i+3 (two blocks' d and m) or i, i+1 (two blocks' d) as floats, lanes 0-3.
 template <Split F>
 inline __m128 two_blocks_fields(const void* S, int64_t i) {
@@ -419,6 +417,8 @@ inline __m128 two_blocks_fields(const void* S, int64_t i) {
   return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
 }
 
+// Rows r0.. r0+R of y for output columns [n0, n1): two blocks (64 quants) a step, the last odd block
+// on 256-bit vectors. A block's int32 lanes get d_b * s_b in float; a min's m_b * sum(x_b) runs beside.
 template <int R, Split F>
 void fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t N, int64_t n0, int64_t n1,
                 const uint8_t* Q, const void* S, float* y) {
@@ -660,22 +660,17 @@ void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32");
 }
 
-bool is_split(const std::string& format) {
-  return format == "Q4_1" || format == "Q8_0" || format == "Q5_1S" || format == "Q4_1F";
+// Calls f(std::integral_constant<Split, ...>) for a split format's name; false where it is none.
+template <typename Fn>
+bool with_split(const std::string& format, const Fn& f) {
+  if (format == "Q4_1") return f(std::integral_constant<Split, Split::Q4_1>{}), true;
+  if (format == "Q8_0") return f(std::integral_constant<Split, Split::Q8_0>{}), true;
+  if (format == "Q5_1S") return f(std::integral_constant<Split, Split::Q5_1S>{}), true;
+  if (format == "Q4_1F") return f(std::integral_constant<Split, Split::Q4_1F>{}), true;
+  return false;
 }
 
-// Calls f(std::integral_constant<Split, ...>) for a split format's name.
-template <typename Fn>
-void with_split(const std::string& format, const Fn& f) {
-  if (format == "Q4_1")
-    f(std::integral_constant<Split, Split::Q4_1>{});
-  else if (format == "Q8_0")
-    f(std::integral_constant<Split, Split::Q8_0>{});
-  else if (format == "Q5_1S")
-    f(std::integral_constant<Split, Split::Q5_1S>{});
-  else
-    f(std::integral_constant<Split, Split::Q4_1F>{});
-}
+bool is_split(const std::string& format) { return with_split(format, [](auto) {}); }
 
 const char* kBlockTypes = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS";
 

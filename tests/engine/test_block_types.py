@@ -174,27 +174,22 @@ def test_kernel_equals_a_float32_matmul_within_the_summation_bound(kernel, fmt):
 
 @pytest.mark.parametrize("fmt", TYPES)
 def test_the_panel_path_equals_a_float32_matmul_within_the_summation_bound(kernel, fmt):
-    """Many-row steps dequantize 16 weight rows at a time beside a float32 GEMM: 6-row register blocks
-    and their remainders, a last panel of fewer than 16 rows, and the same bound as the small steps."""
+    """Many-row steps run on panels of weight rows (integer dots on VNNI, else a float32 GEMM): 6-row
+    register blocks and their remainders, a last panel of few rows, and the small steps' bound."""
     kernel.set_panel_rows(0)
     try:
         for k in widths(fmt):
-            w = weight(fmt, random_rows(fmt, 37, k, seed=k + 2))
-            dense = w.dequantize()
+            raw = random_rows(fmt, 37, k, seed=k + 2)
+            w = weight(fmt, raw)
+            dense, scaled = w.dequantize(), scaled_quants(fmt, raw)
             for m in (1, 6, 13, 40):
                 x = torch.randn(m, k) * torch.rand(m, k) * 4
+                x[-1, :32] = 0.0
                 got = quant.quantized_matmul(kernel, x, w)
-                assert ((got - F.linear(x, dense)).abs() <= _float_bound(x, dense)).all(), (fmt, k, m)
+                want = F.linear(x, dense)
+                assert ((got - want).abs() <= summation_bound(x, dense, kernel, scaled)).all(), (fmt, k, m)
     finally:
         kernel.set_panel_rows(1 << 40)
-
-
-def _float_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The panels multiply float32 weights with float32 activations, even where the small steps use
-    integer dots: summation_bound without its fixed-point term."""
-    k = x.shape[1]
-    gamma = k * U / (1 - k * U)
-    return 2 * gamma * (x.abs() @ w.abs().T) + 1e-30
 
 
 def test_a_stacked_weight_of_mixed_types_runs_part_by_part(kernel):

@@ -2,7 +2,8 @@
 //
 // Every type decodes one block into a common form: int8 quants q, and per 16 weights a scale D and an
 // offset M, so that weight = D * q + M (a float32 product, then a float32 sum; kOffset false: M is 0
-// and not added; kSigned false: no quant is negative, which the integer dots use). D and M are computed
+// and not added; kSigned false: no quant is negative, which the integer dots use; kGroup: the weights
+// one scale covers, 16 or 32, which the integer panels use). D and M are computed
 // with the same float32 operations as gguf-py's `dequantize`, so a decoded weight equals its value
 // bit for bit. Per type: `scales` (D and M of a block), `chunk` (AVX2: the 32 quants of chunk c in
 // one register, never through memory) and `decode` (portable: all quants to memory, for CPUs without
@@ -95,6 +96,7 @@ inline void nibbles32(const uint8_t* qs, int8_t* q, int bias) {
 
 struct Q4_0 {
   static constexpr int kWeights = 32, kBytes = 18;
+  static constexpr int kGroup = 32;
   static constexpr bool kOffset = false;
   static constexpr bool kSigned = true;
   static void scales(const uint8_t* b, float* D, float* M) { fill(D, M, 2, f16(b), 0.f); }
@@ -107,6 +109,7 @@ struct Q4_0 {
 template <bool HasMin>
 struct Q5 {
   static constexpr int kWeights = 32, kBytes = HasMin ? 24 : 22;
+  static constexpr int kGroup = 32;
   static constexpr bool kOffset = HasMin;
   static constexpr bool kSigned = !HasMin;
   static void scales(const uint8_t* b, float* D, float* M) { fill(D, M, 2, f16(b), HasMin ? f16(b + 2) : 0.f); }
@@ -132,6 +135,7 @@ struct Q5 {
 
 struct IQ4_NL {
   static constexpr int kWeights = 32, kBytes = 18;
+  static constexpr int kGroup = 32;
   static constexpr bool kOffset = false;
   static constexpr bool kSigned = true;
   static void scales(const uint8_t* b, float* D, float* M) { fill(D, M, 2, f16(b), 0.f); }
@@ -152,6 +156,7 @@ inline void crumbs256(const uint8_t* qs, int8_t* q) {
 
 struct Q2_K {
   static constexpr int kWeights = 256, kBytes = 84;
+  static constexpr int kGroup = 16;
   static constexpr bool kOffset = true;
   static constexpr bool kSigned = false;
   static void scales(const uint8_t* b, float* D, float* M) {
@@ -167,6 +172,7 @@ struct Q2_K {
 
 struct Q3_K {
   static constexpr int kWeights = 256, kBytes = 110;
+  static constexpr int kGroup = 16;
   static constexpr bool kOffset = false;
   static constexpr bool kSigned = true;
   static void scales(const uint8_t* b, float* D, float* M) {
@@ -206,6 +212,7 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
 template <bool FifthBit>
 struct QK45 {
   static constexpr int kWeights = 256, kBytes = FifthBit ? 176 : 144;
+  static constexpr int kGroup = 32;
   static constexpr bool kOffset = true;
   static constexpr bool kSigned = false;
   static void scales(const uint8_t* b, float* D, float* M) {
@@ -240,6 +247,7 @@ struct QK45 {
 
 struct Q6_K {
   static constexpr int kWeights = 256, kBytes = 210;
+  static constexpr int kGroup = 16;
   static constexpr bool kOffset = false;
   static constexpr bool kSigned = true;
   static void scales(const uint8_t* b, float* D, float* M) {
@@ -271,6 +279,7 @@ struct Q6_K {
 
 struct IQ4_XS {
   static constexpr int kWeights = 256, kBytes = 136;
+  static constexpr int kGroup = 32;
   static constexpr bool kOffset = false;
   static constexpr bool kSigned = true;
   static void scales(const uint8_t* b, float* D, float* M) {
@@ -299,6 +308,7 @@ struct IQ4_XS {
 
 struct Q8_2F {
   static constexpr int kWeights = 32, kBytes = 40;
+  static constexpr int kGroup = 16;
   static constexpr bool kOffset = false;
   static constexpr bool kSigned = true;
   static void scales(const uint8_t* b, float* D, float* M) {

@@ -19,7 +19,8 @@
 // dequantizes 32 weights at a time in registers with gguf-py's float32 arithmetic. On VNNI, steps of one
 // or two rows take the decoded quants to integer dots instead (raw_fixed_pass).
 // A linear is a list of parts (format, a, b) over the same input, outputs side by side: a stacked
-// q/k/v or gate/up whose tensors ship in different types runs part by part.
+// q/k/v or gate/up whose tensors ship in different types runs part by part. Steps of many rows run
+// on panels of weight rows, every format alike: int_panel.h on VNNI, else panel.h in float32.
 //
 // Built at first start with -march=native for the CPU at hand (the cache key names the CPU) and
 // -fopenmp, so at::parallel_for (a header-only OpenMP loop) runs on torch's own OpenMP threads: without
@@ -31,6 +32,9 @@
 #include <torch/extension.h>
 
 #include "panel.h"
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "int_panel.h"
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -359,34 +363,64 @@ struct FixedRows {
   std::vector<float> xsum16;    // [M, K / 16] the sums of 16: raw blocks' offsets M, one per 16 weights
 };
 
-// Activation rows to fixed point, a block of 32 (two vectors) at a time: v_j = round(x_j / s) in
-// [-32512, 32512] with s = max|x| / 32512 (cvtps rounds to nearest even, as nearbyint), then its limbs.
+// One block of 32 activations in fixed point: v_j = round(x_j / s) in [-32512, 32512] with
+// s = max|x| / 32512 (cvtps rounds to nearest even, as nearbyint), and its two halves' exact sums.
 // Every integer path's activations come from here, so all round as fixed_point_reference.
+struct FixedBlock {
+  __m512i v[2];
+  float scale, sum[2];
+};
+
+inline FixedBlock fixed_block(const float* xb) {
+  const __m512i limit = _mm512_set1_epi32(32512);
+  const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? kFixed / amax : 0.f);
+  FixedBlock f;
+  f.scale = amax / kFixed, f.sum[0] = _mm512_reduce_add_ps(a), f.sum[1] = _mm512_reduce_add_ps(b);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(h == 0 ? a : b, inv));
+    f.v[h] = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+  }
+  return f;
+}
+
+// Activation rows to fixed point as two 8-bit limbs a value, for vpdpbusd against 4/8-bit quants.
 void to_fixed(const float* x, int64_t M, int64_t K, bool offset, FixedRows& f) {
   const int64_t nb = K / kBlock;
   f.hi.resize(M * K), f.lo.resize(M * K), f.scale8.resize(M * nb * 8), f.xsum2.resize(M * nb * 2);
   f.xsum16.resize(M * K / 16);
-  const __m512i limit = _mm512_set1_epi32(32512), bias = _mm512_set1_epi32(offset ? 32768 : 128);
+  const __m512i bias = _mm512_set1_epi32(offset ? 32768 : 128);
   for (int64_t i = 0; i < M * nb; ++i) {
-    const float* xb = x + i * kBlock;
-    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? kFixed / amax : 0.f);
-    const float s0 = _mm512_reduce_add_ps(a), s1 = _mm512_reduce_add_ps(b);
-    f.xsum16[i * 2] = s0, f.xsum16[i * 2 + 1] = s1;
+    const FixedBlock fb = fixed_block(x + i * kBlock);
+    f.xsum16[i * 2] = fb.sum[0], f.xsum16[i * 2 + 1] = fb.sum[1];
     for (int h = 0; h < 2; ++h) {
-      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(h == 0 ? a : b, inv));
-      v = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
       // offset: v + 32768 = 256 hi + lo, both unsigned; else hi = floor((v + 128) / 256), lo = v - 256 hi
+      const __m512i v = fb.v[h];
       const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(v, bias), 8);
       const __m512i lo = offset ? _mm512_and_si512(_mm512_add_epi32(v, bias), _mm512_set1_epi32(255))
                                 : _mm512_sub_epi32(v, _mm512_slli_epi32(hi, 8));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(f.hi.data() + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(hi));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(f.lo.data() + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(lo));
     }
-    std::fill_n(f.scale8.data() + i * 8, 8, amax / kFixed);
-    f.xsum2[i * 2] = 0.f, f.xsum2[i * 2 + 1] = s0 + s1;
+    std::fill_n(f.scale8.data() + i * 8, 8, fb.scale);
+    f.xsum2[i * 2] = 0.f, f.xsum2[i * 2 + 1] = fb.sum[0] + fb.sum[1];
   }
+}
+
+// Activation rows to fixed point as int16, for the integer panels.
+void to_int16(const float* x, int64_t M, int64_t K, int_panel::Rows& f) {
+  const int64_t nb = K / kBlock;
+  f.v.resize(M * K), f.scale.resize(M * nb), f.xsum16.resize(M * nb * 2), f.xsum32.resize(M * nb);
+  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const FixedBlock fb = fixed_block(x + i * kBlock);
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(f.v.data() + i * kBlock + 16 * h), _mm512_cvtepi32_epi16(fb.v[h]));
+      f.scale[i] = fb.scale, f.xsum16[i * 2] = fb.sum[0], f.xsum16[i * 2 + 1] = fb.sum[1];
+      f.xsum32[i] = fb.sum[0] + fb.sum[1];
+    }
+  });
 }
 
 // 256 hi.q + lo.q per int32 lane (4 products each) for 64 quants w (the unsigned or the signed operand).
@@ -732,9 +766,79 @@ void split_dequantize(const uint8_t* Q, const void* S, int64_t n0, int64_t rows,
     }
 }
 
-// A many-row step: the weight dequantized 16 rows at a time beside a float32 GEMM (panel.h).
+#ifdef RTSERVER_INT_DOTS
+// Columns n0 .. n0 + cols of a split-layout weight as a panel's int16 quants, D and M per block.
+template <Split F>
+void split_unpack_int(const uint8_t* Q, const void* S, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
+  constexpr int64_t qbytes = quant_bytes(F), fields = has_min(F) ? 2 : 1;
+  const int64_t nb = K / kBlock;
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint8_t* row = split_row<F>(Q, n0 + c, nb);
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i w = has_nibbles(F) ? blocks::nibbles(row + b * qbytes) : blocks::load32(row + b * qbytes);
+      if (mask_bytes(F)) w = _mm256_or_si256(w, blocks::fifth_bits(row + nb * qbytes + b * 4));
+      _mm512_storeu_si512(p.rows.data() + c * K + b * kBlock, _mm512_cvtepi8_epi16(w));
+      const int64_t i = ((n0 + c) * nb + b) * fields;
+      p.D[b * int_panel::kCols + c] = scale_field<F>(S, i);
+      p.M[b * int_panel::kCols + c] = has_min(F) ? scale_field<F>(S, i + 1) : 0.f;
+    }
+  }
+}
+
+// Columns n0 .. n0 + cols of raw blocks of type T as a panel: each chunk's quants, D and M per group.
+template <typename T>
+void raw_unpack_int(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
+  constexpr int kChunks = T::kWeights / 32, kGroups = T::kWeights / T::kGroup;
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint8_t* row = W + (n0 + c) * row_bytes;
+    for (int64_t blk = 0; blk < K / T::kWeights; ++blk) {
+      const uint8_t* b = row + blk * T::kBytes;
+      float D[16], M[16];
+      T::scales(b, D, M);
+      for (int ch = 0; ch < kChunks; ++ch)
+        _mm512_storeu_si512(p.rows.data() + c * K + blk * T::kWeights + ch * 32, _mm512_cvtepi8_epi16(T::chunk(b, ch)));
+      for (int j = 0; j < kGroups; ++j) {
+        const int64_t at = (blk * kGroups + j) * int_panel::kCols + c;
+        p.D[at] = D[j * T::kGroup / 16], p.M[at] = T::kOffset ? M[j * T::kGroup / 16] : 0.f;
+      }
+    }
+  }
+}
+
+// A many-row step on integer dots (int_panel.h): the activations in fixed point once, then panels.
+void int_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
+                      const torch::Tensor& scales, float* y, int64_t ldy) {
+  const int64_t N = qs.size(0);
+  const uint8_t* Q = qs.data_ptr<uint8_t>();
+  int_panel::Rows rows;
+  to_int16(x, M, K, rows);
+  if (!is_split(format)) {
+    const int64_t row_bytes = qs.size(1);
+    blocks::with_type(format, [&](auto t) {
+      using T = decltype(t);
+      int_panel::matmul<T::kGroup, T::kOffset>(rows, M, K, N, y, ldy, [&](int64_t n0, int64_t cols, int_panel::Panel& p) {
+        raw_unpack_int<T>(Q, row_bytes, n0, cols, K, p);
+      });
+    });
+    return;
+  }
+  const void* S = scales.data_ptr();
+  with_split(format, [&](auto f) {
+    constexpr Split F = decltype(f)::value;
+    int_panel::matmul<32, has_min(F)>(rows, M, K, N, y, ldy, [&](int64_t n0, int64_t cols, int_panel::Panel& p) {
+      split_unpack_int<F>(Q, S, n0, cols, K, p);
+    });
+  });
+}
+#endif
+
+// A many-row step: the weight dequantized 16 rows at a time beside a float32 GEMM (panel.h), or on
+// integer dots where the CPU has VNNI.
 void panel_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
                   const torch::Tensor& scales, float* y, int64_t ldy) {
+#ifdef RTSERVER_INT_DOTS
+  int_panel_matmul(x, M, K, format, qs, scales, y, ldy);
+#else
   const int64_t N = qs.size(0);
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   if (!is_split(format)) {
@@ -752,6 +856,7 @@ void panel_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
       split_dequantize<decltype(f)::value>(Q, S, n0, rows, K, out);
     });
   });
+#endif
 }
 
 // y = x @ W.T (rows ldy apart) for a weight given as (format, quants, scales), checked: the dispatch

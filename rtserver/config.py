@@ -88,7 +88,7 @@ class BackendSettings:
 class EngineSettings:
     max_running: int = _setting(64, min=1, max=4096)
     max_waiting: int = _setting(256, min=0, max=100_000)
-    prefill_chunk_tokens: int = _setting(256, min=16, max=65536)
+    prefill_chunk_tokens: int = _setting(2048, min=16, max=65536)
     kv_budget_mb: int = _setting(1024, min=8, max=1_000_000)
     kv_block_tokens: int = _setting(16, min=1, max=1024)
     max_sequence_tokens: int = _setting(4096, min=32, max=1_000_000)

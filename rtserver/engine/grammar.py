@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .output_format import OutputFormat, OutputFormatError
+from .token_bytes import ll_tokenizer
 
 MAX_FORMATS = 128  # compiled formats kept (a task's are pinned; a client's drop out least recently used)
 
@@ -184,11 +185,7 @@ class Grammars:
     def _ll_tokenizer(self) -> Any:
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
-
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
-                )
+                self._tokenizer = ll_tokenizer(self._hf, self.vocab_size, self.eos_ids)
                 self._closers = Closers.of(self._tokenizer, self.vocab_size)
             return self._tokenizer
 

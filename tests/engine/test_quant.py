@@ -129,9 +129,15 @@ def test_kernel_refuses_what_it_cannot_multiply(kernel):
         kernel.blocks_mm(torch.randn(2, 64), ["Q4_1F"], [w.qs], [w.scales])
 
 
-def test_decode_attention_reads_the_pool_in_place_like_sdpa(kernel):
+@pytest.mark.parametrize(
+    ("d", "heads", "kv_heads"),
+    [(64, 9, 3), (128, 16, 8), (256, 4, 1), (80, 10, 1), (72, 6, 2)],  # head sizes of 4 + 1 vectors, none
+)
+def test_decode_attention_reads_the_pool_in_place_like_sdpa(kernel, d, heads, kv_heads):
+    """Query heads per KV head from 1 to 10 (in fours and a rest), head sizes in whole 64s, with a
+    remainder of one vector, and one that is no whole number of vectors."""
     torch.manual_seed(0)
-    slots, kv_heads, d, heads = 400, 3, 64, 9
+    slots = 400
     k_pool, v_pool = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
     lengths = [1, 5, 40, 17, 16, 333]  # whole vectors of scores and partial ones
     table = torch.zeros(len(lengths), max(lengths), dtype=torch.long)

@@ -1056,82 +1056,12 @@ void gated_act(const float* GU, int64_t R, int64_t I, bool gelu, float* Hh) {
   });
 }
 
-constexpr int64_t kMaxGroup = 64;  // query heads sharing one KV head, at most
-
-// O[h] = inv[h] * sum_j p[h][j] v_j for `heads` query heads, v_j the V row of slot sl[j] (slots
-// `stride` floats apart). Heads four at a time and D 64 floats at a time keep the sums in registers,
-// and each part of a V row is read once for all the heads.
-#if defined(__AVX512F__)
-template <int Heads, int Vecs>
-void weighted_values_part(const float* p, int64_t Lpad, const float* inv, const float* V, const int64_t* sl,
-                          int64_t L, int64_t stride, float* O, int64_t D) {
-  __m512 acc[Heads][Vecs];
-  for (int h = 0; h < Heads; ++h)
-    for (int c = 0; c < Vecs; ++c) acc[h][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < L; ++j) {
-    const float* v = V + sl[j] * stride;
-    __m512 row[Vecs];
-    for (int c = 0; c < Vecs; ++c) row[c] = _mm512_loadu_ps(v + 16 * c);
-    for (int h = 0; h < Heads; ++h) {
-      const __m512 w = _mm512_set1_ps(p[h * Lpad + j]);
-      for (int c = 0; c < Vecs; ++c) acc[h][c] = _mm512_fmadd_ps(w, row[c], acc[h][c]);
-    }
-  }
-  for (int h = 0; h < Heads; ++h)
-    for (int c = 0; c < Vecs; ++c) _mm512_storeu_ps(O + h * D + 16 * c, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
-}
-
-template <int Heads>
-void weighted_values_heads(const float* p, int64_t Lpad, const float* inv, const float* V, const int64_t* sl,
-                           int64_t L, int64_t stride, int64_t D, float* O) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    switch (std::min<int64_t>(4, (D - d0) / 16)) {
-      case 1: weighted_values_part<Heads, 1>(p, Lpad, inv, V + d0, sl, L, stride, O + d0, D); break;
-      case 2: weighted_values_part<Heads, 2>(p, Lpad, inv, V + d0, sl, L, stride, O + d0, D); break;
-      case 3: weighted_values_part<Heads, 3>(p, Lpad, inv, V + d0, sl, L, stride, O + d0, D); break;
-      default: weighted_values_part<Heads, 4>(p, Lpad, inv, V + d0, sl, L, stride, O + d0, D); break;
-    }
-  }
-}
-#endif
-
-void weighted_values(const float* p, int64_t Lpad, const float* inv, int64_t heads, const float* V,
-                     const int64_t* sl, int64_t L, int64_t stride, int64_t D, float* O) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    for (int64_t h0 = 0; h0 < heads; h0 += 4) {
-      const float* ph = p + h0 * Lpad;
-      float* oh = O + h0 * D;
-      switch (std::min<int64_t>(4, heads - h0)) {
-        case 1: weighted_values_heads<1>(ph, Lpad, inv + h0, V, sl, L, stride, D, oh); break;
-        case 2: weighted_values_heads<2>(ph, Lpad, inv + h0, V, sl, L, stride, D, oh); break;
-        case 3: weighted_values_heads<3>(ph, Lpad, inv + h0, V, sl, L, stride, D, oh); break;
-        default: weighted_values_heads<4>(ph, Lpad, inv + h0, V, sl, L, stride, D, oh); break;
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t h = 0; h < heads; ++h) {
-    float* o = O + h * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-    for (int64_t j = 0; j < L; ++j) {
-      const float* v = V + sl[j] * stride;
-      const float w = p[h * Lpad + j];
-      for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
-    }
-    for (int64_t d = 0; d < D; ++d) o[d] *= inv[h];
-  }
-}
-
 // Attention of single-token queries over contexts read in place from a paged pool. q [R, H, D] rows,
 // pools [slots, KV, D], row r's context is slots[r, :lengths[r]] (checked by the caller). A task per
 // (row, KV head) computes the H / KV query heads that share that K/V, so each K/V row is read once;
 // with fewer such pairs than twice the threads (one row, few KV heads) the heads are split further.
 void attention(const float* Q, const float* Kp, const float* Vp, const int64_t* SL, const int64_t* LN,
                int64_t R, int64_t H, int64_t KV, int64_t D, int64_t Lmax, float sc, float* O) {
-  TORCH_CHECK(KV > 0 && H % KV == 0 && H / KV <= kMaxGroup, "query heads per KV head must divide evenly, at most ",
-              kMaxGroup);
   const int64_t G = H / KV, pairs = R * KV, want = 2 * at::get_num_threads();
   const int64_t split = pairs >= want ? 1 : std::min(G, (want + pairs - 1) / pairs);
   const int64_t per = (G + split - 1) / split;
@@ -1147,14 +1077,20 @@ void attention(const float* Q, const float* Kp, const float* Vp, const int64_t* 
         const float* k = Kp + (sl[j] * KV + kv) * D;
         for (int64_t g = g0; g < g1; ++g) p[(g - g0) * Lpad + j] = dot(qg + g * D, k, D) * sc;
       }
-      float inv[kMaxGroup];
       for (int64_t g = g0; g < g1; ++g) {
         float* pg = p.data() + (g - g0) * Lpad;
         const int64_t n = (L + kLanes - 1) / kLanes * kLanes;
         std::fill(pg + L, pg + n, -INFINITY);
-        inv[g - g0] = 1.f / exp_shifted(pg, n);
+        const float sum = exp_shifted(pg, n);
+        const float inv = 1.f / sum;
+        float* o = O + (r * H + kv * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+        for (int64_t j = 0; j < L; ++j) {
+          const float* v = Vp + (sl[j] * KV + kv) * D;
+          const float w = pg[j] * inv;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
+        }
       }
-      weighted_values(p.data(), Lpad, inv, g1 - g0, Vp + kv * D, sl, L, KV * D, D, O + (r * H + kv * G + g0) * D);
     }
   });
 }

@@ -63,8 +63,14 @@ class _Vocabulary:
 
 
 def ll_tokenizer(hf: Any, n_vocab: int, eos_ids: list[int]) -> Any:
-    """An llguidance `LLTokenizer` for a fast Hugging Face tokenizer."""
+    """An llguidance `LLTokenizer` for a fast Hugging Face tokenizer; one whose decoder is not read
+    here gets llguidance's own conversion."""
+    import llguidance.hf
     from llguidance import LLTokenizer
     from llguidance._tokenizer import TokenizerWrapper
 
-    return LLTokenizer(TokenizerWrapper(_Vocabulary(hf)), n_vocab=n_vocab, eos_token=eos_ids or None)
+    try:
+        vocabulary = _Vocabulary(hf)
+    except UnsupportedDecoder:
+        return llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos_ids or None)
+    return LLTokenizer(TokenizerWrapper(vocabulary), n_vocab=n_vocab, eos_token=eos_ids or None)

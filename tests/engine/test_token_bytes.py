@@ -9,6 +9,7 @@ from pathlib import Path
 import llguidance.hf
 import pytest
 from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
 
 from rtserver.engine.model import _gguf_config, gguf_tokenizer
 from rtserver.engine.token_bytes import UnsupportedDecoder, ll_tokenizer, token_bytes
@@ -40,8 +41,12 @@ def test_gemma_3s_vocabulary_matches_llguidances_own():
     assert_same_view(gguf_tokenizer(path, Path("~/.cache/rtserver").expanduser(), _gguf_config(path)))
 
 
-def test_a_decoder_it_cannot_read_is_refused_by_name():
-    tok = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+def test_a_decoder_it_cannot_read_gets_llguidances_own_conversion():
+    """WordPiece: refused by name here, then handed to llguidance, which refuses it in its own words."""
+    tok = Tokenizer(models.WordPiece({"[UNK]": 0, "[SEP]": 1, "a": 2, "##b": 3}, unk_token="[UNK]"))
     tok.decoder = decoders.WordPiece()
     with pytest.raises(UnsupportedDecoder, match="WordPiece"):
         token_bytes(tok)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[SEP]")
+    with pytest.raises(ValueError, match="can't determine decoder type"):
+        ll_tokenizer(hf, len(hf), [hf.eos_token_id])

@@ -3,10 +3,10 @@
 //
 // Each task unpacks a panel of 32 rows of W to int16 quants, pairs of k interleaved (16 columns of
 // two quants in one vector), with each scale group's D and M as floats. Every row block then meets it
-// in vpdpwssd: 32 products a instruction, twice a float32 FMA's, exact in int32 within a scale group.
-// A group's sums take d * s_b in float, and its min the exact activation sum, as fixed_pass does.
-// The activations round as every integer path's (to_fixed), so a row's result does not depend on the
-// step's size beyond float32 summation order.
+// in vpdpwssd: 32 products an instruction where a float32 FMA gives 16, exact in int32 within a scale
+// group. A group's sums take d * s_b in float, and its min the exact activation sum, as fixed_pass
+// does. The activations round as every integer path's (fixed_block), so a row's result does not
+// depend on the step's size beyond float32 summation order.
 #pragma once
 
 #include <ATen/Parallel.h>

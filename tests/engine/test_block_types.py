@@ -156,20 +156,26 @@ def test_a_scale_too_large_for_a_float16_min_keeps_an_exact_layout(kernel, fmt, 
     assert ((got - F.linear(x, want)).abs() <= summation_bound(x, want, kernel)).all()
 
 
+def assert_within_summation_bound(kernel, fmt: str, n: int, seed: int, steps: tuple, zero_row: int) -> None:
+    """n weight rows of `fmt` at every width, steps of each size in `steps`: the kernel within the
+    summation bound of a float32 matmul; activations of mixed magnitudes, one row's first block zero."""
+    for k in widths(fmt):
+        raw = random_rows(fmt, n, k, seed=k + seed)
+        w = weight(fmt, raw)
+        dense, scaled = w.dequantize(), scaled_quants(fmt, raw)
+        for m in steps:
+            x = torch.randn(m, k) * torch.rand(m, k) * 4
+            x[zero_row, :32] = 0.0
+            got = quant.quantized_matmul(kernel, x, w)
+            want = F.linear(x, dense)
+            assert ((got - want).abs() <= summation_bound(x, dense, kernel, scaled)).all(), (fmt, k, m)
+
+
 @pytest.mark.parametrize("fmt", TYPES)
 def test_kernel_equals_a_float32_matmul_within_the_summation_bound(kernel, fmt):
     """Steps of 1, 2, 5 and 16 rows (the kernel's 4-row passes and their remainders), widths of one
     block to many, activations of mixed magnitudes with a zero block."""
-    for k in widths(fmt):
-        raw = random_rows(fmt, 40, k, seed=k + 1)
-        w = weight(fmt, raw)
-        dense, scaled = w.dequantize(), scaled_quants(fmt, raw)
-        for m in (1, 2, 5, 16):
-            x = torch.randn(m, k) * torch.rand(m, k) * 4
-            x[0, :32] = 0.0
-            got = quant.quantized_matmul(kernel, x, w)
-            want = F.linear(x, dense)
-            assert ((got - want).abs() <= summation_bound(x, dense, kernel, scaled)).all(), (fmt, k, m)
+    assert_within_summation_bound(kernel, fmt, 40, 1, (1, 2, 5, 16), 0)
 
 
 @pytest.mark.parametrize("fmt", TYPES)
@@ -178,16 +184,7 @@ def test_the_panel_path_equals_a_float32_matmul_within_the_summation_bound(kerne
     register blocks and their remainders, a last panel of few rows, and the small steps' bound."""
     kernel.set_panel_rows(0)
     try:
-        for k in widths(fmt):
-            raw = random_rows(fmt, 37, k, seed=k + 2)
-            w = weight(fmt, raw)
-            dense, scaled = w.dequantize(), scaled_quants(fmt, raw)
-            for m in (1, 6, 13, 40):
-                x = torch.randn(m, k) * torch.rand(m, k) * 4
-                x[-1, :32] = 0.0
-                got = quant.quantized_matmul(kernel, x, w)
-                want = F.linear(x, dense)
-                assert ((got - want).abs() <= summation_bound(x, dense, kernel, scaled)).all(), (fmt, k, m)
+        assert_within_summation_bound(kernel, fmt, 37, 2, (1, 6, 13, 40), -1)
     finally:
         kernel.set_panel_rows(1 << 40)
 

@@ -165,7 +165,7 @@ class RawWeight:
 
         if self.format == "Q8_2F":
             n = self.data.shape[0]
-            blocks = self.data.numpy().reshape(n, -1, 40)
+            blocks = self.data.numpy().reshape(n, -1, REPACKED["Q8_2F"][1])
             d = np.ascontiguousarray(blocks[..., :8]).view(np.float32)
             q = np.ascontiguousarray(blocks[..., 8:]).view(np.int8).reshape(n, -1, 2, 16)
             return torch.from_numpy((d[..., None] * q.astype(np.float32)).reshape(n, -1))

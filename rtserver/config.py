@@ -91,6 +91,7 @@ class EngineSettings:
     prefill_chunk_tokens: int = _setting(2048, min=16, max=65536)
     kv_budget_mb: int = _setting(1024, min=8, max=1_000_000)
     kv_block_tokens: int = _setting(16, min=1, max=1024)
+    kept_panels_mb: int = _setting(160, min=0, max=1_000_000)
     max_sequence_tokens: int = _setting(4096, min=32, max=1_000_000)
 
 

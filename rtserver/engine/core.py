@@ -179,8 +179,8 @@ class Engine:
 
     def _use_gguf_blocks(self, loaded: LoadedModel) -> dict[str, Any]:
         """dtype gguf: every linear the file ships in a supported block type multiplies with its blocks;
-        steps above a start-up probe's row count dequantize 16 weight rows at a time beside a float32
-        GEMM. Without the kernel every weight is dense float32."""
+        steps above a start-up probe's row count run on panels of weight rows, kept unpacked within
+        `kept_panels_mb`. Without the kernel every weight is dense float32."""
         assert loaded.gguf_blocks is not None
         kernel = loaded.kernel
         if kernel is None:
@@ -196,20 +196,27 @@ class Engine:
         ]
         rows = probe_panel_rows(kernel, mlps)
         kernel.set_panel_rows(rows)
+        kept = runner.keep_panels(self.settings.kept_panels_mb << 20) if kernel.fixed_point_activations else 0
         runner.choose_fused_decode()
         formats = sorted({b.shipped for b in loaded.blocks.values()})
         log.info(
-            "%d of %d linears on GGUF blocks (%s); panels above %d rows",
+            "%d of %d linears on GGUF blocks (%s); panels above %d rows; %.0f MB of them kept unpacked",
             len(on_blocks),
             len(linears),
             ", ".join(formats),
             rows,
+            kept / 2**20,
         )
         return {
             "weights": f"GGUF blocks of {loaded.gguf_blocks.name} ({'/'.join(formats)})",
             "linears_on_blocks": f"{len(on_blocks)} of {len(linears)}",
             "small_steps": f"blocks, up to {rows} rows",
-            "big_steps": "16 weight rows dequantized at a time beside a float32 GEMM",
+            "big_steps": (
+                "32 weight rows as int16 quants against 16-bit fixed-point activations"
+                if kernel.fixed_point_activations
+                else "16 weight rows dequantized at a time beside a float32 GEMM"
+            ),
+            "kept_panels_mb": round(kept / 2**20, 1),
             "fused_decode_steps": "every size" if runner.fused_decode else "none",
             "why": "start-up probe: the small-step kernel beat the panels up to that many rows",
         }

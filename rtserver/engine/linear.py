@@ -14,9 +14,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .quant import BlockWeight, quantized_matmul
+from .quant import BlockWeight
 
-FusedArgs = tuple[list[str], list[torch.Tensor], list[torch.Tensor]]
+# per part of a block weight: format, quants, scales, panels unpacked once (or an empty tensor)
+FusedArgs = tuple[list[str], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+_NO_PANELS = torch.empty(0, dtype=torch.int8)
 
 # Once the transformers weights are released (serving), float32 linears run from oneDNN-packed copies:
 # the weight is reordered once instead of on every call (F.linear reorders it each time), which makes
@@ -113,23 +115,39 @@ class Int8Linear(Linear):
 
 
 class BlockLinear(Linear):
-    """A GGUF file's blocks through the kernel at every step size; many-row steps dequantize a panel
-    of rows at a time (the kernel's choice). No dense weight exists."""
+    """A GGUF file's blocks through the kernel at every step size; many-row steps unpack a panel of
+    rows at a time (the kernel's choice), or read the panels `keep_panels` unpacked once. No dense
+    weight exists."""
 
     def __init__(self, blocks: BlockWeight, bias: torch.Tensor | None, kernel: Any):
         self.blocks, self.bias, self.kernel = blocks, bias, kernel
         self.out_features = blocks.shape[0]
+        self.panels = [_NO_PANELS] * len(blocks.args[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = quantized_matmul(self.kernel, x.float().contiguous(), self.blocks)
+        y = self.kernel.blocks_mm(x.float().contiguous(), *self.blocks.args, self.panels)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+    def panel_bytes(self) -> int:
+        """What `keep_panels` would hold: about a byte a weight and its scales as float32 (0 without
+        VNNI, where the kernel keeps none)."""
+        formats, qs, _ = self.blocks.args
+        width = self.blocks.shape[1]
+        return sum(self.kernel.kept_bytes(f, q.shape[0], width) for f, q in zip(formats, qs))
+
+    def keep_panels(self) -> None:
+        """Unpack the weight's panels once (int8), so many-row steps widen them instead of decoding and
+        transposing the blocks every step."""
+        formats, qs, scales = self.blocks.args
+        width = self.blocks.shape[1]
+        self.panels = [self.kernel.unpack_panels(f, q, s, width) for f, q, s in zip(formats, qs, scales)]
 
     def columns(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Those rows dequantized, exact float32."""
         return F.linear(x.float(), self.blocks.rows(index))
 
     def fused_args(self) -> FusedArgs:
-        return self.blocks.args
+        return (*self.blocks.args, self.panels)
 
 
 STORAGE: dict[str | None, type[DenseLinear] | type[Float16Linear] | type[Int8Linear]] = {

@@ -18,7 +18,7 @@ from .attention import AttentionPlan, KernelAttention, PagedAttention, rope
 from .families import attention_scale, family_of, layer_windows, rope_tables
 from .kv import KVCacheManager
 from .layers import Weights
-from .linear import FusedArgs, Linear
+from .linear import BlockLinear, FusedArgs, Linear
 from .plan import StepItem
 from .quant import BlockWeight
 from .step import Features, Forward, Join, StepRunner
@@ -168,6 +168,20 @@ class ModelRunner(StepRunner):
         self.attention_kernel = kernel
         self.attention = KernelAttention(self.n_heads, self.n_kv, self.head_dim, self.scale, kernel)
         return True
+
+    def keep_panels(self, budget: int) -> int:
+        """Unpack the block linears once for many-row steps while they fit in `budget` bytes, layer by
+        layer, then the output head; the bytes kept."""
+        kept = 0
+        for linears in [L.linears for L in self.layers] + [[self.lm_head]]:
+            on_blocks = [lin for lin in linears if isinstance(lin, BlockLinear)]
+            size = sum(lin.panel_bytes() for lin in on_blocks)
+            if not on_blocks or kept + size > budget:
+                break
+            for lin in on_blocks:
+                lin.keep_panels()
+            kept += size
+        return kept
 
     def choose_fused_decode(self) -> None:
         """Decode steps run fused (the kernel's decode_layer) where every linear can: a layer's many

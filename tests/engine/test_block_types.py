@@ -189,6 +189,37 @@ def test_the_panel_path_equals_a_float32_matmul_within_the_summation_bound(kerne
         kernel.set_panel_rows(1 << 40)
 
 
+@pytest.mark.parametrize("fmt", TYPES)
+def test_panels_kept_unpacked_give_the_same_products_as_unpacking_each_step(kernel, fmt):
+    """A weight's panels unpacked once at load (int8) hold the quants the step would unpack: the products
+    are identical, bit for bit, on a last panel of few rows too. Without VNNI there are none to keep."""
+    if not kernel.fixed_point_activations:
+        w = weight(fmt, random_rows(fmt, 8, 256, 1))
+        assert kernel.unpack_panels(*[a[0] for a in w.args], 256).numel() == 0
+        return
+    kernel.set_panel_rows(0)
+    try:
+        for k in widths(fmt):
+            w = weight(fmt, random_rows(fmt, 37, k, seed=k + 3))
+            formats, qs, scales = w.args
+            panels = [kernel.unpack_panels(f, q, sc, k) for f, q, sc in zip(formats, qs, scales)]
+            # two panels of 32 rows: a byte a quant, and the scale groups' D (and M) as float32
+            assert [p.numel() for p in panels] == [kernel.kept_bytes(formats[0], 37, k)]
+            assert 64 * k < panels[0].numel() <= 64 * k * 3 // 2
+            x = torch.randn(13, k) * torch.rand(13, k) * 4
+            assert torch.equal(kernel.blocks_mm(x, *w.args, panels), kernel.blocks_mm(x, *w.args))
+    finally:
+        kernel.set_panel_rows(1 << 40)
+
+
+def test_panels_of_another_weight_are_refused(kernel):
+    w = weight("Q8_0", random_rows("Q8_0", 64, 64, 1))
+    with pytest.raises(RuntimeError, match="panels must be empty or unpack_panels' int8 for the same weight"):
+        kernel.blocks_mm(torch.randn(40, 64), *w.args, [torch.zeros(64 * 64, dtype=torch.int8)])
+    with pytest.raises(RuntimeError, match="no panels or one per part"):
+        kernel.blocks_mm(torch.randn(40, 64), *w.args, [torch.empty(0, dtype=torch.int8)] * 2)
+
+
 def test_a_stacked_weight_of_mixed_types_runs_part_by_part(kernel):
     """q/k in Q5_1 and v in Q8_0, gate Q4_K and up Q6_K: one stacked weight each, outputs side by
     side; runs of one type are joined into one weight, and Q5_0 joins Q5_1 (both run as Q5_1S)."""

@@ -206,6 +206,13 @@ def test_engine_in_dtype_gguf_runs_every_linear_on_its_blocks_and_says_so(
         for lin in [runner.lm_head, *(lin for L in runner.layers for lin in L.linears)]
     )
     assert isinstance(runner.embed, BlockEmbedding)
+    # every layer's and the head's panels kept unpacked for many-row steps (the prompts below take them)
+    linears = [runner.lm_head, *(lin for L in runner.layers for lin in L.linears)]
+    kept = [bool(p.numel()) for lin in linears for p in lin.panels]
+    assert all(kept) == kernel.fixed_point_activations
+    assert chosen["kept_panels_mb"] == pytest.approx(
+        sum(lin.panel_bytes() for lin in linears) / 2**20, abs=0.1
+    )
     prompts = [chat_prompt(smol.tokenizer, t) for t in ("Hi!", "Count from one to five.")]
     cfg = smol.model.config
     kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
@@ -218,6 +225,25 @@ def test_engine_in_dtype_gguf_runs_every_linear_on_its_blocks_and_says_so(
     fallback = Engine(unbuilt, EngineSettings(kv_budget_mb=16)).health()["kernels"]
     why = "the quantized kernel could not be built (CalledProcessError: no c++)"
     assert fallback == {"weights": "float32", "why": why} and not unbuilt.blocks
+
+
+def test_panels_are_kept_layer_by_layer_within_the_budget(smol, kernel, blocks):
+    """The first layers whose panels fit are kept, in order; the bytes kept are what they take. Without
+    VNNI (float32 panels) none are."""
+    import copy
+
+    cfg = smol.model.config
+    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
+    runner = ModelRunner(copy.deepcopy(smol.model), kv, 512, blocks=blocks, kernel=kernel)
+    if not kernel.fixed_point_activations:
+        assert runner.keep_panels(1 << 40) == 0
+        assert not any(p.numel() for L in runner.layers for lin in L.linears for p in lin.panels)
+        return
+    layer = sum(lin.panel_bytes() for lin in runner.layers[0].linears)
+    assert 3 << 20 < layer < 6 << 20  # a byte a weight and the scales: 3.5 M weights a layer
+    assert runner.keep_panels(2 * layer + layer // 2) == 2 * layer
+    kept = [all(p.numel() for lin in L.linears for p in lin.panels) for L in runner.layers]
+    assert kept[:3] == [True, True, False] and not any(kept[2:])
 
 
 def quantize_q8_0(w: torch.Tensor) -> quant.QuantizedWeight:

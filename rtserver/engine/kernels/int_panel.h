@@ -2,7 +2,9 @@
 // activations' 16-bit fixed point, 32 weight rows at a time.
 //
 // Each task unpacks a panel of 32 rows of W to int16 quants, pairs of k interleaved (16 columns of
-// two quants in one vector), with each scale group's D and M as floats. Every row block then meets it
+// two quants in one vector), with each scale group's D and M as floats. A weight whose panels were
+// kept unpacked at load (`keep`, int8) skips that: the register block widens its pairs as it loads
+// them, and half the bytes stay in L1. Every row block then meets it
 // in vpdpwssd: 32 products an instruction where a float32 FMA gives 16, exact in int32 within a scale
 // group. A group's sums take d * s_b in float, and its min the exact activation sum, as fixed_pass
 // does. The activations round as every integer path's (fixed_block), so a row's result does not
@@ -34,13 +36,18 @@ struct Rows {
 };
 
 // A panel: its quants, pairs of k interleaved ([2][K / 2][16] int32: half h holds columns 16h..),
-// and per scale group of G weights the 32 columns' D and M.
+// and per scale group of G weights the 32 columns' D and M (d, m: its own, or a kept panel's).
 struct Panel {
   std::vector<int16_t> rows;  // [32, K] the quants as unpacked, before interleaving
   std::vector<int32_t> pairs;
   std::vector<float> D, M;    // [K / G, 32]
+  const float *d, *m;
+  const int8_t* kept = nullptr;  // a kept panel's pairs, read in place of `pairs`
 
-  explicit Panel(int64_t K, int64_t G) : rows(kCols * K), pairs(kCols * K / 2), D(K / G * kCols), M(K / G * kCols) {}
+  // `unpacks`: whether this panel's weights are unpacked here (else kept panels are read, no buffers).
+  Panel(int64_t K, int64_t G, bool unpacks = true)
+      : rows(unpacks ? kCols * K : 0), pairs(unpacks ? kCols * K / 2 : 0), D(unpacks ? K / G * kCols : 0),
+        M(unpacks ? K / G * kCols : 0), d(D.data()), m(M.data()) {}
 
   // Pairs of int16 are moved as 32-bit floats: transposes move bits, they never round them.
   void interleave(int64_t K) {
@@ -48,11 +55,24 @@ struct Panel {
       panel::transpose_panel(reinterpret_cast<const float*>(rows.data() + 16 * h * K), K / 2,
                              reinterpret_cast<float*>(pairs.data() + h * (K / 2) * 16));
   }
+  // A panel kept unpacked (`keep`): the pairs as int8 (32 K bytes; every quant fits a byte), then D,
+  // then M where the type has offsets, all read in place.
+  static int64_t kept_bytes(int64_t K, int64_t G, bool offset) { return 32 * K + (offset ? 2 : 1) * K / G * kCols * 4; }
+  void use_kept(const int8_t* from, int64_t K, int64_t G) {
+    kept = from;
+    d = reinterpret_cast<const float*>(kept + 32 * K), m = d + K / G * kCols;
+  }
+  void narrow(int8_t* kept, int64_t K, int64_t G, bool offset) const {
+    for (int64_t i = 0; i < K; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(kept + 32 * i), _mm512_cvtepi16_epi8(_mm512_loadu_si512(pairs.data() + 16 * i)));
+    std::memcpy(kept + 32 * K, D.data(), D.size() * 4);
+    if (offset) std::memcpy(kept + 32 * K + D.size() * 4, M.data(), M.size() * 4);
+  }
 };
 
 // y[r, 0:cols] (rows ldy apart) for R rows of activations against a panel's scale groups g0 .. g1 of
 // G weights: set from the first groups, added to after.
-template <int R, int G, bool Offset>
+template <int R, int G, bool Offset, bool Kept>
 inline void tile(const Rows& x, int64_t r0, int64_t K, const Panel& p, int64_t g0, int64_t g1, float* y,
                  int64_t ldy, int64_t cols) {
   const int64_t nb = K / 32, groups = K / G;
@@ -62,6 +82,8 @@ inline void tile(const Rows& x, int64_t r0, int64_t K, const Panel& p, int64_t g
   for (int r = 0; r < R; ++r) v[r] = x.v.data() + (r0 + r) * K + g0 * G;
   const int32_t* w0 = p.pairs.data() + g0 * (G / 2) * 16;
   const int32_t* w1 = w0 + K / 2 * 16;
+  const int8_t* k0 = Kept ? p.kept + g0 * (G / 2) * 32 : nullptr;
+  const int8_t* k1 = Kept ? k0 + K / 2 * 32 : nullptr;
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r)
     acc[r][0] = g0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(first, y + r * ldy),
@@ -71,7 +93,10 @@ inline void tile(const Rows& x, int64_t r0, int64_t K, const Panel& p, int64_t g
     for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm512_setzero_si512();
 #pragma GCC unroll 16
     for (int k = 0; k < G / 2; ++k) {
-      const __m512i a0 = _mm512_loadu_si512(w0 + k * 16), a1 = _mm512_loadu_si512(w1 + k * 16);
+      const __m512i a0 = Kept ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + k * 32)))
+                              : _mm512_loadu_si512(w0 + k * 16);
+      const __m512i a1 = Kept ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k1 + k * 32)))
+                              : _mm512_loadu_si512(w1 + k * 16);
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, v[r] + 2 * k, 4);
@@ -81,15 +106,16 @@ inline void tile(const Rows& x, int64_t r0, int64_t K, const Panel& p, int64_t g
       }
     }
     w0 += G / 2 * 16, w1 += G / 2 * 16;
+    if (Kept) k0 += G / 2 * 32, k1 += G / 2 * 32;
     for (int r = 0; r < R; ++r) v[r] += G;
-    const __m512 d0 = _mm512_loadu_ps(p.D.data() + g * kCols), d1 = _mm512_loadu_ps(p.D.data() + g * kCols + 16);
+    const __m512 d0 = _mm512_loadu_ps(p.d + g * kCols), d1 = _mm512_loadu_ps(p.d + g * kCols + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_set1_ps(x.scale[(r0 + r) * nb + g * G / 32]);
       acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][0]), _mm512_mul_ps(d0, s), acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][1]), _mm512_mul_ps(d1, s), acc[r][1]);
     }
     if (Offset) {
-      const __m512 m0 = _mm512_loadu_ps(p.M.data() + g * kCols), m1 = _mm512_loadu_ps(p.M.data() + g * kCols + 16);
+      const __m512 m0 = _mm512_loadu_ps(p.m + g * kCols), m1 = _mm512_loadu_ps(p.m + g * kCols + 16);
       const float* sums = G == 16 ? x.xsum16.data() : x.xsum32.data();
       for (int r = 0; r < R; ++r) {
         const __m512 xs = _mm512_set1_ps(sums[(r0 + r) * groups + g]);
@@ -104,36 +130,65 @@ inline void tile(const Rows& x, int64_t r0, int64_t K, const Panel& p, int64_t g
   }
 }
 
-// y [M, N] (rows ldy apart) = x @ W.T, where unpack(n0, cols, panel) writes W's rows n0 .. n0 + cols
-// into panel.rows (int16 quants) and their scale groups' D and M (zero past cols is the caller's).
+// The register block for rows r .. r + 6 (or the rows left).
+template <int G, bool Offset, bool Kept>
+inline void rows_tile(const Rows& x, int64_t r, int64_t M, int64_t K, const Panel& p, int64_t g0, int64_t g1,
+                      float* o, int64_t ldy, int64_t cols) {
+  switch (std::min(kRows, M - r)) {
+    case 1: return tile<1, G, Offset, Kept>(x, r, K, p, g0, g1, o, ldy, cols);
+    case 2: return tile<2, G, Offset, Kept>(x, r, K, p, g0, g1, o, ldy, cols);
+    case 3: return tile<3, G, Offset, Kept>(x, r, K, p, g0, g1, o, ldy, cols);
+    case 4: return tile<4, G, Offset, Kept>(x, r, K, p, g0, g1, o, ldy, cols);
+    case 5: return tile<5, G, Offset, Kept>(x, r, K, p, g0, g1, o, ldy, cols);
+    default: return tile<6, G, Offset, Kept>(x, r, K, p, g0, g1, o, ldy, cols);
+  }
+}
+
+// y [M, N] (rows ldy apart) = x @ W.T, reading the weight's kept panels (`keep`), or where `kept` is
+// nullptr unpacking them: unpack(n0, cols, panel) writes W's rows n0 .. n0 + cols into panel.pairs
+// and their scale groups' D and M (panel.rows and the three are zero past cols).
 template <int G, bool Offset, typename Unpack>
-void matmul(const Rows& x, int64_t M, int64_t K, int64_t N, float* y, int64_t ldy, const Unpack& unpack) {
-  const int64_t panels = (N + kCols - 1) / kCols;
+void matmul(const Rows& x, int64_t M, int64_t K, int64_t N, float* y, int64_t ldy, const int8_t* kept,
+            const Unpack& unpack) {
+  const int64_t panels = (N + kCols - 1) / kCols, kept_bytes = Panel::kept_bytes(K, G, Offset);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    Panel p(K, G);
+    Panel p(K, G, kept == nullptr);
     for (int64_t i = p0; i < p1; ++i) {
       const int64_t n0 = i * kCols, cols = std::min(kCols, N - n0);
-      if (cols < kCols) {
-        std::fill(p.rows.begin(), p.rows.end(), int16_t{0});
-        std::fill(p.D.begin(), p.D.end(), 0.f), std::fill(p.M.begin(), p.M.end(), 0.f);
+      if (kept != nullptr) {
+        p.use_kept(kept + i * kept_bytes, K, G);
+      } else {
+        if (cols < kCols) {
+          std::fill(p.rows.begin(), p.rows.end(), int16_t{0});
+          std::fill(p.D.begin(), p.D.end(), 0.f), std::fill(p.M.begin(), p.M.end(), 0.f);
+        }
+        unpack(n0, cols, p);
       }
-      unpack(n0, cols, p);
-      p.interleave(K);
       float* out = y + n0;
       for (int64_t g0 = 0; g0 < K / G; g0 += kDepth / G) {
         const int64_t g1 = std::min(K / G, g0 + kDepth / G);
         for (int64_t r = 0; r < M; r += kRows) {
           float* o = out + r * ldy;
-          switch (std::min(kRows, M - r)) {
-            case 1: tile<1, G, Offset>(x, r, K, p, g0, g1, o, ldy, cols); break;
-            case 2: tile<2, G, Offset>(x, r, K, p, g0, g1, o, ldy, cols); break;
-            case 3: tile<3, G, Offset>(x, r, K, p, g0, g1, o, ldy, cols); break;
-            case 4: tile<4, G, Offset>(x, r, K, p, g0, g1, o, ldy, cols); break;
-            case 5: tile<5, G, Offset>(x, r, K, p, g0, g1, o, ldy, cols); break;
-            default: tile<6, G, Offset>(x, r, K, p, g0, g1, o, ldy, cols); break;
-          }
+          if (p.kept != nullptr) rows_tile<G, Offset, true>(x, r, M, K, p, g0, g1, o, ldy, cols);
+          else rows_tile<G, Offset, false>(x, r, M, K, p, g0, g1, o, ldy, cols);
         }
       }
+    }
+  });
+}
+
+// Every panel of a weight unpacked once (Panel::widen's layout), panel after panel.
+template <int G, bool Offset, typename Unpack>
+void keep(int64_t K, int64_t N, int8_t* kept, const Unpack& unpack) {
+  const int64_t panels = (N + kCols - 1) / kCols, bytes = Panel::kept_bytes(K, G, Offset);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    Panel p(K, G);
+    for (int64_t i = p0; i < p1; ++i) {
+      const int64_t n0 = i * kCols, cols = std::min(kCols, N - n0);
+      std::fill(p.rows.begin(), p.rows.end(), int16_t{0});
+      std::fill(p.D.begin(), p.D.end(), 0.f), std::fill(p.M.begin(), p.M.end(), 0.f);
+      unpack(n0, cols, p);
+      p.narrow(kept + i * bytes, K, G, Offset);
     }
   });
 }

@@ -767,10 +767,10 @@ void split_dequantize(const uint8_t* Q, const void* S, int64_t n0, int64_t rows,
 }
 
 #ifdef RTSERVER_INT_DOTS
-// Columns n0 .. n0 + cols of a split-layout weight as a panel's int16 quants, D and M per block.
+// Columns n0 .. n0 + cols of a split-layout weight as a panel's int16 quants, pairs interleaved.
 template <Split F>
-void split_unpack_int(const uint8_t* Q, const void* S, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
-  constexpr int64_t qbytes = quant_bytes(F), fields = has_min(F) ? 2 : 1;
+void split_quants_int(const uint8_t* Q, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
+  constexpr int64_t qbytes = quant_bytes(F);
   const int64_t nb = K / kBlock;
   for (int64_t c = 0; c < cols; ++c) {
     const uint8_t* row = split_row<F>(Q, n0 + c, nb);
@@ -778,25 +778,47 @@ void split_unpack_int(const uint8_t* Q, const void* S, int64_t n0, int64_t cols,
       __m256i w = has_nibbles(F) ? blocks::nibbles(row + b * qbytes) : blocks::load32(row + b * qbytes);
       if (mask_bytes(F)) w = _mm256_or_si256(w, blocks::fifth_bits(row + nb * qbytes + b * 4));
       _mm512_storeu_si512(p.rows.data() + c * K + b * kBlock, _mm512_cvtepi8_epi16(w));
+    }
+  }
+  p.interleave(K);
+}
+
+// The same columns' D and M per block.
+template <Split F>
+void split_scales_int(const void* S, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
+  constexpr int64_t fields = has_min(F) ? 2 : 1;
+  const int64_t nb = K / kBlock;
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t b = 0; b < nb; ++b) {
       const int64_t i = ((n0 + c) * nb + b) * fields;
       p.D[b * int_panel::kCols + c] = scale_field<F>(S, i);
       p.M[b * int_panel::kCols + c] = has_min(F) ? scale_field<F>(S, i + 1) : 0.f;
     }
-  }
 }
 
-// Columns n0 .. n0 + cols of raw blocks of type T as a panel: each chunk's quants, D and M per group.
+// Columns n0 .. n0 + cols of raw blocks of type T as a panel's int16 quants, pairs interleaved.
 template <typename T>
-void raw_unpack_int(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
-  constexpr int kChunks = T::kWeights / 32, kGroups = T::kWeights / T::kGroup;
+void raw_quants_int(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
+  constexpr int kChunks = T::kWeights / 32;
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint8_t* row = W + (n0 + c) * row_bytes;
+    for (int64_t blk = 0; blk < K / T::kWeights; ++blk)
+      for (int ch = 0; ch < kChunks; ++ch)
+        _mm512_storeu_si512(p.rows.data() + c * K + blk * T::kWeights + ch * 32,
+                            _mm512_cvtepi8_epi16(T::chunk(row + blk * T::kBytes, ch)));
+  }
+  p.interleave(K);
+}
+
+// The same columns' D and M per scale group.
+template <typename T>
+void raw_scales_int(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
+  constexpr int kGroups = T::kWeights / T::kGroup;
   for (int64_t c = 0; c < cols; ++c) {
     const uint8_t* row = W + (n0 + c) * row_bytes;
     for (int64_t blk = 0; blk < K / T::kWeights; ++blk) {
-      const uint8_t* b = row + blk * T::kBytes;
       float D[16], M[16];
-      T::scales(b, D, M);
-      for (int ch = 0; ch < kChunks; ++ch)
-        _mm512_storeu_si512(p.rows.data() + c * K + blk * T::kWeights + ch * 32, _mm512_cvtepi8_epi16(T::chunk(b, ch)));
+      T::scales(row + blk * T::kBytes, D, M);
       for (int j = 0; j < kGroups; ++j) {
         const int64_t at = (blk * kGroups + j) * int_panel::kCols + c;
         p.D[at] = D[j * T::kGroup / 16], p.M[at] = T::kOffset ? M[j * T::kGroup / 16] : 0.f;
@@ -805,40 +827,86 @@ void raw_unpack_int(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t col
   }
 }
 
-// A many-row step on integer dots (int_panel.h): the activations in fixed point once, then panels.
-void int_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
-                      const torch::Tensor& scales, float* y, int64_t ldy) {
-  const int64_t N = qs.size(0);
+// Calls f(G, quants, scales) with a weight's scale group and its panel unpackers: quants(n0, cols, p)
+// fills p.pairs, scales(n0, cols, p) p.D and p.M.
+template <typename Fn>
+void with_unpackers(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, const Fn& f) {
   const uint8_t* Q = qs.data_ptr<uint8_t>();
-  int_panel::Rows rows;
-  to_int16(x, M, K, rows);
   if (!is_split(format)) {
     const int64_t row_bytes = qs.size(1);
     blocks::with_type(format, [&](auto t) {
       using T = decltype(t);
-      int_panel::matmul<T::kGroup, T::kOffset>(rows, M, K, N, y, ldy, [&](int64_t n0, int64_t cols, int_panel::Panel& p) {
-        raw_unpack_int<T>(Q, row_bytes, n0, cols, K, p);
-      });
+      f(std::integral_constant<int, T::kGroup>{}, std::bool_constant<T::kOffset>{},
+        [&](int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) { raw_quants_int<T>(Q, row_bytes, n0, cols, K, p); },
+        [&](int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) { raw_scales_int<T>(Q, row_bytes, n0, cols, K, p); });
     });
     return;
   }
   const void* S = scales.data_ptr();
-  with_split(format, [&](auto f) {
-    constexpr Split F = decltype(f)::value;
-    int_panel::matmul<32, has_min(F)>(rows, M, K, N, y, ldy, [&](int64_t n0, int64_t cols, int_panel::Panel& p) {
-      split_unpack_int<F>(Q, S, n0, cols, K, p);
-    });
+  with_split(format, [&](auto s) {
+    constexpr Split F = decltype(s)::value;
+    f(std::integral_constant<int, 32>{}, std::bool_constant<has_min(F)>{},
+      [&](int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) { split_quants_int<F>(Q, n0, cols, K, p); },
+      [&](int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) { split_scales_int<F>(S, n0, cols, K, p); });
+  });
+}
+
+// A many-row step on integer dots (int_panel.h): the activations in fixed point once, then panels,
+// widened from `kept` where the weight's panels were unpacked at load (else nullptr).
+void int_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
+                      const torch::Tensor& scales, const int8_t* kept, float* y, int64_t ldy) {
+  const int64_t N = qs.size(0);
+  int_panel::Rows rows;
+  to_int16(x, M, K, rows);
+  with_unpackers(format, qs, scales, [&](auto G, auto offset, const auto& quants, const auto& scales_of) {
+    int_panel::matmul<decltype(G)::value, decltype(offset)::value>(
+        rows, M, K, N, y, ldy, kept, [&](int64_t n0, int64_t cols, int_panel::Panel& p) {
+          quants(n0, cols, K, p);
+          scales_of(n0, cols, K, p);
+        });
   });
 }
 #endif
 
+// The bytes of a weight's panels unpacked once (unpack_panels); 0 where the kernel keeps none.
+int64_t kept_bytes(const std::string& format, int64_t N, int64_t K) {
+  int64_t bytes = 0;
+#ifdef RTSERVER_INT_DOTS
+  const auto count = [&](int64_t G, bool offset) {
+    bytes = (N + int_panel::kCols - 1) / int_panel::kCols * int_panel::Panel::kept_bytes(K, G, offset);
+  };
+  if (!blocks::with_type(format, [&](auto t) { count(decltype(t)::kGroup, decltype(t)::kOffset); }))
+    with_split(format, [&](auto f) { count(32, has_min(decltype(f)::value)); });
+#endif
+  return bytes;
+}
+
+// A weight's panels for many-row steps unpacked once: int8 [kept_bytes]; empty where the kernel has no
+// integer panels (no VNNI).
+torch::Tensor unpack_panels(std::string format, torch::Tensor qs, torch::Tensor scales, int64_t K) {
+  check_weight(format, qs, scales, K);
+  auto out = torch::empty({kept_bytes(format, qs.size(0), K)}, torch::kInt8);
+#ifdef RTSERVER_INT_DOTS
+  int8_t* kept = out.data_ptr<int8_t>();
+  with_unpackers(format, qs, scales, [&](auto G, auto offset, const auto& quants, const auto& scales_of) {
+    int_panel::keep<decltype(G)::value, decltype(offset)::value>(
+        K, qs.size(0), kept, [&](int64_t n0, int64_t cols, int_panel::Panel& p) {
+          quants(n0, cols, K, p);
+          scales_of(n0, cols, K, p);
+        });
+  });
+#endif
+  return out;
+}
+
 // A many-row step: the weight dequantized 16 rows at a time beside a float32 GEMM (panel.h), or on
 // integer dots where the CPU has VNNI.
 void panel_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
-                  const torch::Tensor& scales, float* y, int64_t ldy) {
+                  const torch::Tensor& scales, const int8_t* kept, float* y, int64_t ldy) {
 #ifdef RTSERVER_INT_DOTS
-  int_panel_matmul(x, M, K, format, qs, scales, y, ldy);
+  int_panel_matmul(x, M, K, format, qs, scales, kept, y, ldy);
 #else
+  (void)kept;  // unpacked panels exist only for the integer path
   const int64_t N = qs.size(0);
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   if (!is_split(format)) {
@@ -860,11 +928,11 @@ void panel_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
 }
 
 // y = x @ W.T (rows ldy apart) for a weight given as (format, quants, scales), checked: the dispatch
-// every caller shares.
+// every caller shares. `kept` is the weight's panels unpacked once, or nullptr.
 void block_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
-                  const torch::Tensor& scales, float* y, int64_t ldy) {
+                  const torch::Tensor& scales, const int8_t* kept, float* y, int64_t ldy) {
   check_weight(format, qs, scales, K);
-  if (M > g_panel_rows) return panel_matmul(x, M, K, format, qs, scales, y, ldy);
+  if (M > g_panel_rows) return panel_matmul(x, M, K, format, qs, scales, kept, y, ldy);
   const int64_t N = qs.size(0);
   if (!is_split(format)) {
     blocks::with_type(format, [&](auto t) {
@@ -877,10 +945,11 @@ void block_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
 }
 
 // A linear as the runner passes it: one or more parts over the same input (a stacked weight: q/k/v or
-// gate/up of different block types), each (format, a, b); their outputs lie side by side.
+// gate/up of different block types), each (format, a, b, panels: unpack_panels' or empty); their
+// outputs lie side by side.
 struct Parts {
   std::vector<std::string> formats;
-  std::vector<torch::Tensor> a, b;
+  std::vector<torch::Tensor> a, b, panels;
 
   int64_t rows() const {
     int64_t n = 0;
@@ -890,7 +959,17 @@ struct Parts {
   void check(int64_t K) const {
     TORCH_CHECK(!formats.empty() && formats.size() == a.size() && formats.size() == b.size(),
                 "a linear needs one (format, a, b) per part");
-    for (size_t i = 0; i < formats.size(); ++i) check_weight(formats[i], a[i], b[i], K);
+    TORCH_CHECK(panels.empty() || panels.size() == formats.size(), "a linear needs no panels or one per part");
+    for (size_t i = 0; i < formats.size(); ++i) {
+      check_weight(formats[i], a[i], b[i], K);
+      TORCH_CHECK(i >= panels.size() || panels[i].numel() == 0 ||
+                      (panels[i].scalar_type() == torch::kInt8 && panels[i].is_contiguous() &&
+                       panels[i].numel() == kept_bytes(formats[i], a[i].size(0), K)),
+                  "a part's panels must be empty or unpack_panels' int8 for the same weight");
+    }
+  }
+  const int8_t* kept(size_t i) const {
+    return i < panels.size() && panels[i].numel() > 0 ? panels[i].data_ptr<int8_t>() : nullptr;
   }
   // y [M, rows()] = x [M, K] @ W.T, part by part (checked first).
   void apply(const float* x, int64_t M, int64_t K, float* y) const {
@@ -898,7 +977,7 @@ struct Parts {
     const int64_t N = rows();
     int64_t at = 0;
     for (size_t i = 0; i < formats.size(); ++i) {
-      block_matmul(x, M, K, formats[i], a[i], b[i], y + at, N);
+      block_matmul(x, M, K, formats[i], a[i], b[i], kept(i), y + at, N);
       at += a[i].size(0);
     }
   }
@@ -918,8 +997,8 @@ torch::Tensor q4_1_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) { ret
 torch::Tensor q8_0_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) { return parts_mm(x, {{"Q8_0"}, {qs}, {d}}); }
 
 torch::Tensor blocks_mm(torch::Tensor x, std::vector<std::string> formats, std::vector<torch::Tensor> a,
-                        std::vector<torch::Tensor> b) {
-  return parts_mm(x, {formats, a, b});
+                        std::vector<torch::Tensor> b, std::vector<torch::Tensor> panels) {
+  return parts_mm(x, {formats, a, b, panels});
 }
 
 // The float32 weight of raw blocks [N, row bytes] of width K, decoded as the kernel decodes it.
@@ -1161,17 +1240,18 @@ using Formats = std::vector<std::string>;
 using Tensors = std::vector<torch::Tensor>;
 
 torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, Formats qkv_format, Tensors qkv_a, Tensors qkv_b,
-                           c10::optional<torch::Tensor> qkv_bias, Formats o_format, Tensors o_a, Tensors o_b,
-                           torch::Tensor ln2, Formats gu_format, Tensors gu_a, Tensors gu_b, Formats down_format,
-                           Tensors down_a, Tensors down_b, torch::Tensor cos, torch::Tensor sin,
+                           Tensors qkv_p, c10::optional<torch::Tensor> qkv_bias, Formats o_format, Tensors o_a,
+                           Tensors o_b, Tensors o_p, torch::Tensor ln2, Formats gu_format, Tensors gu_a,
+                           Tensors gu_b, Tensors gu_p, Formats down_format, Tensors down_a, Tensors down_b,
+                           Tensors down_p, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor write_slots,
                            torch::Tensor slots, torch::Tensor lengths, int64_t n_heads, double eps, double scale,
                            torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor attn_out_norm,
                            torch::Tensor mlp_out_norm, bool gelu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be float32 [R, hidden]");
   const int64_t R = x.size(0), E = x.size(1), D = k_pool.size(2), KV = k_pool.size(1), H = n_heads;
-  const Parts qkv_w{qkv_format, qkv_a, qkv_b}, o_w{o_format, o_a, o_b}, gu_w{gu_format, gu_a, gu_b},
-      down_w{down_format, down_a, down_b};
+  const Parts qkv_w{qkv_format, qkv_a, qkv_b, qkv_p}, o_w{o_format, o_a, o_b, o_p},
+      gu_w{gu_format, gu_a, gu_b, gu_p}, down_w{down_format, down_a, down_b, down_p};
   const int64_t QS = H * D, KS = KV * D, NQKV = QS + 2 * KS, I2 = gu_w.rows(), I = I2 / 2;
   check_pools(k_pool, v_pool, D);
   check_context(slots, lengths, R, k_pool.size(0));
@@ -1250,7 +1330,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("q4_1_mm", &q4_1_mm, "x [M, K] float32 @ Q4_1 blocks [N, K].T -> [M, N] float32", nogil);
   m.def("q8_0_mm", &q8_0_mm, "x [M, K] float32 @ Q8_0 blocks [N, K].T -> [M, N] float32", nogil);
-  m.def("blocks_mm", &blocks_mm, "x [M, K] float32 @ a stacked block weight (parts side by side) -> [M, N]", nogil);
+  m.def("blocks_mm", &blocks_mm, "x [M, K] float32 @ a stacked block weight (parts side by side) -> [M, N]",
+        py::arg("x"), py::arg("formats"), py::arg("a"), py::arg("b"), py::arg("panels") = Tensors{}, nogil);
+  m.def("unpack_panels", &unpack_panels, "a block weight's panels for many-row steps, unpacked once (int8)", nogil);
+  m.def("kept_bytes", &kept_bytes, "the bytes unpack_panels takes for a weight of this format and shape");
   m.def("set_panel_rows", &set_panel_rows, "steps of more rows than this dequantize 16 weight rows at a time");
   m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
   m.def("decode_attention", &decode_attention, "single-token attention over paged float32 K/V", nogil);

@@ -20,7 +20,8 @@
 // or two rows take the decoded quants to integer dots instead (raw_fixed_pass).
 // A linear is a list of parts (format, a, b) over the same input, outputs side by side: a stacked
 // q/k/v or gate/up whose tensors ship in different types runs part by part. Steps of many rows run
-// on panels of weight rows, every format alike: int_panel.h on VNNI, else panel.h in float32.
+// on panels of weight rows, every format alike: int_panel.h on VNNI (panels kept unpacked at load
+// where `unpack_panels` ran), else panel.h in float32.
 //
 // Built at first start with -march=native for the CPU at hand (the cache key names the CPU) and
 // -fopenmp, so at::parallel_for (a header-only OpenMP loop) runs on torch's own OpenMP threads: without
@@ -827,8 +828,8 @@ void raw_scales_int(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t col
   }
 }
 
-// Calls f(G, quants, scales) with a weight's scale group and its panel unpackers: quants(n0, cols, p)
-// fills p.pairs, scales(n0, cols, p) p.D and p.M.
+// Calls f(G, offset, quants, scales) with a weight's scale group, whether it has offsets, and its panel
+// unpackers: quants(n0, cols, K, p) fills p.pairs, scales(n0, cols, K, p) p.D and p.M.
 template <typename Fn>
 void with_unpackers(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, const Fn& f) {
   const uint8_t* Q = qs.data_ptr<uint8_t>();
@@ -852,7 +853,7 @@ void with_unpackers(const std::string& format, const torch::Tensor& qs, const to
 }
 
 // A many-row step on integer dots (int_panel.h): the activations in fixed point once, then panels,
-// widened from `kept` where the weight's panels were unpacked at load (else nullptr).
+// read from `kept` where the weight's panels were unpacked at load (else nullptr).
 void int_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
                       const torch::Tensor& scales, const int8_t* kept, float* y, int64_t ldy) {
   const int64_t N = qs.size(0);
@@ -1334,7 +1335,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("formats"), py::arg("a"), py::arg("b"), py::arg("panels") = Tensors{}, nogil);
   m.def("unpack_panels", &unpack_panels, "a block weight's panels for many-row steps, unpacked once (int8)", nogil);
   m.def("kept_bytes", &kept_bytes, "the bytes unpack_panels takes for a weight of this format and shape");
-  m.def("set_panel_rows", &set_panel_rows, "steps of more rows than this dequantize 16 weight rows at a time");
+  m.def("set_panel_rows", &set_panel_rows, "steps of more rows than this run on panels of weight rows");
   m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
   m.def("decode_attention", &decode_attention, "single-token attention over paged float32 K/V", nogil);
 #ifdef RTSERVER_INT_DOTS

@@ -140,7 +140,8 @@ class BlockLinear(Linear):
         transposing the blocks every step."""
         formats, qs, scales = self.blocks.args
         width = self.blocks.shape[1]
-        self.panels = [self.kernel.unpack_panels(f, q, s, width) for f, q, s in zip(formats, qs, scales)]
+        # in place: the runner's fused decode layers hold this list
+        self.panels[:] = [self.kernel.unpack_panels(f, q, s, width) for f, q, s in zip(formats, qs, scales)]
 
     def columns(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Those rows dequantized, exact float32."""

@@ -17,7 +17,7 @@ import torch
 from .attention import AttentionPlan, KernelAttention, PagedAttention, rope
 from .families import attention_scale, family_of, layer_windows, rope_tables
 from .kv import KVCacheManager
-from .layers import Weights
+from .layers import DecoderLayer, Weights
 from .linear import BlockLinear, FusedArgs, Linear
 from .plan import StepItem
 from .quant import BlockWeight
@@ -154,6 +154,7 @@ class ModelRunner(StepRunner):
         self.attention = PagedAttention(self.n_heads, self.n_kv, self.head_dim, self.scale)
         self.attention_kernel: Any = None  # see use_attention_kernel
         self.fused_decode = False  # single-token decodes run fused (choose_fused_decode)
+        self._fused_args: list[tuple[tuple, tuple, tuple]] = []  # per layer, what no step changes
         if release_dense_weights:
             self.release_dense_weights()
 
@@ -193,6 +194,20 @@ class ModelRunner(StepRunner):
         if any(L.o.bias is not None for L in self.layers):
             return  # decode_layer adds q/k/v biases only (Llama's attention_bias also has o_proj's)
         self.fused_decode = True
+        # Built once: assembling ~40 arguments a layer cost a one-row step a noticeable share.
+        self._fused_args = [self._fused_layer_args(L) for L in self.layers]
+
+    def _fused_layer_args(self, L: DecoderLayer) -> tuple[tuple, tuple, tuple]:
+        """Layer L's arguments of `decode_layer` that no step changes: before the RoPE tables, the
+        MLP's, and after the step's KV slots."""
+        n = L.norms
+        attn = (n.attn_in.scale, *_fused(L.qkv), L.qkv.bias, *_fused(L.o), n.mlp_in.scale)
+        norms = (n.q.scale, n.k.scale, n.attn_out.scale, n.mlp_out.scale)
+        return (
+            attn,
+            (*_fused(L.gate_up), *_fused(L.down)),
+            (self.n_heads, self.eps, self.scale, *norms, self.family.activation == "gelu_tanh"),
+        )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -348,31 +363,10 @@ class ModelRunner(StepRunner):
         L = self.layers[li]
         cos, sin = lay.rope[L.rope]
         table, lengths = (lay.local_table, lay.local_lengths) if L.window else (lay.table, lay.lengths)
-        n = L.norms
+        attn, mlp, consts = self._fused_args[li]
+        pools = self.kv.k[li], self.kv.v[li]
         return self.attention_kernel.decode_layer(
-            x,
-            n.attn_in.scale,
-            *_fused(L.qkv),
-            L.qkv.bias,
-            *_fused(L.o),
-            n.mlp_in.scale,
-            *_fused(L.gate_up),
-            *_fused(L.down),
-            cos,
-            sin,
-            self.kv.k[li],
-            self.kv.v[li],
-            lay.write_slots,
-            table,
-            lengths,
-            self.n_heads,
-            self.eps,
-            self.scale,
-            n.q.scale,
-            n.k.scale,
-            n.attn_out.scale,
-            n.mlp_out.scale,
-            self.family.activation == "gelu_tanh",
+            x, *attn, *mlp, cos, sin, *pools, lay.write_slots, table, lengths, *consts
         )
 
     def _logits(

@@ -948,9 +948,11 @@ void block_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
 // A linear as the runner passes it: one or more parts over the same input (a stacked weight: q/k/v or
 // gate/up of different block types), each (format, a, b, panels: unpack_panels' or empty); their
 // outputs lie side by side.
+// The parts are the caller's: no tensor is released here, where the GIL is not held.
+const std::vector<torch::Tensor> kNoPanels;
 struct Parts {
-  std::vector<std::string> formats;
-  std::vector<torch::Tensor> a, b, panels;
+  const std::vector<std::string>& formats;
+  const std::vector<torch::Tensor>&a, &b, &panels = kNoPanels;
 
   int64_t rows() const {
     int64_t n = 0;
@@ -997,8 +999,9 @@ torch::Tensor q4_1_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) { ret
 
 torch::Tensor q8_0_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor d) { return parts_mm(x, {{"Q8_0"}, {qs}, {d}}); }
 
-torch::Tensor blocks_mm(torch::Tensor x, std::vector<std::string> formats, std::vector<torch::Tensor> a,
-                        std::vector<torch::Tensor> b, std::vector<torch::Tensor> panels) {
+torch::Tensor blocks_mm(const torch::Tensor& x, const std::vector<std::string>& formats,
+                        const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
+                        const std::vector<torch::Tensor>& panels) {
   return parts_mm(x, {formats, a, b, panels});
 }
 
@@ -1237,18 +1240,22 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
 // The families' switches: q_norm / k_norm [D] an RMS norm over each head before RoPE, attn_out_norm /
 // mlp_out_norm [hidden] norms on the two outputs before the residual adds (an empty tensor: none), and
 // gelu for the tanh GELU in place of silu. Norm weights come as the factor applied (Gemma's 1 + w).
+// Every argument is a reference: the caller's tensors are released by pybind11 after the call, with the
+// GIL held, not here.
+using Tensor = torch::Tensor;
 using Formats = std::vector<std::string>;
 using Tensors = std::vector<torch::Tensor>;
 
-torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, Formats qkv_format, Tensors qkv_a, Tensors qkv_b,
-                           Tensors qkv_p, c10::optional<torch::Tensor> qkv_bias, Formats o_format, Tensors o_a,
-                           Tensors o_b, Tensors o_p, torch::Tensor ln2, Formats gu_format, Tensors gu_a,
-                           Tensors gu_b, Tensors gu_p, Formats down_format, Tensors down_a, Tensors down_b,
-                           Tensors down_p, torch::Tensor cos, torch::Tensor sin,
-                           torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor write_slots,
-                           torch::Tensor slots, torch::Tensor lengths, int64_t n_heads, double eps, double scale,
-                           torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor attn_out_norm,
-                           torch::Tensor mlp_out_norm, bool gelu) {
+torch::Tensor decode_layer(const Tensor& x, const Tensor& ln1, const Formats& qkv_format, const Tensors& qkv_a,
+                           const Tensors& qkv_b, const Tensors& qkv_p, const c10::optional<Tensor>& qkv_bias,
+                           const Formats& o_format, const Tensors& o_a, const Tensors& o_b, const Tensors& o_p,
+                           const Tensor& ln2, const Formats& gu_format, const Tensors& gu_a, const Tensors& gu_b,
+                           const Tensors& gu_p, const Formats& down_format, const Tensors& down_a,
+                           const Tensors& down_b, const Tensors& down_p, const Tensor& cos, const Tensor& sin,
+                           const Tensor& k_pool, const Tensor& v_pool, const Tensor& write_slots,
+                           const Tensor& slots, const Tensor& lengths, int64_t n_heads, double eps, double scale,
+                           const Tensor& q_norm, const Tensor& k_norm, const Tensor& attn_out_norm,
+                           const Tensor& mlp_out_norm, bool gelu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be float32 [R, hidden]");
   const int64_t R = x.size(0), E = x.size(1), D = k_pool.size(2), KV = k_pool.size(1), H = n_heads;
   const Parts qkv_w{qkv_format, qkv_a, qkv_b, qkv_p}, o_w{o_format, o_a, o_b, o_p},

@@ -130,6 +130,16 @@ class _ScoreSink:
             self.future.set_result(result)
 
 
+def _check_token_ids(ids: object, vocab: int, what: str) -> None:
+    """Refuse at once what the model's step would fail on later, with a message about tensors."""
+    if (
+        not isinstance(ids, (list, tuple))
+        or not ids
+        or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids)
+    ):
+        raise ValueError(f"{what} must be a non-empty list of token ids in 0..{vocab - 1}")
+
+
 class Engine:
     def __init__(
         self, loaded: LoadedModel, settings: EngineSettings | None = None, release_dense_weights: bool = False
@@ -278,6 +288,7 @@ class Engine:
         Generations of one `prefix_scope` share their whole prompt's KV with each other alone; one
         given `fork_session` may start from that session's KV (see `InferenceBackend`)."""
         params.validate(len(self.tokenizer))
+        _check_token_ids(prompt_ids, self.runner.vocab_size, "prompt_ids")
         seq = Sequence(
             prompt_ids,
             params,
@@ -352,8 +363,11 @@ class Engine:
         features_from: int | None,
         public_tokens: int,
     ) -> SequenceResult:
-        if not candidates or any(not c for c in candidates):
+        if not candidates:
             raise ValueError("candidates must be non-empty token lists")
+        _check_token_ids(prompt_ids, self.runner.vocab_size, "prompt_ids")
+        for c in candidates:
+            _check_token_ids(c, self.runner.vocab_size, "candidates")
         seq = Sequence(
             prompt_ids,
             SamplingParams(max_new_tokens=1),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import pytest
 import torch
@@ -367,6 +368,23 @@ async def test_sampling_params_are_bounded_at_submit(smol):
         assert str(exc.value).startswith(f"{field} = ")
     assert not eng.scheduler.waiting  # nothing was queued
     eng.generate(prompt, SamplingParams(seed=2**63 - 1, stop_token_ids=[vocab - 1]))  # the edges pass
+
+
+async def test_token_ids_outside_the_vocabulary_are_refused_at_submit(smol):
+    """A prompt or candidate that is not a list of the model's token ids is refused by name before
+    anything is queued, not failed inside the step (a str prompt once got there)."""
+    eng = Engine(smol, EngineSettings(kv_budget_mb=64))
+    vocab = eng.runner.vocab_size
+    message = f"must be a non-empty list of token ids in 0..{vocab - 1}"
+    for bad in ("<|im_start|>user", [], [vocab], [-1], [1, 2.0], [True], None):
+        with pytest.raises(ValueError, match="prompt_ids " + re.escape(message)):
+            eng.generate(bad, SamplingParams())
+        with pytest.raises(ValueError, match="prompt_ids " + re.escape(message)):
+            await eng.score(bad, [[1]])
+    for bad in ([[vocab]], [[1], "x"], [[]]):
+        with pytest.raises(ValueError, match="candidates " + re.escape(message)):
+            await eng.score([1, 2], bad)
+    assert not eng.scheduler.waiting
 
 
 # -- the prefix cache shares only what the server wrote -----------------------------------------------

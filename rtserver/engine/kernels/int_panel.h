@@ -4,9 +4,8 @@
 // Each task unpacks a panel of 32 rows of W to int16 quants, pairs of k interleaved (16 columns of
 // two quants in one vector), with each scale group's D and M as floats. A weight whose panels were
 // kept unpacked at load (`keep`, int8) skips that: the register block widens its pairs as it loads
-// them, and half the bytes stay in L1. Every row block then meets it
-// in vpdpwssd: 32 products an instruction where a float32 FMA gives 16, exact in int32 within a scale
-// group. A group's sums take d * s_b in float, and its min the exact activation sum, as fixed_pass
+// them, and half the bytes stay in L1. Every row block then meets it in vpdpwssd: 32 products an
+// instruction where a float32 FMA gives 16, exact in int32 within a scale group. A group's sums take d * s_b in float, and its min the exact activation sum, as fixed_pass
 // does. The activations round as every integer path's (fixed_block), so a row's result does not
 // depend on the step's size beyond float32 summation order.
 #pragma once
@@ -49,6 +48,11 @@ struct Panel {
       : rows(unpacks ? kCols * K : 0), pairs(unpacks ? kCols * K / 2 : 0), D(unpacks ? K / G * kCols : 0),
         M(unpacks ? K / G * kCols : 0), d(D.data()), m(M.data()) {}
 
+  // Before unpacking a panel of fewer than 32 columns: the missing ones are zero.
+  void clear() {
+    std::fill(rows.begin(), rows.end(), int16_t{0});
+    std::fill(D.begin(), D.end(), 0.f), std::fill(M.begin(), M.end(), 0.f);
+  }
   // Pairs of int16 are moved as 32-bit floats: transposes move bits, they never round them.
   void interleave(int64_t K) {
     for (int64_t h = 0; h < 2; ++h)
@@ -62,11 +66,12 @@ struct Panel {
     kept = from;
     d = reinterpret_cast<const float*>(kept + 32 * K), m = d + K / G * kCols;
   }
-  void narrow(int8_t* kept, int64_t K, int64_t G, bool offset) const {
+  // This panel as `use_kept` reads it, written to `to` (kept_bytes).
+  void narrow(int8_t* to, int64_t K, bool offset) const {
     for (int64_t i = 0; i < K; ++i)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(kept + 32 * i), _mm512_cvtepi16_epi8(_mm512_loadu_si512(pairs.data() + 16 * i)));
-    std::memcpy(kept + 32 * K, D.data(), D.size() * 4);
-    if (offset) std::memcpy(kept + 32 * K + D.size() * 4, M.data(), M.size() * 4);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 32 * i), _mm512_cvtepi16_epi8(_mm512_loadu_si512(pairs.data() + 16 * i)));
+    std::memcpy(to + 32 * K, D.data(), D.size() * 4);
+    if (offset) std::memcpy(to + 32 * K + D.size() * 4, M.data(), M.size() * 4);
   }
 };
 
@@ -158,10 +163,7 @@ void matmul(const Rows& x, int64_t M, int64_t K, int64_t N, float* y, int64_t ld
       if (kept != nullptr) {
         p.use_kept(kept + i * kept_bytes, K, G);
       } else {
-        if (cols < kCols) {
-          std::fill(p.rows.begin(), p.rows.end(), int16_t{0});
-          std::fill(p.D.begin(), p.D.end(), 0.f), std::fill(p.M.begin(), p.M.end(), 0.f);
-        }
+        if (cols < kCols) p.clear();
         unpack(n0, cols, p);
       }
       float* out = y + n0;
@@ -169,7 +171,7 @@ void matmul(const Rows& x, int64_t M, int64_t K, int64_t N, float* y, int64_t ld
         const int64_t g1 = std::min(K / G, g0 + kDepth / G);
         for (int64_t r = 0; r < M; r += kRows) {
           float* o = out + r * ldy;
-          if (p.kept != nullptr) rows_tile<G, Offset, true>(x, r, M, K, p, g0, g1, o, ldy, cols);
+          if (kept != nullptr) rows_tile<G, Offset, true>(x, r, M, K, p, g0, g1, o, ldy, cols);
           else rows_tile<G, Offset, false>(x, r, M, K, p, g0, g1, o, ldy, cols);
         }
       }
@@ -177,7 +179,7 @@ void matmul(const Rows& x, int64_t M, int64_t K, int64_t N, float* y, int64_t ld
   });
 }
 
-// Every panel of a weight unpacked once (Panel::widen's layout), panel after panel.
+// Every panel of a weight unpacked once (Panel::narrow's layout), panel after panel.
 template <int G, bool Offset, typename Unpack>
 void keep(int64_t K, int64_t N, int8_t* kept, const Unpack& unpack) {
   const int64_t panels = (N + kCols - 1) / kCols, bytes = Panel::kept_bytes(K, G, Offset);
@@ -185,10 +187,9 @@ void keep(int64_t K, int64_t N, int8_t* kept, const Unpack& unpack) {
     Panel p(K, G);
     for (int64_t i = p0; i < p1; ++i) {
       const int64_t n0 = i * kCols, cols = std::min(kCols, N - n0);
-      std::fill(p.rows.begin(), p.rows.end(), int16_t{0});
-      std::fill(p.D.begin(), p.D.end(), 0.f), std::fill(p.M.begin(), p.M.end(), 0.f);
+      if (cols < kCols) p.clear();
       unpack(n0, cols, p);
-      p.narrow(kept + i * bytes, K, G, Offset);
+      p.narrow(kept + i * bytes, K, Offset);
     }
   });
 }

@@ -768,10 +768,11 @@ void split_dequantize(const uint8_t* Q, const void* S, int64_t n0, int64_t rows,
 }
 
 #ifdef RTSERVER_INT_DOTS
-// Columns n0 .. n0 + cols of a split-layout weight as a panel's int16 quants, pairs interleaved.
+// Columns n0 .. n0 + cols of a split-layout weight as a panel: int16 quants, pairs interleaved, and
+// D and M per block.
 template <Split F>
-void split_quants_int(const uint8_t* Q, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
-  constexpr int64_t qbytes = quant_bytes(F);
+void split_unpack_int(const uint8_t* Q, const void* S, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
+  constexpr int64_t qbytes = quant_bytes(F), fields = has_min(F) ? 2 : 1;
   const int64_t nb = K / kBlock;
   for (int64_t c = 0; c < cols; ++c) {
     const uint8_t* row = split_row<F>(Q, n0 + c, nb);
@@ -779,67 +780,48 @@ void split_quants_int(const uint8_t* Q, int64_t n0, int64_t cols, int64_t K, int
       __m256i w = has_nibbles(F) ? blocks::nibbles(row + b * qbytes) : blocks::load32(row + b * qbytes);
       if (mask_bytes(F)) w = _mm256_or_si256(w, blocks::fifth_bits(row + nb * qbytes + b * 4));
       _mm512_storeu_si512(p.rows.data() + c * K + b * kBlock, _mm512_cvtepi8_epi16(w));
-    }
-  }
-  p.interleave(K);
-}
-
-// The same columns' D and M per block.
-template <Split F>
-void split_scales_int(const void* S, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
-  constexpr int64_t fields = has_min(F) ? 2 : 1;
-  const int64_t nb = K / kBlock;
-  for (int64_t c = 0; c < cols; ++c)
-    for (int64_t b = 0; b < nb; ++b) {
       const int64_t i = ((n0 + c) * nb + b) * fields;
       p.D[b * int_panel::kCols + c] = scale_field<F>(S, i);
       p.M[b * int_panel::kCols + c] = has_min(F) ? scale_field<F>(S, i + 1) : 0.f;
     }
-}
-
-// Columns n0 .. n0 + cols of raw blocks of type T as a panel's int16 quants, pairs interleaved.
-template <typename T>
-void raw_quants_int(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
-  constexpr int kChunks = T::kWeights / 32;
-  for (int64_t c = 0; c < cols; ++c) {
-    const uint8_t* row = W + (n0 + c) * row_bytes;
-    for (int64_t blk = 0; blk < K / T::kWeights; ++blk)
-      for (int ch = 0; ch < kChunks; ++ch)
-        _mm512_storeu_si512(p.rows.data() + c * K + blk * T::kWeights + ch * 32,
-                            _mm512_cvtepi8_epi16(T::chunk(row + blk * T::kBytes, ch)));
   }
   p.interleave(K);
 }
 
-// The same columns' D and M per scale group.
+// Columns n0 .. n0 + cols of raw blocks of type T as a panel: each chunk's quants (pairs interleaved),
+// D and M per group.
 template <typename T>
-void raw_scales_int(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
-  constexpr int kGroups = T::kWeights / T::kGroup;
+void raw_unpack_int(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
+  constexpr int kChunks = T::kWeights / 32, kGroups = T::kWeights / T::kGroup;
   for (int64_t c = 0; c < cols; ++c) {
     const uint8_t* row = W + (n0 + c) * row_bytes;
     for (int64_t blk = 0; blk < K / T::kWeights; ++blk) {
+      const uint8_t* b = row + blk * T::kBytes;
       float D[16], M[16];
-      T::scales(row + blk * T::kBytes, D, M);
+      T::scales(b, D, M);
+      for (int ch = 0; ch < kChunks; ++ch)
+        _mm512_storeu_si512(p.rows.data() + c * K + blk * T::kWeights + ch * 32, _mm512_cvtepi8_epi16(T::chunk(b, ch)));
       for (int j = 0; j < kGroups; ++j) {
         const int64_t at = (blk * kGroups + j) * int_panel::kCols + c;
         p.D[at] = D[j * T::kGroup / 16], p.M[at] = T::kOffset ? M[j * T::kGroup / 16] : 0.f;
       }
     }
   }
+  p.interleave(K);
 }
 
-// Calls f(G, offset, quants, scales) with a weight's scale group, whether it has offsets, and its panel
-// unpackers: quants(n0, cols, K, p) fills p.pairs, scales(n0, cols, K, p) p.D and p.M.
+// Calls f(G, offset, unpack) with a weight's scale group, whether it has offsets, and its panel
+// unpacker: unpack(n0, cols, p) fills p.pairs, p.D and p.M.
 template <typename Fn>
-void with_unpackers(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, const Fn& f) {
+void with_unpacker(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, int64_t K,
+                   const Fn& f) {
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   if (!is_split(format)) {
     const int64_t row_bytes = qs.size(1);
     blocks::with_type(format, [&](auto t) {
       using T = decltype(t);
       f(std::integral_constant<int, T::kGroup>{}, std::bool_constant<T::kOffset>{},
-        [&](int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) { raw_quants_int<T>(Q, row_bytes, n0, cols, K, p); },
-        [&](int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) { raw_scales_int<T>(Q, row_bytes, n0, cols, K, p); });
+        [&](int64_t n0, int64_t cols, int_panel::Panel& p) { raw_unpack_int<T>(Q, row_bytes, n0, cols, K, p); });
     });
     return;
   }
@@ -847,8 +829,7 @@ void with_unpackers(const std::string& format, const torch::Tensor& qs, const to
   with_split(format, [&](auto s) {
     constexpr Split F = decltype(s)::value;
     f(std::integral_constant<int, 32>{}, std::bool_constant<has_min(F)>{},
-      [&](int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) { split_quants_int<F>(Q, n0, cols, K, p); },
-      [&](int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) { split_scales_int<F>(S, n0, cols, K, p); });
+      [&](int64_t n0, int64_t cols, int_panel::Panel& p) { split_unpack_int<F>(Q, S, n0, cols, K, p); });
   });
 }
 
@@ -859,12 +840,8 @@ void int_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& f
   const int64_t N = qs.size(0);
   int_panel::Rows rows;
   to_int16(x, M, K, rows);
-  with_unpackers(format, qs, scales, [&](auto G, auto offset, const auto& quants, const auto& scales_of) {
-    int_panel::matmul<decltype(G)::value, decltype(offset)::value>(
-        rows, M, K, N, y, ldy, kept, [&](int64_t n0, int64_t cols, int_panel::Panel& p) {
-          quants(n0, cols, K, p);
-          scales_of(n0, cols, K, p);
-        });
+  with_unpacker(format, qs, scales, K, [&](auto G, auto offset, const auto& unpack) {
+    int_panel::matmul<decltype(G)::value, decltype(offset)::value>(rows, M, K, N, y, ldy, kept, unpack);
   });
 }
 #endif
@@ -889,12 +866,8 @@ torch::Tensor unpack_panels(std::string format, torch::Tensor qs, torch::Tensor 
   auto out = torch::empty({kept_bytes(format, qs.size(0), K)}, torch::kInt8);
 #ifdef RTSERVER_INT_DOTS
   int8_t* kept = out.data_ptr<int8_t>();
-  with_unpackers(format, qs, scales, [&](auto G, auto offset, const auto& quants, const auto& scales_of) {
-    int_panel::keep<decltype(G)::value, decltype(offset)::value>(
-        K, qs.size(0), kept, [&](int64_t n0, int64_t cols, int_panel::Panel& p) {
-          quants(n0, cols, K, p);
-          scales_of(n0, cols, K, p);
-        });
+  with_unpacker(format, qs, scales, K, [&](auto G, auto offset, const auto& unpack) {
+    int_panel::keep<decltype(G)::value, decltype(offset)::value>(K, qs.size(0), kept, unpack);
   });
 #endif
   return out;

@@ -25,6 +25,7 @@ namespace int_panel {
 constexpr int64_t kCols = 32;  // weight rows per panel: two vectors of 16 int32 lanes
 constexpr int64_t kRows = 6;   // activation rows per register block
 constexpr int64_t kDepth = 256;  // k per pass over the rows: the panel's 16 KB of it stay in L1
+constexpr int64_t kRowBlockBytes = 256 << 10;  // a block of rows' int16 activations, held in L2
 
 // The activations as the integer paths round them: x_j ~= scale_b * v_j, v_j in [-32512, 32512].
 struct Rows {
@@ -156,23 +157,29 @@ template <int G, bool Offset, typename Unpack>
 void matmul(const Rows& x, int64_t M, int64_t K, int64_t N, float* y, int64_t ldy, const int8_t* kept,
             const Unpack& unpack) {
   const int64_t panels = (N + kCols - 1) / kCols, kept_bytes = Panel::kept_bytes(K, G, Offset);
+  // Kept panels are cheap to read again, so the rows go in blocks whose activations stay in L2 while
+  // every panel passes; an unpacked panel meets all rows before the next is unpacked.
+  const int64_t block = kept == nullptr ? M : std::max(kRows, kRowBlockBytes / (2 * K) / kRows * kRows);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     Panel p(K, G, kept == nullptr);
-    for (int64_t i = p0; i < p1; ++i) {
-      const int64_t n0 = i * kCols, cols = std::min(kCols, N - n0);
-      if (kept != nullptr) {
-        p.use_kept(kept + i * kept_bytes, K, G);
-      } else {
-        if (cols < kCols) p.clear();
-        unpack(n0, cols, p);
-      }
-      float* out = y + n0;
-      for (int64_t g0 = 0; g0 < K / G; g0 += kDepth / G) {
-        const int64_t g1 = std::min(K / G, g0 + kDepth / G);
-        for (int64_t r = 0; r < M; r += kRows) {
-          float* o = out + r * ldy;
-          if (kept != nullptr) rows_tile<G, Offset, true>(x, r, M, K, p, g0, g1, o, ldy, cols);
-          else rows_tile<G, Offset, false>(x, r, M, K, p, g0, g1, o, ldy, cols);
+    for (int64_t b0 = 0; b0 < M; b0 += block) {
+      const int64_t b1 = std::min(M, b0 + block);
+      for (int64_t i = p0; i < p1; ++i) {
+        const int64_t n0 = i * kCols, cols = std::min(kCols, N - n0);
+        if (kept != nullptr) {
+          p.use_kept(kept + i * kept_bytes, K, G);
+        } else {
+          if (cols < kCols) p.clear();
+          unpack(n0, cols, p);
+        }
+        float* out = y + n0;
+        for (int64_t g0 = 0; g0 < K / G; g0 += kDepth / G) {
+          const int64_t g1 = std::min(K / G, g0 + kDepth / G);
+          for (int64_t r = b0; r < b1; r += kRows) {
+            float* o = out + r * ldy;
+            if (kept != nullptr) rows_tile<G, Offset, true>(x, r, b1, K, p, g0, g1, o, ldy, cols);
+            else rows_tile<G, Offset, false>(x, r, b1, K, p, g0, g1, o, ldy, cols);
+          }
         }
       }
     }

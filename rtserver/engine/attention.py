@@ -48,11 +48,30 @@ class PrefillCall:
 
 
 @dataclass
+class PrefillRows:
+    """Every prompt row of a step for the kernel's prefill_attention: its item's context slots (a row of
+    `table`) and its position, which it attends up to (or a window back)."""
+
+    rows: torch.Tensor  # the rows in the step
+    table: torch.Tensor  # [items, longest context] each item's context slots from position 0
+    item: torch.Tensor  # each row's row of the table
+    position: torch.Tensor
+    window: int
+
+    @classmethod
+    def none(cls) -> PrefillRows:
+        empty = torch.empty(0, dtype=torch.long)
+        return cls(empty, empty.view(0, 0), empty, empty, 0)
+
+
+@dataclass
 class AttentionPlan:
-    """A step's attention calls, built once and run by every layer of one window size."""
+    """A step's attention calls, built once and run by every layer of one window size: SDPA calls, or
+    with the kernel its prompt rows in one call."""
 
     decodes: list[DecodeCall] = field(default_factory=list)
     prefills: list[PrefillCall] = field(default_factory=list)
+    prefill_rows: PrefillRows = field(default_factory=PrefillRows.none)
 
 
 def decode_groups(items: list[StepItem]) -> list[list[int]]:
@@ -206,12 +225,44 @@ class PagedAttention:
 
 
 class KernelAttention(PagedAttention):
-    """Decode groups through the kernel's decode_attention, which reads the pool in place (no gather,
-    no mask; float32 pools only); prefill chunks as in PagedAttention."""
+    """Attention through the kernel, which reads the pool in place (no gather, no mask; float32 pools
+    only): decode groups by decode_attention, every prompt row of the step in one prefill_attention."""
 
     def __init__(self, n_heads: int, n_kv: int, head_dim: int, scale: float, kernel: Any):
         super().__init__(n_heads, n_kv, head_dim, scale)
         self.kernel = kernel
+
+    def plan(self, items: list[StepItem], row_offsets: list[int], window: int = 0) -> AttentionPlan:
+        decodes = [self.decode_call(items, g, row_offsets, window) for g in decode_groups(items)]
+        return AttentionPlan(decodes, [], self.prefill_rows(items, row_offsets, window))
+
+    @staticmethod
+    def prefill_rows(items: list[StepItem], row_offsets: list[int], window: int) -> PrefillRows:
+        prompts = [i for i, it in enumerate(items) if len(it.tokens) > 1]
+        if not prompts:
+            return PrefillRows.none()
+        ends = [items[i].start + len(items[i].tokens) for i in prompts]
+        table = torch.zeros(len(prompts), max(ends), dtype=torch.long)
+        rows, item, position = [], [], []
+        for b, (i, end) in enumerate(zip(prompts, ends)):
+            it = items[i]
+            table[b, :end] = it.kv.slots[:end]
+            rows.append(torch.arange(row_offsets[i], row_offsets[i] + len(it.tokens)))
+            item.append(torch.full((len(it.tokens),), b, dtype=torch.long))
+            position.append(torch.arange(it.start, end))
+        return PrefillRows(torch.cat(rows), table, torch.cat(item), torch.cat(position), window)
+
+    def __call__(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        attn = super().__call__(q, k_pool, v_pool, plan)
+        p = plan.prefill_rows
+        if len(p.rows):
+            o = self.kernel.prefill_attention(
+                q[p.rows], k_pool, v_pool, p.table, p.item, p.position, p.window, self.scale
+            )
+            attn[p.rows] = o.view(len(p.rows), -1)
+        return attn
 
     def _decode(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, d: DecodeCall

@@ -155,6 +155,42 @@ def test_decode_attention_reads_the_pool_in_place_like_sdpa(kernel, d, heads, kv
         kernel.decode_attention(q, k_pool, v_pool, bad, torch.tensor(lengths), 1.0)
 
 
+@pytest.mark.parametrize("window", [0, 7])
+def test_prefill_attention_is_causal_over_the_pool_like_sdpa(kernel, window):
+    """Prompt chunks of three items (one starting mid-context, as a later chunk or a kept session does)
+    in one call: each row attends to its item's positions up to its own, or its last `window` of them."""
+    torch.manual_seed(1)
+    slots, d, heads, kv_heads = 300, 64, 9, 3
+    k_pool, v_pool = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
+    chunks = [(0, 12), (20, 5), (0, 33)]  # (first position, rows)
+    table = torch.zeros(len(chunks), 53, dtype=torch.long)
+    item, position = [], []
+    for b, (start, n) in enumerate(chunks):
+        table[b, : start + n] = torch.randperm(slots - 1)[: start + n] + 1
+        item += [b] * n
+        position += range(start, start + n)
+    q = torch.randn(len(item), heads, d)
+    got = kernel.prefill_attention(
+        q, k_pool, v_pool, table, torch.tensor(item), torch.tensor(position), window, d**-0.5
+    )
+    for r, (b, pos) in enumerate(zip(item, position)):
+        ctx = table[b, max(0, pos - window + 1) if window else 0 : pos + 1]
+        k, v = k_pool[ctx].transpose(0, 1), v_pool[ctx].transpose(0, 1)
+        want = F.scaled_dot_product_attention(q[r].view(kv_heads, heads // kv_heads, d), k, v, scale=d**-0.5)
+        torch.testing.assert_close(got[r], want.reshape(heads, d), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        bad = table.clone()
+        bad[2, 32] = slots
+        kernel.prefill_attention(q, k_pool, v_pool, bad, torch.tensor(item), torch.tensor(position), 0, 1.0)
+    with pytest.raises(RuntimeError, match="position is outside"):
+        far = torch.tensor(position)
+        far[0] = 53
+        kernel.prefill_attention(q, k_pool, v_pool, table, torch.tensor(item), far, 0, 1.0)
+    with pytest.raises(RuntimeError, match="item is outside"):
+        beyond = torch.tensor(item) + 1
+        kernel.prefill_attention(q, k_pool, v_pool, table, beyond, torch.tensor(position), 0, 1.0)
+
+
 def _greedy(runner: ModelRunner, kv: KVCacheManager, tok, prompts: list[list[int]], n: int) -> list[int]:
     out = []
     for ids in prompts:

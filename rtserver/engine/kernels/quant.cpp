@@ -43,6 +43,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "blocks.h"
@@ -1151,6 +1152,87 @@ void attention(const float* Q, const float* Kp, const float* Vp, const int64_t* 
   });
 }
 
+// Causal attention of prompt rows over a paged pool (prefill_attention). Row r is at position PS[r] of
+// item IT[r], whose context slots are TB[IT[r] * Lmax ...] from position 0; it attends to positions
+// max(0, PS[r] - window + 1) (0 without a window) to PS[r]. A task per (item, KV head, block of the
+// item's rows) copies the keys its rows read once, transposed, so that the scores of a query are
+// vectors over keys and no dot product ends in a horizontal sum.
+void causal_attention(const float* Q, const float* Kp, const float* Vp, const int64_t* TB, int64_t Lmax,
+                      const int64_t* IT, const int64_t* PS, int64_t R, int64_t B, int64_t H, int64_t KV, int64_t D,
+                      int64_t window, float sc, float* O) {
+  constexpr int64_t kBlockRows = 32;
+  constexpr int64_t kChain = 64;  // sums kept in registers side by side: one would wait on each add
+  typedef float Chain __attribute__((vector_size(64)));
+  std::vector<std::vector<int64_t>> rows(B);
+  for (int64_t r = 0; r < R; ++r) rows[IT[r]].push_back(r);
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (item, first of its rows)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < static_cast<int64_t>(rows[b].size()); i += kBlockRows) blocks.emplace_back(b, i);
+  const int64_t G = H / KV, tasks = static_cast<int64_t>(blocks.size()) * KV;
+  const auto first_key = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, PS[r] - window + 1) : 0; };
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> kt, p;
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto [b, i0] = blocks[t / KV];
+      const int64_t kv = t % KV, i1 = std::min<int64_t>(rows[b].size(), i0 + kBlockRows);
+      int64_t lo = Lmax, hi = 0;  // the keys the block's rows read: [lo, hi)
+      for (int64_t i = i0; i < i1; ++i) lo = std::min(lo, first_key(rows[b][i])), hi = std::max(hi, PS[rows[b][i]] + 1);
+      const int64_t n = hi - lo, npad = (n + kChain - 1) / kChain * kChain;
+      const int64_t* sl = TB + b * Lmax + lo;
+      kt.assign(D * npad, 0.f);
+      p.resize(npad);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* k = Kp + (sl[j] * KV + kv) * D;
+        for (int64_t d = 0; d < D; ++d) kt[d * npad + j] = k[d];
+      }
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = rows[b][i], a = first_key(r) - lo, e = PS[r] + 1 - lo;  // keys [a, e) of the copy
+        for (int64_t g = 0; g < G; ++g) {
+          const float* q = Q + (r * H + kv * G + g) * D;
+          for (int64_t j0 = 0; j0 < npad; j0 += kChain) {  // 64 keys' scores in four vectors
+            Chain acc[4] = {};
+            for (int64_t d = 0; d < D; ++d) {
+              const float qd = q[d] * sc;
+              for (int c = 0; c < 4; ++c) {
+                Chain kc;
+                std::memcpy(&kc, kt.data() + d * npad + j0 + 16 * c, sizeof kc);
+                acc[c] += qd * kc;
+              }
+            }
+            std::memcpy(p.data() + j0, acc, sizeof acc);
+          }
+          std::fill(p.begin(), p.begin() + a, -INFINITY);
+          std::fill(p.begin() + e, p.end(), -INFINITY);
+          const float inv = 1.f / exp_shifted(p.data(), npad);
+          float* o = O + (r * H + kv * G + g) * D;
+          int64_t d0 = 0;
+          for (; d0 + kChain <= D; d0 += kChain) {  // 64 outputs in four vectors (GCC vector types)
+            Chain acc[4] = {};
+            for (int64_t j = a; j < e; ++j) {
+              const float* v = Vp + (sl[j] * KV + kv) * D + d0;
+              const float pj = p[j] * inv;
+              for (int c = 0; c < 4; ++c) {
+                Chain vc;
+                std::memcpy(&vc, v + 16 * c, sizeof vc);
+                acc[c] += pj * vc;
+              }
+            }
+            std::memcpy(o + d0, acc, sizeof acc);
+          }
+          if (d0 < D) {  // a head size that is no whole number of chains
+            std::fill(o + d0, o + D, 0.f);
+            for (int64_t j = a; j < e; ++j) {
+              const float* v = Vp + (sl[j] * KV + kv) * D;
+              const float pj = p[j] * inv;
+              for (int64_t d = d0; d < D; ++d) o[d] += pj * v[d];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 void check_context(const torch::Tensor& slots, const torch::Tensor& lengths, int64_t R, int64_t S) {
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.dim() == 2 &&
                   slots.size(0) == R && lengths.scalar_type() == torch::kInt64 && lengths.numel() == R,
@@ -1202,6 +1284,40 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   auto out = torch::empty_like(q);
   attention(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), slots.data_ptr<int64_t>(),
             lengths.data_ptr<int64_t>(), R, H, KV, D, slots.size(1), static_cast<float>(scale), out.data_ptr<float>());
+  return out;
+}
+
+// Causal attention of prompt rows over the paged pool, read in place: row r is at position[r] of
+// item[r], whose context slots are table[item[r]] (positions 0 on); it attends to positions up to its
+// own, the last `window` of them where window > 0 (a sliding-window layer).
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                const torch::Tensor& table, const torch::Tensor& item, const torch::Tensor& position,
+                                int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q must be float32 [R, H, D]");
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  check_pools(k_pool, v_pool, D);
+  const int64_t KV = k_pool.size(1), S = k_pool.size(0);
+  TORCH_CHECK(H % KV == 0, "head counts do not match");
+  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.is_contiguous() && table.dim() == 2,
+              "table must be int64 [items, Lmax]");
+  TORCH_CHECK(item.scalar_type() == torch::kInt64 && item.numel() == R && position.scalar_type() == torch::kInt64 &&
+                  position.numel() == R && item.is_contiguous() && position.is_contiguous(),
+              "item and position must be int64 [R]");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
+  const int64_t B = table.size(0), Lmax = table.size(1);
+  const int64_t *TB = table.data_ptr<int64_t>(), *IT = item.data_ptr<int64_t>(), *PS = position.data_ptr<int64_t>();
+  std::vector<int64_t> reach(B, 0);  // the context length each item's rows read
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(IT[r] >= 0 && IT[r] < B, "a row's item is outside the table");
+    TORCH_CHECK(PS[r] >= 0 && PS[r] < Lmax, "a row's position is outside [0, Lmax)");
+    reach[IT[r]] = std::max(reach[IT[r]], PS[r] + 1);
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < reach[b]; ++j)
+      TORCH_CHECK(TB[b * Lmax + j] >= 0 && TB[b * Lmax + j] < S, "a context slot is outside the pool");
+  auto out = torch::empty_like(q);
+  causal_attention(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), TB, Lmax, IT, PS, R, B,
+                   H, KV, D, window, static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
@@ -1318,6 +1434,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_panel_rows", &set_panel_rows, "steps of more rows than this run on panels of weight rows");
   m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
   m.def("decode_attention", &decode_attention, "single-token attention over paged float32 K/V", nogil);
+  m.def("prefill_attention", &prefill_attention, "causal attention of prompt rows over paged float32 K/V", nogil);
 #ifdef RTSERVER_INT_DOTS
   m.attr("fixed_point_activations") = true;
 #else

@@ -47,10 +47,11 @@ class PrefillCall:
     dst: torch.Tensor  # where they go in the step
 
 
-@dataclass
-class PrefillRows:
-    """Every prompt row of a step for the kernel's prefill_attention: its item's context slots (a row of
-    `table`) and its position, which it attends up to (or a window back)."""
+@dataclass(frozen=True)
+class RowContexts:
+    """Rows as the kernel's prefill_attention and decoder_layer read them: each row's item's context
+    slots (a row of `table`) and its position, which it attends up to (or a window back). Every
+    prompt row of a step, or a decode group's rows, one item each."""
 
     rows: torch.Tensor  # the rows in the step
     table: torch.Tensor  # [items, longest context] each item's context slots from position 0
@@ -59,9 +60,14 @@ class PrefillRows:
     window: int
 
     @classmethod
-    def none(cls) -> PrefillRows:
-        empty = torch.empty(0, dtype=torch.long)
-        return cls(empty, empty.view(0, 0), empty, empty, 0)
+    def of_decodes(cls, call: DecodeCall) -> RowContexts:
+        """A decode group's rows, each its own item at the end of its table row (a window already cut)."""
+        every = torch.arange(len(call.lengths))
+        return cls(call.rows, call.table, every, call.lengths - 1, 0)
+
+
+_EMPTY = torch.empty(0, dtype=torch.long)
+NO_ROWS = RowContexts(_EMPTY, _EMPTY.view(0, 0), _EMPTY, _EMPTY, 0)  # the null object: never written to
 
 
 @dataclass
@@ -71,7 +77,7 @@ class AttentionPlan:
 
     decodes: list[DecodeCall] = field(default_factory=list)
     prefills: list[PrefillCall] = field(default_factory=list)
-    prefill_rows: PrefillRows = field(default_factory=PrefillRows.none)
+    prefill_rows: RowContexts = NO_ROWS
 
 
 def decode_groups(items: list[StepItem]) -> list[list[int]]:
@@ -237,10 +243,10 @@ class KernelAttention(PagedAttention):
         return AttentionPlan(decodes, [], self.prefill_rows(items, row_offsets, window))
 
     @staticmethod
-    def prefill_rows(items: list[StepItem], row_offsets: list[int], window: int) -> PrefillRows:
+    def prefill_rows(items: list[StepItem], row_offsets: list[int], window: int) -> RowContexts:
         prompts = [i for i, it in enumerate(items) if len(it.tokens) > 1]
         if not prompts:
-            return PrefillRows.none()
+            return NO_ROWS
         ends = [items[i].start + len(items[i].tokens) for i in prompts]
         table = torch.zeros(len(prompts), max(ends), dtype=torch.long)
         rows, item, position = [], [], []
@@ -250,7 +256,7 @@ class KernelAttention(PagedAttention):
             rows.append(torch.arange(row_offsets[i], row_offsets[i] + len(it.tokens)))
             item.append(torch.full((len(it.tokens),), b, dtype=torch.long))
             position.append(torch.arange(it.start, end))
-        return PrefillRows(torch.cat(rows), table, torch.cat(item), torch.cat(position), window)
+        return RowContexts(torch.cat(rows), table, torch.cat(item), torch.cat(position), window)
 
     def __call__(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan

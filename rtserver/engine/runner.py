@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .attention import AttentionPlan, KernelAttention, PagedAttention, rope
+from .attention import NO_ROWS, AttentionPlan, KernelAttention, PagedAttention, RowContexts, rope
 from .families import attention_scale, family_of, layer_windows, rope_tables
 from .kv import KVCacheManager
 from .layers import DecoderLayer, Weights
@@ -51,11 +51,9 @@ class _Layout:
     local: AttentionPlan = field(default_factory=AttentionPlan)
     # RoPE of the rows' positions, per table (Gemma's local and global layers differ)
     rope: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # the fused path: each row's context slots and length, whole and in the sliding window
-    table: torch.Tensor | None = None
-    lengths: torch.Tensor | None = None
-    local_table: torch.Tensor | None = None
-    local_lengths: torch.Tensor | None = None
+    # the fused path: each row's context, whole and in the sliding window (decodes: one row an item)
+    contexts: RowContexts = NO_ROWS
+    local_contexts: RowContexts = NO_ROWS
 
     @classmethod
     def empty(cls) -> _Layout:
@@ -64,12 +62,12 @@ class _Layout:
 
 
 class _Rows:
-    """One group of a step's rows (the fused decodes, or the rest): its items, layout, residual stream
-    and what it pools for features."""
+    """One group of a step's rows (the fused decodes, the fused prompts, or the rest): its items,
+    layout, residual stream and what it pools for features."""
 
-    def __init__(self, runner: ModelRunner, items: list[StepItem], fused: bool):
+    def __init__(self, runner: ModelRunner, items: list[StepItem], decodes: bool = False):
         self.items = items
-        self.lay = runner._layout(items, fused) if items else _Layout.empty()
+        self.lay = runner._layout(items, decodes) if items else _Layout.empty()
         self.x: torch.Tensor | None = runner._embed(self.lay.ids) if items else None
         self._runner = runner
         # (sums, first row, end) per item that pools; (states, row) per item that keeps its last row
@@ -99,7 +97,7 @@ class _Rows:
         self.items = [*self.items, *items]
         self.features += [None] * len(items)
         self.x = caught_up if self.x is None else torch.cat([self.x, caught_up])
-        self.lay = self._runner._layout(self.items, fused=False)
+        self.lay = self._runner._layout(self.items)
 
 
 class ModelRunner(StepRunner):
@@ -153,7 +151,7 @@ class ModelRunner(StepRunner):
         self.vocab_size = self.lm_head.out_features
         self.attention = PagedAttention(self.n_heads, self.n_kv, self.head_dim, self.scale)
         self.attention_kernel: Any = None  # see use_attention_kernel
-        self.fused_decode = False  # single-token decodes run fused (choose_fused_decode)
+        self.fused_decode = False  # decodes and generation prompts run fused (choose_fused_decode)
         self._fused_args: list[tuple[tuple, tuple, tuple]] = []  # per layer, what no step changes
         if release_dense_weights:
             self.release_dense_weights()
@@ -185,21 +183,21 @@ class ModelRunner(StepRunner):
         return kept
 
     def choose_fused_decode(self) -> None:
-        """Decode steps run fused (the kernel's decode_layer) where every linear can: a layer's many
-        small torch ops cost a step more than one kernel call."""
+        """Decodes and generation prompts run fused (the kernel's decoder_layer) where every linear
+        can: a layer's many small torch ops cost a step more than one kernel call."""
         if not all(lin.fused_args() is not None for L in self.layers for lin in L.linears):
             return
         if self.attention_kernel is None or self.dtype != torch.float32:
             return
         if any(L.o.bias is not None for L in self.layers):
-            return  # decode_layer adds q/k/v biases only (Llama's attention_bias also has o_proj's)
+            return  # decoder_layer adds q/k/v biases only (Llama's attention_bias also has o_proj's)
         self.fused_decode = True
         # Built once: assembling ~40 arguments a layer cost a one-row step a noticeable share.
         self._fused_args = [self._fused_layer_args(L) for L in self.layers]
 
     def _fused_layer_args(self, L: DecoderLayer) -> tuple[tuple, tuple, tuple]:
-        """Layer L's arguments of `decode_layer` that no step changes: before the RoPE tables, the
-        MLP's, and after the step's KV slots."""
+        """Layer L's arguments of `decoder_layer` that no step changes: before the RoPE tables, the
+        MLP's, and after the rows' contexts."""
         n = L.norms
         attn = (n.attn_in.scale, *_fused(L.qkv), L.qkv.bias, *_fused(L.o), n.mlp_in.scale)
         norms = (n.q.scale, n.k.scale, n.attn_out.scale, n.mlp_out.scale)
@@ -214,8 +212,9 @@ class ModelRunner(StepRunner):
         return x * self.embed_scale.to(x.dtype) if self.family.scaled_embedding else x
 
     # -- the forward ----------------------------------------------------------------------------
-    def _layout(self, items: list[StepItem], fused: bool) -> _Layout:
-        """Index tensors and masks of a step, built once and read by every layer."""
+    def _layout(self, items: list[StepItem], decodes: bool = False) -> _Layout:
+        """Index tensors and masks of a step, built once and read by every layer, and the rows'
+        contexts as decoder_layer reads them (`decodes`: one decode group, no torch attention plan)."""
         tokens: list[int] = []
         positions: list[int] = []
         row_offsets: list[int] = []
@@ -246,30 +245,33 @@ class ModelRunner(StepRunner):
             wanted=torch.tensor(wanted_rows, dtype=torch.long),
             spans=spans,
         )
-        if fused:  # each row's context slots and length, read in place by the kernel: one decode group
+        if decodes:  # one decode group; a sliding window cuts its table, so no window here
             every = list(range(len(items)))
-            call = self.attention.decode_call(items, every, row_offsets)
-            lay.table, lay.lengths = call.table, call.lengths
+            lay.contexts = RowContexts.of_decodes(self.attention.decode_call(items, every, row_offsets))
+            lay.local_contexts = lay.contexts
             if self.window:
                 local = self.attention.decode_call(items, every, row_offsets, self.window)
-                lay.local_table, lay.local_lengths = local.table, local.lengths
-        else:
-            lay.attention = self.attention.plan(items, row_offsets)
-            if self.window:
-                lay.local = self.attention.plan(items, row_offsets, self.window)
+                lay.local_contexts = RowContexts.of_decodes(local)
+            return lay
+        lay.attention = self.attention.plan(items, row_offsets)
+        lay.local = self.attention.plan(items, row_offsets, self.window) if self.window else lay.attention
+        lay.contexts, lay.local_contexts = lay.attention.prefill_rows, lay.local.prefill_rows
         return lay
 
-    def _fused_part(self, items: list[StepItem]) -> list[int]:
-        """The items of a step that run each layer as one fused kernel call (engine/kernels/quant.cpp:
-        decode_layer, the same arithmetic as `_layer`): its single-token decodes, when `fused_decode`
-        is on; the rest of the step (prefill chunks, scoring) runs beside them
-        through torch ops, so a prompt arriving among 32 streams does not slow their step to torch's."""
-        part = [
+    def _fused_parts(self, items: list[StepItem]) -> tuple[list[int], list[int]]:
+        """The items of a step that run each layer as one fused kernel call (kernels/quant.cpp:
+        decoder_layer, the same arithmetic as `_layer`), when `fused_decode` is on: its single-token
+        decodes, and its generation prompts (logits of the last row alone). Scoring and pooling items
+        run beside them through torch ops, so a prompt arriving among 32 streams does not slow their
+        step to torch's."""
+        if not self.fused_decode:
+            return [], []
+        plain = [
             i
             for i, it in enumerate(items)
-            if len(it.tokens) == 1 and it.logits == "last" and it.pool_from is None and it.columns is None
+            if it.logits == "last" and it.pool_from is None and it.columns is None
         ]
-        return part if self.fused_decode else []
+        return [i for i in plain if len(items[i].tokens) == 1], [i for i in plain if len(items[i].tokens) > 1]
 
     @torch.inference_mode()
     def run(self, items: list[StepItem], join: Join | None = None) -> Forward:
@@ -281,11 +283,15 @@ class ModelRunner(StepRunner):
         streams is long). Their rows first run the layers already done, alone, then go on with the
         step's rows; they are appended to `items` and get their logits with the others. Joining items
         prefill whole prompts (logits "last", no pooled features)."""
-        fused_idx = self._fused_part(items)
-        in_fused = set(fused_idx)
+        decode_idx, prompt_idx = self._fused_parts(items)
+        in_fused = set(decode_idx + prompt_idx)
         rest_idx = [i for i in range(len(items)) if i not in in_fused]
-        fused = _Rows(self, [items[i] for i in fused_idx], fused=True)
-        rest = _Rows(self, [items[i] for i in rest_idx], fused=False)
+        groups = [
+            (decode_idx, _Rows(self, [items[i] for i in decode_idx], decodes=True)),
+            (prompt_idx, _Rows(self, [items[i] for i in prompt_idx])),
+            (rest_idx, _Rows(self, [items[i] for i in rest_idx])),
+        ]
+        decodes, prompts, rest = (rows for _, rows in groups)
         for li in range(len(self.layers)):
             new = join(li) if join is not None and li > 0 else None
             if new:
@@ -293,11 +299,12 @@ class ModelRunner(StepRunner):
                 rest_idx += range(len(items), len(items) + len(new))
                 items.extend(new)
                 rest.join(new, self._catch_up(new, li))
-            fused.x = None if fused.x is None else self._fused_layer(li, fused.lay, fused.x)
+            decodes.x = None if decodes.x is None else self._fused_layer(li, decodes.lay, decodes.x)
+            prompts.x = None if prompts.x is None else self._prompt_layer(li, prompts.lay, prompts.x)
             if rest.x is not None:  # None past the last layer: no row asked
                 rest.x = self._layer(li, rest.lay, rest.x, rest.pooling, rest.lasts)
         out = Forward([None] * len(items), [None] * len(items))
-        for idx, rows in ((fused_idx, fused), (rest_idx, rest)):
+        for idx, rows in groups:
             logits = self._logits(rows.items, rows.lay, rows.x, rows.features) if rows.x is not None else []
             for i, lg in zip(idx, logits):
                 out.logits[i] = lg
@@ -307,7 +314,7 @@ class ModelRunner(StepRunner):
 
     def _catch_up(self, items: list[StepItem], layers: int) -> torch.Tensor:
         """The residual stream of items joining a step before layer `layers`: the layers before it."""
-        lay = self._layout(items, fused=False)
+        lay = self._layout(items)
         x = self._embed(lay.ids)
         for li in range(layers):
             out = self._layer(li, lay, x, [], [])
@@ -358,15 +365,23 @@ class ModelRunner(StepRunner):
                 states.append(x[r].float())
         return x
 
+    def _prompt_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
+        """Layer `li` of the fused prompts; the last through torch, which keeps only the rows asked."""
+        if li < len(self.layers) - 1:
+            return self._fused_layer(li, lay, x)
+        out = self._layer(li, lay, x, [], [])
+        assert out is not None  # every prompt asks for its last row's logits
+        return out
+
     def _fused_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
-        """Decoder layer `li` of a fused decode step: one call of the kernel's `decode_layer`."""
+        """Decoder layer `li` of fused rows: one call of the kernel's `decoder_layer`."""
         L = self.layers[li]
         cos, sin = lay.rope[L.rope]
-        table, lengths = (lay.local_table, lay.local_lengths) if L.window else (lay.table, lay.lengths)
+        c = lay.local_contexts if L.window else lay.contexts
         attn, mlp, consts = self._fused_args[li]
         pools = self.kv.k[li], self.kv.v[li]
-        return self.attention_kernel.decode_layer(
-            x, *attn, *mlp, cos, sin, *pools, lay.write_slots, table, lengths, *consts
+        return self.attention_kernel.decoder_layer(
+            x, *attn, *mlp, cos, sin, *pools, lay.write_slots, c.table, c.item, c.position, c.window, *consts
         )
 
     def _logits(

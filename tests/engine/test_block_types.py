@@ -316,9 +316,9 @@ MIXES = [{"*": t} for t in TYPES] + [
 
 @pytest.mark.parametrize("types", MIXES, ids=lambda t: "+".join(sorted(set(t.values()))))
 def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, types):
-    """Decode steps of 1, 2, 5 and 16 rows (contexts of different lengths) through the fused
-    decode_layer on the blocks, and through the kernel's matmul unfused, give the logits of the torch
-    forward over the dequantized weights (logits_close)."""
+    """Prompts of 3 to 78 tokens, then decode steps of 1, 2, 5 and 16 rows (contexts of different
+    lengths), through the fused decoder_layer on the blocks and through the kernel's matmul unfused,
+    give the logits of the torch forward over the dequantized weights (logits_close)."""
     model = copy.deepcopy(tiny_llama)
     blocks = _on_blocks(model, types, seed=7)
     cfg = model.config
@@ -344,7 +344,7 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
                 seq.kv, _ = kv.acquire(ids, len(ids) + 2)
                 prefill.append(StepItem(seq, seq.kv, 0, ids, "last"))
                 seqs.append((seq, len(ids)))
-            runner.forward(prefill)  # unfused
+            steps.append(torch.cat(runner.forward(prefill)))  # prompts: fused where decodes are
             items = [StepItem(seq, seq.kv, n, [11 + r], "last") for r, (seq, n) in enumerate(seqs)]
             steps.append(torch.cat(runner.forward(items)))
             for seq, _ in seqs:
@@ -363,7 +363,7 @@ def logits_close(got: torch.Tensor, want: torch.Tensor, kernel) -> None:
 
 
 def _decode_steps(runner, kv, vocab: int, tokenizer, rows=(1, 2, 5, 16)) -> list[torch.Tensor]:
-    """Logits of decode steps of each row count, after prompts of 3, 8, 13, ... tokens (torch path)."""
+    """Logits of prompts of 3, 8, 13, ... tokens, then of a decode step, for each row count."""
     torch.manual_seed(1)
     steps = []
     for m in rows:
@@ -374,7 +374,7 @@ def _decode_steps(runner, kv, vocab: int, tokenizer, rows=(1, 2, 5, 16)) -> list
             seq.kv, _ = kv.acquire(ids, len(ids) + 2)
             prefill.append(StepItem(seq, seq.kv, 0, ids, "last"))
             seqs.append((seq, len(ids)))
-        runner.forward(prefill)
+        steps.append(torch.cat(runner.forward(prefill)))
         items = [StepItem(seq, seq.kv, n, [11 + r], "last") for r, (seq, n) in enumerate(seqs)]
         steps.append(torch.cat(runner.forward(items)))
         for seq, _ in seqs:
@@ -386,7 +386,7 @@ def _decode_steps(runner, kv, vocab: int, tokenizer, rows=(1, 2, 5, 16)) -> list
 def test_fused_decode_steps_of_each_family_equal_its_torch_forward(request, smol, kernel, family):
     """Qwen3's per-head q/k norms and Gemma 3's as well, its (1 + w) norms, sandwich norms, GeGLU,
     local and global RoPE and 16-token sliding windows (contexts up to 78 tokens), SmolLM3's layer
-    without RoPE, in the fused decode_layer: the logits of the torch forward over the dequantized
+    without RoPE, in the fused decoder_layer: the logits of the torch forward over the dequantized
     weights."""
     model = copy.deepcopy(request.getfixturevalue(family).model)
     blocks = _on_blocks(model, {"*": "Q8_0", "v_proj": "Q5_0", "down_proj": "Q4_0"}, seed=3)

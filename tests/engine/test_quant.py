@@ -293,7 +293,8 @@ def quantize_q8_0(w: torch.Tensor) -> quant.QuantizedWeight:
 def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, kernel):
     """A Qwen2 model (q/k/v biases, GQA) on Q8_0 blocks: decode steps of several rows with different
     context lengths through the fused layers give the logits of the torch forward over the same
-    (dequantized) weights; prompts beside them and joining them run on the blocks unfused."""
+    (dequantized) weights; prompts run fused too (alone, and as their own group beside the decodes), a
+    prompt joining mid-step on the blocks unfused."""
     import copy
 
     model = copy.deepcopy(tiny_qwen2.model)
@@ -314,18 +315,17 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
             runner.choose_fused_decode()
             assert runner.fused_decode
         torch.manual_seed(1)
-        seqs = []
+        seqs, steps = [], []
         for n in (3, 20, 41):
             ids = torch.randint(0, cfg.vocab_size, (n,)).tolist()
             seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
             seq.kv, _ = kv.acquire(ids, n + 5)
-            runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])  # prefill: unfused
+            steps.append(runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])[0])  # a fused prompt
             seqs.append((seq, n))
-        steps = []
         for t in range(3):
             items = [StepItem(seq, seq.kv, n + t, [7 + t], "last") for seq, n in seqs]
             steps.append(torch.cat(runner.forward(items)))
-        # A prompt prefilled in a decode step (listed first): it runs beside the fused rows, unfused.
+        # A prompt prefilled in a decode step (listed first): fused, a group of its own beside the decodes.
         ids = torch.randint(0, cfg.vocab_size, (6,)).tolist()
         mixed = Sequence(ids, SamplingParams(), eos_token_ids=set())
         mixed.kv, _ = kv.acquire(ids, 7)
@@ -344,11 +344,12 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
         joined = torch.cat(runner.forward(items, lambda layer, new=joining: new if layer == 1 else []))
         assert len(items) == 4
         steps.append(joined[:3])
-        results.append(torch.stack(steps))
+        results.append(steps)
         with torch.no_grad():
             theirs = model(torch.tensor([ids])).logits[0, -1:].float()
         torch.testing.assert_close(joined[3:], theirs, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("route", ["onednn", "blocks"])

@@ -1114,11 +1114,13 @@ void gated_act(const float* GU, int64_t R, int64_t I, bool gelu, float* Hh) {
 }
 
 // Attention of single-token queries over contexts read in place from a paged pool. q [R, H, D] rows,
-// pools [slots, KV, D], row r's context is slots[r, :lengths[r]] (checked by the caller). A task per
-// (row, KV head) computes the H / KV query heads that share that K/V, so each K/V row is read once;
-// with fewer such pairs than twice the threads (one row, few KV heads) the heads are split further.
-void attention(const float* Q, const float* Kp, const float* Vp, const int64_t* SL, const int64_t* LN,
-               int64_t R, int64_t H, int64_t KV, int64_t D, int64_t Lmax, float sc, float* O) {
+// pools [slots, KV, D]; context(r) is row r's context as (its first slot's address, length), at most
+// Lmax (checked by the caller). A task per (row, KV head) computes the H / KV query heads that share
+// that K/V, so each K/V row is read once; with fewer such pairs than twice the threads (one row, few
+// KV heads) the heads are split further.
+template <typename Context>
+void attention(const float* Q, const float* Kp, const float* Vp, int64_t R, int64_t H, int64_t KV, int64_t D,
+               int64_t Lmax, float sc, float* O, const Context& context) {
   const int64_t G = H / KV, pairs = R * KV, want = 2 * at::get_num_threads();
   const int64_t split = pairs >= want ? 1 : std::min(G, (want + pairs - 1) / pairs);
   const int64_t per = (G + split - 1) / split;
@@ -1126,9 +1128,9 @@ void attention(const float* Q, const float* Kp, const float* Vp, const int64_t* 
     const int64_t Lpad = (Lmax + kLanes - 1) / kLanes * kLanes;  // exp_shifted's whole vectors
     std::vector<float> p(per * Lpad);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t pair = t / split, r = pair / KV, kv = pair % KV, L = LN[r];
+      const int64_t pair = t / split, r = pair / KV, kv = pair % KV;
+      const auto [sl, L] = context(r);
       const int64_t g0 = t % split * per, g1 = std::min(G, g0 + per);
-      const int64_t* sl = SL + r * Lmax;
       const float* qg = Q + (r * H + kv * G) * D;
       for (int64_t j = 0; j < L; ++j) {
         const float* k = Kp + (sl[j] * KV + kv) * D;
@@ -1152,14 +1154,25 @@ void attention(const float* Q, const float* Kp, const float* Vp, const int64_t* 
   });
 }
 
-// Causal attention of prompt rows over a paged pool (prefill_attention). Row r is at position PS[r] of
-// item IT[r], whose context slots are TB[IT[r] * Lmax ...] from position 0; it attends to positions
-// max(0, PS[r] - window + 1) (0 without a window) to PS[r]. A task per (item, KV head, block of the
-// item's rows) copies the keys its rows read once, transposed, so that the scores of a query are
-// vectors over keys and no dot product ends in a horizontal sum.
-void causal_attention(const float* Q, const float* Kp, const float* Vp, const int64_t* TB, int64_t Lmax,
-                      const int64_t* IT, const int64_t* PS, int64_t R, int64_t B, int64_t H, int64_t KV, int64_t D,
-                      int64_t window, float sc, float* O) {
+// A step's prompt rows as causal_attention reads them: row r is at position PS[r] of item IT[r],
+// whose context slots are TB[IT[r] * Lmax ...] from position 0 (prompt_context checks them).
+struct PromptContext {
+  const int64_t *TB, *IT, *PS;
+  int64_t B, Lmax, window;
+  int64_t first(int64_t r) const { return window > 0 ? std::max<int64_t>(0, PS[r] - window + 1) : 0; }
+  // Row r's context: its first slot's address and length.
+  std::pair<const int64_t*, int64_t> operator()(int64_t r) const {
+    return {TB + IT[r] * Lmax + first(r), PS[r] - first(r) + 1};
+  }
+};
+
+// Causal attention of prompt rows over a paged pool: row r attends to positions max(0, PS[r] - window
+// + 1) (0 without a window) to PS[r] of its item. A task per (item, KV head, block of the item's rows)
+// copies the keys its rows read once, transposed, so that the scores of a query are vectors over keys
+// and no dot product ends in a horizontal sum.
+void causal_attention(const float* Q, const float* Kp, const float* Vp, const PromptContext& c, int64_t R,
+                      int64_t H, int64_t KV, int64_t D, float sc, float* O) {
+  const int64_t *TB = c.TB, *IT = c.IT, *PS = c.PS, B = c.B, Lmax = c.Lmax;
   constexpr int64_t kBlockRows = 32;
   constexpr int64_t kChain = 64;  // sums kept in registers side by side: one would wait on each add
   typedef float Chain __attribute__((vector_size(64)));
@@ -1169,14 +1182,13 @@ void causal_attention(const float* Q, const float* Kp, const float* Vp, const in
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < static_cast<int64_t>(rows[b].size()); i += kBlockRows) blocks.emplace_back(b, i);
   const int64_t G = H / KV, tasks = static_cast<int64_t>(blocks.size()) * KV;
-  const auto first_key = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, PS[r] - window + 1) : 0; };
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> kt, p;
     for (int64_t t = t0; t < t1; ++t) {
       const auto [b, i0] = blocks[t / KV];
       const int64_t kv = t % KV, i1 = std::min<int64_t>(rows[b].size(), i0 + kBlockRows);
       int64_t lo = Lmax, hi = 0;  // the keys the block's rows read: [lo, hi)
-      for (int64_t i = i0; i < i1; ++i) lo = std::min(lo, first_key(rows[b][i])), hi = std::max(hi, PS[rows[b][i]] + 1);
+      for (int64_t i = i0; i < i1; ++i) lo = std::min(lo, c.first(rows[b][i])), hi = std::max(hi, PS[rows[b][i]] + 1);
       const int64_t n = hi - lo, npad = (n + kChain - 1) / kChain * kChain;
       const int64_t* sl = TB + b * Lmax + lo;
       kt.assign(D * npad, 0.f);
@@ -1186,7 +1198,7 @@ void causal_attention(const float* Q, const float* Kp, const float* Vp, const in
         for (int64_t d = 0; d < D; ++d) kt[d * npad + j] = k[d];
       }
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t r = rows[b][i], a = first_key(r) - lo, e = PS[r] + 1 - lo;  // keys [a, e) of the copy
+        const int64_t r = rows[b][i], a = c.first(r) - lo, e = PS[r] + 1 - lo;  // keys [a, e) of the copy
         for (int64_t g = 0; g < G; ++g) {
           const float* q = Q + (r * H + kv * G + g) * D;
           for (int64_t j0 = 0; j0 < npad; j0 += kChain) {  // 64 keys' scores in four vectors
@@ -1254,13 +1266,27 @@ void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, int64
               "pools must be contiguous float32 [slots, KV, D]");
 }
 
+// Rows a task of a layer's row-wise work takes: a decode step's few rows stay on the calling thread.
+constexpr int64_t kRowGrain = 64;
+
 // y = w * (x / rms(x)) per row; y may be x.
 void rms_norm(const float* x, const float* w, int64_t M, int64_t K, float eps, float* y) {
-  for (int64_t r = 0; r < M; ++r) {
-    const float ss = dot(x + r * K, x + r * K, K);
-    const float inv = 1.f / std::sqrt(ss / K + eps);
-    for (int64_t i = 0; i < K; ++i) y[r * K + i] = w[i] * (x[r * K + i] * inv);
-  }
+  at::parallel_for(0, M, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float ss = dot(x + r * K, x + r * K, K);
+      const float inv = 1.f / std::sqrt(ss / K + eps);
+      for (int64_t i = 0; i < K; ++i) y[r * K + i] = w[i] * (x[r * K + i] * inv);
+    }
+  });
+}
+
+// x += p, rows of K.
+void add_rows(float* __restrict x, const float* __restrict p, int64_t M, int64_t K) {
+  at::parallel_for(0, M, kRowGrain, [x, p, K](int64_t r0, int64_t r1) {
+    float* __restrict xs = x + r0 * K;
+    const float* __restrict ps = p + r0 * K;
+    for (int64_t i = 0; i < (r1 - r0) * K; ++i) xs[i] += ps[i];
+  });
 }
 
 // A norm's factor [n] as a pointer, nullptr for an empty tensor (the family has no such norm).
@@ -1282,50 +1308,57 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   TORCH_CHECK(H % KV == 0, "head counts do not match");
   check_context(slots, lengths, R, k_pool.size(0));
   auto out = torch::empty_like(q);
-  attention(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), slots.data_ptr<int64_t>(),
-            lengths.data_ptr<int64_t>(), R, H, KV, D, slots.size(1), static_cast<float>(scale), out.data_ptr<float>());
+  const int64_t *SL = slots.data_ptr<int64_t>(), *LN = lengths.data_ptr<int64_t>(), Lmax = slots.size(1);
+  attention(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), R, H, KV, D, Lmax,
+            static_cast<float>(scale), out.data_ptr<float>(),
+            [&](int64_t r) { return std::pair<const int64_t*, int64_t>{SL + r * Lmax, LN[r]}; });
   return out;
 }
 
-// Causal attention of prompt rows over the paged pool, read in place: row r is at position[r] of
-// item[r], whose context slots are table[item[r]] (positions 0 on); it attends to positions up to its
-// own, the last `window` of them where window > 0 (a sliding-window layer).
-torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                                const torch::Tensor& table, const torch::Tensor& item, const torch::Tensor& position,
-                                int64_t window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q must be float32 [R, H, D]");
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
-  check_pools(k_pool, v_pool, D);
-  const int64_t KV = k_pool.size(1), S = k_pool.size(0);
-  TORCH_CHECK(H % KV == 0, "head counts do not match");
+PromptContext prompt_context(const torch::Tensor& table, const torch::Tensor& item, const torch::Tensor& position,
+                             int64_t window, int64_t R, int64_t S) {
   TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.is_contiguous() && table.dim() == 2,
               "table must be int64 [items, Lmax]");
   TORCH_CHECK(item.scalar_type() == torch::kInt64 && item.numel() == R && position.scalar_type() == torch::kInt64 &&
                   position.numel() == R && item.is_contiguous() && position.is_contiguous(),
               "item and position must be int64 [R]");
   TORCH_CHECK(window >= 0, "window must be >= 0");
-  const int64_t B = table.size(0), Lmax = table.size(1);
-  const int64_t *TB = table.data_ptr<int64_t>(), *IT = item.data_ptr<int64_t>(), *PS = position.data_ptr<int64_t>();
-  std::vector<int64_t> reach(B, 0);  // the context length each item's rows read
+  const PromptContext c{table.data_ptr<int64_t>(), item.data_ptr<int64_t>(), position.data_ptr<int64_t>(),
+                        table.size(0), table.size(1), window};
+  std::vector<int64_t> reach(c.B, 0);  // the context length each item's rows read
   for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(IT[r] >= 0 && IT[r] < B, "a row's item is outside the table");
-    TORCH_CHECK(PS[r] >= 0 && PS[r] < Lmax, "a row's position is outside [0, Lmax)");
-    reach[IT[r]] = std::max(reach[IT[r]], PS[r] + 1);
+    TORCH_CHECK(c.IT[r] >= 0 && c.IT[r] < c.B, "a row's item is outside the table");
+    TORCH_CHECK(c.PS[r] >= 0 && c.PS[r] < c.Lmax, "a row's position is outside [0, Lmax)");
+    reach[c.IT[r]] = std::max(reach[c.IT[r]], c.PS[r] + 1);
   }
-  for (int64_t b = 0; b < B; ++b)
+  for (int64_t b = 0; b < c.B; ++b)
     for (int64_t j = 0; j < reach[b]; ++j)
-      TORCH_CHECK(TB[b * Lmax + j] >= 0 && TB[b * Lmax + j] < S, "a context slot is outside the pool");
+      TORCH_CHECK(c.TB[b * c.Lmax + j] >= 0 && c.TB[b * c.Lmax + j] < S, "a context slot is outside the pool");
+  return c;
+}
+
+// Causal attention of prompt rows over the paged pool, read in place: each row attends to its item's
+// positions up to its own, the last `window` of them where window > 0 (a sliding-window layer).
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                const torch::Tensor& table, const torch::Tensor& item, const torch::Tensor& position,
+                                int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q must be float32 [R, H, D]");
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  check_pools(k_pool, v_pool, D);
+  const int64_t KV = k_pool.size(1);
+  TORCH_CHECK(H % KV == 0, "head counts do not match");
+  const PromptContext c = prompt_context(table, item, position, window, R, k_pool.size(0));
   auto out = torch::empty_like(q);
-  causal_attention(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), TB, Lmax, IT, PS, R, B,
-                   H, KV, D, window, static_cast<float>(scale), out.data_ptr<float>());
+  causal_attention(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), c, R, H, KV, D,
+                   static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
-// One decoder layer for R single-token rows, every linear on quantized blocks: what the runner's
-// forward does for a decode step, in one call instead of ~35 torch ops (their dispatch costs more than
-// their arithmetic at batch 1). x [R, hidden] is the residual stream (returned updated); cos/sin [R, D]
-// the rows' RoPE; the rows' new K/V go to write_slots of the pools, then each row attends over
-// slots[r, :lengths[r]] (its context, the new token included; a sliding window is the caller's cut).
+// One decoder layer for a step's rows, every linear on quantized blocks: what the runner's forward
+// does, in one call instead of ~35 torch ops (their dispatch costs more than their arithmetic at batch
+// 1). x [R, hidden] is the residual stream (returned updated); cos/sin [R, D] the rows' RoPE; the rows'
+// new K/V go to write_slots of the pools, then each row attends as prefill_attention's rows do (table,
+// item, position, window): single-token rows (one row an item) a task per row, prompts an item at a time.
 // The families' switches: q_norm / k_norm [D] an RMS norm over each head before RoPE, attn_out_norm /
 // mlp_out_norm [hidden] norms on the two outputs before the residual adds (an empty tensor: none), and
 // gelu for the tanh GELU in place of silu. Norm weights come as the factor applied (Gemma's 1 + w).
@@ -1335,23 +1368,24 @@ using Tensor = torch::Tensor;
 using Formats = std::vector<std::string>;
 using Tensors = std::vector<torch::Tensor>;
 
-torch::Tensor decode_layer(const Tensor& x, const Tensor& ln1, const Formats& qkv_format, const Tensors& qkv_a,
-                           const Tensors& qkv_b, const Tensors& qkv_p, const c10::optional<Tensor>& qkv_bias,
-                           const Formats& o_format, const Tensors& o_a, const Tensors& o_b, const Tensors& o_p,
-                           const Tensor& ln2, const Formats& gu_format, const Tensors& gu_a, const Tensors& gu_b,
-                           const Tensors& gu_p, const Formats& down_format, const Tensors& down_a,
-                           const Tensors& down_b, const Tensors& down_p, const Tensor& cos, const Tensor& sin,
-                           const Tensor& k_pool, const Tensor& v_pool, const Tensor& write_slots,
-                           const Tensor& slots, const Tensor& lengths, int64_t n_heads, double eps, double scale,
-                           const Tensor& q_norm, const Tensor& k_norm, const Tensor& attn_out_norm,
-                           const Tensor& mlp_out_norm, bool gelu) {
+torch::Tensor decoder_layer(const Tensor& x, const Tensor& ln1, const Formats& qkv_format, const Tensors& qkv_a,
+                            const Tensors& qkv_b, const Tensors& qkv_p, const c10::optional<Tensor>& qkv_bias,
+                            const Formats& o_format, const Tensors& o_a, const Tensors& o_b, const Tensors& o_p,
+                            const Tensor& ln2, const Formats& gu_format, const Tensors& gu_a, const Tensors& gu_b,
+                            const Tensors& gu_p, const Formats& down_format, const Tensors& down_a,
+                            const Tensors& down_b, const Tensors& down_p, const Tensor& cos, const Tensor& sin,
+                            const Tensor& k_pool, const Tensor& v_pool, const Tensor& write_slots,
+                            const Tensor& table, const Tensor& item, const Tensor& position, int64_t window,
+                            int64_t n_heads, double eps, double scale,
+                            const Tensor& q_norm, const Tensor& k_norm, const Tensor& attn_out_norm,
+                            const Tensor& mlp_out_norm, bool gelu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be float32 [R, hidden]");
   const int64_t R = x.size(0), E = x.size(1), D = k_pool.size(2), KV = k_pool.size(1), H = n_heads;
   const Parts qkv_w{qkv_format, qkv_a, qkv_b, qkv_p}, o_w{o_format, o_a, o_b, o_p},
       gu_w{gu_format, gu_a, gu_b, gu_p}, down_w{down_format, down_a, down_b, down_p};
   const int64_t QS = H * D, KS = KV * D, NQKV = QS + 2 * KS, I2 = gu_w.rows(), I = I2 / 2;
   check_pools(k_pool, v_pool, D);
-  check_context(slots, lengths, R, k_pool.size(0));
+  const PromptContext context = prompt_context(table, item, position, window, R, k_pool.size(0));
   TORCH_CHECK(write_slots.scalar_type() == torch::kInt64 && write_slots.numel() == R, "write_slots must be int64 [R]");
   TORCH_CHECK(qkv_w.rows() == NQKV && o_w.rows() == E && down_w.rows() == E && cos.size(1) == D,
               "layer shapes do not match");
@@ -1382,42 +1416,44 @@ torch::Tensor decode_layer(const Tensor& x, const Tensor& ln1, const Formats& qk
 
   rms_norm(X, ln1.data_ptr<float>(), R, E, eps, Hh);
   qkv_w.apply(Hh, R, E, QKV);
-  if (qkv_bias.has_value()) {
-    const float* B = qkv_bias->data_ptr<float>();
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t i = 0; i < NQKV; ++i) QKV[r * NQKV + i] += B[i];
-  }
-  // Per-head norms, then RoPE (rotate-half) on q and k; k and v go straight into the pool.
+  // Per row: the q/k/v bias, per-head norms, then RoPE (rotate-half) on q and k; k and v go straight
+  // into the pool.
+  const float* bias = qkv_bias.has_value() ? qkv_bias->data_ptr<float>() : nullptr;
   const int64_t half = D / 2;
-  std::vector<float> head(D);
-  for (int64_t r = 0; r < R; ++r) {
-    const float *c = C + r * D, *sn = Sn + r * D;
-    for (int64_t hd = 0; hd < H + KV; ++hd) {
-      const float* src = QKV + r * NQKV + hd * D;
-      const float* norm = hd < H ? QN : KN;
-      if (norm != nullptr) {
-        rms_norm(src, norm, 1, D, eps, head.data());
-        src = head.data();
+  at::parallel_for(0, R, kRowGrain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> head(D);
+    for (int64_t r = r0; r < r1; ++r) {
+      if (bias != nullptr)
+        for (int64_t i = 0; i < NQKV; ++i) QKV[r * NQKV + i] += bias[i];
+      const float *c = C + r * D, *sn = Sn + r * D;
+      for (int64_t hd = 0; hd < H + KV; ++hd) {
+        const float* src = QKV + r * NQKV + hd * D;
+        const float* norm = hd < H ? QN : KN;
+        if (norm != nullptr) {
+          rms_norm(src, norm, 1, D, eps, head.data());
+          src = head.data();
+        }
+        float* dst = hd < H ? Qr + (r * H + hd) * D : Kp + (WS[r] * KV + (hd - H)) * D;
+        for (int64_t i = 0; i < D; ++i) {
+          const float rot = i < half ? -src[i + half] : src[i - half];
+          dst[i] = src[i] * c[i] + rot * sn[i];
+        }
       }
-      float* dst = hd < H ? Qr + (r * H + hd) * D : Kp + (WS[r] * KV + (hd - H)) * D;
-      for (int64_t i = 0; i < D; ++i) {
-        const float rot = i < half ? -src[i + half] : src[i - half];
-        dst[i] = src[i] * c[i] + rot * sn[i];
-      }
+      std::copy(QKV + r * NQKV + QS + KS, QKV + (r + 1) * NQKV, Vp + WS[r] * KV * D);
     }
-    std::copy(QKV + r * NQKV + QS + KS, QKV + (r + 1) * NQKV, Vp + WS[r] * KV * D);
-  }
-  attention(Qr, Kp, Vp, slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), R, H, KV, D, slots.size(1),
-            static_cast<float>(scale), attn.data_ptr<float>());
+  });
+  const float sc = static_cast<float>(scale);
+  if (context.B == R) attention(Qr, Kp, Vp, R, H, KV, D, context.Lmax, sc, attn.data_ptr<float>(), context);
+  else causal_attention(Qr, Kp, Vp, context, R, H, KV, D, sc, attn.data_ptr<float>());
   o_w.apply(attn.data_ptr<float>(), R, QS, P);
   if (AN != nullptr) rms_norm(P, AN, R, E, eps, P);
-  for (int64_t i = 0; i < R * E; ++i) X[i] += P[i];
+  add_rows(X, P, R, E);
   rms_norm(X, ln2.data_ptr<float>(), R, E, eps, Hh);
   gu_w.apply(Hh, R, E, GU);
   gated_act(GU, R, I, gelu, Hh);
   down_w.apply(Hh, R, I, P);
   if (MN != nullptr) rms_norm(P, MN, R, E, eps, P);
-  for (int64_t i = 0; i < R * E; ++i) X[i] += P[i];
+  add_rows(X, P, R, E);
   return out;
 }
 
@@ -1440,5 +1476,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("fixed_point_activations") = false;
 #endif
-  m.def("decode_layer", &decode_layer, "one decoder layer for single-token rows on quantized blocks", nogil);
+  m.def("decoder_layer", &decoder_layer, "one decoder layer for a step's rows on quantized blocks", nogil);
 }

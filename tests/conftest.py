@@ -1,14 +1,25 @@
 """Shared fixtures: the embedded model (fp32, loaded once) and tiny random models of each family; at the
-end of the run, the fuzz summary line (tests/fuzzutil.py) when fuzz tests ran."""
+end of the run, the fuzz summary line (tests/fuzzutil.py) when fuzz tests ran. Servers started in this
+process freeze what exists at their start out of the garbage collector; each test ends unfrozen."""
 
 from __future__ import annotations
 
+import gc
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from rtserver.engine.model import LoadedModel, load_model
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_after() -> Iterator[None]:
+    """A server's start freezes the process's objects (web/app.py); later tests' garbage must still be
+    collected."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

@@ -1154,9 +1154,10 @@ void attention(const float* Q, const float* Kp, const float* Vp, int64_t R, int6
   });
 }
 
-// A step's prompt rows as causal_attention reads them: row r is at position PS[r] of item IT[r],
-// whose context slots are TB[IT[r] * Lmax ...] from position 0 (prompt_context checks them).
-struct PromptContext {
+// Rows' contexts as the attention routines read them: row r is at position PS[r] of item IT[r], whose
+// context slots are TB[IT[r] * Lmax ...] from position 0 (row_contexts checks them). A step's prompt
+// rows, or a decode group's, one item a row.
+struct RowContexts {
   const int64_t *TB, *IT, *PS;
   int64_t B, Lmax, window;
   int64_t first(int64_t r) const { return window > 0 ? std::max<int64_t>(0, PS[r] - window + 1) : 0; }
@@ -1170,7 +1171,7 @@ struct PromptContext {
 // + 1) (0 without a window) to PS[r] of its item. A task per (item, KV head, block of the item's rows)
 // copies the keys its rows read once, transposed, so that the scores of a query are vectors over keys
 // and no dot product ends in a horizontal sum.
-void causal_attention(const float* Q, const float* Kp, const float* Vp, const PromptContext& c, int64_t R,
+void causal_attention(const float* Q, const float* Kp, const float* Vp, const RowContexts& c, int64_t R,
                       int64_t H, int64_t KV, int64_t D, float sc, float* O) {
   const int64_t *TB = c.TB, *IT = c.IT, *PS = c.PS, B = c.B, Lmax = c.Lmax;
   constexpr int64_t kBlockRows = 32;
@@ -1205,10 +1206,10 @@ void causal_attention(const float* Q, const float* Kp, const float* Vp, const Pr
             Chain acc[4] = {};
             for (int64_t d = 0; d < D; ++d) {
               const float qd = q[d] * sc;
-              for (int c = 0; c < 4; ++c) {
+              for (int part = 0; part < 4; ++part) {
                 Chain kc;
-                std::memcpy(&kc, kt.data() + d * npad + j0 + 16 * c, sizeof kc);
-                acc[c] += qd * kc;
+                std::memcpy(&kc, kt.data() + d * npad + j0 + 16 * part, sizeof kc);
+                acc[part] += qd * kc;
               }
             }
             std::memcpy(p.data() + j0, acc, sizeof acc);
@@ -1223,10 +1224,10 @@ void causal_attention(const float* Q, const float* Kp, const float* Vp, const Pr
             for (int64_t j = a; j < e; ++j) {
               const float* v = Vp + (sl[j] * KV + kv) * D + d0;
               const float pj = p[j] * inv;
-              for (int c = 0; c < 4; ++c) {
+              for (int part = 0; part < 4; ++part) {
                 Chain vc;
-                std::memcpy(&vc, v + 16 * c, sizeof vc);
-                acc[c] += pj * vc;
+                std::memcpy(&vc, v + 16 * part, sizeof vc);
+                acc[part] += pj * vc;
               }
             }
             std::memcpy(o + d0, acc, sizeof acc);
@@ -1315,15 +1316,15 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   return out;
 }
 
-PromptContext prompt_context(const torch::Tensor& table, const torch::Tensor& item, const torch::Tensor& position,
-                             int64_t window, int64_t R, int64_t S) {
+RowContexts row_contexts(const torch::Tensor& table, const torch::Tensor& item, const torch::Tensor& position,
+                         int64_t window, int64_t R, int64_t S) {
   TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.is_contiguous() && table.dim() == 2,
               "table must be int64 [items, Lmax]");
   TORCH_CHECK(item.scalar_type() == torch::kInt64 && item.numel() == R && position.scalar_type() == torch::kInt64 &&
                   position.numel() == R && item.is_contiguous() && position.is_contiguous(),
               "item and position must be int64 [R]");
   TORCH_CHECK(window >= 0, "window must be >= 0");
-  const PromptContext c{table.data_ptr<int64_t>(), item.data_ptr<int64_t>(), position.data_ptr<int64_t>(),
+  const RowContexts c{table.data_ptr<int64_t>(), item.data_ptr<int64_t>(), position.data_ptr<int64_t>(),
                         table.size(0), table.size(1), window};
   std::vector<int64_t> reach(c.B, 0);  // the context length each item's rows read
   for (int64_t r = 0; r < R; ++r) {
@@ -1347,7 +1348,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_p
   check_pools(k_pool, v_pool, D);
   const int64_t KV = k_pool.size(1);
   TORCH_CHECK(H % KV == 0, "head counts do not match");
-  const PromptContext c = prompt_context(table, item, position, window, R, k_pool.size(0));
+  const RowContexts c = row_contexts(table, item, position, window, R, k_pool.size(0));
   auto out = torch::empty_like(q);
   causal_attention(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), c, R, H, KV, D,
                    static_cast<float>(scale), out.data_ptr<float>());
@@ -1385,7 +1386,7 @@ torch::Tensor decoder_layer(const Tensor& x, const Tensor& ln1, const Formats& q
       gu_w{gu_format, gu_a, gu_b, gu_p}, down_w{down_format, down_a, down_b, down_p};
   const int64_t QS = H * D, KS = KV * D, NQKV = QS + 2 * KS, I2 = gu_w.rows(), I = I2 / 2;
   check_pools(k_pool, v_pool, D);
-  const PromptContext context = prompt_context(table, item, position, window, R, k_pool.size(0));
+  const RowContexts context = row_contexts(table, item, position, window, R, k_pool.size(0));
   TORCH_CHECK(write_slots.scalar_type() == torch::kInt64 && write_slots.numel() == R, "write_slots must be int64 [R]");
   TORCH_CHECK(qkv_w.rows() == NQKV && o_w.rows() == E && down_w.rows() == E && cos.size(1) == D,
               "layer shapes do not match");

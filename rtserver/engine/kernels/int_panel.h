@@ -5,9 +5,10 @@
 // two quants in one vector), with each scale group's D and M as floats. A weight whose panels were
 // kept unpacked at load (`keep`, int8) skips that: the register block widens its pairs as it loads
 // them, and half the bytes stay in L1. Every row block then meets it in vpdpwssd: 32 products an
-// instruction where a float32 FMA gives 16, exact in int32 within a scale group. A group's sums take d * s_b in float, and its min the exact activation sum, as fixed_pass
-// does. The activations round as every integer path's (fixed_block), so a row's result does not
-// depend on the step's size beyond float32 summation order.
+// instruction where a float32 FMA gives 16, exact in int32 within a scale group. A group's sums take
+// d * s_b in float, and its min the exact activation sum, as fixed_pass does. The activations round as
+// every integer path's (fixed_block), so a row's result does not depend on the step's size beyond
+// float32 summation order.
 #pragma once
 
 #include <ATen/Parallel.h>

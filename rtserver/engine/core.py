@@ -50,6 +50,24 @@ def return_freed_memory() -> None:
         pass  # not glibc: nothing to do
 
 
+# glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_REUSED_BYTES = 1 << 30
+
+
+def reuse_freed_buffers() -> None:
+    """From now on keep freed large buffers in the heap for the next step (glibc). Steps allocate the
+    same big tensors again and again (a large vocabulary's logits, a prompt's activations); glibc maps
+    each above 128 KB afresh, and every page of it faults on first touch. Called once loading is done,
+    so start-up's temporaries are not kept."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, _REUSED_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, _REUSED_BYTES)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
+
+
 class OutputSink(Protocol):
     """Where a sequence's events go on the event loop."""
 
@@ -242,6 +260,7 @@ class Engine:
     def start(self) -> None:
         # The thread that built the engine lets its OpenMP workers go: the scheduler's are then the only ones.
         release_pool()
+        reuse_freed_buffers()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(
             target=self.scheduler.run_forever, name="rtserver-scheduler", daemon=True

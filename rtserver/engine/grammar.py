@@ -19,6 +19,8 @@ import torch
 from .output_format import OutputFormat, OutputFormatError
 from .token_bytes import ll_tokenizer
 
+# a step's logits: [n, vocab] float32, or its n rows (views, masked and read in place)
+Rows = torch.Tensor | list[torch.Tensor]
 MAX_FORMATS = 128  # compiled formats kept (a task's are pinned; a client's drop out least recently used)
 
 
@@ -147,16 +149,16 @@ class GrammarConstraint(Constraint):
 _BIAS = np.array([[0.0 if (b >> i) & 1 else -np.inf for i in range(8)] for b in range(256)], dtype=np.float32)
 
 
-def apply_masks(constraints: list[Constraint], logits: torch.Tensor) -> list[Exception | None]:
-    """Mask each constrained row of `logits` ([n, vocab] float32, in place) to its allowed tokens. A
-    row whose grammar fails gets the error in its place; the others are masked."""
+def apply_masks(constraints: list[Constraint], logits: Rows) -> list[Exception | None]:
+    """Mask each constrained row of `logits` ([n, vocab] float32, or n rows; in place) to its allowed
+    tokens. A row whose grammar fails gets the error in its place; the others are masked."""
     errors: list[Exception | None] = [None] * len(constraints)
     rows = [i for i, c in enumerate(constraints) if c.active]
     if not rows:
         return errors
-    vocab = logits.shape[1]
+    vocab = logits[0].shape[-1]
     words = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.uint32)
-    values = logits.numpy()  # the same memory
+    values = [logits[i].numpy() for i in range(len(constraints))]  # the same memory
     for j, i in enumerate(rows):
         try:
             constraints[i].fill(words[j])

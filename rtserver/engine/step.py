@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import Rows
 from .plan import StepItem
 from .sampler import Sampler
 from .sequence import Sequence
@@ -69,7 +70,7 @@ class StepRunner:
         """The logits of one step, per item."""
         return self.run(items, join).logits
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
+    def sample(self, seqs: list[Sequence], logits: Rows) -> list[int | Exception]:
         return self.sampler.sample(seqs, logits)
 
     def execute(self, items: list[StepItem], join: Join | None = None) -> StepOutput:
@@ -83,7 +84,8 @@ class StepRunner:
             if lg is not None:
                 (sampling if it.seq.candidates is None else scoring).append((i, lg[-1]))
         if sampling:
-            picked = self.sample([items[i].seq for i, _ in sampling], torch.stack([r for _, r in sampling]))
+            # the rows as they are: a step of a large vocabulary would copy megabytes to stack them
+            picked = self.sample([items[i].seq for i, _ in sampling], [r for _, r in sampling])
             for (i, _), token in zip(sampling, picked):
                 if isinstance(token, Exception):
                     out.errors[i] = ("sampling", token)

@@ -51,7 +51,7 @@ class FakeRunner(StepRunner):
         return Forward(out, [None] * len(out))
 
     def sample(self, seqs, logits):
-        return logits.argmax(-1).tolist()
+        return [int(row.argmax()) for row in logits]
 
 
 def with_limits(**changes) -> SchedulerLimits:

@@ -191,6 +191,7 @@ class Engine:
             self.kernels = self._use_gguf_blocks(loaded)
             if release_dense_weights:
                 self.runner.release_dense_weights()
+                loaded.blocks.clear()  # by name, as loaded: the linears hold what they read (fused, panels)
         if release_dense_weights:
             return_freed_memory()
         self.scheduler = Scheduler(
@@ -224,6 +225,8 @@ class Engine:
         ]
         rows = probe_panel_rows(kernel, mlps)
         kernel.set_panel_rows(rows)
+        if kernel.fixed_point_activations:
+            runner.keep_only_panels()
         kept = runner.keep_panels(self.settings.kept_panels_mb << 20) if kernel.fixed_point_activations else 0
         runner.choose_fused_decode()
         formats = sorted({b.shipped for b in loaded.blocks.values()})

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .quant import BlockWeight
+from .quant import BlockWeight, panels_only
 
 # per part of a block weight: format, quants, scales, panels unpacked once (or an empty tensor)
 FusedArgs = tuple[list[str], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
@@ -134,6 +134,13 @@ class BlockLinear(Linear):
         formats, qs, _ = self.blocks.args
         width = self.blocks.shape[1]
         return sum(self.kernel.kept_bytes(f, q.shape[0], width) for f, q in zip(formats, qs))
+
+    def keep_only_panels(self) -> None:
+        """Parts whose panels take about their blocks' bytes (Q8_0, Q6_K's Q8_2F) keep only those, read
+        at every step size: many-row steps skip unpacking them, at no cost in memory."""
+        self.blocks = panels_only(self.kernel, self.blocks)
+        # in place: the runner's fused decode layers hold this list
+        self.panels[:] = [_NO_PANELS] * len(self.blocks.args[0])
 
     def keep_panels(self) -> None:
         """Unpack the weight's panels once (int8), so many-row steps widen them instead of decoding and

@@ -173,12 +173,65 @@ class RawWeight:
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).view(self.shape)
 
 
+# formats kept only as the kernel's int8 panels (no blocks), from the layout each comes from: panels of
+# Q8_0 and Q8_2F take about their blocks' bytes, and many-row steps then never unpack.
+PANELS_OF = {"Q8_0": "Q8_0P", "Q8_2F": "Q8_2FP"}
+PANEL_GROUP = {"Q8_0P": 32, "Q8_2FP": 16}  # weights a float32 scale
+
+
+@dataclass
+class PanelWeight:
+    """A [out_features, in_features] weight as the kernel's int8 panels of 32 rows only (uint8 [out /
+    32, panel bytes]): a panel's quants with pairs of columns interleaved across its rows, then each
+    scale group's 32 scales. The kernel reads them at every step size."""
+
+    format: str  # a value of PANELS_OF
+    data: torch.Tensor
+    width: int
+    shipped: str
+
+    @staticmethod
+    def of(kernel: Any, w: QuantizedWeight | RawWeight) -> PanelWeight:
+        """`w` (a format of PANELS_OF, rows a multiple of 32) unpacked into panels by the kernel."""
+        (fmt,), (qs,), (scales,) = w.args
+        n, k = w.shape
+        panels = kernel.unpack_panels(fmt, qs, scales, k)
+        return PanelWeight(PANELS_OF[fmt], panels.view(torch.uint8).view(n // 32, -1), k, w.shipped)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0] * 32, self.width
+
+    @property
+    def args(self) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+        return [self.format], [self.data], [_NO_TENSOR]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` as float32: each quant times its scale, as the blocks it came from dequantize."""
+        k, group = self.width, PANEL_GROUP[self.format]
+        flat = index.reshape(-1)
+        panel, col = flat // 32, flat % 32
+        # a panel's quants: [half of its 32 rows][k / 2][16 rows][2 quants of a pair]
+        quants = self.data[:, : 32 * k].view(torch.int8).view(-1, 2, k // 2, 16, 2)
+        q = quants[panel, col // 16, :, col % 16, :].reshape(-1, k)
+        scales = self.data[:, 32 * k :].view(torch.float32).view(-1, k // group, 32)
+        d = scales[panel, :, col].repeat_interleave(group, dim=1)
+        return (d * q.float()).view(*index.shape, k)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.shape[0]))
+
+
 @dataclass
 class StackedWeight:
     """Weights of different block types over the same input, rows stacked (a Q4_K_M layer's q/k in
     Q5_0 with v in Q8_0): the kernel runs them part by part, outputs side by side."""
 
-    parts: list[QuantizedWeight | RawWeight]
+    parts: list[Part]
 
     @property
     def format(self) -> str:
@@ -220,7 +273,20 @@ class StackedWeight:
         return torch.cat([p.dequantize() for p in self.parts])
 
 
-BlockWeight = QuantizedWeight | RawWeight | StackedWeight
+Part = QuantizedWeight | RawWeight | PanelWeight
+BlockWeight = Part | StackedWeight
+
+
+def panels_only(kernel: Any, w: BlockWeight) -> BlockWeight:
+    """`w` with each part that PANELS_OF names (rows a multiple of 32) kept only as panels."""
+    parts = w.parts if isinstance(w, StackedWeight) else [w]
+    new = [
+        PanelWeight.of(kernel, p)
+        if isinstance(p, QuantizedWeight | RawWeight) and p.format in PANELS_OF and p.shape[0] % 32 == 0
+        else p
+        for p in parts
+    ]
+    return new[0] if len(new) == 1 else StackedWeight(new)
 
 
 def cat(weights: list[BlockWeight]) -> BlockWeight:
@@ -230,10 +296,10 @@ def cat(weights: list[BlockWeight]) -> BlockWeight:
         raise ValueError(f"cannot stack weights of widths {sorted({w.shape[1] for w in weights})}")
     if len(weights) == 1:
         return weights[0]  # nothing to fuse: no copy (memory at start-up)
-    parts: list[QuantizedWeight | RawWeight] = []
+    parts: list[Part] = []
     for w in weights:
         parts += w.parts if isinstance(w, StackedWeight) else [w]
-    runs: list[list[QuantizedWeight | RawWeight]] = []
+    runs: list[list[Part]] = []
     for p in parts:
         if runs and type(runs[-1][0]) is type(p) and runs[-1][0].format == p.format:
             runs[-1].append(p)
@@ -243,17 +309,20 @@ def cat(weights: list[BlockWeight]) -> BlockWeight:
     return joined[0] if len(joined) == 1 else StackedWeight(joined)
 
 
-def _join(run: list[QuantizedWeight | RawWeight]) -> QuantizedWeight | RawWeight:
+def _join(run: list[Part]) -> Part:
     first = run[0]
     if len(run) == 1:
         return first
-    if isinstance(first, RawWeight):
-        raws = [w for w in run if isinstance(w, RawWeight)]
-        shipped = "+".join(sorted({w.shipped for w in raws}))
-        return RawWeight(first.format, torch.cat([w.data for w in raws]), shipped)
-    split = [w for w in run if isinstance(w, QuantizedWeight)]
-    qs, scales = torch.cat([w.qs for w in split]), torch.cat([w.scales for w in split])
-    return QuantizedWeight(first.format, qs, scales, "+".join(sorted({w.shipped for w in split})))
+    shipped = "+".join(sorted({w.shipped for w in run}))
+    if isinstance(first, QuantizedWeight):
+        split = [w for w in run if isinstance(w, QuantizedWeight)]
+        qs, scales = torch.cat([w.qs for w in split]), torch.cat([w.scales for w in split])
+        return QuantizedWeight(first.format, qs, scales, shipped)
+    if isinstance(first, PanelWeight):
+        panels = [w for w in run if isinstance(w, PanelWeight)]
+        return PanelWeight(first.format, torch.cat([w.data for w in panels]), first.width, shipped)
+    raws = [w for w in run if isinstance(w, RawWeight)]
+    return RawWeight(first.format, torch.cat([w.data for w in raws]), shipped)
 
 
 def read_gguf_weights(path: Path, model_type: str, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:

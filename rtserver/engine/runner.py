@@ -18,7 +18,7 @@ from .attention import NO_ROWS, AttentionPlan, KernelAttention, PagedAttention, 
 from .families import attention_scale, family_of, layer_windows, rope_tables
 from .kv import KVCacheManager
 from .layers import DecoderLayer, Weights
-from .linear import BlockLinear, FusedArgs, Linear
+from .linear import BlockEmbedding, BlockLinear, FusedArgs, Linear
 from .plan import StepItem
 from .quant import BlockWeight
 from .step import Features, Forward, Join, StepRunner
@@ -167,6 +167,21 @@ class ModelRunner(StepRunner):
         self.attention_kernel = kernel
         self.attention = KernelAttention(self.n_heads, self.n_kv, self.head_dim, self.scale, kernel)
         return True
+
+    def keep_only_panels(self) -> None:
+        """Every block linear's parts whose panels cost no more memory than their blocks keep only the
+        panels (BlockLinear.keep_only_panels); a tied embedding then reads the output head's."""
+        embed, head = self.embed, self.lm_head
+        tied = (
+            isinstance(embed, BlockEmbedding)
+            and isinstance(head, BlockLinear)
+            and embed.blocks is head.blocks
+        )
+        for lin in [lin for L in self.layers for lin in L.linears] + [head]:
+            if isinstance(lin, BlockLinear):
+                lin.keep_only_panels()
+        if tied and isinstance(embed, BlockEmbedding) and isinstance(head, BlockLinear):
+            embed.blocks = head.blocks
 
     def keep_panels(self, budget: int) -> int:
         """Unpack the block linears once for many-row steps while they fit in `budget` bytes, layer by

@@ -214,6 +214,37 @@ def test_panels_kept_unpacked_give_the_same_products_as_unpacking_each_step(kern
         kernel.set_panel_rows(1 << 40)
 
 
+@pytest.mark.parametrize(("fmt", "panels"), [("Q8_0", "Q8_0P"), ("Q6_K", "Q8_2FP")])
+def test_weights_kept_only_as_panels_read_and_multiply_as_their_blocks(kernel, fmt, panels):
+    """Q8_0 and Q6_K (as Q8_2F) kept only as int8 panels: no more bytes than their blocks (Q8_0 a
+    sixteenth more), the same float32 weight bit for bit (rows too: an embedding lookup), and at every
+    step size the products of the kept panels; without VNNI the kernel refuses them."""
+    k = 256
+    w = weight(fmt, random_rows(fmt, 64, k, seed=9))
+    if not kernel.fixed_point_activations:
+        with pytest.raises(RuntimeError, match=f"{panels} panels need a CPU with VNNI"):
+            none = [torch.empty(0)]
+            kernel.blocks_mm(torch.randn(1, k), [panels], [torch.zeros(2, 1, dtype=torch.uint8)], none, none)
+        return
+    p = quant.panels_only(kernel, w)
+    assert isinstance(p, quant.PanelWeight) and (p.format, p.shipped, p.shape) == (panels, fmt, (64, k))
+    assert p.nbytes <= w.nbytes * 17 // 16
+    assert torch.equal(p.dequantize(), w.dequantize())
+    index = torch.tensor([[63, 0], [17, 32]])
+    assert torch.equal(p.rows(index), w.dequantize()[index])
+    kept = [kernel.unpack_panels(*[a[0] for a in w.args], k)]
+    kernel.set_panel_rows(0)
+    try:
+        for m in (1, 2, 5, 13, 40):
+            x = torch.randn(m, k) * torch.rand(m, k) * 4
+            got = kernel.blocks_mm(x, *p.args, [torch.empty(0)])
+            assert torch.equal(got, kernel.blocks_mm(x, *w.args, kept))
+    finally:
+        kernel.set_panel_rows(1 << 40)
+    with pytest.raises(RuntimeError, match=f"{panels} panels do not match"):
+        kernel.blocks_mm(torch.randn(1, 2 * k), *p.args, [torch.empty(0)])
+
+
 def test_panels_of_another_weight_are_refused(kernel):
     w = weight("Q8_0", random_rows("Q8_0", 64, 64, 1))
     with pytest.raises(RuntimeError, match="panels must be empty or unpack_panels' int8 for the same weight"):
@@ -317,23 +348,26 @@ MIXES = [{"*": t} for t in TYPES] + [
 @pytest.mark.parametrize("types", MIXES, ids=lambda t: "+".join(sorted(set(t.values()))))
 def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, types):
     """Prompts of 3 to 78 tokens, then decode steps of 1, 2, 5 and 16 rows (contexts of different
-    lengths), through the fused decoder_layer on the blocks and through the kernel's matmul unfused,
-    give the logits of the torch forward over the dequantized weights (logits_close)."""
+    lengths), through the fused decoder_layer on the blocks (and with Q8_0 and Q6_K kept only as
+    panels) and through the kernel's matmul unfused, give the logits of the torch forward over the
+    dequantized weights (logits_close)."""
     model = copy.deepcopy(tiny_llama)
     blocks = _on_blocks(model, types, seed=7)
     cfg = model.config
     results = []
-    for mode in ("torch", "fused", "unfused"):
+    for mode in ("torch", "fused", "unfused", "panels"):
         kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
         on_blocks = {} if mode == "torch" else {"blocks": blocks, "kernel": kernel}
         runner = ModelRunner(copy.deepcopy(model), kv, 512, **on_blocks)
-        if mode == "fused":
+        if mode == "panels" and kernel.fixed_point_activations:
+            runner.keep_only_panels()  # Q8_0 and Q6_K as panels only, fused
+        if mode in ("fused", "panels"):
             runner.use_attention_kernel(kernel)
             runner.choose_fused_decode()
         linears = [runner.lm_head, *(lin for L in runner.layers for lin in L.linears)]
         on_blocks = sum(isinstance(lin, BlockLinear) for lin in linears)
         assert on_blocks == (0 if mode == "torch" else len(linears))
-        assert runner.fused_decode == (mode == "fused")
+        assert runner.fused_decode == (mode in ("fused", "panels"))
         torch.manual_seed(1)
         steps = []
         for m in (1, 2, 5, 16):

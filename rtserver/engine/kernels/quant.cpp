@@ -708,6 +708,15 @@ bool with_split(const std::string& format, const Fn& f) {
 
 bool is_split(const std::string& format) { return with_split(format, [](auto) {}); }
 
+// Formats kept only as int8 panels (int_panel::Panel::narrow's layout), read at every step size: Q8_0
+// and Q8_2F, whose panels take about the bytes of their blocks. The scale group of one, else 0.
+int panel_group(const std::string& format) { return format == "Q8_0P" ? 32 : format == "Q8_2FP" ? 16 : 0; }
+
+// The weight rows of a weight's quants tensor: a panel format holds 32 a row of it.
+int64_t weight_rows(const std::string& format, const torch::Tensor& qs) {
+  return panel_group(format) ? qs.size(0) * 32 : qs.size(0);
+}
+
 const char* kBlockTypes = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS";
 
 // Raw blocks (blocks.h) for inputs of width K: uint8 [N, K / weights per block * bytes per block].
@@ -723,6 +732,16 @@ void check_raw(const std::string& format, const torch::Tensor& qs, int64_t K) {
 // (d, m) per block, Q8_0 = 32 bytes and float16 d, Q5_1S = Q4_1's and a 4-byte mask, Q4_1F = Q4_1's
 // with float32 (d, m); every other type its raw rows (`scales` unused).
 void check_weight(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, int64_t K) {
+  if (const int G = panel_group(format)) {
+#ifdef RTSERVER_INT_DOTS
+    TORCH_CHECK(K % G == 0 && qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() &&
+                    qs.size(1) == int_panel::Panel::kept_bytes(K, G, false),
+                format, " panels do not match x's width");
+    return;
+#else
+    TORCH_CHECK(false, format, " panels need a CPU with VNNI");
+#endif
+  }
   if (!is_split(format)) {
     const bool known = blocks::with_type(format, [&](auto t) { check_raw<decltype(t)>(format, qs, K); });
     TORCH_CHECK(known, "unsupported block type ", format, " (supported: ", kBlockTypes, ")");
@@ -845,6 +864,18 @@ void int_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& f
     int_panel::matmul<decltype(G)::value, decltype(offset)::value>(rows, M, K, N, y, ldy, kept, unpack);
   });
 }
+
+// Any step on a weight kept only as panels (panel_group's formats): nothing to unpack.
+void panels_only_matmul(const float* x, int64_t M, int64_t K, int G, const torch::Tensor& qs, float* y,
+                        int64_t ldy) {
+  int_panel::Rows rows;
+  to_int16(x, M, K, rows);
+  const int8_t* kept = reinterpret_cast<const int8_t*>(qs.data_ptr<uint8_t>());
+  const auto none = [](int64_t, int64_t, int_panel::Panel&) {};
+  const int64_t N = qs.size(0) * int_panel::kCols;
+  if (G == 32) int_panel::matmul<32, false>(rows, M, K, N, y, ldy, kept, none);
+  else int_panel::matmul<16, false>(rows, M, K, N, y, ldy, kept, none);
+}
 #endif
 
 // The bytes of a weight's panels unpacked once (unpack_panels); 0 where the kernel keeps none.
@@ -907,6 +938,9 @@ void panel_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
 void block_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
                   const torch::Tensor& scales, const int8_t* kept, float* y, int64_t ldy) {
   check_weight(format, qs, scales, K);
+#ifdef RTSERVER_INT_DOTS
+  if (const int G = panel_group(format)) return panels_only_matmul(x, M, K, G, qs, y, ldy);
+#endif
   if (M > g_panel_rows) return panel_matmul(x, M, K, format, qs, scales, kept, y, ldy);
   const int64_t N = qs.size(0);
   if (!is_split(format)) {
@@ -930,7 +964,7 @@ struct Parts {
 
   int64_t rows() const {
     int64_t n = 0;
-    for (const auto& t : a) n += t.size(0);
+    for (size_t i = 0; i < a.size(); ++i) n += weight_rows(formats[i], a[i]);
     return n;
   }
   void check(int64_t K) const {
@@ -941,7 +975,7 @@ struct Parts {
       check_weight(formats[i], a[i], b[i], K);
       TORCH_CHECK(i >= panels.size() || panels[i].numel() == 0 ||
                       (panels[i].scalar_type() == torch::kInt8 && panels[i].is_contiguous() &&
-                       panels[i].numel() == kept_bytes(formats[i], a[i].size(0), K)),
+                       panels[i].numel() == kept_bytes(formats[i], weight_rows(formats[i], a[i]), K)),
                   "a part's panels must be empty or unpack_panels' int8 for the same weight");
     }
   }
@@ -955,7 +989,7 @@ struct Parts {
     int64_t at = 0;
     for (size_t i = 0; i < formats.size(); ++i) {
       block_matmul(x, M, K, formats[i], a[i], b[i], kept(i), y + at, N);
-      at += a[i].size(0);
+      at += weight_rows(formats[i], a[i]);
     }
   }
 };

@@ -5,9 +5,10 @@ and Q8_0 are split into quants and float16 scales (the kernel's tuned layout), a
 Q5_0 as Q5_1S (Q4_1's nibbles and a mask of fifth bits) and Q4_K as Q4_1F (Q4_1's nibbles, float32
 scales); Q4_0 runs as Q4_1, all exactly. Every other block type keeps the file's raw rows, Q6_K's
 unpacked to Q8_2F (a byte a quant beside float32 scales, exactly). A mixed file (Q4_K_M ships several
-types) runs each tensor in its own type. The C++ kernel is built once per CPU and cached; its
-pure-torch twin is what the tests compare it with. Results equal the float32 engine's on the
-dequantized weights up to rounding.
+types) runs each tensor in its own type. With VNNI, Q8_0 and Q8_2F weights end as the kernel's int8
+panels alone (PanelWeight), about their blocks' bytes. The C++ kernel is built once per CPU and
+cached; its pure-torch twin is what the tests compare it with. Results equal the float32 engine's on
+the dequantized weights up to rounding.
 """
 
 from __future__ import annotations

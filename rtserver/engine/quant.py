@@ -174,8 +174,8 @@ class RawWeight:
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).view(self.shape)
 
 
-# formats kept only as the kernel's int8 panels (no blocks), from the layout each comes from: panels of
-# Q8_0 and Q8_2F take about their blocks' bytes, and many-row steps then never unpack.
+# formats kept only as the kernel's int8 panels (no blocks), by the layout each is made from: their
+# panels take about their blocks' bytes, and many-row steps then never unpack
 PANELS_OF = {"Q8_0": "Q8_0P", "Q8_2F": "Q8_2FP"}
 PANEL_GROUP = {"Q8_0P": 32, "Q8_2FP": 16}  # weights a float32 scale
 
@@ -195,9 +195,8 @@ class PanelWeight:
     def of(kernel: Any, w: QuantizedWeight | RawWeight) -> PanelWeight:
         """`w` (a format of PANELS_OF, rows a multiple of 32) unpacked into panels by the kernel."""
         (fmt,), (qs,), (scales,) = w.args
-        n, k = w.shape
-        panels = kernel.unpack_panels(fmt, qs, scales, k)
-        return PanelWeight(PANELS_OF[fmt], panels.view(torch.uint8).view(n // 32, -1), k, w.shipped)
+        to = PANELS_OF[fmt]
+        return PanelWeight(to, kernel.panels_of(to, fmt, qs, scales, w.shape[1]), w.shape[1], w.shipped)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -243,6 +243,10 @@ def test_weights_kept_only_as_panels_read_and_multiply_as_their_blocks(kernel, f
         kernel.set_panel_rows(1 << 40)
     with pytest.raises(RuntimeError, match=f"{panels} panels do not match"):
         kernel.blocks_mm(torch.randn(1, 2 * k), *p.args, [torch.empty(0)])
+    with pytest.raises(RuntimeError, match=f"{panels} panels need rows a multiple of 32"):
+        kernel.panels_of(panels, *[a[0] for a in weight(fmt, random_rows(fmt, 40, k, seed=1)).args], k)
+    with pytest.raises(RuntimeError, match="Q8_0P panels are made from Q8_0"):
+        kernel.panels_of("Q8_0P", *[a[0] for a in weight("Q4_1", random_rows("Q4_1", 32, k, seed=2)).args], k)
 
 
 def test_panels_of_another_weight_are_refused(kernel):

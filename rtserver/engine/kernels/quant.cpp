@@ -709,12 +709,24 @@ bool with_split(const std::string& format, const Fn& f) {
 bool is_split(const std::string& format) { return with_split(format, [](auto) {}); }
 
 // Formats kept only as int8 panels (int_panel::Panel::narrow's layout), read at every step size: Q8_0
-// and Q8_2F, whose panels take about the bytes of their blocks. The scale group of one, else 0.
-int panel_group(const std::string& format) { return format == "Q8_0P" ? 32 : format == "Q8_2FP" ? 16 : 0; }
+// and Q8_2F, whose panels take about the bytes of their blocks. A panel format's layout; G 0: none.
+struct PanelLayout {
+  int G = 0;
+  const char* from = "";  // the layout it is made from
+#ifdef RTSERVER_INT_DOTS
+  int64_t bytes(int64_t K) const { return int_panel::Panel::kept_bytes(K, G, false); }
+#endif
+};
+
+PanelLayout panel_layout(const std::string& format) {
+  if (format == "Q8_0P") return {32, "Q8_0"};
+  if (format == "Q8_2FP") return {16, "Q8_2F"};
+  return {};
+}
 
 // The weight rows of a weight's quants tensor: a panel format holds 32 a row of it.
 int64_t weight_rows(const std::string& format, const torch::Tensor& qs) {
-  return panel_group(format) ? qs.size(0) * 32 : qs.size(0);
+  return panel_layout(format).G ? qs.size(0) * 32 : qs.size(0);
 }
 
 const char* kBlockTypes = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS";
@@ -732,10 +744,10 @@ void check_raw(const std::string& format, const torch::Tensor& qs, int64_t K) {
 // (d, m) per block, Q8_0 = 32 bytes and float16 d, Q5_1S = Q4_1's and a 4-byte mask, Q4_1F = Q4_1's
 // with float32 (d, m); every other type its raw rows (`scales` unused).
 void check_weight(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, int64_t K) {
-  if (const int G = panel_group(format)) {
+  if (const PanelLayout panels = panel_layout(format); panels.G) {
 #ifdef RTSERVER_INT_DOTS
-    TORCH_CHECK(K % G == 0 && qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() &&
-                    qs.size(1) == int_panel::Panel::kept_bytes(K, G, false),
+    TORCH_CHECK(K % panels.G == 0 && qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() &&
+                    qs.size(1) == panels.bytes(K),
                 format, " panels do not match x's width");
     return;
 #else
@@ -865,15 +877,15 @@ void int_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& f
   });
 }
 
-// Any step on a weight kept only as panels (panel_group's formats): nothing to unpack.
-void panels_only_matmul(const float* x, int64_t M, int64_t K, int G, const torch::Tensor& qs, float* y,
-                        int64_t ldy) {
+// Any step on a weight kept only as panels (panel_layout's formats): nothing to unpack.
+void panels_only_matmul(const float* x, int64_t M, int64_t K, const PanelLayout& panels, const torch::Tensor& qs,
+                        float* y, int64_t ldy) {
   int_panel::Rows rows;
   to_int16(x, M, K, rows);
   const int8_t* kept = reinterpret_cast<const int8_t*>(qs.data_ptr<uint8_t>());
   const auto none = [](int64_t, int64_t, int_panel::Panel&) {};
   const int64_t N = qs.size(0) * int_panel::kCols;
-  if (G == 32) int_panel::matmul<32, false>(rows, M, K, N, y, ldy, kept, none);
+  if (panels.G == 32) int_panel::matmul<32, false>(rows, M, K, N, y, ldy, kept, none);
   else int_panel::matmul<16, false>(rows, M, K, N, y, ldy, kept, none);
 }
 #endif
@@ -903,6 +915,27 @@ torch::Tensor unpack_panels(std::string format, torch::Tensor qs, torch::Tensor 
   });
 #endif
   return out;
+}
+
+// A weight as panel format `to` alone (panel_layout's): uint8 [N / 32, panel bytes], for rows a multiple
+// of 32 in the layout `to` is made from.
+torch::Tensor panels_of(std::string to, std::string format, torch::Tensor qs, torch::Tensor scales, int64_t K) {
+  const PanelLayout panels = panel_layout(to);
+  TORCH_CHECK(panels.G && format == panels.from, to, " panels are made from ", panels.G ? panels.from : "nothing");
+  check_weight(format, qs, scales, K);
+  const int64_t N = qs.size(0);
+  TORCH_CHECK(N % 32 == 0, to, " panels need rows a multiple of 32");
+#ifdef RTSERVER_INT_DOTS
+  auto out = torch::empty({N / int_panel::kCols, panels.bytes(K)}, torch::kUInt8);
+  int8_t* kept = reinterpret_cast<int8_t*>(out.data_ptr<uint8_t>());
+  with_unpacker(format, qs, scales, K, [&](auto G, auto offset, const auto& unpack) {
+    int_panel::keep<decltype(G)::value, decltype(offset)::value>(K, N, kept, unpack);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, to, " panels need a CPU with VNNI");
+  return {};
+#endif
 }
 
 // A many-row step: the weight dequantized 16 rows at a time beside a float32 GEMM (panel.h), or on
@@ -939,7 +972,7 @@ void block_matmul(const float* x, int64_t M, int64_t K, const std::string& forma
                   const torch::Tensor& scales, const int8_t* kept, float* y, int64_t ldy) {
   check_weight(format, qs, scales, K);
 #ifdef RTSERVER_INT_DOTS
-  if (const int G = panel_group(format)) return panels_only_matmul(x, M, K, G, qs, y, ldy);
+  if (const PanelLayout panels = panel_layout(format); panels.G) return panels_only_matmul(x, M, K, panels, qs, y, ldy);
 #endif
   if (M > g_panel_rows) return panel_matmul(x, M, K, format, qs, scales, kept, y, ldy);
   const int64_t N = qs.size(0);
@@ -1501,6 +1534,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocks_mm", &blocks_mm, "x [M, K] float32 @ a stacked block weight (parts side by side) -> [M, N]",
         py::arg("x"), py::arg("formats"), py::arg("a"), py::arg("b"), py::arg("panels") = Tensors{}, nogil);
   m.def("unpack_panels", &unpack_panels, "a block weight's panels for many-row steps, unpacked once (int8)", nogil);
+  m.def("panels_of", &panels_of, "a weight as a panel format alone, read at every step size", nogil);
   m.def("kept_bytes", &kept_bytes, "the bytes unpack_panels takes for a weight of this format and shape");
   m.def("set_panel_rows", &set_panel_rows, "steps of more rows than this run on panels of weight rows");
   m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);

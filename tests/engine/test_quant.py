@@ -135,7 +135,7 @@ def test_kernel_refuses_what_it_cannot_multiply(kernel):
 )
 def test_decode_attention_reads_the_pool_in_place_like_sdpa(kernel, d, heads, kv_heads):
     """Query heads per KV head from 1 to 10 (in fours and a rest), head sizes in whole 64s, with a
-    remainder of one vector, and one that is no whole number of vectors."""
+    remainder of one vector, and one that is no whole number of vectors; rows few and many."""
     torch.manual_seed(0)
     slots = 400
     k_pool, v_pool = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
@@ -145,6 +145,9 @@ def test_decode_attention_reads_the_pool_in_place_like_sdpa(kernel, d, heads, kv
         table[r, :n] = torch.randperm(slots - 1)[:n] + 1
     q = torch.randn(len(lengths), heads, d)
     got = kernel.decode_attention(q, k_pool, v_pool, table, torch.tensor(lengths), d**-0.5)
+    # two rows take tasks per KV head, six a task per row: the same arithmetic
+    two = kernel.decode_attention(q[:2], k_pool, v_pool, table[:2], torch.tensor(lengths[:2]), d**-0.5)
+    assert torch.equal(two, got[:2])
     for r, n in enumerate(lengths):
         k, v = k_pool[table[r, :n]].transpose(0, 1), v_pool[table[r, :n]].transpose(0, 1)
         want = F.scaled_dot_product_attention(q[r].view(kv_heads, heads // kv_heads, d), k, v, scale=d**-0.5)

@@ -1182,39 +1182,43 @@ void gated_act(const float* GU, int64_t R, int64_t I, bool gelu, float* Hh) {
 
 // Attention of single-token queries over contexts read in place from a paged pool. q [R, H, D] rows,
 // pools [slots, KV, D]; context(r) is row r's context as (its first slot's address, length), at most
-// Lmax (checked by the caller). A task per (row, KV head) computes the H / KV query heads that share
-// that K/V, so each K/V row is read once; with fewer such pairs than twice the threads (one row, few
-// KV heads) the heads are split further.
+// Lmax (checked by the caller). With rows enough for the threads, a task per row reads each of its
+// K/V slots whole (every KV head, in order: the prefetchers follow); else a task per (row, KV head)
+// computes the H / KV query heads that share that K/V, split further while threads would be idle.
+// Every head's arithmetic is the same either way.
 template <typename Context>
 void attention(const float* Q, const float* Kp, const float* Vp, int64_t R, int64_t H, int64_t KV, int64_t D,
                int64_t Lmax, float sc, float* O, const Context& context) {
-  const int64_t G = H / KV, pairs = R * KV, want = 2 * at::get_num_threads();
-  const int64_t split = pairs >= want ? 1 : std::min(G, (want + pairs - 1) / pairs);
+  const int64_t G = H / KV, want = 2 * at::get_num_threads();
+  const int64_t span = R >= want ? KV : 1, pairs = R * (KV / span);  // KV heads a task
+  const int64_t split = span > 1 || pairs >= want ? 1 : std::min(G, (want + pairs - 1) / pairs);
   const int64_t per = (G + split - 1) / split;
   at::parallel_for(0, pairs * split, 1, [&](int64_t t0, int64_t t1) {
     const int64_t Lpad = (Lmax + kLanes - 1) / kLanes * kLanes;  // exp_shifted's whole vectors
-    std::vector<float> p(per * Lpad);
+    std::vector<float> p(span * per * Lpad), inv(span * per);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t pair = t / split, r = pair / KV, kv = pair % KV;
+      const int64_t pair = t / split, r = pair / (KV / span), kv0 = pair % (KV / span) * span;
       const auto [sl, L] = context(r);
-      const int64_t g0 = t % split * per, g1 = std::min(G, g0 + per);
-      const float* qg = Q + (r * H + kv * G) * D;
+      const int64_t g0 = t % split * per, g1 = std::min(G, g0 + per), n = g1 - g0;
+      // task head i: KV head kv0 + i / n, query head (kv0 + i / n) * G + g0 + i % n
+      const auto head = [&](int64_t i) { return (kv0 + i / n) * G + g0 + i % n; };
       for (int64_t j = 0; j < L; ++j) {
-        const float* k = Kp + (sl[j] * KV + kv) * D;
-        for (int64_t g = g0; g < g1; ++g) p[(g - g0) * Lpad + j] = dot(qg + g * D, k, D) * sc;
+        const float* k = Kp + (sl[j] * KV + kv0) * D;
+        for (int64_t i = 0; i < span * n; ++i) p[i * Lpad + j] = dot(Q + (r * H + head(i)) * D, k + i / n * D, D) * sc;
       }
-      for (int64_t g = g0; g < g1; ++g) {
-        float* pg = p.data() + (g - g0) * Lpad;
-        const int64_t n = (L + kLanes - 1) / kLanes * kLanes;
-        std::fill(pg + L, pg + n, -INFINITY);
-        const float sum = exp_shifted(pg, n);
-        const float inv = 1.f / sum;
-        float* o = O + (r * H + kv * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-        for (int64_t j = 0; j < L; ++j) {
-          const float* v = Vp + (sl[j] * KV + kv) * D;
-          const float w = pg[j] * inv;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
+      const int64_t Ln = (L + kLanes - 1) / kLanes * kLanes;
+      for (int64_t i = 0; i < span * n; ++i) {
+        float* pi = p.data() + i * Lpad;
+        std::fill(pi + L, pi + Ln, -INFINITY);
+        inv[i] = 1.f / exp_shifted(pi, Ln);
+        std::fill(O + (r * H + head(i)) * D, O + (r * H + head(i) + 1) * D, 0.f);
+      }
+      for (int64_t j = 0; j < L; ++j) {
+        const float* v = Vp + (sl[j] * KV + kv0) * D;
+        for (int64_t i = 0; i < span * n; ++i) {
+          const float w = p[i * Lpad + j] * inv[i], *vi = v + i / n * D;
+          float* o = O + (r * H + head(i)) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * vi[d];
         }
       }
     }

@@ -225,9 +225,10 @@ class Engine:
         ]
         rows = probe_panel_rows(kernel, mlps)
         kernel.set_panel_rows(rows)
+        kept = 0
         if kernel.fixed_point_activations:
             runner.keep_only_panels()
-        kept = runner.keep_panels(self.settings.kept_panels_mb << 20) if kernel.fixed_point_activations else 0
+            kept = runner.keep_panels(self.settings.kept_panels_mb << 20)
         runner.choose_fused_decode()
         formats = sorted({b.shipped for b in loaded.blocks.values()})
         log.info(

@@ -158,7 +158,6 @@ def apply_masks(constraints: list[Constraint], logits: Rows) -> list[Exception |
         return errors
     vocab = logits[0].shape[-1]
     words = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.uint32)
-    values = [logits[i].numpy() for i in range(len(constraints))]  # the same memory
     for j, i in enumerate(rows):
         try:
             constraints[i].fill(words[j])
@@ -166,7 +165,8 @@ def apply_masks(constraints: list[Constraint], logits: Rows) -> list[Exception |
             errors[i] = exc
             continue
         bias = _BIAS.take(words[j].view(np.uint8), axis=0).reshape(-1)[:vocab]
-        np.add(values[i], bias, out=values[i])
+        row = logits[i].numpy()  # the same memory
+        np.add(row, bias, out=row)
     return errors
 
 

@@ -138,9 +138,12 @@ class BlockLinear(Linear):
     def keep_only_panels(self) -> None:
         """Parts whose panels take about their blocks' bytes (Q8_0, Q6_K's Q8_2F) keep only those, read
         at every step size: many-row steps skip unpacking them, at no cost in memory."""
+        before = self.blocks.args[0]
         self.blocks = panels_only(self.kernel, self.blocks)
-        # in place: the runner's fused decode layers hold this list
-        self.panels[:] = [_NO_PANELS] * len(self.blocks.args[0])
+        # in place: the runner's fused decode layers hold this list; a part turned panels keeps no others
+        self.panels[:] = [
+            p if f == g else _NO_PANELS for f, g, p in zip(before, self.blocks.args[0], self.panels)
+        ]
 
     def keep_panels(self) -> None:
         """Unpack the weight's panels once (int8), so many-row steps widen them instead of decoding and

@@ -171,17 +171,15 @@ class ModelRunner(StepRunner):
     def keep_only_panels(self) -> None:
         """Every block linear's parts whose panels cost no more memory than their blocks keep only the
         panels (BlockLinear.keep_only_panels); a tied embedding then reads the output head's."""
-        embed, head = self.embed, self.lm_head
-        tied = (
-            isinstance(embed, BlockEmbedding)
-            and isinstance(head, BlockLinear)
-            and embed.blocks is head.blocks
-        )
-        for lin in [lin for L in self.layers for lin in L.linears] + [head]:
+        for lin in [lin for L in self.layers for lin in L.linears]:
             if isinstance(lin, BlockLinear):
                 lin.keep_only_panels()
-        if tied and isinstance(embed, BlockEmbedding) and isinstance(head, BlockLinear):
-            embed.blocks = head.blocks
+        head, embed = self.lm_head, self.embed
+        if isinstance(head, BlockLinear):
+            before = head.blocks
+            head.keep_only_panels()
+            if isinstance(embed, BlockEmbedding) and embed.blocks is before:
+                embed.blocks = head.blocks
 
     def keep_panels(self, budget: int) -> int:
         """Unpack the block linears once for many-row steps while they fit in `budget` bytes, layer by

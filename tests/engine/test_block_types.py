@@ -372,22 +372,7 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
         on_blocks = sum(isinstance(lin, BlockLinear) for lin in linears)
         assert on_blocks == (0 if mode == "torch" else len(linears))
         assert runner.fused_decode == (mode in ("fused", "panels"))
-        torch.manual_seed(1)
-        steps = []
-        for m in (1, 2, 5, 16):
-            seqs, prefill = [], []
-            for r in range(m):
-                ids = torch.randint(0, cfg.vocab_size, (3 + 5 * r,)).tolist()
-                seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
-                seq.kv, _ = kv.acquire(ids, len(ids) + 2)
-                prefill.append(StepItem(seq, seq.kv, 0, ids, "last"))
-                seqs.append((seq, len(ids)))
-            steps.append(torch.cat(runner.forward(prefill)))  # prompts: fused where decodes are
-            items = [StepItem(seq, seq.kv, n, [11 + r], "last") for r, (seq, n) in enumerate(seqs)]
-            steps.append(torch.cat(runner.forward(items)))
-            for seq, _ in seqs:
-                kv.release(seq.kv)
-        results.append(steps)
+        results.append(_decode_steps(runner, kv, cfg.vocab_size, smol.tokenizer))  # prompts fused too
     for got in results[1:]:
         for a, b in zip(got, results[0]):
             logits_close(a, b, kernel)

@@ -922,16 +922,10 @@ torch::Tensor unpack_panels(std::string format, torch::Tensor qs, torch::Tensor 
 torch::Tensor panels_of(std::string to, std::string format, torch::Tensor qs, torch::Tensor scales, int64_t K) {
   const PanelLayout panels = panel_layout(to);
   TORCH_CHECK(panels.G && format == panels.from, to, " panels are made from ", panels.G ? panels.from : "nothing");
-  check_weight(format, qs, scales, K);
-  const int64_t N = qs.size(0);
-  TORCH_CHECK(N % 32 == 0, to, " panels need rows a multiple of 32");
+  TORCH_CHECK(qs.dim() == 2 && qs.size(0) % 32 == 0, to, " panels need rows a multiple of 32");
 #ifdef RTSERVER_INT_DOTS
-  auto out = torch::empty({N / int_panel::kCols, panels.bytes(K)}, torch::kUInt8);
-  int8_t* kept = reinterpret_cast<int8_t*>(out.data_ptr<uint8_t>());
-  with_unpacker(format, qs, scales, K, [&](auto G, auto offset, const auto& unpack) {
-    int_panel::keep<decltype(G)::value, decltype(offset)::value>(K, N, kept, unpack);
-  });
-  return out;
+  // unpack_panels' bytes, a row per panel: Q8_0 and Q8_2F have no offsets, as the panel formats
+  return unpack_panels(format, qs, scales, K).view(torch::kUInt8).view({qs.size(0) / int_panel::kCols, panels.bytes(K)});
 #else
   TORCH_CHECK(false, to, " panels need a CPU with VNNI");
   return {};
@@ -1199,26 +1193,28 @@ void attention(const float* Q, const float* Kp, const float* Vp, int64_t R, int6
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t pair = t / split, r = pair / (KV / span), kv0 = pair % (KV / span) * span;
       const auto [sl, L] = context(r);
-      const int64_t g0 = t % split * per, g1 = std::min(G, g0 + per), n = g1 - g0;
-      // task head i: KV head kv0 + i / n, query head (kv0 + i / n) * G + g0 + i % n
-      const auto head = [&](int64_t i) { return (kv0 + i / n) * G + g0 + i % n; };
+      const int64_t g0 = t % split * per, n = std::min(G, g0 + per) - g0;
+      // the task's query heads are consecutive from h0; head i reads KV head kv0 + i / n
+      const int64_t h0 = kv0 * G + g0;
+      const float* q = Q + (r * H + h0) * D;
+      float* o = O + (r * H + h0) * D;
       for (int64_t j = 0; j < L; ++j) {
         const float* k = Kp + (sl[j] * KV + kv0) * D;
-        for (int64_t i = 0; i < span * n; ++i) p[i * Lpad + j] = dot(Q + (r * H + head(i)) * D, k + i / n * D, D) * sc;
+        for (int64_t i = 0; i < span * n; ++i) p[i * Lpad + j] = dot(q + i * D, k + i / n * D, D) * sc;
       }
       const int64_t Ln = (L + kLanes - 1) / kLanes * kLanes;
       for (int64_t i = 0; i < span * n; ++i) {
         float* pi = p.data() + i * Lpad;
         std::fill(pi + L, pi + Ln, -INFINITY);
         inv[i] = 1.f / exp_shifted(pi, Ln);
-        std::fill(O + (r * H + head(i)) * D, O + (r * H + head(i) + 1) * D, 0.f);
       }
+      std::fill(o, o + span * n * D, 0.f);
       for (int64_t j = 0; j < L; ++j) {
         const float* v = Vp + (sl[j] * KV + kv0) * D;
         for (int64_t i = 0; i < span * n; ++i) {
           const float w = p[i * Lpad + j] * inv[i], *vi = v + i / n * D;
-          float* o = O + (r * H + head(i)) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * vi[d];
+          float* oi = o + i * D;
+          for (int64_t d = 0; d < D; ++d) oi[d] += w * vi[d];
         }
       }
     }

@@ -49,7 +49,7 @@ class PrefillCall:
 
 @dataclass(frozen=True)
 class RowContexts:
-    """Rows as the kernel's prefill_attention and decoder_layer read them: each row's item's context
+    """Rows as the kernel's prefill_attention and layer_forward read them: each row's item's context
     slots (a row of `table`) and its position, which it attends up to (or a window back). Every
     prompt row of a step, or a decode group's rows, one item each."""
 

@@ -40,7 +40,7 @@ class Linear:
         return self(x).float()[:, index]
 
     def fused_args(self) -> FusedArgs | None:
-        """The weight as the kernel's decoder_layer takes it (per part: format, two tensors), or None
+        """The weight as the kernel's FusedLayer takes it (per part: format, two tensors), or None
         where it cannot."""
         return None
 

@@ -152,7 +152,7 @@ class ModelRunner(StepRunner):
         self.attention = PagedAttention(self.n_heads, self.n_kv, self.head_dim, self.scale)
         self.attention_kernel: Any = None  # see use_attention_kernel
         self.fused_decode = False  # decodes and generation prompts run fused (choose_fused_decode)
-        self._fused_args: list[tuple[tuple, tuple, tuple]] = []  # per layer, what no step changes
+        self._fused_layers: list[Any] = []  # the kernel's FusedLayer of each layer (choose_fused_decode)
         if release_dense_weights:
             self.release_dense_weights()
 
@@ -196,28 +196,38 @@ class ModelRunner(StepRunner):
         return kept
 
     def choose_fused_decode(self) -> None:
-        """Decodes and generation prompts run fused (the kernel's decoder_layer) where every linear
+        """Decodes and generation prompts run fused (the kernel's layer_forward) where every linear
         can: a layer's many small torch ops cost a step more than one kernel call."""
         if not all(lin.fused_args() is not None for L in self.layers for lin in L.linears):
             return
         if self.attention_kernel is None or self.dtype != torch.float32:
             return
         if any(L.o.bias is not None for L in self.layers):
-            return  # decoder_layer adds q/k/v biases only (Llama's attention_bias also has o_proj's)
+            return  # layer_forward adds q/k/v biases only (Llama's attention_bias also has o_proj's)
         self.fused_decode = True
-        # Built once: assembling ~40 arguments a layer cost a one-row step a noticeable share.
-        self._fused_args = [self._fused_layer_args(L) for L in self.layers]
+        self._fused_layers = [self._fused_layer_of(L) for L in self.layers]
 
-    def _fused_layer_args(self, L: DecoderLayer) -> tuple[tuple, tuple, tuple]:
-        """Layer L's arguments of `decoder_layer` that no step changes: before the RoPE tables, the
-        MLP's, and after the rows' contexts."""
+    def _fused_layer_of(self, L: DecoderLayer) -> Any:
+        """Layer L as the kernel's FusedLayer: its weights and switches, checked once."""
         n = L.norms
-        attn = (n.attn_in.scale, *_fused(L.qkv), L.qkv.bias, *_fused(L.o), n.mlp_in.scale)
-        norms = (n.q.scale, n.k.scale, n.attn_out.scale, n.mlp_out.scale)
-        return (
-            attn,
-            (*_fused(L.gate_up), *_fused(L.down)),
-            (self.n_heads, self.eps, self.scale, *norms, self.family.activation == "gelu_tanh"),
+        return self.attention_kernel.FusedLayer(
+            n.attn_in.scale,
+            *_fused(L.qkv),
+            L.qkv.bias,
+            *_fused(L.o),
+            n.mlp_in.scale,
+            *_fused(L.gate_up),
+            *_fused(L.down),
+            self.n_heads,
+            self.n_kv,
+            self.head_dim,
+            self.eps,
+            self.scale,
+            n.q.scale,
+            n.k.scale,
+            n.attn_out.scale,
+            n.mlp_out.scale,
+            self.family.activation == "gelu_tanh",
         )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -227,7 +237,7 @@ class ModelRunner(StepRunner):
     # -- the forward ----------------------------------------------------------------------------
     def _layout(self, items: list[StepItem], decodes: bool = False) -> _Layout:
         """Index tensors and masks of a step, built once and read by every layer, and the rows'
-        contexts as decoder_layer reads them (`decodes`: one decode group, no torch attention plan)."""
+        contexts as layer_forward reads them (`decodes`: one decode group, no torch attention plan)."""
         tokens: list[int] = []
         positions: list[int] = []
         row_offsets: list[int] = []
@@ -273,7 +283,7 @@ class ModelRunner(StepRunner):
 
     def _fused_parts(self, items: list[StepItem]) -> tuple[list[int], list[int]]:
         """The items of a step that run each layer as one fused kernel call (kernels/quant.cpp:
-        decoder_layer, the same arithmetic as `_layer`), when `fused_decode` is on: its single-token
+        layer_forward, the same arithmetic as `_layer`), when `fused_decode` is on: its single-token
         decodes, and its generation prompts (logits of the last row alone). Scoring and pooling items
         run beside them through torch ops, so a prompt arriving among 32 streams does not slow their
         step to torch's."""
@@ -387,14 +397,22 @@ class ModelRunner(StepRunner):
         return out
 
     def _fused_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
-        """Decoder layer `li` of fused rows: one call of the kernel's `decoder_layer`."""
+        """Decoder layer `li` of fused rows: one call of the kernel's `layer_forward`."""
         L = self.layers[li]
         cos, sin = lay.rope[L.rope]
         c = lay.local_contexts if L.window else lay.contexts
-        attn, mlp, consts = self._fused_args[li]
-        pools = self.kv.k[li], self.kv.v[li]
-        return self.attention_kernel.decoder_layer(
-            x, *attn, *mlp, cos, sin, *pools, lay.write_slots, c.table, c.item, c.position, c.window, *consts
+        return self.attention_kernel.layer_forward(
+            self._fused_layers[li],
+            x,
+            cos,
+            sin,
+            self.kv.k[li],
+            self.kv.v[li],
+            lay.write_slots,
+            c.table,
+            c.item,
+            c.position,
+            c.window,
         )
 
     def _logits(

@@ -352,7 +352,7 @@ MIXES = [{"*": t} for t in TYPES] + [
 @pytest.mark.parametrize("types", MIXES, ids=lambda t: "+".join(sorted(set(t.values()))))
 def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, types):
     """Prompts of 3 to 78 tokens, then decode steps of 1, 2, 5 and 16 rows (contexts of different
-    lengths), through the fused decoder_layer on the blocks (and with Q8_0 and Q6_K kept only as
+    lengths), through the fused layer_forward on the blocks (and with Q8_0 and Q6_K kept only as
     panels) and through the kernel's matmul unfused, give the logits of the torch forward over the
     dequantized weights (logits_close)."""
     model = copy.deepcopy(tiny_llama)
@@ -409,7 +409,7 @@ def _decode_steps(runner, kv, vocab: int, tokenizer, rows=(1, 2, 5, 16)) -> list
 def test_fused_decode_steps_of_each_family_equal_its_torch_forward(request, smol, kernel, family):
     """Qwen3's per-head q/k norms and Gemma 3's as well, its (1 + w) norms, sandwich norms, GeGLU,
     local and global RoPE and 16-token sliding windows (contexts up to 78 tokens), SmolLM3's layer
-    without RoPE, in the fused decoder_layer: the logits of the torch forward over the dequantized
+    without RoPE, in the fused layer_forward: the logits of the torch forward over the dequantized
     weights."""
     model = copy.deepcopy(request.getfixturevalue(family).model)
     blocks = _on_blocks(model, {"*": "Q8_0", "v_proj": "Q5_0", "down_proj": "Q4_0"}, seed=3)

@@ -1012,6 +1012,10 @@ struct Parts {
   // y [M, rows()] = x [M, K] @ W.T, part by part (checked first).
   void apply(const float* x, int64_t M, int64_t K, float* y) const {
     check(K);
+    run(x, M, K, y);
+  }
+  // apply for parts already checked at width K.
+  void run(const float* x, int64_t M, int64_t K, float* y) const {
     const int64_t N = rows();
     int64_t at = 0;
     for (size_t i = 0; i < formats.size(); ++i) {
@@ -1422,49 +1426,90 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_p
   return out;
 }
 
-// One decoder layer for a step's rows, every linear on quantized blocks: what the runner's forward
-// does, in one call instead of ~35 torch ops (their dispatch costs more than their arithmetic at batch
-// 1). x [R, hidden] is the residual stream (returned updated); cos/sin [R, D] the rows' RoPE; the rows'
-// new K/V go to write_slots of the pools, then each row attends as prefill_attention's rows do (table,
-// item, position, window): single-token rows (one row an item) a task per row, prompts an item at a time.
-// The families' switches: q_norm / k_norm [D] an RMS norm over each head before RoPE, attn_out_norm /
-// mlp_out_norm [hidden] norms on the two outputs before the residual adds (an empty tensor: none), and
-// gelu for the tanh GELU in place of silu. Norm weights come as the factor applied (Gemma's 1 + w).
-// Every argument is a reference: the caller's tensors are released by pybind11 after the call, with the
-// GIL held, not here.
+// One decoder layer's weights and switches, checked once when the runner builds it: a step then
+// passes only what changes, as the per-call conversion and checks of ~40 arguments cost a one-row step
+// a noticeable share. The families' switches: q_norm / k_norm [D] an RMS norm over each head before
+// RoPE, attn_out_norm / mlp_out_norm [hidden] norms on the two outputs before the residual adds (an
+// empty tensor: none), and gelu for the tanh GELU in place of silu. Norm weights come as the factor
+// applied (Gemma's 1 + w).
 using Tensor = torch::Tensor;
 using Formats = std::vector<std::string>;
 using Tensors = std::vector<torch::Tensor>;
 
-torch::Tensor decoder_layer(const Tensor& x, const Tensor& ln1, const Formats& qkv_format, const Tensors& qkv_a,
-                            const Tensors& qkv_b, const Tensors& qkv_p, const c10::optional<Tensor>& qkv_bias,
-                            const Formats& o_format, const Tensors& o_a, const Tensors& o_b, const Tensors& o_p,
-                            const Tensor& ln2, const Formats& gu_format, const Tensors& gu_a, const Tensors& gu_b,
-                            const Tensors& gu_p, const Formats& down_format, const Tensors& down_a,
-                            const Tensors& down_b, const Tensors& down_p, const Tensor& cos, const Tensor& sin,
+// A linear's parts, owned and checked at width K.
+struct OwnedParts {
+  Formats formats;
+  Tensors a, b, panels;
+  int64_t K = 0, N = 0;
+  OwnedParts(Formats f, Tensors a_, Tensors b_, Tensors p, int64_t width)
+      : formats(std::move(f)), a(std::move(a_)), b(std::move(b_)), panels(std::move(p)), K(width) {
+    view().check(K);
+    N = view().rows();
+  }
+  Parts view() const { return {formats, a, b, panels}; }
+  void run(const float* x, int64_t M, float* y) const { view().run(x, M, K, y); }
+};
+
+struct FusedLayer {
+  int64_t E, H, KV, D, I;
+  Tensor ln1, ln2, qkv_bias, q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  OwnedParts qkv, o, gu, down;
+  float eps, scale;
+  bool gelu;
+  const float *QN, *KN, *AN, *MN, *bias;
+
+  FusedLayer(const Tensor& ln1_, const Formats& qkv_format, const Tensors& qkv_a, const Tensors& qkv_b,
+             const Tensors& qkv_p, const c10::optional<Tensor>& bias_, const Formats& o_format, const Tensors& o_a,
+             const Tensors& o_b, const Tensors& o_p, const Tensor& ln2_, const Formats& gu_format,
+             const Tensors& gu_a, const Tensors& gu_b, const Tensors& gu_p, const Formats& down_format,
+             const Tensors& down_a, const Tensors& down_b, const Tensors& down_p, int64_t n_heads,
+             int64_t kv_heads, int64_t head_dim, double eps_, double scale_, const Tensor& q_norm_,
+             const Tensor& k_norm_, const Tensor& attn_out_norm_, const Tensor& mlp_out_norm_, bool gelu_)
+      : E(ln1_.numel()), H(n_heads), KV(kv_heads), D(head_dim), I(0),
+        ln1(ln1_), ln2(ln2_), qkv_bias(bias_.has_value() ? *bias_ : Tensor()), q_norm(q_norm_), k_norm(k_norm_),
+        attn_out_norm(attn_out_norm_), mlp_out_norm(mlp_out_norm_),
+        qkv(qkv_format, qkv_a, qkv_b, qkv_p, E),  // all four checked before anything is written
+        o(o_format, o_a, o_b, o_p, n_heads * head_dim),
+        gu(gu_format, gu_a, gu_b, gu_p, E),
+        down(down_format, down_a, down_b, down_p, gu.N / 2),
+        eps(static_cast<float>(eps_)), scale(static_cast<float>(scale_)), gelu(gelu_) {
+    TORCH_CHECK(H > 0 && KV > 0 && D > 0 && H % KV == 0 && D % 2 == 0, "head counts or head size do not fit");
+    TORCH_CHECK(ln1.scalar_type() == torch::kFloat32 && ln1.is_contiguous() && ln2.scalar_type() == torch::kFloat32 &&
+                    ln2.is_contiguous() && ln2.numel() == E,
+                "ln1 and ln2 must be float32 [hidden]");
+    I = gu.N / 2;
+    TORCH_CHECK(qkv.N == (H + 2 * KV) * D && o.N == E && down.N == E && gu.N % 2 == 0, "layer shapes do not match");
+    TORCH_CHECK(!qkv_bias.defined() || (qkv_bias.scalar_type() == torch::kFloat32 && qkv_bias.is_contiguous() &&
+                                        qkv_bias.numel() == qkv.N),
+                "qkv_bias must be float32 [q + k + v rows]");
+    QN = optional_norm(q_norm, D, "q_norm");
+    KN = optional_norm(k_norm, D, "k_norm");
+    AN = optional_norm(attn_out_norm, E, "attn_out_norm");
+    MN = optional_norm(mlp_out_norm, E, "mlp_out_norm");
+    bias = qkv_bias.defined() ? qkv_bias.data_ptr<float>() : nullptr;
+  }
+};
+
+// The layer for a step's rows: what the runner's forward does, in one call instead of ~35 torch ops
+// (their dispatch costs more than their arithmetic at batch 1). x [R, hidden] is the residual stream
+// (returned updated); cos/sin [R, D] the rows' RoPE; the rows' new K/V go to write_slots of the pools,
+// then each row attends as prefill_attention's rows do (table, item, position, window): single-token
+// rows (one row an item) a task per row, prompts an item at a time. Every argument is a reference:
+// the caller's tensors are released by pybind11 after the call, with the GIL held, not here.
+torch::Tensor layer_forward(const FusedLayer& L, const Tensor& x, const Tensor& cos, const Tensor& sin,
                             const Tensor& k_pool, const Tensor& v_pool, const Tensor& write_slots,
-                            const Tensor& table, const Tensor& item, const Tensor& position, int64_t window,
-                            int64_t n_heads, double eps, double scale,
-                            const Tensor& q_norm, const Tensor& k_norm, const Tensor& attn_out_norm,
-                            const Tensor& mlp_out_norm, bool gelu) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be float32 [R, hidden]");
-  const int64_t R = x.size(0), E = x.size(1), D = k_pool.size(2), KV = k_pool.size(1), H = n_heads;
-  const Parts qkv_w{qkv_format, qkv_a, qkv_b, qkv_p}, o_w{o_format, o_a, o_b, o_p},
-      gu_w{gu_format, gu_a, gu_b, gu_p}, down_w{down_format, down_a, down_b, down_p};
-  const int64_t QS = H * D, KS = KV * D, NQKV = QS + 2 * KS, I2 = gu_w.rows(), I = I2 / 2;
+                            const Tensor& table, const Tensor& item, const Tensor& position, int64_t window) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == L.E,
+              "x must be float32 [R, hidden]");
+  const int64_t R = x.size(0), E = L.E, D = L.D, KV = L.KV, H = L.H, I = L.I;
+  const int64_t QS = H * D, KS = KV * D, NQKV = QS + 2 * KS;
   check_pools(k_pool, v_pool, D);
+  TORCH_CHECK(k_pool.size(1) == KV, "pools must hold the layer's KV heads");
   const RowContexts context = row_contexts(table, item, position, window, R, k_pool.size(0));
   TORCH_CHECK(write_slots.scalar_type() == torch::kInt64 && write_slots.numel() == R, "write_slots must be int64 [R]");
-  TORCH_CHECK(qkv_w.rows() == NQKV && o_w.rows() == E && down_w.rows() == E && cos.size(1) == D,
-              "layer shapes do not match");
-  qkv_w.check(E);  // all four before anything is written
-  o_w.check(QS);
-  gu_w.check(E);
-  down_w.check(I);
-  const float* QN = optional_norm(q_norm, D, "q_norm");
-  const float* KN = optional_norm(k_norm, D, "k_norm");
-  const float* AN = optional_norm(attn_out_norm, E, "attn_out_norm");
-  const float* MN = optional_norm(mlp_out_norm, E, "mlp_out_norm");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == D && cos.size(0) == R && sin.sizes() == cos.sizes(),
+              "cos and sin must be float32 [R, D]");
   const int64_t* WS = write_slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(WS[r] >= 0 && WS[r] < k_pool.size(0), "a write slot is outside the pool");
 
@@ -1475,18 +1520,18 @@ torch::Tensor decoder_layer(const Tensor& x, const Tensor& ln1, const Formats& q
   auto q = torch::empty({R, H, D}, opts);
   auto attn = torch::empty({R, QS}, opts);
   auto proj = torch::empty({R, E}, opts);
-  auto gu = torch::empty({R, I2}, opts);
+  auto gu = torch::empty({R, 2 * I}, opts);
   float *X = out.data_ptr<float>(), *Hh = h.data_ptr<float>(), *QKV = qkv.data_ptr<float>();
   float *Qr = q.data_ptr<float>(), *P = proj.data_ptr<float>(), *GU = gu.data_ptr<float>();
   float* Kp = k_pool.data_ptr<float>();
   float* Vp = v_pool.data_ptr<float>();
   const float *C = cos.data_ptr<float>(), *Sn = sin.data_ptr<float>();
+  const float *QN = L.QN, *KN = L.KN, *bias = L.bias, eps = L.eps;
 
-  rms_norm(X, ln1.data_ptr<float>(), R, E, eps, Hh);
-  qkv_w.apply(Hh, R, E, QKV);
+  rms_norm(X, L.ln1.data_ptr<float>(), R, E, eps, Hh);
+  L.qkv.run(Hh, R, QKV);
   // Per row: the q/k/v bias, per-head norms, then RoPE (rotate-half) on q and k; k and v go straight
   // into the pool.
-  const float* bias = qkv_bias.has_value() ? qkv_bias->data_ptr<float>() : nullptr;
   const int64_t half = D / 2;
   at::parallel_for(0, R, kRowGrain, [&](int64_t r0, int64_t r1) {
     std::vector<float> head(D);
@@ -1510,17 +1555,16 @@ torch::Tensor decoder_layer(const Tensor& x, const Tensor& ln1, const Formats& q
       std::copy(QKV + r * NQKV + QS + KS, QKV + (r + 1) * NQKV, Vp + WS[r] * KV * D);
     }
   });
-  const float sc = static_cast<float>(scale);
-  if (context.B == R) attention(Qr, Kp, Vp, R, H, KV, D, context.Lmax, sc, attn.data_ptr<float>(), context);
-  else causal_attention(Qr, Kp, Vp, context, R, H, KV, D, sc, attn.data_ptr<float>());
-  o_w.apply(attn.data_ptr<float>(), R, QS, P);
-  if (AN != nullptr) rms_norm(P, AN, R, E, eps, P);
+  if (context.B == R) attention(Qr, Kp, Vp, R, H, KV, D, context.Lmax, L.scale, attn.data_ptr<float>(), context);
+  else causal_attention(Qr, Kp, Vp, context, R, H, KV, D, L.scale, attn.data_ptr<float>());
+  L.o.run(attn.data_ptr<float>(), R, P);
+  if (L.AN != nullptr) rms_norm(P, L.AN, R, E, eps, P);
   add_rows(X, P, R, E);
-  rms_norm(X, ln2.data_ptr<float>(), R, E, eps, Hh);
-  gu_w.apply(Hh, R, E, GU);
-  gated_act(GU, R, I, gelu, Hh);
-  down_w.apply(Hh, R, I, P);
-  if (MN != nullptr) rms_norm(P, MN, R, E, eps, P);
+  rms_norm(X, L.ln2.data_ptr<float>(), R, E, eps, Hh);
+  L.gu.run(Hh, R, GU);
+  gated_act(GU, R, I, L.gelu, Hh);
+  L.down.run(Hh, R, P);
+  if (L.MN != nullptr) rms_norm(P, L.MN, R, E, eps, P);
   add_rows(X, P, R, E);
   return out;
 }
@@ -1545,5 +1589,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("fixed_point_activations") = false;
 #endif
-  m.def("decoder_layer", &decoder_layer, "one decoder layer for a step's rows on quantized blocks", nogil);
+  py::class_<FusedLayer>(m, "FusedLayer", "one decoder layer's weights and switches, checked once")
+      .def(py::init<const Tensor&, const Formats&, const Tensors&, const Tensors&, const Tensors&,
+                    const c10::optional<Tensor>&, const Formats&, const Tensors&, const Tensors&, const Tensors&,
+                    const Tensor&, const Formats&, const Tensors&, const Tensors&, const Tensors&, const Formats&,
+                    const Tensors&, const Tensors&, const Tensors&, int64_t, int64_t, int64_t, double, double,
+                    const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool>());
+  m.def("layer_forward", &layer_forward, "one decoder layer for a step's rows on quantized blocks", nogil);
 }

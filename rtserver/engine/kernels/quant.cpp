@@ -1178,10 +1178,130 @@ void gated_act(const float* GU, int64_t R, int64_t I, bool gelu, float* Hh) {
   });
 }
 
+#if defined(__AVX512F__)
+// v[0..16) -> one vector of their lane sums, v[j]'s in lane j (v is overwritten).
+inline __m512 sum16(__m512* v) {
+  for (int i = 0; i < 8; ++i)
+    v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(v[2 * i]), b = _mm512_castps_pd(v[2 * i + 1]);
+    v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
+}
+
+// The D floats at each of positions [j0, j1) of a context, fetched ahead of their use.
+inline void prefetch_rows(const float* base, const int64_t* sl, int64_t j0, int64_t j1, int64_t stride, int64_t D) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t c = 0; c < D; c += 16) _mm_prefetch(reinterpret_cast<const char*>(base + sl[j] * stride + c), _MM_HINT_T1);
+}
+
+// o[i] = sum_j w[i][j] v_j over a context, for NI heads and CW vectors of 16 floats from column c0.
+template <int NI, int CW>
+void weigh_values(const float* V, const int64_t* sl, int64_t L, int64_t stride, int64_t c0, const float* w,
+                  int64_t Lpad, float* o, int64_t D) {
+  __m512 acc[NI][CW];
+  for (int i = 0; i < NI; ++i)
+    for (int c = 0; c < CW; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    const float* v = V + sl[j] * stride + c0;
+    __m512 vv[CW];
+    for (int c = 0; c < CW; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int i = 0; i < NI; ++i) {
+      const __m512 wi = _mm512_set1_ps(w[i * Lpad + j]);
+      for (int c = 0; c < CW; ++c) acc[i][c] = _mm512_fmadd_ps(wi, vv[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < NI; ++i)
+    for (int c = 0; c < CW; ++c) _mm512_storeu_ps(o + i * D + c0 + 16 * c, acc[i][c]);
+}
+
+template <int NI>
+void weigh_values(const float* V, const int64_t* sl, int64_t L, int64_t stride, const float* w, int64_t Lpad,
+                  float* o, int64_t D) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= D; c0 += 64) weigh_values<NI, 4>(V, sl, L, stride, c0, w, Lpad, o, D);
+  for (; c0 < D; c0 += 16) weigh_values<NI, 1>(V, sl, L, stride, c0, w, Lpad, o, D);
+}
+#endif
+
+// Query heads q [span * n, D] over a context of L slots sl, head i reading KV head i / n of the span
+// (K at K + slot * stride + (i / n) * D, V likewise): softmax(q k * sc) v into o [span * n, D]. p
+// [span * n, Lpad] is scratch. The span's K/V of a slot are contiguous: prefetched whole, in slot order.
+void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int64_t L, const float* K,
+                const float* V, int64_t stride, int64_t D, float sc, float* p, int64_t Lpad, float* o) {
+  const int64_t Ln = (L + kLanes - 1) / kLanes * kLanes, heads = span * n;
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    // Scores 16 positions at a time: a register of lane sums each (16 independent chains), summed
+    // together by sum16. Positions past L repeat the last key; their scores are dropped below.
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+      const float* k[16];
+      for (int64_t jj = 0; jj < 16; ++jj) k[jj] = K + sl[std::min(j0 + jj, L - 1)] * stride;
+      const int64_t next = std::min(L, j0 + 16), next_end = std::min(L, j0 + 32), m = next - j0;
+      for (int64_t i = 0; i < heads; ++i) {
+        // A share of the slots a head: the next block's keys, and this block's values (read after the
+        // softmax, from cache).
+        prefetch_rows(K, sl, next + (next_end - next) * i / heads, next + (next_end - next) * (i + 1) / heads,
+                      stride, span * D);
+        prefetch_rows(V, sl, j0 + m * i / heads, j0 + m * (i + 1) / heads, stride, span * D);
+        const float* qi = q + i * D;
+        const int64_t at = i / n * D;
+        __m512 acc[16];
+        for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+          const __m512 qc = _mm512_loadu_ps(qi + c);
+          for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[jj] + at + c), acc[jj]);
+        }
+        _mm512_storeu_ps(p + i * Lpad + j0, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
+      }
+    }
+    for (int64_t i = 0; i < heads; ++i) {
+      float* pi = p + i * Lpad;
+      std::fill(pi + L, pi + Ln, -INFINITY);
+      const float inv = 1.f / exp_shifted(pi, Ln);
+      for (int64_t j = 0; j < L; ++j) pi[j] *= inv;
+    }
+    for (int64_t g = 0; g < span; ++g) {
+      const float* Vg = V + g * D;
+      const float* w = p + g * n * Lpad;
+      float* og = o + g * n * D;
+      int64_t i0 = 0;
+      for (; i0 + 4 <= n; i0 += 4) weigh_values<4>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D);
+      switch (n - i0) {
+        case 3: weigh_values<3>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D); break;
+        case 2: weigh_values<2>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D); break;
+        case 1: weigh_values<1>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D); break;
+        default: break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < L; ++j)
+    for (int64_t i = 0; i < heads; ++i) p[i * Lpad + j] = dot(q + i * D, K + sl[j] * stride + i / n * D, D) * sc;
+  for (int64_t i = 0; i < heads; ++i) {
+    float* pi = p + i * Lpad;
+    std::fill(pi + L, pi + Ln, -INFINITY);
+    const float inv = 1.f / exp_shifted(pi, Ln);
+    for (int64_t j = 0; j < L; ++j) pi[j] *= inv;
+  }
+  std::fill(o, o + heads * D, 0.f);
+  for (int64_t j = 0; j < L; ++j)
+    for (int64_t i = 0; i < heads; ++i) {
+      const float w = p[i * Lpad + j], *v = V + sl[j] * stride + i / n * D;
+      float* oi = o + i * D;
+      for (int64_t d = 0; d < D; ++d) oi[d] += w * v[d];
+    }
+}
+
 // Attention of single-token queries over contexts read in place from a paged pool. q [R, H, D] rows,
 // pools [slots, KV, D]; context(r) is row r's context as (its first slot's address, length), at most
 // Lmax (checked by the caller). With rows enough for the threads, a task per row reads each of its
-// K/V slots whole (every KV head, in order: the prefetchers follow); else a task per (row, KV head)
+// K/V slots whole (every KV head, in order: the prefetches follow); else a task per (row, KV head)
 // computes the H / KV query heads that share that K/V, split further while threads would be idle.
 // Every head's arithmetic is the same either way.
 template <typename Context>
@@ -1192,35 +1312,14 @@ void attention(const float* Q, const float* Kp, const float* Vp, int64_t R, int6
   const int64_t split = span > 1 || pairs >= want ? 1 : std::min(G, (want + pairs - 1) / pairs);
   const int64_t per = (G + split - 1) / split;
   at::parallel_for(0, pairs * split, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t Lpad = (Lmax + kLanes - 1) / kLanes * kLanes;  // exp_shifted's whole vectors
-    std::vector<float> p(span * per * Lpad), inv(span * per);
+    const int64_t Lpad = (Lmax + 15) / 16 * 16;  // whole vectors of scores
+    std::vector<float> p(span * per * Lpad);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t pair = t / split, r = pair / (KV / span), kv0 = pair % (KV / span) * span;
       const auto [sl, L] = context(r);
-      const int64_t g0 = t % split * per, n = std::min(G, g0 + per) - g0;
-      // the task's query heads are consecutive from h0; head i reads KV head kv0 + i / n
-      const int64_t h0 = kv0 * G + g0;
-      const float* q = Q + (r * H + h0) * D;
-      float* o = O + (r * H + h0) * D;
-      for (int64_t j = 0; j < L; ++j) {
-        const float* k = Kp + (sl[j] * KV + kv0) * D;
-        for (int64_t i = 0; i < span * n; ++i) p[i * Lpad + j] = dot(q + i * D, k + i / n * D, D) * sc;
-      }
-      const int64_t Ln = (L + kLanes - 1) / kLanes * kLanes;
-      for (int64_t i = 0; i < span * n; ++i) {
-        float* pi = p.data() + i * Lpad;
-        std::fill(pi + L, pi + Ln, -INFINITY);
-        inv[i] = 1.f / exp_shifted(pi, Ln);
-      }
-      std::fill(o, o + span * n * D, 0.f);
-      for (int64_t j = 0; j < L; ++j) {
-        const float* v = Vp + (sl[j] * KV + kv0) * D;
-        for (int64_t i = 0; i < span * n; ++i) {
-          const float w = p[i * Lpad + j] * inv[i], *vi = v + i / n * D;
-          float* oi = o + i * D;
-          for (int64_t d = 0; d < D; ++d) oi[d] += w * vi[d];
-        }
-      }
+      const int64_t g0 = t % split * per, n = std::min(G, g0 + per) - g0, h0 = kv0 * G + g0;
+      head_group(Q + (r * H + h0) * D, n, span, sl, L, Kp + kv0 * D, Vp + kv0 * D, KV * D, D, sc, p.data(), Lpad,
+                 O + (r * H + h0) * D);
     }
   });
 }

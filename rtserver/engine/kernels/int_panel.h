@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "panel.h"
@@ -28,12 +30,32 @@ constexpr int64_t kRows = 6;   // activation rows per register block
 constexpr int64_t kDepth = 256;  // k per pass over the rows: the panel's 16 KB of it stay in L1
 constexpr int64_t kRowBlockBytes = 256 << 10;  // a block of rows' int16 activations, held in L2
 
+// An allocator whose resize leaves new elements uninitialised, for buffers written whole before they
+// are read: zeroing a prompt's activations first cost a big step a visible share.
+template <typename T>
+struct Uninit : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = Uninit<U>;
+  };
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+template <typename T>
+using Buffer = std::vector<T, Uninit<T>>;
+
 // The activations as the integer paths round them: x_j ~= scale_b * v_j, v_j in [-32512, 32512].
 struct Rows {
-  std::vector<int16_t> v;      // [M, K]
-  std::vector<float> scale;    // [M, K / 32] s_b
-  std::vector<float> xsum16;   // [M, K / 16] exact sums of 16 activations: the offsets' term
-  std::vector<float> xsum32;   // [M, K / 32] exact sums of 32
+  Buffer<int16_t> v;      // [M, K]
+  Buffer<float> scale;    // [M, K / 32] s_b
+  Buffer<float> xsum16;   // [M, K / 16] exact sums of 16 activations: the offsets' term
+  Buffer<float> xsum32;   // [M, K / 32] exact sums of 32
 };
 
 // A panel: its quants, pairs of k interleaved ([2][K / 2][16] int32: half h holds columns 16h..),

@@ -359,10 +359,10 @@ void raw_dequantize(const uint8_t* W, int64_t rows, int64_t K, int64_t row_bytes
 constexpr float kFixed = 32512.f;  // 127 * 256: the high limb of the largest value still fits int8
 
 struct FixedRows {
-  std::vector<uint8_t> hi, lo;  // [M, K] the limbs (int8 bits, or uint8 with the offset)
-  std::vector<float> scale8;    // [M, nb, 8] s_b over the 8 int32 lanes a block's products land in
-  std::vector<float> xsum2;     // [M, nb, 2] (0, sum x_b): Q4_1's min term, against the block's (d, m)
-  std::vector<float> xsum16;    // [M, K / 16] the sums of 16: raw blocks' offsets M, one per 16 weights
+  int_panel::Buffer<uint8_t> hi, lo;  // [M, K] the limbs (int8 bits, or uint8 with the offset)
+  int_panel::Buffer<float> scale8;    // [M, nb, 8] s_b over the 8 int32 lanes a block's products land in
+  int_panel::Buffer<float> xsum2;     // [M, nb, 2] (0, sum x_b): Q4_1's min term, against the block's (d, m)
+  int_panel::Buffer<float> xsum16;    // [M, K / 16] the sums of 16: raw blocks' offsets M, one per 16 weights
 };
 
 // One block of 32 activations in fixed point: v_j = round(x_j / s) in [-32512, 32512] with

@@ -198,6 +198,13 @@ void matmul(const Rows& x, int64_t M, int64_t K, int64_t N, float* y, int64_t ld
         float* out = y + n0;
         for (int64_t g0 = 0; g0 < K / G; g0 += kDepth / G) {
           const int64_t g1 = std::min(K / G, g0 + kDepth / G);
+          // Few rows read a kept panel once, at memory speed: the next panel's share of these groups
+          // is fetched while this one's are read.
+          if (kept != nullptr && b1 - b0 <= kRows && i + 1 < p1) {
+            const int8_t* next = kept + (i + 1) * kept_bytes;
+            for (int64_t at = kept_bytes * g0 / (K / G); at < kept_bytes * g1 / (K / G); at += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(next + at), _MM_HINT_T1);
+          }
           for (int64_t r = b0; r < b1; r += kRows) {
             float* o = out + r * ldy;
             if (kept != nullptr) rows_tile<G, Offset, true>(x, r, b1, K, p, g0, g1, o, ldy, cols);

@@ -378,6 +378,48 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
             logits_close(a, b, kernel)
 
 
+def test_fused_layer_refuses_what_does_not_fit_its_weights(tiny_llama, kernel):
+    """A layer is checked once when it is bound (FusedLayer), a step's tensors at every call, each with
+    a message naming what does not fit."""
+    model = copy.deepcopy(tiny_llama)
+    cfg = model.config
+    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
+    runner = ModelRunner(model, kv, 512, blocks=_on_blocks(model, {"*": "Q8_0"}, seed=7), kernel=kernel)
+    runner.use_attention_kernel(kernel)
+    runner.choose_fused_decode()
+    assert runner.fused_decode
+    n_kv, runner.n_kv = runner.n_kv, runner.n_heads  # q/k/v rows no longer (heads + 2 KV heads) x head size
+    with pytest.raises(RuntimeError, match="layer shapes do not match"):
+        runner._fused_layer_of(runner.layers[0])
+    runner.n_kv = n_kv
+    layer, (k_pool, v_pool) = runner._fused_layers[0], (kv.k[0], kv.v[0])
+    x, cos, sin = torch.randn(1, cfg.hidden_size), torch.ones(1, 64), torch.zeros(1, 64)
+    one, zero = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    table = torch.ones(1, 4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"x must be float32 \[R, hidden\]"):
+        kernel.layer_forward(
+            layer, x[:, :-1].contiguous(), cos, sin, k_pool, v_pool, one, table, zero, zero, 0
+        )
+    with pytest.raises(RuntimeError, match="pools must hold the layer's KV heads"):
+        kernel.layer_forward(
+            layer,
+            x,
+            cos,
+            sin,
+            k_pool[:, :1].contiguous(),
+            v_pool[:, :1].contiguous(),
+            one,
+            table,
+            zero,
+            zero,
+            0,
+        )
+    with pytest.raises(RuntimeError, match="a write slot is outside the pool"):
+        kernel.layer_forward(layer, x, cos, sin, k_pool, v_pool, one * k_pool.shape[0], table, zero, zero, 0)
+    got = kernel.layer_forward(layer, x, cos, sin, k_pool, v_pool, one, table, zero, zero, 0)
+    assert got.shape == x.shape and torch.isfinite(got).all()
+
+
 def logits_close(got: torch.Tensor, want: torch.Tensor, kernel) -> None:
     """Float rounding carried through two layers and the head: within 1e-4 of the largest logit. The
     integer path's 16-bit activations (relative 1.5e-5 of each block's largest) add up to 4e-4 more."""

@@ -1235,7 +1235,12 @@ void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int6
                 const float* V, int64_t stride, int64_t D, float sc, float* p, int64_t Lpad, float* o) {
   const int64_t Ln = (L + kLanes - 1) / kLanes * kLanes, heads = span * n;
 #if defined(__AVX512F__)
-  if (D % 16 == 0) {
+  const bool vectors = D % 16 == 0;
+#else
+  const bool vectors = false;
+#endif
+  if (vectors) {
+#if defined(__AVX512F__)
     // Scores 16 positions at a time: a register of lane sums each (16 independent chains), summed
     // together by sum16. Positions past L repeat the last key; their scores are dropped below.
     for (int64_t j0 = 0; j0 < L; j0 += 16) {
@@ -1259,12 +1264,19 @@ void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int6
         _mm512_storeu_ps(p + i * Lpad + j0, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
       }
     }
-    for (int64_t i = 0; i < heads; ++i) {
-      float* pi = p + i * Lpad;
-      std::fill(pi + L, pi + Ln, -INFINITY);
-      const float inv = 1.f / exp_shifted(pi, Ln);
-      for (int64_t j = 0; j < L; ++j) pi[j] *= inv;
-    }
+#endif
+  } else {
+    for (int64_t j = 0; j < L; ++j)
+      for (int64_t i = 0; i < heads; ++i) p[i * Lpad + j] = dot(q + i * D, K + sl[j] * stride + i / n * D, D) * sc;
+  }
+  for (int64_t i = 0; i < heads; ++i) {  // p <- softmax weights
+    float* pi = p + i * Lpad;
+    std::fill(pi + L, pi + Ln, -INFINITY);
+    const float inv = 1.f / exp_shifted(pi, Ln);
+    for (int64_t j = 0; j < L; ++j) pi[j] *= inv;
+  }
+  if (vectors) {
+#if defined(__AVX512F__)
     for (int64_t g = 0; g < span; ++g) {
       const float* Vg = V + g * D;
       const float* w = p + g * n * Lpad;
@@ -1278,24 +1290,16 @@ void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int6
         default: break;
       }
     }
-    return;
-  }
 #endif
-  for (int64_t j = 0; j < L; ++j)
-    for (int64_t i = 0; i < heads; ++i) p[i * Lpad + j] = dot(q + i * D, K + sl[j] * stride + i / n * D, D) * sc;
-  for (int64_t i = 0; i < heads; ++i) {
-    float* pi = p + i * Lpad;
-    std::fill(pi + L, pi + Ln, -INFINITY);
-    const float inv = 1.f / exp_shifted(pi, Ln);
-    for (int64_t j = 0; j < L; ++j) pi[j] *= inv;
+  } else {
+    std::fill(o, o + heads * D, 0.f);
+    for (int64_t j = 0; j < L; ++j)
+      for (int64_t i = 0; i < heads; ++i) {
+        const float w = p[i * Lpad + j], *v = V + sl[j] * stride + i / n * D;
+        float* oi = o + i * D;
+        for (int64_t d = 0; d < D; ++d) oi[d] += w * v[d];
+      }
   }
-  std::fill(o, o + heads * D, 0.f);
-  for (int64_t j = 0; j < L; ++j)
-    for (int64_t i = 0; i < heads; ++i) {
-      const float w = p[i * Lpad + j], *v = V + sl[j] * stride + i / n * D;
-      float* oi = o + i * D;
-      for (int64_t d = 0; d < D; ++d) oi[d] += w * v[d];
-    }
 }
 
 // Attention of single-token queries over contexts read in place from a paged pool. q [R, H, D] rows,
@@ -1550,7 +1554,7 @@ struct OwnedParts {
 };
 
 struct FusedLayer {
-  int64_t E, H, KV, D, I;
+  int64_t E, H, KV, D;
   Tensor ln1, ln2, qkv_bias, q_norm, k_norm, attn_out_norm, mlp_out_norm;
   OwnedParts qkv, o, gu, down;
   float eps, scale;
@@ -1564,7 +1568,7 @@ struct FusedLayer {
              const Tensors& down_a, const Tensors& down_b, const Tensors& down_p, int64_t n_heads,
              int64_t kv_heads, int64_t head_dim, double eps_, double scale_, const Tensor& q_norm_,
              const Tensor& k_norm_, const Tensor& attn_out_norm_, const Tensor& mlp_out_norm_, bool gelu_)
-      : E(ln1_.numel()), H(n_heads), KV(kv_heads), D(head_dim), I(0),
+      : E(ln1_.numel()), H(n_heads), KV(kv_heads), D(head_dim),
         ln1(ln1_), ln2(ln2_), qkv_bias(bias_.has_value() ? *bias_ : Tensor()), q_norm(q_norm_), k_norm(k_norm_),
         attn_out_norm(attn_out_norm_), mlp_out_norm(mlp_out_norm_),
         qkv(qkv_format, qkv_a, qkv_b, qkv_p, E),  // all four checked before anything is written
@@ -1576,7 +1580,6 @@ struct FusedLayer {
     TORCH_CHECK(ln1.scalar_type() == torch::kFloat32 && ln1.is_contiguous() && ln2.scalar_type() == torch::kFloat32 &&
                     ln2.is_contiguous() && ln2.numel() == E,
                 "ln1 and ln2 must be float32 [hidden]");
-    I = gu.N / 2;
     TORCH_CHECK(qkv.N == (H + 2 * KV) * D && o.N == E && down.N == E && gu.N % 2 == 0, "layer shapes do not match");
     TORCH_CHECK(!qkv_bias.defined() || (qkv_bias.scalar_type() == torch::kFloat32 && qkv_bias.is_contiguous() &&
                                         qkv_bias.numel() == qkv.N),
@@ -1600,7 +1603,7 @@ torch::Tensor layer_forward(const FusedLayer& L, const Tensor& x, const Tensor& 
                             const Tensor& table, const Tensor& item, const Tensor& position, int64_t window) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == L.E,
               "x must be float32 [R, hidden]");
-  const int64_t R = x.size(0), E = L.E, D = L.D, KV = L.KV, H = L.H, I = L.I;
+  const int64_t R = x.size(0), E = L.E, D = L.D, KV = L.KV, H = L.H, I = L.gu.N / 2;
   const int64_t QS = H * D, KS = KV * D, NQKV = QS + 2 * KS;
   check_pools(k_pool, v_pool, D);
   TORCH_CHECK(k_pool.size(1) == KV, "pools must hold the layer's KV heads");

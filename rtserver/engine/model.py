@@ -242,13 +242,7 @@ def load_model(
     cache = Path(cache_dir).expanduser()
     started = time.perf_counter()
     name = model_name(spec)
-    log.info(
-        "loading model %s (dtype %s%s, %d threads)",
-        name,
-        str(torch_dtype).removeprefix("torch."),
-        f", {storage} linear weights" if storage else "",
-        n_threads,
-    )
+    log.info("loading model %s (dtype %s, %d threads)", name, dtype, n_threads)
     blocks: dict[str, Any] = {}
     kernel, why = None, ""
     if gguf is not None:

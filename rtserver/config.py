@@ -55,7 +55,8 @@ class ServerSettings:
     forwarded_allow_ips: list[str] = _setting(["127.0.0.1"])
     hello_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
     max_connections_per_ip: int = _setting(64, min=0, max=1_000_000)
-    max_connections: int = _setting(2000, min=1, max=1_000_000)
+    max_websockets: int = _setting(5000, min=1, max=1_000_000)
+    request_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
 
 
 @dataclass

@@ -125,6 +125,7 @@ ERROR_CODES = frozenset(  # the "Error codes" table
         "over_budget",
         "too_many_connections",
         "hello_timeout",
+        "server_full",
     }
 )
 

@@ -4,7 +4,7 @@ health/readiness/metrics, and static/ at /.
 `create_app(settings)` returns an app whose lifespan returns at once, so the server listens while the
 model loads; `GET /health` reports `loading` with the stage and a progress fraction, `GET /ready` is 200
 only once requests can be served. `uvicorn_options(settings)` gives the uvicorn keyword arguments the
-hub relies on (the transport frame limit).
+hub relies on (the transport frame limit) and the HTTP protocol with its request deadline (`transport`).
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ from .admission import Admission, Refused, SocketGate, Surface, bearer
 from .cluster.topology import Clustered
 from .connection import client_ip
 from .headers import SecurityHeaders
-from .hub import Hub
+from .hub import FULL_RETRY_S, Hub
 from .metrics import CONTENT_TYPE
 from .protocol import transport_max_bytes
 from .schema import protocol_schema
 from .seams import Alone
 from .state import AppState
+from .transport import protocol_class
 
 log = logging.getLogger("rtserver.app")
 
@@ -263,10 +264,19 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
+    """200 while requests can be served, `full` or not; 503 when they cannot. `?for=widgets`: also 503
+    (with `Retry-After`) while the node is full, for a balancer that routes new WebSockets by status."""
     readiness = request.app.state.rt.readiness()
-    body: dict[str, Any] = {"ready": readiness.ready, "status": readiness.status}
+    hub: Hub = request.app.state.hub
+    full = hub.full()
+    body: dict[str, Any] = {"ready": readiness.ready, "status": readiness.status, "full": full}
+    ops = _ops_refusal(request) is None
     if readiness.reason:
-        body["reason"] = readiness.reason if _ops_refusal(request) is None else readiness.public_reason
+        body["reason"] = readiness.reason if ops else readiness.public_reason
+    if ops:
+        body["websockets"], body["max_websockets"] = len(hub.connections), hub.capacity
+    if readiness.ready and full and request.query_params.get("for") == "widgets":
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(FULL_RETRY_S)})
     return JSONResponse(body, status_code=200 if readiness.ready else 503)
 
 
@@ -395,5 +405,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "proxy_headers": True,
         "forwarded_allow_ips": settings.server.forwarded_allow_ips,
         "timeout_graceful_shutdown": settings.server.shutdown_grace_s + 5,
-        "limit_concurrency": settings.server.max_connections,
+        # no limit_concurrency: it counted WebSockets and idle sockets and refused only HTTP (health
+        # checks included); sockets are bounded by the request deadline and the fd budget instead
+        "http": protocol_class(settings.server.request_timeout_s),
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from typing import Any
 
 from starlette.requests import HTTPConnection
 from starlette.websockets import WebSocket
@@ -22,6 +23,7 @@ class Close(enum.IntEnum):
     GOING_AWAY = 1001  # server shutting down
     POLICY = 1008  # origin not allowed
     NOT_READY = 1013  # the model is still loading
+    FULL = 1013  # the node holds server.max_websockets widgets: retry, here or on another node
     SLOW_CLIENT = 4008  # the client did not read its events
     HELLO_TIMEOUT = 4408  # no session started within the deadline
     LOGIN_TIMEOUT = 4408  # a console socket that did not log in in time
@@ -110,12 +112,13 @@ class QueuedConnection:
 
 
 async def refuse(
-    ws: WebSocket, metrics: Metrics, code: str, message: str, close_code: int, reason: str
+    ws: WebSocket, metrics: Metrics, code: str, message: str, close_code: int, reason: str, **extra: Any
 ) -> None:
-    """Tell an accepted connection why it is refused, then close it."""
+    """Tell an accepted connection why it is refused (`extra`: more fields of the error event), then
+    close it."""
     metrics.error(code)
     try:
-        await ws.send_text(events.dumps(events.error_event(code, message)))
+        await ws.send_text(events.dumps(events.error_event(code, message, None, **extra)))
         await ws.close(code=close_code, reason=reason)
     except Exception:  # the peer may already be gone
         pass

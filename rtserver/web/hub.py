@@ -49,8 +49,11 @@ from .seams import NodeFigures, NodeView
 from .session import Session, SessionExpired, SessionRegistry, TooManySessions
 from .session_events import SessionEvents
 from .state import AppState
+from .transport import websocket_capacity
 
 log = logging.getLogger("rtserver.hub")
+
+FULL_RETRY_S = 5  # the retry hint of a widget refused by a full node: places free as widgets leave
 
 
 @dataclass
@@ -495,6 +498,11 @@ class Hub:
         self.events = SessionEvents()
         self.events.subscribe(self.console.on_event)
         state.counts = lambda: {"connections": len(self.connections), "sessions": len(self.sessions)}
+        self.capacity = websocket_capacity(self.settings.server.max_websockets)  # /ws sockets at once
+
+    def full(self) -> bool:
+        """Whether a new /ws connection would be refused with `server_full` now."""
+        return len(self.connections) >= self.capacity
 
     def node_figures(self) -> NodeFigures:
         return {
@@ -580,6 +588,11 @@ class Hub:
             self.admission.check_serving()  # Redis down aside: the hello then gets `unavailable`
         except Refused as refused:
             await refuse(ws, self.metrics, refused.code, refused.message, refused.close, refused.code)
+            return
+        if self.full():  # checked and counted with no await between: never more than the capacity
+            why = f"this server holds its most chat connections ({self.capacity}); retry shortly"
+            retry = {"retry_after_s": FULL_RETRY_S}
+            await refuse(ws, self.metrics, "server_full", why, Close.FULL, "server full", **retry)
             return
         conn = Connection(self, ws)
         self.connections.add(conn)

@@ -5,6 +5,9 @@ uvicorn's own shutdown closes every WebSocket at once (1012). Before it does, `S
 listening and lets the hub drain (`Hub.drain`): in-flight replies get `server.shutdown_grace_s` to finish,
 the rest end with `shutting_down`, sockets close with 1001. Then uvicorn finishes HTTP requests, runs the
 app's lifespan shutdown (engine stop) and `serve` returns 0.
+
+Every client socket is a file: `serve` raises the soft open-file limit to the hard one first, and the
+node's WebSocket capacity and socket budget follow from it (`transport`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ..engine.model import LoadedModel
 from .app import create_app, uvicorn_options
 from .hub import Hub
 from .state import AppState
+from .transport import raise_fd_limit
 
 log = logging.getLogger("rtserver.server")
 
@@ -73,7 +77,17 @@ def serve(settings: Settings, **app_options: Any) -> int:
         if server is not None:
             server.load_failed(message)
 
+    nofile = raise_fd_limit()  # every client socket is a file: the hard limit, where allowed
     app = create_app(settings, on_load_failed=on_load_failed, **app_options)
+    capacity = app.state.hub.capacity
+    if capacity < settings.server.max_websockets:
+        log.warning(
+            "this process may open %d files (ulimit -n): at most %d WebSockets, not server.max_websockets"
+            " = %d; raise the limit (docs/deploy.md)",
+            nofile,
+            capacity,
+            settings.server.max_websockets,
+        )
     server = Server(uvicorn.Config(app, **uvicorn_options(settings)), app.state.rt, app.state.hub)
     # uvicorn re-raises the signal that stopped it once it is done; with these handlers in place that
     # ends here as a normal return (exit code 0) instead of the default "killed by SIGTERM"

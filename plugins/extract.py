@@ -61,4 +61,5 @@ def make_task(options: dict) -> Task:
         max_new_tokens=len(fields) * 48 + 16,
         output=JSONSchema(schema),
         priority="assist",
+        audience=("agents",),  # the agents' copilot: never a customer's call
     )

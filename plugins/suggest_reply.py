@@ -58,5 +58,6 @@ def make_task(options: dict) -> Task:
         parser=draft,
         samples=most,
         priority="assist",
+        audience=("agents",),  # the agents' copilot: never a customer's call
         conversation_prompt="" if follow else None,
     )

@@ -45,4 +45,5 @@ def make_task(options: dict) -> Task:
         max_new_tokens=chars + 48,
         output=JSONSchema(schema),
         priority="assist",
+        audience=("agents",),  # the agents' copilot: never a customer's call
     )

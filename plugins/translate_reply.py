@@ -26,4 +26,5 @@ def make_task(options: dict) -> Task:
         max_new_tokens=256,
         stop=["\n\n"],
         priority="assist",
+        audience=("agents",),  # the agents' copilot: never a customer's call
     )

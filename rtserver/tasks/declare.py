@@ -20,6 +20,11 @@ from . import bounds
 
 TRUNCATE_MODES = ("reject", "head", "tail")
 PRIORITIES = {p.name.lower(): p for p in Priority}
+# Who may call a task: customers on /ws, agents in the console, integrations on the HTTP API. A call
+# runs at its caller's priority, never more urgent than the task's own (an agent's waits for customers).
+AUDIENCES = ("customers", "agents", "api")
+CUSTOMERS, AGENTS, API = AUDIENCES
+CALLER_PRIORITY = {"customers": Priority.CUSTOMER, "agents": Priority.ASSIST, "api": Priority.CUSTOMER}
 DECODING_KEYS = (
     "temperature",
     "top_p",
@@ -136,6 +141,8 @@ class Task:
     choices: Choices | None = None
     output: Output | None = None  # a generating task's text constrained while decoding
     priority: str = "customer"  # customer | assist | background: who waits for its calls
+    # who may call it (AUDIENCES); None: everyone, except customers for a task below customer priority
+    audience: tuple[str, ...] | None = None
     samples: int = 1  # a generating task's replies per call, side by side (output {"samples": [...]})
     parser: Callable[[str], dict[str, Any]] | None = None
     variants: list[Variant] = field(default_factory=list)
@@ -157,6 +164,12 @@ class Task:
             raise ValueError(f"truncate {self.truncate!r}: allowed {', '.join(TRUNCATE_MODES)}")
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority {self.priority!r}: allowed {', '.join(PRIORITIES)}")
+        if self.audience is not None and (
+            not isinstance(self.audience, (tuple, list))
+            or not self.audience
+            or any(a not in AUDIENCES for a in self.audience)
+        ):
+            raise ValueError(f"audience {self.audience!r}: a non-empty list of {', '.join(AUDIENCES)}")
         if self.input_kind not in ("text", "chat"):
             raise ValueError(f"input_kind {self.input_kind!r}: allowed text, chat")
         if not self.stateful and self.prompt.count("{text}") != 1:
@@ -218,6 +231,22 @@ class Task:
             fmt.check()
         except OutputFormatError as exc:
             raise ValueError(f"output: {exc}") from None
+
+    @property
+    def callers(self) -> tuple[str, ...]:
+        """Who may call the task: its `audience`, or by default everyone for a customer-priority task
+        and agents and the API for one that is less urgent (an agent's copilot task)."""
+        if self.audience is not None:
+            return tuple(self.audience)
+        return AUDIENCES if self.priority == "customer" else ("agents", "api")
+
+    def check_caller(self, caller: str) -> None:
+        """Raise `task_not_allowed` unless `caller` (one of AUDIENCES) may call the task."""
+        if caller not in self.callers:
+            raise TaskError(
+                "task_not_allowed",
+                f"task {self.name!r} is not available to {caller} (it serves {', '.join(self.callers)})",
+            )
 
     @property
     def output_format(self) -> OutputFormat:
@@ -292,6 +321,7 @@ class Task:
             },
             "decoding": dict(self.decoding),
             "overridable": {k: list(v) for k, v in self.overridable.items()},
+            "audience": list(self.callers),
         }
 
     # -- input --------------------------------------------------------------------------------
@@ -316,13 +346,17 @@ class Task:
             text = text[: self.max_input_chars] if self.truncate == "head" else text[-self.max_input_chars :]
         return text
 
-    def sampling(self, overrides: dict[str, Any] | None) -> SamplingParams:
-        """Decoding for one call: the task's defaults, then client overrides within allowed ranges."""
+    def sampling(self, overrides: dict[str, Any] | None, caller: str | None = None) -> SamplingParams:
+        """Decoding for one call: the task's defaults, then client overrides within allowed ranges; the
+        priority is the caller's where that is less urgent than the task's own."""
+        priority = PRIORITIES[self.priority]
+        if caller is not None:
+            priority = max(priority, CALLER_PRIORITY[caller])
         values: dict[str, Any] = {
             "max_new_tokens": self.max_new_tokens,
             "stop": list(self.stop),
             "output": self.output_format,
-            "priority": PRIORITIES[self.priority],
+            "priority": priority,
         }
         values.update(self.decoding)
         if overrides is not None and not isinstance(overrides, dict):

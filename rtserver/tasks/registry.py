@@ -54,6 +54,7 @@ GENERIC_OVERRIDES = (
     "max_history_tokens",
     "priority",
     "conversation_prompt",
+    "audience",
 )
 OVERRIDE_TYPES: dict[str, Any] = {
     "description": str,
@@ -72,6 +73,7 @@ OVERRIDE_TYPES: dict[str, Any] = {
     "max_history_tokens": int,
     "priority": str,
     "conversation_prompt": str,
+    "audience": list,
 }
 
 
@@ -113,6 +115,8 @@ def _apply_overrides(task: Task, table: dict[str, Any]) -> Task:
             raise ValueError(f"[task.{task.name}] {key} = {value!r}: expected {names[expected]}")
         if key == "cache_ttl_s":
             generic[key] = float(value)
+        if key == "audience":
+            generic[key] = tuple(value)
     for key in ("decoding", "overridable"):  # a table's keys replace the plugin's, the others stay
         if key in generic:
             generic[key] = {**getattr(task, key), **generic[key]}
@@ -159,8 +163,14 @@ class TaskRegistry:
     def names(self) -> list[str]:
         return sorted(self.tasks)
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [self.tasks[n].task.describe() for n in self.names()]
+    def describe(self, caller: str | None = None) -> list[dict[str, Any]]:
+        """Every task, or those `caller` may call."""
+        tasks = [self.tasks[n].task for n in self.names()]
+        return [t.describe() for t in tasks if caller is None or caller in t.callers]
+
+    def check_caller(self, name: str, caller: str) -> None:
+        """Raise `unknown_task` or `task_not_allowed` unless `caller` may call the task `name`."""
+        self.get(name).task.check_caller(caller)
 
     def get(self, name: str) -> PromptTask | ChatTask:
         task = self.tasks.get(name) if isinstance(name, str) else None
@@ -178,19 +188,26 @@ class TaskRegistry:
         scope: Hashable | None = None,
         on_delta: Deltas = no_deltas,
         conversation: Conversation | None = None,
+        caller: str | None = None,
     ) -> TaskOutput:
         """Run a stateless task; `scope` keeps its cached results apart, `on_delta` sees its replies
         stream (see `PromptTask.run`). A task with a `conversation_prompt` given the live
-        `conversation` its input is about continues that conversation instead (`PromptTask.follow`)."""
+        `conversation` its input is about continues that conversation instead (`PromptTask.follow`).
+        A `caller` (customers, agents, api) must be in the task's audience; the call runs at its
+        priority (`Task.sampling`). None: the server's own call (auto-tasks)."""
         task = self.get(name)
         if isinstance(task, ChatTask):
             raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
+        if caller is not None:
+            task.task.check_caller(caller)
         instruction = task.task.conversation_prompt
         if conversation is not None and instruction is not None:
             prompt = self.chat.continued(conversation, instruction)
             if prompt is not None:
-                return await task.follow(backend, prompt, conversation.session_key, overrides, on_delta)
-        return await task.run(backend, raw_input, overrides, scope=scope, on_delta=on_delta)
+                return await task.follow(
+                    backend, prompt, conversation.session_key, overrides, on_delta, caller=caller
+                )
+        return await task.run(backend, raw_input, overrides, scope=scope, on_delta=on_delta, caller=caller)
 
     def cost(self, name: str, overrides: dict[str, Any] | None = None) -> int:
         """The most tokens one call of a stateless task can take (what admission holds for it)."""

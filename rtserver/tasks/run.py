@@ -153,15 +153,17 @@ class PromptTask:
         *,
         scope: Hashable | None = None,
         on_delta: Deltas = no_deltas,
+        caller: str | None = None,
     ) -> TaskOutput:
         """One call. Results are cached per `scope` (a session, the HTTP API): a scope never sees
         another's entries, nor how fast they come back; without one the cache is not used. A
-        generating call hands each reply's text to `on_delta` as it streams (not on a cache hit)."""
+        generating call hands each reply's text to `on_delta` as it streams (not on a cache hit).
+        `caller` sets the call's priority (`Task.sampling`)."""
         text = raw_input.get("text") if isinstance(raw_input, dict) else raw_input
         text = self.task.clean_text(text)
         # Overrides are checked before the cache is read (a bad one is an error, cached or not); without
         # any, the task's own decoding is valid by construction and only built when generating.
-        params = None if overrides is None else self.task.sampling(overrides)
+        params = None if overrides is None else self.task.sampling(overrides, caller)
         key = (
             scope,
             " ".join(text.split()).lower(),
@@ -188,7 +190,7 @@ class PromptTask:
                 {"total_ms": (time.perf_counter() - started) * 1000},
             )
         else:
-            params = params if params is not None else self.task.sampling(None)
+            params = params if params is not None else self.task.sampling(None, caller)
             out = await self._generated(backend, prompt, params, public, on_delta)
         if cache is not None:
             cache[key] = out
@@ -201,10 +203,11 @@ class PromptTask:
         session_key: Hashable,
         overrides: dict[str, Any] | None = None,
         on_delta: Deltas = no_deltas,
+        caller: str | None = None,
     ) -> TaskOutput:
         """One call on a live conversation's own prompt (`Task.conversation_prompt`): it starts from
         that session's KV (`fork_session`), so only the instruction and the reply are computed."""
-        params = self.task.sampling(overrides)
+        params = self.task.sampling(overrides, caller)
         return await self._generated(backend, prompt.ids, params, prompt.public_tokens, on_delta, session_key)
 
     async def _generated(

@@ -35,6 +35,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..engine.backend import FinishReason, Generation, NextTurnPrefetcher, SequenceResult
 from ..tasks.chat import LastTurn
+from ..tasks.declare import CUSTOMERS
 from . import events
 from . import protocol as P
 from . import session_events as se
@@ -421,11 +422,17 @@ class Connection(QueuedConnection):
         held: Reservation = NoReservation()
         try:
             tasks = hub.state.tasks
+            tasks.check_caller(msg.task, CUSTOMERS)  # the agents' copilot tasks are not a customer's
             held = hub.admission.reserve(
                 Surface.PUBLIC, self.client_ip, tasks.cost(msg.task, msg.options or None)
             )
             out = await tasks.run(
-                hub.state.backend_for(msg.task), msg.task, msg.input, msg.options or None, scope=self.scope
+                hub.state.backend_for(msg.task),
+                msg.task,
+                msg.input,
+                msg.options or None,
+                scope=self.scope,
+                caller=CUSTOMERS,
             )
             held.release(out.usage.get("prompt_tokens", 0) + out.usage.get("generated_tokens", 0))
             hub.metrics.requests.labels("ws", "task").inc()
@@ -575,7 +582,7 @@ class Hub:
             resumed,
             session.history_turns,
             self.limits(),
-            registry.describe(),
+            registry.describe(CUSTOMERS),
             list(registry.auto_tasks),
             history=session.history,
             agent=holder.name if holder else None,

@@ -22,6 +22,7 @@ from pydantic import AfterValidator, ConfigDict, Field, StrictStr, TypeAdapter, 
 from pydantic.dataclasses import dataclass
 
 from ..config import Settings
+from .display import MAX_NAME_CHARS, clean_name
 
 PROTOCOL_VERSION = "1.1"
 
@@ -39,6 +40,7 @@ ErrorCode = Literal[
     "chat_busy",
     "already_started",
     "unknown_task",
+    "task_not_allowed",  # the task is not for this caller (Task.audience)
     "invalid_input",
     "empty_text",
     "input_too_long",
@@ -139,8 +141,8 @@ class Hello:
     auth_token: OptionalString = None
     client: Annotated[
         StrictStr | None,
-        AfterValidator(lambda name: (name or "")[:100] or None),
-        Field(description="a string (the client's name, cut to 100 characters)"),
+        AfterValidator(clean_name),  # shown to agents: one line, no control or bidi characters
+        Field(description=f"a string (the client's name, cut to {MAX_NAME_CHARS} characters)"),
     ] = None
     type: Literal["hello"] = "hello"
 

@@ -7,9 +7,9 @@ last message.
 The conversation is read where the console keeps it: this node's copy, or clustered the record in
 Redis (written once a turn), so an agent on any node can ask about any conversation. A task with a
 `conversation_prompt` on a session of this node continues the session's own prompt and KV instead
-of reading a transcript. Calls run at the tasks' own priority (`assist`: customers' replies first);
-an agent has at most `MAX_IN_FLIGHT` of them at once, and those still running end when its console
-closes.
+of reading a transcript. An agent may call the tasks for agents and not customers (`Task.audience`), at
+`assist` priority (`tasks.declare.CALLER_PRIORITY`: customers' replies first); an agent has at most
+`MAX_IN_FLIGHT` of them at once, and those still running end when its console closes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...tasks import TaskError
-from ...tasks.chat import Conversation
+from ...tasks.chat import ChatTask, Conversation
+from ...tasks.declare import AGENTS, CUSTOMERS
 from ...tasks.run import Deltas, no_deltas
 from .. import events
 from ..errors import error_code
@@ -111,9 +112,15 @@ class Assist:
         self._running: dict[Agent, dict[str, asyncio.Task[None]]] = {}
 
     def names(self) -> list[str]:
-        """The loaded tasks an agent may call here: those declared at `assist` priority."""
+        """The agents' copilot: the stateless tasks agents may call and customers may not."""
         registry = self.state.tasks
-        return [n for n in registry.names() if getattr(registry.get(n).task, "priority", "") == "assist"]
+        return [
+            n
+            for n in registry.names()
+            if not isinstance(task := registry.get(n), ChatTask)
+            and AGENTS in task.task.callers
+            and CUSTOMERS not in task.task.callers
+        ]
 
     def request(self, agent: Agent, obj: dict[str, Any]) -> None:
         """Check an `assist` frame and start its call; a bad one is answered with an error at once."""
@@ -187,6 +194,7 @@ class Assist:
                 {"text": source},
                 on_delta=on_delta,
                 conversation=None if given else self._live(sid),
+                caller=AGENTS,
             )
             streamed.flush()
             agent.put(
@@ -217,7 +225,9 @@ class Assist:
         if not said.strip():
             raise TaskError("empty_text", "the customer has not written yet: no language to translate to")
         backend = self.state.backend_for(LANGUAGE_TASK)
-        out = await self.state.tasks.run(backend, LANGUAGE_TASK, {"text": said}, scope=("assist", sid))
+        out = await self.state.tasks.run(
+            backend, LANGUAGE_TASK, {"text": said}, scope=("assist", sid), caller=AGENTS
+        )
         return str(out.output["label"])
 
     def _live(self, sid: str) -> Conversation | None:

@@ -11,6 +11,7 @@ from ...engine.backend import SequenceResult
 from ...tasks import Task, TaskError
 from ...tasks import bounds as B
 from ...tasks.chat import ChatTask
+from ...tasks.declare import API
 from .. import events
 from ..state import AppState
 from .common import Body, HTTPError, generate, run_held_task, task_sampling
@@ -61,6 +62,15 @@ def _task_text(task: Task, raw: Any, param: str) -> None:
         raise HTTPError(exc.code, exc.message, param) from None
 
 
+def _for_api(state: AppState, name: str) -> None:
+    """The task exists and serves the API (`Task.audience`): else 404 or 403, before any work."""
+    try:
+        state.tasks.check_caller(name, API)
+    except TaskError as exc:
+        status = 403 if exc.code == "task_not_allowed" else None
+        raise HTTPError(exc.code, exc.message, status=status) from None
+
+
 def _options(options: Any) -> None:
     if options is not None and not isinstance(options, dict):
         raise HTTPError("invalid_field", "'options' must be an object of decoding settings", "options")
@@ -86,7 +96,7 @@ async def _stateless_chat(
 
 async def list_tasks(request: Request, state: AppState, body: Any) -> Response:
     reg = state.tasks
-    return JSONResponse({"tasks": reg.describe(), "auto_tasks": list(reg.auto_tasks)})
+    return JSONResponse({"tasks": reg.describe(API), "auto_tasks": list(reg.auto_tasks)})
 
 
 async def run_task(request: Request, state: AppState, body: Body) -> Response:
@@ -95,6 +105,7 @@ async def run_task(request: Request, state: AppState, body: Body) -> Response:
         raise HTTPError("missing_field", '\'input\' is required, e.g. {"input": {"text": "..."}}', "input")
     options = body.get("options")
     _options(options)
+    _for_api(state, name)
     reg = state.tasks
     task = reg.get(name)
     if isinstance(task, ChatTask):
@@ -128,6 +139,7 @@ async def _run_chat(request: Request, state: AppState, name: str, inp: Any, opti
 async def sentiment(request: Request, state: AppState, body: Body) -> Response:
     if "text" not in body:
         raise HTTPError("missing_field", "'text' is required", "text")
+    _for_api(state, "sentiment")
     _task_text(state.tasks.get("sentiment").task, body["text"], "text")
     out = await run_held_task(request, state, "sentiment", {"text": body["text"]}, None)
     state.metrics.requests.labels("http", "task").inc()
@@ -137,5 +149,6 @@ async def sentiment(request: Request, state: AppState, body: Body) -> Response:
 async def chat(request: Request, state: AppState, body: Body) -> Response:
     if "history" not in body:
         raise HTTPError("missing_field", "'history' is required", "history")
+    _for_api(state, "chat")
     result, output = await _stateless_chat(request, state, body["history"], body.get("options"), "http_chat")
     return JSONResponse({**output, "usage": events.usage_json(result.usage)})

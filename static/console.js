@@ -1,7 +1,8 @@
 // rtserver agent console: live list of conversations over /ws/console (docs/protocol.md), take over,
 // reply, hand back, and the model's assist: reply drafts, a summary on take-over, translation, the
-// fields read from the conversation. Text from customers, the bot, agents or the model only reaches
-// the DOM via textContent.
+// fields read from the conversation. The server sends summaries and changes; a conversation's
+// messages are asked for (`open`) when the agent opens it, older ones a page at a time. Text from
+// customers, the bot, agents or the model only reaches the DOM via textContent.
 
 const $ = (id) => document.getElementById(id);
 const KEY = { token: "rtconsole:token", name: "rtconsole:name", rejoin: "rtconsole:rejoin", seen: "rtconsole:seen" };
@@ -45,6 +46,15 @@ function toast(text) {
   toast.timer = setTimeout(() => { t.hidden = true; }, 6000);
 }
 function setConn(text) { $("conn").textContent = text; }
+// A conversation as this page keeps it: the server's summary, plus the messages known so far.
+function fresh(summary) {
+  return { ...summary, messages: [], streaming: null, loaded: false, more: false };
+}
+function openConv(sid, before) {
+  const msg = { type: "open", session_id: sid };
+  if (before !== undefined) msg.before = before;
+  sendWs(msg);
+}
 
 // -- login -------------------------------------------------------------------------------------
 // The server names agents; the rejoin token it gave keeps this agent's id (and take-overs) on reconnect.
@@ -128,7 +138,8 @@ function onEvent(msg) {
       state.me = msg.agent;
       if (msg.rejoin) save(KEY.rejoin, msg.rejoin);
       state.backoff = 0;
-      state.convs = new Map(msg.conversations.map((c) => [c.session_id, c]));
+      state.convs = new Map(msg.conversations.map((c) => [c.session_id, fresh(c)]));
+      if (state.convs.has(state.selected)) openConv(state.selected);
       $("login").hidden = true;
       $("app").hidden = false;
       $("logout").hidden = false;
@@ -141,7 +152,7 @@ function onEvent(msg) {
       const before = state.convs.get(msg.conversation.session_id);
       const tookOver = msg.conversation.agent && msg.conversation.agent.id === state.me?.id &&
         !(before && before.agent && before.agent.id === state.me?.id);
-      state.convs.set(msg.conversation.session_id, msg.conversation);
+      state.convs.set(msg.conversation.session_id, before ? { ...before, ...msg.conversation } : fresh(msg.conversation));
       if (tookOver) ask(msg.conversation.session_id, "summarize", "summary");
       renderList();
       if (msg.conversation.session_id === state.selected) renderConv();
@@ -153,8 +164,25 @@ function onEvent(msg) {
       renderList();
       renderConv();
       break;
+    case "messages": {
+      if (!conv) return;
+      if (!conv.loaded) { // the newest page, then the live messages that came meanwhile
+        const last = msg.messages.length ? msg.messages[msg.messages.length - 1].seq : 0;
+        conv.messages = msg.messages.concat(conv.messages.filter((m) => m.seq > last));
+        if (msg.streaming && !conv.streaming) conv.streaming = msg.streaming;
+        conv.more = msg.more;
+      } else { // an older page
+        const first = conv.messages.length ? conv.messages[0].seq : Infinity;
+        conv.messages = msg.messages.filter((m) => m.seq < first).concat(conv.messages);
+        conv.more = msg.more;
+      }
+      conv.loaded = true;
+      if (conv.session_id === state.selected) { renderConv(); openAssist(conv.session_id); }
+      break;
+    }
     case "message":
       if (!conv) return;
+      if (conv.messages.some((m) => m.seq === msg.message.seq)) return;
       conv.messages.push(msg.message);
       if (conv.messages.length > 500) conv.messages.shift();
       conv.seq = msg.message.seq;
@@ -278,6 +306,8 @@ $("sort").addEventListener("change", renderList);
 
 function select(sid) {
   state.selected = sid;
+  const conv = state.convs.get(sid);
+  if (conv && !conv.loaded) openConv(sid);
   renderList();
   renderConv();
   openAssist(sid);
@@ -485,6 +515,11 @@ function renderConv() {
   $("reply").placeholder = mine ? "Type your reply to the customer…" : "Take over to reply…";
   const box = $("messages");
   box.replaceChildren(...conv.messages.map(renderMessage));
+  if (conv.more && conv.messages.length) {
+    const older = el("button", { type: "button", class: "older", text: "Load earlier messages" });
+    older.addEventListener("click", () => openConv(conv.session_id, conv.messages[0].seq));
+    box.prepend(el("li", { class: "msg-older" }, older));
+  }
   if (conv.streaming) updateStreaming(conv);
   box.scrollTop = box.scrollHeight;
   renderAssist();

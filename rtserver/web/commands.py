@@ -53,13 +53,18 @@ class HandBack:
         return {"cmd": "hand_back", "session_id": self.session_id}
 
 
+MAX_MESSAGE_ID_CHARS = 64
+
+
 @dataclass(frozen=True)
 class AgentMessage:
-    """An agent's reply, already checked and cleaned, for the customer."""
+    """An agent's reply, already checked and cleaned, for the customer; `id` is the message's own, so
+    the node serving the conversation applies it once however often it arrives."""
 
     session_id: str
     agent: Holder
     text: str
+    id: str
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,6 +72,7 @@ class AgentMessage:
             "session_id": self.session_id,
             "text": self.text,
             "agent": self.agent.to_json(),
+            "id": self.id,
         }
 
 
@@ -99,7 +105,12 @@ def parse_command(data: object) -> BusCommand | None:
         return None
     if kind == "take_over":
         return TakeOver(sid, agent)
-    text = data.get("text")
-    if kind == "agent_message" and isinstance(text, str):
-        return AgentMessage(sid, agent, text)
+    text, message_id = data.get("text"), data.get("id")
+    if (
+        kind == "agent_message"
+        and isinstance(text, str)
+        and isinstance(message_id, str)
+        and 0 < len(message_id) <= MAX_MESSAGE_ID_CHARS
+    ):
+        return AgentMessage(sid, agent, text, message_id)
     return None

@@ -14,7 +14,7 @@ ALICE = Holder("a1", "Alice")
 
 @pytest.mark.parametrize(
     "command",
-    [TakeOver("s1", ALICE), HandBack("s1"), AgentMessage("s1", ALICE, "hi"), SessionTaken("s1")],
+    [TakeOver("s1", ALICE), HandBack("s1"), AgentMessage("s1", ALICE, "hi", "m1"), SessionTaken("s1")],
 )
 def test_a_command_reads_back_as_itself_through_json(command):
     assert parse_command(json.loads(json.dumps(command.to_json()))) == command
@@ -26,11 +26,12 @@ def test_the_wire_format_between_nodes():
         "session_id": "s1",
         "agent": {"id": "a1", "name": "Alice"},
     }
-    assert AgentMessage("s1", ALICE, "hi").to_json() == {
+    assert AgentMessage("s1", ALICE, "hi", "m1").to_json() == {
         "cmd": "agent_message",
         "session_id": "s1",
         "text": "hi",
         "agent": {"id": "a1", "name": "Alice"},
+        "id": "m1",
     }
 
 
@@ -47,6 +48,8 @@ def test_the_wire_format_between_nodes():
         {"cmd": "take_over", "session_id": "s1", "agent": ["a1", "Alice"]},
         {"cmd": "agent_message", "session_id": "s1", "agent": {"id": "a1", "name": "A"}},
         {"cmd": "agent_message", "session_id": "s1", "agent": {"id": "a1", "name": "A"}, "text": 5},
+        {"cmd": "agent_message", "session_id": "s1", "agent": {"id": "a1", "name": "A"}, "text": "hi"},
+        {"cmd": "agent_message", "session_id": "s1", "agent": {"id": "a", "name": "A"}, "text": "x", "id": 5},
         {"cmd": "dance", "session_id": "s1", "agent": {"id": "a1", "name": "A"}},
         {"cmd": ["hand_back"], "session_id": "s1"},
     ],

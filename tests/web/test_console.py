@@ -104,11 +104,13 @@ async def test_live_events_then_snapshot_for_late_agent(smol):
         async with websockets.connect(url) as cust:
             ready = await hello(cust, client="Dana <b>")
             sid = ready["session_id"]
+            # listed to agents from its first message on
+            await cust.send(json.dumps({"type": "chat", "id": "c1", "text": "I am very happy!"}))
             ev = await recv_until(a, lambda e: e["type"] == "conversation")
+            assert len(ev) == 1
             conv = ev[-1]["conversation"]
             assert conv["session_id"] == sid and conv["customer"] == "Dana <b>" and conv["connected"]
-            assert conv["mood"]["label"] == "unknown"
-            await cust.send(json.dumps({"type": "chat", "id": "c1", "text": "I am very happy!"}))
+            assert conv["mood"]["label"] == "unknown" and conv["seq"] == 1
             done = (await recv_until(cust, is_end("c1")))[-1]
             assert done["type"] == "done"
             # the agent sees: the customer message, the streamed tokens, the bot's reply, the sentiment tag
@@ -125,13 +127,17 @@ async def test_live_events_then_snapshot_for_late_agent(smol):
             tag = tags[-1]
             assert tag["seq"] == user[0]["message"]["seq"] and tag["task"] == "sentiment"
             assert tag["label"] in ("positive", "negative") and tag["mood"]["n"] == 1
-            # a late agent gets everything in its snapshot
+            # a late agent gets the conversation's summary, and its messages when it opens it
             b, ready_b = await login(url, "Bob")
             [snap] = ready_b["conversations"]
-            roles = [m["role"] for m in snap["messages"]]
-            assert roles == ["user", "bot"] and snap["messages"][0]["sentiment"] == tag["label"]
-            assert snap["mood"]["label"] in ("positive", "negative") and snap["streaming"] is None
+            assert "messages" not in snap and snap["seq"] == 2
+            assert snap["mood"]["label"] in ("positive", "negative")
             assert snap["last_message"]["role"] == "bot"
+            await b.send(json.dumps({"type": "open", "session_id": sid}))
+            opened = await recv_json(b)
+            assert opened["type"] == "messages" and opened["streaming"] is None and not opened["more"]
+            roles = [m["role"] for m in opened["messages"]]
+            assert roles == ["user", "bot"] and opened["messages"][0]["sentiment"] == tag["label"]
             await b.close()
         ev = await recv_until(a, lambda e: e["type"] == "conversation")
         assert ev[-1]["conversation"]["connected"] is False
@@ -214,7 +220,7 @@ async def test_agent_reconnect_keeps_take_over_and_grace_hands_back(smol):
     timer = fake_timer(app)
     async with serve(app, settings) as (base, url):
         async with websockets.connect(url) as cust:
-            sid = (await hello(cust))["session_id"]
+            sid = await customer_turn(cust, "Dana", "hello")  # listed to agents from its first message
             a, first = await login(url, "Alice")
             await a.send(json.dumps({"type": "take_over", "session_id": sid}))
             assert (await recv_json(cust))["to"] == "agent"
@@ -402,7 +408,9 @@ async def test_chats_cancelled_at_once_leave_nothing_in_the_console_store(smol):
                 assert seen[-1]["dropped"] == added[-1], seen
             b, snap = await login(url, "Bob")
             [conv] = snap["conversations"]
-            assert [m["text"] for m in conv["messages"]] == ["a real question", "Hello"], conv["messages"]
+            await b.send(json.dumps({"type": "open", "session_id": conv["session_id"]}))
+            messages = (await recv_json(b))["messages"]
+            assert [m["text"] for m in messages] == ["a real question", "Hello"], messages
             await b.close()
         await a.close()
 

@@ -4,20 +4,25 @@ session resumed on another node.
 An action is decided through the bus (clustered: the take-over is claimed in Redis) and applied on
 the node serving the conversation, where the customer's connection lives: here, or on another node
 as a bus command. An agent whose console disconnects keeps its take-overs for
-`sessions.console_takeover_grace_s` (to reconnect), then they are handed back.
+`sessions.console_takeover_grace_s` (to reconnect), then they are handed back. An agent's message is
+stored in the session before anyone sees it (not stored: the agent is told why, the customer gets
+nothing), and applied once by its id however often the bus delivers it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from .. import events
 from ..cluster import ClusterUnavailable
 from ..commands import AgentMessage, BusCommand, HandBack, Holder, SessionTaken, TakeOver
 from ..connection import Close
+from ..display import clean_text
 from ..seams import ConsoleBus, ConsoleEvent, Resumed, SessionStore
 from ..session import Session, SessionRegistry
 from .agents import Agent, Agents
@@ -28,12 +33,9 @@ from .timer import Cancellable, Timer
 log = logging.getLogger("rtserver.console")
 
 MAX_AGENT_MESSAGE_CHARS = 4000
+SEEN_MESSAGES = 4096  # the newest agent message ids applied here: one delivered again is dropped
 
 Decide = Callable[[Agent, str], Awaitable[BusCommand | None]]
-
-
-def _clean(text: str) -> str:
-    return "".join(c for c in text if c in "\n\t" or not (ord(c) < 32 or 127 <= ord(c) < 160)).strip()
 
 
 class Actions:
@@ -59,6 +61,7 @@ class Actions:
         self.timer = timer
         self._holds: dict[str, str] = {}  # session id -> agent id: take-overs claimed by this node's agents
         self._release: dict[str, Cancellable] = {}  # grace timers of agents gone from this node
+        self._applied: OrderedDict[str, None] = OrderedDict()  # agent message ids applied here
 
     # -- decided through the bus ----------------------------------------------------------------
     async def take_over(self, agent: Agent, session_id: str) -> None:
@@ -122,11 +125,11 @@ class Actions:
         if not isinstance(text, str):
             agent.put(events.error_event("invalid_field", "'text' must be a string", session_id=session_id))
             return None
-        clean = _clean(text)[:MAX_AGENT_MESSAGE_CHARS]
+        clean = clean_text(text, MAX_AGENT_MESSAGE_CHARS)
         if not clean:
             agent.put(events.error_event("empty_text", "the message is empty", session_id=session_id))
             return None
-        return AgentMessage(session_id, agent.holder(), clean)
+        return AgentMessage(session_id, agent.holder(), clean, secrets.token_urlsafe(12))
 
     # -- applied on the node serving the conversation -------------------------------------------
     async def apply(self, command: BusCommand) -> None:
@@ -138,8 +141,8 @@ class Actions:
                 await self.apply_take_over(sid, holder)
             case HandBack(session_id=sid):
                 await self.apply_hand_back(sid)
-            case AgentMessage(session_id=sid, agent=holder, text=text):
-                await self.apply_agent_message(sid, text, holder.name)
+            case AgentMessage():
+                await self.apply_agent_message(command)
 
     async def _close_taken(self, session_id: str) -> None:
         session = self.sessions.sessions.get(session_id)
@@ -175,20 +178,35 @@ class Actions:
         self.conversations.changed(conv)
         await _to_customer(session, {"type": "handover", "to": "bot", "agent": None})
 
-    async def apply_agent_message(self, session_id: str, text: str, agent_name: str) -> None:
-        conv = self.conversations.get(session_id)
-        session = self.sessions.sessions.get(session_id)
-        if conv is None or session is None:
+    async def apply_agent_message(self, command: AgentMessage) -> None:
+        """Stored in the session first (clustered: its record in Redis), then shown and delivered."""
+        sid, text, holder = command.session_id, command.text, command.agent
+        if command.id in self._applied:  # delivered again (a bus message retried)
             return
-        session.add_agent_reply(text, agent_name)
+        self._applied[command.id] = None
+        while len(self._applied) > SEEN_MESSAGES:
+            self._applied.popitem(last=False)
+        conv = self.conversations.get(sid)
+        session = self.sessions.sessions.get(sid)
+        if conv is None or session is None:
+            message = f"conversation {sid!r} has ended; the message was not sent"
+            self.conversations.tell(holder.id, events.error_event("unknown_session", message, session_id=sid))
+            return
+        entry = {"role": "assistant", "content": text, "agent": holder.name}
+        session.history = [*session.history, entry]  # a new list: a snapshot taken before keeps its own
         session.touch(self.sessions.clock())
         try:  # into the session's record (clustered, it survives this node)
             await self.store.save(session, getattr(session.connection, "client_name", None))
-        except ClusterUnavailable:
-            log.warning("agent message in session %s not stored: Redis unavailable", session_id)
-        msg = conv.add({"role": "agent", "text": text, "agent": agent_name})
+        except ClusterUnavailable as exc:  # (SessionConflict, StoreError too): nobody gets it
+            session.history = [m for m in session.history if m is not entry]
+            self._applied.pop(command.id, None)  # the agent may send it again
+            log.warning("agent message in session %s not stored: %s", sid, type(exc).__name__)
+            error = events.error_event(exc.code, f"your message was not sent: {exc.message}", session_id=sid)
+            self.conversations.tell(holder.id, error)
+            return
+        msg = conv.add({"role": "agent", "text": text, "agent": holder.name, "id": command.id})
         self.conversations.message_event(conv, msg)
-        await _to_customer(session, {"type": "agent_message", "text": text, "agent": agent_name})
+        await _to_customer(session, {"type": "agent_message", "text": text, "agent": holder.name})
 
     async def resumed(self, found: Resumed) -> None:
         """A session resumed: who holds it, and close its connection on the node that served it."""

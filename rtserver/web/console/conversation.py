@@ -1,29 +1,103 @@
-"""One conversation as the console knows it: bounded messages, the streamed reply, mood, holder."""
+"""One conversation as the console knows it: bounded messages, the streamed reply, mood, holder; and
+what agents are sent of it: a summary (the list), a message bounded in bytes (the events), a page of
+its messages (on an agent's request).
+"""
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..commands import Holder
+from ..display import clean_name, clean_text
 
 # Sentiment labels (as the built-in sentiment task names them, English or Chinese) → mood score.
 MOOD_SCORE = {"positive": 1.0, "negative": -1.0, "neutral": 0.0, "正面": 1.0, "负面": -1.0, "中性": 0.0}
 MAX_STORED_CHARS = 4000  # of one message's text in the console's store
 MAX_CONVERSATION_CHARS = 200_000  # of all the messages the store keeps for one conversation
+MAX_EVENT_BYTES = 4096  # of one event sent to every agent: a message's text is cut to fit
+MAX_EVENT_TEXT_BYTES = 3000  # of the text in one such event (the rest of the event is bounded apart)
+MAX_PAGE_BYTES = 64 << 10  # of the messages one `messages` answer holds (an agent asks for older ones)
+MAX_PREVIEW_CHARS = 200  # of the last message's text in a summary
 
 Message = dict[str, Any]  # as agents see it: role, text, seq, ts and what its role adds (docs/protocol.md)
+Record = dict[str, Any]  # a conversation as stored (`Conversation.to_json` + the node serving it)
+
+
+def customer_name(name: str | None, session_id: str) -> str:
+    return clean_name(name) or f"Customer {session_id[:6]}"
+
+
+def cut_bytes(text: str, limit: int) -> str:
+    """`text` within `limit` UTF-8 bytes, cut at a character and ended with "…" when cut."""
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    return raw[: limit - 3].decode(errors="ignore") + "…"
+
+
+def bounded(message: Message) -> Message:
+    """A message as every agent's event carries it: its text within MAX_EVENT_TEXT_BYTES (`truncated`
+    when cut: the whole text is in the conversation's `messages`)."""
+    text = str(message.get("text", ""))
+    cut = cut_bytes(text, MAX_EVENT_TEXT_BYTES)
+    return message if cut is text else {**message, "text": cut, "truncated": True}
+
+
+def summary(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A conversation as agents' lists show it (no messages), from a stored record or `to_json`; its
+    texts cleaned and bounded whoever wrote them."""
+    last = record.get("last_message")
+    agent = Holder.from_json(record.get("agent"))
+    return {
+        "session_id": str(record.get("session_id", ""))[:64],
+        "customer": customer_name(str(record.get("customer") or ""), str(record.get("session_id", ""))),
+        "connected": bool(record.get("connected")),
+        "started_at": record.get("started_at"),
+        "updated_at": record.get("updated_at"),
+        "agent": {"id": agent.id[:64], "name": clean_name(agent.name) or "Agent"} if agent else None,
+        "mood": record.get("mood"),
+        "last_message": {
+            "role": str(last.get("role"))[:8],
+            "text": clean_text(str(last.get("text", "")), MAX_PREVIEW_CHARS),
+            "ts": last.get("ts"),
+        }
+        if isinstance(last, dict)
+        else None,
+        "seq": record.get("seq") if isinstance(record.get("seq"), int) else 0,
+    }
+
+
+def listed(record: Mapping[str, Any]) -> bool:
+    """Agents see a conversation once it has had a message: an empty session is nobody's work."""
+    seq = record.get("seq")
+    return isinstance(seq, int) and seq > 0
+
+
+def page(messages: list[Message], before: int | None) -> tuple[list[Message], bool]:
+    """The newest messages older than seq `before` (all when None) within MAX_PAGE_BYTES, oldest first,
+    and whether older ones are left."""
+    out: list[Message] = []
+    size = 0
+    older = [m for m in messages if before is None or int(m.get("seq") or 0) < before]
+    for m in reversed(older):
+        size += len(json.dumps(m, ensure_ascii=False).encode()) + 1
+        if size > MAX_PAGE_BYTES and out:
+            break
+        out.append(m)
+    return out[::-1], len(out) < len(older)
 
 
 class Conversation:
     """What the console knows about one customer session."""
 
-    def __init__(self, session_id: str, customer: str, max_messages: int):
+    def __init__(self, session_id: str, customer: str | None, max_messages: int):
         now = time.time()
         self.session_id = session_id
-        self.customer = customer
+        self.customer = customer_name(customer, session_id)
         self.connected = True
         self.started_at = now
         self.updated_at = now
@@ -39,9 +113,12 @@ class Conversation:
         self.hold_until = 0.0
         self.stored_seq = 0
 
+    @property
+    def listed(self) -> bool:
+        return self.seq > 0
+
     def add(self, message: Message) -> Message:
-        if len(message["text"]) > MAX_STORED_CHARS:
-            message["text"] = message["text"][:MAX_STORED_CHARS] + "…"
+        message["text"] = clean_text(message["text"], MAX_STORED_CHARS + 1, strip=False)  # shown to agents
         self.seq += 1
         message["seq"] = self.seq
         message["ts"] = time.time()
@@ -93,7 +170,21 @@ class Conversation:
         if not self.messages:
             return None
         m = self.messages[-1]
-        return {"role": m["role"], "text": m["text"][:200], "ts": m["ts"]}
+        return {"role": m["role"], "text": clean_text(m["text"], MAX_PREVIEW_CHARS), "ts": m["ts"]}
+
+    def summary(self, window: int) -> dict[str, Any]:
+        """What agents' lists show, and every `conversation` event carries: no messages."""
+        return {
+            "session_id": self.session_id,
+            "customer": self.customer,
+            "connected": self.connected,
+            "started_at": self.started_at,
+            "updated_at": self.updated_at,
+            "agent": self.agent.to_json() if self.agent is not None else None,
+            "mood": self.mood(window),
+            "last_message": self.last_message(),
+            "seq": self.seq,
+        }
 
     def to_json(self, window: int) -> dict[str, Any]:
         return {

@@ -1,8 +1,11 @@
 """The registry of this node's conversations: the hub's session events, fan-out and store writes.
 
 Each hook updates a conversation and broadcasts one event in the same synchronous step, so an agent's
-snapshot followed by the events after it misses nothing and doubles nothing. Clustered, the record a
-conversation keeps in Redis is written once a turn, with its auto-task tags (or after TAG_WAIT_S).
+snapshot followed by the events after it misses nothing and doubles nothing. Events carry what changed
+(a summary, a message, a token), never the conversation's messages, each within MAX_EVENT_BYTES, and are
+encoded once for all agents. A conversation is shown to agents (listed, stored) from its first message
+on. Clustered, the record a conversation keeps in Redis is written once a turn, with its auto-task tags
+(or after TAG_WAIT_S).
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..commands import Holder
+from ..display import clean_text
 from ..seams import ConsoleBus, ConsoleEvent, ConsoleRecord
 from ..session import Session
 from ..state import AppState
-from .agents import Agents
-from .conversation import Conversation, Message
+from .agents import FOR_AGENT, Agents, Shared
+from .conversation import MAX_EVENT_TEXT_BYTES, Conversation, Message, bounded, customer_name
 from .guard import spawn
 
 SENTIMENT_TASK = "sentiment"
@@ -57,8 +61,12 @@ class Conversations:
 
     # -- fan-out and store writes ---------------------------------------------------------------
     def broadcast(self, event: ConsoleEvent) -> None:
-        self.agents.deliver(event)
+        self.agents.deliver_shared(Shared.of(event))  # encoded once for all of them
         self.bus.publish(event)
+
+    def tell(self, agent_id: str, event: ConsoleEvent) -> None:
+        """An event for one agent, on whichever node its console is."""
+        self.broadcast({**event, FOR_AGENT: agent_id})
 
     def record(self, conv: Conversation) -> ConsoleRecord:
         """The conversation as stored in Redis (and in the session's record)."""
@@ -66,7 +74,8 @@ class Conversations:
 
     def save(self, conv: Conversation, force: bool = False) -> None:
         conv.dirty, conv.hold_until, conv.stored_seq = False, 0.0, conv.seq
-        self.bus.save_conversation(self.record(conv), force)
+        if conv.listed:  # an empty conversation is not stored either
+            self.bus.save_conversation(self.record(conv), force)
 
     def _tagged(self, message: Message) -> bool:
         """Every auto-task has tagged this customer message."""
@@ -79,19 +88,25 @@ class Conversations:
         else:  # written when the tags come, or by the heartbeat after TAG_WAIT_S
             conv.dirty, conv.hold_until = True, self.clock() + TAG_WAIT_S
 
-    def changed(self, conv: Conversation, force: bool = False) -> None:
-        """The conversation's own fields changed: agents get it whole, the store too."""
-        self.broadcast({"type": "conversation", "conversation": conv.to_json(self.mood_window)})
-        self.save(conv, force)
+    def changed(self, conv: Conversation, force: bool = False, save: bool = True) -> None:
+        """The conversation's own fields changed: agents get its summary, the store all of it."""
+        if conv.listed:
+            self.broadcast({"type": "conversation", "conversation": conv.summary(self.mood_window)})
+        if save:
+            self.save(conv, force)
+        else:  # the heartbeat writes it (clustered)
+            conv.dirty = True
 
     def message_event(self, conv: Conversation, msg: Message, save: bool = True) -> None:
+        if conv.seq == 1:  # its first message: agents see the conversation from now on
+            self.changed(conv, save=False)
         if save:
             self.save(conv)
         self.broadcast(
             {
                 "type": "message",
                 "session_id": conv.session_id,
-                "message": msg,
+                "message": bounded(msg),
                 "mood": conv.mood(self.mood_window),
                 "updated_at": conv.updated_at,
             }
@@ -128,12 +143,12 @@ class Conversations:
     def attached(self, session: Session, client_name: str | None, resumed: bool) -> None:
         conv = self._by_id.get(session.id)
         if conv is None:
-            conv = Conversation(session.id, client_name or f"Customer {session.id[:6]}", self.max_messages)
+            conv = Conversation(session.id, client_name, self.max_messages)
             conv.agent = self._holders.pop(session.id, None)
             self._by_id[session.id] = conv
             conv.add_history(session.history)
         elif client_name:
-            conv.customer = client_name
+            conv.customer = customer_name(client_name, session.id)
         conv.connected = True
         conv.updated_at = time.time()
         self.changed(conv, force=True)  # clustered: this node serves the conversation now
@@ -143,23 +158,25 @@ class Conversations:
         if conv is not None and session.connection is None:
             conv.connected = False
             conv.streaming = None
-            self.changed(conv)
+            self.changed(conv, save=False)  # only `connected` changed: the heartbeat writes it
 
     def drop(self, session: Session) -> bool:
         """The session expired here: whether this node had its conversation."""
         self._holders.pop(session.id, None)
-        if self._by_id.pop(session.id, None) is None:
+        conv = self._by_id.pop(session.id, None)
+        if conv is None:
             return False
         if not self.closing:  # clustered: only if no other node serves it since; a node that
             # stops leaves its conversations in Redis (their sessions resume elsewhere)
-            spawn(self._remove(session.id))
+            spawn(self._remove(session.id, conv.listed))
         return True
 
-    async def _remove(self, session_id: str) -> None:
+    async def _remove(self, session_id: str, listed: bool) -> None:
         record = await self.bus.conversation(session_id)
         if record is None or record.get("node") == self.node_id:
             self.bus.remove_conversation(session_id)
-            self.broadcast({"type": "removed", "session_id": session_id})
+            if record is not None or listed:
+                self.broadcast({"type": "removed", "session_id": session_id})
 
     def user_message(self, session: Session, request_id: str, text: str, to_agent: bool = False) -> None:
         conv = self._by_id.get(session.id)
@@ -181,7 +198,11 @@ class Conversations:
         if conv.streaming is None or conv.streaming["id"] != request_id:
             conv.streaming = {"id": request_id, "text": ""}
         conv.streaming["text"] += delta
-        self.broadcast({"type": "token", "session_id": session.id, "id": request_id, "text": delta})
+        # (the streamed text the conversation keeps is the reply's, bounded by its token limit)
+        step = MAX_EVENT_TEXT_BYTES // 4  # characters: a long delta goes as several events
+        for i in range(0, len(delta), step):
+            piece = clean_text(delta[i : i + step], step, strip=False)
+            self.broadcast({"type": "token", "session_id": session.id, "id": request_id, "text": piece})
 
     def bot_done(self, session: Session, request_id: str, text: str | None, finish_reason: str) -> None:
         """The bot's turn ended: `text` is the reply (None when it failed or left no text)."""

@@ -28,7 +28,7 @@ from .login import LOGIN_WINDOW_S, LoginFailures, RejoinTokens, agent_name, dige
 from .snapshot import Snapshots
 from .timer import Timer
 
-AGENT_MESSAGE_TYPES = ("login", "take_over", "hand_back", "agent_message", "assist", "ping")
+AGENT_MESSAGE_TYPES = ("login", "take_over", "hand_back", "agent_message", "assist", "open", "ping")
 
 
 class Door:
@@ -136,6 +136,8 @@ class Door:
             await self.actions.hand_back(agent, sid)
         elif kind == "assist":
             self.assist.request(agent, obj)
+        elif kind == "open":  # a conversation's messages, asked for once (events carry only changes)
+            await self.snapshots.open(agent, sid, obj.get("before"))
         else:
             await self.actions.agent_message(agent, sid, obj.get("text"))
 

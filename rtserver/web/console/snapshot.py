@@ -1,14 +1,19 @@
-"""An agent's snapshot (`console_ready`): every conversation, then the events held while it was read."""
+"""What an agent is sent of the conversations on its own: at login (`console_ready`) the summary of
+every listed conversation, then the events held while it was read; a conversation's messages when it
+asks for them (`open`), a page at a time."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from .. import events
 from .. import protocol as P
 from ..cluster import ClusterUnavailable
+from ..display import clean_text
 from ..seams import ConsoleBus, ConsoleEvent, ConsoleRecord, Topology
 from .agents import Agent
+from .conversation import MAX_STORED_CHARS, listed, page, summary
 from .conversations import Conversations
 
 
@@ -34,7 +39,8 @@ class Snapshots:
         }
 
     async def records(self) -> dict[str, ConsoleRecord]:
-        """Clustered, read from Redis, with this node's own conversations as they are now."""
+        """The summaries of the listed conversations: clustered, read from Redis, with this node's own
+        conversations as they are now."""
         node_id = self.conversations.node_id
         try:
             records = await self.bus.conversations()
@@ -48,9 +54,13 @@ class Snapshots:
                 record["connected"] = False  # its node is gone: resumable elsewhere, not connected
                 if float(record.get("updated_at") or 0) < horizon:
                     continue
-            convs[record["session_id"]] = record
+            if listed(record):
+                convs[record["session_id"]] = summary(record)
         for conv in self.conversations:
-            convs[conv.session_id] = conv.to_json(self.conversations.mood_window)
+            if conv.listed:
+                convs[conv.session_id] = conv.summary(self.conversations.mood_window)
+            else:  # (its record, if an older one was left in Redis, is not this conversation now)
+                convs.pop(conv.session_id, None)
         return convs
 
     async def send(self, agent: Agent) -> None:
@@ -59,10 +69,50 @@ class Snapshots:
         convs = await self.records()
         held, agent.held = agent.held or [], None
         agent.put(self.ready_event(agent, list(convs.values())))
-        for event in held:
+        for out in held:
+            event = out.event
             if event.get("type") == "message" and _has(convs.get(event.get("session_id", "")), event):
                 continue
-            agent.put(event)
+            agent.send_shared(out)
+
+    async def open(self, agent: Agent, session_id: str, before: object) -> None:
+        """An agent's `open`: the conversation's newest messages (older than seq `before` if given)
+        within MAX_PAGE_BYTES, and the reply being streamed; `more` when older ones are left."""
+        if before is not None and (isinstance(before, bool) or not isinstance(before, int)):
+            agent.put(
+                events.error_event("invalid_field", "'before' must be a message seq", session_id=session_id)
+            )
+            return
+        conv = self.conversations.get(session_id)
+        if conv is not None and conv.listed:
+            messages, streaming, seq = list(conv.messages), conv.streaming, conv.seq
+        else:
+            try:
+                record = None if conv is not None else await self.bus.conversation(session_id)
+            except ClusterUnavailable as exc:
+                agent.put(events.error_event(exc.code, exc.message, session_id=session_id))
+                return
+            if record is None or not listed(record):
+                message = f"no live conversation {session_id!r}"
+                agent.put(events.error_event("unknown_session", message, session_id=session_id))
+                return
+            raw = record.get("messages")
+            messages = [m for m in raw if isinstance(m, dict)] if isinstance(raw, list) else []
+            streaming, seq = None, int(record.get("seq") or 0)
+        shown, more = page(messages, before)
+        if streaming is not None:
+            text = clean_text(streaming["text"], MAX_STORED_CHARS, strip=False)
+            streaming = {"id": streaming["id"], "text": text}
+        agent.put(
+            {
+                "type": "messages",
+                "session_id": session_id,
+                "messages": shown,
+                "more": more,
+                "streaming": streaming if before is None else None,
+                "seq": seq,
+            }
+        )
 
 
 def _has(conv: dict[str, Any] | None, event: ConsoleEvent) -> bool:

@@ -94,6 +94,7 @@ class EngineSettings:
     kv_block_tokens: int = _setting(16, min=1, max=1024)
     kept_panels_mb: int = _setting(160, min=0, max=1_000_000)
     max_sequence_tokens: int = _setting(4096, min=32, max=1_000_000)
+    skip_ahead_s: float = _setting(10.0, min=0.0, max=3600.0)
 
 
 @dataclass
@@ -121,6 +122,7 @@ class SecuritySettings:
     ip_tokens_per_s: float = _setting(1000.0, min=0.0, max=1e9)
     ip_tokens_burst: int = _setting(32768, min=1, max=100_000_000)
     api_kv_share: float = _setting(0.5, min=0.0, max=1.0)
+    ip_kv_share: float = _setting(0.25, min=0.0, max=1.0)
     rate_limit_per_s: float = _setting(5.0, min=0.0, max=1e6)
     rate_limit_burst: int = _setting(20, min=1, max=1_000_000)
     ip_rate_limit_per_s: float = _setting(20.0, min=0.0, max=1e6)

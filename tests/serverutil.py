@@ -41,6 +41,7 @@ def make_settings(**sections: dict) -> Settings:
     s.security.rate_limit_per_s = s.security.ip_rate_limit_per_s = 0.0
     s.security.max_sessions_per_ip = s.security.ip_tokens_in_flight = 0
     s.security.ip_tokens_per_s, s.security.api_kv_share = 0.0, 1.0
+    s.security.ip_kv_share = 0.0
     s.server.max_connections_per_ip = 0
     for section, values in sections.items():
         for key, value in values.items():

@@ -10,7 +10,8 @@ admitted and prefilled first; prompts other than customers' take a quarter of a 
 budget at most. A customer waiting for a running place pauses a less urgent generation, which keeps
 its KV and resumes where it stopped; one short of KV pauses one whose KV then waits in the cache
 (evictable), so it resumes from what is still there. Only the most urgent work evicts what idle
-sessions keep in the cache.
+sessions keep in the cache. A waiting sequence whose KV does not fit lets later ones that fit go first
+for a bounded time (`SchedulerLimits.skip_ahead_s`), then they wait behind it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class SchedulerLimits:
     max_waiting: int
     prefill_chunk_tokens: int
     max_sequence_tokens: int
+    skip_ahead_s: float = 10.0  # how long a waiting sequence short of KV lets later ones go first
 
     @classmethod
     def from_settings(cls, s: EngineSettings, max_positions: int | None = None) -> SchedulerLimits:
@@ -61,7 +63,7 @@ class SchedulerLimits:
         longest = (
             s.max_sequence_tokens if max_positions is None else min(s.max_sequence_tokens, max_positions)
         )
-        return cls(s.max_running, s.max_waiting, s.prefill_chunk_tokens, longest)
+        return cls(s.max_running, s.max_waiting, s.prefill_chunk_tokens, longest, s.skip_ahead_s)
 
 
 @dataclass
@@ -183,8 +185,10 @@ class Scheduler:
 
     def _admit(self, events: list[StepEvent]) -> None:
         """Waiting sequences into the running batch, the most urgent first (arrival order within a
-        priority); a generation without a place pauses a less urgent running one."""
+        priority); a generation without a place pauses a less urgent running one. One whose KV does
+        not fit lets the later ones that fit go first (see `_may_skip`)."""
         with self._cond:
+            now = time.perf_counter()
             places = self._places()
             # only the most urgent work may evict what idle sessions keep in the cache
             self._urgent = min(
@@ -202,8 +206,17 @@ class Scheduler:
                 if not self._admit_one(seq) and not (
                     not scoring and self._evict(seq.priority) and self._admit_one(seq)
                 ):
-                    break  # wait for running sequences to finish and free blocks
+                    if self._may_skip(seq, now):
+                        continue
+                    break  # the later ones wait with it for running sequences to free blocks
                 places[scoring] -= 1
+
+    def _may_skip(self, seq: Sequence, now: float) -> bool:
+        """Whether later waiting sequences may go before `seq`, whose KV does not fit now: a small
+        request is not stuck behind a big one, as in vLLM's and TGI's schedulers. Only for
+        `skip_ahead_s` after its arrival: then the blocks running sequences free are left for it, so
+        it is not starved."""
+        return now - seq.submitted_at < self.limits.skip_ahead_s
 
     def _victim(self, priority: int) -> Sequence | None:
         """The least urgent, latest admitted running generation less urgent than `priority`."""
@@ -314,6 +327,8 @@ class Scheduler:
                 if customer and blocked:
                     continue
                 if not self._admit_one(seq):
+                    if self._may_skip(seq, time.perf_counter()):
+                        continue
                     break
                 places -= 1
                 assert seq.kv is not None

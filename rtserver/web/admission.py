@@ -5,9 +5,11 @@ Surfaces: the public widget door (`/ws`, page assets), the inference API (HTTP `
 `/sentiment`, `/tokenize`), the agent console and operations (`/metrics`, `/health` detail). Each has
 its own credential; the API and operations answer loopback clients only while their token is empty.
 
-Costs are tokens, not requests: a generation reserves its new prompt tokens plus `max_new_tokens` while
-it runs, against its client's share and its surface's share, and its client's token bucket pays for
-what it used. A client is an IPv4 address or an IPv6 /64 (one host's usual allocation).
+Costs are tokens, not requests: a generation holds what it takes of the engine's KV while it runs (its
+whole prompt, kept history included, plus `max_new_tokens`; a scoring call its prompt and longest
+candidate) against its client's share, its surface's total and the KV all doors share, and its
+client's token bucket pays for what it computed. A client is an IPv4 address or an IPv6 /64 (one
+host's usual allocation).
 """
 
 from __future__ import annotations
@@ -154,13 +156,40 @@ class NoReservation(Reservation):
         self.released = True
 
 
-class TokenBudget:
-    """One surface's tokens: in flight per client and in all, and each client's rate."""
+class KVPool:
+    """The engine's KV as every door counts it: its size in tokens (0: unknown, e.g. a remote backend,
+    so no bound) and what the running requests of all doors hold of it."""
 
-    def __init__(self, surface: Surface, per_client: int, rate: TokenRate, total: Callable[[], int]):
+    def __init__(self, tokens: Callable[[], int]):
+        self.tokens = tokens
+        self.held = 0
+
+
+class TokenBudget:
+    """One surface's tokens: in flight per client and in all, and each client's rate. `total` is the
+    surface's own bound (0: none beyond the pool); `client_share` bounds what one client may hold to
+    that share of it (of the pool where the surface has no total; 0: no share); `pool` is the KV all
+    surfaces share, which no reservation may overfill."""
+
+    def __init__(
+        self,
+        surface: Surface,
+        per_client: int,
+        rate: TokenRate,
+        total: Callable[[], int],
+        client_share: float = 0.0,
+        pool: KVPool | None = None,
+    ):
         self.surface, self.per_client, self.rate, self.total = surface, per_client, rate, total
+        self.client_share, self.pool = client_share, pool or KVPool(lambda: 0)
         self.held_by_client: dict[str, int] = {}
         self.held = 0
+
+    def client_cap(self) -> int:
+        """The most one client may hold at once (0: no bound): `per_client`, and its share."""
+        whole = self.total() or self.pool.tokens()
+        share = math.floor(whole * self.client_share) if whole and self.client_share else 0
+        return min((c for c in (self.per_client, share) if c), default=0)
 
     def reserve(self, ip: str, tokens: int) -> Reservation:
         key = client_key(ip)
@@ -173,38 +202,49 @@ class TokenBudget:
                 429,
                 retry_after_s=wait,
             )
-        total = self.total()
-        cap = min(c for c in (self.per_client, total) if c) if self.per_client or total else 0
+        door = f"the {self.surface.value} door"
+        total, pool, client = self.total(), self.pool.tokens(), self.client_cap()
+        cap = min((c for c in (client, total, pool) if c), default=0)
         if cap and tokens > cap:  # it would never fit: waiting does not help
             raise Refused(
                 "request_too_large",
                 f"this request needs {tokens} tokens (prompt + max_tokens), more than the {cap} one "
-                f"client may hold at once at the {self.surface.value} door; ask for fewer tokens",
+                f"client may hold at once at {door}; ask for fewer tokens",
                 413,
             )
         held = self.held_by_client.get(key, 0)
-        if self.per_client and held + tokens > self.per_client:
+        if client and held + tokens > client:
             raise Refused(
                 "over_budget",
-                f"this request needs {tokens} tokens and this address already holds {held} of its "
-                f"{self.per_client} (security.ip_tokens_in_flight); wait for a reply to end",
+                f"this request needs {tokens} tokens and this address already holds {held} of the "
+                f"{client} one client may hold at {door}; wait for a reply to end",
                 429,
                 retry_after_s=1.0,
             )
         if total and self.held + tokens > total:
             raise Refused(
                 "over_budget",
-                f"this request needs {tokens} tokens; the {self.surface.value} door holds {self.held} of "
-                f"its {total} now; retry in a moment",
+                f"this request needs {tokens} tokens; {door} holds {self.held} of its {total} now; "
+                f"retry in a moment",
+                429,
+                retry_after_s=1.0,
+            )
+        if pool and self.pool.held + tokens > pool:
+            raise Refused(
+                "over_budget",
+                f"this request needs {tokens} tokens; running requests hold {self.pool.held} of the "
+                f"model's {pool}; retry in a moment",
                 429,
                 retry_after_s=1.0,
             )
         self.held += tokens
+        self.pool.held += tokens
         self.held_by_client[key] = held + tokens
         return Reservation(self, key, tokens)
 
     def give_back(self, reservation: Reservation, used: int) -> None:
         self.held -= reservation.tokens
+        self.pool.held -= reservation.tokens
         left = self.held_by_client.get(reservation.key, 0) - reservation.tokens
         if left > 0:
             self.held_by_client[reservation.key] = left
@@ -237,14 +277,20 @@ class Admission:
             # the API may hold this share of the engine's KV; the public chat door keeps the rest
             return math.floor(self.kv_tokens() * sec.api_kv_share) if sec.api_kv_share < 1 else 0
 
-        def budget(surface: Surface, total: Callable[[], int]) -> TokenBudget:
-            rate = TokenRate(sec.ip_tokens_per_s, sec.ip_tokens_burst)
-            return TokenBudget(surface, sec.ip_tokens_in_flight, rate, total)
+        # every door's running requests together never hold more than the engine's KV
+        self.kv_pool = KVPool(self.kv_tokens)
 
-        # each door has its own budgets: API callers cannot spend what the public chat needs
+        def budget(surface: Surface, total: Callable[[], int], share: float) -> TokenBudget:
+            rate = TokenRate(sec.ip_tokens_per_s, sec.ip_tokens_burst)
+            return TokenBudget(surface, sec.ip_tokens_in_flight, rate, total, share, self.kv_pool)
+
+        # each door has its own budgets: API callers cannot spend what the public chat needs. The
+        # public door's total is the KV the API does not hold, and one address its share of the KV:
+        # strangers behind one address never hold what the others wait for. The API's callers are
+        # hubs (many customers behind one address): its total bounds them, not a share.
         self.budgets = {
-            Surface.PUBLIC: budget(Surface.PUBLIC, lambda: 0),
-            Surface.API: budget(Surface.API, api_total),
+            Surface.PUBLIC: budget(Surface.PUBLIC, lambda: 0, sec.ip_kv_share),
+            Surface.API: budget(Surface.API, api_total, 0.0),
         }
 
     def kv_tokens(self) -> int:
@@ -295,7 +341,8 @@ class Admission:
 
     # -- how much ---------------------------------------------------------------------------------
     def reserve(self, surface: Surface, ip: str, tokens: int) -> Reservation:
-        """Hold `tokens` (new prompt tokens + max_new_tokens) for one generation of `surface`."""
+        """Hold `tokens` (what the request holds of the KV while it runs: its whole prompt + the most
+        it may generate) for one request of `surface`."""
         return self.budgets[surface].reserve(ip, tokens)
 
     def release_when_done(self, reservation: Reservation, stream: Generation, prompt_tokens: int) -> None:

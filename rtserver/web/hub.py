@@ -335,7 +335,10 @@ class Connection(QueuedConnection):
             turn = chat.prepare_turn(session.history, msg.text, session.last_turn)
             params = chat.task.sampling(msg.options or None)
             new_tokens = len(turn.prompt_ids) - _kept_prefix(turn.prompt_ids, session.last_turn)
-            held = hub.admission.reserve(Surface.PUBLIC, self.client_ip, new_tokens + params.max_new_tokens)
+            # the turn holds its whole prompt's KV (the kept history too) and room for its reply; the
+            # client's rate pays only what is computed anew
+            holds = len(turn.prompt_ids) + params.max_new_tokens
+            held = hub.admission.reserve(Surface.PUBLIC, self.client_ip, holds)
             req.stream = hub.state.backend_for("chat").generate(
                 turn.prompt_ids, params, session_key=session.id, public_tokens=turn.public_tokens
             )

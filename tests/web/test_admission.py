@@ -86,7 +86,7 @@ def test_tokens_in_flight_per_client_and_per_surface():
     budget = TokenBudget(Surface.API, 600, TokenRate(0.0, 1, clock), lambda: total[0])
     a = budget.reserve("10.0.0.1", 500)
     refused = refusal(budget.reserve, "10.0.0.1", 200)
-    assert refused.code == "over_budget" and "holds 500 of its 600" in refused.message
+    assert refused.code == "over_budget" and "holds 500 of the 600" in refused.message
     b = budget.reserve("10.0.0.2", 450)
     assert "holds 950 of its 1000" in refusal(budget.reserve, "10.0.0.3", 100).message
     a.release(10)

@@ -15,6 +15,8 @@ from starlette.responses import JSONResponse, Response
 
 from ...engine.backend import FinishReason, Generation, SamplingError, SamplingParams
 from ...tasks import bounds as B
+from ..admission import Admission, Surface
+from ..connection import client_ip
 from ..errors import GenerationFailed
 from ..state import AppState
 from .common import (
@@ -235,7 +237,7 @@ async def completions(request: Request, state: AppState, body: Body) -> Response
     public = _public_tokens(body, len(prompt))
     reply = _Reply(state, body.get("return_token_ids") is True, include_usage)
     if candidates is not None:
-        return await _score(state, reply, prompt, _candidates(candidates, vocab), public)
+        return await _score(request, state, reply, prompt, _candidates(candidates, vocab), public)
     check_prompt(state, len(prompt), params.max_new_tokens, "prompt")
     key = f"remote:{session}" if session else None  # never collides with this node's own sessions
     if not body.get("stream"):
@@ -246,11 +248,19 @@ async def completions(request: Request, state: AppState, body: Body) -> Response
 
 
 async def _score(
-    state: AppState, reply: _Reply, prompt: list[int], lists: list[list[int]], public: int
+    request: Request, state: AppState, reply: _Reply, prompt: list[int], lists: list[list[int]], public: int
 ) -> Response:
-    """`score_candidates`: each continuation's log-probability, no token generated."""
-    check_prompt(state, len(prompt), max(map(len, lists)), "prompt")
-    scores = await state.backend.score(prompt, lists, public_tokens=public)
+    """`score_candidates`: each continuation's log-probability, no token generated. The call holds its
+    prompt and longest candidate against the API budget while it runs, as a generation does."""
+    longest = max(map(len, lists))
+    check_prompt(state, len(prompt), longest, "prompt")
+    admission: Admission = request.app.state.admission
+    held = admission.reserve(Surface.API, client_ip(request), len(prompt) + longest)
+    try:
+        scores = await state.backend.score(prompt, lists, public_tokens=public)
+        held.release(len(prompt))
+    finally:
+        held.release()  # a call that failed pays what it held
     choice = {
         "index": 0,
         "text": "",

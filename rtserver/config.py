@@ -17,6 +17,8 @@ from typing import Any
 
 # rtserver.engine.model maps each dtype to a storage
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "gguf")
+# rtserver.engine.kv_memory maps each to the KV pool's element type
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("local", "openai")
 
 # RTSERVER_* variables that are not settings, so they are not reported as typos
@@ -90,7 +92,8 @@ class EngineSettings:
     max_running: int = _setting(64, min=1, max=4096)
     max_waiting: int = _setting(256, min=0, max=100_000)
     prefill_chunk_tokens: int = _setting(2048, min=16, max=65536)
-    kv_budget_mb: int = _setting(1024, min=8, max=1_000_000)
+    kv_budget_mb: int = _setting(0, min=0, max=1_000_000)
+    kv_dtype: str = _setting("auto", choices=KV_DTYPES)
     kv_block_tokens: int = _setting(16, min=1, max=1024)
     kept_panels_mb: int = _setting(160, min=0, max=1_000_000)
     max_sequence_tokens: int = _setting(4096, min=32, max=1_000_000)

@@ -127,10 +127,10 @@ def prefill_groups(items: list[StepItem]) -> list[list[int]]:
     return groups
 
 
-def _context(pool: torch.Tensor, slots: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """The K or V of `slots` gathered from one layer's pool as [B, kv_heads, L, head_dim] (index_select:
-    a plain row gather, cheaper than advanced indexing's general path)."""
-    return pool.index_select(0, slots).view(shape).transpose(1, 2)
+def _context(pool: torch.Tensor, slots: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The K or V of `slots` gathered from one layer's pool as [B, kv_heads, L, head_dim] in the queries'
+    dtype (index_select: a plain row gather, cheaper than advanced indexing's general path)."""
+    return pool.index_select(0, slots).view(shape).transpose(1, 2).to(dtype)
 
 
 class PagedAttention:
@@ -214,7 +214,8 @@ class PagedAttention:
             B, n = p.q_index.shape
             qp = q[p.q_index].view(B, n, self.n_kv, self.group, self.head_dim)
             qp = qp.permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, self.group * n, self.head_dim)
-            kp, vp = _context(k_pool, p.ctx_index, p.shape), _context(v_pool, p.ctx_index, p.shape)
+            kp = _context(k_pool, p.ctx_index, p.shape, q.dtype)
+            vp = _context(v_pool, p.ctx_index, p.shape, q.dtype)
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale)
             o = o.view(B, self.n_kv, self.group, n, self.head_dim).permute(0, 3, 1, 2, 4)
             o = o.reshape(B * n, self.n_kv, self.group, self.head_dim)
@@ -226,7 +227,8 @@ class PagedAttention:
     ) -> torch.Tensor:
         # [B, kv, group, d] queries against [B, kv, L, d] keys: GQA without repeating K/V.
         qd = q.view(-1, self.n_kv, self.group, self.head_dim)
-        kd, vd = _context(k_pool, d.ctx_index, d.shape), _context(v_pool, d.ctx_index, d.shape)
+        kd = _context(k_pool, d.ctx_index, d.shape, q.dtype)
+        vd = _context(v_pool, d.ctx_index, d.shape, q.dtype)
         return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale)
 
 

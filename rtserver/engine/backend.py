@@ -227,6 +227,7 @@ class BackendHealth(TypedDict):
     state: NotRequired[str]
     running: NotRequired[int]
     kernels: NotRequired[dict[str, Any]]
+    kv: NotRequired[dict[str, Any]]  # the local KV pool: element type, budget, tokens, and why
     model: NotRequired[str]
     servers: NotRequired[list[ServerHealth]]
 

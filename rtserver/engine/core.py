@@ -15,6 +15,8 @@ import threading
 from collections.abc import Hashable
 from typing import Any, Protocol
 
+import torch
+
 from ..config import EngineSettings
 from .backend import (
     BackendHealth,
@@ -28,8 +30,10 @@ from .backend import (
     TokenEvent,
 )
 from .detokenizer import Detokenizer
+from .gguf_file import GGUFFile
 from .grammar import Grammars
 from .kv import KVCacheManager
+from .kv_memory import resolve_kv_memory
 from .linear import BlockLinear
 from .model import LoadedModel
 from .openmp import release_pool
@@ -158,6 +162,27 @@ def _check_token_ids(ids: object, vocab: int, what: str) -> None:
         raise ValueError(f"{what} must be a non-empty list of token ids in 0..{vocab - 1}")
 
 
+def decode_weight_bytes(linears: list[Any]) -> int:
+    """The weight bytes a one-token step reads: each block linear's blocks (or panels), each dense
+    linear's weight."""
+    total = 0
+    for lin in linears:
+        if isinstance(lin, BlockLinear):
+            _, a, b = lin.blocks.args
+            total += sum(t.numel() * t.element_size() for t in [*a, *b])
+        elif isinstance(getattr(lin, "weight", None), torch.Tensor):
+            total += lin.weight.numel() * lin.weight.element_size()
+    return total
+
+
+def file_matmul_bytes(f: GGUFFile) -> int:
+    """The bytes of a GGUF file's tensors that one token multiplies with: every block's matrices and the
+    output head (the token embedding where the head is tied to it)."""
+    names = [n for n, t in f.tensors.items() if n.startswith("blk.") and len(t.shape) >= 2]
+    names.append("output.weight" if "output.weight" in f.tensors else "token_embd.weight")
+    return sum(f.tensors[n].nbytes for n in names if n in f.tensors)
+
+
 class Engine:
     def __init__(
         self, loaded: LoadedModel, settings: EngineSettings | None = None, release_dense_weights: bool = False
@@ -168,12 +193,13 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         cfg = loaded.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_memory = resolve_kv_memory(opts.kv_dtype, opts.kv_budget_mb, loaded)
         self.kv = KVCacheManager(
             cfg.num_hidden_layers,
             cfg.num_key_value_heads,
             head_dim,
-            loaded.dtype,
-            opts.kv_budget_mb << 20,
+            self.kv_memory.dtype,
+            self.kv_memory.budget_mb << 20,
             opts.kv_block_tokens,
         )
         self.runner = ModelRunner(
@@ -249,6 +275,8 @@ class Engine:
                 else "16 weight rows dequantized at a time beside a float32 GEMM"
             ),
             "kept_panels_mb": round(kept / 2**20, 1),
+            "decode_weight_mb": round(decode_weight_bytes(linears) / 2**20, 1),
+            "file_matmul_mb": round(file_matmul_bytes(GGUFFile(loaded.gguf_blocks)) / 2**20, 1),
             "fused_decode_steps": "every size" if runner.fused_decode else "none",
             "why": "start-up probe: the small-step kernel beat the panels up to that many rows",
         }
@@ -419,7 +447,13 @@ class Engine:
 
     def health(self) -> BackendHealth:
         running = len(self.scheduler.running)
-        return {"kind": "local", "state": "up", "running": running, "kernels": self.kernels}
+        return {
+            "kind": "local",
+            "state": "up",
+            "running": running,
+            "kernels": self.kernels,
+            "kv": {**self.kv_memory.describe(), "tokens": self.kv.total_blocks * self.kv.block_tokens},
+        }
 
     @property
     def available(self) -> bool:

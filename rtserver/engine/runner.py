@@ -161,8 +161,8 @@ class ModelRunner(StepRunner):
         self.weights.release()  # the layers' linears are replaced in place
 
     def use_attention_kernel(self, kernel: Any) -> bool:
-        """Decode attention through the kernel's `decode_attention` (float32 KV pools only)."""
-        if self.kv.k.dtype != torch.float32:
+        """Attention through the kernel (float32 activations; pools float32, bfloat16 or float16)."""
+        if self.dtype != torch.float32:
             return False
         self.attention_kernel = kernel
         self.attention = KernelAttention(self.n_heads, self.n_kv, self.head_dim, self.scale, kernel)
@@ -368,8 +368,8 @@ class ModelRunner(StepRunner):
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
         kl, vl = self.kv.k[li], self.kv.v[li]
-        kl.index_copy_(0, lay.write_slots, k)
-        vl.index_copy_(0, lay.write_slots, v)
+        kl.index_copy_(0, lay.write_slots, k.to(kl.dtype))
+        vl.index_copy_(0, lay.write_slots, v.to(vl.dtype))
         attn = self.attention(q, kl, vl, lay.local if L.window > 0 else lay.attention)
         if li == len(self.layers) - 1 and len(lay.wanted_rows) < T:
             # Past the last layer's K/V only the rows that give logits matter: the rest skip its

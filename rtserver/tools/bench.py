@@ -9,6 +9,7 @@ baselines use the same loaded model: `generate` per request, static batches of 4
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import gc
 import json
@@ -140,6 +141,23 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
         "identical_outputs": accuracy(outputs, reference),
         "tokens_before_divergence": mean(same_prefix),
     }
+
+
+def kv_agreement(engine: dict[str, dict]) -> None:
+    """Each run beside the same weights' run with float32 KV (label "<dtype> kv=float32"): greedy
+    burst outputs and sentiment labels equal to that run's."""
+    for label, result in engine.items():
+        base = label.partition(" kv=")[0]
+        ref = engine.get(f"{base} kv=float32")
+        if ref is None or ref is result:
+            continue
+        if "burst" in result and "burst" in ref:
+            outputs = result["burst"]["outputs"]
+            result["agreement_with_float32_kv"] = agreement(outputs, ref["burst"]["outputs"])
+        if "labels" in result.get("sentiment", {}) and "labels" in ref.get("sentiment", {}):
+            result["sentiment"]["agreement_with_float32_kv"] = accuracy(
+                result["sentiment"]["labels"], ref["sentiment"]["labels"]
+            )
 
 
 async def engine_arrival(
@@ -340,7 +358,7 @@ async def run_engine_workloads(
     tok = loaded.tokenizer
     engine = Engine(loaded, options, release_dense_weights=True)  # as `rtserver serve` runs it
     engine.start()
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"kv": engine.kv_memory.describe()}
     try:
         burst = [chat_ids(tok, t) for t in BURST_TEXTS]
         single = chat_ids(tok, SINGLE_TEXT)
@@ -574,6 +592,24 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
                     "<= 1 step",
                 )
             )
+    if "agreement_with_float32_kv" in e:
+        a = e["agreement_with_float32_kv"]
+        rows.append(
+            (
+                f"greedy agreement with float32 KV ({e['kv']['dtype']} KV, burst prompts): "
+                "identical outputs / tokens before divergence",
+                f"{a['identical_outputs']:.0%} / {a['tokens_before_divergence']:.0%}",
+                ">= 90% identical",
+            )
+        )
+    if "agreement_with_float32_kv" in e.get("sentiment", {}):
+        rows.append(
+            (
+                f"sentiment labels equal to float32 KV's ({e['kv']['dtype']} KV)",
+                f"{e['sentiment']['agreement_with_float32_kv']:.1%}",
+                ">= 99%",
+            )
+        )
     if "agreement_with_float32" in e:
         a = e["agreement_with_float32"]
         rows.append(
@@ -766,16 +802,18 @@ def run_bench(
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"bench-{report['date'].replace(':', '')}.json"
     engine_workloads = [w for w in workloads if w not in ("remote", "servers", "formats")]
-    for i, dtype in enumerate(engine_dtypes if engine_workloads else []):
+    for i, spec in enumerate(engine_dtypes if engine_workloads else []):
         gc.collect()
         return_freed_memory()  # what the previous dtype's run left in the heap must not count for this one
         _reset_peak_rss()
+        dtype, _, kv_dtype = spec.partition(":kv=")
         loaded = load(dtype)
         report["model"] = loaded.name
-        label = dtype_label(loaded)
+        label = dtype_label(loaded) + (f" kv={kv_dtype}" if kv_dtype else "")
         mine = engine_workloads if i == 0 else [w for w in workloads if w in EVERY_DTYPE_WORKLOADS]
         say(f"[engine {label}] in-process: {', '.join(mine)}")
-        result = asyncio.run(run_engine_workloads(loaded, options, mine, f"engine {label}"))
+        run_options = dataclasses.replace(options, kv_dtype=kv_dtype) if kv_dtype else options
+        result = asyncio.run(run_engine_workloads(loaded, run_options, mine, f"engine {label}"))
         result["peak_rss_mb"] = peak_rss_since_reset_mb()
         del loaded
         if i == 0 and "e2e" in workloads:
@@ -817,6 +855,7 @@ def run_bench(
     for label, result in report["engine"].items():
         if reference and label != "float32" and "burst" in result:
             result["agreement_with_float32"] = agreement(result["burst"]["outputs"], reference)
+    kv_agreement(report["engine"])
     labels = report["engine"].get("float32", {}).get("sentiment", {}).get("labels")
     for label, result in report["engine"].items():
         if labels and label != "float32" and "labels" in result.get("sentiment", {}):

@@ -129,16 +129,24 @@ def test_kernel_refuses_what_it_cannot_multiply(kernel):
         kernel.blocks_mm(torch.randn(2, 64), ["Q4_1F"], [w.qs], [w.scales])
 
 
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(
     ("d", "heads", "kv_heads"),
     [(64, 9, 3), (128, 16, 8), (256, 4, 1), (80, 10, 1), (72, 6, 2)],  # head sizes of 4 + 1 vectors, none
 )
-def test_decode_attention_reads_the_pool_in_place_like_sdpa(kernel, d, heads, kv_heads):
+def test_decode_attention_reads_the_pool_in_place_like_sdpa(kernel, d, heads, kv_heads, kv_dtype):
     """Query heads per KV head from 1 to 10 (in fours and a rest), head sizes in whole 64s, with a
-    remainder of one vector, and one that is no whole number of vectors; rows few and many."""
+    remainder of one vector, and one that is no whole number of vectors; rows few and many. A 16-bit
+    pool equals SDPA over its values as float32: only storing K/V rounds."""
     torch.manual_seed(0)
     slots = 400
-    k_pool, v_pool = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
+    k_pool, v_pool = (
+        torch.randn(slots, kv_heads, d).to(kv_dtype),
+        torch.randn(slots, kv_heads, d).to(kv_dtype),
+    )
     lengths = [1, 5, 40, 17, 16, 333]  # whole vectors of scores and partial ones
     table = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
     for r, n in enumerate(lengths):
@@ -148,23 +156,30 @@ def test_decode_attention_reads_the_pool_in_place_like_sdpa(kernel, d, heads, kv
     # two rows take tasks per KV head, six a task per row: the same arithmetic
     two = kernel.decode_attention(q[:2], k_pool, v_pool, table[:2], torch.tensor(lengths[:2]), d**-0.5)
     assert torch.equal(two, got[:2])
+    kf, vf = k_pool.float(), v_pool.float()
     for r, n in enumerate(lengths):
-        k, v = k_pool[table[r, :n]].transpose(0, 1), v_pool[table[r, :n]].transpose(0, 1)
+        k, v = kf[table[r, :n]].transpose(0, 1), vf[table[r, :n]].transpose(0, 1)
         want = F.scaled_dot_product_attention(q[r].view(kv_heads, heads // kv_heads, d), k, v, scale=d**-0.5)
         torch.testing.assert_close(got[r], want.reshape(heads, d), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="outside the pool"):
         bad = table.clone()
         bad[0, 0] = slots
         kernel.decode_attention(q, k_pool, v_pool, bad, torch.tensor(lengths), 1.0)
+    with pytest.raises(RuntimeError, match="of one type"):
+        kernel.decode_attention(q, k_pool, v_pool.double(), table, torch.tensor(lengths), 1.0)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("window", [0, 7])
-def test_prefill_attention_is_causal_over_the_pool_like_sdpa(kernel, window):
+def test_prefill_attention_is_causal_over_the_pool_like_sdpa(kernel, window, kv_dtype):
     """Prompt chunks of three items (one starting mid-context, as a later chunk or a kept session does)
     in one call: each row attends to its item's positions up to its own, or its last `window` of them."""
     torch.manual_seed(1)
     slots, d, heads, kv_heads = 300, 64, 9, 3
-    k_pool, v_pool = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
+    k_pool, v_pool = (
+        torch.randn(slots, kv_heads, d).to(kv_dtype),
+        torch.randn(slots, kv_heads, d).to(kv_dtype),
+    )
     chunks = [(0, 12), (20, 5), (0, 33)]  # (first position, rows)
     table = torch.zeros(len(chunks), 53, dtype=torch.long)
     item, position = [], []
@@ -176,9 +191,10 @@ def test_prefill_attention_is_causal_over_the_pool_like_sdpa(kernel, window):
     got = kernel.prefill_attention(
         q, k_pool, v_pool, table, torch.tensor(item), torch.tensor(position), window, d**-0.5
     )
+    kf, vf = k_pool.float(), v_pool.float()
     for r, (b, pos) in enumerate(zip(item, position)):
         ctx = table[b, max(0, pos - window + 1) if window else 0 : pos + 1]
-        k, v = k_pool[ctx].transpose(0, 1), v_pool[ctx].transpose(0, 1)
+        k, v = kf[ctx].transpose(0, 1), vf[ctx].transpose(0, 1)
         want = F.scaled_dot_product_attention(q[r].view(kv_heads, heads // kv_heads, d), k, v, scale=d**-0.5)
         torch.testing.assert_close(got[r], want.reshape(heads, d), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="outside the pool"):

@@ -46,7 +46,9 @@
 #include <utility>
 #include <vector>
 
+#include "attention.h"
 #include "blocks.h"
+#include "vmath.h"
 
 namespace {
 
@@ -1059,78 +1061,6 @@ torch::Tensor dequantize_blocks(std::string format, torch::Tensor qs, int64_t K)
 
 namespace {
 
-// a . b over n floats as 16 running lane sums added up in a fixed tree at the end: the compiler
-// vectorizes it without -ffast-math, while a single running sum is a chain it may not reorder.
-inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX512F__)
-  if (n % 16 == 0) {  // head sizes are: one register of lane sums, one reduction
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
-  for (; i < n; ++i) acc[i % 16] += a[i] * b[i];
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0];
-}
-
-// Sleef's vectorised expf and tanhf (u10: within 1 ulp), exported by libtorch_cpu: what torch's own
-// softmax and tanh-approximated GELU use.
-#if defined(__AVX512F__)
-extern "C" __m512 Sleef_expf16_u10(__m512);
-extern "C" __m512 Sleef_tanhf16_u10(__m512);
-constexpr int64_t kLanes = 16;
-#elif defined(__AVX2__)
-extern "C" __m256 Sleef_expf8_u10avx2(__m256);
-extern "C" __m256 Sleef_tanhf8_u10avx2(__m256);
-constexpr int64_t kLanes = 8;
-#else
-constexpr int64_t kLanes = 1;
-#endif
-
-// p[0, n) <- exp(p - max p), returning their sum; n is a whole number of kLanes (pad with -inf).
-// A scalar expf per score was a third of a 32-row step's attention.
-float exp_shifted(float* p, int64_t n) {
-#if defined(__AVX512F__)
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(p + i));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(p + i), m));
-    _mm512_storeu_ps(p + i, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
-#elif defined(__AVX2__)
-  __m256 mx = _mm256_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(p + i));
-  float lanes[8];
-  _mm256_storeu_ps(lanes, mx);
-  const __m256 m = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_loadu_ps(p + i), m));
-    _mm256_storeu_ps(p + i, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  _mm256_storeu_ps(lanes, sum);
-  float total = 0.f;
-  for (float v : lanes) total += v;
-  return total;
-#else
-  const float m = *std::max_element(p, p + n);
-  float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) sum += (p[i] = std::exp(p[i] - m));
-  return sum;
-#endif
-}
-
 // h[r, i] = act(gu[r, i]) * gu[r, I + i] for gu [R, 2I] (gate and up side by side), each activation
 // as torch computes it with Sleef's vectorised exp / tanh: silu x / (1 + exp(-x)), and GELU's tanh form
 // 0.5 x (1 + tanh(beta (x + kappa x^3))).
@@ -1178,248 +1108,6 @@ void gated_act(const float* GU, int64_t R, int64_t I, bool gelu, float* Hh) {
   });
 }
 
-#if defined(__AVX512F__)
-// v[0..16) -> one vector of their lane sums, v[j]'s in lane j (v is overwritten).
-inline __m512 sum16(__m512* v) {
-  for (int i = 0; i < 8; ++i)
-    v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(v[2 * i]), b = _mm512_castps_pd(v[2 * i + 1]);
-    v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)
-    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
-}
-
-// The D floats at each of positions [j0, j1) of a context, fetched ahead of their use.
-inline void prefetch_rows(const float* base, const int64_t* sl, int64_t j0, int64_t j1, int64_t stride, int64_t D) {
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t c = 0; c < D; c += 16) _mm_prefetch(reinterpret_cast<const char*>(base + sl[j] * stride + c), _MM_HINT_T1);
-}
-
-// o[i] = sum_j w[i][j] v_j over a context, for NI heads and CW vectors of 16 floats from column c0.
-template <int NI, int CW>
-void weigh_values(const float* V, const int64_t* sl, int64_t L, int64_t stride, int64_t c0, const float* w,
-                  int64_t Lpad, float* o, int64_t D) {
-  __m512 acc[NI][CW];
-  for (int i = 0; i < NI; ++i)
-    for (int c = 0; c < CW; ++c) acc[i][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < L; ++j) {
-    const float* v = V + sl[j] * stride + c0;
-    __m512 vv[CW];
-    for (int c = 0; c < CW; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
-    for (int i = 0; i < NI; ++i) {
-      const __m512 wi = _mm512_set1_ps(w[i * Lpad + j]);
-      for (int c = 0; c < CW; ++c) acc[i][c] = _mm512_fmadd_ps(wi, vv[c], acc[i][c]);
-    }
-  }
-  for (int i = 0; i < NI; ++i)
-    for (int c = 0; c < CW; ++c) _mm512_storeu_ps(o + i * D + c0 + 16 * c, acc[i][c]);
-}
-
-template <int NI>
-void weigh_values(const float* V, const int64_t* sl, int64_t L, int64_t stride, const float* w, int64_t Lpad,
-                  float* o, int64_t D) {
-  int64_t c0 = 0;
-  for (; c0 + 64 <= D; c0 += 64) weigh_values<NI, 4>(V, sl, L, stride, c0, w, Lpad, o, D);
-  for (; c0 < D; c0 += 16) weigh_values<NI, 1>(V, sl, L, stride, c0, w, Lpad, o, D);
-}
-#endif
-
-// Query heads q [span * n, D] over a context of L slots sl, head i reading KV head i / n of the span
-// (K at K + slot * stride + (i / n) * D, V likewise): softmax(q k * sc) v into o [span * n, D]. p
-// [span * n, Lpad] is scratch. The span's K/V of a slot are contiguous: prefetched whole, in slot order.
-void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int64_t L, const float* K,
-                const float* V, int64_t stride, int64_t D, float sc, float* p, int64_t Lpad, float* o) {
-  const int64_t Ln = (L + kLanes - 1) / kLanes * kLanes, heads = span * n;
-#if defined(__AVX512F__)
-  const bool vectors = D % 16 == 0;
-#else
-  const bool vectors = false;
-#endif
-  if (vectors) {
-#if defined(__AVX512F__)
-    // Scores 16 positions at a time: a register of lane sums each (16 independent chains), summed
-    // together by sum16. Positions past L repeat the last key; their scores are dropped below.
-    for (int64_t j0 = 0; j0 < L; j0 += 16) {
-      const float* k[16];
-      for (int64_t jj = 0; jj < 16; ++jj) k[jj] = K + sl[std::min(j0 + jj, L - 1)] * stride;
-      const int64_t next = std::min(L, j0 + 16), next_end = std::min(L, j0 + 32), m = next - j0;
-      for (int64_t i = 0; i < heads; ++i) {
-        // A share of the slots a head: the next block's keys, and this block's values (read after the
-        // softmax, from cache).
-        prefetch_rows(K, sl, next + (next_end - next) * i / heads, next + (next_end - next) * (i + 1) / heads,
-                      stride, span * D);
-        prefetch_rows(V, sl, j0 + m * i / heads, j0 + m * (i + 1) / heads, stride, span * D);
-        const float* qi = q + i * D;
-        const int64_t at = i / n * D;
-        __m512 acc[16];
-        for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < D; c += 16) {
-          const __m512 qc = _mm512_loadu_ps(qi + c);
-          for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[jj] + at + c), acc[jj]);
-        }
-        _mm512_storeu_ps(p + i * Lpad + j0, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
-      }
-    }
-#endif
-  } else {
-    for (int64_t j = 0; j < L; ++j)
-      for (int64_t i = 0; i < heads; ++i) p[i * Lpad + j] = dot(q + i * D, K + sl[j] * stride + i / n * D, D) * sc;
-  }
-  for (int64_t i = 0; i < heads; ++i) {  // p <- softmax weights
-    float* pi = p + i * Lpad;
-    std::fill(pi + L, pi + Ln, -INFINITY);
-    const float inv = 1.f / exp_shifted(pi, Ln);
-    for (int64_t j = 0; j < L; ++j) pi[j] *= inv;
-  }
-  if (vectors) {
-#if defined(__AVX512F__)
-    for (int64_t g = 0; g < span; ++g) {
-      const float* Vg = V + g * D;
-      const float* w = p + g * n * Lpad;
-      float* og = o + g * n * D;
-      int64_t i0 = 0;
-      for (; i0 + 4 <= n; i0 += 4) weigh_values<4>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D);
-      switch (n - i0) {
-        case 3: weigh_values<3>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D); break;
-        case 2: weigh_values<2>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D); break;
-        case 1: weigh_values<1>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D); break;
-        default: break;
-      }
-    }
-#endif
-  } else {
-    std::fill(o, o + heads * D, 0.f);
-    for (int64_t j = 0; j < L; ++j)
-      for (int64_t i = 0; i < heads; ++i) {
-        const float w = p[i * Lpad + j], *v = V + sl[j] * stride + i / n * D;
-        float* oi = o + i * D;
-        for (int64_t d = 0; d < D; ++d) oi[d] += w * v[d];
-      }
-  }
-}
-
-// Attention of single-token queries over contexts read in place from a paged pool. q [R, H, D] rows,
-// pools [slots, KV, D]; context(r) is row r's context as (its first slot's address, length), at most
-// Lmax (checked by the caller). With rows enough for the threads, a task per row reads each of its
-// K/V slots whole (every KV head, in order: the prefetches follow); else a task per (row, KV head)
-// computes the H / KV query heads that share that K/V, split further while threads would be idle.
-// Every head's arithmetic is the same either way.
-template <typename Context>
-void attention(const float* Q, const float* Kp, const float* Vp, int64_t R, int64_t H, int64_t KV, int64_t D,
-               int64_t Lmax, float sc, float* O, const Context& context) {
-  const int64_t G = H / KV, want = 2 * at::get_num_threads();
-  const int64_t span = R >= want ? KV : 1, pairs = R * (KV / span);  // KV heads a task
-  const int64_t split = span > 1 || pairs >= want ? 1 : std::min(G, (want + pairs - 1) / pairs);
-  const int64_t per = (G + split - 1) / split;
-  at::parallel_for(0, pairs * split, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t Lpad = (Lmax + 15) / 16 * 16;  // whole vectors of scores
-    std::vector<float> p(span * per * Lpad);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t pair = t / split, r = pair / (KV / span), kv0 = pair % (KV / span) * span;
-      const auto [sl, L] = context(r);
-      const int64_t g0 = t % split * per, n = std::min(G, g0 + per) - g0, h0 = kv0 * G + g0;
-      head_group(Q + (r * H + h0) * D, n, span, sl, L, Kp + kv0 * D, Vp + kv0 * D, KV * D, D, sc, p.data(), Lpad,
-                 O + (r * H + h0) * D);
-    }
-  });
-}
-
-// Rows' contexts as the attention routines read them: row r is at position PS[r] of item IT[r], whose
-// context slots are TB[IT[r] * Lmax ...] from position 0 (row_contexts checks them). A step's prompt
-// rows, or a decode group's, one item a row.
-struct RowContexts {
-  const int64_t *TB, *IT, *PS;
-  int64_t B, Lmax, window;
-  int64_t first(int64_t r) const { return window > 0 ? std::max<int64_t>(0, PS[r] - window + 1) : 0; }
-  // Row r's context: its first slot's address and length.
-  std::pair<const int64_t*, int64_t> operator()(int64_t r) const {
-    return {TB + IT[r] * Lmax + first(r), PS[r] - first(r) + 1};
-  }
-};
-
-// Causal attention of prompt rows over a paged pool: row r attends to positions max(0, PS[r] - window
-// + 1) (0 without a window) to PS[r] of its item. A task per (item, KV head, block of the item's rows)
-// copies the keys its rows read once, transposed, so that the scores of a query are vectors over keys
-// and no dot product ends in a horizontal sum.
-void causal_attention(const float* Q, const float* Kp, const float* Vp, const RowContexts& c, int64_t R,
-                      int64_t H, int64_t KV, int64_t D, float sc, float* O) {
-  const int64_t *TB = c.TB, *IT = c.IT, *PS = c.PS, B = c.B, Lmax = c.Lmax;
-  constexpr int64_t kBlockRows = 32;
-  constexpr int64_t kChain = 64;  // sums kept in registers side by side: one would wait on each add
-  typedef float Chain __attribute__((vector_size(64)));
-  std::vector<std::vector<int64_t>> rows(B);
-  for (int64_t r = 0; r < R; ++r) rows[IT[r]].push_back(r);
-  std::vector<std::pair<int64_t, int64_t>> blocks;  // (item, first of its rows)
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < static_cast<int64_t>(rows[b].size()); i += kBlockRows) blocks.emplace_back(b, i);
-  const int64_t G = H / KV, tasks = static_cast<int64_t>(blocks.size()) * KV;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> kt, p;
-    for (int64_t t = t0; t < t1; ++t) {
-      const auto [b, i0] = blocks[t / KV];
-      const int64_t kv = t % KV, i1 = std::min<int64_t>(rows[b].size(), i0 + kBlockRows);
-      int64_t lo = Lmax, hi = 0;  // the keys the block's rows read: [lo, hi)
-      for (int64_t i = i0; i < i1; ++i) lo = std::min(lo, c.first(rows[b][i])), hi = std::max(hi, PS[rows[b][i]] + 1);
-      const int64_t n = hi - lo, npad = (n + kChain - 1) / kChain * kChain;
-      const int64_t* sl = TB + b * Lmax + lo;
-      kt.assign(D * npad, 0.f);
-      p.resize(npad);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* k = Kp + (sl[j] * KV + kv) * D;
-        for (int64_t d = 0; d < D; ++d) kt[d * npad + j] = k[d];
-      }
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t r = rows[b][i], a = c.first(r) - lo, e = PS[r] + 1 - lo;  // keys [a, e) of the copy
-        for (int64_t g = 0; g < G; ++g) {
-          const float* q = Q + (r * H + kv * G + g) * D;
-          for (int64_t j0 = 0; j0 < npad; j0 += kChain) {  // 64 keys' scores in four vectors
-            Chain acc[4] = {};
-            for (int64_t d = 0; d < D; ++d) {
-              const float qd = q[d] * sc;
-              for (int part = 0; part < 4; ++part) {
-                Chain kc;
-                std::memcpy(&kc, kt.data() + d * npad + j0 + 16 * part, sizeof kc);
-                acc[part] += qd * kc;
-              }
-            }
-            std::memcpy(p.data() + j0, acc, sizeof acc);
-          }
-          std::fill(p.begin(), p.begin() + a, -INFINITY);
-          std::fill(p.begin() + e, p.end(), -INFINITY);
-          const float inv = 1.f / exp_shifted(p.data(), npad);
-          float* o = O + (r * H + kv * G + g) * D;
-          int64_t d0 = 0;
-          for (; d0 + kChain <= D; d0 += kChain) {  // 64 outputs in four vectors (GCC vector types)
-            Chain acc[4] = {};
-            for (int64_t j = a; j < e; ++j) {
-              const float* v = Vp + (sl[j] * KV + kv) * D + d0;
-              const float pj = p[j] * inv;
-              for (int part = 0; part < 4; ++part) {
-                Chain vc;
-                std::memcpy(&vc, v + 16 * part, sizeof vc);
-                acc[part] += pj * vc;
-              }
-            }
-            std::memcpy(o + d0, acc, sizeof acc);
-          }
-          if (d0 < D) {  // a head size that is no whole number of chains
-            std::fill(o + d0, o + D, 0.f);
-            for (int64_t j = a; j < e; ++j) {
-              const float* v = Vp + (sl[j] * KV + kv) * D;
-              const float pj = p[j] * inv;
-              for (int64_t d = d0; d < D; ++d) o[d] += pj * v[d];
-            }
-          }
-        }
-      }
-    }
-  });
-}
-
 void check_context(const torch::Tensor& slots, const torch::Tensor& lengths, int64_t R, int64_t S) {
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.dim() == 2 &&
                   slots.size(0) == R && lengths.scalar_type() == torch::kInt64 && lengths.numel() == R,
@@ -1435,10 +1123,21 @@ void check_context(const torch::Tensor& slots, const torch::Tensor& lengths, int
 }
 
 void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, int64_t D) {
-  TORCH_CHECK(k_pool.scalar_type() == torch::kFloat32 && v_pool.scalar_type() == torch::kFloat32 &&
+  const auto t = k_pool.scalar_type();
+  TORCH_CHECK((t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16) && v_pool.scalar_type() == t &&
                   k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 3 &&
                   k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == D,
-              "pools must be contiguous float32 [slots, KV, D]");
+              "pools must be contiguous [slots, KV, D] of one type: float32, bfloat16 or float16");
+}
+
+// f(K, V) with the pools' element pointers as their type (check_pools checked it).
+template <typename Fn>
+void with_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, const Fn& f) {
+  switch (k_pool.scalar_type()) {
+    case torch::kBFloat16: f(k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>()); break;
+    case torch::kFloat16: f(k_pool.data_ptr<c10::Half>(), v_pool.data_ptr<c10::Half>()); break;
+    default: f(k_pool.data_ptr<float>(), v_pool.data_ptr<float>()); break;
+  }
 }
 
 // Rows a task of a layer's row-wise work takes: a decode step's few rows stay on the calling thread.
@@ -1484,9 +1183,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   check_context(slots, lengths, R, k_pool.size(0));
   auto out = torch::empty_like(q);
   const int64_t *SL = slots.data_ptr<int64_t>(), *LN = lengths.data_ptr<int64_t>(), Lmax = slots.size(1);
-  attention(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), R, H, KV, D, Lmax,
-            static_cast<float>(scale), out.data_ptr<float>(),
-            [&](int64_t r) { return std::pair<const int64_t*, int64_t>{SL + r * Lmax, LN[r]}; });
+  with_pools(k_pool, v_pool, [&](auto* Kp, auto* Vp) {
+    attention(q.data_ptr<float>(), Kp, Vp, R, H, KV, D, Lmax, static_cast<float>(scale), out.data_ptr<float>(),
+              [&](int64_t r) { return std::pair<const int64_t*, int64_t>{SL + r * Lmax, LN[r]}; });
+  });
   return out;
 }
 
@@ -1524,8 +1224,9 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_p
   TORCH_CHECK(H % KV == 0, "head counts do not match");
   const RowContexts c = row_contexts(table, item, position, window, R, k_pool.size(0));
   auto out = torch::empty_like(q);
-  causal_attention(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), c, R, H, KV, D,
-                   static_cast<float>(scale), out.data_ptr<float>());
+  with_pools(k_pool, v_pool, [&](auto* Kp, auto* Vp) {
+    causal_attention(q.data_ptr<float>(), Kp, Vp, c, R, H, KV, D, static_cast<float>(scale), out.data_ptr<float>());
+  });
   return out;
 }
 
@@ -1625,40 +1326,41 @@ torch::Tensor layer_forward(const FusedLayer& L, const Tensor& x, const Tensor& 
   auto gu = torch::empty({R, 2 * I}, opts);
   float *X = out.data_ptr<float>(), *Hh = h.data_ptr<float>(), *QKV = qkv.data_ptr<float>();
   float *Qr = q.data_ptr<float>(), *P = proj.data_ptr<float>(), *GU = gu.data_ptr<float>();
-  float* Kp = k_pool.data_ptr<float>();
-  float* Vp = v_pool.data_ptr<float>();
   const float *C = cos.data_ptr<float>(), *Sn = sin.data_ptr<float>();
   const float *QN = L.QN, *KN = L.KN, *bias = L.bias, eps = L.eps;
 
   rms_norm(X, L.ln1.data_ptr<float>(), R, E, eps, Hh);
   L.qkv.run(Hh, R, QKV);
-  // Per row: the q/k/v bias, per-head norms, then RoPE (rotate-half) on q and k; k and v go straight
-  // into the pool.
+  // Per row: the q/k/v bias, per-head norms, then RoPE (rotate-half) on q and k; k and v go into the
+  // pool in its element type.
   const int64_t half = D / 2;
-  at::parallel_for(0, R, kRowGrain, [&](int64_t r0, int64_t r1) {
-    std::vector<float> head(D);
-    for (int64_t r = r0; r < r1; ++r) {
-      if (bias != nullptr)
-        for (int64_t i = 0; i < NQKV; ++i) QKV[r * NQKV + i] += bias[i];
-      const float *c = C + r * D, *sn = Sn + r * D;
-      for (int64_t hd = 0; hd < H + KV; ++hd) {
-        const float* src = QKV + r * NQKV + hd * D;
-        const float* norm = hd < H ? QN : KN;
-        if (norm != nullptr) {
-          rms_norm(src, norm, 1, D, eps, head.data());
-          src = head.data();
+  with_pools(k_pool, v_pool, [&](auto* Kp, auto* Vp) {
+    at::parallel_for(0, R, kRowGrain, [&](int64_t r0, int64_t r1) {
+      std::vector<float> head(D), key(D);
+      for (int64_t r = r0; r < r1; ++r) {
+        if (bias != nullptr)
+          for (int64_t i = 0; i < NQKV; ++i) QKV[r * NQKV + i] += bias[i];
+        const float *c = C + r * D, *sn = Sn + r * D;
+        for (int64_t hd = 0; hd < H + KV; ++hd) {
+          const float* src = QKV + r * NQKV + hd * D;
+          const float* norm = hd < H ? QN : KN;
+          if (norm != nullptr) {
+            rms_norm(src, norm, 1, D, eps, head.data());
+            src = head.data();
+          }
+          float* dst = hd < H ? Qr + (r * H + hd) * D : key.data();
+          for (int64_t i = 0; i < D; ++i) {
+            const float rot = i < half ? -src[i + half] : src[i - half];
+            dst[i] = src[i] * c[i] + rot * sn[i];
+          }
+          if (hd >= H) kv_store(key.data(), D, Kp + (WS[r] * KV + (hd - H)) * D);
         }
-        float* dst = hd < H ? Qr + (r * H + hd) * D : Kp + (WS[r] * KV + (hd - H)) * D;
-        for (int64_t i = 0; i < D; ++i) {
-          const float rot = i < half ? -src[i + half] : src[i - half];
-          dst[i] = src[i] * c[i] + rot * sn[i];
-        }
+        kv_store(QKV + r * NQKV + QS + KS, KS, Vp + WS[r] * KV * D);
       }
-      std::copy(QKV + r * NQKV + QS + KS, QKV + (r + 1) * NQKV, Vp + WS[r] * KV * D);
-    }
+    });
+    if (context.B == R) attention(Qr, Kp, Vp, R, H, KV, D, context.Lmax, L.scale, attn.data_ptr<float>(), context);
+    else causal_attention(Qr, Kp, Vp, context, R, H, KV, D, L.scale, attn.data_ptr<float>());
   });
-  if (context.B == R) attention(Qr, Kp, Vp, R, H, KV, D, context.Lmax, L.scale, attn.data_ptr<float>(), context);
-  else causal_attention(Qr, Kp, Vp, context, R, H, KV, D, L.scale, attn.data_ptr<float>());
   L.o.run(attn.data_ptr<float>(), R, P);
   if (L.AN != nullptr) rms_norm(P, L.AN, R, E, eps, P);
   add_rows(X, P, R, E);
@@ -1684,8 +1386,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kept_bytes", &kept_bytes, "the bytes unpack_panels takes for a weight of this format and shape");
   m.def("set_panel_rows", &set_panel_rows, "steps of more rows than this run on panels of weight rows");
   m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
-  m.def("decode_attention", &decode_attention, "single-token attention over paged float32 K/V", nogil);
-  m.def("prefill_attention", &prefill_attention, "causal attention of prompt rows over paged float32 K/V", nogil);
+  m.def("decode_attention", &decode_attention, "single-token attention over paged K/V (float32, bfloat16 or float16)", nogil);
+  m.def("prefill_attention", &prefill_attention, "causal attention of prompt rows over paged K/V (float32, bfloat16 or float16)", nogil);
 #ifdef RTSERVER_INT_DOTS
   m.attr("fixed_point_activations") = true;
 #else

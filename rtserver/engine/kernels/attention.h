@@ -1,0 +1,318 @@
+// Attention over the paged KV pool, read in place: single-token rows (decode) and causal prompt rows.
+// A pool holds K or V as float32, bfloat16 or float16 (T, engine.kv_dtype): a 16-bit pool halves what
+// attention reads and the memory a token takes. Scores, softmax and sums are float32 either way.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "vmath.h"
+
+namespace {
+
+// n KV elements as floats: the pool's own row for float32, else converted into tmp.
+template <typename T>
+inline const float* kv_row(const T* src, int64_t n, float* tmp) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      if constexpr (std::is_same_v<T, c10::Half>)
+        _mm256_storeu_ps(tmp + i, _mm256_cvtph_ps(h));
+      else
+        _mm256_storeu_ps(tmp + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+#endif
+    for (; i < n; ++i) tmp[i] = static_cast<float>(src[i]);
+    return tmp;
+  }
+}
+
+// n floats into KV elements, rounded to nearest even as torch's casts round.
+template <typename T>
+inline void kv_store(const float* src, int64_t n, T* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+#if defined(__AVX512F__)
+// 16 KV elements as one float vector.
+inline __m512 kv_load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 kv_load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 kv_load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// v[0..16) -> one vector of their lane sums, v[j]'s in lane j (v is overwritten).
+inline __m512 sum16(__m512* v) {
+  for (int i = 0; i < 8; ++i)
+    v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(v[2 * i]), b = _mm512_castps_pd(v[2 * i + 1]);
+    v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
+}
+
+// The D elements at each of positions [j0, j1) of a context, fetched ahead of their use.
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* sl, int64_t j0, int64_t j1, int64_t stride, int64_t D) {
+  constexpr int64_t line = 64 / sizeof(T);
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t c = 0; c < D; c += line) _mm_prefetch(reinterpret_cast<const char*>(base + sl[j] * stride + c), _MM_HINT_T1);
+}
+
+// o[i] = sum_j w[i][j] v_j over a context, for NI heads and CW vectors of 16 floats from column c0.
+template <int NI, int CW, typename T>
+void weigh_values(const T* V, const int64_t* sl, int64_t L, int64_t stride, int64_t c0, const float* w,
+                  int64_t Lpad, float* o, int64_t D) {
+  __m512 acc[NI][CW];
+  for (int i = 0; i < NI; ++i)
+    for (int c = 0; c < CW; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    const T* v = V + sl[j] * stride + c0;
+    __m512 vv[CW];
+    for (int c = 0; c < CW; ++c) vv[c] = kv_load16(v + 16 * c);
+    for (int i = 0; i < NI; ++i) {
+      const __m512 wi = _mm512_set1_ps(w[i * Lpad + j]);
+      for (int c = 0; c < CW; ++c) acc[i][c] = _mm512_fmadd_ps(wi, vv[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < NI; ++i)
+    for (int c = 0; c < CW; ++c) _mm512_storeu_ps(o + i * D + c0 + 16 * c, acc[i][c]);
+}
+
+template <int NI, typename T>
+void weigh_values(const T* V, const int64_t* sl, int64_t L, int64_t stride, const float* w, int64_t Lpad,
+                  float* o, int64_t D) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= D; c0 += 64) weigh_values<NI, 4, T>(V, sl, L, stride, c0, w, Lpad, o, D);
+  for (; c0 < D; c0 += 16) weigh_values<NI, 1, T>(V, sl, L, stride, c0, w, Lpad, o, D);
+}
+#endif
+
+// Query heads q [span * n, D] over a context of L slots sl, head i reading KV head i / n of the span
+// (K at K + slot * stride + (i / n) * D, V likewise): softmax(q k * sc) v into o [span * n, D]. p
+// [span * n, Lpad] is scratch. The span's K/V of a slot are contiguous: prefetched whole, in slot order.
+template <typename T>
+void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int64_t L, const T* K,
+                const T* V, int64_t stride, int64_t D, float sc, float* p, int64_t Lpad, float* o) {
+  const int64_t Ln = (L + kLanes - 1) / kLanes * kLanes, heads = span * n;
+#if defined(__AVX512F__)
+  const bool vectors = D % 16 == 0;
+#else
+  const bool vectors = false;
+#endif
+  if (vectors) {
+#if defined(__AVX512F__)
+    // Scores 16 positions at a time: a register of lane sums each (16 independent chains), summed
+    // together by sum16. Positions past L repeat the last key; their scores are dropped below.
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+      const T* k[16];
+      for (int64_t jj = 0; jj < 16; ++jj) k[jj] = K + sl[std::min(j0 + jj, L - 1)] * stride;
+      const int64_t next = std::min(L, j0 + 16), next_end = std::min(L, j0 + 32), m = next - j0;
+      for (int64_t i = 0; i < heads; ++i) {
+        // A share of the slots a head: the next block's keys, and this block's values (read after the
+        // softmax, from cache).
+        prefetch_rows(K, sl, next + (next_end - next) * i / heads, next + (next_end - next) * (i + 1) / heads,
+                      stride, span * D);
+        prefetch_rows(V, sl, j0 + m * i / heads, j0 + m * (i + 1) / heads, stride, span * D);
+        const float* qi = q + i * D;
+        const int64_t at = i / n * D;
+        __m512 acc[16];
+        for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+          const __m512 qc = _mm512_loadu_ps(qi + c);
+          for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_fmadd_ps(qc, kv_load16(k[jj] + at + c), acc[jj]);
+        }
+        _mm512_storeu_ps(p + i * Lpad + j0, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
+      }
+    }
+#endif
+  } else {
+    std::vector<float> row(std::is_same_v<T, float> ? 0 : D);
+    for (int64_t j = 0; j < L; ++j)
+      for (int64_t g = 0; g < span; ++g) {
+        const float* k = kv_row(K + sl[j] * stride + g * D, D, row.data());
+        for (int64_t i = g * n; i < (g + 1) * n; ++i) p[i * Lpad + j] = dot(q + i * D, k, D) * sc;
+      }
+  }
+  for (int64_t i = 0; i < heads; ++i) {  // p <- softmax weights
+    float* pi = p + i * Lpad;
+    std::fill(pi + L, pi + Ln, -INFINITY);
+    const float inv = 1.f / exp_shifted(pi, Ln);
+    for (int64_t j = 0; j < L; ++j) pi[j] *= inv;
+  }
+  if (vectors) {
+#if defined(__AVX512F__)
+    for (int64_t g = 0; g < span; ++g) {
+      const T* Vg = V + g * D;
+      const float* w = p + g * n * Lpad;
+      float* og = o + g * n * D;
+      int64_t i0 = 0;
+      for (; i0 + 4 <= n; i0 += 4) weigh_values<4>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D);
+      switch (n - i0) {
+        case 3: weigh_values<3>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D); break;
+        case 2: weigh_values<2>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D); break;
+        case 1: weigh_values<1>(Vg, sl, L, stride, w + i0 * Lpad, Lpad, og + i0 * D, D); break;
+        default: break;
+      }
+    }
+#endif
+  } else {
+    std::vector<float> row(std::is_same_v<T, float> ? 0 : D);
+    std::fill(o, o + heads * D, 0.f);
+    for (int64_t j = 0; j < L; ++j)
+      for (int64_t g = 0; g < span; ++g) {
+        const float* v = kv_row(V + sl[j] * stride + g * D, D, row.data());
+        for (int64_t i = g * n; i < (g + 1) * n; ++i) {
+          const float w = p[i * Lpad + j];
+          float* oi = o + i * D;
+          for (int64_t d = 0; d < D; ++d) oi[d] += w * v[d];
+        }
+      }
+  }
+}
+
+// Attention of single-token queries over contexts read in place from a paged pool. q [R, H, D] rows,
+// pools [slots, KV, D]; context(r) is row r's context as (its first slot's address, length), at most
+// Lmax (checked by the caller). With rows enough for the threads, a task per row reads each of its
+// K/V slots whole (every KV head, in order: the prefetches follow); else a task per (row, KV head)
+// computes the H / KV query heads that share that K/V, split further while threads would be idle.
+// Every head's arithmetic is the same either way.
+template <typename T, typename Context>
+void attention(const float* Q, const T* Kp, const T* Vp, int64_t R, int64_t H, int64_t KV, int64_t D,
+               int64_t Lmax, float sc, float* O, const Context& context) {
+  const int64_t G = H / KV, want = 2 * at::get_num_threads();
+  const int64_t span = R >= want ? KV : 1, pairs = R * (KV / span);  // KV heads a task
+  const int64_t split = span > 1 || pairs >= want ? 1 : std::min(G, (want + pairs - 1) / pairs);
+  const int64_t per = (G + split - 1) / split;
+  at::parallel_for(0, pairs * split, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t Lpad = (Lmax + 15) / 16 * 16;  // whole vectors of scores
+    std::vector<float> p(span * per * Lpad);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pair = t / split, r = pair / (KV / span), kv0 = pair % (KV / span) * span;
+      const auto [sl, L] = context(r);
+      const int64_t g0 = t % split * per, n = std::min(G, g0 + per) - g0, h0 = kv0 * G + g0;
+      head_group(Q + (r * H + h0) * D, n, span, sl, L, Kp + kv0 * D, Vp + kv0 * D, KV * D, D, sc, p.data(), Lpad,
+                 O + (r * H + h0) * D);
+    }
+  });
+}
+
+// Rows' contexts as the attention routines read them: row r is at position PS[r] of item IT[r], whose
+// context slots are TB[IT[r] * Lmax ...] from position 0 (row_contexts checks them). A step's prompt
+// rows, or a decode group's, one item a row.
+struct RowContexts {
+  const int64_t *TB, *IT, *PS;
+  int64_t B, Lmax, window;
+  int64_t first(int64_t r) const { return window > 0 ? std::max<int64_t>(0, PS[r] - window + 1) : 0; }
+  // Row r's context: its first slot's address and length.
+  std::pair<const int64_t*, int64_t> operator()(int64_t r) const {
+    return {TB + IT[r] * Lmax + first(r), PS[r] - first(r) + 1};
+  }
+};
+
+// Causal attention of prompt rows over a paged pool: row r attends to positions max(0, PS[r] - window
+// + 1) (0 without a window) to PS[r] of its item. A task per (item, KV head, block of the item's rows)
+// copies the keys its rows read once, transposed, so that the scores of a query are vectors over keys
+// and no dot product ends in a horizontal sum.
+template <typename T>
+void causal_attention(const float* Q, const T* Kp, const T* Vp, const RowContexts& c, int64_t R,
+                      int64_t H, int64_t KV, int64_t D, float sc, float* O) {
+  const int64_t *TB = c.TB, *IT = c.IT, *PS = c.PS, B = c.B, Lmax = c.Lmax;
+  constexpr int64_t kBlockRows = 32;
+  constexpr int64_t kChain = 64;  // sums kept in registers side by side: one would wait on each add
+  typedef float Chain __attribute__((vector_size(64)));
+  std::vector<std::vector<int64_t>> rows(B);
+  for (int64_t r = 0; r < R; ++r) rows[IT[r]].push_back(r);
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (item, first of its rows)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < static_cast<int64_t>(rows[b].size()); i += kBlockRows) blocks.emplace_back(b, i);
+  const int64_t G = H / KV, tasks = static_cast<int64_t>(blocks.size()) * KV;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> kt, p, vt;  // vt: a 16-bit pool's values of the block, as floats
+    std::vector<const float*> vrows;
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto [b, i0] = blocks[t / KV];
+      const int64_t kv = t % KV, i1 = std::min<int64_t>(rows[b].size(), i0 + kBlockRows);
+      int64_t lo = Lmax, hi = 0;  // the keys the block's rows read: [lo, hi)
+      for (int64_t i = i0; i < i1; ++i) lo = std::min(lo, c.first(rows[b][i])), hi = std::max(hi, PS[rows[b][i]] + 1);
+      const int64_t n = hi - lo, npad = (n + kChain - 1) / kChain * kChain;
+      const int64_t* sl = TB + b * Lmax + lo;
+      kt.assign(D * npad, 0.f);
+      p.resize(npad);
+      for (int64_t j = 0; j < n; ++j) {
+        const T* k = Kp + (sl[j] * KV + kv) * D;
+        for (int64_t d = 0; d < D; ++d) kt[d * npad + j] = static_cast<float>(k[d]);
+      }
+      if (!std::is_same_v<T, float>) vt.resize(n * D);
+      vrows.resize(n);
+      for (int64_t j = 0; j < n; ++j) vrows[j] = kv_row(Vp + (sl[j] * KV + kv) * D, D, vt.data() + j * D);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = rows[b][i], a = c.first(r) - lo, e = PS[r] + 1 - lo;  // keys [a, e) of the copy
+        for (int64_t g = 0; g < G; ++g) {
+          const float* q = Q + (r * H + kv * G + g) * D;
+          for (int64_t j0 = 0; j0 < npad; j0 += kChain) {  // 64 keys' scores in four vectors
+            Chain acc[4] = {};
+            for (int64_t d = 0; d < D; ++d) {
+              const float qd = q[d] * sc;
+              for (int part = 0; part < 4; ++part) {
+                Chain kc;
+                std::memcpy(&kc, kt.data() + d * npad + j0 + 16 * part, sizeof kc);
+                acc[part] += qd * kc;
+              }
+            }
+            std::memcpy(p.data() + j0, acc, sizeof acc);
+          }
+          std::fill(p.begin(), p.begin() + a, -INFINITY);
+          std::fill(p.begin() + e, p.end(), -INFINITY);
+          const float inv = 1.f / exp_shifted(p.data(), npad);
+          float* o = O + (r * H + kv * G + g) * D;
+          int64_t d0 = 0;
+          for (; d0 + kChain <= D; d0 += kChain) {  // 64 outputs in four vectors (GCC vector types)
+            Chain acc[4] = {};
+            for (int64_t j = a; j < e; ++j) {
+              const float* v = vrows[j] + d0;
+              const float pj = p[j] * inv;
+              for (int part = 0; part < 4; ++part) {
+                Chain vc;
+                std::memcpy(&vc, v + 16 * part, sizeof vc);
+                acc[part] += pj * vc;
+              }
+            }
+            std::memcpy(o + d0, acc, sizeof acc);
+          }
+          if (d0 < D) {  // a head size that is no whole number of chains
+            std::fill(o + d0, o + D, 0.f);
+            for (int64_t j = a; j < e; ++j) {
+              const float* v = vrows[j];
+              const float pj = p[j] * inv;
+              for (int64_t d = d0; d < D; ++d) o[d] += pj * v[d];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace

@@ -75,6 +75,8 @@ HTTP_ONLY_CODES = {
     "shutting_down",
     "forbidden",
     "api_disabled",
+    "unsupported_media_type",
+    "forbidden_host",
 }
 LEAKS = ("Traceback", "/work/", '.py"', 'File "', "site-packages")
 
@@ -209,7 +211,9 @@ def running_fuzz_server(loaded: Any) -> Iterator[ServerThread]:
 
 
 def http_client(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base, timeout=RECV_TIMEOUT) as client:
+    """A client whose bodies are declared JSON unless a request says otherwise (the API takes no other)."""
+    headers = {"content-type": "application/json"}
+    with httpx.Client(base_url=server.base, timeout=RECV_TIMEOUT, headers=headers) as client:
         yield client
 
 

@@ -36,7 +36,7 @@ from . import http_api
 from .admission import Admission, Refused, SocketGate, Surface, bearer
 from .cluster.topology import Clustered
 from .connection import client_ip
-from .headers import SecurityHeaders
+from .headers import SecurityHeaders, TrustedHosts
 from .hub import FULL_RETRY_S, Hub
 from .metrics import CONTENT_TYPE
 from .protocol import transport_max_bytes
@@ -386,7 +386,11 @@ def create_app(
     routes = _routes(hub)
     if CLIENT_FAULTS not in logging.getLogger("uvicorn.error").filters:
         logging.getLogger("uvicorn.error").addFilter(CLIENT_FAULTS)
-    middleware = [Middleware(SecurityHeaders), Middleware(SocketGate, admission=admission)]
+    middleware = [
+        Middleware(SecurityHeaders),
+        Middleware(TrustedHosts, server=settings.server, metrics=state.metrics),
+        Middleware(SocketGate, admission=admission),
+    ]
     app = Starlette(routes=routes, lifespan=_lifespan(state, hub, load), middleware=middleware)
     app.state.rt = state
     app.state.hub = hub

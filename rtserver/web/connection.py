@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import urllib.parse
 from typing import Any
 
 from starlette.requests import HTTPConnection
@@ -14,7 +15,11 @@ from starlette.websockets import WebSocket
 
 from ..config import SecuritySettings
 from . import events
+from .headers import split_host
 from .metrics import Metrics
+
+DEFAULT_PORTS = {"http": 80, "https": 443}  # of a page's origin: a WebSocket comes from a page
+MAX_ORIGIN_CHARS = 200  # of a refused Origin in the error message
 
 
 class Close(enum.IntEnum):
@@ -31,7 +36,6 @@ class Close(enum.IntEnum):
     DISABLED = 4403  # the console is off (no console token)
     TAKEN_OVER = 4409  # the session was resumed by another connection
     TOO_MANY_SESSIONS = 4429  # also: too many open connections from one client
-    RATE_LIMITED = 4429  # too many failed console logins from the address
 
 
 def client_ip(conn: HTTPConnection) -> str:
@@ -42,6 +46,7 @@ def client_ip(conn: HTTPConnection) -> str:
 
 
 def origin_allowed(ws: WebSocket, security: SecuritySettings) -> bool:
+    """/ws: any page unless `security.allowed_origins` lists them (the widget is embedded anywhere)."""
     allowed = security.allowed_origins
     if not allowed or "*" in allowed:
         return True
@@ -49,20 +54,39 @@ def origin_allowed(ws: WebSocket, security: SecuritySettings) -> bool:
     return origin is None or origin in allowed
 
 
-async def accept(ws: WebSocket, security: SecuritySettings, metrics: Metrics) -> bool:
-    """Accept a WebSocket (/ws or /ws/console); a foreign browser origin is then refused with
-    `forbidden_origin` and close 1008 (the client gets a reason, not a bare HTTP 403)."""
-    await ws.accept()
-    if origin_allowed(ws, security):
+def same_origin(origin: str, host: str | None) -> bool:
+    """Whether a page's Origin names the host and port the request was sent to (its Host header)."""
+    try:
+        page = urllib.parse.urlsplit(origin)
+        page_port = page.port or DEFAULT_PORTS.get(page.scheme)
+    except ValueError:  # a port that is no number
+        return False
+    if page.scheme not in DEFAULT_PORTS or not page.hostname or host is None:
+        return False
+    name, port = split_host(host)
+    return page.hostname == name and page_port == (port or DEFAULT_PORTS[page.scheme])
+
+
+def console_origin_allowed(ws: WebSocket, security: SecuritySettings) -> bool:
+    """/ws/console: its own page (same origin), the pages of `security.console_origins`, and clients
+    that are no page (no Origin header)."""
+    origin = ws.headers.get("origin")
+    allowed = [o.rstrip("/").lower() for o in security.console_origins]
+    if origin is None or "*" in allowed or origin.rstrip("/").lower() in allowed:
         return True
-    await refuse(
-        ws,
-        metrics,
-        "forbidden_origin",
-        f"origin {ws.headers.get('origin')!r} is not allowed (security.allowed_origins)",
-        Close.POLICY,
-        "origin not allowed",
-    )
+    return same_origin(origin, ws.headers.get("host"))
+
+
+async def accept(ws: WebSocket, security: SecuritySettings, metrics: Metrics, console: bool = False) -> bool:
+    """Accept a WebSocket (/ws, or /ws/console when `console`); a foreign browser origin is then
+    refused with `forbidden_origin` and close 1008 (the client gets a reason, not a bare HTTP 403)."""
+    await ws.accept()
+    if (console_origin_allowed if console else origin_allowed)(ws, security):
+        return True
+    origin = repr(ws.headers.get("origin", "")[:MAX_ORIGIN_CHARS])
+    setting = "the console's own page, security.console_origins" if console else "security.allowed_origins"
+    message = f"origin {origin} is not allowed ({setting})"
+    await refuse(ws, metrics, "forbidden_origin", message, Close.POLICY, "origin not allowed")
     return False
 
 

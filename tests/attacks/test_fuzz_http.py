@@ -4,10 +4,10 @@ odd numbers), content types, methods and Authorization headers to every route of
 the open routes; bodies over the transport limit, with a length and chunked.
 
 Checked: every response is < 500, has no internals in its body, is strict JSON (error bodies with a
-documented code and exactly `code`, `message`, `type`, `param`; SSE chunks without errors); a body that
-is not a JSON object on a POST route gets the 400 `bad_json` (or 413) the documentation promises; a wrong
-or missing token gets 401 `unauthorized` while the open routes stay open; the server logs no error; and
-afterwards a normal chat works.
+documented code and exactly `code`, `message`, `type`, `param`; SSE chunks without errors); a body not
+declared as JSON on a POST route gets 415 `unsupported_media_type`, one that is not a JSON object the
+400 `bad_json` (or 413) the documentation promises; a wrong or missing token gets 401 `unauthorized`
+while the open routes stay open; the server logs no error; and afterwards a normal chat works.
 """
 
 from __future__ import annotations
@@ -199,10 +199,9 @@ def http_request(draw) -> tuple[str, str, bytes, dict]:
         if method not in ("GET", "HEAD") or draw(st.integers(0, 9)) == 0
         else b""
     )
-    headers = {}
     ctype = draw(st.one_of(st.sampled_from(CONTENT_TYPES), header_text))
-    if ctype:
-        headers["content-type"] = ctype.encode("latin-1")
+    # the client declares JSON unless told otherwise: an empty value stands for no Content-Type
+    headers = {"content-type": ctype.encode("latin-1")} if ctype is not None else {}
     return method, path, body, headers
 
 
@@ -215,12 +214,16 @@ def request(client: httpx.Client, method: str, url: str, **kwargs: Any) -> httpx
         reject()
 
 
-def expected_http(method: str, path: str, body: bytes) -> int | None:
-    """The status the documentation promises for a body that is not a JSON object on a POST route."""
+def expected_http(method: str, path: str, body: bytes, headers: dict) -> int | None:
+    """The status the documentation promises on a POST route for a body not declared as JSON (415) or
+    that is not a JSON object."""
     posts = {p for p, m in API_ROUTES if "POST" in m and "{name}" not in p}
     simple_task = re.fullmatch(r"/v1/tasks/[A-Za-z0-9_-]+", path)
     if method != "POST" or not (path in posts or simple_task):
         return None
+    ctype = headers.get("content-type", b"application/json").decode("latin-1")
+    if ctype.partition(";")[0].strip().lower() != "application/json":
+        return 415
     if len(body) > fuzzutil.HTTP_MAX:
         return 413
     try:
@@ -236,11 +239,12 @@ def test_http_api_random_requests(server, http, req):
     method, path, body, headers = req
     r = request(http, method, path, content=body, headers=headers)
     check_response(r, (method, path, body[:300], headers))
-    status = expected_http(method, path, body)
+    status = expected_http(method, path, body, headers)
     if status is not None:
         assert r.status_code == status, (method, path, body[:300], r.status_code, r.text[:500])
-        if status == 400:
-            assert r.json()["error"]["code"] == "bad_json", r.text[:500]
+        if status in (400, 415):
+            code = "bad_json" if status == 400 else "unsupported_media_type"
+            assert r.json()["error"]["code"] == code, r.text[:500]
 
 
 def test_http_huge_bodies_and_wrong_methods(server, http):

@@ -1,7 +1,9 @@
 """The console's door: `/ws/console`, its login (token, deadline, failed logins) and its frames.
 
-A console socket must log in within `security.console_login_timeout_s` (else 4408); a wrong token
-closes it (4401); too many wrong ones from a client IP refuse every login from it a while (4429).
+A console page must be this server's own (same origin) or in `security.console_origins`. A console
+socket must log in within `security.console_login_timeout_s` (else 4408); a wrong token closes it
+(4401); past the limit of wrong ones from a client IP, its logins wait before they are checked
+(login.py), the right token's too, and are never refused for it.
 The frames of a logged-in agent are checked here once: below, a session id is a `str`.
 """
 
@@ -24,7 +26,7 @@ from .actions import Actions
 from .agents import Agent, Agents
 from .assist import Assist
 from .guard import spawn
-from .login import LOGIN_WINDOW_S, LoginFailures, RejoinTokens, agent_name, digest
+from .login import FIRST_LOGIN_DELAY_S, LOGIN_WINDOW_S, LoginFailures, RejoinTokens, agent_name, digest
 from .snapshot import Snapshots
 from .timer import Timer
 
@@ -55,11 +57,12 @@ class Door:
         self.limits = limits  # cluster-wide failed logins when clustered
         self.timer = timer
         self.login_failures = LoginFailures(self.settings.security.console_login_failures_per_min)
+        self.waiting: set[Agent] = set()  # logins held before their token is checked
 
     # -- the endpoint ---------------------------------------------------------------------------
     async def endpoint(self, ws: WebSocket) -> None:
         sec, metrics = self.settings.security, self.state.metrics
-        if not await accept(ws, sec, metrics):
+        if not await accept(ws, sec, metrics, console=True):
             return
         if not sec.console_token:
             message = "the console is disabled (security.console_token is empty)"
@@ -96,7 +99,7 @@ class Door:
             agent.stop()
 
     def _login_late(self, agent: Agent) -> None:
-        if not agent.logged_in and not agent.stopping.is_set():
+        if not agent.logged_in and not agent.stopping.is_set() and agent not in self.waiting:
             timeout = self.settings.security.console_login_timeout_s
             agent.put(events.error_event("login_timeout", f"no login within {timeout:g} s"))
             agent.stop(Close.LOGIN_TIMEOUT, "login timeout")
@@ -142,45 +145,52 @@ class Door:
             await self.actions.agent_message(agent, sid, obj.get("text"))
 
     # -- login ----------------------------------------------------------------------------------
-    async def _failed_logins(self, ip: str, failed: bool = False) -> float:
-        """Seconds this IP must wait before its next login (counting a failure first if `failed`):
-        cluster-wide in Redis when clustered, this node's own count while Redis is down."""
+    async def _login_delay(self, ip: str) -> float:
+        """Seconds a login from this IP waits before its token is checked: by this node's count of its
+        wrong tokens; clustered, at least the first delay once the cluster's count is at the limit
+        (this node's own while Redis is down)."""
         limit = self.settings.security.console_login_failures_per_min
         if not limit:
             return 0.0
-        local = self.login_failures.check(ip, failed)
-        return await self.limits.failed_logins(ip, limit, LOGIN_WINDOW_S, failed, local)
+        local = self.login_failures.delay(ip)
+        over = await self.limits.failed_logins(ip, limit, LOGIN_WINDOW_S, False, local)
+        return max(local, FIRST_LOGIN_DELAY_S) if over > 0 else 0.0
+
+    async def _count_failure(self, ip: str, given: object) -> None:
+        """A wrong token from this IP, counted here and cluster-wide unless it was already counted."""
+        limit = self.settings.security.console_login_failures_per_min
+        attempt = digest(given) if isinstance(given, str) else b""
+        if limit and self.login_failures.failed(ip, attempt):
+            await self.limits.failed_logins(ip, limit, LOGIN_WINDOW_S, True, 0.0)
 
     async def login(self, agent: Agent, obj: dict[str, Any]) -> bool:
         ip = client_key(client_ip(agent.ws))  # an IPv6 guesser counts by its /64
-        wait = await self._failed_logins(ip)
-        if wait > 0:
-            limit = self.settings.security.console_login_failures_per_min
-            message = (
-                f"too many failed console logins from this address (limit {limit} a minute); "
-                f"retry in {wait:.0f} s"
-            )
-            agent.put(events.error_event("rate_limited", message, retry_after_s=round(wait, 3)))
-            agent.stop(Close.RATE_LIMITED, "rate limited")
+        key = await self.rejoin.key()
+        known = self.rejoin.agent_id(obj.get("rejoin"), key)  # an agent who logged in before
+        wait = 0.0 if known else await self._login_delay(ip)
+        if wait > 0:  # the server holds the socket: its login deadline does not run meanwhile
+            self.waiting.add(agent)
+            try:
+                await asyncio.sleep(wait)
+            finally:
+                self.waiting.discard(agent)
+        if agent.stopping.is_set():  # closed meanwhile (the client left, the server stopping)
             return False
         given = obj.get("token")
         token = self.settings.security.console_token
         # digests of equal length: the comparison tells nothing about the token, not even its length
         if not (isinstance(given, str) and hmac.compare_digest(digest(given), digest(token))):
-            await self._failed_logins(ip, failed=True)
+            await self._count_failure(ip, given)
             agent.put(events.error_event("unauthorized", "wrong console token"))
             agent.stop(Close.UNAUTHORIZED, "unauthorized")
             return False
-        key = await self.rejoin.key()
-        if agent.stopping.is_set():  # closed meanwhile (login deadline, server stopping)
-            return False
-        self._log_in(agent, obj, key)
+        self._log_in(agent, obj, key, known)
         return True
 
-    def _log_in(self, agent: Agent, obj: dict[str, Any], key: bytes | None) -> None:
+    def _log_in(self, agent: Agent, obj: dict[str, Any], key: bytes | None, known: str | None) -> None:
         agent.name = agent_name(obj.get("agent"))
         # the server names agents: an id is only ever given back to who holds its rejoin token
-        agent.id = self.rejoin.agent_id(obj.get("rejoin"), key) or secrets.token_urlsafe(12)
+        agent.id = known or secrets.token_urlsafe(12)
         agent.rejoin = self.rejoin.token(agent.id, key) if key is not None else None
         # Snapshot and registration in one synchronous step: every later event follows the snapshot.
         # (Clustered, the snapshot is read from Redis: events are held until it is sent.)

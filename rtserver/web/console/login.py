@@ -1,8 +1,12 @@
 """Who may log in to the console: failed logins per client IP, agent names, rejoin tokens.
 
-After `security.console_login_failures_per_min` wrong tokens from one client IP, every login from
-it is refused for the rest of the minute. The server assigns agent ids; the `rejoin` token it hands
-out (an HMAC of the id) is the only way back to one, so no agent can pose as another.
+The right token is never refused. Wrong tokens are counted per client IP, each wrong token once;
+after `security.console_login_failures_per_min` of them in a minute, each login from that IP waits
+before its token is checked, one second doubling with each further failure up to `MAX_LOGIN_DELAY_S`,
+the right token's too (an answer that came at once would tell a guesser it was right). A login with
+a rejoin token this server signed (an agent who logged in before) does not wait. The server assigns
+agent ids; the `rejoin` token it hands out (an HMAC of the id) is the only way back to one, so no
+agent can pose as another.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import hmac
 import time
 import unicodedata
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from cachetools import TTLCache
 
@@ -20,6 +25,9 @@ from ..seams import ConsoleBus
 
 MAX_AGENT_NAME_CHARS = 60
 LOGIN_WINDOW_S = 60.0  # failed logins are counted per client IP over this window
+FIRST_LOGIN_DELAY_S = 1.0  # the wait of a login from an IP at the limit, doubling per failure beyond
+MAX_LOGIN_DELAY_S = 30.0
+MAX_TOKENS_KEPT = 64  # wrong tokens remembered per IP and window, so a repeated one counts once
 
 
 def agent_name(raw: object) -> str:
@@ -37,26 +45,45 @@ def digest(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
+def login_delay(failures: int, limit: int) -> float:
+    """Seconds a login waits after `failures` wrong tokens from its IP (0.0 below `limit`)."""
+    if not limit or failures < limit:
+        return 0.0
+    return min(MAX_LOGIN_DELAY_S, FIRST_LOGIN_DELAY_S * 2.0 ** min(failures - limit, 32))
+
+
+@dataclass
+class Failures:
+    """One IP's wrong tokens in its window: how many, and the digests of those remembered."""
+
+    count: int = 0
+    seen: set[bytes] = field(default_factory=set)
+
+
 class LoginFailures:
-    """Failed console logins per client IP in a window from its first failure; at the limit every
-    login is refused, a right token too, so a guesser learns nothing more."""
+    """Wrong console tokens per client IP in a window from its first failure, each distinct token
+    counted once (an agent's page retrying an old token is one failure, not a lock-out)."""
 
     def __init__(self, limit: int, max_ips: int = 100_000, clock: Callable[[], float] = time.monotonic):
         self.limit = limit
-        self.clock = clock
-        # per IP: [the window's end, failures in it]
-        self.windows: TTLCache[str, list[float]] = TTLCache(maxsize=max_ips, ttl=LOGIN_WINDOW_S, timer=clock)
+        self.windows: TTLCache[str, Failures] = TTLCache(maxsize=max_ips, ttl=LOGIN_WINDOW_S, timer=clock)
 
-    def check(self, ip: str, failed: bool = False) -> float:
-        """Count a failure first if `failed`: seconds until the IP may try again (0.0: it may now)."""
+    def failed(self, ip: str, attempt: bytes) -> bool:
+        """Count a wrong token (`attempt`: its digest) of `ip`; False when it was already counted."""
         window = self.windows.get(ip)
-        if failed:
-            if window is None:
-                window = self.windows[ip] = [self.clock() + LOGIN_WINDOW_S, 0]
-            window[1] += 1
-        if window is None or window[1] < self.limit:
-            return 0.0
-        return max(0.001, window[0] - self.clock())
+        if window is None:
+            window = self.windows[ip] = Failures()
+        if attempt in window.seen:
+            return False
+        if len(window.seen) < MAX_TOKENS_KEPT:
+            window.seen.add(attempt)
+        window.count += 1
+        return True
+
+    def delay(self, ip: str) -> float:
+        """Seconds a login from `ip` waits now before its token is checked."""
+        window = self.windows.get(ip)
+        return login_delay(window.count if window else 0, self.limit)
 
 
 class RejoinTokens:

@@ -1,6 +1,6 @@
 """What every HTTP door shares: JSON errors with stable codes, the endpoint wrapper (the shared
-admission path of web/admission.py, the body read and parsed), generations held against the API
-budget, and the checks of fields the doors have in common.
+admission path of web/admission.py; the body declared as JSON, read and parsed), generations held
+against the API budget, and the checks of fields the doors have in common.
 
 Every error is JSON `{"error": {"code", "message", "type", "param"}}` with a stable `code` (the same
 codes as the WebSocket protocol) — the shape the `openai` client reads.
@@ -32,12 +32,14 @@ log = logging.getLogger("rtserver.http")
 
 Body = dict[str, Any]  # a request's JSON object
 Handler = Callable[[Request, AppState, Any], Awaitable[Response]]
+MAX_SHOWN_CHARS = 60  # of a client's Content-Type in an error message
 
 STATUS = {
     "unknown_task": 404,
     "input_too_long": 413,
     "request_too_large": 413,
     "body_too_large": 413,
+    "unsupported_media_type": 415,
     "overloaded": 429,
     "rate_limited": 429,
     "not_ready": 503,
@@ -115,6 +117,7 @@ def api(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
 
 
 async def _json_body(request: Request, state: AppState) -> Body:
+    _require_json(request)
     raw = await _read_body(request, P.http_max_bytes(state.settings))
     try:  # strict decoding: no surrogates smuggled in as UTF-8 bytes (json.loads lets them pass)
         body = P.loads(raw.decode(json.detect_encoding(raw)))
@@ -123,6 +126,20 @@ async def _json_body(request: Request, state: AppState) -> Body:
     if not isinstance(body, dict):
         raise HTTPError("bad_json", "body must be a JSON object")
     return body
+
+
+def _require_json(request: Request) -> None:
+    """A body declared as JSON, before it is read. A page may send a form or text/plain to any site
+    without asking it first; only a JSON body needs the site's consent (a CORS preflight, which this
+    server never grants), so no foreign page can post to the API from a browser here."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        shown = repr(media[:MAX_SHOWN_CHARS]) if media else "none"
+        raise HTTPError(
+            "unsupported_media_type",
+            f"the body must be sent with Content-Type: application/json (this request's: {shown})",
+            status=415,
+        )
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

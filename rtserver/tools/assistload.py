@@ -83,7 +83,7 @@ class Agent:
             ev = json.loads(raw)
             kind = ev.get("type")
             if kind == "console_ready":
-                self.live |= {c["session_id"] for c in ev["conversations"] if c["messages"]}
+                self.live |= {c["session_id"] for c in ev["conversations"]}  # listed: it has a message
             elif kind == "message" and ev["message"]["role"] == "user":
                 self.live.add(ev["session_id"])
             elif kind == "removed":

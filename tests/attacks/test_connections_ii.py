@@ -17,12 +17,13 @@ import httpx
 import pytest
 import websockets
 
-from rtserver.tools.serverproc import ONE_ADDRESS_LIMITS_OFF, ServerProcess, raise_nofile_limit
+from rtserver.tools.serverproc import ServerProcess, raise_nofile_limit
 
 pytestmark = pytest.mark.slow
 
 START_TIMEOUT_S = 180.0
 CROWD = 2000  # sockets (then widgets) held at once: a busy shop, or an attacker's evening
+ADDRESSES = 40  # the widgets' client addresses (named by X-Forwarded-For: 127.0.0.1 is a trusted proxy)
 REQUEST_TIMEOUT_S = 5.0  # the server's `server.request_timeout_s` here
 ANSWER_WITHIN_S = 3.0  # a probe through the crowd on a busy two-core machine
 CLOSED_WITHIN_S = REQUEST_TIMEOUT_S + 3.0
@@ -34,7 +35,6 @@ ENV = {
     "RTSERVER_SERVER_LOG_LEVEL": "warning",
     "RTSERVER_MODEL_DTYPE": "float32",
     "RTSERVER_ENGINE_KV_BUDGET_MB": "64",
-    **ONE_ADDRESS_LIMITS_OFF,  # the crowd all comes from 127.0.0.1
     "RTSERVER_SERVER_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
     "RTSERVER_SERVER_MAX_WEBSOCKETS": str(CROWD),
 }
@@ -74,8 +74,8 @@ class Raw:
 
 
 async def _raw(port: int, head: bytes) -> Raw:
+    opened = time.monotonic()  # before the connect: the server's clock for it cannot start earlier
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    opened = time.monotonic()
     if head:
         writer.write(head)
         await writer.drain()
@@ -119,8 +119,14 @@ async def test_idle_and_half_sent_sockets_leave_the_node_in_service(server):
     assert all(got == b"" for _, got in closes[:half])  # nothing to answer: closed quietly
 
 
-async def _widget(url: str) -> websockets.ClientConnection:
-    ws = await websockets.connect(url, open_timeout=60, ping_interval=None, close_timeout=2)
+def _address(i: int) -> dict[str, str]:
+    return {"X-Forwarded-For": f"10.48.0.{i % ADDRESSES + 1}"}
+
+
+async def _widget(url: str, i: int) -> websockets.ClientConnection:
+    ws = await websockets.connect(
+        url, open_timeout=60, ping_interval=None, close_timeout=2, additional_headers=_address(i)
+    )
     await ws.send(json.dumps({"type": "hello", "client": "crowd"}))
     ready = json.loads(await asyncio.wait_for(ws.recv(), 60))
     assert ready["type"] == "ready", ready
@@ -130,17 +136,20 @@ async def _widget(url: str) -> websockets.ClientConnection:
 async def _crowd(url: str, n: int, at_once: int = 100) -> list[websockets.ClientConnection]:
     gate = asyncio.Semaphore(at_once)
 
-    async def one() -> websockets.ClientConnection:
+    async def one(i: int) -> websockets.ClientConnection:
         async with gate:
-            return await _widget(url)
+            return await _widget(url, i)
 
-    return await asyncio.gather(*(one() for _ in range(n)))
+    return await asyncio.gather(*(one(i) for i in range(n)))
 
 
 async def _refused(url: str) -> tuple[list[dict], int | None, str]:
     """A widget past the node's capacity: the events it got, the close code and reason."""
     events = []
-    async with websockets.connect(url, open_timeout=60, ping_interval=None, close_timeout=2) as ws:
+    headers = _address(ADDRESSES)  # an address of its own: refused for the node, not for the address
+    async with websockets.connect(
+        url, open_timeout=60, ping_interval=None, close_timeout=2, additional_headers=headers
+    ) as ws:
         try:
             while True:
                 events.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
@@ -150,8 +159,9 @@ async def _refused(url: str) -> tuple[list[dict], int | None, str]:
 
 
 async def test_a_full_node_refuses_new_widgets_cleanly_and_says_full(server):
-    """2,000 real widgets are a busy shop: the node stays in service (`/ready` 200, `full`), the next
-    widget is told to retry (1013, `server_full`, `retry_after_s`), and a freed place is taken again."""
+    """2,000 real widgets from 40 addresses (the default per-address limits) are a busy shop: the node
+    stays in service (`/ready` 200, `full`), the next widget is told to retry (1013, `server_full`,
+    `retry_after_s`), and a freed place is taken again."""
     crowd = await _crowd(server.ws_url, CROWD)
     try:
         probes = {path: await _probe(server.base, path) for path in PROBES}
@@ -159,7 +169,7 @@ async def test_a_full_node_refuses_new_widgets_cleanly_and_says_full(server):
         await crowd.pop().close()
         await asyncio.sleep(0.5)
         after = await _probe(server.base, "/ready")
-        crowd.append(await _widget(server.ws_url))  # the freed place
+        crowd.append(await _widget(server.ws_url, CROWD - 1))  # the freed place
     finally:
         await asyncio.gather(*(ws.close() for ws in crowd), return_exceptions=True)
 

@@ -57,8 +57,8 @@ async def _server(max_sockets: int | None = None):
 async def _held(port: int, sent: bytes = b"", trickle: bytes = b"") -> tuple[float, bytes]:
     """Open a socket, send `sent` (then `trickle` a byte every 0.1 s): (seconds until the server closed
     it, what it answered)."""
+    opened = time.monotonic()  # before the connect: the server's clock for it cannot start earlier
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    opened = time.monotonic()
 
     async def dribble() -> None:
         writer.write(sent)

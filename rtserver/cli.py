@@ -29,6 +29,7 @@ BENCH_WORKLOADS = [
 # re-run after an engine change); "formats" (the model files matrix, long) and "remote" (the hub in
 # front of llama-server) are asked for by name
 DEFAULT_WORKLOADS = BENCH_WORKLOADS[:-2]
+MAX_REPS = 20  # `bench --reps`: each is two server runs per formats row
 
 
 # The model runs on the scheduler thread, where libgomp lets idle workers sleep almost at once, so each
@@ -90,6 +91,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if not 1 <= args.reps <= MAX_REPS:
+        print(f"rtserver bench: --reps {args.reps}: between 1 and {MAX_REPS}", file=sys.stderr)
+        return 2
     formats = args.formats.split(",") if args.formats else None
     if formats:
         from .tools.formats_bench import matrix, pick
@@ -114,6 +118,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.config,
         settings.model.threads,
         formats,
+        args.reps,
     )
     return 0
 
@@ -195,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--formats",
         help="with --workloads formats: comma-separated rows of its matrix, e.g. embedded,q4_k_m "
         "(default: all; an unknown name lists them)",
+    )
+    bench.add_argument(
+        "--reps",
+        type=int,
+        default=1,
+        help="with --workloads formats: runs of each row, the servers alternating (A B A B); every "
+        "pair is reported (default 1)",
     )
     bench.add_argument("--no-baselines", action="store_true", help="engine figures only")
     bench.add_argument(

@@ -780,13 +780,14 @@ def run_bench(
     config: str | None = None,
     threads: int = 0,
     formats: list[str] | None = None,
+    reps: int = 1,
 ) -> dict:
     """Engine workloads on the first engine dtype, the burst, single, arrival and sentiment ones on the
     others too (for speed and agreement with float32), each on a freshly loaded model; then the servers
     comparison (llama-server, then `rtserver serve` with each engine dtype); then the formats matrix
-    (`formats` picks its rows; rtserver on the first engine dtype); then the baselines. The JSON is
-    rewritten after every phase and formats row, so an interrupted run still leaves its figures; a chart
-    of them is written beside it at the end."""
+    (`formats` picks its rows, `reps` runs each pair of servers; rtserver on the first engine dtype);
+    then the baselines. The JSON is rewritten after every phase and formats row, so an interrupted run
+    still leaves its figures; a chart of them is written beside it at the end."""
     threads = threads or os.cpu_count() or 1
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -836,7 +837,7 @@ def run_bench(
 
         say(f"[formats] the model files people run: llama-server, then rtserver serve {engine_dtypes[0]}")
         report["formats"] = run_formats_bench(
-            formats, engine_dtypes[0], threads, options.kv_budget_mb, config, on_row=saved
+            formats, engine_dtypes[0], threads, config, reps=reps, on_row=saved
         )
         path.write_text(json.dumps(report, indent=2, default=str))
     if "remote" in workloads:

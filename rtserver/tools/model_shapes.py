@@ -3,13 +3,17 @@
 | shape       | architecture      | hidden | layers | heads/KV | head_dim | ffn  | vocab  | trait            |
 |-------------|-------------------|--------|--------|----------|----------|------|--------|------------------|
 | qwen3-0.6b  | Qwen3ForCausalLM  | 1024   | 28     | 16/8     | 128      | 3072 | 151936 | Qwen3-0.6B's     |
+| llama3.2-1b | LlamaForCausalLM  | 2048   | 16     | 32/8     | 64       | 8192 | 128256 | Llama-3.2-1B's   |
+| qwen2.5-1.5b | Qwen2ForCausalLM | 1536   | 28     | 12/2     | 128      | 8960 | 151936 | Qwen2.5-1.5B's   |
 | llama-tiny  | LlamaForCausalLM  | 256    | 3      | 4/2      | 64       | 512  | 49152  | llama3 rope      |
 | qwen2-tiny  | Qwen2ForCausalLM  | 256    | 3      | 4/2      | 64       | 768  | 49216  | q/k/v biases     |
 | qwen3-tiny  | Qwen3ForCausalLM  | 256    | 3      | 4/2      | 128      | 768  | 49280  | q/k norms        |
 | gemma3-tiny | Gemma3ForCausalLM | 256    | 7      | 4/1      | 256      | 512  | 49152  | 5 local+1 global |
 | smollm3-tiny | SmolLM3ForCausalLM | 256  | 4      | 4/2      | 64       | 512  | 49152  | 4th: no RoPE |
 
-The tiny shapes keep each family's traits at widths that are multiples of 256, so the K-quants
+The full-size shapes are their families' published config.json (bfloat16 weights, tied embeddings),
+so their files have the real bytes a token reads, the output head of a real vocabulary included. The
+tiny shapes keep each family's traits at widths that are multiples of 256, so the K-quants
 (256-wide blocks) apply to every linear. A vocab past the tokenizer's 49152 ids gets the converter's
 padding tokens. Token ids (bos, eos, pad) come from the shared tokenizer.
 """
@@ -114,6 +118,29 @@ QWEN2_TINY = {
     "vocab_size": 49216,  # past the tokenizer's 49152: the converter's padding tokens fill the rest
 }
 
+LLAMA3_2_1B = {  # Llama-3.2-1B(-Instruct)'s config.json; ids come from the shared tokenizer
+    **LLAMA_TINY,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+}
+
+QWEN2_5_1_5B = {  # Qwen2.5-1.5B-Instruct's config.json
+    **QWEN2_TINY,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "max_window_layers": 21,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 2,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+}
+
 QWEN3_TINY = {
     **QWEN3_0_6B,
     "hidden_size": 256,
@@ -187,6 +214,8 @@ SHAPES: dict[str, Shape] = {
     shape.name: shape
     for shape in (
         Shape("qwen3-0.6b", QWEN3_0_6B, tiny=False),
+        Shape("llama3.2-1b", LLAMA3_2_1B, tiny=False),
+        Shape("qwen2.5-1.5b", QWEN2_5_1_5B, tiny=False),
         Shape("llama-tiny", LLAMA_TINY, tiny=True),
         Shape("qwen2-tiny", QWEN2_TINY, tiny=True),
         Shape("qwen3-tiny", QWEN3_TINY, tiny=True),

@@ -1,17 +1,22 @@
 """`rtserver bench --workloads servers`: `llama-server` and a real `rtserver serve`, one at a time.
 
 Both get the same OpenAI streaming clients on the burst, single and arrival workloads, greedy with
-`ignore_eos`, after an untimed warm-up; their peak RSS is followed from the start. Burst and arrival run
-on two prompt sets: the chat template's shared system prompt, and unique prefixes (every request its
-own system message, so no server can share a prefix between requests). llama-server keeps its default
-`cache_prompt` (a slot reuses its own earlier prompt) and runs the embedded GGUF as shipped, with one
-slot more than the 32 burst streams so that an arrival does not queue.
+`ignore_eos`, after an untimed warm-up: one request, then a batch as wide as the burst (`single-first`
+runs between the two: the state of a server that has one customer at a time). Their peak RSS is
+followed from the start, and rtserver's KV bytes in use through its /metrics. A refused or failed
+request counts in its workload's `errors`; a workload that fails as a whole is that workload's
+`error`, and the others still run. Burst and arrival run on two prompt sets: the chat template's
+shared system prompt, and unique prefixes (every request its own system message, so no server can
+share a prefix between requests). llama-server keeps its default `cache_prompt` (a slot reuses its
+own earlier prompt) and runs the embedded GGUF as shipped, with one slot more than the 32 burst
+streams so that an arrival does not queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,15 +45,18 @@ BURST_TOKENS, SINGLE_TOKENS = 64, 128
 BACKGROUND_TOKENS = 200  # fits a llama-server slot of 256 tokens with the ~42-token prompt
 ARRIVAL_TOKENS = 2
 UNIQUE_SYSTEM = "Conversation {i:03d}. You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-# workload -> (what runs, whether every request gets its own system message)
+# workload -> (what runs, whether every request gets its own system message), in the order they run;
+# `single-first` runs before the warm-up's wide batch, `single` after the bursts
 WORKLOADS = {
+    "single-first": ("single", False),
     "burst": ("burst", False),
     "burst-unique": ("burst", True),
     "single": ("single", False),
     "arrival": ("arrival", False),
     "arrival-unique": ("arrival", True),
 }
-SERVER_WORKLOADS = tuple(WORKLOADS)
+SERVER_WORKLOADS = ("burst", "burst-unique", "single", "arrival", "arrival-unique")  # `servers`' own
+ERROR_SAMPLES = 3  # distinct error messages kept per workload
 PROMPT_SETS = {
     "shared": "burst, arrival: the chat template's default system prompt on every request",
     "unique": "burst-unique, arrival-unique: request i has the system message " + repr(UNIQUE_SYSTEM),
@@ -81,16 +89,22 @@ def systems(count: int, unique: bool, first: int = 0) -> list[str | None]:
 # -- figures (pure) -----------------------------------------------------------------------------
 
 
-def burst_summary(results: list[StreamResult], asked: int, wall_s: float) -> dict:
+def burst_summary(
+    results: list[StreamResult], asked: int, wall_s: float, errors: list[str] | None = None
+) -> dict:
     """A burst's figures: tokens/s over the wall time (prefill included), TTFT from submission, and
-    whether every reply had exactly the `asked` number of tokens."""
+    whether every request was answered with exactly the `asked` number of tokens; `errors`: the
+    messages of the requests refused or failed (their tokens count as none)."""
+    errors = errors or []
     ttfts = [r.ttft_ms for r in results if r.ttft_ms is not None]
     tokens = sum(r.tokens for r in results)
     return {
-        "requests": len(results),
+        "requests": len(results) + len(errors),
+        "errors": len(errors),
+        "error_samples": list(dict.fromkeys(errors))[:ERROR_SAMPLES],
         "generated_tokens": tokens,
-        "asked_tokens": asked * len(results),
-        "exact_token_counts": all(r.tokens == asked for r in results),
+        "asked_tokens": asked * (len(results) + len(errors)),
+        "exact_token_counts": not errors and all(r.tokens == asked for r in results),
         "wall_s": wall_s,
         "tokens_per_s": per_second(tokens, wall_s),
         "ttft_p50_ms": percentile(ttfts, 0.5),
@@ -175,11 +189,17 @@ async def burst(
     bodies = [prompts.body(t, new_tokens, extra, s) for t, s in zip(texts, systems(len(texts), unique))]
     async with client_session() as http:
         started = time.perf_counter()
-        results = await asyncio.gather(
-            *(stream_chat(http, base, b, progress.count, prompts.path) for b in bodies)
+        outcomes = await asyncio.gather(
+            *(stream_chat(http, base, b, progress.count, prompts.path) for b in bodies),
+            return_exceptions=True,
         )
         wall = time.perf_counter() - started
-    return burst_summary(list(results), new_tokens, wall)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+            raise outcome  # cancelled or interrupted: not a server's answer
+    results = [o for o in outcomes if isinstance(o, StreamResult)]
+    errors = [f"{type(o).__name__}: {o}" for o in outcomes if isinstance(o, Exception)]
+    return burst_summary(results, new_tokens, wall, errors)
 
 
 async def arrival(
@@ -236,14 +256,19 @@ async def arrival(
     return arrival_summary(ttfts, exact, step, len(BURST_TEXTS), restarts[0])
 
 
-async def warm_up(base: str, extra: dict, prompts: Prompts = CHAT) -> None:
-    """Untimed: a batch as wide as the burst (whatever is built per batch size is built) and one lone
-    request, on messages no timed request uses."""
+async def warm_up_one(base: str, extra: dict, prompts: Prompts = CHAT) -> None:
+    """Untimed: one lone request, on a message no timed request uses."""
+    async with client_session() as http:
+        await stream_chat(http, base, prompts.body(WARM_UP_TEXTS[0], 8, extra), None, prompts.path)
+
+
+async def warm_up_wide(base: str, extra: dict, prompts: Prompts = CHAT) -> None:
+    """Untimed: a batch as wide as the burst (whatever is built per batch size is built), on messages no
+    timed request uses."""
     async with client_session() as http:
         await asyncio.gather(
             *(stream_chat(http, base, prompts.body(t, 4, extra), None, prompts.path) for t in WARM_UP_TEXTS)
         )
-        await stream_chat(http, base, prompts.body(WARM_UP_TEXTS[0], 8, extra), None, prompts.path)
 
 
 async def run_workloads(
@@ -254,27 +279,48 @@ async def run_workloads(
     arrivals: int = 20,
     prompts: Prompts = CHAT,
 ) -> dict:
-    """The asked workloads, in SERVER_WORKLOADS' order, after the warm-up."""
+    """The asked workloads in WORKLOADS' order: one warm-up request, `single-first`, the warm-up's
+    wide batch, the rest. A workload that fails as a whole is its `error`; the next one still runs."""
     unknown = set(workloads) - set(WORKLOADS)
     if unknown:
         raise ValueError(f"unknown server workloads {sorted(unknown)} (known: {', '.join(WORKLOADS)})")
     out: dict[str, Any] = {}
-    with progress.phase("warm-up"):
-        await warm_up(base, extra, prompts)
-    for name in (w for w in SERVER_WORKLOADS if w in workloads):
-        kind, unique = WORKLOADS[name]
-        if kind == "burst":
-            with progress.phase(
-                f"{name}: {len(BURST_TEXTS)} x {BURST_TOKENS} tokens", len(BURST_TEXTS) * BURST_TOKENS
-            ):
-                out[name] = await burst(base, BURST_TEXTS, BURST_TOKENS, extra, progress, prompts, unique)
-        elif kind == "single":
-            with progress.phase(f"{name}: 1 x {SINGLE_TOKENS} tokens", SINGLE_TOKENS):
-                out[name] = await burst(base, [SINGLE_TEXT], SINGLE_TOKENS, extra, progress, prompts)
-        else:
-            with progress.phase(f"{name}: {arrivals} new requests while {len(BURST_TEXTS)} streams decode"):
-                out[name] = await arrival(base, arrivals, extra, progress, prompts, unique)
+    with progress.phase("warm-up: one request"):
+        await warm_up_one(base, extra, prompts)
+    wide = False
+    for name in (w for w in WORKLOADS if w in workloads):
+        if name != "single-first" and not wide:
+            with progress.phase(f"warm-up: {len(WARM_UP_TEXTS)} requests at once"):
+                await warm_up_wide(base, extra, prompts)
+            wide = True
+        try:
+            out[name] = await run_workload(name, base, extra, progress, arrivals, prompts)
+        except Exception as exc:  # a refused arrival, a dropped connection: this workload's error
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+async def run_workload(
+    name: str, base: str, extra: dict, progress: Progress, arrivals: int, prompts: Prompts
+) -> dict:
+    kind, unique = WORKLOADS[name]
+    if kind == "burst":
+        with progress.phase(
+            f"{name}: {len(BURST_TEXTS)} x {BURST_TOKENS} tokens", len(BURST_TEXTS) * BURST_TOKENS
+        ):
+            return await burst(base, BURST_TEXTS, BURST_TOKENS, extra, progress, prompts, unique)
+    if kind == "single":
+        with progress.phase(f"{name}: 1 x {SINGLE_TOKENS} tokens", SINGLE_TOKENS):
+            return await burst(base, [SINGLE_TEXT], SINGLE_TOKENS, extra, progress, prompts)
+    with progress.phase(f"{name}: {arrivals} new requests while {len(BURST_TEXTS)} streams decode"):
+        return await arrival(base, arrivals, extra, progress, prompts, unique)
+
+
+def failures(result: dict) -> int:
+    """A server's refused or failed requests over its workloads; a workload that failed as a whole
+    counts one."""
+    ran = [result[name] for name in WORKLOADS if isinstance(result.get(name), dict)]
+    return sum(1 if "error" in w else int(w.get("errors") or 0) for w in ran)
 
 
 # -- the two servers ------------------------------------------------------------------------------
@@ -316,6 +362,59 @@ def run_llama_server(
     }
 
 
+class KVWatch:
+    """rtserver's KV bytes in use (`rtserver_kv_used_bytes` of its /metrics), read every `every_s` on a
+    thread while the workloads run, and once more at their end: the highest and the last reading."""
+
+    METRIC = "rtserver_kv_used_bytes"
+
+    def __init__(self, read: Callable[[], dict[str, float]], every_s: float = 0.5):
+        self.read, self.every_s = read, every_s
+        self.readings: list[float] = []
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-watch", daemon=True)
+
+    def sample(self) -> None:
+        try:
+            self.readings.append(self.read()[self.METRIC])
+        except Exception:  # a slow or busy server: this reading is missing, the next one counts
+            self.failed += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def __enter__(self) -> KVWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def figures(self) -> dict:
+        mb = [b / (1 << 20) for b in self.readings]
+        return {
+            "kv_used_peak_mb": max(mb, default=None),
+            "kv_used_end_mb": mb[-1] if mb else None,
+            "kv_used_readings": len(mb),
+            "kv_used_failed_readings": self.failed,
+        }
+
+
+# What the bench sets on every `rtserver serve` it runs: the OpenAI door on (ServerProcess), no
+# background work competing with the figures, and no per-address limits, since every client of the
+# bench comes from 127.0.0.1 where 32 customers would come from 32 addresses.
+BENCH_ENV = {
+    "RTSERVER_TASKS_AUTO_TASKS": "",
+    "RTSERVER_TASKS_FIT_HEADS_IN_BACKGROUND": "false",
+    "RTSERVER_SERVER_LOG_LEVEL": "warning",
+    **ONE_ADDRESS_LIMITS_OFF,
+}
+
+
 def run_rtserver(
     dtype: str,
     threads: int,
@@ -326,35 +425,27 @@ def run_rtserver(
     model: str | None = None,
     prompts: Prompts = CHAT,
     timeout_s: float = 600,
-    kv_budget_mb: float | None = None,
+    api_kv_share: float | None = 1.0,
 ) -> dict:
-    """`rtserver serve` with `dtype` (and `model`, else the configured one; `kv_budget_mb`, else the
-    configured budget) through the asked workloads."""
-    model_env = {"RTSERVER_MODEL_MODEL": model} if model else {}
-    if kv_budget_mb is not None:
-        model_env["RTSERVER_ENGINE_KV_BUDGET_MB"] = str(int(kv_budget_mb))
-    server = ServerProcess(
-        {
-            "RTSERVER_MODEL_DTYPE": dtype,
-            "RTSERVER_MODEL_THREADS": str(threads),
-            "RTSERVER_TASKS_AUTO_TASKS": "",
-            "RTSERVER_TASKS_FIT_HEADS_IN_BACKGROUND": "false",  # no fit competing with the figures
-            "RTSERVER_SERVER_LOG_LEVEL": "warning",
-            # the API may hold all of the KV: no chat door shares it here
-            "RTSERVER_SECURITY_API_KV_SHARE": "1",
-            **ONE_ADDRESS_LIMITS_OFF,
-            **model_env,
-        },
-        workdir / f"rtserver-{dtype}.log",
-        config,
-    )
+    """`rtserver serve` with `dtype` (and `model`, else the configured one) through the asked workloads,
+    its KV in use followed. `api_kv_share`: the API door's share of the KV (no chat door shares it
+    here); None keeps the configured one. The result's `settings_set` names every setting changed."""
+    settings = {"RTSERVER_MODEL_DTYPE": dtype, "RTSERVER_MODEL_THREADS": str(threads), **BENCH_ENV}
+    if model:
+        settings["RTSERVER_MODEL_MODEL"] = model
+    if api_kv_share is not None:
+        settings["RTSERVER_SECURITY_API_KV_SHARE"] = f"{api_kv_share:g}"
+    server = ServerProcess(settings, workdir / f"rtserver-{dtype}.log", config)
     label = f"rtserver {dtype}"
     print(f"  [{label}] starting (log {server.log_path})", flush=True)
     ready_s = server.start(timeout_s)  # a loaded machine reads the weights slowly (seen: 300 s)
     try:
-        result = asyncio.run(run_workloads(server.base, workloads, {}, Progress(label), arrivals, prompts))
+        with KVWatch(server.metrics) as kv:
+            result = asyncio.run(
+                run_workloads(server.base, workloads, {}, Progress(label), arrivals, prompts)
+            )
         server.rss.sample()
-        result |= server.rss.figures()
+        result |= server.rss.figures() | kv.figures()
         result["health"] = server.health()
     finally:
         server.stop()
@@ -362,6 +453,7 @@ def run_rtserver(
         "system": "rtserver",
         "dtype": dtype,
         "runs_as": runs_as(dtype, model or "embedded"),
+        "settings_set": {k: v for k, v in server.env.items() if k.startswith("RTSERVER_")},
         "ready_s": ready_s,
         **result,
     }
@@ -441,14 +533,18 @@ def table_rows(servers: dict) -> list[tuple[str, str, str]]:
     systems = servers.get("systems", {})
 
     def exact(r: dict) -> str:
-        return "exact" if r.get("exact_token_counts") else "NOT exact"
+        refused = f", {r['errors']} refused or failed" if r.get("errors") else ""
+        return ("exact" if r.get("exact_token_counts") else "NOT exact") + refused
 
     rows: list[tuple[str, str, str]] = []
     for name, s in systems.items():
         rtserver = name != "llama-server"
+        for w in SERVER_WORKLOADS:
+            if "error" in (s.get(w) or {}):
+                rows.append((f"[servers] {name} {w}", f"error: {s[w]['error']}", ""))
         for w in ("burst", "burst-unique", "single"):
             r = s.get(w)
-            if r:
+            if r and "error" not in r:
                 rows.append(
                     (
                         f"[servers] {name} {w} tokens/s; TTFT p50 / p95 ms",
@@ -459,7 +555,7 @@ def table_rows(servers: dict) -> list[tuple[str, str, str]]:
                 )
         for w in ("arrival", "arrival-unique"):
             a = s.get(w)
-            if a:
+            if a and "error" not in a:
                 rows.append(
                     (
                         f"[servers] {name} {w} TTFT p50 / p95 ms; decode step ms; p95 in steps",

@@ -41,6 +41,67 @@ def test_burst_summary_counts_tokens_and_flags_a_short_reply():
     assert short["exact_token_counts"] is False and short["generated_tokens"] == 191
 
 
+def test_a_refused_request_counts_in_its_burst():
+    """Two answered, one refused: the refusal counts, its tokens do not, the counts are not exact."""
+    rows = [result(0.0, 0.5, 64), result(0.0, 1.5, 64)]
+    refused = "RuntimeError: http://x: HTTP 429: over_budget"
+    s = server_bench.burst_summary(rows, 64, 2.0, [refused, refused])
+    assert s["requests"] == 4 and s["errors"] == 2 and s["error_samples"] == [refused]
+    assert s["generated_tokens"] == 128 and s["asked_tokens"] == 256 and s["exact_token_counts"] is False
+    assert server_bench.burst_summary(rows, 64, 2.0)["errors"] == 0
+    ran = {"burst-unique": s, "single": {"errors": 0}, "arrival-unique": {"error": "HTTP 429"}}
+    assert server_bench.failures(ran | {"health": {"error": "not a workload"}, "peak_rss_mb": 1.0}) == 3
+
+
+@pytest.mark.asyncio
+async def test_single_first_runs_before_the_wide_warm_up_and_a_failed_workload_is_its_error(monkeypatch):
+    """One warm-up request, `single-first`, the warm-up's wide batch, then the rest in order; a
+    workload that fails is its `error` and the next one runs."""
+    ran: list[str] = []
+
+    async def warm(kind: str, *args) -> None:
+        ran.append(kind)
+
+    async def workload(name: str, *args) -> dict:
+        ran.append(name)
+        if name == "burst-unique":
+            raise RuntimeError("HTTP 429: over_budget")
+        return {"tokens_per_s": 1.0}
+
+    monkeypatch.setattr(server_bench, "warm_up_one", lambda *a: warm("one", *a))
+    monkeypatch.setattr(server_bench, "warm_up_wide", lambda *a: warm("wide", *a))
+    monkeypatch.setattr(server_bench, "run_workload", workload)
+    progress = server_bench.Progress("test", out=lambda line: None)
+    asked = ["arrival-unique", "single", "burst-unique", "single-first"]
+    out = await server_bench.run_workloads("http://x", asked, {}, progress)
+    assert ran == ["one", "single-first", "wide", "burst-unique", "single", "arrival-unique"]
+    assert out["burst-unique"] == {"error": "RuntimeError: HTTP 429: over_budget"}
+    assert out["single"] == {"tokens_per_s": 1.0} and list(out) == asked[::-1]
+    ran.clear()
+    await server_bench.run_workloads("http://x", ["burst", "single"], {}, progress)
+    assert ran == ["one", "wide", "burst", "single"]  # the servers bench: no first single
+
+
+def test_kv_watch_keeps_the_highest_reading():
+    readings = iter([{"rtserver_kv_used_bytes": float(mb << 20)} for mb in (10, 40, 20)])
+
+    def read() -> dict[str, float]:
+        return next(readings)  # a fourth reading fails, as a busy server's would
+
+    watch = server_bench.KVWatch(read, every_s=60)
+    for _ in range(3):
+        watch.sample()
+    with watch:  # its exit reads once more
+        pass
+    assert watch.figures() == {
+        "kv_used_peak_mb": 40.0,
+        "kv_used_end_mb": 20.0,
+        "kv_used_readings": 3,
+        "kv_used_failed_readings": 1,
+    }
+    assert server_bench.KVWatch(read).figures()["kv_used_peak_mb"] is None
+
+
 def test_step_gaps_only_inside_the_window():
     times = [[0.0, 0.1, 0.3, 0.6], [0.05, 0.25, 2.0]]
     gaps = server_bench.step_gaps_ms(times, 0.1, 0.6)

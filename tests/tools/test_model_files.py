@@ -246,6 +246,28 @@ def test_an_unknown_shape_is_refused_with_the_known_ones(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("shape", "parameters", "architecture"),
+    [
+        ("llama3.2-1b", 1_235_814_400, "LlamaForCausalLM"),  # Llama-3.2-1B's published count
+        ("qwen2.5-1.5b", 1_543_714_304, "Qwen2ForCausalLM"),  # Qwen2.5-1.5B's
+    ],
+)
+def test_the_1b_shapes_are_their_families_real_ones(shape, parameters, architecture, tmp_path):
+    """The formats bench's 1B+ rows: the real parameter count (tied head, real vocabulary) and every
+    linear's width a multiple of 256, so Q4_K_M's K-quants apply as in the published files."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps(SHAPES[shape].config))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    assert type(model).__name__ == architecture and not SHAPES[shape].tiny
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    widths = {p.shape[-1] for n, p in model.named_parameters() if n.endswith("proj.weight")}
+    assert all(w % 256 == 0 for w in widths), widths
+
+
 def test_random_weights_are_seeded_per_tensor_at_the_documented_scale(tmp_path):
     gemma = SHAPES["gemma3-tiny"]
     (tmp_path / "config.json").write_text(json.dumps(gemma.config))

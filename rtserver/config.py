@@ -127,6 +127,8 @@ class SecuritySettings:
     ip_tokens_burst: int = _setting(32768, min=1, max=100_000_000)
     api_kv_share: float = _setting(0.5, min=0.0, max=1.0)
     ip_kv_share: float = _setting(0.25, min=0.0, max=1.0)
+    api_queue_s: float = _setting(30.0, min=0.0, max=3600.0)
+    api_queue_max: int = _setting(256, min=0, max=100_000)
     console_origins: list[str] = _setting([])
     rate_limit_per_s: float = _setting(5.0, min=0.0, max=1e6)
     rate_limit_burst: int = _setting(20, min=1, max=1_000_000)

@@ -184,6 +184,7 @@ class TokenBudget:
         self.client_share, self.pool = client_share, pool or KVPool(lambda: 0)
         self.held_by_client: dict[str, int] = {}
         self.held = 0
+        self.waiting: list[asyncio.Future[None]] = []  # reserve_queued's callers, woken by give_back
 
     def client_cap(self) -> int:
         """The most one client may hold at once (0: no bound): `per_client`, and its share."""
@@ -242,6 +243,31 @@ class TokenBudget:
         self.held_by_client[key] = held + tokens
         return Reservation(self, key, tokens)
 
+    async def reserve_queued(self, ip: str, tokens: int, wait_s: float, max_waiting: int) -> Reservation:
+        """`reserve`, but a request that fits the budget and not this moment waits up to `wait_s` for
+        running ones to end (at most `max_waiting` wait at once), then gets the last refusal."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            try:
+                return self.reserve(ip, tokens)
+            except Refused as refused:
+                left = deadline - loop.time()
+                if refused.code != "over_budget" or left <= 0 or len(self.waiting) >= max_waiting:
+                    raise
+                last = refused
+            turn: asyncio.Future[None] = loop.create_future()
+            self.waiting.append(turn)
+            try:
+                await asyncio.wait_for(turn, left)
+            except TimeoutError:
+                raise Refused(
+                    last.code, f"{last.message} (waited {wait_s:g} s)", last.status, retry_after_s=1.0
+                ) from None
+            finally:
+                if turn in self.waiting:
+                    self.waiting.remove(turn)
+
     def give_back(self, reservation: Reservation, used: int) -> None:
         self.held -= reservation.tokens
         self.pool.held -= reservation.tokens
@@ -251,6 +277,11 @@ class TokenBudget:
         else:
             self.held_by_client.pop(reservation.key, None)
         self.rate.pay(reservation.key, used)
+        # every waiter tries again, oldest first: one that fits need not wait behind one that does not
+        waiting, self.waiting = self.waiting, []
+        for turn in waiting:
+            if not turn.done():
+                turn.set_result(None)
 
 
 def kv_tokens(backends: dict[str, InferenceBackend], block_tokens: int) -> int:
@@ -344,6 +375,12 @@ class Admission:
         """Hold `tokens` (what the request holds of the KV while it runs: its whole prompt + the most
         it may generate) for one request of `surface`."""
         return self.budgets[surface].reserve(ip, tokens)
+
+    async def reserve_queued(self, surface: Surface, ip: str, tokens: int) -> Reservation:
+        """`reserve` for the API: a request that fits its door's budget but not this moment waits its
+        turn (`security.api_queue_s`, at most `security.api_queue_max` at once), then gets 429."""
+        sec = self.state.settings.security
+        return await self.budgets[surface].reserve_queued(ip, tokens, sec.api_queue_s, sec.api_queue_max)
 
     def release_when_done(self, reservation: Reservation, stream: Generation, prompt_tokens: int) -> None:
         """Give the tokens back when `stream` ends, however it ends (a client may leave mid-stream)."""

@@ -29,6 +29,8 @@ ENV = {
     "RTSERVER_MODEL_DTYPE": "float32",
     "RTSERVER_ENGINE_KV_BUDGET_MB": "32",
     "RTSERVER_ENGINE_PREFILL_CHUNK_TOKENS": "128",
+    # the API's refusals counted at once (its queue has tests of its own: tests/web/test_api_queue.py)
+    "RTSERVER_SECURITY_API_QUEUE_S": "0",
 }
 LONG_REPLY = {"max_new_tokens": 120, "temperature": 2.0, "top_p": 1.0}
 SCORE_PROMPT = list(range(1000, 1300))  # 300 token ids: the API's share of the KV holds one

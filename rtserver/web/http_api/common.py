@@ -158,7 +158,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 # -- generations ---------------------------------------------------------------------------------------
-def start(
+async def start(
     request: Request,
     state: AppState,
     prompt: list[int],
@@ -168,7 +168,8 @@ def start(
 ) -> Generation:
     """A generation on the chat backend, its tokens held against this client's API budget until it ends."""
     admission: Admission = request.app.state.admission
-    held = admission.reserve(Surface.API, client_ip(request), len(prompt) + params.max_new_tokens)
+    tokens = len(prompt) + params.max_new_tokens
+    held = await admission.reserve_queued(Surface.API, client_ip(request), tokens)
     try:
         stream = state.backend.generate(prompt, params, session_key=session_key, public_tokens=public_tokens)
     except BaseException:
@@ -183,7 +184,7 @@ async def run_held_task(
 ) -> TaskOutput:
     """A stateless task call, its most tokens held against this client's API budget while it runs."""
     admission: Admission = request.app.state.admission
-    held = admission.reserve(Surface.API, client_ip(request), state.tasks.cost(name, options))
+    held = await admission.reserve_queued(Surface.API, client_ip(request), state.tasks.cost(name, options))
     try:
         out = await state.tasks.run(state.backend_for(name), name, raw_input, options, scope="api")
         held.release(out.usage.get("prompt_tokens", 0) + out.usage.get("generated_tokens", 0))
@@ -202,7 +203,7 @@ async def generate(
     public_tokens: int = 0,
 ) -> SequenceResult:
     """A whole generation's result (`start`, then waited for); GenerationFailed when it failed."""
-    stream = start(request, state, prompt, params, session_key, public_tokens)
+    stream = await start(request, state, prompt, params, session_key, public_tokens)
     try:
         result = await stream.result()
     except asyncio.CancelledError:

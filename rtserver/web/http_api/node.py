@@ -244,7 +244,8 @@ async def completions(request: Request, state: AppState, body: Body) -> Response
         result = await generate(request, state, prompt, params, "completions", key, public)
         choice = reply.choice(result.text, finish_reason(result.finish_reason), result.token_ids)
         return JSONResponse(reply.body(choices=[choice], usage=openai_usage(result)))
-    return event_stream(_stream(state, start(request, state, prompt, params, key, public), reply))
+    gen = await start(request, state, prompt, params, key, public)
+    return event_stream(_stream(state, gen, reply))
 
 
 async def _score(
@@ -255,7 +256,7 @@ async def _score(
     longest = max(map(len, lists))
     check_prompt(state, len(prompt), longest, "prompt")
     admission: Admission = request.app.state.admission
-    held = admission.reserve(Surface.API, client_ip(request), len(prompt) + longest)
+    held = await admission.reserve_queued(Surface.API, client_ip(request), len(prompt) + longest)
     try:
         scores = await state.backend.score(prompt, lists, public_tokens=public)
         held.release(len(prompt))

@@ -312,7 +312,7 @@ async def chat_completions(request: Request, state: AppState, body: Body) -> Res
     if not body.get("stream"):
         return await _answer(request, state, prompt, params, chunks)
     # Overloaded etc. raise here, before the 200
-    gen = start(request, state, prompt.ids, params, public_tokens=prompt.public_tokens)
+    gen = await start(request, state, prompt.ids, params, public_tokens=prompt.public_tokens)
     # The response starts with the first token: until then nothing is written to this client, so in a
     # burst every request's generation reaches its backend (a remote server: its upstream request is
     # written) before any response's headers and role chunk take their socket writes, and the role

@@ -2,15 +2,15 @@
 
 One row per model file: the embedded model as shipped and requantized (the README's headline row is
 its Q4_K_M), random models in Qwen3-0.6B's, Llama-3.2-1B's and Qwen2.5-1.5B's real shapes, and Gemma
-3 270M (a base model: plain-text completions). Each server runs on rtserver's default config (the
-bench sets only what `server_bench.BENCH_ENV` names) through one warm-up request, `single-first`, the
-warm-up's wide batch, burst-unique, `single` (after the burst) and arrival-unique; its peak RSS is
-followed from its start, rtserver's KV in use through /metrics. A row of `reps` runs the servers A B
-A B and reports every pair, never the best of them. The single-stream bar compares rtserver's lower
-single figure with llama-server's better one, and knows the floor a single stream cannot beat: the
-file's matmul bytes read once a token at the machine's read bandwidth (read_bandwidth.py). A file
-that cannot be made, or a server that refuses the model, is that row's (or that server's) error, and
-the run goes on.
+3 270M (a base model: plain-text completions). Each server, in a process of its own, takes one warm-up
+request, `single-first`, the warm-up's wide batch, burst-unique, `single` (after the burst) and
+arrival-unique; its peak RSS is followed from its start. rtserver runs its default config (the bench
+sets only what `server_bench.BENCH_ENV` names), its KV in use followed through /metrics. A row of
+`reps` runs the servers A B A B and reports every pair, never the best of them. The single-stream bar
+compares rtserver's lower single figure with llama-server's better one, and knows the floor no single
+stream beats: the file's matmul bytes read once a token at the machine's read bandwidth
+(read_bandwidth.py). A file that cannot be made is that row's error, a server that refuses the model
+that server's; the run goes on.
 """
 
 from __future__ import annotations

@@ -59,9 +59,9 @@ class ServerSettings:
     max_connections_per_ip: int = _setting(64, min=0, max=1_000_000)
     max_websockets: int = _setting(5000, min=1, max=1_000_000)
     request_timeout_s: float = _setting(10.0, min=0.1, max=3600.0)
-
-
     allowed_hosts: list[str] = _setting([])
+
+
 @dataclass
 class ModelSettings:
     model: str = _setting("embedded")
@@ -119,9 +119,10 @@ class SecuritySettings:
     console_token: str = _setting("")
     ws_token: str = _setting("")
     api_token: str = _setting("")
-    api_enabled: bool = _setting(True)
+    api_enabled: bool = _setting(False)
     ops_token: str = _setting("")
     allowed_origins: list[str] = _setting([])
+    console_origins: list[str] = _setting([])
     ip_tokens_in_flight: int = _setting(16384, min=0, max=100_000_000)
     ip_tokens_per_s: float = _setting(1000.0, min=0.0, max=1e9)
     ip_tokens_burst: int = _setting(32768, min=1, max=100_000_000)
@@ -129,7 +130,6 @@ class SecuritySettings:
     ip_kv_share: float = _setting(0.25, min=0.0, max=1.0)
     api_queue_s: float = _setting(30.0, min=0.0, max=3600.0)
     api_queue_max: int = _setting(256, min=0, max=100_000)
-    console_origins: list[str] = _setting([])
     rate_limit_per_s: float = _setting(5.0, min=0.0, max=1e6)
     rate_limit_burst: int = _setting(20, min=1, max=1_000_000)
     ip_rate_limit_per_s: float = _setting(20.0, min=0.0, max=1e6)

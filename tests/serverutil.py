@@ -43,6 +43,7 @@ def make_settings(**sections: dict) -> Settings:
     s.security.ip_tokens_per_s, s.security.api_kv_share = 0.0, 1.0
     s.security.ip_kv_share = 0.0
     s.server.max_connections_per_ip = 0
+    s.security.api_enabled = True  # off by default; the tests drive it from 127.0.0.1
     for section, values in sections.items():
         for key, value in values.items():
             setattr(getattr(s, section), key, value)

@@ -193,6 +193,7 @@ class ServerProcess:
     ):
         self.port = free_port()
         self.env = {
+            "RTSERVER_SECURITY_API_ENABLED": "true",  # the tools and tests drive it; `env` may turn it off
             **os.environ,
             **env,
             "RTSERVER_SERVER_HOST": "127.0.0.1",

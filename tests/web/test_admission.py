@@ -47,7 +47,7 @@ def refusal(fn, *args) -> Refused:
 
 
 def test_each_surface_has_its_own_credential():
-    adm = admission(ws_token="w", api_token="a", ops_token="o")
+    adm = admission(ws_token="w", api_token="a", ops_token="o", api_enabled=True)
     adm.authorize(Surface.PUBLIC, "w", "203.0.113.5")
     assert refusal(adm.authorize, Surface.PUBLIC, "a", "203.0.113.5").code == "unauthorized"
     adm.authorize(Surface.API, "a", "203.0.113.5")
@@ -57,7 +57,8 @@ def test_each_surface_has_its_own_credential():
 
 
 def test_without_their_tokens_the_api_and_operations_answer_loopback_only():
-    adm = admission()
+    assert refusal(admission().authorize, Surface.API, "", "127.0.0.1").code == "api_disabled"  # default
+    adm = admission(api_enabled=True)
     adm.authorize(Surface.PUBLIC, "", "203.0.113.5")  # the widget's door is public
     for surface in (Surface.API, Surface.OPS):
         adm.authorize(surface, "", "127.0.0.1")

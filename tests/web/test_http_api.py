@@ -102,8 +102,10 @@ async def test_tasks_and_compat_endpoints(smol):
             ]:
                 r = await c.post(path, json=payload)
                 assert r.status_code == status and r.json()["error"]["code"] == code, (path, r.text)
-            r = await c.post("/sentiment", content=b"{bad")
+            r = await c.post("/sentiment", content=b"{bad", headers={"Content-Type": "application/json"})
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json"
+            r = await c.post("/sentiment", content=b'{"text": "ok"}')  # not declared as JSON
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
 
 
 async def test_metrics_exposition(smol):

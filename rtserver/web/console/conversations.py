@@ -90,16 +90,20 @@ class Conversations:
 
     def changed(self, conv: Conversation, force: bool = False, save: bool = True) -> None:
         """The conversation's own fields changed: agents get its summary, the store all of it."""
-        if conv.listed:
-            self.broadcast({"type": "conversation", "conversation": conv.summary(self.mood_window)})
+        self.announce(conv)
         if save:
             self.save(conv, force)
         else:  # the heartbeat writes it (clustered)
             conv.dirty = True
 
+    def announce(self, conv: Conversation) -> None:
+        """Agents get the conversation's summary (once it is listed)."""
+        if conv.listed:
+            self.broadcast({"type": "conversation", "conversation": conv.summary(self.mood_window)})
+
     def message_event(self, conv: Conversation, msg: Message, save: bool = True) -> None:
         if conv.seq == 1:  # its first message: agents see the conversation from now on
-            self.changed(conv, save=False)
+            self.announce(conv)
         if save:
             self.save(conv)
         self.broadcast(

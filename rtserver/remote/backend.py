@@ -12,8 +12,11 @@ cache may share across sessions is reuse.py's: every request carries the fields 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Hashable
 from typing import TypedDict
+
+import aiohttp
 
 from ..config import BackendSettings
 from ..engine.backend import (
@@ -30,9 +33,15 @@ from .client import Upstreams
 from .generation import RemoteGeneration
 from .pool import BackendUnavailable
 from .prefetch import PREFETCH_DELAY_S, Prefetcher, Prefix, _Prefetch
+from .reuse import NodeReuse
 from .scoring import LabelScoring
 from .servers import ServerCheck
 from .wire import BackendMismatch, UpstreamError
+
+log = logging.getLogger("rtserver.remote")
+
+DROP_BATCH_S = 0.5  # sessions that end together are told to a node in one request
+DROPS_PER_REQUEST = 256  # as many keys as a node's /v1/sessions/drop takes
 
 __all__ = [
     "PREFETCH_DELAY_S",
@@ -74,6 +83,7 @@ class RemoteBackend:
         self.scoring = LabelScoring(ups)
         self.prefetcher = Prefetcher(ups)
         self._health: asyncio.Task[None] | None = None
+        self._drops: asyncio.Task[None] | None = None  # telling rtserver nodes which sessions ended
         self.tokens_generated = 0
 
     @property
@@ -97,6 +107,9 @@ class RemoteBackend:
     async def stop(self) -> None:
         self.prefetcher.stop()
         self.scoring.stop()
+        if self._drops is not None:
+            self._drops.cancel()
+            await asyncio.gather(self._drops, return_exceptions=True)
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
@@ -170,11 +183,39 @@ class RemoteBackend:
         self.prefetcher.cancel(session_key)
 
     def drop_session(self, session_key: Hashable) -> None:
-        """Cancel the session's prefetch; its slots may go to new sessions first. The servers' caches
+        """Cancel the session's prefetch; its slots may go to new sessions first; rtserver nodes are
+        told to free the KV they keep for it (in the background, batched). vLLM's and other caches
         evict by themselves; affinity is a pure function of the key."""
         self.cancel_prefetch(session_key)
         for reuse in self.reuse.values():
             reuse.forget(session_key)
+        if any(isinstance(r, NodeReuse) and r.forgotten for r in self.reuse.values()):
+            if self._drops is None or self._drops.done():
+                try:
+                    self._drops = asyncio.get_running_loop().create_task(self._send_drops())
+                except RuntimeError:  # no loop (stopping): the node's LRU frees them
+                    pass
+
+    async def _send_drops(self) -> None:
+        """Each rtserver node's ended sessions, in requests of at most DROPS_PER_REQUEST keys; best
+        effort: a node that does not answer frees them by its own LRU."""
+        await asyncio.sleep(DROP_BATCH_S)
+        for url, reuse in list(self.reuse.items()):
+            if not isinstance(reuse, NodeReuse):
+                continue
+            while keys := reuse.take_forgotten(DROPS_PER_REQUEST):
+                try:
+                    async with self.upstreams.http.post(
+                        url + "/v1/sessions/drop",
+                        json={"rtserver_sessions": keys},
+                        timeout=self.upstreams.timeout(self.settings.timeout_s),
+                    ) as resp:
+                        if resp.status != 200:
+                            log.debug("%s did not free %d sessions: HTTP %d", url, len(keys), resp.status)
+                            break
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    log.debug("%s did not free %d sessions: %s", url, len(keys), exc)
+                    break
 
     def stats(self) -> RemoteStats:
         snapshot = self.pool.snapshot()

@@ -3,7 +3,8 @@
 A customer's text is reused only by the session that wrote it: another session that could hit it would
 read it back from `cached_tokens` or from its first token's time (docs/security.md). What is shared
 across sessions differs by kind:
-- rtserver nodes take `rtserver_public_tokens` and share only that prefix;
+- rtserver nodes take `rtserver_public_tokens` and share only that prefix; they keep a session's KV
+  under its key until the hub says the session ended (`forgotten`, sent by the backend);
 - vLLM takes a `cache_salt` and shares a prompt's blocks only with requests of the same salt;
 - llama-server has no such field: it picks a slot by prompt similarity and may restore a prompt saved
   from any slot (`--cache-ram`). `SlotLedger` pins each session to a slot of its own (`id_slot`) and
@@ -98,8 +99,22 @@ class _Plain:
         pass
 
 
+MAX_FORGOTTEN = 4096  # ended sessions waiting to be sent; beyond, the oldest are left to the node's LRU
+
+
 class NodeReuse:
-    """An rtserver node: it shares the public prefix and keeps a session's KV under its id."""
+    """An rtserver node: it shares the public prefix and keeps a session's KV under its id until told
+    the session ended."""
+
+    def __init__(self) -> None:
+        self.forgotten: dict[str, None] = {}  # keys of ended sessions the node still keeps, in order
+
+    def take_forgotten(self, most: int) -> list[str]:
+        """Up to `most` ended sessions' keys, oldest first, to tell the node."""
+        keys = list(self.forgotten)[:most]
+        for key in keys:
+            del self.forgotten[key]
+        return keys
 
     async def lease(self, session_key: Hashable | None, public_tokens: int, timeout_s: float) -> Lease:
         fields: dict[str, Any] = {"cache_prompt": True, "rtserver_public_tokens": public_tokens}
@@ -111,7 +126,9 @@ class NodeReuse:
         return _Plain({"rtserver_session": str(session_key), "rtserver_public_tokens": 0})
 
     def forget(self, session_key: Hashable) -> None:
-        pass
+        self.forgotten[str(session_key)] = None
+        while len(self.forgotten) > MAX_FORGOTTEN:
+            del self.forgotten[next(iter(self.forgotten))]
 
 
 class SaltedReuse:

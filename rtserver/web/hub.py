@@ -47,7 +47,7 @@ from .console import ConsoleHub
 from .errors import GenerationFailed, error_code
 from .ratelimit import TokenBucket
 from .seams import NodeFigures, NodeView
-from .session import Session, SessionExpired, SessionRegistry, TooManySessions
+from .session import Session, SessionExpired, SessionRefused, SessionRegistry, TooManySessions
 from .session_events import SessionEvents
 from .state import AppState
 from .transport import websocket_capacity
@@ -261,13 +261,10 @@ class Connection(QueuedConnection):
         self.client_name = hello.client
         try:
             session, resumed = await self.find_session(hello)
-        except TooManySessions:
-            cap = self.hub.settings.security.max_sessions_per_ip
-            await self.error(
-                "too_many_sessions",
-                f"this address already has {cap} connected sessions (the limit); close one first",
-            )
-            self.stop(Close.TOO_MANY_SESSIONS, "too many sessions")
+        except SessionRefused as refused:  # no conversation is dropped for a newcomer
+            await self.error(refused.code, refused.message, retry_after_s=refused.retry_after_s)
+            full = isinstance(refused, TooManySessions)
+            self.stop(Close.TOO_MANY_SESSIONS if full else Close.NOT_READY, refused.code)
             return False
         except ClusterUnavailable as exc:
             await self.error(exc.code, exc.message)

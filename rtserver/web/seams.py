@@ -84,7 +84,7 @@ class SessionStore(Protocol):
         """Store the session's state; a turn is acknowledged only after this returns."""
 
     async def release(self, session: Session, client_ip: str) -> None:
-        """The session's connection has gone (its per-IP slot is free)."""
+        """The session's connection has gone (an empty one no longer counts for its IP)."""
 
     def forget(self, session: Session) -> None:
         """The session has expired on this node."""
@@ -185,7 +185,7 @@ class Topology(Protocol):
     node_id: str
 
     def registry_cap(self, max_sessions_per_ip: int) -> int:
-        """The connected-session cap per IP the local registry keeps (0: counted elsewhere)."""
+        """The cap on sessions an IP holds that the local registry keeps (0: counted elsewhere)."""
         ...
 
     def session_store(self, registry: SessionRegistry) -> SessionStore: ...

@@ -5,7 +5,14 @@ registry for `sessions.idle_timeout_s`; a client that reconnects in time with th
 resume token gets it back (history, and the engine's cached KV for it unless the KV budget evicted it
 meanwhile — then the next turn simply recomputes the prompt). After that the session expires: its
 history is dropped and `engine.drop_session(session.id)` frees its KV. Ids and resume tokens come from
-the `secrets` module; tokens are compared in constant time and only ever resume their own session.
+the `secrets` module; tokens are compared in constant time and only ever resume their own session,
+and each resume gives the session a new token (the old one stops working).
+
+A session with something of the customer's in it (`Session.kept`: an acknowledged turn, a message
+for an agent) is never dropped before its timeout to make room: when the table (`sessions.max_sessions`)
+or an address's share (`security.max_sessions_per_ip`, sessions held, connected or not) is full, the
+newest detached empty session makes room; when there is none, the new session is refused
+(`SessionsFull`, `TooManySessions`) with the time the first held session could expire.
 How a history becomes a prompt (the window, the last turn's own tokens): rtserver/tasks/chat.py.
 """
 
@@ -29,8 +36,41 @@ class SessionExpired(Exception):
     """Unknown id, wrong token, or the session idled past its timeout."""
 
 
-class TooManySessions(Exception):
-    """The client IP already holds its cap of sessions, all of them connected."""
+class SessionRefused(Exception):
+    """A new session could not be made without dropping one worth keeping; `retry_after_s`: when the
+    first held session could expire at the soonest."""
+
+    code = ""
+
+    def __init__(self, message: str, retry_after_s: float):
+        self.message = message
+        self.retry_after_s = max(1.0, round(retry_after_s, 1))
+        super().__init__(message)
+
+
+class TooManySessions(SessionRefused):
+    """The client IP holds its cap of sessions: connected ones, or detached ones worth keeping."""
+
+    code = "too_many_sessions"
+
+    def __init__(self, client_ip: str, cap: int = 0, retry_after_s: float = 0.0):
+        super().__init__(
+            f"this address already holds {cap} sessions (the limit), connected or with a conversation "
+            "that can still be resumed; resume one of them, or retry later",
+            retry_after_s,
+        )
+
+
+class SessionsFull(SessionRefused):
+    """The node's table is full of sessions worth keeping: a new one is refused rather than evicting a
+    customer's conversation."""
+
+    code = "sessions_full"
+
+    def __init__(self, cap: int, retry_after_s: float):
+        super().__init__(
+            f"this server holds its limit of {cap} sessions; retry later or on another server", retry_after_s
+        )
 
 
 class Customer(Protocol):
@@ -71,6 +111,11 @@ class Session:
     @property
     def history_turns(self) -> int:
         return sum(1 for m in self.history if m["role"] == "user")
+
+    @property
+    def kept(self) -> bool:
+        """Whether it holds something of the customer's: it is then never dropped to make room."""
+        return bool(self.history) or self.turns > 0 or self.chat_request is not None
 
     def touch(self, now: float) -> None:
         self.last_active = now
@@ -189,6 +234,14 @@ def _insert_after(history: list[Message], entry: Message, new: Message) -> None:
     history.append(new)
 
 
+def new_id() -> str:
+    return secrets.token_urlsafe(18)
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
 class SessionRegistry:
     """All live sessions; expiry of detached ones; `on_drop(session)` frees their engine state."""
 
@@ -208,57 +261,97 @@ class SessionRegistry:
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self.expired_total = 0
+        self.shed_total = 0  # detached empty sessions dropped to make room
+        self.refused_total = 0  # new sessions refused: only sessions worth keeping were left
+        self._no_room: dict[str | None, float] = {}  # IP (None: the table) -> when a refusal may end
         self._sweeper: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         return len(self.sessions)
 
     def create(self, client_ip: str = "") -> Session:
-        """A new session. At `max_per_ip` sessions for this IP its oldest detached one makes room; if all
-        of them are connected, raises TooManySessions."""
-        if self.max_per_ip and self.per_ip[client_ip] >= self.max_per_ip:
-            self.sweep()
-            if self.per_ip[client_ip] >= self.max_per_ip and not self._drop_oldest_detached(client_ip):
-                raise TooManySessions(client_ip)
-        if len(self.sessions) >= self.max_sessions:
-            self.sweep()
-            if len(self.sessions) >= self.max_sessions:
-                self._drop_oldest_detached()
+        """A new session. At `max_per_ip` sessions held by this IP, or `max_sessions` in all, the newest
+        detached empty one (of that IP, or of anyone) makes room; when there is none, raises
+        TooManySessions or SessionsFull: a conversation is never dropped for a newcomer."""
+        self.make_room(client_ip)
         now = self.clock()
-        session = Session(
-            id=secrets.token_urlsafe(18),
-            resume_token=secrets.token_urlsafe(32),
-            created_at=now,
-            last_active=now,
-            client_ip=client_ip,
+        return self._add(
+            Session(
+                id=new_id(), resume_token=new_token(), created_at=now, last_active=now, client_ip=client_ip
+            )
         )
-        self.sessions[session.id] = session
-        self.per_ip[client_ip] += 1
-        return session
 
     def adopt(self, session_id: str, resume_token: str, client_ip: str = "") -> Session:
-        """A session another node created (clustered: its record is in Redis), cached here."""
+        """A session another node created (clustered: its record is in Redis), cached here. The IP's
+        cap is the cluster's (counted in Redis); the table's holds here too."""
+        self._make_table_room()
         now = self.clock()
-        if len(self.sessions) >= self.max_sessions:
-            self.sweep()
-            if len(self.sessions) >= self.max_sessions:
-                self._drop_oldest_detached()
-        session = Session(
-            id=session_id, resume_token=resume_token, created_at=now, last_active=now, client_ip=client_ip
+        return self._add(
+            Session(
+                id=session_id, resume_token=resume_token, created_at=now, last_active=now, client_ip=client_ip
+            )
         )
+
+    def _add(self, session: Session) -> Session:
         self.sessions[session.id] = session
-        self.per_ip[client_ip] += 1
+        self.per_ip[session.client_ip] += 1
         return session
 
-    def _drop_oldest_detached(self, client_ip: str | None = None) -> bool:
-        detached = [
+    def make_room(self, client_ip: str) -> None:
+        """Room for one more session of this IP, or the refusal that says why there is none."""
+        if self.max_per_ip and self.per_ip[client_ip] >= self.max_per_ip:
+            wait = self._room(client_ip)
+            if wait:
+                raise TooManySessions(client_ip, self.max_per_ip, wait)
+        self._make_table_room()
+
+    def _make_table_room(self) -> None:
+        if len(self.sessions) >= self.max_sessions:
+            wait = self._room(None)
+            if wait:
+                raise SessionsFull(self.max_sessions, wait)
+
+    def _room(self, client_ip: str | None) -> float:
+        """Make room among the IP's sessions (None: all): 0.0 when made, else seconds to wait. A refusal
+        is remembered until a session of theirs detaches or goes, so a flood costs one scan."""
+        now = self.clock()
+        until = self._no_room.get(client_ip)
+        if until is None or now >= until:
+            self.sweep()
+            full = (
+                self.per_ip[client_ip] >= self.max_per_ip
+                if client_ip is not None
+                else (len(self.sessions) >= self.max_sessions)
+            )
+            if not full or self._shed(client_ip):
+                return 0.0
+            until = self._no_room[client_ip] = now + self._first_expiry(client_ip)
+        self.refused_total += 1
+        return until - now
+
+    def _shed(self, client_ip: str | None = None) -> bool:
+        """Drop the newest detached session with nothing in it (of `client_ip`, or of anyone): a flood's
+        own sessions go first, an earlier visitor's stay. False when there is none."""
+        empty = [
             s
             for s in self.sessions.values()
-            if s.connection is None and (client_ip is None or s.client_ip == client_ip)
+            if s.connection is None and not s.kept and (client_ip is None or s.client_ip == client_ip)
         ]
-        if detached:
-            self.drop(min(detached, key=lambda s: s.last_active))
-        return bool(detached)
+        if not empty:
+            return False
+        self.drop(max(empty, key=lambda s: (s.created_at, s.last_active)))
+        self.shed_total += 1
+        return True
+
+    def _first_expiry(self, client_ip: str | None = None) -> float:
+        """Seconds until the first of these sessions could expire (a connected one: once it detaches)."""
+        now = self.clock()
+        left = [
+            self.idle_timeout_s - (now - s.last_active) if s.connection is None else self.idle_timeout_s
+            for s in self.sessions.values()
+            if client_ip is None or s.client_ip == client_ip
+        ]
+        return min(left, default=self.idle_timeout_s)
 
     def resume(self, session_id: str, resume_token: str) -> Session:
         """The session for this id and token; raises SessionExpired (the same way for every cause)."""
@@ -267,22 +360,29 @@ class SessionRegistry:
             session.resume_token.encode(), resume_token.encode()
         ):
             raise SessionExpired(session_id)
-        if self._expired(session, self.clock()):
+        if self.expired(session, self.clock()):
             self.drop(session)
             raise SessionExpired(session_id)
         session.touch(self.clock())
+        session.resume_token = new_token()  # the one just used stops working
         return session
 
-    def _expired(self, session: Session, now: float) -> bool:
+    def expired(self, session: Session, now: float) -> bool:
         return session.connection is None and now - session.last_active > self.idle_timeout_s
 
     def detach(self, session: Session, connection: Customer) -> None:
         if session.connection is connection:
             session.connection = None
             session.touch(self.clock())
+            self._room_changed(session)
+
+    def _room_changed(self, session: Session) -> None:
+        self._no_room.pop(None, None)
+        self._no_room.pop(session.client_ip, None)
 
     def drop(self, session: Session) -> None:
         if self.sessions.pop(session.id, None) is not None:
+            self._room_changed(session)
             self.per_ip[session.client_ip] -= 1
             if self.per_ip[session.client_ip] <= 0:
                 del self.per_ip[session.client_ip]
@@ -294,7 +394,7 @@ class SessionRegistry:
 
     def sweep(self) -> int:
         now = self.clock()
-        doomed = [s for s in self.sessions.values() if self._expired(s, now)]
+        doomed = [s for s in self.sessions.values() if self.expired(s, now)]
         for s in doomed:
             self.drop(s)
         self.expired_total += len(doomed)

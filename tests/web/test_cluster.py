@@ -48,6 +48,8 @@ async def test_session_resumes_on_another_node_with_its_history(smol, tmp_path):
                     "I like turnips",
                     replies[1],
                 ]
+                assert ready["resume_token"] != token  # each resume rotates the token
+                token = ready["resume_token"]
                 events = await chat(ws, "c2", "what is my name?")
                 assert events[-1]["type"] == "done", events
                 # node B's prompt was rendered from the stored history (its KV rebuilt from it)
@@ -194,6 +196,7 @@ async def test_health_shows_the_cluster(smol, tmp_path):
             async with websockets.connect(url_a) as w1, websockets.connect(url_b) as w2:
                 await hello(w1)
                 await hello(w2)
+                assert (await chat(w1, "c0", "hi"))[-1]["type"] == "done"  # a record is written
                 agent, snap = await _console_login(url_b, "Bob", "bob")
                 assert snap["type"] == "console_ready"
 
@@ -377,6 +380,7 @@ async def test_resume_on_another_node_closes_the_old_connection(smol, tmp_path):
         ):
             async with websockets.connect(url_a) as old:
                 ready = await hello(old)
+                assert (await chat(old, "c", "hi"))[-1]["type"] == "done"  # stored from its first turn
                 async with websockets.connect(url_b) as new:
                     again = await hello(
                         new, session_id=ready["session_id"], resume_token=ready["resume_token"]
@@ -425,6 +429,7 @@ async def test_an_unreadable_record_in_redis_is_an_expired_session_not_a_crash(s
         async with scripted_node(smol, redis.url, "a") as (_, url_a, _, _):
             async with websockets.connect(url_a) as ws:
                 ready = await hello(ws)
+                assert (await chat(ws, "c", "hi"))[-1]["type"] == "done"  # stored from its first turn
             client = aioredis.Redis.from_url(redis.url)
             try:
                 for bad in (b"not json", b'{"v": 1, "id": 5}', b'{"v": 1, "history": "x"}', b"[]"):
@@ -606,7 +611,10 @@ async def test_a_save_whose_reply_was_lost_is_not_a_conflict(tmp_path):
                 sessions = ClusterSessions(
                     cluster, store, ClusterLimits(cluster, 0, 1, 0), SessionRegistry(60, 10)
                 )
-                session = await sessions.create("127.0.0.1", "c")  # the script is loaded now
+                session = await sessions.create("127.0.0.1", "c")
+                assert session.version == 0  # nothing in it: not stored
+                session.history.append({"role": "user", "content": "zero"})
+                await sessions.save(session, "c")  # the script is loaded now
                 assert session.version == 1
                 # the reply of the first try is lost, the retry's arrives
                 session.history.append({"role": "user", "content": "one"})
@@ -628,7 +636,7 @@ async def test_a_save_whose_reply_was_lost_is_not_a_conflict(tmp_path):
                 await sessions.save(session, "c")
                 stored = await store.load(session.id)
                 assert stored is not None and stored.version == session.version == 4
-                assert [m["content"] for m in stored.history] == ["one", "three"]
+                assert [m["content"] for m in stored.history] == ["zero", "one", "three"]
             finally:
                 await cluster.stop()
 

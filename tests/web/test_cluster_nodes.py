@@ -175,7 +175,9 @@ async def test_sigterm_drains_and_clients_resume_on_the_other_node(tmp_path):
                     {"type": "hello", "session_id": clients[0].session_id, "resume_token": clients[0].token}
                 )
             )
-            assert (await recv(ws))["resumed"] is True
+            again = await recv(ws)
+            assert again["resumed"] is True
+            clients[0].token = again["resume_token"]  # each resume rotates the token
             a.proc.send_signal(signal.SIGTERM)
             notice = await recv(ws)
             assert notice["type"] == "shutting_down", notice
@@ -236,7 +238,9 @@ async def test_redis_stopped_and_restarted_under_real_nodes(tmp_path):
                     {"type": "hello", "session_id": clients[0].session_id, "resume_token": clients[0].token}
                 )
             )
-            assert (await recv(ws))["resumed"] is True
+            again = await recv(ws)
+            assert again["resumed"] is True
+            clients[0].token = again["resume_token"]  # each resume rotates the token
             redis.stop()
             body = await _wait_ready(a, 503)
             assert "Redis" in body["reason"], body

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rtserver.tasks.chat import LastTurn, encode_chat, finished_turn, window
-from rtserver.web.session import SessionExpired, SessionRegistry, TooManySessions
+from rtserver.web.session import SessionExpired, SessionRegistry, SessionsFull, TooManySessions
 from rtserver.web.session_events import SessionEvents, Token, TurnFinished
 
 
@@ -71,21 +71,29 @@ def test_expired_on_resume_even_before_the_sweep():
     assert s.id not in reg.sessions
 
 
-def test_max_sessions_drops_the_oldest_detached():
+def test_max_sessions_sheds_the_newest_empty_detached_never_a_conversation():
     clock = Clock()
-    reg = SessionRegistry(600, 2, clock=clock)
-    a = reg.create()
+    reg = SessionRegistry(600, 3, clock=clock)
+    chatted, early = reg.create(), reg.create()
+    chatted.history = turns(1)
     clock.t += 1
-    b = reg.create()
-    reg.create()
-    assert a.id not in reg.sessions and b.id in reg.sessions
+    late = reg.create()
+    fresh = reg.create()  # full: the newest empty one makes room
+    assert late.id not in reg.sessions and {chatted.id, early.id, fresh.id} == set(reg.sessions)
+    early.history, fresh.history = turns(1), turns(1)
+    with pytest.raises(SessionsFull) as info:  # only conversations left: refused, none dropped
+        reg.create()
+    assert {chatted.id, early.id, fresh.id} == set(reg.sessions)
+    assert info.value.code == "sessions_full" and info.value.retry_after_s == 599
+    clock.t += 600  # the first conversation's time is up: it expires, the newcomer gets its place
+    assert reg.create().id in reg.sessions and chatted.id not in reg.sessions
 
 
 def count(history):
     return 10 + sum(len(m["content"]) for m in history)
 
 
-def test_sessions_per_ip_cap_reuses_detached_then_refuses():
+def test_sessions_per_ip_cap_counts_held_sessions_connected_or_not():
     dropped = []
     reg = SessionRegistry(60, 100, on_drop=dropped.append, clock=Clock(), max_per_ip=2)
     a, b = reg.create("10.0.0.1"), reg.create("10.0.0.1")
@@ -94,10 +102,25 @@ def test_sessions_per_ip_cap_reuses_detached_then_refuses():
         reg.create("10.0.0.1")
     other = reg.create("10.0.0.2")  # the cap is per address
     reg.detach(a, a.connection)
-    c = reg.create("10.0.0.1")  # the IP's oldest detached session makes room
+    c = reg.create("10.0.0.1")  # the IP's detached empty session makes room
     assert dropped == [a] and set(reg.sessions) == {b.id, c.id, other.id}
+    c.history = turns(1)
+    reg.detach(c, c.connection)
+    with pytest.raises(TooManySessions) as info:  # detached with a conversation: still held
+        reg.create("10.0.0.1")
+    assert info.value.retry_after_s == 60 and c.id in reg.sessions
     reg.drop(b)
     assert reg.per_ip == {"10.0.0.1": 1, "10.0.0.2": 1}
+
+
+def test_resume_rotates_the_token():
+    reg = SessionRegistry(60, 10)
+    s = reg.create()
+    first = s.resume_token
+    assert reg.resume(s.id, first) is s and s.resume_token != first
+    with pytest.raises(SessionExpired):
+        reg.resume(s.id, first)
+    assert reg.resume(s.id, s.resume_token) is s
 
 
 def test_window_keeps_everything_under_the_limits():

@@ -2,8 +2,10 @@
 runs).
 
 `Cluster` owns the connection to Redis and its health: a background loop pings it every
-`cluster.heartbeat_s` and writes this node's heartbeat (`nodes.py`); any failed call marks Redis down
-at once, the next good ping marks it up again, so a node recovers by itself. What is kept there:
+`cluster.heartbeat_s` and writes this node's heartbeat (`nodes.py`); a call that cannot reach Redis
+(connection lost, timed out) marks it down at once, the next good ping marks it up again, so a node
+recovers by itself. A command Redis answers with an error (out of memory, a key of the wrong type) is
+that operation's failure (`StoreError`): Redis stays up for everything else. What is kept there:
 session records (`store.py`), the cluster-wide per-IP limits (`limits.py`), the node registry
 (`nodes.py`) and the console's shared state and events (`bus.py`). Every key starts with
 `cluster.key_prefix`.
@@ -20,7 +22,9 @@ from typing import Any, NotRequired, TypedDict, TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...config import Settings
 
@@ -65,6 +69,22 @@ class ClusterUnavailable(Exception):
         super().__init__(self.message)
 
 
+class StoreError(ClusterUnavailable):
+    """Redis answered one operation with an error (OOM, WRONGTYPE, a script error): that operation
+    failed, nothing says Redis is down."""
+
+    code = "store_error"
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.message = "the session store refused this operation; retry in a moment"
+        self.args = (self.message,)
+
+
+# what says Redis cannot be reached: the node is then down until a ping answers
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
 def node_id_for(settings: Settings) -> str:
     return settings.cluster.node_id or f"{settings.server.host}:{settings.server.port}"
 
@@ -102,7 +122,8 @@ class Cluster:
         self.available = False
         self.reason = "connecting to Redis"
         self.down_since: float | None = clock()
-        self.failures = 0  # calls that failed since start
+        self.failures = 0  # calls that failed since start (unreachable, or refused by Redis)
+        self.command_errors = 0  # of those, commands Redis answered with an error
         self._loop_task: asyncio.Task[None] | None = None
         self._beats: list[Callable[[], Awaitable[None]]] = []  # run after each good ping
 
@@ -134,12 +155,18 @@ class Cluster:
             raise ClusterUnavailable(self.reason)
 
     async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run one Redis operation: RedisError/OSError → ClusterUnavailable (and Redis marked down)."""
+        """Run one Redis operation: unreachable → ClusterUnavailable (and Redis marked down); an error
+        Redis answered → StoreError for this operation alone."""
         try:
             result = await fn()
-        except (RedisError, OSError) as exc:
+        except UNREACHABLE as exc:
             self.mark_down(exc)
             raise ClusterUnavailable(self.reason) from exc
+        except RedisError as exc:
+            self.failures += 1
+            self.command_errors += 1
+            log.warning("cluster: Redis refused an operation: %s: %s", type(exc).__name__, exc)
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
         return result
 
     def on_beat(self, fn: Callable[[], Awaitable[None]]) -> None:
@@ -165,6 +192,8 @@ class Cluster:
         for beat in self._beats:
             try:
                 await beat()
+            except StoreError:
+                continue  # that beat's own failure, logged by `call`
             except ClusterUnavailable:
                 break
             except Exception:

@@ -4,10 +4,13 @@ Redis restart). Time is Redis's own `TIME`, so nodes with skewed clocks share on
 Per-connection buckets stay local (rtserver/web/ratelimit.py): a connection lives on one node. Failed
 console logins per IP are a counter per one-minute window (`security.console_login_failures_per_min`).
 
-Sessions per IP: a sorted set per IP of its connected sessions, scored by a lease deadline the holding
-node renews with its heartbeat; a session leaves it on disconnect, or when its node dies and the lease
-runs out. A detached session does not count: in one process the cap also only refuses when every
-session of the IP is connected (detached ones make room).
+Sessions per IP: a sorted set per IP of the sessions it holds, each scored by when it stops counting.
+A connected session's score is a lease the holding node renews with its heartbeat (as long as its
+record's TTL once it has one, so a dead node's sessions count until they expire). On disconnect a
+session with a record stays held until the record expires (`sessions.idle_timeout_s`); an empty one,
+which has no record and nothing to resume elsewhere, leaves the set. At the cap a new session is
+refused with the time until the first one stops counting: a flood from one address never makes
+another customer's conversation go, and holds no more than its cap.
 """
 
 from __future__ import annotations
@@ -33,33 +36,62 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
 return tostring(wait)
 """
 
-# KEYS[1] the IP's session zset; ARGV session id, cap, lease seconds → 1 admitted, 0 at the cap
-SESSION_SLOT = """
+# the zset lives as long as its longest-held member (EXPIRE never shortens it)
+KEEP_KEY = """
+local function keep(key, seconds)
+  if redis.call('TTL', key) < seconds then redis.call('EXPIRE', key, seconds) end
+end
+"""
+
+# KEYS[1] the IP's session zset; ARGV session id, cap (0: none), seconds it counts from now → '0'
+# admitted, else the seconds until the first held session stops counting
+SESSION_SLOT = (
+    KEEP_KEY
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local cap = tonumber(ARGV[2])
-local lease = tonumber(ARGV[3])
+local hold = tonumber(ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) and cap > 0 and redis.call('ZCARD', KEYS[1]) >= cap then
-  return 0
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return tostring(tonumber(first[2]) - now)
 end
-redis.call('ZADD', KEYS[1], now + lease, ARGV[1])
-redis.call('EXPIRE', KEYS[1], math.ceil(lease) + 1)
-return 1
+local cur = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]))
+if not cur or cur < now + hold then redis.call('ZADD', KEYS[1], now + hold, ARGV[1]) end
+keep(KEYS[1], math.ceil(hold) + 1)
+return '0'
 """
+)
 
-# KEYS: one zset per session (its IP's); ARGV lease seconds, then the session ids in KEYS' order (a
-# slot another node's ZREM took by mistake — the session moved here meanwhile — comes back with it)
-RENEW = """
+# KEYS[1] the IP's session zset; ARGV session id, seconds it still counts (0: it leaves now)
+HOLD = (
+    KEEP_KEY
+    + """
+if tonumber(ARGV[2]) <= 0 then return redis.call('ZREM', KEYS[1], ARGV[1]) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local lease = tonumber(ARGV[1])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+keep(KEYS[1], math.ceil(tonumber(ARGV[2])) + 1)
+return 1
+"""
+)
+
+# KEYS: one zset per session (its IP's); ARGV (session id, seconds) per key in KEYS' order (a slot
+# another node's ZREM took by mistake — the session moved here meanwhile — comes back with it)
+RENEW = (
+    KEEP_KEY
+    + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 for i, key in ipairs(KEYS) do
-  redis.call('ZADD', key, now + lease, ARGV[i + 1])
-  redis.call('EXPIRE', key, math.ceil(lease) + 1)
+  local hold = tonumber(ARGV[2 * i])
+  redis.call('ZADD', key, now + hold, ARGV[2 * i - 1])
+  keep(key, math.ceil(hold) + 1)
 end
 return #KEYS
 """
+)
 
 # KEYS[1] the IP's failed-login counter; ARGV limit, window ms, '1' to count a failure first → ms until
 # the window ends when the IP is at the limit, else 0 (the window starts at its first failure)
@@ -80,14 +112,18 @@ return ttl
 
 
 class ClusterLimits:
-    def __init__(self, cluster: Cluster, rate: float, burst: int, max_sessions_per_ip: int):
+    def __init__(
+        self, cluster: Cluster, rate: float, burst: int, max_sessions_per_ip: int, hold_s: float = 0.0
+    ):
         self.cluster = cluster
         self.rate, self.burst = rate, burst
         self.max_sessions_per_ip = max_sessions_per_ip
         self.lease_s = cluster.heartbeat_s * 3 + 1
+        self.hold_s = max(self.lease_s, hold_s)  # a session with a record: as long as the record
         r = cluster.redis
         self._bucket = r.register_script(TOKEN_BUCKET)
         self._slot = r.register_script(SESSION_SLOT)
+        self._hold = r.register_script(HOLD)
         self._renew = r.register_script(RENEW)
         self._login_failures = r.register_script(LOGIN_FAILURES)
 
@@ -101,24 +137,33 @@ class ClusterLimits:
         )
         return float(wait)
 
-    async def claim_session(self, ip: str, session_id: str) -> bool:
-        """A connected-session slot for this IP (True), or False when the IP is at its cap."""
-        ok: Any = await self.cluster.call(
-            lambda: self._slot(
-                keys=[self._ip_key(ip)], args=[session_id, self.max_sessions_per_ip, self.lease_s]
-            )
+    async def claim_session(
+        self, ip: str, session_id: str, capped: bool = True, stored: bool = False
+    ) -> float:
+        """A slot among the sessions this IP holds: 0.0 when taken, else the seconds until the first
+        held one stops counting. `capped=False`: a session already held (its record exists) always
+        gets its slot back; `stored`: it has a record, and counts as long."""
+        cap = self.max_sessions_per_ip if capped else 0
+        hold = self.hold_s if stored else self.lease_s
+        wait: Any = await self.cluster.call(
+            lambda: self._slot(keys=[self._ip_key(ip)], args=[session_id, cap, hold])
         )
-        return bool(int(ok))
+        return float(wait)
 
-    async def release_session(self, ip: str, session_id: str) -> None:
-        await self.cluster.call(lambda: self.cluster.redis.zrem(self._ip_key(ip), session_id))
+    async def release_session(self, ip: str, session_id: str, stored: bool = False) -> None:
+        """The session's connection has gone: a session with a record stays held until it expires,
+        an empty one leaves the IP's count."""
+        args = [session_id, self.hold_s if stored else 0]
+        await self.cluster.call(lambda: self._hold(keys=[self._ip_key(ip)], args=args))
 
-    async def renew(self, connected: list[tuple[str, str]]) -> None:
-        """(ip, session id) of every session connected here: their leases renewed."""
+    async def renew(self, connected: list[tuple[str, str, bool]]) -> None:
+        """(ip, session id, has a record) of every session connected here: their slots renewed."""
         if not connected:
             return
-        keys = [self._ip_key(ip) for ip, _ in connected]
-        args: list[Any] = [self.lease_s, *(sid for _, sid in connected)]
+        keys = [self._ip_key(ip) for ip, _, _ in connected]
+        args: list[Any] = []
+        for _, sid, stored in connected:
+            args += [sid, self.hold_s if stored else self.lease_s]
         await self.cluster.call(lambda: self._renew(keys=keys, args=args))
 
     async def login_failures(self, ip: str, limit: int, window_s: float, failed: bool) -> float:

@@ -5,8 +5,9 @@ One record per session, one JSON string under `<prefix>:session:<id>`, written w
 `sessions.idle_timeout_s` (the node holding a connected session renews it with its heartbeat). It
 holds the history window, a SHA-256 of the resume token (never the token), the client name and
 address and counters (the console's conversation is stored once, in its own hash: bus.py). The hub
-writes it when a session starts, after every turn before `done`, on reset and after an agent's
-message: what a client was told is stored.
+writes it after every turn before `done`, on reset, after an agent's message and on resume (the
+rotated token's hash): what a client was told is stored. A session gets its first record with its
+first turn: an empty session is not stored (sessions.py).
 A record that does not parse is treated as absent (logged): a bad record never crashes a node.
 
 Each write carries the next version of the record and is refused (`SessionConflict`) when the stored one

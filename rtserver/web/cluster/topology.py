@@ -64,6 +64,8 @@ class ClusterSessionStore:
 
     async def resume(self, session_id: str, resume_token: str, client_ip: str) -> Resumed:
         session, record = await self.sessions.resume(session_id, resume_token, client_ip)
+        if record is None:  # never stored: it was served here
+            return Resumed(session)
         return Resumed(session, record.client, record.node or "")
 
     async def save(self, session: Session, client: str | None) -> None:
@@ -86,7 +88,11 @@ class Clustered:
         self.node_id = self.cluster.node_id
         self.records = RecordStore(self.cluster, settings.sessions.idle_timeout_s)
         self.shared_limits = ClusterLimits(
-            self.cluster, sec.ip_rate_limit_per_s, sec.ip_rate_limit_burst, sec.max_sessions_per_ip
+            self.cluster,
+            sec.ip_rate_limit_per_s,
+            sec.ip_rate_limit_burst,
+            sec.max_sessions_per_ip,
+            hold_s=settings.sessions.idle_timeout_s,
         )
         self.limits: Limits = SharedLimits(self.cluster, self.shared_limits, settings)
         self.sessions: ClusterSessions | None = None  # set by session_store (the hub's registry)
@@ -108,9 +114,14 @@ class Clustered:
             connected = node.connected()
             await self.records.renew([sid for _, sid in connected])
             if self.shared_limits.max_sessions_per_ip:
-                await self.shared_limits.renew(connected)
+                await self.shared_limits.renew([(ip, sid, self._stored(sid)) for ip, sid in connected])
 
         self.cluster.on_beat(renew)
+
+    def _stored(self, session_id: str) -> bool:
+        """Whether the session has a record (it then counts for its IP as long as the record lives)."""
+        session = self.sessions.registry.sessions.get(session_id) if self.sessions is not None else None
+        return session is not None and session.version > 0
 
     def on_beat(self, beat: Beat) -> None:
         self.cluster.on_beat(beat)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from . import node, openai, tasks
+from . import node, node_sessions, openai, tasks
 from .common import api, refused_response
 
 ROUTES = [
@@ -15,6 +15,7 @@ ROUTES = [
     ("/v1/models", openai.list_models, ["GET"]),
     ("/v1/completions", node.completions, ["POST"]),
     ("/tokenize", node.tokenize, ["POST"]),
+    ("/v1/sessions/drop", node_sessions.drop_sessions, ["POST"]),
 ]
 
 __all__ = ["ROUTES", "api", "refused_response"]

@@ -135,15 +135,18 @@ def single_bar(ours: dict, theirs: dict, floor_tokens_per_s: float | None) -> di
     }
 
 
+def local_backend(ours: dict) -> dict:
+    """rtserver's in-process engine as its /health describes it (empty when it has none)."""
+    backends = ((ours.get("health") or {}).get("backends") or {}).values()
+    return next((b for b in backends if b.get("kind") == "local"), {})
+
+
 def kv_in_use(ours: dict) -> tuple[float | None, str | None]:
     """rtserver's KV in use for the RSS bar, and where it was read: its /metrics, else its budget."""
     if ours.get("kv_used_peak_mb") is not None:
         return ours["kv_used_peak_mb"], KV_FROM_METRICS
-    for backend in ((ours.get("health") or {}).get("backends") or {}).values():
-        budget = (backend.get("kv") or {}).get("budget_mb")
-        if budget is not None:
-            return float(budget), KV_FROM_BUDGET
-    return None, None
+    budget = (local_backend(ours).get("kv") or {}).get("budget_mb")
+    return (None, None) if budget is None else (float(budget), KV_FROM_BUDGET)
 
 
 def at_most(value: float | None, limit: float | None) -> bool | None:
@@ -182,6 +185,8 @@ def pair_figures(systems: dict, file_mb: float, floor_tokens_per_s: float | None
         "ratios": ratios,
         "single": single,
         "refused_or_failed": refused,
+        # what one decode token of rtserver reads, beside the file's bytes the floor counts
+        "rtserver_decode_weight_mb": (local_backend(ours).get("kernels") or {}).get("decode_weight_mb"),
         "kv_in_use_mb": kv_mb,
         "kv_in_use_source": kv_source,
         "rss_bar_mb": rss_bar_mb,
@@ -388,9 +393,11 @@ def pair_rows(name: str, p: dict, file_mb: float) -> list[tuple[str, str, str]]:
     )
     rows.append(
         (
-            f"[formats] {name} single: rtserver's lower tokens/s, needed, share of the floor",
+            f"[formats] {name} single: rtserver's lower tokens/s, needed, share of the floor; "
+            "MB rtserver reads a token",
             f"{fmt(one['rtserver_lower'])}, {fmt(one['needed_tokens_per_s'])} ({one['needed_by'] or 'n/a'}), "
-            f"{'n/a' if one['share_of_floor'] is None else format(one['share_of_floor'], '.0%')}",
+            f"{'n/a' if one['share_of_floor'] is None else format(one['share_of_floor'], '.0%')}; "
+            f"{fmt(p['rtserver_decode_weight_mb'])}",
             f">= the lower of {SINGLE_SPEEDUP}x llama-server's better and {FLOOR_SHARE:.0%} of the floor",
         )
     )

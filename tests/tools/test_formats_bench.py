@@ -235,10 +235,13 @@ def test_a_refused_request_fails_the_refusal_bar_and_is_counted():
 
 
 def test_without_a_metrics_reading_the_rss_bar_takes_the_kv_budget():
-    health = {"backends": {"local": {"kind": "local", "kv": {"budget_mb": 256, "dtype": "bfloat16"}}}}
-    ours = figures(300.0, 130.0, 120.0, 800.0, 700.0, health=health, kv_used_peak_mb=None)
+    local = {"kind": "local", "kv": {"budget_mb": 256}, "kernels": {"decode_weight_mb": 80.5}}
+    ours = figures(
+        300.0, 130.0, 120.0, 800.0, 700.0, health={"backends": {"local": local}}, kv_used_peak_mb=None
+    )
     p = pair_figures({"llama-server": llama_figures(), "rtserver": ours}, 10.0, None)
     assert p["kv_in_use_mb"] == 256.0 and p["kv_in_use_source"] == KV_FROM_BUDGET
+    assert p["rtserver_decode_weight_mb"] == 80.5
     assert p["rss_bar_mb"] == 10.0 + 256 + 600 and p["bars"][RSS_BAR] is True
     bare = pair_figures({"llama-server": llama_figures(), "rtserver": figures(1, 1, 1, 1, 1)}, 10.0, None)
     assert bare["kv_in_use_mb"] is None and bare["bars"][RSS_BAR] is None
@@ -355,9 +358,8 @@ def test_the_printed_rows_of_a_row_that_ran(tmp_path):
     assert rows["[formats] q8_0 rtserver peak RSS MB; file MB + KV in use MB + 600"] == (
         "700.0; 1.0 + 50.0 + 600 = 651.0"
     )
-    assert rows["[formats] q8_0 single: rtserver's lower tokens/s, needed, share of the floor"] == (
-        "120.0, 110.0 (1.1x llama-server's better), n/a"
-    )
+    single = "[formats] q8_0 single: rtserver's lower tokens/s, needed, share of the floor; MB rtserver reads a token"
+    assert rows[single] == "120.0, 110.0 (1.1x llama-server's better), n/a; n/a"
 
 
 def test_the_bench_writes_the_matrix_into_its_json_table_and_chart(monkeypatch, tmp_path):

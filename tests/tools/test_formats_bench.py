@@ -358,7 +358,8 @@ def test_the_printed_rows_of_a_row_that_ran(tmp_path):
     assert rows["[formats] q8_0 rtserver peak RSS MB; file MB + KV in use MB + 600"] == (
         "700.0; 1.0 + 50.0 + 600 = 651.0"
     )
-    single = "[formats] q8_0 single: rtserver's lower tokens/s, needed, share of the floor; MB rtserver reads a token"
+    single = "[formats] q8_0 single: rtserver's lower tokens/s, needed, share of the floor; "
+    single += "MB rtserver reads a token"
     assert rows[single] == "120.0, 110.0 (1.1x llama-server's better), n/a; n/a"
 
 

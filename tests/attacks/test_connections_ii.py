@@ -165,6 +165,8 @@ async def test_a_full_node_refuses_new_widgets_cleanly_and_says_full(server):
     crowd = await _crowd(server.ws_url, CROWD)
     try:
         probes = {path: await _probe(server.base, path) for path in PROBES}
+        async with httpx.AsyncClient(base_url=server.base, timeout=30) as http:
+            for_widgets = await http.get("/ready", params={"for": "widgets"})  # a balancer's view
         events, code, reason = await _refused(server.ws_url)
         await crowd.pop().close()
         await asyncio.sleep(0.5)
@@ -176,6 +178,8 @@ async def test_a_full_node_refuses_new_widgets_cleanly_and_says_full(server):
     _answered_at_once(probes)
     full = json.loads(probes["/ready"][2])
     assert full["ready"] is True and full["full"] is True, full
+    assert for_widgets.status_code == 503 and for_widgets.headers["retry-after"], for_widgets
+    assert for_widgets.json()["ready"] is True, for_widgets.text  # full, not broken
     assert code == 1013, (code, reason, events)
     assert [e.get("code") for e in events] == ["server_full"], events
     assert events[0]["retry_after_s"] > 0, events

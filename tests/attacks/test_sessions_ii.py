@@ -138,13 +138,15 @@ async def test_clustered_an_address_is_capped_across_nodes_and_empty_sessions_wr
         client = aioredis.Redis.from_url(redis.url)
         try:
             async with (
-                scripted_node(smol, redis.url, "a", security=sec) as (_, url_a, _, _),
+                scripted_node(smol, redis.url, "a", security=sec) as (_, url_a, _, app_a),
                 scripted_node(smol, redis.url, "b", security=sec) as (_, url_b, _, _),
             ):
+                hub_a = app_a.state.hub
                 for _ in range(20):  # empty sessions that come and go: nothing stored, nothing held
                     async with websockets.connect(url_a) as ws:
                         assert (await hello(ws))["type"] == "ready"
-                assert await _records(client) == 0
+                    await asyncio.wait_for(_until(lambda: _gone(hub_a)), 10)  # its socket is closed
+                assert await _records(client) == 0 and len(hub_a.sessions) <= 2
                 customers = [await _chatted(url_a, turns=1), await _chatted(url_b, turns=1)]
                 assert await _records(client) == 2
                 for url in (url_a, url_b):  # both customers left; their conversations still count
@@ -235,6 +237,10 @@ async def test_a_hubs_ended_sessions_are_freed_on_its_rtserver_node(smol):
             assert "remote:s3" not in engine.dropped  # a live session's KV stays
         finally:
             await backend.stop()
+
+
+async def _gone(hub) -> bool:
+    return not hub.connections
 
 
 async def _until(pred) -> None:

@@ -100,7 +100,9 @@ class Clustered:
         self.bus: ConsoleBus | None = None  # set by console_bus
 
     def registry_cap(self, max_sessions_per_ip: int) -> int:
-        return 0  # counted in Redis across the nodes (limits.py)
+        # counted in Redis across the nodes (limits.py); the node's own cap sheds an address's empty
+        # sessions here, which Redis does not hold
+        return max_sessions_per_ip
 
     def session_store(self, registry: SessionRegistry) -> SessionStore:
         self.sessions = ClusterSessions(self.cluster, self.records, self.shared_limits, registry)

@@ -184,6 +184,7 @@ function onEvent(msg) {
       if (!conv) return;
       if (conv.messages.some((m) => m.seq === msg.message.seq)) return;
       conv.messages.push(msg.message);
+      if (msg.message.role === "user") conv.user_seqs = [...(conv.user_seqs || []), msg.message.seq].slice(-20);
       if (conv.messages.length > 500) conv.messages.shift();
       conv.seq = msg.message.seq;
       conv.mood = msg.mood;
@@ -208,7 +209,10 @@ function onEvent(msg) {
     case "stream_end":
       if (!conv) return;
       if (conv.streaming && conv.streaming.id === msg.id) conv.streaming = null;
-      if (msg.dropped) conv.messages = conv.messages.filter((m) => m.seq !== msg.dropped);
+      if (msg.dropped) {
+        conv.messages = conv.messages.filter((m) => m.seq !== msg.dropped);
+        conv.user_seqs = (conv.user_seqs || []).filter((seq) => seq !== msg.dropped);
+      }
       if (conv.session_id === state.selected) renderConv();
       break;
     case "tag": {
@@ -240,9 +244,10 @@ function onEvent(msg) {
 }
 
 // -- unread ------------------------------------------------------------------------------------
+// The summary lists the seqs of the newest customer messages; live ones are added as they come.
 function unread(conv) {
   const seen = state.seen[conv.session_id] || 0;
-  return conv.messages.filter((m) => m.role === "user" && m.seq > seen).length;
+  return (conv.user_seqs || []).filter((seq) => seq > seen).length;
 }
 function markSeen(conv) {
   if (!conv || document.hidden) return;

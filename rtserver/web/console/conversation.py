@@ -22,6 +22,7 @@ MAX_EVENT_BYTES = 4096  # of one event sent to every agent: a message's text is 
 MAX_EVENT_TEXT_BYTES = 3000  # of the text in one such event (the rest of the event is bounded apart)
 MAX_PAGE_BYTES = 64 << 10  # of the messages one `messages` answer holds (an agent asks for older ones)
 MAX_PREVIEW_CHARS = 200  # of the last message's text in a summary
+MAX_UNREAD = 20  # customer messages' seqs a summary lists (the console page's unread count)
 
 Message = dict[str, Any]  # as agents see it: role, text, seq, ts and what its role adds (docs/protocol.md)
 Record = dict[str, Any]  # a conversation as stored (`Conversation.to_json` + the node serving it)
@@ -47,6 +48,12 @@ def bounded(message: Message) -> Message:
     return message if cut is text else {**message, "text": cut, "truncated": True}
 
 
+def user_seqs(messages: Iterable[Any]) -> list[int]:
+    """The seqs of the newest MAX_UNREAD customer messages."""
+    seqs = [m.get("seq") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    return [s for s in seqs if isinstance(s, int)][-MAX_UNREAD:]
+
+
 def summary(record: Mapping[str, Any]) -> dict[str, Any]:
     """A conversation as agents' lists show it (no messages), from a stored record or `to_json`; its
     texts cleaned and bounded whoever wrote them."""
@@ -68,6 +75,7 @@ def summary(record: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(last, dict)
         else None,
         "seq": record.get("seq") if isinstance(record.get("seq"), int) else 0,
+        "user_seqs": user_seqs(record.get("messages") or []),
     }
 
 
@@ -184,6 +192,7 @@ class Conversation:
             "mood": self.mood(window),
             "last_message": self.last_message(),
             "seq": self.seq,
+            "user_seqs": user_seqs(self.messages),
         }
 
     def to_json(self, window: int) -> dict[str, Any]:

@@ -44,7 +44,7 @@ RAW_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ
 REPACKED = {"Q8_2F": (32, 40)}
 SUPPORTED_TYPES = ("Q4_1", "Q8_0", *RAW_TYPES)
 KERNEL_DIR = Path(__file__).parent / "kernels"
-KERNEL_SOURCE = KERNEL_DIR / "quant.cpp"
+KERNEL_SOURCE = KERNEL_DIR / "bindings.cpp"
 _NO_TENSOR = torch.empty(0)
 
 # GGUF tensor name (within a block) → the transformers Llama/Qwen2 parameter it becomes

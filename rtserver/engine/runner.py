@@ -282,7 +282,7 @@ class ModelRunner(StepRunner):
         return lay
 
     def _fused_parts(self, items: list[StepItem]) -> tuple[list[int], list[int]]:
-        """The items of a step that run each layer as one fused kernel call (kernels/quant.cpp:
+        """The items of a step that run each layer as one fused kernel call (kernels/layer.h:
         layer_forward, the same arithmetic as `_layer`), when `fused_decode` is on: its single-token
         decodes, and its generation prompts (logits of the last row alone). Scoring and pooling items
         run beside them through torch ops, so a prompt arriving among 32 streams does not slow their

@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
@@ -316,3 +317,96 @@ void causal_attention(const float* Q, const T* Kp, const T* Vp, const RowContext
 }
 
 }  // namespace
+
+namespace {
+
+void check_context(const torch::Tensor& slots, const torch::Tensor& lengths, int64_t R, int64_t S) {
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.dim() == 2 &&
+                  slots.size(0) == R && lengths.scalar_type() == torch::kInt64 && lengths.numel() == R,
+              "slots must be int64 [R, Lmax], lengths int64 [R]");
+  const int64_t Lmax = slots.size(1);
+  const int64_t* SL = slots.data_ptr<int64_t>();
+  const int64_t* LN = lengths.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(LN[r] >= 1 && LN[r] <= Lmax, "a context length is outside [1, Lmax]");
+    for (int64_t j = 0; j < LN[r]; ++j)
+      TORCH_CHECK(SL[r * Lmax + j] >= 0 && SL[r * Lmax + j] < S, "a context slot is outside the pool");
+  }
+}
+
+void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, int64_t D) {
+  const auto t = k_pool.scalar_type();
+  TORCH_CHECK((t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16) && v_pool.scalar_type() == t &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 3 &&
+                  k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == D,
+              "pools must be contiguous [slots, KV, D] of one type: float32, bfloat16 or float16");
+}
+
+// f(K, V) with the pools' element pointers as their type (check_pools checked it).
+template <typename Fn>
+void with_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, const Fn& f) {
+  switch (k_pool.scalar_type()) {
+    case torch::kBFloat16: f(k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>()); break;
+    case torch::kFloat16: f(k_pool.data_ptr<c10::Half>(), v_pool.data_ptr<c10::Half>()); break;
+    default: f(k_pool.data_ptr<float>(), v_pool.data_ptr<float>()); break;
+  }
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                               torch::Tensor slots, torch::Tensor lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q must be float32 [R, H, D]");
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  check_pools(k_pool, v_pool, D);
+  const int64_t KV = k_pool.size(1);
+  TORCH_CHECK(H % KV == 0, "head counts do not match");
+  check_context(slots, lengths, R, k_pool.size(0));
+  auto out = torch::empty_like(q);
+  const int64_t *SL = slots.data_ptr<int64_t>(), *LN = lengths.data_ptr<int64_t>(), Lmax = slots.size(1);
+  with_pools(k_pool, v_pool, [&](auto* Kp, auto* Vp) {
+    attention(q.data_ptr<float>(), Kp, Vp, R, H, KV, D, Lmax, static_cast<float>(scale), out.data_ptr<float>(),
+              [&](int64_t r) { return std::pair<const int64_t*, int64_t>{SL + r * Lmax, LN[r]}; });
+  });
+  return out;
+}
+
+RowContexts row_contexts(const torch::Tensor& table, const torch::Tensor& item, const torch::Tensor& position,
+                         int64_t window, int64_t R, int64_t S) {
+  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.is_contiguous() && table.dim() == 2,
+              "table must be int64 [items, Lmax]");
+  TORCH_CHECK(item.scalar_type() == torch::kInt64 && item.numel() == R && position.scalar_type() == torch::kInt64 &&
+                  position.numel() == R && item.is_contiguous() && position.is_contiguous(),
+              "item and position must be int64 [R]");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
+  const RowContexts c{table.data_ptr<int64_t>(), item.data_ptr<int64_t>(), position.data_ptr<int64_t>(),
+                        table.size(0), table.size(1), window};
+  std::vector<int64_t> reach(c.B, 0);  // the context length each item's rows read
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(c.IT[r] >= 0 && c.IT[r] < c.B, "a row's item is outside the table");
+    TORCH_CHECK(c.PS[r] >= 0 && c.PS[r] < c.Lmax, "a row's position is outside [0, Lmax)");
+    reach[c.IT[r]] = std::max(reach[c.IT[r]], c.PS[r] + 1);
+  }
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t j = 0; j < reach[b]; ++j)
+      TORCH_CHECK(c.TB[b * c.Lmax + j] >= 0 && c.TB[b * c.Lmax + j] < S, "a context slot is outside the pool");
+  return c;
+}
+
+// Causal attention of prompt rows over the paged pool, read in place: each row attends to its item's
+// positions up to its own, the last `window` of them where window > 0 (a sliding-window layer).
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                const torch::Tensor& table, const torch::Tensor& item, const torch::Tensor& position,
+                                int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q must be float32 [R, H, D]");
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  check_pools(k_pool, v_pool, D);
+  const int64_t KV = k_pool.size(1);
+  TORCH_CHECK(H % KV == 0, "head counts do not match");
+  const RowContexts c = row_contexts(table, item, position, window, R, k_pool.size(0));
+  auto out = torch::empty_like(q);
+  with_pools(k_pool, v_pool, [&](auto* Kp, auto* Vp) {
+    causal_attention(q.data_ptr<float>(), Kp, Vp, c, R, H, KV, D, static_cast<float>(scale), out.data_ptr<float>());
+  });
+  return out;
+}

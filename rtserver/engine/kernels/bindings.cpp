@@ -1,0 +1,38 @@
+// The kernel's Python module: what the engine calls (quant.py's load_kernel builds it once per CPU).
+// The code lives by concern: blocks.h (each GGUF block type's decoder), matmul.h (the linears on
+// their blocks), panel.h and int_panel.h (many-row steps), attention.h (attention over the paged KV
+// pool), vmath.h (dot products, exp, tanh), layer.h (a whole decoder layer in one call).
+#include <torch/extension.h>
+
+#include "attention.h"
+#include "layer.h"
+#include "matmul.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Every function lets go of the GIL while it runs: the model runs on the scheduler thread, and a
+  // fused step holding the GIL through its layers kept the event loop (the hub) waiting.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("q4_1_mm", &q4_1_mm, "x [M, K] float32 @ Q4_1 blocks [N, K].T -> [M, N] float32", nogil);
+  m.def("q8_0_mm", &q8_0_mm, "x [M, K] float32 @ Q8_0 blocks [N, K].T -> [M, N] float32", nogil);
+  m.def("blocks_mm", &blocks_mm, "x [M, K] float32 @ a stacked block weight (parts side by side) -> [M, N]",
+        py::arg("x"), py::arg("formats"), py::arg("a"), py::arg("b"), py::arg("panels") = Tensors{}, nogil);
+  m.def("unpack_panels", &unpack_panels, "a block weight's panels for many-row steps, unpacked once (int8)", nogil);
+  m.def("panels_of", &panels_of, "a weight as a panel format alone, read at every step size", nogil);
+  m.def("kept_bytes", &kept_bytes, "the bytes unpack_panels takes for a weight of this format and shape");
+  m.def("set_panel_rows", &set_panel_rows, "steps of more rows than this run on panels of weight rows");
+  m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
+  m.def("decode_attention", &decode_attention, "single-token attention over paged K/V (float32, bfloat16 or float16)", nogil);
+  m.def("prefill_attention", &prefill_attention, "causal attention of prompt rows over paged K/V (float32, bfloat16 or float16)", nogil);
+#ifdef RTSERVER_INT_DOTS
+  m.attr("fixed_point_activations") = true;
+#else
+  m.attr("fixed_point_activations") = false;
+#endif
+  py::class_<FusedLayer>(m, "FusedLayer", "one decoder layer's weights and switches, checked once")
+      .def(py::init<const Tensor&, const Formats&, const Tensors&, const Tensors&, const Tensors&,
+                    const c10::optional<Tensor>&, const Formats&, const Tensors&, const Tensors&, const Tensors&,
+                    const Tensor&, const Formats&, const Tensors&, const Tensors&, const Tensors&, const Formats&,
+                    const Tensors&, const Tensors&, const Tensors&, int64_t, int64_t, int64_t, double, double,
+                    const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool>());
+  m.def("layer_forward", &layer_forward, "one decoder layer for a step's rows on quantized blocks", nogil);
+}

@@ -101,7 +101,8 @@ class KVCacheManager:
         # prompt that leaves a cached block part-way (a task's fixed prefix followed by new text) can reuse
         # the part it shares
         self._children: dict[tuple[int, int], dict[int, None]] = {}
-        self.evicted_sessions: set[Hashable] = set()
+        # sessions whose KV was evicted (their next turn counts as a rebuild), newest last, bounded
+        self.evicted_sessions: OrderedDict[Hashable, None] = OrderedDict()
         self.evictions = 0
         self.rebuilds = 0
         self.prefix_hits = 0
@@ -143,7 +144,9 @@ class KVCacheManager:
                 self._forget_prefix(victim)
             elif self.sessions:
                 key, handle = self.sessions.popitem(last=False)
-                self.evicted_sessions.add(key)
+                self.evicted_sessions[key] = None
+                if len(self.evicted_sessions) > self.total_blocks:
+                    self.evicted_sessions.popitem(last=False)
                 self._drop_blocks(handle.blocks)
             else:
                 raise OutOfKVMemory(f"needs {needed} blocks, {len(self._free)} free, nothing idle to evict")
@@ -315,7 +318,7 @@ class KVCacheManager:
                     handle, from_session = cached, True
                     self.session_hits += 1
                 elif session_key in self.evicted_sessions:
-                    self.evicted_sessions.discard(session_key)
+                    del self.evicted_sessions[session_key]
                     self.rebuilds += 1
             elif fork is not None:
                 handle = self._fork(fork, prompt_ids)
@@ -370,7 +373,7 @@ class KVCacheManager:
     def drop_session(self, session_key: Hashable) -> None:
         with self.lock:
             handle = self.sessions.pop(session_key, None)
-            self.evicted_sessions.discard(session_key)
+            self.evicted_sessions.pop(session_key, None)
             if handle is not None:
                 self._drop_blocks(handle.blocks)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .model import LoadedModel, cpu_has_native_bf16
+from .model import LoadedModel
 
 _NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,9 +43,8 @@ def kv_dtype_for(setting: str, loaded: LoadedModel) -> tuple[torch.dtype, str]:
         return torch.float32, "dtype float32 is exact, so its KV is float32 too"
     if loaded.dtype in (torch.bfloat16, torch.float16):
         return loaded.dtype, "the model's own dtype"
-    if cpu_has_native_bf16():
-        return torch.bfloat16, "16-bit KV; this CPU has native bfloat16"
-    return torch.float16, "16-bit KV; this CPU has no native bfloat16"
+    # float16 keeps 3 more mantissa bits than bfloat16: greedy replies stay those of float32 KV
+    return torch.float16, "16-bit KV: float16 rounds K/V finer than bfloat16"
 
 
 def available_mb() -> int | None:

@@ -77,6 +77,20 @@ def test_idle_sessions_are_evicted_lru_and_counted():
     assert reused == 0 and kv.rebuilds == 1
 
 
+def test_the_evicted_sessions_kept_for_counting_are_bounded():
+    """A stream of one-turn sessions evicted one after another (a hub's customers, or API callers'
+    session ids): the keys remembered for the rebuild count stay within the pool's block count."""
+    kv = make(blocks=6)
+    for n in range(40):
+        ids = list(range(1000 * n, 1000 * n + 8))
+        h, _ = kv.acquire(ids, 8, session_key=n)
+        computed(kv, h, ids)
+        kv.release(h, n)
+        kv.clear_prefix_cache()
+    assert kv.evictions > 20 and len(kv.evicted_sessions) <= kv.total_blocks
+    assert 0 not in kv.evicted_sessions and 36 in kv.evicted_sessions  # the oldest forgotten first
+
+
 def test_random_workload_never_leaks_blocks():
     rng = random.Random(0)
     kv = make(blocks=32)

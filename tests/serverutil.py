@@ -42,6 +42,9 @@ def make_settings(**sections: dict) -> Settings:
     s.security.max_sessions_per_ip = s.security.ip_tokens_in_flight = 0
     s.security.ip_tokens_per_s, s.security.api_kv_share = 0.0, 1.0
     s.security.ip_kv_share = 0.0
+    # the small KV holds a few requests at once: the rest of a test's crowd waits its turn at the API
+    # door as long as a slow machine needs (the queue's own bounds: tests/web/test_api_queue.py)
+    s.security.api_queue_s = 600.0
     s.server.max_connections_per_ip = 0
     s.security.api_enabled = True  # off by default; the tests drive it from 127.0.0.1
     for section, values in sections.items():

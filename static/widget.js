@@ -60,6 +60,9 @@
     shutting_down: "The assistant is restarting. We'll reconnect in a moment…",
     too_many_sessions: "Too many chats are open from your network. Please close one and try again.",
     unavailable: "The chat is briefly unavailable. We'll reconnect in a moment…",
+    server_full: "Lots of people are chatting right now. We'll connect you in a moment…",
+    sessions_full: "Lots of people are chatting right now. We'll connect you in a moment…",
+    over_budget: "Lots of people are chatting right now. Please try again in a moment.",
   };
 
   // -- DOM helpers (no innerHTML anywhere) ---------------------------------------------------
@@ -260,7 +263,9 @@
         showNotice(ev.code === 4429 ? FRIENDLY.too_many_sessions : FRIENDLY.unauthorized);
         return;
       }
-      if (ev.code === 1013 && notice.textContent !== FRIENDLY.unavailable) showNotice(FRIENDLY.loading);
+      // 1013: starting up, or full (the error event before the close said which)
+      const said = [FRIENDLY.unavailable, FRIENDLY.server_full];
+      if (ev.code === 1013 && !said.includes(notice.textContent)) showNotice(FRIENDLY.loading);
       if (!noReconnect) scheduleReconnect();
     };
   }
@@ -372,7 +377,7 @@
         }
         if (msg.code === "session_taken_over") return; // the close (4409) follows
         let text = FRIENDLY[msg.code] || FRIENDLY.internal;
-        if (msg.code === "rate_limited" && msg.retry_after_s) {
+        if ((msg.code === "rate_limited" || msg.code === "over_budget") && msg.retry_after_s) {
           text += " (" + Math.ceil(msg.retry_after_s) + " s)";
         }
         if (msg.code === "shutting_down" && current && msg.id === current.id) {

@@ -128,6 +128,9 @@ ERROR_CODES = frozenset(  # the "Error codes" table
         "too_many_connections",
         "hello_timeout",
         "server_full",
+        "task_not_allowed",
+        "sessions_full",
+        "store_error",
     }
 )
 

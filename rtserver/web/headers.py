@@ -104,7 +104,7 @@ def header(scope: Scope, name: bytes) -> str | None:
     """One request header of an ASGI scope (the first, decoded as latin-1), None when absent."""
     for key, value in scope.get("headers", []):
         if key == name:
-            return value.decode("latin-1")
+            return bytes(value).decode("latin-1")
     return None
 
 

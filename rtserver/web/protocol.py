@@ -60,13 +60,20 @@ ErrorCode = Literal[
     "internal",
     "slow_client",
     "rate_limited",
+    "over_budget",
     "too_many_sessions",
+    "sessions_full",
+    "store_error",
+    "server_full",
+    "too_many_connections",
+    "hello_timeout",
     "shutting_down",
     # /ws/console (console/)
     "console_disabled",
     "unknown_session",
     "already_taken",
     "not_taken_over",
+    "login_timeout",
 ]
 ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
 

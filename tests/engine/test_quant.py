@@ -284,6 +284,37 @@ def test_engine_in_dtype_gguf_runs_every_linear_on_its_blocks_and_says_so(
     assert fallback == {"weights": "float32", "why": why} and not unbuilt.blocks
 
 
+def test_16_bit_kv_keeps_the_float32_kv_greedy_replies(smol, kernel):
+    """The embedded model on its blocks, 24 chat prompts x 32 greedy tokens: the default KV (float16)
+    against float32 KV, everything else equal. Each token's K/V rounds to 16 bits, so a reply may fork
+    where two tokens nearly tie; at least 90% stay identical (the bench's figure is 32 of 32)."""
+    from rtserver.engine.core import Engine
+
+    texts = [f"Tell me a short fact about the number {i}." for i in range(16)] + [
+        "Where is my order #AB-1234?",
+        "Write a haiku about the sea.",
+        "How do I reset my password?",
+        "Summarize: the parcel arrived late and damaged.",
+        "What is the capital of France?",
+        "List three colours.",
+        "Thanks, that helped a lot!",
+        "Explain rain to a child.",
+    ]
+    prompts = [chat_prompt(smol.tokenizer, t) for t in texts]
+    replies = {}
+    for kv_dtype in ("auto", "float32"):
+        engine = Engine(
+            load_model("embedded", dtype="gguf", threads=2),
+            EngineSettings(kv_budget_mb=32, kv_dtype=kv_dtype),
+        )
+        pool = engine.health()["kv"]
+        assert pool["dtype"] == ("float16" if kv_dtype == "auto" else "float32") and pool["dtype_why"]
+        replies[kv_dtype] = [_greedy(engine.runner, engine.kv, smol.tokenizer, [p], 32) for p in prompts]
+    same = sum(a == b for a, b in zip(replies["auto"], replies["float32"]))
+    print(f"\n16-bit KV: {same} of {len(prompts)} greedy replies equal float32 KV's")
+    assert same >= 0.9 * len(prompts), same
+
+
 def test_panels_are_kept_layer_by_layer_within_the_budget(smol, kernel, blocks):
     """The first layers whose panels fit are kept, in order; the bytes kept are what they take. Without
     VNNI (float32 panels) none are."""

@@ -196,16 +196,7 @@ class Conversation:
         }
 
     def to_json(self, window: int) -> dict[str, Any]:
-        return {
-            "session_id": self.session_id,
-            "customer": self.customer,
-            "connected": self.connected,
-            "started_at": self.started_at,
-            "updated_at": self.updated_at,
-            "agent": self.agent.to_json() if self.agent is not None else None,
-            "mood": self.mood(window),
-            "last_message": self.last_message(),
-            "seq": self.seq,
-            "messages": list(self.messages),
-            "streaming": self.streaming,
-        }
+        """The whole conversation: the summary's fields, its messages and the reply being streamed."""
+        whole = self.summary(window)
+        del whole["user_seqs"]
+        return whole | {"messages": list(self.messages), "streaming": self.streaming}

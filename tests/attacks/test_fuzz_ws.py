@@ -279,8 +279,17 @@ def test_replayed_resume_token(server):
         ev = a.recv()
         assert ev["type"] == "error" and ev["code"] == "session_taken_over", ev
         assert a.wait_closed().code == 4409
-        # the same token replayed after the take-over: resumes again (tokens are not single-use), b is closed
-        got = _hello(c, session_id=sid, resume_token=token)[-1]
+        # every resume rotates the token: the replayed old one gets a new session (b keeps its own),
+        # the new one resumes, and b is closed
+        fresh = got["resume_token"]
+        assert fresh != token
+        replay = WS(server.url)
+        try:
+            refused = _hello(replay, session_id=sid, resume_token=token)
+            assert refused[0]["code"] == "session_expired" and refused[-1]["session_id"] != sid, refused
+        finally:
+            replay.close()
+        got = _hello(c, session_id=sid, resume_token=fresh)[-1]
         assert got["resumed"] is True and got["session_id"] == sid
         assert b.recv()["code"] == "session_taken_over" and b.wait_closed().code == 4409
         # and the session works: a chat round trip on it

@@ -146,6 +146,8 @@ async def test_clustered_an_address_is_capped_across_nodes_and_empty_sessions_wr
                     async with websockets.connect(url_a) as ws:
                         assert (await hello(ws))["type"] == "ready"
                     await asyncio.wait_for(_until(lambda: _gone(hub_a)), 10)  # its socket is closed
+                    # and its slot left the address's count (the node tells Redis after the close)
+                    await asyncio.wait_for(_until(lambda: _no_slot(client)), 10)
                 assert await _records(client) == 0 and len(hub_a.sessions) <= 2
                 customers = [await _chatted(url_a, turns=1), await _chatted(url_b, turns=1)]
                 assert await _records(client) == 2
@@ -237,6 +239,10 @@ async def test_a_hubs_ended_sessions_are_freed_on_its_rtserver_node(smol):
             assert "remote:s3" not in engine.dropped  # a live session's KV stays
         finally:
             await backend.stop()
+
+
+async def _no_slot(client: aioredis.Redis) -> bool:
+    return await client.zcard("rtserver:ipsessions:127.0.0.1") == 0
 
 
 async def _gone(hub) -> bool:

@@ -233,7 +233,7 @@ def expected_http(method: str, path: str, body: bytes, headers: dict) -> int | N
     return None if isinstance(obj, dict) else 400
 
 
-@fuzz(450)
+@fuzz(550)
 @given(req=http_request())
 def test_http_api_random_requests(server, http, req):
     method, path, body, headers = req

@@ -197,7 +197,7 @@ def test_option_extremes(server, ws_client):
                     assert f"'{key}'" in ev["message"], what
 
 
-@fuzz(500)
+@fuzz(650)
 @given(batch=st.lists(frames, min_size=1, max_size=3), fresh=st.integers(0, 19))
 def test_random_frames(server, ws_client, batch, fresh):
     if fresh == 0:  # now and then a new connection (the first frame then starts the session)

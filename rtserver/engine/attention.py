@@ -8,12 +8,12 @@ groups read the pool in place instead (`KernelAttention`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .plan import StepItem
+from .quant import Kernel
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -236,7 +236,7 @@ class KernelAttention(PagedAttention):
     """Attention through the kernel, which reads the pool in place (no gather, no mask; float32 pools
     only): decode groups by decode_attention, every prompt row of the step in one prefill_attention."""
 
-    def __init__(self, n_heads: int, n_kv: int, head_dim: int, scale: float, kernel: Any):
+    def __init__(self, n_heads: int, n_kv: int, head_dim: int, scale: float, kernel: Kernel):
         super().__init__(n_heads, n_kv, head_dim, scale)
         self.kernel = kernel
 

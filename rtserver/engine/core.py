@@ -294,10 +294,14 @@ class Engine:
         release_pool()
         reuse_freed_buffers()
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(
-            target=self.scheduler.run_forever, name="rtserver-scheduler", daemon=True
-        )
+        self._thread = threading.Thread(target=self._serve, name="rtserver-scheduler", daemon=True)
         self._thread.start()
+
+    def _serve(self) -> None:
+        """The scheduler's thread: it owns the kernel's worker threads, then runs every step."""
+        if self.loaded.kernel is not None:
+            self.loaded.kernel.bind_pool(torch.get_num_threads())
+        self.scheduler.run_forever()
 
     async def stop(self) -> None:
         self.scheduler.stop()

@@ -14,7 +14,7 @@ import torch
 
 from .families import Family, LayerNorms, RMSNorm, layer_norms, layer_windows
 from .linear import BlockEmbedding, BlockLinear, DenseEmbedding, Linear, stored_linear
-from .quant import BlockWeight, cat
+from .quant import BlockWeight, Kernel, cat
 
 EMBED = "model.embed_tokens.weight"
 
@@ -49,7 +49,7 @@ class Weights:
         family: Family,
         storage: str | None,
         blocks: dict[str, BlockWeight],
-        kernel: Any,
+        kernel: Kernel | None,
         rope_of_layer: list[int],
         drop_as_built: bool = False,
     ):

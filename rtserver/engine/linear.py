@@ -9,12 +9,11 @@ linear that serving keeps once the model's own weights are dropped.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .quant import BlockWeight, panels_only
+from .quant import BlockWeight, Kernel, panels_only
 
 # per part of a block weight: format, quants, scales, panels unpacked once (or an empty tensor)
 FusedArgs = tuple[list[str], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
@@ -119,7 +118,7 @@ class BlockLinear(Linear):
     rows at a time (the kernel's choice), or read the panels `keep_panels` unpacked once. No dense
     weight exists."""
 
-    def __init__(self, blocks: BlockWeight, bias: torch.Tensor | None, kernel: Any):
+    def __init__(self, blocks: BlockWeight, bias: torch.Tensor | None, kernel: Kernel):
         self.blocks, self.bias, self.kernel = blocks, bias, kernel
         self.out_features = blocks.shape[0]
         self.panels = [_NO_PANELS] * len(blocks.args[0])
@@ -136,7 +135,7 @@ class BlockLinear(Linear):
         return sum(self.kernel.kept_bytes(f, q.shape[0], width) for f, q in zip(formats, qs))
 
     def keep_only_panels(self) -> None:
-        """Parts whose panels take about their blocks' bytes (Q8_0, Q6_K's Q8_2F) keep only those, read
+        """Parts whose panels take about their blocks' bytes (Q8_0) keep only those, read
         at every step size: many-row steps skip unpacking them, at no cost in memory."""
         before = self.blocks.args[0]
         self.blocks = panels_only(self.kernel, self.blocks)

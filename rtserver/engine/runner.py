@@ -20,7 +20,7 @@ from .kv import KVCacheManager
 from .layers import DecoderLayer, Weights
 from .linear import BlockEmbedding, BlockLinear, FusedArgs, Linear
 from .plan import StepItem
-from .quant import BlockWeight
+from .quant import BlockWeight, Kernel
 from .step import Features, Forward, Join, StepRunner
 
 log = logging.getLogger("rtserver.runner")
@@ -109,7 +109,7 @@ class ModelRunner(StepRunner):
         weight_storage: str | None = None,
         release_dense_weights: bool = False,
         blocks: dict[str, BlockWeight] | None = None,
-        kernel: Any = None,
+        kernel: Kernel | None = None,
     ):
         """`blocks` (with the `kernel`): linears whose weights are given as GGUF blocks, by transformers
         parameter name; those linears use only them, and their dense parameters are never read."""
@@ -150,7 +150,7 @@ class ModelRunner(StepRunner):
         self.last_layers: tuple[int, ...] = (len(self.layers) // 6,)
         self.vocab_size = self.lm_head.out_features
         self.attention = PagedAttention(self.n_heads, self.n_kv, self.head_dim, self.scale)
-        self.attention_kernel: Any = None  # see use_attention_kernel
+        self.attention_kernel: Kernel | None = None  # see use_attention_kernel
         self.fused_decode = False  # decodes and generation prompts run fused (choose_fused_decode)
         self._fused_layers: list[Any] = []  # the kernel's FusedLayer of each layer (choose_fused_decode)
         if release_dense_weights:
@@ -160,7 +160,7 @@ class ModelRunner(StepRunner):
         """Serving only (the transformers model cannot run afterwards): see Weights.release."""
         self.weights.release()  # the layers' linears are replaced in place
 
-    def use_attention_kernel(self, kernel: Any) -> bool:
+    def use_attention_kernel(self, kernel: Kernel) -> bool:
         """Attention through the kernel (float32 activations; pools float32, bfloat16 or float16)."""
         if self.dtype != torch.float32:
             return False

@@ -58,6 +58,11 @@ def kernel():
     return k
 
 
+def kernel_has_q6_k_pass() -> bool:
+    k = quant.load_kernel(Path("~/.cache/rtserver").expanduser())
+    return k is not None and "Q6_K" in k.decode_passes
+
+
 def block_size(fmt: str) -> tuple[int, int]:
     """(weights, bytes) of one block of `fmt`."""
     return GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
@@ -84,6 +89,8 @@ def widths(fmt: str) -> tuple[int, ...]:
 
 
 MINS = {"Q4_1": 2, "Q5_1": 2, "Q2_K": 82, "Q4_K": 2, "Q5_K": 2}  # the float16 min (dmin) of a block
+# the K-quant decode passes (kernels/kquant_dots.h) take Q6_K's quants as 0..63 with -32 d sc aside
+UNSIGNED_Q6_K = 32
 # types that run with a min m = -shift d (Q4_0 as Q4_1, Q5_0 as Q5_1S): (block bytes, shift)
 SHIFTED = {"Q4_0": (18, 8), "Q5_0": (22, 16)}
 
@@ -100,6 +107,12 @@ def scaled_quants(fmt: str, raw: np.ndarray) -> torch.Tensor:
         )
         shifted = dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32)
         return torch.from_numpy(shifted + shift * np.repeat(d[..., 0], 32, axis=-1))
+    if fmt == "Q6_K" and kernel_has_q6_k_pass():
+        blocks = raw.reshape(raw.shape[0], -1, 210)
+        d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16).astype(np.float32)
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+        shift = np.repeat(d * sc, 16, axis=-1).reshape(raw.shape[0], -1) * UNSIGNED_Q6_K
+        return torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32) + shift)
     if fmt in MINS:
         weights, nbytes = block_size(fmt)
         raw = raw.copy().reshape(raw.shape[0], -1, nbytes)
@@ -214,11 +227,11 @@ def test_panels_kept_unpacked_give_the_same_products_as_unpacking_each_step(kern
         kernel.set_panel_rows(1 << 40)
 
 
-@pytest.mark.parametrize(("fmt", "panels"), [("Q8_0", "Q8_0P"), ("Q6_K", "Q8_2FP")])
+@pytest.mark.parametrize(("fmt", "panels"), [("Q8_0", "Q8_0P")])
 def test_weights_kept_only_as_panels_read_and_multiply_as_their_blocks(kernel, fmt, panels):
-    """Q8_0 and Q6_K (as Q8_2F) kept only as int8 panels: no more bytes than their blocks (Q8_0 a
-    sixteenth more), the same float32 weight bit for bit (rows too: an embedding lookup), and at every
-    step size the products of the kept panels; without VNNI the kernel refuses them."""
+    """Q8_0 kept only as int8 panels: no more bytes than its blocks (a sixteenth more), the same float32
+    weight bit for bit (rows too: an embedding lookup), and at every step size the products of the kept
+    panels; without VNNI the kernel refuses them."""
     k = 256
     w = weight(fmt, random_rows(fmt, 64, k, seed=9))
     if not kernel.fixed_point_activations:

@@ -125,8 +125,6 @@ def test_kernel_refuses_what_it_cannot_multiply(kernel):
         quant.quantized_matmul(kernel, torch.randn(2, 96), w)
     with pytest.raises(RuntimeError, match=r"dm must be float16 \[N, K/32, 2\]"):
         kernel.q4_1_mm(torch.randn(2, 64), w.qs, w.scales.float())
-    with pytest.raises(RuntimeError, match=r"Q4_1F: dm must be float32 \[N, K/32, 2\]"):
-        kernel.blocks_mm(torch.randn(2, 64), ["Q4_1F"], [w.qs], [w.scales])
 
 
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -3,7 +3,6 @@
 // attention reads and the memory a token takes. Scores, softmax and sums are float32 either way.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -17,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "pool.h"
 #include "vmath.h"
 
 namespace {
@@ -202,11 +202,11 @@ void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int6
 template <typename T, typename Context>
 void attention(const float* Q, const T* Kp, const T* Vp, int64_t R, int64_t H, int64_t KV, int64_t D,
                int64_t Lmax, float sc, float* O, const Context& context) {
-  const int64_t G = H / KV, want = 2 * at::get_num_threads();
+  const int64_t G = H / KV, want = 2 * pool::num_threads();
   const int64_t span = R >= want ? KV : 1, pairs = R * (KV / span);  // KV heads a task
   const int64_t split = span > 1 || pairs >= want ? 1 : std::min(G, (want + pairs - 1) / pairs);
   const int64_t per = (G + split - 1) / split;
-  at::parallel_for(0, pairs * split, 1, [&](int64_t t0, int64_t t1) {
+  pool::parallel_for(0, pairs * split, 1, [&](int64_t t0, int64_t t1) {
     const int64_t Lpad = (Lmax + 15) / 16 * 16;  // whole vectors of scores
     std::vector<float> p(span * per * Lpad);
     for (int64_t t = t0; t < t1; ++t) {
@@ -249,7 +249,7 @@ void causal_attention(const float* Q, const T* Kp, const T* Vp, const RowContext
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < static_cast<int64_t>(rows[b].size()); i += kBlockRows) blocks.emplace_back(b, i);
   const int64_t G = H / KV, tasks = static_cast<int64_t>(blocks.size()) * KV;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+  pool::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> kt, p, vt;  // vt: a 16-bit pool's values of the block, as floats
     std::vector<const float*> vrows;
     for (int64_t t = t0; t < t1; ++t) {

@@ -1,7 +1,8 @@
 // The kernel's Python module: what the engine calls (quant.py's load_kernel builds it once per CPU).
 // The code lives by concern: blocks.h (each GGUF block type's decoder), matmul.h (the linears on
 // their blocks), panel.h and int_panel.h (many-row steps), attention.h (attention over the paged KV
-// pool), vmath.h (dot products, exp, tanh), layer.h (a whole decoder layer in one call).
+// pool), vmath.h (dot products, exp, tanh), layer.h (a whole decoder layer in one call), pool.h (the
+// worker threads every loop runs on).
 #include <torch/extension.h>
 
 #include "attention.h"
@@ -20,13 +21,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panels_of", &panels_of, "a weight as a panel format alone, read at every step size", nogil);
   m.def("kept_bytes", &kept_bytes, "the bytes unpack_panels takes for a weight of this format and shape");
   m.def("set_panel_rows", &set_panel_rows, "steps of more rows than this run on panels of weight rows");
+  m.def("bind_pool", [](int threads) { pool::Pool::get().bind(threads); },
+        "the calling thread owns the kernel's worker threads from now on, `threads` in all", nogil);
+  m.def("pool_stats", [] {
+    const auto& p = pool::Pool::get();
+    return py::dict(py::arg("threads") = p.threads(), py::arg("loops") = p.loops(), py::arg("off_owner") = p.off_owner());
+  }, "the pool's threads, its parallel loops so far, and loops started off its owner's thread (run alone)");
   m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
   m.def("decode_attention", &decode_attention, "single-token attention over paged K/V (float32, bfloat16 or float16)", nogil);
   m.def("prefill_attention", &prefill_attention, "causal attention of prompt rows over paged K/V (float32, bfloat16 or float16)", nogil);
 #ifdef RTSERVER_INT_DOTS
   m.attr("fixed_point_activations") = true;
+  m.attr("decode_passes") = kquant::pass_types();  // block types decoded by passes of their own
 #else
   m.attr("fixed_point_activations") = false;
+  m.attr("decode_passes") = std::vector<std::string>{};
 #endif
   py::class_<FusedLayer>(m, "FusedLayer", "one decoder layer's weights and switches, checked once")
       .def(py::init<const Tensor&, const Formats&, const Tensors&, const Tensors&, const Tensors&,

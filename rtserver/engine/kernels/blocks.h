@@ -26,8 +26,6 @@
 //          16, d; d * sc * (q - 32).
 //   IQ4_XS 256 weights, 136 bytes: d, 16-bit high scale bits, 4 bytes low scale nibbles, 128 bytes of
 //          table indices (16 bytes per 32 weights, as IQ4_NL); d * (sc - 32) * table[i].
-//   Q8_2F  32 weights, 40 bytes, no GGUF type: two float32 scales (one per 16 weights), 32 int8
-//          quants; Q6_K unpacked at load (d * sc and q - 32), so its chunks are plain loads.
 #pragma once
 
 #include <immintrin.h>
@@ -306,21 +304,6 @@ struct IQ4_XS {
   }
 };
 
-struct Q8_2F {
-  static constexpr int kWeights = 32, kBytes = 40;
-  static constexpr int kGroup = 16;
-  static constexpr bool kOffset = false;
-  static constexpr bool kSigned = true;
-  static void scales(const uint8_t* b, float* D, float* M) {
-    std::memcpy(D, b, 8);
-    M[0] = M[1] = 0.f;
-  }
-  static void decode(const uint8_t* b, int8_t* q) { std::memcpy(q, b + 8, 32); }
-#ifdef BLOCKS_AVX2
-  static __m256i chunk(const uint8_t* b, int) { return load32(b + 8); }
-#endif
-};
-
 // Calls f(T{}) with the decoder of `format`; false where the format is not a raw block type.
 template <typename F>
 bool with_type(const std::string& format, const F& f) {
@@ -334,7 +317,6 @@ bool with_type(const std::string& format, const F& f) {
   if (format == "Q5_K") return f(QK45<true>{}), true;
   if (format == "Q6_K") return f(Q6_K{}), true;
   if (format == "IQ4_XS") return f(IQ4_XS{}), true;
-  if (format == "Q8_2F") return f(Q8_2F{}), true;
   return false;
 }
 

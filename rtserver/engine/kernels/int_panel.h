@@ -11,7 +11,6 @@
 // float32 summation order.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -22,6 +21,7 @@
 #include <vector>
 
 #include "panel.h"
+#include "pool.h"
 
 namespace int_panel {
 
@@ -183,7 +183,7 @@ void matmul(const Rows& x, int64_t M, int64_t K, int64_t N, float* y, int64_t ld
   // Kept panels are cheap to read again, so the rows go in blocks whose activations stay in L2 while
   // every panel passes; an unpacked panel meets all rows before the next is unpacked.
   const int64_t block = kept == nullptr ? M : std::max(kRows, kRowBlockBytes / (2 * K) / kRows * kRows);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  pool::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     Panel p(K, G, kept == nullptr);
     for (int64_t b0 = 0; b0 < M; b0 += block) {
       const int64_t b1 = std::min(M, b0 + block);
@@ -220,7 +220,7 @@ void matmul(const Rows& x, int64_t M, int64_t K, int64_t N, float* y, int64_t ld
 template <int G, bool Offset, typename Unpack>
 void keep(int64_t K, int64_t N, int8_t* kept, const Unpack& unpack) {
   const int64_t panels = (N + kCols - 1) / kCols, bytes = Panel::kept_bytes(K, G, Offset);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  pool::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     Panel p(K, G);
     for (int64_t i = p0; i < p1; ++i) {
       const int64_t n0 = i * kCols, cols = std::min(kCols, N - n0);

@@ -3,7 +3,6 @@
 // gated activation, the residual adds. The families' switches are FusedLayer's.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -19,6 +18,7 @@
 
 #include "attention.h"
 #include "matmul.h"
+#include "pool.h"
 #include "vmath.h"
 
 namespace {
@@ -31,7 +31,7 @@ constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kGel
 inline float gelu_tanh(float x) { return 0.5f * x * (1.f + std::tanh(kGeluBeta * (x + kGeluKappa * (x * x * x)))); }
 
 void gated_act(const float* GU, int64_t R, int64_t I, bool gelu, float* Hh) {
-  at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+  pool::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float *g = GU + r * 2 * I, *u = g + I;
       float* h = Hh + r * I;
@@ -75,7 +75,7 @@ constexpr int64_t kRowGrain = 64;
 
 // y = w * (x / rms(x)) per row; y may be x.
 void rms_norm(const float* x, const float* w, int64_t M, int64_t K, float eps, float* y) {
-  at::parallel_for(0, M, kRowGrain, [&](int64_t r0, int64_t r1) {
+  pool::parallel_for(0, M, kRowGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float ss = dot(x + r * K, x + r * K, K);
       const float inv = 1.f / std::sqrt(ss / K + eps);
@@ -86,7 +86,7 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t K, float eps, f
 
 // x += p, rows of K.
 void add_rows(float* __restrict x, const float* __restrict p, int64_t M, int64_t K) {
-  at::parallel_for(0, M, kRowGrain, [x, p, K](int64_t r0, int64_t r1) {
+  pool::parallel_for(0, M, kRowGrain, [x, p, K](int64_t r0, int64_t r1) {
     float* __restrict xs = x + r0 * K;
     const float* __restrict ps = p + r0 * K;
     for (int64_t i = 0; i < (r1 - r0) * K; ++i) xs[i] += ps[i];
@@ -208,7 +208,7 @@ torch::Tensor layer_forward(const FusedLayer& L, const Tensor& x, const Tensor& 
   // pool in its element type.
   const int64_t half = D / 2;
   with_pools(k_pool, v_pool, [&](auto* Kp, auto* Vp) {
-    at::parallel_for(0, R, kRowGrain, [&](int64_t r0, int64_t r1) {
+    pool::parallel_for(0, R, kRowGrain, [&](int64_t r0, int64_t r1) {
       std::vector<float> head(D), key(D);
       for (int64_t r = r0; r < r1; ++r) {
         if (bias != nullptr)

@@ -7,28 +7,25 @@
 // of the quants with 16-bit fixed-point activations (RTSERVER_INT_DOTS below); without, each block is
 // unpacked to float in registers. Both equal a float32 matmul of the dequantized weights up to rounding.
 //
-// Two layouts. The split one (Q4_1, Q8_0, Q5_1S, Q4_1F: the tuned path above, integer dots on VNNI):
+// Two layouts. The split one (Q4_1, Q8_0, Q5_1S: the tuned path above, integer dots on VNNI):
 // Q4_1: per block of 32 weights: `qs` 16 bytes, byte j holds weight j (low nibble) and j + 16 (high);
 //       `dm` two float16: weight = d * q + m.
 // Q8_0: per block of 32 weights: `qs` 32 int8, `d` one float16: weight = d * q.
 // Q5_1S: Q4_1's nibbles, then (after the row's last block) each block's 32-bit mask of fifth bits
 //        (bit j: weight j's 16), `dm` two float16: weight = d * q + m with q in 0..31 (Q5_1, Q5_0).
-// Q4_1F: Q4_1's nibbles, `dm` two float32 (Q4_K's per-32 scale and min, d * sc and -dmin * mn).
-// Raw rows (every other type: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS, and Q8_2F, Q6_K unpacked
-// at load): the file's bytes, one row of blocks per output column; blocks.h decodes them, and raw_pass
+// Raw rows (every other type: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS): the file's bytes, one row of blocks per output column; blocks.h decodes them, and raw_pass
 // dequantizes 32 weights at a time in registers with gguf-py's float32 arithmetic. On VNNI, steps of one
-// or two rows take the decoded quants to integer dots instead (raw_fixed_pass).
+// or two rows take the decoded quants to integer dots instead: Q4_K and Q6_K in passes of their own
+// (kquant_dots.h), the others through raw_fixed_pass.
 // A linear is a list of parts (format, a, b) over the same input, outputs side by side: a stacked
 // q/k/v or gate/up whose tensors ship in different types runs part by part. Steps of many rows run
 // on panels of weight rows, every format alike: int_panel.h on VNNI (panels kept unpacked at load
 // where `unpack_panels` ran), else panel.h in float32.
 //
-// Built at first start with -march=native for the CPU at hand (the cache key names the CPU) and
-// -fopenmp, so at::parallel_for (a header-only OpenMP loop) runs on torch's own OpenMP threads: without
-// the flag it silently ran on one thread, and linked this way there is no second OpenMP runtime.
+// Built at first start with -march=native for the CPU at hand (the cache key names the CPU). Loops run
+// on the kernel's own threads (pool.h), not on torch's.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -44,8 +41,10 @@
 
 #include "blocks.h"
 #include "panel.h"
+#include "pool.h"
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include "int_panel.h"
+#include "fixed.h"
+#include "kquant_dots.h"
 #endif
 
 namespace {
@@ -53,12 +52,11 @@ namespace {
 constexpr int64_t kBlock = 32;
 
 // The split layout's formats: how a block stores its quants, and whether it has a min.
-enum class Split { Q4_1, Q8_0, Q5_1S, Q4_1F };
+enum class Split { Q4_1, Q8_0, Q5_1S };
 constexpr bool has_min(Split f) { return f != Split::Q8_0; }
 constexpr bool has_nibbles(Split f) { return f != Split::Q8_0; }
 constexpr int64_t quant_bytes(Split f) { return f == Split::Q8_0 ? 32 : 16; }
 constexpr int64_t mask_bytes(Split f) { return f == Split::Q5_1S ? 4 : 0; }
-constexpr bool float32_fields(Split f) { return f == Split::Q4_1F; }
 
 #if defined(__F16C__)
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -66,10 +64,9 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 #endif
 
-// Field i of a split weight's scales (float16, or float32 for Q4_1F) as a float.
+// Field i of a split weight's float16 scales as a float.
 template <Split F>
 inline float scale_field(const void* S, int64_t i) {
-  if (float32_fields(F)) return static_cast<const float*>(S)[i];
   return half_to_float(static_cast<const uint16_t*>(S)[i]);
 }
 
@@ -346,106 +343,10 @@ void raw_dequantize(const uint8_t* W, int64_t rows, int64_t K, int64_t row_bytes
     }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define RTSERVER_INT_DOTS 1
-// Integer dot products (VNNI): each activation block of 32 becomes 16-bit fixed point,
-// x_j ~= s_b * (256 hi_j + lo_j) with s_b = max|x_b| / 32512, and its two 8-bit limbs meet the 4/8-bit
-// quants in vpdpbusd (64 multiply-adds an instruction, exact in int32) instead of unpacking every quant
-// to float. The only new rounding is the activations' to 16 bits of their block's largest value
-// (relative 1.5e-5; float16 storage would be 4.9e-4); `fixed_point_reference` in quant.py is the same
-// arithmetic in torch. Q4_1 and Q5_1S quants (0..15, 0..31) are the unsigned operand and the limbs
-// signed (hi, lo in [-128, 127]); Q8_0 quants are signed, so there the limbs carry +32768 as unsigned
-// bytes and 32768 * sum(q_b) (one more vpdpbusd against ones) is taken off.
-constexpr float kFixed = 32512.f;  // 127 * 256: the high limb of the largest value still fits int8
-
-struct FixedRows {
-  int_panel::Buffer<uint8_t> hi, lo;  // [M, K] the limbs (int8 bits, or uint8 with the offset)
-  int_panel::Buffer<float> scale8;    // [M, nb, 8] s_b over the 8 int32 lanes a block's products land in
-  int_panel::Buffer<float> xsum2;     // [M, nb, 2] (0, sum x_b): Q4_1's min term, against the block's (d, m)
-  int_panel::Buffer<float> xsum16;    // [M, K / 16] the sums of 16: raw blocks' offsets M, one per 16 weights
-};
-
-// One block of 32 activations in fixed point: v_j = round(x_j / s) in [-32512, 32512] with
-// s = max|x| / 32512 (cvtps rounds to nearest even, as nearbyint), and its two halves' exact sums.
-// Every integer path's activations come from here, so all round as fixed_point_reference.
-struct FixedBlock {
-  __m512i v[2];
-  float scale, sum[2];
-};
-
-inline FixedBlock fixed_block(const float* xb) {
-  const __m512i limit = _mm512_set1_epi32(32512);
-  const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const __m512 inv = _mm512_set1_ps(amax > 0.f ? kFixed / amax : 0.f);
-  FixedBlock f;
-  f.scale = amax / kFixed, f.sum[0] = _mm512_reduce_add_ps(a), f.sum[1] = _mm512_reduce_add_ps(b);
-  for (int h = 0; h < 2; ++h) {
-    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(h == 0 ? a : b, inv));
-    f.v[h] = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
-  }
-  return f;
-}
-
-// Activation rows to fixed point as two 8-bit limbs a value, for vpdpbusd against 4/8-bit quants.
-void to_fixed(const float* x, int64_t M, int64_t K, bool offset, FixedRows& f) {
-  const int64_t nb = K / kBlock;
-  f.hi.resize(M * K), f.lo.resize(M * K), f.scale8.resize(M * nb * 8), f.xsum2.resize(M * nb * 2);
-  f.xsum16.resize(M * K / 16);
-  const __m512i bias = _mm512_set1_epi32(offset ? 32768 : 128);
-  for (int64_t i = 0; i < M * nb; ++i) {
-    const FixedBlock fb = fixed_block(x + i * kBlock);
-    f.xsum16[i * 2] = fb.sum[0], f.xsum16[i * 2 + 1] = fb.sum[1];
-    for (int h = 0; h < 2; ++h) {
-      // offset: v + 32768 = 256 hi + lo, both unsigned; else hi = floor((v + 128) / 256), lo = v - 256 hi
-      const __m512i v = fb.v[h];
-      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(v, bias), 8);
-      const __m512i lo = offset ? _mm512_and_si512(_mm512_add_epi32(v, bias), _mm512_set1_epi32(255))
-                                : _mm512_sub_epi32(v, _mm512_slli_epi32(hi, 8));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(f.hi.data() + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(hi));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(f.lo.data() + i * kBlock + 16 * h), _mm512_cvtepi32_epi8(lo));
-    }
-    std::fill_n(f.scale8.data() + i * 8, 8, fb.scale);
-    f.xsum2[i * 2] = 0.f, f.xsum2[i * 2 + 1] = fb.sum[0] + fb.sum[1];
-  }
-}
-
-// Activation rows to fixed point as int16, for the integer panels.
-void to_int16(const float* x, int64_t M, int64_t K, int_panel::Rows& f) {
-  const int64_t nb = K / kBlock;
-  f.v.resize(M * K), f.scale.resize(M * nb), f.xsum16.resize(M * nb * 2), f.xsum32.resize(M * nb);
-  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const FixedBlock fb = fixed_block(x + i * kBlock);
-      for (int h = 0; h < 2; ++h)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(f.v.data() + i * kBlock + 16 * h), _mm512_cvtepi32_epi16(fb.v[h]));
-      f.scale[i] = fb.scale, f.xsum16[i * 2] = fb.sum[0], f.xsum16[i * 2 + 1] = fb.sum[1];
-      f.xsum32[i] = fb.sum[0] + fb.sum[1];
-    }
-  });
-}
-
-// 256 hi.q + lo.q per int32 lane (4 products each) for 64 quants w (the unsigned or the signed operand).
-inline __m512i fixed_dot(__m512i w, const uint8_t* hi, const uint8_t* lo, bool w_unsigned) {
-  const __m512i h = _mm512_loadu_si512(hi), l = _mm512_loadu_si512(lo);
-  __m512i t = w_unsigned ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, h)
-                         : _mm512_dpbusd_epi32(_mm512_setzero_si512(), h, w);
-  t = _mm512_slli_epi32(t, 8);
-  return w_unsigned ? _mm512_dpbusd_epi32(t, w, l) : _mm512_dpbusd_epi32(t, l, w);
-}
-inline __m256i fixed_dot(__m256i w, const uint8_t* hi, const uint8_t* lo, bool w_unsigned) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi));
-  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo));
-  __m256i t = w_unsigned ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, h)
-                         : _mm256_dpbusd_epi32(_mm256_setzero_si256(), h, w);
-  t = _mm256_slli_epi32(t, 8);
-  return w_unsigned ? _mm256_dpbusd_epi32(t, w, l) : _mm256_dpbusd_epi32(t, l, w);
-}
-
+#ifdef RTSERVER_INT_DOTS
 // The scale fields i.. i+3 (two blocks' d and m) or i, i+1 (two blocks' d) as floats, lanes 0-3.
 template <Split F>
 inline __m128 two_blocks_fields(const void* S, int64_t i) {
-  if (float32_fields(F)) return _mm_loadu_ps(static_cast<const float*>(S) + i);
   const uint16_t* h = static_cast<const uint16_t*>(S) + i;
   if (has_min(F)) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
   uint32_t two;
@@ -630,8 +531,8 @@ void raw_fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int6
 template <typename Pass>
 void row_passes(int64_t M, int64_t N, const Pass& pass) {
   // Output columns per task: enough to amortise scheduling, few enough that every thread gets work.
-  const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  const int64_t grain = std::max<int64_t>(16, N / (4 * pool::num_threads()));
+  pool::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += 4) {
       switch (std::min<int64_t>(4, M - r0)) {
         case 1: pass(std::integral_constant<int, 1>{}, r0, n0, n1); break;
@@ -678,9 +579,12 @@ void raw_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* 
   // float quants unpacked once for all rows cost less per row than the limbs' loads and scaling.
   if (M <= 2) {
     FixedRows f;
-    to_fixed(x, M, K, T::kSigned, f);
+    to_fixed(x, M, K, T::kSigned && !kquant::has_pass<T>, f);  // the K-quant passes' quants are unsigned
     row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
-      raw_fixed_pass<decltype(R)::value, T>(f, r0, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);
+      if constexpr (kquant::has_pass<T>)
+        kquant::pass<decltype(R)::value, T>(f, r0, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);
+      else
+        raw_fixed_pass<decltype(R)::value, T>(f, r0, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);
     });
     return;
   }
@@ -702,14 +606,13 @@ bool with_split(const std::string& format, const Fn& f) {
   if (format == "Q4_1") return f(std::integral_constant<Split, Split::Q4_1>{}), true;
   if (format == "Q8_0") return f(std::integral_constant<Split, Split::Q8_0>{}), true;
   if (format == "Q5_1S") return f(std::integral_constant<Split, Split::Q5_1S>{}), true;
-  if (format == "Q4_1F") return f(std::integral_constant<Split, Split::Q4_1F>{}), true;
   return false;
 }
 
 bool is_split(const std::string& format) { return with_split(format, [](auto) {}); }
 
-// Formats kept only as int8 panels (int_panel::Panel::narrow's layout), read at every step size: Q8_0
-// and Q8_2F, whose panels take about the bytes of their blocks. A panel format's layout; G 0: none.
+// Formats kept only as int8 panels (int_panel::Panel::narrow's layout), read at every step size: Q8_0,
+// whose panels take about the bytes of its blocks. A panel format's layout; G 0: none.
 struct PanelLayout {
   int G = 0;
   const char* from = "";  // the layout it is made from
@@ -720,7 +623,6 @@ struct PanelLayout {
 
 PanelLayout panel_layout(const std::string& format) {
   if (format == "Q8_0P") return {32, "Q8_0"};
-  if (format == "Q8_2FP") return {16, "Q8_2F"};
   return {};
 }
 
@@ -741,8 +643,8 @@ void check_raw(const std::string& format, const torch::Tensor& qs, int64_t K) {
 }
 
 // A weight's blocks for inputs of width K. The split layout: Q4_1 = 16 bytes of quants and float16
-// (d, m) per block, Q8_0 = 32 bytes and float16 d, Q5_1S = Q4_1's and a 4-byte mask, Q4_1F = Q4_1's
-// with float32 (d, m); every other type its raw rows (`scales` unused).
+// (d, m) per block, Q8_0 = 32 bytes and float16 d, Q5_1S = Q4_1's and a 4-byte mask; every other
+// type its raw rows (`scales` unused).
 void check_weight(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, int64_t K) {
   if (const PanelLayout panels = panel_layout(format); panels.G) {
 #ifdef RTSERVER_INT_DOTS
@@ -759,19 +661,16 @@ void check_weight(const std::string& format, const torch::Tensor& qs, const torc
     TORCH_CHECK(known, "unsupported block type ", format, " (supported: ", kBlockTypes, ")");
     return;
   }
-  bool with_min = true, float32 = false;
+  bool with_min = true;
   int64_t block_bytes = 0;
-  with_split(format, [&](auto f) {
-    with_min = has_min(f), float32 = float32_fields(f), block_bytes = quant_bytes(f) + mask_bytes(f);
-  });
+  with_split(format, [&](auto f) { with_min = has_min(f), block_bytes = quant_bytes(f) + mask_bytes(f); });
   const int64_t N = qs.size(0), nb = K / kBlock;
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() &&
                   qs.size(1) == nb * block_bytes,
               "blocks do not match x's width");
-  TORCH_CHECK(scales.scalar_type() == (float32 ? torch::kFloat32 : torch::kFloat16) && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
                   scales.numel() == N * nb * (with_min ? 2 : 1),
-              format, with_min ? ": dm must be " : ": d must be ", float32 ? "float32" : "float16",
-              with_min ? " [N, K/32, 2]" : " [N, K/32]");
+              format, with_min ? ": dm must be float16 [N, K/32, 2]" : ": d must be float16 [N, K/32]");
 }
 
 // Steps of more rows than this multiply through panel::matmul (set by the runner's start-up probe).
@@ -924,7 +823,7 @@ torch::Tensor panels_of(std::string to, std::string format, torch::Tensor qs, to
   TORCH_CHECK(panels.G && format == panels.from, to, " panels are made from ", panels.G ? panels.from : "nothing");
   TORCH_CHECK(qs.dim() == 2 && qs.size(0) % 32 == 0, to, " panels need rows a multiple of 32");
 #ifdef RTSERVER_INT_DOTS
-  // unpack_panels' bytes, a row per panel: Q8_0 and Q8_2F have no offsets, as the panel formats
+  // unpack_panels' bytes, a row per panel: Q8_0 has no offsets, as the panel format
   return unpack_panels(format, qs, scales, K).view(torch::kUInt8).view({qs.size(0) / int_panel::kCols, panels.bytes(K)});
 #else
   TORCH_CHECK(false, to, " panels need a CPU with VNNI");

@@ -7,13 +7,14 @@
 // over k from zero, whatever the path, so the result does not depend on the row count.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "pool.h"
 
 namespace panel {
 
@@ -24,7 +25,7 @@ constexpr int64_t kRows = 6;   // activation rows per register block
 inline std::vector<float> pack_rows(const float* x, int64_t M, int64_t K) {
   const int64_t blocks = (M + kRows - 1) / kRows;
   std::vector<float> xp(blocks * K * kRows);
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  pool::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       float* out = xp.data() + b * K * kRows;
       for (int64_t r = 0; r < kRows; ++r) {
@@ -124,7 +125,7 @@ template <typename Dequantize>
 void matmul(const float* x, int64_t M, int64_t K, int64_t N, float* y, int64_t ldy, const Dequantize& dequantize) {
   const std::vector<float> xp = pack_rows(x, M, K);
   const int64_t panels = (N + kCols - 1) / kCols;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  pool::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> rows(kCols * K), Pt(kCols * K);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kCols, cols = std::min(kCols, N - n0);

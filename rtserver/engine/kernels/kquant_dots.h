@@ -1,0 +1,193 @@
+// Q4_K and Q6_K read at the file's width on integer dots (VNNI), for steps of one or two rows.
+//
+// A Q4_K_M file is Q4_K and Q6_K almost entirely, and a decode step reads each weight once, so these
+// two are decoded straight from the file's blocks: no copy in a wider layout. A 256-weight block
+// gives four vectors of 64 quants in the activations' order and its scales once as 16 floats. Each
+// vector meets the fixed-point activations (fixed.h) in vpdpbusd; its int32 lanes then take the
+// weight's scale times the activations' in float. The scales are blocks.h's products, exactly.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "blocks.h"
+#include "fixed.h"
+
+namespace kquant {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The cache lines of the block `kAhead` blocks on (the rows are read in order, the next row's blocks
+// follow): a decode pass computes little per byte, so it asks for its bytes before it needs them.
+constexpr int64_t kAhead = 8;
+inline void prefetch_ahead(const uint8_t* block, int64_t bytes) {
+  const uint8_t* p = block + kAhead * bytes;
+  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
+}
+
+// A float vector whose lanes 4i .. 4i+3 hold v[first + i] (Q6_K: four groups of 16 weights), or, with
+// `lanes` 8, lanes 8i .. 8i+7 hold v[first + i] (Q4_K: two sub-blocks of 32).
+inline __m512i spread(int first, int lanes) {
+  alignas(64) int32_t idx[16];
+  for (int i = 0; i < 16; ++i) idx[i] = first + i / lanes;
+  return _mm512_load_si512(idx);
+}
+
+// Q4_K's 12 bytes of 6-bit scales and mins as 8 scale bytes, then 8 min bytes (llama.cpp's unpacking).
+inline __m128i q4k_scale_bytes(const uint8_t* s) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t mins_low = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = mins_low;
+  u[0] &= k1;
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+}
+
+// Rows r0 .. r0+R of y for output columns [n0, n1) of Q4_K rows: weight = d sc q - dmin mn per 32.
+// Vector p holds sub-blocks 2p and 2p+1 (one 32-byte run of nibbles, low then high), so its lanes
+// 0-7 take scale 2p and 8-15 scale 2p+1; the mins meet the activations' sums of 32. The high
+// nibbles stay in place (16 q) and their scale takes d / 16 instead: a mask, not a shift.
+template <int R>
+void q4k_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
+              int64_t row_bytes, float* y) {
+  constexpr int64_t kBytes = blocks::QK45<false>::kBytes;
+  const int64_t nb = K / 256, nb32 = K / 32;
+  // the first 32 bytes' low nibbles, the second 32 bytes' high ones
+  const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8(static_cast<char>(0xF0)), 1);
+  const __m512 sixteenth = _mm512_set_ps(1, 1, 1, 1, 1, 1, 1, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1);
+  const __m512i pick[4] = {spread(0, 8), spread(2, 8), spread(4, 8), spread(6, 8)};
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[R][2];
+    __m256 macc[R];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps(), macc[r] = _mm256_setzero_ps();
+    const uint8_t* row = W + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * kBytes;
+      prefetch_ahead(blk, kBytes);
+      const __m512 dd = _mm512_mul_ps(
+          sixteenth, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(blocks::f16(blk)), _mm512_set1_ps(blocks::f16(blk + 2))));
+      // (d sc_0, d / 16 sc_1, .. d / 16 sc_7, dmin mn_0 .. dmin mn_7): a power of two keeps them exact
+      const __m512 sm = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_scale_bytes(blk + 4))));
+      const __m256 mins = _mm512_extractf32x8_ps(sm, 1);
+      __m512i w[4];
+      __m512 ws[4];
+      for (int p = 0; p < 4; ++p) {
+        const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p)));
+        w[p] = _mm512_and_si512(z, nib);
+        ws[p] = _mm512_permutexvar_ps(pick[p], sm);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * K + b * 256, g = (r0 + r) * nb32 + b * 8;
+        for (int p = 0; p < 4; ++p) {
+          const __m512i t = fixed_dot(w[p], f.hi.data() + at + 64 * p, f.lo.data() + at + 64 * p, true);
+          const __m512 sc = _mm512_mul_ps(ws[p], _mm512_loadu_ps(f.scale8.data() + (g + 2 * p) * 8));
+          acc[r][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc[r][p & 1]);
+        }
+        macc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(f.xsum32.data() + g), macc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - hsum(macc[r]);
+  }
+}
+
+#if defined(__AVX512VBMI__)
+#define KQUANT_Q6_K 1
+// vpmultishiftqb's control: byte j of each 64-bit lane starts at bit 8j + shift (mod 64), `first` in
+// the vector's first 256 bits and `second` in the rest.
+inline __m512i multishift_ctrl(int first, int second) {
+  alignas(64) uint8_t c[64];
+  for (int i = 0; i < 64; ++i) c[i] = static_cast<uint8_t>((8 * (i % 8) + (i < 32 ? first : second)) & 63);
+  return _mm512_load_si512(c);
+}
+
+// Rows r0 .. r0+R of y for output columns [n0, n1) of Q6_K rows: weight = d sc (q - 32) per 16.
+// Half h of a block is 64 bytes of low nibbles and 32 of high bit pairs: its first 64 weights are the
+// low nibbles with pairs 0 and 1, its last 64 the high nibbles with pairs 2 and 3, in the
+// activations' order. The quants stay 0..63 (the unsigned operand) and -32 d sc meets the sums of 16.
+template <int R>
+void q6k_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
+              int64_t row_bytes, float* y) {
+  constexpr int64_t kBytes = blocks::Q6_K::kBytes;
+  const int64_t nb = K / 256, nb32 = K / 32, n16 = K / 16;
+  const __m512i low4 = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(0x30);
+  // vpmultishiftqb picks byte j's bits from bit ctrl_j of its 64-bit lane: high nibbles (ctrl 8j + 4),
+  // and bit pair g of qh moved to bits 4-5 (ctrl 8j + 2g - 4), pairs 0 and 1 or 2 and 3 by half
+  const __m512i high_nibbles = multishift_ctrl(4, 4), pairs01 = multishift_ctrl(-4, -2), pairs23 = multishift_ctrl(0, 2);
+  const __m512i pick[4] = {spread(0, 4), spread(4, 4), spread(8, 4), spread(12, 4)};
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[R][2], macc[R];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
+    const uint8_t* row = W + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * kBytes;
+      prefetch_ahead(blk, kBytes);
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+      const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(blocks::f16(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)));
+      __m512i w[4];
+      __m512 ws[4];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i z = _mm512_loadu_si512(blk + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+        // a | (b & c): the nibbles, and the pairs at bits 4-5
+        w[2 * h] = _mm512_ternarylogic_epi32(_mm512_and_si512(z, low4), _mm512_multishift_epi64_epi8(pairs01, qh), pair, 0xF8);
+        w[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_multishift_epi64_epi8(high_nibbles, z), low4),
+                                                 _mm512_multishift_epi64_epi8(pairs23, qh), pair, 0xF8);
+      }
+      for (int k = 0; k < 4; ++k) ws[k] = _mm512_permutexvar_ps(pick[k], sc);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * K + b * 256, g = (r0 + r) * nb32 + b * 8;
+        for (int k = 0; k < 4; ++k) {
+          const __m512i t = fixed_dot(w[k], f.hi.data() + at + 64 * k, f.lo.data() + at + 64 * k, true);
+          const __m512 s = _mm512_mul_ps(ws[k], _mm512_loadu_ps(f.scale8.data() + (g + 2 * k) * 8));
+          acc[r][k & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[r][k & 1]);
+        }
+        macc[r] = _mm512_fmadd_ps(sc, _mm512_loadu_ps(f.xsum16.data() + (r0 + r) * n16 + b * 16), macc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - 32.f * _mm512_reduce_add_ps(macc[r]);
+  }
+}
+
+#endif
+
+// Whether block type T has a file-width decode pass here (Q6_K's needs VBMI's byte shifts).
+template <typename T>
+constexpr bool has_pass = std::is_same_v<T, blocks::QK45<false>>
+#ifdef KQUANT_Q6_K
+                          || std::is_same_v<T, blocks::Q6_K>
+#endif
+    ;
+
+// The block types with a pass here, by GGUF name.
+inline std::vector<std::string> pass_types() {
+  std::vector<std::string> types{"Q4_K"};
+#ifdef KQUANT_Q6_K
+  types.push_back("Q6_K");
+#endif
+  return types;
+}
+
+template <int R, typename T>
+void pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
+          int64_t row_bytes, float* y) {
+#ifdef KQUANT_Q6_K
+  if constexpr (std::is_same_v<T, blocks::Q6_K>) return q6k_pass<R>(f, r0, K, ldy, n0, n1, W, row_bytes, y);
+#endif
+  q4k_pass<R>(f, r0, K, ldy, n0, n1, W, row_bytes, y);
+}
+
+}  // namespace kquant

@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--dtypes",
         help="comma-separated engine dtypes; all workloads run on the first, the "
-        "burst and sentiment (speed + agreement with float32) on the others (default: the configured one)",
+        "burst and sentiment (speed + agreement with float32) on the others (default: the configured one); "
+        "DTYPE:kv=KV_DTYPE sets the KV element type too, e.g. gguf:kv=float32,gguf:kv=q8_0",
     )
     bench.add_argument(
         "--formats",

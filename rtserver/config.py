@@ -18,7 +18,7 @@ from typing import Any
 # rtserver.engine.model maps each dtype to a storage
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "gguf")
 # rtserver.engine.kv_memory maps each to the KV pool's element type
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
 BACKENDS = ("local", "openai")
 
 # RTSERVER_* variables that are not settings, so they are not reported as typos

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .kv_rows import from_pool
 from .plan import StepItem
 from .quant import Kernel
 
@@ -129,8 +130,9 @@ def prefill_groups(items: list[StepItem]) -> list[list[int]]:
 
 def _context(pool: torch.Tensor, slots: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """The K or V of `slots` gathered from one layer's pool as [B, kv_heads, L, head_dim] in the queries'
-    dtype (index_select: a plain row gather, cheaper than advanced indexing's general path)."""
-    return pool.index_select(0, slots).view(shape).transpose(1, 2).to(dtype)
+    dtype (index_select: a plain row gather, cheaper than advanced indexing's general path); q8_0 rows
+    are dequantized."""
+    return from_pool(pool.index_select(0, slots), dtype).view(shape).transpose(1, 2)
 
 
 class PagedAttention:
@@ -233,8 +235,8 @@ class PagedAttention:
 
 
 class KernelAttention(PagedAttention):
-    """Attention through the kernel, which reads the pool in place (no gather, no mask; float32 pools
-    only): decode groups by decode_attention, every prompt row of the step in one prefill_attention."""
+    """Attention through the kernel, which reads the pool in place (no gather, no mask; float32 queries,
+    any pool): decode groups by decode_attention, every prompt row of the step in one prefill_attention."""
 
     def __init__(self, n_heads: int, n_kv: int, head_dim: int, scale: float, kernel: Kernel):
         super().__init__(n_heads, n_kv, head_dim, scale)

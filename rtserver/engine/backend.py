@@ -227,7 +227,7 @@ class BackendHealth(TypedDict):
     state: NotRequired[str]
     running: NotRequired[int]
     kernels: NotRequired[dict[str, Any]]
-    kv: NotRequired[dict[str, Any]]  # the local KV pool: element type, budget, tokens, and why
+    kv: NotRequired[dict[str, Any]]  # the local KV pool: element type, bytes a token, budget, tokens, why
     model: NotRequired[str]
     servers: NotRequired[list[ServerHealth]]
 

@@ -456,7 +456,11 @@ class Engine:
             "state": "up",
             "running": running,
             "kernels": self.kernels,
-            "kv": {**self.kv_memory.describe(), "tokens": self.kv.total_blocks * self.kv.block_tokens},
+            "kv": {
+                **self.kv_memory.describe(),
+                "bytes_per_token": self.kv.bytes_per_token,
+                "tokens": self.kv.total_blocks * self.kv.block_tokens,
+            },
         }
 
     @property

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kv_rows import row_width
+
 
 @dataclass
 class KVHandle:
@@ -78,16 +80,17 @@ class KVCacheManager:
         block_tokens: int = 16,
     ):
         self.block_tokens = block_tokens
+        width = row_width(dtype, head_dim)  # a row's elements: head_dim, or its q8_0 bytes
         elem = torch.tensor([], dtype=dtype).element_size()
-        self.bytes_per_token = num_layers * 2 * kv_heads * head_dim * elem
+        self.bytes_per_token = num_layers * 2 * kv_heads * width * elem
         self.block_bytes = self.bytes_per_token * block_tokens
         self.total_blocks = max(1, budget_bytes // self.block_bytes - 1)  # - the zero block below
         # Block 0 is never handed out: it stays zero, and padded attention lanes read it (they must see
         # finite numbers: 0 * NaN = NaN). The rest is left uninitialised so untouched blocks cost no RSS;
         # every position a sequence reads was written first.
         slots = (self.total_blocks + 1) * block_tokens
-        self.k = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype)
-        self.v = torch.empty(num_layers, slots, kv_heads, head_dim, dtype=dtype)
+        self.k = torch.empty(num_layers, slots, kv_heads, width, dtype=dtype)
+        self.v = torch.empty(num_layers, slots, kv_heads, width, dtype=dtype)
         self.k[:, :block_tokens] = 0
         self.v[:, :block_tokens] = 0
         self._offsets = torch.arange(block_tokens, dtype=torch.long)

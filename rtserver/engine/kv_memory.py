@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
+from .kv_rows import Q8_0, kv_dtype_name
 from .model import LoadedModel
 
-_NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "q8_0": Q8_0}
 
 # `kv_budget_mb = 0`: this share of the memory available at start, within these bounds (MB).
 AUTO_SHARE = 0.25
@@ -19,7 +20,7 @@ AUTO_MIN_MB, AUTO_MAX_MB = 256, 4096
 
 @dataclass(frozen=True)
 class KVMemory:
-    """What the KV pool is made of: element type, budget, and why."""
+    """What the KV pool is made of: element type (kv_rows.Q8_0 for q8_0 rows), budget, and why."""
 
     dtype: torch.dtype
     budget_mb: int
@@ -28,7 +29,7 @@ class KVMemory:
 
     def describe(self) -> dict[str, object]:
         return {
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": kv_dtype_name(self.dtype),
             "dtype_why": self.dtype_why,
             "budget_mb": self.budget_mb,
             "budget_why": self.budget_why,

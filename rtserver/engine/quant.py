@@ -490,7 +490,7 @@ def cpu_key() -> str:
         flags = []
     simd = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c")))
     src = b"".join(p.read_bytes() for p in sorted(KERNEL_DIR.iterdir()) if p.suffix in (".cpp", ".h"))
-    what = " ".join([*simd, *_openmp_flags(), torch.__version__, platform.machine()]).encode()
+    what = " ".join([*simd, torch.__version__, platform.machine()]).encode()
     h = hashlib.sha256(src + what)
     return h.hexdigest()[:16]
 
@@ -510,12 +510,10 @@ def load_kernel(cache_dir: Path) -> Kernel | None:
             key = cpu_key()
             build = cache_dir / "kernels" / key
             build.mkdir(parents=True, exist_ok=True)
-            openmp = _openmp_flags()
             _kernel = cpp_extension.load(
                 name=f"rtserver_quant_{key}",
                 sources=[str(KERNEL_SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", *openmp],
-                extra_ldflags=openmp,
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
                 build_directory=str(build),
                 verbose=False,
             )
@@ -524,13 +522,6 @@ def load_kernel(cache_dir: Path) -> Kernel | None:
             _kernel_error = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
             log.warning("quantized kernel unavailable, weights stay dense (%s)", _kernel_error)
         return _kernel
-
-
-def _openmp_flags() -> list[str]:
-    """-fopenmp where torch's own threads are OpenMP's: at::parallel_for is a header-only OpenMP loop, so
-    a kernel built without it runs on one thread. Linked with -fopenmp the module asks for libgomp.so.1,
-    which the loader finds already loaded from torch's folder (same soname): one runtime, one pool."""
-    return ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
 
 
 def _put_ninja_on_path() -> None:

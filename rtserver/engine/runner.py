@@ -17,6 +17,7 @@ import torch
 from .attention import NO_ROWS, AttentionPlan, KernelAttention, PagedAttention, RowContexts, rope
 from .families import attention_scale, family_of, layer_windows, rope_tables
 from .kv import KVCacheManager
+from .kv_rows import to_pool
 from .layers import DecoderLayer, Weights
 from .linear import BlockEmbedding, BlockLinear, FusedArgs, Linear
 from .plan import StepItem
@@ -161,7 +162,7 @@ class ModelRunner(StepRunner):
         self.weights.release()  # the layers' linears are replaced in place
 
     def use_attention_kernel(self, kernel: Kernel) -> bool:
-        """Attention through the kernel (float32 activations; pools float32, bfloat16 or float16)."""
+        """Attention through the kernel (float32 activations; pools float32, bfloat16, float16 or q8_0)."""
         if self.dtype != torch.float32:
             return False
         self.attention_kernel = kernel
@@ -368,8 +369,8 @@ class ModelRunner(StepRunner):
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
         kl, vl = self.kv.k[li], self.kv.v[li]
-        kl.index_copy_(0, lay.write_slots, k.to(kl.dtype))
-        vl.index_copy_(0, lay.write_slots, v.to(vl.dtype))
+        kl.index_copy_(0, lay.write_slots, to_pool(k, kl.dtype))
+        vl.index_copy_(0, lay.write_slots, to_pool(v, vl.dtype))
         attn = self.attention(q, kl, vl, lay.local if L.window > 0 else lay.attention)
         if li == len(self.layers) - 1 and len(lay.wanted_rows) < T:
             # Past the last layer's K/V only the rows that give logits matter: the rest skip its

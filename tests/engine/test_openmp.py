@@ -74,8 +74,8 @@ def test_release_pool_ends_the_calling_threads_workers_only():
 
 def test_a_served_model_leaves_one_pool_the_schedulers():
     """The app loads the model, tokenizer and tasks on executor threads and builds the engine on one; each
-    lets its pool go, so serving runs with the scheduler's workers alone (libgomp would otherwise throttle
-    their spin and put them to sleep between the parallel loops of a step)."""
+    lets its pool go, so serving runs with the scheduler's workers alone, beside the kernel's own
+    (libgomp would otherwise throttle their spin and put them to sleep between the loops of a step)."""
     got = _run(
         """
         import asyncio, json, httpx, torch
@@ -90,7 +90,13 @@ def test_a_served_model_leaves_one_pool_the_schedulers():
                     r = await client.post(base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
                     r.raise_for_status()
                 return workers()
-        print(json.dumps({"before": before, "serving": asyncio.run(main())}))
+        serving = asyncio.run(main())
+        from pathlib import Path
+        from rtserver.engine.quant import load_kernel
+        kernel_workers = load_kernel(Path("~/.cache/rtserver").expanduser()).pool_stats()["threads"] - 1
+        print(json.dumps({"before": before, "serving": serving, "kernel_workers": kernel_workers}))
         """
     )
-    assert got["serving"] == got["before"] + 1, got
+    # the scheduler's libgomp pool (torch's own operations) and the kernel's workers (kernels/pool.h)
+    assert got["kernel_workers"] == 1
+    assert got["serving"] == got["before"] + 1 + got["kernel_workers"], got

@@ -1,6 +1,7 @@
 // Attention over the paged KV pool, read in place: single-token rows (decode) and causal prompt rows.
-// A pool holds K or V as float32, bfloat16 or float16 (T, engine.kv_dtype): a 16-bit pool halves what
-// attention reads and the memory a token takes. Scores, softmax and sums are float32 either way.
+// A pool holds K or V as float32, bfloat16 or float16, or as q8_0 blocks (T, engine.kv_dtype): a 16-bit
+// pool halves what attention reads and the memory a token takes, q8_0 about halves it again. Rows are
+// converted to float32 as they are read; scores, softmax and sums are float32 either way.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -21,7 +22,40 @@
 
 namespace {
 
-// n KV elements as floats: the pool's own row for float32, else converted into tmp.
+// 32 values of a q8_0 pool row, llama.cpp's block_q8_0: a float16 scale d, then 32 int8 quants q; each
+// value is q * d. A row of D values is D / 32 blocks (rtserver/engine/kv_rows.py writes the same bytes).
+constexpr int64_t kQ8 = 32;
+struct Q8Block {
+  c10::Half d;
+  int8_t qs[kQ8];
+};
+static_assert(sizeof(Q8Block) == 34, "a q8_0 block is 34 bytes, packed");
+
+// The elements of T a pool row of D values takes: D, or D / 32 q8_0 blocks.
+template <typename T>
+constexpr int64_t kv_units(int64_t D) {
+  if constexpr (std::is_same_v<T, Q8Block>) return D / kQ8;
+  else return D;
+}
+
+inline float q8_scale(const Q8Block& b) {
+#if defined(__F16C__)
+  return _cvtsh_ss(b.d.x);
+#else
+  return static_cast<float>(b.d);
+#endif
+}
+
+// n KV values as floats: the pool's own row for float32, else converted into tmp (q8_0: each quant
+// times its block's scale).
+inline const float* kv_row(const Q8Block* src, int64_t n, float* tmp) {
+  for (int64_t b = 0; b < n / kQ8; ++b) {
+    const float d = q8_scale(src[b]);
+    for (int64_t j = 0; j < kQ8; ++j) tmp[b * kQ8 + j] = static_cast<float>(src[b].qs[j]) * d;
+  }
+  return tmp;
+}
+
 template <typename T>
 inline const float* kv_row(const T* src, int64_t n, float* tmp) {
   if constexpr (std::is_same_v<T, float>) {
@@ -48,15 +82,36 @@ inline void kv_store(const float* src, int64_t n, T* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// n floats (whole blocks) into q8_0 blocks as llama.cpp's quantize_row_q8_0_ref: d = max|x| / 127, quants
+// round(x / d) half away from zero, d stored as float16. A block whose 1 / d is not finite (all zero, or
+// too small for a float16 scale) gets zero quants rather than an overflowing conversion.
+inline void kv_store(const float* src, int64_t n, Q8Block* dst) {
+  for (int64_t b = 0; b < n / kQ8; ++b) {
+    const float* x = src + b * kQ8;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kQ8; ++j) amax = std::max(amax, std::fabs(x[j]));
+    const float d = amax / 127.f;
+    float id = 1.f / d;
+    if (!std::isfinite(id)) id = 0.f;
+    dst[b].d = c10::Half(d);
+    for (int64_t j = 0; j < kQ8; ++j) dst[b].qs[j] = static_cast<int8_t>(std::round(x[j] * id));
+  }
+}
+
 #if defined(__AVX512F__)
-// 16 KV elements as one float vector.
-inline __m512 kv_load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 kv_load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// The 16 KV values of a pool row from column c (a multiple of 16) as one float vector.
+inline __m512 kv_load16(const float* row, int64_t c) { return _mm512_loadu_ps(row + c); }
+inline __m512 kv_load16(const c10::BFloat16* row, int64_t c) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-inline __m512 kv_load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+inline __m512 kv_load16(const c10::Half* row, int64_t c) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
+}
+inline __m512 kv_load16(const Q8Block* row, int64_t c) {
+  const Q8Block& b = row[c / kQ8];
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + c % kQ8));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(q8_scale(b)));
 }
 
 // v[0..16) -> one vector of their lane sums, v[j]'s in lane j (v is overwritten).
@@ -73,12 +128,16 @@ inline __m512 sum16(__m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
 }
 
-// The D elements at each of positions [j0, j1) of a context, fetched ahead of their use.
+// The `units` elements at each of positions [j0, j1) of a context, fetched ahead of their use (every
+// cache line they touch: a q8_0 row need not start on one).
 template <typename T>
-inline void prefetch_rows(const T* base, const int64_t* sl, int64_t j0, int64_t j1, int64_t stride, int64_t D) {
-  constexpr int64_t line = 64 / sizeof(T);
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t c = 0; c < D; c += line) _mm_prefetch(reinterpret_cast<const char*>(base + sl[j] * stride + c), _MM_HINT_T1);
+inline void prefetch_rows(const T* base, const int64_t* sl, int64_t j0, int64_t j1, int64_t stride, int64_t units) {
+  const int64_t bytes = units * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = j0; j < j1; ++j) {
+    const char* row = reinterpret_cast<const char*>(base + sl[j] * stride);
+    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T1);
+    if (bytes % 64) _mm_prefetch(row + bytes - 1, _MM_HINT_T1);
+  }
 }
 
 // o[i] = sum_j w[i][j] v_j over a context, for NI heads and CW vectors of 16 floats from column c0.
@@ -89,9 +148,9 @@ void weigh_values(const T* V, const int64_t* sl, int64_t L, int64_t stride, int6
   for (int i = 0; i < NI; ++i)
     for (int c = 0; c < CW; ++c) acc[i][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
-    const T* v = V + sl[j] * stride + c0;
+    const T* v = V + sl[j] * stride;
     __m512 vv[CW];
-    for (int c = 0; c < CW; ++c) vv[c] = kv_load16(v + 16 * c);
+    for (int c = 0; c < CW; ++c) vv[c] = kv_load16(v, c0 + 16 * c);
     for (int i = 0; i < NI; ++i) {
       const __m512 wi = _mm512_set1_ps(w[i * Lpad + j]);
       for (int c = 0; c < CW; ++c) acc[i][c] = _mm512_fmadd_ps(wi, vv[c], acc[i][c]);
@@ -111,12 +170,13 @@ void weigh_values(const T* V, const int64_t* sl, int64_t L, int64_t stride, cons
 #endif
 
 // Query heads q [span * n, D] over a context of L slots sl, head i reading KV head i / n of the span
-// (K at K + slot * stride + (i / n) * D, V likewise): softmax(q k * sc) v into o [span * n, D]. p
-// [span * n, Lpad] is scratch. The span's K/V of a slot are contiguous: prefetched whole, in slot order.
+// (K at K + slot * stride + (i / n) * U, V likewise; U = kv_units<T>(D)): softmax(q k * sc) v into o
+// [span * n, D]. p [span * n, Lpad] is scratch. The span's K/V of a slot are contiguous: prefetched
+// whole, in slot order.
 template <typename T>
 void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int64_t L, const T* K,
                 const T* V, int64_t stride, int64_t D, float sc, float* p, int64_t Lpad, float* o) {
-  const int64_t Ln = (L + kLanes - 1) / kLanes * kLanes, heads = span * n;
+  const int64_t Ln = (L + kLanes - 1) / kLanes * kLanes, heads = span * n, U = kv_units<T>(D);
 #if defined(__AVX512F__)
   const bool vectors = D % 16 == 0;
 #else
@@ -134,15 +194,15 @@ void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int6
         // A share of the slots a head: the next block's keys, and this block's values (read after the
         // softmax, from cache).
         prefetch_rows(K, sl, next + (next_end - next) * i / heads, next + (next_end - next) * (i + 1) / heads,
-                      stride, span * D);
-        prefetch_rows(V, sl, j0 + m * i / heads, j0 + m * (i + 1) / heads, stride, span * D);
+                      stride, span * U);
+        prefetch_rows(V, sl, j0 + m * i / heads, j0 + m * (i + 1) / heads, stride, span * U);
         const float* qi = q + i * D;
-        const int64_t at = i / n * D;
+        const int64_t at = i / n * U;
         __m512 acc[16];
         for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_setzero_ps();
         for (int64_t c = 0; c < D; c += 16) {
           const __m512 qc = _mm512_loadu_ps(qi + c);
-          for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_fmadd_ps(qc, kv_load16(k[jj] + at + c), acc[jj]);
+          for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_fmadd_ps(qc, kv_load16(k[jj] + at, c), acc[jj]);
         }
         _mm512_storeu_ps(p + i * Lpad + j0, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
       }
@@ -152,7 +212,7 @@ void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int6
     std::vector<float> row(std::is_same_v<T, float> ? 0 : D);
     for (int64_t j = 0; j < L; ++j)
       for (int64_t g = 0; g < span; ++g) {
-        const float* k = kv_row(K + sl[j] * stride + g * D, D, row.data());
+        const float* k = kv_row(K + sl[j] * stride + g * U, D, row.data());
         for (int64_t i = g * n; i < (g + 1) * n; ++i) p[i * Lpad + j] = dot(q + i * D, k, D) * sc;
       }
   }
@@ -165,7 +225,7 @@ void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int6
   if (vectors) {
 #if defined(__AVX512F__)
     for (int64_t g = 0; g < span; ++g) {
-      const T* Vg = V + g * D;
+      const T* Vg = V + g * U;
       const float* w = p + g * n * Lpad;
       float* og = o + g * n * D;
       int64_t i0 = 0;
@@ -183,7 +243,7 @@ void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int6
     std::fill(o, o + heads * D, 0.f);
     for (int64_t j = 0; j < L; ++j)
       for (int64_t g = 0; g < span; ++g) {
-        const float* v = kv_row(V + sl[j] * stride + g * D, D, row.data());
+        const float* v = kv_row(V + sl[j] * stride + g * U, D, row.data());
         for (int64_t i = g * n; i < (g + 1) * n; ++i) {
           const float w = p[i * Lpad + j];
           float* oi = o + i * D;
@@ -202,7 +262,7 @@ void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int6
 template <typename T, typename Context>
 void attention(const float* Q, const T* Kp, const T* Vp, int64_t R, int64_t H, int64_t KV, int64_t D,
                int64_t Lmax, float sc, float* O, const Context& context) {
-  const int64_t G = H / KV, want = 2 * pool::num_threads();
+  const int64_t G = H / KV, want = 2 * pool::num_threads(), U = kv_units<T>(D);
   const int64_t span = R >= want ? KV : 1, pairs = R * (KV / span);  // KV heads a task
   const int64_t split = span > 1 || pairs >= want ? 1 : std::min(G, (want + pairs - 1) / pairs);
   const int64_t per = (G + split - 1) / split;
@@ -213,7 +273,7 @@ void attention(const float* Q, const T* Kp, const T* Vp, int64_t R, int64_t H, i
       const int64_t pair = t / split, r = pair / (KV / span), kv0 = pair % (KV / span) * span;
       const auto [sl, L] = context(r);
       const int64_t g0 = t % split * per, n = std::min(G, g0 + per) - g0, h0 = kv0 * G + g0;
-      head_group(Q + (r * H + h0) * D, n, span, sl, L, Kp + kv0 * D, Vp + kv0 * D, KV * D, D, sc, p.data(), Lpad,
+      head_group(Q + (r * H + h0) * D, n, span, sl, L, Kp + kv0 * U, Vp + kv0 * U, KV * U, D, sc, p.data(), Lpad,
                  O + (r * H + h0) * D);
     }
   });
@@ -248,9 +308,9 @@ void causal_attention(const float* Q, const T* Kp, const T* Vp, const RowContext
   std::vector<std::pair<int64_t, int64_t>> blocks;  // (item, first of its rows)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < static_cast<int64_t>(rows[b].size()); i += kBlockRows) blocks.emplace_back(b, i);
-  const int64_t G = H / KV, tasks = static_cast<int64_t>(blocks.size()) * KV;
+  const int64_t G = H / KV, tasks = static_cast<int64_t>(blocks.size()) * KV, U = kv_units<T>(D);
   pool::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> kt, p, vt;  // vt: a 16-bit pool's values of the block, as floats
+    std::vector<float> kt, p, vt, krow(D);  // vt: a 16-bit or q8_0 pool's values of the block, as floats
     std::vector<const float*> vrows;
     for (int64_t t = t0; t < t1; ++t) {
       const auto [b, i0] = blocks[t / KV];
@@ -262,12 +322,12 @@ void causal_attention(const float* Q, const T* Kp, const T* Vp, const RowContext
       kt.assign(D * npad, 0.f);
       p.resize(npad);
       for (int64_t j = 0; j < n; ++j) {
-        const T* k = Kp + (sl[j] * KV + kv) * D;
-        for (int64_t d = 0; d < D; ++d) kt[d * npad + j] = static_cast<float>(k[d]);
+        const float* k = kv_row(Kp + (sl[j] * KV + kv) * U, D, krow.data());
+        for (int64_t d = 0; d < D; ++d) kt[d * npad + j] = k[d];
       }
       if (!std::is_same_v<T, float>) vt.resize(n * D);
       vrows.resize(n);
-      for (int64_t j = 0; j < n; ++j) vrows[j] = kv_row(Vp + (sl[j] * KV + kv) * D, D, vt.data() + j * D);
+      for (int64_t j = 0; j < n; ++j) vrows[j] = kv_row(Vp + (sl[j] * KV + kv) * U, D, vt.data() + j * D);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t r = rows[b][i], a = c.first(r) - lo, e = PS[r] + 1 - lo;  // keys [a, e) of the copy
         for (int64_t g = 0; g < G; ++g) {
@@ -334,12 +394,17 @@ void check_context(const torch::Tensor& slots, const torch::Tensor& lengths, int
   }
 }
 
+// A uint8 pool holds q8_0 rows: D / 32 blocks of 34 bytes a row.
 void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, int64_t D) {
   const auto t = k_pool.scalar_type();
-  TORCH_CHECK((t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16) && v_pool.scalar_type() == t &&
+  const bool q8 = t == torch::kByte;
+  TORCH_CHECK(!q8 || D % kQ8 == 0, "a q8_0 pool needs a head size that is a multiple of 32");
+  const int64_t width = q8 ? D / kQ8 * static_cast<int64_t>(sizeof(Q8Block)) : D;
+  TORCH_CHECK((t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16 || q8) && v_pool.scalar_type() == t &&
                   k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 3 &&
-                  k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == D,
-              "pools must be contiguous [slots, KV, D] of one type: float32, bfloat16 or float16");
+                  k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == width,
+              "pools must be contiguous [slots, KV, D] of one type: float32, bfloat16 or float16, or uint8 "
+              "[slots, KV, D / 32 * 34] of q8_0 rows");
 }
 
 // f(K, V) with the pools' element pointers as their type (check_pools checked it).
@@ -348,6 +413,9 @@ void with_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, const 
   switch (k_pool.scalar_type()) {
     case torch::kBFloat16: f(k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>()); break;
     case torch::kFloat16: f(k_pool.data_ptr<c10::Half>(), v_pool.data_ptr<c10::Half>()); break;
+    case torch::kByte:
+      f(reinterpret_cast<Q8Block*>(k_pool.data_ptr<uint8_t>()), reinterpret_cast<Q8Block*>(v_pool.data_ptr<uint8_t>()));
+      break;
     default: f(k_pool.data_ptr<float>(), v_pool.data_ptr<float>()); break;
   }
 }
@@ -407,6 +475,23 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_p
   auto out = torch::empty_like(q);
   with_pools(k_pool, v_pool, [&](auto* Kp, auto* Vp) {
     causal_attention(q.data_ptr<float>(), Kp, Vp, c, R, H, KV, D, static_cast<float>(scale), out.data_ptr<float>());
+  });
+  return out;
+}
+
+// Rows x [..., D] (float32) as a q8_0 pool stores them: uint8 [..., D / 32 * 34], the bytes layer_forward
+// writes (kv_store); the engine's torch path writes the same bytes (kv_rows.quantize_q8_0).
+torch::Tensor quantize_kv(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() >= 1 && x.size(-1) % kQ8 == 0,
+              "x must be contiguous float32 [..., D], D a multiple of 32");
+  const int64_t D = x.size(-1), R = D ? x.numel() / D : 0;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = D / kQ8 * static_cast<int64_t>(sizeof(Q8Block));
+  auto out = torch::empty(shape, x.options().dtype(torch::kByte));
+  const float* X = x.data_ptr<float>();
+  auto* Y = reinterpret_cast<Q8Block*>(out.data_ptr<uint8_t>());
+  pool::parallel_for(0, R, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) kv_store(X + r * D, D, Y + r * (D / kQ8));
   });
   return out;
 }

@@ -28,8 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::dict(py::arg("threads") = p.threads(), py::arg("loops") = p.loops(), py::arg("off_owner") = p.off_owner());
   }, "the pool's threads, its parallel loops so far, and loops started off its owner's thread (run alone)");
   m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
-  m.def("decode_attention", &decode_attention, "single-token attention over paged K/V (float32, bfloat16 or float16)", nogil);
-  m.def("prefill_attention", &prefill_attention, "causal attention of prompt rows over paged K/V (float32, bfloat16 or float16)", nogil);
+  m.def("decode_attention", &decode_attention, "single-token attention over paged K/V (float32, bfloat16, float16 or q8_0)", nogil);
+  m.def("prefill_attention", &prefill_attention, "causal attention of prompt rows over paged K/V (float32, bfloat16, float16 or q8_0)", nogil);
+  m.def("quantize_kv", &quantize_kv, "float32 rows [..., D] -> q8_0 pool rows uint8 [..., D / 32 * 34]", nogil);
 #ifdef RTSERVER_INT_DOTS
   m.attr("fixed_point_activations") = true;
   m.attr("decode_passes") = kquant::pass_types();  // block types decoded by passes of their own

@@ -205,9 +205,10 @@ torch::Tensor layer_forward(const FusedLayer& L, const Tensor& x, const Tensor& 
   rms_norm(X, L.ln1.data_ptr<float>(), R, E, eps, Hh);
   L.qkv.run(Hh, R, QKV);
   // Per row: the q/k/v bias, per-head norms, then RoPE (rotate-half) on q and k; k and v go into the
-  // pool in its element type.
+  // pool in its element type (q8_0: quantized per block of 32, each head's row whole blocks).
   const int64_t half = D / 2;
   with_pools(k_pool, v_pool, [&](auto* Kp, auto* Vp) {
+    const int64_t U = kv_units<std::remove_pointer_t<decltype(Kp)>>(D);  // a pool row's elements
     pool::parallel_for(0, R, kRowGrain, [&](int64_t r0, int64_t r1) {
       std::vector<float> head(D), key(D);
       for (int64_t r = r0; r < r1; ++r) {
@@ -226,9 +227,9 @@ torch::Tensor layer_forward(const FusedLayer& L, const Tensor& x, const Tensor& 
             const float rot = i < half ? -src[i + half] : src[i - half];
             dst[i] = src[i] * c[i] + rot * sn[i];
           }
-          if (hd >= H) kv_store(key.data(), D, Kp + (WS[r] * KV + (hd - H)) * D);
+          if (hd >= H) kv_store(key.data(), D, Kp + (WS[r] * KV + (hd - H)) * U);
         }
-        kv_store(QKV + r * NQKV + QS + KS, KS, Vp + WS[r] * KV * D);
+        kv_store(QKV + r * NQKV + QS + KS, KS, Vp + WS[r] * KV * U);
       }
     });
     if (context.B == R) attention(Qr, Kp, Vp, R, H, KV, D, context.Lmax, L.scale, attn.data_ptr<float>(), context);

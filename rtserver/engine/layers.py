@@ -67,7 +67,7 @@ class Weights:
         # embedding itself and held anyway.
         head = EMBED if getattr(cfg, "tie_word_embeddings", False) else "lm_head.weight"
         self.lm_head = (
-            BlockLinear(blocks[head], None, kernel)
+            BlockLinear(blocks[head], None, _kernel_of(kernel))
             if head in blocks
             else stored_linear(model.lm_head.weight, None, "int8" if storage == "int8" else None)
         )
@@ -97,7 +97,7 @@ class Weights:
         keys = [f"model.layers.{li}.{where}.{n}.weight" for n in names]
         bias = _cat_bias(*subs) if len(subs) > 1 else subs[0].bias
         if all(k in self._blocks for k in keys):
-            return BlockLinear(cat([self._blocks[k] for k in keys]), bias, self._kernel)
+            return BlockLinear(cat([self._blocks[k] for k in keys]), bias, _kernel_of(self._kernel))
         weight = _fuse(*subs, share=self.storage is None) if len(subs) > 1 else subs[0].weight
         return stored_linear(weight, bias, self.storage)
 
@@ -148,3 +148,10 @@ def drop_parameters(module: torch.nn.Module) -> None:
         for name, param in list(sub.named_parameters(recurse=False)):
             if param.numel():
                 setattr(sub, name, torch.nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=False))
+
+
+def _kernel_of(kernel: Kernel | None) -> Kernel:
+    """The kernel a block linear multiplies with: a loader gives blocks only with a built kernel."""
+    if kernel is None:
+        raise ValueError("GGUF blocks need the quantized kernel")
+    return kernel

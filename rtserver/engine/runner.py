@@ -211,6 +211,7 @@ class ModelRunner(StepRunner):
     def _fused_layer_of(self, L: DecoderLayer) -> Any:
         """Layer L as the kernel's FusedLayer: its weights and switches, checked once."""
         n = L.norms
+        assert self.attention_kernel is not None, "fused layers run on the kernel"
         return self.attention_kernel.FusedLayer(
             n.attn_in.scale,
             *_fused(L.qkv),
@@ -402,6 +403,7 @@ class ModelRunner(StepRunner):
         L = self.layers[li]
         cos, sin = lay.rope[L.rope]
         c = lay.local_contexts if L.window else lay.contexts
+        assert self.attention_kernel is not None, "fused layers run on the kernel"
         return self.attention_kernel.layer_forward(
             self._fused_layers[li],
             x,

@@ -29,18 +29,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(script: str) -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="2")
+def fresh_interpreter(script: str, **env: str) -> dict:
+    """Runs `script` in a new Python and gives back the JSON of its last printed line."""
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(COUNT) + textwrap.dedent(script)],
+        [sys.executable, "-c", script],
         capture_output=True,
         text=True,
-        env=env,
+        env=dict(os.environ, TOKENIZERS_PARALLELISM="false", **env),
         timeout=4 * TIMEOUT,
         cwd=os.getcwd(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _run(script: str) -> dict:
+    return fresh_interpreter(textwrap.dedent(COUNT) + textwrap.dedent(script), OMP_NUM_THREADS="2")
 
 
 def test_release_pool_ends_the_calling_threads_workers_only():

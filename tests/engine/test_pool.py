@@ -6,13 +6,7 @@ Each check runs in a fresh interpreter, so its counters start at zero.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
-from ..serverutil import TIMEOUT
+from .test_openmp import fresh_interpreter
 
 SERVE = """
 import asyncio, json, threading, torch
@@ -52,22 +46,8 @@ print(json.dumps(out))
 """
 
 
-def _run(script: str) -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=4 * TIMEOUT,
-        cwd=os.getcwd(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_served_steps_run_every_loop_on_the_scheduler_threads_pool():
-    got = _run(SERVE)
+    got = fresh_interpreter(SERVE)
     assert got["kernel"], "the kernel did not build"
     assert got["tokens"] == [8, 8, 8]
     before, served, side = got["before"], got["served"], got["side"]

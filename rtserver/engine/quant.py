@@ -504,24 +504,31 @@ def load_kernel(cache_dir: Path) -> Kernel | None:
         if _kernel is not None or _kernel_error is not None:
             return _kernel
         try:
-            from torch.utils import cpp_extension
-
-            _put_ninja_on_path()
-            key = cpu_key()
-            build = cache_dir / "kernels" / key
-            build.mkdir(parents=True, exist_ok=True)
-            _kernel = cpp_extension.load(
-                name=f"rtserver_quant_{key}",
-                sources=[str(KERNEL_SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
-                build_directory=str(build),
-                verbose=False,
-            )
+            _kernel = build_kernel(cache_dir)
         except Exception as exc:  # compiler missing, build failure, import failure: all mean "no kernel"
             lines = str(exc).strip().splitlines()
             _kernel_error = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
             log.warning("quantized kernel unavailable, weights stay dense (%s)", _kernel_error)
         return _kernel
+
+
+def build_kernel(cache_dir: Path, march: str = "native") -> Kernel:
+    """The kernel compiled with -march=`march` into `cache_dir/kernels/<key>`, once (the tests build an
+    AVX2 one beside the native to check that path on an AVX-512 machine); raises where it cannot."""
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    key = cpu_key() if march == "native" else f"{march}_{cpu_key()}"
+    build = cache_dir / "kernels" / key
+    build.mkdir(parents=True, exist_ok=True)
+    module: Kernel = cpp_extension.load(
+        name=f"rtserver_quant_{key}",
+        sources=[str(KERNEL_SOURCE)],
+        extra_cflags=["-O3", f"-march={march}", "-ffp-contract=off"],
+        build_directory=str(build),
+        verbose=False,
+    )
+    return module
 
 
 def _put_ninja_on_path() -> None:

@@ -191,6 +191,20 @@ def test_kernel_equals_a_float32_matmul_within_the_summation_bound(kernel, fmt):
     assert_within_summation_bound(kernel, fmt, 40, 1, (1, 2, 5, 16), 0)
 
 
+@pytest.fixture(scope="module")
+def avx2_kernel():
+    """The kernel built for AVX2 alone (Haswell), whatever this CPU has: its float path, checked here too."""
+    return quant.build_kernel(Path("~/.cache/rtserver").expanduser(), march="haswell")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", TYPES)
+def test_the_avx2_build_equals_a_float32_matmul_within_the_summation_bound(avx2_kernel, fmt):
+    """The same bound on the AVX2 build: no integer dots there, each block unpacked to float."""
+    assert not avx2_kernel.fixed_point_activations and avx2_kernel.decode_passes == []
+    assert_within_summation_bound(avx2_kernel, fmt, 40, 3, (1, 2, 5, 16), 0)
+
+
 @pytest.mark.parametrize("fmt", TYPES)
 def test_the_panel_path_equals_a_float32_matmul_within_the_summation_bound(kernel, fmt):
     """Many-row steps run on panels of weight rows (integer dots on VNNI, else a float32 GEMM): 6-row

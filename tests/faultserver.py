@@ -10,13 +10,13 @@ import logging
 import os
 import sys
 
+from rtbench.loadtest import STEP_FAULT_MARKER
 from rtserver.config import ConfigError, Settings, load_settings
 from rtserver.engine.backend import InferenceBackend
 from rtserver.engine.core import Engine
 from rtserver.engine.model import LoadedModel
 from rtserver.engine.plan import StepItem
 from rtserver.engine.sequence import Phase
-from rtserver.tools.loadtest import STEP_FAULT_MARKER
 from rtserver.web.server import serve, serving_engine
 
 

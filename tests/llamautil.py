@@ -1,5 +1,5 @@
 """A real llama.cpp `llama-server` on the embedded GGUF for tests: built once per CPU kind by
-rtserver/tools/llama_build.py (cached), started on a free 127.0.0.1 port, stopped after."""
+rtbench/llama_build.py (cached), started on a free 127.0.0.1 port, stopped after."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import urllib.request
 from pathlib import Path
 
+from rtbench.llama_build import llama_server_path
+from rtbench.serverproc import LlamaServerProcess
 from rtserver.engine.model import embedded_model_path
-from rtserver.tools.llama_build import llama_server_path
-from rtserver.tools.serverproc import LlamaServerProcess
 
 from .components import missing
 

@@ -1,10 +1,11 @@
 """The layer rule of the packages, read from the source with `ast`: every import counts (module level,
 inside functions, under `if TYPE_CHECKING:`), relative ones resolved.
 
-    rtserver.config <- rtserver.engine <- rtserver.tasks <- rtserver.web <- rtserver.tools, rtserver.cli
+    rtserver.config <- rtserver.engine <- rtserver.tasks <- rtserver.web <- rtserver.cli <- rtbench
                        rtserver.engine <- rtserver.remote <- rtserver.web
 
-A layer imports only from the layers to its left; rtserver.remote (the remote inference backend) is a
+A layer imports only from the layers to its left; rtbench (the measuring tools) sits on top of
+rtserver, and nothing in rtserver imports it; rtserver.remote (the remote inference backend) is a
 sibling of the local engine beside it: it uses the engine's seam, and neither knows the other's
 insides; rtserver.config imports no other rtserver module; rtserver.web.cluster (the Redis store
 behind the web layer) imports none of the front doors (app, hub, console, state, HTTP API) nor the
@@ -18,17 +19,20 @@ from pathlib import Path
 
 import pytest
 
+import rtbench
 import rtserver
 
 PACKAGE_DIR = Path(rtserver.__file__).resolve().parent
+TOOLS_DIR = Path(rtbench.__file__).resolve().parent
+PACKAGES = ("rtserver", "rtbench")  # the import graph's nodes and edges stay within these
 
 # layer -> what it must not import (each a module or a package prefix)
 FORBIDDEN = {
+    "rtserver": ("rtbench",),  # the measuring tools sit on top: the server never needs them
     "rtserver.engine": (
         "rtserver.remote",
         "rtserver.tasks",
         "rtserver.web",
-        "rtserver.tools",
         "rtserver.cli",
     ),
     "rtserver.remote": (
@@ -38,11 +42,10 @@ FORBIDDEN = {
         "rtserver.engine.kv",
         "rtserver.tasks",
         "rtserver.web",
-        "rtserver.tools",
         "rtserver.cli",
     ),
-    "rtserver.tasks": ("rtserver.remote", "rtserver.web", "rtserver.tools", "rtserver.cli"),
-    "rtserver.web": ("rtserver.tools", "rtserver.cli"),
+    "rtserver.tasks": ("rtserver.remote", "rtserver.web", "rtserver.cli"),
+    "rtserver.web": ("rtserver.cli",),
     # the Redis store behind the web layer (many nodes as one): the front doors use it, never the reverse
     "rtserver.web.cluster": (
         "rtserver.web.app",
@@ -80,7 +83,8 @@ def _packages(modules: set[str]) -> set[str]:
 
 
 def imports_of(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
-    """The rtserver modules (or packages) that `source`, the text of `module`, imports anywhere in it."""
+    """The rtserver and rtbench modules (or packages) that `source`, the text of `module`, imports
+    anywhere in it."""
     package = module if is_package else module.rpartition(".")[0]
     targets: set[str] = set()
     for node in ast.walk(ast.parse(source)):
@@ -98,12 +102,11 @@ def imports_of(source: str, module: str, is_package: bool, known: set[str]) -> s
             for alias in node.names:  # `from pkg import mod` imports the module pkg.mod
                 sub = f"{base}.{alias.name}"
                 targets.add(sub if sub in known else base)
-    root = module.split(".")[0]
-    return {t for t in targets if _within(t, root)}
+    return {t for t in targets if any(_within(t, p) for p in PACKAGES)}
 
 
-def import_graph(root: Path = PACKAGE_DIR) -> Graph:
-    modules = module_names(root)
+def import_graph(roots: tuple[Path, ...] = (PACKAGE_DIR, TOOLS_DIR)) -> Graph:
+    modules = {name: path for root in roots for name, path in module_names(root).items()}
     known = set(modules) | _packages(set(modules))
     return {
         name: imports_of(path.read_text(encoding="utf-8"), name, path.name == "__init__.py", known) - {name}
@@ -164,7 +167,8 @@ def test_the_graph_covers_every_layer():
         "rtserver.cli",
     ):
         assert layer in graph, sorted(graph)
-    assert any(m.startswith("rtserver.tools.") for m in graph)
+    assert any(m.startswith("rtbench.") for m in graph)
+    assert "rtserver.cli" in graph["rtbench.commands"]  # a tool command reuses the server's loading
     # a sample of what the graph must see: a relative import, a function-level one
     assert "rtserver.engine.backend" in graph["rtserver.engine.core"]
     assert "rtserver.web.server" in graph["rtserver.cli"]  # inside cmd_serve
@@ -244,24 +248,28 @@ def test_layer_rules_on_a_synthetic_graph():
         "rtserver.engine.core": {"rtserver.config", "rtserver.engine.backend"},
         "rtserver.tasks.run": {"rtserver.engine.backend", "rtserver.tasks.declare"},
         "rtserver.web.app": {"rtserver.tasks.registry", "rtserver.engine.core", "rtserver.config"},
-        "rtserver.tools.bench": {"rtserver.web.server", "rtserver.engine.core"},
-        "rtserver.cli": {"rtserver.tools.bench", "rtserver.web.server"},
+        "rtbench.bench": {"rtserver.web.server", "rtserver.engine.core"},
+        "rtbench.commands": {"rtbench.bench", "rtserver.cli"},
+        "rtserver.cli": {"rtserver.tasks.fit_heads", "rtserver.web.server"},
     }
     assert layer_violations(ok) == []
     bad = {
         "rtserver.engine.core": {"rtserver.web.app"},
         "rtserver.engine.kv": {"rtserver.tasks"},
-        "rtserver.tasks.chat": {"rtserver.tools.stats"},
+        "rtserver.tasks.chat": {"rtbench.stats"},
         "rtserver.web.hub": {"rtserver.cli"},
+        "rtserver.cli": {"rtbench.commands"},
         "rtserver.config": {"rtserver.engine.backend"},
         "rtserver.engine.model": {"rtserver.engine.backend", "rtserver.config"},  # allowed
-        "rtserver.webx": {"rtserver.tools"},  # not the web layer: a name that only starts like it
+        "rtserver.webx": {"rtserver.cli"},  # not the web layer: a name that only starts like it
+        "rtserver.tasks.run": {"rtbenchx"},  # not the tools: a name that only starts like them
     }
     assert layer_violations(bad) == [
+        "rtserver.cli imports rtbench.commands (the rtserver layer must not)",
         "rtserver.config imports rtserver.engine.backend (it imports no other rtserver module)",
         "rtserver.engine.core imports rtserver.web.app (the rtserver.engine layer must not)",
         "rtserver.engine.kv imports rtserver.tasks (the rtserver.engine layer must not)",
-        "rtserver.tasks.chat imports rtserver.tools.stats (the rtserver.tasks layer must not)",
+        "rtserver.tasks.chat imports rtbench.stats (the rtserver layer must not)",
         "rtserver.web.hub imports rtserver.cli (the rtserver.web layer must not)",
     ]
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 import websockets
 
+from rtbench.serverproc import ServerProcess, free_port, raise_nofile_limit
 from rtserver.engine.model import load_tokenizer
-from rtserver.tools.serverproc import ServerProcess, free_port, raise_nofile_limit
 
 pytestmark = pytest.mark.slow
 

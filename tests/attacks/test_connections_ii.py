@@ -17,7 +17,7 @@ import httpx
 import pytest
 import websockets
 
-from rtserver.tools.serverproc import ServerProcess, raise_nofile_limit
+from rtbench.serverproc import ServerProcess, raise_nofile_limit
 
 pytestmark = pytest.mark.slow
 

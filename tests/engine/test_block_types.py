@@ -510,7 +510,7 @@ FILES = ["Q4_K_M"] + [
 
 
 def requantized(qtype: str) -> Path:
-    from rtserver.tools.model_files import ModelFileError, requantized
+    from rtbench.model_files import ModelFileError, requantized
 
     try:
         return requantized(qtype)

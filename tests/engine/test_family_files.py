@@ -61,7 +61,7 @@ def _greedy(loaded: LoadedModel, prompts: list[list[int]], kv_dtype: str = "auto
 def test_a_family_file_in_float32_equals_transformers_on_the_same_weights(shape):
     from transformers import AutoModelForCausalLM
 
-    from rtserver.tools.model_files import random_folder, random_gguf
+    from rtbench.model_files import random_folder, random_gguf
 
     loaded = load_model(str(random_gguf(shape, "F32")), dtype="float32", threads=2)
     folder = random_folder(shape)
@@ -74,7 +74,7 @@ def test_a_family_file_in_float32_equals_transformers_on_the_same_weights(shape)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
 def test_a_quantized_family_file_on_its_blocks_answers_as_float32(shape, qtype):
-    from rtserver.tools.model_files import random_gguf
+    from rtbench.model_files import random_gguf
 
     path = str(random_gguf(shape, qtype))
     on_blocks, dense = load_model(path, dtype="gguf", threads=2), load_model(path, dtype="float32", threads=2)

@@ -66,7 +66,7 @@ def test_the_embedded_model_loads_as_transformers_loads_it():
 @pytest.mark.slow
 @pytest.mark.skipif(not slow_tests_on(), reason="slow: set RTSERVER_SLOW_TESTS=1")
 def test_a_mixed_q4_k_m_file_and_gemma_3_load_as_transformers_loads_them():
-    from rtserver.tools.model_files import gemma3_270m, requantized
+    from rtbench.model_files import gemma3_270m, requantized
 
     _same_model(requantized("Q4_K_M"))
     _same_model(gemma3_270m())  # Gemma's norms stored as 1 + w, tied head, sliding layers

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from rtbench.structured_bench import SCHEMAS, TEXTS, generate_checked, instruction
 from rtserver.engine import sampler as sampler_module
 from rtserver.engine.backend import (
     FinishReason,
@@ -24,7 +25,6 @@ from rtserver.engine.backend import (
 from rtserver.engine.core import Engine
 from rtserver.engine.grammar import Constraint, GrammarConstraint, apply_masks
 from rtserver.engine.output_format import JSON_OPTIONS, MAX_SOURCE_CHARS
-from rtserver.tools.structured_bench import SCHEMAS, TEXTS, generate_checked, instruction
 
 from ..conftest import chat_prompt
 

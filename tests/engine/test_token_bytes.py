@@ -11,9 +11,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
+from rtbench.model_files import gemma3_270m
 from rtserver.engine.model import _gguf_config, gguf_tokenizer
 from rtserver.engine.token_bytes import UnsupportedDecoder, ll_tokenizer, token_bytes
-from rtserver.tools.model_files import gemma3_270m
 
 TEXTS = ["Hello world, ça va? 你好 🙂", ' {"name": "Ada", "age": 36}\n\n', "<td>not a tag</td> <0xFF>"]
 

@@ -12,10 +12,10 @@ import httpx
 import pytest
 import websockets
 
+from rtbench.evaluate import load_split
+from rtbench.serverproc import ServerProcess
 from rtserver.config import Settings
 from rtserver.remote.backend import PREFETCH_DELAY_S
-from rtserver.tools.evaluate import load_split
-from rtserver.tools.serverproc import ServerProcess
 from rtserver.web.app import create_app
 
 from ..llamautil import LlamaServer, built_llama_server

@@ -80,7 +80,7 @@ async def test_wrong_token_or_unknown_id_is_session_expired_on_every_node(smol, 
 
 
 async def test_redis_unreachable_at_start_makes_ready_false_with_the_reason(smol, tmp_path):
-    from rtserver.tools.serverproc import free_port
+    from rtbench.serverproc import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     async with scripted_node(smol, url, "a", wait_redis=False) as (base, ws_url, _, _):

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import websockets
 
-from rtserver.tools.serverproc import RedisProcess, ServerProcess
+from rtbench.serverproc import RedisProcess, ServerProcess
 
 from ..clusterutil import redis_binary
 

@@ -509,7 +509,7 @@ async def test_widget_resumes_on_the_other_node_after_sigkill(browser, tmp_path)
     shown again and the next reply is computed from it."""
     from playwright.async_api import expect
 
-    from rtserver.tools.serverproc import RedisProcess, ServerProcess
+    from rtbench.serverproc import RedisProcess, ServerProcess
 
     from ..clusterutil import redis_binary
 

@@ -17,10 +17,9 @@ import httpx
 import numpy as np
 import pytest
 
-from rtserver.tasks import prepare
+from rtserver.tasks import fit_heads, prepare
 from rtserver.tasks.fitting import BACKGROUND_NICE
 from rtserver.tasks.head import LogisticHead
-from rtserver.tools import fit_heads
 from rtserver.web.readiness import RETRY, assess
 
 from ..serverutil import ScriptedEngine, make_settings, scripted_app, serve, wait_for

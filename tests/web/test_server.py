@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rtserver.tools.loadtest import phase_load_failure
+from rtbench.loadtest import phase_load_failure
 
 
 def test_model_load_failure_exits_with_a_message_naming_the_file(tmp_path):

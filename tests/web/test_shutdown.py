@@ -10,7 +10,7 @@ import time
 
 import websockets
 
-from rtserver.tools.serverproc import ServerProcess
+from rtbench.serverproc import ServerProcess
 
 GRACE_S = 4.0
 COUNT = "Count from 1 to 500, separated by commas, and say nothing else."

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import aiohttp
 
-from ..config import Settings
-from ..engine.model import embedded_model_path, load_tokenizer
-from ..tasks.chat import ChatTask
-from ..tasks.registry import load_registry
+from rtserver.config import Settings
+from rtserver.engine.model import embedded_model_path, load_tokenizer
+from rtserver.tasks.chat import ChatTask
+from rtserver.tasks.registry import load_registry
+
 from .llama_build import build
 from .loadclient import DEFAULT_PROMPTS, run_chat_load
 from .serverproc import ONE_ADDRESS_LIMITS_OFF, LlamaServerProcess, ServerProcess
@@ -419,5 +420,5 @@ _KEYS = {
 }
 
 
-if __name__ == "__main__":  # a quick look without the whole bench: python -m rtserver.tools.remote_bench
+if __name__ == "__main__":  # a quick look without the whole bench: python -m rtbench.remote_bench
     print(json.dumps(run_remote_bench(os.cpu_count() or 2), indent=2, default=str))

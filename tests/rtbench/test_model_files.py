@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from rtbench import hf_folder, model_files
+from rtbench.hf_convert import Job, convert_command
+from rtbench.llama_build import tool_path
+from rtbench.model_shapes import SHAPES, TINY
+from rtbench.serverproc import LlamaServerProcess
 from rtserver.engine import gguf_load
 from rtserver.engine.gguf_file import GGUFFile
 from rtserver.engine.model import embedded_model_path
-from rtserver.tools import hf_folder, model_files
-from rtserver.tools.hf_convert import Job, convert_command
-from rtserver.tools.llama_build import tool_path
-from rtserver.tools.model_shapes import SHAPES, TINY
-from rtserver.tools.serverproc import LlamaServerProcess
 
 from ..components import missing, slow_tests_on
 

@@ -13,14 +13,15 @@ from typing import Any
 
 import torch
 
-from ..engine.backend import SamplingParams, Tokenizer
-from ..engine.core import Engine
-from ..engine.scheduler import Scheduler
-from ..engine.sequence import Sequence
-from ..tasks.registry import TaskRegistry
+from rtserver.engine.backend import SamplingParams, Tokenizer
+from rtserver.engine.core import Engine
+from rtserver.engine.scheduler import Scheduler
+from rtserver.engine.sequence import Sequence
+from rtserver.tasks.registry import TaskRegistry
+
 from .stats import fraction, mean, median, per_second
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "sentiment"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "sentiment"
 WRITEUP_PROMPT = (
     "Classify the sentiment of the following text as positive or negative. "
     "Answer with one word only.\nText: {text}"
@@ -191,8 +192,8 @@ async def engine_sentiment(
     """The sentiment task with its learned head, as a server with `tasks.learned_heads = true` runs it
     (fitted first: features from the cache in model.cache_dir, computed on a first run), and beside it,
     in the same run, the zero-data label scoring (`head = false`, the default) as `label_scoring`."""
-    from ..config import Settings
-    from ..tasks.registry import load_registry
+    from rtserver.config import Settings
+    from rtserver.tasks.registry import load_registry
 
     result: dict[str, Any] = {}
     if registry is None:

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from ..config import EngineSettings
-from ..engine.backend import SamplingParams
-from ..engine.core import Engine, return_freed_memory
-from ..engine.model import LoadedModel
-from ..tasks.chat import encode_chat, finished_turn
+from rtserver.config import EngineSettings
+from rtserver.engine.backend import SamplingParams
+from rtserver.engine.core import Engine, return_freed_memory
+from rtserver.engine.model import LoadedModel
+from rtserver.tasks.chat import encode_chat, finished_turn
+
 from .chart import write_chart
 from .openai_client import completion_prompt
 from .stats import accuracy, mean, per_second, percentile, ratio
@@ -663,7 +664,7 @@ def summarize(report: dict) -> list[tuple[str, str, str]]:
 
 
 def remote_rows(r: dict) -> list[tuple[str, str, str]]:
-    """The hub in front of llama-server (tools/remote_bench.py)."""
+    """The hub in front of llama-server (rtbench/remote_bench.py)."""
     dc, di, h, mt = (
         r["burst_direct_chat"],
         r["burst_direct_token_ids"],

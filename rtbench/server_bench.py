@@ -462,7 +462,7 @@ def run_rtserver(
 def runs_as(dtype: str, model: str = "embedded") -> str:
     """What a dtype setting means for the model on this CPU (`auto` chooses per model and CPU): the
     server process, on the same machine, resolves it the same way."""
-    from ..engine.model import effective_dtype
+    from rtserver.engine.model import effective_dtype
 
     return effective_dtype(dtype, model)
 
@@ -478,7 +478,8 @@ def run_servers_bench(
 ) -> dict:
     """llama-server, then `rtserver serve` with each of `dtypes`; one system at a time, each on both
     prompt sets."""
-    from ..engine.model import embedded_model_path
+    from rtserver.engine.model import embedded_model_path
+
     from .llama_build import build
 
     workloads = list(workloads or SERVER_WORKLOADS)

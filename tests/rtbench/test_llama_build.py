@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from rtserver.tools import llama_build
+from rtbench import llama_build
 
 AVX512 = ["avx2", "avx512f", "avx512_vnni", "fma"]
 AMX = [*AVX512, "amx_bf16", "amx_int8", "amx_tile"]

@@ -23,6 +23,7 @@ from typing import Any
 import websockets
 
 from .loadclient import run_chat_load
+from .loadtest_report import write_report
 from .serverproc import ONE_ADDRESS_LIMITS_OFF, ServerProcess, free_port, raise_nofile_limit
 from .stats import median, percentile, ratio, rounded
 
@@ -467,106 +468,11 @@ def phase_load_failure(workdir: Path) -> dict:
 # -- the command ---------------------------------------------------------------------------------------
 
 
-def checks(report: dict) -> list[tuple[str, bool]]:
-    load, slow, disc = report.get("load"), report.get("slow_client"), report.get("disconnects")
-    over, faults, down, fail = (report.get(k) for k in ("overload", "faults", "shutdown", "load_failure"))
-    out: list[tuple[str, bool]] = []
-    if load:
-        out += [
-            (
-                "idle connections all open and alive",
-                load["idle_open_failed"] == 0 and load["idle_alive_after_chat"] == load["idle_connections"],
-            ),
-            (
-                "every chat reply completed, zero errors",
-                load["completed_turns"] == load["expected_turns"] and not load["errors"],
-            ),
-            ("idle connections cost <= 300 MB RSS", load["rss_idle_extra_mb"] <= 300),
-        ]
-    if slow:
-        out += [
-            (
-                "slow client dropped (server closed it: 4008, or 1006 when it read nothing)",
-                slow["slow_client_close_code"] in (4008, 1006) and slow["slow_client_closes"] >= 1,
-            ),
-            ("others unaffected by the slow client (no errors)", not slow["others_errors"]),
-        ]
-    if disc:
-        for kind in ("one_after_another", "all_at_once"):
-            d = disc[kind]
-            out.append(
-                (
-                    f"disconnects {kind.replace('_', ' ')}: running and KV back to baseline",
-                    d["running_after"] == 0 and d["seconds_to_kv_baseline"] is not None,
-                )
-            )
-    if over:
-        out += [
-            ("overload: each request done or overloaded", set(over["outcomes"]) <= {"done", "overloaded"}),
-            (
-                "overload: latency back to unloaded level (<= 1.5x)",
-                over["ttft_after_over_before"] is not None and over["ttft_after_over_before"] <= 1.5,
-            ),
-        ]
-    if faults:
-        out += [
-            (
-                "faults: other requests complete",
-                faults["normal_done"] == faults["normal"] and faults["after_done"] == faults["after"],
-            ),
-            (
-                "faults: only the affected requests fail with internal",
-                faults["step_fault_outcome"] == "internal"
-                and all(o == "internal" for o in faults["parser_fault_outcomes"]),
-            ),
-            ("faults: no internals sent to clients", not faults["internal_details_leaked"]),
-        ]
-    if down:
-        out += [
-            (
-                "SIGTERM: shutting_down sent, short reply finished, long one ended",
-                down["shutting_down_event"]
-                and down["short_reply"] == "done"
-                and down["long_reply"] in ("done", "shutting_down"),
-            ),
-            (
-                "SIGTERM: sockets closed 1001, exit 0",
-                down["close_codes"] == [1001, 1001] and down["exit_code"] == 0,
-            ),
-        ]
-    if fail:
-        for name, f in fail.items():
-            out.append(
-                (
-                    f"load failure ({name}): exit != 0, names the file, no traceback",
-                    f["exit_code"] != 0 and f["names_file"] and not f["traceback"],
-                )
-            )
-    return out
-
-
-def run_loadtest(
-    idle: int = 1000,
-    chatting: int = 64,
-    disconnects: int = 100,
-    config: str | None = None,
-    out_dir: str = "bench-results",
-    dtype: str | None = None,
-) -> dict:
-    raise_nofile_limit()
-    workdir = Path(tempfile.mkdtemp(prefix="rtserver-loadtest-"))
-    report: dict[str, Any] = {
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": f"rtserver loadtest --idle {idle} --chatting {chatting} --disconnects {disconnects}"
-        + (f" --dtype {dtype}" if dtype else ""),
-        "workdir": str(workdir),
-    }
-    common = {
-        "RTSERVER_SERVER_LOG_LEVEL": "warning",
-        **ONE_ADDRESS_LIMITS_OFF,
-    }
-    if dtype:
-        common["RTSERVER_MODEL_DTYPE"] = dtype
+def _server_a(
+    common: dict[str, str], workdir: Path, config: str | None, idle: int, chatting: int, disconnects: int
+) -> dict[str, Any]:
+    """Idle connections, chatting sessions, a slow reader and mid-stream disconnects."""
+    report: dict[str, Any] = {}
     a = ServerProcess(
         {**common, "RTSERVER_SESSIONS_IDLE_TIMEOUT_S": "5", "RTSERVER_SERVER_SLOW_CLIENT_TIMEOUT_S": "2"},
         workdir / "server-a.log",
@@ -586,12 +492,12 @@ def run_loadtest(
     finally:
         rc, _ = a.stop()
         report["server_a"] = {"exit_code": rc, "errors_logged": a.log_errors()[:20]}
-    if not FAULT_SERVER.is_file():
-        print(
-            f"server B: skipped ({FAULT_SERVER} not found: the fault phases need the repository's tests/)",
-            flush=True,
-        )
-        return _finish(report, out_dir, workdir)
+    return report
+
+
+def _server_b(common: dict[str, str], workdir: Path, config: str | None) -> dict[str, Any]:
+    """Small queues and the test fault hooks: overload, injected faults and SIGTERM."""
+    report: dict[str, Any] = {}
     b = ServerProcess(
         {
             **common,
@@ -629,101 +535,40 @@ def run_loadtest(
                 ln for ln in b.log_errors() if " ERROR " in ln and not any(mark in ln for mark in injected)
             ][:20],
         }
-    return _finish(report, out_dir, workdir)
-
-
-def _finish(report: dict, out_dir: str, workdir: Path) -> dict:
-    print("model load failure", flush=True)
-    report["load_failure"] = phase_load_failure(workdir)
-    report["checks"] = [{"check": name, "passed": ok} for name, ok in checks(report)]
-    report["passed"] = all(c["passed"] for c in report["checks"])
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    path = Path(out_dir) / f"loadtest-{time.strftime('%Y-%m-%dT%H%M%S%z')}.json"
-    path.write_text(json.dumps(report, indent=2))
-    print_report(report)
-    print(f"\nJSON: {path}")
     return report
 
 
-def print_report(r: dict) -> None:
-    rows = []
-    if "load" in r:
-        L = r["load"]
-        rows += [
-            (
-                "idle connections (after hello)",
-                f"{L['idle_connections']} open, {L['idle_alive_after_chat']} alive after",
-            ),
-            ("RSS growth for idle connections", f"{L['rss_idle_extra_mb']} MB"),
-            (
-                f"{L['chatting_sessions']} sessions chatting: replies",
-                f"{L['completed_turns']}/{L['expected_turns']}, errors {L['errors'] or 0}",
-            ),
-            ("  TTFT p50 / p95 (both turns)", f"{L['ttft_p50_ms']:.0f} / {L['ttft_p95_ms']:.0f} ms"),
-            (
-                f"  phase 1 burst: {L['chatting_sessions']} new chats at once + their auto tasks "
-                f"({', '.join(L['auto_tasks']) or 'none'}): first-turn TTFT p50 / p95 (bar: p95 <= 4 s)",
-                f"{L['first_turn_ttft_p50_ms']:.0f} / {L['first_turn_ttft_p95_ms']:.0f} ms",
-            ),
-        ]
-    if "overload" in r:
-        ov = r["overload"]
-        rows += [
-            (f"overload: {ov['submitted']} chats at once (4x max_running)", json.dumps(ov["outcomes"])),
-            ("  `overloaded` answered within (p95)", f"{ov['overloaded_answer_p95_ms']} ms"),
-            (
-                "  unloaded TTFT before / after",
-                f"{ov['unloaded_before']['ttft_ms']} / {ov['unloaded_after']['ttft_ms']} ms",
-            ),
-        ]
-    if "slow_client" in r:
-        S = r["slow_client"]
-        rows += [
-            ("slow client: closed with", str(S["slow_client_close_code"])),
-            (
-                "  others' tokens/s without / with it",
-                f"{S['others_tokens_per_s_before']} / {S['others_tokens_per_s_during']}",
-            ),
-            ("  server RSS before / during", f"{S['rss_before_mb']} / {S['rss_during_mb']} MB"),
-        ]
-    if "disconnects" in r:
-        D = r["disconnects"]
-        for kind in ("one_after_another", "all_at_once"):
-            d = D[kind]
-            rows.append(
-                (
-                    f"{D['count']} disconnects {kind.replace('_', ' ')}",
-                    f"running after {d['running_after']:.0f}, "
-                    f"KV back to baseline in {d['seconds_to_kv_baseline']} s",
-                )
-            )
-    if "faults" in r:
-        F = r["faults"]
-        rows += [
-            (
-                "faults: step / parser raise",
-                f"{F['step_fault_outcome']} / {','.join(F['parser_fault_outcomes'])}",
-            ),
-            (
-                "  other requests done",
-                f"{F['normal_done']}/{F['normal']} during, {F['after_done']}/{F['after']} after",
-            ),
-        ]
-    if "shutdown" in r:
-        S = r["shutdown"]
-        rows += [
-            ("SIGTERM: short / long reply", f"{S['short_reply']} / {S['long_reply']}"),
-            (
-                "  close codes, exit code, time",
-                f"{S['close_codes']}, {S['exit_code']}, {S['seconds_to_exit']} s",
-            ),
-        ]
-    for name, f in r.get("load_failure", {}).items():
-        rows.append((f"model load failure ({name})", f"exit {f['exit_code']}: {f['message'][:70]}"))
-    width = max(len(a) for a, _ in rows) if rows else 0
-    print()
-    for a, b in rows:
-        print(f"{a:<{width}}  {b}")
-    print()
-    for c in r.get("checks", []):
-        print(f"[{'PASS' if c['passed'] else 'FAIL'}] {c['check']}")
+def run_loadtest(
+    idle: int = 1000,
+    chatting: int = 64,
+    disconnects: int = 100,
+    config: str | None = None,
+    out_dir: str = "bench-results",
+    dtype: str | None = None,
+) -> dict[str, Any]:
+    raise_nofile_limit()
+    workdir = Path(tempfile.mkdtemp(prefix="rtserver-loadtest-"))
+    report: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": f"rtserver loadtest --idle {idle} --chatting {chatting} --disconnects {disconnects}"
+        + (f" --dtype {dtype}" if dtype else ""),
+        "workdir": str(workdir),
+    }
+    common = {
+        "RTSERVER_SERVER_LOG_LEVEL": "warning",
+        **ONE_ADDRESS_LIMITS_OFF,
+    }
+    if dtype:
+        common["RTSERVER_MODEL_DTYPE"] = dtype
+    report.update(_server_a(common, workdir, config, idle, chatting, disconnects))
+    if FAULT_SERVER.is_file():
+        report.update(_server_b(common, workdir, config))
+    else:
+        print(
+            f"server B: skipped ({FAULT_SERVER} not found: the fault phases need the repository's tests/)",
+            flush=True,
+        )
+    print("model load failure", flush=True)
+    report["load_failure"] = phase_load_failure(workdir)
+    write_report(report, out_dir)
+    return report

@@ -16,14 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import EngineSettings, Settings
-from ..engine.core import Engine
-from ..tasks import Choices, Task, Variant, has_cjk
-from ..tasks.registry import load_registry
-from ..tasks.run import PromptTask
+from rtserver.config import EngineSettings, Settings
+from rtserver.engine.core import Engine
+from rtserver.tasks import Choices, Task, Variant, has_cjk
+from rtserver.tasks.registry import load_registry
+from rtserver.tasks.run import PromptTask
+
 from .stats import accuracy, fraction, per_second
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "sentiment"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "sentiment"
 DATA_DIRS = {"sentiment": DATA_DIR, "intent": DATA_DIR.parent / "intent"}
 TASKS = ("sentiment", "intent")
 LANGS = ("en", "zh")

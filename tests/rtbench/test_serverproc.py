@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rtserver.tools.serverproc import RssWatch, ServerProcess, log_reason, process_tree
+from rtbench.serverproc import RssWatch, ServerProcess, log_reason, process_tree
 
 # a parent holding ~80 MB that starts a child holding ~120 MB, both alive until stdin closes
 HOLDER = """

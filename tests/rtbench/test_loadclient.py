@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtserver.tools.loadclient import run_chat_load
+from rtbench.loadclient import run_chat_load
 
 from ..serverutil import ScriptedEngine, make_settings, scripted_app, serve
 

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from ..engine.backend import FinishReason, OutputFormat, SamplingParams
-from ..engine.core import Engine
-from ..engine.grammar import apply_masks
+from rtserver.engine.backend import FinishReason, OutputFormat, SamplingParams
+from rtserver.engine.core import Engine
+from rtserver.engine.grammar import apply_masks
+
 from .stats import mean, percentile
 
 ChatIds = Callable[[str], list[int]]

@@ -10,18 +10,18 @@ import asyncio
 import contextlib
 import os
 from pathlib import Path
-from typing import Any
 
 from ..config import EngineSettings, Settings
 from ..engine.core import Engine
-from ..tasks.fitting import BACKGROUND_NICE
-from ..tasks.head import save_fitted
-from ..tasks.registry import load_registry, store_task_fit
-from ..tasks.run import PromptTask
+from ..engine.model import LoadedModel
+from .fitting import BACKGROUND_NICE
+from .head import save_fitted
+from .registry import load_registry, store_task_fit
+from .run import PromptTask
 
 
 async def fit_heads(
-    loaded: Any, settings: Settings, names: list[str] | None = None, *, ship: bool = False
+    loaded: LoadedModel, settings: Settings, names: list[str] | None = None, *, ship: bool = False
 ) -> list[Path]:
     """Prepare every (or every named) task with a learned head and store its heads; the files written."""
     registry, errors = load_registry(settings, loaded.tokenizer)
@@ -71,6 +71,7 @@ def lower_priority() -> None:
 
 
 def run_fit_heads(
-    loaded: Any, settings: Settings, names: list[str] | None = None, *, ship: bool = False
+    loaded: LoadedModel, settings: Settings, names: list[str] | None = None, *, ship: bool = False
 ) -> list[Path]:
+    """`fit_heads` on its own event loop, for the command line."""
     return asyncio.run(fit_heads(loaded, settings, names, ship=ship))

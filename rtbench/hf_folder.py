@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine.model import embedded_model_path
+from rtserver.engine.model import embedded_model_path
+
 from .model_shapes import Shape
 
 # A matrix's values are normal(0, GAIN / sqrt(fan-in)): unit-scale activations at any width, about

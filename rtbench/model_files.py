@@ -1,6 +1,6 @@
 """Real model files for the tests and the formats bench, made the way users' files are made, cached.
 
-    python -m rtserver.tools.model_files [TYPE ...] [--gemma] [--random SHAPE QTYPE]
+    python -m rtbench.model_files [TYPE ...] [--gemma] [--random SHAPE QTYPE]
 
 - `random_gguf(shape, qtype)`: seeded random weights in a family's real shape (model_shapes.SHAPES),
   written as an HF folder (`random_folder(shape)`), converted by the pinned sdist's
@@ -23,7 +23,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..engine.model import embedded_model_path
+from rtserver.engine.model import embedded_model_path
+
 from .hf_convert import Job, convert_command
 from .hf_folder import smollm2_tokenizer, weights_digest, write_folder
 from .llama_build import VERSION, llama_quantize

@@ -71,7 +71,7 @@ def random_model(shape: str, qtype: str) -> Path:
 
 def matrix() -> list[FormatRow]:
     """Every row, in the order they run."""
-    from ..engine.model import embedded_model_path
+    from rtserver.engine.model import embedded_model_path
 
     rows = [FormatRow("embedded", embedded_model_path, spec="embedded")]
     rows += [FormatRow(q.lower(), functools.partial(model_files.requantized, q)) for q in REQUANTIZED]
@@ -212,8 +212,8 @@ Runner = Callable[[FormatRow, Path, Path], dict]  # (row, file, log folder) -> f
 def floor_figures(path: Path, read_gb_per_s: float | None) -> dict:
     """The bytes of the file's tensors one token multiplies with, and the single stream's floor: the
     tokens/s at which reading them once a token takes all of the measured read bandwidth."""
-    from ..engine.core import file_matmul_bytes
-    from ..engine.gguf_file import GGUFFile
+    from rtserver.engine.core import file_matmul_bytes
+    from rtserver.engine.gguf_file import GGUFFile
 
     matmul = file_matmul_bytes(GGUFFile(path))
     floor = None if not read_gb_per_s or not matmul else read_gb_per_s * 1e9 / matmul

@@ -1,4 +1,4 @@
-"""rtserver/tools/stats.py, the arithmetic of the bench, load test and eval reports, against values worked
+"""rtbench/stats.py, the arithmetic of the bench, load test and eval reports, against values worked
 out by hand; and the report code that uses it (eval's accuracy / invalid rate, bench's agreement)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rtserver.tools import stats
-from rtserver.tools.stats import accuracy, fraction, mean, median, per_second, percentile, ratio, rounded
+from rtbench import stats
+from rtbench.stats import accuracy, fraction, mean, median, per_second, percentile, ratio, rounded
 
 
 def test_percentile_interpolates_linearly_between_ranks():
@@ -79,7 +79,7 @@ def test_rounded():
 
 def test_eval_counts_an_invalid_answer_as_wrong():
     """evaluate._run_one: accuracy over all examples (invalid = wrong), the invalid rate, examples/s."""
-    from rtserver.tools.evaluate import _run_one
+    from rtbench.evaluate import _run_one
 
     answers = {"a": "正面", "b": "负面", "c": "maybe", "d": "正面", "e": "负面"}
 
@@ -102,7 +102,7 @@ def test_eval_counts_an_invalid_answer_as_wrong():
 
 
 def test_bench_agreement_with_float32():
-    from rtserver.tools.bench import agreement
+    from rtbench.bench import agreement
 
     out = agreement([[1, 2, 3], [4, 5], [6, 7, 8, 9]], [[1, 2, 3], [4, 6], [0, 7, 8, 9]])
     # identical: only the first; same tokens before divergence: 3/3, 1/2, 0/4
@@ -112,7 +112,7 @@ def test_bench_agreement_with_float32():
 
 def test_the_tools_share_this_arithmetic():
     """One percentile, one ratio: no tool keeps a copy of its own."""
-    from rtserver.tools import bench, evaluate, loadclient, loadtest, sentiment_bench
+    from rtbench import bench, evaluate, loadclient, loadtest, sentiment_bench
 
     assert loadclient.percentile is stats.percentile and loadtest.percentile is stats.percentile
     assert bench.percentile is stats.percentile and bench.ratio is stats.ratio

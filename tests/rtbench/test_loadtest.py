@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtserver.tools.loadtest import run_loadtest
+from rtbench.loadtest import run_loadtest
 
 pytestmark = pytest.mark.slow
 

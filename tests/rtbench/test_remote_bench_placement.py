@@ -1,4 +1,4 @@
-"""The remote bench's placements (tools/remote_bench.py): which cores llama-server and the hub get."""
+"""The remote bench's placements (rtbench/remote_bench.py): which cores llama-server and the hub get."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rtserver.tools.remote_bench import placement_cpus
+from rtbench.remote_bench import placement_cpus
 
 
 def cores() -> set[int]:

@@ -1,4 +1,4 @@
-"""The formats matrix (tools/formats_bench.py) on fake servers: its rows and their picking, the bars
+"""The formats matrix (rtbench/formats_bench.py) on fake servers: its rows and their picking, the bars
 (rtserver's lower single figure against llama-server's better one, the bandwidth floor, refusals, the
 RSS bar from the KV in use), the pairs of a repeated row (A B A B, every pair reported), a row whose
 file cannot be made or whose server refuses the model, the printed rows, the chart and the bench's
@@ -12,12 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rtserver.config import EngineSettings
-from rtserver.engine.core import file_matmul_bytes
-from rtserver.engine.gguf_file import GGUFFile
-from rtserver.engine.model import embedded_model_path
-from rtserver.tools import bench, chart, formats_bench, model_files, read_bandwidth, server_bench
-from rtserver.tools.formats_bench import (
+from rtbench import bench, chart, formats_bench, model_files, read_bandwidth, server_bench
+from rtbench.formats_bench import (
     BURST_BAR,
     KV_FROM_BUDGET,
     KV_FROM_METRICS,
@@ -32,6 +28,10 @@ from rtserver.tools.formats_bench import (
     run_row,
     single_bar,
 )
+from rtserver.config import EngineSettings
+from rtserver.engine.core import file_matmul_bytes
+from rtserver.engine.gguf_file import GGUFFile
+from rtserver.engine.model import embedded_model_path
 
 from ..components import slow_tests_on
 from ..llamautil import built_llama_server

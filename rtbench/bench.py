@@ -31,9 +31,10 @@ from rtserver.engine.core import Engine, return_freed_memory
 from rtserver.engine.model import LoadedModel
 from rtserver.tasks.chat import encode_chat, finished_turn
 
+from .bench_report import print_table, table
 from .chart import write_chart
 from .openai_client import completion_prompt
-from .stats import accuracy, mean, per_second, percentile, ratio
+from .stats import accuracy, mean, per_second, percentile
 
 log = logging.getLogger("rtserver.bench")
 
@@ -455,277 +456,6 @@ def run_e2e(dtype: str, config: str | None, sessions: int = 32, turns: int = 5, 
         server.stop()
 
 
-def rate(result: dict | None) -> str:
-    """A row's tokens/s and whether it generated exactly the asked tokens ("n/a" when it did not run)."""
-    if not result or result.get("tokens_per_s") is None:
-        return "n/a"
-    exact = result.get("exact_token_counts")
-    counted = f"{result.get('generated_tokens', 0):,} tokens"
-    return f"{result['tokens_per_s']:,.1f} ({counted}, {'exact' if exact else 'NOT exact'})"
-
-
-def summarize(report: dict) -> list[tuple[str, str, str]]:
-    """(figure, value, bar) rows for the printed table."""
-    e, b = report["engine"], report.get("baselines", {})
-    precision = report.get("baseline_dtype") or "n/a"  # what every ratio to a baseline is taken against
-    rows: list[tuple[str, str, str]] = []
-
-    def fmt(v: float | None, unit: str = "") -> str:
-        return "n/a" if v is None else f"{v:,.1f}{unit}"
-
-    if "burst" in e:
-        eb = e["burst"]["tokens_per_s"]
-        rows.append(("burst tokens/s (engine)", rate(e["burst"]), ""))
-        for name in ("naive", "static4", "cb"):
-            rows.append(
-                (f"burst tokens/s baseline {name} ({precision})", rate(b.get("burst", {}).get(name)), "")
-            )
-        rows.append(
-            (
-                f"burst ratio vs cb (generate_batch, {precision})",
-                fmt(ratio(eb, b.get("burst", {}).get("cb", {}).get("tokens_per_s")), "x"),
-                ">= 3x",
-            )
-        )
-        rows.append(
-            (
-                f"burst ratio vs naive ({precision})",
-                fmt(ratio(eb, b.get("burst", {}).get("naive", {}).get("tokens_per_s")), "x"),
-                ">= 20x",
-            )
-        )
-        rows.append(
-            (
-                "burst TTFT p50 / p95 ms",
-                f"{fmt(e['burst']['ttft_p50_ms'])} / {fmt(e['burst']['ttft_p95_ms'])}",
-                "p95 <= 2000",
-            )
-        )
-        rows.append(
-            (
-                "event-loop lag p95 / max ms (burst)",
-                f"{fmt(e['burst']['loop_lag_p95_ms'])} / {fmt(e['burst']['loop_lag_max_ms'])}",
-                "",
-            )
-        )
-    if "single" in e:
-        es = e["single"]["tokens_per_s"]
-        rows.append(("single tokens/s (engine)", rate(e["single"]), ""))
-        rows.append(
-            (f"single tokens/s baseline naive ({precision})", rate(b.get("single", {}).get("naive")), "")
-        )
-        rows.append(
-            (
-                f"single ratio vs naive ({precision})",
-                fmt(ratio(es, b.get("single", {}).get("naive", {}).get("tokens_per_s")), "x"),
-                ">= 2.5x",
-            )
-        )
-    if "arrival" in e:
-        rows.append(
-            (
-                "arrival TTFT p50 / p95 ms (32 streams decoding)",
-                f"{fmt(e['arrival']['ttft_p50_ms'])} / {fmt(e['arrival']['ttft_p95_ms'])}",
-                "p95 <= 250",
-            )
-        )
-    if "multi-turn" in e:
-        mt = e["multi-turn"]
-        p50 = mt["ttft_p50_ms_by_turn"]
-        rows.append(("multi-turn TTFT p50 ms by turn", " ".join(fmt(p50[t]) for t in sorted(p50)), ""))
-        rows.append(
-            (
-                "multi-turn prefilled tokens by turn",
-                " ".join(fmt(v) for v in mt["mean_prefilled_tokens_by_turn"].values()),
-                "",
-            )
-        )
-        rows.append(("multi-turn tokens/s", fmt(mt["tokens_per_s"]), ""))
-    if "sentiment" in e:
-        s = e["sentiment"]
-        rows.append(("sentiment fresh classifications/s", fmt(s["fresh_per_s"]), ""))
-        if "prefilled_tokens_per_text" in s:
-            rows.append(
-                (
-                    "sentiment tokens per text: prompt / prefix-cached / computed",
-                    f"{fmt(s['prompt_tokens_per_text'])} / {fmt(s['prefix_cached_tokens_per_text'])} / "
-                    f"{fmt(s['prefilled_tokens_per_text'])}",
-                    "",
-                )
-            )
-            rows.append(
-                (
-                    "sentiment fresh steps / mean step ms",
-                    f"{s['fresh_steps']} / {fmt(s['fresh_step_ms'])}",
-                    "",
-                )
-            )
-        rows.append(("sentiment cached classifications/s", fmt(s["cached_per_s"]), ">= 20000"))
-        plain = s.get("label_scoring")
-        if plain:
-            rows.append(
-                (
-                    "sentiment label scoring (no head) fresh / cached per s, same run",
-                    f"{fmt(plain['fresh_per_s'])} / {fmt(plain['cached_per_s'])}",
-                    "",
-                )
-            )
-        base = b.get("sentiment", {}).get("per_s")
-        rows.append(("sentiment baseline (generative, HF batches of 4)/s", fmt(base), ""))
-        rows.append(("sentiment fresh ratio vs baseline", fmt(ratio(s["fresh_per_s"], base), "x"), ">= 10x"))
-        if "agreement_with_float32" in s:
-            rows.append(("sentiment labels equal to float32's", f"{s['agreement_with_float32']:.1%}", ""))
-        at = s.get("auto_task")
-        if at:
-            rows.append(
-                (
-                    "chat TTFT p50 ms: alone / with sentiment auto-task / auto-task forced into its step",
-                    f"{fmt(at['ttft_alone_p50_ms'])} / {fmt(at['ttft_auto_task_p50_ms'])} / "
-                    f"{fmt(at['ttft_same_step_p50_ms'])}",
-                    "",
-                )
-            )
-            rows.append(
-                (
-                    f"auto-task added to chat TTFT in steps of {fmt(at['step_ms'])} ms: as the hub runs it / "
-                    "forced same step",
-                    f"{at['added_steps_auto_task']:.2f} / {at['added_steps_same_step']:.2f}",
-                    "<= 1 step",
-                )
-            )
-    if "agreement_with_float32_kv" in e:
-        a = e["agreement_with_float32_kv"]
-        rows.append(
-            (
-                f"greedy agreement with float32 KV ({e['kv']['dtype']} KV, burst prompts): "
-                "identical outputs / tokens before divergence",
-                f"{a['identical_outputs']:.0%} / {a['tokens_before_divergence']:.0%}",
-                ">= 90% identical",
-            )
-        )
-    if "agreement_with_float32_kv" in e.get("sentiment", {}):
-        rows.append(
-            (
-                f"sentiment labels equal to float32 KV's ({e['kv']['dtype']} KV)",
-                f"{e['sentiment']['agreement_with_float32_kv']:.1%}",
-                ">= 99%",
-            )
-        )
-    if "agreement_with_float32" in e:
-        a = e["agreement_with_float32"]
-        rows.append(
-            (
-                "greedy agreement with float32 (burst prompts): identical outputs / tokens before divergence",
-                f"{a['identical_outputs']:.0%} / {a['tokens_before_divergence']:.0%}",
-                "",
-            )
-        )
-    if "e2e" in e and "e2e-engine-only" in e:
-        ee, eo = e["e2e"], e["e2e-engine-only"]
-        rows.append(
-            (
-                "e2e WebSocket tokens/s (32 sessions x 5 turns) / engine-only",
-                f"{fmt(ee['tokens_per_s'])} / {fmt(eo['tokens_per_s'])}",
-                "",
-            )
-        )
-        rows.append(
-            ("e2e ratio to engine-only", fmt(ratio(ee["tokens_per_s"], eo["tokens_per_s"]), "x"), ">= 0.85x")
-        )
-        rows.append(("e2e TTFT p50 turn 5 / turn 1", fmt(ee.get("turn_ratio_p50"), "x"), "<= 1.5x"))
-        rows.append(("e2e errors", str(ee.get("errors") or 0), "0"))
-    if "structured" in e:
-        st = e["structured"]
-        rows.append(
-            (
-                f"structured: invalid of finished JSON Schema generations ({st['generations']}, "
-                "greedy + t=0.7) / cut by the token limit",
-                f"{st['invalid_of_finished']} of {st['finished']} / {st['cut_by_token_limit']}",
-                "0 invalid",
-            )
-        )
-        rows.append(
-            (
-                "structured: mask us per token (mean) / share of a batch-1 decode step",
-                f"{fmt(st['mask_us_per_token_mean'])} / {st['mask_share_of_batch1_step']:.1%}",
-                "<= 10%",
-            )
-        )
-        rows.append(
-            (
-                "structured: batch-1 decode step ms, free / with a schema",
-                f"{fmt(st['batch1_step_free_ms'])} / {fmt(st['batch1_step_constrained_ms'])}",
-                "",
-            )
-        )
-    if "peak_rss_mb" in e:
-        rows.append(("peak RSS MB (load + engine workloads)", fmt(e["peak_rss_mb"]), "<= 1536"))
-    return rows
-
-
-def remote_rows(r: dict) -> list[tuple[str, str, str]]:
-    """The hub in front of llama-server (rtbench/remote_bench.py)."""
-    dc, di, h, mt = (
-        r["burst_direct_chat"],
-        r["burst_direct_token_ids"],
-        r["burst_through_hub"],
-        r["multi_turn"],
-    )
-
-    def fmt(v: float | None, unit: str = "") -> str:
-        return "n/a" if v is None else f"{v:,.1f}{unit}"
-
-    per_turn = mt["per_turn"]
-    med = r["burst_tokens_per_s_median"]
-    return [
-        (
-            "[remote] burst tokens/s, median of runs: llama-server chat / token ids / through the hub",
-            " / ".join(fmt(med.get(k)) for k in ("chat", "ids", "hub")),
-            "",
-        ),
-        (
-            "[remote] burst token counts exact (chat / token ids / hub)",
-            f"{dc['exact_token_counts']} / {di['exact_token_counts']} / {h['exact_token_counts']}",
-            "",
-        ),
-        (
-            "[remote] hub tokens/s ratio (vs the faster direct run)",
-            fmt(r["hub_tokens_per_s_ratio"], "x"),
-            ">= 0.9x",
-        ),
-        (
-            "[remote] burst TTFT p50 ms: chat / token ids / hub",
-            f"{fmt(dc['ttft_p50_ms'])} / {fmt(di['ttft_p50_ms'])} / {fmt(h['ttft_p50_ms'])}",
-            "",
-        ),
-        ("[remote] hub added TTFT p50 ms", fmt(r["hub_added_ttft_p50_ms"]), "<= 30"),
-        (
-            "[remote] multi-turn TTFT p50 ms by turn (%d sessions)" % mt["sessions"],
-            " ".join(fmt(per_turn[t]["ttft_p50_ms"]) for t in sorted(per_turn)),
-            "",
-        ),
-        (
-            "[remote] multi-turn cached prompt tokens by turn",
-            " ".join(fmt(per_turn[t]["cached_tokens_mean"]) for t in sorted(per_turn)),
-            "",
-        ),
-        (
-            "[remote] multi-turn prefilled prompt tokens by turn",
-            " ".join(
-                fmt(per_turn[t]["prompt_tokens_mean"] - per_turn[t]["cached_tokens_mean"])
-                for t in sorted(per_turn)
-            ),
-            "",
-        ),
-        (
-            "[remote] multi-turn TTFT p50 turn 5 / turn 1",
-            fmt(r.get("multi_turn_turn5_ratio"), "x"),
-            "<= 1.5x",
-        ),
-        ("[remote] multi-turn errors", str(mt.get("errors") or 0), "0"),
-    ]
-
-
 def _reset_peak_rss() -> None:
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux)
@@ -767,6 +497,89 @@ def dtype_label(loaded: LoadedModel) -> str:
 
 
 EVERY_DTYPE_WORKLOADS = ("burst", "single", "arrival", "sentiment")  # the rest run on the first dtype only
+SERVER_WORKLOADS = ("remote", "servers", "formats")  # servers in their own processes, no engine here
+
+
+def _run_engines(
+    report: dict[str, Any],
+    save: Callable[[], None],
+    load: Callable[[str], LoadedModel],
+    engine_dtypes: list[str],
+    options: EngineSettings,
+    workloads: list[str],
+    config: str | None,
+) -> None:
+    """The engine workloads, each engine dtype on a freshly loaded model, into `report["engine"]`."""
+    engine_workloads = [w for w in workloads if w not in SERVER_WORKLOADS]
+    for i, spec in enumerate(engine_dtypes if engine_workloads else []):
+        gc.collect()
+        return_freed_memory()  # what the previous dtype's run left in the heap must not count for this one
+        _reset_peak_rss()
+        dtype, _, kv_dtype = spec.partition(":kv=")
+        loaded = load(dtype)
+        report["model"] = loaded.name
+        label = dtype_label(loaded) + (f" kv={kv_dtype}" if kv_dtype else "")
+        mine = engine_workloads if i == 0 else [w for w in workloads if w in EVERY_DTYPE_WORKLOADS]
+        say(f"[engine {label}] in-process: {', '.join(mine)}")
+        run_options = dataclasses.replace(options, kv_dtype=kv_dtype) if kv_dtype else options
+        result = asyncio.run(run_engine_workloads(loaded, run_options, mine, f"engine {label}"))
+        result["peak_rss_mb"] = peak_rss_since_reset_mb()
+        del loaded
+        if i == 0 and "e2e" in workloads:
+            say(f"[rtserver {dtype}] e2e: 32 WebSocket sessions x 5 turns")
+            result["e2e"] = run_e2e(dtype, config)
+        report["engine"][label] = result
+        save()
+
+
+def _run_servers(
+    report: dict[str, Any],
+    save: Callable[[], None],
+    engine_dtypes: list[str],
+    workloads: list[str],
+    threads: int,
+    config: str | None,
+    formats: list[str] | None,
+    reps: int,
+) -> None:
+    """The servers comparison, the formats matrix and the remote hub, as `workloads` asks."""
+    if "servers" in workloads:
+        from .server_bench import run_servers_bench
+
+        say(f"[servers] llama-server, then rtserver serve ({', '.join(engine_dtypes)}), one at a time")
+        report["servers"] = run_servers_bench(engine_dtypes, threads, config)
+        save()
+    if "formats" in workloads:
+        from .formats_bench import run_formats_bench
+
+        def saved(formats_so_far: dict[str, Any]) -> None:
+            report["formats"] = formats_so_far
+            save()
+
+        say(f"[formats] the model files people run: llama-server, then rtserver serve {engine_dtypes[0]}")
+        report["formats"] = run_formats_bench(
+            formats, engine_dtypes[0], threads, config, reps=reps, on_row=saved
+        )
+        save()
+    if "remote" in workloads:
+        from .remote_bench import run_remote_bench
+
+        say("[remote] rtserver as a hub in front of llama-server")
+        report["remote"] = run_remote_bench(threads)
+        save()
+
+
+def _agreements(engine: dict[str, Any]) -> None:
+    """Each engine dtype's outputs and labels against float32's, where both ran."""
+    reference = engine.get("float32", {}).get("burst", {}).get("outputs")
+    for label, result in engine.items():
+        if reference and label != "float32" and "burst" in result:
+            result["agreement_with_float32"] = agreement(result["burst"]["outputs"], reference)
+    kv_agreement(engine)
+    labels = engine.get("float32", {}).get("sentiment", {}).get("labels")
+    for label, result in engine.items():
+        if labels and label != "float32" and "labels" in result.get("sentiment", {}):
+            result["sentiment"]["agreement_with_float32"] = accuracy(result["sentiment"]["labels"], labels)
 
 
 def run_bench(
@@ -782,7 +595,7 @@ def run_bench(
     threads: int = 0,
     formats: list[str] | None = None,
     reps: int = 1,
-) -> dict:
+) -> dict[str, Any]:
     """Engine workloads on the first engine dtype, the burst, single, arrival and sentiment ones on the
     others too (for speed and agreement with float32), each on a freshly loaded model; then the servers
     comparison (llama-server, then `rtserver serve` with each engine dtype); then the formats matrix
@@ -803,96 +616,21 @@ def run_bench(
     }
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"bench-{report['date'].replace(':', '')}.json"
-    engine_workloads = [w for w in workloads if w not in ("remote", "servers", "formats")]
-    for i, spec in enumerate(engine_dtypes if engine_workloads else []):
-        gc.collect()
-        return_freed_memory()  # what the previous dtype's run left in the heap must not count for this one
-        _reset_peak_rss()
-        dtype, _, kv_dtype = spec.partition(":kv=")
-        loaded = load(dtype)
-        report["model"] = loaded.name
-        label = dtype_label(loaded) + (f" kv={kv_dtype}" if kv_dtype else "")
-        mine = engine_workloads if i == 0 else [w for w in workloads if w in EVERY_DTYPE_WORKLOADS]
-        say(f"[engine {label}] in-process: {', '.join(mine)}")
-        run_options = dataclasses.replace(options, kv_dtype=kv_dtype) if kv_dtype else options
-        result = asyncio.run(run_engine_workloads(loaded, run_options, mine, f"engine {label}"))
-        result["peak_rss_mb"] = peak_rss_since_reset_mb()
-        del loaded
-        if i == 0 and "e2e" in workloads:
-            say(f"[rtserver {dtype}] e2e: 32 WebSocket sessions x 5 turns")
-            result["e2e"] = run_e2e(dtype, config)
-        report["engine"][label] = result
-        path.write_text(json.dumps(report, indent=2, default=str))
-    if "servers" in workloads:
-        from .server_bench import run_servers_bench
 
-        say(f"[servers] llama-server, then rtserver serve ({', '.join(engine_dtypes)}), one at a time")
-        report["servers"] = run_servers_bench(engine_dtypes, threads, config)
+    def save() -> None:
         path.write_text(json.dumps(report, indent=2, default=str))
-    if "formats" in workloads:
-        from .formats_bench import run_formats_bench
 
-        def saved(formats_so_far: dict) -> None:
-            report["formats"] = formats_so_far
-            path.write_text(json.dumps(report, indent=2, default=str))
-
-        say(f"[formats] the model files people run: llama-server, then rtserver serve {engine_dtypes[0]}")
-        report["formats"] = run_formats_bench(
-            formats, engine_dtypes[0], threads, config, reps=reps, on_row=saved
-        )
-        path.write_text(json.dumps(report, indent=2, default=str))
-    if "remote" in workloads:
-        from .remote_bench import run_remote_bench
-
-        say("[remote] rtserver as a hub in front of llama-server")
-        report["remote"] = run_remote_bench(threads)
-        path.write_text(json.dumps(report, indent=2, default=str))
-    if baselines and engine_workloads:
+    _run_engines(report, save, load, engine_dtypes, options, workloads, config)
+    _run_servers(report, save, engine_dtypes, workloads, threads, config, formats, reps)
+    if baselines and any(w not in SERVER_WORKLOADS for w in workloads):
         gc.collect()
         say(f"[transformers] baselines in {baseline_dtype}")
         loaded = load(baseline_dtype)
         report["baseline_dtype"] = dtype_label(loaded)
         report["baselines"] = run_baselines(loaded, workloads, naive_requests)
-    reference = report["engine"].get("float32", {}).get("burst", {}).get("outputs")
-    for label, result in report["engine"].items():
-        if reference and label != "float32" and "burst" in result:
-            result["agreement_with_float32"] = agreement(result["burst"]["outputs"], reference)
-    kv_agreement(report["engine"])
-    labels = report["engine"].get("float32", {}).get("sentiment", {}).get("labels")
-    for label, result in report["engine"].items():
-        if labels and label != "float32" and "labels" in result.get("sentiment", {}):
-            result["sentiment"]["agreement_with_float32"] = accuracy(result["sentiment"]["labels"], labels)
-    report["table"] = []
-    for label, result in report["engine"].items():
-        report["table"] += [
-            (f"[{label}] {name}", value, bar)
-            for name, value, bar in summarize(
-                {
-                    "engine": result,
-                    "baselines": report["baselines"],
-                    "baseline_dtype": report.get("baseline_dtype"),
-                }
-            )
-        ]
-    if "servers" in report:
-        from .server_bench import table_rows
-
-        report["table"] += table_rows(report["servers"])
-    if "formats" in report:
-        from .formats_bench import table_rows as formats_rows
-
-        report["table"] += formats_rows(report["formats"])
-    if "remote" in report:
-        report["table"] += remote_rows(report["remote"])
-    path.write_text(json.dumps(report, indent=2, default=str))
+    _agreements(report["engine"])
+    report["table"] = table(report)
+    save()
     chart = write_chart(report, path.with_suffix(".svg"))
-    width = max(len(r[0]) for r in report["table"])
-    print(
-        f"\nrtserver bench — {report['date']} commit {report['commit']} "
-        f"model {report.get('model', 'embedded')} on {report['cpu']}, threads {report['threads']}; "
-        f"baselines in {report.get('baseline_dtype', '-')}"
-    )
-    for name, value, bar in report["table"]:
-        print(f"  {name:<{width}}  {value:>24}  {bar}")
-    print(f"\nwritten to {path}" + (f" (chart: {chart})" if chart else ""))
+    print_table(report, path, chart)
     return report

@@ -10,7 +10,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from rtbench import chart, server_bench
-from rtbench.bench import exact_counts, rate, summarize
+from rtbench.bench import exact_counts
+from rtbench.bench_report import rate, summarize
 from rtbench.openai_client import (
     COMPLETIONS_PATH,
     StreamResult,

@@ -14,12 +14,14 @@ import shutil
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import websockets
 
 from .loadclient import run_chat_load
+from .loadtest_report import write_cluster_report
 from .serverproc import ONE_ADDRESS_LIMITS_OFF, RedisProcess, ServerProcess, raise_nofile_limit
 from .stats import median, percentile, rounded
 
@@ -195,50 +197,69 @@ async def phase_overhead(with_redis: ServerProcess, without: ServerProcess, roun
     }
 
 
-def checks(r: dict, overhead_bar_ms: float = 5.0) -> list[tuple[str, bool]]:
-    out: list[tuple[str, bool]] = []
-    L = r.get("load")
-    if L:
-        n = L["nodes"]
-        out += [
-            (f"{n}x{L['idle_per_node']} idle connections opened", L["idle_open_failed"] == 0),
-            (
-                "all idle connections alive after the chat load",
-                L["idle_alive_after_chat"] == n * L["idle_per_node"],
-            ),
-            (
-                "every chatting turn completed, 0 errors",
-                L["completed_turns"] == L["expected_turns"] and not L["errors"],
-            ),
-            (f"/health counts {n} nodes alive", L["health_nodes_alive"] == n),
-        ]
-    R = r.get("resume")
-    if R:
-        out.append(
-            (
-                "cross-node resume: every acknowledged turn present",
-                R["present_on_other_node"] == R["acknowledged_turns"] > 0,
-            )
+Node = Callable[[str, dict[str, str]], ServerProcess]  # a node's name and its settings -> its process
+
+
+def _finish(procs: list[tuple[str, ServerProcess]]) -> list[dict[str, Any]]:
+    """Each node stopped (if still running): its exit code and the errors it logged."""
+    out = []
+    for name, p in procs:
+        rc = (
+            p.stop()[0]
+            if p.proc is not None and p.proc.poll() is None
+            else (p.proc.returncode if p.proc else -1)
         )
-    over = r.get("overhead")
-    if over:
-        out.append(
-            (
-                f"Redis adds <= {overhead_bar_ms:g} ms to TTFT p50",
-                over["errors"] == 0
-                and over["ttft_p50_diff_ms"] is not None
-                and over["ttft_p50_diff_ms"] <= overhead_bar_ms,
-            )
-        )
-    for name in ("nodes", "overhead_nodes"):
-        for node in r.get(name, []):
-            out.append(
-                (
-                    f"{node['name']}: exit 0, no ERROR in its log",
-                    node["exit_code"] == 0 and not node["errors_logged"],
-                )
-            )
+        out.append({"name": name, "exit_code": rc, "errors_logged": p.log_errors()[:20] if p.proc else []})
     return out
+
+
+def _cluster_phases(
+    report: dict[str, Any], node: Node, redis_url: str, nodes: int, idle: int, chatting: int, resume: int
+) -> None:
+    """The load and cross-node resume phases on `nodes` nodes sharing one redis-server."""
+    cluster = [
+        (
+            f"node-{i}",
+            node(
+                f"node-{i}",
+                {"RTSERVER_CLUSTER_REDIS_URL": redis_url, "RTSERVER_CLUSTER_NODE_ID": f"node-{i}"},
+            ),
+        )
+        for i in range(nodes)
+    ]
+    try:
+        print(f"starting {nodes} nodes and redis-server ({report['workdir']})", flush=True)
+        for _, p in cluster:
+            p.start(600)
+        procs = [p for _, p in cluster]
+        print("load", flush=True)
+        report["load"] = asyncio.run(phase_load(procs, idle, chatting))
+        print(f"  {json.dumps(report['load'])}", flush=True)
+        print("cross-node resume", flush=True)
+        report["resume"] = asyncio.run(phase_resume(procs, resume))
+        print(f"  {json.dumps(report['resume'])}", flush=True)
+    finally:
+        report["nodes"] = _finish(cluster)
+
+
+def _overhead_phase(report: dict[str, Any], node: Node, redis_url: str, rounds: int) -> None:
+    """One turn at a time on two nodes, one with redis_url and one without."""
+    limits = {
+        "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "1000000",
+        "RTSERVER_SECURITY_IP_RATE_LIMIT_BURST": "1000000",
+    }
+    pair = [
+        ("overhead-redis", node("overhead-redis", {**limits, "RTSERVER_CLUSTER_REDIS_URL": redis_url})),
+        ("overhead-local", node("overhead-local", limits)),
+    ]
+    try:
+        print("cluster overhead (one turn at a time, with and without redis_url)", flush=True)
+        for _, p in pair:
+            p.start(600)
+        report["overhead"] = asyncio.run(phase_overhead(pair[0][1], pair[1][1], rounds))
+        print(f"  {json.dumps(report['overhead'])}", flush=True)
+    finally:
+        report["overhead_nodes"] = _finish(pair)
 
 
 def run_cluster_loadtest(
@@ -250,7 +271,7 @@ def run_cluster_loadtest(
     config: str | None = None,
     out_dir: str = "bench-results",
     dtype: str | None = None,
-) -> dict:
+) -> dict[str, Any]:
     raise_nofile_limit()
     if shutil.which("redis-server") is None:
         raise SystemExit(
@@ -277,67 +298,10 @@ def run_cluster_loadtest(
     def node(name: str, env: dict[str, str]) -> ServerProcess:
         return ServerProcess({**common, **env}, workdir / f"{name}.log", config)
 
-    def finish(procs: list[tuple[str, ServerProcess]]) -> list[dict]:
-        out = []
-        for name, p in procs:
-            rc = (
-                p.stop()[0]
-                if p.proc is not None and p.proc.poll() is None
-                else (p.proc.returncode if p.proc else -1)
-            )
-            out.append(
-                {"name": name, "exit_code": rc, "errors_logged": p.log_errors()[:20] if p.proc else []}
-            )
-        return out
-
     try:
-        cluster = [
-            (
-                f"node-{i}",
-                node(
-                    f"node-{i}",
-                    {"RTSERVER_CLUSTER_REDIS_URL": redis.url, "RTSERVER_CLUSTER_NODE_ID": f"node-{i}"},
-                ),
-            )
-            for i in range(nodes)
-        ]
-        try:
-            print(f"starting {nodes} nodes and redis-server ({workdir})", flush=True)
-            for _, p in cluster:
-                p.start(600)
-            procs = [p for _, p in cluster]
-            print("load", flush=True)
-            report["load"] = asyncio.run(phase_load(procs, idle, chatting))
-            print(f"  {json.dumps(report['load'])}", flush=True)
-            print("cross-node resume", flush=True)
-            report["resume"] = asyncio.run(phase_resume(procs, resume_sessions))
-            print(f"  {json.dumps(report['resume'])}", flush=True)
-        finally:
-            report["nodes"] = finish(cluster)
-        limits = {
-            "RTSERVER_SECURITY_IP_RATE_LIMIT_PER_S": "1000000",
-            "RTSERVER_SECURITY_IP_RATE_LIMIT_BURST": "1000000",
-        }
-        pair = [
-            ("overhead-redis", node("overhead-redis", {**limits, "RTSERVER_CLUSTER_REDIS_URL": redis.url})),
-            ("overhead-local", node("overhead-local", limits)),
-        ]
-        try:
-            print("cluster overhead (one turn at a time, with and without redis_url)", flush=True)
-            for _, p in pair:
-                p.start(600)
-            report["overhead"] = asyncio.run(phase_overhead(pair[0][1], pair[1][1], overhead_rounds))
-            print(f"  {json.dumps(report['overhead'])}", flush=True)
-        finally:
-            report["overhead_nodes"] = finish(pair)
+        _cluster_phases(report, node, redis.url, nodes, idle, chatting, resume_sessions)
+        _overhead_phase(report, node, redis.url, overhead_rounds)
     finally:
         redis.stop()
-    report["checks"] = [{"check": name, "passed": ok} for name, ok in checks(report)]
-    report["passed"] = all(c["passed"] for c in report["checks"])
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    path = Path(out_dir) / f"loadtest-cluster-{time.strftime('%Y-%m-%dT%H%M%S%z')}.json"
-    path.write_text(json.dumps(report, indent=2))
-    for c in report["checks"]:
-        print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['check']}")
-    print(f"\nJSON: {path}")
+    write_cluster_report(report, out_dir)
     return report

@@ -22,6 +22,35 @@ DEFAULT_PROMPTS = [
 ]
 
 
+async def _ready(ws: Any, timeout_s: float, record: dict[str, Any]) -> bool:
+    """Wait for `ready` after the hello; False (the error recorded) when the server refused."""
+    while True:
+        ev = json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
+        if ev["type"] == "ready":
+            return True
+        if ev["type"] == "error" and ev.get("code") != "session_expired":
+            record["errors"].append(ev["code"])
+            return False
+
+
+def _per_turn(turns_done: list[dict[str, Any]], turns: int) -> dict[int, dict[str, Any]]:
+    """Per turn number: how many completed, their first-token times and prompt tokens."""
+    per_turn: dict[int, dict[str, Any]] = {}
+    for turn in range(1, turns + 1):
+        rows = [t for t in turns_done if t["turn"] == turn]
+        ttfts = [t["client_ttft_ms"] for t in rows if t["client_ttft_ms"] is not None]
+        server = [t["server_ttft_ms"] for t in rows if t["server_ttft_ms"] is not None]
+        per_turn[turn] = {
+            "n": len(rows),
+            "ttft_p50_ms": percentile(ttfts, 0.5),
+            "ttft_p95_ms": percentile(ttfts, 0.95),
+            "server_ttft_p50_ms": percentile(server, 0.5),
+            "prompt_tokens_mean": mean(t["prompt"] for t in rows),
+            "cached_tokens_mean": mean(t["cached"] for t in rows),
+        }
+    return per_turn
+
+
 async def _session(
     url: str,
     index: int,
@@ -41,13 +70,8 @@ async def _session(
         if auth_token:
             hello["auth_token"] = auth_token
         await ws.send(json.dumps(hello))
-        while True:
-            ev = json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
-            if ev["type"] == "ready":
-                break
-            if ev["type"] == "error" and ev.get("code") != "session_expired":
-                record["errors"].append(ev["code"])
-                return
+        if not await _ready(ws, timeout_s, record):
+            return
         for turn in range(1, turns + 1):
             if turn > 1 and think_s > 0:
                 await asyncio.sleep(think_s)
@@ -140,19 +164,7 @@ async def run_chat_load(
         if isinstance(r, BaseException):
             record["errors"].append("connect" if isinstance(r, OSError) else type(r).__name__)
     tokens = sum(t["generated"] for t in record["turns"])
-    per_turn: dict[int, dict] = {}
-    for turn in range(1, turns + 1):
-        rows = [t for t in record["turns"] if t["turn"] == turn]
-        ttfts = [t["client_ttft_ms"] for t in rows if t["client_ttft_ms"] is not None]
-        server = [t["server_ttft_ms"] for t in rows if t["server_ttft_ms"] is not None]
-        per_turn[turn] = {
-            "n": len(rows),
-            "ttft_p50_ms": percentile(ttfts, 0.5),
-            "ttft_p95_ms": percentile(ttfts, 0.95),
-            "server_ttft_p50_ms": percentile(server, 0.5),
-            "prompt_tokens_mean": mean(t["prompt"] for t in rows),
-            "cached_tokens_mean": mean(t["cached"] for t in rows),
-        }
+    per_turn = _per_turn(record["turns"], turns)
     all_ttft = [t["client_ttft_ms"] for t in record["turns"] if t["client_ttft_ms"] is not None]
     if samples is not None:
         samples.extend(all_ttft)

@@ -242,3 +242,66 @@ def write_assist_report(report: Report, out_dir: str) -> Path:
     print(json.dumps(report, indent=2))
     print(f"written to {path}")
     return path
+
+
+# -- many nodes (clusterload.py) ---------------------------------------------------------------------
+
+
+def cluster_checks(r: Report, overhead_bar_ms: float = 5.0) -> list[Check]:
+    """`loadtest --nodes`: each bar of the phases that ran, and whether it held."""
+    out: list[tuple[str, bool]] = []
+    L = r.get("load")
+    if L:
+        n = L["nodes"]
+        out += [
+            (f"{n}x{L['idle_per_node']} idle connections opened", L["idle_open_failed"] == 0),
+            (
+                "all idle connections alive after the chat load",
+                L["idle_alive_after_chat"] == n * L["idle_per_node"],
+            ),
+            (
+                "every chatting turn completed, 0 errors",
+                L["completed_turns"] == L["expected_turns"] and not L["errors"],
+            ),
+            (f"/health counts {n} nodes alive", L["health_nodes_alive"] == n),
+        ]
+    R = r.get("resume")
+    if R:
+        out.append(
+            (
+                "cross-node resume: every acknowledged turn present",
+                R["present_on_other_node"] == R["acknowledged_turns"] > 0,
+            )
+        )
+    over = r.get("overhead")
+    if over:
+        out.append(
+            (
+                f"Redis adds <= {overhead_bar_ms:g} ms to TTFT p50",
+                over["errors"] == 0
+                and over["ttft_p50_diff_ms"] is not None
+                and over["ttft_p50_diff_ms"] <= overhead_bar_ms,
+            )
+        )
+    for name in ("nodes", "overhead_nodes"):
+        for node in r.get(name, []):
+            out.append(
+                (
+                    f"{node['name']}: exit 0, no ERROR in its log",
+                    node["exit_code"] == 0 and not node["errors_logged"],
+                )
+            )
+    return out
+
+
+def write_cluster_report(report: Report, out_dir: str) -> Path:
+    """`loadtest --nodes`: the checks' verdict into the report, the JSON file, then each check."""
+    report["checks"] = [{"check": name, "passed": ok} for name, ok in cluster_checks(report)]
+    report["passed"] = all(c["passed"] for c in report["checks"])
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(out_dir) / f"loadtest-cluster-{time.strftime('%Y-%m-%dT%H%M%S%z')}.json"
+    path.write_text(json.dumps(report, indent=2))
+    for c in report["checks"]:
+        print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['check']}")
+    print(f"\nJSON: {path}")
+    return path

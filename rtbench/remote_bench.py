@@ -14,6 +14,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -283,6 +284,48 @@ def run_remote_bench(threads: int, workdir: Path | None = None) -> dict:
     return {**ran[0], "placements": placements}
 
 
+def _warm(llama: LlamaServerProcess, plain: ServerProcess) -> None:
+    """llama-server's slots erased, then the warm-up chats through the hub without prefetch."""
+    asyncio.run(_erase_slots(llama.base))
+    asyncio.run(run_chat_load(plain.ws_url, MULTI_TURN[0], 1, 8, prompts=WARM_UP_CHAT))
+
+
+def _multi_turn_rep(
+    runs: dict[str, list[dict[str, Any]]],
+    kinds: tuple[str, ...],
+    llama: LlamaServerProcess,
+    hub: ServerProcess,
+    plain: ServerProcess,
+    chat: ChatTask,
+) -> None:
+    """One run of each multi-turn kind asked for, each from the same warmed cache."""
+    for key, url, think in (
+        ("turns", hub.ws_url, 0.0),
+        ("turns_no_prefetch", plain.ws_url, 0.0),
+        ("direct_turns", None, 0.0),
+        ("think_turns", hub.ws_url, THINK_S),
+        ("think_turns_no_prefetch", plain.ws_url, THINK_S),
+    ):
+        if key not in kinds:
+            continue
+        _warm(llama, plain)
+        if url is None:
+            runs[key].append(asyncio.run(direct_multi_turn(llama.base, chat, *MULTI_TURN)))
+        else:
+            runs[key].append(asyncio.run(run_chat_load(url, *MULTI_TURN, think_s=think)))
+
+
+def _burst_rep(
+    runs: dict[str, list[dict[str, Any]]], targets: dict[str, tuple[str, list[list[int]] | None]], rep: int
+) -> None:
+    """One burst against each target: llama-server direct (chat, token ids), then the hub."""
+    for key, (base, ids) in targets.items():
+        try:
+            runs[key].append(asyncio.run(burst(base, ids, warm=rep == 0)))
+        except aiohttp.ClientError as exc:
+            raise RuntimeError(f"burst {rep + 1} ({key}, {base}) failed: {exc!r}") from exc
+
+
 def run_placement(
     name: str,
     cpus: tuple[set[int] | None, set[int] | None, int, str],
@@ -314,12 +357,7 @@ def run_placement(
     plain = _hub(
         llama, workdir / "hub-no-prefetch.log", hub_cpus, {"RTSERVER_BACKEND_PREFETCH_NEXT_TURN": "0"}
     )
-    runs: dict[str, list[dict]] = {k: [] for k in ("chat", "ids", "hub", *kinds)}
-
-    def warm() -> None:
-        asyncio.run(_erase_slots(llama.base))
-        asyncio.run(run_chat_load(plain.ws_url, MULTI_TURN[0], 1, 8, prompts=WARM_UP_CHAT))
-
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("chat", "ids", "hub", *kinds)}
     try:
         if hub_cpus:
             os.sched_setaffinity(0, hub_cpus)  # the clients: this process
@@ -329,20 +367,7 @@ def run_placement(
         # system prompt, and no burst prompt shares the first turn's opening words
         for rep in range(reps):
             print(f"  [remote] multi-turn {rep + 1}/{reps}: {', '.join(kinds)}", flush=True)
-            for key, url, think in (
-                ("turns", hub.ws_url, 0.0),
-                ("turns_no_prefetch", plain.ws_url, 0.0),
-                ("direct_turns", None, 0.0),
-                ("think_turns", hub.ws_url, THINK_S),
-                ("think_turns_no_prefetch", plain.ws_url, THINK_S),
-            ):
-                if key not in kinds:
-                    continue
-                warm()
-                if url is None:
-                    runs[key].append(asyncio.run(direct_multi_turn(llama.base, chat, *MULTI_TURN)))
-                else:
-                    runs[key].append(asyncio.run(run_chat_load(url, *MULTI_TURN, think_s=think)))
+            _multi_turn_rep(runs, kinds, llama, hub, plain, chat)
         targets = {
             "chat": (llama.base, None),  # llama-server's /v1/chat/completions
             "ids": (llama.base, prompts),  # its /v1/completions with the hub's token ids
@@ -350,11 +375,7 @@ def run_placement(
         }
         for rep in range(reps):
             print(f"  [remote] burst {rep + 1}/{reps}: direct (chat, token ids), hub", flush=True)
-            for key, (base, ids) in targets.items():
-                try:
-                    runs[key].append(asyncio.run(burst(base, ids, warm=rep == 0)))
-                except aiohttp.ClientError as exc:
-                    raise RuntimeError(f"burst {rep + 1} ({key}, {base}) failed: {exc!r}") from exc
+            _burst_rep(runs, targets, rep)
         # how the hubs' requests left (the send gate's groups) and what became of their prefetches
         flow = {name: _flow(h) for name, h in (("hub", hub), ("hub_no_prefetch", plain))}
     finally:
@@ -363,6 +384,20 @@ def run_placement(
         llama.stop()
         if own_cpus:
             os.sched_setaffinity(0, own_cpus)
+    placed = {
+        "placement": name,
+        "placement_description": described,
+        "llama_server": {"binary": str(binary), "args": llama.cmd[1:], "cpus": sorted(llama_cpus or [])},
+        "hub_and_client_cpus": sorted(hub_cpus or []),
+        "reps": reps,
+    }
+    return {**placed, **_figures(runs, kinds, flow)}
+
+
+def _figures(
+    runs: dict[str, list[dict[str, Any]]], kinds: tuple[str, ...], flow: dict[str, Any]
+) -> dict[str, Any]:
+    """A placement's figures: the median runs, their ratios and the hub's added first-token time."""
     direct_chat, direct_ids = (
         _median_run(runs["chat"], "ttft_p50_ms"),
         _median_run(runs["ids"], "ttft_p50_ms"),
@@ -380,11 +415,6 @@ def run_placement(
             run["turn5_ratio"] = _turn_ratio(run)
         multi[key] = _median_run(runs[key], "turn5_ratio")
     return {
-        "placement": name,
-        "placement_description": described,
-        "llama_server": {"binary": str(binary), "args": llama.cmd[1:], "cpus": sorted(llama_cpus or [])},
-        "hub_and_client_cpus": sorted(hub_cpus or []),
-        "reps": reps,
         "burst_direct_chat": direct_chat,
         "burst_direct_token_ids": direct_ids,
         "burst_direct": direct,

@@ -104,7 +104,7 @@ class Agent:
                 self.errors.append(ev["code"])
 
 
-async def customers(server: ServerProcess, chatting: int, samples: list[float]) -> dict:
+async def customers(server: ServerProcess, chatting: int, samples: list[float]) -> dict[str, Any]:
     """The customers' chat load; every turn's first-token time goes into `samples`."""
     return await run_chat_load(
         server.ws_url, chatting, turns=TURNS, max_new_tokens=MAX_NEW_TOKENS, think_s=THINK_S, samples=samples
@@ -113,7 +113,7 @@ async def customers(server: ServerProcess, chatting: int, samples: list[float]) 
 
 async def _with_agents(
     server: ServerProcess, token: str, chatting: int, agents: int, every_s: float, samples: list[float]
-) -> tuple[dict, list[dict], list[str]]:
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
     """The chat load beside the agents: (its summary, the agents' answers, their error codes)."""
     console = server.ws_url + "/console"
     crew = [Agent(console, token, f"agent{i}", every_s) for i in range(agents)]
@@ -127,7 +127,7 @@ async def _with_agents(
     return chat, [r for a in crew for r in a.results], [e for a in crew for e in a.errors]
 
 
-def draft_figures(results: list[dict], errors: list[str]) -> dict:
+def draft_figures(results: list[dict[str, Any]], errors: list[str]) -> dict[str, Any]:
     """The drafts' figures: first token in the engine and at the agent, queueing, round trip."""
     ttfts = [r["ttft_ms"] for r in results if r["ttft_ms"] is not None]
     at_agent = [1000 * r["first_delta_s"] for r in results if r["first_delta_s"] is not None]
@@ -176,7 +176,7 @@ def run_assist_loadtest(
     config: str | None = None,
     dtype: str | None = None,
     rounds: int = ROUNDS,
-) -> dict:
+) -> dict[str, Any]:
     raise_nofile_limit()
     workdir = Path(tempfile.mkdtemp(prefix="rtserver-assistload-"))
     token = secrets.token_urlsafe(16)
@@ -188,12 +188,12 @@ def run_assist_loadtest(
     if dtype:
         env["RTSERVER_MODEL_DTYPE"] = dtype
     pooled: dict[str, list[float]] = {"alone": [], "beside": []}
-    results: list[dict] = []
+    results: list[dict[str, Any]] = []
     errors: list[str] = []
-    per_round: list[dict] = []
+    per_round: list[dict[str, Any]] = []
     ready: list[float] = []
     for r in range(rounds):
-        row: dict = {}
+        row: dict[str, Any] = {}
         for phase in ("alone", "beside"):
             server = ServerProcess(env, workdir / f"{phase}-{r + 1}.log", config)
             print(f"round {r + 1}, {phase}: server starting ({server.log_path})", flush=True)

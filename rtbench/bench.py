@@ -34,7 +34,7 @@ from rtserver.tasks.chat import encode_chat, finished_turn
 from .bench_report import print_table, table
 from .chart import write_chart
 from .openai_client import completion_prompt
-from .stats import accuracy, mean, per_second, percentile
+from .stats import accuracy, known, mean, per_second, percentile
 
 log = logging.getLogger("rtserver.bench")
 
@@ -57,11 +57,14 @@ def peak_rss_mb() -> float:
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
     """The chat prompt of one user message; a base model without a chat template gets the completion
     prompt the servers bench sends it."""
+    ids: list[int]
     if not getattr(tokenizer, "chat_template", None):
-        return tokenizer(completion_prompt(text)).input_ids
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+        ids = tokenizer(completion_prompt(text)).input_ids
+    else:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    return ids
 
 
 def header_tokens(tokenizer: Any) -> int:
@@ -77,7 +80,7 @@ class LoopLag:
 
     def __init__(self) -> None:
         self.samples: list[float] = []
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
 
     async def _probe(self) -> None:
         while True:
@@ -90,9 +93,10 @@ class LoopLag:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._task.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "loop_lag_p95_ms": percentile(self.samples, 0.95),
             "loop_lag_max_ms": max(self.samples, default=None),
@@ -104,7 +108,7 @@ class LoopLag:
 
 async def engine_burst(
     engine: Engine, prompts: list[list[int]], new_tokens: int, public_tokens: int = 0
-) -> dict:
+) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     started = time.perf_counter()
     with LoopLag() as lag:
@@ -112,7 +116,7 @@ async def engine_burst(
         results = [await s.result() for s in streams]
     wall = time.perf_counter() - started
     generated = sum(r.usage.generated_tokens for r in results)
-    ttfts = [r.ttft_ms for r in results]
+    ttfts = [known(r.ttft_ms) for r in results]
     return {
         "requests": len(prompts),
         "generated_tokens": generated,
@@ -131,7 +135,7 @@ def exact_counts(counts: list[int], asked: int) -> bool:
     return bool(counts) and all(c == asked for c in counts)
 
 
-def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:
     """How far greedy outputs match the float32 ones: identical outputs, and tokens before divergence."""
     same_prefix = []
     for out, ref in zip(outputs, reference):
@@ -145,7 +149,7 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
     }
 
 
-def kv_agreement(engine: dict[str, dict]) -> None:
+def kv_agreement(engine: dict[str, dict[str, Any]]) -> None:
     """Each run beside the same weights' run with float32 KV (label "<dtype> kv=float32"): greedy
     burst outputs and sentiment labels equal to that run's."""
     for label, result in engine.items():
@@ -164,18 +168,18 @@ def kv_agreement(engine: dict[str, dict]) -> None:
 
 async def engine_arrival(
     engine: Engine, background: list[list[int]], arrival: list[int], count: int, public_tokens: int = 0
-) -> dict:
+) -> dict[str, Any]:
     """TTFT of new requests submitted one at a time while the background streams decode."""
     long_params = SamplingParams(max_new_tokens=512, ignore_eos=True)  # outlasts the arrivals
     streams = [engine.generate(p, long_params, public_tokens=public_tokens) for p in background]
     async for _ in streams[0]:  # wait until every background stream decodes
         if all(s.seq.first_token_at is not None for s in streams):
             break
-    ttfts = []
+    ttfts: list[float] = []
     for _ in range(count):
         params = SamplingParams(max_new_tokens=2, ignore_eos=True)
         r = await engine.generate(arrival, params, public_tokens=public_tokens).result()
-        ttfts.append(r.ttft_ms)
+        ttfts.append(known(r.ttft_ms))
     for s in streams:
         s.cancel()
     for s in streams:
@@ -197,14 +201,14 @@ async def engine_multi_turn(
     new_tokens: int,
     messages: list[str] = MULTI_TURN_MESSAGES,
     ignore_eos: bool = True,
-) -> dict:
+) -> dict[str, Any]:
     ttft_by_turn: dict[int, list[float]] = {t: [] for t in range(1, turns + 1)}
     prefilled_by_turn: dict[int, list[int]] = {t: [] for t in range(1, turns + 1)}
     generated = 0
 
     async def one(s: int) -> None:
         nonlocal generated
-        history: list[dict] = []
+        history: list[dict[str, Any]] = []
         last = None
         for t in range(turns):
             text = messages[t % len(messages)]
@@ -218,7 +222,7 @@ async def engine_multi_turn(
             ).result()
             history.append({"role": "assistant", "content": r.text})
             last = finished_turn(tokenizer, chat.rendered, chat.ids, r.text, r.token_ids)
-            ttft_by_turn[t + 1].append(r.ttft_ms)
+            ttft_by_turn[t + 1].append(known(r.ttft_ms))
             prefilled_by_turn[t + 1].append(r.usage.prefilled_tokens)
             generated += r.usage.generated_tokens
 
@@ -240,7 +244,7 @@ async def engine_multi_turn(
 # -- baselines --------------------------------------------------------------------------------
 
 
-def hf_naive(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
+def hf_naive(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     started = time.perf_counter()
     counts = []
     for p in prompts:
@@ -265,7 +269,7 @@ def hf_naive(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
 
 def hf_static_batches(
     model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int, batch: int = 4
-) -> dict:
+) -> dict[str, Any]:
     pad = model.generation_config.pad_token_id or tokenizer.eos_token_id
     started = time.perf_counter()
     counts: list[int] = []
@@ -293,7 +297,7 @@ def hf_static_batches(
     }
 
 
-def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> dict:
+def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     """transformers' continuous batching at its best settings here: SDPA attention, no EOS (its
     `min_new_tokens` is not honoured there: with EOS on, replies end early and its batches shrink), and
     its manager warmed by one untimed run of the same batch."""
@@ -356,7 +360,7 @@ def say(line: str) -> None:
 
 async def run_engine_workloads(
     loaded: LoadedModel, options: EngineSettings, workloads: list[str], label: str = "engine"
-) -> dict:
+) -> dict[str, Any]:
     tok = loaded.tokenizer
     engine = Engine(loaded, options, release_dense_weights=True)  # as `rtserver serve` runs it
     engine.start()
@@ -402,8 +406,9 @@ async def run_engine_workloads(
     return results
 
 
-def run_baselines(loaded: LoadedModel, workloads: list[str], naive_requests: int) -> dict:
-    model, tok = loaded.model, loaded.tokenizer
+def run_baselines(loaded: LoadedModel, workloads: list[str], naive_requests: int) -> dict[str, Any]:
+    model: Any = loaded.model  # as the hf_* baselines take it: transformers' generate is untyped
+    tok = loaded.tokenizer
     burst = [chat_ids(tok, t) for t in BURST_TEXTS]
     single = chat_ids(tok, SINGLE_TEXT)
     model.generate(
@@ -431,7 +436,9 @@ def run_baselines(loaded: LoadedModel, workloads: list[str], naive_requests: int
     return out
 
 
-def run_e2e(dtype: str, config: str | None, sessions: int = 32, turns: int = 5, new_tokens: int = 64) -> dict:
+def run_e2e(
+    dtype: str, config: str | None, sessions: int = 32, turns: int = 5, new_tokens: int = 64
+) -> dict[str, Any]:
     """`rtserver serve` in a subprocess on 127.0.0.1, driven over WebSocket by the load client."""
     import tempfile
 

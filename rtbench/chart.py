@@ -51,13 +51,13 @@ COLOURS = {
 Row = tuple[str, str, str, float]  # (system, family for the colour, panel title, value in the shown unit)
 
 
-def chart_rows(report: dict) -> list[Row]:
+def chart_rows(report: dict[str, Any]) -> list[Row]:
     """Every figure of the report that has a panel: the servers comparison (llama-server and each
     rtserver dtype), the in-process engine per dtype, the transformers baselines, and the formats
     matrix (a server that refused a file has no bar there)."""
     rows: list[Row] = []
 
-    def add(system: str, family: str, results: dict, panels: list = PANELS) -> None:
+    def add(system: str, family: str, results: dict[str, Any], panels: list[Any] = PANELS) -> None:
         for title, workload, key, scale, _, _ in panels:
             value = (results.get(workload) or {}).get(key) if workload else results.get(key)
             if isinstance(value, int | float):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import websockets
+from websockets.asyncio.client import ClientConnection
 
 from .loadclient import run_chat_load
 from .loadtest_report import write_cluster_report
@@ -26,15 +27,16 @@ from .serverproc import ONE_ADDRESS_LIMITS_OFF, RedisProcess, ServerProcess, rai
 from .stats import median, percentile, rounded
 
 
-async def _connect(url: str):
+async def _connect(url: str) -> ClientConnection:
     return await websockets.connect(url, open_timeout=120, max_size=None)
 
 
-async def _recv(ws, timeout_s: float = 300.0) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
+async def _recv(ws: ClientConnection, timeout_s: float = 300.0) -> dict[str, Any]:
+    event: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
+    return event
 
 
-async def _hello(ws, **fields: Any) -> dict:
+async def _hello(ws: ClientConnection, **fields: Any) -> dict[str, Any]:
     await ws.send(json.dumps({"type": "hello", "client": "loadtest", **fields}))
     while True:
         ev = await _recv(ws)
@@ -42,7 +44,9 @@ async def _hello(ws, **fields: Any) -> dict:
             return ev
 
 
-async def _turn(ws, rid: str, text: str, max_new_tokens: int) -> tuple[dict, float | None]:
+async def _turn(
+    ws: ClientConnection, rid: str, text: str, max_new_tokens: int
+) -> tuple[dict[str, Any], float | None]:
     sent = time.perf_counter()
     options = {"max_new_tokens": max_new_tokens, "temperature": 0}
     await ws.send(json.dumps({"type": "chat", "id": rid, "text": text, "options": options}))
@@ -57,12 +61,13 @@ async def _turn(ws, rid: str, text: str, max_new_tokens: int) -> tuple[dict, flo
             return ev, first
 
 
-def _health(node: ServerProcess) -> dict:
+def _health(node: ServerProcess) -> dict[str, Any]:
     with urllib.request.urlopen(node.base + "/health", timeout=30) as resp:
-        return json.loads(resp.read())
+        health: dict[str, Any] = json.loads(resp.read())
+        return health
 
 
-async def phase_load(nodes: list[ServerProcess], idle: int, chatting: int) -> dict:
+async def phase_load(nodes: list[ServerProcess], idle: int, chatting: int) -> dict[str, Any]:
     conns: list[Any] = []
     failed = 0
 
@@ -89,7 +94,7 @@ async def phase_load(nodes: list[ServerProcess], idle: int, chatting: int) -> di
         *[run_chat_load(n.ws_url, chatting, turns=2, max_new_tokens=24, timeout_s=900) for n in nodes]
     )
 
-    async def still_open(ws) -> bool:
+    async def still_open(ws: ClientConnection) -> bool:
         try:
             await ws.send(json.dumps({"type": "ping", "data": 1}))
             while (await _recv(ws, 120))["type"] != "pong":
@@ -124,7 +129,7 @@ async def phase_load(nodes: list[ServerProcess], idle: int, chatting: int) -> di
     }
 
 
-async def phase_resume(nodes: list[ServerProcess], sessions: int) -> dict:
+async def phase_resume(nodes: list[ServerProcess], sessions: int) -> dict[str, Any]:
     """Sessions chat on node i, resume on node i+1: every acknowledged turn must be there."""
 
     async def one(i: int) -> tuple[int, int]:
@@ -151,7 +156,7 @@ async def phase_resume(nodes: list[ServerProcess], sessions: int) -> dict:
     }
 
 
-async def phase_overhead(with_redis: ServerProcess, without: ServerProcess, rounds: int) -> dict:
+async def phase_overhead(with_redis: ServerProcess, without: ServerProcess, rounds: int) -> dict[str, Any]:
     """The cost of a turn's Redis work: one session on each node, one turn at a time, alternating
     nodes (the order flips each round, so drift cancels out), a pause after each turn as a person
     would take (the previous turn's background writes — console record, events — are done by then);

@@ -31,7 +31,7 @@ LANGS = ("en", "zh")
 CONCURRENCY = 128  # texts in flight at once (below the engine's waiting-queue bound)
 
 
-def load_split(lang: str, split: str, data_dir: Path = DATA_DIR) -> list[dict]:
+def load_split(lang: str, split: str, data_dir: Path = DATA_DIR) -> list[dict[str, Any]]:
     path = data_dir / f"{lang}_{split}.jsonl"
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
@@ -111,7 +111,7 @@ def previous_intent() -> Task:
     )
 
 
-def _registry_task(settings: Settings, tokenizer: Any, name: str, overrides: dict) -> PromptTask:
+def _registry_task(settings: Settings, tokenizer: Any, name: str, overrides: dict[str, Any]) -> PromptTask:
     table = {**settings.task.get(name, {}), **overrides, "cache_size": 0}
     s = dataclasses.replace(
         settings,
@@ -131,7 +131,7 @@ class Config:
     task: str  # which labeled data: data/<task>/
     method: str
     prompt_task: PromptTask
-    back: dict  # shown label -> gold label
+    back: dict[str, Any]  # shown label -> gold label
 
 
 def configurations(settings: Settings, tokenizer: Any, tasks: tuple[str, ...] = TASKS) -> list[Config]:
@@ -185,12 +185,14 @@ def configurations(settings: Settings, tokenizer: Any, tasks: tuple[str, ...] = 
     return out
 
 
-async def _run_one(engine: Any, task: Any, examples: list[dict], back: dict) -> dict:
+async def _run_one(
+    engine: Any, task: Any, examples: list[dict[str, Any]], back: dict[str, Any]
+) -> dict[str, Any]:
     sem = asyncio.Semaphore(CONCURRENCY)
     choices = task.task.choices
     labels = set(choices.labels) if choices is not None else None
 
-    async def one(ex: dict) -> tuple[bool, str | None]:
+    async def one(ex: dict[str, Any]) -> tuple[bool, str | None]:
         """(valid, the gold label it stands for: None when invalid or not one of the gold labels)."""
         async with sem:
             out = await task.run(engine, {"text": ex["text"]})
@@ -220,7 +222,7 @@ async def evaluate(
     tasks: tuple[str, ...] = TASKS,
     configs: list[Config] | None = None,
     limit: int | None = None,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     data = {
         (task, lang): load_split(lang, split, DATA_DIRS[task])[:limit] for task in tasks for lang in LANGS
     }
@@ -257,8 +259,8 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def format_table(rows: list[dict]) -> str:
-    by: dict[tuple[str, str], dict] = {}
+def format_table(rows: list[dict[str, Any]]) -> str:
+    by: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
         by.setdefault((r.get("task", "sentiment"), r["config"]), {})[r["lang"]] = r
     head = (
@@ -269,10 +271,14 @@ def format_table(rows: list[dict]) -> str:
     for (task, name), langs in by.items():
         cells = []
         for lang in LANGS:
-            r = langs.get(lang)
+            got = langs.get(lang)
             cells += (
-                [_fmt(r["accuracy"], ".3f"), _fmt(r["invalid_rate"], ".1%"), _fmt(r["examples_per_s"], ".1f")]
-                if r
+                [
+                    _fmt(got["accuracy"], ".3f"),
+                    _fmt(got["invalid_rate"], ".1%"),
+                    _fmt(got["examples_per_s"], ".1f"),
+                ]
+                if got
                 else ["-", "-", "-"]
             )
         lines.append(f"| {task} | {name} | " + " | ".join(cells) + " |")
@@ -281,7 +287,7 @@ def format_table(rows: list[dict]) -> str:
 
 def run_eval(
     loaded: Any, settings: Settings, split: str, out_dir: str | Path, tasks: tuple[str, ...] = TASKS
-) -> dict:
+) -> dict[str, Any]:
     counts = {f"{t}/{lang}": len(load_split(lang, split, DATA_DIRS[t])) for t in tasks for lang in LANGS}
     print(
         f"eval on the {split} split ({', '.join(f'{k}: {v}' for k, v in counts.items())} texts), "

@@ -98,11 +98,13 @@ def pick(rows: list[FormatRow], names: list[str] | None) -> list[FormatRow]:
 # -- the bars (pure) ----------------------------------------------------------------------------
 
 
-def figure(system: dict, workload: str, key: str) -> Any:
+def figure(system: dict[str, Any], workload: str, key: str) -> Any:
     return (system.get(workload) or {}).get(key)
 
 
-def single_bar(ours: dict, theirs: dict, floor_tokens_per_s: float | None) -> dict:
+def single_bar(
+    ours: dict[str, Any], theirs: dict[str, Any], floor_tokens_per_s: float | None
+) -> dict[str, Any]:
     """The single-stream bar: rtserver's lower of `single-first` and `single` (after the burst) against
     llama-server's better of the two, at least SINGLE_SPEEDUP times it, or FLOOR_SHARE of the
     bandwidth floor where that asks less. `held` is None where a figure is missing."""
@@ -135,13 +137,13 @@ def single_bar(ours: dict, theirs: dict, floor_tokens_per_s: float | None) -> di
     }
 
 
-def local_backend(ours: dict) -> dict:
+def local_backend(ours: dict[str, Any]) -> dict[str, Any]:
     """rtserver's in-process engine as its /health describes it (empty when it has none)."""
     backends = ((ours.get("health") or {}).get("backends") or {}).values()
     return next((b for b in backends if b.get("kind") == "local"), {})
 
 
-def kv_in_use(ours: dict) -> tuple[float | None, str | None]:
+def kv_in_use(ours: dict[str, Any]) -> tuple[float | None, str | None]:
     """rtserver's KV in use for the RSS bar, and where it was read: its /metrics, else its budget."""
     if ours.get("kv_used_peak_mb") is not None:
         return ours["kv_used_peak_mb"], KV_FROM_METRICS
@@ -153,7 +155,7 @@ def at_most(value: float | None, limit: float | None) -> bool | None:
     return None if value is None or limit is None else value <= limit
 
 
-def pair_figures(systems: dict, file_mb: float, floor_tokens_per_s: float | None) -> dict:
+def pair_figures(systems: dict[str, Any], file_mb: float, floor_tokens_per_s: float | None) -> dict[str, Any]:
     """One run of both servers on a row: the ratios, the single-stream bar's figures, each server's
     refused or failed requests, the RSS bar and which bars hold (`met`: all of them)."""
     ours, theirs = systems.get("rtserver", {}), systems.get("llama-server", {})
@@ -194,7 +196,7 @@ def pair_figures(systems: dict, file_mb: float, floor_tokens_per_s: float | None
     }
 
 
-def row_bars(pairs: list[dict]) -> dict[str, Any]:
+def row_bars(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     """A row's bars over every pair: False where any pair misses one, None where a pair lacks its
     figure (and none misses it), True where every pair holds it."""
     out: dict[str, bool | None] = {}
@@ -206,10 +208,10 @@ def row_bars(pairs: list[dict]) -> dict[str, Any]:
 
 # -- one row (pure but for the runners) ---------------------------------------------------------
 
-Runner = Callable[[FormatRow, Path, Path], dict]  # (row, file, log folder) -> figures
+Runner = Callable[[FormatRow, Path, Path], dict[str, Any]]  # (row, file, log folder) -> figures
 
 
-def floor_figures(path: Path, read_gb_per_s: float | None) -> dict:
+def floor_figures(path: Path, read_gb_per_s: float | None) -> dict[str, Any]:
     """The bytes of the file's tensors one token multiplies with, and the single stream's floor: the
     tokens/s at which reading them once a token takes all of the measured read bandwidth."""
     from rtserver.engine.core import file_matmul_bytes
@@ -226,7 +228,7 @@ def run_row(
     workdir: Path,
     reps: int = 1,
     read_gb_per_s: float | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """The row's file made, its floor, then `reps` pairs of runs, the servers alternating (A B A B),
     a failure of either being its error in that pair."""
     out: dict[str, Any] = {"model": row.name, "prompts": "completion" if row.completion else "chat"}
@@ -245,7 +247,7 @@ def run_row(
     for rep in range(reps):
         folder = workdir / row.name / (f"pair{rep + 1}" if reps > 1 else "")
         folder.mkdir(parents=True, exist_ok=True)
-        systems: dict[str, dict] = {}
+        systems: dict[str, dict[str, Any]] = {}
         for name, runner in runners.items():
             try:
                 systems[name] = runner(row, path, folder)
@@ -267,10 +269,10 @@ def server_runners(
 ) -> dict[str, Runner]:
     """llama-server and `rtserver serve` (its default config) on a row's file and prompts."""
 
-    def llama(row: FormatRow, path: Path, folder: Path) -> dict:
+    def llama(row: FormatRow, path: Path, folder: Path) -> dict[str, Any]:
         return run_llama_server(binary, path, threads, ROW_WORKLOADS, folder, arrivals, row.prompts())
 
-    def rtserver(row: FormatRow, path: Path, folder: Path) -> dict:
+    def rtserver(row: FormatRow, path: Path, folder: Path) -> dict[str, Any]:
         spec = row.spec or str(path)
         # a new model's first start builds its kernels before /ready; the KV budget and every door's
         # share of it are the configured ones
@@ -299,9 +301,9 @@ def run_formats_bench(
     reps: int = 1,
     llama_binary: Path | None = None,
     workdir: Path | None = None,
-    on_row: Callable[[dict], None] = lambda report: None,
-    bandwidth: Callable[[int], dict] = read_bandwidth.measure,
-) -> dict:
+    on_row: Callable[[dict[str, Any]], None] = lambda report: None,
+    bandwidth: Callable[[int], dict[str, Any]] = read_bandwidth.measure,
+) -> dict[str, Any]:
     """The read bandwidth, then every picked row, one after another; `on_row` gets the report so far
     after each (the bench rewrites its JSON there)."""
     from .llama_build import build
@@ -341,7 +343,7 @@ SYSTEM_FIGURES = (
 )
 
 
-def system_cell(s: dict, refused: int | None) -> str:
+def system_cell(s: dict[str, Any], refused: int | None) -> str:
     """A server's figures on one run, or its error."""
     if "error" in s:
         return f"error: {s['error']}"
@@ -370,7 +372,7 @@ def bars_cell(bars: dict[str, Any]) -> str:
     )
 
 
-def pair_rows(name: str, p: dict, file_mb: float) -> list[tuple[str, str, str]]:
+def pair_rows(name: str, p: dict[str, Any], file_mb: float) -> list[tuple[str, str, str]]:
     """(figure, value, bar) rows of one run of both servers."""
     rows = [
         (
@@ -412,7 +414,7 @@ def pair_rows(name: str, p: dict, file_mb: float) -> list[tuple[str, str, str]]:
     return rows
 
 
-def table_rows(formats: dict) -> list[tuple[str, str, str]]:
+def table_rows(formats: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(figure, value, bar) rows: per model file its size and floor, each pair's figures, ratios and
     RSS bar, and which bars hold over every pair."""
     rows: list[tuple[str, str, str]] = []

@@ -49,7 +49,7 @@ def smollm2_tokenizer(cache: Path) -> Path:
 def token_count(tokenizer: Path) -> int:
     """How many ids the saved tokenizer has (its vocabulary and added tokens)."""
     data = json.loads((tokenizer / "tokenizer.json").read_text())
-    ids = [*data["model"]["vocab"].values(), *(t["id"] for t in data["added_tokens"])]
+    ids: list[int] = [*data["model"]["vocab"].values(), *(t["id"] for t in data["added_tokens"])]
     return max(ids) + 1
 
 

@@ -103,7 +103,8 @@ def _sdist_url() -> str:
     """The sdist's URL from the index's PEP 503 page (the index the machine is allowed to reach)."""
     with urllib.request.urlopen(INDEX, timeout=60) as resp:
         page = resp.read().decode()
-    for href in re.findall(r'href="([^"]+)"', page):
+    hrefs: list[str] = re.findall(r'href="([^"]+)"', page)
+    for href in hrefs:
         if href.split("#")[0].endswith("/" + SDIST):
             return urllib.parse.urljoin(INDEX, href.split("#")[0])
     raise SystemExit(f"build_llama_server: {SDIST} is not listed on {INDEX}")

@@ -57,9 +57,9 @@ async def _session(
     turns: int,
     max_new_tokens: int,
     prompts: list[str],
-    options: dict,
+    options: dict[str, Any],
     timeout_s: float,
-    record: dict,
+    record: dict[str, Any],
     auth_token: str | None,
     think_s: float,
 ) -> None:
@@ -122,12 +122,12 @@ async def run_chat_load(
     max_new_tokens: int = 32,
     *,
     prompts: list[str] | None = None,
-    options: dict | None = None,
+    options: dict[str, Any] | None = None,
     timeout_s: float = 600.0,
     auth_token: str | None = None,
     think_s: float = 0.0,
     samples: list[float] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Run the load and return the summary dict (`samples`, where given, gets every turn's TTFT):
 
     {"sessions", "turns", "max_new_tokens", "wall_s", "tokens", "tokens_per_s", "completed_turns",
@@ -138,7 +138,7 @@ async def run_chat_load(
     `url` is the WebSocket URL (ws://host:port/ws). `options` are extra decoding options sent with each
     chat (default greedy, so runs are comparable). Connection failures count as errors ("connect").
     """
-    record: dict = {"turns": [], "errors": []}
+    record: dict[str, Any] = {"turns": [], "errors": []}
     opts = {"temperature": 0} if options is None else dict(options)
     started = time.perf_counter()
     results = await asyncio.gather(

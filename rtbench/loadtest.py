@@ -17,10 +17,12 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import websockets
+from websockets.asyncio.client import ClientConnection
 
 from .loadclient import run_chat_load
 from .loadtest_report import write_report
@@ -37,15 +39,16 @@ LONG_PROMPT = "Count from 1 to 500, separated by commas, and say nothing else."
 # -- client helpers ------------------------------------------------------------------------------------
 
 
-async def _connect(url: str, **kwargs: Any):
+async def _connect(url: str, **kwargs: Any) -> ClientConnection:
     return await websockets.connect(url, open_timeout=60, max_size=None, **kwargs)
 
 
-async def _recv(ws, timeout_s: float = 120.0) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
+async def _recv(ws: ClientConnection, timeout_s: float = 120.0) -> dict[str, Any]:
+    event: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
+    return event
 
 
-async def _hello(ws) -> dict:
+async def _hello(ws: ClientConnection) -> dict[str, Any]:
     await ws.send(json.dumps({"type": "hello", "client": "loadtest"}))
     while True:
         ev = await _recv(ws)
@@ -53,7 +56,7 @@ async def _hello(ws) -> dict:
             return ev
 
 
-async def _chat(url: str, text: str, max_new_tokens: int, timeout_s: float = 300.0) -> dict:
+async def _chat(url: str, text: str, max_new_tokens: int, timeout_s: float = 300.0) -> dict[str, Any]:
     """One chat on a new connection: outcome (done | error code), TTFT and total seconds."""
     async with await _connect(url) as ws:
         await _hello(ws)
@@ -93,12 +96,12 @@ def _auto_tasks(server: ServerProcess) -> list[str]:
         return list(json.loads(resp.read())["auto_tasks"])
 
 
-async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict:
+async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict[str, Any]:
     rss_before = server.rss_mb()
     idle_conns = []
     failed = 0
 
-    async def open_one():
+    async def open_one() -> None:
         nonlocal failed
         try:
             ws = await _connect(server.ws_url)
@@ -121,7 +124,7 @@ async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict:
     chat = await run_chat_load(server.ws_url, chatting, turns=2, max_new_tokens=24, timeout_s=600)
     rss_after_chat = server.rss_mb()
 
-    async def still_open(ws) -> bool:
+    async def still_open(ws: ClientConnection) -> bool:
         try:
             await ws.send(json.dumps({"type": "ping", "data": 1}))
             while (await _recv(ws, 60))["type"] != "pong":
@@ -158,7 +161,7 @@ async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict:
     }
 
 
-async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict:
+async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict[str, Any]:
     base = await run_chat_load(server.ws_url, others, turns=1, max_new_tokens=48)
     slow_closes_before = server.metrics().get("rtserver_slow_client_closes_total", 0.0)
     rss_before = server.rss_mb()
@@ -224,7 +227,7 @@ async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict:
     }
 
 
-async def _wait_settled(server: ServerProcess, kv_baseline: float, timeout_s: float) -> dict:
+async def _wait_settled(server: ServerProcess, kv_baseline: float, timeout_s: float) -> dict[str, Any]:
     """Poll /metrics until nothing runs or waits and the KV held by sessions is back to `kv_baseline`."""
     started = time.perf_counter()
     running_zero_s = None
@@ -250,7 +253,7 @@ def _session_kv(m: dict[str, float]) -> float:
     return m.get("rtserver_kv_used_bytes", 0) - m.get("rtserver_kv_prefix_cache_bytes", 0)
 
 
-async def phase_disconnects(server: ServerProcess, count: int) -> dict:
+async def phase_disconnects(server: ServerProcess, count: int) -> dict[str, Any]:
     started = time.perf_counter()
     while True:  # earlier phases' sessions expire first
         m = server.metrics()
@@ -266,7 +269,7 @@ async def phase_disconnects(server: ServerProcess, count: int) -> dict:
         "sessions": m.get("rtserver_sessions", 0),
     }
 
-    async def start_chat():
+    async def start_chat() -> ClientConnection:
         ws = await _connect(server.ws_url)
         await _hello(ws)
         await ws.send(
@@ -274,7 +277,7 @@ async def phase_disconnects(server: ServerProcess, count: int) -> dict:
         )
         return ws
 
-    async def until_first_token(ws, timeout_s: float) -> bool:
+    async def until_first_token(ws: ClientConnection, timeout_s: float) -> bool:
         try:
             while True:
                 ev = await _recv(ws, timeout_s)
@@ -318,8 +321,8 @@ async def phase_disconnects(server: ServerProcess, count: int) -> dict:
 # -- server B phases -----------------------------------------------------------------------------------
 
 
-async def phase_overload(server: ServerProcess, max_running: int) -> dict:
-    async def unloaded() -> dict:
+async def phase_overload(server: ServerProcess, max_running: int) -> dict[str, Any]:
+    async def unloaded() -> dict[str, Any]:
         runs = [await _chat(server.ws_url, "Say hello.", 16) for _ in range(3)]
         return {
             "ttft_ms": rounded(median(r["ttft_s"] * 1000 for r in runs if r["ttft_s"]), 1),
@@ -350,8 +353,8 @@ async def phase_overload(server: ServerProcess, max_running: int) -> dict:
     }
 
 
-async def phase_faults(server: ServerProcess) -> dict:
-    async def task_call(text: str) -> dict:
+async def phase_faults(server: ServerProcess) -> dict[str, Any]:
+    async def task_call(text: str) -> dict[str, Any]:
         async with await _connect(server.ws_url) as ws:
             await _hello(ws)
             await ws.send(json.dumps({"type": "task", "id": "t", "task": "faulty", "input": {"text": text}}))
@@ -383,7 +386,7 @@ async def phase_faults(server: ServerProcess) -> dict:
     }
 
 
-async def phase_shutdown(server: ServerProcess) -> dict:
+async def phase_shutdown(server: ServerProcess) -> dict[str, Any]:
     long_ws, short_ws = await _connect(server.ws_url), await _connect(server.ws_url)
     await _hello(long_ws)
     await _hello(short_ws)
@@ -398,9 +401,9 @@ async def phase_shutdown(server: ServerProcess) -> dict:
     while (await _recv(short_ws))["type"] != "token":
         pass
     sigterm_at = time.perf_counter()
-    server.proc.send_signal(signal.SIGTERM)
+    server.running().send_signal(signal.SIGTERM)
 
-    async def events_until_closed(ws) -> tuple[list[dict], int | None]:
+    async def events_until_closed(ws: ClientConnection) -> tuple[list[dict[str, Any]], int | None]:
         events = []
         try:
             while True:
@@ -411,10 +414,10 @@ async def phase_shutdown(server: ServerProcess) -> dict:
     (long_events, long_code), (short_events, short_code) = await asyncio.gather(
         events_until_closed(long_ws), events_until_closed(short_ws)
     )
-    rc = await asyncio.to_thread(server.proc.wait, 60)
+    rc = await asyncio.to_thread(server.running().wait, 60)
     exit_s = time.perf_counter() - sigterm_at
 
-    def end(events: list[dict], rid: str) -> str | None:
+    def end(events: list[dict[str, Any]], rid: str) -> str | None:
         for ev in events:
             if ev.get("id") == rid and ev["type"] in ("done", "error"):
                 return "done" if ev["type"] == "done" else ev["code"]
@@ -433,7 +436,7 @@ async def phase_shutdown(server: ServerProcess) -> dict:
     }
 
 
-def phase_load_failure(workdir: Path) -> dict:
+def phase_load_failure(workdir: Path) -> dict[str, Any]:
     corrupt = workdir / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + os.urandom(4096))
     out = {}
@@ -481,11 +484,12 @@ def _server_a(
     print(f"server A: starting ({a.log_path})", flush=True)
     report["server_a_ready_s"] = round(a.start(), 1)
     try:
-        for name, phase in (
+        phases: tuple[tuple[str, Callable[[], Coroutine[Any, Any, dict[str, Any]]]], ...] = (
             ("load", lambda: phase_load(a, idle, chatting)),
             ("slow_client", lambda: phase_slow_client(a)),
             ("disconnects", lambda: phase_disconnects(a, disconnects)),
-        ):
+        )
+        for name, phase in phases:
             print(f"server A: {name}", flush=True)
             report[name] = asyncio.run(phase())
             print(f"  {json.dumps(report[name])}", flush=True)
@@ -514,23 +518,24 @@ def _server_b(common: dict[str, str], workdir: Path, config: str | None) -> dict
     print(f"server B: starting ({b.log_path})", flush=True)
     report["server_b_ready_s"] = round(b.start(), 1)
     try:
-        for name, phase in (
+        phases: tuple[tuple[str, Callable[[], Coroutine[Any, Any, dict[str, Any]]]], ...] = (
             ("overload", lambda: phase_overload(b, 8)),
             ("faults", lambda: phase_faults(b)),
             ("shutdown", lambda: phase_shutdown(b)),
-        ):
+        )
+        for name, phase in phases:
             print(f"server B: {name}", flush=True)
             report[name] = asyncio.run(phase())
             print(f"  {json.dumps(report[name])}", flush=True)
     finally:
-        if b.proc.poll() is None:
+        if b.running().poll() is None:
             b.stop()
         injected = (
             "step failed for sequences",
             "faulty",
         )  # the faults this phase injects, logged as it should
         report["server_b"] = {
-            "exit_code": b.proc.returncode,
+            "exit_code": b.running().returncode,
             "errors_logged": [
                 ln for ln in b.log_errors() if " ERROR " in ln and not any(mark in ln for mark in injected)
             ][:20],

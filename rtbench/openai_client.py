@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -34,7 +35,9 @@ class StreamResult:
         return None if self.first_at is None else (self.first_at - self.started) * 1000
 
 
-def chat_body(text: str, max_tokens: int, extra: dict | None = None, system: str | None = None) -> dict:
+def chat_body(
+    text: str, max_tokens: int, extra: dict[str, Any] | None = None, system: str | None = None
+) -> dict[str, Any]:
     """A greedy streamed chat request for exactly `max_tokens` new tokens (EOS ignored), usage included.
     Without `system` the chat template's default system prompt applies."""
     system_message = [{"role": "system", "content": system}] if system else []
@@ -51,12 +54,12 @@ def completion_prompt(text: str, system: str | None = None) -> str:
     return f"{prefix}Question: {text}\nAnswer:"
 
 
-def completion_body(prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
+def completion_body(prompt: str, max_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The same greedy streamed request as a plain-text completion (a base model has no chat template)."""
     return {"prompt": prompt, **_decoding(max_tokens), **(extra or {})}
 
 
-def _decoding(max_tokens: int) -> dict:
+def _decoding(max_tokens: int) -> dict[str, Any]:
     return {
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -69,7 +72,7 @@ def _decoding(max_tokens: int) -> dict:
 async def stream_chat(
     http: aiohttp.ClientSession,
     base: str,
-    body: dict,
+    body: dict[str, Any],
     on_chunk: Callable[[], None] | None = None,
     path: str = CHAT_PATH,
 ) -> StreamResult:
@@ -78,7 +81,7 @@ async def stream_chat(
     error status or an error event raises RuntimeError with the server's message."""
     result = StreamResult(started=time.perf_counter())
     pieces = 0
-    usage: dict = {}
+    usage: dict[str, Any] = {}
     async with http.post(base + path, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{base}: HTTP {resp.status}: {(await resp.text())[:300]}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ SIZE_MB, TRIES = 1024, 3
 
 def measure(
     threads: int, size_mb: int = SIZE_MB, tries: int = TRIES, clock: Callable[[], float] = time.perf_counter
-) -> dict:
+) -> dict[str, Any]:
     """GB/s (10^9 bytes) of the fastest reduction over `size_mb` MiB with `threads` threads, every try's
     figure beside it."""
     data = torch.ones(size_mb << 18, dtype=torch.float32)  # written once: every page is resident

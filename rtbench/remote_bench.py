@@ -40,7 +40,7 @@ THINK_S = 2.0  # the multi-turn variant with a pause between turns (a user readi
 MULTI_TURN_RUNS = ("turns", "turns_no_prefetch", "direct_turns", "think_turns", "think_turns_no_prefetch")
 
 
-async def _stream(http: aiohttp.ClientSession, url: str, body: dict) -> dict:
+async def _stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
     """One streamed request (chat completion or completion): time to its first text, tokens made."""
     body = {
         **body,
@@ -53,7 +53,7 @@ async def _stream(http: aiohttp.ClientSession, url: str, body: dict) -> dict:
     started = time.perf_counter()
     first: float | None = None
     pieces = 0
-    usage: dict = {}
+    usage: dict[str, Any] = {}
     async with http.post(url, json=body) as resp:
         resp.raise_for_status()
         async for raw in resp.content:  # line by line
@@ -73,7 +73,7 @@ async def _stream(http: aiohttp.ClientSession, url: str, body: dict) -> dict:
     }
 
 
-def _burst_requests(base: str, prompts: list[list[int]] | None) -> tuple[str, list[dict]]:
+def _burst_requests(base: str, prompts: list[list[int]] | None) -> tuple[str, list[dict[str, Any]]]:
     """The 32 burst requests: chat messages, or (`prompts`) token ids to /v1/completions."""
     if prompts is None:
         return base + "/v1/chat/completions", [
@@ -82,7 +82,7 @@ def _burst_requests(base: str, prompts: list[list[int]] | None) -> tuple[str, li
     return base + "/v1/completions", [{"prompt": p} for p in prompts]
 
 
-async def burst(base: str, prompts: list[list[int]] | None = None, warm: bool = True) -> dict:
+async def burst(base: str, prompts: list[list[int]] | None = None, warm: bool = True) -> dict[str, Any]:
     """The 32 burst requests at once; `warm`: one untimed burst first, so that every slot, connection
     and cache of the path is warm for the timed one."""
     # aiohttp: a client whose own per-request CPU (a fraction of httpx's) does not spread the burst's
@@ -110,7 +110,7 @@ async def burst(base: str, prompts: list[list[int]] | None = None, warm: bool = 
     }
 
 
-def _median_run(runs: list[dict], key: str) -> dict:
+def _median_run(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """The run whose `key` is the median (the lower middle one of an even count), with every run's
     figure beside it."""
     ordered = sorted(runs, key=lambda r: r[key] if r[key] is not None else float("inf"))
@@ -125,14 +125,16 @@ async def _erase_slots(base: str) -> None:
                 r.raise_for_status()
 
 
-async def direct_multi_turn(base: str, chat: ChatTask, sessions: int, turns: int, new_tokens: int) -> dict:
+async def direct_multi_turn(
+    base: str, chat: ChatTask, sessions: int, turns: int, new_tokens: int
+) -> dict[str, Any]:
     """The multi-turn workload driven on llama-server directly: each session's prompt is its history
     rendered by the chat template (as the hub renders it), sent as token ids to /v1/completions with the
     hub's decoding (greedy); per turn, the time to the first text and llama-server's own `timings`."""
-    record: list[dict] = []
+    record: list[dict[str, Any]] = []
 
     async def session(http: aiohttp.ClientSession) -> None:
-        history: list[dict] = []
+        history: list[dict[str, Any]] = []
         for turn in range(1, turns + 1):
             history.append({"role": "user", "content": DEFAULT_PROMPTS[(turn - 1) % len(DEFAULT_PROMPTS)]})
             body = {
@@ -148,7 +150,9 @@ async def direct_multi_turn(base: str, chat: ChatTask, sessions: int, turns: int
             }
             started = time.perf_counter()
             first: float | None = None
-            text, usage, timings = "", {}, {}
+            text = ""
+            usage: dict[str, Any] = {}
+            timings: dict[str, Any] = {}
             async with http.post(base + "/v1/completions", json=body) as resp:
                 resp.raise_for_status()
                 async for raw in resp.content:
@@ -199,7 +203,7 @@ async def direct_multi_turn(base: str, chat: ChatTask, sessions: int, turns: int
     return {"sessions": sessions, "turns": turns, "max_new_tokens": new_tokens, "per_turn": per_turn}
 
 
-def _turn_ratio(run: dict) -> float | None:
+def _turn_ratio(run: dict[str, Any]) -> float | None:
     return ratio(run["per_turn"][5]["ttft_p50_ms"], run["per_turn"][1]["ttft_p50_ms"])
 
 
@@ -221,7 +225,7 @@ def _hub(
     return hub
 
 
-def _flow(hub: ServerProcess) -> dict:
+def _flow(hub: ServerProcess) -> dict[str, Any]:
     """A hub's send-gate requests and groups and its prefetches by outcome, from its /metrics."""
     m = hub.metrics()
     prefix = 'rtserver_backend_prefetches_total{outcome="'
@@ -257,7 +261,7 @@ def placement_cpus(placement: str, threads: int) -> tuple[set[int] | None, set[i
     )
 
 
-def run_remote_bench(threads: int, workdir: Path | None = None) -> dict:
+def run_remote_bench(threads: int, workdir: Path | None = None) -> dict[str, Any]:
     """Every placement in RTSERVER_BENCH_REMOTE_PLACEMENTS (comma-separated; default "shared,split"),
     each with RTSERVER_BENCH_REMOTE_REPS runs of every figure (default REPS). The first placement's
     figures are the report's own keys (the bench table shows them); every placement's are under
@@ -265,7 +269,7 @@ def run_remote_bench(threads: int, workdir: Path | None = None) -> dict:
     workdir = workdir or Path(tempfile.mkdtemp(prefix="rtserver-remote-bench-"))
     names = [p.strip() for p in os.environ.get("RTSERVER_BENCH_REMOTE_PLACEMENTS", "shared,split").split(",")]
     reps = int(os.environ.get("RTSERVER_BENCH_REMOTE_REPS") or REPS)
-    placements: dict[str, dict] = {}
+    placements: dict[str, dict[str, Any]] = {}
     for name in names:
         try:
             cpus = placement_cpus(name, threads)
@@ -332,7 +336,7 @@ def run_placement(
     reps: int,
     workdir: Path,
     kinds: tuple[str, ...] = MULTI_TURN_RUNS,
-) -> dict:
+) -> dict[str, Any]:
     llama_cpus, hub_cpus, threads, described = cpus
     binary = build()
     _, tokenizer = load_tokenizer("embedded")

@@ -19,7 +19,7 @@ from rtserver.engine.scheduler import Scheduler
 from rtserver.engine.sequence import Sequence
 from rtserver.tasks.registry import TaskRegistry
 
-from .stats import fraction, mean, median, per_second
+from .stats import fraction, known, mean, median, per_second
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "sentiment"
 WRITEUP_PROMPT = (
@@ -137,12 +137,12 @@ async def _chat_turn(engine: Engine, registry: TaskRegistry, text: str, mode: st
     return stream.seq
 
 
-async def auto_task_ttft(engine: Engine, registry: TaskRegistry, n: int = AUTO_TASK_CHATS) -> dict:
+async def auto_task_ttft(engine: Engine, registry: TaskRegistry, n: int = AUTO_TASK_CHATS) -> dict[str, Any]:
     """A chat reply's time to first token alone and with the sentiment auto-task on its message, in ms
     and in scheduler steps (the unit: the reply's own first step when alone). Modes alternate so drift
     affects all alike; every message is distinct (no result-cache hits, equal prefix-cache reuse)."""
     modes = ("alone", "auto", "same-step")
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     with StepLog(engine.scheduler) as log:
         for i in range(len(modes) * n):
             mode = modes[i % len(modes)]
@@ -163,11 +163,11 @@ async def auto_task_ttft(engine: Engine, registry: TaskRegistry, n: int = AUTO_T
             )
 
     def p50(mode: str, key: str) -> float:
-        return median(r[key] for r in runs[mode])
+        return known(median(r[key] for r in runs[mode]))
 
-    step_ms = median(r["first_token_step_ms"] for r in runs["alone"] if r["first_token_step_ms"])
+    step_ms = known(median(r["first_token_step_ms"] for r in runs["alone"] if r["first_token_step_ms"]))
     alone = p50("alone", "ttft_ms")
-    out = {
+    out: dict[str, Any] = {
         "chats_per_mode": n,
         "step_ms": step_ms,
         "chat_prefilled_tokens_p50": p50("alone", "prefilled_tokens"),
@@ -188,7 +188,7 @@ async def auto_task_ttft(engine: Engine, registry: TaskRegistry, n: int = AUTO_T
 
 async def engine_sentiment(
     engine: Engine, tokenizer: Tokenizer, registry: TaskRegistry | None = None
-) -> dict:
+) -> dict[str, Any]:
     """The sentiment task with its learned head, as a server with `tasks.learned_heads = true` runs it
     (fitted first: features from the cache in model.cache_dir, computed on a first run), and beside it,
     in the same run, the zero-data label scoring (`head = false`, the default) as `label_scoring`."""
@@ -214,7 +214,7 @@ async def engine_sentiment(
     return result
 
 
-async def _sentiment_rates(engine: Engine, registry: TaskRegistry) -> dict:
+async def _sentiment_rates(engine: Engine, registry: TaskRegistry) -> dict[str, Any]:
     texts = sentiment_texts()
     await registry.run(engine, "sentiment", {"text": "warm-up text"})  # calibration + warm-up
     stats0 = engine.stats()
@@ -224,15 +224,17 @@ async def _sentiment_rates(engine: Engine, registry: TaskRegistry) -> dict:
     )
     fresh_s = time.perf_counter() - started
     stats1 = engine.stats()
-    rates = []
+    rates: list[float] = []
     for _ in range(CACHED_ROUNDS):
         started = time.perf_counter()
         again = await asyncio.gather(
             *(registry.run(engine, "sentiment", {"text": t}, scope="bench") for t in texts)
         )
-        rates.append(per_second(len(texts), time.perf_counter() - started))
+        rates.append(known(per_second(len(texts), time.perf_counter() - started)))
         assert all(a.cached for a in again) and [a.output for a in again] == [f.output for f in fresh]
     steps = stats1["steps"] - stats0["steps"]
+    kv0, kv1 = stats0["kv"], stats1["kv"]
+    assert kv0 is not None and kv1 is not None  # the local engine always has its KV cache
     task = registry.get("sentiment")
     return {
         "method": "learned head" if getattr(task, "heads", None) else "label scoring",
@@ -241,7 +243,7 @@ async def _sentiment_rates(engine: Engine, registry: TaskRegistry) -> dict:
         "cached_per_s": median(rates),
         "cached_per_s_rounds": rates,
         "prefilled_tokens_per_text": (stats1["tokens_prefilled"] - stats0["tokens_prefilled"]) / len(texts),
-        "prefix_cached_tokens_per_text": (stats1["kv"].prefix_hits - stats0["kv"].prefix_hits) / len(texts),
+        "prefix_cached_tokens_per_text": (kv1.prefix_hits - kv0.prefix_hits) / len(texts),
         "prompt_tokens_per_text": mean(f.usage["prompt_tokens"] for f in fresh),
         "fresh_steps": steps,
         "fresh_step_ms": fresh_s * 1000 / max(steps, 1),
@@ -249,7 +251,7 @@ async def _sentiment_rates(engine: Engine, registry: TaskRegistry) -> dict:
     }
 
 
-def hf_sentiment_baseline(model: Any, tokenizer: Any, n: int = 64, batch: int = 4) -> dict:
+def hf_sentiment_baseline(model: Any, tokenizer: Any, n: int = 64, batch: int = 4) -> dict[str, Any]:
     texts = sentiment_texts()[:n]
     pad = model.generation_config.pad_token_id or tokenizer.eos_token_id
     prompts = [

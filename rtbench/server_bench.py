@@ -72,7 +72,9 @@ class Prompts:
         self.completion = completion
         self.path = COMPLETIONS_PATH if completion else CHAT_PATH
 
-    def body(self, text: str, tokens: int, extra: dict, system: str | None = None) -> dict:
+    def body(
+        self, text: str, tokens: int, extra: dict[str, Any], system: str | None = None
+    ) -> dict[str, Any]:
         if not self.completion:
             return chat_body(text, tokens, extra, system)
         return completion_body(completion_prompt(text, system), tokens, extra)
@@ -91,7 +93,7 @@ def systems(count: int, unique: bool, first: int = 0) -> list[str | None]:
 
 def burst_summary(
     results: list[StreamResult], asked: int, wall_s: float, errors: list[str] | None = None
-) -> dict:
+) -> dict[str, Any]:
     """A burst's figures: tokens/s over the wall time (prefill included), TTFT from submission, and
     whether every request was answered with exactly the `asked` number of tokens; `errors`: the
     messages of the requests refused or failed (their tokens count as none)."""
@@ -124,7 +126,7 @@ def step_gaps_ms(chunk_times: list[list[float]], start: float, end: float) -> li
 
 def arrival_summary(
     ttfts: list[float], exact: bool, decode_step_ms: float | None, background: int, restarts: int
-) -> dict:
+) -> dict[str, Any]:
     p95 = percentile(ttfts, 0.95)
     return {
         "arrivals": len(ttfts),
@@ -181,11 +183,11 @@ async def burst(
     base: str,
     texts: list[str],
     new_tokens: int,
-    extra: dict,
+    extra: dict[str, Any],
     progress: Progress,
     prompts: Prompts = CHAT,
     unique: bool = False,
-) -> dict:
+) -> dict[str, Any]:
     bodies = [prompts.body(t, new_tokens, extra, s) for t, s in zip(texts, systems(len(texts), unique))]
     async with client_session() as http:
         started = time.perf_counter()
@@ -203,8 +205,13 @@ async def burst(
 
 
 async def arrival(
-    base: str, count: int, extra: dict, progress: Progress, prompts: Prompts = CHAT, unique: bool = False
-) -> dict:
+    base: str,
+    count: int,
+    extra: dict[str, Any],
+    progress: Progress,
+    prompts: Prompts = CHAT,
+    unique: bool = False,
+) -> dict[str, Any]:
     """TTFT of `count` new requests sent one after another while the 32 burst streams decode. A
     background stream that ends is sent again, so 32 decode throughout however slowly a server admits
     them. With `unique`, every background stream and every arrival has its own system message."""
@@ -221,7 +228,7 @@ async def arrival(
 
     restarts = [0]
 
-    async def keep_streaming(http: aiohttp.ClientSession, i: int, body: dict) -> None:
+    async def keep_streaming(http: aiohttp.ClientSession, i: int, body: dict[str, Any]) -> None:
         while True:
             await stream_chat(http, base, body, recorder(i), prompts.path)
             restarts[0] += 1
@@ -256,13 +263,13 @@ async def arrival(
     return arrival_summary(ttfts, exact, step, len(BURST_TEXTS), restarts[0])
 
 
-async def warm_up_one(base: str, extra: dict, prompts: Prompts = CHAT) -> None:
+async def warm_up_one(base: str, extra: dict[str, Any], prompts: Prompts = CHAT) -> None:
     """Untimed: one lone request, on a message no timed request uses."""
     async with client_session() as http:
         await stream_chat(http, base, prompts.body(WARM_UP_TEXTS[0], 8, extra), None, prompts.path)
 
 
-async def warm_up_wide(base: str, extra: dict, prompts: Prompts = CHAT) -> None:
+async def warm_up_wide(base: str, extra: dict[str, Any], prompts: Prompts = CHAT) -> None:
     """Untimed: a batch as wide as the burst (whatever is built per batch size is built), on messages no
     timed request uses."""
     async with client_session() as http:
@@ -274,11 +281,11 @@ async def warm_up_wide(base: str, extra: dict, prompts: Prompts = CHAT) -> None:
 async def run_workloads(
     base: str,
     workloads: list[str] | tuple[str, ...],
-    extra: dict,
+    extra: dict[str, Any],
     progress: Progress,
     arrivals: int = 20,
     prompts: Prompts = CHAT,
-) -> dict:
+) -> dict[str, Any]:
     """The asked workloads in WORKLOADS' order: one warm-up request, `single-first`, the warm-up's
     wide batch, the rest. A workload that fails as a whole is its `error`; the next one still runs."""
     unknown = set(workloads) - set(WORKLOADS)
@@ -301,8 +308,8 @@ async def run_workloads(
 
 
 async def run_workload(
-    name: str, base: str, extra: dict, progress: Progress, arrivals: int, prompts: Prompts
-) -> dict:
+    name: str, base: str, extra: dict[str, Any], progress: Progress, arrivals: int, prompts: Prompts
+) -> dict[str, Any]:
     kind, unique = WORKLOADS[name]
     if kind == "burst":
         with progress.phase(
@@ -316,7 +323,7 @@ async def run_workload(
         return await arrival(base, arrivals, extra, progress, prompts, unique)
 
 
-def failures(result: dict) -> int:
+def failures(result: dict[str, Any]) -> int:
     """A server's refused or failed requests over its workloads; a workload that failed as a whole
     counts one."""
     ran = [result[name] for name in WORKLOADS if isinstance(result.get(name), dict)]
@@ -334,7 +341,7 @@ def run_llama_server(
     workdir: Path,
     arrivals: int = 20,
     prompts: Prompts = CHAT,
-) -> dict:
+) -> dict[str, Any]:
     """llama-server on `model` with its default `cache_prompt`, through the asked workloads."""
     llama = LlamaServerProcess(
         binary,
@@ -394,7 +401,7 @@ class KVWatch:
         self._thread.join()
         self.sample()
 
-    def figures(self) -> dict:
+    def figures(self) -> dict[str, Any]:
         mb = [b / (1 << 20) for b in self.readings]
         return {
             "kv_used_peak_mb": max(mb, default=None),
@@ -426,7 +433,7 @@ def run_rtserver(
     prompts: Prompts = CHAT,
     timeout_s: float = 600,
     api_kv_share: float | None = 1.0,
-) -> dict:
+) -> dict[str, Any]:
     """`rtserver serve` with `dtype` (and `model`, else the configured one) through the asked workloads,
     its KV in use followed. `api_kv_share`: the API door's share of the KV (no chat door shares it
     here); None keeps the configured one. The result's `settings_set` names every setting changed."""
@@ -475,7 +482,7 @@ def run_servers_bench(
     arrivals: int = 20,
     llama_binary: Path | None = None,
     workdir: Path | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """llama-server, then `rtserver serve` with each of `dtypes`; one system at a time, each on both
     prompt sets."""
     from rtserver.engine.model import embedded_model_path
@@ -497,11 +504,11 @@ def ratio_key(workload: str, figure: str) -> str:
     return f"{workload.replace('-', '_')}_{figure}"
 
 
-def ratios(systems: dict, reference: str = "llama-server") -> dict:
+def ratios(systems: dict[str, Any], reference: str = "llama-server") -> dict[str, Any]:
     """Each rtserver system's figures divided by the reference's: tokens/s (higher is better) and TTFT
     p95 (lower is better), on both prompt sets."""
     ref = systems.get(reference, {})
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, s in systems.items():
         if name == reference:
             continue
@@ -528,12 +535,12 @@ def times(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}x"
 
 
-def table_rows(servers: dict) -> list[tuple[str, str, str]]:
+def table_rows(servers: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(figure, value, bar) rows of the servers comparison for the bench's printed table, each prompt
     set's row beside the other's; the shared set's bars are issue 12's, the unique set's issue 25's."""
     systems = servers.get("systems", {})
 
-    def exact(r: dict) -> str:
+    def exact(r: dict[str, Any]) -> str:
         refused = f", {r['errors']} refused or failed" if r.get("errors") else ""
         return ("exact" if r.get("exact_token_counts") else "NOT exact") + refused
 

@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 
 def raise_nofile_limit() -> None:
@@ -25,11 +26,12 @@ def raise_nofile_limit() -> None:
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def wait_until_up(
-    proc: subprocess.Popen, url: str, started: float, timeout_s: float, name: str, log_path: Path
+    proc: subprocess.Popen[bytes], url: str, started: float, timeout_s: float, name: str, log_path: Path
 ) -> float:
     """Poll `url` until it answers 200; the seconds since `started`. RuntimeError naming the log when
     the process exits first or `timeout_s` passes."""
@@ -159,7 +161,7 @@ def log_reason(log_path: Path, marker: str) -> str:
     return lines[-1] if lines else ""
 
 
-def terminate(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+def terminate(proc: subprocess.Popen[bytes] | None, grace_s: float = 10.0) -> None:
     """SIGTERM, then SIGKILL if it is still there after `grace_s`."""
     if proc is not None and proc.poll() is None:
         proc.terminate()
@@ -204,7 +206,7 @@ class ServerProcess:
             launcher or ["-m", "rtserver.cli"] + (["--config", config] if config else []) + ["serve"]
         )
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.cpus: set[int] | None = None  # set before start(): the CPUs it may run on (Linux)
         self.rss = RssWatch()
 
@@ -228,14 +230,12 @@ class ServerProcess:
             if cpus:
                 os.sched_setaffinity(0, cpus)  # its threads, started later, inherit it
 
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=prepare
         )
-        self.rss.follow(self.proc.pid)
+        self.rss.follow(proc.pid)
         try:
-            ready_s = wait_until_up(
-                self.proc, self.base + "/ready", started, timeout_s, "server", self.log_path
-            )
+            ready_s = wait_until_up(proc, self.base + "/ready", started, timeout_s, "server", self.log_path)
         except RuntimeError as exc:
             terminate(self.proc)
             self.rss.stop()
@@ -244,13 +244,20 @@ class ServerProcess:
         self.rss.serving()
         return ready_s
 
-    def rss_mb(self) -> float:
-        return status_mb(self.proc.pid, "VmRSS")
+    def running(self) -> subprocess.Popen[bytes]:
+        """The started process; starting it comes first."""
+        if self.proc is None:
+            raise RuntimeError(f"the server of {self.log_path} was never started")
+        return self.proc
 
-    def health(self) -> dict:
+    def rss_mb(self) -> float:
+        return status_mb(self.running().pid, "VmRSS")
+
+    def health(self) -> dict[str, Any]:
         """The server's /health JSON (what it runs: model, dtype, kernels)."""
         with urllib.request.urlopen(self.base + "/health", timeout=10) as resp:
-            return json.loads(resp.read())
+            health: dict[str, Any] = json.loads(resp.read())
+            return health
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.base + "/metrics", timeout=10) as resp:
@@ -266,12 +273,13 @@ class ServerProcess:
         """SIGTERM; (exit code, seconds to exit). Killed (and -9 returned) past the timeout."""
         started = time.monotonic()
         self.rss.stop()
-        self.proc.send_signal(signal.SIGTERM)
+        proc = self.running()
+        proc.send_signal(signal.SIGTERM)
         try:
-            rc = self.proc.wait(timeout=timeout_s)
+            rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait()
+            proc.kill()
+            rc = proc.wait()
         return rc, time.monotonic() - started
 
     def log_errors(self) -> list[str]:
@@ -316,7 +324,7 @@ class LlamaServerProcess:
             "--jinja",
         ] + (["--slot-save-path", str(slot_save_path)] if slot_save_path else [])
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.cpus: set[int] | None = None  # set before start(): the CPUs it may run on (Linux)
         self.rss = RssWatch()
 
@@ -325,16 +333,16 @@ class LlamaServerProcess:
         RuntimeError ends with the log's last error line."""
         started = time.monotonic()
         cpus = self.cpus
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             self.cmd,
             stdout=self.log_path.open("w"),
             stderr=subprocess.STDOUT,
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
-        self.rss.follow(self.proc.pid)
+        self.rss.follow(proc.pid)
         try:
             ready_s = wait_until_up(
-                self.proc, self.base + "/health", started, timeout_s, "llama-server", self.log_path
+                proc, self.base + "/health", started, timeout_s, "llama-server", self.log_path
             )
         except RuntimeError as exc:
             self.stop()
@@ -360,7 +368,7 @@ class RedisProcess:
         self.binary = binary
         self.appendfsync = appendfsync
         self.log_path = data_dir / "redis.log"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -387,7 +395,7 @@ class RedisProcess:
             "--logfile",
             str(self.log_path),
         ]
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=raise_nofile_limit
         )
         deadline = time.monotonic() + timeout_s
@@ -399,8 +407,8 @@ class RedisProcess:
                         return
             except OSError:
                 pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.log_path}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {proc.returncode}; see {self.log_path}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"redis-server not up after {timeout_s:.0f} s; see {self.log_path}")

@@ -64,6 +64,14 @@ def accuracy(predicted: Sequence[Any], expected: Sequence[Any]) -> float | None:
     return fraction(p is not None and p == e for p, e in zip(predicted, expected))
 
 
+def known(value: float | None) -> float:
+    """A figure every finished run has (a first token's time); TypeError, as arithmetic on None
+    would raise, when it is missing."""
+    if value is None:
+        raise TypeError("a figure every finished run has is missing")
+    return value
+
+
 def rounded(value: float | None, digits: int = 1) -> float | None:
     """round(), passing None through."""
     return None if value is None else round(value, digits)

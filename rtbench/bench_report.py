@@ -8,14 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .cells import fmt
 from .stats import ratio
 
 Report = dict[str, Any]  # the JSON object a workload returns
 Row = tuple[str, str, str]  # figure, value, bar
-
-
-def fmt(v: float | None, unit: str = "") -> str:
-    return "n/a" if v is None else f"{v:,.1f}{unit}"
 
 
 def rate(result: Report | None) -> str:
@@ -363,11 +360,11 @@ def table(report: Report) -> list[Row]:
             )
         ]
     if "servers" in report:
-        from .server_bench import table_rows
+        from .servers_report import table_rows
 
         rows += table_rows(report["servers"])
     if "formats" in report:
-        from .formats_bench import table_rows as formats_rows
+        from .formats_report import table_rows as formats_rows
 
         rows += formats_rows(report["formats"])
     if "remote" in report:

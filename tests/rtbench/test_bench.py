@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from rtbench import chart, server_bench
+from rtbench import chart, server_bench, servers_report
 from rtbench.bench import exact_counts
 from rtbench.bench_report import rate, summarize
 from rtbench.openai_client import (
@@ -184,7 +184,7 @@ def test_server_ratios_and_rows():
         r["rtserver-auto"]["burst_tokens_per_s"] == 1.5 and r["rtserver-auto"]["single_tokens_per_s"] == 0.5
     )
     assert r["rtserver-auto"]["burst_ttft_p95"] == 0.25 and r["rtserver-auto"]["arrival_ttft_p95"] is None
-    rows = {n: (v, bar) for n, v, bar in server_bench.table_rows({"systems": SYSTEMS})}
+    rows = {n: (v, bar) for n, v, bar in servers_report.table_rows({"systems": SYSTEMS})}
     assert rows["[servers] rtserver-auto burst tokens/s; TTFT p50 / p95 ms"] == (
         "150.0 (NOT exact); 500.0 / 1,500.0",
         "TTFT p95 <= 1000",
@@ -238,15 +238,15 @@ def test_unique_prefix_figures_sit_beside_the_shared_ones():
     r = server_bench.ratios(systems)["rtserver-auto"]
     assert r["burst_unique_tokens_per_s"] == 1.5 and r["burst_unique_ttft_p95"] == 0.25
     assert r["burst_tokens_per_s"] == 1.5 and r["arrival_unique_ttft_p95"] is None
-    names = [n for n, _, _ in server_bench.table_rows({"systems": systems})]
+    names = [n for n, _, _ in servers_report.table_rows({"systems": systems})]
     shared = names.index("[servers] rtserver-auto burst tokens/s; TTFT p50 / p95 ms")
     assert names[shared + 1] == "[servers] rtserver-auto burst-unique tokens/s; TTFT p50 / p95 ms"
     assert "[servers] llama-server arrival-unique TTFT p50 / p95 ms; decode step ms; p95 in steps" in names
-    rows = {n: (v, bar) for n, v, bar in server_bench.table_rows({"systems": systems})}
+    rows = {n: (v, bar) for n, v, bar in servers_report.table_rows({"systems": systems})}
     key = "[servers] rtserver-auto / llama-server, unique prefixes: burst tokens/s; burst TTFT p95, "
     assert rows[key + "arrival TTFT p95"] == ("1.50x; 0.25x, n/a", ">= 1.5x; <= 0.5x")
     # a run without the unique set has no row for it
-    assert not any("unique" in n for n, _, _ in server_bench.table_rows({"systems": SYSTEMS}))
+    assert not any("unique" in n for n, _, _ in servers_report.table_rows({"systems": SYSTEMS}))
     panels = {
         panel: value
         for system, _, panel, value in chart.chart_rows({"servers": {"systems": systems}})

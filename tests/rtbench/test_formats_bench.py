@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rtbench import bench, chart, formats_bench, model_files, read_bandwidth, server_bench
+from rtbench import bench, chart, formats_bench, formats_report, model_files, read_bandwidth, server_bench
 from rtbench.formats_bench import (
     BURST_BAR,
     KV_FROM_BUDGET,
@@ -51,7 +51,7 @@ ALL_ROWS = [
     "gemma3-270m-q4_k_m",
 ]
 
-SYSTEM_FIGURES = formats_bench.SYSTEM_FIGURES
+SYSTEM_FIGURES = formats_report.SYSTEM_FIGURES
 RATIOS_ROW = (
     "rtserver / llama-server: burst tokens/s; burst TTFT p95; single, rtserver's lower / llama-server's "
     "better (first, after burst)"
@@ -220,7 +220,7 @@ def test_each_ratio_bar_at_its_edge():
         RSS_BAR: True,
         "met": False,
     }
-    assert formats_bench.bars_cell(missed) == f"NOT met: {SINGLE_BAR}, {BURST_BAR}, {TTFT_BAR}"
+    assert formats_report.bars_cell(missed) == f"NOT met: {SINGLE_BAR}, {BURST_BAR}, {TTFT_BAR}"
 
 
 def test_a_refused_request_fails_the_refusal_bar_and_is_counted():
@@ -230,7 +230,7 @@ def test_a_refused_request_fails_the_refusal_bar_and_is_counted():
     p = pair_figures({"llama-server": llama_figures(), "rtserver": ours}, 100.0, None)
     assert p["refused_or_failed"] == {"llama-server": 0, "rtserver": 4}
     assert p["bars"][REFUSAL_BAR] is False and p["bars"]["met"] is False
-    rows = {n: v for n, v, _ in formats_bench.pair_rows("x", p, 100.0)}
+    rows = {n: v for n, v, _ in formats_report.pair_rows("x", p, 100.0)}
     assert rows["[formats] x rtserver: " + SYSTEM_FIGURES].endswith("(NOT exact); 800.0; n/a; 700.0; 4")
 
 
@@ -264,7 +264,7 @@ def test_a_repeated_row_alternates_the_servers_and_reports_every_pair(tmp_path):
     assert [p["ratios"]["burst_tokens_per_s"] for p in out["pairs"]] == pytest.approx([1.5, 1.25])
     assert out["bars"][BURST_BAR] is False and out["bars"]["met"] is False
     assert out["systems"] is out["pairs"][0]["systems"]  # the chart's: the first pair
-    rows = [n for n, _, _ in formats_bench.table_rows({"rows": {"q8_0": out}})]
+    rows = [n for n, _, _ in formats_report.table_rows({"rows": {"q8_0": out}})]
     assert "[formats] q8_0 pair 1 " + RATIOS_ROW in rows and "[formats] q8_0 pair 2 " + RATIOS_ROW in rows
     assert "[formats] q8_0 bars (every pair)" in rows
 
@@ -333,7 +333,7 @@ def test_a_row_where_rtserver_refuses_the_model_keeps_llama_servers_figures(tmp_
     assert out["systems"]["llama-server"]["burst-unique"]["tokens_per_s"] == 200.0
     assert set(out["ratios"].values()) == {None}
     assert out["bars"]["met"] is False and set(out["bars"].values()) == {None, False}
-    rows = {n: (v, bar) for n, v, bar in formats_bench.table_rows({"rows": {row.name: out}})}
+    rows = {n: (v, bar) for n, v, bar in formats_report.table_rows({"rows": {row.name: out}})}
     refused = rows["[formats] qwen3-0.6b-q8_0 rtserver: " + SYSTEM_FIGURES]
     assert refused[0].startswith("error: server exited with 3")
     assert rows["[formats] qwen3-0.6b-q8_0 bars"][0].startswith(f"no figure: {SINGLE_BAR}, {BURST_BAR}")
@@ -344,7 +344,7 @@ def test_the_printed_rows_of_a_row_that_ran(tmp_path):
     out["file_matmul_mb"], out["floor_tokens_per_s"] = 0.5, 200.0
     rows = {
         n: v
-        for n, v, _ in formats_bench.table_rows(
+        for n, v, _ in formats_report.table_rows(
             {"rows": {"q8_0": out}, "read_bandwidth": {"gb_per_s": 20.0, "method": "m"}}
         )
     }

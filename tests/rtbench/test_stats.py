@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from rtbench import stats
-from rtbench.stats import accuracy, fraction, mean, median, per_second, percentile, ratio, rounded
+from rtbench.stats import accuracy, fraction, known, mean, median, per_second, percentile, ratio, rounded
 
 
 def test_percentile_interpolates_linearly_between_ranks():
@@ -75,6 +75,12 @@ def test_fraction_and_accuracy():
 def test_rounded():
     assert rounded(None) is None and rounded(None, 3) is None
     assert rounded(1.26) == 1.3 and rounded(1.2345, 2) == 1.23 and rounded(7) == 7
+
+
+def test_known_passes_a_figure_and_refuses_a_missing_one():
+    assert known(12.5) == 12.5 and known(0.0) == 0.0
+    with pytest.raises(TypeError, match="missing"):  # what arithmetic on None would raise
+        known(None)
 
 
 def test_eval_counts_an_invalid_answer_as_wrong():

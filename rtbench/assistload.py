@@ -169,6 +169,31 @@ def priority_figures(server: ServerProcess) -> dict[str, dict[str, float]]:
     }
 
 
+def _phase(
+    server: ServerProcess,
+    chatting: int,
+    crew: tuple[str, int, float] | None,
+    samples: list[float],
+    results: list[dict[str, Any]],
+    errors: list[str],
+) -> dict[str, Any]:
+    """One round's customers alone, or beside the agents (`crew`: console token, agents, seconds between
+    drafts), whose answers and errors are added to `results` and `errors`."""
+    if crew is None:
+        chat = asyncio.run(customers(server, chatting, samples))
+    else:
+        token, agents, every_s = crew
+        chat, found, failed = asyncio.run(_with_agents(server, token, chatting, agents, every_s, samples))
+        results += found
+        errors += failed
+    return {
+        "ttft_p95_ms": chat["ttft_p95_ms"],
+        "ttft_p50_ms": chat["ttft_p50_ms"],
+        "errors": chat["errors"],
+        "engine_by_priority": priority_figures(server),
+    }
+
+
 def run_assist_loadtest(
     chatting: int = 32,
     agents: int = 4,
@@ -200,20 +225,8 @@ def run_assist_loadtest(
             ready.append(server.start())
             samples: list[float] = []
             try:
-                if phase == "alone":
-                    chat = asyncio.run(customers(server, chatting, samples))
-                else:
-                    chat, found, failed = asyncio.run(
-                        _with_agents(server, token, chatting, agents, every_s, samples)
-                    )
-                    results += found
-                    errors += failed
-                row[phase] = {
-                    "ttft_p95_ms": chat["ttft_p95_ms"],
-                    "ttft_p50_ms": chat["ttft_p50_ms"],
-                    "errors": chat["errors"],
-                    "engine_by_priority": priority_figures(server),
-                }
+                crew = (token, agents, every_s) if phase == "beside" else None
+                row[phase] = _phase(server, chatting, crew, samples, results, errors)
             finally:
                 server.stop()
             pooled[phase] += samples

@@ -115,6 +115,43 @@ async def _session(
                     break
 
 
+def _summary(
+    record: dict[str, Any],
+    sessions: int,
+    turns: int,
+    max_new_tokens: int,
+    wall: float,
+    samples: list[float] | None,
+) -> dict[str, Any]:
+    """The figures `run_chat_load` returns, from what its sessions recorded."""
+    tokens = sum(t["generated"] for t in record["turns"])
+    per_turn = _per_turn(record["turns"], turns)
+    all_ttft = [t["client_ttft_ms"] for t in record["turns"] if t["client_ttft_ms"] is not None]
+    if samples is not None:
+        samples.extend(all_ttft)
+    errors: dict[str, int] = {}
+    for code in record["errors"]:
+        errors[code] = errors.get(code, 0) + 1
+    first, last = per_turn[1]["ttft_p50_ms"], per_turn[turns]["ttft_p50_ms"]
+    return {
+        "sessions": sessions,
+        "turns": turns,
+        "max_new_tokens": max_new_tokens,
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": per_second(tokens, wall),
+        "completed_turns": len(record["turns"]),
+        "errors": errors,
+        "per_turn": per_turn,
+        "ttft_p50_ms": percentile(all_ttft, 0.5),
+        "ttft_p95_ms": percentile(all_ttft, 0.95),
+        "server_ttft_p95_ms": percentile(
+            [t["server_ttft_ms"] for t in record["turns"] if t["server_ttft_ms"] is not None], 0.95
+        ),
+        "turn_ratio_p50": ratio(last, first),
+    }
+
+
 async def run_chat_load(
     url: str,
     sessions: int = 32,
@@ -163,29 +200,4 @@ async def run_chat_load(
     for r in results:
         if isinstance(r, BaseException):
             record["errors"].append("connect" if isinstance(r, OSError) else type(r).__name__)
-    tokens = sum(t["generated"] for t in record["turns"])
-    per_turn = _per_turn(record["turns"], turns)
-    all_ttft = [t["client_ttft_ms"] for t in record["turns"] if t["client_ttft_ms"] is not None]
-    if samples is not None:
-        samples.extend(all_ttft)
-    errors: dict[str, int] = {}
-    for code in record["errors"]:
-        errors[code] = errors.get(code, 0) + 1
-    first, last = per_turn[1]["ttft_p50_ms"], per_turn[turns]["ttft_p50_ms"]
-    return {
-        "sessions": sessions,
-        "turns": turns,
-        "max_new_tokens": max_new_tokens,
-        "wall_s": wall,
-        "tokens": tokens,
-        "tokens_per_s": per_second(tokens, wall),
-        "completed_turns": len(record["turns"]),
-        "errors": errors,
-        "per_turn": per_turn,
-        "ttft_p50_ms": percentile(all_ttft, 0.5),
-        "ttft_p95_ms": percentile(all_ttft, 0.95),
-        "server_ttft_p95_ms": percentile(
-            [t["server_ttft_ms"] for t in record["turns"] if t["server_ttft_ms"] is not None], 0.95
-        ),
-        "turn_ratio_p50": ratio(last, first),
-    }
+    return _summary(record, sessions, turns, max_new_tokens, wall, samples)

@@ -125,67 +125,45 @@ async def _erase_slots(base: str) -> None:
                 r.raise_for_status()
 
 
-async def direct_multi_turn(
-    base: str, chat: ChatTask, sessions: int, turns: int, new_tokens: int
-) -> dict[str, Any]:
-    """The multi-turn workload driven on llama-server directly: each session's prompt is its history
-    rendered by the chat template (as the hub renders it), sent as token ids to /v1/completions with the
-    hub's decoding (greedy); per turn, the time to the first text and llama-server's own `timings`."""
-    record: list[dict[str, Any]] = []
+async def _streamed_completion(
+    http: aiohttp.ClientSession, base: str, prompt: list[int], new_tokens: int
+) -> tuple[str, float | None, dict[str, Any], dict[str, Any]]:
+    """One greedy streamed /v1/completions request: (its text, ms to the first text, usage, timings)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": new_tokens,
+        "temperature": 0.0,
+        "top_k": 1,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "stream": True,
+        "cache_prompt": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    first: float | None = None
+    text = ""
+    usage: dict[str, Any] = {}
+    timings: dict[str, Any] = {}
+    async with http.post(base + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            timings = event.get("timings") or timings
+            for choice in event.get("choices") or []:
+                if choice.get("text"):
+                    first = first or time.perf_counter()
+                    text += choice["text"]
+    return text, None if first is None else (first - started) * 1000, usage, timings
 
-    async def session(http: aiohttp.ClientSession) -> None:
-        history: list[dict[str, Any]] = []
-        for turn in range(1, turns + 1):
-            history.append({"role": "user", "content": DEFAULT_PROMPTS[(turn - 1) % len(DEFAULT_PROMPTS)]})
-            body = {
-                "prompt": chat.render(history),
-                "max_tokens": new_tokens,
-                "temperature": 0.0,
-                "top_k": 1,
-                "top_p": 1.0,
-                "min_p": 0.0,
-                "stream": True,
-                "cache_prompt": True,
-                "stream_options": {"include_usage": True},
-            }
-            started = time.perf_counter()
-            first: float | None = None
-            text = ""
-            usage: dict[str, Any] = {}
-            timings: dict[str, Any] = {}
-            async with http.post(base + "/v1/completions", json=body) as resp:
-                resp.raise_for_status()
-                async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    usage = event.get("usage") or usage
-                    timings = event.get("timings") or timings
-                    for choice in event.get("choices") or []:
-                        if choice.get("text"):
-                            first = first or time.perf_counter()
-                            text += choice["text"]
-            history.append({"role": "assistant", "content": text})
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            record.append(
-                {
-                    "turn": turn,
-                    "ttft_ms": None if first is None else (first - started) * 1000,
-                    "prompt_tokens": usage.get("prompt_tokens"),
-                    "cached_tokens": cached,
-                    "server_prompt_ms": timings.get("prompt_ms"),
-                    "server_prompt_n": timings.get("prompt_n"),
-                }
-            )
 
-    # a connection per request: llama-server drops one idle for 5 s, and a turn can take that long
-    # (a local connect costs well under a millisecond)
-    async with aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0, force_close=True)
-    ) as http:
-        await asyncio.gather(*(session(http) for _ in range(sessions)))
-    per_turn = {}
+def _direct_per_turn(record: list[dict[str, Any]], turns: int) -> dict[int, dict[str, Any]]:
+    """Per turn number: first-text times, llama-server's prompt times, prompt and cached tokens."""
+    per_turn: dict[int, dict[str, Any]] = {}
     for turn in range(1, turns + 1):
         rows = [r for r in record if r["turn"] == turn]
         per_turn[turn] = {
@@ -200,6 +178,44 @@ async def direct_multi_turn(
             "prompt_tokens_mean": mean(r["prompt_tokens"] for r in rows if r["prompt_tokens"] is not None),
             "cached_tokens_mean": mean(r["cached_tokens"] for r in rows if r["cached_tokens"] is not None),
         }
+    return per_turn
+
+
+async def direct_multi_turn(
+    base: str, chat: ChatTask, sessions: int, turns: int, new_tokens: int
+) -> dict[str, Any]:
+    """The multi-turn workload driven on llama-server directly: each session's prompt is its history
+    rendered by the chat template (as the hub renders it), sent as token ids to /v1/completions with the
+    hub's decoding (greedy); per turn, the time to the first text and llama-server's own `timings`."""
+    record: list[dict[str, Any]] = []
+
+    async def session(http: aiohttp.ClientSession) -> None:
+        history: list[dict[str, Any]] = []
+        for turn in range(1, turns + 1):
+            history.append({"role": "user", "content": DEFAULT_PROMPTS[(turn - 1) % len(DEFAULT_PROMPTS)]})
+            text, ttft_ms, usage, timings = await _streamed_completion(
+                http, base, chat.render(history), new_tokens
+            )
+            history.append({"role": "assistant", "content": text})
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            record.append(
+                {
+                    "turn": turn,
+                    "ttft_ms": ttft_ms,
+                    "prompt_tokens": usage.get("prompt_tokens"),
+                    "cached_tokens": cached,
+                    "server_prompt_ms": timings.get("prompt_ms"),
+                    "server_prompt_n": timings.get("prompt_n"),
+                }
+            )
+
+    # a connection per request: llama-server drops one idle for 5 s, and a turn can take that long
+    # (a local connect costs well under a millisecond)
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0, force_close=True)
+    ) as http:
+        await asyncio.gather(*(session(http) for _ in range(sessions)))
+    per_turn = _direct_per_turn(record, turns)
     return {"sessions": sessions, "turns": turns, "max_new_tokens": new_tokens, "per_turn": per_turn}
 
 

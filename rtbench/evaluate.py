@@ -22,6 +22,7 @@ from rtserver.tasks import Choices, Task, Variant, has_cjk
 from rtserver.tasks.registry import load_registry
 from rtserver.tasks.run import PromptTask
 
+from .eval_report import format_table, progress_line, write_report
 from .stats import accuracy, fraction, per_second
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "sentiment"
@@ -244,45 +245,11 @@ async def evaluate(
             for lang in LANGS:
                 result = await _run_one(engine, cfg.prompt_task, data[(cfg.task, lang)], cfg.back)
                 row = {"task": cfg.task, "config": cfg.method, "lang": lang, **result}
-                print(
-                    f"  {cfg.task:9s} {cfg.method:34s} {lang}: acc {_fmt(row['accuracy'], '.3f')}  "
-                    f"invalid {_fmt(row['invalid_rate'], '.3f')}  {_fmt(row['examples_per_s'], '.1f')} ex/s",
-                    flush=True,
-                )
+                print(progress_line(row), flush=True)
                 rows.append(row)
     finally:
         await engine.stop()
     return rows
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    by: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in rows:
-        by.setdefault((r.get("task", "sentiment"), r["config"]), {})[r["lang"]] = r
-    head = (
-        "| task | method | EN accuracy | EN invalid | EN ex/s | ZH accuracy | ZH invalid | ZH ex/s |\n"
-        "|---|---|---|---|---|---|---|---|"
-    )
-    lines = [head]
-    for (task, name), langs in by.items():
-        cells = []
-        for lang in LANGS:
-            got = langs.get(lang)
-            cells += (
-                [
-                    _fmt(got["accuracy"], ".3f"),
-                    _fmt(got["invalid_rate"], ".1%"),
-                    _fmt(got["examples_per_s"], ".1f"),
-                ]
-                if got
-                else ["-", "-", "-"]
-            )
-        lines.append(f"| {task} | {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def run_eval(
@@ -295,7 +262,7 @@ def run_eval(
         flush=True,
     )
     rows = asyncio.run(evaluate(loaded, settings, split, tasks))
-    table = format_table(rows)
+    table = format_table(rows, LANGS)
     print(table)
     report = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
@@ -306,9 +273,5 @@ def run_eval(
         "rows": rows,
         "table": table,
     }
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"eval-{_dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps(report, indent=2, ensure_ascii=False), encoding="utf-8")
-    print(f"written {path}")
+    write_report(report, out_dir)
     return report

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import websockets
+from websockets.asyncio.client import ClientConnection
 
 from .loadclient import run_chat_load
 from .serverproc import ONE_ADDRESS_LIMITS_OFF, ServerProcess, raise_nofile_limit
@@ -78,7 +79,7 @@ class Agent:
             finally:
                 reader.cancel()
 
-    async def _read(self, ws: Any) -> None:
+    async def _read(self, ws: ClientConnection) -> None:
         async for raw in ws:
             ev = json.loads(raw)
             kind = ev.get("type")

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from rtserver.config import EngineSettings, Settings
+from rtserver.engine.backend import Tokenizer
 from rtserver.engine.core import Engine
+from rtserver.engine.model import LoadedModel
 from rtserver.tasks import Choices, Task, Variant, has_cjk
 from rtserver.tasks.registry import load_registry
 from rtserver.tasks.run import PromptTask
@@ -112,7 +114,9 @@ def previous_intent() -> Task:
     )
 
 
-def _registry_task(settings: Settings, tokenizer: Any, name: str, overrides: dict[str, Any]) -> PromptTask:
+def _registry_task(
+    settings: Settings, tokenizer: Tokenizer, name: str, overrides: dict[str, Any]
+) -> PromptTask:
     table = {**settings.task.get(name, {}), **overrides, "cache_size": 0}
     s = dataclasses.replace(
         settings,
@@ -135,7 +139,7 @@ class Config:
     back: dict[str, Any]  # shown label -> gold label
 
 
-def configurations(settings: Settings, tokenizer: Any, tasks: tuple[str, ...] = TASKS) -> list[Config]:
+def configurations(settings: Settings, tokenizer: Tokenizer, tasks: tuple[str, ...] = TASKS) -> list[Config]:
     """Every configuration of the wanted tasks, the shipped one of each first."""
     out: list[Config] = []
     if "sentiment" in tasks:
@@ -187,7 +191,7 @@ def configurations(settings: Settings, tokenizer: Any, tasks: tuple[str, ...] = 
 
 
 async def _run_one(
-    engine: Any, task: Any, examples: list[dict[str, Any]], back: dict[str, Any]
+    engine: Engine, task: PromptTask, examples: list[dict[str, Any]], back: dict[str, Any]
 ) -> dict[str, Any]:
     sem = asyncio.Semaphore(CONCURRENCY)
     choices = task.task.choices
@@ -197,12 +201,12 @@ async def _run_one(
         """(valid, the gold label it stands for: None when invalid or not one of the gold labels)."""
         async with sem:
             out = await task.run(engine, {"text": ex["text"]})
-        label = out.output.get("label")
+        label: str | None = out.output.get("label")
         if labels is not None:
             valid = label in labels
         else:
             valid = bool(out.output.get("valid", label is not None))
-        return valid, back.get(label) if valid else None
+        return valid, back.get(label) if valid and label is not None else None
 
     started = time.perf_counter()
     results = await asyncio.gather(*(one(ex) for ex in examples))
@@ -217,7 +221,7 @@ async def _run_one(
 
 
 async def evaluate(
-    loaded: Any,
+    loaded: LoadedModel,
     settings: Settings,
     split: str,
     tasks: tuple[str, ...] = TASKS,
@@ -253,7 +257,7 @@ async def evaluate(
 
 
 def run_eval(
-    loaded: Any, settings: Settings, split: str, out_dir: str | Path, tasks: tuple[str, ...] = TASKS
+    loaded: LoadedModel, settings: Settings, split: str, out_dir: str | Path, tasks: tuple[str, ...] = TASKS
 ) -> dict[str, Any]:
     counts = {f"{t}/{lang}": len(load_split(lang, split, DATA_DIRS[t])) for t in tasks for lang in LANGS}
     print(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rtserver.engine.backend import FinishReason, OutputFormat, SamplingParams
+from rtserver.engine.backend import FinishReason, OutputFormat, SamplingParams, SequenceResult
 from rtserver.engine.core import Engine
 from rtserver.engine.grammar import apply_masks
 
@@ -229,7 +229,7 @@ def mask_cost_us(engine: Engine, runs: list[Checked]) -> list[float]:
     return costs
 
 
-def decode_step_ms(result: Any) -> float:
+def decode_step_ms(result: SequenceResult) -> float:
     """A generation's mean time per token after its first."""
     step_ms: float = (result.total_ms - (result.ttft_ms or 0.0)) / max(result.usage.generated_tokens - 1, 1)
     return step_ms

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import EngineSettings
+from .admit import SchedulerLimits
 from .backend import (
     BackendHealth,
     BackendStats,
@@ -39,7 +40,7 @@ from .model import LoadedModel
 from .openmp import release_pool
 from .quant import probe_panel_rows
 from .runner import ModelRunner
-from .scheduler import Scheduler, SchedulerLimits, StepEvent
+from .scheduler import Scheduler, StepEvent
 from .sequence import Sequence
 
 log = logging.getLogger("rtserver.engine")

@@ -17,7 +17,6 @@ for a bounded time (`SchedulerLimits.skip_ahead_s`), then they wait behind it.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,18 +25,15 @@ from typing import Protocol
 
 import torch
 
-from ..config import EngineSettings
+from .admit import Admission, Preemption, Queues, SchedulerLimits
 from .backend import FinishReason, Overloaded, Priority, RequestTooLarge, SequenceResult
 from .grammar import ConstraintError
-from .kv import KVCacheManager, OutOfKVMemory
+from .kv import KVCacheManager
 from .plan import StepItem
 from .sequence import Phase, Sequence
 from .step import StepOutput
 
 log = logging.getLogger("rtserver.scheduler")
-
-# less urgent work than customers' may evict idle KV while it holds under 1/EVICT_SHARE of the pool
-EVICT_SHARE = 16
 
 # what a step reports of a sequence: a sampled token id, or its final result
 StepEvent = tuple[Sequence, int | SequenceResult]
@@ -47,23 +43,6 @@ class Runner(Protocol):
     def execute(
         self, items: list[StepItem], join: Callable[[int], list[StepItem]] | None = None
     ) -> StepOutput: ...
-
-
-@dataclass
-class SchedulerLimits:
-    max_running: int
-    max_waiting: int
-    prefill_chunk_tokens: int
-    max_sequence_tokens: int
-    skip_ahead_s: float = 10.0  # how long a waiting sequence short of KV lets later ones go first
-
-    @classmethod
-    def from_settings(cls, s: EngineSettings, max_positions: int | None = None) -> SchedulerLimits:
-        """The [engine] settings; a sequence also stays within the model's positions."""
-        longest = (
-            s.max_sequence_tokens if max_positions is None else min(s.max_sequence_tokens, max_positions)
-        )
-        return cls(s.max_running, s.max_waiting, s.prefill_chunk_tokens, longest, s.skip_ahead_s)
 
 
 @dataclass
@@ -82,25 +61,44 @@ class Scheduler:
         on_events: Callable[[list[StepEvent]], None] | None = None,
     ):
         self.runner = runner
-        self.kv = kv
         self.limits = limits
         self.on_events = on_events or (lambda events: None)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self._cond = threading.Condition()
+        self.queues = Queues(kv, limits)
+        self.preemption = Preemption(self.queues)
+        self.admission = Admission(self.queues, self.preemption)
+        self._cond = self.queues.cond
         self._stop = False
         self.steps = 0
         self.tokens_generated = 0
         self.tokens_prefilled = 0
         self.joined = 0  # sequences that joined a step under way (see _join)
-        self.paused = 0  # generations paused for a more urgent one (see _pause)
-        self._urgent = Priority.CUSTOMER  # the most urgent priority with work, as of the last admission
         # per priority, of the generations that produced a token: count, seconds queued, seconds to it
         self.latency: dict[Priority, list[float]] = {p: [0, 0.0, 0.0] for p in Priority}
         self._join_budget = 0  # prefill tokens the step under way may still take
         self._join_floor = 0  # those that only less urgent work may take (see `plan`)
         self.last_step: StepStats | None = None
         self.fault_hook: Callable[[list[StepItem]], None] | None = None  # tests inject step failures
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.queues.kv
+
+    @kv.setter
+    def kv(self, kv: KVCacheManager) -> None:
+        self.queues.kv = kv  # tests give an engine a smaller pool after it is built
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.queues.running
+
+    @property
+    def paused(self) -> int:
+        """Generations paused for a more urgent one (admit.Preemption)."""
+        return self.preemption.paused
 
     # -- called from any thread -----------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -184,126 +182,8 @@ class Scheduler:
         events.append((seq, seq.result()))
 
     def _admit(self, events: list[StepEvent]) -> None:
-        """Waiting sequences into the running batch, the most urgent first (arrival order within a
-        priority); a generation without a place pauses a less urgent running one. One whose KV does
-        not fit lets the later ones that fit go first (see `_may_skip`)."""
-        with self._cond:
-            now = time.perf_counter()
-            places = self._places()
-            # only the most urgent work may evict what idle sessions keep in the cache
-            self._urgent = min(
-                (s.priority for s in (*self.running, *self.waiting)), default=Priority.CUSTOMER
-            )
-            for seq in sorted(self.waiting, key=lambda s: s.priority):
-                if seq.cancelled:
-                    self.waiting.remove(seq)
-                    self._finish(seq, FinishReason.CANCELLED, events)
-                    continue
-                scoring = seq.candidates is not None
-                if places[scoring] <= 0 and not (not scoring and self._pause(seq.priority)):
-                    continue
-                places[scoring] = max(places[scoring], 1)
-                if not self._admit_one(seq) and not (
-                    not scoring and self._evict(seq.priority) and self._admit_one(seq)
-                ):
-                    if self._may_skip(seq, now):
-                        continue
-                    break  # the later ones wait with it for running sequences to free blocks
-                places[scoring] -= 1
-
-    def _may_skip(self, seq: Sequence, now: float) -> bool:
-        """Whether later waiting sequences may go before `seq`, whose KV does not fit now: a small
-        request is not stuck behind a big one, as in vLLM's and TGI's schedulers. Only for
-        `skip_ahead_s` after its arrival: then the blocks running sequences free are left for it, so
-        it is not starved."""
-        return now - seq.submitted_at < self.limits.skip_ahead_s
-
-    def _victim(self, priority: int) -> Sequence | None:
-        """The least urgent, latest admitted running generation less urgent than `priority`."""
-        victims = [s for s in self.running if s.candidates is None and s.priority > priority]
-        return max(victims, key=lambda s: (s.priority, s.admitted_at or 0.0), default=None)
-
-    def _pause(self, priority: int) -> bool:
-        """Move `_victim(priority)` back to the waiting queue; it keeps its KV and computed tokens.
-        False: none to pause."""
-        victim = self._victim(priority)
-        if victim is None:
-            return False
-        self.running.remove(victim)
-        self.waiting.appendleft(victim)
-        self.paused += 1
-        return True
-
-    def _places(self) -> dict[bool, int]:
-        """Free running places, for generations (False) and label-scoring calls (True) apart: a scoring
-        call only prefills and never decodes, so a burst of auto-task calls never keeps the next chat
-        turn out of the batch (nor chats the calls); each kind has `max_running` places."""
-        scoring = sum(1 for s in self.running if s.candidates is not None)
-        limit = self.limits.max_running
-        return {False: limit - (len(self.running) - scoring), True: limit - scoring}
-
-    def _evict(self, priority: int) -> bool:
-        """For a more urgent sequence short of KV: pause `_victim(priority)` and put its KV in the cache
-        under a key of its own (evictable, like an idle session's); it resumes from what is still
-        cached and computes the rest again. False: none to pause."""
-        victim = self._victim(priority)
-        if victim is None:
-            return False
-        assert victim.kv is not None
-        self.running.remove(victim)
-        victim.kv.token_ids = victim.all_ids[: victim.num_computed]
-        victim.resume_key = victim.session_key if victim.session_key is not None else ("paused", victim.id)
-        self.kv.release(victim.kv, victim.resume_key)
-        victim.kv = None
-        victim.phase = Phase.PREFILL  # what the cache lost is computed again, then it decodes on
-        self.waiting.appendleft(victim)
-        self.paused += 1
-        return True
-
-    def _may_evict(self, seq: Sequence) -> bool:
-        """Whether `seq` may evict idle KV to fit. The most urgent work may. Less urgent work may while
-        what such work holds stays under a share of the pool: under steady customer load no block
-        is ever free, and it would wait until the customers stop."""
-        if seq.priority <= self._urgent:
-            return True
-        held = sum(
-            len(s.kv.blocks) for s in self.running if s.kv is not None and s.priority > Priority.CUSTOMER
-        )
-        return held < self.kv.total_blocks // EVICT_SHARE
-
-    def _admit_one(self, seq: Sequence) -> bool:
-        """Move a waiting sequence to running if its KV fits (the caller holds the lock and has checked
-        there is a running place). A paused one already holds its KV and goes on where it stopped."""
-        if seq.kv is not None:
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            return True
-        resumed = seq.resume_key is not None  # paused for KV: what is still cached, then the rest again
-        ids = seq.all_ids if resumed else seq.prompt_ids
-        try:
-            seq.kv, reused = self.kv.acquire(
-                ids,
-                seq.capacity_tokens,
-                seq.resume_key if resumed else seq.session_key,
-                None if resumed else seq.features_from,
-                0 if resumed else seq.shared_tokens,
-                evict=self._may_evict(seq),
-                root=0 if resumed else seq.cache_root,
-                fork=None if resumed else seq.fork_session,
-            )
-        except OutOfKVMemory:
-            return False
-        self.waiting.remove(seq)
-        seq.num_computed = reused
-        seq.kv.token_ids = ids[:reused]
-        if resumed:
-            seq.resume_key = None
-        else:
-            seq.usage.cached_tokens = reused
-            seq.phase = Phase.PREFILL
-            seq.admitted_at = time.perf_counter()
-        self.running.append(seq)
-        return True
+        """Waiting sequences into the running batch (admit.py); the cancelled ones end here."""
+        self.admission.admit(lambda seq: self._finish(seq, FinishReason.CANCELLED, events))
 
     def _join(self, layer: int) -> list[StepItem]:
         """Asked by the runner between the layers of a step: generation prompts that arrived since the
@@ -316,7 +196,7 @@ class Scheduler:
         if not self.waiting or self._join_budget + self._join_floor <= 0:  # the common case, unlocked
             return items
         with self._cond:
-            places = self._places()[False]
+            places = self.queues.places()[False]
             blocked = False  # a customer's prompt too long for this step: later ones wait behind it
             for seq in sorted(self.waiting, key=lambda s: s.priority):
                 if seq.candidates is not None or seq.kv is not None or seq.resume_key is not None:
@@ -326,8 +206,8 @@ class Scheduler:
                 customer = seq.priority == Priority.CUSTOMER
                 if customer and blocked:
                     continue
-                if not self._admit_one(seq):
-                    if self._may_skip(seq, time.perf_counter()):
+                if not self.admission.admit_one(seq):
+                    if self.queues.may_skip(seq, time.perf_counter()):
                         continue
                     break
                 places -= 1

@@ -3,6 +3,7 @@
 `Queues` holds the waiting queue and the running batch under one lock. `Admission` moves waiting
 sequences into the batch when their KV fits, the most urgent first. `Preemption` makes room for a
 customer: it pauses a less urgent generation, which keeps its KV, or evicts that KV to the cache.
+`StepJoins` admits prompts that arrive mid-step into the step under way.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from ..config import EngineSettings
 from .backend import Priority
 from .kv import KVCacheManager, OutOfKVMemory
+from .plan import StepItem
 from .sequence import Phase, Sequence
 
 # less urgent work than customers' may evict idle KV while it holds under 1/EVICT_SHARE of the pool
@@ -202,3 +204,69 @@ class Admission:
             seq.admitted_at = time.perf_counter()
         q.running.append(seq)
         return True
+
+
+class StepJoins:
+    """The join source of one step: prompts arriving mid-step that fit what is left of its budget.
+
+    Their first token then comes out with this step's tokens instead of a whole step later.
+    Generation prompts join in queue order; scoring calls wait for the next step. A customer
+    prompt too long for this step keeps later customers' from joining; it is still admitted, for
+    the next step. Less urgent prompts may also take what is left of the plan's floor for them.
+    """
+
+    def __init__(
+        self,
+        admission: Admission,
+        budget: int = 0,
+        floor: int = 0,
+        check: Callable[[list[StepItem]], None] | None = None,
+    ):
+        self.admission = admission
+        self.budget = budget  # prefill tokens the step may still take
+        self.floor = floor  # those that only less urgent work may take (see Scheduler.plan)
+        self.check = check  # tests inject failures: the joiners' catch-up is a model forward too
+        self.joined: list[StepItem] = []  # what joined, in order
+
+    def take(self, layer: int) -> list[StepItem]:
+        items: list[StepItem] = []
+        q = self.admission.queues
+        if not q.waiting or self.budget + self.floor <= 0:  # the common case, unlocked
+            return items
+        with q.cond:
+            places = q.places()[False]
+            blocked = False  # a customer's prompt too long for this step: later ones wait behind it
+            for seq in sorted(q.waiting, key=lambda s: s.priority):
+                if seq.candidates is not None or seq.kv is not None or seq.resume_key is not None:
+                    continue  # scoring calls have places of their own, paused ones resume next step
+                if seq.cancelled or seq.features_from is not None or places <= 0:
+                    break
+                customer = seq.priority == Priority.CUSTOMER
+                if customer and blocked:
+                    continue
+                if not self.admission.admit_one(seq):
+                    if q.may_skip(seq, time.perf_counter()):
+                        continue
+                    break
+                places -= 1
+                assert seq.kv is not None
+                remaining = len(seq.prompt_ids) - seq.num_computed
+                if remaining > self.budget + (0 if customer else self.floor):
+                    if customer:  # admitted: its prefill starts next step
+                        blocked = True
+                        continue
+                    break
+                if not customer:
+                    self.floor -= max(0, remaining - self.budget)
+                self.budget = max(0, self.budget - remaining)
+                items.append(
+                    StepItem(seq, seq.kv, seq.num_computed, seq.prompt_ids[seq.num_computed :], "last")
+                )
+        if items:
+            if self.check is not None:
+                self.check(items)
+            self.joined += items
+            # Once per step: the joiners' catch-up is a pass of its own over the layers done, so a
+            # burst of arrivals catches up together (the rest wait for the next step, already admitted).
+            self.budget = self.floor = 0
+        return items

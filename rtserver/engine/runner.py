@@ -20,9 +20,9 @@ from .kv import KVCacheManager
 from .kv_rows import to_pool
 from .layers import DecoderLayer, Weights
 from .linear import BlockEmbedding, BlockLinear, FusedArgs, Linear
-from .plan import StepItem
+from .plan import NO_JOINS, JoinSource, StepItem
 from .quant import BlockWeight, Kernel
-from .step import Features, Forward, Join, StepRunner
+from .step import Features, Forward, StepRunner
 
 log = logging.getLogger("rtserver.runner")
 
@@ -299,15 +299,17 @@ class ModelRunner(StepRunner):
         return [i for i in plain if len(items[i].tokens) == 1], [i for i in plain if len(items[i].tokens) > 1]
 
     @torch.inference_mode()
-    def run(self, items: list[StepItem], join: Join | None = None) -> Forward:
+    def run(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> Forward:
         """Run one step: per item the fp32 logits it asked for ([n, vocab], or [n, len(columns)]) or
         None, and its hidden-state features where it pools them.
 
-        `join`, when given, is asked before every layer but the first for more items: prompts that
-        arrived while this step runs, so that they need not wait for the next one (a step of many
-        streams is long). Their rows first run the layers already done, alone, then go on with the
-        step's rows; they are appended to `items` and get their logits with the others. Joining items
-        prefill whole prompts (logits "last", no pooled features)."""
+        `joins` is asked before every layer but the first for more items: prompts that arrived while
+        this step runs, so that they need not wait for the next one (a step of many streams is long).
+        Their rows first run the layers already done, alone, then go on with the step's rows. They
+        come back in `Forward.joined`, their logits after the plan's. Joining items prefill whole
+        prompts (logits "last", no pooled features)."""
+        planned = len(items)
+        items = list(items)  # the caller's plan stays as it is; joiners are appended here
         decode_idx, prompt_idx = self._fused_parts(items)
         in_fused = set(decode_idx + prompt_idx)
         rest_idx = [i for i in range(len(items)) if i not in in_fused]
@@ -318,7 +320,7 @@ class ModelRunner(StepRunner):
         ]
         decodes, prompts, rest = (rows for _, rows in groups)
         for li in range(len(self.layers)):
-            new = join(li) if join is not None and li > 0 else None
+            new = joins.take(li) if li > 0 else []
             if new:
                 assert all(it.logits == "last" and it.pool_from is None and not it.columns for it in new)
                 rest_idx += range(len(items), len(items) + len(new))
@@ -328,7 +330,7 @@ class ModelRunner(StepRunner):
             prompts.x = None if prompts.x is None else self._prompt_layer(li, prompts.lay, prompts.x)
             if rest.x is not None:  # None past the last layer: no row asked
                 rest.x = self._layer(li, rest.lay, rest.x, rest.pooling, rest.lasts)
-        out = Forward([None] * len(items), [None] * len(items))
+        out = Forward([None] * len(items), [None] * len(items), items[planned:])
         for idx, rows in groups:
             logits = self._logits(rows.items, rows.lay, rows.x, rows.features) if rows.x is not None else []
             for i, lg in zip(idx, logits):

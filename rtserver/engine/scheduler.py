@@ -2,7 +2,7 @@
 
 Each step is one batched forward: a decode token per running sequence plus a bounded prefill chunk,
 so a long prompt delays running streams by one chunk at most. Sequences join at any step, and a
-prompt arriving mid-step joins the step under way (`_join`). A bounded queue refuses work at once
+prompt arriving mid-step joins the step under way (`admit.StepJoins`). A bounded queue refuses work at once
 (`Overloaded`). One worker thread runs `step()`; `submit` and `cancel` are thread-safe.
 
 Priorities: the more urgent sequences (customers, then agent assist, then background work) are
@@ -25,11 +25,11 @@ from typing import Protocol
 
 import torch
 
-from .admit import Admission, Preemption, Queues, SchedulerLimits
+from .admit import Admission, Preemption, Queues, SchedulerLimits, StepJoins
 from .backend import FinishReason, Overloaded, Priority, RequestTooLarge, SequenceResult
 from .grammar import ConstraintError
 from .kv import KVCacheManager
-from .plan import StepItem
+from .plan import NO_JOINS, JoinSource, StepItem
 from .sequence import Phase, Sequence
 from .step import StepOutput
 
@@ -40,9 +40,7 @@ StepEvent = tuple[Sequence, int | SequenceResult]
 
 
 class Runner(Protocol):
-    def execute(
-        self, items: list[StepItem], join: Callable[[int], list[StepItem]] | None = None
-    ) -> StepOutput: ...
+    def execute(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> StepOutput: ...
 
 
 @dataclass
@@ -71,11 +69,10 @@ class Scheduler:
         self.steps = 0
         self.tokens_generated = 0
         self.tokens_prefilled = 0
-        self.joined = 0  # sequences that joined a step under way (see _join)
+        self.joined = 0  # sequences that joined a step under way (admit.StepJoins)
         # per priority, of the generations that produced a token: count, seconds queued, seconds to it
         self.latency: dict[Priority, list[float]] = {p: [0, 0.0, 0.0] for p in Priority}
-        self._join_budget = 0  # prefill tokens the step under way may still take
-        self._join_floor = 0  # those that only less urgent work may take (see `plan`)
+        self._joins = StepJoins(self.admission)  # the join source of the step under way (see `plan`)
         self.last_step: StepStats | None = None
         self.fault_hook: Callable[[list[StepItem]], None] | None = None  # tests inject step failures
 
@@ -185,54 +182,6 @@ class Scheduler:
         """Waiting sequences into the running batch (admit.py); the cancelled ones end here."""
         self.admission.admit(lambda seq: self._finish(seq, FinishReason.CANCELLED, events))
 
-    def _join(self, layer: int) -> list[StepItem]:
-        """Asked by the runner between the layers of a step: generation prompts that arrived since the
-        step began and whose whole prompt fits what is left of its prefill budget join it now, so their
-        first token comes out with this step's tokens instead of a whole step later. Generation prompts
-        join in queue order (scoring calls wait for the next step); a customer prompt too long for this
-        step keeps later customers' from joining (it is still admitted, for the next step). Less urgent
-        prompts may also take what is left of the plan's floor for them."""
-        items: list[StepItem] = []
-        if not self.waiting or self._join_budget + self._join_floor <= 0:  # the common case, unlocked
-            return items
-        with self._cond:
-            places = self.queues.places()[False]
-            blocked = False  # a customer's prompt too long for this step: later ones wait behind it
-            for seq in sorted(self.waiting, key=lambda s: s.priority):
-                if seq.candidates is not None or seq.kv is not None or seq.resume_key is not None:
-                    continue  # scoring calls have places of their own, paused ones resume next step
-                if seq.cancelled or seq.features_from is not None or places <= 0:
-                    break
-                customer = seq.priority == Priority.CUSTOMER
-                if customer and blocked:
-                    continue
-                if not self.admission.admit_one(seq):
-                    if self.queues.may_skip(seq, time.perf_counter()):
-                        continue
-                    break
-                places -= 1
-                assert seq.kv is not None
-                remaining = len(seq.prompt_ids) - seq.num_computed
-                if remaining > self._join_budget + (0 if customer else self._join_floor):
-                    if customer:  # admitted: its prefill starts next step
-                        blocked = True
-                        continue
-                    break
-                if not customer:
-                    self._join_floor -= max(0, remaining - self._join_budget)
-                self._join_budget = max(0, self._join_budget - remaining)
-                items.append(
-                    StepItem(seq, seq.kv, seq.num_computed, seq.prompt_ids[seq.num_computed :], "last")
-                )
-        if items:
-            if self.fault_hook is not None:
-                self.fault_hook(items)  # their catch-up is a model forward too
-            self.joined += len(items)
-            # Once per step: the joiners' catch-up is a pass of its own over the layers done, so a
-            # burst of arrivals catches up together (the rest wait for the next step, already admitted).
-            self._join_budget = self._join_floor = 0
-        return items
-
     def plan(self, events: list[StepEvent]) -> list[StepItem]:
         """Admit what fits, drop what was cancelled, and lay out this step's tokens."""
         for seq in [s for s in self.running if s.cancelled]:
@@ -283,8 +232,8 @@ class Scheduler:
                     pool_from=seq.features_from,
                 )
             )
-        self._join_budget = max(0, budget)  # what sequences joining mid-step may still prefill
-        self._join_floor = max(0, floor)  # and what the less urgent of them may take beyond it
+        # what sequences joining mid-step may still prefill, and what the less urgent may take beyond it
+        self._joins = StepJoins(self.admission, max(0, budget), max(0, floor), self.fault_hook)
         return items
 
     def step(self) -> None:
@@ -296,16 +245,20 @@ class Scheduler:
                 time.sleep(0.001)  # waiting work that does not fit yet; let running ones finish
             return
         started = time.perf_counter()
+        joins = self._joins
         try:
-            out = self._execute(items, join=True)
+            out = self._execute(items, joins)
         except Exception:
             # Isolate the culprit: run each sequence's part of the step alone (rewriting the same KV
             # slots), so one bad sequence fails alone and the others go on.
+            items += joins.joined
             log.warning("step failed for sequences %s; retrying them one by one", [it.seq.id for it in items])
             for it in items:
                 self._run_guarded([it], events)
         else:
+            items = out.items
             self._run_guarded(items, events, out)
+        self.joined += len(joins.joined)
         self.steps += 1
         self.last_step = StepStats(
             sum(1 for it in items if it.seq.phase is Phase.DECODE),
@@ -314,10 +267,10 @@ class Scheduler:
         )
         self.on_events(events)
 
-    def _execute(self, items: list[StepItem], join: bool = False) -> StepOutput:
+    def _execute(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> StepOutput:
         if self.fault_hook is not None:
             self.fault_hook(items)
-        return self.runner.execute(items, self._join if join else None)
+        return self.runner.execute(items, joins)
 
     def _run_guarded(
         self, items: list[StepItem], events: list[StepEvent], out: StepOutput | None = None

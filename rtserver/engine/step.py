@@ -8,19 +8,16 @@ of its own that failed (`StepOutput`). The scheduler applies all of it in one pl
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .grammar import Rows
-from .plan import StepItem
+from .plan import NO_JOINS, JoinSource, StepItem
 from .sampler import Sampler
 from .sequence import Sequence
 
 log = logging.getLogger("rtserver.step")
-
-Join = Callable[[int], list[StepItem]]
 
 
 @dataclass
@@ -39,13 +36,14 @@ class Forward:
 
     logits: list[torch.Tensor | None]
     features: list[Features | None]
+    joined: list[StepItem] = field(default_factory=list)  # items that joined the step under way
 
 
 @dataclass
 class StepOutput:
     """What one step computed per item of its plan (items that joined mid-step appended)."""
 
-    items: list[StepItem]
+    items: list[StepItem]  # the plan's, then those that joined
     features: list[Features | None]
     tokens: list[int | None]  # the next token of a generation whose prompt is computed
     scores: list[list[float] | None]  # label scores of a scoring call whose prompt is computed
@@ -62,21 +60,22 @@ class StepRunner:
 
     sampler = Sampler()
 
-    def run(self, items: list[StepItem], join: Join | None = None) -> Forward:
-        """The forward of one step; `join` may append items to `items` (see ModelRunner.run)."""
+    def run(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> Forward:
+        """The forward of one step; items from `joins` may join it (see ModelRunner.run)."""
         raise NotImplementedError
 
-    def forward(self, items: list[StepItem], join: Join | None = None) -> list[torch.Tensor | None]:
-        """The logits of one step, per item."""
-        return self.run(items, join).logits
+    def forward(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> list[torch.Tensor | None]:
+        """The logits of one step, per item (joiners appended)."""
+        return self.run(items, joins).logits
 
     def sample(self, seqs: list[Sequence], logits: Rows) -> list[int | Exception]:
         return self.sampler.sample(seqs, logits)
 
-    def execute(self, items: list[StepItem], join: Join | None = None) -> StepOutput:
+    def execute(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> StepOutput:
         """One step: the forward, then a token for each generation and scores for each scoring call
         whose prompt it finished. A sequence whose own sampling or scoring raises gets the error."""
-        fw = self.run(items, join)
+        fw = self.run(items, joins)
+        items = [*items, *fw.joined]
         out = StepOutput.of(items, fw.features)
         sampling: list[tuple[int, torch.Tensor]] = []
         scoring: list[tuple[int, torch.Tensor]] = []

@@ -11,7 +11,7 @@ import torch
 from rtserver.config import EngineSettings
 from rtserver.engine.backend import FinishReason, Overloaded, Priority, RequestTooLarge, SamplingParams
 from rtserver.engine.kv import KVCacheManager
-from rtserver.engine.plan import StepItem
+from rtserver.engine.plan import NO_JOINS, JoinSource, StepItem
 from rtserver.engine.scheduler import Scheduler, SchedulerLimits
 from rtserver.engine.sequence import Phase, Sequence
 from rtserver.engine.step import Forward, StepRunner
@@ -33,10 +33,12 @@ class FakeRunner(StepRunner):
         # What "another thread" does while a step runs, before the layer it is keyed by (submit, cancel).
         self.during_step: dict[int, Callable[[], object]] = {}
 
-    def run(self, items: list[StepItem], join=None) -> Forward:
-        for layer, happens in sorted(self.during_step.items()) if join is not None else ():
+    def run(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> Forward:
+        planned = len(items)
+        items = list(items)
+        for layer, happens in sorted(self.during_step.items()) if joins is not NO_JOINS else ():
             happens()
-            items.extend(join(layer))  # the real runner asks before every layer but the first
+            items.extend(joins.take(layer))  # the real runner asks before every layer but the first
         self.steps.append([(it.seq.id, it.start, len(it.tokens)) for it in items])
         out = []
         for it in items:
@@ -48,7 +50,7 @@ class FakeRunner(StepRunner):
             for r in range(n):
                 logits[r, (it.start + len(it.tokens) - n + r + 1) % VOCAB] = 1.0
             out.append(logits)
-        return Forward(out, [None] * len(out))
+        return Forward(out, [None] * len(out), items[planned:])
 
     def sample(self, seqs, logits):
         return [int(row.argmax()) for row in logits]

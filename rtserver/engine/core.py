@@ -42,6 +42,7 @@ from .quant import probe_panel_rows
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepEvent
 from .sequence import Sequence
+from .step import StepRunner
 
 log = logging.getLogger("rtserver.engine")
 
@@ -222,7 +223,7 @@ class Engine:
         if release_dense_weights:
             return_freed_memory()
         self.scheduler = Scheduler(
-            self.runner,
+            StepRunner(self.runner),
             self.kv,
             SchedulerLimits.from_settings(opts, self.runner.max_positions),
             self._dispatch,

@@ -22,7 +22,7 @@ from .layers import DecoderLayer, Weights
 from .linear import BlockEmbedding, BlockLinear, FusedArgs, Linear
 from .plan import NO_JOINS, JoinSource, StepItem
 from .quant import BlockWeight, Kernel
-from .step import Features, Forward, StepRunner
+from .step import Features, Forward
 
 log = logging.getLogger("rtserver.runner")
 
@@ -101,7 +101,7 @@ class _Rows:
         self.lay = self._runner._layout(self.items)
 
 
-class ModelRunner(StepRunner):
+class ModelRunner:
     def __init__(
         self,
         model: PreTrainedModel,
@@ -338,6 +338,10 @@ class ModelRunner(StepRunner):
             for i, f in zip(idx, rows.features):
                 out.features[i] = f
         return out
+
+    def forward(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> list[torch.Tensor | None]:
+        """The logits of one step, per item (joiners appended)."""
+        return self.run(items, joins).logits
 
     def _catch_up(self, items: list[StepItem], layers: int) -> torch.Tensor:
         """The residual stream of items joining a step before layer `layers`: the layers before it."""

@@ -24,9 +24,9 @@ class FakeTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-class FakeRunner(StepRunner):
-    """Always predicts token (position % VOCAB); records every step's plan. Sampling and label scoring
-    are the real runner's (StepRunner), over this fake forward."""
+class FakeRunner:
+    """Always predicts token (position % VOCAB); records every step's plan. Label scoring is the real
+    one (StepRunner's LabelScorer), over this fake forward; sampling is greedy (`Argmax`)."""
 
     def __init__(self):
         self.steps: list[list[tuple[int, int, int]]] = []  # (seq id, start, n tokens)
@@ -52,6 +52,11 @@ class FakeRunner(StepRunner):
             out.append(logits)
         return Forward(out, [None] * len(out), items[planned:])
 
+    def forward(self, items: list[StepItem]) -> list[torch.Tensor | None]:
+        return self.run(items).logits
+
+
+class Argmax:
     def sample(self, seqs, logits):
         return [int(row.argmax()) for row in logits]
 
@@ -73,7 +78,10 @@ def make(limits=None, blocks=64, block_tokens=4):
     runner = FakeRunner()
     events = []
     sched = Scheduler(
-        runner, kv, limits or with_limits(max_running=4, max_waiting=4, prefill_chunk_tokens=8), events.extend
+        StepRunner(runner, Argmax()),
+        kv,
+        limits or with_limits(max_running=4, max_waiting=4, prefill_chunk_tokens=8),
+        events.extend,
     )
     return sched, runner, kv, events
 

@@ -23,8 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from .admit import Admission, Preemption, Queues, SchedulerLimits, StepJoins
 from .backend import FinishReason, Overloaded, Priority, RequestTooLarge, SequenceResult
 from .grammar import ConstraintError
@@ -304,18 +302,14 @@ class Scheduler:
                 # later prompts that start so share it (in its scope, if it has one)
                 self.kv.register_prefix(it.kv, seq.shared_tokens, seq.cache_root)
             f = out.features[i]
-            if f is not None and f.sums:
-                total = torch.cat(f.sums)
-                seq.pooled_sum = total if seq.pooled_sum is None else seq.pooled_sum + total
-                seq.pooled_rows += f.rows
+            if f is not None:
+                seq.pooled.add(f)
             error = out.errors[i]
             if error is not None:
                 self._fail_alone(seq, events, *error)
             elif out.scores[i] is not None:
-                if f is not None and f.last is not None and seq.pooled_sum is not None:
-                    # the final hidden state, the pool layers' means, the last layers' last token
-                    mean = seq.pooled_sum / seq.pooled_rows
-                    seq.features = torch.cat([f.last[0], mean, *f.last[1:]]).tolist()
+                if f is not None:
+                    seq.features = seq.pooled.vector(f)
                 seq.scores = out.scores[i]
                 self.running.remove(seq)
                 self._finish(seq, FinishReason.LENGTH, events)

@@ -13,21 +13,12 @@ from typing import Protocol
 
 import torch
 
+from .features import Features
 from .grammar import Rows
 from .labels import LabelScorer
 from .plan import NO_JOINS, JoinSource, StepItem
 from .sampler import Sampler
 from .sequence import Sequence
-
-
-@dataclass
-class Features:
-    """Hidden-state features of one item (a learned head's input), float32."""
-
-    rows: int = 0  # rows pooled: the item's positions from pool_from on
-    sums: list[torch.Tensor] = field(default_factory=list)  # per pool layer, the sum over those rows
-    # with logits: the final hidden state at the item's last row, then per last layer
-    last: list[torch.Tensor] | None = None
 
 
 @dataclass

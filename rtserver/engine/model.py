@@ -230,7 +230,7 @@ def load_model(
     spec: str = "embedded",
     dtype: str = "auto",
     threads: int = 0,
-    cache_dir: str | os.PathLike = "~/.cache/rtserver",
+    cache_dir: str | os.PathLike[str] = "~/.cache/rtserver",
 ) -> LoadedModel:
     n_threads = threads or os.cpu_count() or 1
     torch.set_num_threads(n_threads)
@@ -282,7 +282,7 @@ def _from_pretrained(spec: str, torch_dtype: torch.dtype) -> tuple[Tokenizer, Pr
         raise ModelLoadError(f"{spec}: cannot load model ({exc})") from exc
     except Exception as exc:
         raise ModelLoadError(f"{spec}: cannot load model ({type(exc).__name__}: {exc})") from exc
-    model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)  # type: ignore[no-untyped-call]
     # Own the weights: transformers may leave them memory-mapped from the file, and then the pages of
     # weights the runner replaces (fused q/k/v and gate/up) stay resident as long as the mapping lives.
     with torch.no_grad():
@@ -292,7 +292,7 @@ def _from_pretrained(spec: str, torch_dtype: torch.dtype) -> tuple[Tokenizer, Pr
 
 
 def load_tokenizer(
-    spec: str = "embedded", cache_dir: str | os.PathLike = "~/.cache/rtserver"
+    spec: str = "embedded", cache_dir: str | os.PathLike[str] = "~/.cache/rtserver"
 ) -> tuple[str, Tokenizer]:
     """(name, tokenizer with its chat template) of a `model = ...` setting, without its weights: what a
     node needs whose inference runs on remote servers."""

@@ -577,7 +577,7 @@ def probe_panel_rows(kernel: Kernel, mlps: list[tuple[BlockWeight, BlockWeight]]
 
 
 def _clearly_faster(
-    fast: Callable[..., object], other: Callable[..., object], inputs: tuple, repeats: int
+    fast: Callable[..., object], other: Callable[..., object], inputs: tuple[object, ...], repeats: int
 ) -> bool:
     """Whether `fast(*inputs)` takes under 0.9 of `other(*inputs)`'s time (a clear win only). The two are
     timed in turns and the best of each kept, so load from other processes slows both alike."""

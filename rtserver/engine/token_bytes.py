@@ -32,7 +32,8 @@ def token_bytes(backend: Any) -> tuple[list[bytes], list[int]]:
     kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
     tokens = [b""] * (max(vocab.values()) + 1)
     if "ByteLevel" in kinds:  # GPT-2's bytes as printable characters
-        table = {c: b for b, c in bytes_to_unicode().items()}
+        gpt2: dict[int, str] = bytes_to_unicode()  # type: ignore[no-untyped-call]
+        table = {c: b for b, c in gpt2.items()}
         for text, i in vocab.items():
             tokens[i] = text.encode() if text in added_text else bytes(table[c] for c in text)
     elif "ByteFallback" in kinds:  # SentencePiece: "▁" is a space, "<0xNN>" one byte
@@ -59,7 +60,8 @@ class _Vocabulary:
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # llguidance then passes str
             raise TypeError("text must be str")
-        return self._backend.encode(text, add_special_tokens=False).ids
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        return ids
 
 
 def ll_tokenizer(hf: Any, n_vocab: int, eos_ids: list[int]) -> Any:

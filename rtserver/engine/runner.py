@@ -129,7 +129,7 @@ class ModelRunner:
         self.attention = PagedAttention(self.n_heads, self.n_kv, self.head_dim, self.scale)
         self.attention_kernel: Kernel | None = None  # see use_attention_kernel
         self.fused_decode = False  # decodes and generation prompts run fused (choose_fused_decode)
-        self._fused_layers: list[Any] = []  # the kernel's FusedLayer of each layer (choose_fused_decode)
+        self._fused_layers: list[object] = []  # the kernel's FusedLayer of each layer (choose_fused_decode)
         if release_dense_weights:
             self.release_dense_weights()
 
@@ -184,7 +184,7 @@ class ModelRunner:
         self.fused_decode = True
         self._fused_layers = [self._fused_layer_of(L) for L in self.layers]
 
-    def _fused_layer_of(self, L: DecoderLayer) -> Any:
+    def _fused_layer_of(self, L: DecoderLayer) -> object:
         """Layer L as the kernel's FusedLayer: its weights and switches, checked once."""
         n = L.norms
         assert self.attention_kernel is not None, "fused layers run on the kernel"

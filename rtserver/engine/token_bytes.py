@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
 
 _TAG = re.compile(r"<[^<>]*>")
 
@@ -64,7 +67,7 @@ class _Vocabulary:
         return ids
 
 
-def ll_tokenizer(hf: Any, n_vocab: int, eos_ids: list[int]) -> Any:
+def ll_tokenizer(hf: Any, n_vocab: int, eos_ids: list[int]) -> LLTokenizer:
     """An llguidance `LLTokenizer` for a fast Hugging Face tokenizer; one whose decoder is not read
     here gets llguidance's own conversion."""
     import llguidance.hf

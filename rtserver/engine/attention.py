@@ -128,7 +128,9 @@ def prefill_groups(items: list[StepItem]) -> list[list[int]]:
     return groups
 
 
-def _context(pool: torch.Tensor, slots: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+def _context(
+    pool: torch.Tensor, slots: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
     """The K or V of `slots` gathered from one layer's pool as [B, kv_heads, L, head_dim] in the queries'
     dtype (index_select: a plain row gather, cheaper than advanced indexing's general path); q8_0 rows
     are dequantized."""

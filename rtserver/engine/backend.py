@@ -56,16 +56,16 @@ MAX_SEED = 2**63 - 1  # what every door accepts and torch.Generator.manual_seed 
 MAX_TOKEN_ID = 2**31 - 1
 
 
-def _integer(value: Any, lo: int, hi: int) -> bool:
+def _integer(value: object, lo: int, hi: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
-def _number(value: Any, lo: float, hi: float) -> bool:
+def _number(value: object, lo: float, hi: float) -> bool:
     # NaN compares false, so it is out of every range
     return isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     """A field's value for an error message, cut short (a client may send a huge one)."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -226,8 +226,8 @@ class BackendHealth(TypedDict):
     kind: str
     state: NotRequired[str]
     running: NotRequired[int]
-    kernels: NotRequired[dict[str, Any]]
-    kv: NotRequired[dict[str, Any]]  # the local KV pool: element type, bytes a token, budget, tokens, why
+    kernels: NotRequired[dict[str, object]]
+    kv: NotRequired[dict[str, object]]  # the local KV pool: element type, bytes a token, budget, tokens, why
     model: NotRequired[str]
     servers: NotRequired[list[ServerHealth]]
 

@@ -13,11 +13,12 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Hashable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from ..config import EngineSettings
+from .admit import SchedulerLimits
 from .backend import (
     BackendHealth,
     BackendStats,
@@ -34,13 +35,14 @@ from .gguf_file import GGUFFile
 from .grammar import Grammars
 from .kv import KVCacheManager
 from .kv_memory import resolve_kv_memory
-from .linear import BlockLinear
+from .linear import BlockLinear, Linear
 from .model import LoadedModel
 from .openmp import release_pool
 from .quant import probe_panel_rows
 from .runner import ModelRunner
-from .scheduler import Scheduler, SchedulerLimits, StepEvent
+from .scheduler import Scheduler, StepEvent
 from .sequence import Sequence
+from .step import StepRunner
 
 log = logging.getLogger("rtserver.engine")
 
@@ -162,7 +164,7 @@ def _check_token_ids(ids: object, vocab: int, what: str) -> None:
         raise ValueError(f"{what} must be a non-empty list of token ids in 0..{vocab - 1}")
 
 
-def decode_weight_bytes(linears: list[Any]) -> int:
+def decode_weight_bytes(linears: list[Linear]) -> int:
     """The weight bytes a one-token step reads: each block linear's blocks (or panels), each dense
     linear's weight."""
     total = 0
@@ -170,8 +172,8 @@ def decode_weight_bytes(linears: list[Any]) -> int:
         if isinstance(lin, BlockLinear):
             _, a, b = lin.blocks.args
             total += sum(t.numel() * t.element_size() for t in [*a, *b])
-        elif isinstance(getattr(lin, "weight", None), torch.Tensor):
-            total += lin.weight.numel() * lin.weight.element_size()
+        elif isinstance(weight := getattr(lin, "weight", None), torch.Tensor):
+            total += weight.numel() * weight.element_size()
     return total
 
 
@@ -212,7 +214,7 @@ class Engine:
             kernel=loaded.kernel,
         )
         # What each linear computes with, and why (shown in /health).
-        self.kernels: dict[str, Any] = {"weights": loaded.dtype_name}
+        self.kernels: dict[str, object] = {"weights": loaded.dtype_name}
         if loaded.gguf_blocks is not None:
             self.kernels = self._use_gguf_blocks(loaded)
             if release_dense_weights:
@@ -221,7 +223,7 @@ class Engine:
         if release_dense_weights:
             return_freed_memory()
         self.scheduler = Scheduler(
-            self.runner,
+            StepRunner(self.runner),
             self.kv,
             SchedulerLimits.from_settings(opts, self.runner.max_positions),
             self._dispatch,
@@ -232,7 +234,7 @@ class Engine:
         self._streams: dict[int, OutputSink] = {}
         self._thread: threading.Thread | None = None
 
-    def _use_gguf_blocks(self, loaded: LoadedModel) -> dict[str, Any]:
+    def _use_gguf_blocks(self, loaded: LoadedModel) -> dict[str, object]:
         """dtype gguf: every linear the file ships in a supported block type multiplies with its blocks;
         steps above a start-up probe's row count run on panels of weight rows, kept unpacked within
         `kept_panels_mb`. Without the kernel every weight is dense float32."""

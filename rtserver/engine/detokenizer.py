@@ -8,11 +8,12 @@ A stop string found in the text ends the output there; the engine then cancels t
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from typing import Any
+
+from .backend import Tokenizer
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, stop: Iterable[str], eos_token_ids: Collection[int]):
+    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str], eos_token_ids: Collection[int]):
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.eos_token_ids = set(eos_token_ids)

@@ -143,7 +143,8 @@ def layer_norms(family: Family, layer: Any, eps: float) -> LayerNorms:
 
 def attention_scale(cfg: Any, head_dim: int) -> float:
     """Gemma scales scores by query_pre_attn_scalar, the others by the head size."""
-    return float(getattr(cfg, "query_pre_attn_scalar", None) or head_dim) ** -0.5
+    scale: float = float(getattr(cfg, "query_pre_attn_scalar", None) or head_dim) ** -0.5
+    return scale
 
 
 def layer_windows(cfg: Any) -> list[int]:
@@ -160,7 +161,9 @@ def layer_windows(cfg: Any) -> list[int]:
     return [0] * n
 
 
-def rope_tables(cfg: Any, rotary: Any, positions: int, dtype: torch.dtype) -> tuple[list, list[int]]:
+def rope_tables(
+    cfg: Any, rotary: Any, positions: int, dtype: torch.dtype
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
     """The (cos, sin) tables by layer type, and each layer's index into them: from the model's own
     rotary module, so scaling variants (Llama 3, linear, Gemma's local base) come out identical.
     SmolLM3's layers without RoPE (`no_rope_layers[i] == 0`) get the identity: cos 1, sin 0."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,12 +19,15 @@ import torch
 from .output_format import OutputFormat, OutputFormatError
 from .token_bytes import ll_tokenizer
 
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+
 # a step's logits: [n, vocab] float32, or its n rows (views, masked and read in place)
 Rows = torch.Tensor | list[torch.Tensor]
 MAX_FORMATS = 128  # compiled formats kept (a task's are pinned; a client's drop out least recently used)
 
 
-def _limits() -> Any:
+def _limits() -> LLParserLimits:
     """Bounds on the work of one compile and one mask step, whoever wrote the format."""
     from llguidance import LLParserLimits
 
@@ -73,7 +76,7 @@ class Closers:
         self.tiers = tiers
 
     @classmethod
-    def of(cls, ll_tokenizer: Any, vocab_size: int) -> Closers:
+    def of(cls, ll_tokenizer: LLTokenizer, vocab_size: int) -> Closers:
         tiers = [np.zeros((vocab_size + 31) // 32, dtype=np.uint32) for _ in cls.TIERS]
         for t in range(min(vocab_size, ll_tokenizer.vocab_size)):
             if ll_tokenizer.is_special_token(t):
@@ -103,7 +106,7 @@ class GrammarConstraint(Constraint):
 
     active = True
 
-    def __init__(self, matcher: Any, eos_ids: set[int], closers: Closers, max_tokens: int):
+    def __init__(self, matcher: LLMatcher, eos_ids: set[int], closers: Closers, max_tokens: int):
         self.matcher = matcher
         self.eos_ids = sorted(eos_ids)  # the sequence's own: its stop token ids too
         self.closers = closers
@@ -178,13 +181,13 @@ class Grammars:
         self._hf = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
-        self._tokenizer: Any = None
+        self._tokenizer: LLTokenizer | None = None
         self._closers = NO_CLOSERS
-        self._compiled: OrderedDict[OutputFormat, Any] = OrderedDict()
+        self._compiled: OrderedDict[OutputFormat, LLMatcher] = OrderedDict()
         self._pinned: set[OutputFormat] = set()
         self._lock = threading.Lock()
 
-    def _ll_tokenizer(self) -> Any:
+    def _ll_tokenizer(self) -> LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = ll_tokenizer(self._hf, self.vocab_size, self.eos_ids)

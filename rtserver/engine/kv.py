@@ -308,51 +308,73 @@ class KVCacheManager:
                     f"({self.total_blocks * self.block_tokens} tokens)"
                 )
             handle: KVHandle | None = None
-            from_session = False
             if session_key is not None:
-                cached = self.sessions.pop(session_key, None)
-                if cached is not None:
-                    reused = min(_common_prefix(cached.token_ids, prompt_ids), len(prompt_ids) - 1)
-                    keep = self.blocks_for(reused)
-                    self._drop_blocks(cached.blocks[keep:])
-                    cached.blocks = cached.blocks[:keep]
-                    cached.token_ids = cached.token_ids[:reused]
-                    cached.block_hashes = cached.block_hashes[: reused // self.block_tokens]
-                    handle, from_session = cached, True
-                    self.session_hits += 1
-                elif session_key in self.evicted_sessions:
-                    del self.evicted_sessions[session_key]
-                    self.rebuilds += 1
+                handle = self._from_session(session_key, prompt_ids)
             elif fork is not None:
-                handle = self._fork(fork, prompt_ids)
-                if handle is not None and handle.num_tokens >= self.block_tokens:
-                    self.fork_hits += handle.num_tokens
+                handle = self._from_fork(fork, prompt_ids)
+            from_session = handle is not None and session_key is not None
             if handle is None or handle.num_tokens < self.block_tokens:
-                if handle is not None:
+                if handle is not None:  # less than a block: the prefix cache may hold more
                     self._drop_blocks(handle.blocks)
                     from_session = False
-                limit = min(len(prompt_ids) - 1, public_tokens)  # leave at least one token to compute
-                handle = self._match_prefix(
-                    prompt_ids, limit if max_reuse is None else min(limit, max_reuse), root
-                )
-                self.prefix_hits += handle.num_tokens
-            room = self.reclaimable_blocks() if evict else len(self._free)
-            if need - len(handle.blocks) > room:
-                if from_session:
-                    self.sessions[session_key] = handle  # still valid: the session keeps it while it waits
-                else:
-                    self._drop_blocks(handle.blocks)
-                raise OutOfKVMemory("KV budget full")
-            try:
-                self._own_last_block(handle)
-                self._grow(handle, capacity_tokens)
-            except OutOfKVMemory:
-                self._drop_blocks(handle.blocks)
-                raise
+                handle = self._from_prefix(prompt_ids, public_tokens, max_reuse, root)
+            self._fit(handle, capacity_tokens, evict, session_key if from_session else None)
             if session_key is not None:
                 handle.owner = session_key
                 self.live[session_key] = handle
             return handle, handle.num_tokens
+
+    def _from_session(self, key: Hashable, prompt_ids: list[int]) -> KVHandle | None:
+        """The session's kept KV, cut to what it shares with the prompt (the session gives it up)."""
+        cached = self.sessions.pop(key, None)
+        if cached is None:
+            if key in self.evicted_sessions:
+                del self.evicted_sessions[key]
+                self.rebuilds += 1
+            return None
+        reused = min(_common_prefix(cached.token_ids, prompt_ids), len(prompt_ids) - 1)
+        keep = self.blocks_for(reused)
+        self._drop_blocks(cached.blocks[keep:])
+        cached.blocks = cached.blocks[:keep]
+        cached.token_ids = cached.token_ids[:reused]
+        cached.block_hashes = cached.block_hashes[: reused // self.block_tokens]
+        self.session_hits += 1
+        return cached
+
+    def _from_fork(self, key: Hashable, prompt_ids: list[int]) -> KVHandle | None:
+        """What session `key`'s KV holds of the prompt's start, shared (see `_fork`)."""
+        handle = self._fork(key, prompt_ids)
+        if handle is not None and handle.num_tokens >= self.block_tokens:
+            self.fork_hits += handle.num_tokens
+        return handle
+
+    def _from_prefix(
+        self, prompt_ids: list[int], public_tokens: int, max_reuse: int | None, root: int
+    ) -> KVHandle:
+        """The prefix cache's longest match within the public tokens (and `max_reuse`)."""
+        limit = min(len(prompt_ids) - 1, public_tokens)  # leave at least one token to compute
+        handle = self._match_prefix(prompt_ids, limit if max_reuse is None else min(limit, max_reuse), root)
+        self.prefix_hits += handle.num_tokens
+        return handle
+
+    def _fit(self, handle: KVHandle, capacity_tokens: int, evict: bool, session_key: Hashable | None) -> None:
+        """Grow `handle` to `capacity_tokens`, or give back what it holds and raise OutOfKVMemory.
+
+        A handle from `session_key`'s kept KV goes back to the session, still valid, while it waits.
+        """
+        room = self.reclaimable_blocks() if evict else len(self._free)
+        if self.blocks_for(capacity_tokens) - len(handle.blocks) > room:
+            if session_key is not None:
+                self.sessions[session_key] = handle
+            else:
+                self._drop_blocks(handle.blocks)
+            raise OutOfKVMemory("KV budget full")
+        try:
+            self._own_last_block(handle)
+            self._grow(handle, capacity_tokens)
+        except OutOfKVMemory:
+            self._drop_blocks(handle.blocks)
+            raise
 
     def release(self, handle: KVHandle, session_key: Hashable | None = None) -> None:
         """A sequence ended: keep its KV for the session's next turn, or free it."""

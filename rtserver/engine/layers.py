@@ -116,7 +116,7 @@ class Weights:
         drop_parameters(self.model)
 
 
-def _cat_bias(*linears) -> torch.Tensor | None:
+def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
         return None

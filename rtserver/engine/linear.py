@@ -75,7 +75,8 @@ class OneDNNLinear(Linear):
         self.packed, self.bias, self.out_features = packed, bias, out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out
 
 
 class Float16Linear(Linear):
@@ -89,7 +90,8 @@ class Float16Linear(Linear):
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        return out
 
 
 class Int8Linear(Linear):
@@ -110,7 +112,8 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # reduce_range: 7-bit activations, so AVX2 u8*s8 pair sums cannot saturate int16 (no VNNI here)
-        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic(x, self.packed, True)
+        return out
 
 
 class BlockLinear(Linear):
@@ -177,10 +180,10 @@ def stored_linear(weight: torch.Tensor, bias: torch.Tensor | None, storage: str 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight reordered once into oneDNN's blocked layout (float32 only), or None where unavailable
     (or where a probe disagrees with F.linear)."""
-    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return None
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
         probe = torch.linspace(-1, 1, 2 * weight.shape[1]).view(2, -1)
         got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
         if not torch.allclose(got, F.linear(probe, weight.detach()), rtol=1e-4, atol=1e-4):

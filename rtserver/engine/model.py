@@ -23,7 +23,7 @@ from .families import UnsupportedModel
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .quant import Kernel
+    from .quant import BlockWeight, Kernel
 
 log = logging.getLogger("rtserver.model")
 
@@ -49,7 +49,7 @@ class LoadedModel:
     # every weight dense, `blocks_why` says why)
     gguf_blocks: Path | None = None
     cache_dir: Path | None = None
-    blocks: dict[str, Any] = field(default_factory=dict)
+    blocks: dict[str, BlockWeight] = field(default_factory=dict)
     kernel: Kernel | None = None
     blocks_why: str = ""
 
@@ -159,7 +159,9 @@ def _gguf_config(path: Path) -> Any:
         raise ModelLoadError(f"{path}: {exc}") from exc
 
 
-def _gguf_model(path: Path, cache_dir: Path | None) -> tuple[PreTrainedModel, dict[str, Any], Any, str]:
+def _gguf_model(
+    path: Path, cache_dir: Path | None
+) -> tuple[PreTrainedModel, dict[str, BlockWeight], Kernel | None, str]:
     """The model of a GGUF file, and with a `cache_dir` (dtype gguf) its quantized linears as blocks
     with the kernel that multiplies with them: those linears are never dequantized."""
     from .gguf_file import GGUFError, GGUFFile
@@ -171,7 +173,9 @@ def _gguf_model(path: Path, cache_dir: Path | None) -> tuple[PreTrainedModel, di
     try:
         g = GGUFFile(path)
         config = gguf_config(g)
-        kernel, blocks, why = None, {}, ""
+        kernel: Kernel | None = None
+        blocks: dict[str, BlockWeight] = {}
+        why = ""
         if cache_dir is not None:
             kernel = load_kernel(cache_dir)
             if kernel is None:
@@ -230,7 +234,7 @@ def load_model(
     spec: str = "embedded",
     dtype: str = "auto",
     threads: int = 0,
-    cache_dir: str | os.PathLike = "~/.cache/rtserver",
+    cache_dir: str | os.PathLike[str] = "~/.cache/rtserver",
 ) -> LoadedModel:
     n_threads = threads or os.cpu_count() or 1
     torch.set_num_threads(n_threads)
@@ -245,8 +249,9 @@ def load_model(
     started = time.perf_counter()
     name = model_name(spec)
     log.info("loading model %s (dtype %s, %d threads)", name, dtype, n_threads)
-    blocks: dict[str, Any] = {}
-    kernel, why = None, ""
+    blocks: dict[str, BlockWeight] = {}
+    kernel: Kernel | None = None
+    why = ""
     if gguf is not None:
         # first: a broken or unsupported file is refused before the tokenizer is converted
         model, blocks, kernel, why = _gguf_model(gguf, cache if dtype == "gguf" else None)
@@ -282,7 +287,7 @@ def _from_pretrained(spec: str, torch_dtype: torch.dtype) -> tuple[Tokenizer, Pr
         raise ModelLoadError(f"{spec}: cannot load model ({exc})") from exc
     except Exception as exc:
         raise ModelLoadError(f"{spec}: cannot load model ({type(exc).__name__}: {exc})") from exc
-    model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)  # type: ignore[no-untyped-call]
     # Own the weights: transformers may leave them memory-mapped from the file, and then the pages of
     # weights the runner replaces (fused q/k/v and gate/up) stay resident as long as the mapping lives.
     with torch.no_grad():
@@ -292,7 +297,7 @@ def _from_pretrained(spec: str, torch_dtype: torch.dtype) -> tuple[Tokenizer, Pr
 
 
 def load_tokenizer(
-    spec: str = "embedded", cache_dir: str | os.PathLike = "~/.cache/rtserver"
+    spec: str = "embedded", cache_dir: str | os.PathLike[str] = "~/.cache/rtserver"
 ) -> tuple[str, Tokenizer]:
     """(name, tokenizer with its chat template) of a `model = ...` setting, without its weights: what a
     node needs whose inference runs on remote servers."""

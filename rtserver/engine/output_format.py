@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 KINDS = ("text", "json_schema", "json_object", "regex", "lark")
 MAX_SOURCE_CHARS = 32_768  # a schema or grammar; the compile cost grows with it
@@ -30,7 +30,7 @@ class OutputFormat:
     source: str = ""  # the schema as JSON text, the regex or the Lark grammar
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str) -> OutputFormat:
+    def json_schema(cls, schema: Mapping[str, object] | str) -> OutputFormat:
         text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
         return cls("json_schema", text)
 
@@ -78,7 +78,7 @@ class OutputFormat:
         if error:
             raise OutputFormatError(f"{self.kind}: {error}")
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         """The format as a task's description shows it."""
         if self.is_json:
             return {"type": self.kind, "schema": json.loads(self.source) if self.source else {}}

@@ -1,9 +1,13 @@
-"""The step plan: what the scheduler asks the model runner to compute in one forward. Its own module
-so that the scheduler (who decides) and the runner (who computes) meet on neutral ground."""
+"""The step plan: what the scheduler asks the model runner to compute in one forward.
+
+Its own module, so the scheduler (who decides) and the runner (who computes) meet on neutral
+ground. A step is its items and a `JoinSource`: prompts that arrive mid-step may join it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from .kv import KVHandle
 from .sequence import Sequence
@@ -24,3 +28,21 @@ class StepItem:
     # Hidden-state features (a learned head's input): pool the pool layers over this item's positions from
     # `pool_from` on (the step's output carries them: step.Features).
     pool_from: int | None = None
+
+
+class JoinSource(Protocol):
+    """Where items joining a step under way come from; the runner asks before each layer but the first."""
+
+    def take(self, layer: int) -> list[StepItem]:
+        """Items that join before `layer`: whole prompts, logits "last", no pooled features."""
+        ...
+
+
+class NoJoins:
+    """The join source of a step that nothing joins."""
+
+    def take(self, layer: int) -> list[StepItem]:
+        return []
+
+
+NO_JOINS = NoJoins()

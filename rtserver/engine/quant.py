@@ -21,12 +21,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .gguf_file import GGUFFile
 from .gguf_load import PERMUTED_QK
 
 log = logging.getLogger("rtserver.quant")
@@ -312,12 +313,10 @@ def _join(run: list[Part]) -> Part:
 def read_gguf_weights(path: Path, model_type: str, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:
     """The quantized linear weights of a GGUF file under their transformers names, every type of
     SUPPORTED_TYPES; other tensors (float, IQ1/IQ2/IQ3) are left out (the runner keeps those dense)."""
-    from .gguf_file import GGUFFile
-
     return weights_from_file(GGUFFile(path), model_type, n_heads, n_kv_heads)
 
 
-def weights_from_file(g: Any, model_type: str, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:
+def weights_from_file(g: GGUFFile, model_type: str, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:
     """read_gguf_weights on an open gguf_file.GGUFFile; only the tensors kept are read."""
     out: dict[str, BlockWeight] = {}
     for t in g.tensors.values():
@@ -577,7 +576,7 @@ def probe_panel_rows(kernel: Kernel, mlps: list[tuple[BlockWeight, BlockWeight]]
 
 
 def _clearly_faster(
-    fast: Callable[..., object], other: Callable[..., object], inputs: tuple, repeats: int
+    fast: Callable[..., object], other: Callable[..., object], inputs: tuple[object, ...], repeats: int
 ) -> bool:
     """Whether `fast(*inputs)` takes under 0.9 of `other(*inputs)`'s time (a clear win only). The two are
     timed in turns and the best of each kept, so load from other processes slows both alike."""

@@ -16,13 +16,14 @@ import torch
 
 from .attention import NO_ROWS, AttentionPlan, KernelAttention, PagedAttention, RowContexts, rope
 from .families import attention_scale, family_of, layer_windows, rope_tables
+from .features import FeatureLayers, Features, FeatureTaps
 from .kv import KVCacheManager
 from .kv_rows import to_pool
 from .layers import DecoderLayer, Weights
 from .linear import BlockEmbedding, BlockLinear, FusedArgs, Linear
-from .plan import StepItem
+from .plan import NO_JOINS, JoinSource, StepItem
 from .quant import BlockWeight, Kernel
-from .step import Features, Forward, Join, StepRunner
+from .step import Forward
 
 log = logging.getLogger("rtserver.runner")
 
@@ -71,26 +72,8 @@ class _Rows:
         self.lay = runner._layout(items, decodes) if items else _Layout.empty()
         self.x: torch.Tensor | None = runner._embed(self.lay.ids) if items else None
         self._runner = runner
-        # (sums, first row, end) per item that pools; (states, row) per item that keeps its last row
-        self.pooling: list[tuple[list[torch.Tensor], int, int]] = []
-        self.lasts: list[tuple[list[torch.Tensor], int]] = []
-        self.features: list[Features | None] = [self._features(i, it) for i, it in enumerate(items)]
-
-    def _features(self, i: int, it: StepItem) -> Features | None:
-        """An item that pools hidden states (a learned head's features): its rows at positions from
-        pool_from on, summed after each pool layer; its last row's state at the last layers."""
-        if it.pool_from is None:
-            return None
-        f = Features()
-        skip = max(0, it.pool_from - it.start)
-        first, end = self.lay.row_offsets[i], self.lay.row_offsets[i] + len(it.tokens)
-        if skip < len(it.tokens):
-            f.rows = len(it.tokens) - skip
-            self.pooling.append((f.sums, first + skip, end))
-        if it.logits == "last":
-            f.last = []
-            self.lasts.append((f.last, end - 1))
-        return f
+        self.taps = FeatureTaps(runner.feature_layers)
+        self.features = [self.taps.item(it, self.lay.row_offsets[i]) for i, it in enumerate(items)]
 
     def join(self, items: list[StepItem], caught_up: torch.Tensor) -> None:
         """Items joining before a layer, with their residual stream caught up to it. Rows are appended,
@@ -101,7 +84,7 @@ class _Rows:
         self.lay = self._runner._layout(self.items)
 
 
-class ModelRunner(StepRunner):
+class ModelRunner:
     def __init__(
         self,
         model: PreTrainedModel,
@@ -141,19 +124,12 @@ class ModelRunner(StepRunner):
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.inter = self.layers[0].gate_up.out_features // 2
-        # The layers whose outputs a learned head reads (its features: see backend.FeatureScorer): the
-        # mean over the message at `pool_layers`, the prompt's last token at `last_layers` (both before
-        # the last layer's row cut), after the final hidden state.
-        # Chosen on the sentiment dev splits (docs/sentiment-research.md): the means of every second layer
-        # below the last (the last one's rows are cut before its MLP) and an early layer's (a sixth of the
-        # way up) last token, beside the final hidden state. Sums over rows: no extra tokens or matmuls.
-        self.pool_layers: tuple[int, ...] = tuple(range(0, len(self.layers) - 1, 2)) or (0,)
-        self.last_layers: tuple[int, ...] = (len(self.layers) // 6,)
+        self.feature_layers = FeatureLayers.of(len(self.layers))  # what a learned head reads
         self.vocab_size = self.lm_head.out_features
         self.attention = PagedAttention(self.n_heads, self.n_kv, self.head_dim, self.scale)
         self.attention_kernel: Kernel | None = None  # see use_attention_kernel
         self.fused_decode = False  # decodes and generation prompts run fused (choose_fused_decode)
-        self._fused_layers: list[Any] = []  # the kernel's FusedLayer of each layer (choose_fused_decode)
+        self._fused_layers: list[object] = []  # the kernel's FusedLayer of each layer (choose_fused_decode)
         if release_dense_weights:
             self.release_dense_weights()
 
@@ -208,7 +184,7 @@ class ModelRunner(StepRunner):
         self.fused_decode = True
         self._fused_layers = [self._fused_layer_of(L) for L in self.layers]
 
-    def _fused_layer_of(self, L: DecoderLayer) -> Any:
+    def _fused_layer_of(self, L: DecoderLayer) -> object:
         """Layer L as the kernel's FusedLayer: its weights and switches, checked once."""
         n = L.norms
         assert self.attention_kernel is not None, "fused layers run on the kernel"
@@ -299,15 +275,17 @@ class ModelRunner(StepRunner):
         return [i for i in plain if len(items[i].tokens) == 1], [i for i in plain if len(items[i].tokens) > 1]
 
     @torch.inference_mode()
-    def run(self, items: list[StepItem], join: Join | None = None) -> Forward:
+    def run(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> Forward:
         """Run one step: per item the fp32 logits it asked for ([n, vocab], or [n, len(columns)]) or
         None, and its hidden-state features where it pools them.
 
-        `join`, when given, is asked before every layer but the first for more items: prompts that
-        arrived while this step runs, so that they need not wait for the next one (a step of many
-        streams is long). Their rows first run the layers already done, alone, then go on with the
-        step's rows; they are appended to `items` and get their logits with the others. Joining items
-        prefill whole prompts (logits "last", no pooled features)."""
+        `joins` is asked before every layer but the first for more items: prompts that arrived while
+        this step runs, so that they need not wait for the next one (a step of many streams is long).
+        Their rows first run the layers already done, alone, then go on with the step's rows. They
+        come back in `Forward.joined`, their logits after the plan's. Joining items prefill whole
+        prompts (logits "last", no pooled features)."""
+        planned = len(items)
+        items = list(items)  # the caller's plan stays as it is; joiners are appended here
         decode_idx, prompt_idx = self._fused_parts(items)
         in_fused = set(decode_idx + prompt_idx)
         rest_idx = [i for i in range(len(items)) if i not in in_fused]
@@ -318,7 +296,7 @@ class ModelRunner(StepRunner):
         ]
         decodes, prompts, rest = (rows for _, rows in groups)
         for li in range(len(self.layers)):
-            new = join(li) if join is not None and li > 0 else None
+            new = joins.take(li) if li > 0 else []
             if new:
                 assert all(it.logits == "last" and it.pool_from is None and not it.columns for it in new)
                 rest_idx += range(len(items), len(items) + len(new))
@@ -327,8 +305,8 @@ class ModelRunner(StepRunner):
             decodes.x = None if decodes.x is None else self._fused_layer(li, decodes.lay, decodes.x)
             prompts.x = None if prompts.x is None else self._prompt_layer(li, prompts.lay, prompts.x)
             if rest.x is not None:  # None past the last layer: no row asked
-                rest.x = self._layer(li, rest.lay, rest.x, rest.pooling, rest.lasts)
-        out = Forward([None] * len(items), [None] * len(items))
+                rest.x = self._layer(li, rest.lay, rest.x, rest.taps)
+        out = Forward([None] * len(items), [None] * len(items), items[planned:])
         for idx, rows in groups:
             logits = self._logits(rows.items, rows.lay, rows.x, rows.features) if rows.x is not None else []
             for i, lg in zip(idx, logits):
@@ -337,12 +315,16 @@ class ModelRunner(StepRunner):
                 out.features[i] = f
         return out
 
+    def forward(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> list[torch.Tensor | None]:
+        """The logits of one step, per item (joiners appended)."""
+        return self.run(items, joins).logits
+
     def _catch_up(self, items: list[StepItem], layers: int) -> torch.Tensor:
         """The residual stream of items joining a step before layer `layers`: the layers before it."""
         lay = self._layout(items)
         x = self._embed(lay.ids)
         for li in range(layers):
-            out = self._layer(li, lay, x, [], [])
+            out = self._layer(li, lay, x)
             assert out is not None  # not past the last layer: every row goes on
             x = out
         return x
@@ -352,8 +334,7 @@ class ModelRunner(StepRunner):
         li: int,
         lay: _Layout,
         x: torch.Tensor,
-        pooling: list[tuple[list[torch.Tensor], int, int]],
-        lasts: list[tuple[list[torch.Tensor], int]],
+        taps: FeatureTaps | None = None,
     ) -> torch.Tensor | None:
         """Decoder layer `li` over the step's rows, through torch ops (any step). None: the last layer
         and no row gives logits."""
@@ -382,19 +363,15 @@ class ModelRunner(StepRunner):
         x = x + L.norms.attn_out(L.o(attn))
         gu = L.gate_up(L.norms.mlp_in(x))
         x = x + L.norms.mlp_out(L.down(self.family.act(gu[:, : self.inter]) * gu[:, self.inter :]))
-        if li in self.pool_layers:
-            for sums, a, b in pooling:
-                sums.append(x[a:b].float().sum(0))
-        if li in self.last_layers:
-            for states, r in lasts:
-                states.append(x[r].float())
+        if taps is not None:
+            taps.after(li, x)
         return x
 
     def _prompt_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
         """Layer `li` of the fused prompts; the last through torch, which keeps only the rows asked."""
         if li < len(self.layers) - 1:
             return self._fused_layer(li, lay, x)
-        out = self._layer(li, lay, x, [], [])
+        out = self._layer(li, lay, x)
         assert out is not None  # every prompt asks for its last row's logits
         return out
 
@@ -428,8 +405,8 @@ class ModelRunner(StepRunner):
         asked = {i: span for i, span in enumerate(lay.spans) if span is not None}
         for i, span in asked.items():
             f = features[i]
-            if f is not None and f.last is not None:
-                f.last.insert(0, hs[span[0] + span[1] - 1].float())
+            if f is not None:
+                f.final(hs[span[0] + span[1] - 1])
         full = [i for i in asked if items[i].columns is None]
         if full:
             rows = [r for i in full for r in range(asked[i][0], asked[i][0] + asked[i][1])]

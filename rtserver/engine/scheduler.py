@@ -2,7 +2,7 @@
 
 Each step is one batched forward: a decode token per running sequence plus a bounded prefill chunk,
 so a long prompt delays running streams by one chunk at most. Sequences join at any step, and a
-prompt arriving mid-step joins the step under way (`_join`). A bounded queue refuses work at once
+prompt arriving mid-step joins the step under way (`admit.StepJoins`). A bounded queue refuses work at once
 (`Overloaded`). One worker thread runs `step()`; `submit` and `cancel` are thread-safe.
 
 Priorities: the more urgent sequences (customers, then agent assist, then background work) are
@@ -17,53 +17,28 @@ for a bounded time (`SchedulerLimits.skip_ahead_s`), then they wait behind it.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
-from ..config import EngineSettings
+from .admit import Admission, Preemption, Queues, SchedulerLimits, StepJoins
 from .backend import FinishReason, Overloaded, Priority, RequestTooLarge, SequenceResult
 from .grammar import ConstraintError
-from .kv import KVCacheManager, OutOfKVMemory
-from .plan import StepItem
+from .kv import KVCacheManager
+from .plan import NO_JOINS, JoinSource, StepItem
 from .sequence import Phase, Sequence
 from .step import StepOutput
 
 log = logging.getLogger("rtserver.scheduler")
-
-# less urgent work than customers' may evict idle KV while it holds under 1/EVICT_SHARE of the pool
-EVICT_SHARE = 16
 
 # what a step reports of a sequence: a sampled token id, or its final result
 StepEvent = tuple[Sequence, int | SequenceResult]
 
 
 class Runner(Protocol):
-    def execute(
-        self, items: list[StepItem], join: Callable[[int], list[StepItem]] | None = None
-    ) -> StepOutput: ...
-
-
-@dataclass
-class SchedulerLimits:
-    max_running: int
-    max_waiting: int
-    prefill_chunk_tokens: int
-    max_sequence_tokens: int
-    skip_ahead_s: float = 10.0  # how long a waiting sequence short of KV lets later ones go first
-
-    @classmethod
-    def from_settings(cls, s: EngineSettings, max_positions: int | None = None) -> SchedulerLimits:
-        """The [engine] settings; a sequence also stays within the model's positions."""
-        longest = (
-            s.max_sequence_tokens if max_positions is None else min(s.max_sequence_tokens, max_positions)
-        )
-        return cls(s.max_running, s.max_waiting, s.prefill_chunk_tokens, longest, s.skip_ahead_s)
+    def execute(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> StepOutput: ...
 
 
 @dataclass
@@ -82,25 +57,43 @@ class Scheduler:
         on_events: Callable[[list[StepEvent]], None] | None = None,
     ):
         self.runner = runner
-        self.kv = kv
         self.limits = limits
         self.on_events = on_events or (lambda events: None)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self._cond = threading.Condition()
+        self.queues = Queues(kv, limits)
+        self.preemption = Preemption(self.queues)
+        self.admission = Admission(self.queues, self.preemption)
+        self._cond = self.queues.cond
         self._stop = False
         self.steps = 0
         self.tokens_generated = 0
         self.tokens_prefilled = 0
-        self.joined = 0  # sequences that joined a step under way (see _join)
-        self.paused = 0  # generations paused for a more urgent one (see _pause)
-        self._urgent = Priority.CUSTOMER  # the most urgent priority with work, as of the last admission
+        self.joined = 0  # sequences that joined a step under way (admit.StepJoins)
         # per priority, of the generations that produced a token: count, seconds queued, seconds to it
         self.latency: dict[Priority, list[float]] = {p: [0, 0.0, 0.0] for p in Priority}
-        self._join_budget = 0  # prefill tokens the step under way may still take
-        self._join_floor = 0  # those that only less urgent work may take (see `plan`)
+        self._joins = StepJoins(self.admission)  # the join source of the step under way (see `plan`)
         self.last_step: StepStats | None = None
         self.fault_hook: Callable[[list[StepItem]], None] | None = None  # tests inject step failures
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.queues.kv
+
+    @kv.setter
+    def kv(self, kv: KVCacheManager) -> None:
+        self.queues.kv = kv  # tests give an engine a smaller pool after it is built
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.queues.running
+
+    @property
+    def paused(self) -> int:
+        """Generations paused for a more urgent one (admit.Preemption)."""
+        return self.preemption.paused
 
     # -- called from any thread -----------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -184,174 +177,8 @@ class Scheduler:
         events.append((seq, seq.result()))
 
     def _admit(self, events: list[StepEvent]) -> None:
-        """Waiting sequences into the running batch, the most urgent first (arrival order within a
-        priority); a generation without a place pauses a less urgent running one. One whose KV does
-        not fit lets the later ones that fit go first (see `_may_skip`)."""
-        with self._cond:
-            now = time.perf_counter()
-            places = self._places()
-            # only the most urgent work may evict what idle sessions keep in the cache
-            self._urgent = min(
-                (s.priority for s in (*self.running, *self.waiting)), default=Priority.CUSTOMER
-            )
-            for seq in sorted(self.waiting, key=lambda s: s.priority):
-                if seq.cancelled:
-                    self.waiting.remove(seq)
-                    self._finish(seq, FinishReason.CANCELLED, events)
-                    continue
-                scoring = seq.candidates is not None
-                if places[scoring] <= 0 and not (not scoring and self._pause(seq.priority)):
-                    continue
-                places[scoring] = max(places[scoring], 1)
-                if not self._admit_one(seq) and not (
-                    not scoring and self._evict(seq.priority) and self._admit_one(seq)
-                ):
-                    if self._may_skip(seq, now):
-                        continue
-                    break  # the later ones wait with it for running sequences to free blocks
-                places[scoring] -= 1
-
-    def _may_skip(self, seq: Sequence, now: float) -> bool:
-        """Whether later waiting sequences may go before `seq`, whose KV does not fit now: a small
-        request is not stuck behind a big one, as in vLLM's and TGI's schedulers. Only for
-        `skip_ahead_s` after its arrival: then the blocks running sequences free are left for it, so
-        it is not starved."""
-        return now - seq.submitted_at < self.limits.skip_ahead_s
-
-    def _victim(self, priority: int) -> Sequence | None:
-        """The least urgent, latest admitted running generation less urgent than `priority`."""
-        victims = [s for s in self.running if s.candidates is None and s.priority > priority]
-        return max(victims, key=lambda s: (s.priority, s.admitted_at or 0.0), default=None)
-
-    def _pause(self, priority: int) -> bool:
-        """Move `_victim(priority)` back to the waiting queue; it keeps its KV and computed tokens.
-        False: none to pause."""
-        victim = self._victim(priority)
-        if victim is None:
-            return False
-        self.running.remove(victim)
-        self.waiting.appendleft(victim)
-        self.paused += 1
-        return True
-
-    def _places(self) -> dict[bool, int]:
-        """Free running places, for generations (False) and label-scoring calls (True) apart: a scoring
-        call only prefills and never decodes, so a burst of auto-task calls never keeps the next chat
-        turn out of the batch (nor chats the calls); each kind has `max_running` places."""
-        scoring = sum(1 for s in self.running if s.candidates is not None)
-        limit = self.limits.max_running
-        return {False: limit - (len(self.running) - scoring), True: limit - scoring}
-
-    def _evict(self, priority: int) -> bool:
-        """For a more urgent sequence short of KV: pause `_victim(priority)` and put its KV in the cache
-        under a key of its own (evictable, like an idle session's); it resumes from what is still
-        cached and computes the rest again. False: none to pause."""
-        victim = self._victim(priority)
-        if victim is None:
-            return False
-        assert victim.kv is not None
-        self.running.remove(victim)
-        victim.kv.token_ids = victim.all_ids[: victim.num_computed]
-        victim.resume_key = victim.session_key if victim.session_key is not None else ("paused", victim.id)
-        self.kv.release(victim.kv, victim.resume_key)
-        victim.kv = None
-        victim.phase = Phase.PREFILL  # what the cache lost is computed again, then it decodes on
-        self.waiting.appendleft(victim)
-        self.paused += 1
-        return True
-
-    def _may_evict(self, seq: Sequence) -> bool:
-        """Whether `seq` may evict idle KV to fit. The most urgent work may. Less urgent work may while
-        what such work holds stays under a share of the pool: under steady customer load no block
-        is ever free, and it would wait until the customers stop."""
-        if seq.priority <= self._urgent:
-            return True
-        held = sum(
-            len(s.kv.blocks) for s in self.running if s.kv is not None and s.priority > Priority.CUSTOMER
-        )
-        return held < self.kv.total_blocks // EVICT_SHARE
-
-    def _admit_one(self, seq: Sequence) -> bool:
-        """Move a waiting sequence to running if its KV fits (the caller holds the lock and has checked
-        there is a running place). A paused one already holds its KV and goes on where it stopped."""
-        if seq.kv is not None:
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            return True
-        resumed = seq.resume_key is not None  # paused for KV: what is still cached, then the rest again
-        ids = seq.all_ids if resumed else seq.prompt_ids
-        try:
-            seq.kv, reused = self.kv.acquire(
-                ids,
-                seq.capacity_tokens,
-                seq.resume_key if resumed else seq.session_key,
-                None if resumed else seq.features_from,
-                0 if resumed else seq.shared_tokens,
-                evict=self._may_evict(seq),
-                root=0 if resumed else seq.cache_root,
-                fork=None if resumed else seq.fork_session,
-            )
-        except OutOfKVMemory:
-            return False
-        self.waiting.remove(seq)
-        seq.num_computed = reused
-        seq.kv.token_ids = ids[:reused]
-        if resumed:
-            seq.resume_key = None
-        else:
-            seq.usage.cached_tokens = reused
-            seq.phase = Phase.PREFILL
-            seq.admitted_at = time.perf_counter()
-        self.running.append(seq)
-        return True
-
-    def _join(self, layer: int) -> list[StepItem]:
-        """Asked by the runner between the layers of a step: generation prompts that arrived since the
-        step began and whose whole prompt fits what is left of its prefill budget join it now, so their
-        first token comes out with this step's tokens instead of a whole step later. Generation prompts
-        join in queue order (scoring calls wait for the next step); a customer prompt too long for this
-        step keeps later customers' from joining (it is still admitted, for the next step). Less urgent
-        prompts may also take what is left of the plan's floor for them."""
-        items: list[StepItem] = []
-        if not self.waiting or self._join_budget + self._join_floor <= 0:  # the common case, unlocked
-            return items
-        with self._cond:
-            places = self._places()[False]
-            blocked = False  # a customer's prompt too long for this step: later ones wait behind it
-            for seq in sorted(self.waiting, key=lambda s: s.priority):
-                if seq.candidates is not None or seq.kv is not None or seq.resume_key is not None:
-                    continue  # scoring calls have places of their own, paused ones resume next step
-                if seq.cancelled or seq.features_from is not None or places <= 0:
-                    break
-                customer = seq.priority == Priority.CUSTOMER
-                if customer and blocked:
-                    continue
-                if not self._admit_one(seq):
-                    if self._may_skip(seq, time.perf_counter()):
-                        continue
-                    break
-                places -= 1
-                assert seq.kv is not None
-                remaining = len(seq.prompt_ids) - seq.num_computed
-                if remaining > self._join_budget + (0 if customer else self._join_floor):
-                    if customer:  # admitted: its prefill starts next step
-                        blocked = True
-                        continue
-                    break
-                if not customer:
-                    self._join_floor -= max(0, remaining - self._join_budget)
-                self._join_budget = max(0, self._join_budget - remaining)
-                items.append(
-                    StepItem(seq, seq.kv, seq.num_computed, seq.prompt_ids[seq.num_computed :], "last")
-                )
-        if items:
-            if self.fault_hook is not None:
-                self.fault_hook(items)  # their catch-up is a model forward too
-            self.joined += len(items)
-            # Once per step: the joiners' catch-up is a pass of its own over the layers done, so a
-            # burst of arrivals catches up together (the rest wait for the next step, already admitted).
-            self._join_budget = self._join_floor = 0
-        return items
+        """Waiting sequences into the running batch (admit.py); the cancelled ones end here."""
+        self.admission.admit(lambda seq: self._finish(seq, FinishReason.CANCELLED, events))
 
     def plan(self, events: list[StepEvent]) -> list[StepItem]:
         """Admit what fits, drop what was cancelled, and lay out this step's tokens."""
@@ -403,8 +230,8 @@ class Scheduler:
                     pool_from=seq.features_from,
                 )
             )
-        self._join_budget = max(0, budget)  # what sequences joining mid-step may still prefill
-        self._join_floor = max(0, floor)  # and what the less urgent of them may take beyond it
+        # what sequences joining mid-step may still prefill, and what the less urgent may take beyond it
+        self._joins = StepJoins(self.admission, max(0, budget), max(0, floor), self.fault_hook)
         return items
 
     def step(self) -> None:
@@ -416,16 +243,20 @@ class Scheduler:
                 time.sleep(0.001)  # waiting work that does not fit yet; let running ones finish
             return
         started = time.perf_counter()
+        joins = self._joins
         try:
-            out = self._execute(items, join=True)
+            out = self._execute(items, joins)
         except Exception:
             # Isolate the culprit: run each sequence's part of the step alone (rewriting the same KV
             # slots), so one bad sequence fails alone and the others go on.
+            items += joins.joined
             log.warning("step failed for sequences %s; retrying them one by one", [it.seq.id for it in items])
             for it in items:
                 self._run_guarded([it], events)
         else:
+            items = out.items
             self._run_guarded(items, events, out)
+        self.joined += len(joins.joined)
         self.steps += 1
         self.last_step = StepStats(
             sum(1 for it in items if it.seq.phase is Phase.DECODE),
@@ -434,10 +265,10 @@ class Scheduler:
         )
         self.on_events(events)
 
-    def _execute(self, items: list[StepItem], join: bool = False) -> StepOutput:
+    def _execute(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> StepOutput:
         if self.fault_hook is not None:
             self.fault_hook(items)
-        return self.runner.execute(items, self._join if join else None)
+        return self.runner.execute(items, joins)
 
     def _run_guarded(
         self, items: list[StepItem], events: list[StepEvent], out: StepOutput | None = None
@@ -471,18 +302,14 @@ class Scheduler:
                 # later prompts that start so share it (in its scope, if it has one)
                 self.kv.register_prefix(it.kv, seq.shared_tokens, seq.cache_root)
             f = out.features[i]
-            if f is not None and f.sums:
-                total = torch.cat(f.sums)
-                seq.pooled_sum = total if seq.pooled_sum is None else seq.pooled_sum + total
-                seq.pooled_rows += f.rows
+            if f is not None:
+                seq.pooled.add(f)
             error = out.errors[i]
             if error is not None:
                 self._fail_alone(seq, events, *error)
             elif out.scores[i] is not None:
-                if f is not None and f.last is not None and seq.pooled_sum is not None:
-                    # the final hidden state, the pool layers' means, the last layers' last token
-                    mean = seq.pooled_sum / seq.pooled_rows
-                    seq.features = torch.cat([f.last[0], mean, *f.last[1:]]).tolist()
+                if f is not None:
+                    seq.features = seq.pooled.vector(f)
                 seq.scores = out.scores[i]
                 self.running.remove(seq)
                 self._finish(seq, FinishReason.LENGTH, events)

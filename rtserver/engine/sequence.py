@@ -11,11 +11,11 @@ import enum
 import itertools
 import time
 from collections.abc import Hashable
-from typing import Any
 
 import torch
 
 from .backend import FinishReason, SamplingParams, SequenceResult, Usage
+from .features import PooledFeatures
 from .grammar import FREE, Constraint
 from .kv import KVHandle
 
@@ -69,8 +69,7 @@ class Sequence:
         # Hidden-state features of a scoring prompt (a learned head's input): the final hidden state at
         # the prompt's last token and the pool layers' means over positions from `features_from` on.
         self.features_from: int | None = None
-        self.pooled_sum: Any = None
-        self.pooled_rows = 0
+        self.pooled = PooledFeatures()  # their parts, gathered over the prompt's chunks
         self.features: list[float] | None = None
         self.phase = Phase.WAITING
         self.kv: KVHandle | None = None

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
 
 _TAG = re.compile(r"<[^<>]*>")
 
@@ -32,7 +35,8 @@ def token_bytes(backend: Any) -> tuple[list[bytes], list[int]]:
     kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
     tokens = [b""] * (max(vocab.values()) + 1)
     if "ByteLevel" in kinds:  # GPT-2's bytes as printable characters
-        table = {c: b for b, c in bytes_to_unicode().items()}
+        gpt2: dict[int, str] = bytes_to_unicode()  # type: ignore[no-untyped-call]
+        table = {c: b for b, c in gpt2.items()}
         for text, i in vocab.items():
             tokens[i] = text.encode() if text in added_text else bytes(table[c] for c in text)
     elif "ByteFallback" in kinds:  # SentencePiece: "▁" is a space, "<0xNN>" one byte
@@ -59,10 +63,11 @@ class _Vocabulary:
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # llguidance then passes str
             raise TypeError("text must be str")
-        return self._backend.encode(text, add_special_tokens=False).ids
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        return ids
 
 
-def ll_tokenizer(hf: Any, n_vocab: int, eos_ids: list[int]) -> Any:
+def ll_tokenizer(hf: Any, n_vocab: int, eos_ids: list[int]) -> LLTokenizer:
     """An llguidance `LLTokenizer` for a fast Hugging Face tokenizer; one whose decoder is not read
     here gets llguidance's own conversion."""
     import llguidance.hf

@@ -81,14 +81,16 @@ def test_a_prompt_joining_a_step_mid_way_gets_the_logits_of_its_own_forward(tiny
     joining = StepItem(seqs[2], seqs[2].kv, 0, prompts[2], "last")
     asked = []
 
-    def join(layer: int) -> list[StepItem]:
-        asked.append(layer)
-        return [joining] if layer == cfg.num_hidden_layers - 1 else []
+    class Joins:
+        def take(self, layer: int) -> list[StepItem]:
+            asked.append(layer)
+            return [joining] if layer == cfg.num_hidden_layers - 1 else []
 
-    outs = runner.forward(items, join)
-    assert asked == list(range(1, cfg.num_hidden_layers)) and items[-1] is joining and len(outs) == 3
+    fw = runner.run(items, Joins())
+    assert asked == list(range(1, cfg.num_hidden_layers)) and fw.joined == [joining]
+    assert len(items) == 2 and len(fw.logits) == 3  # the plan stays the caller's; joiners come back
     with torch.no_grad():
-        for got, ids in zip(outs, prompts):
+        for got, ids in zip(fw.logits, prompts):
             theirs = model(torch.tensor([ids])).logits[0, -1:].float()
             torch.testing.assert_close(got, theirs, atol=1e-4, rtol=1e-4)
 

@@ -11,7 +11,7 @@ import torch
 from rtserver.config import EngineSettings
 from rtserver.engine.backend import FinishReason, Overloaded, Priority, RequestTooLarge, SamplingParams
 from rtserver.engine.kv import KVCacheManager
-from rtserver.engine.plan import StepItem
+from rtserver.engine.plan import NO_JOINS, JoinSource, StepItem
 from rtserver.engine.scheduler import Scheduler, SchedulerLimits
 from rtserver.engine.sequence import Phase, Sequence
 from rtserver.engine.step import Forward, StepRunner
@@ -24,19 +24,21 @@ class FakeTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-class FakeRunner(StepRunner):
-    """Always predicts token (position % VOCAB); records every step's plan. Sampling and label scoring
-    are the real runner's (StepRunner), over this fake forward."""
+class FakeRunner:
+    """Always predicts token (position % VOCAB); records every step's plan. Label scoring is the real
+    one (StepRunner's LabelScorer), over this fake forward; sampling is greedy (`Argmax`)."""
 
     def __init__(self):
         self.steps: list[list[tuple[int, int, int]]] = []  # (seq id, start, n tokens)
         # What "another thread" does while a step runs, before the layer it is keyed by (submit, cancel).
         self.during_step: dict[int, Callable[[], object]] = {}
 
-    def run(self, items: list[StepItem], join=None) -> Forward:
-        for layer, happens in sorted(self.during_step.items()) if join is not None else ():
+    def run(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> Forward:
+        planned = len(items)
+        items = list(items)
+        for layer, happens in sorted(self.during_step.items()) if joins is not NO_JOINS else ():
             happens()
-            items.extend(join(layer))  # the real runner asks before every layer but the first
+            items.extend(joins.take(layer))  # the real runner asks before every layer but the first
         self.steps.append([(it.seq.id, it.start, len(it.tokens)) for it in items])
         out = []
         for it in items:
@@ -48,8 +50,13 @@ class FakeRunner(StepRunner):
             for r in range(n):
                 logits[r, (it.start + len(it.tokens) - n + r + 1) % VOCAB] = 1.0
             out.append(logits)
-        return Forward(out, [None] * len(out))
+        return Forward(out, [None] * len(out), items[planned:])
 
+    def forward(self, items: list[StepItem]) -> list[torch.Tensor | None]:
+        return self.run(items).logits
+
+
+class Argmax:
     def sample(self, seqs, logits):
         return [int(row.argmax()) for row in logits]
 
@@ -71,7 +78,10 @@ def make(limits=None, blocks=64, block_tokens=4):
     runner = FakeRunner()
     events = []
     sched = Scheduler(
-        runner, kv, limits or with_limits(max_running=4, max_waiting=4, prefill_chunk_tokens=8), events.extend
+        StepRunner(runner, Argmax()),
+        kv,
+        limits or with_limits(max_running=4, max_waiting=4, prefill_chunk_tokens=8),
+        events.extend,
     )
     return sched, runner, kv, events
 

@@ -13,7 +13,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # rtserver.engine.model maps each dtype to a storage
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "gguf")
@@ -35,9 +35,12 @@ class ConfigError(ValueError):
     """A setting that cannot be used; the message names the key, the value and what is allowed."""
 
 
+T = TypeVar("T")
+
+
 def _setting(
-    default: Any, *, choices: tuple | None = None, min: float | None = None, max: float | None = None
-) -> Any:
+    default: T, *, choices: tuple | None = None, min: float | None = None, max: float | None = None
+) -> T:
     meta = {"choices": choices, "min": min, "max": max}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -178,7 +181,7 @@ class Settings:
     task: dict = field(default_factory=dict)
 
 
-def _check(key: str, value: Any, f: dataclasses.Field, expected: type) -> Any:
+def _check(key: str, value: object, f: dataclasses.Field, expected: type) -> object:
     if expected is bool:
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
             value = value.lower() in ("1", "true", "yes")
@@ -216,12 +219,12 @@ def _check(key: str, value: Any, f: dataclasses.Field, expected: type) -> Any:
     if choices is not None and value not in choices:
         allowed = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"{key} = {value!r}: allowed values are {allowed}")
-    if lo is not None and value < lo or hi is not None and value > hi:
+    if isinstance(value, (int, float)) and (lo is not None and value < lo or hi is not None and value > hi):
         raise ConfigError(f"{key} = {value!r}: allowed range is {lo}..{hi}")
     return value
 
 
-def _build_section(cls: type, name: str, table: Mapping[str, Any]) -> Any:
+def _build_section(cls: type, name: str, table: Mapping[str, object]) -> object:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
@@ -233,11 +236,11 @@ def _build_section(cls: type, name: str, table: Mapping[str, Any]) -> Any:
     return cls(**values)
 
 
-def settings_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
+def settings_from_mapping(data: Mapping[str, object], env: Mapping[str, str] | None = None) -> Settings:
     """Build settings from a parsed TOML mapping, then apply `RTSERVER_<SECTION>_<KEY>` overrides."""
     sections = {f.name: f for f in dataclasses.fields(Settings)}
     hints = typing.get_type_hints(Settings)
-    merged: dict[str, dict[str, Any]] = {}
+    merged: dict[str, dict[str, object]] = {}
     for name, table in data.items():
         if name not in sections:
             raise ConfigError(f"[{name}]: unknown section (known: {', '.join(sorted(sections))})")
@@ -257,7 +260,7 @@ def settings_from_mapping(data: Mapping[str, Any], env: Mapping[str, str] | None
                 f"{var}: no such setting (expected RTSERVER_<SECTION>_<KEY>, "
                 f"sections: {', '.join(sorted(sections))})"
             )
-    built: dict[str, Any] = {}
+    built: dict[str, Any] = {}  # a section name -> its settings object (a type per name, which ** cannot say)
     for name in sections:
         if hints[name] is dict:
             for task_name, table in merged.get(name, {}).items():
@@ -307,7 +310,7 @@ def _check_backends(settings: Settings) -> None:
 
 def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Settings:
     """Read config.toml (or `path`); a missing default file means all defaults."""
-    data: dict[str, Any] = {}
+    data: dict[str, object] = {}
     if path is not None or Path("config.toml").exists():
         p = Path(path if path is not None else "config.toml")
         try:

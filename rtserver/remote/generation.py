@@ -156,6 +156,8 @@ class RemoteGeneration:
                 take_usage(event, self._usage, lease)
                 continue
             text = choice.get("text") or ""
+            if not isinstance(text, str):
+                raise UpstreamProtocolError("a reply's 'text' is not a string")
             ids = chunk_token_ids(choice, self.vocab)
             if text or ids:
                 self._took(up, text, ids)

@@ -21,17 +21,27 @@ import os
 import secrets
 import time
 from collections.abc import Hashable
-from typing import Any, Protocol
+from typing import Protocol, TypedDict
 
 from .pool import BackendUnavailable, Wakeup
 
 log = logging.getLogger("rtserver.remote")
 
 
+class LeaseFields(TypedDict, total=False):
+    """What a request's body says of the server's prompt cache."""
+
+    cache_prompt: bool  # llama-server and rtserver: reuse the cached prefix
+    id_slot: int  # llama-server: the slot to run in
+    cache_salt: str  # vLLM: share blocks only with requests of the same salt
+    rtserver_public_tokens: int  # rtserver: the prefix any session may share
+    rtserver_session: str  # rtserver: the session whose KV it keeps
+
+
 class Lease(Protocol):
     """The reuse rules of one request (or of one scoring call's requests, in turn)."""
 
-    def fields(self, prompt: list[int]) -> dict[str, Any]:
+    def fields(self, prompt: list[int]) -> LeaseFields:
         """Body fields for a request with this prompt."""
         ...
 
@@ -47,7 +57,7 @@ class Lease(Protocol):
         """The last request ended (answered or not)."""
         ...
 
-    def public_fields(self) -> dict[str, Any] | None:
+    def public_fields(self) -> LeaseFields | None:
         """Body fields for a request that leaves the server holding only the public prefix, or None
         where nothing needs it."""
         ...
@@ -76,11 +86,11 @@ class Reuse(Protocol):
 class _Plain:
     """A lease whose body fields are fixed."""
 
-    def __init__(self, fields: dict[str, Any], cached_cap: int | None = None):
+    def __init__(self, fields: LeaseFields, cached_cap: int | None = None):
         self._fields = fields
         self._cap = cached_cap
 
-    def fields(self, prompt: list[int]) -> dict[str, Any]:
+    def fields(self, prompt: list[int]) -> LeaseFields:
         return self._fields
 
     def cached(self, reported: int) -> int:
@@ -92,7 +102,7 @@ class _Plain:
     def release(self) -> None:
         pass
 
-    def public_fields(self) -> dict[str, Any] | None:
+    def public_fields(self) -> LeaseFields | None:
         return None
 
     def wrote_public(self, prefix: list[int]) -> None:
@@ -117,7 +127,7 @@ class NodeReuse:
         return keys
 
     async def lease(self, session_key: Hashable | None, public_tokens: int, timeout_s: float) -> Lease:
-        fields: dict[str, Any] = {"cache_prompt": True, "rtserver_public_tokens": public_tokens}
+        fields: LeaseFields = {"cache_prompt": True, "rtserver_public_tokens": public_tokens}
         if session_key is not None:
             fields["rtserver_session"] = str(session_key)
         return _Plain(fields)
@@ -160,7 +170,7 @@ class _SaltIfPrivate(_Plain):
         self._public = public_tokens
         self._salt = salt
 
-    def fields(self, prompt: list[int]) -> dict[str, Any]:
+    def fields(self, prompt: list[int]) -> LeaseFields:
         return {} if self._public >= len(prompt) else {"cache_salt": self._salt}
 
 
@@ -260,7 +270,7 @@ class _SlotLease:
         self.written = False
         self.closed = False
 
-    def fields(self, prompt: list[int]) -> dict[str, Any]:
+    def fields(self, prompt: list[int]) -> LeaseFields:
         reuse = self.ledger.reusable(self.slot, self.owner, prompt)
         return {"id_slot": self.slot.index, "cache_prompt": reuse}
 
@@ -272,7 +282,7 @@ class _SlotLease:
         self.slot.owner, self.slot.tokens, self.slot.public = self.owner, prompt + generated, False
         self.slot.size = len(prompt) + len(generated)
 
-    def public_fields(self) -> dict[str, Any] | None:
+    def public_fields(self) -> LeaseFields | None:
         if not self.written:
             return None
         self.written = False  # until that request is answered, the slot's content is not known

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from ..engine.backend import SamplingParams
 from .client import Upstreams
@@ -47,7 +46,7 @@ class Scorer:
         raise NotImplementedError
 
     async def post(
-        self, up: Upstream, lease: Lease, prompt: list[int], max_tokens: int, **extra: Any
+        self, up: Upstream, lease: Lease, prompt: list[int], max_tokens: int, **extra: object
     ) -> Json:
         """One non-streamed scoring request; the slot it used then holds its prompt."""
         body: Json = {
@@ -92,11 +91,8 @@ class LlamaScorer(Scorer):
         self, up: Upstream, prompt: list[int], candidates: list[list[int]], lease: Lease
     ) -> list[float]:
         entries = _llama_logprobs(await self.post(up, lease, prompt, 1, logprobs=TOP_LOGPROBS))
-        top = (
-            {int(t["id"]): float(t["logprob"]) for t in (entries[0].get("top_logprobs") or [])}
-            if entries
-            else {}
-        )
+        tops = entries[0].get("top_logprobs") if entries else None
+        top = {_token_id(t): _logprob(t) for t in tops} if isinstance(tops, list) else {}
         scores: list[float] = []
         for cand in candidates:
             if len(cand) == 1 and cand[0] in top:
@@ -115,7 +111,7 @@ class LlamaScorer(Scorer):
                 "(its tokens are not whole characters)",
                 False,
             )
-        return sum(float(e["logprob"]) for e in forced)
+        return sum(_logprob(e) for e in forced)
 
 
 class VllmScorer(Scorer):
@@ -128,8 +124,12 @@ class VllmScorer(Scorer):
         data = await self.post(
             up, lease, prompt, 1, logprobs=1, logprob_token_ids=firsts, return_tokens_as_token_ids=True
         )
-        top = (((first_choice(data) or {}).get("logprobs") or {}).get("top_logprobs") or [{}])[0] or {}
-        first = {int(k.split(":", 1)[1]): float(v) for k, v in top.items() if str(k).startswith("token_id:")}
+        logprobs = (first_choice(data) or {}).get("logprobs")
+        tops = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+        top = tops[0] if isinstance(tops, list) and tops and isinstance(tops[0], dict) else {}
+        first = {
+            int(k.split(":", 1)[1]): _number(v) for k, v in top.items() if str(k).startswith("token_id:")
+        }
         scores = []
         for cand in candidates:
             if cand[0] not in first:
@@ -142,9 +142,10 @@ class VllmScorer(Scorer):
             score = first[cand[0]]
             if len(cand) > 1:  # the rest from prompt log-probabilities of prompt + candidate
                 rest = await self.post(up, lease, prompt + cand, 1, prompt_logprobs=0)
-                plp = (first_choice(rest) or {}).get("prompt_logprobs") or []
+                plp = (first_choice(rest) or {}).get("prompt_logprobs")
                 for pos, tok in enumerate(cand[1:], start=len(prompt) + 1):
-                    score += float(plp[pos][str(tok)]["logprob"])
+                    at = plp[pos] if isinstance(plp, list) and pos < len(plp) else None
+                    score += _logprob(at.get(str(tok)) if isinstance(at, dict) else None)
             scores.append(score)
         return scores
 
@@ -213,6 +214,29 @@ class LabelScoring:
 def _llama_logprobs(data: Json) -> list[Json]:
     lp = (first_choice(data) or {}).get("logprobs")
     content = lp.get("content") if isinstance(lp, dict) else None
-    if not isinstance(content, list):
+    if not isinstance(content, list) or not all(isinstance(e, dict) for e in content):
         raise UpstreamProtocolError("no logprobs in the response (is it llama-server?)")
     return content
+
+
+def _number(value: object) -> float:
+    """A log-probability as the server wrote it; anything else is not the protocol."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise UpstreamProtocolError("a log-probability that is not a number")
+    try:
+        return float(value)
+    except ValueError:
+        raise UpstreamProtocolError("a log-probability that is not a number") from None
+
+
+def _logprob(entry: object) -> float:
+    """An entry's `logprob` (llama-server's and vLLM's entries alike)."""
+    return _number(entry.get("logprob") if isinstance(entry, dict) else None)
+
+
+def _token_id(entry: object) -> int:
+    """A llama-server entry's token `id`."""
+    token = entry.get("id") if isinstance(entry, dict) else None
+    if type(token) is not int:
+        raise UpstreamProtocolError("a token id that is not an integer")
+    return token

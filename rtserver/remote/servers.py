@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import aiohttp
 
@@ -17,7 +16,7 @@ from ..engine.backend import Tokenizer
 from .client import Upstreams
 from .pool import Upstream
 from .reuse import reuse_for
-from .wire import BackendMismatch, UpstreamError, describe
+from .wire import BackendMismatch, Json, UpstreamError, describe
 
 log = logging.getLogger("rtserver.remote")
 
@@ -91,7 +90,7 @@ class ServerCheck:
     async def _remote_tokens(self, up: Upstream, kind: str) -> list[int] | None:
         ups = self.ups
         if kind == "vllm":
-            body: dict[str, Any] = {"prompt": PROBE_TEXT, "add_special_tokens": False}
+            body: Json = {"prompt": PROBE_TEXT, "add_special_tokens": False}
             if ups.model:
                 body["model"] = ups.model
         else:

@@ -4,9 +4,9 @@ upstream that misbehaves cannot make the hub buffer without limit)."""
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 
 class UpstreamProtocolError(Exception):
@@ -15,7 +15,7 @@ class UpstreamProtocolError(Exception):
 
 async def sse_payloads(
     chunks: AsyncIterator[bytes], max_line_bytes: int = 1 << 20, max_total_bytes: int = 64 << 20
-) -> AsyncIterator[Any]:
+) -> AsyncIterator[dict[str, object]]:
     """The JSON payload of every `data:` line, in order, until `data: [DONE]` or the end of the stream.
     `data: null` is skipped (llama-server sends one between the tasks of a multi-prompt request)."""
     buffer = b""
@@ -30,25 +30,26 @@ async def sse_payloads(
             raise UpstreamProtocolError(f"an event line over {max_line_bytes} bytes")
         for line in lines:
             payload = _payload(line)
-            if payload is _DONE:
+            if payload is _End.DONE:
                 return
             if payload is not None:
                 yield payload
     payload = _payload(buffer)
-    if payload is not None and payload is not _DONE:
+    if payload is not None and payload is not _End.DONE:
         yield payload
 
 
-_DONE = object()
+class _End(enum.Enum):
+    DONE = "[DONE]"  # the stream's last event
 
 
-def _payload(line: bytes) -> Any:
+def _payload(line: bytes) -> dict[str, object] | _End | None:
     line = line.strip()
     if not line.startswith(b"data:"):
         return None  # blank separators, comments (":"), event/id fields
     data = line[5:].strip()
     if data == b"[DONE]":
-        return _DONE
+        return _End.DONE
     try:
         value = json.loads(data)
     except ValueError:

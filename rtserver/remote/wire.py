@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import aiohttp
 
 from ..engine.backend import SamplingParams, Usage
@@ -11,7 +9,7 @@ from .pool import Upstream
 from .reuse import Lease
 from .sse import UpstreamProtocolError
 
-Json = dict[str, Any]  # a decoded JSON object, as servers send it
+Json = dict[str, object]  # a decoded JSON object, as servers send it: each value checked where read
 JSON_HEADERS = {"Content-Type": "application/json"}
 PREFETCH_RESPONSE_LIMIT = 1 << 16  # bytes of a one-token answer read (a prefetch, a cut-back slot)
 

@@ -75,7 +75,7 @@ def _range(bound: Bound, lo: float, hi: float) -> str:
     return f"{show(lo)}..{show(hi)}"
 
 
-def number(param: str, value: Any, bound: Bound, lo: float | None = None, hi: float | None = None) -> Any:
+def number(param: str, value: object, bound: Bound, lo: float | None = None, hi: float | None = None) -> Any:
     """`value` checked against `bound`, narrowed to lo..hi: an int for an integer field (an integral
     float such as 4.0 becomes 4), else a float; raises BoundError."""
     lo = bound.lo if lo is None else max(lo, bound.lo)
@@ -93,14 +93,14 @@ def number(param: str, value: Any, bound: Bound, lo: float | None = None, hi: fl
     return int(value) if bound.integer else float(value) + 0.0  # + 0.0: -0.0 becomes 0.0
 
 
-def flag(param: str, value: Any) -> bool:
+def flag(param: str, value: object) -> bool:
     """A JSON boolean (never 0/1 or a string); raises BoundError."""
     if not isinstance(value, bool):
         raise BoundError(param, f"'{param}' must be true or false", "invalid_field")
     return value
 
 
-def stop_list(param: str, value: Any, count: int, one_string: bool = False) -> list[str]:
+def stop_list(param: str, value: object, count: int, one_string: bool = False) -> list[str]:
     """A list of at most `count` strings of 1..SIZES["stop_chars"] characters (or, with `one_string`,
     a string alone); raises BoundError."""
     chars = SIZES["stop_chars"]
@@ -116,7 +116,7 @@ def stop_list(param: str, value: Any, count: int, one_string: bool = False) -> l
     return list(items)
 
 
-def text(param: str, value: Any, chars: int, code: str = "invalid_field") -> str:
+def text(param: str, value: object, chars: int, code: str = "invalid_field") -> str:
     """A string of at most `chars` characters; raises BoundError."""
     if not isinstance(value, str):
         raise BoundError(param, f"'{param}' must be a string", code)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import re
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from ..engine.backend import OutputFormat, OutputFormatError, Priority, SamplingError, SamplingParams
 from . import bounds
@@ -25,6 +25,7 @@ PRIORITIES = {p.name.lower(): p for p in Priority}
 AUDIENCES = ("customers", "agents", "api")
 CUSTOMERS, AGENTS, API = AUDIENCES
 CALLER_PRIORITY = {"customers": Priority.CUSTOMER, "agents": Priority.ASSIST, "api": Priority.CUSTOMER}
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 DECODING_KEYS = (
     "temperature",
     "top_p",
@@ -65,7 +66,7 @@ class JSONSchema:
     """Generated text that is JSON valid under `schema`: every token is masked while decoding so the
     text stays valid, and the call's output is the parsed value."""
 
-    schema: dict[str, Any]
+    schema: dict[str, object]
 
     def format(self) -> OutputFormat:
         return OutputFormat.json_schema(self.schema)
@@ -136,7 +137,7 @@ class Task:
     truncate: str = "reject"  # reject | head (keep the start) | tail (keep the end)
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)
-    decoding: dict[str, Any] = field(default_factory=dict)  # defaults, e.g. {"temperature": 0.7}
+    decoding: dict[str, object] = field(default_factory=dict)  # defaults, e.g. {"temperature": 0.7}
     overridable: dict[str, tuple[float, float]] = field(default_factory=dict)  # client-settable ranges
     choices: Choices | None = None
     output: Output | None = None  # a generating task's text constrained while decoding
@@ -144,7 +145,7 @@ class Task:
     # who may call it (AUDIENCES); None: everyone, except customers for a task below customer priority
     audience: tuple[str, ...] | None = None
     samples: int = 1  # a generating task's replies per call, side by side (output {"samples": [...]})
-    parser: Callable[[str], dict[str, Any]] | None = None
+    parser: Callable[[str], dict[str, object]] | None = None
     variants: list[Variant] = field(default_factory=list)
     head: LearnedHead | None = None  # a learned head over hidden states, fitted on shipped examples
     cache_size: int = 0  # 0 = no result cache
@@ -299,7 +300,7 @@ class Task:
         ):
             raise ValueError(f"cache_ttl_s = {self.cache_ttl_s!r}: must be a number > 0")
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "name": self.name,
             "description": self.description,
@@ -325,7 +326,7 @@ class Task:
         }
 
     # -- input --------------------------------------------------------------------------------
-    def clean_text(self, text: Any) -> str:
+    def clean_text(self, text: object) -> str:
         """Strip control characters (keeping newlines and tabs), check emptiness and size."""
         if not isinstance(text, str):
             raise TaskError("invalid_input", f"{self.name}: 'text' must be a string")
@@ -346,41 +347,45 @@ class Task:
             text = text[: self.max_input_chars] if self.truncate == "head" else text[-self.max_input_chars :]
         return text
 
-    def sampling(self, overrides: dict[str, Any] | None, caller: str | None = None) -> SamplingParams:
+    def sampling(self, overrides: Mapping[str, object] | None, caller: str | None = None) -> SamplingParams:
         """Decoding for one call: the task's defaults, then client overrides within allowed ranges; the
         priority is the caller's where that is less urgent than the task's own."""
         priority = PRIORITIES[self.priority]
         if caller is not None:
             priority = max(priority, CALLER_PRIORITY[caller])
-        values: dict[str, Any] = {
-            "max_new_tokens": self.max_new_tokens,
-            "stop": list(self.stop),
-            "output": self.output_format,
-            "priority": priority,
-        }
-        values.update(self.decoding)
+        params = SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            stop=list(self.stop),
+            output=self.output_format,
+            priority=priority,
+        )
+        values = dict(self.decoding)
         if overrides is not None and not isinstance(overrides, dict):
             raise TaskError("bad_decoding", f"{self.name}: decoding options must be an object")
         for key, value in (overrides or {}).items():
-            if key not in self.overridable:
-                allowed = ", ".join(sorted(self.overridable)) or "none"
-                raise TaskError(
-                    "bad_decoding", f"{self.name}: '{key}' cannot be set (settable: {allowed})", key
-                )
-            lo, hi = self.overridable[key]
-            try:  # the task's range within the widest one any client may set (bounds.DECODING)
-                if key == "stop":
-                    values[key] = list(self.stop) + bounds.stop_list(key, value, int(hi))
-                else:
-                    values[key] = bounds.number(key, value, bounds.DECODING[key], lo, hi)
-            except bounds.BoundError as exc:
-                raise TaskError("bad_decoding", f"{self.name}: {exc.message}", key) from None
-        try:
-            params = SamplingParams(**values)
+            values[key] = self._override(key, value)
+        try:  # the values' types too are checked by `validate`
+            for key, value in values.items():
+                if key not in SAMPLING_FIELDS:
+                    raise TypeError(f"SamplingParams has no field {key!r}")
+                setattr(params, key, value)
             params.validate()
         except (SamplingError, TypeError) as exc:
             raise TaskError("bad_decoding", f"{self.name}: {exc}") from None
         return params
+
+    def _override(self, key: str, value: object) -> object:
+        """A client's decoding value, checked against the task's range for it."""
+        if key not in self.overridable:
+            allowed = ", ".join(sorted(self.overridable)) or "none"
+            raise TaskError("bad_decoding", f"{self.name}: '{key}' cannot be set (settable: {allowed})", key)
+        lo, hi = self.overridable[key]
+        try:  # the task's range within the widest one any client may set (bounds.DECODING)
+            if key == "stop":
+                return list(self.stop) + bounds.stop_list(key, value, int(hi))
+            return bounds.number(key, value, bounds.DECODING[key], lo, hi)
+        except bounds.BoundError as exc:
+            raise TaskError("bad_decoding", f"{self.name}: {exc.message}", key) from None
 
     def variant_of(self, text: str) -> int:
         """Which variant this input selects: its index, or -1 for the task's own prompt."""
@@ -402,7 +407,7 @@ class Task:
         )
 
 
-def _check_choices(choices: Any, where: str) -> None:
+def _check_choices(choices: object, where: str) -> None:
     if choices is None:
         return
     if not isinstance(choices, Choices) or not isinstance(choices.labels, dict):
@@ -425,6 +430,13 @@ def has_cjk(text: str) -> bool:
     return any("\u4e00" <= c <= "\u9fff" or "\u3400" <= c <= "\u4dbf" for c in text)
 
 
+class LabelOutput(TypedDict):
+    """A scoring call's output: the best label and every label's probability."""
+
+    label: str
+    probs: dict[str, float]
+
+
 class Timing(TypedDict, total=False):
     """How long a task call took (a scored call has only `total_ms`)."""
 
@@ -435,12 +447,14 @@ class Timing(TypedDict, total=False):
 
 @dataclass
 class TaskOutput:
+    """One call's answer as clients get it (`to_json`)."""
+
     task: str
-    output: dict[str, Any]
+    output: Mapping[str, object]  # a label and its probabilities, or the parsed reply
     text: str
-    usage: dict[str, Any]
+    usage: dict[str, int]  # token counts (`Usage`'s fields for a generating call)
     timing: Timing
     cached: bool = False
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)

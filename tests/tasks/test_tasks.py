@@ -583,7 +583,7 @@ async def test_the_server_calibrates_its_tasks_before_it_is_ready(smol):
     async with serve(app, settings):
         sentiment = app.state.rt.registry.get("sentiment")
         # computed during start-up, before /ready: one backend, one prompt
-        offsets = [f for known in sentiment._calibration.values() for f in known.values()]
+        offsets = [f for known in sentiment.labels.calibration.values() for f in known.values()]
         assert len(offsets) == 1 and offsets[0].done() and len(offsets[0].result()) == 2
 
 
@@ -813,7 +813,7 @@ async def test_relative_scores_keep_the_differences(tok, engine):
 async def test_the_whole_fixed_prefix_is_reused_not_just_full_blocks(tok, engine):
     registry = builtin(tok)
     sentiment = registry.get("sentiment")
-    prefix = sentiment._split_template(sentiment.task.prompt, False)[0]
+    prefix = sentiment.prompts.template(sentiment.task.prompt, False).prefix
     assert len(prefix) % engine.kv.block_tokens  # the prefix ends inside a block
     await registry.run(engine, "sentiment", "Wonderful evening.")  # computes the prefix (and N/A)
     before = engine.stats()

@@ -36,6 +36,7 @@ from . import http_api
 from .admission import Admission, Refused, SocketGate, Surface, bearer
 from .cluster.topology import Clustered
 from .connection import client_ip
+from .console import ConsoleHub
 from .headers import SecurityHeaders, TrustedHosts
 from .hub import FULL_RETRY_S, Hub
 from .metrics import CONTENT_TYPE
@@ -350,6 +351,14 @@ def _routes(hub: Hub) -> list[BaseRoute]:
     return routes
 
 
+def _hub(state: AppState, admission: Admission) -> Hub:
+    """The /ws hub and the agents' console it feeds: the console hears every session event."""
+    hub = Hub(state, admission)
+    hub.console = ConsoleHub(state, hub.sessions, hub.store, state.topology)
+    hub.events.subscribe(hub.console.on_event)
+    return hub
+
+
 def create_app(
     settings: Settings,
     loaded_model_factory: ModelFactory | None = None,
@@ -364,7 +373,7 @@ def create_app(
     start-up fails (`rtserver serve` exits then)."""
     state = AppState(settings, Clustered(settings) if settings.cluster.redis_url else Alone(settings))
     admission = Admission(state)
-    hub = Hub(state, admission)
+    hub = _hub(state, admission)
     model_factory = loaded_model_factory or _default_model_factory(settings)
     tokenizer_factory = _default_tokenizer_factory(settings)
     if loaded_model_factory is not None:

@@ -16,8 +16,8 @@ from ..tasks import TaskOutput
 from .protocol import PROTOCOL_VERSION, ErrorCode
 
 #
-# The events as TypedDicts, for the schema (#/$defs/ServerEvent). The builders below, the hub and the
-# console build them as plain dicts; tests/web/test_protocol.py checks a real session's events against it.
+# The events as TypedDicts, for the schema (#/$defs/ServerEvent). The builders below make every one of
+# them; tests/web/test_protocol.py checks a real session's events against it.
 
 
 class UsageCounts(TypedDict):
@@ -265,3 +265,24 @@ def pong_event(data: Any = None) -> Event:
     if data is not None:
         event["data"] = data
     return event
+
+
+def reset_event(session_id: str) -> Event:
+    return {"type": "reset", "session_id": session_id}
+
+
+def shutting_down_event(deadline_s: float) -> Event:
+    return {"type": "shutting_down", "deadline_s": deadline_s}
+
+
+def handover_event(agent: str | None) -> Event:
+    """To the agent named, or back to the bot when `agent` is None."""
+    return {"type": "handover", "to": "bot" if agent is None else "agent", "agent": agent}
+
+
+def agent_message_event(text: str, agent: str) -> Event:
+    return {"type": "agent_message", "text": text, "agent": agent}
+
+
+def forwarded_event(request_id: str, agent: str | None) -> Event:
+    return {"type": "forwarded", "id": request_id, "agent": agent}

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from ..cluster import ClusterUnavailable
+from ..seams import StoreUnavailable
 
 log = logging.getLogger("rtserver.console")
 
@@ -20,7 +20,7 @@ def spawn(coro: Coroutine[Any, Any, object]) -> None:
     async def run() -> None:
         try:
             await coro
-        except ClusterUnavailable:
+        except StoreUnavailable:
             pass
         except Exception:
             log.exception("console task failed")

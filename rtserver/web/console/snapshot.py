@@ -9,9 +9,8 @@ from typing import Any
 
 from .. import events
 from .. import protocol as P
-from ..cluster import ClusterUnavailable
 from ..display import clean_text
-from ..seams import ConsoleBus, ConsoleEvent, ConsoleRecord, Topology
+from ..seams import ConsoleBus, ConsoleEvent, ConsoleRecord, StoreUnavailable, Topology
 from .agents import Agent
 from .conversation import MAX_STORED_CHARS, listed, page, summary
 from .conversations import Conversations
@@ -45,7 +44,7 @@ class Snapshots:
         try:
             records = await self.bus.conversations()
             alive = await self.topology.alive_nodes()
-        except ClusterUnavailable:
+        except StoreUnavailable:
             records, alive = [], {node_id}
         convs: dict[str, ConsoleRecord] = {}
         horizon = time.time() - self.idle_timeout_s
@@ -89,7 +88,7 @@ class Snapshots:
         else:
             try:
                 record = None if conv is not None else await self.bus.conversation(session_id)
-            except ClusterUnavailable as exc:
+            except StoreUnavailable as exc:
                 agent.put(events.error_event(exc.code, exc.message, session_id=session_id))
                 return
             if record is None or not listed(record):

@@ -41,7 +41,7 @@ from .headers import SecurityHeaders, TrustedHosts
 from .hub import FULL_RETRY_S, Hub
 from .metrics import CONTENT_TYPE
 from .protocol import transport_max_bytes
-from .schema import protocol_schema
+from .schema import console_schema, http_schema, protocol_schema
 from .seams import Alone
 from .state import AppState
 from .transport import protocol_class
@@ -244,7 +244,7 @@ def _ops_refusal(request: Request) -> Refused | None:
 async def health(request: Request) -> Response:
     st: AppState = request.app.state.rt
     status = st.readiness().status
-    body: dict[str, Any] = {"status": status, "stage": st.stage, "progress": round(st.progress, 3)}
+    body: dict[str, object] = {"status": status, "stage": st.stage, "progress": round(st.progress, 3)}
     status_code = 503 if status == "failed" else 200
     if _ops_refusal(request) is not None:  # the public view: nothing of what runs where
         return JSONResponse(body, status_code=status_code)
@@ -270,7 +270,7 @@ async def ready(request: Request) -> Response:
     readiness = request.app.state.rt.readiness()
     hub: Hub = request.app.state.hub
     full = hub.full()
-    body: dict[str, Any] = {"ready": readiness.ready, "status": readiness.status, "full": full}
+    body: dict[str, object] = {"ready": readiness.ready, "status": readiness.status, "full": full}
     ops = _ops_refusal(request) is None
     if readiness.reason:
         body["reason"] = readiness.reason if ops else readiness.public_reason
@@ -340,6 +340,8 @@ def _routes(hub: Hub) -> list[BaseRoute]:
         Route("/ready", ready),
         Route("/metrics", metrics),
         Route("/v1/protocol.schema.json", lambda request: JSONResponse(protocol_schema())),
+        Route("/v1/http.schema.json", lambda request: JSONResponse(http_schema())),
+        Route("/v1/console.schema.json", lambda request: JSONResponse(console_schema())),
         WebSocketRoute("/ws", hub.endpoint),
         WebSocketRoute("/ws/console", hub.console.endpoint),
         Route("/console", console_page),

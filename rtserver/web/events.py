@@ -6,6 +6,7 @@ place. The agent console's own /ws/console events are built in console/. Referen
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import Field
@@ -48,8 +49,8 @@ class ReadyEvent(TypedDict):
     resume_token: str
     resumed: bool
     history_turns: int
-    limits: dict[str, Any]
-    tasks: Annotated[list[dict[str, Any]], Field(description="as GET /v1/tasks")]
+    limits: dict[str, object]
+    tasks: Annotated[list[dict[str, object]], Field(description="as GET /v1/tasks")]
     auto_tasks: list[str]
     history: Annotated[list[HistoryMessage], Field(description="the session's messages, oldest first")]
     agent: Annotated[str | None, Field(description="the human agent answering instead of the bot")]
@@ -69,7 +70,7 @@ class DoneEvent(TypedDict):
     type: Literal["done"]
     id: str
     text: str
-    output: dict[str, Any]
+    output: dict[str, object]
     finish_reason: FinishReason
     usage: UsageCounts
     timing: Timing
@@ -81,10 +82,10 @@ class ResultEvent(TypedDict):
     type: Literal["result"]
     id: str
     task: str
-    output: dict[str, Any]
+    output: dict[str, object]
     text: str
-    usage: dict[str, Any]
-    timing: dict[str, Any]
+    usage: dict[str, object]
+    timing: dict[str, object]
     cached: bool
     auto: NotRequired[bool]
 
@@ -160,7 +161,7 @@ ServerEvent = (
 )
 
 
-Event = dict[str, Any]  # one server event as a client receives it: a JSON object
+Event = dict[str, object]  # one server event as a client receives it: a JSON object
 
 
 def dumps(event: Event) -> str:
@@ -172,10 +173,10 @@ def ready_event(
     resume_token: str,
     resumed: bool,
     history_turns: int,
-    limits: dict[str, Any],
-    tasks: list[dict[str, Any]],
+    limits: dict[str, object],
+    tasks: list[dict[str, object]],
     auto_tasks: list[str],
-    history: list[dict[str, Any]] | None = None,
+    history: Sequence[Mapping[str, object]] | None = None,
     agent: str | None = None,
 ) -> Event:
     """`history` (1.1): the session's messages, for a client to show what it resumed; `agent` (1.1): the
@@ -195,7 +196,7 @@ def ready_event(
     }
 
 
-def history_message(m: dict[str, Any]) -> dict[str, Any]:
+def history_message(m: Mapping[str, object]) -> dict[str, object]:
     """A history entry as clients see it: {role, content} plus `agent` for a human agent's reply."""
     out = {"role": m["role"], "content": m["content"]}
     if m.get("agent"):
@@ -207,7 +208,7 @@ def token_event(request_id: str, text: str) -> Event:
     return {"type": "token", "id": request_id, "text": text}
 
 
-def usage_json(usage: Usage) -> dict[str, Any]:
+def usage_json(usage: Usage) -> dict[str, object]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "cached_tokens": usage.cached_tokens,
@@ -216,7 +217,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
-def timing_json(result: SequenceResult) -> dict[str, Any]:
+def timing_json(result: SequenceResult) -> dict[str, object]:
     return {
         "queued_ms": round(result.queued_ms, 2),
         "ttft_ms": None if result.ttft_ms is None else round(result.ttft_ms, 2),
@@ -224,7 +225,7 @@ def timing_json(result: SequenceResult) -> dict[str, Any]:
     }
 
 
-def done_event(request_id: str, result: SequenceResult, output: dict[str, Any]) -> Event:
+def done_event(request_id: str, result: SequenceResult, output: dict[str, object]) -> Event:
     return {
         "type": "done",
         "id": request_id,

@@ -132,7 +132,7 @@ RequestId = Annotated[
     Field(min_length=1, max_length=MAX_ID_CHARS, description=f"a string of 1..{MAX_ID_CHARS} characters"),
 ]
 Options = Annotated[
-    dict[str, Any] | None,
+    dict[str, object] | None,
     AfterValidator(lambda options: options or {}),
     Field(description="an object of decoding settings"),
 ]
@@ -221,7 +221,7 @@ def parse_client_message(raw: str | bytes, max_frame_bytes: int) -> ClientMessag
     return _parse_object(obj, rid)
 
 
-def load_object(raw: str | bytes, max_frame_bytes: int) -> dict[str, Any]:
+def load_object(raw: str | bytes, max_frame_bytes: int) -> dict[str, object]:
     """The JSON object of one text frame (binary, size and JSON checked); raises ProtocolError."""
     if isinstance(raw, (bytes, bytearray)):
         raise ProtocolError("binary_frame", "binary frames are not accepted; send JSON text frames")
@@ -317,7 +317,7 @@ def _no_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
-def _parse_object(obj: dict[str, Any], rid: str | None) -> ClientMessage:
+def _parse_object(obj: dict[str, object], rid: str | None) -> ClientMessage:
     kind = obj.get("type")
     if kind is None:
         raise ProtocolError("missing_field", "'type' is required", rid)

@@ -25,8 +25,8 @@ from .ratelimit import IPRateLimiter
 from .session import Session, SessionRegistry
 
 Beat = Callable[[], Awaitable[None]]
-ConsoleEvent = dict[str, Any]  # an event for the agents' consoles (docs/protocol.md)
-ConsoleRecord = dict[str, Any]  # a conversation as stored for the agents' snapshots
+ConsoleEvent = dict[str, object]  # an event for the agents' consoles (docs/protocol.md)
+ConsoleRecord = dict[str, object]  # a conversation as stored for the agents' snapshots
 HolderOf = Callable[[str], "Holder | None"]  # the agent holding a conversation, as this node knows it
 OnEvent = Callable[[ConsoleEvent], None]
 OnCommand = Callable[[BusCommand], Awaitable[None]]

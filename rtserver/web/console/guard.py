@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import Any
 
 from ..seams import StoreUnavailable
 
@@ -14,7 +13,7 @@ log = logging.getLogger("rtserver.console")
 _running: set[asyncio.Task[None]] = set()  # held until done: the loop keeps only weak references
 
 
-def spawn(coro: Coroutine[Any, Any, object]) -> None:
+def spawn(coro: Coroutine[object, object, object]) -> None:
     """Run console work in the background; Redis being down is no failure worth a log line."""
 
     async def run() -> None:

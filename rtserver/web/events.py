@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal, NotRequired
+from typing import Annotated, Literal, NotRequired
 
 from pydantic import Field
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
@@ -105,7 +105,7 @@ class ErrorEvent(TypedDict):
 
 class PongEvent(TypedDict):
     type: Literal["pong"]
-    data: NotRequired[Any]
+    data: NotRequired[object]
 
 
 class ResetEvent(TypedDict):
@@ -253,7 +253,7 @@ def result_event(request_id: str, out: TaskOutput, auto: bool = False) -> Event:
     return event
 
 
-def error_event(code: str, message: str, request_id: str | None = None, **extra: Any) -> Event:
+def error_event(code: str, message: str, request_id: str | None = None, **extra: object) -> Event:
     event: Event = {"type": "error", "code": code, "message": message}
     if request_id is not None:
         event["id"] = request_id
@@ -261,7 +261,7 @@ def error_event(code: str, message: str, request_id: str | None = None, **extra:
     return event
 
 
-def pong_event(data: Any = None) -> Event:
+def pong_event(data: object = None) -> Event:
     event: Event = {"type": "pong"}
     if data is not None:
         event["data"] = data

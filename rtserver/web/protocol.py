@@ -15,7 +15,7 @@ import json
 import re
 import sys
 from dataclasses import field
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, NoReturn, get_args
 
 import numpy as np
 from pydantic import AfterValidator, ConfigDict, Field, StrictStr, TypeAdapter, ValidationError
@@ -170,7 +170,7 @@ class TaskCall:
 
     id: RequestId
     task: Annotated[StrictStr, Field(description="a task name string")]
-    input: Annotated[Any, Field(description='the task\'s input, e.g. {"text": ...}')]
+    input: Annotated[object, Field(description='the task\'s input, e.g. {"text": ...}')]
     options: Options = field(default_factory=dict)
     type: Literal["task"] = "task"
 
@@ -194,7 +194,7 @@ class Reset:
 class Ping:
     """Answered `pong` with the same `data`."""
 
-    data: Annotated[Any, Field(description="any JSON value")] = None
+    data: Annotated[object, Field(description="any JSON value")] = None
     type: Literal["ping"] = "ping"
 
 
@@ -236,7 +236,7 @@ def load_object(raw: str | bytes, max_frame_bytes: int) -> dict[str, object]:
     return obj
 
 
-def loads(text: str) -> Any:
+def loads(text: str) -> object:
     """JSON text as I-JSON (RFC 7493) and within MAX_JSON_DEPTH; raises ValueError saying what is wrong.
 
     Beyond `json.loads`: NaN/Infinity, numbers out of a double's range, strings with an unpaired UTF-16
@@ -308,7 +308,7 @@ def _check_ints(skeleton: bytes) -> None:
             raise ValueError(f"number {shown}... is out of range (at most {_FLOAT_MAX:g} in magnitude)")
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number")
 
 

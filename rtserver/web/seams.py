@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict
+from typing import Protocol, TypedDict
 
 from ..config import Settings
 from .commands import BusCommand, Holder
@@ -229,7 +229,7 @@ class Topology(Protocol):
         """Why the shared store cannot be used now, or None."""
         ...
 
-    async def add_health(self, body: dict[str, Any]) -> None: ...
+    async def add_health(self, body: dict[str, object]) -> None: ...
 
     def figures(self) -> ClusterFigures | None:
         """The cluster's figures for /metrics; None alone."""
@@ -319,7 +319,7 @@ class Alone:
     def down_reason(self) -> str | None:
         return None
 
-    async def add_health(self, body: dict[str, Any]) -> None:
+    async def add_health(self, body: dict[str, object]) -> None:
         return None
 
     def figures(self) -> ClusterFigures | None:

@@ -18,7 +18,7 @@ from pydantic.json_schema import models_json_schema
 from .console.events import ConsoleServerEvent
 from .console.frames import AGENT_FRAME
 from .events import ServerEvent
-from .http_api.bodies import DOORS
+from .http_api import BODIES
 from .protocol import CLIENT_MESSAGE, MAX_JSON_DEPTH, PROTOCOL_VERSION
 
 
@@ -58,7 +58,7 @@ def http_schema() -> dict[str, object]:
 
     `doors` maps each path to its body's `$defs` entry. What a schema cannot say is in the
     description. Built once and shared: do not change the dict."""
-    models = [(model, "validation") for model in DOORS.values()]
+    models = [(model, "validation") for model in BODIES.values()]
     refs, defs = models_json_schema(models, ref_template="#/$defs/{model}")  # type: ignore[arg-type]
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -71,7 +71,7 @@ def http_schema() -> dict[str, object]:
             "JSON error naming it in `param`. Reference: docs/protocol.md."
         ),
         "version": PROTOCOL_VERSION,
-        "doors": {path: refs[(model, "validation")] for path, model in DOORS.items()},
+        "doors": {path: refs[(model, "validation")] for path, model in BODIES.items()},
         "$defs": defs["$defs"],
     }
 

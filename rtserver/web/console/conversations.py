@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from ..commands import Holder
 from ..display import clean_text
@@ -226,7 +225,7 @@ class Conversations:
                 conv.dirty = True
         self.broadcast(agent_events.stream_end(session.id, request_id, finish_reason, dropped))
 
-    def auto_result(self, session: Session, request_id: str, task: str, output: Any) -> None:
+    def auto_result(self, session: Session, request_id: str, task: str, output: object) -> None:
         conv = self._by_id.get(session.id)
         msg = conv.find_user_message(request_id) if conv is not None else None
         label = output.get("label") if isinstance(output, dict) else None

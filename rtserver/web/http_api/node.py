@@ -18,7 +18,7 @@ from ..admission import Admission, Surface
 from ..connection import client_ip
 from ..errors import GenerationFailed
 from ..state import AppState
-from .bodies import Completion, Tokenize, parse
+from .bodies import parse
 from .common import (
     HTTPError,
     JSONObject,
@@ -30,6 +30,7 @@ from .common import (
     openai_usage,
     start,
 )
+from .node_body import Completion, Tokenize
 
 
 def _token_ids(value: object, what: str, vocab: int, most: int) -> list[int]:

@@ -8,8 +8,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..state import AppState
-from .bodies import DropSessions, parse
+from .bodies import parse
 from .common import JSONObject
+from .node_body import DropSessions
 
 
 async def drop_sessions(request: Request, state: AppState, raw: JSONObject) -> Response:

@@ -28,7 +28,7 @@ from ...engine.backend import (
 from ...tasks.chat import ChatPrompt
 from ..errors import GenerationFailed
 from ..state import AppState
-from .bodies import ChatCompletion, Message, parse
+from .bodies import Message, parse
 from .common import (
     HTTPError,
     JSONObject,
@@ -40,6 +40,7 @@ from .common import (
     start,
     task_sampling,
 )
+from .openai_body import ChatCompletion
 
 
 def _ranges(state: AppState) -> dict[str, tuple[float | None, float | None]]:

@@ -1,6 +1,6 @@
 """The /ws protocol, server side: every event the server sends a client, declared as TypedDicts (their
 JSON Schema is part of schema.py) and built by the functions below, so the wire format is defined in one
-place. The agent console's own /ws/console events are built in console/. Reference: docs/protocol.md.
+place. The agent console's own /ws/console events are in console/events.py. Reference: docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -36,11 +36,12 @@ from . import http_api
 from .admission import Admission, Refused, SocketGate, Surface, bearer
 from .cluster.topology import Clustered
 from .connection import client_ip
+from .console import ConsoleHub
 from .headers import SecurityHeaders, TrustedHosts
 from .hub import FULL_RETRY_S, Hub
 from .metrics import CONTENT_TYPE
 from .protocol import transport_max_bytes
-from .schema import protocol_schema
+from .schema import console_schema, http_schema, protocol_schema
 from .seams import Alone
 from .state import AppState
 from .transport import protocol_class
@@ -243,7 +244,7 @@ def _ops_refusal(request: Request) -> Refused | None:
 async def health(request: Request) -> Response:
     st: AppState = request.app.state.rt
     status = st.readiness().status
-    body: dict[str, Any] = {"status": status, "stage": st.stage, "progress": round(st.progress, 3)}
+    body: dict[str, object] = {"status": status, "stage": st.stage, "progress": round(st.progress, 3)}
     status_code = 503 if status == "failed" else 200
     if _ops_refusal(request) is not None:  # the public view: nothing of what runs where
         return JSONResponse(body, status_code=status_code)
@@ -269,7 +270,7 @@ async def ready(request: Request) -> Response:
     readiness = request.app.state.rt.readiness()
     hub: Hub = request.app.state.hub
     full = hub.full()
-    body: dict[str, Any] = {"ready": readiness.ready, "status": readiness.status, "full": full}
+    body: dict[str, object] = {"ready": readiness.ready, "status": readiness.status, "full": full}
     ops = _ops_refusal(request) is None
     if readiness.reason:
         body["reason"] = readiness.reason if ops else readiness.public_reason
@@ -339,6 +340,8 @@ def _routes(hub: Hub) -> list[BaseRoute]:
         Route("/ready", ready),
         Route("/metrics", metrics),
         Route("/v1/protocol.schema.json", lambda request: JSONResponse(protocol_schema())),
+        Route("/v1/http.schema.json", lambda request: JSONResponse(http_schema())),
+        Route("/v1/console.schema.json", lambda request: JSONResponse(console_schema())),
         WebSocketRoute("/ws", hub.endpoint),
         WebSocketRoute("/ws/console", hub.console.endpoint),
         Route("/console", console_page),
@@ -348,6 +351,14 @@ def _routes(hub: Hub) -> list[BaseRoute]:
     if STATIC_DIR.is_dir():
         routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))
     return routes
+
+
+def _hub(state: AppState, admission: Admission) -> Hub:
+    """The /ws hub and the agents' console it feeds: the console hears every session event."""
+    hub = Hub(state, admission)
+    hub.console = ConsoleHub(state, hub.sessions, hub.store, state.topology)
+    hub.events.subscribe(hub.console.on_event)
+    return hub
 
 
 def create_app(
@@ -364,7 +375,7 @@ def create_app(
     start-up fails (`rtserver serve` exits then)."""
     state = AppState(settings, Clustered(settings) if settings.cluster.redis_url else Alone(settings))
     admission = Admission(state)
-    hub = Hub(state, admission)
+    hub = _hub(state, admission)
     model_factory = loaded_model_factory or _default_model_factory(settings)
     tokenizer_factory = _default_tokenizer_factory(settings)
     if loaded_model_factory is not None:

@@ -1,12 +1,13 @@
 """The /ws protocol, server side: every event the server sends a client, declared as TypedDicts (their
 JSON Schema is part of schema.py) and built by the functions below, so the wire format is defined in one
-place. The agent console's own /ws/console events are built in console/. Reference: docs/protocol.md.
+place. The agent console's own /ws/console events are in console/events.py. Reference: docs/protocol.md.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, NotRequired
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Literal, NotRequired
 
 from pydantic import Field
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
@@ -16,8 +17,8 @@ from ..tasks import TaskOutput
 from .protocol import PROTOCOL_VERSION, ErrorCode
 
 #
-# The events as TypedDicts, for the schema (#/$defs/ServerEvent). The builders below, the hub and the
-# console build them as plain dicts; tests/web/test_protocol.py checks a real session's events against it.
+# The events as TypedDicts, for the schema (#/$defs/ServerEvent). The builders below make every one of
+# them; tests/web/test_protocol.py checks a real session's events against it.
 
 
 class UsageCounts(TypedDict):
@@ -48,8 +49,8 @@ class ReadyEvent(TypedDict):
     resume_token: str
     resumed: bool
     history_turns: int
-    limits: dict[str, Any]
-    tasks: Annotated[list[dict[str, Any]], Field(description="as GET /v1/tasks")]
+    limits: dict[str, object]
+    tasks: Annotated[list[dict[str, object]], Field(description="as GET /v1/tasks")]
     auto_tasks: list[str]
     history: Annotated[list[HistoryMessage], Field(description="the session's messages, oldest first")]
     agent: Annotated[str | None, Field(description="the human agent answering instead of the bot")]
@@ -69,7 +70,7 @@ class DoneEvent(TypedDict):
     type: Literal["done"]
     id: str
     text: str
-    output: dict[str, Any]
+    output: dict[str, object]
     finish_reason: FinishReason
     usage: UsageCounts
     timing: Timing
@@ -81,10 +82,10 @@ class ResultEvent(TypedDict):
     type: Literal["result"]
     id: str
     task: str
-    output: dict[str, Any]
+    output: dict[str, object]
     text: str
-    usage: dict[str, Any]
-    timing: dict[str, Any]
+    usage: dict[str, object]
+    timing: dict[str, object]
     cached: bool
     auto: NotRequired[bool]
 
@@ -104,7 +105,7 @@ class ErrorEvent(TypedDict):
 
 class PongEvent(TypedDict):
     type: Literal["pong"]
-    data: NotRequired[Any]
+    data: NotRequired[object]
 
 
 class ResetEvent(TypedDict):
@@ -160,7 +161,7 @@ ServerEvent = (
 )
 
 
-Event = dict[str, Any]  # one server event as a client receives it: a JSON object
+Event = dict[str, object]  # one server event as a client receives it: a JSON object
 
 
 def dumps(event: Event) -> str:
@@ -172,10 +173,10 @@ def ready_event(
     resume_token: str,
     resumed: bool,
     history_turns: int,
-    limits: dict[str, Any],
-    tasks: list[dict[str, Any]],
+    limits: dict[str, object],
+    tasks: list[dict[str, object]],
     auto_tasks: list[str],
-    history: list[dict[str, Any]] | None = None,
+    history: Sequence[Mapping[str, object]] | None = None,
     agent: str | None = None,
 ) -> Event:
     """`history` (1.1): the session's messages, for a client to show what it resumed; `agent` (1.1): the
@@ -195,7 +196,7 @@ def ready_event(
     }
 
 
-def history_message(m: dict[str, Any]) -> dict[str, Any]:
+def history_message(m: Mapping[str, object]) -> dict[str, object]:
     """A history entry as clients see it: {role, content} plus `agent` for a human agent's reply."""
     out = {"role": m["role"], "content": m["content"]}
     if m.get("agent"):
@@ -207,7 +208,7 @@ def token_event(request_id: str, text: str) -> Event:
     return {"type": "token", "id": request_id, "text": text}
 
 
-def usage_json(usage: Usage) -> dict[str, Any]:
+def usage_json(usage: Usage) -> dict[str, object]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "cached_tokens": usage.cached_tokens,
@@ -216,7 +217,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
-def timing_json(result: SequenceResult) -> dict[str, Any]:
+def timing_json(result: SequenceResult) -> dict[str, object]:
     return {
         "queued_ms": round(result.queued_ms, 2),
         "ttft_ms": None if result.ttft_ms is None else round(result.ttft_ms, 2),
@@ -224,7 +225,7 @@ def timing_json(result: SequenceResult) -> dict[str, Any]:
     }
 
 
-def done_event(request_id: str, result: SequenceResult, output: dict[str, Any]) -> Event:
+def done_event(request_id: str, result: SequenceResult, output: dict[str, object]) -> Event:
     return {
         "type": "done",
         "id": request_id,
@@ -252,7 +253,7 @@ def result_event(request_id: str, out: TaskOutput, auto: bool = False) -> Event:
     return event
 
 
-def error_event(code: str, message: str, request_id: str | None = None, **extra: Any) -> Event:
+def error_event(code: str, message: str, request_id: str | None = None, **extra: object) -> Event:
     event: Event = {"type": "error", "code": code, "message": message}
     if request_id is not None:
         event["id"] = request_id
@@ -260,8 +261,29 @@ def error_event(code: str, message: str, request_id: str | None = None, **extra:
     return event
 
 
-def pong_event(data: Any = None) -> Event:
+def pong_event(data: object = None) -> Event:
     event: Event = {"type": "pong"}
     if data is not None:
         event["data"] = data
     return event
+
+
+def reset_event(session_id: str) -> Event:
+    return {"type": "reset", "session_id": session_id}
+
+
+def shutting_down_event(deadline_s: float) -> Event:
+    return {"type": "shutting_down", "deadline_s": deadline_s}
+
+
+def handover_event(agent: str | None) -> Event:
+    """To the agent named, or back to the bot when `agent` is None."""
+    return {"type": "handover", "to": "bot" if agent is None else "agent", "agent": agent}
+
+
+def agent_message_event(text: str, agent: str) -> Event:
+    return {"type": "agent_message", "text": text, "agent": agent}
+
+
+def forwarded_event(request_id: str, agent: str | None) -> Event:
+    return {"type": "forwarded", "id": request_id, "agent": agent}

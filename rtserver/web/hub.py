@@ -40,13 +40,12 @@ from . import events
 from . import protocol as P
 from . import session_events as se
 from .admission import Admission, NoReservation, Refused, Reservation, Surface, client_key
-from .cluster import ClusterUnavailable
 from .commands import Holder
 from .connection import Close, QueuedConnection, accept, client_ip, refuse
 from .console import ConsoleHub
 from .errors import GenerationFailed, error_code
 from .ratelimit import TokenBucket
-from .seams import NodeFigures, NodeView
+from .seams import NodeFigures, NodeView, StoreUnavailable
 from .session import Session, SessionExpired, SessionRefused, SessionRegistry, TooManySessions
 from .session_events import SessionEvents
 from .state import AppState
@@ -233,7 +232,7 @@ class Connection(QueuedConnection):
             return
         try:
             self.hub.store.require()  # a turn that could not be acknowledged is not started
-        except ClusterUnavailable as down:
+        except StoreUnavailable as down:
             await self.error(down.code, down.message, msg.id)
             return
         session.begin(msg.id)
@@ -266,7 +265,7 @@ class Connection(QueuedConnection):
             full = isinstance(refused, TooManySessions)
             self.stop(Close.TOO_MANY_SESSIONS if full else Close.NOT_READY, refused.code)
             return False
-        except ClusterUnavailable as exc:
+        except StoreUnavailable as exc:
             await self.error(exc.code, exc.message)
             self.stop(Close.NOT_READY, "session store unavailable")
             return False
@@ -310,13 +309,13 @@ class Connection(QueuedConnection):
         kept = session.clear()
         try:
             await self.hub.store.save(session, self.client_name)
-        except ClusterUnavailable as exc:  # not stored: not done either
+        except StoreUnavailable as exc:  # not stored: not done either
             session.restore(kept)
             await self.error(exc.code, exc.message)
             return
         self.hub.drop_backend_session(session)
         self.hub.events.publish(se.Cleared(session))
-        await self.send({"type": "reset", "session_id": session.id})
+        await self.send(events.reset_event(session.id))
 
     def cancel_all(self) -> None:
         for req in list(self.requests.values()):
@@ -408,13 +407,13 @@ class Connection(QueuedConnection):
         kept = session.forward(turn.history, turn.cut)
         try:  # stored before it is acknowledged (`forwarded`)
             await hub.store.save(session, self.client_name)
-        except ClusterUnavailable as exc:
+        except StoreUnavailable as exc:
             session.restore(kept)
             await self.error(exc.code, exc.message, msg.id)
             return
         session.touch(hub.sessions.clock())
         hub.events.publish(se.Forwarded(session, msg.id, turn.text))
-        await self.send({"type": "forwarded", "id": msg.id, "agent": holder.name})
+        await self.send(events.forwarded_event(msg.id, holder.name))
         self.run_auto_tasks(msg.id, turn.text)
 
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:
@@ -500,10 +499,8 @@ class Hub:
         self.store = topology.session_store(self.sessions)
         self.connections: set[Connection] = set()
         topology.join(NodeView(self.node_figures, self.connected))  # heartbeats before the console's
-        # the agent console's registry (/ws/console)
-        self.console = ConsoleHub(state, self.sessions, self.store, topology)
+        self.console: ConsoleHub  # the agents' door, built and subscribed by create_app
         self.events = SessionEvents()
-        self.events.subscribe(self.console.on_event)
         state.counts = lambda: {"connections": len(self.connections), "sessions": len(self.sessions)}
         self.capacity = websocket_capacity(self.settings.server.max_websockets)  # /ws sockets at once
 
@@ -640,7 +637,7 @@ class Hub:
         await self.state.topology.leave()  # out of the cluster's view: its clients reconnect elsewhere
         self.console.close_all()
         for conn in list(self.connections):
-            await conn.send({"type": "shutting_down", "deadline_s": grace_s})
+            await conn.send(events.shutting_down_event(grace_s))
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(conn.requests for conn in self.connections):
             await asyncio.sleep(0.05)

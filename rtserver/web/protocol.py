@@ -15,7 +15,7 @@ import json
 import re
 import sys
 from dataclasses import field
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, NoReturn, get_args
 
 import numpy as np
 from pydantic import AfterValidator, ConfigDict, Field, StrictStr, TypeAdapter, ValidationError
@@ -132,7 +132,7 @@ RequestId = Annotated[
     Field(min_length=1, max_length=MAX_ID_CHARS, description=f"a string of 1..{MAX_ID_CHARS} characters"),
 ]
 Options = Annotated[
-    dict[str, Any] | None,
+    dict[str, object] | None,
     AfterValidator(lambda options: options or {}),
     Field(description="an object of decoding settings"),
 ]
@@ -170,7 +170,7 @@ class TaskCall:
 
     id: RequestId
     task: Annotated[StrictStr, Field(description="a task name string")]
-    input: Annotated[Any, Field(description='the task\'s input, e.g. {"text": ...}')]
+    input: Annotated[object, Field(description='the task\'s input, e.g. {"text": ...}')]
     options: Options = field(default_factory=dict)
     type: Literal["task"] = "task"
 
@@ -194,7 +194,7 @@ class Reset:
 class Ping:
     """Answered `pong` with the same `data`."""
 
-    data: Annotated[Any, Field(description="any JSON value")] = None
+    data: Annotated[object, Field(description="any JSON value")] = None
     type: Literal["ping"] = "ping"
 
 
@@ -221,7 +221,7 @@ def parse_client_message(raw: str | bytes, max_frame_bytes: int) -> ClientMessag
     return _parse_object(obj, rid)
 
 
-def load_object(raw: str | bytes, max_frame_bytes: int) -> dict[str, Any]:
+def load_object(raw: str | bytes, max_frame_bytes: int) -> dict[str, object]:
     """The JSON object of one text frame (binary, size and JSON checked); raises ProtocolError."""
     if isinstance(raw, (bytes, bytearray)):
         raise ProtocolError("binary_frame", "binary frames are not accepted; send JSON text frames")
@@ -236,7 +236,7 @@ def load_object(raw: str | bytes, max_frame_bytes: int) -> dict[str, Any]:
     return obj
 
 
-def loads(text: str) -> Any:
+def loads(text: str) -> object:
     """JSON text as I-JSON (RFC 7493) and within MAX_JSON_DEPTH; raises ValueError saying what is wrong.
 
     Beyond `json.loads`: NaN/Infinity, numbers out of a double's range, strings with an unpaired UTF-16
@@ -308,7 +308,7 @@ def _check_ints(skeleton: bytes) -> None:
             raise ValueError(f"number {shown}... is out of range (at most {_FLOAT_MAX:g} in magnitude)")
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number")
 
 
@@ -317,7 +317,7 @@ def _no_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
-def _parse_object(obj: dict[str, Any], rid: str | None) -> ClientMessage:
+def _parse_object(obj: dict[str, object], rid: str | None) -> ClientMessage:
     kind = obj.get("type")
     if kind is None:
         raise ProtocolError("missing_field", "'type' is required", rid)

@@ -8,7 +8,8 @@ never ask which one they have.
 - `Limits`: the per-client-IP request bucket and the console's failed logins;
 - `ConsoleBus`: the console's shared conversations, take-overs and actions (`LocalBus` alone: the
   holder is the conversation's own agent, every conversation is served here);
-- `Topology`: the two above, the node's heartbeat, readiness, /health and /metrics figures.
+- `Topology`: the two above, the node's heartbeat, readiness, /health and /metrics figures;
+- `StoreUnavailable`: what these raise when the shared store cannot be reached.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict
+from typing import Protocol, TypedDict
 
 from ..config import Settings
 from .commands import BusCommand, Holder
@@ -24,11 +25,23 @@ from .ratelimit import IPRateLimiter
 from .session import Session, SessionRegistry
 
 Beat = Callable[[], Awaitable[None]]
-ConsoleEvent = dict[str, Any]  # an event for the agents' consoles (docs/protocol.md)
-ConsoleRecord = dict[str, Any]  # a conversation as stored for the agents' snapshots
+ConsoleEvent = dict[str, object]  # an event for the agents' consoles (docs/protocol.md)
+ConsoleRecord = dict[str, object]  # a conversation as stored for the agents' snapshots
 HolderOf = Callable[[str], "Holder | None"]  # the agent holding a conversation, as this node knows it
 OnEvent = Callable[[ConsoleEvent], None]
 OnCommand = Callable[[BusCommand], Awaitable[None]]
+
+
+class StoreUnavailable(Exception):
+    """The shared store cannot be reached: the request gets `unavailable`.
+
+    The front doors catch this one; the cluster raises its subclasses."""
+
+    code = "unavailable"
+
+    def __init__(self, message: str = "the session store is unavailable; retry in a moment"):
+        self.message = message
+        super().__init__(message)
 
 
 class ClusterFigures(TypedDict):
@@ -69,7 +82,7 @@ class NodeView:
 
 
 class SessionStore(Protocol):
-    """The hub's sessions. Clustered calls raise `ClusterUnavailable` while Redis is down."""
+    """The hub's sessions. Clustered calls raise `StoreUnavailable` while Redis is down."""
 
     def require(self) -> None:
         """Raise when a change could not be stored now (a turn is then refused at once)."""
@@ -216,7 +229,7 @@ class Topology(Protocol):
         """Why the shared store cannot be used now, or None."""
         ...
 
-    async def add_health(self, body: dict[str, Any]) -> None: ...
+    async def add_health(self, body: dict[str, object]) -> None: ...
 
     def figures(self) -> ClusterFigures | None:
         """The cluster's figures for /metrics; None alone."""
@@ -306,7 +319,7 @@ class Alone:
     def down_reason(self) -> str | None:
         return None
 
-    async def add_health(self, body: dict[str, Any]) -> None:
+    async def add_health(self, body: dict[str, object]) -> None:
         return None
 
     def figures(self) -> ClusterFigures | None:

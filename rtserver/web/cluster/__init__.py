@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...config import Settings
+from ..seams import StoreUnavailable
 
 log = logging.getLogger("rtserver.cluster")
 
@@ -58,15 +59,12 @@ class ClusterHealth(TypedDict):
     nodes: NotRequired[list[dict[str, Any]]]
 
 
-class ClusterUnavailable(Exception):
+class ClusterUnavailable(StoreUnavailable):
     """Redis cannot be reached (or answered an error): the request gets `unavailable`."""
-
-    code = "unavailable"
 
     def __init__(self, reason: str):
         self.reason = reason  # for logs and /health's detail: it may name the Redis host
-        self.message = "the session store is unavailable; retry in a moment"
-        super().__init__(self.message)
+        super().__init__()
 
 
 class StoreError(ClusterUnavailable):

@@ -19,11 +19,10 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from .. import events
-from ..cluster import ClusterUnavailable
 from ..commands import AgentMessage, BusCommand, HandBack, Holder, SessionTaken, TakeOver
 from ..connection import Close
 from ..display import clean_text
-from ..seams import ConsoleBus, ConsoleEvent, Resumed, SessionStore
+from ..seams import ConsoleBus, ConsoleEvent, Resumed, SessionStore, StoreUnavailable
 from ..session import Session, SessionRegistry
 from .agents import Agent, Agents
 from .conversations import Conversations
@@ -89,7 +88,7 @@ class Actions:
             command = await decide(agent, session_id)
             if command is not None:
                 await self._send(agent, record.get("node"), command)
-        except ClusterUnavailable as exc:
+        except StoreUnavailable as exc:
             agent.put(events.error_event(exc.code, exc.message, session_id=session_id))
 
     async def _send(self, agent: Agent, node: object, command: BusCommand) -> None:
@@ -165,7 +164,7 @@ class Actions:
         conv.agent = holder
         conv.updated_at = time.time()
         self.conversations.changed(conv)
-        await _to_customer(session, {"type": "handover", "to": "agent", "agent": holder.name})
+        await _to_customer(session, events.handover_event(holder.name))
 
     async def apply_hand_back(self, session_id: str) -> None:
         self.cancel_release(session_id)
@@ -176,7 +175,7 @@ class Actions:
         conv.agent = None
         conv.updated_at = time.time()
         self.conversations.changed(conv)
-        await _to_customer(session, {"type": "handover", "to": "bot", "agent": None})
+        await _to_customer(session, events.handover_event(None))
 
     async def apply_agent_message(self, command: AgentMessage) -> None:
         """Stored in the session first (clustered: its record in Redis), then shown and delivered."""
@@ -197,7 +196,7 @@ class Actions:
         session.touch(self.sessions.clock())
         try:  # into the session's record (clustered, it survives this node)
             await self.store.save(session, getattr(session.connection, "client_name", None))
-        except ClusterUnavailable as exc:  # (SessionConflict, StoreError too): nobody gets it
+        except StoreUnavailable as exc:  # (SessionConflict, StoreError too): nobody gets it
             session.history = [m for m in session.history if m is not entry]
             self._applied.pop(command.id, None)  # the agent may send it again
             log.warning("agent message in session %s not stored: %s", sid, type(exc).__name__)
@@ -206,7 +205,7 @@ class Actions:
             return
         msg = conv.add({"role": "agent", "text": text, "agent": holder.name, "id": command.id})
         self.conversations.message_event(conv, msg)
-        await _to_customer(session, {"type": "agent_message", "text": text, "agent": holder.name})
+        await _to_customer(session, events.agent_message_event(text, holder.name))
 
     async def resumed(self, found: Resumed) -> None:
         """A session resumed: who holds it, and close its connection on the node that served it."""

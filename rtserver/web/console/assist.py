@@ -18,7 +18,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from ...tasks import TaskError
 from ...tasks.chat import ChatTask, Conversation
@@ -29,9 +28,11 @@ from ..errors import error_code
 from ..seams import ConsoleBus
 from ..session import SessionRegistry
 from ..state import AppState
+from . import events as agent_events
 from .agents import Agent
 from .conversation import Message
 from .conversations import Conversations
+from .frames import AssistCall
 
 log = logging.getLogger("rtserver.console")
 
@@ -69,9 +70,9 @@ class StreamedText:
     """One call's text deltas on their way to its agent: gathered per reply and sent at most every
     `DELTA_EVERY_S`, the first at once, so a fast model does not flood the agent's queue."""
 
-    def __init__(self, agent: Agent, head: dict[str, Any]):
+    def __init__(self, agent: Agent, request_id: str, session_id: str, task: str):
         self.agent = agent
-        self.head = head  # id, session_id, task
+        self.request_id, self.session_id, self.task = request_id, session_id, task
         self.pending: dict[int, str] = {}
         self.sent_at = -DELTA_EVERY_S
         self.timer: asyncio.TimerHandle | None = None
@@ -89,7 +90,8 @@ class StreamedText:
         """Send what is gathered (before the call's answer, so the deltas always come first)."""
         self.close()
         for sample, text in sorted(self.pending.items()):
-            self.agent.put({"type": "assist_delta", **self.head, "sample": sample, "text": text})
+            delta = agent_events.assist_delta(self.request_id, self.session_id, self.task, sample, text)
+            self.agent.put(delta)
         self.pending.clear()
         self.sent_at = time.monotonic()
 
@@ -122,10 +124,9 @@ class Assist:
             and CUSTOMERS not in task.task.callers
         ]
 
-    def request(self, agent: Agent, obj: dict[str, Any]) -> None:
+    def request(self, agent: Agent, frame: AssistCall) -> None:
         """Check an `assist` frame and start its call; a bad one is answered with an error at once."""
-        rid, sid, task, text = obj.get("id"), obj.get("session_id"), obj.get("task"), obj.get("text")
-        stream = obj.get("stream", False)
+        rid, sid, task, text, stream = frame.id, frame.session_id, frame.task, frame.text, frame.stream
 
         def refuse(code: str, message: str) -> None:
             agent.put(
@@ -162,7 +163,7 @@ class Assist:
             mine[rid] = call  # held until done: the loop keeps only weak references
 
     async def _run(self, agent: Agent, rid: str, sid: str, task: str, text: str | None, stream: bool) -> None:
-        streamed = StreamedText(agent, {"id": rid, "session_id": sid, "task": task})
+        streamed = StreamedText(agent, rid, sid, task)
         on_delta: Deltas = streamed if stream else no_deltas
         try:
             messages = await self._messages(sid)
@@ -197,17 +198,7 @@ class Assist:
                 caller=AGENTS,
             )
             streamed.flush()
-            agent.put(
-                {
-                    "type": "assist",
-                    "id": rid,
-                    "session_id": sid,
-                    "task": task,
-                    "output": {**out.output, **found},
-                    "text": out.text,
-                    "timing": out.timing,
-                }
-            )
+            agent.put(agent_events.assist(rid, sid, task, {**out.output, **found}, out.text, out.timing))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # this call's alone: the agent gets its code
@@ -243,7 +234,8 @@ class Assist:
         if conv is not None:
             return list(conv.messages)
         record = await self.bus.conversation(sid)
-        return None if record is None else list(record.get("messages") or [])
+        stored = None if record is None else record.get("messages")
+        return None if record is None else list(stored) if isinstance(stored, list) else []
 
     def agent_left(self, agent: Agent) -> None:
         """Its console closed: its calls still running are cancelled."""

@@ -48,16 +48,16 @@ def bounded(message: Message) -> Message:
     return message if cut is text else {**message, "text": cut, "truncated": True}
 
 
-def user_seqs(messages: Iterable[Any]) -> list[int]:
+def user_seqs(messages: Iterable[object]) -> list[int]:
     """The seqs of the newest MAX_UNREAD customer messages."""
     seqs = [m.get("seq") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
     return [s for s in seqs if isinstance(s, int)][-MAX_UNREAD:]
 
 
-def summary(record: Mapping[str, Any]) -> dict[str, Any]:
+def summary(record: Mapping[str, object]) -> dict[str, object]:
     """A conversation as agents' lists show it (no messages), from a stored record or `to_json`; its
     texts cleaned and bounded whoever wrote them."""
-    last = record.get("last_message")
+    last, messages = record.get("last_message"), record.get("messages")
     agent = Holder.from_json(record.get("agent"))
     return {
         "session_id": str(record.get("session_id", ""))[:64],
@@ -75,11 +75,11 @@ def summary(record: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(last, dict)
         else None,
         "seq": record.get("seq") if isinstance(record.get("seq"), int) else 0,
-        "user_seqs": user_seqs(record.get("messages") or []),
+        "user_seqs": user_seqs(messages if isinstance(messages, list) else []),
     }
 
 
-def listed(record: Mapping[str, Any]) -> bool:
+def listed(record: Mapping[str, object]) -> bool:
     """Agents see a conversation once it has had a message: an empty session is nobody's work."""
     seq = record.get("seq")
     return isinstance(seq, int) and seq > 0

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from ..commands import Holder
 from ..display import clean_text
 from ..seams import ConsoleBus, ConsoleEvent, ConsoleRecord
 from ..session import Session
 from ..state import AppState
+from . import events as agent_events
 from .agents import FOR_AGENT, Agents, Shared
 from .conversation import MAX_EVENT_TEXT_BYTES, Conversation, Message, bounded, customer_name
 from .guard import spawn
@@ -99,22 +99,15 @@ class Conversations:
     def announce(self, conv: Conversation) -> None:
         """Agents get the conversation's summary (once it is listed)."""
         if conv.listed:
-            self.broadcast({"type": "conversation", "conversation": conv.summary(self.mood_window)})
+            self.broadcast(agent_events.conversation(conv.summary(self.mood_window)))
 
     def message_event(self, conv: Conversation, msg: Message, save: bool = True) -> None:
         if conv.seq == 1:  # its first message: agents see the conversation from now on
             self.announce(conv)
         if save:
             self.save(conv)
-        self.broadcast(
-            {
-                "type": "message",
-                "session_id": conv.session_id,
-                "message": bounded(msg),
-                "mood": conv.mood(self.mood_window),
-                "updated_at": conv.updated_at,
-            }
-        )
+        mood = conv.mood(self.mood_window)
+        self.broadcast(agent_events.message(conv.session_id, bounded(msg), mood, conv.updated_at))
 
     async def beat(self) -> None:
         """Clustered heartbeat: changed conversations are written, this node's renewed, expired ones
@@ -125,7 +118,7 @@ class Conversations:
                 self.save(conv)
         for sid in await self.bus.renew_and_sweep(list(self._by_id)):
             if sid not in self._by_id:
-                self.broadcast({"type": "removed", "session_id": sid})
+                self.broadcast(agent_events.removed(sid))
 
     # -- who answers ----------------------------------------------------------------------------
     def holder_of(self, session_id: str) -> Holder | None:
@@ -180,7 +173,7 @@ class Conversations:
         if record is None or record.get("node") == self.node_id:
             self.bus.remove_conversation(session_id)
             if record is not None or listed:
-                self.broadcast({"type": "removed", "session_id": session_id})
+                self.broadcast(agent_events.removed(session_id))
 
     def user_message(self, session: Session, request_id: str, text: str, to_agent: bool = False) -> None:
         conv = self._by_id.get(session.id)
@@ -206,7 +199,7 @@ class Conversations:
         step = MAX_EVENT_TEXT_BYTES // 4  # characters: a long delta goes as several events
         for i in range(0, len(delta), step):
             piece = clean_text(delta[i : i + step], step, strip=False)
-            self.broadcast({"type": "token", "session_id": session.id, "id": request_id, "text": piece})
+            self.broadcast(agent_events.token(session.id, request_id, piece))
 
     def bot_done(self, session: Session, request_id: str, text: str | None, finish_reason: str) -> None:
         """The bot's turn ended: `text` is the reply (None when it failed or left no text)."""
@@ -224,20 +217,15 @@ class Conversations:
             self._store_turn(conv, user)
             return
         # no reply: the turn leaves no trace here either (as in the session's history)
-        event: ConsoleEvent = {
-            "type": "stream_end",
-            "session_id": session.id,
-            "id": request_id,
-            "finish_reason": finish_reason,
-        }
+        dropped = None
         if user is not None:
             conv.remove(user)
-            event["dropped"] = user["seq"]
+            dropped = user["seq"]
             if user["seq"] <= conv.stored_seq:  # the stored record has it: write it again, later
                 conv.dirty = True
-        self.broadcast(event)
+        self.broadcast(agent_events.stream_end(session.id, request_id, finish_reason, dropped))
 
-    def auto_result(self, session: Session, request_id: str, task: str, output: Any) -> None:
+    def auto_result(self, session: Session, request_id: str, task: str, output: object) -> None:
         conv = self._by_id.get(session.id)
         msg = conv.find_user_message(request_id) if conv is not None else None
         label = output.get("label") if isinstance(output, dict) else None
@@ -251,17 +239,8 @@ class Conversations:
                 self.save(conv)  # the turn was waiting for this
             else:
                 conv.dirty = True  # the heartbeat writes it
-        self.broadcast(
-            {
-                "type": "tag",
-                "session_id": session.id,
-                "seq": msg["seq"],
-                "id": request_id,
-                "task": task,
-                "label": label,
-                "mood": conv.mood(self.mood_window),
-            }
-        )
+        mood = conv.mood(self.mood_window)
+        self.broadcast(agent_events.tag(session.id, msg["seq"], request_id, task, label, mood))
 
     def reset(self, session: Session) -> None:
         conv = self._by_id.get(session.id)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
-from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -25,12 +24,21 @@ from ..state import AppState
 from .actions import Actions
 from .agents import Agent, Agents
 from .assist import Assist
+from .frames import (
+    AGENT_FRAME,
+    AGENT_MESSAGE_TYPES,
+    AgentReply,
+    AssistCall,
+    ConsolePing,
+    HandBack,
+    Login,
+    Open,
+    TakeOver,
+)
 from .guard import spawn
 from .login import FIRST_LOGIN_DELAY_S, LOGIN_WINDOW_S, LoginFailures, RejoinTokens, agent_name, digest
 from .snapshot import Snapshots
 from .timer import Timer
-
-AGENT_MESSAGE_TYPES = ("login", "take_over", "hand_back", "agent_message", "assist", "open", "ping")
 
 
 class Door:
@@ -115,34 +123,36 @@ class Door:
         if kind not in AGENT_MESSAGE_TYPES:
             known = ", ".join(AGENT_MESSAGE_TYPES)
             agent.put(events.error_event("unknown_type", f"unknown message type {kind!r} (known: {known})"))
-        elif kind == "ping":
-            agent.put(events.pong_event(obj.get("data")))
-        elif kind == "login":
+            return
+        frame = AGENT_FRAME.validate_python(obj)
+        if isinstance(frame, ConsolePing):
+            agent.put(events.pong_event(frame.data))
+        elif isinstance(frame, Login):
             if agent.logged_in:
                 agent.put(events.error_event("already_started", "already logged in"))
-            elif await self.login(agent, obj):
+            elif await self.login(agent, frame):
                 await self.snapshots.send(agent)
         elif not agent.logged_in:
             agent.put(events.error_event("unauthorized", "send login with the console token first"))
             agent.stop(Close.UNAUTHORIZED, "unauthorized")
         else:
-            await self._act(agent, kind, obj)
+            await self._act(agent, frame)
 
-    async def _act(self, agent: Agent, kind: str, obj: dict[str, Any]) -> None:
-        sid = obj.get("session_id")
+    async def _act(self, agent: Agent, frame: TakeOver | HandBack | AgentReply | AssistCall | Open) -> None:
+        sid = frame.session_id
         if not isinstance(sid, str):  # no conversation has it
             message = f"no live conversation {sid!r}"
             agent.put(events.error_event("unknown_session", message, session_id=sid))
-        elif kind == "take_over":
+        elif isinstance(frame, TakeOver):
             await self.actions.take_over(agent, sid)
-        elif kind == "hand_back":
+        elif isinstance(frame, HandBack):
             await self.actions.hand_back(agent, sid)
-        elif kind == "assist":
-            self.assist.request(agent, obj)
-        elif kind == "open":  # a conversation's messages, asked for once (events carry only changes)
-            await self.snapshots.open(agent, sid, obj.get("before"))
+        elif isinstance(frame, AssistCall):
+            self.assist.request(agent, frame)
+        elif isinstance(frame, Open):  # a conversation's messages, asked for once (events carry only changes)
+            await self.snapshots.open(agent, sid, frame.before)
         else:
-            await self.actions.agent_message(agent, sid, obj.get("text"))
+            await self.actions.agent_message(agent, sid, frame.text)
 
     # -- login ----------------------------------------------------------------------------------
     async def _login_delay(self, ip: str) -> float:
@@ -163,10 +173,10 @@ class Door:
         if limit and self.login_failures.failed(ip, attempt):
             await self.limits.failed_logins(ip, limit, LOGIN_WINDOW_S, True, 0.0)
 
-    async def login(self, agent: Agent, obj: dict[str, Any]) -> bool:
+    async def login(self, agent: Agent, frame: Login) -> bool:
         ip = client_key(client_ip(agent.ws))  # an IPv6 guesser counts by its /64
         key = await self.rejoin.key()
-        known = self.rejoin.agent_id(obj.get("rejoin"), key)  # an agent who logged in before
+        known = self.rejoin.agent_id(frame.rejoin, key)  # an agent who logged in before
         wait = 0.0 if known else await self._login_delay(ip)
         if wait > 0:  # the server holds the socket: its login deadline does not run meanwhile
             self.waiting.add(agent)
@@ -176,7 +186,7 @@ class Door:
                 self.waiting.discard(agent)
         if agent.stopping.is_set():  # closed meanwhile (the client left, the server stopping)
             return False
-        given = obj.get("token")
+        given = frame.token
         token = self.settings.security.console_token
         # digests of equal length: the comparison tells nothing about the token, not even its length
         if not (isinstance(given, str) and hmac.compare_digest(digest(given), digest(token))):
@@ -184,11 +194,11 @@ class Door:
             agent.put(events.error_event("unauthorized", "wrong console token"))
             agent.stop(Close.UNAUTHORIZED, "unauthorized")
             return False
-        self._log_in(agent, obj, key, known)
+        self._log_in(agent, frame, key, known)
         return True
 
-    def _log_in(self, agent: Agent, obj: dict[str, Any], key: bytes | None, known: str | None) -> None:
-        agent.name = agent_name(obj.get("agent"))
+    def _log_in(self, agent: Agent, frame: Login, key: bytes | None, known: str | None) -> None:
+        agent.name = agent_name(frame.agent)
         # the server names agents: an id is only ever given back to who holds its rejoin token
         agent.id = known or secrets.token_urlsafe(12)
         agent.rejoin = self.rejoin.token(agent.id, key) if key is not None else None

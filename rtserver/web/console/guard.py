@@ -5,22 +5,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import Any
 
-from ..cluster import ClusterUnavailable
+from ..seams import StoreUnavailable
 
 log = logging.getLogger("rtserver.console")
 
 _running: set[asyncio.Task[None]] = set()  # held until done: the loop keeps only weak references
 
 
-def spawn(coro: Coroutine[Any, Any, object]) -> None:
+def spawn(coro: Coroutine[object, object, object]) -> None:
     """Run console work in the background; Redis being down is no failure worth a log line."""
 
     async def run() -> None:
         try:
             await coro
-        except ClusterUnavailable:
+        except StoreUnavailable:
             pass
         except Exception:
             log.exception("console task failed")

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 from cachetools import TTLCache
 
-from ..cluster import ClusterUnavailable
-from ..seams import ConsoleBus
+from ..seams import ConsoleBus, StoreUnavailable
 
 MAX_AGENT_NAME_CHARS = 60
 LOGIN_WINDOW_S = 60.0  # failed logins are counted per client IP over this window
@@ -98,7 +97,7 @@ class RejoinTokens:
         if self._key is None:
             try:
                 self._key = (await self.bus.shared_secret("rejoin")).encode()
-            except ClusterUnavailable:
+            except StoreUnavailable:
                 return None
         return self._key
 

@@ -5,13 +5,11 @@ asks for them (`open`), a page at a time."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from .. import events
-from .. import protocol as P
-from ..cluster import ClusterUnavailable
 from ..display import clean_text
-from ..seams import ConsoleBus, ConsoleEvent, ConsoleRecord, Topology
+from ..seams import ConsoleBus, ConsoleEvent, ConsoleRecord, StoreUnavailable, Topology
+from . import events as agent_events
 from .agents import Agent
 from .conversation import MAX_STORED_CHARS, listed, page, summary
 from .conversations import Conversations
@@ -29,14 +27,8 @@ class Snapshots:
         self.idle_timeout_s = idle_timeout_s  # a dead node's conversation older than this is gone
 
     def ready_event(self, agent: Agent, conversations: list[ConsoleRecord]) -> ConsoleEvent:
-        return {
-            "type": "console_ready",
-            "protocol": P.PROTOCOL_VERSION,
-            "agent": {"id": agent.id, "name": agent.name},
-            "rejoin": agent.rejoin,
-            "mood_window": self.conversations.mood_window,
-            "conversations": conversations,
-        }
+        window = self.conversations.mood_window
+        return agent_events.console_ready(agent.id, agent.name, agent.rejoin, window, conversations)
 
     async def records(self) -> dict[str, ConsoleRecord]:
         """The summaries of the listed conversations: clustered, read from Redis, with this node's own
@@ -45,17 +37,17 @@ class Snapshots:
         try:
             records = await self.bus.conversations()
             alive = await self.topology.alive_nodes()
-        except ClusterUnavailable:
+        except StoreUnavailable:
             records, alive = [], {node_id}
         convs: dict[str, ConsoleRecord] = {}
         horizon = time.time() - self.idle_timeout_s
         for record in records:
             if record.get("node") not in alive:
                 record["connected"] = False  # its node is gone: resumable elsewhere, not connected
-                if float(record.get("updated_at") or 0) < horizon:
+                if _number(record.get("updated_at")) < horizon:
                     continue
             if listed(record):
-                convs[record["session_id"]] = summary(record)
+                convs[str(record["session_id"])] = summary(record)
         for conv in self.conversations:
             if conv.listed:
                 convs[conv.session_id] = conv.summary(self.conversations.mood_window)
@@ -71,7 +63,7 @@ class Snapshots:
         agent.put(self.ready_event(agent, list(convs.values())))
         for out in held:
             event = out.event
-            if event.get("type") == "message" and _has(convs.get(event.get("session_id", "")), event):
+            if event.get("type") == "message" and _has(convs.get(str(event.get("session_id"))), event):
                 continue
             agent.send_shared(out)
 
@@ -89,7 +81,7 @@ class Snapshots:
         else:
             try:
                 record = None if conv is not None else await self.bus.conversation(session_id)
-            except ClusterUnavailable as exc:
+            except StoreUnavailable as exc:
                 agent.put(events.error_event(exc.code, exc.message, session_id=session_id))
                 return
             if record is None or not listed(record):
@@ -98,23 +90,22 @@ class Snapshots:
                 return
             raw = record.get("messages")
             messages = [m for m in raw if isinstance(m, dict)] if isinstance(raw, list) else []
-            streaming, seq = None, int(record.get("seq") or 0)
+            streaming, seq = None, int(_number(record.get("seq")))
         shown, more = page(messages, before)
         if streaming is not None:
             text = clean_text(streaming["text"], MAX_STORED_CHARS, strip=False)
             streaming = {"id": streaming["id"], "text": text}
-        agent.put(
-            {
-                "type": "messages",
-                "session_id": session_id,
-                "messages": shown,
-                "more": more,
-                "streaming": streaming if before is None else None,
-                "seq": seq,
-            }
-        )
+        shown_streaming = streaming if before is None else None
+        agent.put(agent_events.messages(session_id, shown, more, shown_streaming, seq))
 
 
-def _has(conv: dict[str, Any] | None, event: ConsoleEvent) -> bool:
+def _has(conv: ConsoleRecord | None, event: ConsoleEvent) -> bool:
     """The snapshot's conversation already has the message this event adds."""
-    return conv is not None and event["message"].get("seq", 0) <= conv.get("seq", 0)
+    message = event.get("message")
+    seq = message.get("seq", 0) if isinstance(message, dict) else 0
+    return conv is not None and _number(seq) <= _number(conv.get("seq", 0))
+
+
+def _number(value: object) -> float:
+    """A number from a stored record (0 when it holds none)."""
+    return float(value) if isinstance(value, (int, float)) else 0.0

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 from . import node, node_sessions, openai, tasks
+from .bodies import ChatHistory, Door, Sentiment, TaskCall
 from .common import api, refused_response
+from .node_body import Completion, DropSessions, Tokenize
+from .openai_body import ChatCompletion
 
 ROUTES = [
     ("/v1/tasks", tasks.list_tasks, ["GET"]),
@@ -18,4 +21,15 @@ ROUTES = [
     ("/v1/sessions/drop", node_sessions.drop_sessions, ["POST"]),
 ]
 
-__all__ = ["ROUTES", "api", "refused_response"]
+# each POST door's body (GET /v1/http.schema.json)
+BODIES: dict[str, type[Door]] = {
+    "/v1/chat/completions": ChatCompletion,
+    "/v1/completions": Completion,
+    "/tokenize": Tokenize,
+    "/v1/sessions/drop": DropSessions,
+    "/v1/tasks/{name}": TaskCall,
+    "/sentiment": Sentiment,
+    "/chat": ChatHistory,
+}
+
+__all__ = ["BODIES", "ROUTES", "api", "refused_response"]

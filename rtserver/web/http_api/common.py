@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,8 +29,8 @@ from ..state import AppState
 
 log = logging.getLogger("rtserver.http")
 
-Body = dict[str, Any]  # a request's JSON object
-Handler = Callable[[Request, AppState, Any], Awaitable[Response]]
+JSONObject = dict[str, object]  # a request's JSON body (bodies.py makes it a model)
+Handler = Callable[[Request, AppState, JSONObject], Awaitable[Response]]
 MAX_SHOWN_CHARS = 60  # of a client's Content-Type in an error message
 
 STATUS = {
@@ -99,7 +98,7 @@ def api(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         except Refused as refused:
             return refused_response(state, refused)
         try:
-            body = await _json_body(request, state) if request.method == "POST" else None
+            body = await _json_body(request, state) if request.method == "POST" else {}
             return await handler(request, state, body)
         except Refused as refused:
             return refused_response(state, refused)
@@ -116,7 +115,7 @@ def api(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     return endpoint
 
 
-async def _json_body(request: Request, state: AppState) -> Body:
+async def _json_body(request: Request, state: AppState) -> JSONObject:
     _require_json(request)
     raw = await _read_body(request, P.http_max_bytes(state.settings))
     try:  # strict decoding: no surrogates smuggled in as UTF-8 bytes (json.loads lets them pass)
@@ -180,7 +179,7 @@ async def start(
 
 
 async def run_held_task(
-    request: Request, state: AppState, name: str, raw_input: Any, options: dict[str, Any] | None
+    request: Request, state: AppState, name: str, raw_input: object, options: dict[str, object] | None
 ) -> TaskOutput:
     """A stateless task call, its most tokens held against this client's API budget while it runs."""
     admission: Admission = request.app.state.admission
@@ -229,7 +228,7 @@ def finish_reason(reason: FinishReason) -> str:
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
-def openai_usage(result: SequenceResult) -> dict[str, Any]:
+def openai_usage(result: SequenceResult) -> dict[str, object]:
     u = result.usage
     return {
         "prompt_tokens": u.prompt_tokens,
@@ -249,7 +248,9 @@ def fields() -> Iterator[None]:
         raise HTTPError(exc.code, exc.message, exc.param) from None
 
 
-def task_sampling(task: Task, options: Any, names: dict[str, str] | None = None) -> SamplingParams:
+def task_sampling(
+    task: Task, options: dict[str, object] | None, names: dict[str, str] | None = None
+) -> SamplingParams:
     """A task's decoding with a client's overrides; an error names the client's field (`names` maps
     the task's key to it)."""
     try:
@@ -269,29 +270,3 @@ def check_prompt(state: AppState, prompt_tokens: int, new_tokens: int, param: st
             f"{limit}-token limit: shorten '{param}' or ask for fewer tokens",
             param,
         )
-
-
-def optional(body: Body, key: str, kind: type | tuple[type, ...], what: str, chars: int = 0) -> None:
-    """An accepted field that must be null or of `kind` (strings at most `chars` characters)."""
-    value = body.get(key)
-    if value is None:
-        return
-    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-        raise HTTPError("invalid_field", f"'{key}' must be {what}", key)
-    if isinstance(value, str) and len(value) > chars:
-        raise HTTPError("invalid_field", f"'{key}' must be {what} of at most {chars} characters", key)
-
-
-def stream_usage(body: Body) -> bool:
-    """`stream_options.include_usage`, checked (an object holding a boolean)."""
-    opts = body.get("stream_options")
-    if opts is None:
-        return False
-    if not isinstance(opts, dict):
-        raise HTTPError("invalid_field", "'stream_options' must be an object", "stream_options")
-    usage = opts.get("include_usage")
-    if usage is not None and not isinstance(usage, bool):
-        raise HTTPError(
-            "invalid_field", "'stream_options.include_usage' must be true or false", "stream_options"
-        )
-    return bool(usage)

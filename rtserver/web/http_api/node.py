@@ -8,7 +8,6 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,55 +18,22 @@ from ..admission import Admission, Surface
 from ..connection import client_ip
 from ..errors import GenerationFailed
 from ..state import AppState
+from .bodies import parse
 from .common import (
-    Body,
     HTTPError,
+    JSONObject,
     check_prompt,
     event_stream,
     fields,
     finish_reason,
     generate,
     openai_usage,
-    optional,
     start,
-    stream_usage,
 )
-
-COMPLETION_FIELDS = {
-    "model",
-    "prompt",
-    "stream",
-    "stream_options",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "repeat_penalty",
-    "min_tokens",
-    "seed",
-    "stop",
-    "ignore_eos",
-    "logprobs",
-    "return_token_ids",
-    "cache_prompt",
-    "score_candidates",
-    "rtserver_session",
-    "rtserver_public_tokens",
-    "n",
-    "user",
-}
+from .node_body import Completion, Tokenize
 
 
-def _number(body: Body, key: str, default: Any, field: str | None = None, hi: float | None = None) -> Any:
-    """`body[key]` checked against the bounds table's `field` (the key itself by default), or `default`
-    when absent or null."""
-    value = body.get(key)
-    return default if value is None else B.number(key, value, B.DECODING[field or key], None, hi)
-
-
-def _token_ids(value: Any, what: str, vocab: int, most: int) -> list[int]:
+def _token_ids(value: object, what: str, vocab: int, most: int) -> list[int]:
     if not (isinstance(value, list) and 0 < len(value) <= most):
         raise HTTPError("invalid_field", f"'{what}' must be a list of 1..{most} token ids", what)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
@@ -77,30 +43,20 @@ def _token_ids(value: Any, what: str, vocab: int, most: int) -> list[int]:
     return value
 
 
-def _completion_params(body: Body, max_tokens: int) -> SamplingParams:
-    """Decoding from a /v1/completions body, every field checked against the bounds table."""
-    with fields():
-        stop = body.get("stop")
-        stop = [] if stop is None else B.stop_list("stop", stop, B.SIZES["node_stop"], one_string=True)
-        top_k = body.get("top_k")
-        if top_k == -1 and not isinstance(top_k, bool):
-            top_k = 0  # vLLM's spelling of "off"
-        _number(body, "min_p", 0.0)  # accepted for llama-server's and vLLM's clients, not applied
-        penalty = _number(body, "repetition_penalty", None)
-        new_tokens = _number(body, "max_tokens", min(16, max_tokens), "max_new_tokens", max_tokens)
-        params = SamplingParams(
-            temperature=_number(body, "temperature", 1.0),
-            top_p=_number(body, "top_p", 1.0),
-            top_k=0 if top_k is None else B.number("top_k", top_k, B.DECODING["top_k"]),
-            max_new_tokens=new_tokens,
-            min_new_tokens=_number(body, "min_tokens", 0, "min_new_tokens", new_tokens),
-            repetition_penalty=penalty
-            if penalty is not None
-            else _number(body, "repeat_penalty", 1.0, "repetition_penalty"),
-            seed=_number(body, "seed", None),
-            stop=stop,
-            ignore_eos=B.flag("ignore_eos", body.get("ignore_eos", False)),
-        )
+def _completion_params(body: Completion) -> SamplingParams:
+    """Decoding from a checked /v1/completions body."""
+    penalty = body.repetition_penalty
+    params = SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        max_new_tokens=body.max_tokens,
+        min_new_tokens=body.min_tokens or 0,
+        repetition_penalty=penalty if penalty is not None else body.repeat_penalty,
+        seed=body.seed,
+        stop=body.stop,
+        ignore_eos=body.ignore_eos,
+    )
     try:
         params.validate()
     except SamplingError as exc:
@@ -108,7 +64,7 @@ def _completion_params(body: Body, max_tokens: int) -> SamplingParams:
     return params
 
 
-def _candidates(value: Any, vocab: int) -> list[list[int]]:
+def _candidates(value: object, vocab: int) -> list[list[int]]:
     """`score_candidates`: 1..32 token-id lists of 1..64 tokens, at most 1024 tokens in all."""
     count, each, total = (B.SIZES[k] for k in ("candidates", "candidate_tokens", "candidates_tokens"))
     if not (isinstance(value, list) and 0 < len(value) <= count):
@@ -127,10 +83,9 @@ def _candidates(value: Any, vocab: int) -> list[list[int]]:
     return out
 
 
-def _public_tokens(body: Body, prompt_tokens: int) -> int:
+def _public_tokens(value: object, prompt_tokens: int) -> int:
     """`rtserver_public_tokens`: how much of the prompt a hub shares across its sessions (default: all
     of it, this node API being a trusted hub's)."""
-    value = body.get("rtserver_public_tokens")
     if value is None:
         return prompt_tokens
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= prompt_tokens:
@@ -142,44 +97,7 @@ def _public_tokens(body: Body, prompt_tokens: int) -> int:
     return value
 
 
-def _check_fields(body: Body) -> None:
-    """The fields a completion may have, each of the type it must be."""
-    unknown = sorted(set(body) - COMPLETION_FIELDS)
-    if unknown:
-        raise HTTPError("unsupported", f"'{unknown[0]}' is not supported by /v1/completions here", unknown[0])
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise HTTPError("unsupported", "'n' is not supported: only n = 1", "n")
-    with fields():
-        for name in ("stream", "return_token_ids", "cache_prompt"):
-            if body.get(name) is not None:
-                B.flag(name, body[name])
-        logprobs = body.get("logprobs")
-        if logprobs is not None and logprobs is not False and _number(body, "logprobs", 0):
-            raise HTTPError(
-                "unsupported",
-                "'logprobs' is not supported: log-probabilities are not returned "
-                "(score_candidates gives those of given continuations)",
-                "logprobs",
-            )
-    for name in ("model", "user"):
-        optional(body, name, str, "a string", B.SIZES["short_chars"])
-
-
-def _session(body: Body) -> str | None:
-    """`rtserver_session`: the hub's key of the session whose KV is kept for its next turn."""
-    session = body.get("rtserver_session")
-    chars = B.SIZES["session_chars"]
-    if session is not None and not (isinstance(session, str) and 0 < len(session) <= chars):
-        raise HTTPError(
-            "invalid_field",
-            f"'rtserver_session' must be a string of 1..{chars} characters",
-            "rtserver_session",
-        )
-    return session
-
-
-def _prompt(state: AppState, prompt: Any, vocab: int) -> list[int]:
+def _prompt(state: AppState, prompt: object, vocab: int) -> list[int]:
     """The prompt's token ids (a text prompt tokenized), within the sequence limit."""
     limit = state.settings.engine.max_sequence_tokens
     if isinstance(prompt, str) and prompt:
@@ -200,13 +118,13 @@ class _Reply:
         self.cid, self.created, self.model = "cmpl-" + secrets.token_hex(12), int(time.time()), state.model_id
         self.with_ids, self.include_usage = with_ids, include_usage
 
-    def choice(self, text: str, finish: str | None, ids: list[int] | None = None) -> Body:
-        c: Body = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    def choice(self, text: str, finish: str | None, ids: list[int] | None = None) -> JSONObject:
+        c: JSONObject = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         if self.with_ids and ids is not None:
             c["token_ids"] = ids
         return c
 
-    def body(self, **data: Any) -> Body:
+    def body(self, **data: object) -> JSONObject:
         return {
             "id": self.cid,
             "object": "text_completion",
@@ -215,11 +133,11 @@ class _Reply:
             **data,
         }
 
-    def sse(self, **data: Any) -> str:
+    def sse(self, **data: object) -> str:
         return "data: " + json.dumps(self.body(**data), ensure_ascii=False) + "\n\n"
 
 
-async def completions(request: Request, state: AppState, body: Body) -> Response:
+async def completions(request: Request, state: AppState, raw: JSONObject) -> Response:
     """OpenAI-style /v1/completions over token ids, for hubs that use this node as their inference
     server: `prompt` is token ids (or text); `stream` with `stream_options.include_usage`;
     `return_token_ids` puts each chunk's token ids in `choices[0].token_ids` (as vLLM does);
@@ -227,20 +145,18 @@ async def completions(request: Request, state: AppState, body: Body) -> Response
     many leading prompt tokens this node's prefix cache may share (default: all); `score_candidates` (a
     list of token-id lists) answers `choices[0].candidate_logprobs`, the log-probability of each
     continuation."""
-    _check_fields(body)
-    include_usage = stream_usage(body)
-    session = _session(body)
+    body = parse(Completion, raw, max_tokens=state.settings.security.api_max_tokens)
     vocab = len(state.backend.tokenizer)
-    candidates = body.get("score_candidates")
-    params = _completion_params(body, state.settings.security.api_max_tokens)  # checked when scoring too
-    prompt = _prompt(state, body.get("prompt"), vocab)
-    public = _public_tokens(body, len(prompt))
-    reply = _Reply(state, body.get("return_token_ids") is True, include_usage)
+    params = _completion_params(body)  # checked when scoring too
+    prompt = _prompt(state, body.prompt, vocab)
+    public = _public_tokens(body.rtserver_public_tokens, len(prompt))
+    reply = _Reply(state, body.return_token_ids is True, body.include_usage)
+    candidates, session = body.score_candidates, body.rtserver_session
     if candidates is not None:
         return await _score(request, state, reply, prompt, _candidates(candidates, vocab), public)
     check_prompt(state, len(prompt), params.max_new_tokens, "prompt")
     key = f"remote:{session}" if session else None  # never collides with this node's own sessions
-    if not body.get("stream"):
+    if not body.stream:
         result = await generate(request, state, prompt, params, "completions", key, public)
         choice = reply.choice(result.text, finish_reason(result.finish_reason), result.token_ids)
         return JSONResponse(reply.body(choices=[choice], usage=openai_usage(result)))
@@ -297,10 +213,9 @@ async def _stream(state: AppState, gen: Generation, reply: _Reply) -> AsyncItera
             gen.cancel()  # the hub went away mid-stream
 
 
-async def tokenize(request: Request, state: AppState, body: Body) -> Response:
+async def tokenize(request: Request, state: AppState, raw: JSONObject) -> Response:
     """llama-server's /tokenize: {"content", "add_special"} -> {"tokens"} (a hub checks that this node
     tokenizes as it does)."""
-    with fields():
-        content = B.text("content", body.get("content"), B.SIZES["text_chars"])
-        add_special = B.flag("add_special", body.get("add_special", False))
-    return JSONResponse({"tokens": state.backend.tokenizer.encode(content, add_special_tokens=add_special)})
+    body = parse(Tokenize, raw)
+    tokens = state.backend.tokenizer.encode(body.content, add_special_tokens=body.add_special)
+    return JSONResponse({"tokens": tokens})

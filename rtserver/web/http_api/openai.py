@@ -17,7 +17,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...engine.backend import (
-    TEXT,
     FinishReason,
     Generation,
     OutputFormat,
@@ -26,237 +25,57 @@ from ...engine.backend import (
     SamplingParams,
     StructuredOutput,
 )
-from ...tasks import bounds as B
 from ...tasks.chat import ChatPrompt
 from ..errors import GenerationFailed
 from ..state import AppState
+from .bodies import Message, parse
 from .common import (
-    Body,
     HTTPError,
+    JSONObject,
     check_prompt,
     event_stream,
-    fields,
     finish_reason,
     generate,
     openai_usage,
-    optional,
     start,
-    stream_usage,
     task_sampling,
 )
-
-ACCEPTED = {
-    "model",
-    "messages",
-    "stream",
-    "stream_options",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "seed",
-    "stop",
-    "user",
-    "n",
-    "store",
-    "metadata",
-    "service_tier",
-    "parallel_tool_calls",
-    "presence_penalty",
-    "frequency_penalty",
-    "logprobs",
-    "response_format",
-    "tool_choice",
-    "tools",
-    "functions",
-    "function_call",
-    "top_logprobs",
-    "logit_bias",
-}
+from .openai_body import ChatCompletion
 
 
-def _refuse_unsupported(body: Body) -> None:
-    def no(param: str, why: str) -> None:
-        raise HTTPError("unsupported", f"'{param}' is not supported: {why}", param)
-
-    unknown = sorted(set(body) - ACCEPTED)
-    if unknown:
-        no(
-            unknown[0],
-            "unknown field for this server (supported: "
-            + ", ".join(
-                sorted(ACCEPTED - {"tools", "functions", "function_call", "top_logprobs", "logit_bias"})
-            )
-            + ")",
-        )
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        no("n", "only n = 1 (one choice per request)")
-    if body.get("tools") or body.get("functions") or body.get("function_call"):
-        no("tools" if body.get("tools") else "functions", "tool and function calling are not available")
-    if body.get("tool_choice") not in (None, "none"):
-        no("tool_choice", "tool calling is not available")
-    with fields():
-        if body.get("logprobs") is not None and B.flag("logprobs", body["logprobs"]):
-            no("logprobs", "log-probabilities are not returned")
-        if body.get("top_logprobs") is not None:
-            if B.number("top_logprobs", body["top_logprobs"], B.DECODING["top_logprobs"]):
-                no("top_logprobs", "log-probabilities are not returned")
-        for key in ("presence_penalty", "frequency_penalty"):
-            if body.get(key) is not None and B.number(key, body[key], B.DECODING[key]) != 0:
-                no(key, "use repetition_penalty instead")
-        for key in ("stream", "store", "parallel_tool_calls"):
-            if body.get(key) is not None:
-                B.flag(key, body[key])
-    if body.get("logit_bias"):
-        no("logit_bias", "logit bias is not available")
-    short = B.SIZES["short_chars"]
-    for key in ("model", "user", "service_tier"):
-        optional(body, key, str, "a string", short)
-    optional(body, "metadata", dict, "an object")
+def _ranges(state: AppState) -> dict[str, tuple[float | None, float | None]]:
+    """What a client may set of the chat task's decoding: its ranges, the tokens within the API cap."""
+    task, cap = state.tasks.chat.task, state.settings.security.api_max_tokens
+    ranges: dict[str, tuple[float | None, float | None]] = {}
+    for key in ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_new_tokens"):
+        lo, hi = task.overridable.get(key, (None, None))
+        if key == "max_new_tokens":
+            hi = cap if hi is None else min(hi, cap)
+        ranges[key] = (lo, hi)
+    return ranges
 
 
-def _messages_size(messages: Any) -> None:
-    """At most SIZES["messages"] messages and SIZES["text_chars"] characters of text, checked before
-    the chat template renders them."""
-    if not isinstance(messages, list):
-        return  # _openai_prompt says what it must be
-    count, chars = B.SIZES["messages"], B.SIZES["text_chars"]
-    if len(messages) > count:
-        raise HTTPError(
-            "request_too_large", f"'messages' has {len(messages)} messages, the limit is {count}", "messages"
-        )
-    total = 0
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        parts = content if isinstance(content, list) else [content]
-        if len(parts) > count:
-            raise HTTPError("request_too_large", f"a message has more than {count} parts", "messages")
-        for part in parts:
-            text = part.get("text") if isinstance(part, dict) else part
-            total += len(text) if isinstance(text, str) else 0
-        if total > chars:
-            raise HTTPError(
-                "request_too_large", f"'messages' has more than {chars} characters of content", "messages"
-            )
-
-
-def _content(m: Body, i: int) -> str:
-    c = m.get("content")
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):
-        parts = []
-        for p in c:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise HTTPError(
-                    "unsupported", f"messages[{i}].content: only text parts are supported", "messages"
-                )
-            parts.append(p["text"])
-        return "".join(parts)
-    raise HTTPError(
-        "invalid_field", f"messages[{i}].content must be a string or a list of text parts", "messages"
-    )
-
-
-def _openai_prompt(state: AppState, messages: Any) -> ChatPrompt:
-    """The messages' prompt: client system messages kept (the trusted API), every content only text."""
-    chat = state.tasks.chat
-    if not isinstance(messages, list) or not messages:
-        raise HTTPError("invalid_field", "'messages' must be a non-empty list", "messages")
-    out: list[dict[str, str]] = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise HTTPError("invalid_field", f"messages[{i}] must be an object", "messages")
-        role = m.get("role")
-        if role == "developer":
-            role = "system"
-        if role not in ("system", "user", "assistant"):
-            raise HTTPError(
-                "unsupported",
-                f"messages[{i}].role {role!r}: supported roles are system, developer, user, assistant",
-                "messages",
-            )
-        out.append({"role": role, "content": _content(m, i)})
-    # without a system message of its own, the chat task's system prompt goes first
-    return chat.encode(out, system=not any(m["role"] == "system" for m in out))
-
-
-def _openai_params(state: AppState, body: Body) -> SamplingParams:
-    """The chat task's decoding with the request's fields, each checked against the bounds table and
-    the task's own range, the error naming the request's field."""
-    task = state.tasks.chat.task
-    overrides: dict[str, Any] = {}
-    names: dict[str, str] = {}
-    cap = state.settings.security.api_max_tokens
-    with fields():
-        for src, dst in (
-            ("temperature", "temperature"),
-            ("top_p", "top_p"),
-            ("top_k", "top_k"),
-            ("repetition_penalty", "repetition_penalty"),
-            ("seed", "seed"),
-            ("max_tokens", "max_new_tokens"),
-            ("max_completion_tokens", "max_new_tokens"),
-        ):
-            if body.get(src) is None:
-                continue
-            lo, hi = task.overridable.get(dst, (None, None))
-            if dst == "max_new_tokens":
-                hi = cap if hi is None else min(hi, cap)
-            overrides[dst], names[dst] = B.number(src, body[src], B.DECODING[dst], lo, hi), src
-        if body.get("stop") is not None:
-            overrides["stop"] = B.stop_list("stop", body["stop"], B.SIZES["stop"], one_string=True)
-        params = task_sampling(task, overrides, names)
-        params.max_new_tokens = min(params.max_new_tokens, cap)  # the task's default within the cap
-        if body.get("min_tokens") is not None:
-            params.min_new_tokens = int(
-                B.number(
-                    "min_tokens", body["min_tokens"], B.DECODING["min_new_tokens"], 0, params.max_new_tokens
-                )
-            )
-        if body.get("ignore_eos") is not None:
-            params.ignore_eos = B.flag("ignore_eos", body["ignore_eos"])
+def _openai_params(state: AppState, body: ChatCompletion) -> SamplingParams:
+    """The chat task's decoding with the request's settings; an error names the request's field."""
+    names = {"max_new_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}
+    params = task_sampling(state.tasks.chat.task, body.overrides(), names)
+    params.max_new_tokens = min(params.max_new_tokens, state.settings.security.api_max_tokens)
+    if body.min_tokens is not None:
+        params.min_new_tokens = body.min_tokens
+    if body.ignore_eos is not None:
+        params.ignore_eos = body.ignore_eos
     try:
         params.validate()
     except SamplingError as exc:
         raise HTTPError("bad_decoding", str(exc)) from None
+    params.output = body.response_format
     return params
 
 
-def _response_format(body: Body) -> OutputFormat:
-    """`response_format` as an output format: text, any JSON object, or JSON under a schema."""
-    fmt = body.get("response_format")
-    if fmt is None:
-        return TEXT
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return TEXT
-    if kind == "json_object":
-        return OutputFormat.json_object()
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
-        if not isinstance(schema, (dict, bool)):
-            raise HTTPError(
-                "invalid_field",
-                "response_format.json_schema must be an object with a 'schema' object",
-                "response_format",
-            )
-        out = OutputFormat.json_schema(json.dumps(schema, ensure_ascii=False))
-        why = out.problem()
-        if why is not None:
-            raise HTTPError("bad_output_format", f"response_format: {why}", "response_format")
-        return out
-    raise HTTPError(
-        "invalid_field",
-        "response_format.type: allowed text, json_object, json_schema",
-        "response_format",
-    )
+def _openai_prompt(state: AppState, messages: list[Message]) -> ChatPrompt:
+    """The messages' prompt: client system messages kept (the trusted API)."""
+    # without a system message of its own, the chat task's system prompt goes first
+    return state.tasks.chat.encode(messages, system=not any(m["role"] == "system" for m in messages))
 
 
 async def _prepared(state: AppState, fmt: OutputFormat) -> None:
@@ -284,8 +103,10 @@ class _Chunks:
         self.cid, self.created, self.model = cid, created, model
         self.include_usage = include_usage
 
-    def __call__(self, delta: Any, finish: str | None = None, usage: Any = None, choices: bool = True) -> str:
-        data: Body = {
+    def __call__(
+        self, delta: dict[str, str], finish: str | None = None, usage: object = None, choices: bool = True
+    ) -> str:
+        data: JSONObject = {
             "id": self.cid,
             "object": "chat.completion.chunk",
             "created": self.created,
@@ -299,17 +120,18 @@ class _Chunks:
         return "data: " + json.dumps(data, ensure_ascii=False) + "\n\n"
 
 
-async def chat_completions(request: Request, state: AppState, body: Body) -> Response:
-    _refuse_unsupported(body)
-    include_usage = stream_usage(body)
+async def chat_completions(request: Request, state: AppState, raw: JSONObject) -> Response:
+    chat = state.tasks.chat
+    most = min(chat.task.max_new_tokens, state.settings.security.api_max_tokens)
+    body = parse(ChatCompletion, raw, ranges=_ranges(state), max_tokens=most)
     params = _openai_params(state, body)  # the cheap checks first: no template rendered for a bad one
-    params.output = _response_format(body)
-    _messages_size(body.get("messages"))
-    prompt = _openai_prompt(state, body.get("messages"))
+    prompt = _openai_prompt(state, body.messages)
     check_prompt(state, len(prompt.ids), params.max_new_tokens, "messages")
     await _prepared(state, params.output)
-    chunks = _Chunks("chatcmpl-" + secrets.token_hex(12), int(time.time()), state.model_id, include_usage)
-    if not body.get("stream"):
+    chunks = _Chunks(
+        "chatcmpl-" + secrets.token_hex(12), int(time.time()), state.model_id, body.include_usage
+    )
+    if not body.stream:
         return await _answer(request, state, prompt, params, chunks)
     # Overloaded etc. raise here, before the 200
     gen = await start(request, state, prompt.ids, params, public_tokens=prompt.public_tokens)
@@ -407,7 +229,7 @@ async def _first_text(request: Request, gen: Generation) -> Any:
     return text.result()
 
 
-async def list_models(request: Request, state: AppState, body: Any) -> Response:
+async def list_models(request: Request, state: AppState, body: JSONObject) -> Response:
     return JSONResponse(
         {
             "object": "list",

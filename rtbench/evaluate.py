@@ -201,7 +201,8 @@ async def _run_one(
         """(valid, the gold label it stands for: None when invalid or not one of the gold labels)."""
         async with sem:
             out = await task.run(engine, {"text": ex["text"]})
-        label: str | None = out.output.get("label")
+        found = out.output.get("label")
+        label = found if isinstance(found, str) else None
         if labels is not None:
             valid = label in labels
         else:

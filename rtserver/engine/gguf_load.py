@@ -160,7 +160,7 @@ def dense_model(g: GGUFFile, config: Any, skip: frozenset[str] = frozenset()) ->
 
     arch = architecture(g)
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     params = dict(model.named_parameters())
     missing = []
     with torch.no_grad():

@@ -287,7 +287,7 @@ def _from_pretrained(spec: str, torch_dtype: torch.dtype) -> tuple[Tokenizer, Pr
         raise ModelLoadError(f"{spec}: cannot load model ({exc})") from exc
     except Exception as exc:
         raise ModelLoadError(f"{spec}: cannot load model ({type(exc).__name__}: {exc})") from exc
-    model.eval().requires_grad_(False)  # type: ignore[no-untyped-call]
+    model.eval().requires_grad_(False)
     # Own the weights: transformers may leave them memory-mapped from the file, and then the pages of
     # weights the runner replaces (fused q/k/v and gate/up) stay resident as long as the mapping lives.
     with torch.no_grad():

@@ -35,7 +35,7 @@ def token_bytes(backend: Any) -> tuple[list[bytes], list[int]]:
     kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
     tokens = [b""] * (max(vocab.values()) + 1)
     if "ByteLevel" in kinds:  # GPT-2's bytes as printable characters
-        gpt2: dict[int, str] = bytes_to_unicode()  # type: ignore[no-untyped-call]
+        gpt2: dict[int, str] = bytes_to_unicode()
         table = {c: b for b, c in gpt2.items()}
         for text, i in vocab.items():
             tokens[i] = text.encode() if text in added_text else bytes(table[c] for c in text)

@@ -1,6 +1,6 @@
-"""Admission: which waiting sequences take a running place, and whom a more urgent one displaces.
+"""Admitting: which waiting sequences take a running place, and whom a more urgent one displaces.
 
-`Queues` holds the waiting queue and the running batch under one lock. `Admission` moves waiting
+`Queues` holds the waiting queue and the running batch under one lock. `Admitter` moves waiting
 sequences into the batch when their KV fits, the most urgent first. `Preemption` makes room for a
 customer: it pauses a less urgent generation, which keeps its KV, or evicts that KV to the cache.
 `StepJoins` admits prompts that arrive mid-step into the step under way.
@@ -117,7 +117,7 @@ class Preemption:
         return True
 
 
-class Admission:
+class Admitter:
     """Waiting sequences into the running batch, the most urgent first, while their KV fits."""
 
     def __init__(self, queues: Queues, preemption: Preemption):
@@ -217,7 +217,7 @@ class StepJoins:
 
     def __init__(
         self,
-        admission: Admission,
+        admission: Admitter,
         budget: int = 0,
         floor: int = 0,
         check: Callable[[list[StepItem]], None] | None = None,

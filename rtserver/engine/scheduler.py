@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .admit import Admission, Preemption, Queues, SchedulerLimits, StepJoins
+from .admit import Admitter, Preemption, Queues, SchedulerLimits, StepJoins
 from .backend import FinishReason, Overloaded, Priority, RequestTooLarge, SequenceResult
 from .grammar import ConstraintError
 from .kv import KVCacheManager
@@ -61,7 +61,7 @@ class Scheduler:
         self.on_events = on_events or (lambda events: None)
         self.queues = Queues(kv, limits)
         self.preemption = Preemption(self.queues)
-        self.admission = Admission(self.queues, self.preemption)
+        self.admission = Admitter(self.queues, self.preemption)
         self._cond = self.queues.cond
         self._stop = False
         self.steps = 0

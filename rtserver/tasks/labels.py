@@ -1,4 +1,4 @@
-"""How a `Choices` task answers: `LabelScorer` scores each label, calibrated, or asks a learned head.
+"""How a `Choices` task answers: `LabelPicker` scores each label, calibrated, or asks a learned head.
 
 Calibration offsets are computed once per backend and prompt, and shared by every call.
 """
@@ -18,7 +18,7 @@ from .prompts import Prompts
 CalibrationKey = tuple[str, bool, tuple[tuple[str, str], ...], tuple[str, ...]]
 
 
-class LabelScorer:
+class LabelPicker:
     """A task's label scoring: calibrated scores and a softmax, or a learned head's probabilities."""
 
     def __init__(self, task: Task, prompts: Prompts):

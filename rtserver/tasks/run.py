@@ -19,7 +19,7 @@ from .chat import ChatPrompt
 from .declare import Choices, Task, TaskOutput
 from .fitting import FULL, Pace
 from .head import LogisticHead
-from .labels import LabelScorer
+from .labels import LabelPicker
 from .prepare import prepare_heads
 from .prompts import Prompts
 from .replies import Deltas, generate, no_deltas
@@ -35,7 +35,7 @@ class PromptTask:
         self.task = task
         self.tokenizer = tokenizer
         self.prompts = Prompts(task, tokenizer)
-        self.labels = LabelScorer(task, self.prompts)
+        self.labels = LabelPicker(task, self.prompts)
         self.results = ResultCache(0 if task.stateful else task.cache_size, task.cache_ttl_s)
         self.heads: dict[int, LogisticHead] = {}  # variant index (-1: the task's prompt) -> fitted head
         self.fitted: dict[str, tuple[str, LogisticHead]] = {}  # head key -> (model id, head): fit-heads
@@ -142,13 +142,13 @@ class PromptTask:
 
     # -- label scoring and the learned head ---------------------------------------------------------
     async def calibrate(self, backend: InferenceBackend) -> None:
-        """Compute the calibration offsets at start-up, alone (`LabelScorer.calibrate`)."""
+        """Compute the calibration offsets at start-up, alone (`LabelPicker.calibrate`)."""
         await self.labels.calibrate(backend)
 
     async def feature_row(
         self, backend: InferenceBackend, prompt: list[int], choices: Choices, template: str, chat: bool
     ) -> list[float]:
-        """The head's raw input for one prompt (`LabelScorer.feature_row`)."""
+        """The head's raw input for one prompt (`LabelPicker.feature_row`)."""
         return await self.labels.feature_row(backend, prompt, choices, template, chat)
 
     async def prepare(

@@ -33,16 +33,16 @@ from ..state import AppState
 from .common import (
     Body,
     HTTPError,
+    api_client,
     check_prompt,
     event_stream,
     fields,
     finish_reason,
-    generate,
     openai_usage,
     optional,
-    start,
     stream_usage,
     task_sampling,
+    turns,
 )
 
 ACCEPTED = {
@@ -312,7 +312,9 @@ async def chat_completions(request: Request, state: AppState, body: Body) -> Res
     if not body.get("stream"):
         return await _answer(request, state, prompt, params, chunks)
     # Overloaded etc. raise here, before the 200
-    gen = await start(request, state, prompt.ids, params, public_tokens=prompt.public_tokens)
+    gen = await turns(request).start(
+        api_client(request), prompt.ids, params, public_tokens=prompt.public_tokens
+    )
     # The response starts with the first token: until then nothing is written to this client, so in a
     # burst every request's generation reaches its backend (a remote server: its upstream request is
     # written) before any response's headers and role chunk take their socket writes, and the role
@@ -327,7 +329,9 @@ async def _answer(
     request: Request, state: AppState, prompt: ChatPrompt, params: SamplingParams, chunks: _Chunks
 ) -> Response:
     """A reply in one JSON `chat.completion`."""
-    result = await generate(request, state, prompt.ids, params, "openai", public_tokens=prompt.public_tokens)
+    result = await turns(request).complete(
+        api_client(request), prompt.ids, prompt.public_tokens, params, "openai"
+    )
     return JSONResponse(
         {
             "id": chunks.cid,

@@ -7,14 +7,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...engine.backend import SequenceResult
 from ...tasks import Task, TaskError
 from ...tasks import bounds as B
 from ...tasks.chat import ChatTask
 from ...tasks.declare import API
 from .. import events
 from ..state import AppState
-from .common import Body, HTTPError, generate, run_held_task, task_sampling
+from ..turns import TurnResult
+from .common import Body, HTTPError, api_client, run_held_task, task_sampling, turns
 
 Message = dict[str, str]  # {"role", "content"}
 
@@ -78,20 +78,11 @@ def _options(options: Any) -> None:
 
 async def _stateless_chat(
     request: Request, state: AppState, history_value: Any, options: Any, endpoint: str
-) -> tuple[SequenceResult, dict[str, Any]]:
-    chat = state.tasks.chat
+) -> TurnResult:
     _options(options)
-    params = task_sampling(chat.task, options)  # before any tokenization
+    params = task_sampling(state.tasks.chat.task, options)  # before any tokenization
     history = _history(history_value)
-    earlier = [
-        m if m["role"] == "assistant" else {**m, "content": chat.clean_message(m["content"])}
-        for m in history[:-1]
-    ]
-    turn = chat.prepare_turn(earlier, history[-1]["content"])
-    result = await generate(
-        request, state, turn.prompt_ids, params, endpoint, public_tokens=turn.public_tokens
-    )
-    return result, chat.parse(result.text)
+    return await turns(request).reply(api_client(request), history, params, endpoint)
 
 
 async def list_tasks(request: Request, state: AppState, body: Any) -> Response:
@@ -122,12 +113,13 @@ async def _run_chat(request: Request, state: AppState, name: str, inp: Any, opti
     """`/v1/tasks/<a chat task>`: one stateless turn over the history given."""
     if not isinstance(inp, dict) or "history" not in inp:
         raise HTTPError("invalid_input", f'{name} takes {{"history": [{{role, content}}, ...]}}', "input")
-    result, output = await _stateless_chat(request, state, inp["history"], options, "http_task")
+    done = await _stateless_chat(request, state, inp["history"], options, "http_task")
+    result = done.result
     timing = {"queued_ms": result.queued_ms, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms}
     return JSONResponse(
         {
             "task": name,
-            "output": output,
+            "output": done.output,
             "text": result.text,
             "usage": events.usage_json(result.usage),
             "timing": timing,
@@ -150,5 +142,5 @@ async def chat(request: Request, state: AppState, body: Body) -> Response:
     if "history" not in body:
         raise HTTPError("missing_field", "'history' is required", "history")
     _for_api(state, "chat")
-    result, output = await _stateless_chat(request, state, body["history"], body.get("options"), "http_chat")
-    return JSONResponse({**output, "usage": events.usage_json(result.usage)})
+    done = await _stateless_chat(request, state, body["history"], body.get("options"), "http_chat")
+    return JSONResponse({**done.output, "usage": events.usage_json(done.result.usage)})

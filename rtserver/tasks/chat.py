@@ -15,10 +15,12 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
+from ..config import ChatSettings
 from ..engine.backend import Tokenizer
 from .declare import Task, TaskError
 
 Message = dict[str, str]  # {"role", "content"}: one chat message as the template renders it
+CHAT = "chat"  # the chat's name where tasks are listed (`/v1/tasks`, the `ready` event)
 
 # a stand-in for the next user message when its prefix is computed (its size decides whether the window
 # would be cut)
@@ -181,6 +183,32 @@ def finished_turn(
     if tokenizer.decode(ids) != reply:
         return None
     return LastTurn(rendered + reply, prompt_ids + ids)
+
+
+def chat_task(settings: ChatSettings) -> Task:
+    """The chat as a task declaration (`[chat]`): described and checked like every task. Raises
+    ValueError naming a setting that cannot be used."""
+    task = Task(
+        name=CHAT,
+        description="Multi-turn assistant; streams its reply and keeps the conversation between turns.",
+        stateful=True,
+        input_kind="chat",
+        system_prompt=settings.system_prompt,
+        max_input_chars=settings.max_input_chars,
+        max_input_tokens=settings.max_input_tokens,
+        truncate=settings.truncate,
+        max_new_tokens=settings.max_new_tokens,
+        stop=list(settings.stop),
+        decoding=dict(settings.decoding),
+        overridable={key: (span[0], span[1]) for key, span in settings.overridable.items() if len(span) == 2},
+        max_history_turns=settings.max_history_turns,
+        max_history_tokens=settings.max_history_tokens,
+    )
+    bad = [key for key, span in settings.overridable.items() if len(span) != 2]
+    if bad:
+        raise ValueError(f"overridable {bad[0]!r}: expected a [low, high] range")
+    task.validate()
+    return task
 
 
 class ChatTask:

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from ...tasks import Task, TaskError
 from ...tasks import bounds as B
-from ...tasks.chat import ChatTask
+from ...tasks.chat import CHAT
 from ...tasks.declare import API
 from .. import events
 from ..state import AppState
@@ -97,10 +97,9 @@ async def run_task(request: Request, state: AppState, body: Body) -> Response:
     options = body.get("options")
     _options(options)
     _for_api(state, name)
-    reg = state.tasks
-    task = reg.get(name)
-    if isinstance(task, ChatTask):
+    if name == CHAT:  # a stateless turn of the chat, not a task call
         return await _run_chat(request, state, name, body["input"], options)
+    task = state.tasks.get(name)
     _task_text(task.task, body["input"], "input")  # refused here with the field named, as below
     if options:
         task_sampling(task.task, options)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
 
 from jinja2.exceptions import TemplateError
 
@@ -219,7 +218,7 @@ class ChatTask:
         self.tokenizer = tokenizer
 
     # -- a new user message -----------------------------------------------------------------------
-    def clean_message(self, text: Any) -> str:
+    def clean_message(self, text: object) -> str:
         """The task's cleaning (control characters stripped, size checked), then its token limit: a
         longer message keeps its newest `max_input_tokens` tokens (counted as the prompt holds it)."""
         cleaned = self.task.clean_text(text)
@@ -229,7 +228,7 @@ class ChatTask:
             return cleaned
         return self.tokenizer.decode(ids[-limit:], skip_special_tokens=True).lstrip("\ufffd").strip()
 
-    def prepare_turn(self, history: list[Message], text: Any, last: LastTurn | None = None) -> ChatTurn:
+    def prepare_turn(self, history: list[Message], text: object, last: LastTurn | None = None) -> ChatTurn:
         """The cleaned message, the history window (ending with it) and its prompt, continuing `last`
         (the session's last turn) where the window still starts with it."""
         text = self.clean_message(text)
@@ -324,5 +323,5 @@ class ChatTask:
         after = len(_encode(self.tokenizer, segments[-2:]))  # the message and the generation prompt
         return p.ids[: len(p.ids) - after]
 
-    def parse(self, text: str) -> dict[str, Any]:
+    def parse(self, text: str) -> dict[str, object]:
         return self.task.parser(text) if self.task.parser else {"reply": text}

@@ -77,7 +77,7 @@ OVERRIDE_TYPES: dict[str, Any] = {
 }
 
 
-def _task_from(obj: Any, options: dict[str, Any], source: str) -> Task:
+def _task_from(obj: object, options: dict[str, object], source: str) -> Task:
     """A Task from a module (TASK or make_task), a Task, or a factory callable."""
     factory = getattr(obj, "make_task", None)
     if factory is None and callable(obj) and not isinstance(obj, Task):
@@ -201,8 +201,8 @@ class TaskRegistry:
         self,
         backend: InferenceBackend,
         name: str,
-        raw_input: Any,
-        overrides: dict[str, Any] | None = None,
+        raw_input: object,
+        overrides: dict[str, object] | None = None,
         *,
         scope: Hashable | None = None,
         on_delta: Deltas = no_deltas,
@@ -226,7 +226,7 @@ class TaskRegistry:
                 )
         return await task.run(backend, raw_input, overrides, scope=scope, on_delta=on_delta, caller=caller)
 
-    def cost(self, name: str, overrides: dict[str, Any] | None = None) -> int:
+    def cost(self, name: str, overrides: dict[str, object] | None = None) -> int:
         """The most tokens one call of a stateless task can take (what admission holds for it)."""
         return self.get(name).cost(overrides)
 
@@ -354,9 +354,9 @@ def store_task_fit(task: PromptTask, cache_dir: Path) -> Path:
     return path
 
 
-def _discover(settings: Settings) -> list[tuple[str, Any]]:
+def _discover(settings: Settings) -> list[tuple[str, object]]:
     """(source, module-or-object) for every plugin file and entry point; import errors are returned."""
-    found: list[tuple[str, Any]] = []
+    found: list[tuple[str, object]] = []
     for folder in settings.tasks.plugin_dirs:
         path = Path(folder).expanduser()
         if not path.is_absolute() and not path.exists():
@@ -397,7 +397,7 @@ def _discover(settings: Settings) -> list[tuple[str, Any]]:
     return found
 
 
-def _declared_name(obj: Any) -> str | None:
+def _declared_name(obj: object) -> str | None:
     """The task name a plugin declares before it is built: TASK.name, NAME, or the NAME of the module
     an entry-point factory lives in."""
     if isinstance(obj, Task):

@@ -29,7 +29,6 @@ import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -93,7 +92,7 @@ class Connection(QueuedConnection):
         )
 
     # -- sending --------------------------------------------------------------------------------
-    async def send(self, event: dict[str, Any]) -> None:
+    async def send(self, event: events.Event) -> None:
         if self.stopping.is_set():
             return
         if event.get("type") == "error":
@@ -113,7 +112,7 @@ class Connection(QueuedConnection):
                 self.hub.metrics.error("slow_client")
                 self.stop(Close.SLOW_CLIENT, "slow client")
 
-    async def error(self, code: str, message: str, request_id: str | None = None, **extra: Any) -> None:
+    async def error(self, code: str, message: str, request_id: str | None = None, **extra: object) -> None:
         await self.send(events.error_event(code, message, request_id, **extra))
 
     # -- reading --------------------------------------------------------------------------------
@@ -405,7 +404,7 @@ class Connection(QueuedConnection):
         """Whose cached task results this connection may see: its session's only."""
         return None if self.session is None else f"session:{self.session.id}"
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.create_task(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
@@ -490,9 +489,9 @@ class Hub:
         for backend in self.state.backends.values():
             backend.drop_session(session.id)
 
-    def limits(self) -> dict[str, Any]:
+    def limits(self) -> dict[str, object]:
         s = self.settings
-        limits: dict[str, Any] = {
+        limits: dict[str, object] = {
             "max_frame_bytes": s.server.max_frame_bytes,
             "max_in_flight": s.server.max_in_flight,
             "send_queue_size": s.server.send_queue_size,
@@ -515,7 +514,7 @@ class Hub:
         )
         return limits
 
-    def ready_event(self, session: Session, resumed: bool) -> dict[str, Any]:
+    def ready_event(self, session: Session, resumed: bool) -> events.Event:
         registry = self.state.tasks
         holder = self.console.holder(session)
         return events.ready_event(

@@ -25,9 +25,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..tasks.chat import LastTurn, Message
+from .events import Event
 
 log = logging.getLogger("rtserver.session")
 
@@ -79,9 +80,11 @@ class Customer(Protocol):
 
     session: Session | None
 
-    async def send(self, event: dict[str, Any]) -> None: ...
+    async def send(self, event: Event) -> None: ...
 
-    async def error(self, code: str, message: str, request_id: str | None = None, **extra: Any) -> None: ...
+    async def error(
+        self, code: str, message: str, request_id: str | None = None, **extra: object
+    ) -> None: ...
 
     def cancel_all(self) -> None: ...
 

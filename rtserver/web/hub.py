@@ -239,6 +239,7 @@ class Connection(QueuedConnection):
         req.task = asyncio.create_task(
             self.hub.turns.run(turn, msg.text, msg.options, self.client, _Sink(self, req))
         )
+        req.task.add_done_callback(functools.partial(self._chat_ended, req))
 
     # -- session --------------------------------------------------------------------------------
     async def hello(self, hello: P.Hello) -> None:
@@ -373,6 +374,10 @@ class Connection(QueuedConnection):
         finally:
             held.release()
             self.requests.pop(msg.id, None)
+
+    def _chat_ended(self, req: Request, task: asyncio.Task[None]) -> None:
+        if self.requests.get(req.id) is req:  # ended without telling its sink (cancelled)
+            del self.requests[req.id]
 
     def _task_ended(self, request_id: str, task: asyncio.Task[None]) -> None:
         if task.cancelled():  # cancelled before it started: run_task's own clean-up never ran

@@ -413,6 +413,7 @@ def _declared_name(obj: object) -> str | None:
 
 def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistry, list[PluginError]]:
     """Discover, configure and validate every task. A broken plugin is reported, never fatal."""
+    chat = _load_chat(settings, tokenizer)  # core: a bad [chat] stops the start
     errors: list[PluginError] = []
     tasks: dict[str, PromptTask] = {}
     overrides: dict[str, Any] = dict(settings.task)
@@ -467,8 +468,12 @@ def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistr
         for name, table in overrides.items()
         if name in tasks and isinstance(table, dict) and PLACEMENT_KEY in table
     }
+    return TaskRegistry(tasks, auto, placements, chat), errors
+
+
+def _load_chat(settings: Settings, tokenizer: Tokenizer) -> ChatTask:
+    """The chat of `[chat]`; ConfigError where its settings cannot be used."""
     try:
-        chat = ChatTask(chat_task(settings.chat), tokenizer)
+        return ChatTask(chat_task(settings.chat), tokenizer)
     except ValueError as exc:
         raise ConfigError(f"[chat]: {exc}") from None
-    return TaskRegistry(tasks, auto, placements, chat), errors

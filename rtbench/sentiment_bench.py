@@ -209,8 +209,7 @@ async def engine_sentiment(
         )
         result["head_ready_s"] = time.perf_counter() - started
     result.update(await _sentiment_rates(engine, registry))
-    if "chat" in registry.tasks:
-        result["auto_task"] = await auto_task_ttft(engine, registry)
+    result["auto_task"] = await auto_task_ttft(engine, registry)
     return result
 
 

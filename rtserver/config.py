@@ -156,6 +156,33 @@ class TaskSettings:
 
 
 @dataclass
+class ChatSettings:
+    """The bot's chat: its prompt, limits, decoding and history window."""
+
+    system_prompt: str = _setting("You are a helpful AI assistant named SmolLM, trained by Hugging Face")
+    max_input_chars: int = _setting(4000, min=1, max=1_000_000)
+    max_input_tokens: int = _setting(1024, min=1, max=1_000_000)
+    truncate: str = _setting("tail", choices=("reject", "head", "tail"))
+    max_new_tokens: int = _setting(128, min=1, max=1_000_000)
+    stop: list[str] = _setting([])
+    decoding: dict[str, float] = _setting({"temperature": 0.7, "top_p": 0.9})
+    overridable: dict[str, list[float]] = _setting(
+        {
+            "temperature": [0.0, 2.0],
+            "top_p": [0.05, 1.0],
+            "top_k": [0, 200],
+            "repetition_penalty": [0.8, 2.0],
+            "max_new_tokens": [1, 512],
+            "seed": [0, 2**31 - 1],
+            "stop": [0, 4],
+        }
+    )
+    max_history_turns: int = _setting(20, min=0, max=1_000_000)
+    max_history_tokens: int = _setting(1500, min=0, max=100_000_000)
+    backend: str = _setting("", choices=("", *BACKENDS))
+
+
+@dataclass
 class ClusterSettings:
     """Many nodes as one through Redis; an empty `redis_url` keeps everything in this process."""
 
@@ -176,6 +203,7 @@ class Settings:
     sessions: SessionSettings = field(default_factory=SessionSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     tasks: TaskSettings = field(default_factory=TaskSettings)
+    chat: ChatSettings = field(default_factory=ChatSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     # [task.<name>] tables; the task registry checks them against each plugin's declaration
     task: dict = field(default_factory=dict)
@@ -212,6 +240,8 @@ def _check(key: str, value: object, f: dataclasses.Field, expected: type) -> obj
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{key} = {value!r}: expected a list")
+        if typing.get_args(expected) == (str,) and not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} = {value!r}: expected a list of strings")
     elif typing.get_origin(expected) is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} = {value!r}: expected a table")
@@ -233,6 +263,11 @@ def _build_section(cls: type, name: str, table: Mapping[str, object]) -> object:
             allowed = ", ".join(sorted(fields))
             raise ConfigError(f"{name}.{key}: unknown setting (known in [{name}]: {allowed})")
         values[key] = _check(f"{name}.{key}", value, fields[key], hints[key])
+        factory = fields[key].default_factory
+        checked = values[key]
+        if factory is not dataclasses.MISSING and isinstance(default := factory(), dict):
+            assert isinstance(checked, dict)  # _check gave the table's own type
+            values[key] = {**default, **checked}  # a table's keys replace the default's, the others stay
     return cls(**values)
 
 
@@ -300,6 +335,8 @@ def _check_backends(settings: Settings) -> None:
         if value not in BACKENDS:
             allowed = ", ".join(repr(b) for b in BACKENDS)
             raise ConfigError(f"{key} = {value!r}: allowed values are {allowed}")
+    if settings.chat.backend:
+        placements["chat.backend"] = settings.chat.backend
     uses_remote = settings.model.backend == "openai" or "openai" in placements.values()
     if uses_remote and not settings.backend.urls:
         raise ConfigError('backend.urls is empty: the "openai" backend needs at least one server URL')

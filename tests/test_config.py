@@ -47,7 +47,7 @@ def _comment_after_value(rest: str) -> str:
 def test_repository_config_toml_loads_with_defaults_documented():
     s = load_settings("config.toml", env={})
     assert s.model.model == "embedded" and s.engine.max_running == 64
-    assert s.task["chat"]["max_new_tokens"] == 128
+    assert s.chat.max_new_tokens == 128 and s.chat.overridable["max_new_tokens"] == [1, 512]
     # every setting is in the file (the one place settings are documented), with its default value
     data = tomllib.loads(Path("config.toml").read_text())
     for name, defaults in _settings_sections():
@@ -78,6 +78,16 @@ def test_environment_overrides_win():
         env={"RTSERVER_ENGINE_MAX_RUNNING": "16", "RTSERVER_MODEL_DTYPE": "float32"},
     )
     assert s.engine.max_running == 16 and s.model.dtype == "float32"
+
+
+def test_chat_settings_take_overrides_and_keep_the_default_ranges():
+    s = settings_from_mapping(
+        {"chat": {"overridable": {"max_new_tokens": [1, 256]}}},
+        env={"RTSERVER_CHAT_MAX_NEW_TOKENS": "64", "RTSERVER_CHAT_STOP": "END,STOP"},
+    )
+    assert s.chat.max_new_tokens == 64 and s.chat.stop == ["END", "STOP"]
+    assert s.chat.overridable["max_new_tokens"] == [1, 256]  # the table's key replaces the default's
+    assert s.chat.overridable["temperature"] == [0.0, 2.0]  # the others stay
 
 
 @pytest.mark.parametrize(

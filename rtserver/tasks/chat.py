@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
 
 from jinja2.exceptions import TemplateError
 
+from ..config import ChatSettings
 from ..engine.backend import Tokenizer
 from .declare import Task, TaskError
 
 Message = dict[str, str]  # {"role", "content"}: one chat message as the template renders it
+CHAT = "chat"  # the chat's name where tasks are listed (`/v1/tasks`, the `ready` event)
 
 # a stand-in for the next user message when its prefix is computed (its size decides whether the window
 # would be cut)
@@ -183,6 +184,32 @@ def finished_turn(
     return LastTurn(rendered + reply, prompt_ids + ids)
 
 
+def chat_task(settings: ChatSettings) -> Task:
+    """The chat as a task declaration (`[chat]`): described and checked like every task. Raises
+    ValueError naming a setting that cannot be used."""
+    task = Task(
+        name=CHAT,
+        description="Multi-turn assistant; streams its reply and keeps the conversation between turns.",
+        stateful=True,
+        input_kind="chat",
+        system_prompt=settings.system_prompt,
+        max_input_chars=settings.max_input_chars,
+        max_input_tokens=settings.max_input_tokens,
+        truncate=settings.truncate,
+        max_new_tokens=settings.max_new_tokens,
+        stop=list(settings.stop),
+        decoding=dict(settings.decoding),
+        overridable={key: (span[0], span[1]) for key, span in settings.overridable.items() if len(span) == 2},
+        max_history_turns=settings.max_history_turns,
+        max_history_tokens=settings.max_history_tokens,
+    )
+    bad = [key for key, span in settings.overridable.items() if len(span) != 2]
+    if bad:
+        raise ValueError(f"overridable {bad[0]!r}: expected a [low, high] range")
+    task.validate()
+    return task
+
+
 class ChatTask:
     """The chat task bound to a tokenizer: prepares turns and renders a session's history window."""
 
@@ -191,7 +218,7 @@ class ChatTask:
         self.tokenizer = tokenizer
 
     # -- a new user message -----------------------------------------------------------------------
-    def clean_message(self, text: Any) -> str:
+    def clean_message(self, text: object) -> str:
         """The task's cleaning (control characters stripped, size checked), then its token limit: a
         longer message keeps its newest `max_input_tokens` tokens (counted as the prompt holds it)."""
         cleaned = self.task.clean_text(text)
@@ -201,7 +228,7 @@ class ChatTask:
             return cleaned
         return self.tokenizer.decode(ids[-limit:], skip_special_tokens=True).lstrip("\ufffd").strip()
 
-    def prepare_turn(self, history: list[Message], text: Any, last: LastTurn | None = None) -> ChatTurn:
+    def prepare_turn(self, history: list[Message], text: object, last: LastTurn | None = None) -> ChatTurn:
         """The cleaned message, the history window (ending with it) and its prompt, continuing `last`
         (the session's last turn) where the window still starts with it."""
         text = self.clean_message(text)
@@ -296,5 +323,5 @@ class ChatTask:
         after = len(_encode(self.tokenizer, segments[-2:]))  # the message and the generation prompt
         return p.ids[: len(p.ids) - after]
 
-    def parse(self, text: str) -> dict[str, Any]:
+    def parse(self, text: str) -> dict[str, object]:
         return self.task.parser(text) if self.task.parser else {"reply": text}

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..config import Settings
+from ..config import ConfigError, Settings
 from ..engine.backend import InferenceBackend, StructuredOutput, Tokenizer
-from .chat import ChatTask, Conversation
+from .chat import CHAT, ChatTask, Conversation, chat_task
 from .declare import Task, TaskError, TaskOutput
 from .fitting import FULL, Pace
 from .head import store_fitted, stored_path
@@ -77,7 +77,7 @@ OVERRIDE_TYPES: dict[str, Any] = {
 }
 
 
-def _task_from(obj: Any, options: dict[str, Any], source: str) -> Task:
+def _task_from(obj: object, options: dict[str, object], source: str) -> Task:
     """A Task from a module (TASK or make_task), a Task, or a factory callable."""
     factory = getattr(obj, "make_task", None)
     if factory is None and callable(obj) and not isinstance(obj, Task):
@@ -136,18 +136,20 @@ class CacheCounts(NamedTuple):
 
 
 class TaskRegistry:
-    """The enabled tasks by name, the stateless ones run on every user chat message, and the backend
-    each task is placed on when its `[task.<name>]` table names one."""
+    """The enabled stateless tasks by name, those run on every user chat message, the backend each
+    is placed on when its `[task.<name>]` table names one, and the chat (`[chat]`)."""
 
     def __init__(
         self,
-        tasks: dict[str, PromptTask | ChatTask],
+        tasks: dict[str, PromptTask],
         auto_tasks: list[str],
         placements: dict[str, str] | None = None,
+        chat: ChatTask | None = None,
     ):
         self.tasks = tasks
         self.auto_tasks = auto_tasks
         self.placements = placements or {}
+        self._chat = chat
 
     def placement(self, name: str) -> str | None:
         """The backend named for this task in the config, or None (the default backend)."""
@@ -155,35 +157,52 @@ class TaskRegistry:
 
     @property
     def chat(self) -> ChatTask:
-        task = self.tasks.get("chat")
-        if not isinstance(task, ChatTask):
-            raise TaskError("unknown_task", "the chat task is not enabled")
-        return task
+        if self._chat is None:
+            raise TaskError("unknown_task", "this registry has no chat")
+        return self._chat
 
     def names(self) -> list[str]:
+        """The stateless tasks' names."""
         return sorted(self.tasks)
 
+    def declarations(self) -> dict[str, Task]:
+        """Every task a client may name, the chat included, by name."""
+        found = {name: task.task for name, task in self.tasks.items()}
+        if self._chat is not None:
+            found[self._chat.task.name] = self._chat.task
+        return dict(sorted(found.items()))
+
     def describe(self, caller: str | None = None) -> list[dict[str, Any]]:
-        """Every task, or those `caller` may call."""
-        tasks = [self.tasks[n].task for n in self.names()]
+        """Every task, the chat included, or those `caller` may call."""
+        tasks = self.declarations().values()
         return [t.describe() for t in tasks if caller is None or caller in t.callers]
 
     def check_caller(self, name: str, caller: str) -> None:
         """Raise `unknown_task` or `task_not_allowed` unless `caller` may call the task `name`."""
-        self.get(name).task.check_caller(caller)
+        declared = self.declarations().get(name) if isinstance(name, str) else None
+        if declared is None:
+            raise self._unknown(name)
+        declared.check_caller(caller)
 
-    def get(self, name: str) -> PromptTask | ChatTask:
+    def get(self, name: str) -> PromptTask:
+        """A stateless task; the chat is a session's (`chat`), not a task call."""
         task = self.tasks.get(name) if isinstance(name, str) else None
-        if task is None:
-            raise TaskError("unknown_task", f"no task named {name!r} (available: {', '.join(self.names())})")
-        return task
+        if task is not None:
+            return task
+        if self._chat is not None and name == self._chat.task.name:
+            raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
+        raise self._unknown(name)
+
+    def _unknown(self, name: object) -> TaskError:
+        available = ", ".join(self.declarations())
+        return TaskError("unknown_task", f"no task named {name!r} (available: {available})")
 
     async def run(
         self,
         backend: InferenceBackend,
         name: str,
-        raw_input: Any,
-        overrides: dict[str, Any] | None = None,
+        raw_input: object,
+        overrides: dict[str, object] | None = None,
         *,
         scope: Hashable | None = None,
         on_delta: Deltas = no_deltas,
@@ -196,8 +215,6 @@ class TaskRegistry:
         A `caller` (customers, agents, api) must be in the task's audience; the call runs at its
         priority (`Task.sampling`). None: the server's own call (auto-tasks)."""
         task = self.get(name)
-        if isinstance(task, ChatTask):
-            raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
         if caller is not None:
             task.task.check_caller(caller)
         instruction = task.task.conversation_prompt
@@ -209,12 +226,9 @@ class TaskRegistry:
                 )
         return await task.run(backend, raw_input, overrides, scope=scope, on_delta=on_delta, caller=caller)
 
-    def cost(self, name: str, overrides: dict[str, Any] | None = None) -> int:
+    def cost(self, name: str, overrides: dict[str, object] | None = None) -> int:
         """The most tokens one call of a stateless task can take (what admission holds for it)."""
-        task = self.get(name)
-        if isinstance(task, ChatTask):
-            raise TaskError("invalid_input", f"{name} is stateful: use a chat session, not a task call")
-        return task.cost(overrides)
+        return self.get(name).cost(overrides)
 
     async def prepare(
         self,
@@ -230,7 +244,7 @@ class TaskRegistry:
         hidden states or without a fit keeps label scoring (`PromptTask.prepare` logs it)."""
         errors: list[PluginError] = []
         for name, task in list(self.tasks.items()):
-            if not isinstance(task, PromptTask) or task.task.head is None:
+            if task.task.head is None:
                 continue
             backend_name, backend = backend_for(name)
             try:
@@ -249,7 +263,7 @@ class TaskRegistry:
         reported like a broken plugin."""
         errors: list[PluginError] = []
         for name, task in list(self.tasks.items()):
-            fmt = task.task.output_format if isinstance(task, PromptTask) else None
+            fmt = task.task.output_format
             if fmt is None or fmt.free:
                 continue
             backend = backend_for(name)[1]
@@ -281,7 +295,7 @@ class TaskRegistry:
         """Fit the heads that had no fit for this model, store them for the next start and switch each
         task to its head when done. A failure leaves that task on label scoring (logged)."""
         for name, task in list(self.tasks.items()):
-            if not isinstance(task, PromptTask) or not task.fit_missing:
+            if not task.fit_missing:
                 continue
             why = task.head_note
             task.head_note = f"{why} (fitting in the background)"
@@ -298,14 +312,14 @@ class TaskRegistry:
     def heads_off(self, why: str) -> None:
         """Learned heads are not used at all: every task with one says why on /health."""
         for task in self.tasks.values():
-            if isinstance(task, PromptTask) and task.task.head is not None:
+            if task.task.head is not None:
                 task.head_note = why
 
     def head_states(self) -> dict[str, dict[str, str]]:
         """Per task with a learned head: the scoring it uses (`head` or `labels`) and why."""
         out: dict[str, dict[str, str]] = {}
         for name, task in self.tasks.items():
-            state = task.head_state() if isinstance(task, PromptTask) else None
+            state = task.head_state()
             if state is not None:
                 out[name] = state
         return out
@@ -315,8 +329,6 @@ class TaskRegistry:
         the server takes requests). A backend that fails here (a remote server down at start) leaves
         them to the task's first call."""
         for name, task in self.tasks.items():
-            if not isinstance(task, PromptTask):
-                continue
             backend_name, backend = backend_for(name)
             try:
                 await task.calibrate(backend)
@@ -330,9 +342,7 @@ class TaskRegistry:
 
     def cache_stats(self) -> dict[str, CacheCounts]:
         return {
-            n: CacheCounts(t.cache_hits, t.cache_misses)
-            for n, t in self.tasks.items()
-            if isinstance(t, PromptTask) and t.cache is not None
+            n: CacheCounts(t.cache_hits, t.cache_misses) for n, t in self.tasks.items() if t.cache is not None
         }
 
 
@@ -344,9 +354,9 @@ def store_task_fit(task: PromptTask, cache_dir: Path) -> Path:
     return path
 
 
-def _discover(settings: Settings) -> list[tuple[str, Any]]:
+def _discover(settings: Settings) -> list[tuple[str, object]]:
     """(source, module-or-object) for every plugin file and entry point; import errors are returned."""
-    found: list[tuple[str, Any]] = []
+    found: list[tuple[str, object]] = []
     for folder in settings.tasks.plugin_dirs:
         path = Path(folder).expanduser()
         if not path.is_absolute() and not path.exists():
@@ -387,7 +397,7 @@ def _discover(settings: Settings) -> list[tuple[str, Any]]:
     return found
 
 
-def _declared_name(obj: Any) -> str | None:
+def _declared_name(obj: object) -> str | None:
     """The task name a plugin declares before it is built: TASK.name, NAME, or the NAME of the module
     an entry-point factory lives in."""
     if isinstance(obj, Task):
@@ -403,8 +413,9 @@ def _declared_name(obj: Any) -> str | None:
 
 def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistry, list[PluginError]]:
     """Discover, configure and validate every task. A broken plugin is reported, never fatal."""
+    chat = _load_chat(settings, tokenizer)  # core: a bad [chat] stops the start
     errors: list[PluginError] = []
-    tasks: dict[str, PromptTask | ChatTask] = {}
+    tasks: dict[str, PromptTask] = {}
     overrides: dict[str, Any] = dict(settings.task)
     enabled, disabled = set(settings.tasks.enabled), set(settings.tasks.disabled)
     seen: set[str] = set()  # every task name a plugin declared, loaded or not
@@ -430,16 +441,21 @@ def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistr
             errors.append(PluginError(source, f"invalid task: {exc}"))
             continue
         seen.add(task.name)
+        if task.name == CHAT:
+            errors.append(PluginError(source, "the name 'chat' is the chat's own ([chat] in config.toml)"))
+            continue
         if task.name in tasks:
             errors.append(PluginError(source, f"task {task.name!r} is already defined; this one is ignored"))
             continue
         if task.name in disabled or (enabled and task.name not in enabled):
             continue
-        tasks[task.name] = ChatTask(task, tokenizer) if task.stateful else PromptTask(task, tokenizer)
+        tasks[task.name] = PromptTask(task, tokenizer)
     for name in overrides:
-        if name not in seen:
+        if name == CHAT:
+            errors.append(PluginError("config.toml", f"[task.{name}]: the chat's settings are [chat]"))
+        elif name not in seen:
             errors.append(PluginError("config.toml", f"[task.{name}]: no such task"))
-    auto = [n for n in settings.tasks.auto_tasks if n in tasks and not tasks[n].task.stateful]
+    auto = [n for n in settings.tasks.auto_tasks if n in tasks]
     for n in settings.tasks.auto_tasks:
         if n not in auto:
             errors.append(
@@ -452,4 +468,12 @@ def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistr
         for name, table in overrides.items()
         if name in tasks and isinstance(table, dict) and PLACEMENT_KEY in table
     }
-    return TaskRegistry(tasks, auto, placements), errors
+    return TaskRegistry(tasks, auto, placements, chat), errors
+
+
+def _load_chat(settings: Settings, tokenizer: Tokenizer) -> ChatTask:
+    """The chat of `[chat]`; ConfigError where its settings cannot be used."""
+    try:
+        return ChatTask(chat_task(settings.chat), tokenizer)
+    except ValueError as exc:
+        raise ConfigError(f"[chat]: {exc}") from None

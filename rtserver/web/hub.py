@@ -29,12 +29,10 @@ import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..engine.backend import FinishReason, Generation, NextTurnPrefetcher, SequenceResult
-from ..tasks.chat import LastTurn
+from ..engine.backend import Generation, NextTurnPrefetcher
 from ..tasks.declare import CUSTOMERS
 from . import events
 from . import protocol as P
@@ -50,6 +48,7 @@ from .session import Session, SessionExpired, SessionRefused, SessionRegistry, T
 from .session_events import SessionEvents
 from .state import AppState
 from .transport import websocket_capacity
+from .turns import ChatTurns, Client, TurnResult
 
 log = logging.getLogger("rtserver.hub")
 
@@ -74,13 +73,6 @@ class Request:
         # task is never cancelled from outside, so its clean-up (the session's turn state) always runs
 
 
-def _kept_prefix(prompt: list[int], last: LastTurn | None) -> int:
-    """How many of the prompt's first tokens are the session's own last turn (its KV, kept)."""
-    if last is None or prompt[: len(last.ids)] != last.ids:
-        return 0
-    return len(last.ids)
-
-
 class Connection(QueuedConnection):
     def __init__(self, hub: Hub, ws: WebSocket):
         ss = hub.settings.server
@@ -99,11 +91,11 @@ class Connection(QueuedConnection):
         )
 
     # -- sending --------------------------------------------------------------------------------
-    async def send(self, event: dict[str, Any]) -> None:
+    async def send(self, event: events.Event) -> None:
         if self.stopping.is_set():
             return
         if event.get("type") == "error":
-            self.hub.metrics.error(event["code"])
+            self.hub.metrics.error(str(event["code"]))
         text = events.dumps(event)
         try:
             self.queue.put_nowait(text)
@@ -119,7 +111,7 @@ class Connection(QueuedConnection):
                 self.hub.metrics.error("slow_client")
                 self.stop(Close.SLOW_CLIENT, "slow client")
 
-    async def error(self, code: str, message: str, request_id: str | None = None, **extra: Any) -> None:
+    async def error(self, code: str, message: str, request_id: str | None = None, **extra: object) -> None:
         await self.send(events.error_event(code, message, request_id, **extra))
 
     # -- reading --------------------------------------------------------------------------------
@@ -217,6 +209,11 @@ class Connection(QueuedConnection):
             return True
         return False
 
+    @property
+    def client(self) -> Client:
+        """This connection as the turn service knows it."""
+        return Client(Surface.PUBLIC, self.client_ip, self.client_name)
+
     async def chat(self, msg: P.Chat, session: Session) -> None:
         holder = self.hub.console.holder(session)
         if holder is not None:  # a human agent answers, not the bot
@@ -235,10 +232,13 @@ class Connection(QueuedConnection):
         except StoreUnavailable as down:
             await self.error(down.code, down.message, msg.id)
             return
-        session.begin(msg.id)
+        turn = session.turn(msg.id, self.hub.sessions.clock)  # busy from here: a second chat is refused
         req = Request(msg.id, "chat")
         self.requests[msg.id] = req
-        req.task = asyncio.create_task(self.run_chat(req, msg, session))
+        req.task = asyncio.create_task(
+            self.hub.turns.run(turn, msg.text, msg.options, self.client, _Sink(self, req))
+        )
+        req.task.add_done_callback(functools.partial(self._chat_ended, req))
 
     # -- session --------------------------------------------------------------------------------
     async def hello(self, hello: P.Hello) -> None:
@@ -322,66 +322,6 @@ class Connection(QueuedConnection):
             req.cancel()
 
     # -- requests -------------------------------------------------------------------------------
-    async def run_chat(self, req: Request, msg: P.Chat, session: Session) -> None:
-        hub = self.hub
-        reply, reason = None, "error"
-        held: Reservation = NoReservation()
-        try:
-            chat = hub.state.tasks.chat
-            turn = chat.prepare_turn(session.history, msg.text, session.last_turn)
-            params = chat.task.sampling(msg.options or None)
-            new_tokens = len(turn.prompt_ids) - _kept_prefix(turn.prompt_ids, session.last_turn)
-            # the turn holds its whole prompt's KV (the kept history too) and room for its reply; the
-            # client's rate pays only what is computed anew
-            holds = len(turn.prompt_ids) + params.max_new_tokens
-            held = hub.admission.reserve(Surface.PUBLIC, self.client_ip, holds)
-            req.stream = hub.state.backend_for("chat").generate(
-                turn.prompt_ids, params, session_key=session.id, public_tokens=turn.public_tokens
-            )
-            if req.cancelled:
-                req.stream.cancel()
-            session.add_message(turn.history, turn.cut)
-            hub.events.publish(se.TurnStarted(session, msg.id, turn.text))
-            self.run_auto_tasks(msg.id, turn.text)
-            result = await self.stream_reply(msg.id, session, req.stream)
-            held.release(new_tokens + result.usage.generated_tokens)
-            if result.finish_reason is FinishReason.ERROR:
-                raise GenerationFailed(result)
-            if result.text or result.finish_reason is not FinishReason.CANCELLED:
-                session.add_reply(
-                    result.text,
-                    lambda last: (
-                        chat.finished_turn(turn.rendered, turn.prompt_ids, result.text, result.token_ids)
-                        if last
-                        else None
-                    ),
-                )
-                await hub.store.save(session, self.client_name)  # the turn is acknowledged once stored
-                session.commit()
-            reply, reason = result.text, result.finish_reason.value
-            hub.metrics.observe_generation("ws_chat", result)
-            hub.metrics.requests.labels("ws", "chat").inc()
-            await self.send(events.done_event(msg.id, result, chat.parse(result.text)))
-            if not self.stopping.is_set():
-                hub.prefetch_next_turn(session)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            await self.failed(msg.id, exc, f"chat turn {msg.id}")
-        finally:
-            held.release()
-            session.end(msg.id, hub.sessions.clock())  # a failed or empty cancelled turn leaves no trace
-            self.requests.pop(msg.id, None)
-            hub.events.publish(se.TurnFinished(session, msg.id, reply, reason))
-
-    async def stream_reply(self, request_id: str, session: Session, stream: Generation) -> SequenceResult:
-        """Send the reply's text as it comes; its result at the end."""
-        async for event in stream:
-            if event.text:
-                await self.send(events.token_event(request_id, event.text))
-                self.hub.events.publish(se.Token(session, request_id, event.text))
-        return await stream.result()
-
     async def failed(self, request_id: str, exc: Exception, what: str) -> None:
         """Tell the client why a request failed; log what the client cannot act on."""
         if isinstance(exc, Refused):
@@ -397,24 +337,14 @@ class Connection(QueuedConnection):
 
     async def forward_chat(self, msg: P.Chat, session: Session, holder: Holder) -> None:
         """A customer `chat` while an agent holds the session: history and console, no bot reply."""
-        hub = self.hub
         try:
-            turn = hub.state.tasks.chat.prepare_turn(session.history, msg.text)
+            text = await self.hub.turns.forward(session, msg.id, msg.text, self.client)
         except Exception as exc:
             code, message = error_code(exc)
             await self.error(code, message, msg.id)
             return
-        kept = session.forward(turn.history, turn.cut)
-        try:  # stored before it is acknowledged (`forwarded`)
-            await hub.store.save(session, self.client_name)
-        except StoreUnavailable as exc:
-            session.restore(kept)
-            await self.error(exc.code, exc.message, msg.id)
-            return
-        session.touch(hub.sessions.clock())
-        hub.events.publish(se.Forwarded(session, msg.id, turn.text))
         await self.send(events.forwarded_event(msg.id, holder.name))
-        self.run_auto_tasks(msg.id, turn.text)
+        self.run_auto_tasks(msg.id, text)
 
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:
         hub = self.hub
@@ -443,6 +373,10 @@ class Connection(QueuedConnection):
         finally:
             held.release()
             self.requests.pop(msg.id, None)
+
+    def _chat_ended(self, req: Request, task: asyncio.Task[None]) -> None:
+        if self.requests.get(req.id) is req:  # ended without telling its sink (cancelled)
+            del self.requests[req.id]
 
     def _task_ended(self, request_id: str, task: asyncio.Task[None]) -> None:
         if task.cancelled():  # cancelled before it started: run_task's own clean-up never ran
@@ -474,10 +408,37 @@ class Connection(QueuedConnection):
         """Whose cached task results this connection may see: its session's only."""
         return None if self.session is None else f"session:{self.session.id}"
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.create_task(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+
+
+class _Sink:
+    """A chat turn as its connection follows it: the cancel handle, auto-tasks, `token` events."""
+
+    def __init__(self, conn: Connection, req: Request):
+        self.conn, self.req = conn, req
+
+    def submitted(self, stream: Generation) -> None:
+        self.req.stream = stream
+        if self.req.cancelled:  # cancelled before its generation was queued
+            stream.cancel()
+
+    def started(self, text: str) -> None:
+        self.conn.run_auto_tasks(self.req.id, text)
+
+    async def token(self, text: str) -> None:
+        await self.conn.send(events.token_event(self.req.id, text))
+
+    async def done(self, done: TurnResult) -> bool:
+        await self.conn.send(events.done_event(self.req.id, done.result, done.output))
+        self.conn.requests.pop(self.req.id, None)
+        return not self.conn.stopping.is_set()
+
+    async def failed(self, exc: Exception) -> None:
+        await self.conn.failed(self.req.id, exc, f"chat turn {self.req.id}")
+        self.conn.requests.pop(self.req.id, None)
 
 
 class Hub:
@@ -501,6 +462,7 @@ class Hub:
         topology.join(NodeView(self.node_figures, self.connected))  # heartbeats before the console's
         self.console: ConsoleHub  # the agents' door, built and subscribed by create_app
         self.events = SessionEvents()
+        self.turns = ChatTurns(state, admission, self.store, self.events, self.sessions.clock)
         state.counts = lambda: {"connections": len(self.connections), "sessions": len(self.sessions)}
         self.capacity = websocket_capacity(self.settings.server.max_websockets)  # /ws sockets at once
 
@@ -529,25 +491,9 @@ class Hub:
         for backend in self.state.backends.values():
             backend.drop_session(session.id)
 
-    def prefetch_next_turn(self, session: Session) -> None:
-        """The reply has ended: let the chat backend compute the next prompt's start (history, end of the
-        reply, next user header) before the next message comes, where it can (a remote backend) and the
-        chat template splits safely there. Best effort: it never raises into the turn, which has ended."""
-        if not self.settings.backend.prefetch_next_turn or session.last_turn is None:
-            return
-        try:
-            backend = self.state.backend_for("chat")  # raises while the server stops
-            if isinstance(backend, NextTurnPrefetcher):
-                # computed by the backend when it sends the prefetch, not here: a client that answers
-                # at once would otherwise wait for it (its next turn comes right after this `done`)
-                chat, history, last = self.state.tasks.chat, list(session.history), session.last_turn
-                backend.prefetch(lambda: chat.next_turn_prefix(history, last), session_key=session.id)
-        except Exception as exc:
-            log.debug("no next-turn prefetch for session %s (%s)", session.id, exc)
-
-    def limits(self) -> dict[str, Any]:
+    def limits(self) -> dict[str, object]:
         s = self.settings
-        limits: dict[str, Any] = {
+        limits: dict[str, object] = {
             "max_frame_bytes": s.server.max_frame_bytes,
             "max_in_flight": s.server.max_in_flight,
             "send_queue_size": s.server.send_queue_size,
@@ -570,7 +516,7 @@ class Hub:
         )
         return limits
 
-    def ready_event(self, session: Session, resumed: bool) -> dict[str, Any]:
+    def ready_event(self, session: Session, resumed: bool) -> events.Event:
         registry = self.state.tasks
         holder = self.console.holder(session)
         return events.ready_event(

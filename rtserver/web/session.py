@@ -25,9 +25,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..tasks.chat import LastTurn, Message
+from .events import Event
 
 log = logging.getLogger("rtserver.session")
 
@@ -79,9 +80,11 @@ class Customer(Protocol):
 
     session: Session | None
 
-    async def send(self, event: dict[str, Any]) -> None: ...
+    async def send(self, event: Event) -> None: ...
 
-    async def error(self, code: str, message: str, request_id: str | None = None, **extra: Any) -> None: ...
+    async def error(
+        self, code: str, message: str, request_id: str | None = None, **extra: object
+    ) -> None: ...
 
     def cancel_all(self) -> None: ...
 
@@ -106,8 +109,6 @@ class Session:
     version: int = 0
     created_wall: float = 0.0
 
-    turn: OpenTurn | None = None  # the bot turn in progress: what `rollback` undoes
-
     @property
     def history_turns(self) -> int:
         return sum(1 for m in self.history if m["role"] == "user")
@@ -120,52 +121,11 @@ class Session:
     def touch(self, now: float) -> None:
         self.last_active = now
 
-    # -- a bot turn: begin, add the message and the reply, then commit or roll back ---------------
-    def begin(self, request_id: str) -> None:
-        """A chat turn starts; the session is busy until `end`."""
+    # -- a bot turn: one `with session.turn(...)` block ---------------------------------------------
+    def turn(self, request_id: str, clock: Callable[[], float]) -> SessionTurn:
+        """A bot turn starts: the session is busy until its `with` block ends."""
         self.chat_request = request_id
-        self.turn = OpenTurn(request_id)
-
-    def add_message(self, history: list[Message], cut: bool) -> None:
-        """The turn's prepared history: the customer's message is its last entry."""
-        assert self.turn is not None
-        self.history = history
-        self.cuts += cut
-        self.turn.message = history[-1]
-
-    def add_reply(self, text: str, last_turn: Callable[[bool], LastTurn | None]) -> None:
-        """The bot's reply, right after its message (messages forwarded meanwhile follow it).
-        `last_turn(True)` gives the reusable tokens when the reply ends the history."""
-        turn = self.turn
-        assert turn is not None and turn.message is not None
-        turn.kept = (self.last_turn, self.turns)
-        turn.reply = {"role": "assistant", "content": text}
-        _insert_after(self.history, turn.message, turn.reply)
-        self.last_turn = last_turn(self.history[-1] is turn.reply)
-        self.turns += 1
-
-    def commit(self) -> None:
-        """The turn is stored: `end` keeps it."""
-        self.turn = None
-
-    def rollback(self) -> None:
-        """Undo what the open turn added: a turn not stored never ran."""
-        turn = self.turn
-        if turn is None:
-            return
-        if turn.reply is not None:
-            _remove(self.history, turn.reply)
-            self.last_turn, self.turns = turn.kept
-        if turn.message is not None:
-            _remove(self.history, turn.message)
-        self.turn = None
-
-    def end(self, request_id: str, now: float) -> None:
-        """The turn is over: an uncommitted one is rolled back, the session is free again."""
-        if self.chat_request == request_id:
-            self.rollback()
-            self.chat_request = None
-        self.touch(now)
+        return SessionTurn(self, request_id, clock)
 
     # -- edits outside a bot turn ------------------------------------------------------------------
     def forward(self, history: list[Message], cut: bool) -> Snapshot:
@@ -197,14 +157,58 @@ class Session:
         )
 
 
-@dataclass
-class OpenTurn:
-    """The entries a bot turn added, until it is committed or rolled back."""
+class SessionTurn:
+    """One bot turn, from its message to its reply. Leaving the `with` block ends it: a turn not
+    committed is undone (a failed or unstored turn never ran), and the session is free again."""
 
-    request_id: str
-    message: Message | None = None
-    reply: Message | None = None
-    kept: tuple[LastTurn | None, int] = (None, 0)  # last_turn and turns before the reply
+    def __init__(self, session: Session, request_id: str, clock: Callable[[], float]):
+        self.session = session
+        self.request_id = request_id
+        self.clock = clock
+        self.message: Message | None = None
+        self.reply: Message | None = None
+        self.kept: tuple[LastTurn | None, int] = (None, 0)  # last_turn and turns before the reply
+        self.committed = False
+
+    def __enter__(self) -> SessionTurn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        session = self.session
+        if session.chat_request == self.request_id:
+            if not self.committed:
+                self._rollback()
+            session.chat_request = None
+        session.touch(self.clock())
+
+    def add_message(self, history: list[Message], cut: bool) -> None:
+        """The turn's prepared history: the customer's message is its last entry."""
+        self.session.history = history
+        self.session.cuts += cut
+        self.message = history[-1]
+
+    def add_reply(self, text: str, last: LastTurn | None) -> None:
+        """The bot's reply, right after its message (messages forwarded meanwhile follow it). `last`,
+        its reusable tokens, is kept only where the reply ends the history."""
+        session = self.session
+        assert self.message is not None
+        self.kept = (session.last_turn, session.turns)
+        self.reply = {"role": "assistant", "content": text}
+        _insert_after(session.history, self.message, self.reply)
+        session.last_turn = last if session.history[-1] is self.reply else None
+        session.turns += 1
+
+    def commit(self) -> None:
+        """The turn is stored: leaving the block keeps it."""
+        self.committed = True
+
+    def _rollback(self) -> None:
+        session = self.session
+        if self.reply is not None:
+            _remove(session.history, self.reply)
+            session.last_turn, session.turns = self.kept
+        if self.message is not None:
+            _remove(session.history, self.message)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from .session import Session
 
@@ -84,7 +83,7 @@ class Tagged:
     session: Session
     request_id: str
     task: str
-    output: Any
+    output: object
 
 
 @dataclass(frozen=True)

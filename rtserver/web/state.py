@@ -78,8 +78,8 @@ class AppState:
             self.status = "stopping"
 
     def backends_needed(self) -> set[str]:
-        """The backends the settings place work on: the default, and each task's `backend`."""
-        needed = {self.settings.model.backend}
+        """The backends the settings place work on: the chat's, and each task's `backend`."""
+        needed = {self.settings.model.backend, self.settings.chat.backend or self.settings.model.backend}
         for table in self.settings.task.values():
             if isinstance(table, dict) and isinstance(table.get("backend"), str):
                 needed.add(table["backend"])
@@ -94,8 +94,10 @@ class AppState:
 
     @property
     def backend(self) -> InferenceBackend:
-        """The backend of chat replies and the OpenAI endpoints."""
-        return self.backend_for("chat")
+        """The backend of chat replies and the OpenAI endpoints (`chat.backend`, else `model.backend`)."""
+        if self.status != "ready":
+            raise NotReady(self.status)
+        return self.backends[self.settings.chat.backend or self.settings.model.backend]
 
     def backends_health(self) -> dict[str, Any]:
         return {name: backend.health() for name, backend in self.backends.items()}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -301,16 +300,11 @@ async def test_two_backends_spread_sessions_and_survive_one_dying(smol, llama, t
     node.start()
     try:
         settings = remote_settings(llama.url, node.base)
-        # the built-in chat with min_new_tokens settable: a reply must not end, wherever the model would
-        # stop, before the node is killed under it
-        plugins = tmp_path / "plugins"
+        # the chat with min_new_tokens settable: a reply must not end, wherever the model would stop,
+        # before the node is killed under it
+        settings.chat.overridable = {**settings.chat.overridable, "min_new_tokens": [0, 512]}
+        plugins = tmp_path / "plugins"  # the chat alone, as before: no stateless task
         plugins.mkdir()
-        built_in = Path("plugins/chat.py").read_text()
-        settable = '"max_new_tokens": (1, 512),'
-        assert settable in built_in
-        (plugins / "chat.py").write_text(
-            built_in.replace(settable, settable + ' "min_new_tokens": (0, 512),')
-        )
         settings.tasks.plugin_dirs = [str(plugins)]
         async with serve(create_app(settings, lambda: smol), settings) as (base, ws_url):
             sockets = [await websockets.connect(ws_url) for _ in range(8)]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from cachetools import TTLCache
 
-from rtserver.config import EngineSettings, Settings, TaskSettings
+from rtserver.config import ConfigError, EngineSettings, Settings, TaskSettings, settings_from_mapping
 from rtserver.engine.core import Engine
 from rtserver.tasks import Choices, Task, TaskError
 from rtserver.tasks.chat import ChatTask
@@ -24,8 +24,7 @@ from rtserver.tasks.run import PromptTask
 ROOT = Path(__file__).resolve().parents[2]
 BUILTIN = str(ROOT / "plugins")
 EXAMPLES = str(ROOT / "examples" / "plugins")
-BUILTIN_TASKS = [
-    "chat",
+BUILTIN_TASKS = [  # the stateless plugins; the chat is core ([chat])
     "extract",
     "intent",
     "sentiment",
@@ -62,9 +61,11 @@ TASK = Task(name="styled", description=Style().tone, prompt="{text}")
 """
 
 
-def settings(*dirs: str, task: dict | None = None, **tasks_kw) -> Settings:
+def settings(*dirs: str, task: dict | None = None, chat: dict | None = None, **tasks_kw) -> Settings:
     tasks_kw.setdefault("auto_tasks", [])
-    return Settings(tasks=TaskSettings(plugin_dirs=list(dirs), **tasks_kw), task=task or {})
+    s = settings_from_mapping({"chat": chat or {}}, env={})  # [chat] read as config.toml's is
+    s.tasks, s.task = TaskSettings(plugin_dirs=list(dirs), **tasks_kw), task or {}
+    return s
 
 
 def write(folder: Path, name: str, text: str) -> Path:
@@ -79,8 +80,8 @@ def tok(smol):
     return smol.tokenizer
 
 
-def builtin(tok, **task_tables):
-    registry, errors = load_registry(settings(BUILTIN, task=task_tables), tok)
+def builtin(tok, chat: dict | None = None, **task_tables):
+    registry, errors = load_registry(settings(BUILTIN, task=task_tables, chat=chat), tok)
     assert errors == []
     return registry
 
@@ -107,9 +108,9 @@ def test_discovery_from_a_folder(tmp_path, tok):
 
 def test_a_task_table_sets_the_ranges_clients_may_use(tok):
     registry = builtin(tok, chat={"overridable": {"min_new_tokens": [0, 64], "max_new_tokens": [1, 32]}})
-    task = registry.get("chat").task
-    assert task.overridable["min_new_tokens"] == [0, 64]
-    assert task.overridable["temperature"] == (0.0, 2.0)  # the plugin's other ranges stay
+    task = registry.chat.task
+    assert task.overridable["min_new_tokens"] == (0, 64)
+    assert task.overridable["temperature"] == (0.0, 2.0)  # the default's other ranges stay
     assert task.sampling({"min_new_tokens": 20, "max_new_tokens": 32}).min_new_tokens == 20
     with pytest.raises(TaskError, match=r"'max_new_tokens' = 64 is out of range \(allowed 1..32\)"):
         task.sampling({"max_new_tokens": 64})
@@ -121,7 +122,7 @@ def test_builtin_plugins_and_auto_tasks(tok):
     assert registry.names() == BUILTIN_TASKS
     assert isinstance(registry.chat, ChatTask)
     assert registry.auto_tasks == ["sentiment"]
-    # A stateful task cannot be an auto-task; an unknown one neither.
+    # The chat cannot be an auto-task; an unknown task neither.
     registry, errors = load_registry(settings(BUILTIN, auto_tasks=["chat", "ghost", "intent"]), tok)
     assert registry.auto_tasks == ["intent"]
     assert sorted(str(e) for e in errors) == [
@@ -134,12 +135,14 @@ def test_enabled_and_disabled(tok):
     registry, errors = load_registry(settings(BUILTIN, disabled=["intent"]), tok)
     assert errors == [] and registry.names() == [n for n in BUILTIN_TASKS if n != "intent"]
     registry, errors = load_registry(
-        settings(BUILTIN, enabled=["sentiment"], task={"chat": {"max_new_tokens": 64}}), tok
+        settings(BUILTIN, enabled=["sentiment"], task={"intent": {"max_new_tokens": 64}}), tok
     )
     assert errors == [] and registry.names() == ["sentiment"]  # a table for a known, not loaded task is fine
+    assert registry.chat.task.name == "chat"  # the chat is core: always there
     with pytest.raises(TaskError) as exc:
-        _ = registry.chat
-    assert exc.value.code == "unknown_task"
+        registry.get("chat")  # and never a task call
+    assert exc.value.code == "invalid_input"
+    assert [d["name"] for d in registry.describe()] == ["chat", "sentiment"]  # listed as today
 
 
 def _dist(site: Path, dist: str, entry_points: str, modules: dict[str, str]) -> None:
@@ -253,23 +256,26 @@ def test_config_overrides_apply(tok):
 @pytest.mark.parametrize(
     "table, reason",
     [
-        ({"chat": {"colour": "red"}}, "unknown settings colour (this task takes no options"),
         (
             {"sentiment": {"colour": "red"}},
             "unknown settings: colour (known: mode, neutral, label_names, head)",
         ),
         ({"sentiment": {"mode": "vote"}}, "mode = 'vote'"),
         ({"sentiment": {"label_names": {"happy": "x"}}}, "label_names: unknown labels happy"),
-        ({"chat": {"max_new_tokens": "many"}}, "max_new_tokens = 'many': expected an integer"),
-        ({"chat": {"max_new_tokens": True}}, "max_new_tokens = True: expected an integer"),
-        ({"chat": {"max_new_tokens": 2.5}}, "max_new_tokens = 2.5: expected an integer"),
-        ({"chat": {"max_new_tokens": 0}}, "max_new_tokens = 0: must be an integer of at least 1"),
-        ({"chat": {"truncate": 5}}, "truncate = 5: expected a string"),
-        ({"chat": {"truncate": "middle"}}, "truncate 'middle': allowed reject, head, tail"),
-        ({"chat": {"stop": [1]}}, "stop = [1]: expected a list of strings"),
-        ({"chat": {"system_prompt": 3}}, "system_prompt = 3: expected a string"),
-        ({"chat": {"decoding": {"temperature": 9.0}}}, "decoding: chat: temperature = 9.0: allowed 0..5"),
-        ({"chat": {"decoding": {"beam": 4}}}, "decoding key 'beam'"),
+        ({"summarize": {"colour": "red"}}, "unknown settings: colour (known: max_chars)"),
+        ({"intent": {"max_new_tokens": "many"}}, "max_new_tokens = 'many': expected an integer"),
+        ({"intent": {"max_new_tokens": True}}, "max_new_tokens = True: expected an integer"),
+        ({"summarize": {"max_new_tokens": 2.5}}, "max_new_tokens = 2.5: expected an integer"),
+        ({"summarize": {"max_new_tokens": 0}}, "max_new_tokens = 0: must be an integer of at least 1"),
+        ({"summarize": {"truncate": 5}}, "truncate = 5: expected a string"),
+        ({"summarize": {"truncate": "middle"}}, "truncate 'middle': allowed reject, head, tail"),
+        ({"summarize": {"stop": [1]}}, "stop = [1]: expected a list of strings"),
+        ({"summarize": {"system_prompt": 3}}, "system_prompt = 3: expected a string"),
+        (
+            {"summarize": {"decoding": {"temperature": 9.0}}},
+            "decoding: summarize: temperature = 9.0: allowed 0..5",
+        ),
+        ({"summarize": {"decoding": {"beam": 4}}}, "decoding key 'beam'"),
         ({"sentiment": {"cache_size": -1}}, "cache_size = -1"),
         ({"sentiment": {"cache_ttl_s": 0}}, "cache_ttl_s = 0.0: must be a number > 0"),
         ({"sentiment": {"prompt": "no placeholder"}}, "prompt must contain {text} exactly once"),
@@ -282,6 +288,54 @@ def test_config_override_errors(tok, table, reason):
     assert len(registry.names()) == len(BUILTIN_TASKS) - 1
     assert len(errors) == 1 and errors[0].source.endswith(f"plugins/{name}.py")
     assert errors[0].reason.startswith("invalid task: ") and reason in errors[0].reason
+
+
+@pytest.mark.parametrize(
+    "table, reason",
+    [
+        ({"colour": "red"}, "chat.colour: unknown setting"),
+        ({"max_new_tokens": "many"}, "chat.max_new_tokens = 'many': expected an integer"),
+        ({"max_new_tokens": True}, "chat.max_new_tokens = True: expected an integer"),
+        ({"max_new_tokens": 2.5}, "chat.max_new_tokens = 2.5: expected an integer"),
+        ({"max_new_tokens": 0}, "chat.max_new_tokens = 0: allowed range is 1..1000000"),
+        ({"truncate": 5}, "chat.truncate = 5: expected a string"),
+        ({"truncate": "middle"}, "chat.truncate = 'middle': allowed values are 'reject', 'head', 'tail'"),
+        ({"stop": [1]}, "chat.stop = [1]: expected a list of strings"),
+        ({"system_prompt": 3}, "chat.system_prompt = 3: expected a string"),
+        ({"decoding": 3}, "chat.decoding = 3: expected a table"),
+    ],
+)
+def test_chat_setting_errors(table, reason):
+    with pytest.raises(ConfigError) as err:
+        settings_from_mapping({"chat": table}, env={})
+    assert reason in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "table, reason",
+    [
+        ({"decoding": {"temperature": 9.0}}, "[chat]: decoding: chat: temperature = 9.0: allowed 0..5"),
+        ({"decoding": {"beam": 4}}, "[chat]: decoding key 'beam'"),
+        ({"overridable": {"top_k": [0]}}, "[chat]: overridable 'top_k': expected a [low, high] range"),
+    ],
+)
+def test_chat_declaration_errors_stop_the_start(tok, table, reason):
+    with pytest.raises(ConfigError) as err:
+        load_registry(settings(BUILTIN, chat=table), tok)
+    assert reason in str(err.value)
+
+
+def test_a_task_without_options_names_what_a_table_may_set(tmp_path, tok):
+    write(tmp_path, "good.py", GOOD)
+    registry, errors = load_registry(settings(str(tmp_path), task={"echo": {"colour": "red"}}), tok)
+    assert "echo" not in registry.names()
+    assert "unknown settings colour (this task takes no options" in errors[0].reason
+
+
+def test_a_task_table_for_the_chat_says_where_its_settings_are(tok):
+    registry, errors = load_registry(settings(BUILTIN, task={"chat": {"max_new_tokens": 8}}), tok)
+    assert [str(e) for e in errors] == ["config.toml: [task.chat]: the chat's settings are [chat]"]
+    assert registry.chat.task.max_new_tokens == 128
 
 
 def test_decoding_override_ranges(tok):

@@ -442,7 +442,7 @@ async def test_assist_calls_answer_the_agent_who_asked_with_valid_json(smol):
     from rtserver.web.app import create_app
 
     settings = settings_with(tasks={"auto_tasks": []})
-    settings.task = {"chat": {"max_new_tokens": 8}}
+    settings.chat.max_new_tokens = 8
     app = create_app(settings, lambda: smol)
     async with serve(app, settings) as (base, url):
         a, _ = await login(url, "Alice")
@@ -490,7 +490,7 @@ async def test_streamed_drafts_come_first_spell_the_answer_and_end_with_the_cons
     from rtserver.web.app import create_app
 
     settings = settings_with(tasks={"auto_tasks": []})
-    settings.task = {"chat": {"max_new_tokens": 8}}
+    settings.chat.max_new_tokens = 8
     engine = Engine(smol, settings.engine)
     drafts: list = []
     generate = engine.generate
@@ -564,7 +564,8 @@ async def test_an_agents_reply_is_translated_to_the_language_of_the_customers_me
             "plugin_dirs": [str(root / "plugins"), str(root / "examples" / "plugins")],
         }
     )
-    settings.task = {"chat": {"max_new_tokens": 8}, "translate_reply": {"max_new_tokens": 24}}
+    settings.chat.max_new_tokens = 8
+    settings.task = {"translate_reply": {"max_new_tokens": 24}}
     app = create_app(settings, lambda: smol)
     prompts: list[list[int]] = []
     async with serve(app, settings) as (base, url):

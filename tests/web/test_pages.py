@@ -387,7 +387,7 @@ async def test_widget_with_the_real_model(smol, browser):
     from playwright.async_api import expect
 
     settings = make_settings(security={"console_token": TOKEN})
-    settings.task = {"chat": {"max_new_tokens": 24}}
+    settings.chat.max_new_tokens = 24
     async with serve(create_app(settings, lambda: smol), settings) as (base, url):
         page = await new_page(browser)
         await page.goto(base + "/")
@@ -435,8 +435,8 @@ async def test_console_copilot_drafts_summary_translation_and_fields(smol, brows
         security={"console_token": TOKEN},
         tasks={"auto_tasks": [], "learned_heads": False, "plugin_dirs": plugins},
     )
+    settings.chat.max_new_tokens = 16
     settings.task = {
-        "chat": {"max_new_tokens": 16},
         "suggest_reply": {"max_new_tokens": 40},
         "translate_reply": {"max_new_tokens": 40},
         "summarize": {"max_chars": 80},
@@ -516,7 +516,7 @@ async def test_widget_resumes_on_the_other_node_after_sigkill(browser, tmp_path)
     redis = RedisProcess(tmp_path / "redis", binary=redis_binary())
     redis.start()
     config = tmp_path / "config.toml"
-    config.write_text("[task.chat]\nmax_new_tokens = 12\n")
+    config.write_text("[chat]\nmax_new_tokens = 12\n")
     env = {
         "RTSERVER_CLUSTER_REDIS_URL": redis.url,
         "RTSERVER_SERVER_LOG_LEVEL": "warning",

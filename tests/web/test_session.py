@@ -185,19 +185,19 @@ def test_finished_turn_needs_ids_that_spell_the_reply(smol):
     assert finished_turn(tok, "p", [1], " Hi. STOP", ids) == LastTurn("p Hi. STOP", [1] + ids)
 
 
-def _open_turn(session, request_id: str, text: str) -> dict:
-    session.begin(request_id)
-    session.add_message([*session.history, {"role": "user", "content": text}], cut=False)
-    return session.history[-1]
+def _open_turn(session, request_id: str, text: str, now: float = 0.0):
+    turn = session.turn(request_id, lambda: now)
+    turn.add_message([*session.history, {"role": "user", "content": text}], cut=False)
+    return turn
 
 
 def test_a_committed_turn_keeps_its_message_and_reply():
     session = SessionRegistry(60, 10).create()
     last = LastTurn("x", [1, 2, 3])
-    _open_turn(session, "r1", "hi")
-    session.add_reply("hello", lambda ends_history: last if ends_history else None)
-    session.commit()
-    session.end("r1", 5.0)
+    with _open_turn(session, "r1", "hi", now=5.0) as turn:
+        assert session.chat_request == "r1"
+        turn.add_reply("hello", last)
+        turn.commit()
     assert session.history == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert (session.turns, session.last_turn, session.chat_request, session.last_active) == (
         1,
@@ -209,21 +209,27 @@ def test_a_committed_turn_keeps_its_message_and_reply():
 
 def test_a_turn_not_committed_leaves_no_trace_but_what_came_meanwhile():
     session = SessionRegistry(60, 10).create()
-    _open_turn(session, "r0", "first")
-    session.add_reply("one", lambda _: None)
-    session.commit()
-    session.end("r0", 1.0)
+    with _open_turn(session, "r0", "first", now=1.0) as turn:
+        turn.add_reply("one", None)
+        turn.commit()
     before = (list(session.history), session.turns)
-    _open_turn(session, "r1", "second")
-    session.add_agent_reply("an agent said this meanwhile", "Ann")  # after the message, before the reply
-    session.add_reply("two", lambda ends_history: LastTurn("y", [9]) if ends_history else None)
-    assert session.history[-2]["content"] == "two" and session.last_turn is None  # not the history's end
-    session.end("r1", 2.0)  # the store failed: never committed
+    with _open_turn(session, "r1", "second", now=2.0) as turn:
+        session.add_agent_reply("an agent said this meanwhile", "Ann")  # after the message, before the reply
+        turn.add_reply("two", LastTurn("y", [9]))
+        assert session.history[-2]["content"] == "two" and session.last_turn is None  # not the history's end
+        # the store failed: never committed
     assert session.history == [
         *before[0],
         {"role": "assistant", "content": "an agent said this meanwhile", "agent": "Ann"},
     ]
-    assert (session.turns, session.chat_request, session.turn) == (before[1], None, None)
+    assert (session.turns, session.chat_request, session.last_active) == (before[1], None, 2.0)
+
+
+def test_a_failed_turn_leaves_no_trace():
+    session = SessionRegistry(60, 10).create()
+    with pytest.raises(RuntimeError), _open_turn(session, "r1", "hi"):
+        raise RuntimeError("the generation failed")
+    assert (session.history, session.turns, session.chat_request) == ([], 0, None)
 
 
 def test_a_reset_or_forward_that_is_not_stored_is_restored():

@@ -17,7 +17,7 @@ COUNT = "Count from 1 to 500, separated by commas, and say nothing else."
 # The long reply may not end at EOS before its grace period is over, wherever greedy decoding stops on
 # this CPU: the test's config lets a client ask for a minimum length.
 CONFIG = """
-[task.chat]
+[chat]
 overridable = { min_new_tokens = [0, 512] }
 """
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable
 
 from ...tasks import TaskError
-from ...tasks.chat import ChatTask, Conversation
+from ...tasks.chat import Conversation
 from ...tasks.declare import AGENTS, CUSTOMERS
 from ...tasks.run import Deltas, no_deltas
 from .. import events
@@ -119,9 +119,7 @@ class Assist:
         return [
             n
             for n in registry.names()
-            if not isinstance(task := registry.get(n), ChatTask)
-            and AGENTS in task.task.callers
-            and CUSTOMERS not in task.task.callers
+            if AGENTS in (task := registry.get(n)).task.callers and CUSTOMERS not in task.task.callers
         ]
 
     def request(self, agent: Agent, frame: AssistCall) -> None:

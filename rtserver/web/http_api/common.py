@@ -1,6 +1,7 @@
 """What every HTTP door shares: JSON errors with stable codes, the endpoint wrapper (the shared
-admission path of web/admission.py; the body declared as JSON, read and parsed), generations held
-against the API budget, and the checks of fields the doors have in common.
+admission path of web/admission.py; the body declared as JSON, read and parsed), the door's way to the
+turn service (`turns`, `api_client`), task calls held against the API budget, and the checks of
+fields the doors have in common.
 
 Every error is JSON `{"error": {"code", "message", "type", "param"}}` with a stable `code` (the same
 codes as the WebSocket protocol) — the shape the `openai` client reads.
@@ -8,7 +9,6 @@ codes as the WebSocket protocol) — the shape the `openai` client reads.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ...engine.backend import FinishReason, Generation, SamplingParams, SequenceResult
+from ...engine.backend import FinishReason, SamplingParams, SequenceResult
 from ...tasks import Task, TaskError, TaskOutput
 from ...tasks import bounds as B
 from .. import protocol as P
@@ -26,6 +26,7 @@ from ..connection import client_ip
 from ..errors import GenerationFailed, error_code
 from ..ratelimit import retry_after_header
 from ..state import AppState
+from ..turns import ChatTurns, Client
 
 log = logging.getLogger("rtserver.http")
 
@@ -157,25 +158,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 # -- generations ---------------------------------------------------------------------------------------
-async def start(
-    request: Request,
-    state: AppState,
-    prompt: list[int],
-    params: SamplingParams,
-    session_key: str | None = None,
-    public_tokens: int = 0,
-) -> Generation:
-    """A generation on the chat backend, its tokens held against this client's API budget until it ends."""
-    admission: Admission = request.app.state.admission
-    tokens = len(prompt) + params.max_new_tokens
-    held = await admission.reserve_queued(Surface.API, client_ip(request), tokens)
-    try:
-        stream = state.backend.generate(prompt, params, session_key=session_key, public_tokens=public_tokens)
-    except BaseException:
-        held.release(0)
-        raise
-    admission.release_when_done(held, stream, len(prompt))
-    return stream
+def turns(request: Request) -> ChatTurns:
+    """The turn service every chat door calls (the hub's)."""
+    hub_turns: ChatTurns = request.app.state.hub.turns
+    return hub_turns
+
+
+def api_client(request: Request) -> Client:
+    """The caller as the turn service knows it: the API door, its address's budget."""
+    return Client(Surface.API, client_ip(request))
 
 
 async def run_held_task(
@@ -190,29 +181,6 @@ async def run_held_task(
         return out
     finally:
         held.release()  # a call that failed pays what it held
-
-
-async def generate(
-    request: Request,
-    state: AppState,
-    prompt: list[int],
-    params: SamplingParams,
-    endpoint: str,
-    session_key: str | None = None,
-    public_tokens: int = 0,
-) -> SequenceResult:
-    """A whole generation's result (`start`, then waited for); GenerationFailed when it failed."""
-    stream = await start(request, state, prompt, params, session_key, public_tokens)
-    try:
-        result = await stream.result()
-    except asyncio.CancelledError:
-        stream.cancel()
-        raise
-    if result.finish_reason is FinishReason.ERROR:
-        raise GenerationFailed(result)
-    state.metrics.observe_generation(endpoint, result)
-    state.metrics.requests.labels(endpoint, "chat").inc()
-    return result
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:

@@ -22,13 +22,13 @@ from .bodies import parse
 from .common import (
     HTTPError,
     JSONObject,
+    api_client,
     check_prompt,
     event_stream,
     fields,
     finish_reason,
-    generate,
     openai_usage,
-    start,
+    turns,
 )
 from .node_body import Completion, Tokenize
 
@@ -157,10 +157,13 @@ async def completions(request: Request, state: AppState, raw: JSONObject) -> Res
     check_prompt(state, len(prompt), params.max_new_tokens, "prompt")
     key = f"remote:{session}" if session else None  # never collides with this node's own sessions
     if not body.stream:
-        result = await generate(request, state, prompt, params, "completions", key, public)
+        client = api_client(request)
+        result = await turns(request).complete(client, prompt, public, params, "completions", key)
         choice = reply.choice(result.text, finish_reason(result.finish_reason), result.token_ids)
         return JSONResponse(reply.body(choices=[choice], usage=openai_usage(result)))
-    gen = await start(request, state, prompt, params, key, public)
+    gen = await turns(request).start(
+        api_client(request), prompt, params, public_tokens=public, session_key=key
+    )
     return event_stream(_stream(state, gen, reply))
 
 

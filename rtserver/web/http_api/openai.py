@@ -32,13 +32,13 @@ from .bodies import Message, parse
 from .common import (
     HTTPError,
     JSONObject,
+    api_client,
     check_prompt,
     event_stream,
     finish_reason,
-    generate,
     openai_usage,
-    start,
     task_sampling,
+    turns,
 )
 from .openai_body import ChatCompletion
 
@@ -134,7 +134,9 @@ async def chat_completions(request: Request, state: AppState, raw: JSONObject) -
     if not body.stream:
         return await _answer(request, state, prompt, params, chunks)
     # Overloaded etc. raise here, before the 200
-    gen = await start(request, state, prompt.ids, params, public_tokens=prompt.public_tokens)
+    gen = await turns(request).start(
+        api_client(request), prompt.ids, params, public_tokens=prompt.public_tokens
+    )
     # The response starts with the first token: until then nothing is written to this client, so in a
     # burst every request's generation reaches its backend (a remote server: its upstream request is
     # written) before any response's headers and role chunk take their socket writes, and the role
@@ -149,7 +151,9 @@ async def _answer(
     request: Request, state: AppState, prompt: ChatPrompt, params: SamplingParams, chunks: _Chunks
 ) -> Response:
     """A reply in one JSON `chat.completion`."""
-    result = await generate(request, state, prompt.ids, params, "openai", public_tokens=prompt.public_tokens)
+    result = await turns(request).complete(
+        api_client(request), prompt.ids, prompt.public_tokens, params, "openai"
+    )
     return JSONResponse(
         {
             "id": chunks.cid,

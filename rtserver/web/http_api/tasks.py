@@ -5,14 +5,14 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...engine.backend import SequenceResult
 from ...tasks import Task, TaskError
-from ...tasks.chat import ChatTask
+from ...tasks.chat import CHAT
 from ...tasks.declare import API
 from .. import events
 from ..state import AppState
+from ..turns import TurnResult
 from .bodies import ChatHistory, Sentiment, TaskCall, parse
-from .common import HTTPError, JSONObject, generate, run_held_task, task_sampling
+from .common import HTTPError, JSONObject, api_client, run_held_task, task_sampling, turns
 
 
 def _task_text(task: Task, raw: object, param: str) -> None:
@@ -32,21 +32,9 @@ def _for_api(state: AppState, name: str) -> None:
         raise HTTPError(exc.code, exc.message, status=status) from None
 
 
-async def _stateless_chat(
-    request: Request, state: AppState, body: ChatHistory, endpoint: str
-) -> tuple[SequenceResult, dict[str, object]]:
-    chat = state.tasks.chat
-    params = task_sampling(chat.task, body.options)  # before any tokenization
-    history = body.history
-    earlier = [
-        m if m["role"] == "assistant" else {**m, "content": chat.clean_message(m["content"])}
-        for m in history[:-1]
-    ]
-    turn = chat.prepare_turn(earlier, history[-1]["content"])
-    result = await generate(
-        request, state, turn.prompt_ids, params, endpoint, public_tokens=turn.public_tokens
-    )
-    return result, chat.parse(result.text)
+async def _stateless_chat(request: Request, state: AppState, body: ChatHistory, endpoint: str) -> TurnResult:
+    params = task_sampling(state.tasks.chat.task, body.options)  # before any tokenization
+    return await turns(request).reply(api_client(request), body.history, params, endpoint)
 
 
 async def list_tasks(request: Request, state: AppState, body: JSONObject) -> Response:
@@ -58,10 +46,9 @@ async def run_task(request: Request, state: AppState, raw: JSONObject) -> Respon
     name = request.path_params["name"]
     body = parse(TaskCall, raw)
     _for_api(state, name)
-    reg = state.tasks
-    task = reg.get(name)
-    if isinstance(task, ChatTask):
+    if name == CHAT:  # a stateless turn of the chat, not a task call
         return await _run_chat(request, state, name, body)
+    task = state.tasks.get(name)
     _task_text(task.task, body.input, "input")  # refused here with the field named, as below
     if body.options:
         task_sampling(task.task, body.options)
@@ -76,12 +63,13 @@ async def _run_chat(request: Request, state: AppState, name: str, call: TaskCall
     if not isinstance(inp, dict) or "history" not in inp:
         raise HTTPError("invalid_input", f'{name} takes {{"history": [{{role, content}}, ...]}}', "input")
     body = parse(ChatHistory, {"history": inp["history"], "options": call.options})
-    result, output = await _stateless_chat(request, state, body, "http_task")
+    done = await _stateless_chat(request, state, body, "http_task")
+    result = done.result
     timing = {"queued_ms": result.queued_ms, "ttft_ms": result.ttft_ms, "total_ms": result.total_ms}
     return JSONResponse(
         {
             "task": name,
-            "output": output,
+            "output": done.output,
             "text": result.text,
             "usage": events.usage_json(result.usage),
             "timing": timing,
@@ -102,5 +90,5 @@ async def sentiment(request: Request, state: AppState, raw: JSONObject) -> Respo
 async def chat(request: Request, state: AppState, raw: JSONObject) -> Response:
     body = parse(ChatHistory, raw)
     _for_api(state, "chat")
-    result, output = await _stateless_chat(request, state, body, "http_chat")
-    return JSONResponse({**output, "usage": events.usage_json(result.usage)})
+    done = await _stateless_chat(request, state, body, "http_chat")
+    return JSONResponse({**done.output, "usage": events.usage_json(done.result.usage)})

@@ -1,0 +1,257 @@
+"""Chat turns for every door: prepare, hold, generate, stream, then commit or roll back.
+
+`ChatTurns` is the one turn service. The `/ws` hub runs a session's turn through `run`; a message
+for the agent who holds a session through `forward`; `/chat`, `/v1/tasks/chat` and the OpenAI door
+run stateless turns through `complete` (the whole reply) or `start` (a stream the door reads).
+
+Every generation is held the same way: its tokens are reserved against the client's budget, then
+released with what it really used when it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..engine.backend import FinishReason, Generation, NextTurnPrefetcher, SamplingParams, SequenceResult
+from ..tasks.chat import ChatTask, LastTurn, Message
+from . import session_events as se
+from .admission import Admission, Surface
+from .errors import GenerationFailed
+from .seams import SessionStore
+from .session import Session, SessionTurn
+from .session_events import SessionEvents
+from .state import AppState
+
+log = logging.getLogger("rtserver.turns")
+
+
+@dataclass(frozen=True)
+class Client:
+    """Who asks: the door's surface, the client's key (its budget) and name (the session record)."""
+
+    surface: Surface
+    key: str
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """A finished turn: the generation's result and the reply as the chat parses it."""
+
+    result: SequenceResult
+    output: dict[str, object]  # the chat's parser's, e.g. {"reply": text}
+
+
+class TurnSink(Protocol):
+    """How a door follows a session turn as it runs."""
+
+    def submitted(self, stream: Generation) -> None:
+        """The generation is queued: the door may cancel it from now on."""
+
+    def started(self, text: str) -> None:
+        """The customer's cleaned message is in the history."""
+
+    async def token(self, text: str) -> None:
+        """Text of the reply, as it comes."""
+
+    async def done(self, done: TurnResult) -> bool:
+        """The turn is stored; whether its customer is still there (a next turn may come)."""
+
+    async def failed(self, exc: Exception) -> None:
+        """The turn failed and left no trace."""
+
+
+def kept_prefix(prompt: list[int], last: LastTurn | None) -> int:
+    """How many of the prompt's first tokens are the session's own last turn (its KV, kept)."""
+    if last is None or prompt[: len(last.ids)] != last.ids:
+        return 0
+    return len(last.ids)
+
+
+class ChatTurns:
+    """The one turn service every door calls."""
+
+    def __init__(
+        self,
+        state: AppState,
+        admission: Admission,
+        store: SessionStore,
+        events: SessionEvents,
+        clock: Callable[[], float],
+    ):
+        self.state = state
+        self.admission = admission
+        self.store = store
+        self.events = events
+        self.clock = clock
+
+    @property
+    def chat(self) -> ChatTask:
+        return self.state.tasks.chat
+
+    # -- the held generation -----------------------------------------------------------------------
+    async def start(
+        self,
+        client: Client,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        public_tokens: int = 0,
+        session_key: str | None = None,
+        counted: int | None = None,
+    ) -> Generation:
+        """A generation on the chat backend, its tokens held against the client's budget until it
+        ends. `counted`: the prompt tokens the client's rate pays (all of them unless said)."""
+        holds = len(prompt) + params.max_new_tokens  # its whole prompt's KV and room for its reply
+        if client.surface is Surface.API:  # the API waits its turn; the public door is refused at once
+            held = await self.admission.reserve_queued(client.surface, client.key, holds)
+        else:
+            held = self.admission.reserve(client.surface, client.key, holds)
+        try:
+            stream = self.state.backend.generate(
+                prompt, params, session_key=session_key, public_tokens=public_tokens
+            )
+        except BaseException:
+            held.release(0)
+            raise
+        self.admission.release_when_done(held, stream, len(prompt) if counted is None else counted)
+        return stream
+
+    # -- stateless turns ---------------------------------------------------------------------------
+    async def complete(
+        self,
+        client: Client,
+        prompt: list[int],
+        public_tokens: int,
+        params: SamplingParams,
+        endpoint: str,
+        session_key: str | None = None,
+    ) -> SequenceResult:
+        """A whole reply (`start`, then waited for); GenerationFailed when it failed."""
+        stream = await self.start(
+            client, prompt, params, public_tokens=public_tokens, session_key=session_key
+        )
+        try:
+            result = await stream.result()
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        if result.finish_reason is FinishReason.ERROR:
+            raise GenerationFailed(result)
+        self.state.metrics.observe_generation(endpoint, result)
+        self.state.metrics.requests.labels(endpoint, "chat").inc()
+        return result
+
+    async def reply(
+        self, client: Client, history: list[Message], params: SamplingParams, endpoint: str
+    ) -> TurnResult:
+        """A stateless turn over a history given whole (it ends with the user's message)."""
+        chat = self.chat
+        earlier = [
+            m if m["role"] == "assistant" else {**m, "content": chat.clean_message(m["content"])}
+            for m in history[:-1]
+        ]
+        turn = chat.prepare_turn(earlier, history[-1]["content"])
+        result = await self.complete(client, turn.prompt_ids, turn.public_tokens, params, endpoint)
+        return TurnResult(result, chat.parse(result.text))
+
+    # -- session turns -----------------------------------------------------------------------------
+    async def run(
+        self,
+        turn: SessionTurn,
+        text: str,
+        options: dict[str, object] | None,
+        client: Client,
+        sink: TurnSink,
+    ) -> None:
+        """A session's turn, told to `sink`: stored before it is acknowledged, else it leaves no trace."""
+        session, request_id = turn.session, turn.request_id
+        reply, reason = None, "error"
+        try:
+            with turn:
+                chat = self.chat
+                prepared = chat.prepare_turn(session.history, text, session.last_turn)
+                stream = await self.start(
+                    client,
+                    prepared.prompt_ids,
+                    chat.task.sampling(options or None),
+                    public_tokens=prepared.public_tokens,
+                    session_key=session.id,
+                    # the client's rate pays only what is computed anew
+                    counted=len(prepared.prompt_ids) - kept_prefix(prepared.prompt_ids, session.last_turn),
+                )
+                sink.submitted(stream)
+                turn.add_message(prepared.history, prepared.cut)
+                self.events.publish(se.TurnStarted(session, request_id, prepared.text))
+                sink.started(prepared.text)
+                async for event in stream:
+                    if event.text:
+                        await sink.token(event.text)
+                        self.events.publish(se.Token(session, request_id, event.text))
+                result = await stream.result()
+                if result.finish_reason is FinishReason.ERROR:
+                    raise GenerationFailed(result)
+                if result.text or result.finish_reason is not FinishReason.CANCELLED:
+                    last = chat.finished_turn(
+                        prepared.rendered, prepared.prompt_ids, result.text, result.token_ids
+                    )
+                    turn.add_reply(result.text, last)
+                    await self.store.save(session, client.name)  # acknowledged only once stored
+                    turn.commit()
+                reply, reason = result.text, result.finish_reason.value
+        except Exception as exc:
+            await sink.failed(exc)
+            return
+        finally:
+            self.events.publish(se.TurnFinished(session, request_id, reply, reason))
+        self.state.metrics.observe_generation("ws_chat", result)
+        self.state.metrics.requests.labels("ws", "chat").inc()
+        if await sink.done(TurnResult(result, chat.parse(result.text))):
+            self.prefetch(session)
+
+    async def forward(self, session: Session, request_id: str, text: str, client: Client) -> str:
+        """A customer message for the agent who holds the session: stored, then published. Returns
+        the cleaned text; raises what refused it (nothing is kept then)."""
+        prepared = self.chat.prepare_turn(session.history, text)
+        kept = session.forward(prepared.history, prepared.cut)
+        try:  # stored before it is acknowledged
+            await self.store.save(session, client.name)
+        except BaseException:
+            session.restore(kept)
+            raise
+        session.touch(self.clock())
+        self.events.publish(se.Forwarded(session, request_id, prepared.text))
+        return prepared.text
+
+    def prefetch(self, session: Session) -> None:
+        """The reply has ended: let the chat backend compute the next prompt's start (history, end of
+        the reply, next user header) before the next message comes, where it can (a remote backend)
+        and the template splits safely there. Best effort: it never raises into the ended turn."""
+        if not self.state.settings.backend.prefetch_next_turn or session.last_turn is None:
+            return
+        try:
+            backend = self.state.backend  # raises while the server stops
+            if isinstance(backend, NextTurnPrefetcher):
+                # computed when the backend sends the prefetch, not here: a client that answers at
+                # once would otherwise wait for it
+                backend.prefetch(
+                    _NextPrefix(self.chat, list(session.history), session.last_turn), session_key=session.id
+                )
+        except Exception as exc:
+            log.debug("no next-turn prefetch for session %s (%s)", session.id, exc)
+
+
+@dataclass(frozen=True)
+class _NextPrefix:
+    """The next turn's prompt prefix, computed only when called."""
+
+    chat: ChatTask
+    history: list[Message]
+    last: LastTurn
+
+    def __call__(self) -> list[int] | None:
+        return self.chat.next_turn_prefix(self.history, self.last)

@@ -1,12 +1,12 @@
-"""`rtserver loadtest --assist`: does agent assist slow the customers? 32 chatting customers alone,
-then the same beside 4 agents who each ask reply drafts for a live conversation every 5 s; twice, in
-turn (alone, beside, alone, beside).
+"""`rtserver loadtest --assist`: does agent assist slow the customers? First 32 chatting customers run
+alone. Then the same run beside 4 agents. Each agent asks reply drafts for a live conversation every 5 s.
+This runs twice, in turn: alone, beside, alone, beside.
 
-Each phase has an `rtserver serve` of its own (the console on), started fresh, so none finds another
-one's sessions in its KV cache. The report has the customers' first-token p95 of the pooled phases
-of each kind and their ratio (and each round's), and the drafts' first token: at the agent (the
-`assist` frame sent to its first streamed `assist_delta`) and the engine's time to first token of the
-`suggest_reply` call; and the round trip at the agent.
+Each phase has an `rtserver serve` of its own (the console on), started fresh. So none finds another one's
+sessions in its KV cache. The report has the customers' first-token p95 of the pooled phases of each kind.
+It has their ratio, overall and per round. It has the drafts' first token, seen two ways. At the agent, it
+runs from the `assist` frame sent to its first streamed `assist_delta`. In the engine, it is the time to
+first token of the `suggest_reply` call. Last, it has the round trip at the agent.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ MAX_NEW_TOKENS = 24
 
 
 class Agent:
-    """One console connection that asks drafts for a random live conversation every `every_s`."""
+    """One console connection. It asks drafts for a random live conversation every `every_s`."""
 
     def __init__(self, url: str, token: str, name: str, every_s: float):
         self.url, self.token, self.name, self.every_s = url, token, name, every_s
@@ -115,7 +115,7 @@ async def customers(server: ServerProcess, chatting: int, samples: list[float]) 
 async def _with_agents(
     server: ServerProcess, token: str, chatting: int, agents: int, every_s: float, samples: list[float]
 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
-    """The chat load beside the agents: (its summary, the agents' answers, their error codes)."""
+    """The chat load beside the agents. Returns its summary, the agents' answers and their error codes."""
     console = server.ws_url + "/console"
     crew = [Agent(console, token, f"agent{i}", every_s) for i in range(agents)]
     stop = asyncio.Event()
@@ -129,7 +129,7 @@ async def _with_agents(
 
 
 def draft_figures(results: list[dict[str, Any]], errors: list[str]) -> dict[str, Any]:
-    """The drafts' figures: first token in the engine and at the agent, queueing, round trip."""
+    """The drafts' figures. First token in the engine and at the agent, queueing, and round trip."""
     ttfts = [r["ttft_ms"] for r in results if r["ttft_ms"] is not None]
     at_agent = [1000 * r["first_delta_s"] for r in results if r["first_delta_s"] is not None]
     queued = [r["queued_ms"] for r in results if r["queued_ms"] is not None]
@@ -147,8 +147,9 @@ def draft_figures(results: list[dict[str, Any]], errors: list[str]) -> dict[str,
 
 
 def priority_figures(server: ServerProcess) -> dict[str, dict[str, float]]:
-    """Per priority, from /metrics: generations that produced a token, mean seconds queued and to the
-    first token (the engine's own view, since the server started)."""
+    """Per priority, from /metrics: generations that produced a token. Also mean seconds queued and to the
+    first token. This is the engine's own view, since the server started.
+    """
     with urllib.request.urlopen(server.base + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     got: dict[str, dict[str, float]] = {}
@@ -178,8 +179,9 @@ def _phase(
     results: list[dict[str, Any]],
     errors: list[str],
 ) -> dict[str, Any]:
-    """One round's customers alone, or beside the agents (`crew`: console token, agents, seconds between
-    drafts), whose answers and errors are added to `results` and `errors`."""
+    """One round's customers, alone or beside the agents. `crew` holds the console token, agents, and
+    seconds between drafts. Their answers and errors are added to `results` and `errors`.
+    """
     if crew is None:
         chat = asyncio.run(customers(server, chatting, samples))
     else:

@@ -1,8 +1,8 @@
 """`rtserver bench`: the engine and in-run baselines on the benchmark workloads, side by side.
 
-Everything runs in one process, one workload after another, so the ratios compare like with like. The
-baselines use the same loaded model: `generate` per request, static batches of 4, and transformers'
-`generate_batch`, each generating exactly the asked tokens. The `servers` workload is in server_bench.py,
+Everything runs in one process, one workload after another. So the ratios compare like with like. The
+baselines use the same loaded model. They are `generate` per request, static batches of 4, and transformers'
+`generate_batch`. Each generates exactly the asked tokens. The `servers` workload is in server_bench.py,
 `formats` in formats_bench.py.
 """
 
@@ -55,8 +55,9 @@ def peak_rss_mb() -> float:
 
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
-    """The chat prompt of one user message; a base model without a chat template gets the completion
-    prompt the servers bench sends it."""
+    """The chat prompt of one user message. A base model without a chat template gets the completion prompt
+    the servers bench sends it.
+    """
     ids: list[int]
     if not getattr(tokenizer, "chat_template", None):
         ids = tokenizer(completion_prompt(text)).input_ids
@@ -68,8 +69,9 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def header_tokens(tokenizer: Any) -> int:
-    """The chat prompt's ids before the user's message (template header, system prompt): what the server
-    shares across sessions, so the engine's workloads share exactly that, as the hub's prompts do."""
+    """The chat prompt's ids before the user's message: template header and system prompt. The server shares
+    those across sessions. So the engine's workloads share exactly that, as the hub's prompts do.
+    """
     if not getattr(tokenizer, "chat_template", None):
         return 0
     return encode_chat(tokenizer, [{"role": "user", "content": "Hi"}]).public_tokens
@@ -131,12 +133,14 @@ async def engine_burst(
 
 
 def exact_counts(counts: list[int], asked: int) -> bool:
-    """Whether every request generated exactly `asked` tokens (no early EOS, no shrinking batch)."""
+    """Whether every request generated exactly `asked` tokens. No early EOS, no shrinking batch."""
     return bool(counts) and all(c == asked for c in counts)
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:
-    """How far greedy outputs match the float32 ones: identical outputs, and tokens before divergence."""
+    """How far greedy outputs match the float32 ones. Counts identical outputs, and tokens before
+    divergence.
+    """
     same_prefix = []
     for out, ref in zip(outputs, reference):
         n = 0
@@ -150,8 +154,9 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str,
 
 
 def kv_agreement(engine: dict[str, dict[str, Any]]) -> None:
-    """Each run beside the same weights' run with float32 KV (label "<dtype> kv=float32"): greedy
-    burst outputs and sentiment labels equal to that run's."""
+    """Each run beside the same weights' run with float32 KV (label "<dtype> kv=float32"). Records how
+    far its greedy burst outputs and sentiment labels equal that run's.
+    """
     for label, result in engine.items():
         base = label.partition(" kv=")[0]
         ref = engine.get(f"{base} kv=float32")
@@ -169,7 +174,7 @@ def kv_agreement(engine: dict[str, dict[str, Any]]) -> None:
 async def engine_arrival(
     engine: Engine, background: list[list[int]], arrival: list[int], count: int, public_tokens: int = 0
 ) -> dict[str, Any]:
-    """TTFT of new requests submitted one at a time while the background streams decode."""
+    """TTFT of new requests submitted one at a time, while the background streams decode."""
     long_params = SamplingParams(max_new_tokens=512, ignore_eos=True)  # outlasts the arrivals
     streams = [engine.generate(p, long_params, public_tokens=public_tokens) for p in background]
     async for _ in streams[0]:  # wait until every background stream decodes
@@ -298,9 +303,10 @@ def hf_static_batches(
 
 
 def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    """transformers' continuous batching at its best settings here: SDPA attention, no EOS (its
-    `min_new_tokens` is not honoured there: with EOS on, replies end early and its batches shrink), and
-    its manager warmed by one untimed run of the same batch."""
+    """transformers' continuous batching at its best settings here. It uses SDPA attention and no EOS. Its
+    `min_new_tokens` is not honoured there: with EOS on, replies end early and its batches shrink. Its
+    manager is warmed by one untimed run of the same batch.
+    """
     from transformers import GenerationConfig
 
     if model.config._attn_implementation != "sdpa":
@@ -439,7 +445,7 @@ def run_baselines(loaded: LoadedModel, workloads: list[str], naive_requests: int
 def run_e2e(
     dtype: str, config: str | None, sessions: int = 32, turns: int = 5, new_tokens: int = 64
 ) -> dict[str, Any]:
-    """`rtserver serve` in a subprocess on 127.0.0.1, driven over WebSocket by the load client."""
+    """`rtserver serve` in a subprocess on 127.0.0.1. The load client drives it over WebSocket."""
     import tempfile
 
     from .loadclient import run_chat_load
@@ -481,8 +487,9 @@ def peak_rss_since_reset_mb() -> float:
 
 
 def cpu_description() -> str:
-    """The CPU's model name and the instruction sets that change which dtype and kernels win here
-    (figures from machines of another kind are not comparable)."""
+    """The CPU's model name, and the instruction sets that change which dtype and kernels win here. Figures
+    from machines of another kind are not comparable.
+    """
     name, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -516,7 +523,7 @@ def _run_engines(
     workloads: list[str],
     config: str | None,
 ) -> None:
-    """The engine workloads, each engine dtype on a freshly loaded model, into `report["engine"]`."""
+    """The engine workloads into `report["engine"]`. Each engine dtype runs on a freshly loaded model."""
     engine_workloads = [w for w in workloads if w not in SERVER_WORKLOADS]
     for i, spec in enumerate(engine_dtypes if engine_workloads else []):
         gc.collect()
@@ -603,12 +610,13 @@ def run_bench(
     formats: list[str] | None = None,
     reps: int = 1,
 ) -> dict[str, Any]:
-    """Engine workloads on the first engine dtype, the burst, single, arrival and sentiment ones on the
-    others too (for speed and agreement with float32), each on a freshly loaded model; then the servers
-    comparison (llama-server, then `rtserver serve` with each engine dtype); then the formats matrix
-    (`formats` picks its rows, `reps` runs each pair of servers; rtserver on the first engine dtype);
-    then the baselines. The JSON is rewritten after every phase and formats row, so an interrupted run
-    still leaves its figures; a chart of them is written beside it at the end."""
+    """Engine workloads run on the first engine dtype. The burst, single, arrival and sentiment ones run on
+    the others too, for speed and agreement with float32. Each runs on a freshly loaded model. Then comes
+    the servers comparison: llama-server, then `rtserver serve` with each engine dtype. Then comes the
+    formats matrix. `formats` picks its rows and `reps` runs each pair of servers. rtserver runs on the
+    first engine dtype there. Then come the baselines. The JSON is rewritten after every phase and formats
+    row. So an interrupted run still leaves its figures. A chart of them is written beside it at the end.
+    """
     threads = threads or os.cpu_count() or 1
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

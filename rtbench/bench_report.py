@@ -16,7 +16,7 @@ Row = tuple[str, str, str]  # figure, value, bar
 
 
 def rate(result: Report | None) -> str:
-    """A row's tokens/s and whether it generated exactly the asked tokens ("n/a" when it did not run)."""
+    """A row's tokens/s, and whether it generated exactly the asked tokens. "n/a" when it did not run."""
     if not result or result.get("tokens_per_s") is None:
         return "n/a"
     exact = result.get("exact_token_counts")
@@ -346,7 +346,7 @@ def remote_rows(r: Report) -> list[Row]:
 
 
 def table(report: Report) -> list[Row]:
-    """Every row of the run: each engine dtype's, then the servers, formats and remote ones."""
+    """Every row of the run. Each engine dtype's come first, then the servers, formats and remote ones."""
     rows: list[Row] = []
     for label, result in report["engine"].items():
         rows += [

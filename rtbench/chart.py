@@ -1,10 +1,10 @@
-"""The chart `rtserver bench` writes beside its JSON: one panel per figure (burst and single tokens/s,
-burst and arrival TTFT p95, each prompt set's panel beside the other's), one horizontal bar per system,
-then the formats matrix (each model file's bars per server, and the rtserver / llama-server ratios), in
-a plain hand-written SVG (no plotting library: a few rectangles and labels, readable in any browser and
-on GitHub).
+"""The chart `rtserver bench` writes beside its JSON. It has one panel per figure and one horizontal bar per
+system. The figures are burst and single tokens/s, and burst and arrival TTFT p95. Each prompt set's panel
+sits beside the other's. Then comes the formats matrix. It shows each model file's bars per server, and the
+rtserver / llama-server ratios. It is a plain hand-written SVG. No plotting library is used: a few
+rectangles and labels, readable in any browser and on GitHub.
 
-`chart_rows(report)` picks the figures out of a bench report; `render_svg(rows, title)` draws them.
+`chart_rows(report)` picks the figures out of a bench report. `render_svg(rows, title)` draws them.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ Row = tuple[str, str, str, float]  # (system, family for the colour, panel title
 
 
 def chart_rows(report: dict[str, Any]) -> list[Row]:
-    """Every figure of the report that has a panel: the servers comparison (llama-server and each
-    rtserver dtype), the in-process engine per dtype, the transformers baselines, and the formats
-    matrix (a server that refused a file has no bar there)."""
+    """Every figure of the report that has a panel. That is the servers comparison (llama-server and each
+    rtserver dtype), and the in-process engine per dtype. It also holds the transformers baselines and the
+    formats matrix. A server that refused a file has no bar there.
+    """
     rows: list[Row] = []
 
     def add(system: str, family: str, results: dict[str, Any], panels: list[Any] = PANELS) -> None:
@@ -88,7 +89,7 @@ def chart_rows(report: dict[str, Any]) -> list[Row]:
 
 
 def render_svg(rows: list[Row], title: str, width: int = 760) -> str:
-    """The panels stacked, each with its bars scaled to its largest value and the value printed."""
+    """The panels stacked. Each has its bars scaled to its largest value, with the value printed."""
     label_w, value_w, bar_h, gap, head = 290, 70, 18, 4, 26
     plot_w = width - label_w - value_w - 20
     parts: list[str] = []
@@ -127,7 +128,7 @@ def render_svg(rows: list[Row], title: str, width: int = 760) -> str:
 
 
 def write_chart(report: dict[str, Any], path: Path) -> Path | None:
-    """The report's chart at `path` (an .svg beside the JSON); None when it has no charted figure."""
+    """The report's chart at `path`, an .svg beside the JSON. None when it has no charted figure."""
     rows = chart_rows(report)
     if not rows:
         return None

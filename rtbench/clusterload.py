@@ -1,7 +1,7 @@
 """`rtserver loadtest --nodes N`: N real `rtserver serve` nodes sharing one real `redis-server`.
 
-Phases: load on every node at once, cross-node resume, and the overhead Redis adds to a turn's first
-token (nodes with and without `redis_url`, alternating). Every phase is bounded in count and time; it
+Phases: load on every node at once, then cross-node resume. Then the overhead Redis adds to a turn's first
+token. For that, nodes with and without `redis_url` alternate. Every phase is bounded in count and time. It
 writes JSON and exits 1 when a check fails.
 """
 
@@ -130,7 +130,7 @@ async def phase_load(nodes: list[ServerProcess], idle: int, chatting: int) -> di
 
 
 async def phase_resume(nodes: list[ServerProcess], sessions: int) -> dict[str, Any]:
-    """Sessions chat on node i, resume on node i+1: every acknowledged turn must be there."""
+    """Sessions chat on node i, then resume on node i+1. Every acknowledged turn must be there."""
 
     async def one(i: int) -> tuple[int, int]:
         src, dst = nodes[i % len(nodes)], nodes[(i + 1) % len(nodes)]
@@ -157,10 +157,11 @@ async def phase_resume(nodes: list[ServerProcess], sessions: int) -> dict[str, A
 
 
 async def phase_overhead(with_redis: ServerProcess, without: ServerProcess, rounds: int) -> dict[str, Any]:
-    """The cost of a turn's Redis work: one session on each node, one turn at a time, alternating
-    nodes (the order flips each round, so drift cancels out), a pause after each turn as a person
-    would take (the previous turn's background writes — console record, events — are done by then);
-    the session is reset every 8 turns so prompts stay short."""
+    """The cost of a turn's Redis work. There is one session on each node and one turn at a time. The nodes
+    alternate, and the order flips each round, so drift cancels out. A pause follows each turn, as a person
+    would take. The previous turn's background writes are done by then (console record, events). The session
+    is reset every 8 turns, so prompts stay short.
+    """
     ttft: dict[str, list[float]] = {"redis": [], "local": []}
     hub: dict[str, list[float]] = {"redis": [], "local": []}  # client TTFT - the engine's own TTFT
     errors = 0
@@ -206,7 +207,7 @@ Node = Callable[[str, dict[str, str]], ServerProcess]  # a node's name and its s
 
 
 def _finish(procs: list[tuple[str, ServerProcess]]) -> list[dict[str, Any]]:
-    """Each node stopped (if still running): its exit code and the errors it logged."""
+    """Each node stopped, if still running. Returns its exit code and the errors it logged."""
     out = []
     for name, p in procs:
         rc = (

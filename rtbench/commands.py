@@ -1,7 +1,7 @@
 """`rtserver bench`, `rtserver loadtest` and `rtserver eval`: their arguments and what each runs.
 
-pyproject declares each `add_*` in the entry-point group `rtserver.commands`; `rtserver/cli.py` calls it
-with the command's name and the parser of the options every command takes (`--config`).
+pyproject declares each `add_*` in the entry-point group `rtserver.commands`. `rtserver/cli.py` calls it
+with the command's name. It also passes the parser of the options every command takes (`--config`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _refuse(message: str) -> int:
 
 
 def _bench_arguments_refused(args: argparse.Namespace, workloads: list[str]) -> str | None:
-    """Why the arguments cannot run, checked before any model loads; None when they can."""
+    """Why the arguments cannot run, checked before any model loads. None when they can."""
     unknown = set(workloads) - set(BENCH_WORKLOADS)
     if unknown:
         return f"unknown workloads {', '.join(sorted(unknown))} (known: {', '.join(BENCH_WORKLOADS)})"

@@ -16,7 +16,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def format_table(rows: list[dict[str, Any]], languages: tuple[str, ...]) -> str:
-    """The markdown table: a row per task and method, each language's figures side by side."""
+    """The markdown table. It has a row per task and method, each language's figures side by side."""
     by: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
         by.setdefault((r.get("task", "sentiment"), r["config"]), {})[r["lang"]] = r

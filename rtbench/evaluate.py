@@ -1,9 +1,9 @@
 """`rtserver eval`: accuracy of the classification tasks by method and language on the shipped data.
 
-Every configuration runs through the real engine, prepared as the server prepares it, on
-`data/<task>/{en,zh}_<split>.jsonl`. It reports accuracy, the invalid-label rate and classifications/s.
-The sentiment methods are the shipped task, label scoring alone, the write-ups' generative method and
-other prompt wordings; intent compares its head, label scoring and the label names.
+Every configuration runs through the real engine, prepared as the server prepares it. The data is
+`data/<task>/{en,zh}_<split>.jsonl`. It reports accuracy, the invalid-label rate and classifications/s. The
+sentiment methods are the shipped task, and label scoring alone. They also include the write-ups' generative
+method and other prompt wordings. Intent compares its head, label scoring and the label names.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def other_wordings() -> list[Task]:
 
 
 def previous_intent() -> Task:
-    """The intent task as shipped before its verbalizers were chosen on dev (the comparison row)."""
+    """The intent task as shipped before its verbalizers were chosen on dev. It is the comparison row."""
     names = ("billing", "technical", "shipping", "account", "other")
     return Task(
         name="intent-before",
@@ -198,7 +198,9 @@ async def _run_one(
     labels = set(choices.labels) if choices is not None else None
 
     async def one(ex: dict[str, Any]) -> tuple[bool, str | None]:
-        """(valid, the gold label it stands for: None when invalid or not one of the gold labels)."""
+        """(valid, the gold label it stands for). The label is None when invalid or not one of the gold
+        labels.
+        """
         async with sem:
             out = await task.run(engine, {"text": ex["text"]})
         found = out.output.get("label")

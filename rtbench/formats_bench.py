@@ -84,7 +84,7 @@ def matrix() -> list[FormatRow]:
 
 
 def pick(rows: list[FormatRow], names: list[str] | None) -> list[FormatRow]:
-    """The rows `names` asks for (case-insensitive), in the matrix's order; all of them for none."""
+    """The rows `names` asks for (case-insensitive), in the matrix's order. All of them for none."""
     if not names:
         return rows
     wanted = {n.strip().lower() for n in names if n.strip()}
@@ -105,9 +105,10 @@ def figure(system: dict[str, Any], workload: str, key: str) -> Any:
 def single_bar(
     ours: dict[str, Any], theirs: dict[str, Any], floor_tokens_per_s: float | None
 ) -> dict[str, Any]:
-    """The single-stream bar: rtserver's lower of `single-first` and `single` (after the burst) against
-    llama-server's better of the two, at least SINGLE_SPEEDUP times it, or FLOOR_SHARE of the
-    bandwidth floor where that asks less. `held` is None where a figure is missing."""
+    """The single-stream bar. rtserver's lower of `single-first` and `single` (after the burst) is compared
+    with llama-server's better of the two. It must be at least SINGLE_SPEEDUP times that. Or it must reach
+    FLOOR_SHARE of the bandwidth floor, where that asks less. `held` is None where a figure is missing.
+    """
     mine = [figure(ours, w, "tokens_per_s") for w in ("single-first", "single")]
     other = [figure(theirs, w, "tokens_per_s") for w in ("single-first", "single")]
     lower = min(mine) if None not in mine else None
@@ -138,13 +139,13 @@ def single_bar(
 
 
 def local_backend(ours: dict[str, Any]) -> dict[str, Any]:
-    """rtserver's in-process engine as its /health describes it (empty when it has none)."""
+    """rtserver's in-process engine as its /health describes it. Empty when it has none."""
     backends = ((ours.get("health") or {}).get("backends") or {}).values()
     return next((b for b in backends if b.get("kind") == "local"), {})
 
 
 def kv_in_use(ours: dict[str, Any]) -> tuple[float | None, str | None]:
-    """rtserver's KV in use for the RSS bar, and where it was read: its /metrics, else its budget."""
+    """rtserver's KV in use for the RSS bar, and where it was read. That is its /metrics, else its budget."""
     if ours.get("kv_used_peak_mb") is not None:
         return ours["kv_used_peak_mb"], KV_FROM_METRICS
     budget = (local_backend(ours).get("kv") or {}).get("budget_mb")
@@ -156,8 +157,9 @@ def at_most(value: float | None, limit: float | None) -> bool | None:
 
 
 def pair_figures(systems: dict[str, Any], file_mb: float, floor_tokens_per_s: float | None) -> dict[str, Any]:
-    """One run of both servers on a row: the ratios, the single-stream bar's figures, each server's
-    refused or failed requests, the RSS bar and which bars hold (`met`: all of them)."""
+    """One run of both servers on a row. It gives the ratios and the single-stream bar's figures. It gives
+    each server's refused or failed requests, and the RSS bar. It says which bars hold (`met`: all of them).
+    """
     ours, theirs = systems.get("rtserver", {}), systems.get("llama-server", {})
     single = single_bar(ours, theirs, floor_tokens_per_s)
 
@@ -197,8 +199,9 @@ def pair_figures(systems: dict[str, Any], file_mb: float, floor_tokens_per_s: fl
 
 
 def row_bars(pairs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A row's bars over every pair: False where any pair misses one, None where a pair lacks its
-    figure (and none misses it), True where every pair holds it."""
+    """A row's bars over every pair. False where any pair misses one. None where a pair lacks its figure
+    (and none misses it). True where every pair holds it.
+    """
     out: dict[str, bool | None] = {}
     for bar in BARS:
         held = [p["bars"][bar] for p in pairs]
@@ -212,8 +215,9 @@ Runner = Callable[[FormatRow, Path, Path], dict[str, Any]]  # (row, file, log fo
 
 
 def floor_figures(path: Path, read_gb_per_s: float | None) -> dict[str, Any]:
-    """The bytes of the file's tensors one token multiplies with, and the single stream's floor: the
-    tokens/s at which reading them once a token takes all of the measured read bandwidth."""
+    """The bytes of the file's tensors one token multiplies with, and the single stream's floor. The floor
+    is the tokens/s at which reading them once a token takes all the measured read bandwidth.
+    """
     from rtserver.engine.core import file_matmul_bytes
     from rtserver.engine.gguf_file import GGUFFile
 
@@ -229,8 +233,9 @@ def run_row(
     reps: int = 1,
     read_gb_per_s: float | None = None,
 ) -> dict[str, Any]:
-    """The row's file made, its floor, then `reps` pairs of runs, the servers alternating (A B A B),
-    a failure of either being its error in that pair."""
+    """The row's file made, its floor, then `reps` pairs of runs. The servers alternate (A B A B). A failure
+    of either is its error in that pair.
+    """
     out: dict[str, Any] = {"model": row.name, "prompts": "completion" if row.completion else "chat"}
     # a missing tool, package or maker is this row's error (a failed llama.cpp build exits); the run goes on
     try:
@@ -304,8 +309,9 @@ def run_formats_bench(
     on_row: Callable[[dict[str, Any]], None] = lambda report: None,
     bandwidth: Callable[[int], dict[str, Any]] = read_bandwidth.measure,
 ) -> dict[str, Any]:
-    """The read bandwidth, then every picked row, one after another; `on_row` gets the report so far
-    after each (the bench rewrites its JSON there)."""
+    """The read bandwidth, then every picked row, one after another. `on_row` gets the report so far after
+    each. The bench rewrites its JSON there.
+    """
     from .llama_build import build
 
     if reps < 1:

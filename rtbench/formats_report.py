@@ -85,8 +85,9 @@ def pair_rows(name: str, p: dict[str, Any], file_mb: float) -> list[tuple[str, s
 
 
 def table_rows(formats: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(figure, value, bar) rows: per model file its size and floor, each pair's figures, ratios and
-    RSS bar, and which bars hold over every pair."""
+    """(figure, value, bar) rows. Per model file: its size and floor, and each pair's figures, ratios and
+    RSS bar. Also which bars hold over every pair.
+    """
     rows: list[tuple[str, str, str]] = []
     read = formats.get("read_bandwidth") or {}
     if read:

@@ -1,8 +1,8 @@
 """llama.cpp's `convert_hf_to_gguf.py` from the pinned sdist, as a command making GGUF of an HF folder.
 
-The script runs with the sdist's gguf-py first on sys.path (it is newer than the installed gguf). The
-converter names a BPE pre-tokenizer by hashing a test text's tokens; for a tokenizer it does not know,
-the command names it "smollm" in-process, since every random folder carries the SmolLM2 tokenizer.
+The script runs with the sdist's gguf-py first on sys.path. It is newer than the installed gguf. The
+converter names a BPE pre-tokenizer by hashing a test text's tokens. Some tokenizers it does not know. For
+those the command names it "smollm" in-process. Every random folder carries the SmolLM2 tokenizer.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ for args in jobs:
 
 @dataclass(frozen=True)
 class Job:
-    """One conversion: the HF folder, the GGUF file to write, the model's name in its metadata."""
+    """One conversion: the HF folder, the GGUF file to write, and the model's name in its metadata."""
 
     folder: Path
     outfile: Path
@@ -76,6 +76,6 @@ def converter_source(cache: Path | None = None) -> Path:
 
 
 def convert_command(jobs: list[Job], outtype: str = "f32", cache: Path | None = None) -> list[str]:
-    """The command running every conversion of `jobs` to `outtype` (f32, bf16) in one process."""
+    """The command running every conversion of `jobs` to `outtype` (f32, bf16), in one process."""
     source = converter_source(cache)
     return [sys.executable, "-c", DRIVER, str(source), json.dumps([job.args(outtype) for job in jobs])]

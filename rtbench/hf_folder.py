@@ -1,9 +1,9 @@
 """A Hugging Face model folder in a given shape with seeded random weights, as a user downloads one.
 
-It holds config.json (the shape's, with the tokenizer's token ids), model.safetensors and the
-tokenizer files: the embedded SmolLM2 tokenizer, read from its GGUF by transformers and re-saved.
-Every family gets that one BPE tokenizer, Gemma 3 included: its converter reads tokenizer.json when
-there is no SentencePiece tokenizer.model, so none is trained.
+It holds config.json, model.safetensors and the tokenizer files. The config is the shape's, with the
+tokenizer's token ids. The tokenizer is the embedded SmolLM2 one. transformers reads it from its GGUF and
+re-saves it. Every family gets that one BPE tokenizer, Gemma 3 included. Its converter reads tokenizer.json
+when there is no SentencePiece tokenizer.model. So none is trained.
 """
 
 from __future__ import annotations
@@ -69,13 +69,13 @@ def _token_ids(tokenizer: Path) -> dict[str, int]:
 
 
 def weights_digest(shape: Shape) -> str:
-    """A short digest of the shape's config and the rule above: what a cached folder's values depend on."""
+    """A short digest of the shape's config and the rule above. A cached folder's values depend on these."""
     text = json.dumps([shape.config, RULE], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
-    """One generator per tensor: a tensor's values do not depend on which others exist."""
+    """One generator per tensor. A tensor's values do not depend on which others exist."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
@@ -85,8 +85,9 @@ def _is_norm(name: str) -> bool:
 
 
 def random_tensors(shape: Shape, seed: int, config_dir: Path, tokens: int) -> dict[str, torch.Tensor]:
-    """Every parameter of the family's model in `shape`, seeded per tensor name; `tokens`: the
-    tokenizer's size (the embedding's used rows)."""
+    """Every parameter of the family's model in `shape`, seeded per tensor name. `tokens` is the tokenizer's
+    size (the embedding's used rows).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(config_dir)

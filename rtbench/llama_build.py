@@ -62,15 +62,16 @@ NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
 def cmake_options(flags: list[str]) -> list[str]:
-    """CMAKE_OPTIONS for a CPU with these feature flags (an explicit -mno-amx-* outlasts -march=native)."""
+    """CMAKE_OPTIONS for a CPU with these feature flags. An explicit -mno-amx-* outlasts -march=native."""
     if "amx_tile" not in flags:
         return CMAKE_OPTIONS
     return [*CMAKE_OPTIONS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
 def cpu_key() -> str:
-    """A short digest of what a native build depends on: the architecture, the CPU's feature flags
-    and the build's options."""
+    """A short digest of what a native build depends on. That is the architecture, the CPU's feature flags
+    and the build's options.
+    """
     flags = cpu_flags()
     what = f"{platform.machine()} {' '.join(flags)} {' '.join(cmake_options(flags))}"
     return hashlib.sha256(what.encode()).hexdigest()[:12]
@@ -100,7 +101,7 @@ def _works(binary: Path) -> bool:
 
 
 def _sdist_url() -> str:
-    """The sdist's URL from the index's PEP 503 page (the index the machine is allowed to reach)."""
+    """The sdist's URL from the index's PEP 503 page. The machine is allowed to reach that index."""
     with urllib.request.urlopen(INDEX, timeout=60) as resp:
         page = resp.read().decode()
     hrefs: list[str] = re.findall(r'href="([^"]+)"', page)
@@ -145,7 +146,7 @@ def llama_quantize(cache: Path | None = None, jobs: int | None = None) -> Path:
 
 
 def build_tools(cache: Path | None = None, jobs: int | None = None) -> dict[str, Path]:
-    """Every tool of TARGETS for this CPU; the missing ones are built together."""
+    """Every tool of TARGETS for this CPU. The missing ones are built together."""
     paths = {name: tool_path(name, cache) for name in TARGETS}
     missing = [name for name, path in paths.items() if not _works(path)]
     if missing:

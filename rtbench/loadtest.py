@@ -1,8 +1,9 @@
 """`rtserver loadtest`: reliability phases against real `rtserver serve` processes and WebSocket clients.
 
-Every phase is bounded in count and time. Server A takes idle connections, chatting sessions, a slow
-reader and mid-stream disconnects; server B (small queues, test fault hooks from `tests/`) takes
-overload, injected faults and SIGTERM. It prints a table, writes JSON and exits 1 when a check fails.
+Every phase is bounded in count and time. Server A takes idle connections and chatting sessions. It also
+takes a slow reader and mid-stream disconnects. Server B has small queues and test fault hooks from
+`tests/`. It takes overload, injected faults and SIGTERM. It prints a table, writes JSON and exits 1 when a
+check fails.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ async def _hello(ws: ClientConnection) -> dict[str, Any]:
 
 
 async def _chat(url: str, text: str, max_new_tokens: int, timeout_s: float = 300.0) -> dict[str, Any]:
-    """One chat on a new connection: outcome (done | error code), TTFT and total seconds."""
+    """One chat on a new connection. Returns its outcome (done | error code), TTFT and total seconds."""
     async with await _connect(url) as ws:
         await _hello(ws)
         sent = time.perf_counter()
@@ -228,7 +229,7 @@ async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict[str,
 
 
 async def _wait_settled(server: ServerProcess, kv_baseline: float, timeout_s: float) -> dict[str, Any]:
-    """Poll /metrics until nothing runs or waits and the KV held by sessions is back to `kv_baseline`."""
+    """Poll /metrics until nothing runs or waits. The KV held by sessions must be back to `kv_baseline`."""
     started = time.perf_counter()
     running_zero_s = None
     while True:
@@ -249,7 +250,7 @@ async def _wait_settled(server: ServerProcess, kv_baseline: float, timeout_s: fl
 
 
 def _session_kv(m: dict[str, float]) -> float:
-    """KV bytes held by running sequences and kept sessions (used minus the shared prefix cache)."""
+    """KV bytes held by running sequences and kept sessions. That is used minus the shared prefix cache."""
     return m.get("rtserver_kv_used_bytes", 0) - m.get("rtserver_kv_prefix_cache_bytes", 0)
 
 

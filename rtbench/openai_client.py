@@ -1,7 +1,7 @@
-"""One timed, streamed `/v1/chat/completions` (or `/v1/completions`) request: the one client the bench
-drives every server with.
+"""One timed, streamed `/v1/chat/completions` (or `/v1/completions`) request. The bench drives every server
+with this one client.
 
-aiohttp, because its low CPU cost per streamed request keeps 32 clients from spreading a burst out.
+It uses aiohttp for its low CPU cost per streamed request. That keeps 32 clients from spreading a burst out.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 @dataclass
 class StreamResult:
     """What one streamed reply took. `tokens` is the server's own count (usage.completion_tokens) when it
-    sends one, else the number of content chunks; `chunk_at` holds the perf_counter time of every content
-    chunk (for the gaps between decode steps)."""
+    sends one. Else it is the number of content chunks. `chunk_at` holds the perf_counter time of every
+    content chunk. It shows the gaps between decode steps.
+    """
 
     started: float
     first_at: float | None = None
@@ -38,8 +39,9 @@ class StreamResult:
 def chat_body(
     text: str, max_tokens: int, extra: dict[str, Any] | None = None, system: str | None = None
 ) -> dict[str, Any]:
-    """A greedy streamed chat request for exactly `max_tokens` new tokens (EOS ignored), usage included.
-    Without `system` the chat template's default system prompt applies."""
+    """A greedy streamed chat request for exactly `max_tokens` new tokens, usage included. EOS is ignored.
+    Without `system` the chat template's default system prompt applies.
+    """
     system_message = [{"role": "system", "content": system}] if system else []
     return {
         "messages": system_message + [{"role": "user", "content": text}],
@@ -55,7 +57,7 @@ def completion_prompt(text: str, system: str | None = None) -> str:
 
 
 def completion_body(prompt: str, max_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The same greedy streamed request as a plain-text completion (a base model has no chat template)."""
+    """The same greedy streamed request as a plain-text completion. A base model has no chat template."""
     return {"prompt": prompt, **_decoding(max_tokens), **(extra or {})}
 
 
@@ -76,9 +78,10 @@ async def stream_chat(
     on_chunk: Callable[[], None] | None = None,
     path: str = CHAT_PATH,
 ) -> StreamResult:
-    """POST `body` to `base` + `path` and read its server-sent events to the end: chat deltas or
-    completion text. `on_chunk` is called on every content chunk (the bench's progress count). An HTTP
-    error status or an error event raises RuntimeError with the server's message."""
+    """POST `body` to `base` + `path` and read its server-sent events to the end. They are chat deltas or
+    completion text. `on_chunk` is called on every content chunk (the bench's progress count). An HTTP error
+    status or an error event raises RuntimeError with the server's message.
+    """
     result = StreamResult(started=time.perf_counter())
     pieces = 0
     usage: dict[str, Any] = {}
@@ -109,9 +112,10 @@ async def stream_chat(
 
 
 def client_session(timeout_s: float = 900) -> aiohttp.ClientSession:
-    """A session without a connection limit (a limit must never be what queues a request) and one
-    connection per request: llama-server closes a connection after a streamed reply, and a pooled one
-    reused after that fails with "Server disconnected". Both servers pay the same local connect."""
+    """A session without a connection limit, and one connection per request. A limit must never be what
+    queues a request. llama-server closes a connection after a streamed reply. A pooled one reused after
+    that fails with "Server disconnected". Both servers pay the same local connect.
+    """
     return aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=timeout_s),
         connector=aiohttp.TCPConnector(limit=0, force_close=True),

@@ -1,8 +1,8 @@
-"""The machine's streaming read bandwidth, as the formats bench's floor needs it: a single stream reads
-every weight once a token, so file bytes ÷ this bandwidth is the least time a token can take.
+"""The machine's streaming read bandwidth, as the formats bench's floor needs it. A single stream reads
+every weight once a token. So file bytes ÷ this bandwidth is the least time a token can take.
 
-torch reduces a 1 GiB array already in memory (sum, and max, whichever reads faster) with the bench's
-thread count; the best of a few tries is kept, so the figure is what the memory gives, not what a
+torch reduces a 1 GiB array already in memory with the bench's thread count. It runs sum and max, and keeps
+whichever reads faster. The best of a few tries is kept. So the figure is what the memory gives, not what a
 busy moment left.
 """
 
@@ -20,8 +20,9 @@ SIZE_MB, TRIES = 1024, 3
 def measure(
     threads: int, size_mb: int = SIZE_MB, tries: int = TRIES, clock: Callable[[], float] = time.perf_counter
 ) -> dict[str, Any]:
-    """GB/s (10^9 bytes) of the fastest reduction over `size_mb` MiB with `threads` threads, every try's
-    figure beside it."""
+    """GB/s (10^9 bytes) of the fastest reduction over `size_mb` MiB with `threads` threads. Every try's
+    figure goes beside it.
+    """
     data = torch.ones(size_mb << 18, dtype=torch.float32)  # written once: every page is resident
     reductions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"sum": torch.sum, "max": torch.amax}
     before = torch.get_num_threads()

@@ -1,9 +1,9 @@
 """`rtserver bench --workloads remote`: the hub in front of llama-server, beside it driven directly.
 
-Multi-turn sessions (with and without the next-turn prefetch, and with pauses between turns) and a
-32-stream burst run through the hub and directly. Each figure is the median of REPS interleaved runs
-(`RTSERVER_BENCH_REMOTE_REPS`), each run starting from the same server cache. Placements
-(`RTSERVER_BENCH_REMOTE_PLACEMENTS`): "shared" cores, or "split" with llama-server pinned apart.
+Multi-turn sessions and a 32-stream burst run through the hub and directly. Sessions run with and without
+the next-turn prefetch, and with pauses between turns. Each figure is the median of REPS interleaved runs
+(`RTSERVER_BENCH_REMOTE_REPS`). Each run starts from the same server cache. Placements come from
+`RTSERVER_BENCH_REMOTE_PLACEMENTS`. They are "shared" cores, or "split" with llama-server pinned apart.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ MULTI_TURN_RUNS = ("turns", "turns_no_prefetch", "direct_turns", "think_turns", 
 
 
 async def _stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One streamed request (chat completion or completion): time to its first text, tokens made."""
+    """One streamed request (chat completion or completion). Returns time to its first text, and tokens
+    made.
+    """
     body = {
         **body,
         "max_tokens": NEW_TOKENS,
@@ -83,8 +85,9 @@ def _burst_requests(base: str, prompts: list[list[int]] | None) -> tuple[str, li
 
 
 async def burst(base: str, prompts: list[list[int]] | None = None, warm: bool = True) -> dict[str, Any]:
-    """The 32 burst requests at once; `warm`: one untimed burst first, so that every slot, connection
-    and cache of the path is warm for the timed one."""
+    """The 32 burst requests at once. `warm` runs one untimed burst first. Then every slot, connection and
+    cache of the path is warm for the timed one.
+    """
     # aiohttp: a client whose own per-request CPU (a fraction of httpx's) does not spread the burst's
     # arrival, so the figures are the servers', for the direct and the hub runs alike
     timeout = aiohttp.ClientTimeout(total=600)
@@ -111,8 +114,9 @@ async def burst(base: str, prompts: list[list[int]] | None = None, warm: bool = 
 
 
 def _median_run(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """The run whose `key` is the median (the lower middle one of an even count), with every run's
-    figure beside it."""
+    """The run whose `key` is the median, with every run's figure beside it. Of an even count, the lower
+    middle one.
+    """
     ordered = sorted(runs, key=lambda r: r[key] if r[key] is not None else float("inf"))
     return {**ordered[(len(ordered) - 1) // 2], "runs_" + key: [r[key] for r in runs]}
 
@@ -128,7 +132,7 @@ async def _erase_slots(base: str) -> None:
 async def _streamed_completion(
     http: aiohttp.ClientSession, base: str, prompt: list[int], new_tokens: int
 ) -> tuple[str, float | None, dict[str, Any], dict[str, Any]]:
-    """One greedy streamed /v1/completions request: (its text, ms to the first text, usage, timings)."""
+    """One greedy streamed /v1/completions request. Returns its text, ms to the first text, usage, timings."""
     body = {
         "prompt": prompt,
         "max_tokens": new_tokens,
@@ -184,9 +188,11 @@ def _direct_per_turn(record: list[dict[str, Any]], turns: int) -> dict[int, dict
 async def direct_multi_turn(
     base: str, chat: ChatTask, sessions: int, turns: int, new_tokens: int
 ) -> dict[str, Any]:
-    """The multi-turn workload driven on llama-server directly: each session's prompt is its history
-    rendered by the chat template (as the hub renders it), sent as token ids to /v1/completions with the
-    hub's decoding (greedy); per turn, the time to the first text and llama-server's own `timings`."""
+    """The multi-turn workload driven on llama-server directly. Each session's prompt is its history
+    rendered by the chat template, as the hub renders it. It is sent as token ids to /v1/completions with
+    the hub's decoding (greedy). Per turn it records the time to the first text. It also records
+    llama-server's own `timings`.
+    """
     record: list[dict[str, Any]] = []
 
     async def session(http: aiohttp.ClientSession) -> None:
@@ -242,7 +248,7 @@ def _hub(
 
 
 def _flow(hub: ServerProcess) -> dict[str, Any]:
-    """A hub's send-gate requests and groups and its prefetches by outcome, from its /metrics."""
+    """A hub's send-gate requests and groups, and its prefetches by outcome. Read from its /metrics."""
     m = hub.metrics()
     prefix = 'rtserver_backend_prefetches_total{outcome="'
     return {
@@ -254,10 +260,11 @@ def _flow(hub: ServerProcess) -> dict[str, Any]:
 
 def placement_cpus(placement: str, threads: int) -> tuple[set[int] | None, set[int] | None, int, str]:
     """(llama-server's CPUs, the hub's and the clients' CPUs, llama-server's threads, a description).
-    "shared": everything on every core, llama-server with `threads`; "split": llama-server on the
-    first half of this process's cores (one of two) with a thread per core, the hub and the clients on
-    the rest, as a hub on cores of its own in front of an inference server. ValueError where a split
-    is not possible (no sched_setaffinity, fewer than 2 cores)."""
+    "shared": everything on every core, llama-server with `threads`. "split": llama-server on the first half
+    of this process's cores (one of two), with a thread per core. The hub and the clients run on the rest.
+    This is a hub on cores of its own in front of an inference server. ValueError where a split is not
+    possible (no sched_setaffinity, fewer than 2 cores).
+    """
     if placement == "shared":
         return None, None, threads, f"shared: llama-server -t {threads}, hub and clients on every core"
     if placement != "split":
@@ -278,10 +285,10 @@ def placement_cpus(placement: str, threads: int) -> tuple[set[int] | None, set[i
 
 
 def run_remote_bench(threads: int, workdir: Path | None = None) -> dict[str, Any]:
-    """Every placement in RTSERVER_BENCH_REMOTE_PLACEMENTS (comma-separated; default "shared,split"),
-    each with RTSERVER_BENCH_REMOTE_REPS runs of every figure (default REPS). The first placement's
-    figures are the report's own keys (the bench table shows them); every placement's are under
-    "placements"."""
+    """Every placement in RTSERVER_BENCH_REMOTE_PLACEMENTS (comma-separated; default "shared,split"). Each
+    runs every figure RTSERVER_BENCH_REMOTE_REPS times (default REPS). The first placement's figures are the
+    report's own keys. The bench table shows them. Every placement's figures are under "placements".
+    """
     workdir = workdir or Path(tempfile.mkdtemp(prefix="rtserver-remote-bench-"))
     names = [p.strip() for p in os.environ.get("RTSERVER_BENCH_REMOTE_PLACEMENTS", "shared,split").split(",")]
     reps = int(os.environ.get("RTSERVER_BENCH_REMOTE_REPS") or REPS)
@@ -338,7 +345,7 @@ def _multi_turn_rep(
 def _burst_rep(
     runs: dict[str, list[dict[str, Any]]], targets: dict[str, tuple[str, list[list[int]] | None]], rep: int
 ) -> None:
-    """One burst against each target: llama-server direct (chat, token ids), then the hub."""
+    """One burst against each target. First llama-server direct (chat, token ids), then the hub."""
     for key, (base, ids) in targets.items():
         try:
             runs[key].append(asyncio.run(burst(base, ids, warm=rep == 0)))
@@ -417,7 +424,7 @@ def run_placement(
 def _figures(
     runs: dict[str, list[dict[str, Any]]], kinds: tuple[str, ...], flow: dict[str, Any]
 ) -> dict[str, Any]:
-    """A placement's figures: the median runs, their ratios and the hub's added first-token time."""
+    """A placement's figures. The median runs, their ratios, and the hub's added first-token time."""
     direct_chat, direct_ids = (
         _median_run(runs["chat"], "ttft_p50_ms"),
         _median_run(runs["ids"], "ttft_p50_ms"),

@@ -1,8 +1,8 @@
-"""Attention over the paged KV pool: RoPE, and a step's attention calls planned once and run per layer.
+"""Attention over the paged KV pool: RoPE, and a step's attention calls, planned once and run per layer.
 
-Decode tokens are grouped by context length and prefill chunks by size, each group one batched call
-over K/V gathered from the pool (padding reads the zero block, masked out). With the kernel, decode
-groups read the pool in place instead (`KernelAttention`).
+Decode tokens are grouped by context length, and prefill chunks by size. Each group is one batched call over
+K/V gathered from the pool. Padding reads the zero block, masked out. With the kernel, decode groups read
+the pool in place instead (`KernelAttention`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class DecodeCall:
-    """One attention call over several decode tokens, contexts padded to the group's longest."""
+    """One attention call over several decode tokens. Contexts are padded to the group's longest."""
 
     rows: torch.Tensor  # the tokens' rows in the step
     ctx_index: torch.Tensor  # context slots, flattened [B * L]
@@ -38,7 +38,7 @@ class DecodeCall:
 
 @dataclass
 class PrefillCall:
-    """One attention call over several prefill chunks, queries padded to the longest chunk."""
+    """One attention call over several prefill chunks. Queries are padded to the longest chunk."""
 
     q_index: torch.Tensor  # [B, n] rows of the queries (padding repeats a chunk's first row)
     ctx_index: torch.Tensor
@@ -50,9 +50,10 @@ class PrefillCall:
 
 @dataclass(frozen=True)
 class RowContexts:
-    """Rows as the kernel's prefill_attention and layer_forward read them: each row's item's context
-    slots (a row of `table`) and its position, which it attends up to (or a window back). Every
-    prompt row of a step, or a decode group's rows, one item each."""
+    """Rows as the kernel's prefill_attention and layer_forward read them. Each row has its item's context
+    slots (a row of `table`) and its position. It attends up to that position, or a window back. These are
+    every prompt row of a step, or a decode group's rows, one item each.
+    """
 
     rows: torch.Tensor  # the rows in the step
     table: torch.Tensor  # [items, longest context] each item's context slots from position 0
@@ -62,7 +63,7 @@ class RowContexts:
 
     @classmethod
     def of_decodes(cls, call: DecodeCall) -> RowContexts:
-        """A decode group's rows, each its own item at the end of its table row (a window already cut)."""
+        """A decode group's rows, each its own item at the end of its table row. The window is already cut."""
         every = torch.arange(len(call.lengths))
         return cls(call.rows, call.table, every, call.lengths - 1, 0)
 
@@ -73,8 +74,9 @@ NO_ROWS = RowContexts(_EMPTY, _EMPTY.view(0, 0), _EMPTY, _EMPTY, 0)  # the null 
 
 @dataclass
 class AttentionPlan:
-    """A step's attention calls, built once and run by every layer of one window size: SDPA calls, or
-    with the kernel its prompt rows in one call."""
+    """A step's attention calls, built once and run by every layer of one window size. They are SDPA calls,
+    or with the kernel its prompt rows in one call.
+    """
 
     decodes: list[DecodeCall] = field(default_factory=list)
     prefills: list[PrefillCall] = field(default_factory=list)
@@ -82,11 +84,11 @@ class AttentionPlan:
 
 
 def decode_groups(items: list[StepItem]) -> list[list[int]]:
-    """Decode tokens (items of one token) grouped by context length for batched attention: a group's
-    contexts are padded to its longest, so a few long sessions beside many short streams get their own
-    call instead of making every short one gather and attend over the long padding. A new group costs
-    one more attention call per layer, so groups split only where padding would exceed about the
-    useful work."""
+    """Decode tokens (items of one token) grouped by context length for batched attention. A group's
+    contexts are padded to its longest. So a few long sessions beside many short streams get their own call.
+    Otherwise every short one would gather and attend over the long padding. A new group costs one more
+    attention call per layer. So groups split only where padding would exceed about the useful work.
+    """
     order = sorted((i for i, it in enumerate(items) if len(it.tokens) == 1), key=lambda i: items[i].start)
     groups: list[list[int]] = []
     group: list[int] = []
@@ -104,9 +106,10 @@ def decode_groups(items: list[StepItem]) -> list[list[int]]:
 
 
 def prefill_groups(items: list[StepItem]) -> list[list[int]]:
-    """Prefill chunks (items of more than one token) grouped for batched attention: similar sizes
-    together, so that padding to the group's longest chunk and context costs at most about twice the
-    useful work (many short task prompts share one call; a long chat chunk keeps its own)."""
+    """Prefill chunks (items of more than one token) grouped for batched attention. Similar sizes go
+    together. Then padding to the group's longest chunk and context costs at most about twice the useful
+    work. Many short task prompts share one call; a long chat chunk keeps its own.
+    """
     order = sorted(
         (i for i, it in enumerate(items) if len(it.tokens) > 1),
         key=lambda i: (items[i].start + len(items[i].tokens), len(items[i].tokens)),
@@ -131,14 +134,15 @@ def prefill_groups(items: list[StepItem]) -> list[list[int]]:
 def _context(
     pool: torch.Tensor, slots: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
-    """The K or V of `slots` gathered from one layer's pool as [B, kv_heads, L, head_dim] in the queries'
-    dtype (index_select: a plain row gather, cheaper than advanced indexing's general path); q8_0 rows
-    are dequantized."""
+    """The K or V of `slots` gathered from one layer's pool, in the queries' dtype. The shape is [B,
+    kv_heads, L, head_dim]. It uses index_select: a plain row gather, cheaper than advanced indexing's
+    general path. q8_0 rows are dequantized.
+    """
     return from_pool(pool.index_select(0, slots), dtype).view(shape).transpose(1, 2)
 
 
 class PagedAttention:
-    """Grouped-query attention of a step's rows over one layer's K/V pool, through torch's SDPA."""
+    """Grouped-query attention of a step's rows over one layer's K/V pool. It runs through torch's SDPA."""
 
     def __init__(self, n_heads: int, n_kv: int, head_dim: int, scale: float):
         self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv, head_dim, scale
@@ -154,10 +158,11 @@ class PagedAttention:
     def prefill_call(
         self, items: list[StepItem], group: list[int], row_offsets: list[int], window: int = 0
     ) -> PrefillCall:
-        """Index tensors and mask for one call over several prefill chunks: queries padded to the
-        longest chunk, contexts to the longest context (padding reads the zero block, masked out; padded
-        query rows see position 0 only and are dropped). A `window` also masks out keys that many
-        positions back or more, as a sliding-window layer does."""
+        """Index tensors and mask for one call over several prefill chunks. Queries are padded to the
+        longest chunk, contexts to the longest context. Padding reads the zero block, masked out. Padded
+        query rows see position 0 only and are dropped. A `window` also masks out keys that many positions
+        back or more, as a sliding-window layer does.
+        """
         n = max(len(items[i].tokens) for i in group)
         ctx = max(items[i].start + len(items[i].tokens) for i in group)
         B = len(group)
@@ -190,9 +195,10 @@ class PagedAttention:
     def decode_call(
         self, items: list[StepItem], group: list[int], row_offsets: list[int], window: int = 0
     ) -> DecodeCall:
-        """Rows, gathered context slots and mask for one call over several decode tokens (contexts
-        padded to the group's longest with the zero block, masked out). With a `window`, each context
-        is its last `window` positions."""
+        """Rows, gathered context slots and mask for one call over several decode tokens. Contexts are
+        padded to the group's longest with the zero block, masked out. With a `window`, each context is its
+        last `window` positions.
+        """
         ends = [items[i].start + 1 for i in group]
         lengths = [min(end, window) for end in ends] if window else ends
         lmax = max(lengths)
@@ -237,8 +243,9 @@ class PagedAttention:
 
 
 class KernelAttention(PagedAttention):
-    """Attention through the kernel, which reads the pool in place (no gather, no mask; float32 queries,
-    any pool): decode groups by decode_attention, every prompt row of the step in one prefill_attention."""
+    """Attention through the kernel, which reads the pool in place. No gather, no mask; float32 queries, any
+    pool. Decode groups go by decode_attention. Every prompt row of the step goes in one prefill_attention.
+    """
 
     def __init__(self, n_heads: int, n_kv: int, head_dim: int, scale: float, kernel: Kernel):
         super().__init__(n_heads, n_kv, head_dim, scale)

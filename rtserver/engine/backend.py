@@ -1,8 +1,8 @@
-"""The inference seam: what the front doors (web) and the tasks ask of whatever runs the model, and
-the types that cross it. The local `Engine` (rtserver.engine.core) implements `InferenceBackend`; a
-remote one (an OpenAI-compatible server) can implement the same protocol.
+"""The inference seam and the types that cross it. It says what the front doors (web) and the tasks ask of
+whatever runs the model. The local `Engine` (rtserver.engine.core) implements `InferenceBackend`. A remote
+one (an OpenAI-compatible server) can implement the same protocol.
 
-This module imports no model code (no torch): plugins and the web layer can depend on it cheaply.
+This module imports no model code (no torch). Plugins and the web layer can depend on it cheaply.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class Tokenizer(Protocol):
-    """What rtserver uses of a Hugging Face tokenizer: token ids in and out, and the chat template."""
+    """What rtserver uses of a Hugging Face tokenizer. That is token ids in and out, and the chat template."""
 
     all_special_ids: list[int]
     eos_token_id: int | None
@@ -49,7 +49,7 @@ class RequestTooLarge(ValueError):
 
 
 class SamplingError(ValueError):
-    """A decoding parameter out of its allowed range; the message names the parameter."""
+    """A decoding parameter out of its allowed range. The message names the parameter."""
 
 
 MAX_SEED = 2**63 - 1  # what every door accepts and torch.Generator.manual_seed takes
@@ -66,14 +66,15 @@ def _number(value: object, lo: float, hi: float) -> bool:
 
 
 def _shown(value: object) -> str:
-    """A field's value for an error message, cut short (a client may send a huge one)."""
+    """A field's value for an error message, cut short. A client may send a huge one."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Priority(enum.IntEnum):
-    """Who waits for a piece of model work, most urgent first: a customer's reply, an agent's assist
-    (drafts, summaries), background work (prefetch, head fitting)."""
+    """Who waits for a piece of model work, most urgent first. First a customer's reply. Then an agent's
+    assist (drafts, summaries). Last, background work (prefetch, head fitting).
+    """
 
     CUSTOMER = 0
     ASSIST = 1
@@ -98,8 +99,9 @@ class SamplingParams:
     priority: Priority = Priority.CUSTOMER  # the engine admits and prefills the more urgent first
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise SamplingError naming the first field out of its range (types included: a bool is no
-        number). `vocab_size` bounds `stop_token_ids` where the caller knows it."""
+        """Raise SamplingError naming the first field out of its range. Types count too: a bool is no
+        number. `vocab_size` bounds `stop_token_ids` where the caller knows it.
+        """
         top_id = MAX_TOKEN_ID if vocab_size is None else vocab_size - 1
         checks = [
             ("temperature", _number(self.temperature, 0.0, 5.0), "0..5"),
@@ -180,7 +182,7 @@ class TokenEvent:
 
 
 class PriorityStats(TypedDict):
-    """One priority's sequences now, and the totals of those that produced a first token."""
+    """One priority's sequences now. Also the totals of those that produced a first token."""
 
     running: int
     waiting: int
@@ -220,8 +222,9 @@ class ServerHealth(UpstreamStats):
 
 
 class BackendHealth(TypedDict):
-    """What /health shows of a backend (`InferenceBackend.health`): the local engine's state and
-    kernels, or a remote backend's model and servers."""
+    """What /health shows of a backend (`InferenceBackend.health`). For the local engine, its state and
+    kernels. For a remote backend, its model and servers.
+    """
 
     kind: str
     state: NotRequired[str]
@@ -233,7 +236,7 @@ class BackendHealth(TypedDict):
 
 
 class Generation(Protocol):
-    """One generation in flight: iterate its token events; `result()` is the final outcome."""
+    """One generation in flight. Iterate its token events; `result()` is the final outcome."""
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]: ...
 
@@ -244,13 +247,15 @@ class Generation(Protocol):
 
 
 class InferenceBackend(Protocol):
-    """What web and tasks use of the model. `generate` and `score` raise `SamplingError`,
-    `RequestTooLarge` or `Overloaded` at once, before anything is queued.
+    """What web and tasks use of the model. `generate` and `score` raise `SamplingError`, `RequestTooLarge`
+    or `Overloaded` at once, before anything is queued.
 
-    `public_tokens`: how many leading prompt tokens the server itself wrote (a system prompt, the
-    template's header, a task's fixed instruction). Only those are matched against and added to the
-    prefix cache that all sessions share; the rest is the session's own. The default 0 shares nothing,
-    so a caller that forgets it never lets one customer's text speed up, or show in another's usage."""
+    `public_tokens`: how many leading prompt tokens the server itself wrote. These are a system prompt, the
+    template's header, or a task's fixed instruction. Only those are matched against the prefix cache that
+    all sessions share, and added to it. The rest is the session's own. The default 0 shares nothing. So a
+    caller that forgets it never lets one customer's text speed up another's. Nor does that text show in
+    another's usage.
+    """
 
     tokenizer: Tokenizer
 
@@ -269,10 +274,11 @@ class InferenceBackend(Protocol):
         fork_session: Hashable | None = None,
     ) -> Generation:
         """Queue a generation. `session_key` keeps the prompt's KV for that session's next turn.
-        Generations given one `prefix_scope` (a random number per call: one call's samples) may share
-        their whole prompt's KV with each other, and with nothing else. `fork_session`: a session this
-        prompt is about (an agent's assist call on that conversation); the prompt may start from
-        that session's KV, which the session keeps."""
+        `prefix_scope` is a random number per call, shared by one call's samples. Generations given one
+        scope may share their whole prompt's KV with each other, and with nothing else. `fork_session` is a
+        session this prompt is about (an agent's assist call on that conversation). The prompt may start
+        from that session's KV, which the session keeps.
+        """
         ...
 
     async def score(
@@ -283,8 +289,9 @@ class InferenceBackend(Protocol):
         normalize: bool = True,
         public_tokens: int = 0,
     ) -> list[float]:
-        """Log-probability of each candidate continuation after the prompt; with `normalize=False` up to
-        one constant shared by all candidates of this prompt (cheaper; differences unchanged)."""
+        """Log-probability of each candidate continuation after the prompt. With `normalize=False` it is off
+        by one constant shared by all candidates of this prompt. That is cheaper; differences stay.
+        """
         ...
 
     def drop_session(self, session_key: Hashable) -> None:
@@ -298,14 +305,15 @@ class InferenceBackend(Protocol):
 
     @property
     def available(self) -> bool:
-        """Whether requests can be served now (a remote one: some server is up)."""
+        """Whether requests can be served now. For a remote one, some server is up."""
         ...
 
 
 @runtime_checkable
 class FeatureScorer(Protocol):
-    """A backend that can also return hidden-state features from the scoring forward (the local engine;
-    OpenAI-compatible servers expose no hidden states). A task's learned head needs one."""
+    """A backend that can also return hidden-state features from the scoring forward. The local engine can;
+    OpenAI-compatible servers expose no hidden states. A task's learned head needs one.
+    """
 
     feature_model_id: str  # what the features depend on (model, dtype, weight storage): a cache key
 
@@ -317,10 +325,11 @@ class FeatureScorer(Protocol):
         features_from: int,
         public_tokens: int = 0,
     ) -> tuple[list[float], list[float]]:
-        """`score(..., normalize=False)` and, from the same forward, a feature vector: the final hidden
-        state at the prompt's last token, every second layer's hidden states averaged over positions
-        `features_from`.. of the prompt (the part after a task's fixed prefix), and an early layer's
-        hidden state at the last token. Zero extra tokens."""
+        """`score(..., normalize=False)` plus a feature vector from the same forward. It joins three parts.
+        First, the final hidden state at the prompt's last token. Second, every second layer's hidden states
+        averaged over positions `features_from`.. of the prompt. That is the part after a task's fixed
+        prefix. Third, an early layer's hidden state at the last token. Zero extra tokens.
+        """
         ...
 
 
@@ -330,21 +339,24 @@ class StructuredOutput(Protocol):
     generation whose params name a format is refused."""
 
     async def prepare_output(self, fmt: OutputFormat, *, pin: bool = False) -> None:
-        """Compile `fmt` for this model off the event loop, so `generate` with it starts at once; raises
-        OutputFormatError naming what is wrong. `pin` keeps it compiled for good (a task's format)."""
+        """Compile `fmt` for this model off the event loop, so `generate` with it starts at once. Raises
+        OutputFormatError naming what is wrong. `pin` keeps it compiled for good (a task's format).
+        """
         ...
 
 
 @runtime_checkable
 class NextTurnPrefetcher(Protocol):
-    """A backend that can compute a session's next prompt prefix ahead of its next turn (the remote one:
-    a prefill-only request on the session's server). Best effort: never raises, never delays a turn
-    beyond a short bound, failures are only logged."""
+    """A backend that can compute a session's next prompt prefix ahead of its next turn. The remote one can:
+    it sends a prefill-only request to the session's server. Best effort: it never raises. It never delays a
+    turn beyond a short bound. Failures are only logged.
+    """
 
     def prefetch(self, prefix: Callable[[], list[int] | None], *, session_key: Hashable) -> None:
-        """Start computing the start of the session's next prompt into its cache. `prefix` gives its
-        ids (None: none to compute) and is called only when the prefetch is about to be sent, so a
-        next turn that comes first never waited for it (rendering the history costs milliseconds)."""
+        """Start computing the start of the session's next prompt into its cache. `prefix` gives its ids
+        (None: none to compute). It is called only when the prefetch is about to be sent. So a next turn
+        that comes first never waited for it. Rendering the history costs milliseconds.
+        """
 
     def cancel_prefetch(self, session_key: Hashable) -> None:
         """Drop the session's prefetch if one is in flight (its client left)."""

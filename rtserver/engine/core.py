@@ -1,8 +1,8 @@
-"""The local engine: the async face of the model, an `InferenceBackend` over runner, KV and scheduler.
+"""The local engine: the async face of the model. It is an `InferenceBackend` over runner, KV and scheduler.
 
-The scheduler runs on its own thread and deals in token ids; each step's events reach the event loop
-in one `call_soon_threadsafe`, so a busy step costs the loop one callback, not one per token. There
-each stream's detokenizer makes the text, and a stop string cancels its sequence.
+The scheduler runs on its own thread and deals in token ids. Each step's events reach the event loop in one
+`call_soon_threadsafe`. So a busy step costs the loop one callback, not one per token. There each stream's
+detokenizer makes the text, and a stop string cancels its sequence.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ log = logging.getLogger("rtserver.engine")
 
 def return_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc). Swapping the dense weights for packed copies frees
-    hundreds of MB in pieces that glibc would otherwise keep in its heap, resident."""
+    hundreds of MB. It comes in pieces that glibc would otherwise keep in its heap, resident.
+    """
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -62,10 +63,11 @@ _REUSED_BYTES = 1 << 30
 
 
 def reuse_freed_buffers() -> None:
-    """From now on keep freed large buffers in the heap for the next step (glibc). Steps allocate the
-    same big tensors again and again (a large vocabulary's logits, a prompt's activations); glibc maps
-    each above 128 KB afresh, and every page of it faults on first touch. Called once loading is done,
-    so start-up's temporaries are not kept."""
+    """From now on keep freed large buffers in the heap for the next step (glibc). Steps allocate the same
+    big tensors again and again: a large vocabulary's logits, a prompt's activations. glibc maps each above
+    128 KB afresh. Every page of it faults on first touch. This is called once loading is done, so
+    start-up's temporaries are not kept.
+    """
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, _REUSED_BYTES)
@@ -155,7 +157,7 @@ class _ScoreSink:
 
 
 def _check_token_ids(ids: object, vocab: int, what: str) -> None:
-    """Refuse at once what the model's step would fail on later, with a message about tensors."""
+    """Refuse at once what the model's step would fail on later. The message speaks of tensors."""
     if (
         not isinstance(ids, (list, tuple))
         or not ids
@@ -165,8 +167,9 @@ def _check_token_ids(ids: object, vocab: int, what: str) -> None:
 
 
 def decode_weight_bytes(linears: list[Linear]) -> int:
-    """The weight bytes a one-token step reads: each block linear's blocks (or panels), each dense
-    linear's weight."""
+    """The weight bytes a one-token step reads. That is each block linear's blocks (or panels), and each
+    dense linear's weight.
+    """
     total = 0
     for lin in linears:
         if isinstance(lin, BlockLinear):
@@ -178,8 +181,9 @@ def decode_weight_bytes(linears: list[Linear]) -> int:
 
 
 def file_matmul_bytes(f: GGUFFile) -> int:
-    """The bytes of a GGUF file's tensors that one token multiplies with: every block's matrices and the
-    output head (the token embedding where the head is tied to it)."""
+    """The bytes of a GGUF file's tensors that one token multiplies with. That is every block's matrices and
+    the output head. Where the head is tied to the token embedding, it is the embedding.
+    """
     names = [n for n, t in f.tensors.items() if n.startswith("blk.") and len(t.shape) >= 2]
     names.append("output.weight" if "output.weight" in f.tensors else "token_embd.weight")
     return sum(f.tensors[n].nbytes for n in names if n in f.tensors)
@@ -235,9 +239,10 @@ class Engine:
         self._thread: threading.Thread | None = None
 
     def _use_gguf_blocks(self, loaded: LoadedModel) -> dict[str, object]:
-        """dtype gguf: every linear the file ships in a supported block type multiplies with its blocks;
-        steps above a start-up probe's row count run on panels of weight rows, kept unpacked within
-        `kept_panels_mb`. Without the kernel every weight is dense float32."""
+        """dtype gguf: every linear the file ships in a supported block type multiplies with its blocks.
+        Some steps are above a start-up probe's row count. They run on panels of weight rows, kept unpacked
+        within `kept_panels_mb`. Without the kernel every weight is dense float32.
+        """
         assert loaded.gguf_blocks is not None
         kernel = loaded.kernel
         if kernel is None:
@@ -300,7 +305,7 @@ class Engine:
         self._thread.start()
 
     def _serve(self) -> None:
-        """The scheduler's thread: it owns the kernel's worker threads, then runs every step."""
+        """The scheduler's thread. It owns the kernel's worker threads, then runs every step."""
         if self.loaded.kernel is not None:
             self.loaded.kernel.bind_pool(torch.get_num_threads())
         self.scheduler.run_forever()
@@ -339,11 +344,12 @@ class Engine:
         prefix_scope: int | None = None,
         fork_session: Hashable | None = None,
     ) -> GenerationStream:
-        """Queue a generation; raises SamplingError, OutputFormatError, RequestTooLarge or Overloaded at
+        """Queue a generation. Raises SamplingError, OutputFormatError, RequestTooLarge or Overloaded at
         once. Only the first `public_tokens` prompt tokens are shared with other sessions (see
         `InferenceBackend`). An output format not yet compiled is compiled here (see prepare_output).
-        Generations of one `prefix_scope` share their whole prompt's KV with each other alone; one
-        given `fork_session` may start from that session's KV (see `InferenceBackend`)."""
+        Generations of one `prefix_scope` share their whole prompt's KV with each other alone. One given
+        `fork_session` may start from that session's KV (see `InferenceBackend`).
+        """
         params.validate(len(self.tokenizer))
         _check_token_ids(prompt_ids, self.runner.vocab_size, "prompt_ids")
         seq = Sequence(
@@ -377,12 +383,12 @@ class Engine:
         normalize: bool = True,
         public_tokens: int = 0,
     ) -> list[float]:
-        """Log-probability of each candidate continuation (summed over its tokens) after the prompt.
+        """Log-probability of each candidate continuation after the prompt, summed over its tokens.
 
-        With `normalize=False` the scores are those log-probabilities plus one constant shared by every
-        candidate of this prompt (the log-normaliser of the prompt's next-token distribution is left
-        out): differences between candidates, and a softmax across them, are unchanged, and the model
-        computes only the logits of the candidates' first tokens instead of the whole vocabulary.
+        With `normalize=False` each score is off by one constant, shared by every candidate of this prompt.
+        It is the log-normaliser of the prompt's next-token distribution, left out. Differences between
+        candidates are unchanged, and so is a softmax across them. The model then computes only the logits
+        of the candidates' first tokens, not the whole vocabulary.
         """
         result = await self._score(prompt_ids, candidates, normalize, None, public_tokens)
         assert result.scores is not None
@@ -396,10 +402,10 @@ class Engine:
         features_from: int,
         public_tokens: int = 0,
     ) -> tuple[list[float], list[float]]:
-        """`score(normalize=False)` plus the prompt's hidden-state features from the same forward (see
-        `backend.FeatureScorer`). Positions from `features_from` on are always computed (the prefix
-        cache serves at most the positions before it), so the features do not depend on what else is
-        cached."""
+        """`score(normalize=False)` plus the prompt's hidden-state features from the same forward. See
+        `backend.FeatureScorer`. Positions from `features_from` on are always computed. The prefix cache
+        serves at most the positions before it. So the features do not depend on what else is cached.
+        """
         if not 0 <= features_from < len(prompt_ids):
             raise ValueError(f"features_from = {features_from}: the prompt has {len(prompt_ids)} tokens")
         result = await self._score(prompt_ids, candidates, False, features_from, public_tokens)

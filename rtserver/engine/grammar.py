@@ -1,9 +1,9 @@
-"""Structured output on the local engine: `OutputFormat`s compiled by llguidance against the model's
-tokenizer (`Grammars`), and each sequence's `Constraint`, which masks its logits row to the tokens
-that keep the text valid and follows the tokens it samples.
+"""Structured output on the local engine. llguidance compiles `OutputFormat`s against the model's tokenizer
+(`Grammars`). Each sequence has a `Constraint`. It masks its logits row to the tokens that keep the text
+valid, and follows the tokens it samples.
 
-llguidance computes a step's allowed tokens as a bitmask in microseconds; compiling a format (and
-its first mask, which builds the lexer) is done once per format, off the scheduler thread.
+llguidance computes a step's allowed tokens as a bitmask in microseconds. Compiling a format is done once
+per format, off the scheduler thread. So is its first mask, which builds the lexer.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _limits() -> LLParserLimits:
 
 
 class ConstraintError(RuntimeError):
-    """A sampled token the grammar does not allow (the mask kept every other)."""
+    """A sampled token the grammar does not allow. The mask kept every other."""
 
 
 class Constraint:
@@ -44,10 +44,10 @@ class Constraint:
     active = False
 
     def fill(self, words: np.ndarray) -> None:
-        """Write this step's allowed tokens into `words` (uint32; bit i of word j: token 32j + i)."""
+        """Write this step's allowed tokens into uint32 `words`: bit i of word j is token 32j + i."""
 
     def advance(self, token: int) -> bool:
-        """Follow a sampled token; True when the text is complete (nothing may follow)."""
+        """Follow a sampled token. True when the text is complete (nothing may follow)."""
         return False
 
 
@@ -55,20 +55,21 @@ FREE = Constraint()
 
 
 def word_bit(token: int) -> tuple[int, np.uint32]:
-    """Where a token sits in a packed mask: the index of its 32-bit word and its bit there."""
+    """Where a token sits in a packed mask. The index of its 32-bit word, and its bit there."""
     return token >> 5, np.uint32(1 << (token & 31))
 
 
 def closing_reserve(max_tokens: int) -> int:
-    """How many of a sequence's last tokens steer its text to an end (see `Closers`)."""
+    """How many of a sequence's last tokens steer its text to an end. See `Closers`."""
     return min(64, max(24, max_tokens // 4))
 
 
 class Closers:
-    """Token sets a text near its token limit is steered to, most closing first: tokens of `"]}`
-    that open with a quote (inside a string they end it), then tokens of `]}` alone, then of
-    `"]},:`. Where the grammar allows one of a set, the mask keeps that set alone, so strings,
-    numbers and arrays end instead of running to the limit."""
+    """Token sets a text near its token limit is steered to, most closing first. First come tokens of `"]}`
+    that open with a quote; inside a string they end it. Then come tokens of `]}` alone, then of `"]},:`.
+    Where the grammar allows one of a set, the mask keeps that set alone. So strings, numbers and arrays end
+    instead of running to the limit.
+    """
 
     TIERS = ((b'"', b'"]}'), (b"", b"]}"), (b"", b'"]},:'))  # (opening, made only of)
 
@@ -89,7 +90,7 @@ class Closers:
         return cls(tiers)
 
     def narrow(self, words: np.ndarray) -> None:
-        """Keep the first tier `words` allows any token of; all of `words` when none."""
+        """Keep the first tier that `words` allows any token of. Keep all of `words` when none."""
         for tier in self.tiers:
             narrowed = words & tier
             if narrowed.any():
@@ -101,8 +102,9 @@ NO_CLOSERS = Closers([])  # steers nothing: before the tokenizer is loaded, and 
 
 
 class GrammarConstraint(Constraint):
-    """One sequence's place in its grammar. In its last `closing_reserve` tokens it ends as soon as
-    the text is complete and otherwise prefers closing tokens, so a long text still ends valid."""
+    """One sequence's place in its grammar. Its last `closing_reserve` tokens are special. There it ends as
+    soon as the text is complete, and otherwise prefers closing tokens. So a long text still ends valid.
+    """
 
     active = True
 
@@ -129,8 +131,9 @@ class GrammarConstraint(Constraint):
             self._steer(words)
 
     def _steer(self, words: np.ndarray) -> None:
-        """Text the grammar forces (a required key, say) goes in as its canonical tokens, one each
-        step, rather than in however many pieces a sampler would pick; otherwise closers lead."""
+        """Text the grammar forces (a required key, say) goes in as its canonical tokens, one each step. A
+        sampler might pick however many pieces; this does not. Otherwise closers lead.
+        """
         forced = self.matcher.compute_ff_tokens()
         word, bit = word_bit(forced[0]) if forced else (0, np.uint32(0))
         if words[word] & bit:
@@ -153,8 +156,9 @@ _BIAS = np.array([[0.0 if (b >> i) & 1 else -np.inf for i in range(8)] for b in 
 
 
 def apply_masks(constraints: list[Constraint], logits: Rows) -> list[Exception | None]:
-    """Mask each constrained row of `logits` ([n, vocab] float32, or n rows; in place) to its allowed
-    tokens. A row whose grammar fails gets the error in its place; the others are masked."""
+    """Mask each constrained row of `logits` to its allowed tokens, in place. `logits` is [n, vocab]
+    float32, or n rows. A row whose grammar fails gets the error in its place. The others are masked.
+    """
     errors: list[Exception | None] = [None] * len(constraints)
     rows = [i for i, c in enumerate(constraints) if c.active]
     if not rows:
@@ -174,8 +178,9 @@ def apply_masks(constraints: list[Constraint], logits: Rows) -> list[Exception |
 
 
 class Grammars:
-    """The formats compiled for one tokenizer: llguidance's view of it built once, each compiled format
-    kept as a pristine matcher that every sequence of that format copies."""
+    """The formats compiled for one tokenizer. llguidance's view of it is built once. Each compiled format
+    is kept as a pristine matcher. Every sequence of that format copies it.
+    """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int]):
         self._hf = tokenizer
@@ -229,8 +234,9 @@ class Grammars:
                 del self._compiled[fmt]
 
     def constraint(self, fmt: OutputFormat, eos_ids: set[int], max_tokens: int) -> Constraint:
-        """A new sequence's constraint for `fmt` (compiled here if it is not already); `eos_ids` are
-        the ids that end the sequence, allowed once the text is complete; `max_tokens` is its limit."""
+        """A new sequence's constraint for `fmt`, compiled here if it is not already. `eos_ids` are the ids
+        that end the sequence, allowed once the text is complete. `max_tokens` is its limit.
+        """
         if fmt.free:
             return FREE
         self.compile(fmt)

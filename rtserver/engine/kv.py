@@ -1,11 +1,11 @@
 """KV cache manager: where every sequence's keys and values live, inside one fixed memory budget.
 
-One preallocated pool is cut into blocks; a `KVHandle` is a list of blocks and the tokens they hold.
-Blocks are reused, reference counted, for a session's next turn and for prompts that share a public
-prefix (`public_tokens`: text the server wrote). A customer's text is never offered to other sessions,
-so what is cached says nothing about another session. A prompt about one conversation (an agent's
-assist call) may start from that session's own KV, idle or running (`fork`). Shared blocks are never
-written; idle entries are evicted LRU, and the pool never grows.
+One preallocated pool is cut into blocks. A `KVHandle` is a list of blocks and the tokens they hold. Blocks
+are reused, reference counted, for a session's next turn. They are also reused for prompts that share a
+public prefix (`public_tokens`: text the server wrote). A customer's text is never offered to other
+sessions. So what is cached says nothing about another session. A prompt about one conversation (an agent's
+assist call) may start from that session's own KV. That KV may be idle or running (`fork`). Shared blocks
+are never written. Idle entries are evicted LRU. The pool never grows.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .kv_rows import row_width
 
 @dataclass
 class KVHandle:
-    """The blocks of one sequence (or cached session/prefix) and which tokens they hold."""
+    """The blocks of one sequence (or cached session/prefix). Also which tokens they hold."""
 
     blocks: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -36,7 +36,7 @@ class KVHandle:
 
     @property
     def slots(self) -> torch.Tensor:
-        """The slot table of a handle that holds room (acquired); the runner reads and writes these."""
+        """The slot table of a handle that holds room (acquired). The runner reads and writes these."""
         assert self.slot_table is not None, "a KV handle without room"
         return self.slot_table
 
@@ -140,7 +140,9 @@ class KVCacheManager:
                 self._free.append(b)
 
     def _evict_until(self, needed: int) -> None:
-        """Free blocks by dropping idle cache entries: prefix blocks nobody uses, then idle sessions."""
+        """Free blocks by dropping idle cache entries. Prefix blocks nobody uses go first, then idle
+        sessions.
+        """
         while len(self._free) < needed:
             victim = next((h for h, (_, _, b) in self.prefix_blocks.items() if self._refs[b] == 1), None)
             if victim is not None:
@@ -156,7 +158,7 @@ class KVCacheManager:
             self.evictions += 1
 
     def reclaimable_blocks(self) -> int:
-        """Free blocks plus what evicting every idle entry could free (an upper bound)."""
+        """Free blocks plus what evicting every idle entry could free. It is an upper bound."""
         idle = sum(len(h.blocks) for h in self.sessions.values())
         idle += sum(1 for _, _, b in self.prefix_blocks.values() if self._refs[b] == 1)
         return len(self._free) + idle
@@ -178,7 +180,7 @@ class KVCacheManager:
         self.v[:, d] = self.v[:, s]
 
     def _own_last_block(self, handle: KVHandle) -> None:
-        """Before writing into a partly filled shared last block, give the handle its own copy."""
+        """Give the handle its own copy of a partly filled shared last block. Done before writing into it."""
         if handle.num_tokens % self.block_tokens and self._refs[handle.blocks[-1]] > 1:
             (own,) = self._take(1)
             self._copy_block(handle.blocks[-1], own)
@@ -199,11 +201,12 @@ class KVCacheManager:
         self._drop_blocks([block])
 
     def _match_prefix(self, prompt_ids: list[int], limit: int, root: int = 0) -> KVHandle:
-        """A handle sharing the longest run of cached KV that starts the prompt, at most `limit` tokens:
-        whole cached blocks, then the leading part of a cached block the prompt leaves part-way (its
-        tokens up to there have the same KV whatever follows them; the handle gets its own copy of that
-        block before writing). `root` starts the chain: 0 for the cache all sessions share, another
-        value for a namespace of its own."""
+        """A handle sharing the longest run of cached KV that starts the prompt. It takes at most `limit`
+        tokens. First come whole cached blocks. Then comes the leading part of a cached block the prompt
+        leaves part-way. Its tokens up to there have the same KV whatever follows them. The handle gets its
+        own copy of that block before writing. `root` starts the chain. It is 0 for the cache all sessions
+        share, another value for a namespace of its own.
+        """
         handle = KVHandle()
         parent = root
         bs = self.block_tokens
@@ -238,9 +241,10 @@ class KVCacheManager:
         return handle
 
     def register_prefix(self, handle: KVHandle, public_tokens: int = 0, root: int = 0) -> None:
-        """Offer the computed blocks of a sequence's public prefix (its first `public_tokens` tokens) to
-        the prefix cache. The block that prefix ends in is offered under its public tokens only: a later
-        prompt may reuse those, never compare against the private rest."""
+        """Offer the computed blocks of a sequence's public prefix to the prefix cache. The prefix is its
+        first `public_tokens` tokens. The block that prefix ends in is offered under its public tokens only.
+        A later prompt may reuse those, but never compare against the private rest.
+        """
         with self.lock:
             bs = self.block_tokens
             public = min(public_tokens, handle.num_tokens)
@@ -254,7 +258,9 @@ class KVCacheManager:
                 self._offer(parent, tuple(handle.token_ids[full * bs : public]), handle.blocks[full])
 
     def _offer(self, parent: int, tokens: tuple[int, ...], block: int) -> int:
-        """Cache `block` as holding `tokens` after the chain `parent` (unless one is already); its key."""
+        """Cache `block` as holding `tokens` after the chain `parent`, unless one is already. Returns its
+        key.
+        """
         key = self._chain(parent, tokens)
         if key not in self.prefix_blocks:
             self.prefix_blocks[key] = (parent, tokens, block)
@@ -264,9 +270,10 @@ class KVCacheManager:
 
     # -- sequences ------------------------------------------------------------------------------
     def _fork(self, key: Hashable, prompt_ids: list[int]) -> KVHandle | None:
-        """A handle sharing what session `key`'s KV (running or idle) holds of the prompt's start; the
-        session keeps all of it. The computed blocks it shares are never written again: the session
-        writes past them, and the handle copies a partial last block before writing (`acquire`)."""
+        """A handle sharing what session `key`'s KV holds of the prompt's start. That KV may be running or
+        idle, and the session keeps all of it. The computed blocks it shares are never written again. The
+        session writes past them. The handle copies a partial last block before writing (`acquire`).
+        """
         source = self.live.get(key) or self.sessions.get(key)
         if source is None:
             return None
@@ -289,16 +296,16 @@ class KVCacheManager:
         root: int = 0,
         fork: Hashable | None = None,
     ) -> tuple[KVHandle, int]:
-        """A handle with room for capacity_tokens, reusing cached KV; returns (handle, reused tokens).
-        The session's own KV is matched against the whole prompt, the prefix cache only against its
-        first `public_tokens` tokens. `max_reuse` caps the prefix-cache reuse too (positions from there
-        on are computed, e.g. to pool their hidden states).
+        """A handle with room for capacity_tokens, reusing cached KV. Returns (handle, reused tokens). The
+        session's own KV is matched against the whole prompt. The prefix cache is matched only against its
+        first `public_tokens` tokens. `max_reuse` caps the prefix-cache reuse too. Positions from there on
+        are computed, e.g. to pool their hidden states.
 
-        Raises OutOfKVMemory (leaving a session's cache in place) when the pool cannot hold it, or
-        without `evict` when it cannot without evicting what other sessions keep. `root`: the prefix
-        cache's namespace (see `_match_prefix`). `fork`: a session whose KV the prompt may start from
-        (without a `session_key`: the handle is the sequence's own and is freed at its end).
-        At least one prompt token is always left to compute, since its logits are needed.
+        Raises OutOfKVMemory when the pool cannot hold it; a session's cache stays in place. Without `evict`
+        it also raises when it cannot fit without evicting what other sessions keep. `root`: the prefix
+        cache's namespace (see `_match_prefix`). `fork`: a session whose KV the prompt may start from.
+        Without a `session_key` the handle is the sequence's own, freed at its end. At least one prompt
+        token is always left to compute, since its logits are needed.
         """
         with self.lock:
             need = self.blocks_for(capacity_tokens)
@@ -325,7 +332,7 @@ class KVCacheManager:
             return handle, handle.num_tokens
 
     def _from_session(self, key: Hashable, prompt_ids: list[int]) -> KVHandle | None:
-        """The session's kept KV, cut to what it shares with the prompt (the session gives it up)."""
+        """The session's kept KV, cut to what it shares with the prompt. The session gives it up."""
         cached = self.sessions.pop(key, None)
         if cached is None:
             if key in self.evicted_sessions:
@@ -377,7 +384,7 @@ class KVCacheManager:
             raise
 
     def release(self, handle: KVHandle, session_key: Hashable | None = None) -> None:
-        """A sequence ended: keep its KV for the session's next turn, or free it."""
+        """A sequence ended. Keep its KV for the session's next turn, or free it."""
         with self.lock:
             if handle.owner is not None and self.live.get(handle.owner) is handle:
                 del self.live[handle.owner]

@@ -1,13 +1,13 @@
 """Weights kept in a GGUF file's own quantized blocks, and the kernel that multiplies with them.
 
-Batch-1 decoding streams every weight once per step, so fewer bytes a weight mean faster steps, and no
-block is stored wider than the file has it. Q4_1 and Q8_0 are split into quants and float16 scales (the
-kernel's tuned layout, the same bytes), and so are Q5_1 and Q5_0 as Q5_1S (Q4_1's nibbles and a mask of
-fifth bits); Q4_0 runs as Q4_1, all exactly. Every other block type keeps the file's raw rows: Q4_K and
-Q6_K, most of a Q4_K_M file, have decode passes of their own. A mixed file runs each tensor in its own
-type. With VNNI, Q8_0 weights end as the kernel's int8 panels alone (PanelWeight), about their blocks'
-bytes. The C++ kernel is built once per CPU and cached; its pure-torch twin is what the tests compare it
-with. Results equal the float32 engine's on the dequantized weights up to rounding.
+Batch-1 decoding streams every weight once per step. So fewer bytes a weight mean faster steps. No block is
+stored wider than the file has it. Q4_1 and Q8_0 are split into quants and float16 scales. That is the
+kernel's tuned layout, with the same bytes. Q5_1 and Q5_0 are split too, as Q5_1S (Q4_1's nibbles and a mask
+of fifth bits). Q4_0 runs as Q4_1. All of these are exact. Every other block type keeps the file's raw rows.
+Q4_K and Q6_K, most of a Q4_K_M file, have decode passes of their own. A mixed file runs each tensor in its
+own type. With VNNI, Q8_0 weights end as the kernel's int8 panels alone (PanelWeight). Those take about
+their blocks' bytes. The C++ kernel is built once per CPU and cached. The tests compare it with its
+pure-torch twin. Results equal the float32 engine's on the dequantized weights, up to rounding.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ _LAYER_NAMES = {
 
 @dataclass
 class QuantizedWeight:
-    """A [out_features, in_features] weight as blocks of 32 along each row: `qs` the quants
-    ([out, in / 32 * quant bytes], uint8) and `scales` the fields ([out, in / 32, fields], float16)."""
+    """A [out_features, in_features] weight as blocks of 32 along each row. `qs` holds the quants ([out, in
+    / 32 * quant bytes], uint8). `scales` holds the fields ([out, in / 32, fields], float16).
+    """
 
     format: str  # "Q4_1" | "Q8_0" | "Q5_1S"
     qs: torch.Tensor
@@ -74,7 +75,7 @@ class QuantizedWeight:
 
     @property
     def args(self) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
-        """How the kernel's functions take a weight: per part its format, quants and scales."""
+        """How the kernel's functions take a weight. Per part: its format, quants and scales."""
         return [self.format], [self.qs], [self.scales]
 
     @property
@@ -83,13 +84,15 @@ class QuantizedWeight:
 
     @staticmethod
     def cat(weights: list[BlockWeight]) -> BlockWeight:
-        """Several weights over the same input as one (rows stacked), as the runner fuses q/k/v: one
-        weight where they share a type, else a StackedWeight of the parts."""
+        """Several weights over the same input as one, rows stacked, as the runner fuses q/k/v. One weight
+        where they share a type, else a StackedWeight of the parts.
+        """
         return cat(weights)
 
     def quants(self) -> torch.Tensor:
-        """The integer quants, unpacked: [out, in / 32, 32] (Q4_1 0..15 and Q5_1S 0..31 as
-        uint8, Q8_0 int8)."""
+        """The integer quants, unpacked: [out, in / 32, 32]. Q4_1 0..15 and Q5_1S 0..31 come as uint8. Q8_0
+        comes as int8.
+        """
         n, k = self.shape
         nb = k // BLOCK
         if self.format == "Q8_0":
@@ -103,8 +106,9 @@ class QuantizedWeight:
         return low | (bits << 4)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows `index` of the float32 weight (an embedding lookup, a few output-head rows), with
-        `dequantize`'s arithmetic."""
+        """Rows `index` of the float32 weight, with `dequantize`'s arithmetic. Used for an embedding lookup
+        or a few output-head rows.
+        """
         return QuantizedWeight(self.format, self.qs[index], self.scales[index]).dequantize()
 
     def dequantize(self) -> torch.Tensor:
@@ -119,8 +123,9 @@ class QuantizedWeight:
 
 @dataclass
 class RawWeight:
-    """A [out_features, in_features] weight as raw rows of blocks (uint8 [out, row bytes]): the file's,
-    any type of RAW_TYPES (gguf-py knows each type's block size)."""
+    """A [out_features, in_features] weight as raw rows of blocks (uint8 [out, row bytes]). The rows are the
+    file's, of any type of RAW_TYPES. gguf-py knows each type's block size.
+    """
 
     format: str
     data: torch.Tensor
@@ -167,9 +172,10 @@ PANEL_GROUP = {"Q8_0P": 32}  # weights a float32 scale
 
 @dataclass
 class PanelWeight:
-    """A [out_features, in_features] weight as the kernel's int8 panels of 32 rows only (uint8 [out /
-    32, panel bytes]): a panel's quants with pairs of columns interleaved across its rows, then each
-    scale group's 32 scales. The kernel reads them at every step size."""
+    """A [out_features, in_features] weight as the kernel's int8 panels of 32 rows only. The shape is uint8
+    [out / 32, panel bytes]. A panel holds its quants first, pairs of columns interleaved across its rows.
+    Then come each scale group's 32 scales. The kernel reads them at every step size.
+    """
 
     format: str  # a value of PANELS_OF
     data: torch.Tensor
@@ -178,7 +184,7 @@ class PanelWeight:
 
     @staticmethod
     def of(kernel: Kernel, w: QuantizedWeight | RawWeight) -> PanelWeight:
-        """`w` (a format of PANELS_OF, rows a multiple of 32) unpacked into panels by the kernel."""
+        """`w` unpacked into panels by the kernel. `w` has a format of PANELS_OF, rows a multiple of 32."""
         (fmt,), (qs,), (scales,) = w.args
         to = PANELS_OF[fmt]
         return PanelWeight(to, kernel.panels_of(to, fmt, qs, scales, w.shape[1]), w.shape[1], w.shipped)
@@ -196,7 +202,7 @@ class PanelWeight:
         return self.data.numel()
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows `index` as float32: each quant times its scale, as the blocks it came from dequantize."""
+        """Rows `index` as float32. Each quant times its scale, as the blocks it came from dequantize."""
         k, group = self.width, PANEL_GROUP[self.format]
         flat = index.reshape(-1)
         panel, col = flat // 32, flat % 32
@@ -213,8 +219,9 @@ class PanelWeight:
 
 @dataclass
 class StackedWeight:
-    """Weights of different block types over the same input, rows stacked (a Q4_K_M layer's q/k in
-    Q5_0 with v in Q8_0): the kernel runs them part by part, outputs side by side."""
+    """Weights of different block types over the same input, rows stacked. An example is a Q4_K_M layer's
+    q/k in Q5_0 with v in Q8_0. The kernel runs them part by part, outputs side by side.
+    """
 
     parts: list[Part]
 
@@ -263,7 +270,7 @@ BlockWeight = Part | StackedWeight
 
 
 def panels_only(kernel: Kernel, w: BlockWeight) -> BlockWeight:
-    """`w` with each part that PANELS_OF names (rows a multiple of 32) kept only as panels."""
+    """`w` with each part that PANELS_OF names kept only as panels. Such parts have rows a multiple of 32."""
     parts = w.parts if isinstance(w, StackedWeight) else [w]
     new = [
         PanelWeight.of(kernel, p)
@@ -275,8 +282,9 @@ def panels_only(kernel: Kernel, w: BlockWeight) -> BlockWeight:
 
 
 def cat(weights: list[BlockWeight]) -> BlockWeight:
-    """Several weights over the same input as one, rows stacked: runs of one type are joined into one
-    weight (a copy), a mix becomes a StackedWeight."""
+    """Several weights over the same input as one, rows stacked. Runs of one type are joined into one weight
+    (a copy). A mix becomes a StackedWeight.
+    """
     if len({w.shape[1] for w in weights}) != 1:
         raise ValueError(f"cannot stack weights of widths {sorted({w.shape[1] for w in weights})}")
     if len(weights) == 1:
@@ -311,8 +319,10 @@ def _join(run: list[Part]) -> Part:
 
 
 def read_gguf_weights(path: Path, model_type: str, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:
-    """The quantized linear weights of a GGUF file under their transformers names, every type of
-    SUPPORTED_TYPES; other tensors (float, IQ1/IQ2/IQ3) are left out (the runner keeps those dense)."""
+    """The quantized linear weights of a GGUF file, under their transformers names. Every type of
+    SUPPORTED_TYPES is included. Other tensors (float, IQ1/IQ2/IQ3) are left out; the runner keeps those
+    dense.
+    """
     return weights_from_file(GGUFFile(path), model_type, n_heads, n_kv_heads)
 
 
@@ -343,8 +353,9 @@ def weights_from_file(g: GGUFFile, model_type: str, n_heads: int, n_kv_heads: in
 
 
 def _from_rows(fmt: str, raw: np.ndarray) -> QuantizedWeight | RawWeight:
-    """A weight of type `fmt` from its raw rows: Q4_1 / Q8_0 split into quants and scales, Q4_0 as
-    Q4_1, Q5_0 and Q5_1 as Q5_1S; every other type its raw rows."""
+    """A weight of type `fmt` from its raw rows. Q4_1 / Q8_0 are split into quants and scales. Q4_0 goes as
+    Q4_1, Q5_0 and Q5_1 as Q5_1S. Every other type keeps its raw rows.
+    """
     if fmt == "Q4_0":
         return _q4_0_as_q4_1(raw)
     if fmt in ("Q5_0", "Q5_1"):
@@ -360,8 +371,9 @@ def _from_rows(fmt: str, raw: np.ndarray) -> QuantizedWeight | RawWeight:
 
 
 def _q4_0_as_q4_1(raw: np.ndarray) -> QuantizedWeight | RawWeight:
-    """Q4_0's d (q - 8) is Q4_1's d q + m with m = -8 d, exactly (both sides are exact in float32, and
-    -8 d in float16 is), so Q4_0 takes the faster split path; a d that -8 d would overflow stays raw."""
+    """Q4_0's d (q - 8) is Q4_1's d q + m with m = -8 d, exactly. Both sides are exact in float32, and
+    -8 d in float16 is too. So Q4_0 takes the faster split path. A d that -8 d would overflow stays raw.
+    """
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 18)
     d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)
@@ -373,15 +385,16 @@ def _q4_0_as_q4_1(raw: np.ndarray) -> QuantizedWeight | RawWeight:
 
 
 def _scales_fit(d: np.ndarray, shift: int) -> bool:
-    """Whether every d is finite and -shift d still fits float16 (then it is exact there)."""
+    """Whether every d is finite and -shift d still fits float16. Then it is exact there."""
     return bool(np.isfinite(d).all()) and float(np.abs(d).max(initial=0)) * shift <= 64000
 
 
 def _q5_as_q5_1s(fmt: str, raw: np.ndarray) -> QuantizedWeight:
-    """Q5_1 rows (d, m, a 32-bit mask of fifth bits, Q4_1's nibbles) as Q5_1S: the same bytes, the
-    nibbles first and the masks after them, so the kernel reads the nibbles as Q4_1's. Q5_0's
-    d (q - 16) is Q5_1's d q + m with m = -16 d, exactly, as Q4_0's is Q4_1's; a d too large for that
-    runs as Q8_0 (q - 16 a byte each, also exact)."""
+    """Q5_1 rows as Q5_1S. A Q5_1 row holds d, m, a 32-bit mask of fifth bits, and Q4_1's nibbles. Q5_1S has
+    the same bytes, the nibbles first and the masks after them. So the kernel reads the nibbles as Q4_1's.
+    Q5_0's d (q - 16) is Q5_1's d q + m with m = -16 d, exactly. This is as Q4_0's is Q4_1's. A d too large
+    for that runs as Q8_0 (q - 16 a byte each, also exact).
+    """
     rows, fields = raw.shape[0], 2 if fmt == "Q5_1" else 1
     blocks = raw.reshape(rows, -1, 2 * fields + 20)
     halves = np.ascontiguousarray(blocks[..., : 2 * fields]).view(np.float16)
@@ -395,7 +408,7 @@ def _q5_as_q5_1s(fmt: str, raw: np.ndarray) -> QuantizedWeight:
 
 
 def _q5_0_as_q8_0(d: np.ndarray, masks: np.ndarray, nibbles: np.ndarray) -> QuantizedWeight:
-    """Q5_0's d (q - 16) as Q8_0's d q8 with q8 = q - 16 in [-16, 15], exactly."""
+    """Q5_0's d (q - 16) as Q8_0's d q8, exactly. Here q8 = q - 16 in [-16, 15]."""
     # bit j of the little-endian mask (bit j % 8 of byte j // 8): weight j's fifth bit
     high = (np.repeat(masks, 8, axis=-1) >> np.tile(np.arange(8, dtype=np.uint8), 4)) & 1
     low = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # weights 0-15, then 16-31
@@ -408,8 +421,10 @@ FIXED_POINT_MAX = 32512.0  # 127 * 256: a block's largest activation still split
 
 
 def fixed_point_reference(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as the kernel's integer path rounds it: each block of 32 to the nearest multiple of
-    max|block| / 32512 (16-bit fixed point; relative error <= 1.5e-5 of the block's largest value)."""
+    """x rounded as the kernel's integer path rounds it. Each block of 32 goes to the nearest multiple of
+    max|block| / 32512. That is 16-bit fixed point. The relative error is <= 1.5e-5 of the block's largest
+    value.
+    """
     m, k = x.shape
     blocks = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
@@ -422,9 +437,10 @@ def fixed_point_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def reference_matmul(x: torch.Tensor, w: BlockWeight, fixed_point: bool = False) -> torch.Tensor:
-    """x @ W.T through the dequantized float32 weight: what the kernel must equal up to float rounding.
-    `fixed_point`: the kernel's integer path, in float64 — the scaled quants meet the fixed-point
-    activations, while Q4_1's min meets the exact activation sums (as in the kernel)."""
+    """x @ W.T through the dequantized float32 weight. The kernel must equal it up to float rounding.
+    `fixed_point`: the kernel's integer path, in float64. The scaled quants meet the fixed-point
+    activations. Q4_1's min meets the exact activation sums, as in the kernel.
+    """
     if not fixed_point or not isinstance(w, QuantizedWeight):
         return F.linear(x.float(), w.dequantize())
     n, k = w.shape
@@ -438,8 +454,9 @@ def reference_matmul(x: torch.Tensor, w: BlockWeight, fixed_point: bool = False)
 
 # -- the kernel --------------------------------------------------------------------------------------
 class Kernel(Protocol):
-    """The compiled kernel module as the engine calls it (kernels/bindings.cpp): every function takes
-    contiguous tensors and checks them, and lets go of the GIL while it runs."""
+    """The compiled kernel module as the engine calls it (kernels/bindings.cpp). Every function takes
+    contiguous tensors and checks them. It lets go of the GIL while it runs.
+    """
 
     fixed_point_activations: bool  # VNNI: integer dots over 16-bit fixed-point activations
     decode_passes: list[str]  # block types decoded by passes of their own (kquant_dots.h)
@@ -475,7 +492,7 @@ _kernel_error: str | None = None
 
 
 def cpu_key() -> str:
-    """Names the instruction sets the kernel is compiled for: a cache built on another CPU is not used."""
+    """Names the instruction sets the kernel is compiled for. A cache built on another CPU is not used."""
     try:
         flags = next(
             (
@@ -495,9 +512,10 @@ def cpu_key() -> str:
 
 
 def load_kernel(cache_dir: Path) -> Kernel | None:
-    """The compiled kernel module, built on first use into `cache_dir/kernels/<cpu key>` (a C++
-    compiler and ninja are needed once; ~1 min); None where it cannot be built (the reason is logged
-    and kept in `kernel_error()`; the engine then keeps its weights dense)."""
+    """The compiled kernel module, built on first use into `cache_dir/kernels/<cpu key>`. A C++ compiler and
+    ninja are needed once; it takes ~1 min. None where it cannot be built. The reason is logged and kept in
+    `kernel_error()`. The engine then keeps its weights dense.
+    """
     global _kernel, _kernel_error
     with _lock:
         if _kernel is not None or _kernel_error is not None:
@@ -512,8 +530,9 @@ def load_kernel(cache_dir: Path) -> Kernel | None:
 
 
 def build_kernel(cache_dir: Path, march: str = "native") -> Kernel:
-    """The kernel compiled with -march=`march` into `cache_dir/kernels/<key>`, once (the tests build an
-    AVX2 one beside the native to check that path on an AVX-512 machine); raises where it cannot."""
+    """The kernel compiled with -march=`march` into `cache_dir/kernels/<key>`, once. Raises where it cannot.
+    The tests build an AVX2 one beside the native one, to check that path on an AVX-512 machine.
+    """
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
@@ -531,8 +550,9 @@ def build_kernel(cache_dir: Path, march: str = "native") -> Kernel:
 
 
 def _put_ninja_on_path() -> None:
-    """torch's extension builder runs `ninja` from PATH; the pip package's binary is not there when the
-    virtualenv is not activated (`.venv/bin/rtserver serve`)."""
+    """torch's extension builder runs `ninja` from PATH. The pip package's binary is not there when the
+    virtualenv is not activated (`.venv/bin/rtserver serve`).
+    """
     try:
         import ninja
     except ImportError:
@@ -552,9 +572,10 @@ def quantized_matmul(kernel: Kernel, x: torch.Tensor, w: BlockWeight) -> torch.T
 
 
 def probe_panel_rows(kernel: Kernel, mlps: list[tuple[BlockWeight, BlockWeight]], repeats: int = 3) -> int:
-    """The largest step size (1 to 64 rows) at which the small-step kernel clearly beats the panel path
-    on every layer's MLP blocks (gate/up, down), not one: one layer's weights stay in cache and would
-    time only the arithmetic."""
+    """The largest step size (1 to 64 rows) at which the small-step kernel clearly beats the panel path. It
+    must win on every layer's MLP blocks (gate/up, down), not one. One layer's weights stay in cache and
+    would time only the arithmetic.
+    """
     if not mlps:
         return 1
 
@@ -578,8 +599,9 @@ def probe_panel_rows(kernel: Kernel, mlps: list[tuple[BlockWeight, BlockWeight]]
 def _clearly_faster(
     fast: Callable[..., object], other: Callable[..., object], inputs: tuple[object, ...], repeats: int
 ) -> bool:
-    """Whether `fast(*inputs)` takes under 0.9 of `other(*inputs)`'s time (a clear win only). The two are
-    timed in turns and the best of each kept, so load from other processes slows both alike."""
+    """Whether `fast(*inputs)` takes under 0.9 of `other(*inputs)`'s time. Only a clear win counts. The two
+    are timed in turns and the best of each kept. So load from other processes slows both alike.
+    """
     best = [float("inf"), float("inf")]
     with torch.inference_mode():
         for _ in range(repeats):

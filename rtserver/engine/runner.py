@@ -1,9 +1,9 @@
 """Model runner: one batched forward for a step plan over the paged KV pool.
 
-A lean Llama/Qwen2 block over the loaded weights (layers.py) runs every token of the step through the
-linears as one batch; only attention is grouped per sequence (attention.py). Index tensors are built
-once per step. Sampling and label scoring over its logits are StepRunner's (step.py). Tests keep it
-equal to transformers' own forward.
+A lean Llama/Qwen2 block runs over the loaded weights (layers.py). Every token of the step goes through the
+linears as one batch. Only attention is grouped per sequence (attention.py). Index tensors are built once
+per step. Sampling and label scoring over its logits are StepRunner's (step.py). Tests keep it equal to
+transformers' own forward.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def _fused(lin: Linear) -> FusedArgs:
 
 @dataclass
 class _Layout:
-    """Where a step's rows come from and go: index tensors and masks built once per step (and again
-    when items join it mid-step) and read by every layer."""
+    """Where a step's rows come from and go. Index tensors and masks are built once per step, and every
+    layer reads them. They are built again when items join it mid-step.
+    """
 
     ids: torch.Tensor  # the rows' token ids
     write_slots: torch.Tensor  # KV pool slot of each row
@@ -64,8 +65,9 @@ class _Layout:
 
 
 class _Rows:
-    """One group of a step's rows (the fused decodes, the fused prompts, or the rest): its items,
-    layout, residual stream and what it pools for features."""
+    """One group of a step's rows: the fused decodes, the fused prompts, or the rest. Holds its items,
+    layout, residual stream and what it pools for features.
+    """
 
     def __init__(self, runner: ModelRunner, items: list[StepItem], decodes: bool = False):
         self.items = items
@@ -76,8 +78,9 @@ class _Rows:
         self.features = [self.taps.item(it, self.lay.row_offsets[i]) for i, it in enumerate(items)]
 
     def join(self, items: list[StepItem], caught_up: torch.Tensor) -> None:
-        """Items joining before a layer, with their residual stream caught up to it. Rows are appended,
-        so the rows (and pooled ranges) of the items already here stay."""
+        """Items joining before a layer, with their residual stream caught up to it. Rows are appended. So
+        the rows (and pooled ranges) of the items already here stay.
+        """
         self.items = [*self.items, *items]
         self.features += [None] * len(items)
         self.x = caught_up if self.x is None else torch.cat([self.x, caught_up])
@@ -96,7 +99,8 @@ class ModelRunner:
         kernel: Kernel | None = None,
     ):
         """`blocks` (with the `kernel`): linears whose weights are given as GGUF blocks, by transformers
-        parameter name; those linears use only them, and their dense parameters are never read."""
+        parameter name. Those linears use only them. Their dense parameters are never read.
+        """
         cfg = model.config
         self.family = family_of(cfg)
         self.model = model
@@ -146,8 +150,10 @@ class ModelRunner:
         return True
 
     def keep_only_panels(self) -> None:
-        """Every block linear's parts whose panels cost no more memory than their blocks keep only the
-        panels (BlockLinear.keep_only_panels); a tied embedding then reads the output head's."""
+        """Some block linears' parts keep only their panels. They are the parts whose panels cost no more
+        memory than their blocks (BlockLinear.keep_only_panels). A tied embedding then reads the output
+        head's.
+        """
         for lin in [lin for L in self.layers for lin in L.linears]:
             if isinstance(lin, BlockLinear):
                 lin.keep_only_panels()
@@ -159,8 +165,9 @@ class ModelRunner:
                 embed.blocks = head.blocks
 
     def keep_panels(self, budget: int) -> int:
-        """Unpack the block linears once for many-row steps while they fit in `budget` bytes, layer by
-        layer, then the output head; the bytes kept."""
+        """Unpack the block linears once for many-row steps, while they fit in `budget` bytes. It goes layer
+        by layer, then the output head. Returns the bytes kept.
+        """
         kept = 0
         for linears in [L.linears for L in self.layers] + [[self.lm_head]]:
             on_blocks = [lin for lin in linears if isinstance(lin, BlockLinear)]
@@ -173,8 +180,9 @@ class ModelRunner:
         return kept
 
     def choose_fused_decode(self) -> None:
-        """Decodes and generation prompts run fused (the kernel's layer_forward) where every linear
-        can: a layer's many small torch ops cost a step more than one kernel call."""
+        """Decodes and generation prompts run fused (the kernel's layer_forward) where every linear can. A
+        layer's many small torch ops cost a step more than one kernel call.
+        """
         if not all(lin.fused_args() is not None for L in self.layers for lin in L.linears):
             return
         if self.attention_kernel is None or self.dtype != torch.float32:
@@ -214,8 +222,9 @@ class ModelRunner:
 
     # -- the forward ----------------------------------------------------------------------------
     def _layout(self, items: list[StepItem], decodes: bool = False) -> _Layout:
-        """Index tensors and masks of a step, built once and read by every layer, and the rows'
-        contexts as layer_forward reads them (`decodes`: one decode group, no torch attention plan)."""
+        """Index tensors and masks of a step, built once and read by every layer. Also the rows' contexts as
+        layer_forward reads them. `decodes`: one decode group, no torch attention plan.
+        """
         tokens: list[int] = []
         positions: list[int] = []
         row_offsets: list[int] = []
@@ -260,11 +269,12 @@ class ModelRunner:
         return lay
 
     def _fused_parts(self, items: list[StepItem]) -> tuple[list[int], list[int]]:
-        """The items of a step that run each layer as one fused kernel call (kernels/layer.h:
-        layer_forward, the same arithmetic as `_layer`), when `fused_decode` is on: its single-token
-        decodes, and its generation prompts (logits of the last row alone). Scoring and pooling items
-        run beside them through torch ops, so a prompt arriving among 32 streams does not slow their
-        step to torch's."""
+        """The items of a step that run each layer as one fused kernel call, when `fused_decode` is on. The
+        call is kernels/layer.h: layer_forward, with the same arithmetic as `_layer`. The items are its
+        single-token decodes and its generation prompts (logits of the last row alone). Scoring and pooling
+        items run beside them through torch ops. So a prompt arriving among 32 streams does not slow their
+        step to torch's.
+        """
         if not self.fused_decode:
             return [], []
         plain = [
@@ -276,14 +286,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> Forward:
-        """Run one step: per item the fp32 logits it asked for ([n, vocab], or [n, len(columns)]) or
-        None, and its hidden-state features where it pools them.
+        """Run one step. Per item it returns the fp32 logits it asked for, or None. Those are [n, vocab], or
+        [n, len(columns)]. It also returns its hidden-state features where it pools them.
 
-        `joins` is asked before every layer but the first for more items: prompts that arrived while
-        this step runs, so that they need not wait for the next one (a step of many streams is long).
-        Their rows first run the layers already done, alone, then go on with the step's rows. They
-        come back in `Forward.joined`, their logits after the plan's. Joining items prefill whole
-        prompts (logits "last", no pooled features)."""
+        `joins` is asked for more items before every layer but the first. These are prompts that arrived
+        while this step runs. They need not wait for the next one; a step of many streams is long. Their
+        rows first run the layers already done, alone. Then they go on with the step's rows. They come back
+        in `Forward.joined`, their logits after the plan's. Joining items prefill whole prompts (logits
+        "last", no pooled features).
+        """
         planned = len(items)
         items = list(items)  # the caller's plan stays as it is; joiners are appended here
         decode_idx, prompt_idx = self._fused_parts(items)
@@ -320,7 +331,7 @@ class ModelRunner:
         return self.run(items, joins).logits
 
     def _catch_up(self, items: list[StepItem], layers: int) -> torch.Tensor:
-        """The residual stream of items joining a step before layer `layers`: the layers before it."""
+        """The residual stream of items joining a step before layer `layers`. It runs the layers before it."""
         lay = self._layout(items)
         x = self._embed(lay.ids)
         for li in range(layers):
@@ -368,7 +379,7 @@ class ModelRunner:
         return x
 
     def _prompt_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
-        """Layer `li` of the fused prompts; the last through torch, which keeps only the rows asked."""
+        """Layer `li` of the fused prompts. The last goes through torch, which keeps only the rows asked."""
         if li < len(self.layers) - 1:
             return self._fused_layer(li, lay, x)
         out = self._layer(li, lay, x)
@@ -398,8 +409,9 @@ class ModelRunner:
     def _logits(
         self, items: list[StepItem], lay: _Layout, x: torch.Tensor, features: list[Features | None]
     ) -> list[torch.Tensor | None]:
-        """Logits only where someone needs them, and only the columns asked for; the final hidden
-        state of items whose features keep it."""
+        """Logits only where someone needs them, and only the columns asked for. Also the final hidden state
+        of items whose features keep it.
+        """
         hs = self.norm(x)
         out: list[torch.Tensor | None] = [None] * len(items)
         asked = {i: span for i, span in enumerate(lay.spans) if span is not None}

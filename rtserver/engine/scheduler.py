@@ -1,17 +1,17 @@
-"""The one scheduler: which sequences run in each step, admission, cancellation, and the step loop.
+"""The one scheduler: each step's sequences, admission, cancellation, and the step loop.
 
-Each step is one batched forward: a decode token per running sequence plus a bounded prefill chunk,
-so a long prompt delays running streams by one chunk at most. Sequences join at any step, and a
-prompt arriving mid-step joins the step under way (`admit.StepJoins`). A bounded queue refuses work at once
-(`Overloaded`). One worker thread runs `step()`; `submit` and `cancel` are thread-safe.
+Each step is one batched forward. It holds a decode token per running sequence plus a bounded prefill chunk.
+So a long prompt delays running streams by one chunk at most. Sequences join at any step. A prompt arriving
+mid-step joins the step under way (`admit.StepJoins`). A bounded queue refuses work at once (`Overloaded`).
+One worker thread runs `step()`. `submit` and `cancel` are thread-safe.
 
-Priorities: the more urgent sequences (customers, then agent assist, then background work) are
-admitted and prefilled first; prompts other than customers' take a quarter of a step's prefill
-budget at most. A customer waiting for a running place pauses a less urgent generation, which keeps
-its KV and resumes where it stopped; one short of KV pauses one whose KV then waits in the cache
-(evictable), so it resumes from what is still there. Only the most urgent work evicts what idle
-sessions keep in the cache. A waiting sequence whose KV does not fit lets later ones that fit go first
-for a bounded time (`SchedulerLimits.skip_ahead_s`), then they wait behind it.
+Priorities: customers come first, then agent assist, then background work. The more urgent sequences are
+admitted and prefilled first. Prompts other than customers' take at most a quarter of a step's prefill
+budget. A customer waiting for a running place pauses a less urgent generation. It keeps its KV and resumes
+where it stopped. A customer short of KV pauses one whose KV then waits in the cache (evictable). It resumes
+from what is still there. Only the most urgent work evicts what idle sessions keep in the cache. A waiting
+sequence's KV may not fit. Then later ones that fit go first for a bounded time
+(`SchedulerLimits.skip_ahead_s`). After that they wait behind it.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class Scheduler:
         self.admission.admit(lambda seq: self._finish(seq, FinishReason.CANCELLED, events))
 
     def plan(self, events: list[StepEvent]) -> list[StepItem]:
-        """Admit what fits, drop what was cancelled, and lay out this step's tokens."""
+        """Admit what fits and drop what was cancelled. Then lay out this step's tokens."""
         for seq in [s for s in self.running if s.cancelled]:
             self.running.remove(seq)
             self._finish(seq, FinishReason.CANCELLED, events)
@@ -273,8 +273,9 @@ class Scheduler:
     def _run_guarded(
         self, items: list[StepItem], events: list[StepEvent], out: StepOutput | None = None
     ) -> None:
-        """Execute (unless `out` is given) and apply `items`; a failure fails their sequences only —
-        never the scheduler."""
+        """Execute (unless `out` is given) and apply `items`. A failure fails their sequences only, never
+        the scheduler.
+        """
         try:
             self._apply(out if out is not None else self._execute(items), events)
         except Exception as exc:
@@ -290,8 +291,9 @@ class Scheduler:
                 )
 
     def _apply(self, out: StepOutput, events: list[StepEvent]) -> None:
-        """The one place a step's output reaches its sequences: computed positions, pooled features,
-        label scores, sampled token ids, and each sequence's own failures."""
+        """The one place a step's output reaches its sequences. It carries computed positions, pooled
+        features, label scores and sampled token ids. It also carries each sequence's own failures.
+        """
         for i, it in enumerate(out.items):
             seq = it.seq
             seq.num_computed = it.start + len(it.tokens)
@@ -330,7 +332,7 @@ class Scheduler:
             self._finish(seq, seq.finish_reason, events)
 
     def _fail_alone(self, seq: Sequence, events: list[StepEvent], stage: str, exc: BaseException) -> None:
-        """End one sequence whose own work after the forward raised; the step's others go on."""
+        """End one sequence whose own work after the forward raised. The step's others go on."""
         log.error("sequence %s failed in %s", seq.id, stage, exc_info=exc)
         if seq in self.running:
             self.running.remove(seq)

@@ -1,10 +1,10 @@
 """The stateful chat task: how one chat turn becomes a prompt, for every front door.
 
-`ChatTask.prepare_turn` continues from the last turn's ids, so a turn's cost does not grow with the
-history. The history window is cut in big chunks, down to half its limits, so the prompt's start stays
-the same for many turns and the backend reuses the session's KV. Message contents are data, never
-template: each is tokenized on its own with special tokens split, and roles come only from the history.
-Only the template's header and the system prompt (`public_tokens`) may be shared with other sessions.
+`ChatTask.prepare_turn` continues from the last turn's ids. So a turn's cost does not grow with the history.
+The history window is cut in big chunks, down to half its limits. So the prompt's start stays the same for
+many turns, and the backend reuses the session's KV. Message contents are data, never template. Each is
+tokenized on its own with special tokens split. Roles come only from the history. Only the template's header
+and the system prompt (`public_tokens`) may be shared with other sessions.
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ NEXT_MESSAGE_SENTINEL = "QzxNextUserMessageSentinelQzx"
 
 
 def _stand_in(i: int) -> str:
-    """Message i's content while the template renders: letters only (templates may trim or escape other
-    characters), all of one length and frame so that none is part of another."""
+    """Message i's content while the template renders. It is letters only: templates may trim or escape
+    other characters. All have one length and frame, so that none is part of another.
+    """
     return "QzxMessage" + "".join(chr(ord("a") + i // 26**k % 26) for k in (3, 2, 1, 0)) + "Qzx"
 
 
 @dataclass
 class LastTurn:
-    """A finished chat turn as the model saw it, so that the next prompt can reuse its exact tokens."""
+    """A finished chat turn as the model saw it. The next prompt can reuse its exact tokens."""
 
     text: str  # the rendered prompt followed by the reply text
     ids: list[int]  # the prompt's ids followed by the generated ids (end-of-turn token excluded)
@@ -42,7 +43,7 @@ class LastTurn:
 
 @dataclass(frozen=True)
 class Conversation:
-    """A live chat session as an assist call reads it: the window the model saw, and its KV's key."""
+    """A live chat session as an assist call reads it. Holds the window the model saw, and its KV's key."""
 
     history: list[Message]
     last: LastTurn | None
@@ -51,7 +52,7 @@ class Conversation:
 
 @dataclass
 class ChatPrompt:
-    """A chat prompt: its rendered text, its token ids and how many of those the server wrote."""
+    """A chat prompt. Holds its rendered text, its token ids and how many of those the server wrote."""
 
     rendered: str
     ids: list[int]
@@ -60,7 +61,7 @@ class ChatPrompt:
 
 @dataclass
 class ChatTurn:
-    """A user message made ready for the model: `history` is the window to render, ending with it."""
+    """A user message made ready for the model. `history` is the window to render, ending with it."""
 
     text: str  # the cleaned message
     history: list[Message]
@@ -75,8 +76,8 @@ def window(
 ) -> tuple[list[Message], bool]:
     """(history to render, whether it was cut). `history` ends with the new user message.
 
-    When over `max_turns` user turns or `max_tokens` rendered tokens, drop the oldest whole turns until
-    at most half of each limit remains (the newest user message is always kept).
+    Limits are `max_turns` user turns and `max_tokens` rendered tokens. Over either, drop the oldest whole
+    turns until at most half of each limit remains. The newest user message is always kept.
     """
     starts = [i for i, m in enumerate(history) if m["role"] == "user"]
     over_turns = max_turns > 0 and len(starts) > max_turns
@@ -96,9 +97,10 @@ def window(
 
 
 def template_segments(tokenizer: Tokenizer, messages: list[Message]) -> list[tuple[str, bool]]:
-    """The messages rendered through the chat template (generation prompt added), as (text, is_content)
-    pieces: the template's own text and each message's content, alternating, in order. Raises
-    TaskError where the template does not render each content exactly once, in order."""
+    """The messages rendered through the chat template, generation prompt added. They come as (text,
+    is_content) pieces. The template's own text and each message's content alternate, in order. Raises
+    TaskError where the template does not render each content exactly once, in order.
+    """
     marks = [_stand_in(i) for i in range(len(messages))]
     rendered = tokenizer.apply_chat_template(
         [{**m, "content": mark} for m, mark in zip(messages, marks)],
@@ -118,7 +120,7 @@ def template_segments(tokenizer: Tokenizer, messages: list[Message]) -> list[tup
 
 
 def _encode(tokenizer: Tokenizer, segments: list[tuple[str, bool]]) -> list[int]:
-    """Token ids of segments: the template's with its special tokens, contents as plain text."""
+    """Token ids of segments. The template's keep their special tokens; contents are plain text."""
     ids: list[int] = []
     for text, content in segments:
         if not text:
@@ -131,7 +133,7 @@ def _encode(tokenizer: Tokenizer, segments: list[tuple[str, bool]]) -> list[int]
 
 
 def _continued_at(segments: list[tuple[str, bool]], rendered: str, last: LastTurn | None) -> int | None:
-    """The first segment after the last turn's text, where `rendered` continues it at a segment edge."""
+    """The first segment after the last turn's text. Only where `rendered` continues it at a segment edge."""
     if last is None or not rendered.startswith(last.text):
         return None
     offset = 0
@@ -145,14 +147,14 @@ def _continued_at(segments: list[tuple[str, bool]], rendered: str, last: LastTur
 def encode_chat(
     tokenizer: Tokenizer, messages: list[Message], last: LastTurn | None = None, public_messages: int = 0
 ) -> ChatPrompt:
-    """The prompt of chat messages; the first `public_messages` of them are the server's own (its system
-    prompt), so their contents count as public.
+    """The prompt of chat messages. The first `public_messages` of them are the server's own (its system
+    prompt). So their contents count as public.
 
-    Re-tokenizing a reply does not always give back the tokens the model generated (BPE spells one
-    text in several ways), and every token after the first difference would be prefilled again
-    although the session's KV holds it. So when the prompt continues the last turn's text at a special
-    token (a hard token boundary, e.g. `<|im_end|>`), the last turn's own ids are kept and only the
-    rest is tokenized; otherwise (a cut window, an agent's reply, a new system prompt) all of it is.
+    Re-tokenizing a reply does not always give back the tokens the model generated. BPE spells one text in
+    several ways. Every token after the first difference would be prefilled again, although the session's KV
+    holds it. So the prompt may continue the last turn's text at a special token. That is a hard token
+    boundary, e.g. `<|im_end|>`. Then the last turn's own ids are kept and only the rest is tokenized.
+    Otherwise all of it is: a cut window, an agent's reply, a new system prompt.
     """
     segments = template_segments(tokenizer, messages)
     rendered = "".join(text for text, _ in segments)
@@ -174,8 +176,9 @@ def finished_turn(
     reply: str,
     generated_ids: list[int],
 ) -> LastTurn | None:
-    """The LastTurn of a reply, or None when its generated ids do not spell the reply kept in the
-    history (a stop string cut it)."""
+    """The LastTurn of a reply. None when its generated ids do not spell the reply kept in the history (a
+    stop string cut it).
+    """
     ids = list(generated_ids)
     while ids and ids[-1] in tokenizer.all_special_ids:
         ids.pop()
@@ -185,8 +188,9 @@ def finished_turn(
 
 
 def chat_task(settings: ChatSettings) -> Task:
-    """The chat as a task declaration (`[chat]`): described and checked like every task. Raises
-    ValueError naming a setting that cannot be used."""
+    """The chat as a task declaration (`[chat]`). It is described and checked like every task. Raises
+    ValueError naming a setting that cannot be used.
+    """
     task = Task(
         name=CHAT,
         description="Multi-turn assistant; streams its reply and keeps the conversation between turns.",
@@ -211,7 +215,7 @@ def chat_task(settings: ChatSettings) -> Task:
 
 
 class ChatTask:
-    """The chat task bound to a tokenizer: prepares turns and renders a session's history window."""
+    """The chat task bound to a tokenizer. It prepares turns and renders a session's history window."""
 
     def __init__(self, task: Task, tokenizer: Tokenizer):
         self.task = task
@@ -219,8 +223,9 @@ class ChatTask:
 
     # -- a new user message -----------------------------------------------------------------------
     def clean_message(self, text: object) -> str:
-        """The task's cleaning (control characters stripped, size checked), then its token limit: a
-        longer message keeps its newest `max_input_tokens` tokens (counted as the prompt holds it)."""
+        """The task's cleaning: control characters stripped, size checked. Then its token limit. A longer
+        message keeps its newest `max_input_tokens` tokens, counted as the prompt holds it.
+        """
         cleaned = self.task.clean_text(text)
         ids = self.tokenizer.encode(cleaned, add_special_tokens=False, split_special_tokens=True)
         limit = self.task.max_input_tokens
@@ -229,8 +234,9 @@ class ChatTask:
         return self.tokenizer.decode(ids[-limit:], skip_special_tokens=True).lstrip("\ufffd").strip()
 
     def prepare_turn(self, history: list[Message], text: object, last: LastTurn | None = None) -> ChatTurn:
-        """The cleaned message, the history window (ending with it) and its prompt, continuing `last`
-        (the session's last turn) where the window still starts with it."""
+        """The cleaned message, the history window (ending with it) and its prompt. The prompt continues
+        `last` (the session's last turn) where the window still starts with it.
+        """
         text = self.clean_message(text)
         prompts: dict[int, ChatPrompt] = {}  # window size -> its prompt, as counted
 
@@ -251,8 +257,9 @@ class ChatTask:
 
     # -- rendering --------------------------------------------------------------------------------
     def _messages(self, history: list[Message], system: bool = True) -> tuple[list[Message], int]:
-        """(messages to render, how many of them lead as the server's own): the task's system prompt
-        goes first unless the history brings one (or `system` is False)."""
+        """(messages to render, how many of them lead as the server's own). The task's system prompt goes
+        first. Not if the history brings one, or if `system` is False.
+        """
         messages = list(history)
         if system and self.task.system_prompt and not (messages and messages[0].get("role") == "system"):
             return [{"role": "system", "content": self.task.system_prompt}, *messages], 1
@@ -261,13 +268,15 @@ class ChatTask:
     def encode(
         self, history: list[Message], last: LastTurn | None = None, *, system: bool = True
     ) -> ChatPrompt:
-        """The prompt of a history (its contents as plain text), reusing the last turn's own ids. With
-        `system` False the messages are rendered as given (the OpenAI door's own system messages)."""
+        """The prompt of a history, its contents as plain text. It reuses the last turn's own ids. With
+        `system` False the messages are rendered as given. That serves the OpenAI door's own system
+        messages.
+        """
         messages, public = self._messages(history, system)
         return encode_chat(self.tokenizer, messages, last, public)
 
     def render(self, history: list[Message]) -> list[int]:
-        """Token ids of the history as a prompt (the task's system prompt first unless it has one)."""
+        """Token ids of the history as a prompt. The task's system prompt goes first unless it has one."""
         return self.encode(history).ids
 
     def render_text(self, history: list[Message]) -> str:
@@ -275,8 +284,9 @@ class ChatTask:
         return "".join(text for text, _ in template_segments(self.tokenizer, self._messages(history)[0]))
 
     def continued(self, conversation: Conversation, instruction: str) -> ChatPrompt | None:
-        """The conversation's prompt as its next reply would see it, `instruction` (if any) after it
-        as a system message; None where the template cannot render that (roles must alternate)."""
+        """The conversation's prompt as its next reply would see it. `instruction`, if any, follows it as a
+        system message. None where the template cannot render that (roles must alternate).
+        """
         extra = [{"role": "system", "content": instruction}] if instruction else []
         try:
             return self.encode([*conversation.history, *extra], conversation.last)
@@ -284,7 +294,7 @@ class ChatTask:
             return None
 
     def prompt(self, history: list[Message], last: LastTurn | None) -> tuple[str, list[int]]:
-        """(rendered text, token ids) of a session's prompt, reusing the last turn's own ids."""
+        """(rendered text, token ids) of a session's prompt. It reuses the last turn's own ids."""
         p = self.encode(history, last)
         return p.rendered, p.ids
 
@@ -294,13 +304,14 @@ class ChatTask:
         return finished_turn(self.tokenizer, rendered, prompt_ids, reply, generated_ids)
 
     def next_turn_prefix(self, history: list[Message], last: LastTurn | None) -> list[int] | None:
-        """The token ids the next turn's prompt will start with, up to where the next user message
-        goes; None where that cannot be known safely. `history` ends with the reply just given.
+        """The token ids the next turn's prompt will start with. They run up to where the next user message
+        goes. None where that cannot be known safely. `history` ends with the reply just given.
 
-        Safe means: the window would not be cut by a message of the stand-in's size, and the prompt
-        continues the last turn's own ids (the template renders the finished turn the same once another
-        follows). Each content is tokenized on its own, so the ids before the next one's content do not
-        change with it. The ids are computed exactly as `prepare_turn` will."""
+        Safe means two things. The window would not be cut by a message of the stand-in's size. And the
+        prompt continues the last turn's own ids: the template renders the finished turn the same once
+        another follows. Each content is tokenized on its own. So the ids before the next one's content do
+        not change with it. The ids are computed exactly as `prepare_turn` will.
+        """
         if last is None or not history or history[-1].get("role") != "assistant":
             return None
         probe = history + [{"role": "user", "content": NEXT_MESSAGE_SENTINEL}]

@@ -1,8 +1,8 @@
-"""The task declaration plugin authors write: `Task`, `Choices`, `JSONSchema`, `Regex`, `Grammar`,
-`Variant`, `LearnedHead`.
+"""The task declaration that plugin authors write. It holds `Task`, `Choices`, `JSONSchema`, `Regex`,
+`Grammar`, `Variant` and `LearnedHead`.
 
-A declaration checks itself and owns its limits, input cleaning and decoding with client overrides.
-How it runs: `run.py` and `chat.py`; how plugins are found: `registry.py`.
+A declaration checks itself. It owns its limits, its input cleaning, and its decoding with client overrides.
+How it runs: `run.py` and `chat.py`. How plugins are found: `registry.py`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ DECODING_KEYS = (
 
 
 class TaskError(Exception):
-    """A request a task cannot take; `code` is stable, `message` says what to change, `param` names
-    the client's field at fault when one is."""
+    """A request a task cannot take. `code` is stable. `message` says what to change. `param` names the
+    client's field at fault, when one is.
+    """
 
     def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(message)
@@ -51,10 +52,10 @@ class TaskError(Exception):
 
 @dataclass
 class Choices:
-    """A closed set of outputs, each scored as the log-probability of its verbalizer after the prompt.
+    """A closed set of outputs. Each is scored as the log-probability of its verbalizer after the prompt.
 
-    `calibration` lists content-free inputs (e.g. "N/A"); their mean label scores are subtracted so the
-    model's prior preference for one label word does not decide the answer (contextual calibration).
+    `calibration` lists content-free inputs (e.g. "N/A"). Their mean label scores are subtracted. So the
+    model's prior liking for one label word does not decide the answer (contextual calibration).
     """
 
     labels: dict[str, str]  # output label -> continuation text scored after the prompt
@@ -63,8 +64,9 @@ class Choices:
 
 @dataclass
 class JSONSchema:
-    """Generated text that is JSON valid under `schema`: every token is masked while decoding so the
-    text stays valid, and the call's output is the parsed value."""
+    """Generated text that is valid JSON under `schema`. Every token is masked while decoding, so the text
+    stays valid. The call's output is the parsed value.
+    """
 
     schema: dict[str, object]
 
@@ -84,7 +86,9 @@ class Regex:
 
 @dataclass
 class Grammar:
-    """Generated text in the language of a Lark grammar (llguidance's dialect), enforced while decoding."""
+    """Generated text in the language of a Lark grammar, enforced while decoding. The dialect is
+    llguidance's.
+    """
 
     lark: str
 
@@ -97,12 +101,12 @@ Output = JSONSchema | Regex | Grammar
 
 @dataclass
 class LearnedHead:
-    """Labeled examples a scoring task ships, fitted by `rtserver fit-heads` into a classifier on hidden
+    """Labeled examples a scoring task ships. `rtserver fit-heads` fits them into a classifier on hidden
     states.
 
-    Calls then answer from the same forward pass as label scoring, at no extra tokens. A start loads a
-    fit whose hash matches (stored in the cache, or the plugin's `fitted` file) and never fits: without
-    one, or on a backend without hidden states, the task scores labels.
+    Calls then answer from the same forward pass as label scoring, at no extra tokens. A start loads a fit
+    whose hash matches, and never fits. The fit is stored in the cache, or in the plugin's `fitted` file.
+    Without one, or on a backend without hidden states, the task scores labels.
     """
 
     examples: str | Path  # the JSONL file; a relative path is relative to the working directory
@@ -198,7 +202,7 @@ class Task:
             raise ValueError(f"decoding: {exc.message}") from None
 
     def _validate_overridable(self) -> None:
-        """Each overridable range is (low, high) within what a client may set at all."""
+        """Each overridable range is (low, high). It lies within what a client may set at all."""
         for key, span in self.overridable.items():
             if (
                 not isinstance(span, (tuple, list))
@@ -235,8 +239,9 @@ class Task:
 
     @property
     def callers(self) -> tuple[str, ...]:
-        """Who may call the task: its `audience`, or by default everyone for a customer-priority task
-        and agents and the API for one that is less urgent (an agent's copilot task)."""
+        """Who may call the task: its `audience`. The default depends on priority. A customer-priority task
+        is open to everyone. A less urgent one (an agent's copilot task) is open to agents and the API.
+        """
         if self.audience is not None:
             return tuple(self.audience)
         return AUDIENCES if self.priority == "customer" else ("agents", "api")
@@ -348,8 +353,9 @@ class Task:
         return text
 
     def sampling(self, overrides: Mapping[str, object] | None, caller: str | None = None) -> SamplingParams:
-        """Decoding for one call: the task's defaults, then client overrides within allowed ranges; the
-        priority is the caller's where that is less urgent than the task's own."""
+        """Decoding for one call. The task's defaults come first, then client overrides within allowed
+        ranges. The priority is the caller's where that is less urgent than the task's own.
+        """
         priority = PRIORITIES[self.priority]
         if caller is not None:
             priority = max(priority, CALLER_PRIORITY[caller])
@@ -388,7 +394,7 @@ class Task:
             raise TaskError("bad_decoding", f"{self.name}: {exc.message}", key) from None
 
     def variant_of(self, text: str) -> int:
-        """Which variant this input selects: its index, or -1 for the task's own prompt."""
+        """Which variant this input selects. Its index, or -1 for the task's own prompt."""
         for i, v in enumerate(self.variants):
             if v.when(text):
                 return i

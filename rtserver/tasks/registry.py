@@ -1,6 +1,6 @@
-"""The task registry: discovery of plugins (files in `tasks.plugin_dirs`, `rtserver.tasks` entry points),
-`[task.<name>]` config overrides, validation, and the enabled tasks by name. A broken plugin is
-reported (start-up goes on without it), never fatal.
+"""The task registry. It finds plugins: files in `tasks.plugin_dirs`, and `rtserver.tasks` entry points. It
+applies `[task.<name>]` config overrides, validates, and keeps the enabled tasks by name. A broken plugin is
+reported, never fatal. Start-up goes on without it.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ OVERRIDE_TYPES: dict[str, Any] = {
 
 
 def _task_from(obj: object, options: dict[str, object], source: str) -> Task:
-    """A Task from a module (TASK or make_task), a Task, or a factory callable."""
+    """A Task from a module (TASK or make_task), from a Task, or from a factory callable."""
     factory = getattr(obj, "make_task", None)
     if factory is None and callable(obj) and not isinstance(obj, Task):
         factory = obj
@@ -136,8 +136,9 @@ class CacheCounts(NamedTuple):
 
 
 class TaskRegistry:
-    """The enabled stateless tasks by name, those run on every user chat message, the backend each
-    is placed on when its `[task.<name>]` table names one, and the chat (`[chat]`)."""
+    """The enabled stateless tasks by name, and those run on every user chat message. Also the backend each
+    is placed on, when its `[task.<name>]` table names one. Also the chat (`[chat]`).
+    """
 
     def __init__(
         self,
@@ -152,7 +153,7 @@ class TaskRegistry:
         self._chat = chat
 
     def placement(self, name: str) -> str | None:
-        """The backend named for this task in the config, or None (the default backend)."""
+        """The backend named for this task in the config. None means the default backend."""
         return self.placements.get(name)
 
     @property
@@ -185,7 +186,7 @@ class TaskRegistry:
         declared.check_caller(caller)
 
     def get(self, name: str) -> PromptTask:
-        """A stateless task; the chat is a session's (`chat`), not a task call."""
+        """A stateless task. The chat is a session's (`chat`), not a task call."""
         task = self.tasks.get(name) if isinstance(name, str) else None
         if task is not None:
             return task
@@ -209,11 +210,12 @@ class TaskRegistry:
         conversation: Conversation | None = None,
         caller: str | None = None,
     ) -> TaskOutput:
-        """Run a stateless task; `scope` keeps its cached results apart, `on_delta` sees its replies
-        stream (see `PromptTask.run`). A task with a `conversation_prompt` given the live
-        `conversation` its input is about continues that conversation instead (`PromptTask.follow`).
-        A `caller` (customers, agents, api) must be in the task's audience; the call runs at its
-        priority (`Task.sampling`). None: the server's own call (auto-tasks)."""
+        """Run a stateless task. `scope` keeps its cached results apart. `on_delta` sees its replies stream
+        (see `PromptTask.run`). A task may have a `conversation_prompt` and be given the live `conversation`
+        its input is about. It then continues that conversation instead (`PromptTask.follow`). A `caller`
+        (customers, agents, api) must be in the task's audience. The call runs at its priority
+        (`Task.sampling`). None: the server's own call (auto-tasks).
+        """
         task = self.get(name)
         if caller is not None:
             task.task.check_caller(caller)
@@ -227,7 +229,7 @@ class TaskRegistry:
         return await task.run(backend, raw_input, overrides, scope=scope, on_delta=on_delta, caller=caller)
 
     def cost(self, name: str, overrides: dict[str, object] | None = None) -> int:
-        """The most tokens one call of a stateless task can take (what admission holds for it)."""
+        """The most tokens one call of a stateless task can take. Admission holds that much for it."""
         return self.get(name).cost(overrides)
 
     async def prepare(
@@ -238,10 +240,11 @@ class TaskRegistry:
         fit: bool = True,
         pace: Pace = FULL,
     ) -> list[PluginError]:
-        """Load the learned heads of the tasks that declare one, each on the backend that runs it
-        (`backend_for(task) -> (backend name, backend)`); with `fit`, fit those without a stored fit.
-        A task whose examples file is broken is dropped and reported like a broken plugin. One without
-        hidden states or without a fit keeps label scoring (`PromptTask.prepare` logs it)."""
+        """Load the learned heads of the tasks that declare one. Each loads on the backend that runs it
+        (`backend_for(task) -> (backend name, backend)`). With `fit`, fit those without a stored fit. A task
+        whose examples file is broken is dropped. It is reported like a broken plugin. One without hidden
+        states or without a fit keeps label scoring. `PromptTask.prepare` logs it.
+        """
         errors: list[PluginError] = []
         for name, task in list(self.tasks.items()):
             if task.task.head is None:
@@ -258,9 +261,10 @@ class TaskRegistry:
     async def prepare_outputs(
         self, backend_for: Callable[[str], tuple[str, InferenceBackend]]
     ) -> list[PluginError]:
-        """Compile each task's output format for good on the backend that runs it. A task whose format
-        does not compile for this model, or whose backend cannot constrain output, is dropped and
-        reported like a broken plugin."""
+        """Compile each task's output format for good on the backend that runs it. Some tasks are dropped
+        and reported like a broken plugin. Their format does not compile for this model, or their backend
+        cannot constrain output.
+        """
         errors: list[PluginError] = []
         for name, task in list(self.tasks.items()):
             fmt = task.task.output_format
@@ -292,8 +296,9 @@ class TaskRegistry:
         cache_dir: Path,
         pace: Pace,
     ) -> None:
-        """Fit the heads that had no fit for this model, store them for the next start and switch each
-        task to its head when done. A failure leaves that task on label scoring (logged)."""
+        """Fit the heads that had no fit for this model. Store them for the next start. Switch each task to
+        its head when done. A failure leaves that task on label scoring (logged).
+        """
         for name, task in list(self.tasks.items()):
             if not task.fit_missing:
                 continue
@@ -310,13 +315,13 @@ class TaskRegistry:
             log.info("task %s: switched to its learned head, fitted in the background", name)
 
     def heads_off(self, why: str) -> None:
-        """Learned heads are not used at all: every task with one says why on /health."""
+        """Learned heads are not used at all. Every task with one says why on /health."""
         for task in self.tasks.values():
             if task.task.head is not None:
                 task.head_note = why
 
     def head_states(self) -> dict[str, dict[str, str]]:
-        """Per task with a learned head: the scoring it uses (`head` or `labels`) and why."""
+        """Per task with a learned head: the scoring it uses (`head` or `labels`), and why."""
         out: dict[str, dict[str, str]] = {}
         for name, task in self.tasks.items():
             state = task.head_state()
@@ -325,9 +330,10 @@ class TaskRegistry:
         return out
 
     async def calibrate(self, backend_for: Callable[[str], tuple[str, InferenceBackend]]) -> None:
-        """Compute the calibration offsets of the label-scoring tasks, each on its backend, alone (before
-        the server takes requests). A backend that fails here (a remote server down at start) leaves
-        them to the task's first call."""
+        """Compute the calibration offsets of the label-scoring tasks. Each runs on its backend, alone,
+        before the server takes requests. A backend may fail here (a remote server down at start). Then they
+        are left to the task's first call.
+        """
         for name, task in self.tasks.items():
             backend_name, backend = backend_for(name)
             try:
@@ -347,7 +353,7 @@ class TaskRegistry:
 
 
 def store_task_fit(task: PromptTask, cache_dir: Path) -> Path:
-    """Store a prepared task's heads in the cache, where the next start loads them."""
+    """Store a prepared task's heads in the cache. The next start loads them there."""
     path = stored_path(cache_dir, task.task.name)
     assert path is not None
     store_fitted(path, task.fitted)
@@ -355,7 +361,7 @@ def store_task_fit(task: PromptTask, cache_dir: Path) -> Path:
 
 
 def _discover(settings: Settings) -> list[tuple[str, object]]:
-    """(source, module-or-object) for every plugin file and entry point; import errors are returned."""
+    """(source, module-or-object) for every plugin file and entry point. Import errors are returned."""
     found: list[tuple[str, object]] = []
     for folder in settings.tasks.plugin_dirs:
         path = Path(folder).expanduser()
@@ -398,8 +404,9 @@ def _discover(settings: Settings) -> list[tuple[str, object]]:
 
 
 def _declared_name(obj: object) -> str | None:
-    """The task name a plugin declares before it is built: TASK.name, NAME, or the NAME of the module
-    an entry-point factory lives in."""
+    """The task name a plugin declares before it is built. It is TASK.name, NAME, or the NAME of the module
+    an entry-point factory lives in.
+    """
     if isinstance(obj, Task):
         return obj.name
     task = getattr(obj, "TASK", None)

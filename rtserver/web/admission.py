@@ -1,15 +1,17 @@
-"""Who may use each door, and how much: surface credentials, open sockets per client, request and token
-budgets, readiness and shutdown. The /ws hub, the console and the HTTP API all admit through here.
+"""Who may use each door, and how much. This covers surface credentials and open sockets per client. It
+covers request and token budgets, readiness and shutdown. The /ws hub, the console and the HTTP API all
+admit through here.
 
-Surfaces: the public widget door (`/ws`, page assets), the inference API (HTTP `/v1/*`, `/chat`,
-`/sentiment`, `/tokenize`), the agent console and operations (`/metrics`, `/health` detail). Each has
-its own credential; the API and operations answer loopback clients only while their token is empty.
+There are four surfaces. The public widget door is `/ws` and page assets. The inference API is HTTP `/v1/*`,
+`/chat`, `/sentiment` and `/tokenize`. Then come the agent console, and operations (`/metrics`, `/health`
+detail). Each has its own credential. The API and operations answer loopback clients only while their token
+is empty.
 
-Costs are tokens, not requests: a generation holds what it takes of the engine's KV while it runs (its
-whole prompt, kept history included, plus `max_new_tokens`; a scoring call its prompt and longest
-candidate) against its client's share, its surface's total and the KV all doors share, and its
-client's token bucket pays for what it computed. A client is an IPv4 address or an IPv6 /64 (one
-host's usual allocation).
+Costs are tokens, not requests. A generation holds what it takes of the engine's KV while it runs. That is
+its whole prompt, kept history included, plus `max_new_tokens`. A scoring call holds its prompt and longest
+candidate. The hold counts against three bounds: its client's share, its surface's total, and the KV all
+doors share. Its client's token bucket pays for what it computed. A client is an IPv4 address or an IPv6 /64
+(one host's usual allocation).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Surface(enum.Enum):
 
 
 class Refused(Exception):
-    """A request or connection that may not go on; `code` is stable, `message` says what to do."""
+    """A request or connection that may not go on. `code` is stable; `message` says what to do."""
 
     def __init__(
         self, code: str, message: str, status: int, close: int = Close.POLICY, retry_after_s: float = 0.0
@@ -52,7 +54,7 @@ class Refused(Exception):
 
 
 def client_key(ip: str) -> str:
-    """The unit every per-client limit counts: an IPv4 address, or the /64 of an IPv6 one."""
+    """The unit every per-client limit counts. It is an IPv4 address, or the /64 of an IPv6 one."""
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
@@ -82,7 +84,7 @@ def same_token(given: str, expected: str) -> bool:
 
 
 class SocketCount:
-    """Open WebSocket connections per client; `open` refuses past the cap (0 = no cap)."""
+    """Open WebSocket connections per client. `open` refuses past the cap (0 = no cap)."""
 
     def __init__(self, per_client: int):
         self.per_client = per_client
@@ -110,7 +112,7 @@ class SocketCount:
 
 
 class TokenRate:
-    """Token buckets per client counted in model tokens; a debt is paid back before the next request."""
+    """Token buckets per client, counted in model tokens. A debt is paid back before the next request."""
 
     def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
         self.rate, self.burst, self.clock = rate, burst, clock
@@ -135,7 +137,7 @@ class TokenRate:
 
 @dataclass
 class Reservation:
-    """Tokens held by one generation; `release` gives them back and pays for what was used."""
+    """Tokens held by one generation. `release` gives them back and pays for what was used."""
 
     budget: TokenBudget
     key: str
@@ -150,15 +152,16 @@ class Reservation:
 
 
 class NoReservation(Reservation):
-    """What a caller holds when nothing was reserved (a refused or never-started request)."""
+    """What a caller holds when nothing was reserved. That is a refused or never-started request."""
 
     def __init__(self) -> None:
         self.released = True
 
 
 class KVPool:
-    """The engine's KV as every door counts it: its size in tokens (0: unknown, e.g. a remote backend,
-    so no bound) and what the running requests of all doors hold of it."""
+    """The engine's KV as every door counts it. `tokens` gives its size; 0 means unknown, so no bound
+    (e.g. a remote backend). `held` is what the running requests of all doors hold of it.
+    """
 
     def __init__(self, tokens: Callable[[], int]):
         self.tokens = tokens
@@ -167,9 +170,10 @@ class KVPool:
 
 class TokenBudget:
     """One surface's tokens: in flight per client and in all, and each client's rate. `total` is the
-    surface's own bound (0: none beyond the pool); `client_share` bounds what one client may hold to
-    that share of it (of the pool where the surface has no total; 0: no share); `pool` is the KV all
-    surfaces share, which no reservation may overfill."""
+    surface's own bound (0: none beyond the pool). `client_share` bounds what one client may hold to that
+    share of it. Where the surface has no total, it is a share of the pool (0: no share). `pool` is the KV
+    all surfaces share. No reservation may overfill it.
+    """
 
     def __init__(
         self,
@@ -187,7 +191,7 @@ class TokenBudget:
         self.waiting: list[asyncio.Future[None]] = []  # reserve_queued's callers, woken by give_back
 
     def client_cap(self) -> int:
-        """The most one client may hold at once (0: no bound): `per_client`, and its share."""
+        """The most one client may hold at once (0: no bound). It is `per_client`, and its share."""
         whole = self.total() or self.pool.tokens()
         share = math.floor(whole * self.client_share) if whole and self.client_share else 0
         return min((c for c in (self.per_client, share) if c), default=0)
@@ -244,8 +248,9 @@ class TokenBudget:
         return Reservation(self, key, tokens)
 
     async def reserve_queued(self, ip: str, tokens: int, wait_s: float, max_waiting: int) -> Reservation:
-        """`reserve`, but a request that fits the budget and not this moment waits up to `wait_s` for
-        running ones to end (at most `max_waiting` wait at once), then gets the last refusal."""
+        """`reserve`, with waiting. A request may fit the budget but not this moment. It waits up to
+        `wait_s` for running ones to end. At most `max_waiting` wait at once. Then it gets the last refusal.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
@@ -285,7 +290,7 @@ class TokenBudget:
 
 
 def kv_tokens(backends: dict[str, InferenceBackend], block_tokens: int) -> int:
-    """Tokens the local engine's KV pool holds (0 when inference is remote only)."""
+    """Tokens the local engine's KV pool holds. It is 0 when inference is remote only."""
     local = backends.get("local")
     if local is None:
         return 0
@@ -331,7 +336,7 @@ class Admission:
 
     # -- who --------------------------------------------------------------------------------------
     def authorize(self, surface: Surface, token: str, ip: str) -> None:
-        """Raise `Refused` unless this client may use `surface` with `token` ("" = none given)."""
+        """Raise `Refused` unless this client may use `surface` with `token`. "" means none was given."""
         sec = self.state.settings.security
         if surface is Surface.PUBLIC:
             if sec.ws_token and not same_token(token, sec.ws_token):
@@ -358,7 +363,7 @@ class Admission:
 
     # -- how often --------------------------------------------------------------------------------
     async def take_request(self, ip: str, what: str = "requests") -> None:
-        """One request (or WebSocket message) from the client's bucket, shared by every door."""
+        """One request (or WebSocket message) from the client's bucket. Every door shares it."""
         wait = await self.state.ip_take(client_key(ip))
         if wait > 0:
             limiter = self.state.ip_limiter
@@ -372,18 +377,20 @@ class Admission:
 
     # -- how much ---------------------------------------------------------------------------------
     def reserve(self, surface: Surface, ip: str, tokens: int) -> Reservation:
-        """Hold `tokens` (what the request holds of the KV while it runs: its whole prompt + the most
-        it may generate) for one request of `surface`."""
+        """Hold `tokens` for one request of `surface`. That is what the request holds of the KV while it
+        runs: its whole prompt plus the most it may generate.
+        """
         return self.budgets[surface].reserve(ip, tokens)
 
     async def reserve_queued(self, surface: Surface, ip: str, tokens: int) -> Reservation:
-        """`reserve` for the API: a request that fits its door's budget but not this moment waits its
-        turn (`security.api_queue_s`, at most `security.api_queue_max` at once), then gets 429."""
+        """`reserve` for the API. A request may fit its door's budget but not this moment. It waits its turn
+        (`security.api_queue_s`, at most `security.api_queue_max` at once), then gets 429.
+        """
         sec = self.state.settings.security
         return await self.budgets[surface].reserve_queued(ip, tokens, sec.api_queue_s, sec.api_queue_max)
 
     def release_when_done(self, reservation: Reservation, stream: Generation, prompt_tokens: int) -> None:
-        """Give the tokens back when `stream` ends, however it ends (a client may leave mid-stream)."""
+        """Give the tokens back when `stream` ends, however it ends. A client may leave mid-stream."""
 
         async def settle() -> None:
             used = None
@@ -408,7 +415,7 @@ class Admission:
 
 
 class SocketGate:
-    """ASGI wrapper: a client's WebSocket connections past its cap are refused before any endpoint."""
+    """ASGI wrapper. A client's WebSocket connections past its cap are refused before any endpoint."""
 
     def __init__(self, app: ASGIApp, admission: Admission):
         self.app, self.admission = app, admission

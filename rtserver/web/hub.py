@@ -1,24 +1,24 @@
-"""The /ws endpoint: one reader and one writer per connection, the session registry, request routing.
+"""The /ws endpoint: per-connection reader and writer, the session registry, request routing.
 
 Per connection:
-- a reader loop takes frames, validates them with `protocol` (a bad frame gets an `error` event and
-  the connection stays up) and starts one asyncio task per request, keyed by the request id;
-- a writer task drains a bounded send queue (`server.send_queue_size` events). Producers that find it
-  full wait up to `server.slow_client_timeout_s` for room; after that the client is considered not to
-  be reading: the connection is closed with code 4008 ("slow client") and its generations cancelled.
-  Server memory per connection is bounded by the queue, and a slow reader never delays the engine or
-  other clients (the engine never waits for a stream's consumer);
-- every frame but `cancel` takes a token from the connection's and the client IP's token buckets
-  (`security.rate_limit_*`); an empty bucket gets `rate_limited` with `retry_after_s`;
-- chat turns of a session are serialised: a `chat` while one is in progress is refused with
-  `chat_busy` (nothing is queued server-side);
-- on disconnect every generation of the connection is cancelled (the engine drops it at its next
-  step) and the session is detached, to be resumed or to expire.
+- a reader loop takes frames and validates them with `protocol`. A bad frame gets an `error` event and
+  the connection stays up. Each request starts one asyncio task, keyed by the request id;
+- a writer task drains a bounded send queue (`server.send_queue_size` events). A producer that finds it
+  full waits up to `server.slow_client_timeout_s` for room. After that the client is deemed not to
+  be reading. The connection is closed with code 4008 ("slow client") and its generations cancelled.
+  So server memory per connection is bounded by the queue. A slow reader never delays the engine or
+  other clients. The engine never waits for a stream's consumer;
+- every frame but `cancel` takes a token from two token buckets (`security.rate_limit_*`). One is the
+  connection's, one the client IP's. An empty bucket gets `rate_limited` with `retry_after_s`;
+- chat turns of a session are serialised. A `chat` while one is in progress gets `chat_busy`.
+  Nothing is queued server-side;
+- on disconnect every generation of the connection is cancelled. The engine drops it at its next
+  step. The session is detached, to be resumed or to expire.
 
-Shutdown (`Hub.drain`, called by the server on SIGTERM before uvicorn closes sockets): every connection
-gets a `shutting_down` event, new requests are refused with `shutting_down`, in-flight ones have
-`server.shutdown_grace_s` to finish; those still running then end with error `shutting_down`, and the
-sockets close with 1001.
+Shutdown is `Hub.drain`. The server calls it on SIGTERM, before uvicorn closes sockets. Every connection
+gets a `shutting_down` event. New requests are refused with `shutting_down`. In-flight ones have
+`server.shutdown_grace_s` to finish. Those still running then end with error `shutting_down`. The sockets
+close with 1001.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class Connection(QueuedConnection):
             self.stop()
 
     async def rate_limit_wait(self) -> tuple[float, str]:
-        """(seconds to wait, which limit) — (0, "") when this message may go through."""
+        """(seconds to wait, which limit). It is (0, "") when this message may go through."""
         if self.bucket is not None:
             wait = self.bucket.take()
             if wait > 0:
@@ -191,7 +191,7 @@ class Connection(QueuedConnection):
             req.task.add_done_callback(functools.partial(self._task_ended, msg.id))
 
     async def admit(self, request_id: str) -> bool:
-        """Whether a new request may start on this connection now (else the client is told why)."""
+        """Whether a new request may start on this connection now. If not, the client is told why."""
         max_in_flight = self.hub.settings.server.max_in_flight
         if self.hub.state.readiness().draining:
             await self.error(
@@ -273,7 +273,7 @@ class Connection(QueuedConnection):
         return True
 
     async def find_session(self, hello: P.Hello) -> tuple[Session, bool]:
-        """The session the hello resumes, or a new one (and `session_expired` when it asked for one)."""
+        """The session the hello resumes, or a new one. Sends `session_expired` when it asked for one."""
         store = self.hub.store
         if hello.session_id is not None or hello.resume_token is not None:
             try:
@@ -336,7 +336,9 @@ class Connection(QueuedConnection):
         await self.error(code, message, request_id)
 
     async def forward_chat(self, msg: P.Chat, session: Session, holder: Holder) -> None:
-        """A customer `chat` while an agent holds the session: history and console, no bot reply."""
+        """A customer `chat` while an agent holds the session. It goes to history and console.
+        The bot does not reply.
+        """
         try:
             text = await self.hub.turns.forward(session, msg.id, msg.text, self.client)
         except Exception as exc:
@@ -384,8 +386,9 @@ class Connection(QueuedConnection):
             self.spawn(self.error("cancelled", "the task was cancelled", request_id))
 
     def run_auto_tasks(self, request_id: str, text: str) -> None:
-        """Run the configured auto-tasks on a user message, beside the reply (results go to the client
-        and the console)."""
+        """Run the configured auto-tasks on a user message, beside the reply. Results go to the client and
+        the console.
+        """
         for name in self.hub.state.tasks.auto_tasks:
             self.spawn(self.run_auto_task(request_id, name, text))
 
@@ -415,7 +418,7 @@ class Connection(QueuedConnection):
 
 
 class _Sink:
-    """A chat turn as its connection follows it: the cancel handle, auto-tasks, `token` events."""
+    """A chat turn as its connection follows it. Holds the cancel handle, auto-tasks and `token` events."""
 
     def __init__(self, conn: Connection, req: Request):
         self.conn, self.req = conn, req
@@ -442,7 +445,7 @@ class _Sink:
 
 
 class Hub:
-    """The /ws endpoint: live connections, the session registry, and the console it feeds."""
+    """The /ws endpoint. Owns live connections, the session registry, and the console it feeds."""
 
     def __init__(self, state: AppState, admission: Admission):
         self.state = state
@@ -568,7 +571,7 @@ class Hub:
             await conn.finish(reader, writer, drain=conn.close_code != Close.SLOW_CLIENT)
 
     async def _hello_deadline(self, conn: Connection) -> None:
-        """A socket that starts no session in time is closed: idle sockets hold no server room."""
+        """Close a socket that starts no session in time. Idle sockets hold no server room."""
         timeout = self.settings.server.hello_timeout_s
         try:
             await asyncio.wait_for(conn.started.wait(), timeout)
@@ -577,8 +580,9 @@ class Hub:
             conn.stop(Close.HELLO_TIMEOUT, "hello timeout")
 
     async def drain(self, grace_s: float) -> None:
-        """Graceful shutdown: refuse new work, give in-flight requests `grace_s` to finish, end the rest
-        with `shutting_down`, close every connection with 1001 and wait (briefly) for them to go."""
+        """Graceful shutdown. Refuse new work and give in-flight requests `grace_s` to finish. End the rest
+        with `shutting_down`. Close every connection with 1001 and wait (briefly) for them to go.
+        """
         self.state.shutting_down = True
         await self.state.topology.leave()  # out of the cluster's view: its clients reconnect elsewhere
         self.console.close_all()

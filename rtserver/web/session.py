@@ -1,19 +1,19 @@
-"""Sessions: id, resume token, the chat history, the handle on the backend's KV, and expiry.
+"""Sessions: id, resume token, chat history, the handle on the backend's KV, and expiry.
 
-A session belongs to one connection at a time. When the connection closes, the session stays in the
-registry for `sessions.idle_timeout_s`; a client that reconnects in time with the session id and its
-resume token gets it back (history, and the engine's cached KV for it unless the KV budget evicted it
-meanwhile — then the next turn simply recomputes the prompt). After that the session expires: its
-history is dropped and `engine.drop_session(session.id)` frees its KV. Ids and resume tokens come from
-the `secrets` module; tokens are compared in constant time and only ever resume their own session,
-and each resume gives the session a new token (the old one stops working).
+A session belongs to one connection at a time. When the connection closes, the session stays in the registry
+for `sessions.idle_timeout_s`. A client that reconnects in time with the session id and its resume token
+gets it back. It gets the history, and the engine's cached KV for it. The KV budget may have evicted that KV
+meanwhile; then the next turn simply recomputes the prompt. After the timeout the session expires. Its
+history is dropped and `engine.drop_session(session.id)` frees its KV. Ids and resume tokens come from the
+`secrets` module. Tokens are compared in constant time. A token only ever resumes its own session. Each
+resume gives the session a new token, and the old one stops working.
 
-A session with something of the customer's in it (`Session.kept`: an acknowledged turn, a message
-for an agent) is never dropped before its timeout to make room: when the table (`sessions.max_sessions`)
-or an address's share (`security.max_sessions_per_ip`, sessions held, connected or not) is full, the
-newest detached empty session makes room; when there is none, the new session is refused
-(`SessionsFull`, `TooManySessions`) with the time the first held session could expire.
-How a history becomes a prompt (the window, the last turn's own tokens): rtserver/tasks/chat.py.
+Some sessions hold something of the customer's (`Session.kept`). That is an acknowledged turn, or a message
+for an agent. Such a session is never dropped before its timeout to make room. Two limits may be full: the
+table (`sessions.max_sessions`) or an address's share (`security.max_sessions_per_ip`). The share counts
+sessions held, connected or not. Then the newest detached empty session makes room. When there is none, the
+new session is refused (`SessionsFull`, `TooManySessions`). The refusal says when the first held session
+could expire. How a history becomes a prompt is in rtserver/tasks/chat.py.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ class SessionExpired(Exception):
 
 
 class SessionRefused(Exception):
-    """A new session could not be made without dropping one worth keeping; `retry_after_s`: when the
-    first held session could expire at the soonest."""
+    """A new session would need dropping one worth keeping. `retry_after_s` says when the first held session
+    could expire at the soonest.
+    """
 
     code = ""
 
@@ -50,7 +51,7 @@ class SessionRefused(Exception):
 
 
 class TooManySessions(SessionRefused):
-    """The client IP holds its cap of sessions: connected ones, or detached ones worth keeping."""
+    """The client IP holds its cap of sessions. They count if connected, or detached and worth keeping."""
 
     code = "too_many_sessions"
 
@@ -63,8 +64,9 @@ class TooManySessions(SessionRefused):
 
 
 class SessionsFull(SessionRefused):
-    """The node's table is full of sessions worth keeping: a new one is refused rather than evicting a
-    customer's conversation."""
+    """The node's table is full of sessions worth keeping. A new one is refused; no customer's conversation
+    is evicted for it.
+    """
 
     code = "sessions_full"
 
@@ -75,8 +77,9 @@ class SessionsFull(SessionRefused):
 
 
 class Customer(Protocol):
-    """The connection a session is attached to, as the rest of the web layer talks to it (the hub's
-    `Connection`): the console reaches a customer through it without importing the hub."""
+    """The connection a session is attached to (the hub's `Connection`). It is how the rest of the web layer
+    talks to it. The console reaches a customer through it without importing the hub.
+    """
 
     session: Session | None
 
@@ -115,7 +118,7 @@ class Session:
 
     @property
     def kept(self) -> bool:
-        """Whether it holds something of the customer's: it is then never dropped to make room."""
+        """Whether it holds something of the customer's. It is then never dropped to make room."""
         return bool(self.history) or self.turns > 0 or self.chat_request is not None
 
     def touch(self, now: float) -> None:
@@ -123,13 +126,13 @@ class Session:
 
     # -- a bot turn: one `with session.turn(...)` block ---------------------------------------------
     def turn(self, request_id: str, clock: Callable[[], float]) -> SessionTurn:
-        """A bot turn starts: the session is busy until its `with` block ends."""
+        """A bot turn starts. The session is busy until its `with` block ends."""
         self.chat_request = request_id
         return SessionTurn(self, request_id, clock)
 
     # -- edits outside a bot turn ------------------------------------------------------------------
     def forward(self, history: list[Message], cut: bool) -> Snapshot:
-        """A customer message for the agent holding the session (its history's last entry)."""
+        """A customer message for the agent holding the session. It is its history's last entry."""
         kept = self.snapshot()
         self.history = history
         self.cuts += cut
@@ -158,8 +161,9 @@ class Session:
 
 
 class SessionTurn:
-    """One bot turn, from its message to its reply. Leaving the `with` block ends it: a turn not
-    committed is undone (a failed or unstored turn never ran), and the session is free again."""
+    """One bot turn, from its message to its reply. Leaving the `with` block ends it. A turn not committed
+    is undone: a failed or unstored turn never ran. The session is then free again.
+    """
 
     def __init__(self, session: Session, request_id: str, clock: Callable[[], float]):
         self.session = session
@@ -188,8 +192,9 @@ class SessionTurn:
         self.message = history[-1]
 
     def add_reply(self, text: str, last: LastTurn | None) -> None:
-        """The bot's reply, right after its message (messages forwarded meanwhile follow it). `last`,
-        its reusable tokens, is kept only where the reply ends the history."""
+        """The bot's reply, right after its message. Messages forwarded meanwhile follow it. `last` holds
+        its reusable tokens. It is kept only where the reply ends the history.
+        """
         session = self.session
         assert self.message is not None
         self.kept = (session.last_turn, session.turns)
@@ -222,7 +227,7 @@ class Snapshot:
 
 
 def _remove(history: list[Message], entry: Message) -> None:
-    """Take this very entry out (by identity: equal text may be another message)."""
+    """Take this very entry out. It goes by identity: equal text may be another message."""
     for i in range(len(history) - 1, -1, -1):
         if history[i] is entry:
             del history[i]
@@ -230,7 +235,7 @@ def _remove(history: list[Message], entry: Message) -> None:
 
 
 def _insert_after(history: list[Message], entry: Message, new: Message) -> None:
-    """Put `new` right after `entry` (at the end when the window cut `entry` off)."""
+    """Put `new` right after `entry`. It goes at the end when the window cut `entry` off."""
     for i in range(len(history) - 1, -1, -1):
         if history[i] is entry:
             history.insert(i + 1, new)
@@ -274,9 +279,10 @@ class SessionRegistry:
         return len(self.sessions)
 
     def create(self, client_ip: str = "") -> Session:
-        """A new session. At `max_per_ip` sessions held by this IP, or `max_sessions` in all, the newest
-        detached empty one (of that IP, or of anyone) makes room; when there is none, raises
-        TooManySessions or SessionsFull: a conversation is never dropped for a newcomer."""
+        """A new session. Room may be short: `max_per_ip` sessions held by this IP, or `max_sessions` in
+        all. Then the newest detached empty one makes room (of that IP, or of anyone). When there is none,
+        it raises TooManySessions or SessionsFull. A conversation is never dropped for a newcomer.
+        """
         self.make_room(client_ip)
         now = self.clock()
         return self._add(
@@ -286,8 +292,9 @@ class SessionRegistry:
         )
 
     def adopt(self, session_id: str, resume_token: str, client_ip: str = "") -> Session:
-        """A session another node created (clustered: its record is in Redis), cached here. The IP's
-        cap is the cluster's (counted in Redis); the table's holds here too."""
+        """A session another node created, cached here. Clustered, its record is in Redis. The IP's cap is
+        the cluster's (counted in Redis). The table's cap holds here too.
+        """
         self._make_table_room()
         now = self.clock()
         return self._add(
@@ -302,7 +309,7 @@ class SessionRegistry:
         return session
 
     def make_room(self, client_ip: str) -> None:
-        """Room for one more session of this IP, or the refusal that says why there is none."""
+        """Room for one more session of this IP. Else the refusal that says why there is none."""
         if self.max_per_ip and self.per_ip[client_ip] >= self.max_per_ip:
             wait = self._room(client_ip)
             if wait:
@@ -316,8 +323,9 @@ class SessionRegistry:
                 raise SessionsFull(self.max_sessions, wait)
 
     def _room(self, client_ip: str | None) -> float:
-        """Make room among the IP's sessions (None: all): 0.0 when made, else seconds to wait. A refusal
-        is remembered until a session of theirs detaches or goes, so a flood costs one scan."""
+        """Make room among the IP's sessions (None: all). Returns 0.0 when made, else seconds to wait. A
+        refusal is remembered until a session of theirs detaches or goes. So a flood costs one scan.
+        """
         now = self.clock()
         until = self._no_room.get(client_ip)
         if until is None or now >= until:
@@ -334,8 +342,9 @@ class SessionRegistry:
         return until - now
 
     def _shed(self, client_ip: str | None = None) -> bool:
-        """Drop the newest detached session with nothing in it (of `client_ip`, or of anyone): a flood's
-        own sessions go first, an earlier visitor's stay. False when there is none."""
+        """Drop the newest detached session with nothing in it (of `client_ip`, or of anyone). A flood's own
+        sessions go first; an earlier visitor's stay. False when there is none.
+        """
         empty = [
             s
             for s in self.sessions.values()
@@ -348,7 +357,7 @@ class SessionRegistry:
         return True
 
     def _first_expiry(self, client_ip: str | None = None) -> float:
-        """Seconds until the first of these sessions could expire (a connected one: once it detaches)."""
+        """Seconds until the first of these sessions could expire. A connected one counts once it detaches."""
         now = self.clock()
         left = [
             self.idle_timeout_s - (now - s.last_active) if s.connection is None else self.idle_timeout_s
@@ -358,7 +367,7 @@ class SessionRegistry:
         return min(left, default=self.idle_timeout_s)
 
     def resume(self, session_id: str, resume_token: str) -> Session:
-        """The session for this id and token; raises SessionExpired (the same way for every cause)."""
+        """The session for this id and token. Raises SessionExpired, the same way for every cause."""
         session = self.sessions.get(session_id)
         if session is None or not secrets.compare_digest(
             session.resume_token.encode(), resume_token.encode()

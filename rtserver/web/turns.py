@@ -1,11 +1,12 @@
-"""Chat turns for every door: prepare, hold, generate, stream, then commit or roll back.
+"""Chat turns for every door. A turn is prepared, held, generated and streamed, then committed or rolled
+back.
 
-`ChatTurns` is the one turn service. The `/ws` hub runs a session's turn through `run`; a message
-for the agent who holds a session through `forward`; `/chat`, `/v1/tasks/chat` and the OpenAI door
-run stateless turns through `complete` (the whole reply) or `start` (a stream the door reads).
+`ChatTurns` is the one turn service. The `/ws` hub runs a session's turn through `run`. A message for the
+agent who holds a session goes through `forward`. `/chat`, `/v1/tasks/chat` and the OpenAI door run
+stateless turns. They use `complete` (the whole reply) or `start` (a stream the door reads).
 
-Every generation is held the same way: its tokens are reserved against the client's budget, then
-released with what it really used when it ends, however it ends.
+Every generation is held the same way. Its tokens are reserved against the client's budget. When it ends,
+however it ends, what it really used is released.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ log = logging.getLogger("rtserver.turns")
 
 @dataclass(frozen=True)
 class Client:
-    """Who asks: the door's surface, the client's key (its budget) and name (the session record)."""
+    """Who asks. Holds the door's surface, the client's key (its budget) and name (the session record)."""
 
     surface: Surface
     key: str
@@ -40,7 +41,7 @@ class Client:
 
 @dataclass(frozen=True)
 class TurnResult:
-    """A finished turn: the generation's result and the reply as the chat parses it."""
+    """A finished turn. Holds the generation's result and the reply as the chat parses it."""
 
     result: SequenceResult
     output: dict[str, object]  # the chat's parser's, e.g. {"reply": text}
@@ -59,14 +60,14 @@ class TurnSink(Protocol):
         """Text of the reply, as it comes."""
 
     async def done(self, done: TurnResult) -> bool:
-        """The turn is stored; whether its customer is still there (a next turn may come)."""
+        """The turn is stored. Tells whether its customer is still there (a next turn may come)."""
 
     async def failed(self, exc: Exception) -> None:
         """The turn failed and left no trace."""
 
 
 def kept_prefix(prompt: list[int], last: LastTurn | None) -> int:
-    """How many of the prompt's first tokens are the session's own last turn (its KV, kept)."""
+    """How many of the prompt's first tokens are the session's last turn. Their KV is kept."""
     if last is None or prompt[: len(last.ids)] != last.ids:
         return 0
     return len(last.ids)
@@ -104,8 +105,9 @@ class ChatTurns:
         session_key: str | None = None,
         counted: int | None = None,
     ) -> Generation:
-        """A generation on the chat backend, its tokens held against the client's budget until it
-        ends. `counted`: the prompt tokens the client's rate pays (all of them unless said)."""
+        """A generation on the chat backend. Its tokens are held against the client's budget until it ends.
+        `counted`: the prompt tokens the client's rate pays (all of them unless said).
+        """
         holds = len(prompt) + params.max_new_tokens  # its whole prompt's KV and room for its reply
         if client.surface is Surface.API:  # the API waits its turn; the public door is refused at once
             held = await self.admission.reserve_queued(client.surface, client.key, holds)
@@ -149,7 +151,7 @@ class ChatTurns:
     async def reply(
         self, client: Client, history: list[Message], params: SamplingParams, endpoint: str
     ) -> TurnResult:
-        """A stateless turn over a history given whole (it ends with the user's message)."""
+        """A stateless turn over a history given whole. The history ends with the user's message."""
         chat = self.chat
         earlier = [
             m if m["role"] == "assistant" else {**m, "content": chat.clean_message(m["content"])}
@@ -168,7 +170,9 @@ class ChatTurns:
         client: Client,
         sink: TurnSink,
     ) -> None:
-        """A session's turn, told to `sink`: stored before it is acknowledged, else it leaves no trace."""
+        """A session's turn, told to `sink`. It is stored before it is acknowledged, else it leaves no
+        trace.
+        """
         session, request_id = turn.session, turn.request_id
         reply, reason = None, "error"
         try:
@@ -214,8 +218,9 @@ class ChatTurns:
             self.prefetch(session)
 
     async def forward(self, session: Session, request_id: str, text: str, client: Client) -> str:
-        """A customer message for the agent who holds the session: stored, then published. Returns
-        the cleaned text; raises what refused it (nothing is kept then)."""
+        """A customer message for the agent who holds the session. It is stored, then published. Returns the
+        cleaned text. Raises what refused it (nothing is kept then).
+        """
         prepared = self.chat.prepare_turn(session.history, text)
         kept = session.forward(prepared.history, prepared.cut)
         try:  # stored before it is acknowledged
@@ -228,9 +233,11 @@ class ChatTurns:
         return prepared.text
 
     def prefetch(self, session: Session) -> None:
-        """The reply has ended: let the chat backend compute the next prompt's start (history, end of
-        the reply, next user header) before the next message comes, where it can (a remote backend)
-        and the template splits safely there. Best effort: it never raises into the ended turn."""
+        """The reply has ended: let the chat backend compute the next prompt's start early. That start is
+        the history, the end of the reply and the next user header. It runs before the next message comes.
+        It runs only where it can (a remote backend) and where the template splits safely there. Best
+        effort: it never raises into the ended turn.
+        """
         if not self.state.settings.backend.prefetch_next_turn or session.last_turn is None:
             return
         try:

@@ -31,7 +31,7 @@ from .serverproc import ONE_ADDRESS_LIMITS_OFF, ServerProcess, free_port, raise_
 from .stats import median, percentile, ratio, rounded
 
 STEP_FAULT_MARKER = "QXSTEPFAULTQX"
-TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"
+TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"
 FAULT_SERVER = TESTS_DIR / "faultserver.py"
 FAULT_PLUGINS = TESTS_DIR / "faults"
 LONG_PROMPT = "Count from 1 to 500, separated by commas, and say nothing else."

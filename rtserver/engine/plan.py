@@ -28,6 +28,9 @@ class StepItem:
     # Hidden-state features (a learned head's input): pool the pool layers over this item's positions from
     # `pool_from` on (the step's output carries them: step.Features).
     pool_from: int | None = None
+    # A label round: teacher-force candidate `label` past the prompt (its log-probabilities, added to its
+    # score). Its KV is scratch room reserved at admission, never kept.
+    label: int | None = None
 
 
 class JoinSource(Protocol):

@@ -1,7 +1,8 @@
 """The one scheduler: each step's sequences, admission, cancellation, and the step loop.
 
 Each step is one batched forward. It holds a decode token per running sequence plus a bounded prefill chunk.
-So a long prompt delays running streams by one chunk at most. Sequences join at any step. A prompt arriving
+So a long prompt delays running streams by one chunk at most. A scoring call's longer labels run in label
+rounds within the same budget. Sequences join at any step. A prompt arriving
 mid-step joins the step under way (`admit.StepJoins`). A bounded queue refuses work at once (`Overloaded`).
 One worker thread runs `step()`. `submit` and `cancel` are thread-safe.
 
@@ -27,6 +28,7 @@ from .admit import Admitter, Preemption, Queues, SchedulerLimits, StepJoins
 from .backend import FinishReason, Overloaded, Priority, RequestTooLarge, SequenceResult
 from .grammar import ConstraintError
 from .kv import KVCacheManager
+from .labels import rounds_of
 from .plan import NO_JOINS, JoinSource, StepItem
 from .sequence import Phase, Sequence
 from .step import StepOutput
@@ -195,7 +197,8 @@ class Scheduler:
         # The more urgent prompts take the prefill budget first, and within a priority generation
         # prompts before scoring ones (task calls, auto-tasks): a burst of sentiment tags never delays
         # the first token of a reply someone is waiting for.
-        prefilling = [s for s in self.running if s.phase is Phase.PREFILL]
+        # A scoring call's label rounds count against the same budget as prompts.
+        prefilling = [s for s in self.running if s.phase in (Phase.PREFILL, Phase.LABELS)]
         prefilling.sort(key=lambda s: (s.priority, s.candidates is not None))  # stable: arrival order
         # Work for agents and the background takes a quarter of the budget at most, customers there or
         # not: a step stays short, so a customer's message that comes during it waits little. It has an
@@ -210,26 +213,15 @@ class Scheduler:
                 if customer:
                     continue  # the less urgent may still have their floor
                 break
-            remaining = seq.num_tokens - seq.num_computed  # a resumed generation: its output too
-            n = min(remaining, room)
+            item = _label_round(seq) if seq.phase is Phase.LABELS else _prompt_chunk(seq, room)
+            n = len(item.tokens)
+            if n > room:
+                continue  # a label round runs whole, in a step with room for it
             if not customer:
                 spare -= n
                 floor -= max(0, n - max(budget, 0))
             budget -= n
-            done = n == remaining
-            tokens = seq.all_ids[seq.num_computed : seq.num_computed + n]
-            assert seq.kv is not None
-            items.append(
-                StepItem(
-                    seq,
-                    seq.kv,
-                    seq.num_computed,
-                    tokens,
-                    "last" if done else "none",
-                    seq.score_columns if done else None,
-                    pool_from=seq.features_from,
-                )
-            )
+            items.append(item)
         # what sequences joining mid-step may still prefill, and what the less urgent may take beyond it
         self._joins = StepJoins(self.admission, max(0, budget), max(0, floor), self.fault_hook)
         return items
@@ -296,6 +288,9 @@ class Scheduler:
         """
         for i, it in enumerate(out.items):
             seq = it.seq
+            if it.label is not None:
+                self._apply_round(seq, it.label, out.rounds[i], out.errors[i], events)
+                continue
             seq.num_computed = it.start + len(it.tokens)
             it.kv.token_ids.extend(it.tokens)
             if seq.phase is Phase.PREFILL:
@@ -309,15 +304,43 @@ class Scheduler:
             error = out.errors[i]
             if error is not None:
                 self._fail_alone(seq, events, *error)
-            elif out.scores[i] is not None:
+            elif (scores := out.scores[i]) is not None:
                 if f is not None:
                     seq.features = seq.pooled.vector(f)
-                seq.scores = out.scores[i]
-                self.running.remove(seq)
-                self._finish(seq, FinishReason.LENGTH, events)
+                self._first_scores(seq, scores, events)
             elif (token := out.tokens[i]) is not None:
                 seq.phase = Phase.DECODE
                 self._append(seq, token, events)
+
+    def _first_scores(self, seq: Sequence, scores: list[float], events: list[StepEvent]) -> None:
+        """A scoring prompt is computed: done, or its longer candidates go on in label rounds."""
+        assert seq.candidates is not None
+        seq.scores = scores
+        seq.label_rounds = rounds_of(seq.candidates)
+        if seq.label_rounds:
+            seq.phase = Phase.LABELS
+        else:
+            self.running.remove(seq)
+            self._finish(seq, FinishReason.LENGTH, events)
+
+    def _apply_round(
+        self,
+        seq: Sequence,
+        label: int,
+        value: float | None,
+        error: tuple[str, Exception] | None,
+        events: list[StepEvent],
+    ) -> None:
+        """One label round's log-probability added to its candidate's score."""
+        if error is not None:
+            self._fail_alone(seq, events, *error)
+            return
+        assert seq.scores is not None and value is not None
+        seq.scores[label] += value
+        seq.label_rounds.remove(label)
+        if not seq.label_rounds:
+            self.running.remove(seq)
+            self._finish(seq, FinishReason.LENGTH, events)
 
     def _append(self, seq: Sequence, token: int, events: list[StepEvent]) -> None:
         try:
@@ -339,3 +362,21 @@ class Scheduler:
         self._finish(
             seq, FinishReason.ERROR, events, error=f"internal error in {stage} ({type(exc).__name__})"
         )
+
+
+def _prompt_chunk(seq: Sequence, room: int) -> StepItem:
+    """The next at most `room` tokens of a prompt (a resumed generation's: its output too)."""
+    assert seq.kv is not None
+    remaining = seq.num_tokens - seq.num_computed
+    n = min(remaining, room)
+    done = n == remaining
+    tokens = seq.all_ids[seq.num_computed : seq.num_computed + n]
+    logits, columns = ("last", seq.score_columns) if done else ("none", None)
+    return StepItem(seq, seq.kv, seq.num_computed, tokens, logits, columns, seq.features_from)
+
+
+def _label_round(seq: Sequence) -> StepItem:
+    """The next label round: a longer candidate teacher-forced past the prompt."""
+    assert seq.kv is not None and seq.candidates is not None
+    label = seq.label_rounds[0]
+    return StepItem(seq, seq.kv, seq.num_computed, seq.candidates[label][:-1], "all", label=label)

@@ -24,6 +24,7 @@ class Phase(enum.Enum):
     WAITING = "waiting"
     PREFILL = "prefill"
     DECODE = "decode"
+    LABELS = "labels"  # prompt computed; its longer candidates teacher-forced, one a step
     FINISHED = "finished"
 
 
@@ -81,6 +82,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.scores: list[float] | None = None
+        self.label_rounds: list[int] = []  # candidates still to teacher-force (Phase.LABELS)
         self._generator: torch.Generator | None = None  # see generator()
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None

@@ -37,13 +37,14 @@ class StepOutput:
     items: list[StepItem]  # the plan's, then those that joined
     features: list[Features | None]
     tokens: list[int | None]  # the next token of a generation whose prompt is computed
-    scores: list[list[float] | None]  # label scores of a scoring call whose prompt is computed
+    scores: list[list[float] | None]  # first-token label scores of a scoring call whose prompt is computed
+    rounds: list[float | None]  # a label round's log-probability of its candidate's later tokens
     errors: list[tuple[str, Exception] | None]  # work of this item alone that failed: (stage, error)
 
     @classmethod
     def of(cls, items: list[StepItem], features: list[Features | None]) -> StepOutput:
         n = len(items)
-        return cls(items, features, [None] * n, [None] * n, [None] * n)
+        return cls(items, features, [None] * n, [None] * n, [None] * n, [None] * n)
 
 
 class Model(Protocol):
@@ -66,7 +67,7 @@ class StepRunner:
     def __init__(self, model: Model, sampler: TokenSampler | None = None, scorer: LabelScorer | None = None):
         self.model = model
         self.sampler: TokenSampler = sampler or Sampler()
-        self.scorer = scorer or LabelScorer(model)
+        self.scorer = scorer or LabelScorer()
 
     def execute(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> StepOutput:
         """The forward, then a token for each generation and scores for each scoring call whose
@@ -75,10 +76,19 @@ class StepRunner:
         items = [*items, *fw.joined]
         out = StepOutput.of(items, fw.features)
         sampling: list[tuple[int, torch.Tensor]] = []
-        scoring: list[tuple[int, torch.Tensor]] = []
         for i, (it, lg) in enumerate(zip(items, fw.logits)):
-            if lg is not None:
-                (sampling if it.seq.candidates is None else scoring).append((i, lg[-1]))
+            if lg is None:
+                continue
+            if it.seq.candidates is None:
+                sampling.append((i, lg[-1]))
+                continue
+            try:  # one call's labels fail alone
+                if it.label is not None:
+                    out.rounds[i] = self.scorer.round(it, lg)
+                else:
+                    out.scores[i] = self.scorer.first(it, lg[-1])
+            except Exception as exc:
+                out.errors[i] = ("label scoring", exc)
         if sampling:
             # the rows as they are: a step of a large vocabulary would copy megabytes to stack them
             picked = self.sampler.sample([items[i].seq for i, _ in sampling], [r for _, r in sampling])
@@ -87,10 +97,4 @@ class StepRunner:
                     out.errors[i] = ("sampling", token)
                 else:
                     out.tokens[i] = token
-        if scoring:
-            for (i, _), scores in zip(scoring, self.scorer.score([(items[i], row) for i, row in scoring])):
-                if isinstance(scores, Exception):
-                    out.errors[i] = ("label scoring", scores)
-                else:
-                    out.scores[i] = scores
         return out

@@ -342,6 +342,25 @@ def test_label_scoring_runs_without_a_decode_loop():
     assert runner.steps == [[(s.id, 0, 5)], [(s.id, 5, 2)]]
 
 
+def test_label_rounds_are_planned_items_within_the_prefill_budget():
+    """A longer label's round waits for room in the budget, then shares a step with other work."""
+    sched, runner, kv, _ = make()  # prefill chunk budget: 8 tokens per step
+    s = Sequence(
+        list(range(5)), SamplingParams(max_new_tokens=1), eos_token_ids=set(), candidates=[[5], [7, 8, 9, 10]]
+    )
+    sched.submit(s)
+    sched.step()  # its prompt
+    chat = seq(10, 2, start=500)
+    sched.submit(chat)
+    sched.step()  # the chat's prompt takes the whole budget: the round (3 tokens) waits
+    sched.step()
+    assert runner.steps[1:3] == [[(chat.id, 0, 8)], [(chat.id, 8, 2), (s.id, 5, 3)]]
+    run_until_idle(sched)
+    assert s.result().finish_reason is FinishReason.LENGTH and len(chat.output_ids) == 2
+    kv.clear_prefix_cache()
+    assert kv.used_blocks == 0
+
+
 def test_generation_prompts_take_the_prefill_budget_before_scoring_ones():
     sched, runner, kv, _ = make()  # prefill chunk budget: 8 tokens per step
     scoring = [scoring_seq(6, start=200 + 10 * i) for i in range(2)]

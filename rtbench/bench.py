@@ -249,6 +249,17 @@ async def engine_multi_turn(
 # -- baselines --------------------------------------------------------------------------------
 
 
+def _baseline_figures(requests: int, counts: list[int], new_tokens: int, wall: float) -> dict[str, Any]:
+    """What a baseline run reports: its requests, tokens and rate."""
+    return {
+        "requests": requests,
+        "generated_tokens": sum(counts),
+        "exact_token_counts": exact_counts(counts, new_tokens),
+        "wall_s": wall,
+        "tokens_per_s": per_second(sum(counts), wall),
+    }
+
+
 def hf_naive(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     started = time.perf_counter()
     counts = []
@@ -262,14 +273,7 @@ def hf_naive(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str,
             pad_token_id=model.generation_config.pad_token_id or 0,
         )
         counts.append(out.shape[1] - len(p))
-    wall = time.perf_counter() - started
-    return {
-        "requests": len(prompts),
-        "generated_tokens": sum(counts),
-        "exact_token_counts": exact_counts(counts, new_tokens),
-        "wall_s": wall,
-        "tokens_per_s": per_second(sum(counts), wall),
-    }
+    return _baseline_figures(len(prompts), counts, new_tokens, time.perf_counter() - started)
 
 
 def hf_static_batches(
@@ -292,14 +296,7 @@ def hf_static_batches(
             pad_token_id=pad,
         )
         counts += [out.shape[1] - width] * len(group)  # min_new_tokens: no row ends before the others
-    wall = time.perf_counter() - started
-    return {
-        "requests": len(prompts),
-        "generated_tokens": sum(counts),
-        "exact_token_counts": exact_counts(counts, new_tokens),
-        "wall_s": wall,
-        "tokens_per_s": per_second(sum(counts), wall),
-    }
+    return _baseline_figures(len(prompts), counts, new_tokens, time.perf_counter() - started)
 
 
 def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:

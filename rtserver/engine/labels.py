@@ -40,4 +40,3 @@ class LabelScorer:
 def rounds_of(candidates: list[list[int]]) -> list[int]:
     """The candidates a label round teacher-forces: those longer than one token."""
     return [i for i, c in enumerate(candidates) if len(c) > 1]
-

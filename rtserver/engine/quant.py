@@ -12,13 +12,15 @@ pure-torch twin. Results equal the float32 engine's on the dequantized weights, 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -539,14 +541,27 @@ def build_kernel(cache_dir: Path, march: str = "native") -> Kernel:
     key = cpu_key() if march == "native" else f"{march}_{cpu_key()}"
     build = cache_dir / "kernels" / key
     build.mkdir(parents=True, exist_ok=True)
-    module: Kernel = cpp_extension.load(
-        name=f"rtserver_quant_{key}",
-        sources=[str(KERNEL_SOURCE)],
-        extra_cflags=["-O3", f"-march={march}", "-ffp-contract=off"],
-        build_directory=str(build),
-        verbose=False,
-    )
+    with _builder_lock(build):
+        module: Kernel = cpp_extension.load(
+            name=f"rtserver_quant_{key}",
+            sources=[str(KERNEL_SOURCE)],
+            extra_cflags=["-O3", f"-march={march}", "-ffp-contract=off"],
+            build_directory=str(build),
+            verbose=False,
+        )
     return module
+
+
+@contextmanager
+def _builder_lock(build: Path) -> Iterator[None]:
+    """One builder per build folder, held by the kernel (flock), so it dies with its process.
+    torch's own lock is a file that a killed build leaves behind, and every later start would wait on
+    it forever; whoever holds our lock knows that file is stale and removes it.
+    """
+    with open(build / "builder.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _put_ninja_on_path() -> None:

@@ -57,3 +57,23 @@ def test_served_steps_run_every_loop_on_the_scheduler_threads_pool():
     # the check can fail: a loop from another thread is counted, and runs there alone, to the same bits
     assert side["off_owner"] > served["off_owner"]
     assert got["side_equal"]
+
+
+PROBE = """
+import json, time
+from rtserver.engine.model import load_model
+kernel = load_model("embedded", dtype="gguf", threads=2).kernel
+kernel.bind_pool(2)
+time.sleep(0.01)  # the worker is spinning or asleep: either way it joins the next loop
+got = [kernel.pool_probe(64, 200_000) for _ in range(3)]
+print(json.dumps(got))
+"""
+
+
+def test_a_stalled_worker_leaves_its_chunks_to_the_owner():
+    # A worker that loses its core mid-loop (a busy machine) must not hold the step: the loop is cut in
+    # chunks claimed as threads come, so the owner runs what the stalled worker has not claimed.
+    for got in fresh_interpreter(PROBE):
+        assert got["owner"] + got["workers"] == 64
+        assert got["workers"] == 8, got  # the stalled worker's one chunk of eight
+        assert got["owner"] == 56, got

@@ -27,6 +27,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const auto& p = pool::Pool::get();
     return py::dict(py::arg("threads") = p.threads(), py::arg("loops") = p.loops(), py::arg("off_owner") = p.off_owner());
   }, "the pool's threads, its parallel loops so far, and loops started off its owner's thread (run alone)");
+  m.def("pool_probe", [](int64_t items, int64_t stall_us) {
+    // One loop whose first chunk on a worker stalls, as a worker that lost its core: who ran the rest.
+    // The owner waits (up to five seconds) for a worker to have begun, so that the stall happens.
+    const auto owner = std::this_thread::get_id();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    std::atomic<int64_t> by_owner{0}, by_workers{0};
+    std::atomic<bool> stalled{false};
+    pool::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+      const bool mine = std::this_thread::get_id() == owner;
+      if (mine) {
+        while (!stalled.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+      } else if (!stalled.exchange(true)) {
+        std::this_thread::sleep_for(std::chrono::microseconds(stall_us));
+      }
+      (mine ? by_owner : by_workers).fetch_add(i1 - i0);
+    });
+    return std::map<std::string, int64_t>{{"owner", by_owner.load()}, {"workers", by_workers.load()}};
+  }, "a loop of `items` whose first worker chunk stalls `stall_us`: the items the owner and the workers ran", nogil);
   m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
   m.def("decode_attention", &decode_attention, "single-token attention over paged K/V (float32, bfloat16, float16 or q8_0)", nogil);
   m.def("prefill_attention", &prefill_attention, "causal attention of prompt rows over paged K/V (float32, bfloat16, float16 or q8_0)", nogil);

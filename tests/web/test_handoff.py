@@ -21,8 +21,9 @@ from rtserver.web import session_events as se
 from rtserver.web.handoff import BusinessHours, HandoffPolicy, TurnSignals, Waiting, check_email
 from rtserver.web.schema import protocol_schema
 
+from ..clusterutil import redis_server, scripted_node
 from ..serverutil import ScriptedEngine, hello, is_end, recv_json, recv_until, scripted_app, serve
-from .test_console import login, settings_with
+from .test_console import TOKEN, login, settings_with
 
 WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 
@@ -297,3 +298,50 @@ async def test_out_of_hours_the_customer_leaves_an_email_the_agents_see(smol):
         [conv] = ready["conversations"]
         assert conv["handoff"]["email"] == "joe@example.com" and conv["handoff"]["out_of_hours"] is True
         await asyncio.gather(agent.close(), late.close())
+
+
+async def test_the_queue_spans_nodes_and_a_wait_survives_a_resume_elsewhere(smol, tmp_path):
+    """Two nodes and a real redis-server: an agent on B sees a customer on A waiting, places count both
+    nodes' waits, a take-over from B ends the wait on A, and a waiting session resumed on the other node
+    still waits (the bot stays silent there too)."""
+    sections = {
+        "security": {"console_token": TOKEN},
+        "tasks": {"auto_tasks": []},
+        "handoff": {"enabled": True},
+    }
+    with redis_server(tmp_path) as redis:
+        async with (
+            scripted_node(smol, redis.url, "a", **sections) as (_, url_a, engine_a, _),
+            scripted_node(smol, redis.url, "b", **sections) as (_, url_b, _, _),
+        ):
+            agent, _ = await login(url_b, "Bob")
+            async with websockets.connect(url_a) as on_a, websockets.connect(url_b) as on_b:
+                sid_a = (await hello(on_a, client="Ann"))["session_id"]
+                ready_b = await hello(on_b, client="Ben")
+                sid_b, token_b = ready_b["session_id"], ready_b["resume_token"]
+                asked = time.time()
+                await on_a.send(json.dumps({"type": "chat", "id": "1", "text": "Get me a human, please"}))
+                summary = await waiting_summary(agent, sid_a)
+                assert time.time() - asked < 1.0 and summary["handoff"]["reason"] == "asked"
+                # Bob (on B) counts as online on A once B's heartbeat said so
+                place = await recv_until(on_a, lambda e: e["type"] == "queue_position" and e["agents_online"])
+                assert place[-1] == {"type": "queue_position", "position": 1, "agents_online": 1}
+                await on_b.send(json.dumps({"type": "chat", "id": "1", "text": "a real person now"}))
+                assert (await until_type(on_b, "queue_position"))["position"] == 2
+                # Bob takes Ann (served by A): her wait ends there, Ben (on B) moves up
+                await agent.send(json.dumps({"type": "take_over", "session_id": sid_a}))
+                ended = await recv_until(on_a, lambda e: e["type"] == "handoff")
+                assert ended[-1]["state"] == "ended"
+                assert (await until_type(on_b, "queue_position"))["position"] == 1
+            # Ben comes back on A: still waiting, told so, and the bot on A stays silent
+            prompts = len(engine_a.prompts)
+            async with websockets.connect(url_a) as again:
+                ready = await hello(again, session_id=sid_b, resume_token=token_b)
+                assert ready["resumed"] is True
+                state = await until_type(again, "handoff")
+                assert state["state"] == "waiting"
+                assert (await until_type(again, "queue_position"))["position"] == 1
+                await again.send(json.dumps({"type": "chat", "id": "2", "text": "still there?"}))
+                assert (await until_type(again, "forwarded"))["agent"] is None
+                assert len(engine_a.prompts) == prompts
+            await agent.close()

@@ -231,7 +231,6 @@ async def test_the_bots_i_dont_know_hands_off(smol):
     settings = handoff_settings()
     app = scripted_app(smol, settings, ScriptedEngine(smol))
     async with serve(app, settings) as (base, url):
-        agent, _ = await login(url, "Sam")
         async with websockets.connect(url) as cust:
             sid = (await hello(cust))["session_id"]
             await cust.send(json.dumps({"type": "chat", "id": "1", "text": "What is your refund policy?"}))
@@ -240,9 +239,17 @@ async def test_the_bots_i_dont_know_hands_off(smol):
             session = hub.sessions.sessions[sid]
             hub.events.publish(se.Signalled(session, "1", TurnSignals(bot_unknown=False)))
             hub.events.publish(se.Signalled(session, "1", TurnSignals(bot_unknown=True)))
-            assert (await waiting_summary(agent, sid))["handoff"]["reason"] == "unknown"
             assert (await until_type(cust, "handoff"))["state"] == "waiting"
-        await agent.close()
+            alone = await until_type(cust, "queue_position")
+            assert alone == {"type": "queue_position", "position": 1, "agents_online": 0}
+            # an agent signs in: the snapshot has the wait, and the customer learns someone is there
+            agent, ready = await login(url, "Sam")
+            [conv] = ready["conversations"]
+            assert conv["session_id"] == sid and conv["handoff"]["reason"] == "unknown"
+            assert conv["handoff"]["text"] == "The bot did not know the answer."
+            assert (await until_type(cust, "queue_position"))["agents_online"] == 1
+            await agent.close()
+            assert (await until_type(cust, "queue_position"))["agents_online"] == 0
 
 
 def closed_today() -> list[str]:

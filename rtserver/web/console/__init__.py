@@ -43,6 +43,7 @@ from .agents import Agents
 from .assist import Assist
 from .conversations import Conversations
 from .door import Door
+from .guard import spawn
 from .login import RejoinTokens
 from .queue import HandoffQueue, NotWaiting
 from .snapshot import Snapshots
@@ -89,7 +90,15 @@ class ConsoleHub:
         snapshots = Snapshots(self.conversations, self.bus, topology, ss.idle_timeout_s)
         rejoin = RejoinTokens(self.bus)
         self.door = Door(
-            state, self.agents, self.actions, self.assist, snapshots, rejoin, topology.limits, timer
+            state,
+            self.agents,
+            self.actions,
+            self.assist,
+            snapshots,
+            rejoin,
+            topology.limits,
+            timer,
+            lambda: spawn(self.queue.refresh()),
         )
         topology.on_beat(self.beat)
 

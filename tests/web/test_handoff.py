@@ -352,3 +352,24 @@ async def test_the_queue_spans_nodes_and_a_wait_survives_a_resume_elsewhere(smol
                 assert (await until_type(again, "forwarded"))["agent"] is None
                 assert len(engine_a.prompts) == prompts
             await agent.close()
+
+
+async def test_an_intent_label_hands_off(smol):
+    """The intent auto-task's label on a customer message (a category the operator added), through the
+    same tag hook as the mood. The scripted engine scores every label alike: the first one wins."""
+    settings = settings_with(
+        tasks={"auto_tasks": ["intent"]}, handoff={"enabled": True, "intents": ["complaint"]}
+    )
+    settings.task = {"intent": {"categories": {"complaint": " complaint", "other": " something else"}}}
+    async with serve(scripted_app(smol, settings, ScriptedEngine(smol)), settings) as (base, url):
+        agent, _ = await login(url, "Sam")
+        async with websockets.connect(url) as cust:
+            sid = (await hello(cust))["session_id"]
+            await cust.send(json.dumps({"type": "chat", "id": "1", "text": "I wish to complain."}))
+            tag = await recv_until(cust, lambda e: e["type"] == "result" and e.get("auto"))
+            assert tag[-1]["output"]["label"] == "complaint"
+            summary = await waiting_summary(agent, sid)
+            assert summary["handoff"]["reason"] == "intent"
+            assert summary["handoff"]["text"] == "The customer's intent is 'complaint'."
+            assert (await until_type(cust, "handoff"))["state"] == "waiting"
+        await agent.close()

@@ -222,6 +222,11 @@ async def test_asking_for_a_person_queues_the_conversation_and_the_bot_stops(smo
             assert (await recv_until(first, is_end("4")))[-1]["type"] == "done"
             await first.send(json.dumps({"type": "chat", "id": "5", "text": "an agent again, please"}))
             assert (await until_type(first, "queue_position"))["position"] == 2  # behind Eve now
+            # starting over leaves the queue: the bot answers the new conversation
+            await first.send(json.dumps({"type": "reset"}))
+            assert (await until_type(first, "handoff"))["state"] == "ended"
+            await first.send(json.dumps({"type": "chat", "id": "6", "text": "hi again"}))
+            assert (await recv_until(first, is_end("6")))[-1]["type"] == "done"
         await agent.close()
 
 

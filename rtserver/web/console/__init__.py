@@ -133,6 +133,8 @@ class ConsoleHub:
                 self.queue.turn_ended(session, signals)
             case se.Cleared(session):
                 conversations.reset(session)
+                if (conv := conversations.get(session.id)) is not None:
+                    self.queue.end(conv)  # a customer who starts over talks to the bot again
 
     async def resumed(self, found: Resumed) -> None:
         await self.actions.resumed(found)

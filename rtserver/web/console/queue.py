@@ -110,7 +110,8 @@ class HandoffQueue:
         await self.refresh()
 
     def end(self, conv: Conversation) -> None:
-        """An agent took the conversation over or handed it back: it waits no more."""
+        """An agent took the conversation over or handed it back, or the customer reset it: it waits
+        no more."""
         if conv.handoff is None:
             return
         conv.handoff, conv.handoff_after = None, conv.seq

@@ -140,8 +140,9 @@ class ConsoleHub:
         await self.actions.resumed(found)
         if self.queue.policy.enabled:  # clustered: a hand-off under way, as the record has it
             record = await self.bus.conversation(found.session.id)
-            waiting = Waiting.from_json(record.get("handoff")) if record is not None else None
-            self.conversations.set_handoff(found.session.id, waiting)
+            # another node served it last: its record is newer than what this node remembers
+            if record is not None and record.get("node") != self.conversations.node_id:
+                self.conversations.set_handoff(found.session.id, Waiting.from_json(record.get("handoff")))
 
     def to_people(self, session: Session, text: str) -> bool:
         """Whether a customer message goes to people instead of the bot (the conversation waits)."""

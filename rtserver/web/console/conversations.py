@@ -142,7 +142,7 @@ class Conversations:
         """Clustered resume: the hand-off the record holds (the conversation may not be here yet)."""
         conv = self._by_id.get(session_id)
         if conv is not None:
-            conv.handoff = conv.handoff or waiting
+            conv.handoff = waiting
         elif waiting is not None:
             self._handoffs[session_id] = waiting
 

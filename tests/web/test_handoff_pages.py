@@ -1,6 +1,7 @@
 """The hand-off to people in a real browser (Playwright, Debian's chromium) on the embedded model: an
 upset customer's conversation enters the console's queue with its reason, an agent takes over and
-answers; out of hours the customer leaves an e-mail that the agent sees.
+answers; out of hours the customer leaves an e-mail that the agent sees. Both are `slow` (seconds of
+model time on a shared machine), as test_pages.py's real-model tests.
 
 With RT_README_SHOTS=1 these tests also write the README's screenshots, docs/img/console-queue.png
 and docs/img/widget-handoff.png; else every screenshot goes to artifacts/ (git-ignored).
@@ -63,6 +64,7 @@ async def agent_page(browser, base: str, name: str = "Sam"):  # noqa: F811 (the 
     return agent
 
 
+@pytest.mark.slow
 async def test_an_upset_customer_is_queued_and_an_agent_takes_over(smol, browser):  # noqa: F811
     from playwright.async_api import expect
 
@@ -119,6 +121,7 @@ async def test_an_upset_customer_is_queued_and_an_agent_takes_over(smol, browser
             assert not page.js_errors, page.js_errors
 
 
+@pytest.mark.slow
 async def test_out_of_hours_the_customer_leaves_an_email_for_the_agent(smol, browser):  # noqa: F811
     from playwright.async_api import expect
 

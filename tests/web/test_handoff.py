@@ -22,7 +22,7 @@ from rtserver.web.handoff import BusinessHours, HandoffPolicy, TurnSignals, Wait
 from rtserver.web.schema import protocol_schema
 
 from ..clusterutil import redis_server, scripted_node
-from ..serverutil import ScriptedEngine, hello, is_end, recv_json, recv_until, scripted_app, serve
+from ..serverutil import ScriptedEngine, hello, is_end, metric, recv_json, recv_until, scripted_app, serve
 from .test_console import TOKEN, login, settings_with
 
 WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
@@ -222,6 +222,7 @@ async def test_asking_for_a_person_queues_the_conversation_and_the_bot_stops(smo
             assert (await recv_until(first, is_end("4")))[-1]["type"] == "done"
             await first.send(json.dumps({"type": "chat", "id": "5", "text": "an agent again, please"}))
             assert (await until_type(first, "queue_position"))["position"] == 2  # behind Eve now
+            assert await metric(base, "rtserver_handoffs_total", 'reason="asked"') == 3
             # starting over leaves the queue: the bot answers the new conversation
             await first.send(json.dumps({"type": "reset"}))
             assert (await until_type(first, "handoff"))["state"] == "ended"

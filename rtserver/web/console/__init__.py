@@ -75,6 +75,7 @@ class ConsoleHub:
             sessions,
             self.bus,
             lambda: topology.console_agents(self.agents.count()),
+            lambda reason: state.metrics.handoffs.labels(reason).inc(),
         )
         self.actions = Actions(
             self.conversations,

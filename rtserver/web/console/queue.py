@@ -45,6 +45,7 @@ class HandoffQueue:
         sessions: SessionRegistry,
         bus: ConsoleBus,
         agents_online: Callable[[], int],
+        counted: Callable[[str], None] = lambda reason: None,
         now: Callable[[], datetime] = utc_now,
     ):
         self.policy = policy
@@ -52,6 +53,7 @@ class HandoffQueue:
         self.sessions = sessions
         self.bus = bus
         self.agents_online = agents_online
+        self.counted = counted  # each hand-off, by its reason (/metrics)
         self.now = now  # business hours are read on this clock (tests pass a fake)
         self.intent_task = policy.settings.intent_task
         self.mood_window = policy.settings.mood_window
@@ -102,6 +104,7 @@ class HandoffQueue:
         conv.handoff = Waiting(reason.code, reason.text, time.time(), closed)
         conv.updated_at = conv.handoff.since
         self.conversations.changed(conv)
+        self.counted(reason.code)
         spawn(self._entered(conv.session_id, conv.handoff))
 
     async def _entered(self, session_id: str, waiting: Waiting) -> None:

@@ -44,13 +44,20 @@ def readme_shot(name: str) -> str:
     return shot(name)
 
 
-def handoff_app(smol, **handoff: object):
+COPILOT = ["suggest_reply", "extract", "summarize", "translate", "translate_reply"]
+
+
+def handoff_app(smol, copilot: bool = True, **handoff: object):
+    """The embedded model's server with the hand-off on. The copilot, which opening a conversation
+    starts, runs only short drafts (`copilot`: else not at all): the model's time goes to the flow."""
     settings = make_settings(
         security={"console_token": TOKEN},
         handoff={"enabled": True, "mood_min_messages": 1, **handoff},
+        tasks={"disabled": ["summarize", "translate", "translate_reply"] if copilot else COPILOT},
     )
     settings.chat.max_new_tokens = 16
     settings.chat.decoding = {"temperature": 0.0}  # greedy: the same screenshots every run
+    settings.task = {"suggest_reply": {"drafts": 2, "max_new_tokens": 20}}
     return create_app(settings, lambda: smol), settings
 
 
@@ -125,7 +132,7 @@ async def test_an_upset_customer_is_queued_and_an_agent_takes_over(smol, browser
 async def test_out_of_hours_the_customer_leaves_an_email_for_the_agent(smol, browser):  # noqa: F811
     from playwright.async_api import expect
 
-    app, settings = handoff_app(smol, days=closed_today(), timezone="Europe/Paris")
+    app, settings = handoff_app(smol, copilot=False, days=closed_today(), timezone="Europe/Paris")
     async with serve(app, settings) as (base, url):
         agent = await agent_page(browser, base)
         customer = await new_page(browser, viewport={"width": 460, "height": 720})

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 import typing
+import zoneinfo
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,6 +197,34 @@ class ClusterSettings:
 
 
 @dataclass
+class HandoffSettings:
+    """When the bot hands a conversation to a person, and the hours people answer."""
+
+    enabled: bool = _setting(False)
+    ask_phrases: list[str] = _setting(
+        [
+            "human",
+            "a person",
+            "real person",
+            "an agent",
+            "representative",
+            "talk to someone",
+            "speak to someone",
+        ]
+    )
+    mood_window: int = _setting(3, min=1, max=100)
+    mood_min_messages: int = _setting(2, min=1, max=100)
+    mood_at_most: float = _setting(-0.5, min=-1.0, max=1.0)
+    intent_task: str = _setting("intent")
+    intents: list[str] = _setting([])
+    bot_unknown: bool = _setting(True)
+    timezone: str = _setting("UTC")
+    days: list[str] = _setting(["mon", "tue", "wed", "thu", "fri", "sat", "sun"])
+    opens: str = _setting("00:00")
+    closes: str = _setting("24:00")
+
+
+@dataclass
 class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
@@ -205,6 +235,7 @@ class Settings:
     tasks: TaskSettings = field(default_factory=TaskSettings)
     chat: ChatSettings = field(default_factory=ChatSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    handoff: HandoffSettings = field(default_factory=HandoffSettings)
     # [task.<name>] tables; the task registry checks them against each plugin's declaration
     task: dict = field(default_factory=dict)
 
@@ -309,6 +340,7 @@ def settings_from_mapping(data: Mapping[str, object], env: Mapping[str, str] | N
     settings = Settings(**built)
     _check_backends(settings)
     _check_cluster(settings)
+    _check_handoff(settings.handoff)
     return settings
 
 
@@ -322,6 +354,30 @@ def _check_cluster(settings: Settings) -> None:
         )
     if any(ch.isspace() for ch in c.node_id):
         raise ConfigError(f"cluster.node_id = {c.node_id!r}: no whitespace allowed")
+
+
+WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+CLOCK_TIME = re.compile(r"([01][0-9]|2[0-3]):[0-5][0-9]|24:00")
+
+
+def _check_handoff(h: HandoffSettings) -> None:
+    """Business hours name a real time zone, known days and HH:MM times in order."""
+    try:
+        zoneinfo.ZoneInfo(h.timezone)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        zone = h.timezone
+        raise ConfigError(f"handoff.timezone = {zone!r}: not an IANA time zone (e.g. Europe/Paris)") from None
+    unknown = [d for d in h.days if d not in WEEKDAYS]
+    if unknown:
+        raise ConfigError(f"handoff.days: {unknown!r} unknown (allowed: {', '.join(WEEKDAYS)})")
+    for key in ("opens", "closes"):
+        value = getattr(h, key)
+        if not CLOCK_TIME.fullmatch(value):
+            raise ConfigError(f"handoff.{key} = {value!r}: expected HH:MM from 00:00 to 24:00")
+    if h.opens >= h.closes:
+        raise ConfigError(f"handoff.opens = {h.opens!r} must come before handoff.closes = {h.closes!r}")
+    if any(not p.strip() or len(p) > 100 for p in h.ask_phrases):
+        raise ConfigError("handoff.ask_phrases: each phrase must be 1..100 characters")
 
 
 def _check_backends(settings: Settings) -> None:

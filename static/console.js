@@ -268,11 +268,32 @@ function moodBadge(mood) {
     title: mood && mood.n ? `mood over the last ${mood.n} rated messages` : "no rated messages yet" });
 }
 
+// A conversation waiting for a person (the hand-off policy fired): its reason, since, the e-mail left.
+function handoffBadge(c) {
+  const h = c.handoff;
+  return el("span", { class: "waiting-badge", "data-since": h.since,
+    title: h.text, text: h.out_of_hours ? "Waiting · out of hours" : "Waiting for a person" });
+}
+function renderHandoff(conv) {
+  const box = $("handoff");
+  const h = conv.handoff;
+  box.hidden = !h;
+  if (!h) return;
+  box.replaceChildren(...[
+    el("p", {}, el("strong", { text: "Waiting for a person" }), ` since ${time(h.since)}: `, h.text),
+    h.out_of_hours ? el("p", { text: "Out of business hours: the customer was offered the e-mail form." }) : null,
+    h.email ? el("p", { class: "handoff-email" }, el("strong", { text: "E-mail: " }), h.email) :
+      h.out_of_hours ? el("p", { class: "note", text: "No e-mail left yet." }) : null,
+    el("p", { class: "note", text: "Take over to answer; hand back to let the bot answer again." }),
+  ].filter(Boolean));
+}
+
 function renderList() {
   const filter = $("filter").value;
   const sort = $("sort").value;
   let convs = [...state.convs.values()];
-  if (filter !== "all") convs = convs.filter((c) => (c.mood?.label || "unknown") === filter);
+  if (filter === "waiting") convs = convs.filter((c) => c.handoff);
+  else if (filter !== "all") convs = convs.filter((c) => (c.mood?.label || "unknown") === filter);
   const cmp = {
     recent: (a, b) => b.updated_at - a.updated_at,
     mood: (a, b) => (MOOD_RANK[a.mood?.label] ?? 2) - (MOOD_RANK[b.mood?.label] ?? 2) ||
@@ -280,7 +301,12 @@ function renderList() {
     unread: (a, b) => unread(b) - unread(a) || b.updated_at - a.updated_at,
     name: (a, b) => a.customer.localeCompare(b.customer),
   }[sort];
-  convs.sort(cmp);
+  // the queue first, oldest wait first; then the chosen order
+  convs.sort((a, b) => (a.handoff ? 0 : 1) - (b.handoff ? 0 : 1) ||
+    (a.handoff && b.handoff ? a.handoff.since - b.handoff.since : 0) || cmp(a, b));
+  const queued = [...state.convs.values()].filter((c) => c.handoff).length;
+  $("queue").hidden = !queued;
+  $("queue").textContent = queued === 1 ? "1 conversation waits for a person" : `${queued} conversations wait for a person`;
   const list = $("list");
   list.replaceChildren();
   for (const c of convs) {
@@ -288,12 +314,15 @@ function renderList() {
     const n = unread(c);
     const last = c.last_message;
     const lastText = last ? (last.role === "user" ? "" : last.role === "agent" ? "Agent: " : "Bot: ") + last.text : "No messages yet";
-    const btn = el("button", { type: "button", class: "item", "aria-current": c.session_id === state.selected ? "true" : null,
-      "data-session": c.session_id },
+    const btn = el("button", { type: "button", class: c.handoff ? "item waiting" : "item",
+      "aria-current": c.session_id === state.selected ? "true" : null, "data-session": c.session_id },
       el("span", { class: "item-top" },
         el("span", { class: "name", text: c.customer }),
         moodBadge(c.mood),
         n ? el("span", { class: "unread", text: String(n), "aria-label": `${n} unread` }) : null),
+      c.handoff ? el("span", { class: "item-handoff" }, handoffBadge(c),
+        el("span", { class: "reason", text: c.handoff.text }),
+        c.handoff.email ? el("span", { class: "email", text: c.handoff.email }) : null) : null,
       el("span", { class: "last", text: lastText }),
       el("span", { class: "item-meta" },
         el("span", { class: c.connected ? "dot on" : "dot off", text: c.connected ? "online" : "offline" }),
@@ -505,6 +534,7 @@ function renderConv() {
   $("conv").hidden = !conv;
   if (!conv) return;
   markSeen(conv);
+  renderHandoff(conv);
   $("conv-title").textContent = conv.customer;
   const meta = $("conv-meta");
   meta.replaceChildren(moodBadge(conv.mood),

@@ -101,6 +101,22 @@
   const header = el("header", { class: "rt-header" },
     el("div", { class: "rt-heading" }, titleEl, statusEl), newBtn, closeBtn);
   const agentBanner = el("p", { class: "rt-agent-banner", hidden: true, role: "status" });
+  // hand-off to people: who is coming, the place in the queue, the e-mail form when nobody answers now
+  const handoffLine = el("p", { class: "rt-handoff-line", role: "status" });
+  const placeLine = el("p", { class: "rt-handoff-place", hidden: true });
+  const emailInput = el("input", { class: "rt-email", id: uid + "-email", type: "email", maxlength: "254",
+    autocomplete: "email", placeholder: "name@example.com", required: true });
+  const emailError = el("p", { class: "rt-email-error", role: "alert", hidden: true });
+  // novalidate: the server checks the address and its error is shown here, the same in every browser
+  const emailForm = el("form", { class: "rt-email-form", hidden: true, novalidate: true,
+    "aria-label": "Leave your e-mail" },
+    el("label", { for: uid + "-email", text: "Leave your e-mail and a person will write back:" }),
+    el("span", { class: "rt-email-row" }, emailInput,
+      el("button", { class: "rt-email-send", type: "submit", text: "Leave e-mail" })),
+    emailError);
+  const emailThanks = el("p", { class: "rt-email-thanks", hidden: true, role: "status" });
+  const handoffBox = el("section", { class: "rt-handoff", hidden: true, "aria-label": "Waiting for a person" },
+    handoffLine, placeLine, emailForm, emailThanks);
   const log = el("ol", { class: "rt-log", role: "log", "aria-live": "polite", "aria-relevant": "additions text",
     "aria-label": "Conversation", tabindex: "0" });
   const notice = el("p", { class: "rt-notice", role: "alert", hidden: true });
@@ -117,7 +133,7 @@
     inputLabel, hint, input, stopBtn, sendBtn);
   const panel = el("section", { class: "rt-panel", id: uid + "-panel", role: "dialog",
     "aria-labelledby": uid + "-title", hidden: true },
-    header, agentBanner, log, notice, form);
+    header, agentBanner, handoffBox, log, notice, form);
   root.append(launcher, panel);
 
   // -- state ----------------------------------------------------------------------------------
@@ -130,6 +146,8 @@
   let current = null; // {id, li, body, started}
   let agentName = null;
   let counter = 0;
+  // {outOfHours, email, agents, emailSent} while the conversation waits for a person, else null
+  let waiting = null;
 
   function stored() {
     try { return JSON.parse(sessionStorage.getItem(storeKey) || "null"); } catch (e) { return null; }
@@ -199,6 +217,36 @@
     agentBanner.hidden = !agentName;
     agentBanner.textContent = agentName ? agentName + ", a human agent, is answering you." : "";
     panel.classList.toggle("rt-with-agent", !!agentName);
+  }
+
+  function renderWaiting() {
+    handoffBox.hidden = !waiting;
+    if (!waiting) return;
+    const nobody = waiting.outOfHours || waiting.agents === 0;
+    handoffLine.textContent = waiting.outOfHours ? "We're closed right now, so no one can answer at the moment." :
+      waiting.agents === 0 ? "No one is available right now." : "A person will join this conversation soon.";
+    placeLine.hidden = !(waiting.place && waiting.agents > 0 && !waiting.outOfHours);
+    placeLine.textContent = waiting.place === 1 ? "You're next in line." :
+      "You're number " + waiting.place + " in line.";
+    emailForm.hidden = !nobody || !!waiting.email;
+    emailThanks.hidden = !waiting.email;
+    emailThanks.textContent = waiting.email ? "Thanks! A person will write to " + waiting.email + "." : "";
+  }
+
+  function setWaiting(event) {
+    if (!event) { waiting = null; renderWaiting(); return; }
+    waiting = Object.assign(waiting || { agents: null, place: null }, {
+      outOfHours: !!event.out_of_hours, email: event.email || null });
+    if (waiting.email) { waiting.emailSent = false; emailError.hidden = true; }
+    renderWaiting();
+  }
+
+  function sendEmail() {
+    const email = emailInput.value.trim();
+    if (!email || !ws || !connected) return;
+    emailError.hidden = true;
+    waiting.emailSent = true;
+    ws.send(JSON.stringify({ type: "handoff_email", email }));
   }
 
   function renderHistory(history) {
@@ -334,7 +382,7 @@
       case "forwarded": {
         if (current && msg.id === current.id) {
           if (current.li.classList.contains("rt-sent")) {
-            current.body.textContent = "Sent to " + (msg.agent || agentName || "the agent") + ".";
+            current.body.textContent = "Sent to " + (msg.agent || agentName || "the team") + ".";
           } else {
             current.li.remove(); // the bot was asked, but a human took over meanwhile
           }
@@ -344,7 +392,24 @@
         }
         break;
       }
+      case "handoff": {
+        if (msg.state === "waiting") {
+          if (!waiting) addMessage("system", "We're bringing in a person to help you.");
+          setWaiting(msg);
+        } else {
+          setWaiting(null);
+        }
+        break;
+      }
+      case "queue_position": {
+        if (!waiting) return;
+        waiting.place = msg.position;
+        waiting.agents = msg.agents_online;
+        renderWaiting();
+        break;
+      }
       case "handover": {
+        setWaiting(null);
         if (msg.to === "agent") {
           setAgent(msg.agent || "An agent");
           addMessage("system", (msg.agent || "An agent") + " joined the conversation.");
@@ -361,6 +426,7 @@
       }
       case "reset": {
         renderHistory([]);
+        setWaiting(null);
         break;
       }
       case "shutting_down": {
@@ -376,6 +442,14 @@
           return;
         }
         if (msg.code === "session_taken_over") return; // the close (4409) follows
+        if (waiting && waiting.emailSent && !msg.id) {  // the e-mail was refused: say why by the form
+          waiting.emailSent = false;
+          emailError.textContent = msg.code === "not_waiting" ? "No one is waiting for this message any more." :
+            "Please enter a valid e-mail address, like name@example.com.";
+          emailError.hidden = false;
+          emailInput.focus();
+          return;
+        }
         let text = FRIENDLY[msg.code] || FRIENDLY.internal;
         if ((msg.code === "rate_limited" || msg.code === "over_budget") && msg.retry_after_s) {
           text += " (" + Math.ceil(msg.retry_after_s) + " s)";
@@ -408,7 +482,7 @@
     addMessage("user", text);
     input.value = "";
     autoGrow();
-    if (!agentName) {
+    if (!agentName && !waiting) {
       const pending = addMessage("bot", "Thinking…");
       pending.li.classList.add("rt-thinking");
       pending.li.setAttribute("aria-busy", "true");
@@ -430,6 +504,7 @@
   }
 
   form.addEventListener("submit", (ev) => { ev.preventDefault(); send(); });
+  emailForm.addEventListener("submit", (ev) => { ev.preventDefault(); sendEmail(); });
   input.addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); send(); }
   });

@@ -56,6 +56,8 @@ SERVER_EVENTS = {
     "agent_message",
     "forwarded",
     "shutting_down",
+    "handoff",
+    "queue_position",
 }
 CONSOLE_EVENTS = {
     "console_ready",
@@ -82,7 +84,7 @@ LEAKS = ("Traceback", "/work/", '.py"', 'File "', "site-packages")
 
 # -- what docs/protocol.md documents (the reference rules use these, never rtserver.web.protocol) ----
 
-MESSAGE_TYPES = ("hello", "chat", "task", "cancel", "reset", "ping")  # "Client → server"
+MESSAGE_TYPES = ("hello", "chat", "task", "cancel", "reset", "ping", "handoff_email")  # "Client → server"
 MAX_ID_CHARS = 64  # "`id`: a string of 1–64 characters"
 ERROR_CODES = frozenset(  # the "Error codes" table
     {
@@ -131,6 +133,7 @@ ERROR_CODES = frozenset(  # the "Error codes" table
         "task_not_allowed",
         "sessions_full",
         "store_error",
+        "not_waiting",
     }
 )
 
@@ -336,6 +339,10 @@ def expected_error(frame: str | bytes) -> tuple[str, str | None] | None:
         return None
     if kind in ("ping", "reset"):
         return None
+    if kind == "handoff_email":  # a string's own rule (an e-mail address) is checked by the server
+        if "email" not in obj:
+            return "missing_field", rid
+        return ("invalid_field", rid) if not _is_str(obj["email"]) else None
     if "id" not in obj:
         return "missing_field", None
     if not (isinstance(raw_id, str) and 1 <= len(raw_id) <= MAX_ID_CHARS):

@@ -60,6 +60,7 @@ SIZES: dict[str, int] = {
     "candidates_tokens": 1024,  # tokens in all candidates of one request
     "session_chars": 128,  # an rtserver_session key
     "short_chars": 256,  # model, user and other echoed or ignored strings
+    "email_chars": 254,  # the e-mail a customer leaves for a person (RFC 5321's longest path)
 }
 
 

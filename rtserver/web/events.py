@@ -146,6 +146,23 @@ class ForwardedEvent(TypedDict):
     agent: str | None
 
 
+class HandoffEvent(TypedDict):
+    """The session waits for a person (`waiting`: the bot no longer answers), or no longer (`ended`)."""
+
+    type: Literal["handoff"]
+    state: Literal["waiting", "ended"]
+    out_of_hours: Annotated[bool, Field(description="nobody answers now: offer the e-mail form")]
+    email: Annotated[str | None, Field(description="the e-mail left for a person (handoff_email)")]
+
+
+class QueuePositionEvent(TypedDict):
+    """While waiting for a person: the session's place among the conversations waiting, 1 = next."""
+
+    type: Literal["queue_position"]
+    position: int
+    agents_online: Annotated[int, Field(description="agents signed in to the console, all nodes")]
+
+
 ServerEvent = (
     ReadyEvent
     | TokenEvent
@@ -158,6 +175,8 @@ ServerEvent = (
     | HandoverEvent
     | AgentMessageEvent
     | ForwardedEvent
+    | HandoffEvent
+    | QueuePositionEvent
 )
 
 
@@ -287,3 +306,16 @@ def agent_message_event(text: str, agent: str) -> Event:
 
 def forwarded_event(request_id: str, agent: str | None) -> Event:
     return {"type": "forwarded", "id": request_id, "agent": agent}
+
+
+def handoff_event(waiting: bool, out_of_hours: bool = False, email: str | None = None) -> Event:
+    return {
+        "type": "handoff",
+        "state": "waiting" if waiting else "ended",
+        "out_of_hours": out_of_hours,
+        "email": email,
+    }
+
+
+def queue_position_event(position: int, agents_online: int) -> Event:
+    return {"type": "queue_position", "position": position, "agents_online": agents_online}

@@ -184,6 +184,8 @@ class Connection(QueuedConnection):
             await self.reset(session)
         elif isinstance(msg, P.Chat) and await self.admit(msg.id):
             await self.chat(msg, session)
+        elif isinstance(msg, P.HandoffEmail):
+            await self.send(await self.hub.console.leave_email(session, msg.email))
         elif isinstance(msg, P.TaskCall) and await self.admit(msg.id):
             req = Request(msg.id, "task")
             self.requests[msg.id] = req
@@ -216,7 +218,8 @@ class Connection(QueuedConnection):
 
     async def chat(self, msg: P.Chat, session: Session) -> None:
         holder = self.hub.console.holder(session)
-        if holder is not None:  # a human agent answers, not the bot
+        # a human agent answers, not the bot; or the conversation waits for one (handoff.py)
+        if holder is not None or self.hub.console.to_people(session, msg.text):
             await self.forward_chat(msg, session, holder)
             return
         if session.chat_request is not None:
@@ -335,9 +338,9 @@ class Connection(QueuedConnection):
             log.exception("%s failed", what)
         await self.error(code, message, request_id)
 
-    async def forward_chat(self, msg: P.Chat, session: Session, holder: Holder) -> None:
-        """A customer `chat` while an agent holds the session. It goes to history and console.
-        The bot does not reply.
+    async def forward_chat(self, msg: P.Chat, session: Session, holder: Holder | None) -> None:
+        """A customer `chat` while an agent holds the session (or it waits for one: `holder` None). It
+        goes to history and console. The bot does not reply.
         """
         try:
             text = await self.hub.turns.forward(session, msg.id, msg.text, self.client)
@@ -345,7 +348,7 @@ class Connection(QueuedConnection):
             code, message = error_code(exc)
             await self.error(code, message, msg.id)
             return
-        await self.send(events.forwarded_event(msg.id, holder.name))
+        await self.send(events.forwarded_event(msg.id, holder.name if holder is not None else None))
         self.run_auto_tasks(msg.id, text)
 
     async def run_task(self, req: Request, msg: P.TaskCall) -> None:

@@ -281,6 +281,9 @@ class Metrics:
             "rtserver_slow_client_closes", "Connections closed for not reading", registry=r
         )
         self.expired = Counter("rtserver_sessions_expired", "Sessions expired or dropped", registry=r)
+        self.handoffs = Counter(
+            "rtserver_handoffs", "Conversations sent to people's queue, by reason", ["reason"], registry=r
+        )
         r.register(_LiveCollector(live))
 
     def observe_generation(self, endpoint: str, result: SequenceResult) -> None:

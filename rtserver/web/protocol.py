@@ -23,6 +23,7 @@ from pydantic.dataclasses import dataclass
 
 from ..config import Settings
 from .display import MAX_NAME_CHARS, clean_name
+from .handoff import EMAIL_RULE, MAX_EMAIL_CHARS, check_email
 
 PROTOCOL_VERSION = "1.1"
 
@@ -74,6 +75,8 @@ ErrorCode = Literal[
     "already_taken",
     "not_taken_over",
     "login_timeout",
+    # hand-off to people (handoff.py, console/queue.py)
+    "not_waiting",
 ]
 ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
 
@@ -198,7 +201,19 @@ class Ping:
     type: Literal["ping"] = "ping"
 
 
-ClientMessage = Hello | Chat | TaskCall | Cancel | Reset | Ping
+@dataclass(config=_MESSAGE)
+class HandoffEmail:
+    """While waiting for a person (`handoff`), leave an e-mail for them to write back; answered `handoff`."""
+
+    email: Annotated[
+        StrictStr,
+        Field(max_length=MAX_EMAIL_CHARS, description=EMAIL_RULE),
+        AfterValidator(check_email),
+    ]
+    type: Literal["handoff_email"] = "handoff_email"
+
+
+ClientMessage = Hello | Chat | TaskCall | Cancel | Reset | Ping | HandoffEmail
 _MODELS: dict[str, Any] = {
     "hello": Hello,
     "chat": Chat,
@@ -206,6 +221,7 @@ _MODELS: dict[str, Any] = {
     "cancel": Cancel,
     "reset": Reset,
     "ping": Ping,
+    "handoff_email": HandoffEmail,
 }
 MESSAGE_TYPES = tuple(_MODELS)
 CLIENT_MESSAGE: TypeAdapter[ClientMessage] = TypeAdapter(

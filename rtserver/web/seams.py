@@ -144,6 +144,15 @@ class ConsoleBus(Protocol):
 
     async def command(self, node: str, command: BusCommand) -> int: ...
 
+    # the hand-off queue: conversations waiting for a person, oldest first (console/queue.py)
+    async def queue_add(self, session_id: str, since: float) -> None: ...
+
+    async def queue_remove(self, session_id: str) -> None: ...
+
+    async def queue_ranks(self, session_ids: list[str]) -> list[int | None]:
+        """Each conversation's place in the queue (0 = next), None when it is not in it."""
+        ...
+
 
 class LocalBus:
     """The console alone: nothing is shared, the conversations' own agents are the holders."""
@@ -151,6 +160,7 @@ class LocalBus:
     def __init__(self, holder_of: HolderOf):
         self.holder_of = holder_of
         self._secrets: dict[str, str] = {}
+        self._queue: dict[str, float] = {}  # session id -> when it began to wait
 
     def publish(self, event: ConsoleEvent) -> None:
         return None
@@ -192,6 +202,16 @@ class LocalBus:
     async def command(self, node: str, command: BusCommand) -> int:
         return 0  # there is no other node
 
+    async def queue_add(self, session_id: str, since: float) -> None:
+        self._queue.setdefault(session_id, since)
+
+    async def queue_remove(self, session_id: str) -> None:
+        self._queue.pop(session_id, None)
+
+    async def queue_ranks(self, session_ids: list[str]) -> list[int | None]:
+        order = {sid: i for i, sid in enumerate(sorted(self._queue, key=lambda s: (self._queue[s], s)))}
+        return [order.get(sid) for sid in session_ids]
+
 
 class Topology(Protocol):
     limits: Limits
@@ -220,6 +240,10 @@ class Topology(Protocol):
 
     async def alive_nodes(self) -> set[str]:
         """Ids of the nodes whose heartbeat is recent."""
+        ...
+
+    def console_agents(self, here: int) -> int:
+        """Agents signed in to the console on every node, `here` of them on this one."""
         ...
 
     async def leave(self) -> None:
@@ -312,6 +336,9 @@ class Alone:
 
     async def alive_nodes(self) -> set[str]:
         return {self.node_id}
+
+    def console_agents(self, here: int) -> int:
+        return here
 
     async def leave(self) -> None:
         return None

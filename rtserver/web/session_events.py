@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .handoff import TurnSignals
 from .session import Session
 
 log = logging.getLogger("rtserver.session_events")
@@ -87,6 +88,15 @@ class Tagged:
 
 
 @dataclass(frozen=True)
+class Signalled:
+    """A bot turn ended and was stored: what it tells the hand-off policy."""
+
+    session: Session
+    request_id: str
+    signals: TurnSignals
+
+
+@dataclass(frozen=True)
 class Cleared:
     """The customer reset the session: its history is empty."""
 
@@ -94,7 +104,16 @@ class Cleared:
 
 
 SessionEvent = (
-    Attached | Detached | Dropped | TurnStarted | Forwarded | Token | TurnFinished | Tagged | Cleared
+    Attached
+    | Detached
+    | Dropped
+    | TurnStarted
+    | Forwarded
+    | Token
+    | TurnFinished
+    | Tagged
+    | Cleared
+    | Signalled
 )
 Subscriber = Callable[[SessionEvent], None]
 

@@ -22,6 +22,7 @@ from ..tasks.chat import ChatTask, LastTurn, Message
 from . import session_events as se
 from .admission import Admission, Surface
 from .errors import GenerationFailed
+from .handoff import TurnSignals
 from .seams import SessionStore
 from .session import Session, SessionTurn
 from .session_events import SessionEvents
@@ -207,6 +208,10 @@ class ChatTurns:
                     await self.store.save(session, client.name)  # acknowledged only once stored
                     turn.commit()
                 reply, reason = result.text, result.finish_reason.value
+                # the hand-off policy's view of the turn; the bot's "I don't know" comes with the
+                # knowledge base's TurnResult.unknown (wired where that branch is merged)
+                signals = TurnSignals(text=prepared.text, bot_unknown=False)
+                self.events.publish(se.Signalled(session, request_id, signals))
         except Exception as exc:
             await sink.failed(exc)
             return

@@ -134,6 +134,7 @@ class ConsoleBus:
         self.events_channel = cluster.key("console", "events")
         self.convs_key = cluster.key("console", "convs")
         self.expiry_key = cluster.key("console", "convs", "expiry")
+        self.queue_key = cluster.key("console", "queue")  # zset: waiting for a person, by since
         # a conversation lives as long as its session record: renewed while its node serves it
         self.conv_ttl_s = max(1, int(cluster.settings.sessions.idle_timeout_s + 0.999))
         self.conversation_writes = 0
@@ -223,7 +224,10 @@ class ConsoleBus:
         keys = [self.convs_key, self.expiry_key]
         args: list[str | int] = [self.conv_ttl_s, *session_ids]
         gone: Any = await self.cluster.call(lambda: self._renew_sweep(keys=keys, args=args))
-        return [sid for sid in gone if isinstance(sid, str)]
+        removed = [sid for sid in gone if isinstance(sid, str)]
+        if removed:  # an expired conversation waits for nobody
+            await self.cluster.call(lambda: self.cluster.redis.zrem(self.queue_key, *removed))
+        return removed
 
     # -- reads and atomic actions ---------------------------------------------------------------
     async def conversations(self) -> list[ConsoleRecord]:
@@ -297,6 +301,32 @@ class ConsoleBus:
         raw = json.dumps(command.to_json(), ensure_ascii=False)
         n: Any = await self.cluster.call(lambda: self.cluster.redis.publish(self.node_channel(node), raw))
         return int(n)
+
+    # -- the hand-off queue ---------------------------------------------------------------------
+    async def queue_add(self, session_id: str, since: float) -> None:
+        """The conversation waits for a person from `since` on (kept if it waits already)."""
+        ttl = self.conv_ttl_s + 60
+
+        async def run() -> Any:
+            async with self.cluster.redis.pipeline(transaction=True) as pipe:
+                pipe.zadd(self.queue_key, {session_id: since}, nx=True)
+                pipe.expire(self.queue_key, ttl)
+                return await pipe.execute()
+
+        await self.cluster.call(run)
+
+    async def queue_remove(self, session_id: str) -> None:
+        await self.cluster.call(lambda: self.cluster.redis.zrem(self.queue_key, session_id))
+
+    async def queue_ranks(self, session_ids: list[str]) -> list[int | None]:
+        async def run() -> Any:
+            async with self.cluster.redis.pipeline(transaction=False) as pipe:
+                for sid in session_ids:
+                    pipe.zrank(self.queue_key, sid)
+                return await pipe.execute()
+
+        ranks: Any = await self.cluster.call(run)
+        return [int(r) if isinstance(r, int) else None for r in ranks]
 
     # -- the subscription -----------------------------------------------------------------------
     def start(self) -> None:

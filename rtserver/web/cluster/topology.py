@@ -141,6 +141,13 @@ class Clustered:
     async def alive_nodes(self) -> set[str]:
         return await self.nodes.alive() if self.nodes is not None else set()
 
+    def console_agents(self, here: int) -> int:
+        """The other nodes' agents as of the last heartbeat, and this node's now."""
+        view = self.nodes.last_view if self.nodes is not None else NO_VIEW
+        nodes = [n for n in view["nodes"] if n.get("node_id") != self.node_id]
+        others = sum(int(n.get("console_agents", 0)) for n in nodes)
+        return others + here
+
     async def leave(self) -> None:
         if self.nodes is not None:
             with contextlib.suppress(ClusterUnavailable):

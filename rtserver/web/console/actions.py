@@ -25,6 +25,7 @@ from ..display import clean_text
 from ..seams import ConsoleBus, ConsoleEvent, Resumed, SessionStore, StoreUnavailable
 from ..session import Session, SessionRegistry
 from .agents import Agent, Agents
+from .conversation import Conversation
 from .conversations import Conversations
 from .guard import spawn
 from .timer import Cancellable, Timer
@@ -49,6 +50,7 @@ class Actions:
         agents: Agents,
         grace_s: float,
         timer: Timer,
+        end_wait: Callable[[Conversation], None] = lambda conv: None,
     ):
         self.conversations = conversations
         self.sessions = sessions
@@ -58,6 +60,7 @@ class Actions:
         self.node_id = conversations.node_id
         self.grace_s = grace_s
         self.timer = timer
+        self.end_wait = end_wait  # a take-over or hand-back ends a wait for a person (queue.py)
         self._holds: dict[str, str] = {}  # session id -> agent id: take-overs claimed by this node's agents
         self._release: dict[str, Cancellable] = {}  # grace timers of agents gone from this node
         self._applied: OrderedDict[str, None] = OrderedDict()  # agent message ids applied here
@@ -163,6 +166,7 @@ class Actions:
             return
         conv.agent = holder
         conv.updated_at = time.time()
+        self.end_wait(conv)
         self.conversations.changed(conv)
         await _to_customer(session, events.handover_event(holder.name))
 
@@ -174,6 +178,7 @@ class Actions:
             return
         conv.agent = None
         conv.updated_at = time.time()
+        self.end_wait(conv)
         self.conversations.changed(conv)
         await _to_customer(session, events.handover_event(None))
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..commands import Holder
 from ..display import clean_name, clean_text
+from ..handoff import Waiting
 
 # Sentiment labels (as the built-in sentiment task names them, English or Chinese) → mood score.
 MOOD_SCORE = {"positive": 1.0, "negative": -1.0, "neutral": 0.0, "正面": 1.0, "负面": -1.0, "中性": 0.0}
@@ -76,6 +77,7 @@ def summary(record: Mapping[str, object]) -> dict[str, object]:
         else None,
         "seq": record.get("seq") if isinstance(record.get("seq"), int) else 0,
         "user_seqs": user_seqs(messages if isinstance(messages, list) else []),
+        "handoff": waiting.to_json() if (waiting := Waiting.from_json(record.get("handoff"))) else None,
     }
 
 
@@ -115,6 +117,8 @@ class Conversation:
         self.seq = 0
         self.streaming: dict[str, str] | None = None  # {"id", "text"} of the bot reply being streamed
         self.agent: Holder | None = None  # the agent who took over
+        self.handoff: Waiting | None = None  # waiting for a person (console/queue.py)
+        self.handoff_after = 0  # the seq a hand-off ended at: the signals before it were answered
         # clustered: changed since its record was written; a finished turn waits for its tags until
         # `hold_until` (monotonic); the newest seq the stored record has
         self.dirty = False
@@ -174,6 +178,23 @@ class Conversation:
         label = "negative" if score <= -1 / 3 else "positive" if score >= 1 / 3 else "neutral"
         return {"label": label, "score": round(score, 3), "n": len(labels)}
 
+    def recent_moods(self, window: int) -> tuple[float, ...]:
+        """Mood scores of the newest rated customer messages since the last hand-off, newest first."""
+        labels = [
+            m["sentiment"]
+            for m in reversed(self.messages)
+            if m["role"] == "user" and m.get("sentiment") and m["seq"] > self.handoff_after
+        ]
+        return tuple(MOOD_SCORE.get(str(label).lower(), 0.0) for label in labels[:window])
+
+    def last_tag(self, task: str) -> str | None:
+        """The label `task` gave the newest customer message, if any (and since the last hand-off)."""
+        for m in reversed(self.messages):
+            if m["role"] == "user":
+                label = m.get("tags", {}).get(task) if m["seq"] > self.handoff_after else None
+                return str(label) if label is not None else None
+        return None
+
     def last_message(self) -> dict[str, Any] | None:
         if not self.messages:
             return None
@@ -193,6 +214,7 @@ class Conversation:
             "last_message": self.last_message(),
             "seq": self.seq,
             "user_seqs": user_seqs(self.messages),
+            "handoff": self.handoff.to_json() if self.handoff is not None else None,
         }
 
     def to_json(self, window: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 from ..commands import Holder
 from ..display import clean_text
+from ..handoff import Waiting
 from ..seams import ConsoleBus, ConsoleEvent, ConsoleRecord
 from ..session import Session
 from ..state import AppState
@@ -48,6 +49,7 @@ class Conversations:
         self.max_messages = ss.console_max_messages
         self._by_id: dict[str, Conversation] = {}
         self._holders: dict[str, Holder | None] = {}  # read from Redis at resume, until the session attaches
+        self._handoffs: dict[str, Waiting] = {}  # the same for a hand-off under way
         self.closing = False  # the node is stopping
 
     def get(self, session_id: str) -> Conversation | None:
@@ -136,12 +138,21 @@ class Conversations:
         else:
             self._holders[session_id] = agent
 
+    def set_handoff(self, session_id: str, waiting: Waiting | None) -> None:
+        """Clustered resume: the hand-off the record holds (the conversation may not be here yet)."""
+        conv = self._by_id.get(session_id)
+        if conv is not None:
+            conv.handoff = waiting
+        elif waiting is not None:
+            self._handoffs[session_id] = waiting
+
     # -- hooks (the hub's session events, through ConsoleHub.on_event; synchronous) ---------------
     def attached(self, session: Session, client_name: str | None, resumed: bool) -> None:
         conv = self._by_id.get(session.id)
         if conv is None:
             conv = Conversation(session.id, client_name, self.max_messages)
             conv.agent = self._holders.pop(session.id, None)
+            conv.handoff = self._handoffs.pop(session.id, None)
             self._by_id[session.id] = conv
             conv.add_history(session.history)
         elif client_name:
@@ -160,6 +171,7 @@ class Conversations:
     def drop(self, session: Session) -> bool:
         """The session expired here: whether this node had its conversation."""
         self._holders.pop(session.id, None)
+        self._handoffs.pop(session.id, None)
         conv = self._by_id.pop(session.id, None)
         if conv is None:
             return False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
+from collections.abc import Callable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -54,6 +55,7 @@ class Door:
         rejoin: RejoinTokens,
         limits: Limits,
         timer: Timer,
+        agents_changed: Callable[[], None] = lambda: None,
     ):
         self.state = state
         self.settings = state.settings
@@ -64,6 +66,7 @@ class Door:
         self.rejoin = rejoin
         self.limits = limits  # cluster-wide failed logins when clustered
         self.timer = timer
+        self.agents_changed = agents_changed  # an agent came or went: waiting customers' view (queue.py)
         self.login_failures = LoginFailures(self.settings.security.console_login_failures_per_min)
         self.waiting: set[Agent] = set()  # logins held before their token is checked
 
@@ -91,6 +94,7 @@ class Door:
             if agent.logged_in:
                 agent.logged_in = False
                 self.actions.agent_left(agent)
+                self.agents_changed()
             await agent.finish(read, writer)
 
     async def _read(self, agent: Agent) -> None:
@@ -207,6 +211,7 @@ class Door:
         agent.logged_in = True
         agent.held = []
         self.actions.agent_back(agent.id)
+        self.agents_changed()
 
     def resync(self) -> None:
         """The bus resubscribed after losing Redis: events may be missing, agents get a new snapshot."""

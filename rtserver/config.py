@@ -195,6 +195,16 @@ class ClusterSettings:
 
 
 @dataclass
+class ActionSettings:
+    """The bot's actions (plugins' `Action`s): whether they run and how often a client may call them."""
+
+    enabled: bool = _setting(True)
+    intent_task: str = _setting("intent")
+    max_calls_per_session: int = _setting(20, min=0, max=100_000)
+    calls_per_min_per_ip: float = _setting(30.0, min=0.0, max=1_000_000.0)
+
+
+@dataclass
 class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
@@ -205,6 +215,7 @@ class Settings:
     tasks: TaskSettings = field(default_factory=TaskSettings)
     chat: ChatSettings = field(default_factory=ChatSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    actions: ActionSettings = field(default_factory=ActionSettings)
     # [task.<name>] tables; the task registry checks them against each plugin's declaration
     task: dict = field(default_factory=dict)
 

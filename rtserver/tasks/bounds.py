@@ -60,7 +60,11 @@ SIZES: dict[str, int] = {
     "candidates_tokens": 1024,  # tokens in all candidates of one request
     "session_chars": 128,  # an rtserver_session key
     "short_chars": 256,  # model, user and other echoed or ignored strings
+    "action_schema_bytes": 16384,  # an action's parameters schema, as JSON
+    "action_result_bytes": 4096,  # an action handler's result, as JSON
 }
+# how long an action's handler may run (its declared timeout, rtserver/tasks/actions.py)
+ACTION_TIMEOUT_S = Bound(False, 0.05, 60.0)
 
 
 def _range(bound: Bound, lo: float, hi: float) -> str:

@@ -93,8 +93,26 @@ class Cleared:
     session: Session
 
 
+@dataclass(frozen=True)
+class ActionCalled:
+    """An action ran for a customer message (or was refused): its arguments and outcome, for agents."""
+
+    session: Session
+    request_id: str
+    call: dict[str, object]  # `Outcome.to_json()`: action, arguments, status, result, error, ms
+
+
 SessionEvent = (
-    Attached | Detached | Dropped | TurnStarted | Forwarded | Token | TurnFinished | Tagged | Cleared
+    Attached
+    | Detached
+    | Dropped
+    | TurnStarted
+    | Forwarded
+    | Token
+    | TurnFinished
+    | Tagged
+    | Cleared
+    | ActionCalled
 )
 Subscriber = Callable[[SessionEvent], None]
 

@@ -21,6 +21,7 @@ from ..engine.backend import FinishReason, Generation, NextTurnPrefetcher, Sampl
 from ..tasks.chat import ChatTask, LastTurn, Message
 from . import session_events as se
 from .admission import Admission, Surface
+from .bot_actions import BotActions
 from .errors import GenerationFailed
 from .seams import SessionStore
 from .session import Session, SessionTurn
@@ -89,6 +90,7 @@ class ChatTurns:
         self.store = store
         self.events = events
         self.clock = clock
+        self.actions = BotActions(state, events)  # a rule that fires answers instead of the model
 
     @property
     def chat(self) -> ChatTask:
@@ -179,7 +181,9 @@ class ChatTurns:
             with turn:
                 chat = self.chat
                 prepared = chat.prepare_turn(session.history, text, session.last_turn)
-                stream = await self.start(
+                stream = await self.actions.answer(
+                    session, request_id, prepared.text, client.key
+                ) or await self.start(
                     client,
                     prepared.prompt_ids,
                     chat.task.sampling(options or None),

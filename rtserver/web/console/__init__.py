@@ -98,6 +98,8 @@ class ConsoleHub:
                 conversations.auto_result(session, request_id, task, output)
             case se.Cleared(session):
                 conversations.reset(session)
+            case se.ActionCalled(session, request_id, call):
+                conversations.action_called(session, request_id, call)
 
     async def resumed(self, found: Resumed) -> None:
         await self.actions.resumed(found)

@@ -137,9 +137,9 @@ class Action:
             size = len(json.dumps(schema))
         except (TypeError, ValueError):
             raise ActionError(f"{where}: parameters must be JSON") from None
-        if size > bounds.SIZES["action_schema_bytes"]:
+        if size > bounds.SIZES["tool_schema_chars"]:
             raise ActionError(
-                f"{where}: parameters take {size} bytes, the limit is {bounds.SIZES['action_schema_bytes']}"
+                f"{where}: parameters take {size} bytes, the limit is {bounds.SIZES['tool_schema_chars']}"
             )
         try:
             jsonschema.Draft202012Validator.check_schema(schema)

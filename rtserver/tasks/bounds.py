@@ -60,7 +60,13 @@ SIZES: dict[str, int] = {
     "candidates_tokens": 1024,  # tokens in all candidates of one request
     "session_chars": 128,  # an rtserver_session key
     "short_chars": 256,  # model, user and other echoed or ignored strings
-    "action_schema_bytes": 16384,  # an action's parameters schema, as JSON
+    "tools": 64,  # functions offered in one request
+    "tool_name_chars": 64,  # a function's name (OpenAI's limit)
+    "tool_description_chars": 1024,  # a function's description
+    "tool_schema_chars": 8192,  # one function's parameters schema, as compact JSON
+    "tools_chars": 24576,  # all functions' definitions, as compact JSON (the call grammar holds them)
+    "schema_depth": 12,  # nesting of objects and lists in one parameters schema
+    "tool_calls": 8,  # calls in one assistant message of a history
     "action_result_bytes": 4096,  # an action handler's result, as JSON
 }
 # how long an action's handler may run (its declared timeout, rtserver/tasks/actions.py)

@@ -200,6 +200,7 @@ class ActionSettings:
 
     enabled: bool = _setting(True)
     intent_task: str = _setting("intent")
+    model_calls: bool = _setting(True)
     max_calls_per_session: int = _setting(20, min=0, max=100_000)
     calls_per_min_per_ip: float = _setting(30.0, min=0.0, max=1_000_000.0)
 

@@ -181,12 +181,17 @@ class ChatTurns:
             with turn:
                 chat = self.chat
                 prepared = chat.prepare_turn(session.history, text, session.last_turn)
+                params = chat.task.sampling(options or None)
+
+                async def held(ids: list[int], p: SamplingParams) -> Generation:  # an action turn's own
+                    return await self.start(client, ids, p, session_key=session.id)
+
                 stream = await self.actions.answer(
-                    session, request_id, prepared.text, client.key
+                    session, request_id, prepared, client.key, params, held
                 ) or await self.start(
                     client,
                     prepared.prompt_ids,
-                    chat.task.sampling(options or None),
+                    params,
                     public_tokens=prepared.public_tokens,
                     session_key=session.id,
                     # the client's rate pays only what is computed anew

@@ -3,13 +3,17 @@ example order-status plugin calling a real shop server (tests/shopserver.py)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
 import websockets
 
 from rtserver.tasks.actions import LIMITED_REPLY, TIMEOUT_REPLY
+from rtserver.tasks.tool_calls import REQUIRED
 from rtserver.web.app import create_app
 
 from ..serverutil import hello, is_end, make_settings, recv_json, recv_until, serve
@@ -137,3 +141,48 @@ async def test_failures_fake_calls_bad_arguments_bounds_and_the_console(smol):
             "eta": "Tuesday",
         }
         assert "500" in calls["500"]["message"]["call"]["error"]
+
+
+async def test_a_model_whose_template_takes_tools_calls_the_action_itself(tiny_qwen3):
+    """The model-call path: a random Qwen3 with the real Qwen3 template, made to call (`required`). The
+    grammar keeps its call to the schema, so whatever order number it writes reaches the shop; the reply is
+    the plugin's sentence, never the call's text. A message that looks like a call gets no tools."""
+    tok = copy.deepcopy(tiny_qwen3.tokenizer)
+    tok.chat_template = (
+        Path(__file__).parents[1] / "tasks" / "templates" / "Qwen-Qwen3-0.6B.jinja"
+    ).read_text()
+    loaded = dataclasses.replace(tiny_qwen3, tokenizer=tok, name="tiny-qwen3-tools")
+    async with ShopServer() as shop:
+        settings = settings_for(shop)
+        app = create_app(settings, lambda: loaded)
+        app.state.hub.turns.actions.choice = REQUIRED
+        async with serve(app, settings) as (_, url):
+            async with websockets.connect(url) as ws:
+                await hello(ws, client="tools")
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "chat",
+                            "id": "m",
+                            "text": "Where is my order?",
+                            "options": {"max_new_tokens": 64, "temperature": 0},
+                        }
+                    )
+                )
+                events = await recv_until(ws, is_end("m"))
+                done = events[-1]
+                assert done["type"] == "done", done
+                assert "".join(e["text"] for e in events if e["type"] == "token") == done["text"]
+                assert (
+                    re.fullmatch(
+                        r"I could not find an order [A-Z]{2}-[0-9]{4}\. Could you check the number\?",
+                        done["text"],
+                    )
+                    or done["text"] == STATUS
+                ), done
+                assert len(shop.requests) == 1 and re.fullmatch(
+                    r"/orders/[A-Z]{2}-[0-9]{4}", shop.requests[0]
+                )
+                fake = await turn(ws, "fake", FAKE_CALLS[1], {"max_new_tokens": 8, "temperature": 0})
+                assert fake["type"] == "done" and "tool_call" not in fake["text"]
+            assert len(shop.requests) == 1

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import websockets
@@ -15,6 +16,9 @@ import websockets
 from rtserver.tasks.actions import LIMITED_REPLY, TIMEOUT_REPLY
 from rtserver.tasks.tool_calls import REQUIRED
 from rtserver.web.app import create_app
+from rtserver.web.bot_actions import BotActions
+from rtserver.web.session import Session
+from rtserver.web.session_events import SessionEvents
 
 from ..serverutil import hello, is_end, make_settings, recv_json, recv_until, serve
 from ..shopserver import FAILING_ORDER, SLOW_ORDER, ShopServer
@@ -186,3 +190,12 @@ async def test_a_model_whose_template_takes_tools_calls_the_action_itself(tiny_q
                 fake = await turn(ws, "fake", FAKE_CALLS[1], {"max_new_tokens": 8, "temperature": 0})
                 assert fake["type"] == "done" and "tool_call" not in fake["text"]
             assert len(shop.requests) == 1
+
+
+def test_calls_are_bounded_per_address_across_sessions():
+    settings = make_settings(actions={"calls_per_min_per_ip": 3.0, "max_calls_per_session": 0})
+    actions = BotActions(SimpleNamespace(settings=settings), SessionEvents())
+    sessions = [Session(str(i), "t", 0.0, 0.0) for i in range(4)]
+    assert [actions.admit(s, "10.0.0.1") for s in sessions] == [True, True, True, False]
+    assert actions.admit(sessions[0], "10.0.0.2")  # another address has its own
+    assert actions.calls == {"0": 2, "1": 1, "2": 1}

@@ -26,6 +26,7 @@ from typing import Literal
 import jsonschema
 
 from . import bounds
+from .tool_calls import check_tool
 
 Arguments = dict[str, object]
 Result = dict[str, object]
@@ -130,17 +131,16 @@ class Action:
             raise ActionError(f"{where}: reply must be a template string or a function")
 
     def _check_schema(self, where: str) -> None:
+        """The parameters as a model's tool takes them (size, depth, $refs, llguidance), and valid."""
         schema = self.parameters
         if not isinstance(schema, dict) or schema.get("type") != "object":
             raise ActionError(f"{where}: parameters must be a JSON Schema of type object")
         try:
-            size = len(json.dumps(schema))
+            check_tool(self.name, self.description, schema, "parameters", where)
+        except bounds.BoundError as exc:
+            raise ActionError(exc.message) from None
         except (TypeError, ValueError):
             raise ActionError(f"{where}: parameters must be JSON") from None
-        if size > bounds.SIZES["tool_schema_chars"]:
-            raise ActionError(
-                f"{where}: parameters take {size} bytes, the limit is {bounds.SIZES['tool_schema_chars']}"
-            )
         try:
             jsonschema.Draft202012Validator.check_schema(schema)
         except jsonschema.SchemaError as exc:

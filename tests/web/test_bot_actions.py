@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import websockets
 
 from rtserver.tasks.actions import LIMITED_REPLY, TIMEOUT_REPLY
@@ -22,8 +21,6 @@ from rtserver.web.session_events import SessionEvents
 
 from ..serverutil import hello, is_end, make_settings, recv_json, recv_until, serve
 from ..shopserver import FAILING_ORDER, SLOW_ORDER, ShopServer
-
-pytestmark = pytest.mark.asyncio
 
 PHRASINGS = [
     line

@@ -14,6 +14,7 @@ from rtserver.tasks import Action, Rule
 from rtserver.tasks.actions import FAILED_REPLY, TIMEOUT_REPLY, ActionError, call, looks_like_call
 from rtserver.tasks.registry import load_registry
 from rtserver.web.console import events as ce
+from rtserver.web.console.assist import transcript
 from rtserver.web.console.conversation import MAX_CALL_PART_BYTES, action_call
 from rtserver.web.schema import console_schema
 
@@ -158,3 +159,12 @@ def test_the_console_action_event_is_bounded_and_matches_its_schema():
     events = jsonschema.Draft202012Validator({"$defs": schema["$defs"], "$ref": "#/$defs/ConsoleServerEvent"})
     event = ce.action("s", {"seq": 2, "role": "action", "text": "order ok", "call": shown}, 1.5)
     assert events.is_valid(json.loads(json.dumps(event)))
+
+
+def test_the_assist_transcript_leaves_action_calls_out():
+    messages = [
+        {"role": "user", "text": "Where is AB-1234?"},
+        {"role": "action", "text": "order ok", "call": {}},
+        {"role": "bot", "text": "Shipped."},
+    ]
+    assert transcript(messages) == "Customer: Where is AB-1234?\nBot: Shipped."

@@ -9,8 +9,9 @@ the shop is:
 
 The shop answers 200 with `{"status": ..., "eta": ...}`, or 404 for an unknown order. The rule fires on
 a message with an order number (two letters, a dash, digits) that asks where it is, by its words or by
-the `intent` task's `shipping` label. The field's pattern reads more than the schema allows: a number
-the schema refuses (AB-123456) never reaches the shop, and the customer is asked to check it.
+the `intent` task's `shipping` label, unless it asks to cancel, refund, return or change it. The
+field's pattern reads more than the schema allows: a number the schema refuses (AB-123456) never
+reaches the shop, and the customer is asked to check it.
 """
 
 from urllib.parse import quote
@@ -34,6 +35,8 @@ WORDS = (
     r"\b(where|status|track\w*|arriv\w*|deliver\w*|ship\w*|sent|send|dispatch\w*|parcel|package"
     r"|update|look(ed)? up|check|come|came|still|wait\w*|when|on (its|the) way)\b"
 )
+# Other requests about an order: the model answers them (or, later, their own actions).
+UNLESS = r"\b(cancel\w*|refund\w*|return\w*|change\w*|invoice\w*|discount\w*|coupon\w*)\b"
 
 
 def make_action(options: dict) -> Action:
@@ -61,7 +64,13 @@ def make_action(options: dict) -> Action:
         parameters=PARAMETERS,
         handler=lookup,
         timeout_s=timeout_s,
-        rule=Rule(fields={"order_id": ORDER_ID}, intents=("shipping",), words=WORDS, upper=("order_id",)),
+        rule=Rule(
+            fields={"order_id": ORDER_ID},
+            intents=("shipping",),
+            words=WORDS,
+            upper=("order_id",),
+            unless=UNLESS,
+        ),
         reply=reply,
         invalid_reply="That order number does not look right: it is two letters, a dash and four digits, "
         "like AB-1234. Could you check it?",

@@ -60,13 +60,15 @@ class Rule:
     Every field the schema requires must be found in the message: `fields` maps an argument to a regular
     expression (its first group, else the whole match, is the value). Then `words`, a regular expression on
     the message, fires it; or else the `intent` task's label must be in `intents`. With neither, the fields
-    alone fire it. `upper` names fields uppercased once read.
+    alone fire it. `unless`, a regular expression, keeps it from firing (another request about the same
+    thing, e.g. a refund). `upper` names fields uppercased once read.
     """
 
     fields: Mapping[str, str]
     intents: tuple[str, ...] = ()
     words: str | None = None
     upper: tuple[str, ...] = ()
+    unless: str | None = None
 
     def extract(self, text: str) -> Arguments:
         """The fields found in `text`, as strings."""
@@ -82,6 +84,9 @@ class Rule:
 
     def words_match(self, text: str) -> bool:
         return self.words is not None and re.search(self.words, text, re.IGNORECASE) is not None
+
+    def excluded(self, text: str) -> bool:
+        return self.unless is not None and re.search(self.unless, text, re.IGNORECASE) is not None
 
 
 @dataclass(frozen=True)
@@ -158,11 +163,11 @@ class Action:
         missing = [n for n in self.required if n not in rule.fields]
         if missing:
             raise ActionError(f"{where}: the rule reads no value for the required {', '.join(missing)}")
-        if rule.words is not None:
+        for key, pattern in (("words", rule.words), ("unless", rule.unless)):
             try:
-                re.compile(rule.words)
+                re.compile(pattern or "")
             except re.error as exc:
-                raise ActionError(f"{where}: rule words: not a regular expression ({exc})") from None
+                raise ActionError(f"{where}: rule {key}: not a regular expression ({exc})") from None
         if not all(isinstance(i, str) for i in rule.intents):
             raise ActionError(f"{where}: rule intents must be labels (strings)")
 

@@ -129,7 +129,7 @@ class BotActions:
         if rule is None:
             return None
         arguments = rule.extract(text)
-        if any(name not in arguments for name in action.required):
+        if any(name not in arguments for name in action.required) or rule.excluded(text):
             return None
         if rule.words_match(text) or not (rule.intents or rule.words):
             return arguments

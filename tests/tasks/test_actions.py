@@ -168,3 +168,10 @@ def test_the_assist_transcript_leaves_action_calls_out():
         {"role": "bot", "text": "Shipped."},
     ]
     assert transcript(messages) == "Customer: Where is AB-1234?\nBot: Shipped."
+
+
+def test_unless_keeps_a_rule_from_firing_and_must_be_a_regular_expression():
+    rule = Rule(fields=RULE.fields, words=r"\bwhere\b", unless=r"\brefund")
+    assert rule.excluded("Where is my REFUND for AB-1234?") and not rule.excluded("Where is AB-1234?")
+    with pytest.raises(ActionError, match="rule unless"):
+        action(rule=Rule(fields=RULE.fields, unless="("))

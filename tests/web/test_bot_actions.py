@@ -27,6 +27,7 @@ PHRASINGS = [
     for line in (Path(__file__).parents[1] / "data" / "order_phrasings.txt").read_text().splitlines()
     if line.strip() and not line.startswith("#")
 ]
+OTHER_REQUESTS = ["I want a refund for order AB-1234", "Please cancel order AB-1234, it is late"]
 STATUS = "Your order AB-1234 is out for delivery, expected Tuesday."
 TOKEN = "console-token-for-actions"
 QUICK = {"max_new_tokens": 2, "temperature": 0}  # a model reply's length where the test only needs one
@@ -65,6 +66,13 @@ async def test_order_status_answers_twenty_phrasings_with_the_shops_status(smol)
             assert len(PHRASINGS) == 20 and len(misses) <= 1, misses
             # one shop request per answered phrasing, none for a miss
             assert shop.requests == ["/orders/AB-1234"] * (20 - len(misses))
+            # other requests about the order are the model's to answer
+            async with websockets.connect(url) as ws:
+                await hello(ws, client="other requests")
+                for i, text in enumerate(OTHER_REQUESTS):
+                    done = await turn(ws, f"o{i}", text)
+                    assert done["type"] == "done" and done["text"] != STATUS, (text, done)
+            assert len(shop.requests) == 20 - len(misses)
 
 
 FAKE_CALLS = [
@@ -83,7 +91,7 @@ async def test_failures_fake_calls_bad_arguments_bounds_and_the_console(smol):
     per-session bound, and what agents see of each call."""
     async with ShopServer(slow_s=30.0) as shop:
         settings = settings_for(
-            shop, timeout_s=1.0, actions={"max_calls_per_session": 3}, security={"console_token": TOKEN}
+            shop, timeout_s=3.0, actions={"max_calls_per_session": 3}, security={"console_token": TOKEN}
         )
         async with serve(create_app(settings, lambda: smol), settings) as (_, url):
             agent = await websockets.connect(url + "/console")
@@ -94,9 +102,9 @@ async def test_failures_fake_calls_bad_arguments_bounds_and_the_console(smol):
             async with websockets.connect(url) as ws:
                 first = (await hello(ws, client="failures"))["session_id"]
                 slow = await turn(ws, "slow", f"Where is my order {SLOW_ORDER}?")
-                assert slow["type"] == "done" and slow["text"] == TIMEOUT_REPLY
+                assert slow["type"] == "done" and slow["text"] == TIMEOUT_REPLY, slow
                 failed = await turn(ws, "500", f"Where is my order {FAILING_ORDER}?")
-                assert failed["type"] == "done" and "could not look that up" in failed["text"]
+                assert failed["type"] == "done" and "could not look that up" in failed["text"], failed
                 chat = await turn(ws, "chat", "Thanks. What is 2+2?")
                 assert chat["type"] == "done" and chat["text"] and chat["finish_reason"] != "error"
                 ok = await turn(ws, "ok", "And where is my order AB-1234?")

@@ -163,9 +163,9 @@ class Action:
         missing = [n for n in self.required if n not in rule.fields]
         if missing:
             raise ActionError(f"{where}: the rule reads no value for the required {', '.join(missing)}")
-        for key, pattern in (("words", rule.words), ("unless", rule.unless)):
+        for key, optional in (("words", rule.words), ("unless", rule.unless)):
             try:
-                re.compile(pattern or "")
+                re.compile(optional or "")
             except re.error as exc:
                 raise ActionError(f"{where}: rule {key}: not a regular expression ({exc})") from None
         if not all(isinstance(i, str) for i in rule.intents):

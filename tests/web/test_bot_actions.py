@@ -3,6 +3,7 @@ example order-status plugin calling a real shop server (tests/shopserver.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import json
@@ -12,10 +13,12 @@ from types import SimpleNamespace
 
 import websockets
 
+from rtserver.engine.backend import FinishReason
+from rtserver.tasks import Action
 from rtserver.tasks.actions import LIMITED_REPLY, TIMEOUT_REPLY
 from rtserver.tasks.tool_calls import REQUIRED
 from rtserver.web.app import create_app
-from rtserver.web.bot_actions import BotActions
+from rtserver.web.bot_actions import ActionReply, BotActions
 from rtserver.web.session import Session
 from rtserver.web.session_events import SessionEvents
 
@@ -204,3 +207,34 @@ def test_calls_are_bounded_per_address_across_sessions():
     assert [actions.admit(s, "10.0.0.1") for s in sessions] == [True, True, True, False]
     assert actions.admit(sessions[0], "10.0.0.2")  # another address has its own
     assert actions.calls == {"0": 2, "1": 1, "2": 1}
+
+
+async def test_a_cancelled_action_reply_ends_cancelled_and_stops_its_handler():
+    started, stopped = asyncio.Event(), asyncio.Event()
+
+    async def slow(arguments: dict) -> dict:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        finally:
+            stopped.set()
+        return {}
+
+    schema = {"type": "object", "properties": {"x": {"type": "string"}}}
+    action = Action(name="slow", description="A slow one.", parameters=schema, handler=slow, timeout_s=60)
+    events = SessionEvents()
+    seen: list = []
+    events.subscribe(seen.append)
+    owner = BotActions(SimpleNamespace(settings=make_settings()), events)
+    reply = ActionReply(owner, Session("s", "t", 0.0, 0.0), "r", action, {"x": "a"}, "10.0.0.1")
+    texts = asyncio.ensure_future(_texts(reply))
+    await asyncio.wait_for(started.wait(), 10)
+    reply.cancel()
+    assert await asyncio.wait_for(texts, 10) == []
+    result = await reply.result()
+    assert result.finish_reason is FinishReason.CANCELLED and result.text == ""
+    assert stopped.is_set() and seen == []  # stopped before it ended: nothing to tell agents
+
+
+async def _texts(stream) -> list[str]:
+    return [event.text async for event in stream]

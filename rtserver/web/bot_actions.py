@@ -173,6 +173,7 @@ class BotActions:
             outcome.ms,
             f" ({outcome.error})" if outcome.error else "",
         )
+        self.state.metrics.actions.labels(outcome.action, outcome.status).inc()
         self.events.publish(se.ActionCalled(session, request_id, outcome.to_json()))
         return outcome
 
@@ -207,22 +208,9 @@ class ActionReply:
         return self._task
 
     async def _call(self) -> Outcome:
-        if not self.owner.admit(self.session, self.client_key):
-            outcome = Outcome(
-                self.action.name, self.arguments, "limited", LIMITED_REPLY, error="over the call bounds"
-            )
-        else:
-            outcome = await call(self.action, self.arguments)
-        log.info(
-            "session %s: action %s %s in %.0f ms%s",
-            self.session.id,
-            outcome.action,
-            outcome.status,
-            outcome.ms,
-            f" ({outcome.error})" if outcome.error else "",
+        return await self.owner.run(
+            self.session, self.request_id, self.action, self.arguments, self.client_key
         )
-        self.owner.events.publish(se.ActionCalled(self.session, self.request_id, outcome.to_json()))
-        return outcome
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         outcome = await self._outcome()

@@ -281,6 +281,12 @@ class Metrics:
             "rtserver_slow_client_closes", "Connections closed for not reading", registry=r
         )
         self.expired = Counter("rtserver_sessions_expired", "Sessions expired or dropped", registry=r)
+        self.actions = Counter(
+            "rtserver_action_calls",
+            "Action calls of chat turns, by action and outcome",
+            ["action", "status"],
+            registry=r,
+        )
         r.register(_LiveCollector(live))
 
     def observe_generation(self, endpoint: str, result: SequenceResult) -> None:

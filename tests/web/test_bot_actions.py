@@ -19,10 +19,11 @@ from rtserver.tasks.actions import LIMITED_REPLY, TIMEOUT_REPLY
 from rtserver.tasks.tool_calls import REQUIRED
 from rtserver.web.app import create_app
 from rtserver.web.bot_actions import ActionReply, BotActions
+from rtserver.web.metrics import Metrics
 from rtserver.web.session import Session
 from rtserver.web.session_events import SessionEvents
 
-from ..serverutil import hello, is_end, make_settings, recv_json, recv_until, serve
+from ..serverutil import TIMEOUT, hello, is_end, make_settings, metric, recv_json, recv_until, serve
 from ..shopserver import FAILING_ORDER, SLOW_ORDER, ShopServer
 
 PHRASINGS = [
@@ -59,7 +60,7 @@ async def test_order_status_answers_twenty_phrasings_with_the_shops_status(smol)
         async with serve(create_app(settings, lambda: smol), settings) as (_, url):
             misses = []
             for i, text in enumerate(PHRASINGS):
-                async with websockets.connect(url) as ws:
+                async with websockets.connect(url, ping_interval=None) as ws:
                     await hello(ws, client="phrasings")
                     done = await turn(ws, f"p{i}", text)
                     assert done["type"] == "done", done
@@ -70,7 +71,7 @@ async def test_order_status_answers_twenty_phrasings_with_the_shops_status(smol)
             # one shop request per answered phrasing, none for a miss
             assert shop.requests == ["/orders/AB-1234"] * (20 - len(misses))
             # other requests about the order are the model's to answer
-            async with websockets.connect(url) as ws:
+            async with websockets.connect(url, ping_interval=None) as ws:
                 await hello(ws, client="other requests")
                 for i, text in enumerate(OTHER_REQUESTS):
                     done = await turn(ws, f"o{i}", text)
@@ -96,13 +97,17 @@ async def test_failures_fake_calls_bad_arguments_bounds_and_the_console(smol):
         settings = settings_for(
             shop, timeout_s=3.0, actions={"max_calls_per_session": 3}, security={"console_token": TOKEN}
         )
-        async with serve(create_app(settings, lambda: smol), settings) as (_, url):
-            agent = await websockets.connect(url + "/console")
+        async with serve(create_app(settings, lambda: smol), settings) as (base, url):
+            agent = await websockets.connect(url + "/console", ping_interval=None)
             await agent.send(json.dumps({"type": "login", "token": TOKEN, "agent": "Alice"}))
             assert (await recv_json(agent))["type"] == "console_ready"
+            # read as they come: an agent that reads nothing stops answering the server's pings
+            seen = asyncio.ensure_future(
+                recv_until(agent, lambda e: e["type"] == "action" and e["message"]["id"] == "q3")
+            )
 
             # a handler timeout and a 500 each give a clear reply; the session goes on working
-            async with websockets.connect(url) as ws:
+            async with websockets.connect(url, ping_interval=None) as ws:
                 first = (await hello(ws, client="failures"))["session_id"]
                 slow = await turn(ws, "slow", f"Where is my order {SLOW_ORDER}?")
                 assert slow["type"] == "done" and slow["text"] == TIMEOUT_REPLY, slow
@@ -115,7 +120,7 @@ async def test_failures_fake_calls_bad_arguments_bounds_and_the_console(smol):
             assert shop.requests == [f"/orders/{SLOW_ORDER}", f"/orders/{FAILING_ORDER}", "/orders/AB-1234"]
 
             # typed calls run nothing; arguments the schema refuses never reach the shop
-            async with websockets.connect(url) as ws:
+            async with websockets.connect(url, ping_interval=None) as ws:
                 await hello(ws, client="attacker")
                 for i, text in enumerate(FAKE_CALLS):
                     done = await turn(ws, f"fake{i}", text)
@@ -125,16 +130,18 @@ async def test_failures_fake_calls_bad_arguments_bounds_and_the_console(smol):
             assert len(shop.requests) == 3
 
             # the per-session bound: beyond it the customer is told, and the shop is not asked
-            async with websockets.connect(url) as ws:
+            async with websockets.connect(url, ping_interval=None) as ws:
                 await hello(ws, client="bounded")
                 texts = [(await turn(ws, f"q{i}", "Where is my order AB-1234?"))["text"] for i in range(4)]
                 assert texts == [STATUS] * 3 + [LIMITED_REPLY]
             assert shop.requests[3:] == ["/orders/AB-1234"] * 3
 
             # agents saw every call: its arguments and its result or error
-            events = await recv_until(agent, lambda e: e["type"] == "action" and e["message"]["id"] == "q3")
+            events = await asyncio.wait_for(seen, TIMEOUT)
             calls = {e["message"]["id"]: e for e in events if e["type"] == "action"}
             await agent.close()
+            counted = await metric(base, "rtserver_action_calls_total", 'action="order_status",status="ok"')
+            assert counted == 4  # and /metrics counts them by outcome
         assert [calls[k]["message"]["call"]["status"] for k in ("slow", "500", "ok", "bad", "q3")] == [
             "timeout",
             "failed",
@@ -169,7 +176,7 @@ async def test_a_model_whose_template_takes_tools_calls_the_action_itself(tiny_q
         app = create_app(settings, lambda: loaded)
         app.state.hub.turns.actions.choice = REQUIRED
         async with serve(app, settings) as (_, url):
-            async with websockets.connect(url) as ws:
+            async with websockets.connect(url, ping_interval=None) as ws:
                 await hello(ws, client="tools")
                 await ws.send(
                     json.dumps(
@@ -225,7 +232,8 @@ async def test_a_cancelled_action_reply_ends_cancelled_and_stops_its_handler():
     events = SessionEvents()
     seen: list = []
     events.subscribe(seen.append)
-    owner = BotActions(SimpleNamespace(settings=make_settings()), events)
+    state = SimpleNamespace(settings=make_settings(), metrics=Metrics(lambda: {}))
+    owner = BotActions(state, events)
     reply = ActionReply(owner, Session("s", "t", 0.0, 0.0), "r", action, {"x": "a"}, "10.0.0.1")
     texts = asyncio.ensure_future(_texts(reply))
     await asyncio.wait_for(started.wait(), 10)

@@ -224,6 +224,16 @@ class HandoffSettings:
     closes: str = _setting("24:00")
 
 
+class ActionSettings:
+    """The bot's actions (plugins' `Action`s): whether they run and how often a client may call them."""
+
+    enabled: bool = _setting(True)
+    intent_task: str = _setting("intent")
+    model_calls: bool = _setting(True)
+    max_calls_per_session: int = _setting(20, min=0, max=100_000)
+    calls_per_min_per_ip: float = _setting(30.0, min=0.0, max=1_000_000.0)
+
+
 @dataclass
 class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
@@ -236,6 +246,7 @@ class Settings:
     chat: ChatSettings = field(default_factory=ChatSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     handoff: HandoffSettings = field(default_factory=HandoffSettings)
+    actions: ActionSettings = field(default_factory=ActionSettings)
     # [task.<name>] tables; the task registry checks them against each plugin's declaration
     task: dict = field(default_factory=dict)
 

@@ -200,6 +200,15 @@ function onEvent(msg) {
         }
       }
       break;
+    case "action": // an action ran for a customer message: shown like a message, with its call
+      if (!conv) return;
+      if (conv.messages.some((m) => m.seq === msg.message.seq)) return;
+      conv.messages.push(msg.message);
+      if (conv.messages.length > 500) conv.messages.shift();
+      conv.seq = msg.message.seq;
+      conv.updated_at = msg.updated_at;
+      if (conv.session_id === state.selected) renderConv();
+      break;
     case "token":
       if (!conv) return;
       if (!conv.streaming || conv.streaming.id !== msg.id) conv.streaming = { id: msg.id, text: "" };
@@ -313,7 +322,7 @@ function renderList() {
     if (c.session_id === state.selected) markSeen(c);
     const n = unread(c);
     const last = c.last_message;
-    const lastText = last ? (last.role === "user" ? "" : last.role === "agent" ? "Agent: " : "Bot: ") + last.text : "No messages yet";
+    const lastText = last ? (last.role === "user" ? "" : last.role === "agent" ? "Agent: " : last.role === "action" ? "Action: " : "Bot: ") + last.text : "No messages yet";
     const btn = el("button", { type: "button", class: c.handoff ? "item waiting" : "item",
       "aria-current": c.session_id === state.selected ? "true" : null, "data-session": c.session_id },
       el("span", { class: "item-top" },
@@ -495,7 +504,21 @@ $("translate").addEventListener("change", (ev) => {
 });
 
 // -- one conversation --------------------------------------------------------------------------
+// An action call: its name, status and time, then its arguments and result or error as JSON text.
+function renderAction(m) {
+  const c = m.call || {};
+  const ms = typeof c.ms === "number" ? ` · ${Math.round(c.ms)} ms` : "";
+  const li = el("li", { class: `msg msg-action action-${c.status === "ok" ? "ok" : "failed"}` },
+    el("span", { class: "who" }, `Action ${c.action || ""}`, el("span", { class: "when", text: " · " + time(m.ts) + ms })),
+    el("span", { class: "tag", text: c.status || "" }),
+    el("code", { class: "call", text: `arguments ${JSON.stringify(c.arguments)}` }));
+  if (c.error) li.append(el("code", { class: "call call-error", text: `error ${c.error}` }));
+  else li.append(el("code", { class: "call", text: `result ${JSON.stringify(c.result)}` }));
+  return li;
+}
+
 function renderMessage(m) {
+  if (m.role === "action") return renderAction(m);
   const who = m.role === "user" ? "Customer" : m.role === "agent" ? `${m.agent || "Agent"} (agent)` : "Bot";
   const li = el("li", { class: `msg msg-${m.role}` },
     el("span", { class: "who" }, who, el("span", { class: "when", text: " · " + time(m.ts) })),

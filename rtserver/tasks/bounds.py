@@ -61,7 +61,17 @@ SIZES: dict[str, int] = {
     "session_chars": 128,  # an rtserver_session key
     "short_chars": 256,  # model, user and other echoed or ignored strings
     "email_chars": 254,  # the e-mail a customer leaves for a person (RFC 5321's longest path)
+    "tools": 64,  # functions offered in one request
+    "tool_name_chars": 64,  # a function's name (OpenAI's limit)
+    "tool_description_chars": 1024,  # a function's description
+    "tool_schema_chars": 8192,  # one function's parameters schema, as compact JSON
+    "tools_chars": 24576,  # all functions' definitions, as compact JSON (the call grammar holds them)
+    "schema_depth": 12,  # nesting of objects and lists in one parameters schema
+    "tool_calls": 8,  # calls in one assistant message of a history
+    "action_result_bytes": 4096,  # an action handler's result, as JSON
 }
+# how long an action's handler may run (its declared timeout, rtserver/tasks/actions.py)
+ACTION_TIMEOUT_S = Bound(False, 0.05, 60.0)
 
 
 def _range(bound: Bound, lo: float, hi: float) -> str:

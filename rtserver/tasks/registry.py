@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from ..config import ConfigError, Settings
 from ..engine.backend import InferenceBackend, StructuredOutput, Tokenizer
+from .actions import Action
 from .chat import CHAT, ChatTask, Conversation, chat_task
 from .declare import Task, TaskError, TaskOutput
 from .fitting import FULL, Pace
@@ -146,11 +147,13 @@ class TaskRegistry:
         auto_tasks: list[str],
         placements: dict[str, str] | None = None,
         chat: ChatTask | None = None,
+        actions: dict[str, Action] | None = None,
     ):
         self.tasks = tasks
         self.auto_tasks = auto_tasks
         self.placements = placements or {}
         self._chat = chat
+        self.actions = actions or {}  # what the bot may do, by name (plugins' `Action`s)
 
     def placement(self, name: str) -> str | None:
         """The backend named for this task in the config. None means the default backend."""
@@ -426,9 +429,13 @@ def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistr
     overrides: dict[str, Any] = dict(settings.task)
     enabled, disabled = set(settings.tasks.enabled), set(settings.tasks.disabled)
     seen: set[str] = set()  # every task name a plugin declared, loaded or not
+    actions: dict[str, Action] = {}
     for source, obj in _discover(settings):
         if isinstance(obj, PluginError):
             errors.append(obj)
+            continue
+        if _declares_action(obj):
+            _load_action(source, obj, overrides, seen, actions, errors, disabled)
             continue
         try:
             name = _declared_name(obj)
@@ -475,7 +482,50 @@ def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistr
         for name, table in overrides.items()
         if name in tasks and isinstance(table, dict) and PLACEMENT_KEY in table
     }
-    return TaskRegistry(tasks, auto, placements, chat), errors
+    return TaskRegistry(tasks, auto, placements, chat, actions), errors
+
+
+def _declares_action(obj: object) -> bool:
+    return isinstance(obj, Action) or hasattr(obj, "ACTION") or hasattr(obj, "make_action")
+
+
+def _load_action(
+    source: str,
+    obj: object,
+    overrides: dict[str, Any],
+    seen: set[str],
+    actions: dict[str, Action],
+    errors: list[PluginError],
+    disabled: set[str],
+) -> None:
+    """An action plugin: `ACTION = Action(...)`, or `NAME` and `make_action(options)` given its
+    `[task.<name>]` table. A broken one is reported like a broken task.
+    """
+    try:
+        factory = getattr(obj, "make_action", None)
+        declared = getattr(obj, "ACTION", obj)
+        name = getattr(obj, "NAME", None) if factory is not None else getattr(declared, "name", None)
+        if not isinstance(name, str):
+            raise ValueError("an action plugin with make_action declares NAME")
+        seen.add(name)
+        options = dict(overrides.get(name, {}))
+        if factory is not None:
+            action = factory(options)
+        else:
+            action = declared
+            if options:
+                raise ValueError(f"unknown settings {', '.join(sorted(options))} (this action takes none)")
+        if not isinstance(action, Action):
+            raise ValueError("ACTION or make_action(options) must give an Action")
+        if action.name != name:
+            raise ValueError(f"declares NAME {name!r} but builds action {action.name!r}")
+    except Exception as exc:
+        errors.append(PluginError(source, f"invalid action: {exc}"))
+        return
+    if action.name in actions or action.name == CHAT:
+        errors.append(PluginError(source, f"action {action.name!r} is already defined; this one is ignored"))
+    elif action.name not in disabled:
+        actions[action.name] = action
 
 
 def _load_chat(settings: Settings, tokenizer: Tokenizer) -> ChatTask:

@@ -284,6 +284,12 @@ class Metrics:
         self.handoffs = Counter(
             "rtserver_handoffs", "Conversations sent to people's queue, by reason", ["reason"], registry=r
         )
+        self.actions = Counter(
+            "rtserver_action_calls",
+            "Action calls of chat turns, by action and outcome",
+            ["action", "status"],
+            registry=r,
+        )
         r.register(_LiveCollector(live))
 
     def observe_generation(self, endpoint: str, result: SequenceResult) -> None:

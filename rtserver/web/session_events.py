@@ -103,6 +103,15 @@ class Cleared:
     session: Session
 
 
+@dataclass(frozen=True)
+class ActionCalled:
+    """An action ran for a customer message (or was refused): its arguments and outcome, for agents."""
+
+    session: Session
+    request_id: str
+    call: dict[str, object]  # `Outcome.to_json()`: action, arguments, status, result, error, ms
+
+
 SessionEvent = (
     Attached
     | Detached
@@ -114,6 +123,7 @@ SessionEvent = (
     | Tagged
     | Cleared
     | Signalled
+    | ActionCalled
 )
 Subscriber = Callable[[SessionEvent], None]
 

@@ -21,6 +21,7 @@ from ..engine.backend import FinishReason, Generation, NextTurnPrefetcher, Sampl
 from ..tasks.chat import ChatTask, LastTurn, Message
 from . import session_events as se
 from .admission import Admission, Surface
+from .bot_actions import BotActions
 from .errors import GenerationFailed
 from .handoff import TurnSignals
 from .seams import SessionStore
@@ -90,6 +91,7 @@ class ChatTurns:
         self.store = store
         self.events = events
         self.clock = clock
+        self.actions = BotActions(state, events)  # a rule that fires answers instead of the model
 
     @property
     def chat(self) -> ChatTask:
@@ -180,10 +182,17 @@ class ChatTurns:
             with turn:
                 chat = self.chat
                 prepared = chat.prepare_turn(session.history, text, session.last_turn)
-                stream = await self.start(
+                params = chat.task.sampling(options or None)
+
+                async def held(ids: list[int], p: SamplingParams) -> Generation:  # an action turn's own
+                    return await self.start(client, ids, p, session_key=session.id)
+
+                stream = await self.actions.answer(
+                    session, request_id, prepared, client.key, params, held
+                ) or await self.start(
                     client,
                     prepared.prompt_ids,
-                    chat.task.sampling(options or None),
+                    params,
                     public_tokens=prepared.public_tokens,
                     session_key=session.id,
                     # the client's rate pays only what is computed anew

@@ -136,6 +136,8 @@ class ConsoleHub:
                 conversations.reset(session)
                 if (conv := conversations.get(session.id)) is not None:
                     self.queue.end(conv)  # a customer who starts over talks to the bot again
+            case se.ActionCalled(session, request_id, call):
+                conversations.action_called(session, request_id, call)
 
     async def resumed(self, found: Resumed) -> None:
         await self.actions.resumed(found)

@@ -50,6 +50,8 @@ def transcript(messages: Iterable[Message]) -> str:
     lines: list[str] = []
     size = 0
     for m in reversed(list(messages)):
+        if m.get("role") == "action":  # an action's call: the bot's reply after it says the result
+            continue
         text = " ".join(str(m.get("text", "")).split())
         line = f"{SPEAKERS.get(str(m.get('role')), 'Customer')}: {text}"
         if size + len(line) > MAX_TRANSCRIPT_CHARS and lines:

@@ -49,6 +49,28 @@ def bounded(message: Message) -> Message:
     return message if cut is text else {**message, "text": cut, "truncated": True}
 
 
+MAX_CALL_PART_BYTES = 1200  # of an action call's arguments or result in a console event
+
+
+def action_call(call: Mapping[str, object]) -> dict[str, object]:
+    """An action call as agents see it: its arguments and result each within MAX_CALL_PART_BYTES (else a
+    cut JSON string), its names and error cleaned."""
+
+    def part(value: object) -> object:
+        text = json.dumps(value, ensure_ascii=False)
+        return value if len(text.encode()) <= MAX_CALL_PART_BYTES else cut_bytes(text, MAX_CALL_PART_BYTES)
+
+    error = call.get("error")
+    return {
+        "action": clean_text(str(call.get("action", "")), 64),
+        "status": clean_text(str(call.get("status", "")), 32),
+        "arguments": part(call.get("arguments")),
+        "result": part(call.get("result")),
+        "error": clean_text(str(error), 300) if error is not None else None,
+        "ms": call.get("ms") if isinstance(call.get("ms"), (int, float)) else None,
+    }
+
+
 def user_seqs(messages: Iterable[object]) -> list[int]:
     """The seqs of the newest MAX_UNREAD customer messages."""
     seqs = [m.get("seq") for m in messages if isinstance(m, dict) and m.get("role") == "user"]

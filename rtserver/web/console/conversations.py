@@ -21,7 +21,14 @@ from ..session import Session
 from ..state import AppState
 from . import events as agent_events
 from .agents import FOR_AGENT, Agents, Shared
-from .conversation import MAX_EVENT_TEXT_BYTES, Conversation, Message, bounded, customer_name
+from .conversation import (
+    MAX_EVENT_TEXT_BYTES,
+    Conversation,
+    Message,
+    action_call,
+    bounded,
+    customer_name,
+)
 from .guard import spawn
 
 SENTIMENT_TASK = "sentiment"
@@ -253,6 +260,16 @@ class Conversations:
                 conv.dirty = True  # the heartbeat writes it
         mood = conv.mood(self.mood_window)
         self.broadcast(agent_events.tag(session.id, msg["seq"], request_id, task, label, mood))
+
+    def action_called(self, session: Session, request_id: str, call: dict[str, object]) -> None:
+        """An action ran for the customer message `request_id`: agents see its arguments and outcome."""
+        conv = self._by_id.get(session.id)
+        if conv is None:
+            return
+        shown = action_call(call)
+        text = f"{shown['action']} {shown['status']}" + (f": {shown['error']}" if shown.get("error") else "")
+        msg = conv.add({"role": "action", "id": request_id, "text": text, "call": shown})
+        self.broadcast(agent_events.action(session.id, msg, conv.updated_at))
 
     def reset(self, session: Session) -> None:
         conv = self._by_id.get(session.id)

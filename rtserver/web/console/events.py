@@ -73,6 +73,16 @@ class StreamEndEvent(TypedDict):
     dropped: NotRequired[int]
 
 
+class ActionEvent(TypedDict):
+    """An action ran for a customer message: `message` has role `action` and its `call` (arguments,
+    status, result or error, ms)."""
+
+    type: Literal["action"]
+    session_id: str
+    message: Record
+    updated_at: float
+
+
 class TagEvent(TypedDict):
     """An auto-task's label on the user message `seq`."""
 
@@ -130,6 +140,7 @@ ConsoleServerEvent = (
     | MessagesEvent
     | AssistEvent
     | AssistDeltaEvent
+    | ActionEvent
 )
 
 
@@ -215,3 +226,7 @@ def assist_delta(request_id: str, session_id: str, task: str, sample: int, text:
             type="assist_delta", id=request_id, session_id=session_id, task=task, sample=sample, text=text
         )
     )
+
+
+def action(session_id: str, msg: Record, updated_at: float) -> ConsoleEvent:
+    return dict(ActionEvent(type="action", session_id=session_id, message=msg, updated_at=updated_at))

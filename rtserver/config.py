@@ -224,6 +224,7 @@ class HandoffSettings:
     closes: str = _setting("24:00")
 
 
+@dataclass
 class ActionSettings:
     """The bot's actions (plugins' `Action`s): whether they run and how often a client may call them."""
 

@@ -188,7 +188,7 @@ def test_all_functions_together_are_bounded():
         "properties": {f"p{i}": {"type": "string", "description": "d" * 60} for i in range(90)},
     }
     err = refusal([{"type": "function", "function": {"name": f"f{i}", "parameters": big}} for i in range(5)])
-    assert err.code == "request_too_large" and "characters of JSON" in err.message
+    assert err.code == "invalid_field" and "characters of JSON" in err.message
 
 
 def test_tool_choice():

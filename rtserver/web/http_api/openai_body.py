@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from pydantic import BeforeValidator, ValidationInfo, WithJsonSchema
+from pydantic import BeforeValidator, Field, ValidationInfo, WithJsonSchema
 
 from ...engine.backend import TEXT, OutputFormat
 from ...tasks import bounds as B
-from ...tasks.tool_calls import ChatMessage, Tool, ToolCall, ToolChoice, read_choice, read_tools
+from ...tasks.tool_calls import NONE, ChatMessage, Tool, ToolCall, ToolChoice, read_choice, read_tools
 from .bodies import (
     Door,
     Flag,
@@ -289,7 +289,9 @@ class ChatCompletion(Door):
     tools: Annotated[list[Tool], BeforeValidator(_tools), WithJsonSchema(TOOLS_SCHEMA)] = []
     functions: Annotated[object, refused("functions", NO_FUNCTIONS)] = None
     function_call: Annotated[object, refused("function_call", NO_FUNCTIONS)] = None
-    tool_choice: Annotated[ToolChoice, BeforeValidator(_tool_choice), WithJsonSchema(TOOL_CHOICE_SCHEMA)]
+    tool_choice: Annotated[ToolChoice, BeforeValidator(_tool_choice), WithJsonSchema(TOOL_CHOICE_SCHEMA)] = (
+        Field(NONE, json_schema_extra={"default": None})
+    )
     logprobs: Annotated[bool | None, BeforeValidator(_logprobs)] = None
     top_logprobs: Annotated[int | None, BeforeValidator(_top_logprobs)] = None
     presence_penalty: Annotated[float | None, BeforeValidator(_penalty)] = None

@@ -351,15 +351,21 @@ async def test_hostile_tools_get_400s_naming_the_field(base):
                 extra,
                 err,
             )
-        # the door still serves
+        # the door still serves; `parallel_tool_calls` lets a reply hold up to 4 calls, each valid
         ok = await c.post(
             "/v1/chat/completions",
             json={
                 "model": "m",
-                "messages": msgs,
+                "messages": [{"role": "user", "content": "Wake me at 7:10 and at 7:30."}],
                 "tools": TOOLS,
                 "tool_choice": "required",
-                "max_tokens": 120,
+                "parallel_tool_calls": True,
+                "max_tokens": 160,
             },
         )
-        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "tool_calls"
+        reply = ok.json()["choices"][0]
+        assert ok.status_code == 200 and reply["finish_reason"] == "tool_calls"
+        assert 1 <= len(reply["message"]["tool_calls"]) <= 4
+        for call in reply["message"]["tool_calls"]:
+            args = json.loads(call["function"]["arguments"])
+            jsonschema.validate(args, SCHEMAS[call["function"]["name"]])

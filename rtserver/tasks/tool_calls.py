@@ -297,7 +297,13 @@ def tool_call_format(
     if calls > 1:
         lines.append(f"SEP: {json.dumps(syntax.separator)}")
     if choice.mode == "auto":
-        lines[:0] = ["start: TEXT | calls", f"TEXT: /(?s:.*)/ & ~/(?s:{_lark_regex(syntax.lead)}.*)/"]
+        # text never holds a call's opening: a call the model starts is always constrained (a syntax
+        # without one, bare JSON, keeps only text that does not start like a call)
+        anywhere = ".*" if syntax.open else ""
+        lines[:0] = [
+            "start: TEXT | calls",
+            f"TEXT: /(?s:.*)/ & ~/(?s:{anywhere}{_lark_regex(syntax.lead)}.*)/",
+        ]
     else:
         lines.insert(0, "start: calls")
     return OutputFormat.lark("\n".join(lines))

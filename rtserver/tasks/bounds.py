@@ -65,7 +65,7 @@ SIZES: dict[str, int] = {
     "tool_name_chars": 64,  # a function's name (OpenAI's limit)
     "tool_description_chars": 1024,  # a function's description
     "tool_schema_chars": 8192,  # one function's parameters schema, as compact JSON
-    "tools_chars": 24576,  # all functions' definitions, as compact JSON (the call grammar holds them)
+    "tools_chars": 16384,  # all functions' definitions, as compact JSON (the call grammar holds them)
     "schema_depth": 12,  # nesting of objects and lists in one parameters schema
     "tool_calls": 8,  # calls in one assistant message of a history
     "action_result_bytes": 4096,  # an action handler's result, as JSON

@@ -128,7 +128,7 @@ def check_tool(name: object, description: object, parameters: object, param: str
         _refuse(param, f"{where}.description must be a string")
     if len(description) > B.SIZES["tool_description_chars"]:
         limit = B.SIZES["tool_description_chars"]
-        _refuse(param, f"{where}.description has more than {limit} characters", "request_too_large")
+        _refuse(param, f"{where}.description has more than {limit} characters")
     schema = dict(EMPTY_PARAMETERS) if parameters is None else parameters
     if not isinstance(schema, dict):
         _refuse(param, f"{where}.parameters must be a JSON Schema object")
@@ -141,11 +141,9 @@ def _check_schema(schema: JSONObject, param: str, where: str) -> None:
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     if len(text) > B.SIZES["tool_schema_chars"]:
         limit = B.SIZES["tool_schema_chars"]
-        _refuse(
-            param, f"{where} has {len(text)} characters of JSON, the limit is {limit}", "request_too_large"
-        )
+        _refuse(param, f"{where} has {len(text)} characters of JSON, the limit is {limit}")
     if _depth(schema) > B.SIZES["schema_depth"]:
-        _refuse(param, f"{where} nests deeper than {B.SIZES['schema_depth']} levels", "request_too_large")
+        _refuse(param, f"{where} nests deeper than {B.SIZES['schema_depth']} levels")
     if schema.get("type", "object") != "object":
         _refuse(param, f"{where} must describe an object (its 'type' is {json.dumps(schema.get('type'))})")
     if "x-guidance" in text:
@@ -229,7 +227,7 @@ def read_tools(value: object, param: str = "tools") -> list[Tool]:
         _refuse(param, f"'{param}' must be a list {shape}")
     if len(value) > B.SIZES["tools"]:
         limit = B.SIZES["tools"]
-        _refuse(param, f"'{param}' has {len(value)} functions, the limit is {limit}", "request_too_large")
+        _refuse(param, f"'{param}' has {len(value)} functions, the limit is {limit}")
     tools: list[Tool] = []
     total = 0
     for i, item in enumerate(value):
@@ -248,7 +246,7 @@ def read_tools(value: object, param: str = "tools") -> list[Tool]:
         total += len(json.dumps(tool.spec(), separators=(",", ":"), ensure_ascii=False))
         if total > B.SIZES["tools_chars"]:
             limit = B.SIZES["tools_chars"]
-            _refuse(param, f"'{param}' has more than {limit} characters of JSON", "request_too_large")
+            _refuse(param, f"'{param}' has more than {limit} characters of JSON")
         tools.append(tool)
     return tools
 
@@ -299,7 +297,13 @@ def tool_call_format(
     if calls > 1:
         lines.append(f"SEP: {json.dumps(syntax.separator)}")
     if choice.mode == "auto":
-        lines[:0] = ["start: TEXT | calls", f"TEXT: /(?s:.*)/ & ~/(?s:{_lark_regex(syntax.lead)}.*)/"]
+        # text never holds a call's opening: a call the model starts is always constrained (a syntax
+        # without one, bare JSON, keeps only text that does not start like a call)
+        anywhere = ".*" if syntax.open else ""
+        lines[:0] = [
+            "start: TEXT | calls",
+            f"TEXT: /(?s:.*)/ & ~/(?s:{anywhere}{_lark_regex(syntax.lead)}.*)/",
+        ]
     else:
         lines.insert(0, "start: calls")
     return OutputFormat.lark("\n".join(lines))

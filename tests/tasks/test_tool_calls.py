@@ -188,7 +188,7 @@ def test_all_functions_together_are_bounded():
         "properties": {f"p{i}": {"type": "string", "description": "d" * 60} for i in range(90)},
     }
     err = refusal([{"type": "function", "function": {"name": f"f{i}", "parameters": big}} for i in range(5)])
-    assert err.code == "request_too_large" and "characters of JSON" in err.message
+    assert err.code == "invalid_field" and "characters of JSON" in err.message
 
 
 def test_tool_choice():
@@ -237,6 +237,8 @@ def test_the_grammar_forces_calls_whose_arguments_validate(tok):
     auto = tool_call_format(tools, AUTO)
     assert _follow(tok, auto, "Hello there") and _follow(tok, auto, good)
     assert not _follow(tok, auto, "<tool_call>\nnot json")
+    assert not _follow(tok, auto, "Sure.\n" + good)  # a call inside text would go unchecked
+    assert _follow(tok, tool_call_format(tools, AUTO, LLAMA3), 'Like {"a": 1}.')
     assert tool_call_format(tools, NONE).free and tool_call_format([], AUTO).free
     two = good + "\n" + good
     assert not _follow(tok, tool_call_format(tools, REQUIRED), two)

@@ -101,7 +101,7 @@ async def test_unsupported_fields_are_refused_with_400(smol):
         msgs = [{"role": "user", "content": "hi"}]
         for kwargs, param in [
             ({"n": 2}, "n"),
-            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+            ({"extra_body": {"functions": [{"name": "f", "parameters": {}}]}}, "functions"),
             ({"logprobs": True}, "logprobs"),
             ({"presence_penalty": 0.5}, "presence_penalty"),
             ({"extra_body": {"best_of": 3}}, "best_of"),
@@ -116,7 +116,8 @@ async def test_unsupported_fields_are_refused_with_400(smol):
                 assert err["param"] == param, err
         async with httpx.AsyncClient(base_url=base) as c:
             r = await c.post(
-                "/v1/chat/completions", json={"model": "m", "messages": [{"role": "tool", "content": "x"}]}
+                "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "function", "content": "x"}]},
             )
             assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
             r = await c.post("/v1/chat/completions", json={"model": "m"})

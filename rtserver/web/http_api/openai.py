@@ -1,5 +1,9 @@
 """The OpenAI-compatible door: `/v1/chat/completions` (plain and SSE streaming) and `/v1/models`.
 
+With `tools`, the prompt and the call grammar come from tasks/tool_calls.py. A reply that is a call
+comes back as `tool_calls` (finish_reason `tool_calls`); streamed, as deltas the `openai` client
+joins by index.
+
 A stream's response starts with its first token: until then nothing is written to the client, so in
 a burst every request's generation reaches its backend before any response takes its socket writes.
 """
@@ -26,15 +30,26 @@ from ...engine.backend import (
     StructuredOutput,
 )
 from ...tasks.chat import ChatPrompt
+from ...tasks.tool_calls import (
+    MAX_PARALLEL_CALLS,
+    CallPiece,
+    CallReader,
+    CallSyntax,
+    ChatMessage,
+    encode_tool_chat,
+    parse_tool_calls,
+    tool_call_format,
+)
 from ..errors import GenerationFailed
 from ..state import AppState
-from .bodies import Message, parse
+from .bodies import parse
 from .common import (
     HTTPError,
     JSONObject,
     api_client,
     check_prompt,
     event_stream,
+    fields,
     finish_reason,
     openai_usage,
     task_sampling,
@@ -72,13 +87,22 @@ def _openai_params(state: AppState, body: ChatCompletion) -> SamplingParams:
     return params
 
 
-def _openai_prompt(state: AppState, messages: list[Message]) -> ChatPrompt:
+def _openai_prompt(state: AppState, messages: list[ChatMessage]) -> ChatPrompt:
     """The messages' prompt: client system messages kept (the trusted API)."""
     # without a system message of its own, the chat task's system prompt goes first
-    return state.tasks.chat.encode(messages, system=not any(m["role"] == "system" for m in messages))
+    plain = [{"role": m.role, "content": m.content} for m in messages]
+    return state.tasks.chat.encode(plain, system=not any(m.role == "system" for m in messages))
 
 
-async def _prepared(state: AppState, fmt: OutputFormat) -> None:
+def _tool_prompt(state: AppState, body: ChatCompletion) -> tuple[ChatPrompt, CallSyntax]:
+    """The prompt with the functions offered (none under `tool_choice` none), calls and results."""
+    chat = state.tasks.chat
+    system = "" if any(m.role == "system" for m in body.messages) else chat.task.system_prompt or ""
+    with fields():
+        return encode_tool_chat(chat.tokenizer, body.messages, body.tools if body.calls else [], system)
+
+
+async def _prepared(state: AppState, fmt: OutputFormat, param: str) -> None:
     """The format compiled for the chat backend before anything is queued (off the event loop)."""
     if fmt.free:
         return
@@ -86,13 +110,35 @@ async def _prepared(state: AppState, fmt: OutputFormat) -> None:
     if not isinstance(backend, StructuredOutput):
         raise HTTPError(
             "unsupported",
-            "'response_format' needs the local engine: this server's model runs on remote servers",
-            "response_format",
+            f"'{param}' needs the local engine: this server's model runs on remote servers",
+            param,
         )
     try:
         await backend.prepare_output(fmt)
     except OutputFormatError as exc:
-        raise HTTPError("bad_output_format", f"response_format: {exc}", "response_format") from None
+        raise HTTPError("bad_output_format", f"{param}: {exc}", param) from None
+
+
+class _Calls:
+    """How a reply's calls are read: the request's functions and the syntax the prompt asked for."""
+
+    def __init__(self, body: ChatCompletion, syntax: CallSyntax):
+        self.tools, self.syntax = body.tools, syntax
+
+    def message(self, text: str) -> tuple[JSONObject, str | None]:
+        """(the reply's message, "tool_calls" or None) of a whole reply."""
+        calls = parse_tool_calls(text, self.tools, self.syntax)
+        if not calls:
+            return {"role": "assistant", "content": text}, None
+        return {"role": "assistant", "content": None, "tool_calls": [c.spec() for c in calls]}, "tool_calls"
+
+
+def _call_delta(piece: CallPiece) -> JSONObject:
+    """A streamed call piece as OpenAI's delta: the first names the call, the rest add arguments."""
+    if piece.name:
+        fn: JSONObject = {"name": piece.name, "arguments": piece.arguments}
+        return {"index": piece.index, "id": piece.id, "type": "function", "function": fn}
+    return {"index": piece.index, "function": {"arguments": piece.arguments}}
 
 
 class _Chunks:
@@ -104,7 +150,7 @@ class _Chunks:
         self.include_usage = include_usage
 
     def __call__(
-        self, delta: dict[str, str], finish: str | None = None, usage: object = None, choices: bool = True
+        self, delta: JSONObject, finish: str | None = None, usage: object = None, choices: bool = True
     ) -> str:
         data: JSONObject = {
             "id": self.cid,
@@ -125,14 +171,26 @@ async def chat_completions(request: Request, state: AppState, raw: JSONObject) -
     most = min(chat.task.max_new_tokens, state.settings.security.api_max_tokens)
     body = parse(ChatCompletion, raw, ranges=_ranges(state), max_tokens=most)
     params = _openai_params(state, body)  # the cheap checks first: no template rendered for a bad one
-    prompt = _openai_prompt(state, body.messages)
+    calls: _Calls | None = None
+    if body.tool_chat:
+        prompt, syntax = _tool_prompt(state, body)
+        if body.calls:
+            if not params.output.free:
+                raise HTTPError(
+                    "unsupported", "'response_format' cannot be used with 'tools'", "response_format"
+                )
+            most = MAX_PARALLEL_CALLS if body.parallel_tool_calls else 1
+            params.output = tool_call_format(body.tools, body.tool_choice, syntax, most)
+            calls = _Calls(body, syntax)
+    else:
+        prompt = _openai_prompt(state, body.messages)
     check_prompt(state, len(prompt.ids), params.max_new_tokens, "messages")
-    await _prepared(state, params.output)
+    await _prepared(state, params.output, "tools" if calls else "response_format")
     chunks = _Chunks(
         "chatcmpl-" + secrets.token_hex(12), int(time.time()), state.model_id, body.include_usage
     )
     if not body.stream:
-        return await _answer(request, state, prompt, params, chunks)
+        return await _answer(request, state, prompt, params, chunks, calls)
     # Overloaded etc. raise here, before the 200
     gen = await turns(request).start(
         api_client(request), prompt.ids, params, public_tokens=prompt.public_tokens
@@ -144,16 +202,25 @@ async def chat_completions(request: Request, state: AppState, raw: JSONObject) -
     first = await _first_text(request, gen)
     if first is _GONE:
         return Response(status_code=499)  # the client left before the first token (nobody reads it)
-    return event_stream(_stream(state, gen, str(first), chunks))
+    return event_stream(_stream(state, gen, str(first), chunks, calls))
 
 
 async def _answer(
-    request: Request, state: AppState, prompt: ChatPrompt, params: SamplingParams, chunks: _Chunks
+    request: Request,
+    state: AppState,
+    prompt: ChatPrompt,
+    params: SamplingParams,
+    chunks: _Chunks,
+    calls: _Calls | None,
 ) -> Response:
     """A reply in one JSON `chat.completion`."""
     result = await turns(request).complete(
         api_client(request), prompt.ids, prompt.public_tokens, params, "openai"
     )
+    message: JSONObject = {"role": "assistant", "content": result.text}
+    called = None
+    if calls is not None:
+        message, called = calls.message(result.text)
     return JSONResponse(
         {
             "id": chunks.cid,
@@ -163,8 +230,8 @@ async def _answer(
             "choices": [
                 {
                     "index": 0,
-                    "finish_reason": finish_reason(result.finish_reason),
-                    "message": {"role": "assistant", "content": result.text},
+                    "finish_reason": called or finish_reason(result.finish_reason),
+                    "message": message,
                     "logprobs": None,
                 }
             ],
@@ -173,15 +240,30 @@ async def _answer(
     )
 
 
-async def _stream(state: AppState, gen: Generation, first: str, chunk: _Chunks) -> AsyncIterator[str]:
+def _deltas(chunk: _Chunks, reader: CallReader | None, text: str, end: bool = False) -> str:
+    """The chunks of a piece of reply text: content, or call pieces where the reply is a call."""
+    if reader is None:
+        return chunk({"content": text}) if text else ""
+    shown, pieces = reader.end() if end else reader.feed(text)
+    out = chunk({"content": shown}) if shown else ""
+    if pieces:
+        out += chunk({"tool_calls": [_call_delta(p) for p in pieces]})
+    return out
+
+
+async def _stream(
+    state: AppState, gen: Generation, first: str, chunk: _Chunks, calls: _Calls | None
+) -> AsyncIterator[str]:
     """The reply's chunks from its first text on, an error event when it failed."""
     finished = False
+    reader = CallReader(calls.syntax) if calls else None
     try:
-        head = chunk({"role": "assistant", "content": ""})
-        yield head + chunk({"content": first}) if first else head
+        yield chunk({"role": "assistant", "content": ""}) + _deltas(chunk, reader, first)
         async for ev in gen:
             if ev.text:
-                yield chunk({"content": ev.text})
+                out = _deltas(chunk, reader, ev.text)
+                if out:
+                    yield out
         result = await gen.result()
         finished = True
         if result.finish_reason is FinishReason.ERROR:
@@ -192,7 +274,9 @@ async def _stream(state: AppState, gen: Generation, first: str, chunk: _Chunks) 
             return
         state.metrics.observe_generation("openai", result)
         state.metrics.requests.labels("openai", "chat").inc()
-        yield chunk({}, finish_reason(result.finish_reason))
+        rest = _deltas(chunk, reader, "", end=True)
+        called = reader is not None and reader.index >= 0
+        yield rest + chunk({}, "tool_calls" if called else finish_reason(result.finish_reason))
         if chunk.include_usage:
             yield chunk({}, usage=openai_usage(result), choices=False)
         yield "data: [DONE]\n\n"

@@ -1,18 +1,23 @@
-"""The OpenAI door's body: `/v1/chat/completions` as OpenAI's clients send it (bodies.py: how)."""
+"""The OpenAI door's body: `/v1/chat/completions` as OpenAI's clients send it (bodies.py: how).
+
+Tool calling: `tools` and `tool_choice` are read by tasks/tool_calls.py. Messages may be `tool`
+results and assistant messages with `tool_calls`; each result answers an earlier call by its id, and
+each call names one of `tools`.
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Annotated
 
-from pydantic import BeforeValidator, ValidationInfo, WithJsonSchema
+from pydantic import BeforeValidator, Field, ValidationInfo, WithJsonSchema
 
 from ...engine.backend import TEXT, OutputFormat
 from ...tasks import bounds as B
+from ...tasks.tool_calls import NONE, ChatMessage, Tool, ToolCall, ToolChoice, read_choice, read_tools
 from .bodies import (
     Door,
     Flag,
-    Message,
     Metadata,
     MinTokens,
     Short,
@@ -36,10 +41,13 @@ def refused(param: str, why: str) -> BeforeValidator:
     return BeforeValidator(check)
 
 
-def _tool_choice(value: object) -> object:
-    if value not in (None, "none"):
-        refuse("tool_choice", "'tool_choice' is not supported: tool calling is not available", "unsupported")
-    return value
+def _tools(value: object) -> list[Tool]:
+    return read_tools(value)
+
+
+def _tool_choice(value: object, info: ValidationInfo) -> ToolChoice:
+    tools = info.data.get("tools")
+    return read_choice(value, tools if isinstance(tools, list) else [])
 
 
 def _logprobs(value: object) -> object:
@@ -102,12 +110,16 @@ def _messages_size(messages: list[object]) -> None:
         for part in parts:
             text = part.get("text") if isinstance(part, dict) else part
             total += len(text) if isinstance(text, str) else 0
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        total += len(json.dumps(calls)) if isinstance(calls, list) else 0
         if total > chars:
             refuse("messages", f"'messages' has more than {chars} characters of content", "request_too_large")
 
 
 def _content(m: dict[str, object], i: int) -> str:
     c = m.get("content")
+    if c is None and m.get("role") == "assistant" and m.get("tool_calls"):
+        return ""  # a message of calls alone
     if isinstance(c, str):
         return c
     if not isinstance(c, list):
@@ -121,23 +133,78 @@ def _content(m: dict[str, object], i: int) -> str:
     return "".join(parts)
 
 
-def _messages(value: object) -> list[Message]:
-    """Every message {role, content} with only text; `developer` is `system`."""
+def _short_id(value: object, where: str) -> str:
+    chars = B.SIZES["short_chars"]
+    if not isinstance(value, str) or not 0 < len(value) <= chars:
+        refuse("messages", f"{where} must be a string of 1..{chars} characters")
+    return value
+
+
+def _tool_calls(value: object, i: int, tools: list[Tool]) -> tuple[ToolCall, ...]:
+    """An assistant message's `tool_calls`: each names one of `tools`, its arguments a JSON object."""
+    if value is None:
+        return ()
+    most = B.SIZES["tool_calls"]
+    if not isinstance(value, list) or not 0 < len(value) <= most:
+        refuse("messages", f"messages[{i}].tool_calls must be a list of 1..{most} calls")
+    calls = []
+    for j, call in enumerate(value):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+        ):
+            refuse(
+                "messages",
+                f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}',
+            )
+        name, arguments = fn.get("name"), fn.get("arguments")
+        if not any(t.name == name for t in tools):
+            shown = json.dumps(name)[:80] if isinstance(name, str) else "missing"
+            refuse("messages", f"{where}.function.name {shown} is not one of 'tools'")
+        try:
+            args = json.loads(arguments) if isinstance(arguments, str) else None
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            refuse("messages", f"{where}.function.arguments must be a JSON object in a string")
+        calls.append(ToolCall(str(name), str(arguments), _short_id(call.get("id"), f"{where}.id")))
+    return tuple(calls)
+
+
+def _messages(value: object, info: ValidationInfo) -> list[ChatMessage]:
+    """Every message with only text; `developer` is `system`. A `tool` message answers a call."""
     if isinstance(value, list):
         _messages_size(value)
     if not isinstance(value, list) or not value:
         refuse("messages", "'messages' must be a non-empty list")
-    out: list[Message] = []
+    given = info.data.get("tools")
+    tools = given if isinstance(given, list) else []
+    out: list[ChatMessage] = []
+    pending: set[str] = set()  # ids of calls not answered yet
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             refuse("messages", f"messages[{i}] must be an object")
         role = m.get("role")
         if role == "developer":
             role = "system"
-        if role not in ("system", "user", "assistant"):
-            roles = "system, developer, user, assistant"
+        if role not in ("system", "user", "assistant", "tool"):
+            roles = "system, developer, user, assistant, tool"
             refuse("messages", f"messages[{i}].role {role!r}: supported roles are {roles}", "unsupported")
-        out.append({"role": str(role), "content": _content(m, i)})
+        calls = _tool_calls(m.get("tool_calls"), i, tools) if role == "assistant" else ()
+        call_id = ""
+        if role == "tool":
+            call_id = _short_id(m.get("tool_call_id"), f"messages[{i}].tool_call_id")
+            if call_id not in pending:
+                shown = json.dumps(call_id)[:80]
+                refuse(
+                    "messages", f"messages[{i}].tool_call_id {shown} answers no earlier assistant tool call"
+                )
+            pending.discard(call_id)
+        pending.update(c.id for c in calls)
+        out.append(ChatMessage(str(role), _content(m, i), calls, call_id))
     return out
 
 
@@ -150,13 +217,57 @@ OPENAI_FIELDS = frozenset(
         "tools", "functions", "function_call", "top_logprobs", "logit_bias",
     }
 )  # fmt: skip
-OPENAI_REFUSED = {"tools", "functions", "function_call", "top_logprobs", "logit_bias"}  # not listed
-NO_TOOLS = "tool and function calling are not available"
+OPENAI_REFUSED = {"functions", "function_call", "top_logprobs", "logit_bias"}  # not listed
+NO_FUNCTIONS = "use 'tools' and 'tool_choice'"
 RESPONSE_FORMAT_SCHEMA = {
     "type": ["object", "null"],
     "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},
         "json_schema": {"type": "object", "properties": {"schema": {"type": ["object", "boolean"]}}},
+    },
+}
+
+
+TOOLS_SCHEMA = {
+    "type": ["array", "null"],
+    "maxItems": B.SIZES["tools"],
+    "items": {
+        "type": "object",
+        "properties": {
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                    "description": {"type": "string"},
+                    "parameters": {"type": "object"},
+                    "strict": {"type": ["boolean", "null"]},
+                },
+                "required": ["name"],
+            },
+        },
+        "required": ["type", "function"],
+    },
+}
+TOOL_CHOICE_SCHEMA = {
+    "anyOf": [
+        {"enum": ["auto", "none", "required", None]},
+        {"type": "object", "properties": {"type": {"const": "function"}, "function": {"type": "object"}}},
+    ]
+}
+MESSAGES_SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "maxItems": B.SIZES["messages"],
+    "items": {
+        "type": "object",
+        "properties": {
+            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+            "content": {"type": ["string", "array", "null"]},
+            "tool_calls": {"type": "array"},
+            "tool_call_id": {"type": "string"},
+        },
+        "required": ["role"],
     },
 }
 
@@ -172,13 +283,15 @@ class ChatCompletion(Door):
         + ", ".join(sorted(OPENAI_FIELDS - OPENAI_REFUSED))
         + ")"
     )
-    CHECKED_ABSENT = ("messages",)
+    CHECKED_ABSENT = ("tool_choice", "messages")
 
     n: Annotated[int | None, only_one("only n = 1 (one choice per request)")] = None
-    tools: Annotated[object, refused("tools", NO_TOOLS)] = None
-    functions: Annotated[object, refused("functions", NO_TOOLS)] = None
-    function_call: Annotated[object, refused("functions", NO_TOOLS)] = None
-    tool_choice: Annotated[object, BeforeValidator(_tool_choice)] = None
+    tools: Annotated[list[Tool], BeforeValidator(_tools), WithJsonSchema(TOOLS_SCHEMA)] = []
+    functions: Annotated[object, refused("functions", NO_FUNCTIONS)] = None
+    function_call: Annotated[object, refused("function_call", NO_FUNCTIONS)] = None
+    tool_choice: Annotated[ToolChoice, BeforeValidator(_tool_choice), WithJsonSchema(TOOL_CHOICE_SCHEMA)] = (
+        Field(NONE, json_schema_extra={"default": None})
+    )
     logprobs: Annotated[bool | None, BeforeValidator(_logprobs)] = None
     top_logprobs: Annotated[int | None, BeforeValidator(_top_logprobs)] = None
     presence_penalty: Annotated[float | None, BeforeValidator(_penalty)] = None
@@ -205,7 +318,17 @@ class ChatCompletion(Door):
     response_format: Annotated[
         OutputFormat, BeforeValidator(_response_format), WithJsonSchema(RESPONSE_FORMAT_SCHEMA)
     ] = TEXT
-    messages: Annotated[list[Message], BeforeValidator(_messages)]
+    messages: Annotated[list[ChatMessage], BeforeValidator(_messages), WithJsonSchema(MESSAGES_SCHEMA)]
+
+    @property
+    def calls(self) -> bool:
+        """Whether the reply may be a call: functions offered and `tool_choice` not `none`."""
+        return bool(self.tools) and self.tool_choice.mode != "none"
+
+    @property
+    def tool_chat(self) -> bool:
+        """Whether the prompt needs tool calling's rendering (functions, calls or results)."""
+        return self.calls or any(m.tool_calls or m.role == "tool" for m in self.messages)
 
     @property
     def include_usage(self) -> bool:

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..tasks.citations import Source
 from .session import Session
 
 log = logging.getLogger("rtserver.session_events")
@@ -74,6 +75,7 @@ class TurnFinished:
     request_id: str
     reply: str | None
     finish_reason: str
+    sources: tuple[Source, ...] = ()  # with knowledge on: the articles the reply cited
 
 
 @dataclass(frozen=True)

@@ -283,3 +283,14 @@ def test_the_parse_keeps_given_numbers_once_in_order():
     assert citations.parse("anything", "", ()).unknown
     block = citations.retrieved([], 100, lambda t, n: t)
     assert block.sources == () and block.with_message("hi") == "hi"
+
+
+def test_rtserver_kb_index_rebuilds_where_servers_read(tmp_path, monkeypatch, capsys):
+    from rtserver.cli import main
+
+    monkeypatch.setenv("RTSERVER_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["kb", "index", "--folder", str(DATA / "shop_kb")]) == 0
+    path = index_path(str(tmp_path / "cache"), str(DATA / "shop_kb"))
+    assert Index(path).articles == 32 and "32 articles" in capsys.readouterr().out
+    assert main(["kb", "index", "--folder", str(tmp_path / "none")]) == 1
+    assert "not a folder" in capsys.readouterr().err

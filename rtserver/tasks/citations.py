@@ -93,8 +93,10 @@ def ending_format(sources: int) -> OutputFormat:
 
 
 def ending_tokens(sources: int) -> int:
-    """Room for the ending: its words and each number's few tokens."""
-    return 8 + 4 * sources
+    """The ending's token limit. Its words and numbers take 4 + 4 per source; the rest keeps the engine's
+    closing steer (its last 24 tokens) from ending the list at the first number.
+    """
+    return 32 + 4 * sources
 
 
 def is_unknown(answer: str, sources: tuple[Source, ...]) -> bool:

@@ -85,7 +85,7 @@ def run_server(
         "RTSERVER_TASKS_AUTO_TASKS": "",
     }
     server = ServerProcess(env, log)
-    server.start()
+    server.start(timeout_s=900)
     try:
         asyncio.run(session_ttfts(server.ws_url, ["Hello"], 4))  # warm: first compiles and allocations
         return [asyncio.run(session_ttfts(server.ws_url, qs, max_new_tokens)) for qs in sessions]

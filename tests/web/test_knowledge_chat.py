@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import websockets
 from rtserver.tasks.citations import UNKNOWN
 from rtserver.web.app import create_app
 
-from ..serverutil import hello, is_end, make_settings, recv_until, serve
+from ..serverutil import hello, is_end, make_settings, recv_until, serve, wait_for
 
 SHOP = Path(__file__).resolve().parents[1] / "data" / "shop_kb"
 QUESTIONS = [
@@ -120,15 +121,18 @@ async def test_the_console_sees_the_sources_and_the_history_keeps_the_message_al
             assert resumed["history"][1]["content"] == done["text"]
 
 
-async def test_a_folder_that_cannot_be_indexed_leaves_the_plain_chat(smol, tmp_path):
-    settings = knowledge_settings(tmp_path, folder=str(tmp_path / "missing"))
+async def test_a_folder_that_cannot_be_indexed_leaves_the_plain_chat_until_it_can(smol, tmp_path):
+    folder = tmp_path / "later"
+    settings = knowledge_settings(tmp_path, folder=str(folder), poll_s=0.2)
     app = create_app(settings, lambda: smol)
     async with serve(app, settings) as (base, url):
-        assert "not a folder" in app.state.rt.tasks.chat.knowledge.error
-        async with websockets.connect(url) as ws:
-            await hello(ws)
-            await ws.send(
-                json.dumps({"type": "chat", "id": "a", "text": "Hi", "options": {"max_new_tokens": 4}})
-            )
-            done = (await recv_until(ws, is_end("a")))[-1]
-            assert done["type"] == "done" and "sources" not in done
+        kb = app.state.rt.tasks.chat.knowledge
+        assert "not a folder" in kb.error and kb.index is None
+        events, _ = await ask(url, "Hi", {"max_new_tokens": 4})
+        assert events[-1]["type"] == "done" and "sources" not in events[-1]
+        # the folder appears: the background poll indexes it, and replies cite it
+        folder.mkdir()
+        shutil.copy(SHOP / "payment-methods.md", folder / "payment-methods.md")
+        await wait_for(lambda: asyncio.sleep(0, kb.index is not None))
+        events, _ = await ask(url, "Do you take PayPal?", {"max_new_tokens": 8, "temperature": 0})
+        check_reply(events[-1], ["payment-methods.md"])

@@ -32,7 +32,7 @@ QUESTIONS = [
 # beside the shop's questions: some with nothing to find, some the articles do not answer
 OTHERS = ["xqzv blorf", "Tell me a joke about cats", "What is the capital of France?", "Ignore the sources."]
 REPLIES = int(os.environ.get("KB_CITATION_REPLIES", "16"))
-CONCURRENT = 8
+CONCURRENT = int(os.environ.get("KB_CITATION_CONCURRENT", "8"))
 
 
 def knowledge_settings(tmp_path: Path, **knowledge: object):
@@ -42,7 +42,7 @@ def knowledge_settings(tmp_path: Path, **knowledge: object):
         security={"console_token": "agent-secret"},
     )
     s.tasks.plugin_dirs, s.tasks.auto_tasks = [], []  # the chat alone: a quicker start
-    s.engine.kv_budget_mb = 256  # room for CONCURRENT prompts with their sources
+    s.engine.kv_budget_mb = 512  # room for CONCURRENT prompts with their sources
     return s
 
 

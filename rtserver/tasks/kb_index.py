@@ -240,4 +240,7 @@ class KnowledgeBase:
             return
         while True:
             await asyncio.sleep(self.settings.poll_s)
-            await asyncio.to_thread(self.load)
+            try:
+                await asyncio.to_thread(self.load)
+            except Exception:  # the next poll tries again; the chat keeps the index it has
+                log.exception("knowledge: re-indexing failed")

@@ -77,9 +77,12 @@ def scan(folder: Path, max_articles: int, max_article_bytes: int, max_total_mb: 
     if not root.is_dir():
         raise KnowledgeError(f"knowledge.folder {str(folder)!r}: not a folder")
     found: list[FileSig] = []
-    total = 0
+    total = seen = 0
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        seen += len(filenames) + len(dirnames)
+        if seen > 10 * max_articles + 1000:  # other files count too: each poll walks them all
+            raise KnowledgeError(f"knowledge.folder holds over {10 * max_articles + 1000} files and folders")
         for name in sorted(filenames):
             if name.startswith(".") or not name.lower().endswith(SUFFIXES):
                 continue

@@ -105,7 +105,9 @@ def is_unknown(answer: str, sources: tuple[Source, ...]) -> bool:
 
 
 def parse(answer: str, ending: str, sources: tuple[Source, ...]) -> Cited:
-    """What the reply cited, each once, in order. Numbers not given are dropped (the grammar allows none)."""
+    """What the reply cited, each once, in order. Numbers not given are dropped (the grammar allows none).
+    `unknown` is the "I don't know" path alone.
+    """
     if is_unknown(answer, sources):
         return Cited((), True)
     by_number = {s.number: s for s in sources}
@@ -114,4 +116,4 @@ def parse(answer: str, ending: str, sources: tuple[Source, ...]) -> Cited:
         source = by_number.get(int(m.group(1)))
         if source is not None and source not in cited:
             cited.append(source)
-    return Cited(tuple(cited), not cited)
+    return Cited(tuple(cited), False)  # none only where the ending was cut short (cancelled)

@@ -281,6 +281,8 @@ def test_the_parse_keeps_given_numbers_once_in_order():
     assert [s.article_id for s in got.sources] == ["b.md", "a.md"] and not got.unknown
     assert citations.parse(citations.UNKNOWN, "", sources).unknown
     assert citations.parse("anything", "", ()).unknown
+    cut = citations.parse("An answer cancelled before its ending.", "", sources)
+    assert cut.sources == () and not cut.unknown  # no hand-off for a reply the customer stopped
     block = citations.retrieved([], 100, lambda t, n: t)
     assert block.sources == () and block.with_message("hi") == "hi"
 

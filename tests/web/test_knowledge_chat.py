@@ -79,6 +79,7 @@ async def test_replies_cite_only_retrieved_articles_or_say_they_do_not_know(smol
         texts = QUESTIONS + OTHERS
         picks = [(texts[i // 2 % len(texts)], 0.0 if i % 2 == 0 else 0.7, i) for i in range(REPLIES)]
         unknown = 0
+        checked: list[str] = []
 
         async def one(text: str, temperature: float, seed: int) -> None:
             nonlocal unknown
@@ -88,6 +89,9 @@ async def test_replies_cite_only_retrieved_articles_or_say_they_do_not_know(smol
             retrieved = [h.article_id for h in kb.search(text + "\n")]
             check_reply(events[-1], retrieved)
             unknown += events[-1]["unknown"]
+            checked.append(text)
+            if len(checked) % 50 == 0:  # progress of a long run (KB_CITATION_REPLIES), with -s
+                print(f"{len(checked)} replies checked, {unknown} did not know", flush=True)
 
         await asyncio.gather(*(one(*p) for p in picks))
         print(f"{REPLIES} replies: {REPLIES - unknown} cited only retrieved articles, {unknown} did not know")

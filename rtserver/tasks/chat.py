@@ -237,6 +237,23 @@ class ChatTask:
         budget = kb.settings.source_tokens
         return retrieved(kb.search(f"{text}\n{before}"), budget, self._cut)
 
+    def kept_turn(self, turn: ChatTurn) -> LastTurn | None:
+        """What a knowledge turn's prompt keeps for the next one: its ids up to its message's header. The
+        sources block leaves the next prompt; the turns before it keep their own ids, untokenized again.
+        """
+        if turn.sources is None:
+            return None
+        shown = [*turn.history[:-1], {"role": "user", "content": turn.sources.with_message(turn.text)}]
+        try:
+            tail = template_segments(self.tokenizer, self._messages(shown)[0])[-3:]
+        except TaskError:
+            return None
+        text = "".join(t for t, _ in tail)
+        n = len(_encode(self.tokenizer, tail))
+        if not turn.rendered.endswith(text) or n >= len(turn.prompt_ids):
+            return None
+        return LastTurn(turn.rendered[: -len(text)], turn.prompt_ids[:-n])
+
     def _cut(self, text: str, tokens: int) -> str:
         """The text's first `tokens` tokens, as text."""
         ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)

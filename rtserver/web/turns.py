@@ -219,6 +219,8 @@ class ChatTurns:
                     last = chat.finished_turn(
                         prepared.rendered, prepared.prompt_ids, result.text, result.token_ids
                     )
+                    if found is not None:  # the turns before keep their ids; the sources block goes
+                        last = chat.kept_turn(prepared)
                     turn.add_reply(result.text, last)
                     await self.store.save(session, client.name)  # acknowledged only once stored
                     turn.commit()

@@ -296,3 +296,23 @@ def test_rtserver_kb_index_rebuilds_where_servers_read(tmp_path, monkeypatch, ca
     assert Index(path).articles == 32 and "32 articles" in capsys.readouterr().out
     assert main(["kb", "index", "--folder", str(tmp_path / "none")]) == 1
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_a_knowledge_turn_keeps_the_ids_before_its_message_for_the_next(smol, tmp_path):
+    from rtserver.config import ChatSettings
+    from rtserver.tasks.chat import ChatTask, chat_task
+
+    kb = KnowledgeBase(KnowledgeSettings(folder=str(DATA / "shop_kb")), str(tmp_path / "cache"))
+    assert kb.load()
+    chat = ChatTask(chat_task(ChatSettings()), smol.tokenizer, kb)
+    history: list[dict[str, str]] = []
+    last = None
+    for text in ("Do you take PayPal?", "And can I pay in installments?", "How long is a gift card valid?"):
+        turn = chat.prepare_turn(history, text, last, knowledge=True)
+        assert turn.sources is not None and turn.sources.sources and turn.history[-1]["content"] == text
+        if last is not None:  # the turns before keep their ids: nothing before the message is tokenized anew
+            assert turn.prompt_ids[: len(last.ids)] == last.ids
+        last = chat.kept_turn(turn)
+        assert last is not None and turn.prompt_ids[: len(last.ids)] == last.ids
+        assert turn.rendered.startswith(last.text) and citations.INSTRUCTION not in last.text
+        history = [*turn.history, {"role": "assistant", "content": " Yes, we do."}]

@@ -196,6 +196,7 @@ class ServerProcess:
         self.port = free_port()
         self.env = {
             "RTSERVER_SECURITY_API_ENABLED": "true",  # the tools and tests drive it; `env` may turn it off
+            "RTSERVER_KNOWLEDGE_ENABLED": "false",  # the plain chat is measured; `env` may turn it on
             **os.environ,
             **env,
             "RTSERVER_SERVER_HOST": "127.0.0.1",

@@ -1,5 +1,5 @@
 """Command line: `rtserver serve`, `rtserver bench`, `rtserver loadtest`, `rtserver eval`,
-`rtserver fit-heads`.
+`rtserver fit-heads`, `rtserver kb index`.
 
 `serve` and `fit-heads` are the server's own. The measuring tools (the rtbench package) add the
 others through the entry-point group `rtserver.commands`; nothing here imports them.
@@ -20,7 +20,7 @@ from .config import DTYPES, ConfigError, Settings, load_settings
 if TYPE_CHECKING:
     from .engine.model import LoadedModel
 
-COMMANDS = ("serve", "bench", "loadtest", "eval", "fit-heads")
+COMMANDS = ("serve", "bench", "loadtest", "eval", "fit-heads", "kb index")
 DESCRIPTION = "Command line: " + ", ".join(f"`rtserver {c}`" for c in COMMANDS) + "."
 COMMAND_GROUP = "rtserver.commands"
 # The commands this project's pyproject declares in the group: one missing means a stale install.
@@ -91,6 +91,40 @@ def cmd_fit_heads(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kb_index(args: argparse.Namespace) -> int:
+    """Rebuild the knowledge folder's index whole, where the server reads it."""
+    from .tasks.kb_index import build, index_path
+    from .tasks.knowledge import KnowledgeError
+
+    settings = settings_or_exit(args)
+    kb = settings.knowledge
+    folder = args.folder or kb.folder
+    path = index_path(settings.model.cache_dir, folder)
+    try:
+        n = build(
+            folder,
+            path,
+            kb.chunk_chars,
+            kb.base_url,
+            (kb.max_articles, kb.max_article_bytes, kb.max_total_mb),
+        )
+    except (KnowledgeError, OSError) as exc:
+        print(f"rtserver kb index: {exc}", file=sys.stderr)
+        return 1
+    print(f"{n} articles of {folder} indexed in {path}")
+    return 0
+
+
+def _add_kb(sub: Subcommands, common: argparse.ArgumentParser) -> None:
+    kb = sub.add_parser("kb", help="the knowledge folder the chat answers from", parents=[common])
+    kb_sub = kb.add_subparsers(dest="kb_command", required=True)
+    index = kb_sub.add_parser(
+        "index", help="rebuild the folder's index (servers also re-index by themselves)", parents=[common]
+    )
+    index.add_argument("--folder", help="the articles' folder (default: knowledge.folder)")
+    index.set_defaults(func=cmd_kb_index)
+
+
 def _add_serve(sub: Subcommands, common: argparse.ArgumentParser) -> None:
     serve = sub.add_parser("serve", help="run the server", parents=[common])
     serve.add_argument("--host")
@@ -153,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub, common)
     _add_tool_commands(sub, common)
     _add_fit_heads(sub, common)
+    _add_kb(sub, common)
     return parser
 
 

@@ -185,6 +185,23 @@ class ChatSettings:
 
 
 @dataclass
+class KnowledgeSettings:
+    """The articles the chat answers from, with citations (`rtserver.tasks.knowledge`)."""
+
+    enabled: bool = _setting(True)
+    folder: str = _setting("docs")
+    top_k: int = _setting(3, min=1, max=8)
+    chunk_chars: int = _setting(700, min=100, max=20_000)
+    source_tokens: int = _setting(240, min=16, max=4096)
+    min_score: float = _setting(0.0, min=0.0, max=1000.0)
+    max_articles: int = _setting(20_000, min=1, max=1_000_000)
+    max_article_bytes: int = _setting(1 << 20, min=1024, max=1 << 30)
+    max_total_mb: int = _setting(256, min=1, max=1_000_000)
+    poll_s: float = _setting(5.0, min=0.0, max=86400.0)
+    base_url: str = _setting("")
+
+
+@dataclass
 class ClusterSettings:
     """Many nodes as one through Redis; an empty `redis_url` keeps everything in this process."""
 
@@ -245,6 +262,7 @@ class Settings:
     security: SecuritySettings = field(default_factory=SecuritySettings)
     tasks: TaskSettings = field(default_factory=TaskSettings)
     chat: ChatSettings = field(default_factory=ChatSettings)
+    knowledge: KnowledgeSettings = field(default_factory=KnowledgeSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     handoff: HandoffSettings = field(default_factory=HandoffSettings)
     actions: ActionSettings = field(default_factory=ActionSettings)
@@ -353,7 +371,14 @@ def settings_from_mapping(data: Mapping[str, object], env: Mapping[str, str] | N
     _check_backends(settings)
     _check_cluster(settings)
     _check_handoff(settings.handoff)
+    _check_knowledge(settings)
     return settings
+
+
+def _check_knowledge(settings: Settings) -> None:
+    base = settings.knowledge.base_url
+    if base and not base.startswith(("http://", "https://")):
+        raise ConfigError(f"knowledge.base_url: {base!r} is not an http:// or https:// URL")
 
 
 def _check_cluster(settings: Settings) -> None:

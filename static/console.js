@@ -530,6 +530,7 @@ function renderMessage(m) {
     if (m.to_agent) li.append(el("span", { class: "tag tag-routed", text: "to agent" }));
   }
   if (m.finish_reason === "cancelled") li.append(el("span", { class: "tag", text: "stopped by customer" }));
+  if (Array.isArray(m.sources) && m.sources.length) li.append(renderSources(m.sources));
   const tr = m.role === "user" && assist.translateOn.has(state.selected) ?
     slot(state.selected).translations.get(m.seq) : null;
   if (tr) {
@@ -537,6 +538,20 @@ function renderMessage(m) {
       text: tr.text ? tr.text : tr.error ? `(not translated: ${tr.error})` : "translating…" }));
   }
   return li;
+}
+
+// The articles a knowledge reply cited: a link each where its URL is http(s), else its title as text.
+function renderSources(sources) {
+  const box = el("span", { class: "sources" }, "Sources: ");
+  sources.forEach((s, i) => {
+    const label = `[${Number(s.n)}] ${String(s.title || s.id || "article")}`;
+    let url = null;
+    try { url = /^https?:$/.test(new URL(String(s.url)).protocol) ? String(s.url) : null; } catch (e) { url = null; }
+    if (i) box.append(" · ");
+    box.append(url ? el("a", { href: url, target: "_blank", rel: "noopener noreferrer", text: label }) :
+      el("span", { title: String(s.id || ""), text: label }));
+  });
+  return box;
 }
 
 function updateStreaming(conv) {

@@ -180,6 +180,25 @@
     return { li, body };
   }
 
+  // A knowledge reply's citations: its "Sources: [n]" ending becomes a list of the articles, each a link
+  // when its URL is http(s); titles are text, never markup.
+  function showSources(c, sources) {
+    c.body.textContent = c.body.textContent.replace(/\s*Sources: \[\d+\](?:, \[\d+\])*$/, "");
+    if (!sources.length) return;
+    const list = el("ol", { class: "rt-sources", "aria-label": "Sources" });
+    for (const s of sources) {
+      if (!s || typeof s !== "object") continue;
+      const label = "[" + Number(s.n) + "] " + String(s.title || s.id || "article");
+      const url = typeof s.url === "string" ? s.url : "";
+      let safe = null;
+      try { safe = /^https?:$/.test(new URL(url).protocol) ? url : null; } catch (e) { safe = null; }
+      const item = safe ? el("a", { href: safe, target: "_blank", rel: "noopener noreferrer", text: label }) :
+        el("span", { text: label });
+      list.append(el("li", {}, item));
+    }
+    c.li.append(el("span", { class: "rt-sources-label", text: "Sources" }), list);
+  }
+
   function setBusy(busy) {
     stopBtn.hidden = !busy;
     sendBtn.hidden = busy;
@@ -376,6 +395,7 @@
         if (!current || msg.id !== current.id) return;
         endThinking(current);
         current.body.textContent = msg.text.trim();
+        if (Array.isArray(msg.sources)) showSources(current, msg.sources);
         finishCurrent(msg.finish_reason === "cancelled" ? "(stopped)" : null);
         break;
       }

@@ -47,6 +47,8 @@ def make_settings(**sections: dict) -> Settings:
     s.security.api_queue_s = 600.0
     s.server.max_connections_per_ip = 0
     s.security.api_enabled = True  # off by default; the tests drive it from 127.0.0.1
+    # the plain chat: knowledge (on by default, over docs/) changes every reply; its own tests turn it on
+    s.knowledge.enabled = False
     for section, values in sections.items():
         for key, value in values.items():
             setattr(getattr(s, section), key, value)

@@ -16,7 +16,9 @@ from jinja2.exceptions import TemplateError
 
 from ..config import ChatSettings
 from ..engine.backend import Tokenizer
+from .citations import Retrieved, retrieved
 from .declare import Task, TaskError
+from .kb_index import KnowledgeBase
 
 Message = dict[str, str]  # {"role", "content"}: one chat message as the template renders it
 CHAT = "chat"  # the chat's name where tasks are listed (`/v1/tasks`, the `ready` event)
@@ -69,6 +71,7 @@ class ChatTurn:
     rendered: str  # the window rendered by the chat template
     prompt_ids: list[int]  # its token ids, the last turn's own ids kept (`encode_chat`)
     public_tokens: int  # leading ids the server wrote (template header, system prompt): shareable
+    sources: Retrieved | None = None  # with knowledge on: the articles the prompt gives, numbered
 
 
 def window(
@@ -217,9 +220,46 @@ def chat_task(settings: ChatSettings) -> Task:
 class ChatTask:
     """The chat task bound to a tokenizer. It prepares turns and renders a session's history window."""
 
-    def __init__(self, task: Task, tokenizer: Tokenizer):
+    def __init__(self, task: Task, tokenizer: Tokenizer, knowledge: KnowledgeBase | None = None):
         self.task = task
         self.tokenizer = tokenizer
+        self.knowledge = knowledge  # the articles session turns answer from, with citations
+
+    # -- knowledge --------------------------------------------------------------------------------
+    def retrieve(self, history: list[Message], text: str) -> Retrieved | None:
+        """The sources for a customer message, found with the customer's message before it. None when
+        knowledge is off.
+        """
+        kb = self.knowledge
+        if kb is None or kb.index is None:
+            return None
+        before = next((m["content"] for m in reversed(history) if m["role"] == "user"), "")
+        budget = kb.settings.source_tokens
+        return retrieved(kb.search(f"{text}\n{before}"), budget, self._cut)
+
+    def kept_turn(self, turn: ChatTurn) -> LastTurn | None:
+        """What a knowledge turn's prompt keeps for the next one: its ids up to its message's header. The
+        sources block leaves the next prompt; the turns before it keep their own ids, untokenized again.
+        """
+        if turn.sources is None:
+            return None
+        shown = [*turn.history[:-1], {"role": "user", "content": turn.sources.with_message(turn.text)}]
+        try:
+            tail = template_segments(self.tokenizer, self._messages(shown)[0])[-3:]
+        except TaskError:
+            return None
+        text = "".join(t for t, _ in tail)
+        n = len(_encode(self.tokenizer, tail))
+        if not turn.rendered.endswith(text) or n >= len(turn.prompt_ids):
+            return None
+        return LastTurn(turn.rendered[: -len(text)], turn.prompt_ids[:-n])
+
+    def _cut(self, text: str, tokens: int) -> str:
+        """The text's first `tokens` tokens, as text."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        if len(ids) <= tokens:
+            return text
+        return self.tokenizer.decode(ids[:tokens], skip_special_tokens=True).rstrip("\ufffd") + "…"
 
     # -- a new user message -----------------------------------------------------------------------
     def clean_message(self, text: object) -> str:
@@ -233,17 +273,26 @@ class ChatTask:
             return cleaned
         return self.tokenizer.decode(ids[-limit:], skip_special_tokens=True).lstrip("\ufffd").strip()
 
-    def prepare_turn(self, history: list[Message], text: object, last: LastTurn | None = None) -> ChatTurn:
+    def prepare_turn(
+        self, history: list[Message], text: object, last: LastTurn | None = None, knowledge: bool = False
+    ) -> ChatTurn:
         """The cleaned message, the history window (ending with it) and its prompt. The prompt continues
-        `last` (the session's last turn) where the window still starts with it.
+        `last` (the session's last turn) where the window still starts with it. With `knowledge` the prompt
+        gives the message's sources before it; the history keeps the message alone.
         """
         text = self.clean_message(text)
+        sources = self.retrieve(history, text) if knowledge else None
         prompts: dict[int, ChatPrompt] = {}  # window size -> its prompt, as counted
+
+        def shown(candidate: list[Message]) -> list[Message]:
+            if sources is None:
+                return candidate
+            return [*candidate[:-1], {"role": "user", "content": sources.with_message(text)}]
 
         def count(candidate: list[Message]) -> int:
             # the window is measured in the tokens it is sent as; with the last turn's ids kept, only
             # the new text is tokenized, not the whole history again
-            prompts[len(candidate)] = self.encode(candidate, last)
+            prompts[len(candidate)] = self.encode(shown(candidate), last)
             return len(prompts[len(candidate)].ids)
 
         window_, cut = window(
@@ -252,8 +301,8 @@ class ChatTask:
             self.task.max_history_tokens,
             count,
         )
-        p = prompts.get(len(window_)) or self.encode(window_, last)
-        return ChatTurn(text, window_, cut, p.rendered, p.ids, p.public_tokens)
+        p = prompts.get(len(window_)) or self.encode(shown(window_), last)
+        return ChatTurn(text, window_, cut, p.rendered, p.ids, p.public_tokens, sources)
 
     # -- rendering --------------------------------------------------------------------------------
     def _messages(self, history: list[Message], system: bool = True) -> tuple[list[Message], int]:

@@ -5,6 +5,7 @@ reported, never fatal. Start-up goes on without it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -24,6 +25,7 @@ from .chat import CHAT, ChatTask, Conversation, chat_task
 from .declare import Task, TaskError, TaskOutput
 from .fitting import FULL, Pace
 from .head import store_fitted, stored_path
+from .kb_index import KnowledgeBase
 from .run import Deltas, PromptTask, no_deltas
 
 log = logging.getLogger("rtserver.tasks")
@@ -260,6 +262,29 @@ class TaskRegistry:
                 errors.append(PluginError(f"task {name}", f"learned head: {exc}"))
                 self._drop(name)
         return errors
+
+    async def prepare_knowledge(self, backend_for: Callable[[str], tuple[str, InferenceBackend]]) -> None:
+        """Index the chat's articles and compile its citation grammars. Knowledge is turned off, with an
+        error logged, where the chat's backend cannot constrain output. A folder that fails to index leaves
+        the chat answering without sources until it indexes.
+        """
+        from . import citations
+
+        kb = self.chat.knowledge
+        if kb is None:
+            return
+        backend = backend_for(CHAT)[1]
+        if not isinstance(backend, StructuredOutput):
+            log.error(
+                "knowledge: off: the chat's backend cannot constrain output (only the local engine can)"
+            )
+            self.chat.knowledge = None
+            return
+        await asyncio.to_thread(kb.load)
+        for n in range(kb.settings.top_k + 1):
+            await backend.prepare_output(citations.answer_format(n), pin=True)
+            if n:
+                await backend.prepare_output(citations.ending_format(n), pin=True)
 
     async def prepare_outputs(
         self, backend_for: Callable[[str], tuple[str, InferenceBackend]]
@@ -531,6 +556,11 @@ def _load_action(
 def _load_chat(settings: Settings, tokenizer: Tokenizer) -> ChatTask:
     """The chat of `[chat]`; ConfigError where its settings cannot be used."""
     try:
-        return ChatTask(chat_task(settings.chat), tokenizer)
+        knowledge = (
+            KnowledgeBase(settings.knowledge, settings.model.cache_dir)
+            if settings.knowledge.enabled
+            else None
+        )
+        return ChatTask(chat_task(settings.chat), tokenizer, knowledge)
     except ValueError as exc:
         raise ConfigError(f"[chat]: {exc}") from None

@@ -126,8 +126,12 @@ async def _load(
     except Exception as exc:
         _load_failed(state, exc, on_failed)
         return
+    background = []
+    if state.tasks.chat.knowledge is not None:  # the articles re-indexed when they change
+        background.append(state.tasks.chat.knowledge.watch())
     if state.settings.tasks.learned_heads and state.settings.tasks.fit_heads_in_background:
-        await _fit_heads_in_background(state)
+        background.append(_fit_heads_in_background(state))
+    await asyncio.gather(*background)
 
 
 def _freeze_startup_objects() -> None:
@@ -196,6 +200,7 @@ async def _prepare_tasks(state: AppState) -> None:
     settings, registry = state.settings, state.tasks
     state.set_stage("compiling output formats", 0.94)
     state.load_errors += await registry.prepare_outputs(_task_backends(state))
+    await registry.prepare_knowledge(_task_backends(state))
     if settings.tasks.learned_heads:
         state.set_stage("loading task heads", 0.95)
         state.load_errors += await registry.prepare(_task_backends(state), _heads_dir(settings), fit=False)

@@ -14,6 +14,7 @@ from typing_extensions import TypedDict  # pydantic needs this one on Python < 3
 
 from ..engine.backend import FinishReason, SequenceResult, Usage
 from ..tasks import TaskOutput
+from ..tasks.citations import Source
 from .protocol import PROTOCOL_VERSION, ErrorCode
 
 #
@@ -64,6 +65,15 @@ class TokenEvent(TypedDict):
     text: str
 
 
+class CitedSource(TypedDict):
+    """An article a reply cited: its number in the prompt, title, url ("" = none) and id (its path)."""
+
+    n: int
+    title: str
+    url: str
+    id: str
+
+
 class DoneEvent(TypedDict):
     """The chat reply `id` ended: its whole text and parsed output."""
 
@@ -74,6 +84,14 @@ class DoneEvent(TypedDict):
     finish_reason: FinishReason
     usage: UsageCounts
     timing: Timing
+    sources: NotRequired[
+        Annotated[
+            list[CitedSource], Field(description="knowledge on: the articles the reply cited, in order")
+        ]
+    ]
+    unknown: NotRequired[
+        Annotated[bool, Field(description='knowledge on: the reply is the "I don\'t know" sentence')]
+    ]
 
 
 class ResultEvent(TypedDict):
@@ -244,8 +262,15 @@ def timing_json(result: SequenceResult) -> dict[str, object]:
     }
 
 
-def done_event(request_id: str, result: SequenceResult, output: dict[str, object]) -> Event:
-    return {
+def done_event(
+    request_id: str,
+    result: SequenceResult,
+    output: dict[str, object],
+    sources: Sequence[Source] | None = None,
+    unknown: bool = False,
+) -> Event:
+    """`sources`: with knowledge on, the articles cited, and `unknown` with them."""
+    event: Event = {
         "type": "done",
         "id": request_id,
         "text": result.text,
@@ -254,6 +279,10 @@ def done_event(request_id: str, result: SequenceResult, output: dict[str, object
         "usage": usage_json(result.usage),
         "timing": timing_json(result),
     }
+    if sources is not None:
+        event["sources"] = [s.json() for s in sources]
+        event["unknown"] = unknown
+    return event
 
 
 def result_event(request_id: str, out: TaskOutput, auto: bool = False) -> Event:

@@ -438,7 +438,8 @@ class _Sink:
         await self.conn.send(events.token_event(self.req.id, text))
 
     async def done(self, done: TurnResult) -> bool:
-        await self.conn.send(events.done_event(self.req.id, done.result, done.output))
+        cited = done.sources if done.sources or done.unknown else None  # knowledge on: what it cited
+        await self.conn.send(events.done_event(self.req.id, done.result, done.output, cited, done.unknown))
         self.conn.requests.pop(self.req.id, None)
         return not self.conn.stopping.is_set()
 

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..tasks.citations import Source
 from .handoff import TurnSignals
 from .session import Session
 
@@ -75,6 +76,7 @@ class TurnFinished:
     request_id: str
     reply: str | None
     finish_reason: str
+    sources: tuple[Source, ...] = ()  # with knowledge on: the articles the reply cited
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,23 @@ however it ends, what it really used is released.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..engine.backend import FinishReason, Generation, NextTurnPrefetcher, SamplingParams, SequenceResult
-from ..tasks.chat import ChatTask, LastTurn, Message
+from ..engine.backend import (
+    FinishReason,
+    Generation,
+    NextTurnPrefetcher,
+    SamplingParams,
+    SequenceResult,
+    Usage,
+)
+from ..tasks import citations
+from ..tasks.chat import ChatTask, ChatTurn, LastTurn, Message
+from ..tasks.citations import Retrieved, Source
 from . import session_events as se
 from .admission import Admission, Surface
 from .bot_actions import BotActions
@@ -47,6 +57,8 @@ class TurnResult:
 
     result: SequenceResult
     output: dict[str, object]  # the chat's parser's, e.g. {"reply": text}
+    sources: tuple[Source, ...] = ()  # with knowledge on: the articles the reply cited
+    unknown: bool = False  # with knowledge on: the reply took the "I don't know" path (asks for a person)
 
 
 class TurnSink(Protocol):
@@ -177,19 +189,23 @@ class ChatTurns:
         trace.
         """
         session, request_id = turn.session, turn.request_id
-        reply, reason = None, "error"
+        reply, reason, cited = None, "error", citations.Cited((), False)
         try:
             with turn:
                 chat = self.chat
-                prepared = chat.prepare_turn(session.history, text, session.last_turn)
+                prepared = chat.prepare_turn(
+                    session.history, text, session.last_turn, knowledge=chat.knowledge is not None
+                )
                 params = chat.task.sampling(options or None)
 
                 async def held(ids: list[int], p: SamplingParams) -> Generation:  # an action turn's own
                     return await self.start(client, ids, p, session_key=session.id)
 
-                stream = await self.actions.answer(
-                    session, request_id, prepared, client.key, params, held
-                ) or await self.start(
+                acted = await self.actions.answer(session, request_id, prepared, client.key, params, held)
+                found = prepared.sources if acted is None else None  # an action's sentence cites nothing
+                if found is not None:  # the answer, or the "I don't know" sentence alone
+                    params = dataclasses.replace(params, output=citations.answer_format(len(found.sources)))
+                stream = acted or await self.start(
                     client,
                     prepared.prompt_ids,
                     params,
@@ -202,34 +218,95 @@ class ChatTurns:
                 turn.add_message(prepared.history, prepared.cut)
                 self.events.publish(se.TurnStarted(session, request_id, prepared.text))
                 sink.started(prepared.text)
-                async for event in stream:
-                    if event.text:
-                        await sink.token(event.text)
-                        self.events.publish(se.Token(session, request_id, event.text))
-                result = await stream.result()
-                if result.finish_reason is FinishReason.ERROR:
-                    raise GenerationFailed(result)
+                result = await self._streamed(stream, session, request_id, sink)
+                if found is not None and result.finish_reason is not FinishReason.CANCELLED:
+                    result, cited = await self._cite(
+                        client, session, request_id, sink, prepared, found, params, result
+                    )
                 if result.text or result.finish_reason is not FinishReason.CANCELLED:
                     last = chat.finished_turn(
                         prepared.rendered, prepared.prompt_ids, result.text, result.token_ids
                     )
+                    if prepared.sources is not None:  # the turns before keep their ids; the sources go
+                        last = chat.kept_turn(prepared)
                     turn.add_reply(result.text, last)
                     await self.store.save(session, client.name)  # acknowledged only once stored
                     turn.commit()
                 reply, reason = result.text, result.finish_reason.value
-                # the hand-off policy's view of the turn; the bot's "I don't know" comes with the
-                # knowledge base's TurnResult.unknown (wired where that branch is merged)
-                signals = TurnSignals(text=prepared.text, bot_unknown=False)
+                # the hand-off policy's view of the turn (web/handoff.py)
+                signals = TurnSignals(text=prepared.text, bot_unknown=cited.unknown)
                 self.events.publish(se.Signalled(session, request_id, signals))
         except Exception as exc:
             await sink.failed(exc)
             return
         finally:
-            self.events.publish(se.TurnFinished(session, request_id, reply, reason))
+            self.events.publish(se.TurnFinished(session, request_id, reply, reason, cited.sources))
         self.state.metrics.observe_generation("ws_chat", result)
         self.state.metrics.requests.labels("ws", "chat").inc()
-        if await sink.done(TurnResult(result, chat.parse(result.text))):
+        if await sink.done(TurnResult(result, chat.parse(result.text), cited.sources, cited.unknown)):
             self.prefetch(session)
+
+    async def _streamed(
+        self, stream: Generation, session: Session, request_id: str, sink: TurnSink
+    ) -> SequenceResult:
+        """A generation's text told to the sink and the console as it comes; its result."""
+        async for event in stream:
+            if event.text:
+                await sink.token(event.text)
+                self.events.publish(se.Token(session, request_id, event.text))
+        result = await stream.result()
+        if result.finish_reason is FinishReason.ERROR:
+            raise GenerationFailed(result)
+        return result
+
+    async def _cite(
+        self,
+        client: Client,
+        session: Session,
+        request_id: str,
+        sink: TurnSink,
+        prepared: ChatTurn,
+        found: Retrieved,
+        params: SamplingParams,
+        answer: SequenceResult,
+    ) -> tuple[SequenceResult, citations.Cited]:
+        """A knowledge reply's ending: the numbers of the sources it used, held to those given. It continues
+        the answer's own tokens (their KV is the session's). The "I don't know" answer has none.
+        """
+        if citations.is_unknown(answer.text, found.sources):
+            return answer, citations.Cited((), True)
+        special = set(self.chat.tokenizer.all_special_ids)
+        ids = list(answer.token_ids)
+        while ids and ids[-1] in special:
+            ids.pop()
+        n = len(found.sources)
+        ending = dataclasses.replace(
+            params, output=citations.ending_format(n), max_new_tokens=citations.ending_tokens(n), stop=[]
+        )
+        prompt = prepared.prompt_ids + ids
+        stream = await self.start(
+            client, prompt, ending, public_tokens=prepared.public_tokens, session_key=session.id, counted=0
+        )
+        sink.submitted(stream)
+        end = await self._streamed(stream, session, request_id, sink)
+        cited = citations.parse(answer.text, end.text, found.sources)
+        usage = Usage(
+            prompt_tokens=answer.usage.prompt_tokens,
+            cached_tokens=answer.usage.cached_tokens + end.usage.cached_tokens,
+            generated_tokens=answer.usage.generated_tokens + end.usage.generated_tokens,
+            prefilled_tokens=answer.usage.prefilled_tokens + end.usage.prefilled_tokens,
+        )
+        merged = dataclasses.replace(
+            answer,
+            text=answer.text + end.text,
+            token_ids=ids + end.token_ids,
+            finish_reason=end.finish_reason
+            if end.finish_reason is FinishReason.CANCELLED
+            else answer.finish_reason,
+            usage=usage,
+            total_ms=answer.total_ms + end.total_ms,
+        )
+        return merged, cited
 
     async def forward(self, session: Session, request_id: str, text: str, client: Client) -> str:
         """A customer message for the agent who holds the session. It is stored, then published. Returns the

@@ -125,8 +125,8 @@ class ConsoleHub:
                 conversations.user_message(session, request_id, text, to_agent=True)
             case se.Token(session, request_id, text):
                 conversations.bot_token(session, request_id, text)
-            case se.TurnFinished(session, request_id, reply, finish_reason):
-                conversations.bot_done(session, request_id, reply, finish_reason)
+            case se.TurnFinished(session, request_id, reply, finish_reason, sources):
+                conversations.bot_done(session, request_id, reply, finish_reason, sources)
             case se.Tagged(session, request_id, task, output):
                 conversations.auto_result(session, request_id, task, output)
                 self.queue.tagged(session)

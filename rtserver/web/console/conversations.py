@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+from ...tasks.citations import Source
 from ..commands import Holder
 from ..display import clean_text
 from ..handoff import Waiting
@@ -220,8 +221,17 @@ class Conversations:
             piece = clean_text(delta[i : i + step], step, strip=False)
             self.broadcast(agent_events.token(session.id, request_id, piece))
 
-    def bot_done(self, session: Session, request_id: str, text: str | None, finish_reason: str) -> None:
-        """The bot's turn ended: `text` is the reply (None when it failed or left no text)."""
+    def bot_done(
+        self,
+        session: Session,
+        request_id: str,
+        text: str | None,
+        finish_reason: str,
+        sources: tuple[Source, ...] = (),
+    ) -> None:
+        """The bot's turn ended: `text` is the reply (None when it failed or left no text). `sources`: the
+        articles it cited (knowledge on), shown to agents with it.
+        """
         conv = self._by_id.get(session.id)
         if conv is None:
             return
@@ -232,6 +242,8 @@ class Conversations:
             user = None
         if text:
             msg = conv.add({"role": "bot", "id": request_id, "text": text, "finish_reason": finish_reason})
+            if sources:
+                msg["sources"] = [s.json() for s in sources]
             self.message_event(conv, msg, save=False)
             self._store_turn(conv, user)
             return

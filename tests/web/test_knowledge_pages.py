@@ -1,6 +1,6 @@
 """The widget's citations in chromium, on the embedded model: each cited article is listed, a link only for
 an http(s) URL, its title as text; a hostile title or URL neither runs nor links. A screenshot of the widget
-with citations goes to artifacts/widget-citations.png."""
+with citations goes to artifacts/widget-citations.png (docs/img, the README's, with RT_README_SHOTS=1)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from rtserver.web.app import create_app
 
 from ..serverutil import make_settings, serve
-from .test_pages import browser, new_page, open_widget, send, shot  # noqa: F401 (browser: a fixture)
+from .test_handoff_pages import readme_shot
+from .test_pages import browser, new_page, open_widget, send  # noqa: F401 (browser: a fixture)
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
@@ -51,7 +52,7 @@ async def test_the_widget_lists_cited_articles_as_safe_links(smol, browser, tmp_
         assert all(h.startswith("https://shop.example/help/") for h in hrefs), hrefs
         body = await page.locator(".rt-bot .rt-body").last.inner_text()
         assert "Sources:" not in body  # the ending became the list
-        await page.screenshot(path=shot("widget-citations.png"))
+        await page.screenshot(path=readme_shot("widget-citations.png"))
         # the hostile article, when cited, is its title as text and no link
         if any("Refund tricks" in t for t in texts):
             assert any("<img" in t for t in texts)

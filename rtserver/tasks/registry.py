@@ -489,17 +489,8 @@ def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistr
         if task.name in disabled or (enabled and task.name not in enabled):
             continue
         tasks[task.name] = PromptTask(task, tokenizer)
-    for name in overrides:
-        if name == CHAT:
-            errors.append(PluginError("config.toml", f"[task.{name}]: the chat's settings are [chat]"))
-        elif name not in seen:
-            errors.append(PluginError("config.toml", f"[task.{name}]: no such task"))
     auto = [n for n in settings.tasks.auto_tasks if n in tasks]
-    for n in settings.tasks.auto_tasks:
-        if n not in auto:
-            errors.append(
-                PluginError("config.toml", f"tasks.auto_tasks: {n!r} is not an enabled stateless task")
-            )
+    errors += _config_errors(overrides, seen, settings.tasks.auto_tasks, auto)
     for err in errors:
         log.error("plugin problem: %s", err)
     placements = {
@@ -508,6 +499,23 @@ def load_registry(settings: Settings, tokenizer: Tokenizer) -> tuple[TaskRegistr
         if name in tasks and isinstance(table, dict) and PLACEMENT_KEY in table
     }
     return TaskRegistry(tasks, auto, placements, chat, actions), errors
+
+
+def _config_errors(
+    overrides: dict[str, Any], seen: set[str], wanted: list[str], auto: list[str]
+) -> list[PluginError]:
+    """config.toml's task tables and auto-tasks that name no loaded task."""
+    errors = []
+    for name in overrides:
+        if name == CHAT:
+            errors.append(PluginError("config.toml", f"[task.{name}]: the chat's settings are [chat]"))
+        elif name not in seen:
+            errors.append(PluginError("config.toml", f"[task.{name}]: no such task"))
+    for n in wanted:
+        if n not in auto:
+            why = f"tasks.auto_tasks: {n!r} is not an enabled stateless task"
+            errors.append(PluginError("config.toml", why))
+    return errors
 
 
 def _declares_action(obj: object) -> bool:

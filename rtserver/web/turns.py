@@ -196,24 +196,7 @@ class ChatTurns:
                 prepared = chat.prepare_turn(
                     session.history, text, session.last_turn, knowledge=chat.knowledge is not None
                 )
-                params = chat.task.sampling(options or None)
-
-                async def held(ids: list[int], p: SamplingParams) -> Generation:  # an action turn's own
-                    return await self.start(client, ids, p, session_key=session.id)
-
-                acted = await self.actions.answer(session, request_id, prepared, client.key, params, held)
-                found = prepared.sources if acted is None else None  # an action's sentence cites nothing
-                if found is not None:  # the answer, or the "I don't know" sentence alone
-                    params = dataclasses.replace(params, output=citations.answer_format(len(found.sources)))
-                stream = acted or await self.start(
-                    client,
-                    prepared.prompt_ids,
-                    params,
-                    public_tokens=prepared.public_tokens,
-                    session_key=session.id,
-                    # the client's rate pays only what is computed anew
-                    counted=len(prepared.prompt_ids) - kept_prefix(prepared.prompt_ids, session.last_turn),
-                )
+                stream, found, params = await self._generate(turn, prepared, options, client)
                 sink.submitted(stream)
                 turn.add_message(prepared.history, prepared.cut)
                 self.events.publish(se.TurnStarted(session, request_id, prepared.text))
@@ -245,6 +228,35 @@ class ChatTurns:
         self.state.metrics.requests.labels("ws", "chat").inc()
         if await sink.done(TurnResult(result, chat.parse(result.text), cited.sources, cited.unknown)):
             self.prefetch(session)
+
+    async def _generate(
+        self, turn: SessionTurn, prepared: ChatTurn, options: dict[str, object] | None, client: Client
+    ) -> tuple[Generation, Retrieved | None, SamplingParams]:
+        """The turn's generation: an action's reply where one fires, else the model's. With the sources
+        it answers from (None: nothing to cite) and its sampling.
+        """
+        session = turn.session
+        params = self.chat.task.sampling(options or None)
+
+        async def held(ids: list[int], p: SamplingParams) -> Generation:  # an action turn's own
+            return await self.start(client, ids, p, session_key=session.id)
+
+        acted = await self.actions.answer(session, turn.request_id, prepared, client.key, params, held)
+        if acted is not None:  # an action's sentence cites nothing
+            return acted, None, params
+        found = prepared.sources
+        if found is not None:  # the answer, or the "I don't know" sentence alone
+            params = dataclasses.replace(params, output=citations.answer_format(len(found.sources)))
+        stream = await self.start(
+            client,
+            prepared.prompt_ids,
+            params,
+            public_tokens=prepared.public_tokens,
+            session_key=session.id,
+            # the client's rate pays only what is computed anew
+            counted=len(prepared.prompt_ids) - kept_prefix(prepared.prompt_ids, session.last_turn),
+        )
+        return stream, found, params
 
     async def _streamed(
         self, stream: Generation, session: Session, request_id: str, sink: TurnSink

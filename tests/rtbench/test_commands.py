@@ -34,7 +34,7 @@ def test_the_declared_commands_parse_as_before(monkeypatch):
     assert (args.config, args.quick, args.nodes, args.idle) == ("a.toml", True, 2, 1000)
     args = cli.build_parser().parse_args(["eval", "--split", "dev", "--task", "intent"])
     assert (args.split, args.task) == ("dev", ["intent"])
-    assert "{serve,bench,loadtest,eval,fit-heads}" in cli.build_parser().format_help()  # the order as before
+    assert "{serve,bench,loadtest,eval,fit-heads,kb}" in cli.build_parser().format_help()  # kb is new
 
 
 def test_a_missing_entry_point_says_why_and_how_to_reinstall(monkeypatch, capsys):

@@ -199,6 +199,7 @@ class KnowledgeSettings:
     max_total_mb: int = _setting(256, min=1, max=1_000_000)
     poll_s: float = _setting(5.0, min=0.0, max=86400.0)
     base_url: str = _setting("")
+    warm_sources: int = _setting(1000, min=0, max=100_000)
 
 
 @dataclass

@@ -245,7 +245,15 @@ class ScriptedEngine:
         fmt.check()
 
     def generate(
-        self, prompt_ids, params, *, session_key=None, public_tokens=0, prefix_scope=None, fork_session=None
+        self,
+        prompt_ids,
+        params,
+        *,
+        session_key=None,
+        public_tokens=0,
+        prefix_scope=None,
+        fork_session=None,
+        inserted=None,
     ) -> GenerationStream:
         params.validate()
         self.prompts.append(list(prompt_ids))

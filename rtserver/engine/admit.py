@@ -196,6 +196,9 @@ class Admitter:
         q.waiting.remove(seq)
         seq.num_computed = reused
         seq.kv.token_ids = ids[:reused]
+        block = seq.inserted
+        if block is not None and block[0] >= reused and block not in seq.kv.inserted:
+            seq.kv.inserted.append(block)  # the next turn may leave it out (KVCacheManager._from_session)
         if resumed:
             seq.resume_key = None
         else:
@@ -239,7 +242,7 @@ class StepJoins:
             for seq in sorted(q.waiting, key=lambda s: s.priority):
                 if seq.candidates is not None or seq.kv is not None or seq.resume_key is not None:
                     continue  # scoring calls have places of their own, paused ones resume next step
-                if seq.cancelled or seq.features_from is not None or places <= 0:
+                if seq.cancelled or seq.features_from is not None or seq.splices or places <= 0:
                     break
                 customer = seq.priority == Priority.CUSTOMER
                 if customer and blocked:

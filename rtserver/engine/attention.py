@@ -112,13 +112,13 @@ def prefill_groups(items: list[StepItem]) -> list[list[int]]:
     """
     order = sorted(
         (i for i, it in enumerate(items) if len(it.tokens) > 1),
-        key=lambda i: (items[i].start + len(items[i].tokens), len(items[i].tokens)),
+        key=lambda i: (items[i].end, len(items[i].tokens)),
     )
     groups: list[list[int]] = []
     group: list[int] = []
     useful = n_max = ctx_max = 0
     for i in order:
-        n, ctx = len(items[i].tokens), items[i].start + len(items[i].tokens)
+        n, ctx = len(items[i].tokens), items[i].end
         new_n, new_ctx = max(n_max, n), max(ctx_max, ctx)
         if group and (len(group) + 1) * new_n * new_ctx > 2 * (useful + n * ctx) + 4096:
             groups.append(group)
@@ -164,7 +164,7 @@ class PagedAttention:
         back or more, as a sliding-window layer does.
         """
         n = max(len(items[i].tokens) for i in group)
-        ctx = max(items[i].start + len(items[i].tokens) for i in group)
+        ctx = max(items[i].end for i in group)
         B = len(group)
         q_index = torch.empty(B, n, dtype=torch.long)
         ctx_index = torch.zeros(B, ctx, dtype=torch.long)
@@ -172,11 +172,11 @@ class PagedAttention:
         src, dst = [], []
         for b, i in enumerate(group):
             it = items[i]
-            m, end = len(it.tokens), it.start + len(it.tokens)
+            m, end = len(it.tokens), it.end
             rows = torch.arange(row_offsets[i], row_offsets[i] + m)
             q_index[b, :m] = rows
             q_index[b, m:] = row_offsets[i]
-            q_pos[b, :m] = torch.arange(it.start, end)
+            q_pos[b, :m] = torch.tensor(it.position_list())
             ctx_index[b, :end] = it.kv.slots[:end]
             src.append(torch.arange(b * n, b * n + m))
             dst.append(rows)
@@ -260,7 +260,7 @@ class KernelAttention(PagedAttention):
         prompts = [i for i, it in enumerate(items) if len(it.tokens) > 1]
         if not prompts:
             return NO_ROWS
-        ends = [items[i].start + len(items[i].tokens) for i in prompts]
+        ends = [items[i].end for i in prompts]
         table = torch.zeros(len(prompts), max(ends), dtype=torch.long)
         rows, item, position = [], [], []
         for b, (i, end) in enumerate(zip(prompts, ends)):
@@ -268,7 +268,7 @@ class KernelAttention(PagedAttention):
             table[b, :end] = it.kv.slots[:end]
             rows.append(torch.arange(row_offsets[i], row_offsets[i] + len(it.tokens)))
             item.append(torch.full((len(it.tokens),), b, dtype=torch.long))
-            position.append(torch.arange(it.start, end))
+            position.append(torch.tensor(it.position_list()))
         return RowContexts(torch.cat(rows), table, torch.cat(item), torch.cat(position), window)
 
     def __call__(

@@ -143,6 +143,32 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class Inserted:
+    """A block of server-written text a prompt holds for one turn only (a knowledge turn's sources):
+    positions [start, end). The session's next turn may leave it out and keep the KV after it, moved back.
+
+    Each of its `segments` ([start, end) ranges in it) is computed once, as if it followed the prompt's
+    public tokens directly, then copied into every prompt that holds it (block attention). Tokens between
+    segments see everything before them. A backend without KV of its own ignores all of it.
+    """
+
+    start: int
+    end: int
+    segments: tuple[tuple[int, int], ...] = ()
+
+    def problem(self, prompt_tokens: int, public_tokens: int) -> str | None:
+        """Why it does not fit a prompt, or None."""
+        if not public_tokens <= self.start <= self.end < prompt_tokens:
+            return f"inserted block {self.start}..{self.end}: not between the public tokens and the end"
+        at = self.start
+        for s, e in self.segments:
+            if not at <= s < e <= self.end:
+                return f"segment {s}..{e} is not inside the block, in order"
+            at = e
+        return None
+
+
 class FinishReason(str, enum.Enum):
     LENGTH = "length"
     EOS = "stop"
@@ -272,12 +298,13 @@ class InferenceBackend(Protocol):
         public_tokens: int = 0,
         prefix_scope: int | None = None,
         fork_session: Hashable | None = None,
+        inserted: Inserted | None = None,
     ) -> Generation:
         """Queue a generation. `session_key` keeps the prompt's KV for that session's next turn.
         `prefix_scope` is a random number per call, shared by one call's samples. Generations given one
         scope may share their whole prompt's KV with each other, and with nothing else. `fork_session` is a
         session this prompt is about (an agent's assist call on that conversation). The prompt may start
-        from that session's KV, which the session keeps.
+        from that session's KV, which the session keeps. `inserted`: see `Inserted`.
         """
         ...
 

@@ -23,6 +23,7 @@ from .backend import (
     BackendHealth,
     BackendStats,
     FinishReason,
+    Inserted,
     OutputFormat,
     Priority,
     PriorityStats,
@@ -33,7 +34,7 @@ from .backend import (
 from .detokenizer import Detokenizer
 from .gguf_file import GGUFFile
 from .grammar import Grammars
-from .kv import KVCacheManager
+from .kv import KVCacheManager, SegmentKey
 from .kv_memory import resolve_kv_memory
 from .linear import BlockLinear, Linear
 from .model import LoadedModel
@@ -41,7 +42,7 @@ from .openmp import release_pool
 from .quant import probe_panel_rows
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepEvent
-from .sequence import Sequence
+from .sequence import Sequence, Splice
 from .step import StepRunner
 
 log = logging.getLogger("rtserver.engine")
@@ -142,6 +143,19 @@ class GenerationStream:
         self._engine.scheduler.cancel(self.seq)
 
 
+class _NoSink:
+    """Where a segment's sequence tells its token and end: nobody listens."""
+
+    def token(self, token_id: int, last: bool) -> None:
+        pass
+
+    def end(self, result: SequenceResult) -> None:
+        pass
+
+
+_NO_SINK = _NoSink()
+
+
 class _ScoreSink:
     """A scoring sequence's end, as a future; it samples no tokens."""
 
@@ -217,6 +231,7 @@ class Engine:
             blocks=loaded.blocks,
             kernel=loaded.kernel,
         )
+        self.kv.shift_keys = self.runner.shift_keys  # KV may move: segments, blocks left out
         # What each linear computes with, and why (shown in /health).
         self.kernels: dict[str, object] = {"weights": loaded.dtype_name}
         if loaded.gguf_blocks is not None:
@@ -236,6 +251,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[int, OutputSink] = {}
+        self._producers: dict[SegmentKey, Sequence] = {}  # segments' sequences, while they may run
         self._thread: threading.Thread | None = None
 
     def _use_gguf_blocks(self, loaded: LoadedModel) -> dict[str, object]:
@@ -343,15 +359,19 @@ class Engine:
         public_tokens: int = 0,
         prefix_scope: int | None = None,
         fork_session: Hashable | None = None,
+        inserted: Inserted | None = None,
     ) -> GenerationStream:
         """Queue a generation. Raises SamplingError, OutputFormatError, RequestTooLarge or Overloaded at
         once. Only the first `public_tokens` prompt tokens are shared with other sessions (see
         `InferenceBackend`). An output format not yet compiled is compiled here (see prepare_output).
         Generations of one `prefix_scope` share their whole prompt's KV with each other alone. One given
-        `fork_session` may start from that session's KV (see `InferenceBackend`).
+        `fork_session` may start from that session's KV (see `InferenceBackend`). `inserted`: see
+        `Inserted`.
         """
         params.validate(len(self.tokenizer))
         _check_token_ids(prompt_ids, self.runner.vocab_size, "prompt_ids")
+        if inserted is not None and (why := inserted.problem(len(prompt_ids), public_tokens)) is not None:
+            raise ValueError(why)
         seq = Sequence(
             prompt_ids,
             params,
@@ -362,6 +382,9 @@ class Engine:
             fork_session=fork_session,
         )
         seq.constraint = self.grammars.constraint(params.output, seq.eos_token_ids, params.max_new_tokens)
+        if inserted is not None:
+            seq.inserted = (inserted.start, inserted.end)
+            self._splice_segments(seq, inserted.segments, params.priority)
         stream = GenerationStream(self, seq)
         self._streams[seq.id] = stream
         try:
@@ -370,6 +393,36 @@ class Engine:
             del self._streams[seq.id]
             raise
         return stream
+
+    def _splice_segments(
+        self, seq: Sequence, segments: tuple[tuple[int, int], ...], priority: Priority
+    ) -> None:
+        """Each segment's KV comes from an entry of its own: the public tokens, then the segment. One not
+        cached yet is computed first, by a sequence of its own that leaves its KV as that entry. Where that
+        cannot be queued, the segment is computed in place.
+        """
+        public = seq.prompt_ids[: seq.public_tokens]
+        self._producers = {k: p for k, p in self._producers.items() if not p.is_finished}
+        for s, e in segments:
+            ids = seq.prompt_ids[s:e]
+            key = SegmentKey(hash((tuple(public), tuple(ids))))
+            producer = self._producers.get(key)
+            if producer is None and not self.kv.holds(key):
+                producer = Sequence(
+                    public + ids,
+                    SamplingParams(max_new_tokens=1, priority=priority),
+                    eos_token_ids=set(),
+                    session_key=key,
+                    public_tokens=len(public),
+                )
+                self._streams[producer.id] = _NO_SINK
+                try:
+                    self.scheduler.submit(producer)
+                except Exception:
+                    del self._streams[producer.id]
+                    continue
+                self._producers[key] = producer
+            seq.splices[s] = Splice(e, key, len(public), producer)
 
     async def prepare_output(self, fmt: OutputFormat, *, pin: bool = False) -> None:
         """Compile `fmt` on a worker thread (see backend.StructuredOutput)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +29,9 @@ class KVHandle:
     slot_table: torch.Tensor | None = None  # slot of each position, length = len(blocks) * block_tokens
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
     owner: Hashable | None = None  # the session whose running sequence holds it (see `fork`)
+    # Blocks of text held for one turn only (a knowledge turn's sources): the next turn may leave one out
+    # and keep the KV after it, moved back (`_from_session`).
+    inserted: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +58,19 @@ class KVStats:
     prefix_hits: int  # prompt tokens served from the prefix cache
     session_hits: int
     fork_hits: int  # prompt tokens served from another sequence's KV of the same conversation
+    moved_hits: int = 0  # prompt tokens served from a session's KV moved back past a left-out block
+    spliced_hits: int = 0  # prompt tokens served from segments' own KV
+
+
+@dataclass(frozen=True)
+class SegmentKey:
+    """Where a segment's own KV is kept: a prompt's public prefix and the segment's ids, hashed."""
+
+    digest: int
+
+
+# Rotates K rows [layers, n, kv heads, row] of the pool by a number of positions (RoPE composes).
+ShiftKeys = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 class OutOfKVMemory(Exception):
@@ -111,6 +127,9 @@ class KVCacheManager:
         self.prefix_hits = 0
         self.session_hits = 0
         self.fork_hits = 0
+        self.moved_tokens = 0  # prompt tokens served from a session's KV moved back past a left-out block
+        self.spliced_tokens = 0  # prompt tokens served from segments' own KV
+        self.shift_keys: ShiftKeys | None = None  # the runner's; without it nothing is moved
         self.lock = threading.RLock()
 
     # -- blocks ---------------------------------------------------------------------------------
@@ -149,7 +168,8 @@ class KVCacheManager:
                 self._forget_prefix(victim)
             elif self.sessions:
                 key, handle = self.sessions.popitem(last=False)
-                self.evicted_sessions[key] = None
+                if not isinstance(key, SegmentKey):  # a segment is no session: its loss is no rebuild
+                    self.evicted_sessions[key] = None
                 if len(self.evicted_sessions) > self.total_blocks:
                     self.evicted_sessions.popitem(last=False)
                 self._drop_blocks(handle.blocks)
@@ -340,13 +360,88 @@ class KVCacheManager:
                 self.rebuilds += 1
             return None
         reused = min(_common_prefix(cached.token_ids, prompt_ids), len(prompt_ids) - 1)
+        if self.shift_keys is not None:  # a prompt that leaves a block part-way leaves all of it
+            reused = next((s for s, e in cached.inserted if s < reused < e), reused)
+        runs = self._runs_after_inserted(cached, prompt_ids, reused)
+        rows = [self._rows(cached.slots[j : j + n], i - j) for j, i, n in runs] if runs else []
         keep = self.blocks_for(reused)
         self._drop_blocks(cached.blocks[keep:])
         cached.blocks = cached.blocks[:keep]
         cached.token_ids = cached.token_ids[:reused]
         cached.block_hashes = cached.block_hashes[: reused // self.block_tokens]
+        cached.inserted = [r for r in cached.inserted if r[1] <= reused]
         self.session_hits += 1
+        if rows:
+            self._move_in(cached, prompt_ids, runs, rows)
         return cached
+
+    def _runs_after_inserted(
+        self, cached: KVHandle, prompt_ids: list[int], at: int
+    ) -> list[tuple[int, int, int]]:
+        """Runs (cached position, prompt position, length) the prompt continues with once it leaves out the
+        cached KV's inserted blocks that start at `at`. Like llama.cpp's context shift, the KV after a left
+        out block is moved back, its keys rotated. Only inserted blocks are left out: elsewhere a different
+        token is a different prompt.
+        """
+        if self.shift_keys is None or not cached.inserted or cached.slot_table is None:
+            return []
+        starts = dict(cached.inserted)
+        runs: list[tuple[int, int, int]] = []
+        i = j = at
+        limit = len(prompt_ids) - 1  # at least one token is left to compute
+        while j in starts and i < limit:
+            j = starts[j]
+            n = _common_prefix(cached.token_ids[j:], prompt_ids[i:limit])
+            if n == 0:
+                break
+            runs.append((j, i, n))
+            i, j = i + n, j + n
+        return runs
+
+    def _rows(self, slots: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K and V rows at `slots`, the keys rotated `shift` positions on."""
+        assert self.shift_keys is not None
+        return self.shift_keys(self.k[:, slots], shift), self.v[:, slots].clone()
+
+    def _move_in(
+        self,
+        handle: KVHandle,
+        prompt_ids: list[int],
+        runs: list[tuple[int, int, int]],
+        rows: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Write moved rows after the handle's tokens. Without room for them the handle stays as it is."""
+        end = runs[-1][1] + runs[-1][2]
+        try:
+            self._own_last_block(handle)
+            self._grow(handle, end)
+        except OutOfKVMemory:
+            return
+        for (_, i, n), (k, v) in zip(runs, rows):
+            self.k[:, handle.slots[i : i + n]] = k
+            self.v[:, handle.slots[i : i + n]] = v
+        handle.token_ids = prompt_ids[:end]
+        self.moved_tokens += end - runs[0][1]
+
+    def holds(self, key: SegmentKey) -> bool:
+        """Whether a segment's own KV is cached."""
+        with self.lock:
+            return key in self.sessions
+
+    def splice(self, handle: KVHandle, at: int, key: SegmentKey, src: int, ids: list[int]) -> bool:
+        """Copy a segment's own KV into `handle` at position `at`. The segment's ids sit at position `src`
+        of the entry `key`. False when that entry is gone (evicted): the caller computes the ids instead.
+        """
+        with self.lock:
+            entry = self.sessions.get(key)
+            if entry is None or entry.token_ids[src : src + len(ids)] != ids or self.shift_keys is None:
+                return False
+            self.sessions.move_to_end(key)
+            k, v = self._rows(entry.slots[src : src + len(ids)], at - src)
+            self.k[:, handle.slots[at : at + len(ids)]] = k
+            self.v[:, handle.slots[at : at + len(ids)]] = v
+            self.spliced_tokens += len(ids)
+            return True
 
     def _from_fork(self, key: Hashable, prompt_ids: list[int]) -> KVHandle | None:
         """What session `key`'s KV holds of the prompt's start, shared (see `_fork`)."""
@@ -396,6 +491,7 @@ class KVCacheManager:
             keep = self.blocks_for(handle.num_tokens)
             self._drop_blocks(handle.blocks[keep:])
             handle.blocks = handle.blocks[:keep]
+            handle.inserted = [r for r in handle.inserted if r[1] <= handle.num_tokens]
             old = self.sessions.pop(session_key, None)
             if old is not None:
                 self._drop_blocks(old.blocks)
@@ -431,4 +527,6 @@ class KVCacheManager:
                 prefix_hits=self.prefix_hits,
                 session_hits=self.session_hits,
                 fork_hits=self.fork_hits,
+                moved_hits=self.moved_tokens,
+                spliced_hits=self.spliced_tokens,
             )

@@ -15,7 +15,7 @@ from .sequence import Sequence
 
 @dataclass
 class StepItem:
-    """Tokens of one sequence computed in this step: positions start..start+len(tokens)-1."""
+    """Tokens of one sequence computed in this step: positions start..start+len(tokens)-1, or `positions`."""
 
     seq: Sequence
     kv: KVHandle  # where this item's context lives
@@ -31,6 +31,16 @@ class StepItem:
     # A label round: teacher-force candidate `label` past the prompt (its log-probabilities, added to its
     # score). Its KV is scratch room reserved at admission, never kept.
     label: int | None = None
+    # Positions with gaps, where spliced KV sits between computed tokens; None = start.. in a row.
+    positions: list[int] | None = None
+
+    @property
+    def end(self) -> int:
+        """One past the item's last position."""
+        return self.positions[-1] + 1 if self.positions else self.start + len(self.tokens)
+
+    def position_list(self) -> list[int]:
+        return self.positions if self.positions is not None else list(range(self.start, self.end))
 
 
 class JoinSource(Protocol):

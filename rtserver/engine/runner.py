@@ -18,7 +18,7 @@ from .attention import NO_ROWS, AttentionPlan, KernelAttention, PagedAttention, 
 from .families import attention_scale, family_of, layer_windows, rope_tables
 from .features import FeatureLayers, Features, FeatureTaps
 from .kv import KVCacheManager
-from .kv_rows import to_pool
+from .kv_rows import from_pool, to_pool
 from .layers import DecoderLayer, Weights
 from .linear import BlockEmbedding, BlockLinear, FusedArgs, Linear
 from .plan import NO_JOINS, JoinSource, StepItem
@@ -137,6 +137,18 @@ class ModelRunner:
         if release_dense_weights:
             self.release_dense_weights()
 
+    def shift_keys(self, k: torch.Tensor, shift: int) -> torch.Tensor:
+        """Pool K rows [layers, n, kv heads, row] as they would be `shift` positions on. RoPE composes: the
+        rotation of p + shift is that of p, then that of shift. So moved KV needs no recompute.
+        """
+        out = torch.empty_like(k)
+        sign = 1.0 if shift >= 0 else -1.0
+        for li in range(k.shape[0]):  # layers from the first
+            cos, sin = self.rope[self.layers[li].rope]
+            c, s = cos[abs(shift)].float(), sin[abs(shift)].float() * sign
+            out[li] = to_pool(rope(from_pool(k[li], torch.float32), c, s), k.dtype)
+        return out
+
     def release_dense_weights(self) -> None:
         """Serving only (the transformers model cannot run afterwards): see Weights.release."""
         self.weights.release()  # the layers' linears are replaced in place
@@ -231,7 +243,7 @@ class ModelRunner:
         for it in items:
             row_offsets.append(len(tokens))
             tokens.extend(it.tokens)
-            positions.extend(range(it.start, it.start + len(it.tokens)))
+            positions.extend(it.position_list())
         pos = torch.tensor(positions, dtype=torch.long)
         # Rows whose hidden state leaves the last layer: the last token of a chunk, or all for scoring.
         wanted_rows: list[int] = []
@@ -249,7 +261,7 @@ class ModelRunner:
             ids=torch.tensor(tokens, dtype=torch.long),
             rope=[(cos[pos], sin[pos]) for cos, sin in self.rope],
             # where each new token's K/V goes
-            write_slots=torch.cat([it.kv.slots[it.start : it.start + len(it.tokens)] for it in items]),
+            write_slots=torch.cat([_write_slots(it) for it in items]),
             row_offsets=row_offsets,
             wanted_rows=wanted_rows,
             wanted=torch.tensor(wanted_rows, dtype=torch.long),
@@ -444,3 +456,10 @@ class ModelRunner:
     def _column_logits(self, hs: torch.Tensor, columns: list[int]) -> torch.Tensor:
         """Logits of a few vocabulary entries (the output head's way: see Linear.columns)."""
         return self.lm_head.columns(hs, torch.tensor(columns))
+
+
+def _write_slots(it: StepItem) -> torch.Tensor:
+    """Where an item's new K/V rows go."""
+    if it.positions is None:
+        return it.kv.slots[it.start : it.start + len(it.tokens)]
+    return it.kv.slots[torch.tensor(it.positions)]

@@ -213,7 +213,9 @@ class Scheduler:
                 if customer:
                     continue  # the less urgent may still have their floor
                 break
-            item = _label_round(seq) if seq.phase is Phase.LABELS else _prompt_chunk(seq, room)
+            item = _label_round(seq) if seq.phase is Phase.LABELS else self._prompt_chunk(seq, room)
+            if item is None:
+                continue  # it waits for a segment's KV
             n = len(item.tokens)
             if n > room:
                 continue  # a label round runs whole, in a step with room for it
@@ -291,8 +293,8 @@ class Scheduler:
             if it.label is not None:
                 self._apply_round(seq, it.label, out.rounds[i], out.errors[i], events)
                 continue
-            seq.num_computed = it.start + len(it.tokens)
-            it.kv.token_ids.extend(it.tokens)
+            it.kv.token_ids.extend(seq.all_ids[seq.num_computed : it.end])  # spliced ids too
+            seq.num_computed = it.end
             if seq.phase is Phase.PREFILL:
                 self.tokens_prefilled += len(it.tokens)
                 seq.usage.prefilled_tokens += len(it.tokens)
@@ -362,6 +364,37 @@ class Scheduler:
         self._finish(
             seq, FinishReason.ERROR, events, error=f"internal error in {stage} ({type(exc).__name__})"
         )
+
+    def _prompt_chunk(self, seq: Sequence, room: int) -> StepItem | None:
+        """The next at most `room` tokens of a prompt (a resumed generation's: its output too). Segments on
+        the way are spliced in, so the item's positions may have gaps. None: nothing to compute yet, its
+        next segment's KV is still being computed.
+        """
+        if not seq.splices:
+            return _prompt_chunk(seq, room)
+        assert seq.kv is not None
+        ids, end = seq.all_ids, seq.num_tokens
+        pos, positions = seq.num_computed, list[int]()
+        while pos < end and len(positions) < room:
+            splice = seq.splices.get(pos)
+            if splice is None:
+                positions.append(pos)
+                pos += 1
+            elif splice.producer is not None and not splice.producer.is_finished:
+                break
+            elif self.kv.splice(seq.kv, pos, splice.key, splice.src, ids[pos : splice.end]):
+                if not positions:  # nothing computed before it: the sequence's KV now reaches past it
+                    seq.kv.token_ids.extend(ids[pos : splice.end])
+                    seq.num_computed = splice.end
+                pos = splice.end
+            else:
+                del seq.splices[pos]  # its entry is gone: the segment is computed instead
+        if not positions:
+            return None
+        tokens = [ids[p] for p in positions]
+        logits = "last" if pos == end else "none"
+        gaps = positions[-1] - positions[0] + 1 != len(positions)
+        return StepItem(seq, seq.kv, positions[0], tokens, logits, positions=positions if gaps else None)
 
 
 def _prompt_chunk(seq: Sequence, room: int) -> StepItem:

@@ -11,13 +11,14 @@ import enum
 import itertools
 import time
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 import torch
 
 from .backend import FinishReason, SamplingParams, SequenceResult, Usage
 from .features import PooledFeatures
 from .grammar import FREE, Constraint
-from .kv import KVHandle
+from .kv import KVHandle, SegmentKey
 
 
 class Phase(enum.Enum):
@@ -29,6 +30,16 @@ class Phase(enum.Enum):
 
 
 _ids = itertools.count(1)
+
+
+@dataclass
+class Splice:
+    """A prompt segment whose KV is copied from its own entry, computed once (see backend.Inserted)."""
+
+    end: int  # the segment is positions [its start, end)
+    key: SegmentKey
+    src: int  # where the segment's ids start in that entry
+    producer: Sequence | None = None  # the sequence computing the entry, until it ends
 
 
 class Sequence:
@@ -62,6 +73,8 @@ class Sequence:
         self.cache_root = 0 if prefix_scope is None else hash(("scope", prefix_scope)) or 1
         self.shared_tokens = public_tokens if prefix_scope is None else len(prompt_ids)
         self.fork_session = fork_session  # a conversation whose KV its prompt may start from (assist)
+        self.inserted: tuple[int, int] | None = None  # a block held for this turn only (backend.Inserted)
+        self.splices: dict[int, Splice] = {}  # by start position: segments whose KV is copied in
         self.constraint: Constraint = FREE  # the tokens its output format allows (grammar.py)
         self.candidates = candidates  # label scoring: score these continuations, generate nothing
         # Label scoring that only needs scores up to a constant shared by all candidates: the logits of

@@ -22,6 +22,7 @@ from ..config import BackendSettings
 from ..engine.backend import (
     BackendHealth,
     BackendStats,
+    Inserted,
     OutputFormatError,
     SamplingError,
     SamplingParams,
@@ -130,6 +131,7 @@ class RemoteBackend:
         public_tokens: int = 0,
         prefix_scope: int | None = None,  # the servers' own caches decide what they share
         fork_session: Hashable | None = None,  # likewise
+        inserted: Inserted | None = None,  # likewise
     ) -> RemoteGeneration:
         params.validate(len(self.tokenizer))
         if not params.output.free:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from jinja2.exceptions import TemplateError
 
 from ..config import ChatSettings
-from ..engine.backend import Tokenizer
+from ..engine.backend import Inserted, Tokenizer
 from .citations import Retrieved, retrieved
 from .declare import Task, TaskError
 from .kb_index import KnowledgeBase
@@ -72,6 +72,8 @@ class ChatTurn:
     prompt_ids: list[int]  # its token ids, the last turn's own ids kept (`encode_chat`)
     public_tokens: int  # leading ids the server wrote (template header, system prompt): shareable
     sources: Retrieved | None = None  # with knowledge on: the articles the prompt gives, numbered
+    inserted: Inserted | None = None  # where the sources sit in the prompt (the engine reuses their KV)
+    plain: ChatPrompt | None = None  # with sources: the prompt without them, as the next turn sees it
 
 
 def window(
@@ -224,6 +226,7 @@ class ChatTask:
         self.task = task
         self.tokenizer = tokenizer
         self.knowledge = knowledge  # the articles session turns answer from, with citations
+        self._generation: str | None = None  # see _generation_prompt
 
     # -- knowledge --------------------------------------------------------------------------------
     def retrieve(self, history: list[Message], text: str) -> Retrieved | None:
@@ -235,26 +238,47 @@ class ChatTask:
             return None
         before = next((m["content"] for m in reversed(history) if m["role"] == "user"), "")
         budget = kb.settings.source_tokens
-        return retrieved(kb.search(f"{text}\n{before}"), budget, self._cut)
+        return retrieved(kb.search(f"{text}\n{before}"), budget, self.cut)
 
-    def kept_turn(self, turn: ChatTurn) -> LastTurn | None:
-        """What a knowledge turn's prompt keeps for the next one: its ids up to its message's header. The
-        sources block leaves the next prompt; the turns before it keep their own ids, untokenized again.
+    def _with_sources(
+        self, p: ChatPrompt, sources: Retrieved, text: str
+    ) -> tuple[list[int], Inserted | None]:
+        """The prompt's ids with its sources tokenized part by part, and where they sit. The customer's
+        message is tokenized on its own, as the next turn's prompt (without the sources) will hold it.
+        A template whose prompt does not end as expected keeps the ids as they are, and no block.
         """
-        if turn.sources is None:
-            return None
-        shown = [*turn.history[:-1], {"role": "user", "content": turn.sources.with_message(turn.text)}]
-        try:
-            tail = template_segments(self.tokenizer, self._messages(shown)[0])[-3:]
-        except TaskError:
-            return None
-        text = "".join(t for t, _ in tail)
-        n = len(_encode(self.tokenizer, tail))
-        if not turn.rendered.endswith(text) or n >= len(turn.prompt_ids):
-            return None
-        return LastTurn(turn.rendered[: -len(text)], turn.prompt_ids[:-n])
 
-    def _cut(self, text: str, tokens: int) -> str:
+        def enc(part: str) -> list[int]:
+            return self.tokenizer.encode(part, add_special_tokens=False, split_special_tokens=True)
+
+        generation = _encode(self.tokenizer, [(self._generation_prompt(), False)])
+        cut = len(p.ids) - len(enc(sources.with_message(text))) - len(generation)
+        if cut < p.public_tokens or p.ids[len(p.ids) - len(generation) :] != generation:
+            return p.ids, None
+        before = p.ids[:cut]
+        ids, segments = list(before), []
+        for part, segment in sources.parts:
+            piece = enc(part)
+            if segment:
+                segments.append((len(ids), len(ids) + len(piece)))
+            ids += piece
+        block = Inserted(len(before), len(ids), tuple(segments))
+        return ids + enc(text) + generation, block
+
+    def _generation_prompt(self) -> str:
+        """The template's text after the last user message: the assistant's header."""
+        if self._generation is None:
+            self._generation = template_segments(self.tokenizer, [{"role": "user", "content": "x"}])[-1][0]
+        return self._generation
+
+    def finished(self, turn: ChatTurn, reply: str, generated_ids: list[int]) -> LastTurn | None:
+        """The LastTurn a turn leaves. A knowledge turn's is its prompt without the sources: the next turn
+        leaves them out, and the engine moves the KV after them back.
+        """
+        p = turn.plain or ChatPrompt(turn.rendered, turn.prompt_ids, turn.public_tokens)
+        return self.finished_turn(p.rendered, p.ids, reply, generated_ids)
+
+    def cut(self, text: str, tokens: int) -> str:
         """The text's first `tokens` tokens, as text."""
         ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
         if len(ids) <= tokens:
@@ -302,7 +326,11 @@ class ChatTask:
             count,
         )
         p = prompts.get(len(window_)) or self.encode(shown(window_), last)
-        return ChatTurn(text, window_, cut, p.rendered, p.ids, p.public_tokens, sources)
+        if sources is None or not sources.sources:
+            return ChatTurn(text, window_, cut, p.rendered, p.ids, p.public_tokens, sources)
+        ids, block = self._with_sources(p, sources, text)
+        plain = self.encode(window_, last)
+        return ChatTurn(text, window_, cut, p.rendered, ids, p.public_tokens, sources, block, plain)
 
     # -- rendering --------------------------------------------------------------------------------
     def _messages(self, history: list[Message], system: bool = True) -> tuple[list[Message], int]:

@@ -16,6 +16,7 @@ from .kb_index import Hit
 
 UNKNOWN = "I don't know the answer to that. Would you like me to get a person to help you?"
 ENDING = "\n\nSources: "
+QUESTION = "\nQuestion: "  # between the sources and the customer's message
 INSTRUCTION = (
     "Answer the customer's question using only the sources below. "
     "If they do not answer it, say you don't know."
@@ -45,14 +46,21 @@ class Cited:
 
 @dataclass(frozen=True)
 class Retrieved:
-    """A turn's sources: as numbered in the prompt, and the block of text that gives them to the model."""
+    """A turn's sources: as numbered in the prompt, and the block of text that gives them to the model. The
+    block comes in parts, each tokenized on its own. The instruction and each source's text are segments:
+    their KV is computed once and reused (backend.Inserted). The numbers and the question's label are not.
+    """
 
     sources: tuple[Source, ...]
-    block: str
+    parts: tuple[tuple[str, bool], ...]  # (text, is a segment), in order
+
+    @property
+    def block(self) -> str:
+        return "".join(text for text, _ in self.parts)
 
     def with_message(self, text: str) -> str:
         """The customer's message as the model reads it: the sources block first."""
-        return f"{self.block}\n\nQuestion: {text}" if self.sources else text
+        return self.block + text if self.sources else text
 
 
 def retrieved(hits: list[Hit], token_budget: int, cut: Callable[[str, int], str]) -> Retrieved:
@@ -60,15 +68,21 @@ def retrieved(hits: list[Hit], token_budget: int, cut: Callable[[str, int], str]
     of `token_budget`.
     """
     if not hits:
-        return Retrieved((), "")
+        return Retrieved((), ())
     share = max(8, token_budget // len(hits))
-    lines = [INSTRUCTION]
+    parts = [(INSTRUCTION + "\n", True)]
     sources = []
     for n, hit in enumerate(hits, 1):
         sources.append(Source(n, hit.title, hit.url, hit.article_id))
-        text = " ".join(cut(hit.text, share).split())
-        lines.append(f"[{n}] {hit.title}: {text}")
-    return Retrieved(tuple(sources), "\n".join(lines))
+        parts += [(f"[{n}] ", False), (source_text(hit, share, cut), True)]
+    parts.append((QUESTION, False))
+    return Retrieved(tuple(sources), tuple(parts))
+
+
+def source_text(hit: Hit, tokens: int, cut: Callable[[str, int], str]) -> str:
+    """A source as the prompt gives it after its number: title, then its text cut to `tokens`."""
+    text = " ".join(cut(hit.text, tokens).split())
+    return f"{hit.title}: {text}\n"
 
 
 def _literal(text: str) -> str:

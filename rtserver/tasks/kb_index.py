@@ -16,6 +16,7 @@ import re
 import sqlite3
 import tempfile
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,6 +164,16 @@ class Index:
                 hits.append(Hit(path, title, url, body, score))
         return hits
 
+    def chunks(self, limit: int) -> list[Hit]:
+        """The first `limit` chunks, in the order they were indexed, each as a hit of score 0."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT a.path, a.title, a.url, c.body FROM chunks c JOIN articles a ON a.id = c.article"
+                " ORDER BY c.rowid LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [Hit(path, title, url, body, 0.0) for path, title, url, body in rows]
+
     def article(self, article_id: str) -> Article | None:
         """The title and url of an article by its id (the text is not kept whole)."""
         with self._lock:
@@ -234,13 +245,18 @@ class KnowledgeBase:
             return []
         return index.search(text, self.settings.top_k, self.settings.min_score)
 
-    async def watch(self) -> None:
-        """Re-index when the folder's files change, every `poll_s` (0: never). Runs until cancelled."""
+    async def watch(self, changed: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Re-index when the folder's files change, every `poll_s` (0: never). Runs until cancelled. Awaits
+        `changed` at start and after each re-index.
+        """
+        if changed is not None:
+            await changed()
         if self.settings.poll_s <= 0:
             return
         while True:
             await asyncio.sleep(self.settings.poll_s)
             try:
-                await asyncio.to_thread(self.load)
+                if await asyncio.to_thread(self.load) and changed is not None:
+                    await changed()
             except Exception:  # the next poll tries again; the chat keeps the index it has
                 log.exception("knowledge: re-indexing failed")

@@ -30,8 +30,10 @@ from ..config import Settings
 from ..engine.backend import InferenceBackend, Tokenizer
 from ..engine.model import LoadedModel
 from ..engine.openmp import pool_released
+from ..tasks.chat import CHAT
 from ..tasks.fitting import background_pace
 from ..tasks.registry import PluginError, TaskRegistry
+from ..tasks.source_kv import SourceWarmer
 from . import http_api
 from .admission import Admission, Refused, SocketGate, Surface, bearer
 from .cluster.topology import Clustered
@@ -127,8 +129,10 @@ async def _load(
         _load_failed(state, exc, on_failed)
         return
     background = []
-    if state.tasks.chat.knowledge is not None:  # the articles re-indexed when they change
-        background.append(state.tasks.chat.knowledge.watch())
+    chat = state.tasks.chat
+    if chat.knowledge is not None:  # the articles re-indexed when they change, their sources computed ahead
+        state.source_warmer = SourceWarmer(chat, _task_backends(state)(CHAT)[1])
+        background.append(chat.knowledge.watch(state.source_warmer.warm))
     if state.settings.tasks.learned_heads and state.settings.tasks.fit_heads_in_background:
         background.append(_fit_heads_in_background(state))
     await asyncio.gather(*background)
@@ -265,6 +269,9 @@ async def health(request: Request) -> Response:
     if heads:  # per task with a learned head: `head` or `labels`, and why
         body["tasks"] = heads
     body["backends"] = st.backends_health()
+    if st.source_warmer is not None:
+        warmer = st.source_warmer
+        body["knowledge"] = {"sources_ahead": warmer.done, "sources_to_compute": warmer.total}
     await st.topology.add_health(body)
     return JSONResponse(body, status_code=status_code)
 

@@ -147,12 +147,15 @@ def _kv_metrics(kv: KVStats) -> Iterator[Metric]:
     )
     hits = CounterMetricFamily(
         "rtserver_kv_cache_hits",
-        "KV cache reuse: session hits (turns); prefix-cache and conversation-fork hits (tokens)",
+        "KV cache reuse: session hits (turns); prefix-cache, conversation-fork, moved and spliced hits"
+        " (tokens)",
         labels=["kind"],
     )
     hits.add_metric(["session"], float(kv.session_hits))
     hits.add_metric(["prefix"], float(kv.prefix_hits))
     hits.add_metric(["fork"], float(kv.fork_hits))
+    hits.add_metric(["moved"], float(kv.moved_hits))
+    hits.add_metric(["spliced"], float(kv.spliced_hits))
     yield hits
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ..config import Settings
 from ..engine.backend import InferenceBackend
 from ..tasks.registry import PluginError, TaskRegistry
+from ..tasks.source_kv import SourceWarmer
 from .metrics import Counts, LiveFigures, Metrics
 from .readiness import RETRY, Readiness, Status, assess
 from .seams import Alone, Topology
@@ -48,6 +49,7 @@ class AppState:
         self.backends: dict[str, InferenceBackend] = {}
         self.registry: TaskRegistry | None = None
         self.load_errors: list[PluginError] = []
+        self.source_warmer: SourceWarmer | None = None  # with knowledge on: sources computed ahead
         self.shutting_down = False  # set by the hub's drain: new requests are refused
         # alone (everything in memory) or many nodes as one (rtserver/web/cluster/), chosen by the app
         self.topology: Topology = topology or Alone(settings)

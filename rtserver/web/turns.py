@@ -21,6 +21,7 @@ from typing import Protocol
 from ..engine.backend import (
     FinishReason,
     Generation,
+    Inserted,
     NextTurnPrefetcher,
     SamplingParams,
     SequenceResult,
@@ -119,9 +120,11 @@ class ChatTurns:
         public_tokens: int = 0,
         session_key: str | None = None,
         counted: int | None = None,
+        inserted: Inserted | None = None,
     ) -> Generation:
         """A generation on the chat backend. Its tokens are held against the client's budget until it ends.
-        `counted`: the prompt tokens the client's rate pays (all of them unless said).
+        `counted`: the prompt tokens the client's rate pays (all of them unless said). `inserted`: the
+        sources a knowledge turn holds (backend.Inserted).
         """
         holds = len(prompt) + params.max_new_tokens  # its whole prompt's KV and room for its reply
         if client.surface is Surface.API:  # the API waits its turn; the public door is refused at once
@@ -130,7 +133,7 @@ class ChatTurns:
             held = self.admission.reserve(client.surface, client.key, holds)
         try:
             stream = self.state.backend.generate(
-                prompt, params, session_key=session_key, public_tokens=public_tokens
+                prompt, params, session_key=session_key, public_tokens=public_tokens, inserted=inserted
             )
         except BaseException:
             held.release(0)
@@ -207,11 +210,7 @@ class ChatTurns:
                         client, session, request_id, sink, prepared, found, params, result
                     )
                 if result.text or result.finish_reason is not FinishReason.CANCELLED:
-                    last = chat.finished_turn(
-                        prepared.rendered, prepared.prompt_ids, result.text, result.token_ids
-                    )
-                    if prepared.sources is not None:  # the turns before keep their ids; the sources go
-                        last = chat.kept_turn(prepared)
+                    last = chat.finished(prepared, result.text, result.token_ids)
                     turn.add_reply(result.text, last)
                     await self.store.save(session, client.name)  # acknowledged only once stored
                     turn.commit()
@@ -255,6 +254,7 @@ class ChatTurns:
             session_key=session.id,
             # the client's rate pays only what is computed anew
             counted=len(prepared.prompt_ids) - kept_prefix(prepared.prompt_ids, session.last_turn),
+            inserted=prepared.inserted,
         )
         return stream, found, params
 

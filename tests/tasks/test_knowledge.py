@@ -298,21 +298,34 @@ def test_rtserver_kb_index_rebuilds_where_servers_read(tmp_path, monkeypatch, ca
     assert "not a folder" in capsys.readouterr().err
 
 
-def test_a_knowledge_turn_keeps_the_ids_before_its_message_for_the_next(smol, tmp_path):
+def test_a_knowledge_turn_is_its_plain_prompt_with_the_sources_between(smol, tmp_path):
+    """The sources sit as a block between the history and the message, each part tokenized on its own. The
+    turn leaves its prompt without them for the next, whose prompt continues those ids."""
     from rtserver.config import ChatSettings
     from rtserver.tasks.chat import ChatTask, chat_task
 
     kb = KnowledgeBase(KnowledgeSettings(folder=str(DATA / "shop_kb")), str(tmp_path / "cache"))
     assert kb.load()
-    chat = ChatTask(chat_task(ChatSettings()), smol.tokenizer, kb)
+    tok = smol.tokenizer
+    chat = ChatTask(chat_task(ChatSettings()), tok, kb)
     history: list[dict[str, str]] = []
     last = None
     for text in ("Do you take PayPal?", "And can I pay in installments?", "How long is a gift card valid?"):
         turn = chat.prepare_turn(history, text, last, knowledge=True)
         assert turn.sources is not None and turn.sources.sources and turn.history[-1]["content"] == text
+        block, plain = turn.inserted, turn.plain
+        assert block is not None and plain is not None
+        ids = turn.prompt_ids
+        # the plain prompt, the block between: before it the same ids, after it the message's own
+        assert ids[: block.start] == plain.ids[: block.start] and ids[block.end :] == plain.ids[block.start :]
+        assert tok.decode(ids[block.start : block.end]) == turn.sources.block
+        segments = [tok.decode(ids[s:e]) for s, e in block.segments]
+        assert segments[0] == citations.INSTRUCTION + "\n" and len(segments) == 1 + len(turn.sources.sources)
+        assert all(": " in seg and seg.endswith("\n") for seg in segments[1:])
         if last is not None:  # the turns before keep their ids: nothing before the message is tokenized anew
-            assert turn.prompt_ids[: len(last.ids)] == last.ids
-        last = chat.kept_turn(turn)
-        assert last is not None and turn.prompt_ids[: len(last.ids)] == last.ids
-        assert turn.rendered.startswith(last.text) and citations.INSTRUCTION not in last.text
-        history = [*turn.history, {"role": "assistant", "content": " Yes, we do."}]
+            assert ids[: len(last.ids)] == last.ids
+        reply = " Yes, we do."
+        last = chat.finished(turn, reply, tok.encode(reply, add_special_tokens=False))
+        assert last is not None and last.ids[: len(plain.ids)] == plain.ids
+        assert citations.INSTRUCTION not in last.text and last.text == plain.rendered + reply
+        history = [*turn.history, {"role": "assistant", "content": reply}]

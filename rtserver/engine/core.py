@@ -231,7 +231,7 @@ class Engine:
             blocks=loaded.blocks,
             kernel=loaded.kernel,
         )
-        self.kv.shift_keys = self.runner.shift_keys  # KV may move: segments, blocks left out
+        self.kv.mover = self.runner  # KV may move: segments, blocks left out
         # What each linear computes with, and why (shown in /health).
         self.kernels: dict[str, object] = {"weights": loaded.dtype_name}
         if loaded.gguf_blocks is not None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from .kv_memory import advise_huge_pages
 from .kv_rows import row_width
 
 
@@ -69,8 +71,18 @@ class SegmentKey:
     digest: int
 
 
-# Rotates K rows [layers, n, kv heads, row] of the pool by a number of positions (RoPE composes).
-ShiftKeys = Callable[[torch.Tensor, int], torch.Tensor]
+class KeyMover(Protocol):
+    """Moves KV to other positions: RoPE composes, so a key moved d positions on is rotated by d's angles."""
+
+    def shift_keys(self, k: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """K rows [layers, n, kv heads, row] of the pool, each rotated by its own `shift` [n]."""
+        ...
+
+    def move_rows(
+        self, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor
+    ) -> None:
+        """Rows of pools k and v copied from slots `src` to `dst` (not overlapping), keys rotated."""
+        ...
 
 
 class OutOfKVMemory(Exception):
@@ -107,6 +119,7 @@ class KVCacheManager:
         slots = (self.total_blocks + 1) * block_tokens
         self.k = torch.empty(num_layers, slots, kv_heads, width, dtype=dtype)
         self.v = torch.empty(num_layers, slots, kv_heads, width, dtype=dtype)
+        self.huge_pages = advise_huge_pages(self.k) and advise_huge_pages(self.v)
         self.k[:, :block_tokens] = 0
         self.v[:, :block_tokens] = 0
         self._offsets = torch.arange(block_tokens, dtype=torch.long)
@@ -129,7 +142,7 @@ class KVCacheManager:
         self.fork_hits = 0
         self.moved_tokens = 0  # prompt tokens served from a session's KV moved back past a left-out block
         self.spliced_tokens = 0  # prompt tokens served from segments' own KV
-        self.shift_keys: ShiftKeys | None = None  # the runner's; without it nothing is moved
+        self.mover: KeyMover | None = None  # the runner; without it nothing is moved
         self.lock = threading.RLock()
 
     # -- blocks ---------------------------------------------------------------------------------
@@ -360,10 +373,10 @@ class KVCacheManager:
                 self.rebuilds += 1
             return None
         reused = min(_common_prefix(cached.token_ids, prompt_ids), len(prompt_ids) - 1)
-        if self.shift_keys is not None:  # a prompt that leaves a block part-way leaves all of it
+        if self.mover is not None:  # a prompt that leaves a block part-way leaves all of it
             reused = next((s for s, e in cached.inserted if s < reused < e), reused)
         runs = self._runs_after_inserted(cached, prompt_ids, reused)
-        rows = [self._rows(cached.slots[j : j + n], i - j) for j, i, n in runs] if runs else []
+        rows = [self._rows(cached.slots[j : j + n], torch.full((n,), i - j)) for j, i, n in runs]
         keep = self.blocks_for(reused)
         self._drop_blocks(cached.blocks[keep:])
         cached.blocks = cached.blocks[:keep]
@@ -383,7 +396,7 @@ class KVCacheManager:
         out block is moved back, its keys rotated. Only inserted blocks are left out: elsewhere a different
         token is a different prompt.
         """
-        if self.shift_keys is None or not cached.inserted or cached.slot_table is None:
+        if self.mover is None or not cached.inserted or cached.slot_table is None:
             return []
         starts = dict(cached.inserted)
         runs: list[tuple[int, int, int]] = []
@@ -398,10 +411,10 @@ class KVCacheManager:
             i, j = i + n, j + n
         return runs
 
-    def _rows(self, slots: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the K and V rows at `slots`, the keys rotated `shift` positions on."""
-        assert self.shift_keys is not None
-        return self.shift_keys(self.k[:, slots], shift), self.v[:, slots].clone()
+    def _rows(self, slots: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K and V rows at `slots`, each key rotated `shift` positions on."""
+        assert self.mover is not None
+        return self.mover.shift_keys(self.k[:, slots], shift), self.v[:, slots].clone()
 
     def _move_in(
         self,
@@ -428,20 +441,28 @@ class KVCacheManager:
         with self.lock:
             return key in self.sessions
 
-    def splice(self, handle: KVHandle, at: int, key: SegmentKey, src: int, ids: list[int]) -> bool:
-        """Copy a segment's own KV into `handle` at position `at`. The segment's ids sit at position `src`
-        of the entry `key`. False when that entry is gone (evicted): the caller computes the ids instead.
+    def segment_slots(self, key: SegmentKey, src: int, ids: list[int]) -> torch.Tensor | None:
+        """The slots of a segment's own KV: its ids at position `src` of the entry `key`. None when that
+        entry is gone (evicted): the caller computes the ids instead.
         """
         with self.lock:
             entry = self.sessions.get(key)
-            if entry is None or entry.token_ids[src : src + len(ids)] != ids or self.shift_keys is None:
-                return False
+            if entry is None or entry.token_ids[src : src + len(ids)] != ids or self.mover is None:
+                return None
             self.sessions.move_to_end(key)
-            k, v = self._rows(entry.slots[src : src + len(ids)], at - src)
-            self.k[:, handle.slots[at : at + len(ids)]] = k
-            self.v[:, handle.slots[at : at + len(ids)]] = v
-            self.spliced_tokens += len(ids)
-            return True
+            return entry.slots[src : src + len(ids)]
+
+    def splice(self, handle: KVHandle, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Copy segments' KV into `handle`: (position there, position in the entry, the entry's slots) each,
+        found by `segment_slots` in the same step. One gather, rotation and write for all of them.
+        """
+        with self.lock:
+            src = torch.cat([slots for _, _, slots in pieces])
+            dst = torch.cat([handle.slots[at : at + len(slots)] for at, _, slots in pieces])
+            shift = torch.cat([torch.full((len(slots),), at - was) for at, was, slots in pieces])
+            assert self.mover is not None  # segment_slots found them
+            self.mover.move_rows(self.k, self.v, src, dst, shift)
+            self.spliced_tokens += len(src)
 
     def _from_fork(self, key: Hashable, prompt_ids: list[int]) -> KVHandle | None:
         """What session `key`'s KV holds of the prompt's start, shared (see `_fork`)."""

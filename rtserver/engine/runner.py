@@ -137,17 +137,43 @@ class ModelRunner:
         if release_dense_weights:
             self.release_dense_weights()
 
-    def shift_keys(self, k: torch.Tensor, shift: int) -> torch.Tensor:
-        """Pool K rows [layers, n, kv heads, row] as they would be `shift` positions on. RoPE composes: the
-        rotation of p + shift is that of p, then that of shift. So moved KV needs no recompute.
+    def shift_keys(self, k: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """Pool K rows [layers, n, kv heads, row] as they would be `shift` [n] positions on. RoPE composes:
+        the rotation of p + shift is that of p, then that of shift. So moved KV needs no recompute.
         """
         out = torch.empty_like(k)
-        sign = 1.0 if shift >= 0 else -1.0
-        for li in range(k.shape[0]):  # layers from the first
-            cos, sin = self.rope[self.layers[li].rope]
-            c, s = cos[abs(shift)].float(), sin[abs(shift)].float() * sign
-            out[li] = to_pool(rope(from_pool(k[li], torch.float32), c, s), k.dtype)
+        sign = torch.where(shift < 0, -1.0, 1.0)[:, None, None]
+        steps = shift.abs()
+        for table, layers in self._layers_by_rope(k.shape[0]).items():
+            cos, sin = self.rope[table]
+            c, s = cos[steps].float()[:, None, :], sin[steps].float()[:, None, :] * sign
+            rows = from_pool(k[layers], torch.float32)
+            out[layers] = to_pool(rope(rows, c, s), k.dtype)
         return out
+
+    def move_rows(
+        self, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor
+    ) -> None:
+        """Pool rows copied from slots `src` to `dst` (not overlapping) in every layer, each key rotated by
+        its `shift`. The kernel does it in one pass; torch gathers, rotates and writes.
+        """
+        if self.attention_kernel is None:
+            k[:, dst] = self.shift_keys(k[:, src], shift)
+            v[:, dst] = v[:, src]
+            return
+        steps = shift.abs()
+        sign = torch.where(shift < 0, -1.0, 1.0)[:, None]
+        cos = torch.stack([c[steps].float() for c, _ in self.rope])
+        sin = torch.stack([s[steps].float() * sign for _, s in self.rope])
+        tables = torch.tensor([layer.rope for layer in self.layers], dtype=torch.long)
+        self.attention_kernel.move_rows(k, v, src, dst, cos.contiguous(), sin.contiguous(), tables)
+
+    def _layers_by_rope(self, n: int) -> dict[int, list[int]]:
+        """The first `n` layers grouped by the RoPE table they read."""
+        groups: dict[int, list[int]] = {}
+        for li in range(n):
+            groups.setdefault(self.layers[li].rope, []).append(li)
+        return groups
 
     def release_dense_weights(self) -> None:
         """Serving only (the transformers model cannot run afterwards): see Weights.release."""

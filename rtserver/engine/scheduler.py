@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from .admit import Admitter, Preemption, Queues, SchedulerLimits, StepJoins
 from .backend import FinishReason, Overloaded, Priority, RequestTooLarge, SequenceResult
 from .grammar import ConstraintError
@@ -34,6 +36,8 @@ from .sequence import Phase, Sequence
 from .step import StepOutput
 
 log = logging.getLogger("rtserver.scheduler")
+
+SPLICE_WAIT_S = 2.0  # the longest a prompt waits for a segment's KV before computing the segment itself
 
 # what a step reports of a sequence: a sampled token id, or its final result
 StepEvent = tuple[Sequence, int | SequenceResult]
@@ -375,26 +379,43 @@ class Scheduler:
         assert seq.kv is not None
         ids, end = seq.all_ids, seq.num_tokens
         pos, positions = seq.num_computed, list[int]()
+        pieces: list[tuple[int, int, torch.Tensor]] = []  # segments to copy in: at, from, slots
         while pos < end and len(positions) < room:
             splice = seq.splices.get(pos)
-            if splice is None:
-                positions.append(pos)
-                pos += 1
-            elif splice.producer is not None and not splice.producer.is_finished:
-                break
-            elif self.kv.splice(seq.kv, pos, splice.key, splice.src, ids[pos : splice.end]):
-                if not positions:  # nothing computed before it: the sequence's KV now reaches past it
-                    seq.kv.token_ids.extend(ids[pos : splice.end])
-                    seq.num_computed = splice.end
+            if splice is not None and splice.producer is not None and not splice.producer.is_finished:
+                if self._may_wait(seq, splice.producer):
+                    break
+                del seq.splices[pos]  # waiting could hold places its producer needs: computed here instead
+                splice = None
+            slots = (
+                None
+                if splice is None
+                else self.kv.segment_slots(splice.key, splice.src, ids[pos : splice.end])
+            )
+            if splice is not None and slots is not None:
+                pieces.append((pos, splice.src, slots))
                 pos = splice.end
-            else:
-                del seq.splices[pos]  # its entry is gone: the segment is computed instead
+                if not positions:  # nothing computed before it: the sequence's KV now reaches past it
+                    seq.kv.token_ids.extend(ids[seq.num_computed : pos])
+                    seq.num_computed = pos
+                continue
+            seq.splices.pop(pos, None)  # none, or its entry is gone: computed
+            positions.append(pos)
+            pos += 1
+        if pieces:
+            self.kv.splice(seq.kv, pieces)
         if not positions:
             return None
         tokens = [ids[p] for p in positions]
         logits = "last" if pos == end else "none"
         gaps = positions[-1] - positions[0] + 1 != len(positions)
         return StepItem(seq, seq.kv, positions[0], tokens, logits, positions=positions if gaps else None)
+
+    @staticmethod
+    def _may_wait(seq: Sequence, producer: Sequence) -> bool:
+        """Whether a sequence may wait for a segment's producer: while it runs, for a bounded time."""
+        waited = time.perf_counter() - (seq.admitted_at or seq.submitted_at)
+        return producer.phase is not Phase.WAITING and waited < SPLICE_WAIT_S
 
 
 def _prompt_chunk(seq: Sequence, room: int) -> StepItem:

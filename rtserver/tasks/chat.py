@@ -9,6 +9,8 @@ and the system prompt (`public_tokens`) may be shared with other sessions.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -227,6 +229,9 @@ class ChatTask:
         self.tokenizer = tokenizer
         self.knowledge = knowledge  # the articles session turns answer from, with citations
         self._generation: str | None = None  # see _generation_prompt
+        # the ids of the articles' text: the sources' parts come back turn after turn
+        self._part_ids = functools.lru_cache(maxsize=4096)(self._plain_ids)
+        self.cut = functools.lru_cache(maxsize=4096)(self._cut)  # an article's text cut to its share
 
     # -- knowledge --------------------------------------------------------------------------------
     def retrieve(self, history: list[Message], text: str) -> Retrieved | None:
@@ -241,35 +246,34 @@ class ChatTask:
         return retrieved(kb.search(f"{text}\n{before}"), budget, self.cut)
 
     def _with_sources(
-        self, p: ChatPrompt, sources: Retrieved, text: str
-    ) -> tuple[list[int], Inserted | None]:
-        """The prompt's ids with its sources tokenized part by part, and where they sit. The customer's
-        message is tokenized on its own, as the next turn's prompt (without the sources) will hold it.
-        A template whose prompt does not end as expected keeps the ids as they are, and no block.
+        self, p: ChatPrompt, sources: Retrieved, parts: list[list[int]], text: str
+    ) -> ChatTurn | None:
+        """The turn whose prompt is the plain one `p` with the sources' parts before the message. Each part is
+        tokenized on its own, and so is the message, as the next turn's prompt (without the sources) holds
+        it. None where the template's prompt does not end as expected.
         """
-
-        def enc(part: str) -> list[int]:
-            return self.tokenizer.encode(part, add_special_tokens=False, split_special_tokens=True)
-
         generation = _encode(self.tokenizer, [(self._generation_prompt(), False)])
-        cut = len(p.ids) - len(enc(sources.with_message(text))) - len(generation)
-        if cut < p.public_tokens or p.ids[len(p.ids) - len(generation) :] != generation:
-            return p.ids, None
-        before = p.ids[:cut]
-        ids, segments = list(before), []
-        for part, segment in sources.parts:
-            piece = enc(part)
-            if segment:
-                segments.append((len(ids), len(ids) + len(piece)))
-            ids += piece
-        block = Inserted(len(before), len(ids), tuple(segments))
-        return ids + enc(text) + generation, block
+        tail = self._plain_ids(text) + generation  # a customer's text is not kept in the cache
+        start = len(p.ids) - len(tail)
+        if start < p.public_tokens or p.ids[start:] != tail:
+            return None
+        ids, segments = p.ids[:start], []
+        for piece in parts:
+            segments.append((len(ids), len(ids) + len(piece)))
+            ids = ids + piece
+        at = len(p.rendered) - len(text) - len(self._generation_prompt())
+        rendered = p.rendered[:at] + sources.block + p.rendered[at:]
+        block = Inserted(start, len(ids), tuple(segments))
+        return ChatTurn(text, [], False, rendered, ids + tail, p.public_tokens, sources, block, p)
 
     def _generation_prompt(self) -> str:
         """The template's text after the last user message: the assistant's header."""
         if self._generation is None:
             self._generation = template_segments(self.tokenizer, [{"role": "user", "content": "x"}])[-1][0]
         return self._generation
+
+    def _plain_ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def finished(self, turn: ChatTurn, reply: str, generated_ids: list[int]) -> LastTurn | None:
         """The LastTurn a turn leaves. A knowledge turn's is its prompt without the sources: the next turn
@@ -278,9 +282,9 @@ class ChatTask:
         p = turn.plain or ChatPrompt(turn.rendered, turn.prompt_ids, turn.public_tokens)
         return self.finished_turn(p.rendered, p.ids, reply, generated_ids)
 
-    def cut(self, text: str, tokens: int) -> str:
+    def _cut(self, text: str, tokens: int) -> str:
         """The text's first `tokens` tokens, as text."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        ids = self._part_ids(text)
         if len(ids) <= tokens:
             return text
         return self.tokenizer.decode(ids[:tokens], skip_special_tokens=True).rstrip("\ufffd") + "…"
@@ -306,18 +310,15 @@ class ChatTask:
         """
         text = self.clean_message(text)
         sources = self.retrieve(history, text) if knowledge else None
+        parts = [self._part_ids(part) for part in sources.parts] if sources is not None else []
+        extra = sum(len(piece) for piece in parts)
         prompts: dict[int, ChatPrompt] = {}  # window size -> its prompt, as counted
-
-        def shown(candidate: list[Message]) -> list[Message]:
-            if sources is None:
-                return candidate
-            return [*candidate[:-1], {"role": "user", "content": sources.with_message(text)}]
 
         def count(candidate: list[Message]) -> int:
             # the window is measured in the tokens it is sent as; with the last turn's ids kept, only
             # the new text is tokenized, not the whole history again
-            prompts[len(candidate)] = self.encode(shown(candidate), last)
-            return len(prompts[len(candidate)].ids)
+            prompts[len(candidate)] = self.encode(candidate, last)
+            return len(prompts[len(candidate)].ids) + extra
 
         window_, cut = window(
             history + [{"role": "user", "content": text}],
@@ -325,12 +326,11 @@ class ChatTask:
             self.task.max_history_tokens,
             count,
         )
-        p = prompts.get(len(window_)) or self.encode(shown(window_), last)
-        if sources is None or not sources.sources:
+        p = prompts.get(len(window_)) or self.encode(window_, last)
+        turn = self._with_sources(p, sources, parts, text) if sources is not None and parts else None
+        if turn is None:  # no sources, or a template that does not end as expected: they are left out
             return ChatTurn(text, window_, cut, p.rendered, p.ids, p.public_tokens, sources)
-        ids, block = self._with_sources(p, sources, text)
-        plain = self.encode(window_, last)
-        return ChatTurn(text, window_, cut, p.rendered, ids, p.public_tokens, sources, block, plain)
+        return dataclasses.replace(turn, history=window_, cut=cut)
 
     # -- rendering --------------------------------------------------------------------------------
     def _messages(self, history: list[Message], system: bool = True) -> tuple[list[Message], int]:

@@ -47,16 +47,16 @@ class Cited:
 @dataclass(frozen=True)
 class Retrieved:
     """A turn's sources: as numbered in the prompt, and the block of text that gives them to the model. The
-    block comes in parts, each tokenized on its own. The instruction and each source's text are segments:
-    their KV is computed once and reused (backend.Inserted). The numbers and the question's label are not.
+    block comes in parts, each tokenized on its own and each a segment: the engine computes its KV once and
+    reuses it (backend.Inserted).
     """
 
     sources: tuple[Source, ...]
-    parts: tuple[tuple[str, bool], ...]  # (text, is a segment), in order
+    parts: tuple[str, ...]
 
     @property
     def block(self) -> str:
-        return "".join(text for text, _ in self.parts)
+        return "".join(self.parts)
 
     def with_message(self, text: str) -> str:
         """The customer's message as the model reads it: the sources block first."""
@@ -70,19 +70,19 @@ def retrieved(hits: list[Hit], token_budget: int, cut: Callable[[str, int], str]
     if not hits:
         return Retrieved((), ())
     share = max(8, token_budget // len(hits))
-    parts = [(INSTRUCTION + "\n", True)]
+    parts = [INSTRUCTION + "\n"]
     sources = []
     for n, hit in enumerate(hits, 1):
         sources.append(Source(n, hit.title, hit.url, hit.article_id))
-        parts += [(f"[{n}] ", False), (source_text(hit, share, cut), True)]
-    parts.append((QUESTION, False))
+        parts += [f"[{n}]", source_text(hit, share, cut)]
+    parts.append(QUESTION)
     return Retrieved(tuple(sources), tuple(parts))
 
 
 def source_text(hit: Hit, tokens: int, cut: Callable[[str, int], str]) -> str:
     """A source as the prompt gives it after its number: title, then its text cut to `tokens`."""
     text = " ".join(cut(hit.text, tokens).split())
-    return f"{hit.title}: {text}\n"
+    return f" {hit.title}: {text}\n"
 
 
 def _literal(text: str) -> str:

@@ -39,20 +39,25 @@ class SourceWarmer:
         share = max(8, kb.settings.source_tokens // kb.settings.top_k)  # as citations.retrieved cuts them
         first = self.chat.encode([{"role": "user", "content": "x"}])
         public = first.ids[: first.public_tokens]
-        instruction = self._ids(INSTRUCTION + "\n")
-        after = self._ids(QUESTION)
+        fixed = [
+            self._ids(INSTRUCTION + "\n"),
+            *(self._ids(f"[{n}]") for n in range(1, kb.settings.top_k + 1)),
+        ]
         queue: asyncio.Queue[list[int]] = asyncio.Queue()
         for hit in hits:
             queue.put_nowait(self._ids(source_text(hit, share, self.chat.cut)))
 
         async def worker() -> None:
             while not queue.empty():
-                source = queue.get_nowait()
-                a = len(public) + len(instruction)
-                block = Inserted(len(public), a + len(source), ((len(public), a), (a, a + len(source))))
+                parts = [*fixed, queue.get_nowait(), self._ids(QUESTION)]
+                at, segments = len(public), []
+                for part in parts:
+                    segments.append((at, at + len(part)))
+                    at += len(part)
+                block = Inserted(len(public), at, tuple(segments))
+                prompt = public + [i for part in parts for i in part] + self._ids("?")
                 params = SamplingParams(max_new_tokens=1, priority=Priority.BACKGROUND)
                 try:
-                    prompt = public + instruction + source + after
                     stream = self.backend.generate(prompt, params, public_tokens=len(public), inserted=block)
                     await stream.result()
                 except Exception as exc:  # busy or failing: that source is computed on first use instead

@@ -3,10 +3,14 @@ next turn that leaves the block out and moves the KV after it back."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from rtserver.config import EngineSettings
+from rtserver.engine import quant
+from rtserver.engine.attention import rope
 from rtserver.engine.backend import Inserted, SamplingParams
 from rtserver.engine.core import Engine
 from rtserver.tasks.chat import encode_chat
@@ -55,7 +59,7 @@ async def test_keys_moved_by_rope_equal_keys_computed_there(engine, smol):
     a, b = kv.sessions["a"], kv.sessions["b"]
     here = kv.k[:1, a.slots[: len(ids)]]
     there = kv.k[:1, b.slots[len(pad) : len(pad) + len(ids)]]
-    moved = engine.runner.shift_keys(here, len(pad))
+    moved = engine.runner.shift_keys(here, torch.full((len(ids),), len(pad)))
     assert torch.allclose(moved.float(), there.float(), atol=1e-4, rtol=1e-3)
     assert not torch.allclose(here.float(), there.float(), atol=1e-2)  # the move did something
 
@@ -104,7 +108,9 @@ async def test_the_next_turn_leaves_the_block_out_and_moves_the_rest_back(engine
     assert result.usage.cached_tokens == a + moved
     new = kv_rows(engine, engine.kv.sessions["s"], a, a + len(question))
     assert torch.equal(new[1], old[1])  # values move as they are
-    assert torch.allclose(new[0].float(), engine.runner.shift_keys(old[0], -len(s1)).float())
+    assert torch.allclose(
+        new[0].float(), engine.runner.shift_keys(old[0], torch.full((len(question),), -len(s1))).float()
+    )
 
 
 async def test_a_block_must_sit_after_the_public_tokens(engine, smol):
@@ -120,3 +126,41 @@ async def test_a_block_must_sit_after_the_public_tokens(engine, smol):
 def kv_rows(engine, handle, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     slots = handle.slots[start:end]
     return engine.kv.k[:, slots].clone(), engine.kv.v[:, slots].clone()
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = quant.load_kernel(Path("~/.cache/rtserver").expanduser())
+    if k is None:  # the default dtype depends on it: a machine that cannot build it must say so
+        pytest.fail(f"the quantized kernel did not build: {quant.kernel_error()}")
+    return k
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "q8_0"])
+async def test_the_kernel_moves_rows_as_torch_does(kernel, dtype):
+    """Keys rotated per row, values copied as they are, in every layer and every pool type."""
+    from rtserver.engine.kv_rows import Q8_0, from_pool, row_width, to_pool
+
+    pool_dtype = Q8_0 if dtype == "q8_0" else getattr(torch, dtype)
+    layers, slots, heads, dim, n = 3, 40, 2, 64, 7
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(2, layers, slots, heads, dim, generator=g)
+    k, v = (to_pool(x, pool_dtype).contiguous() for x in values)
+    assert k.shape[-1] == row_width(pool_dtype, dim)
+    src, dst = torch.arange(3, 3 + n), torch.arange(20, 20 + n)
+    angles = torch.rand(2, n, dim // 2, generator=g) * 6  # two RoPE tables, one for odd layers
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    tables = torch.tensor([0, 1, 0])
+    kernel.move_rows(k, v, src, dst, cos, sin, tables)
+    for layer in range(layers):
+        c, s = cos[tables[layer]][:, None, :], sin[tables[layer]][:, None, :]
+        want = to_pool(rope(from_pool(k[layer, src], torch.float32), c, s), pool_dtype)
+        got = k[layer, dst]
+        assert torch.allclose(
+            from_pool(got, torch.float32), from_pool(want, torch.float32), atol=2e-2, rtol=1e-2
+        )
+        assert torch.equal(v[layer, dst], v[layer, src])
+    if dtype != "q8_0":  # no rotation moves 16-bit rows bit for bit
+        k2 = k.clone()
+        kernel.move_rows(k2, v, dst, src, torch.ones_like(cos), torch.zeros_like(sin), tables)
+        assert torch.equal(k2[:, src], k[:, dst])

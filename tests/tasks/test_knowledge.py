@@ -319,9 +319,11 @@ def test_a_knowledge_turn_is_its_plain_prompt_with_the_sources_between(smol, tmp
         # the plain prompt, the block between: before it the same ids, after it the message's own
         assert ids[: block.start] == plain.ids[: block.start] and ids[block.end :] == plain.ids[block.start :]
         assert tok.decode(ids[block.start : block.end]) == turn.sources.block
-        segments = [tok.decode(ids[s:e]) for s, e in block.segments]
-        assert segments[0] == citations.INSTRUCTION + "\n" and len(segments) == 1 + len(turn.sources.sources)
-        assert all(": " in seg and seg.endswith("\n") for seg in segments[1:])
+        segments = [tok.decode(ids[s:e]) for s, e in block.segments]  # every part is one, in order
+        n = len(turn.sources.sources)
+        assert segments[0] == citations.INSTRUCTION + "\n" and segments[-1] == citations.QUESTION
+        assert segments[1:-1:2] == [f"[{k}]" for k in range(1, n + 1)]
+        assert all(seg.startswith(" ") and ": " in seg and seg.endswith("\n") for seg in segments[2:-1:2])
         if last is not None:  # the turns before keep their ids: nothing before the message is tokenized anew
             assert ids[: len(last.ids)] == last.ids
         reply = " Yes, we do."

@@ -79,7 +79,26 @@ inline const float* kv_row(const T* src, int64_t n, float* tmp) {
 // n floats into KV elements, rounded to nearest even as torch's casts round.
 template <typename T>
 inline void kv_store(const float* src, int64_t n, T* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // the upper 16 bits, rounded to nearest even; a NaN stays a (quiet) NaN, as c10's conversion does
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF), qnan = _mm256_set1_epi32(0x7FC0);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 x = _mm256_loadu_ps(src + i);
+      const __m256i b = _mm256_castps_si256(x);
+      __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+      r = _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
 // n floats (whole blocks) into q8_0 blocks as llama.cpp's quantize_row_q8_0_ref: d = max|x| / 127, quants
@@ -477,6 +496,52 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_p
     causal_attention(q.data_ptr<float>(), Kp, Vp, c, R, H, KV, D, static_cast<float>(scale), out.data_ptr<float>());
   });
   return out;
+}
+
+// Pool rows copied from slots `src` to slots `dst` of every layer, each key rotated by its row's RoPE
+// angles: rotating a key at position p by those of d gives the key at p + d (a segment's KV spliced into
+// another prompt). Pools are [layers, slots, KV, width]; cos and sin [tables, n, D]; layer_table [layers].
+// Sources and destinations must not overlap.
+void move_rows(torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& src, const torch::Tensor& dst,
+               const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& layer_table) {
+  TORCH_CHECK(k_pool.dim() == 4 && cos.dim() == 3 && cos.sizes() == sin.sizes() &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "pools must be [layers, slots, KV, width], cos and sin float32 [tables, n, D]");
+  const int64_t L = k_pool.size(0), S = k_pool.size(1), KV = k_pool.size(2), T = cos.size(0), n = cos.size(1);
+  const int64_t D = cos.size(2), half = D / 2;
+  check_pools(k_pool[0], v_pool[0], D);
+  TORCH_CHECK(src.scalar_type() == torch::kInt64 && dst.scalar_type() == torch::kInt64 && src.numel() == n &&
+                  dst.numel() == n && src.is_contiguous() && dst.is_contiguous(),
+              "src and dst must be int64 [n]");
+  TORCH_CHECK(layer_table.scalar_type() == torch::kInt64 && layer_table.numel() == L && layer_table.is_contiguous(),
+              "layer_table must be int64 [layers]");
+  const int64_t *SR = src.data_ptr<int64_t>(), *DS = dst.data_ptr<int64_t>(), *LT = layer_table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(SR[i] >= 0 && SR[i] < S && DS[i] >= 0 && DS[i] < S, "a slot is outside the pool");
+  for (int64_t l = 0; l < L; ++l) TORCH_CHECK(LT[l] >= 0 && LT[l] < T, "a layer's table is outside cos");
+  const float *C = cos.data_ptr<float>(), *SN = sin.data_ptr<float>();
+  with_pools(k_pool, v_pool, [&](auto* Kp, auto* Vp) {
+    using E = std::remove_pointer_t<decltype(Kp)>;
+    const int64_t W = kv_units<E>(D);  // elements of one head's row
+    pool::parallel_for(0, L * n, 16, [&](int64_t a, int64_t b) {
+      std::vector<float> x(D), y(D);
+      for (int64_t t = a; t < b; ++t) {
+        const int64_t l = t / n, i = t % n;
+        const float *c = C + (LT[l] * n + i) * D, *s = SN + (LT[l] * n + i) * D;
+        const int64_t from = (l * S + SR[i]) * KV * W, to = (l * S + DS[i]) * KV * W;
+        for (int64_t h = 0; h < KV; ++h) {
+          const float* k = kv_row(Kp + from + h * W, D, x.data());
+          for (int64_t j = 0; j < half; ++j) {
+            y[j] = k[j] * c[j] - k[j + half] * s[j];
+            y[j + half] = k[j + half] * c[j + half] + k[j] * s[j + half];
+          }
+          kv_store(y.data(), D, Kp + to + h * W);
+        }
+        std::memcpy(Vp + to, Vp + from, KV * W * sizeof(E));
+      }
+    });
+  });
 }
 
 // Rows x [..., D] (float32) as a q8_0 pool stores them: uint8 [..., D / 32 * 34], the bytes layer_forward

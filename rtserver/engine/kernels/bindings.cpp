@@ -48,6 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_blocks", &dequantize_blocks, "raw GGUF blocks [N, row bytes] of width K -> float32 [N, K]", nogil);
   m.def("decode_attention", &decode_attention, "single-token attention over paged K/V (float32, bfloat16, float16 or q8_0)", nogil);
   m.def("prefill_attention", &prefill_attention, "causal attention of prompt rows over paged K/V (float32, bfloat16, float16 or q8_0)", nogil);
+  m.def("move_rows", &move_rows, "pool rows copied to other slots, keys rotated (RoPE) per row", nogil);
   m.def("quantize_kv", &quantize_kv, "float32 rows [..., D] -> q8_0 pool rows uint8 [..., D / 32 * 34]", nogil);
 #ifdef RTSERVER_INT_DOTS
   m.attr("fixed_point_activations") = true;

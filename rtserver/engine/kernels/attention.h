@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -311,84 +312,140 @@ struct RowContexts {
   }
 };
 
+typedef float Chain __attribute__((vector_size(64)));  // 16 floats: GCC vector arithmetic
+
+inline Chain load_chain(const float* x) {
+  Chain c;
+  std::memcpy(&c, x, sizeof c);
+  return c;
+}
+
+// A block of rows, NG query heads each of one KV head, over a copied context: qs [rows, NG, D] the queries
+// times the scale, kt the keys transposed [D, npad], vrows[j] each value as floats. Row r reads keys [a[r],
+// e[r]); o[r * NG + h] is its head h's output [D]. p [rows, NG, npad] is scratch. Loops go tile by tile
+// (32 keys, then 32 values' columns) over every row, so a tile is read from L1 by all of them. The heads
+// share every load, and their sums run side by side (NG * 2 chains), so no add waits on the one before.
+template <int NG>
+__attribute__((optimize("fp-contract=fast")))  // each a * b + c one fused multiply-add
+void block_attention(const float* qs, int64_t rows, const int64_t* a, const int64_t* e, const float* kt,
+                     int64_t npad, const std::vector<const float*>& vrows, int64_t D, float* p, float* const* o) {
+  for (int64_t j0 = 0; j0 < npad; j0 += 32) {  // 32 keys' scores, two vectors a head
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* q = qs + r * NG * D;
+      Chain acc[NG][2] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const Chain k0 = load_chain(kt + d * npad + j0), k1 = load_chain(kt + d * npad + j0 + 16);
+        for (int h = 0; h < NG; ++h) {
+          acc[h][0] += q[h * D + d] * k0;
+          acc[h][1] += q[h * D + d] * k1;
+        }
+      }
+      for (int h = 0; h < NG; ++h) std::memcpy(p + (r * NG + h) * npad + j0, acc[h], sizeof acc[h]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)  // softmax weights
+    for (int h = 0; h < NG; ++h) {
+      float* ph = p + (r * NG + h) * npad;
+      std::fill(ph, ph + a[r], -INFINITY);
+      std::fill(ph + e[r], ph + npad, -INFINITY);
+      const float inv = 1.f / exp_shifted(ph, npad);
+      for (int64_t j = a[r]; j < e[r]; ++j) ph[j] *= inv;
+    }
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32)  // 32 outputs a head in two vectors
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* pr = p + r * NG * npad;
+      Chain acc[NG][2] = {};
+      for (int64_t j = a[r]; j < e[r]; ++j) {
+        const Chain v0 = load_chain(vrows[j] + d0), v1 = load_chain(vrows[j] + d0 + 16);
+        for (int h = 0; h < NG; ++h) {
+          acc[h][0] += pr[h * npad + j] * v0;
+          acc[h][1] += pr[h * npad + j] * v1;
+        }
+      }
+      for (int h = 0; h < NG; ++h) std::memcpy(o[r * NG + h] + d0, acc[h], sizeof acc[h]);
+    }
+  for (int64_t r = 0; r < rows && d0 < D; ++r)  // a head size that is no whole number of 32
+    for (int h = 0; h < NG; ++h) {
+      float* out = o[r * NG + h];
+      std::fill(out + d0, out + D, 0.f);
+      for (int64_t j = a[r]; j < e[r]; ++j)
+        for (int64_t d = d0; d < D; ++d) out[d] += p[(r * NG + h) * npad + j] * vrows[j][d];
+    }
+}
+
 // Causal attention of prompt rows over a paged pool: row r attends to positions max(0, PS[r] - window
 // + 1) (0 without a window) to PS[r] of its item. A task per (item, KV head, block of the item's rows)
 // copies the keys its rows read once, transposed, so that the scores of a query are vectors over keys
-// and no dot product ends in a horizontal sum.
+// and no dot product ends in a horizontal sum. Items with few rows are cut into smaller blocks, so that
+// every thread has tasks.
 template <typename T>
 void causal_attention(const float* Q, const T* Kp, const T* Vp, const RowContexts& c, int64_t R,
                       int64_t H, int64_t KV, int64_t D, float sc, float* O) {
   const int64_t *TB = c.TB, *IT = c.IT, *PS = c.PS, B = c.B, Lmax = c.Lmax;
-  constexpr int64_t kBlockRows = 32;
-  constexpr int64_t kChain = 64;  // sums kept in registers side by side: one would wait on each add
-  typedef float Chain __attribute__((vector_size(64)));
+  constexpr int64_t kBlockRows = 32, kMinRows = 4, kHeads = 4;
   std::vector<std::vector<int64_t>> rows(B);
   for (int64_t r = 0; r < R; ++r) rows[IT[r]].push_back(r);
-  std::vector<std::pair<int64_t, int64_t>> blocks;  // (item, first of its rows)
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < static_cast<int64_t>(rows[b].size()); i += kBlockRows) blocks.emplace_back(b, i);
+  const int64_t want = 2 * pool::num_threads(), per_item = (want + B * KV - 1) / (B * KV);
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> blocks;  // (item, first of its rows, one past its last)
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t m = static_cast<int64_t>(rows[b].size());
+    const int64_t parts = std::max((m + kBlockRows - 1) / kBlockRows, std::min(per_item, m / kMinRows));
+    const int64_t size = parts > 0 ? (m + parts - 1) / parts : m;
+    for (int64_t i = 0; i < m; i += size) blocks.emplace_back(b, i, std::min(m, i + size));
+  }
   const int64_t G = H / KV, tasks = static_cast<int64_t>(blocks.size()) * KV, U = kv_units<T>(D);
   pool::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> kt, p, vt, krow(D);  // vt: a 16-bit or q8_0 pool's values of the block, as floats
+    std::vector<float> kt, p, vt, krow, qs;  // vt: a 16-bit or q8_0 pool's values, as floats
     std::vector<const float*> vrows;
+    std::vector<float*> outs;
+    std::vector<int64_t> starts, ends;
     for (int64_t t = t0; t < t1; ++t) {
-      const auto [b, i0] = blocks[t / KV];
-      const int64_t kv = t % KV, i1 = std::min<int64_t>(rows[b].size(), i0 + kBlockRows);
+      const auto [b, i0, i1] = blocks[t / KV];
+      const int64_t kv = t % KV;
       int64_t lo = Lmax, hi = 0;  // the keys the block's rows read: [lo, hi)
       for (int64_t i = i0; i < i1; ++i) lo = std::min(lo, c.first(rows[b][i])), hi = std::max(hi, PS[rows[b][i]] + 1);
-      const int64_t n = hi - lo, npad = (n + kChain - 1) / kChain * kChain;
+      const int64_t n = hi - lo, npad = (n + 31) / 32 * 32;
       const int64_t* sl = TB + b * Lmax + lo;
-      kt.assign(D * npad, 0.f);
-      p.resize(npad);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* k = kv_row(Kp + (sl[j] * KV + kv) * U, D, krow.data());
-        for (int64_t d = 0; d < D; ++d) kt[d * npad + j] = k[d];
+      kt.resize(D * npad);
+      krow.resize(16 * D);
+      for (int64_t j0 = 0; j0 < npad; j0 += 16) {  // 16 keys as floats, then their columns: whole lines
+        const int64_t got = std::max<int64_t>(0, std::min<int64_t>(16, n - j0));
+        for (int64_t jj = 0; jj < got; ++jj) {
+          const float* k = kv_row(Kp + (sl[j0 + jj] * KV + kv) * U, D, krow.data() + jj * D);
+          if (k != krow.data() + jj * D) std::memcpy(krow.data() + jj * D, k, D * sizeof(float));
+        }
+        std::fill(krow.begin() + got * D, krow.end(), 0.f);  // keys past n score 0
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t jj = 0; jj < 16; ++jj) kt[d * npad + j0 + jj] = krow[jj * D + d];
       }
       if (!std::is_same_v<T, float>) vt.resize(n * D);
       vrows.resize(n);
       for (int64_t j = 0; j < n; ++j) vrows[j] = kv_row(Vp + (sl[j] * KV + kv) * U, D, vt.data() + j * D);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t r = rows[b][i], a = c.first(r) - lo, e = PS[r] + 1 - lo;  // keys [a, e) of the copy
-        for (int64_t g = 0; g < G; ++g) {
-          const float* q = Q + (r * H + kv * G + g) * D;
-          for (int64_t j0 = 0; j0 < npad; j0 += kChain) {  // 64 keys' scores in four vectors
-            Chain acc[4] = {};
-            for (int64_t d = 0; d < D; ++d) {
-              const float qd = q[d] * sc;
-              for (int part = 0; part < 4; ++part) {
-                Chain kc;
-                std::memcpy(&kc, kt.data() + d * npad + j0 + 16 * part, sizeof kc);
-                acc[part] += qd * kc;
-              }
-            }
-            std::memcpy(p.data() + j0, acc, sizeof acc);
+      const int64_t m = i1 - i0;
+      starts.resize(m);
+      ends.resize(m);
+      for (int64_t i = 0; i < m; ++i) {  // keys [a, e) of the copy
+        starts[i] = c.first(rows[b][i0 + i]) - lo;
+        ends[i] = PS[rows[b][i0 + i]] + 1 - lo;
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+        const int64_t ng = std::min(kHeads, G - g0);
+        qs.resize(m * ng * D);
+        p.resize(m * ng * npad);
+        outs.resize(m * ng);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t h = 0; h < ng; ++h) {
+            const int64_t at = (rows[b][i0 + i] * H + kv * G + g0 + h) * D;
+            for (int64_t d = 0; d < D; ++d) qs[(i * ng + h) * D + d] = Q[at + d] * sc;
+            outs[i * ng + h] = O + at;
           }
-          std::fill(p.begin(), p.begin() + a, -INFINITY);
-          std::fill(p.begin() + e, p.end(), -INFINITY);
-          const float inv = 1.f / exp_shifted(p.data(), npad);
-          float* o = O + (r * H + kv * G + g) * D;
-          int64_t d0 = 0;
-          for (; d0 + kChain <= D; d0 += kChain) {  // 64 outputs in four vectors (GCC vector types)
-            Chain acc[4] = {};
-            for (int64_t j = a; j < e; ++j) {
-              const float* v = vrows[j] + d0;
-              const float pj = p[j] * inv;
-              for (int part = 0; part < 4; ++part) {
-                Chain vc;
-                std::memcpy(&vc, v + 16 * part, sizeof vc);
-                acc[part] += pj * vc;
-              }
-            }
-            std::memcpy(o + d0, acc, sizeof acc);
-          }
-          if (d0 < D) {  // a head size that is no whole number of chains
-            std::fill(o + d0, o + D, 0.f);
-            for (int64_t j = a; j < e; ++j) {
-              const float* v = vrows[j];
-              const float pj = p[j] * inv;
-              for (int64_t d = d0; d < D; ++d) o[d] += pj * v[d];
-            }
-          }
+        const float* k = kt.data();
+        switch (ng) {
+          case 4: block_attention<4>(qs.data(), m, starts.data(), ends.data(), k, npad, vrows, D, p.data(), outs.data()); break;
+          case 3: block_attention<3>(qs.data(), m, starts.data(), ends.data(), k, npad, vrows, D, p.data(), outs.data()); break;
+          case 2: block_attention<2>(qs.data(), m, starts.data(), ends.data(), k, npad, vrows, D, p.data(), outs.data()); break;
+          default: block_attention<1>(qs.data(), m, starts.data(), ends.data(), k, npad, vrows, D, p.data(), outs.data()); break;
         }
       }
     }

@@ -113,6 +113,7 @@ def bench_ttft(reps: int, n_sessions: int, max_new_tokens: int) -> None:
     questions = [json.loads(x)["question"] for x in (DATA / "docs_questions.jsonl").read_text().splitlines()]
     rng = random.Random(1)
     ratios: dict[int, list[float]] = {1: [], 5: []}
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(reps):
             sessions = [rng.sample(questions, 5) for _ in range(n_sessions)]
@@ -125,13 +126,23 @@ def bench_ttft(reps: int, n_sessions: int, max_new_tokens: int) -> None:
                 on = statistics.median(s[turn - 1] for s in got[True])
                 off = statistics.median(s[turn - 1] for s in got[False])
                 ratios[turn].append(on / off)
+                rows.append({"rep": rep, "turn": turn, "off_ms": off, "on_ms": on, "ratio": on / off})
                 print(
                     f"rep {rep} turn {turn}: TTFT median {off:.0f} ms off, {on:.0f} ms on: {on / off:.2f}x",
                     flush=True,
                 )
+    summary = {}
     for turn, rs in ratios.items():
         spread = f"{min(rs):.2f}-{max(rs):.2f}"
         print(f"turn {turn}: median ratio {statistics.median(rs):.2f}x (spread {spread}, {len(rs)} reps)")
+        summary[f"turn{turn}_median_ratio"] = statistics.median(rs)
+    out = ROOT / "bench-results" / f"kb-ttft-{time.strftime('%Y-%m-%dT%H%M%S%z')}.json"
+    out.parent.mkdir(exist_ok=True)
+    command = f"python scripts/kb_bench.py ttft --reps {reps} --sessions {n_sessions}"
+    out.write_text(
+        json.dumps({"command": command, "sessions": n_sessions, **summary, "rows": rows}, indent=1)
+    )
+    print(f"written to {out.relative_to(ROOT)}")
 
 
 def main() -> None:

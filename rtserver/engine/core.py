@@ -398,8 +398,9 @@ class Engine:
         self, seq: Sequence, segments: tuple[tuple[int, int], ...], priority: Priority
     ) -> None:
         """Each segment's KV comes from an entry of its own: the public tokens, then the segment. One not
-        cached yet is computed first, by a sequence of its own that leaves its KV as that entry. Where that
-        cannot be queued, the segment is computed in place.
+        cached yet is computed first, by a sequence of its own that leaves its KV as that entry. Those
+        sequences take at most half the queue: customers' turns must still find room. A segment they
+        cannot take is computed in place.
         """
         public = seq.prompt_ids[: seq.public_tokens]
         self._producers = {k: p for k, p in self._producers.items() if not p.is_finished}
@@ -408,6 +409,8 @@ class Engine:
             key = SegmentKey(hash((tuple(public), tuple(ids))))
             producer = self._producers.get(key)
             if producer is None and not self.kv.holds(key):
+                if self.scheduler.spare() <= self.scheduler.limits.max_waiting // 2:
+                    continue
                 producer = Sequence(
                     public + ids,
                     SamplingParams(max_new_tokens=1, priority=priority),

@@ -71,6 +71,10 @@ class SegmentKey:
     digest: int
 
 
+PREFAULT_AHEAD = 64  # blocks touched ahead of use while idle (see `prefault`)
+PREFAULT_BATCH = 8  # blocks a round of `prefault` calls touches
+
+
 class KeyMover(Protocol):
     """Moves KV to other positions: RoPE composes, so a key moved d positions on is rotated by d's angles."""
 
@@ -124,6 +128,9 @@ class KVCacheManager:
         self.v[:, :block_tokens] = 0
         self._offsets = torch.arange(block_tokens, dtype=torch.long)
         self._free: list[int] = list(range(self.total_blocks, 0, -1))
+        self._handed = 0  # the highest block ever handed out
+        self._touched = 0  # blocks 1.. up to this one have been written (`prefault`)
+        self._layer = 0  # the next layer's rows `prefault` touches (K, then V)
         self._refs = [0] * (self.total_blocks + 1)
         self.sessions: OrderedDict[Hashable, KVHandle] = OrderedDict()
         self.live: dict[Hashable, KVHandle] = {}  # running sessions' handles, by session key
@@ -163,7 +170,30 @@ class KVCacheManager:
         taken = [self._free.pop() for _ in range(n)]
         for b in taken:
             self._refs[b] = 1
+        self._handed = max(self._handed, *taken)
         return taken
+
+    def prefault(self) -> bool:
+        """Touch the next never-used blocks, one layer's K or V rows a call, while the engine is idle. Blocks
+        are handed out lowest first, so those are the next to be written. Their pages fault now, not in a
+        step; a call stays short even where a 2 MB page is cleared. At most PREFAULT_AHEAD blocks go
+        untouched-free ahead of use. False: nothing to do.
+        """
+        with self.lock:
+            if self._handed > self._touched:  # blocks were handed out: start past them, never on them
+                self._touched, self._layer = self._handed, 0
+            used = self.total_blocks - len(self._free)
+            if self._touched >= min(self.total_blocks, used + PREFAULT_AHEAD):
+                return False
+            start = self._touched + 1
+            stop = min(self.total_blocks, start + PREFAULT_BATCH - 1)
+            layers = self.k.shape[0]
+            pool = self.k if self._layer < layers else self.v
+            pool[self._layer % layers, start * self.block_tokens : (stop + 1) * self.block_tokens] = 0
+            self._layer += 1
+            if self._layer == 2 * layers:
+                self._touched, self._layer = stop, 0
+            return True
 
     def _drop_blocks(self, blocks: list[int]) -> None:
         for b in blocks:
@@ -376,16 +406,17 @@ class KVCacheManager:
         if self.mover is not None:  # a prompt that leaves a block part-way leaves all of it
             reused = next((s for s, e in cached.inserted if s < reused < e), reused)
         runs = self._runs_after_inserted(cached, prompt_ids, reused)
-        rows = [self._rows(cached.slots[j : j + n], torch.full((n,), i - j)) for j, i, n in runs]
+        src = torch.cat([cached.slots[j : j + n] for j, _, n in runs]) if runs else None
         keep = self.blocks_for(reused)
-        self._drop_blocks(cached.blocks[keep:])
+        tail = cached.blocks[keep:]  # freed once what moves is copied out of it
         cached.blocks = cached.blocks[:keep]
         cached.token_ids = cached.token_ids[:reused]
         cached.block_hashes = cached.block_hashes[: reused // self.block_tokens]
         cached.inserted = [r for r in cached.inserted if r[1] <= reused]
         self.session_hits += 1
-        if rows:
-            self._move_in(cached, prompt_ids, runs, rows)
+        if src is not None:
+            self._move_in(cached, prompt_ids, runs, src)
+        self._drop_blocks(tail)
         return cached
 
     def _runs_after_inserted(
@@ -411,28 +442,26 @@ class KVCacheManager:
             i, j = i + n, j + n
         return runs
 
-    def _rows(self, slots: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the K and V rows at `slots`, each key rotated `shift` positions on."""
-        assert self.mover is not None
-        return self.mover.shift_keys(self.k[:, slots], shift), self.v[:, slots].clone()
-
     def _move_in(
-        self,
-        handle: KVHandle,
-        prompt_ids: list[int],
-        runs: list[tuple[int, int, int]],
-        rows: list[tuple[torch.Tensor, torch.Tensor]],
+        self, handle: KVHandle, prompt_ids: list[int], runs: list[tuple[int, int, int]], src: torch.Tensor
     ) -> None:
-        """Write moved rows after the handle's tokens. Without room for them the handle stays as it is."""
+        """Copy the runs' rows (at slots `src`, in blocks not yet freed) after the handle's tokens. Without
+        room for them the handle stays as it is.
+        """
+        assert self.mover is not None
         end = runs[-1][1] + runs[-1][2]
         try:
             self._own_last_block(handle)
             self._grow(handle, end)
         except OutOfKVMemory:
             return
-        for (_, i, n), (k, v) in zip(runs, rows):
-            self.k[:, handle.slots[i : i + n]] = k
-            self.v[:, handle.slots[i : i + n]] = v
+        dst = torch.cat([handle.slots[i : i + n] for _, i, n in runs])
+        shift = torch.cat([torch.full((n,), i - j) for j, i, n in runs])
+        if set(src.tolist()) & set(dst.tolist()):  # a short block: the last kept block holds both
+            k, v = self.mover.shift_keys(self.k[:, src], shift), self.v[:, src].clone()
+            self.k[:, dst], self.v[:, dst] = k, v
+        else:
+            self.mover.move_rows(self.k, self.v, src, dst, shift)
         handle.token_ids = prompt_ids[:end]
         self.moved_tokens += end - runs[0][1]
 
@@ -441,16 +470,17 @@ class KVCacheManager:
         with self.lock:
             return key in self.sessions
 
-    def segment_slots(self, key: SegmentKey, src: int, ids: list[int]) -> torch.Tensor | None:
-        """The slots of a segment's own KV: its ids at position `src` of the entry `key`. None when that
+    def segment_slots(self, key: SegmentKey, context: list[int], ids: list[int]) -> torch.Tensor | None:
+        """The slots of a segment's own KV: the entry `key` holds `context`, then `ids`. None when that
         entry is gone (evicted): the caller computes the ids instead.
         """
         with self.lock:
             entry = self.sessions.get(key)
-            if entry is None or entry.token_ids[src : src + len(ids)] != ids or self.mover is None:
+            n = len(context)
+            if entry is None or self.mover is None or entry.token_ids[: n + len(ids)] != context + ids:
                 return None
             self.sessions.move_to_end(key)
-            return entry.slots[src : src + len(ids)]
+            return entry.slots[n : n + len(ids)]
 
     def splice(self, handle: KVHandle, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
         """Copy segments' KV into `handle`: (position there, position in the entry, the entry's slots) each,

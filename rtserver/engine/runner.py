@@ -132,6 +132,7 @@ class ModelRunner:
         self.vocab_size = self.lm_head.out_features
         self.attention = PagedAttention(self.n_heads, self.n_kv, self.head_dim, self.scale)
         self.attention_kernel: Kernel | None = None  # see use_attention_kernel
+        self._rope_stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see move_rows
         self.fused_decode = False  # decodes and generation prompts run fused (choose_fused_decode)
         self._fused_layers: list[object] = []  # the kernel's FusedLayer of each layer (choose_fused_decode)
         if release_dense_weights:
@@ -161,12 +162,13 @@ class ModelRunner:
             k[:, dst] = self.shift_keys(k[:, src], shift)
             v[:, dst] = v[:, src]
             return
-        steps = shift.abs()
-        sign = torch.where(shift < 0, -1.0, 1.0)[:, None]
-        cos = torch.stack([c[steps].float() for c, _ in self.rope])
-        sin = torch.stack([s[steps].float() * sign for _, s in self.rope])
-        tables = torch.tensor([layer.rope for layer in self.layers], dtype=torch.long)
-        self.attention_kernel.move_rows(k, v, src, dst, cos.contiguous(), sin.contiguous(), tables)
+        if self._rope_stacked is None:  # no torch op before the kernel call: its threads would still spin
+            cos = torch.stack([c.float() for c, _ in self.rope]).contiguous()
+            sin = torch.stack([s.float() for _, s in self.rope]).contiguous()
+            tables = torch.tensor([layer.rope for layer in self.layers], dtype=torch.long)
+            self._rope_stacked = (cos, sin, tables)
+        cos, sin, tables = self._rope_stacked
+        self.attention_kernel.move_rows(k, v, src, dst, shift.contiguous(), cos, sin, tables)
 
     def _layers_by_rope(self, n: int) -> dict[int, list[int]]:
         """The first `n` layers grouped by the RoPE table they read."""

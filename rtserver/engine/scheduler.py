@@ -120,6 +120,12 @@ class Scheduler:
             self.waiting.append(seq)
             self._cond.notify()
 
+    def spare(self) -> int:
+        """How many more sequences the queue takes now."""
+        with self._cond:
+            room = self.limits.max_waiting + max(0, self.limits.max_running - len(self.running))
+            return room - len(self.waiting)
+
     def cancel(self, seq: Sequence) -> None:
         with self._cond:
             seq.cancelled = True
@@ -138,11 +144,17 @@ class Scheduler:
     def run_forever(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self.has_work:
-                    self._cond.wait()
                 if self._stop:
                     break
-            self.step()
+                idle = not self.has_work
+            # idle: the pool's next blocks are touched now, outside the queue's lock, so that steps do not
+            # page-fault on them
+            if idle and not self.kv.prefault():
+                with self._cond:
+                    while not self._stop and not self.has_work:
+                        self._cond.wait()
+            elif not idle:
+                self.step()
         self._fail_all(FinishReason.CANCELLED, "server shutting down")
 
     def _fail_all(self, reason: FinishReason, message: str) -> None:
@@ -390,7 +402,7 @@ class Scheduler:
             slots = (
                 None
                 if splice is None
-                else self.kv.segment_slots(splice.key, splice.src, ids[pos : splice.end])
+                else self.kv.segment_slots(splice.key, ids[: splice.src], ids[pos : splice.end])
             )
             if splice is not None and slots is not None:
                 pieces.append((pos, splice.src, slots))

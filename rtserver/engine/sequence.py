@@ -38,7 +38,7 @@ class Splice:
 
     end: int  # the segment is positions [its start, end)
     key: SegmentKey
-    src: int  # where the segment's ids start in that entry
+    src: int  # where the segment's ids start in that entry: after the prompt's public tokens
     producer: Sequence | None = None  # the sequence computing the entry, until it ends
 
 

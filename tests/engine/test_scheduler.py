@@ -10,10 +10,10 @@ import torch
 
 from rtserver.config import EngineSettings
 from rtserver.engine.backend import FinishReason, Overloaded, Priority, RequestTooLarge, SamplingParams
-from rtserver.engine.kv import KVCacheManager
+from rtserver.engine.kv import KVCacheManager, SegmentKey
 from rtserver.engine.plan import NO_JOINS, JoinSource, StepItem
 from rtserver.engine.scheduler import Scheduler, SchedulerLimits
-from rtserver.engine.sequence import Phase, Sequence
+from rtserver.engine.sequence import Phase, Sequence, Splice
 from rtserver.engine.step import Forward, StepRunner
 
 VOCAB = 32
@@ -516,3 +516,40 @@ def test_assist_may_evict_idle_sessions_while_it_holds_under_its_share():
     sched.step()
     assert second in sched.running and customer in sched.running
     run_until_idle(sched)
+
+
+class CopyingMover:
+    """Moves rows as they are: the fake model has no RoPE."""
+
+    def shift_keys(self, k, shift):
+        return k.clone()
+
+    def move_rows(self, k, v, src, dst, shift):
+        k[:, dst], v[:, dst] = k[:, src], v[:, src]
+
+
+def test_a_cached_segment_is_copied_in_and_the_step_computes_around_it():
+    sched, runner, kv, events = make()
+    kv.mover = CopyingMover()
+    key = SegmentKey(1)
+    entry, _ = kv.acquire([100, 101, 52, 53, 54], 8, session_key=key)
+    entry.token_ids = [100, 101, 52, 53, 54]  # as if computed: the public tokens, then the segment
+    kv.release(entry, key)
+    main = Sequence([100, 101, 52, 53, 54, 105, 106], SamplingParams(max_new_tokens=1), eos_token_ids=set())
+    main.splices[2] = Splice(5, key, 2)
+    sched.submit(main)
+    sched.step()
+    assert runner.steps[0] == [(main.id, 0, 4)]  # 100 101 and 105 106: positions 0 1 5 6
+    assert kv.spliced_tokens == 3 and main.num_computed == 7 and main.output_ids
+
+
+def test_a_segment_whose_sequence_cannot_run_is_computed_in_place():
+    """The prompt holds the only running place: waiting for the segment's own sequence would hold it
+    forever."""
+    sched, runner, kv, events = make(with_limits(max_running=1, max_waiting=4, prefill_chunk_tokens=8))
+    kv.mover = CopyingMover()
+    main = seq(10, 2)
+    main.splices[3] = Splice(7, SegmentKey(2), 2, producer=seq(6, 1, start=300))  # never admitted
+    sched.submit(main)
+    sched.step()
+    assert runner.steps[0] == [(main.id, 0, 8)] and 3 not in main.splices

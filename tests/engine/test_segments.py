@@ -148,12 +148,15 @@ async def test_the_kernel_moves_rows_as_torch_does(kernel, dtype):
     k, v = (to_pool(x, pool_dtype).contiguous() for x in values)
     assert k.shape[-1] == row_width(pool_dtype, dim)
     src, dst = torch.arange(3, 3 + n), torch.arange(20, 20 + n)
-    angles = torch.rand(2, n, dim // 2, generator=g) * 6  # two RoPE tables, one for odd layers
+    shift = torch.tensor([5, -5, 0, 9, -1, 3, -9])  # each row its own, either way
+    angles = torch.rand(2, 10, dim // 2, generator=g) * 6  # two RoPE tables [positions], one for odd layers
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     tables = torch.tensor([0, 1, 0])
-    kernel.move_rows(k, v, src, dst, cos, sin, tables)
+    kernel.move_rows(k, v, src, dst, shift, cos, sin, tables)
     for layer in range(layers):
-        c, s = cos[tables[layer]][:, None, :], sin[tables[layer]][:, None, :]
+        table = tables[layer]
+        c = cos[table, shift.abs()][:, None, :]
+        s = (sin[table, shift.abs()] * torch.where(shift < 0, -1.0, 1.0)[:, None])[:, None, :]
         want = to_pool(rope(from_pool(k[layer, src], torch.float32), c, s), pool_dtype)
         got = k[layer, dst]
         assert torch.allclose(
@@ -162,5 +165,7 @@ async def test_the_kernel_moves_rows_as_torch_does(kernel, dtype):
         assert torch.equal(v[layer, dst], v[layer, src])
     if dtype != "q8_0":  # no rotation moves 16-bit rows bit for bit
         k2 = k.clone()
-        kernel.move_rows(k2, v, dst, src, torch.ones_like(cos), torch.zeros_like(sin), tables)
+        kernel.move_rows(
+            k2, v, dst, src, torch.zeros_like(shift), torch.ones_like(cos), torch.zeros_like(sin), tables
+        )
         assert torch.equal(k2[:, src], k[:, dst])

@@ -331,3 +331,38 @@ def test_a_knowledge_turn_is_its_plain_prompt_with_the_sources_between(smol, tmp
         assert last is not None and last.ids[: len(plain.ids)] == plain.ids
         assert citations.INSTRUCTION not in last.text and last.text == plain.rendered + reply
         history = [*turn.history, {"role": "assistant", "content": reply}]
+
+
+@pytest.mark.asyncio
+async def test_sources_computed_ahead_serve_a_turn_that_computes_none(smol, tmp_path):
+    """Every chunk's source is computed in the background; a turn then copies its block in whole."""
+    from rtserver.config import ChatSettings, EngineSettings
+    from rtserver.engine.backend import SamplingParams
+    from rtserver.engine.core import Engine
+    from rtserver.tasks.chat import ChatTask, chat_task
+    from rtserver.tasks.source_kv import SourceWarmer
+
+    kb = KnowledgeBase(KnowledgeSettings(folder=str(DATA / "shop_kb")), str(tmp_path / "cache"))
+    assert kb.load() and kb.index is not None
+    chat = ChatTask(chat_task(ChatSettings()), smol.tokenizer, kb)
+    engine = Engine(smol, EngineSettings(kv_budget_mb=256))
+    engine.start()
+    try:
+        warmer = SourceWarmer(chat, engine)
+        await warmer.warm()
+        assert warmer.done == warmer.total == len(kb.index.chunks(10_000)) > 30
+        submitted = []
+        submit = engine.scheduler.submit
+        engine.scheduler.submit = lambda seq: submitted.append(seq) or submit(seq)
+        turn = chat.prepare_turn([], "Do you take PayPal?", None, knowledge=True)
+        assert turn.inserted is not None and len(turn.inserted.segments) == 2 * len(turn.sources.sources) + 2
+        before = engine.kv.spliced_tokens
+        params = SamplingParams(max_new_tokens=4)
+        result = await engine.generate(
+            turn.prompt_ids, params, public_tokens=turn.public_tokens, inserted=turn.inserted
+        ).result()
+        assert len(submitted) == 1  # the turn alone: no segment had to be computed
+        assert engine.kv.spliced_tokens - before == turn.inserted.end - turn.inserted.start
+        assert result.usage.prefilled_tokens == len(turn.prompt_ids) - turn.inserted.end
+    finally:
+        await engine.stop()

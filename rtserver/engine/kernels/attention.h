@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -555,41 +556,57 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k_p
   return out;
 }
 
-// Pool rows copied from slots `src` to slots `dst` of every layer, each key rotated by its row's RoPE
-// angles: rotating a key at position p by those of d gives the key at p + d (a segment's KV spliced into
-// another prompt). Pools are [layers, slots, KV, width]; cos and sin [tables, n, D]; layer_table [layers].
-// Sources and destinations must not overlap.
+// Pool rows copied from slots `src` to slots `dst` of every layer, each key rotated by its row's `shift`
+// positions: rotating a key at position p by the angles of d gives the key at p + d (a segment's KV spliced
+// into another prompt). Pools are [layers, slots, KV, width]; cos and sin [tables, positions, D] the RoPE
+// tables; layer_table [layers] each layer's. Sources and destinations must not overlap.
 void move_rows(torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& src, const torch::Tensor& dst,
-               const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& layer_table) {
+               const torch::Tensor& shift, const torch::Tensor& cos, const torch::Tensor& sin,
+               const torch::Tensor& layer_table) {
   TORCH_CHECK(k_pool.dim() == 4 && cos.dim() == 3 && cos.sizes() == sin.sizes() &&
                   cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
                   cos.is_contiguous() && sin.is_contiguous(),
-              "pools must be [layers, slots, KV, width], cos and sin float32 [tables, n, D]");
-  const int64_t L = k_pool.size(0), S = k_pool.size(1), KV = k_pool.size(2), T = cos.size(0), n = cos.size(1);
-  const int64_t D = cos.size(2), half = D / 2;
+              "pools must be [layers, slots, KV, width], cos and sin float32 [tables, positions, D]");
+  const int64_t L = k_pool.size(0), S = k_pool.size(1), KV = k_pool.size(2), T = cos.size(0), P = cos.size(1);
+  const int64_t D = cos.size(2), half = D / 2, n = src.numel();
   check_pools(k_pool[0], v_pool[0], D);
-  TORCH_CHECK(src.scalar_type() == torch::kInt64 && dst.scalar_type() == torch::kInt64 && src.numel() == n &&
-                  dst.numel() == n && src.is_contiguous() && dst.is_contiguous(),
-              "src and dst must be int64 [n]");
+  TORCH_CHECK(src.scalar_type() == torch::kInt64 && dst.scalar_type() == torch::kInt64 &&
+                  shift.scalar_type() == torch::kInt64 && dst.numel() == n && shift.numel() == n &&
+                  src.is_contiguous() && dst.is_contiguous() && shift.is_contiguous(),
+              "src, dst and shift must be int64 [n]");
   TORCH_CHECK(layer_table.scalar_type() == torch::kInt64 && layer_table.numel() == L && layer_table.is_contiguous(),
               "layer_table must be int64 [layers]");
   const int64_t *SR = src.data_ptr<int64_t>(), *DS = dst.data_ptr<int64_t>(), *LT = layer_table.data_ptr<int64_t>();
+  const int64_t* SH = shift.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(SR[i] >= 0 && SR[i] < S && DS[i] >= 0 && DS[i] < S, "a slot is outside the pool");
+    TORCH_CHECK(SR[i] >= 0 && SR[i] < S && DS[i] >= 0 && DS[i] < S && std::abs(SH[i]) < P,
+                "a slot is outside the pool, or a shift outside the tables");
   for (int64_t l = 0; l < L; ++l) TORCH_CHECK(LT[l] >= 0 && LT[l] < T, "a layer's table is outside cos");
   const float *C = cos.data_ptr<float>(), *SN = sin.data_ptr<float>();
   with_pools(k_pool, v_pool, [&](auto* Kp, auto* Vp) {
     using E = std::remove_pointer_t<decltype(Kp)>;
     const int64_t W = kv_units<E>(D);  // elements of one head's row
     pool::parallel_for(0, L * n, 16, [&](int64_t a, int64_t b) {
-      std::vector<float> x(D), y(D);
+      std::vector<float> x(D), y(D), neg(D);
       for (int64_t t = a; t < b; ++t) {
         const int64_t l = t / n, i = t % n;
-        const float *c = C + (LT[l] * n + i) * D, *s = SN + (LT[l] * n + i) * D;
+        const float *c = C + (LT[l] * P + std::abs(SH[i])) * D, *s = SN + (LT[l] * P + std::abs(SH[i])) * D;
+        if (SH[i] < 0) {  // back: the angles negated, sin(-a) = -sin(a)
+          for (int64_t d = 0; d < D; ++d) neg[d] = -s[d];
+          s = neg.data();
+        }
         const int64_t from = (l * S + SR[i]) * KV * W, to = (l * S + DS[i]) * KV * W;
         for (int64_t h = 0; h < KV; ++h) {
           const float* k = kv_row(Kp + from + h * W, D, x.data());
-          for (int64_t j = 0; j < half; ++j) {
+          int64_t j = 0;
+          for (; half % 16 == 0 && j < half; j += 16) {  // the halves layout: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
+            const Chain x1 = load_chain(k + j), x2 = load_chain(k + j + half);
+            const Chain y1 = x1 * load_chain(c + j) - x2 * load_chain(s + j);
+            const Chain y2 = x2 * load_chain(c + j + half) + x1 * load_chain(s + j + half);
+            std::memcpy(y.data() + j, &y1, sizeof y1);
+            std::memcpy(y.data() + j + half, &y2, sizeof y2);
+          }
+          for (; j < half; ++j) {
             y[j] = k[j] * c[j] - k[j + half] * s[j];
             y[j + half] = k[j + half] * c[j + half] + k[j] * s[j + half];
           }

@@ -6,10 +6,15 @@ public prefix (`public_tokens`: text the server wrote). A customer's text is nev
 sessions. So what is cached says nothing about another session. A prompt about one conversation (an agent's
 assist call) may start from that session's own KV. That KV may be idle or running (`fork`). Shared blocks
 are never written. Idle entries are evicted LRU. The pool never grows.
+
+KV may also move: a segment's own KV is copied into the prompts that hold it (`splice`), and a session's
+next turn that leaves out an inserted block keeps the KV after it, moved back (`_from_session`). Keys are
+rotated as they move (`KeyMover`, the runner).
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -18,7 +23,6 @@ from typing import Protocol
 
 import torch
 
-from .kv_memory import advise_huge_pages
 from .kv_rows import row_width
 
 
@@ -101,6 +105,26 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back a large tensor with 2 MB pages where it may (transparent huge pages, `madvise`
+    mode). The pool is left untouched until used. Each first touch then faults once per 2 MB, not per
+    4 KB: a prompt's new KV pages cost a page fault each otherwise. False where it cannot.
+    """
+    start = -(-t.data_ptr() // _HUGE) * _HUGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    return bool(libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0)
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -147,8 +171,8 @@ class KVCacheManager:
         self.prefix_hits = 0
         self.session_hits = 0
         self.fork_hits = 0
-        self.moved_tokens = 0  # prompt tokens served from a session's KV moved back past a left-out block
-        self.spliced_tokens = 0  # prompt tokens served from segments' own KV
+        self.moved_hits = 0  # prompt tokens served from a session's KV moved back past a left-out block
+        self.spliced_hits = 0  # prompt tokens served from segments' own KV
         self.mover: KeyMover | None = None  # the runner; without it nothing is moved
         self.lock = threading.RLock()
 
@@ -463,7 +487,7 @@ class KVCacheManager:
         else:
             self.mover.move_rows(self.k, self.v, src, dst, shift)
         handle.token_ids = prompt_ids[:end]
-        self.moved_tokens += end - runs[0][1]
+        self.moved_hits += end - runs[0][1]
 
     def holds(self, key: SegmentKey) -> bool:
         """Whether a segment's own KV is cached."""
@@ -492,7 +516,7 @@ class KVCacheManager:
             shift = torch.cat([torch.full((len(slots),), at - was) for at, was, slots in pieces])
             assert self.mover is not None  # segment_slots found them
             self.mover.move_rows(self.k, self.v, src, dst, shift)
-            self.spliced_tokens += len(src)
+            self.spliced_hits += len(src)
 
     def _from_fork(self, key: Hashable, prompt_ids: list[int]) -> KVHandle | None:
         """What session `key`'s KV holds of the prompt's start, shared (see `_fork`)."""
@@ -578,6 +602,6 @@ class KVCacheManager:
                 prefix_hits=self.prefix_hits,
                 session_hits=self.session_hits,
                 fork_hits=self.fork_hits,
-                moved_hits=self.moved_tokens,
-                spliced_hits=self.spliced_tokens,
+                moved_hits=self.moved_hits,
+                spliced_hits=self.spliced_hits,
             )

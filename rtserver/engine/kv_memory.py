@@ -3,7 +3,6 @@ model and machine, with the reason `auto` gave (shown in /health)."""
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,23 +84,3 @@ def resolve_kv_memory(dtype_setting: str, budget_setting_mb: int, loaded: Loaded
     dtype, dtype_why = kv_dtype_for(dtype_setting, loaded)
     budget, budget_why = kv_budget_for(budget_setting_mb, available_mb())
     return KVMemory(dtype, budget, dtype_why, budget_why)
-
-
-_MADV_HUGEPAGE = 14
-_HUGE = 2 << 20
-
-
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Ask Linux to back a large tensor with 2 MB pages where it may (transparent huge pages, `madvise`
-    mode). The pool is left untouched until used. Each first touch then faults once per 2 MB, not per
-    4 KB: a prompt's new KV pages cost a page fault each otherwise. False where it cannot.
-    """
-    start = -(-t.data_ptr() // _HUGE) * _HUGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE
-    if end <= start:
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return False
-    return bool(libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0)

@@ -540,7 +540,7 @@ def test_a_cached_segment_is_copied_in_and_the_step_computes_around_it():
     sched.submit(main)
     sched.step()
     assert runner.steps[0] == [(main.id, 0, 4)]  # 100 101 and 105 106: positions 0 1 5 6
-    assert kv.spliced_tokens == 3 and main.num_computed == 7 and main.output_ids
+    assert kv.spliced_hits == 3 and main.num_computed == 7 and main.output_ids
 
 
 def test_a_segment_whose_sequence_cannot_run_is_computed_in_place():

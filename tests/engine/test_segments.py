@@ -73,7 +73,7 @@ async def test_a_segment_right_after_the_public_tokens_is_exact(engine, smol):
     for _ in range(2):  # cold (its own sequence computes it first), then cached
         result = await engine.generate(prompt, greedy(12), public_tokens=len(header), inserted=block).result()
         assert result.token_ids == want
-    assert engine.kv.spliced_tokens == 2 * len(s1)
+    assert engine.kv.spliced_hits == 2 * len(s1)
 
 
 async def test_segments_give_the_same_tokens_cold_or_cached(engine, smol):
@@ -89,7 +89,7 @@ async def test_segments_give_the_same_tokens_cold_or_cached(engine, smol):
         # the segments are copied in, not computed: "[2] " and the question are
         assert result.usage.prefilled_tokens == len(prompt) - result.usage.cached_tokens - len(s1) - len(s2)
     assert runs[0] == runs[1]
-    assert engine.kv.spliced_tokens == 2 * (len(s1) + len(s2))
+    assert engine.kv.spliced_hits == 2 * (len(s1) + len(s2))
 
 
 async def test_the_next_turn_leaves_the_block_out_and_moves_the_rest_back(engine, smol):
@@ -104,7 +104,7 @@ async def test_the_next_turn_leaves_the_block_out_and_moves_the_rest_back(engine
     second = header + question + reply.token_ids + smol.tokenizer.encode(" Thanks!", add_special_tokens=False)
     result = await engine.generate(second, greedy(4), public_tokens=a, session_key="s").result()
     moved = len(question) + len(reply.token_ids) - 1  # the last generated token was never computed
-    assert engine.kv.moved_tokens == moved
+    assert engine.kv.moved_hits == moved
     assert result.usage.cached_tokens == a + moved
     new = kv_rows(engine, engine.kv.sessions["s"], a, a + len(question))
     assert torch.equal(new[1], old[1])  # values move as they are

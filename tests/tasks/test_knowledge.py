@@ -356,13 +356,13 @@ async def test_sources_computed_ahead_serve_a_turn_that_computes_none(smol, tmp_
         engine.scheduler.submit = lambda seq: submitted.append(seq) or submit(seq)
         turn = chat.prepare_turn([], "Do you take PayPal?", None, knowledge=True)
         assert turn.inserted is not None and len(turn.inserted.segments) == 2 * len(turn.sources.sources) + 2
-        before = engine.kv.spliced_tokens
+        before = engine.kv.spliced_hits
         params = SamplingParams(max_new_tokens=4)
         result = await engine.generate(
             turn.prompt_ids, params, public_tokens=turn.public_tokens, inserted=turn.inserted
         ).result()
         assert len(submitted) == 1  # the turn alone: no segment had to be computed
-        assert engine.kv.spliced_tokens - before == turn.inserted.end - turn.inserted.start
+        assert engine.kv.spliced_hits - before == turn.inserted.end - turn.inserted.start
         assert result.usage.prefilled_tokens == len(turn.prompt_ids) - turn.inserted.end
     finally:
         await engine.stop()

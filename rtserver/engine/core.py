@@ -386,13 +386,17 @@ class Engine:
             seq.inserted = (inserted.start, inserted.end)
             self._splice_segments(seq, inserted.segments, params.priority)
         stream = GenerationStream(self, seq)
-        self._streams[seq.id] = stream
+        self._queue(seq, stream)
+        return stream
+
+    def _queue(self, seq: Sequence, sink: OutputSink) -> None:
+        """Submit a sequence whose tokens and end go to `sink`. Raises what the scheduler refused."""
+        self._streams[seq.id] = sink
         try:
             self.scheduler.submit(seq)
         except Exception:
             del self._streams[seq.id]
             raise
-        return stream
 
     def _splice_segments(
         self, seq: Sequence, segments: tuple[tuple[int, int], ...], priority: Priority
@@ -418,11 +422,9 @@ class Engine:
                     session_key=key,
                     public_tokens=len(public),
                 )
-                self._streams[producer.id] = _NO_SINK
                 try:
-                    self.scheduler.submit(producer)
+                    self._queue(producer, _NO_SINK)
                 except Exception:
-                    del self._streams[producer.id]
                     continue
                 self._producers[key] = producer
             seq.splices[s] = Splice(e, key, len(public), producer)
@@ -498,12 +500,7 @@ class Engine:
             seq.score_columns = sorted({c[0] for c in candidates})
         seq.features_from = features_from
         sink = _ScoreSink()
-        self._streams[seq.id] = sink
-        try:
-            self.scheduler.submit(seq)
-        except Exception:
-            del self._streams[seq.id]
-            raise
+        self._queue(seq, sink)
         result: SequenceResult = await sink.future
         if result.finish_reason is FinishReason.ERROR or result.scores is None:
             raise RuntimeError(result.error or "scoring failed")

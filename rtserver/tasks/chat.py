@@ -228,7 +228,7 @@ class ChatTask:
         self.task = task
         self.tokenizer = tokenizer
         self.knowledge = knowledge  # the articles session turns answer from, with citations
-        self._generation: str | None = None  # see _generation_prompt
+        self._generation: tuple[str, list[int]] | None = None  # see _generation_prompt
         # the ids of the articles' text: the sources' parts come back turn after turn
         self._part_ids = functools.lru_cache(maxsize=4096)(self._plain_ids)
         self.cut = functools.lru_cache(maxsize=4096)(self._cut)  # an article's text cut to its share
@@ -252,7 +252,7 @@ class ChatTask:
         tokenized on its own, and so is the message, as the next turn's prompt (without the sources) holds
         it. None where the template's prompt does not end as expected.
         """
-        generation = _encode(self.tokenizer, [(self._generation_prompt(), False)])
+        header, generation = self._generation_prompt()
         tail = self._plain_ids(text) + generation  # a customer's text is not kept in the cache
         start = len(p.ids) - len(tail)
         if start < p.public_tokens or p.ids[start:] != tail:
@@ -261,15 +261,16 @@ class ChatTask:
         for piece in parts:
             segments.append((len(ids), len(ids) + len(piece)))
             ids = ids + piece
-        at = len(p.rendered) - len(text) - len(self._generation_prompt())
+        at = len(p.rendered) - len(text) - len(header)
         rendered = p.rendered[:at] + sources.block + p.rendered[at:]
         block = Inserted(start, len(ids), tuple(segments))
         return ChatTurn(text, [], False, rendered, ids + tail, p.public_tokens, sources, block, p)
 
-    def _generation_prompt(self) -> str:
-        """The template's text after the last user message: the assistant's header."""
+    def _generation_prompt(self) -> tuple[str, list[int]]:
+        """The template's text after the last user message (the assistant's header), and its ids."""
         if self._generation is None:
-            self._generation = template_segments(self.tokenizer, [{"role": "user", "content": "x"}])[-1][0]
+            text = template_segments(self.tokenizer, [{"role": "user", "content": "x"}])[-1][0]
+            self._generation = text, _encode(self.tokenizer, [(text, False)])
         return self._generation
 
     def _plain_ids(self, text: str) -> list[int]:

@@ -56,11 +56,8 @@ class Retrieved:
 
     @property
     def block(self) -> str:
+        """The text the model reads before the customer's message."""
         return "".join(self.parts)
-
-    def with_message(self, text: str) -> str:
-        """The customer's message as the model reads it: the sources block first."""
-        return self.block + text if self.sources else text
 
 
 def retrieved(hits: list[Hit], token_budget: int, cut: Callable[[str, int], str]) -> Retrieved:

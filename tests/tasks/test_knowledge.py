@@ -284,7 +284,7 @@ def test_the_parse_keeps_given_numbers_once_in_order():
     cut = citations.parse("An answer cancelled before its ending.", "", sources)
     assert cut.sources == () and not cut.unknown  # no hand-off for a reply the customer stopped
     block = citations.retrieved([], 100, lambda t, n: t)
-    assert block.sources == () and block.with_message("hi") == "hi"
+    assert block.sources == () and block.block == ""  # nothing goes before the message
 
 
 def test_rtserver_kb_index_rebuilds_where_servers_read(tmp_path, monkeypatch, capsys):

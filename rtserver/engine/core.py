@@ -38,7 +38,7 @@ from .kv import KVCacheManager, SegmentKey
 from .kv_memory import resolve_kv_memory
 from .linear import BlockLinear, Linear
 from .model import LoadedModel
-from .openmp import release_pool
+from .openmp import limit_team, release_pool
 from .quant import probe_panel_rows
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepEvent
@@ -234,6 +234,7 @@ class Engine:
         self.kv.mover = self.runner  # KV may move: segments, blocks left out
         # What each linear computes with, and why (shown in /health).
         self.kernels: dict[str, object] = {"weights": loaded.dtype_name}
+        self._step_threads = loaded.threads  # torch's threads while the scheduler runs
         if loaded.gguf_blocks is not None:
             self.kernels = self._use_gguf_blocks(loaded)
             if release_dense_weights:
@@ -279,6 +280,9 @@ class Engine:
             runner.keep_only_panels()
             kept = runner.keep_panels(self.settings.kept_panels_mb << 20)
         runner.choose_fused_decode()
+        if len(on_blocks) == len(linears):
+            # the kernel's own threads do every big loop; torch's OpenMP workers would only spin beside them
+            self._step_threads = 1
         formats = sorted({b.shipped for b in loaded.blocks.values()})
         log.info(
             "%d of %d linears on GGUF blocks (%s); panels above %d rows; %.0f MB of them kept unpacked",
@@ -301,6 +305,7 @@ class Engine:
             "decode_weight_mb": round(decode_weight_bytes(linears) / 2**20, 1),
             "file_matmul_mb": round(file_matmul_bytes(GGUFFile(loaded.gguf_blocks)) / 2**20, 1),
             "fused_decode_steps": "every size" if runner.fused_decode else "none",
+            "torch_threads": self._step_threads,
             "why": "start-up probe: the small-step kernel beat the panels up to that many rows",
         }
 
@@ -323,7 +328,9 @@ class Engine:
     def _serve(self) -> None:
         """The scheduler's thread. It owns the kernel's worker threads, then runs every step."""
         if self.loaded.kernel is not None:
-            self.loaded.kernel.bind_pool(torch.get_num_threads())
+            self.loaded.kernel.bind_pool(self.loaded.threads)
+        if self._step_threads < self.loaded.threads:
+            limit_team(self._step_threads)
         self.scheduler.run_forever()
 
     async def stop(self) -> None:

@@ -14,7 +14,6 @@ rotated as they move (`KeyMover`, the runner).
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -75,7 +74,8 @@ class SegmentKey:
     digest: int
 
 
-PREFAULT_AHEAD = 64  # blocks touched ahead of use while idle (see `prefault`)
+PREFAULT_AHEAD = 64  # blocks touched ahead of use while idle (see `prefault`) ...
+PREFAULT_AHEAD_BYTES = 16 << 20  # ... and at most this many bytes of them
 PREFAULT_BATCH = 8  # blocks a round of `prefault` calls touches
 
 
@@ -105,26 +105,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-_MADV_HUGEPAGE = 14
-_HUGE = 2 << 20
-
-
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Ask Linux to back a large tensor with 2 MB pages where it may (transparent huge pages, `madvise`
-    mode). The pool is left untouched until used. Each first touch then faults once per 2 MB, not per
-    4 KB: a prompt's new KV pages cost a page fault each otherwise. False where it cannot.
-    """
-    start = -(-t.data_ptr() // _HUGE) * _HUGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE
-    if end <= start:
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return False
-    return bool(libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0)
-
-
 class KVCacheManager:
     def __init__(
         self,
@@ -147,10 +127,10 @@ class KVCacheManager:
         slots = (self.total_blocks + 1) * block_tokens
         self.k = torch.empty(num_layers, slots, kv_heads, width, dtype=dtype)
         self.v = torch.empty(num_layers, slots, kv_heads, width, dtype=dtype)
-        self.huge_pages = advise_huge_pages(self.k) and advise_huge_pages(self.v)
         self.k[:, :block_tokens] = 0
         self.v[:, :block_tokens] = 0
         self._offsets = torch.arange(block_tokens, dtype=torch.long)
+        self.prefault_ahead = max(1, min(PREFAULT_AHEAD, PREFAULT_AHEAD_BYTES // self.block_bytes))
         self._free: list[int] = list(range(self.total_blocks, 0, -1))
         self._handed = 0  # the highest block ever handed out
         self._touched = 0  # blocks 1.. up to this one have been written (`prefault`)
@@ -200,14 +180,13 @@ class KVCacheManager:
     def prefault(self) -> bool:
         """Touch the next never-used blocks, one layer's K or V rows a call, while the engine is idle. Blocks
         are handed out lowest first, so those are the next to be written. Their pages fault now, not in a
-        step; a call stays short even where a 2 MB page is cleared. At most PREFAULT_AHEAD blocks go
-        untouched-free ahead of use. False: nothing to do.
+        step. At most `prefault_ahead` blocks are touched ahead of use. False: nothing to do.
         """
         with self.lock:
             if self._handed > self._touched:  # blocks were handed out: start past them, never on them
                 self._touched, self._layer = self._handed, 0
             used = self.total_blocks - len(self._free)
-            if self._touched >= min(self.total_blocks, used + PREFAULT_AHEAD):
+            if self._touched >= min(self.total_blocks, used + self.prefault_ahead):
                 return False
             start = self._touched + 1
             stop = min(self.total_blocks, start + PREFAULT_BATCH - 1)

@@ -1,4 +1,5 @@
-"""Which threads keep an OpenMP pool: the scheduler's alone. `release_pool` drops the caller's.
+"""Which threads keep an OpenMP pool: the scheduler's alone. `release_pool` drops the caller's;
+`limit_team` caps the caller's parallel regions, so they run inline where the kernel's threads do the work.
 
 libgomp keeps a pool of worker threads for each thread that opens a parallel region. Once it manages
 more threads than the machine has CPUs it spins only briefly before its workers sleep, and they then
@@ -13,6 +14,8 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
+
+import torch
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -33,10 +36,37 @@ def _runtime() -> ctypes.CDLL | None:
     return lib if hasattr(lib, "omp_pause_resource_all") else None
 
 
+@functools.cache
+def _mkl() -> ctypes.CDLL | None:
+    """torch's MKL, where it exports the per-thread count (its vector math opens regions of its own)."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return None
+    paths = sorted({line.split()[-1] for line in maps.read_text().splitlines() if "libtorch_cpu" in line})
+    if not paths:
+        return None
+    lib = ctypes.CDLL(paths[0])
+    return lib if hasattr(lib, "MKL_Set_Num_Threads_Local") else None
+
+
 def release_pool() -> bool:
     """End the calling thread's OpenMP workers; the next parallel region there makes new ones."""
     lib = _runtime()
     return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+
+
+def limit_team(threads: int) -> bool:
+    """The calling thread's parallel regions, torch's among them, run on at most `threads` threads. Other
+    threads keep their count: libgomp holds it per thread. False without libgomp.
+    """
+    lib = _runtime()
+    if lib is None:
+        return False
+    torch.get_num_threads()  # torch sets a thread's count at its first use: that must come before ours
+    lib.omp_set_num_threads(threads)
+    if (mkl := _mkl()) is not None:
+        mkl.MKL_Set_Num_Threads_Local(threads)
+    return torch.get_num_threads() == threads
 
 
 def pool_released(fn: Callable[P, T]) -> Callable[P, T]:

@@ -7,7 +7,13 @@ import random
 import pytest
 import torch
 
-from rtserver.engine.kv import KVCacheManager, OutOfKVMemory
+from rtserver.engine.kv import (
+    PREFAULT_AHEAD,
+    PREFAULT_AHEAD_BYTES,
+    PREFAULT_BATCH,
+    KVCacheManager,
+    OutOfKVMemory,
+)
 
 
 def make(blocks=8, bs=4) -> KVCacheManager:
@@ -183,3 +189,25 @@ def test_a_scope_shares_a_whole_prompt_within_itself_only():
         other, reused = kv.acquire(prompt, 12, public_tokens=len(prompt), root=stranger_root)
         assert reused == 0 and not set(other.blocks) & set(lead.blocks)
         kv.release(other)
+
+
+def test_prefault_touches_blocks_ahead_within_its_bytes_and_not_past_them():
+    """Idle prefaulting writes the next never-used blocks, one layer's rows a call, and stops at
+    PREFAULT_AHEAD_BYTES ahead of use: RSS follows the KV in use."""
+    bs, layers = 16, 2
+    block_bytes = layers * 2 * 16 * 128 * 4 * bs  # 16 heads of 128 float32: 512 KB a block
+    kv = KVCacheManager(layers, 16, 128, torch.float32, budget_bytes=128 * block_bytes, block_tokens=bs)
+    assert kv.block_bytes == block_bytes
+    assert kv.prefault_ahead == PREFAULT_AHEAD_BYTES // block_bytes < PREFAULT_AHEAD  # the bytes bind
+    kv.k.fill_(float("nan")), kv.v.fill_(float("nan"))
+    calls = 0
+    while kv.prefault():
+        calls += 1
+    ahead = kv.prefault_ahead
+    assert calls == 2 * layers * -(-ahead // PREFAULT_BATCH)  # K then V, layer by layer, in batches
+    touched = slice(bs, (ahead + 1) * bs)
+    assert not kv.k[:, touched].isnan().any() and not kv.v[:, touched].isnan().any()
+    assert kv.k[:, (ahead + 1) * bs :].isnan().all()  # nothing past the bound
+    handle, _ = kv.acquire(list(range(40)), 48)  # blocks 1-3 handed out: the bound moves on by them
+    assert kv.prefault()
+    kv.release(handle)

@@ -76,10 +76,11 @@ def test_release_pool_ends_the_calling_threads_workers_only():
     }
 
 
-def test_a_served_model_leaves_one_pool_the_schedulers():
+def test_a_served_model_on_blocks_leaves_no_pool_but_the_kernels():
     """The app loads the model, tokenizer and tasks on executor threads and builds the engine on one; each
-    lets its pool go, so serving runs with the scheduler's workers alone, beside the kernel's own
-    (libgomp would otherwise throttle their spin and put them to sleep between the loops of a step)."""
+    lets its pool go. With every linear on the kernel's blocks, the scheduler's torch operations run on
+    its own thread (`limit_team`), so no libgomp worker spins beside the kernel's (kernels/pool.h). Other
+    threads keep the model's count."""
     got = _run(
         """
         import asyncio, json, httpx, torch
@@ -93,14 +94,37 @@ def test_a_served_model_leaves_one_pool_the_schedulers():
                 async with httpx.AsyncClient(timeout=120) as client:
                     r = await client.post(base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
                     r.raise_for_status()
-                return workers()
-        serving = asyncio.run(main())
+                    health = (await client.get(base + "/health")).json()
+                return workers(), health["backends"]["local"]["kernels"]["torch_threads"]
+        serving, shown = asyncio.run(main())
         from pathlib import Path
         from rtserver.engine.quant import load_kernel
         kernel_workers = load_kernel(Path("~/.cache/rtserver").expanduser()).pool_stats()["threads"] - 1
-        print(json.dumps({"before": before, "serving": serving, "kernel_workers": kernel_workers}))
+        print(json.dumps({"before": before, "serving": serving, "kernel_workers": kernel_workers,
+                          "shown": shown, "main": torch.get_num_threads()}))
         """
     )
-    # the scheduler's libgomp pool (torch's own operations) and the kernel's workers (kernels/pool.h)
     assert got["kernel_workers"] == 1
-    assert got["serving"] == got["before"] + 1 + got["kernel_workers"], got
+    assert got["serving"] == got["before"] + got["kernel_workers"], got
+    assert (got["shown"], got["main"]) == (1, 2), got
+
+
+def test_limit_team_caps_the_calling_thread_alone():
+    got = _run(
+        """
+        import json, threading, torch
+        from rtserver.engine.openmp import limit_team
+        torch.set_num_threads(2)
+        before = workers()
+        out = {}
+        def capped():
+            out["limited"] = limit_team(1)
+            a = torch.randn(1500, 1500)
+            a @ a  # inline: no pool for this thread
+            torch.randn(1 << 20).exp()  # MKL's vector math, which opens regions by its own count
+            out["threads"], out["workers"] = torch.get_num_threads(), workers() - before
+        t = threading.Thread(target=capped); t.start(); t.join()
+        print(json.dumps({**out, "main": torch.get_num_threads()}))
+        """
+    )
+    assert got == {"limited": True, "threads": 1, "workers": 0, "main": 2}

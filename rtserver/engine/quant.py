@@ -4,10 +4,11 @@ Batch-1 decoding streams every weight once per step. So fewer bytes a weight mea
 stored wider than the file has it. Q4_1 and Q8_0 are split into quants and float16 scales. That is the
 kernel's tuned layout, with the same bytes. Q5_1 and Q5_0 are split too, as Q5_1S (Q4_1's nibbles and a mask
 of fifth bits). Q4_0 runs as Q4_1. All of these are exact. Every other block type keeps the file's raw rows.
-Q4_K and Q6_K, most of a Q4_K_M file, have decode passes of their own. A mixed file runs each tensor in its
-own type. With VNNI, Q8_0 weights end as the kernel's int8 panels alone (PanelWeight). Those take about
-their blocks' bytes. The C++ kernel is built once per CPU and cached. The tests compare it with its
-pure-torch twin. Results equal the float32 engine's on the dequantized weights, up to rounding.
+Q4_K and Q6_K, most of a Q4_K_M file, have decode passes of their own, as do IQ4_XS and IQ4_NL. A mixed
+file runs each tensor in its own type. With VNNI, Q8_0 weights end as the kernel's int8 panels alone
+(PanelWeight). Those take about their blocks' bytes. The C++ kernel is built once per CPU and cached. The
+tests compare it with its pure-torch twin. Results equal the float32 engine's on the dequantized weights, up
+to rounding.
 """
 
 from __future__ import annotations

@@ -107,6 +107,9 @@ def scaled_quants(fmt: str, raw: np.ndarray) -> torch.Tensor:
         )
         shifted = dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32)
         return torch.from_numpy(shifted + shift * np.repeat(d[..., 0], 32, axis=-1))
+    if fmt in ("IQ4_NL", "IQ4_XS"):  # their passes take the table's values + 128, and 128 d off aside
+        dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32))
+        return dense + 128 * iq4_scales(fmt, raw)
     if fmt == "Q6_K" and kernel_has_q6_k_pass():
         blocks = raw.reshape(raw.shape[0], -1, 210)
         d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16).astype(np.float32)
@@ -119,6 +122,15 @@ def scaled_quants(fmt: str, raw: np.ndarray) -> torch.Tensor:
         raw[..., MINS[fmt] : MINS[fmt] + 2] = 0
         raw = raw.reshape(raw.shape[0], -1)
     return torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32))
+
+
+def iq4_scales(fmt: str, raw: np.ndarray) -> torch.Tensor:
+    """Each weight's d (IQ4_NL) or d (ls - 32) (IQ4_XS): the table's value 1 dequantized, weight by weight."""
+    weights, nbytes = block_size(fmt)
+    ones = raw.copy().reshape(raw.shape[0], -1, nbytes)
+    ones[..., nbytes - weights // 2 :] = 0x88  # index 8 in both nibbles: the table's value 1
+    dense = dequantize(ones.reshape(raw.shape[0], -1), GGMLQuantizationType[fmt]).astype(np.float32)
+    return torch.from_numpy(dense)
 
 
 def summation_bound(

@@ -579,10 +579,11 @@ void raw_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* 
   // Integer dots save the unpacking to float, which one or two rows cannot share; from three rows on,
   // float quants unpacked once for all rows cost less per row than the limbs' loads and scaling.
   if (M <= 2) {
+    const bool own_pass = kquant::has_pass<T> && K % kquant::pass_weights<T> == 0;
     FixedRows f;
-    to_fixed(x, M, K, T::kSigned && !kquant::has_pass<T>, f);  // the K-quant passes' quants are unsigned
+    to_fixed(x, M, K, T::kSigned && !own_pass, f);  // the passes' quants are unsigned
     row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
-      if constexpr (kquant::has_pass<T>)
+      if (own_pass)
         kquant::pass<decltype(R)::value, T>(f, r0, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);
       else
         raw_fixed_pass<decltype(R)::value, T>(f, r0, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);

@@ -137,6 +137,15 @@ struct Q6KDecoder {
 };
 #endif
 
+// The 64 table indices of two 16-byte runs of nibbles a and b (IQ4_NL's and IQ4_XS's 32 weights each:
+// byte j holds weight j low and j + 16 high), in the activations' order: a's low nibbles, a's high,
+// b's low, b's high, one 128-bit lane each.
+inline __m512i nibble_pairs(const uint8_t* a, const uint8_t* b) {
+  const __m512i z = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                                0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  return _mm512_and_si512(_mm512_mask_srli_epi64(z, 0xCC, z, 4), _mm512_set1_epi8(15));
+}
+
 // IQ4_NL, two 32-weight blocks (d, then 16 bytes of table indices) at a time: one vector of 64 quants,
 // lanes 0-7 scaled by the first block's d and 8-15 by the second's. The table's values go + 128 (the
 // unsigned operand), and 128 d comes off against each block's sum (lanes 0 and 1 of off).
@@ -144,19 +153,14 @@ struct IQ4NLDecoder {
   using T = blocks::IQ4_NL;
   static constexpr int64_t kBytes = 2 * T::kBytes, kWeights = 64, kVectors = 1;
   static constexpr float kOffset = 128.f;
-  const __m512i low4 = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks::kIq4Values)));
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
 
   DecodedBlock decode(const uint8_t* blk) const {
     DecodedBlock o;
     const uint8_t* second = blk + T::kBytes;
-    // lanes (a, a, b, b), the odd ones shifted: a's low nibbles, a's high, b's low, b's high
-    const __m512i z = _mm512_mask_broadcast_i32x4(
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))), 0xFF00,
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(second + 2)));
-    const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi64(z, 0xCC, z, 4), low4);
-    o.w[0] = _mm512_xor_si512(_mm512_shuffle_epi8(table, idx), bias);
+    o.w[0] = _mm512_xor_si512(_mm512_shuffle_epi8(table, nibble_pairs(blk + 2, second + 2)), bias);
     uint16_t da, db;  // both float16 scales in one conversion, lanes 0 and 1 (2 and 3 zero)
     std::memcpy(&da, blk, 2), std::memcpy(&db, second, 2);
     const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(da | (static_cast<uint32_t>(db) << 16))));
@@ -176,7 +180,7 @@ struct IQ4NLDecoder {
 struct IQ4XSDecoder {
   static constexpr int64_t kBytes = blocks::IQ4_XS::kBytes, kWeights = 256, kVectors = 4;
   static constexpr float kOffset = 128.f;
-  const __m512i low4 = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks::kIq4Values)));
   const __m512i pick[4] = {spread(0, 8), spread(2, 8), spread(4, 8), spread(6, 8)};
 
@@ -192,11 +196,8 @@ struct IQ4XSDecoder {
     const __m512 sm = _mm512_insertf32x8(_mm512_castps256_ps512(s8), s8, 1);
     o.off = _mm512_maskz_mov_ps(0xFF00, sm);
     for (int p = 0; p < 4; ++p) {
-      const __m256i ab = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + 32 * p));
-      const __m128i a = _mm256_castsi256_si128(ab), b = _mm256_extracti128_si256(ab, 1);
-      const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(a, a)), _mm256_set_m128i(b, b), 1);
-      const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi64(z, 0xCC, z, 4), low4);
-      o.w[p] = _mm512_xor_si512(_mm512_shuffle_epi8(table, idx), bias);
+      const uint8_t* qs = blk + 8 + 32 * p;
+      o.w[p] = _mm512_xor_si512(_mm512_shuffle_epi8(table, nibble_pairs(qs, qs + 16)), bias);
       o.ws[p] = _mm512_permutexvar_ps(pick[p], sm);
     }
     return o;

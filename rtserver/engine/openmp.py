@@ -22,13 +22,18 @@ T = TypeVar("T")
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: threads go, the runtime stays usable
 
 
+def _loaded(name: str) -> set[str]:
+    """The paths of this process's loaded libraries whose path holds `name` (none off Linux)."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return set()
+    return {line.split()[-1] for line in maps.read_text().splitlines() if name in line}
+
+
 @functools.cache
 def _runtime() -> ctypes.CDLL | None:
     """torch's libgomp as already loaded (the same handle), or None without one."""
-    maps = Path("/proc/self/maps")
-    if not maps.exists():
-        return None
-    paths = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+    paths = _loaded("libgomp")
     ours = sorted(p for p in paths if "/torch/" in p) or sorted(p for p in paths if ".libs/" not in p)
     if not ours:
         return None
@@ -39,10 +44,7 @@ def _runtime() -> ctypes.CDLL | None:
 @functools.cache
 def _mkl() -> ctypes.CDLL | None:
     """torch's MKL, where it exports the per-thread count (its vector math opens regions of its own)."""
-    maps = Path("/proc/self/maps")
-    if not maps.exists():
-        return None
-    paths = sorted({line.split()[-1] for line in maps.read_text().splitlines() if "libtorch_cpu" in line})
+    paths = sorted(_loaded("libtorch_cpu"))
     if not paths:
         return None
     lib = ctypes.CDLL(paths[0])

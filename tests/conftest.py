@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -207,3 +208,15 @@ def reference_greedy(loaded: LoadedModel, prompt_ids: list[int], n: int) -> list
         pad_token_id=loaded.tokenizer.eos_token_id,
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+@contextmanager
+def activation_bits(kernel, bits: int) -> Iterator[None]:
+    """The kernel's integer paths round activations to `bits` inside the block; its width before, after."""
+    before = kernel.activation_bits()
+    kernel.set_activation_bits(bits)
+    try:
+        yield
+    finally:
+        if before in (8, 16):  # 32: no integer paths (no VNNI), nothing to set back
+            kernel.set_activation_bits(before)

@@ -222,6 +222,9 @@ class Engine:
             self.kv_memory.budget_mb << 20,
             opts.kv_block_tokens,
         )
+        if loaded.kernel is not None:
+            # before any panel is made: panels are laid out for their activations' width
+            loaded.kernel.set_activation_bits(opts.activation_bits)
         self.runner = ModelRunner(
             loaded.model,
             self.kv,
@@ -297,7 +300,7 @@ class Engine:
             "linears_on_blocks": f"{len(on_blocks)} of {len(linears)}",
             "small_steps": f"blocks, up to {rows} rows",
             "big_steps": (
-                "32 weight rows as int16 quants against 16-bit fixed-point activations"
+                f"32 weight rows of quants against activations rounded to {kernel.activation_bits()} bits"
                 if kernel.fixed_point_activations
                 else "16 weight rows dequantized at a time beside a float32 GEMM"
             ),

@@ -175,9 +175,10 @@ PANEL_GROUP = {"Q8_0P": 32}  # weights a float32 scale
 
 @dataclass
 class PanelWeight:
-    """A [out_features, in_features] weight as the kernel's int8 panels of 32 rows only. The shape is uint8
-    [out / 32, panel bytes]. A panel holds its quants first, pairs of columns interleaved across its rows.
-    Then come each scale group's 32 scales. The kernel reads them at every step size.
+    """A [out_features, in_features] weight as the kernel's panels of 32 rows only, [out / 32, panel bytes].
+    A panel holds its quants first: pairs of columns interleaved across its rows (int8, for 16-bit
+    activations), or quads + 128 (uint8, 8-bit). Then come each scale group's 32 scales. The kernel
+    reads them at every step size.
     """
 
     format: str  # a value of PANELS_OF
@@ -209,9 +210,14 @@ class PanelWeight:
         k, group = self.width, PANEL_GROUP[self.format]
         flat = index.reshape(-1)
         panel, col = flat // 32, flat % 32
-        # a panel's quants: [half of its 32 rows][k / 2][16 rows][2 quants of a pair]
-        quants = self.data[:, : 32 * k].view(torch.int8).view(-1, 2, k // 2, 16, 2)
-        q = quants[panel, col // 16, :, col % 16, :].reshape(-1, k)
+        if self.data.dtype == torch.uint8:
+            # 8-bit activations' quads: [half][k / 4][16 rows][4 quants + 128]
+            quads = self.data[:, : 32 * k].view(-1, 2, k // 4, 16, 4)
+            q = quads[panel, col // 16, :, col % 16, :].reshape(-1, k).int() - 128
+        else:
+            # 16-bit activations' pairs: [half][k / 2][16 rows][2 quants]
+            pairs = self.data[:, : 32 * k].view(-1, 2, k // 2, 16, 2)
+            q = pairs[panel, col // 16, :, col % 16, :].reshape(-1, k)
         scales = self.data[:, 32 * k :].view(torch.float32).view(-1, k // group, 32)
         d = scales[panel, :, col].repeat_interleave(group, dim=1)
         return (d * q.float()).view(*index.shape, k)
@@ -421,33 +427,36 @@ def _q5_0_as_q8_0(d: np.ndarray, masks: np.ndarray, nibbles: np.ndarray) -> Quan
 
 
 FIXED_POINT_MAX = 32512.0  # 127 * 256: a block's largest activation still splits into two int8 limbs
+BYTE_ACTIVATION_MAX = 127.0  # 8-bit activations (engine.activation_bits = 8), as Q8_0 rows
 
 
-def fixed_point_reference(x: torch.Tensor) -> torch.Tensor:
+def fixed_point_reference(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
     """x rounded as the kernel's integer path rounds it. Each block of 32 goes to the nearest multiple of
-    max|block| / 32512. That is 16-bit fixed point. The relative error is <= 1.5e-5 of the block's largest
-    value.
+    max|block| / 32512: 16-bit fixed point, within 1.5e-5 of the block's largest value. At 8 bits it goes
+    to the nearest multiple of max|block| / 127, as Q8_0 rows.
     """
     m, k = x.shape
     blocks = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
     # tensor / tensor: correctly rounded, as the kernel's float division (torch's scalar / tensor
     # multiplies by a reciprocal, an ulp off at times, which moves a value sitting on .5)
-    fixed = torch.full_like(amax, FIXED_POINT_MAX)
-    inv = torch.where(amax > 0, fixed / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv).clamp(-FIXED_POINT_MAX, FIXED_POINT_MAX)
-    return (q * (amax / fixed)).reshape(m, k)
+    top = FIXED_POINT_MAX if bits == 16 else BYTE_ACTIVATION_MAX
+    inv = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).clamp(-top, top) * (FIXED_POINT_MAX / top)
+    return (q * (amax / torch.full_like(amax, FIXED_POINT_MAX))).reshape(m, k)
 
 
-def reference_matmul(x: torch.Tensor, w: BlockWeight, fixed_point: bool = False) -> torch.Tensor:
+def reference_matmul(
+    x: torch.Tensor, w: BlockWeight, fixed_point: bool = False, bits: int = 16
+) -> torch.Tensor:
     """x @ W.T through the dequantized float32 weight. The kernel must equal it up to float rounding.
     `fixed_point`: the kernel's integer path, in float64. The scaled quants meet the fixed-point
-    activations. Q4_1's min meets the exact activation sums, as in the kernel.
+    activations (`bits` of them). Q4_1's min meets the exact activation sums, as in the kernel.
     """
     if not fixed_point or not isinstance(w, QuantizedWeight):
         return F.linear(x.float(), w.dequantize())
     n, k = w.shape
-    xf = fixed_point_reference(x).double()
+    xf = fixed_point_reference(x, bits).double()
     if w.format == "Q8_0":
         return F.linear(xf, w.dequantize().double()).float()
     s = w.scales.double()
@@ -481,6 +490,8 @@ class Kernel(Protocol):
     ) -> torch.Tensor: ...
     def kept_bytes(self, format: str, n: int, k: int) -> int: ...
     def set_panel_rows(self, rows: int) -> None: ...
+    def set_activation_bits(self, bits: int) -> None: ...
+    def activation_bits(self) -> int: ...
     def dequantize_blocks(self, format: str, qs: torch.Tensor, k: int) -> torch.Tensor: ...
     def decode_attention(self, *args: object) -> torch.Tensor: ...
     def prefill_attention(self, *args: object) -> torch.Tensor: ...

@@ -28,7 +28,7 @@ from rtserver.engine.runner import ModelRunner
 from rtserver.engine.sequence import Sequence
 
 from ..components import missing
-from ..conftest import chat_prompt
+from ..conftest import activation_bits, chat_prompt
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 # per type: byte offsets of its float16 fields in a block, and a magnitude for them that keeps the
@@ -56,6 +56,14 @@ def kernel():
     if k is None:
         pytest.fail(f"the quantized kernel did not build: {quant.kernel_error()}")
     return k
+
+
+@pytest.fixture(autouse=True)
+def kernel_defaults(kernel):
+    """Each test starts on the small-step path at the default width: an engine started before set its
+    probed switch and its activations' width."""
+    kernel.set_panel_rows(1 << 40)
+    kernel.set_activation_bits(EngineSettings().activation_bits)
 
 
 def kernel_has_q6_k_pass() -> bool:
@@ -138,14 +146,16 @@ def summation_bound(
 ) -> torch.Tensor:
     """|kernel - F.linear| allowed: both sum K products of the same float32 weights in float32, each
     within gamma_K * sum|x||w| of the exact sum (gamma_K = K u / (1 - K u)), hence twice that apart.
-    The integer path (VNNI) adds its activations' 16-bit rounding: half a step of max|block| / 32512
-    per activation, times |D q| (`scaled`; the weight itself where no block has an offset)."""
+    The integer path (VNNI) adds its activations' rounding: half a step of max|block| / 32512 at 16
+    bits (/ 127 at 8) per activation, times |D q| (`scaled`; the weight itself where no block has an
+    offset)."""
     k = x.shape[1]
     gamma = k * U / (1 - k * U)
     bound = 2 * gamma * (x.abs() @ w.abs().T)
     if kernel.fixed_point_activations:
+        top = quant.BYTE_ACTIVATION_MAX if kernel.activation_bits() == 8 else quant.FIXED_POINT_MAX
         step = x.view(x.shape[0], -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(x.shape)
-        bound = bound + (step / quant.FIXED_POINT_MAX / 2) @ (w if scaled is None else scaled).abs().T
+        bound = bound + (step / top / 2) @ (w if scaled is None else scaled).abs().T
     return bound + 1e-30
 
 
@@ -217,19 +227,23 @@ def test_the_avx2_build_equals_a_float32_matmul_within_the_summation_bound(avx2_
     assert_within_summation_bound(avx2_kernel, fmt, 40, 3, (1, 2, 5, 16), 0)
 
 
+@pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("fmt", TYPES)
-def test_the_panel_path_equals_a_float32_matmul_within_the_summation_bound(kernel, fmt):
+def test_the_panel_path_equals_a_float32_matmul_within_the_summation_bound(kernel, fmt, bits):
     """Many-row steps run on panels of weight rows (integer dots on VNNI, else a float32 GEMM): 6-row
-    register blocks and their remainders, a last panel of few rows, and the small steps' bound."""
+    register blocks and their remainders, a last panel of few rows: the small steps' bound, at 8 and 16
+    bits."""
     kernel.set_panel_rows(0)
     try:
-        assert_within_summation_bound(kernel, fmt, 37, 2, (1, 6, 13, 40), -1)
+        with activation_bits(kernel, bits):
+            assert_within_summation_bound(kernel, fmt, 37, 2, (1, 6, 13, 40), -1)
     finally:
         kernel.set_panel_rows(1 << 40)
 
 
+@pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("fmt", TYPES)
-def test_panels_kept_unpacked_give_the_same_products_as_unpacking_each_step(kernel, fmt):
+def test_panels_kept_unpacked_give_the_same_products_as_unpacking_each_step(kernel, fmt, bits):
     """A weight's panels unpacked once at load (int8) hold the quants the step would unpack: the products
     are identical, bit for bit, on a last panel of few rows too, and when the step's rows go in several
     blocks (1100 rows: more than a block's 256 KB of activations). Without VNNI there are none to keep."""
@@ -239,16 +253,17 @@ def test_panels_kept_unpacked_give_the_same_products_as_unpacking_each_step(kern
         return
     kernel.set_panel_rows(0)
     try:
-        for k in widths(fmt):
-            w = weight(fmt, random_rows(fmt, 37, k, seed=k + 3))
-            formats, qs, scales = w.args
-            panels = [kernel.unpack_panels(f, q, sc, k) for f, q, sc in zip(formats, qs, scales)]
-            # two panels of 32 rows: a byte a quant, and the scale groups' D (and M) as float32
-            assert [p.numel() for p in panels] == [kernel.kept_bytes(formats[0], 37, k)]
-            assert 64 * k < panels[0].numel() <= 64 * k * 3 // 2
-            for rows in (13, 1100):
-                x = torch.randn(rows, k) * torch.rand(rows, k) * 4
-                assert torch.equal(kernel.blocks_mm(x, *w.args, panels), kernel.blocks_mm(x, *w.args))
+        with activation_bits(kernel, bits):
+            for k in widths(fmt):
+                w = weight(fmt, random_rows(fmt, 37, k, seed=k + 3))
+                formats, qs, scales = w.args
+                panels = [kernel.unpack_panels(f, q, sc, k) for f, q, sc in zip(formats, qs, scales)]
+                # two panels of 32 rows: a byte a quant, and the scale groups' D (and M) as float32
+                assert [p.numel() for p in panels] == [kernel.kept_bytes(formats[0], 37, k)]
+                assert 64 * k < panels[0].numel() <= 64 * k * 3 // 2
+                for rows in (13, 1100):
+                    x = torch.randn(rows, k) * torch.rand(rows, k) * 4
+                    assert torch.equal(kernel.blocks_mm(x, *w.args, panels), kernel.blocks_mm(x, *w.args))
     finally:
         kernel.set_panel_rows(1 << 40)
 
@@ -288,9 +303,28 @@ def test_weights_kept_only_as_panels_read_and_multiply_as_their_blocks(kernel, f
         kernel.panels_of("Q8_0P", *[a[0] for a in weight("Q4_1", random_rows("Q4_1", 32, k, seed=2)).args], k)
 
 
+def test_panels_made_for_one_activation_width_are_refused_under_the_other(kernel):
+    """Kept panels and panel formats carry their layout in their dtype: int8 pairs for 16-bit
+    activations, uint8 quads + 128 for 8-bit. Read under the other width they fail, clearly."""
+    if not kernel.fixed_point_activations:
+        assert kernel.activation_bits() == 32
+        return
+    w = weight("Q8_0", random_rows("Q8_0", 64, 256, seed=5))
+    with activation_bits(kernel, 16):
+        kept, p = kernel.unpack_panels(*[a[0] for a in w.args], 256), quant.panels_only(kernel, w)
+    assert kept.dtype == torch.int8 and p.data.dtype == torch.int8
+    assert torch.equal(p.dequantize(), w.dequantize())
+    with activation_bits(kernel, 8):
+        assert kernel.unpack_panels(*[a[0] for a in w.args], 256).dtype == torch.uint8
+        with pytest.raises(RuntimeError, match="panels made for 16-bit activations, but the kernel rounds"):
+            kernel.blocks_mm(torch.randn(40, 256), *w.args, [kept])
+        with pytest.raises(RuntimeError, match="panels made for 16-bit activations"):
+            kernel.blocks_mm(torch.randn(1, 256), *p.args, [torch.empty(0)])
+
+
 def test_panels_of_another_weight_are_refused(kernel):
     w = weight("Q8_0", random_rows("Q8_0", 64, 64, 1))
-    with pytest.raises(RuntimeError, match="panels must be empty or unpack_panels' int8 for the same weight"):
+    with pytest.raises(RuntimeError, match="panels must be empty or unpack_panels' for the same weight"):
         kernel.blocks_mm(torch.randn(40, 64), *w.args, [torch.zeros(64 * 64, dtype=torch.int8)])
     with pytest.raises(RuntimeError, match="no panels or one per part"):
         kernel.blocks_mm(torch.randn(40, 64), *w.args, [torch.empty(0, dtype=torch.int8)] * 2)
@@ -397,8 +431,8 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
     model = copy.deepcopy(tiny_llama)
     blocks = _on_blocks(model, types, seed=7)
     cfg = model.config
-    results = []
-    for mode in ("torch", "fused", "unfused", "panels"):
+
+    def run(mode: str) -> list[torch.Tensor]:
         kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
         on_blocks = {} if mode == "torch" else {"blocks": blocks, "kernel": kernel}
         runner = ModelRunner(copy.deepcopy(model), kv, 512, **on_blocks)
@@ -411,10 +445,13 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
         on_blocks = sum(isinstance(lin, BlockLinear) for lin in linears)
         assert on_blocks == (0 if mode == "torch" else len(linears))
         assert runner.fused_decode == (mode in ("fused", "panels"))
-        results.append(_decode_steps(runner, kv, cfg.vocab_size, smol.tokenizer))  # prompts fused too
-    for got in results[1:]:
-        for a, b in zip(got, results[0]):
-            logits_close(a, b, kernel)
+        return _decode_steps(runner, kv, cfg.vocab_size, smol.tokenizer)  # prompts fused too
+
+    want = run("torch")
+    with activation_bits(kernel, 16):  # the machinery; 8-bit rounding has its own bounds (the matmuls)
+        for mode in ("fused", "unfused", "panels"):
+            for a, b in zip(run(mode), want):
+                logits_close(a, b, kernel)
 
 
 def test_fused_layer_refuses_what_does_not_fit_its_weights(tiny_llama, kernel):

@@ -23,7 +23,7 @@ from rtserver.engine.plan import StepItem
 from rtserver.engine.runner import ModelRunner
 from rtserver.engine.sequence import Sequence
 
-from ..conftest import chat_prompt
+from ..conftest import activation_bits, chat_prompt
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,15 @@ def kernel():
     k = quant.load_kernel(Path("~/.cache/rtserver").expanduser())
     if k is None:  # the default dtype depends on it: a machine that cannot build it must say so
         pytest.fail(f"the quantized kernel did not build: {quant.kernel_error()}")
-    k.set_panel_rows(1 << 40)  # the small-step path; an engine started earlier set its probed switch
     return k
+
+
+@pytest.fixture(autouse=True)
+def kernel_defaults(kernel):
+    """Each test starts on the small-step path at the default width: an engine started before set its
+    probed switch and its activations' width."""
+    kernel.set_panel_rows(1 << 40)
+    kernel.set_activation_bits(EngineSettings().activation_bits)
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +68,18 @@ def test_blocks_read_from_the_file_equal_the_dense_weights(smol, blocks):
         assert torch.equal(w.dequantize(), dense[name]), name
 
 
+@pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kernel, fmt):
+def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kernel, fmt, bits):
     """Row counts 1..9 cross the kernel's 4-row passes; widths 32, 96 and 1536 one block, an odd count
     (the integer path's last block alone) and many; activations of mixed magnitudes and a zero block.
-    The integer path is held to its own arithmetic (fixed-point activations) tightly, and to float32's
-    within what 16-bit activations allow."""
+    The integer path is held to its own arithmetic (fixed-point activations of 8 or 16 bits) tightly,
+    and to float32's within what those activations allow."""
+    with activation_bits(kernel, bits):
+        _kernel_equals_a_float32_matmul(kernel, fmt, bits)
+
+
+def _kernel_equals_a_float32_matmul(kernel, fmt: str, bits: int) -> None:
     fixed = kernel.fixed_point_activations
     # float unpacking sums in float32 (order differs from F.linear's); the integer path is exact but
     # for its float32 scaling
@@ -77,11 +90,12 @@ def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kernel, fmt):
             x = torch.randn(m, k) * torch.rand(m, k) * 4
             x[0, :32] = 0.0
             got = quant.quantized_matmul(kernel, x, w)
-            torch.testing.assert_close(got, quant.reference_matmul(x, w, fixed), **tol)
+            torch.testing.assert_close(got, quant.reference_matmul(x, w, fixed, bits), **tol)
             # against float32: each activation moved by at most half its block's step, times |w|
             want = quant.reference_matmul(x, w)
             step = x.view(m, -1, 32).abs().amax(-1, keepdim=True).expand(m, k // 32, 32).reshape(m, k)
-            bound = (step / quant.FIXED_POINT_MAX / 2) @ w.dequantize().abs().T if fixed else 0
+            top = quant.FIXED_POINT_MAX if bits == 16 else quant.BYTE_ACTIVATION_MAX
+            bound = (step / top / 2) @ w.dequantize().abs().T if fixed else 0
             assert ((got - want).abs() <= bound + 1e-4 * want.abs() + 1e-3).all()
 
 
@@ -95,12 +109,20 @@ def test_fixed_point_reference_keeps_16_bits_of_each_block():
     assert torch.equal(quant.fixed_point_reference(torch.zeros(2, 64)), torch.zeros(2, 64))
 
 
+def test_fixed_point_reference_at_8_bits_keeps_127_steps_of_each_block():
+    x = torch.randn(3, 96) * torch.tensor([1e-3, 1.0, 1e3]).repeat_interleave(32)
+    got = quant.fixed_point_reference(x, bits=8).view(3, 3, 32)
+    amax = x.view(3, 3, 32).abs().amax(-1, keepdim=True)
+    assert ((got - x.view(3, 3, 32)).abs() <= amax / 127 / 2 * (1 + 2**-20)).all()
+    assert len(torch.unique(torch.round(got / amax * 127))) <= 255
+
+
 def test_kernel_on_the_real_weights(kernel, blocks):
     fixed = kernel.fixed_point_activations
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
         x = torch.randn(3, blocks[name].shape[1])
         got = quant.quantized_matmul(kernel, x, blocks[name])
-        want = quant.reference_matmul(x, blocks[name], fixed)
+        want = quant.reference_matmul(x, blocks[name], fixed, kernel.activation_bits())
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
@@ -390,7 +412,8 @@ def test_engine_in_dtype_gguf_runs_every_linear_on_its_blocks_and_says_so(
     smol, kernel, monkeypatch, tmp_path
 ):
     """No dense copy of a quantized linear exists: each one has only its blocks, the greedy answers are
-    the float32 engine's, and /health names the choice. Without the kernel: float32, and why."""
+    the float32 engine's (16-bit activations, the default), and /health names the choice. Without the
+    kernel: float32, and why."""
     from rtserver.engine.core import Engine
 
     loaded = load_model("embedded", dtype="gguf", threads=2)
@@ -398,6 +421,10 @@ def test_engine_in_dtype_gguf_runs_every_linear_on_its_blocks_and_says_so(
     chosen = engine.health()["kernels"]
     assert loaded.dtype_name == "gguf" and chosen["linears_on_blocks"] == "121 of 121"
     assert "Q4_1/Q8_0" in chosen["weights"] and "probe" in chosen["why"]
+    if kernel.fixed_point_activations:
+        assert (
+            chosen["big_steps"].endswith("activations rounded to 16 bits") and kernel.activation_bits() == 16
+        )
     runner = engine.runner
     assert all(
         isinstance(lin, BlockLinear)
@@ -460,6 +487,37 @@ def test_16_bit_kv_keeps_the_float32_kv_greedy_replies(smol, kernel):
     same = sum(a == b for a, b in zip(replies["auto"], replies["float32"]))
     print(f"\n16-bit KV: {same} of {len(prompts)} greedy replies equal float32 KV's")
     assert same >= 0.9 * len(prompts), same
+
+
+def test_8_bit_activations_keep_the_next_token_distribution_of_16_bits(smol, kernel):
+    """engine.activation_bits = 8 on the embedded model's blocks: /health says so, and each prompt's
+    next-token distribution (its prompt on the panels, as a burst's) stays within a small KL divergence
+    of the 16-bit engine's. Without VNNI there is nothing to round: both run in float32."""
+    from rtserver.engine.core import Engine
+
+    texts = [f"Tell me a short fact about the number {i}." for i in range(8)] + AGREEMENT_TEXTS
+    prompts = [chat_prompt(smol.tokenizer, t) for t in texts]
+    logits = {}
+    for bits in (16, 8):
+        engine = Engine(
+            load_model("embedded", dtype="gguf", threads=2),
+            EngineSettings(kv_budget_mb=32, activation_bits=bits),
+        )
+        kernel.set_panel_rows(0)  # every prompt on the panels
+        if kernel.fixed_point_activations:
+            assert engine.health()["kernels"]["big_steps"].endswith(f"rounded to {bits} bits")
+        rows = []
+        for ids in prompts:
+            seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
+            seq.kv, _ = engine.kv.acquire(ids, len(ids) + 1)
+            rows.append(engine.runner.forward([StepItem(seq, seq.kv, 0, ids, "last")])[0][-1])
+            engine.kv.release(seq.kv)
+        logits[bits] = torch.stack(rows)
+    kl = F.kl_div(
+        logits[8].log_softmax(-1), logits[16].log_softmax(-1), log_target=True, reduction="none"
+    ).sum(-1)
+    print(f"\n8-bit activations: next-token KL mean {kl.mean():.2e}, max {kl.max():.2e}")
+    assert float(kl.max()) < 0.1
 
 
 def test_health_shows_a_q8_0_pool_and_the_bytes_a_token_takes(smol):

@@ -17,10 +17,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_mm", &q8_0_mm, "x [M, K] float32 @ Q8_0 blocks [N, K].T -> [M, N] float32", nogil);
   m.def("blocks_mm", &blocks_mm, "x [M, K] float32 @ a stacked block weight (parts side by side) -> [M, N]",
         py::arg("x"), py::arg("formats"), py::arg("a"), py::arg("b"), py::arg("panels") = Tensors{}, nogil);
-  m.def("unpack_panels", &unpack_panels, "a block weight's panels for many-row steps, unpacked once (int8)", nogil);
+  m.def("unpack_panels", &unpack_panels, "a block weight's panels for many-row steps, unpacked once", nogil);
   m.def("panels_of", &panels_of, "a weight as a panel format alone, read at every step size", nogil);
   m.def("kept_bytes", &kept_bytes, "the bytes unpack_panels takes for a weight of this format and shape");
   m.def("set_panel_rows", &set_panel_rows, "steps of more rows than this run on panels of weight rows");
+#ifdef RTSERVER_INT_DOTS
+  m.def("set_activation_bits", [](int bits) {
+    TORCH_CHECK(bits == 8 || bits == 16, "big steps' activations are 8 or 16 bits, not ", bits);
+    int_panel::g_activation_bits = bits;
+  }, "big steps round activations to this many bits from now on; panels made before stay in their own");
+  m.def("activation_bits", [] { return int_panel::g_activation_bits; }, "the bits big steps round activations to");
+#else
+  m.def("set_activation_bits", [](int bits) {
+    TORCH_CHECK(bits == 8 || bits == 16, "big steps' activations are 8 or 16 bits, not ", bits);
+  }, "without VNNI big steps run in float32: nothing to round");
+  m.def("activation_bits", [] { return 32; }, "the bits big steps round activations to (float32 here)");
+#endif
   m.def("bind_pool", [](int threads) { pool::Pool::get().bind(threads); },
         "the calling thread owns the kernel's worker threads from now on, `threads` in all", nogil);
   m.def("pool_stats", [] {

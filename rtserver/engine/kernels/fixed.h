@@ -1,4 +1,4 @@
-// Activations in 16-bit fixed point for the integer dots (VNNI), and the dot itself.
+// Activations in fixed point for the integer dots (VNNI), 16 or 8 bits of each block, and the dot itself.
 //
 // Every integer path (fixed_pass, the K-quant decode passes, the panels) takes its activations from
 // here, so all of them round as `fixed_point_reference` in quant.py does.
@@ -37,6 +37,8 @@ struct FixedRows {
 
 // One block of 32 activations in fixed point: v_j = round(x_j / s) in [-32512, 32512] with
 // s = max|x| / 32512 (cvtps rounds to nearest even, as nearbyint), and its two halves' exact sums.
+// With 8-bit activations (engine.activation_bits) v_j = 256 round(x_j * 127 / max|x|): the same scale,
+// so every path, small steps and panels alike, meets the same rounded values.
 // Every integer path's activations come from here, so all round as fixed_point_reference.
 struct FixedBlock {
   __m512i v[2];
@@ -44,15 +46,18 @@ struct FixedBlock {
 };
 
 inline FixedBlock fixed_block(const float* xb) {
-  const __m512i limit = _mm512_set1_epi32(32512);
+  const bool bytes = int_panel::g_activation_bits == 8;
+  const float top = bytes ? 127.f : kFixed;
+  const __m512i limit = _mm512_set1_epi32(static_cast<int>(top));
   const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const __m512 inv = _mm512_set1_ps(amax > 0.f ? kFixed / amax : 0.f);
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? top / amax : 0.f);
   FixedBlock f;
   f.scale = amax / kFixed, f.sum[0] = _mm512_reduce_add_ps(a), f.sum[1] = _mm512_reduce_add_ps(b);
   for (int h = 0; h < 2; ++h) {
     const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(h == 0 ? a : b, inv));
     f.v[h] = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+    if (bytes) f.v[h] = _mm512_slli_epi32(f.v[h], 8);
   }
   return f;
 }
@@ -90,6 +95,27 @@ void to_int16(const float* x, int64_t M, int64_t K, int_panel::Rows& f) {
       for (int h = 0; h < 2; ++h)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(f.v.data() + i * kFixedBlock + 16 * h), _mm512_cvtepi32_epi16(fb.v[h]));
       f.scale[i] = fb.scale, f.xsum16[i * 2] = fb.sum[0], f.xsum16[i * 2 + 1] = fb.sum[1];
+      f.xsum32[i] = fb.sum[0] + fb.sum[1];
+    }
+  });
+}
+
+// Activation rows as 8-bit integers for the panels' 8-bit path: fixed_block's values over 256, their
+// scale times 256 (exact: 32512 = 127 * 256).
+void to_int8(const float* x, int64_t M, int64_t K, int_panel::Rows8& f) {
+  const int64_t nb = K / kFixedBlock;
+  f.v.resize(M * K), f.scale.resize(M * nb), f.qsum16.resize(M * nb * 2), f.xsum16.resize(M * nb * 2);
+  f.xsum32.resize(M * nb);
+  pool::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const FixedBlock fb = fixed_block(x + i * kFixedBlock);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i q = _mm512_srai_epi32(fb.v[h], 8);  // |q| <= 127
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(f.v.data() + i * kFixedBlock + 16 * h), _mm512_cvtepi32_epi8(q));
+        f.qsum16[i * 2 + h] = _mm512_reduce_add_epi32(q);
+      }
+      f.scale[i] = fb.scale * 256.f;
+      f.xsum16[i * 2] = fb.sum[0], f.xsum16[i * 2 + 1] = fb.sum[1];
       f.xsum32[i] = fb.sum[0] + fb.sum[1];
     }
   });

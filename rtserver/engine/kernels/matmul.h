@@ -613,6 +613,17 @@ bool with_split(const std::string& format, const Fn& f) {
 
 bool is_split(const std::string& format) { return with_split(format, [](auto) {}); }
 
+#ifdef RTSERVER_INT_DOTS
+// Panels made once (kept, or a panel format's) carry their layout in their dtype: int8 for 16-bit
+// activations' pairs, uint8 for 8-bit activations' quads. Reading them under the other width fails.
+torch::ScalarType panel_dtype() { return int_panel::g_activation_bits == 8 ? torch::kUInt8 : torch::kInt8; }
+void check_panel_dtype(const torch::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == panel_dtype(), "panels made for ", t.scalar_type() == torch::kUInt8 ? 8 : 16,
+              "-bit activations, but the kernel rounds big steps to ", int_panel::g_activation_bits,
+              " bits now: set_activation_bits comes before any panel is made");
+}
+#endif
+
 // Formats kept only as int8 panels (int_panel::Panel::narrow's layout), read at every step size: Q8_0,
 // whose panels take about the bytes of its blocks. A panel format's layout; G 0: none.
 struct PanelLayout {
@@ -650,9 +661,9 @@ void check_raw(const std::string& format, const torch::Tensor& qs, int64_t K) {
 void check_weight(const std::string& format, const torch::Tensor& qs, const torch::Tensor& scales, int64_t K) {
   if (const PanelLayout panels = panel_layout(format); panels.G) {
 #ifdef RTSERVER_INT_DOTS
-    TORCH_CHECK(K % panels.G == 0 && qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() &&
-                    qs.size(1) == panels.bytes(K),
+    TORCH_CHECK(K % panels.G == 0 && qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == panels.bytes(K),
                 format, " panels do not match x's width");
+    check_panel_dtype(qs);
     return;
 #else
     TORCH_CHECK(false, format, " panels need a CPU with VNNI");
@@ -743,6 +754,30 @@ void raw_unpack_int(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t col
   p.interleave(K);
 }
 
+// raw_unpack_int's 8-bit twin: each chunk's quants + 128 straight to bytes, then quads.
+template <typename T>
+void raw_unpack_quads(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
+  constexpr int kChunks = T::kWeights / 32, kGroups = T::kWeights / T::kGroup;
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint8_t* row = W + (n0 + c) * row_bytes;
+    uint8_t* out = p.bytes.data() + c * K;
+    for (int64_t blk = 0; blk < K / T::kWeights; ++blk) {
+      const uint8_t* b = row + blk * T::kBytes;
+      float D[16], M[16];
+      T::scales(b, D, M);
+      for (int ch = 0; ch < kChunks; ++ch)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + blk * T::kWeights + ch * 32),
+                            _mm256_xor_si256(T::chunk(b, ch), bias));
+      for (int j = 0; j < kGroups; ++j) {
+        const int64_t at = (blk * kGroups + j) * int_panel::kCols + c;
+        p.D[at] = D[j * T::kGroup / 16], p.M[at] = T::kOffset ? M[j * T::kGroup / 16] : 0.f;
+      }
+    }
+  }
+  p.bytes_to_quads(K);
+}
+
 // Calls f(G, offset, unpack) with a weight's scale group, whether it has offsets, and its panel
 // unpacker: unpack(n0, cols, p) fills p.pairs, p.D and p.M.
 template <typename Fn>
@@ -754,7 +789,10 @@ void with_unpacker(const std::string& format, const torch::Tensor& qs, const tor
     blocks::with_type(format, [&](auto t) {
       using T = decltype(t);
       f(std::integral_constant<int, T::kGroup>{}, std::bool_constant<T::kOffset>{},
-        [&](int64_t n0, int64_t cols, int_panel::Panel& p) { raw_unpack_int<T>(Q, row_bytes, n0, cols, K, p); });
+        [&](int64_t n0, int64_t cols, int_panel::Panel& p) {
+          if (int_panel::g_activation_bits == 8) raw_unpack_quads<T>(Q, row_bytes, n0, cols, K, p);
+          else raw_unpack_int<T>(Q, row_bytes, n0, cols, K, p);
+        });
     });
     return;
   }
@@ -771,23 +809,40 @@ void with_unpacker(const std::string& format, const torch::Tensor& qs, const tor
 void int_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
                       const torch::Tensor& scales, const int8_t* kept, float* y, int64_t ldy) {
   const int64_t N = qs.size(0);
-  int_panel::Rows rows;
-  to_int16(x, M, K, rows);
   with_unpacker(format, qs, scales, K, [&](auto G, auto offset, const auto& unpack) {
-    int_panel::matmul<decltype(G)::value, decltype(offset)::value>(rows, M, K, N, y, ldy, kept, unpack);
+    constexpr int g = decltype(G)::value;
+    constexpr bool off = decltype(offset)::value;
+    if (int_panel::g_activation_bits == 8) {
+      int_panel::Rows8 rows;
+      to_int8(x, M, K, rows);
+      int_panel::matmul<g, off>(rows, M, K, N, y, ldy, kept, unpack);
+    } else {
+      int_panel::Rows rows;
+      to_int16(x, M, K, rows);
+      int_panel::matmul<g, off>(rows, M, K, N, y, ldy, kept, unpack);
+    }
   });
 }
 
 // Any step on a weight kept only as panels (panel_layout's formats): nothing to unpack.
 void panels_only_matmul(const float* x, int64_t M, int64_t K, const PanelLayout& panels, const torch::Tensor& qs,
                         float* y, int64_t ldy) {
-  int_panel::Rows rows;
-  to_int16(x, M, K, rows);
-  const int8_t* kept = reinterpret_cast<const int8_t*>(qs.data_ptr<uint8_t>());
+  const int8_t* kept = static_cast<const int8_t*>(qs.data_ptr());
   const auto none = [](int64_t, int64_t, int_panel::Panel&) {};
   const int64_t N = qs.size(0) * int_panel::kCols;
-  if (panels.G == 32) int_panel::matmul<32, false>(rows, M, K, N, y, ldy, kept, none);
-  else int_panel::matmul<16, false>(rows, M, K, N, y, ldy, kept, none);
+  const auto run = [&](const auto& rows) {
+    if (panels.G == 32) int_panel::matmul<32, false>(rows, M, K, N, y, ldy, kept, none);
+    else int_panel::matmul<16, false>(rows, M, K, N, y, ldy, kept, none);
+  };
+  if (int_panel::g_activation_bits == 8) {
+    int_panel::Rows8 rows;
+    to_int8(x, M, K, rows);
+    run(rows);
+  } else {
+    int_panel::Rows rows;
+    to_int16(x, M, K, rows);
+    run(rows);
+  }
 }
 #endif
 
@@ -804,29 +859,32 @@ int64_t kept_bytes(const std::string& format, int64_t N, int64_t K) {
   return bytes;
 }
 
-// A weight's panels for many-row steps unpacked once: int8 [kept_bytes]; empty where the kernel has no
-// integer panels (no VNNI).
+// A weight's panels for many-row steps unpacked once: [kept_bytes] in panel_dtype(); empty where the
+// kernel has no integer panels (no VNNI).
 torch::Tensor unpack_panels(std::string format, torch::Tensor qs, torch::Tensor scales, int64_t K) {
   check_weight(format, qs, scales, K);
-  auto out = torch::empty({kept_bytes(format, qs.size(0), K)}, torch::kInt8);
 #ifdef RTSERVER_INT_DOTS
-  int8_t* kept = out.data_ptr<int8_t>();
+  if (panel_layout(format).G) return torch::empty({0}, panel_dtype());  // already panels alone
+  auto out = torch::empty({kept_bytes(format, qs.size(0), K)}, panel_dtype());
+  int8_t* kept = static_cast<int8_t*>(out.data_ptr());
   with_unpacker(format, qs, scales, K, [&](auto G, auto offset, const auto& unpack) {
     int_panel::keep<decltype(G)::value, decltype(offset)::value>(K, qs.size(0), kept, unpack);
   });
-#endif
   return out;
+#else
+  return torch::empty({0}, torch::kInt8);
+#endif
 }
 
-// A weight as panel format `to` alone (panel_layout's): uint8 [N / 32, panel bytes], for rows a multiple
-// of 32 in the layout `to` is made from.
+// A weight as panel format `to` alone (panel_layout's): [N / 32, panel bytes] in panel_dtype(), for rows
+// a multiple of 32 in the layout `to` is made from.
 torch::Tensor panels_of(std::string to, std::string format, torch::Tensor qs, torch::Tensor scales, int64_t K) {
   const PanelLayout panels = panel_layout(to);
   TORCH_CHECK(panels.G && format == panels.from, to, " panels are made from ", panels.G ? panels.from : "nothing");
   TORCH_CHECK(qs.dim() == 2 && qs.size(0) % 32 == 0, to, " panels need rows a multiple of 32");
 #ifdef RTSERVER_INT_DOTS
   // unpack_panels' bytes, a row per panel: Q8_0 has no offsets, as the panel format
-  return unpack_panels(format, qs, scales, K).view(torch::kUInt8).view({qs.size(0) / int_panel::kCols, panels.bytes(K)});
+  return unpack_panels(format, qs, scales, K).view({qs.size(0) / int_panel::kCols, panels.bytes(K)});
 #else
   TORCH_CHECK(false, to, " panels need a CPU with VNNI");
   return {};
@@ -901,14 +959,17 @@ struct Parts {
     TORCH_CHECK(panels.empty() || panels.size() == formats.size(), "a linear needs no panels or one per part");
     for (size_t i = 0; i < formats.size(); ++i) {
       check_weight(formats[i], a[i], b[i], K);
-      TORCH_CHECK(i >= panels.size() || panels[i].numel() == 0 ||
-                      (panels[i].scalar_type() == torch::kInt8 && panels[i].is_contiguous() &&
-                       panels[i].numel() == kept_bytes(formats[i], weight_rows(formats[i], a[i]), K)),
-                  "a part's panels must be empty or unpack_panels' int8 for the same weight");
+      const bool none = i >= panels.size() || panels[i].numel() == 0;
+      TORCH_CHECK(none || (panels[i].is_contiguous() &&
+                           panels[i].numel() == kept_bytes(formats[i], weight_rows(formats[i], a[i]), K)),
+                  "a part's panels must be empty or unpack_panels' for the same weight");
+#ifdef RTSERVER_INT_DOTS
+      if (!none) check_panel_dtype(panels[i]);
+#endif
     }
   }
   const int8_t* kept(size_t i) const {
-    return i < panels.size() && panels[i].numel() > 0 ? panels[i].data_ptr<int8_t>() : nullptr;
+    return i < panels.size() && panels[i].numel() > 0 ? static_cast<const int8_t*>(panels[i].data_ptr()) : nullptr;
   }
   // y [M, rows()] = x [M, K] @ W.T, part by part (checked first).
   void apply(const float* x, int64_t M, int64_t K, float* y) const {

@@ -8,7 +8,6 @@ detokenizer makes the text, and a stop string cancels its sequence.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import logging
 import threading
@@ -34,6 +33,7 @@ from .backend import (
 from .detokenizer import Detokenizer
 from .gguf_file import GGUFFile
 from .grammar import Grammars
+from .heap import return_freed_memory, reuse_freed_buffers, reused_bytes
 from .kv import KVCacheManager, SegmentKey
 from .kv_memory import resolve_kv_memory
 from .linear import BlockLinear, Linear
@@ -46,35 +46,6 @@ from .sequence import Sequence, Splice
 from .step import StepRunner
 
 log = logging.getLogger("rtserver.engine")
-
-
-def return_freed_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc). Swapping the dense weights for packed copies frees
-    hundreds of MB. It comes in pieces that glibc would otherwise keep in its heap, resident.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to do
-
-
-# glibc's mallopt parameters
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_REUSED_BYTES = 1 << 30
-
-
-def reuse_freed_buffers() -> None:
-    """From now on keep freed large buffers in the heap for the next step (glibc). Steps allocate the same
-    big tensors again and again: a large vocabulary's logits, a prompt's activations. glibc maps each above
-    128 KB afresh. Every page of it faults on first touch. This is called once loading is done, so
-    start-up's temporaries are not kept.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, _REUSED_BYTES)
-        libc.mallopt(_M_TRIM_THRESHOLD, _REUSED_BYTES)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to do
 
 
 class OutputSink(Protocol):
@@ -320,7 +291,7 @@ class Engine:
     def start(self) -> None:
         # The thread that built the engine lets its OpenMP workers go: the scheduler's are then the only ones.
         release_pool()
-        reuse_freed_buffers()
+        reuse_freed_buffers(reused_bytes(self.settings.max_running, self.runner.vocab_size))
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._serve, name="rtserver-scheduler", daemon=True)
         self._thread.start()

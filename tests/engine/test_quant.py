@@ -16,6 +16,7 @@ from rtserver.config import EngineSettings
 from rtserver.engine import kv_rows, quant
 from rtserver.engine.attention import KernelAttention, PagedAttention
 from rtserver.engine.backend import SamplingParams
+from rtserver.engine.heap import reused_bytes
 from rtserver.engine.kv import KVCacheManager
 from rtserver.engine.linear import BlockEmbedding, BlockLinear, OneDNNLinear
 from rtserver.engine.model import embedded_model_path, load_model
@@ -677,3 +678,11 @@ def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, bl
         torch.testing.assert_close(runner._column_logits(hs, columns), full[:, columns], rtol=1e-5, atol=1e-4)
         answers.append(out)
     assert answers[1] == answers[0]
+
+
+def test_the_heap_keeps_freed_buffers_up_to_a_full_decode_steps_logits():
+    """A serving process keeps freed buffers for the next step only up to the logits of a full decode
+    step (at least 32 MB): a burst's prefill activations are not kept resident for good."""
+    assert reused_bytes(64, 262_144) == 64 << 20  # Gemma 3's vocabulary, 64 rows
+    assert reused_bytes(64, 49_152) == 32 << 20  # the embedded model's: the floor
+    assert reused_bytes(1, 262_144) == 32 << 20

@@ -193,6 +193,7 @@ class Engine:
             self.kv_memory.budget_mb << 20,
             opts.kv_block_tokens,
         )
+        self._shipped = sorted({b.shipped for b in loaded.blocks.values()})  # before the runner takes them
         self.runner = ModelRunner(
             loaded.model,
             self.kv,
@@ -207,10 +208,13 @@ class Engine:
         self.kernels: dict[str, object] = {"weights": loaded.dtype_name}
         self._step_threads = loaded.threads  # torch's threads while the scheduler runs
         if loaded.gguf_blocks is not None:
+            if release_dense_weights:
+                # by name, as loaded: the linears hold what they read (fused), so a part kept as panels
+                # only lets go of its blocks as its panels are made, before others are unpacked
+                loaded.blocks.clear()
             self.kernels = self._use_gguf_blocks(loaded)
             if release_dense_weights:
                 self.runner.release_dense_weights()
-                loaded.blocks.clear()  # by name, as loaded: the linears hold what they read (fused, panels)
         if release_dense_weights:
             return_freed_memory()
         self.scheduler = Scheduler(
@@ -254,7 +258,7 @@ class Engine:
         if len(on_blocks) == len(linears):
             # the kernel's own threads do every big loop; torch's OpenMP workers would only spin beside them
             self._step_threads = 1
-        formats = sorted({b.shipped for b in loaded.blocks.values()})
+        formats = self._shipped
         log.info(
             "%d of %d linears on GGUF blocks (%s); panels above %d rows; %.0f MB of them kept unpacked",
             len(on_blocks),

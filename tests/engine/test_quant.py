@@ -387,6 +387,46 @@ def test_small_steps_on_the_blocks_answer_as_float32(smol, kernel, blocks):
     assert answers[1] == answers[0]
 
 
+def test_a_serving_runner_takes_each_layers_blocks_as_it_builds_it(kernel, monkeypatch):
+    """Serving, each layer's linears leave the loader's blocks as they are built: the copies fusing
+    q/k/v and gate/up make never sit beside every original (twice the file at start-up). The embedding
+    and the head stay there; a runner that keeps its model leaves the blocks alone."""
+    from rtserver.engine import layers
+
+    loaded = load_model("embedded", dtype="gguf", threads=2)
+    cfg = loaded.model.config
+    held: list[int] = []
+    monkeypatch.setattr(layers, "cat", lambda ws: held.append(len(loaded.blocks)) or quant.cat(ws))
+    for release in (False, True):
+        held.clear()
+        kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 1 << 20, 16)
+        ModelRunner(loaded.model, kv, 512, release_dense_weights=release, blocks=loaded.blocks, kernel=kernel)
+        per_layer = 7  # q, k, v, o, gate, up, down
+        if not release:
+            assert set(held) == {per_layer * cfg.num_hidden_layers + 1}  # + the tied embedding
+    assert held == sorted(held, reverse=True) and held[-1] < 2 * per_layer + 1
+    assert set(loaded.blocks) == {"model.embed_tokens.weight"}
+
+
+def test_a_serving_engine_lets_go_of_the_loaded_blocks_before_it_makes_panels(kernel, monkeypatch):
+    """Serving, the loader's blocks are let go before any panels are made: a part kept as panels only
+    (Q8_0, a tied embedding among them) frees its blocks as its panels are made, not once every layer's
+    kept panels exist too."""
+    from rtserver.engine.core import Engine
+
+    loaded = load_model("embedded", dtype="gguf", threads=2)
+    held: list[int] = []
+    made = ModelRunner.keep_only_panels
+
+    def keep_only_panels(runner: ModelRunner) -> None:
+        held.append(len(loaded.blocks))
+        made(runner)
+
+    monkeypatch.setattr(ModelRunner, "keep_only_panels", keep_only_panels)
+    Engine(loaded, EngineSettings(kv_budget_mb=16), release_dense_weights=True)
+    assert held == ([0] if kernel.fixed_point_activations else [])
+
+
 def test_engine_in_dtype_gguf_runs_every_linear_on_its_blocks_and_says_so(
     smol, kernel, monkeypatch, tmp_path
 ):

@@ -16,6 +16,13 @@ def return_freed_memory() -> None:
     its heap, resident. What only a reference cycle still holds goes first: the collector would free
     it at some later allocation count, after the trim."""
     gc.collect()
+    trim()
+
+
+def trim() -> None:
+    """Hand the heaps' free pages back to the OS now (glibc's malloc_trim): a step of many rows frees
+    buffers below the reuse limit in pieces, which would otherwise stay resident between its heaps'
+    live blocks."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -17,6 +17,7 @@ import torch
 from .attention import NO_ROWS, AttentionPlan, KernelAttention, PagedAttention, RowContexts, rope
 from .families import attention_scale, family_of, layer_windows, rope_tables
 from .features import FeatureLayers, Features, FeatureTaps
+from .heap import trim
 from .kv import KVCacheManager
 from .kv_rows import from_pool, to_pool
 from .layers import DecoderLayer, Weights
@@ -365,6 +366,8 @@ class ModelRunner:
                 out.logits[i] = lg
             for i, f in zip(idx, rows.features):
                 out.features[i] = f
+        if sum(len(rows.lay.ids) for _, rows in groups) > self.prompt_rows:
+            trim()  # a prefill's buffers go back with its step; a decode step's stay for the next
         return out
 
     def forward(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> list[torch.Tensor | None]:

@@ -431,14 +431,18 @@ class _CountingKernel:
         return self._kernel.layer_forward(layer, x, *args)
 
 
-def test_fused_prompt_rows_run_in_bounded_calls(tiny_llama, smol, kernel):
+def test_fused_prompt_rows_run_in_bounded_calls(tiny_llama, smol, kernel, monkeypatch):
     """A step's fused prompt rows go through each layer in calls of at most `prompt_rows` rows (its
     buffers bounded however long the burst's prompts), the later rows reading the K/V the earlier calls
-    wrote: the logits equal those of one call over every row."""
+    wrote: the logits equal those of one call over every row. Such a step hands its freed buffers back
+    to the OS at its end; a decode step keeps them for the next."""
+    from rtserver.engine import runner as runner_module
+
     model = copy.deepcopy(tiny_llama)
     blocks = _on_blocks(model, {"*": "Q4_K"}, seed=5)
     cfg = model.config
-    results, calls = [], []
+    results, calls, trims = [], [], []
+    monkeypatch.setattr(runner_module, "trim", lambda: trims.append(len(calls)))
     for rows in (10_000, 16):
         kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
         runner = ModelRunner(copy.deepcopy(model), kv, 512, blocks=blocks, kernel=kernel)
@@ -451,6 +455,7 @@ def test_fused_prompt_rows_run_in_bounded_calls(tiny_llama, smol, kernel):
     # the first layer's prompt rows (5 prompts, 65 rows; the last layer runs through torch), then the
     # decode step's 5 rows in both layers
     assert calls == [[65, 5, 5], [13] * 5 + [5, 5]]
+    assert trims == [1]  # the bounded runner's prefill step alone
     for a, b in zip(*results):
         assert torch.equal(a, b)
 

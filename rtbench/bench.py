@@ -27,7 +27,8 @@ import torch
 
 from rtserver.config import EngineSettings
 from rtserver.engine.backend import SamplingParams
-from rtserver.engine.core import Engine, return_freed_memory
+from rtserver.engine.core import Engine
+from rtserver.engine.heap import return_freed_memory
 from rtserver.engine.model import LoadedModel
 from rtserver.tasks.chat import encode_chat, finished_turn
 

@@ -8,7 +8,6 @@ detokenizer makes the text, and a stop string cancels its sequence.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import logging
 import threading
@@ -34,6 +33,7 @@ from .backend import (
 from .detokenizer import Detokenizer
 from .gguf_file import GGUFFile
 from .grammar import Grammars
+from .heap import return_freed_memory, reuse_freed_buffers, reused_bytes
 from .kv import KVCacheManager, SegmentKey
 from .kv_memory import resolve_kv_memory
 from .linear import BlockLinear, Linear
@@ -46,35 +46,6 @@ from .sequence import Sequence, Splice
 from .step import StepRunner
 
 log = logging.getLogger("rtserver.engine")
-
-
-def return_freed_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc). Swapping the dense weights for packed copies frees
-    hundreds of MB. It comes in pieces that glibc would otherwise keep in its heap, resident.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to do
-
-
-# glibc's mallopt parameters
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_REUSED_BYTES = 1 << 30
-
-
-def reuse_freed_buffers() -> None:
-    """From now on keep freed large buffers in the heap for the next step (glibc). Steps allocate the same
-    big tensors again and again: a large vocabulary's logits, a prompt's activations. glibc maps each above
-    128 KB afresh. Every page of it faults on first touch. This is called once loading is done, so
-    start-up's temporaries are not kept.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, _REUSED_BYTES)
-        libc.mallopt(_M_TRIM_THRESHOLD, _REUSED_BYTES)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to do
 
 
 class OutputSink(Protocol):
@@ -225,6 +196,7 @@ class Engine:
         if loaded.kernel is not None:
             # before any panel is made: panels are laid out for their activations' width
             loaded.kernel.set_activation_bits(opts.activation_bits)
+        self._shipped = sorted({b.shipped for b in loaded.blocks.values()})  # before the runner takes them
         self.runner = ModelRunner(
             loaded.model,
             self.kv,
@@ -239,10 +211,13 @@ class Engine:
         self.kernels: dict[str, object] = {"weights": loaded.dtype_name}
         self._step_threads = loaded.threads  # torch's threads while the scheduler runs
         if loaded.gguf_blocks is not None:
+            if release_dense_weights:
+                # by name, as loaded: the linears hold what they read (fused), so a part kept as panels
+                # only lets go of its blocks as its panels are made, before others are unpacked
+                loaded.blocks.clear()
             self.kernels = self._use_gguf_blocks(loaded)
             if release_dense_weights:
                 self.runner.release_dense_weights()
-                loaded.blocks.clear()  # by name, as loaded: the linears hold what they read (fused, panels)
         if release_dense_weights:
             return_freed_memory()
         self.scheduler = Scheduler(
@@ -286,7 +261,7 @@ class Engine:
         if len(on_blocks) == len(linears):
             # the kernel's own threads do every big loop; torch's OpenMP workers would only spin beside them
             self._step_threads = 1
-        formats = sorted({b.shipped for b in loaded.blocks.values()})
+        formats = self._shipped
         log.info(
             "%d of %d linears on GGUF blocks (%s); panels above %d rows; %.0f MB of them kept unpacked",
             len(on_blocks),
@@ -323,7 +298,7 @@ class Engine:
     def start(self) -> None:
         # The thread that built the engine lets its OpenMP workers go: the scheduler's are then the only ones.
         release_pool()
-        reuse_freed_buffers()
+        reuse_freed_buffers(reused_bytes(self.settings.max_running, self.runner.vocab_size))
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._serve, name="rtserver-scheduler", daemon=True)
         self._thread.start()

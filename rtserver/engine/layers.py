@@ -41,7 +41,8 @@ class DecoderLayer:
 class Weights:
     """Embedding, decoder layers, final norm and output head of a model, in the runner's formats.
     `blocks` (with the `kernel`): weights given as GGUF blocks, by transformers parameter name; those
-    use only them, and their dense parameters are never read."""
+    use only them, and their dense parameters are never read. With `drop_as_built` (serving) a layer's
+    linears leave `blocks` as they are built."""
 
     def __init__(
         self,
@@ -55,6 +56,7 @@ class Weights:
     ):
         cfg, inner = model.config, model.model
         self.model, self.storage, self._blocks, self._kernel = model, storage, blocks, kernel
+        self._drop_as_built = drop_as_built
         eps: float = cfg.rms_norm_eps
         self.embed = (
             BlockEmbedding(blocks[EMBED], model.dtype)
@@ -97,7 +99,11 @@ class Weights:
         keys = [f"model.layers.{li}.{where}.{n}.weight" for n in names]
         bias = _cat_bias(*subs) if len(subs) > 1 else subs[0].bias
         if all(k in self._blocks for k in keys):
-            return BlockLinear(cat([self._blocks[k] for k in keys]), bias, _kernel_of(self._kernel))
+            fused = cat([self._blocks[k] for k in keys])
+            if self._drop_as_built:  # the parts fused by a copy go now: never the whole model twice
+                for k in keys:
+                    del self._blocks[k]
+            return BlockLinear(fused, bias, _kernel_of(self._kernel))
         weight = _fuse(*subs, share=self.storage is None) if len(subs) > 1 else subs[0].weight
         return stored_linear(weight, bias, self.storage)
 

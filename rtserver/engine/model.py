@@ -125,7 +125,7 @@ def gguf_tokenizer(path: Path, cache_dir: Path, config: Any) -> Tokenizer:
 
     folder = cache_dir / "tokenizers" / _file_digest(path)
     if (folder / "tokenizer_config.json").is_file():
-        return cast(Tokenizer, AutoTokenizer.from_pretrained(folder))
+        return _without_build_copies(AutoTokenizer.from_pretrained(folder))
     kind = type(config)
     found: Any = TOKENIZER_MAPPING[kind] if kind in TOKENIZER_MAPPING else PreTrainedTokenizerFast
     cls = (found[-1] or found[0]) if isinstance(found, tuple) else found  # (slow, fast) in older tables
@@ -142,6 +142,16 @@ def gguf_tokenizer(path: Path, cache_dir: Path, config: Any) -> Tokenizer:
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         tmp.replace(folder)
+    return _without_build_copies(tokenizer)
+
+
+def _without_build_copies(tokenizer: Any) -> Tokenizer:
+    """The tokenizer without the Python vocabulary and merges a model's own class (Gemma's, Llama's,
+    Qwen2's) keeps after building its Rust tokenizer from them: nothing reads them afterwards, and a large
+    vocabulary's are hundreds of thousands of Python strings."""
+    for name in ("_vocab", "_merges"):
+        if isinstance(getattr(tokenizer, name, None), (dict, list)):
+            setattr(tokenizer, name, None)
     return cast(Tokenizer, tokenizer)
 
 
@@ -160,12 +170,16 @@ def _gguf_config(path: Path) -> Any:
 
 
 def _gguf_model(
-    path: Path, cache_dir: Path | None
-) -> tuple[PreTrainedModel, dict[str, BlockWeight], Kernel | None, str]:
-    """The model of a GGUF file, and with a `cache_dir` (dtype gguf) its quantized linears as blocks
-    with the kernel that multiplies with them: those linears are never dequantized."""
+    path: Path, cache: Path, blocks_dir: Path | None
+) -> tuple[PreTrainedModel, Tokenizer, dict[str, BlockWeight], Kernel | None, str]:
+    """The model and tokenizer of a GGUF file, and with a `blocks_dir` (dtype gguf) its quantized
+    linears as blocks with the kernel that multiplies with them: those linears are never dequantized.
+    An unreadable or unsupported file is refused before its tokenizer is converted. The tokenizer comes
+    before the weights: reading a large vocabulary's file takes many times its size for a while, handed
+    back before the weights take their place."""
     from .gguf_file import GGUFError, GGUFFile
     from .gguf_load import dense_model, gguf_config
+    from .heap import return_freed_memory
     from .quant import kernel_error, load_kernel, weights_from_file
 
     if not path.is_file():
@@ -173,18 +187,20 @@ def _gguf_model(
     try:
         g = GGUFFile(path)
         config = gguf_config(g)
+        tokenizer = gguf_tokenizer(path, cache, config)
+        return_freed_memory()
         kernel: Kernel | None = None
         blocks: dict[str, BlockWeight] = {}
         why = ""
-        if cache_dir is not None:
-            kernel = load_kernel(cache_dir)
+        if blocks_dir is not None:
+            kernel = load_kernel(blocks_dir)
             if kernel is None:
                 why = f"the quantized kernel could not be built ({kernel_error()})"
             else:
                 heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
                 blocks = weights_from_file(g, config.model_type, heads, kv_heads)
         model = dense_model(g, config, skip=frozenset(blocks))
-        return cast("PreTrainedModel", model), blocks, kernel, why
+        return cast("PreTrainedModel", model), tokenizer, blocks, kernel, why
     except GGUFError as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF model ({exc})") from exc
     except (UnsupportedModel, KeyError) as exc:
@@ -253,9 +269,7 @@ def load_model(
     kernel: Kernel | None = None
     why = ""
     if gguf is not None:
-        # first: a broken or unsupported file is refused before the tokenizer is converted
-        model, blocks, kernel, why = _gguf_model(gguf, cache if dtype == "gguf" else None)
-        tokenizer = gguf_tokenizer(gguf, cache, model.config)
+        model, tokenizer, blocks, kernel, why = _gguf_model(gguf, cache, cache if dtype == "gguf" else None)
         if torch_dtype != torch.float32:
             model = model.to(dtype=torch_dtype)  # type: ignore[call-arg]  # nn.Module.to
     else:

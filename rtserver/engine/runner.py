@@ -17,6 +17,7 @@ import torch
 from .attention import NO_ROWS, AttentionPlan, KernelAttention, PagedAttention, RowContexts, rope
 from .families import attention_scale, family_of, layer_windows, rope_tables
 from .features import FeatureLayers, Features, FeatureTaps
+from .heap import trim
 from .kv import KVCacheManager
 from .kv_rows import from_pool, to_pool
 from .layers import DecoderLayer, Weights
@@ -135,6 +136,7 @@ class ModelRunner:
         self._rope_stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see move_rows
         self.fused_decode = False  # decodes and generation prompts run fused (choose_fused_decode)
         self._fused_layers: list[object] = []  # the kernel's FusedLayer of each layer (choose_fused_decode)
+        self.prompt_rows = prompt_rows(cfg.hidden_size, self.inter, self.q_size, self.kv_size)
         if release_dense_weights:
             self.release_dense_weights()
 
@@ -364,6 +366,8 @@ class ModelRunner:
                 out.logits[i] = lg
             for i, f in zip(idx, rows.features):
                 out.features[i] = f
+        if sum(len(rows.lay.ids) for _, rows in groups) > self.prompt_rows:
+            trim()  # a prefill's buffers go back with its step; a decode step's stay for the next
         return out
 
     def forward(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> list[torch.Tensor | None]:
@@ -419,30 +423,39 @@ class ModelRunner:
         return x
 
     def _prompt_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
-        """Layer `li` of the fused prompts. The last goes through torch, which keeps only the rows asked."""
-        if li < len(self.layers) - 1:
+        """Layer `li` of the fused prompts, in runs of at most `prompt_rows` rows: a run's rows attend
+        to the K/V the runs before it wrote, so each call's buffers stay bounded however many prompt
+        tokens the step holds. The last layer goes through torch, which keeps only the rows asked."""
+        if li == len(self.layers) - 1:
+            out = self._layer(li, lay, x)
+            assert out is not None  # every prompt asks for its last row's logits
+            return out
+        n = x.shape[0]
+        runs = -(-n // self.prompt_rows)
+        if runs <= 1:
             return self._fused_layer(li, lay, x)
-        out = self._layer(li, lay, x)
-        assert out is not None  # every prompt asks for its last row's logits
-        return out
+        size = -(-n // runs)  # even runs: none so short that it would take the few-row kernel
+        return torch.cat([self._fused_layer(li, lay, x[a : a + size], a) for a in range(0, n, size)])
 
-    def _fused_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
-        """Decoder layer `li` of fused rows: one call of the kernel's `layer_forward`."""
+    def _fused_layer(self, li: int, lay: _Layout, x: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Decoder layer `li` of fused rows: one call of the kernel's `layer_forward`. `x` holds the
+        layout's rows from `first` on."""
         L = self.layers[li]
         cos, sin = lay.rope[L.rope]
         c = lay.local_contexts if L.window else lay.contexts
+        rows = slice(first, first + x.shape[0])
         assert self.attention_kernel is not None, "fused layers run on the kernel"
         return self.attention_kernel.layer_forward(
             self._fused_layers[li],
             x,
-            cos,
-            sin,
+            cos[rows],
+            sin[rows],
             self.kv.k[li],
             self.kv.v[li],
-            lay.write_slots,
+            lay.write_slots[rows],
             c.table,
-            c.item,
-            c.position,
+            c.item[rows],
+            c.position[rows],
             c.window,
         )
 
@@ -484,6 +497,21 @@ class ModelRunner:
     def _column_logits(self, hs: torch.Tensor, columns: list[int]) -> torch.Tensor:
         """Logits of a few vocabulary entries (the output head's way: see Linear.columns)."""
         return self.lm_head.columns(hs, torch.tensor(columns))
+
+
+# What one fused call of a step's prompt rows may allocate: its float32 activations and the kernel's
+# 16-bit copies of them. A burst's prompts fill a step of thousands of rows.
+PROMPT_CALL_BYTES = 48 << 20
+MIN_PROMPT_ROWS = 64  # fewer rows a call would read the weights more often than it computes with them
+
+
+def prompt_rows(hidden: int, inter: int, q_size: int, kv_size: int) -> int:
+    """The most prompt rows one fused layer call takes: its buffers (residual, normed input, q/k/v,
+    queries, attention output, projection, gate and up, the kernel's activations) within
+    PROMPT_CALL_BYTES."""
+    floats = 3 * hidden + max(hidden, inter) + 2 * q_size + 2 * kv_size + q_size + 2 * inter
+    row = 4 * floats + 2 * max(hidden, inter)
+    return max(MIN_PROMPT_ROWS, PROMPT_CALL_BYTES // row)
 
 
 def _write_slots(it: StepItem) -> torch.Tensor:

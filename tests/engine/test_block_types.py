@@ -454,6 +454,49 @@ def test_fused_decode_steps_equal_the_torch_forward(tiny_llama, smol, kernel, ty
                 logits_close(a, b, kernel)
 
 
+class _CountingKernel:
+    """The kernel, with the rows of each layer_forward call counted."""
+
+    def __init__(self, kernel):
+        self._kernel, self.rows = kernel, []
+
+    def __getattr__(self, name):
+        return getattr(self._kernel, name)
+
+    def layer_forward(self, layer, x, *args):
+        self.rows.append(x.shape[0])
+        return self._kernel.layer_forward(layer, x, *args)
+
+
+def test_fused_prompt_rows_run_in_bounded_calls(tiny_llama, smol, kernel, monkeypatch):
+    """A step's fused prompt rows go through each layer in calls of at most `prompt_rows` rows (its
+    buffers bounded however long the burst's prompts), the later rows reading the K/V the earlier calls
+    wrote: the logits equal those of one call over every row. Such a step hands its freed buffers back
+    to the OS at its end; a decode step keeps them for the next."""
+    from rtserver.engine import runner as runner_module
+
+    model = copy.deepcopy(tiny_llama)
+    blocks = _on_blocks(model, {"*": "Q4_K"}, seed=5)
+    cfg = model.config
+    results, calls, trims = [], [], []
+    monkeypatch.setattr(runner_module, "trim", lambda: trims.append(len(calls)))
+    for rows in (10_000, 16):
+        kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
+        runner = ModelRunner(copy.deepcopy(model), kv, 512, blocks=blocks, kernel=kernel)
+        runner.use_attention_kernel(kernel)
+        runner.choose_fused_decode()
+        counting = _CountingKernel(kernel)
+        runner.attention_kernel, runner.prompt_rows = counting, rows
+        results.append(_decode_steps(runner, kv, cfg.vocab_size, smol.tokenizer, rows=(5,)))
+        calls.append(counting.rows)
+    # the first layer's prompt rows (5 prompts, 65 rows; the last layer runs through torch), then the
+    # decode step's 5 rows in both layers
+    assert calls == [[65, 5, 5], [13] * 5 + [5, 5]]
+    assert trims == [1]  # the bounded runner's prefill step alone
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_fused_layer_refuses_what_does_not_fit_its_weights(tiny_llama, kernel):
     """A layer is checked once when it is bound (FusedLayer), a step's tensors at every call, each with
     a message naming what does not fit."""

@@ -112,3 +112,29 @@ def test_a_broken_file_is_a_clear_error(tmp_path, damage, message):
         GGUFFile(bad)
     with pytest.raises(ModelLoadError, match=message):
         load_model(str(bad), dtype="float32", cache_dir=tmp_path)
+
+
+def test_a_gguf_tokenizer_keeps_no_python_copy_of_its_vocabulary(tmp_path):
+    """A GGUF file's tokenizer, converted (a first start) or read back from its cache, holds its
+    vocabulary and merges in its Rust tokenizer only: the Python copies its model class built that from
+    are dropped (a large vocabulary's are hundreds of thousands of strings). It encodes and decodes as
+    the class's own load of the cache."""
+    from transformers import AutoTokenizer
+
+    from rtbench.model_files import random_gguf
+    from rtserver.engine.model import _gguf_config, gguf_tokenizer
+
+    path = random_gguf("qwen3-tiny", "Q8_0")  # Qwen2's tokenizer class
+    config = _gguf_config(path)
+    first = gguf_tokenizer(path, tmp_path, config)
+    again = gguf_tokenizer(path, tmp_path, config)
+    (folder,) = (tmp_path / "tokenizers").iterdir()
+    own = AutoTokenizer.from_pretrained(folder)
+    assert own._vocab and own._merges  # what a model class keeps
+    texts = ["Hello, world!", "  two spaces\nand a line", "日本語 🤖", "<|im_start|>user\nhi<|im_end|>"]
+    for tok in (first, again):
+        assert type(tok) is type(own)
+        assert getattr(tok, "_vocab", None) is None and getattr(tok, "_merges", None) is None
+        for text in texts:
+            ids = own(text)["input_ids"]
+            assert tok(text)["input_ids"] == ids and tok.decode(ids) == own.decode(ids)

@@ -16,6 +16,7 @@ from rtserver.config import EngineSettings
 from rtserver.engine import kv_rows, quant
 from rtserver.engine.attention import KernelAttention, PagedAttention
 from rtserver.engine.backend import SamplingParams
+from rtserver.engine.heap import reused_bytes
 from rtserver.engine.kv import KVCacheManager
 from rtserver.engine.linear import BlockEmbedding, BlockLinear, OneDNNLinear
 from rtserver.engine.model import embedded_model_path, load_model
@@ -408,6 +409,46 @@ def test_small_steps_on_the_blocks_answer_as_float32(smol, kernel, blocks):
     assert answers[1] == answers[0]
 
 
+def test_a_serving_runner_takes_each_layers_blocks_as_it_builds_it(kernel, monkeypatch):
+    """Serving, each layer's linears leave the loader's blocks as they are built: the copies fusing
+    q/k/v and gate/up make never sit beside every original (twice the file at start-up). The embedding
+    and the head stay there; a runner that keeps its model leaves the blocks alone."""
+    from rtserver.engine import layers
+
+    loaded = load_model("embedded", dtype="gguf", threads=2)
+    cfg = loaded.model.config
+    held: list[int] = []
+    monkeypatch.setattr(layers, "cat", lambda ws: held.append(len(loaded.blocks)) or quant.cat(ws))
+    for release in (False, True):
+        held.clear()
+        kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 1 << 20, 16)
+        ModelRunner(loaded.model, kv, 512, release_dense_weights=release, blocks=loaded.blocks, kernel=kernel)
+        per_layer = 7  # q, k, v, o, gate, up, down
+        if not release:
+            assert set(held) == {per_layer * cfg.num_hidden_layers + 1}  # + the tied embedding
+    assert held == sorted(held, reverse=True) and held[-1] < 2 * per_layer + 1
+    assert set(loaded.blocks) == {"model.embed_tokens.weight"}
+
+
+def test_a_serving_engine_lets_go_of_the_loaded_blocks_before_it_makes_panels(kernel, monkeypatch):
+    """Serving, the loader's blocks are let go before any panels are made: a part kept as panels only
+    (Q8_0, a tied embedding among them) frees its blocks as its panels are made, not once every layer's
+    kept panels exist too."""
+    from rtserver.engine.core import Engine
+
+    loaded = load_model("embedded", dtype="gguf", threads=2)
+    held: list[int] = []
+    made = ModelRunner.keep_only_panels
+
+    def keep_only_panels(runner: ModelRunner) -> None:
+        held.append(len(loaded.blocks))
+        made(runner)
+
+    monkeypatch.setattr(ModelRunner, "keep_only_panels", keep_only_panels)
+    Engine(loaded, EngineSettings(kv_budget_mb=16), release_dense_weights=True)
+    assert held == ([0] if kernel.fixed_point_activations else [])
+
+
 def test_engine_in_dtype_gguf_runs_every_linear_on_its_blocks_and_says_so(
     smol, kernel, monkeypatch, tmp_path
 ):
@@ -735,3 +776,11 @@ def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, bl
         torch.testing.assert_close(runner._column_logits(hs, columns), full[:, columns], rtol=1e-5, atol=1e-4)
         answers.append(out)
     assert answers[1] == answers[0]
+
+
+def test_the_heap_keeps_freed_buffers_up_to_a_full_decode_steps_logits():
+    """A serving process keeps freed buffers for the next step only up to the logits of a full decode
+    step (at least 32 MB): a burst's prefill activations are not kept resident for good."""
+    assert reused_bytes(64, 262_144) == 64 << 20  # Gemma 3's vocabulary, 64 rows
+    assert reused_bytes(64, 49_152) == 32 << 20  # the embedded model's: the floor
+    assert reused_bytes(1, 262_144) == 32 << 20

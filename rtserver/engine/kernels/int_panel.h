@@ -138,6 +138,34 @@ struct Panel {
   }
 };
 
+// A register block's sums: zero for its first scale groups, else y's rows so far.
+template <int R>
+inline void load_rows(__m512 (&acc)[R][2], const float* y, int64_t ldy, __mmask16 first, __mmask16 second, bool zero) {
+  for (int r = 0; r < R; ++r)
+    acc[r][0] = zero ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(first, y + r * ldy),
+    acc[r][1] = zero ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(second, y + r * ldy + 16);
+}
+
+template <int R>
+inline void store_rows(const __m512 (&acc)[R][2], float* y, int64_t ldy, __mmask16 first, __mmask16 second) {
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, first, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, second, acc[r][1]);
+  }
+}
+
+// Scale group g's offsets: each column's M times the exact sum of the row's activations in the group.
+template <int R, int G, typename RowsT>
+inline void add_mins(const RowsT& x, int64_t r0, int64_t groups, const Panel& p, int64_t g, __m512 (&acc)[R][2]) {
+  const __m512 m0 = _mm512_loadu_ps(p.m + g * kCols), m1 = _mm512_loadu_ps(p.m + g * kCols + 16);
+  const float* sums = G == 16 ? x.xsum16.data() : x.xsum32.data();
+  for (int r = 0; r < R; ++r) {
+    const __m512 xs = _mm512_set1_ps(sums[(r0 + r) * groups + g]);
+    acc[r][0] = _mm512_fmadd_ps(m0, xs, acc[r][0]);
+    acc[r][1] = _mm512_fmadd_ps(m1, xs, acc[r][1]);
+  }
+}
+
 // y[r, 0:cols] (rows ldy apart) for R rows of activations against a panel's scale groups g0 .. g1 of
 // G weights: set from the first groups, added to after.
 template <int R, int G, bool Offset, bool Kept>
@@ -153,9 +181,7 @@ inline void tile(const Rows& x, int64_t r0, int64_t K, const Panel& p, int64_t g
   const int8_t* k0 = Kept ? p.kept + g0 * (G / 2) * 32 : nullptr;
   const int8_t* k1 = Kept ? k0 + K / 2 * 32 : nullptr;
   __m512 acc[R][2];
-  for (int r = 0; r < R; ++r)
-    acc[r][0] = g0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(first, y + r * ldy),
-    acc[r][1] = g0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(second, y + r * ldy + 16);
+  load_rows<R>(acc, y, ldy, first, second, g0 == 0);
   for (int64_t g = g0; g < g1; ++g) {
     __m512i t[R][2];
     for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm512_setzero_si512();
@@ -182,20 +208,9 @@ inline void tile(const Rows& x, int64_t r0, int64_t K, const Panel& p, int64_t g
       acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][0]), _mm512_mul_ps(d0, s), acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][1]), _mm512_mul_ps(d1, s), acc[r][1]);
     }
-    if (Offset) {
-      const __m512 m0 = _mm512_loadu_ps(p.m + g * kCols), m1 = _mm512_loadu_ps(p.m + g * kCols + 16);
-      const float* sums = G == 16 ? x.xsum16.data() : x.xsum32.data();
-      for (int r = 0; r < R; ++r) {
-        const __m512 xs = _mm512_set1_ps(sums[(r0 + r) * groups + g]);
-        acc[r][0] = _mm512_fmadd_ps(m0, xs, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(m1, xs, acc[r][1]);
-      }
-    }
+    if (Offset) add_mins<R, G>(x, r0, groups, p, g, acc);
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, first, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, second, acc[r][1]);
-  }
+  store_rows<R>(acc, y, ldy, first, second);
 }
 
 // The register block for rows r .. r + 6 (or the rows left).
@@ -225,9 +240,7 @@ inline void tile8(const Rows8& x, int64_t r0, int64_t K, const uint8_t* quads, c
   const uint8_t* w0 = quads + g0 * G * 16;
   const uint8_t* w1 = w0 + K * 16;
   __m512 acc[R][2];
-  for (int r = 0; r < R; ++r)
-    acc[r][0] = g0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(first, y + r * ldy),
-    acc[r][1] = g0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(second, y + r * ldy + 16);
+  load_rows<R>(acc, y, ldy, first, second, g0 == 0);
   for (int64_t g = g0; g < g1; ++g) {
     __m512i t[R][2];
     for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm512_setzero_si512();
@@ -252,20 +265,9 @@ inline void tile8(const Rows8& x, int64_t r0, int64_t K, const uint8_t* quads, c
       acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t[r][0], bias)), _mm512_mul_ps(d0, s), acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(t[r][1], bias)), _mm512_mul_ps(d1, s), acc[r][1]);
     }
-    if (Offset) {
-      const __m512 m0 = _mm512_loadu_ps(p.m + g * kCols), m1 = _mm512_loadu_ps(p.m + g * kCols + 16);
-      const float* sums = G == 16 ? x.xsum16.data() : x.xsum32.data();
-      for (int r = 0; r < R; ++r) {
-        const __m512 xs = _mm512_set1_ps(sums[(r0 + r) * groups + g]);
-        acc[r][0] = _mm512_fmadd_ps(m0, xs, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(m1, xs, acc[r][1]);
-      }
-    }
+    if (Offset) add_mins<R, G>(x, r0, groups, p, g, acc);
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, first, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, second, acc[r][1]);
-  }
+  store_rows<R>(acc, y, ldy, first, second);
 }
 
 template <int G, bool Offset>

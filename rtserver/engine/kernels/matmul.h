@@ -804,23 +804,29 @@ void with_unpacker(const std::string& format, const torch::Tensor& qs, const tor
   });
 }
 
+// Calls f(rows) with the activation rows as the panels take them at the kernel's width: 8 or 16 bits.
+template <typename Fn>
+void with_rows(const float* x, int64_t M, int64_t K, const Fn& f) {
+  if (int_panel::g_activation_bits == 8) {
+    int_panel::Rows8 rows;
+    to_int8(x, M, K, rows);
+    f(rows);
+  } else {
+    int_panel::Rows rows;
+    to_int16(x, M, K, rows);
+    f(rows);
+  }
+}
+
 // A many-row step on integer dots (int_panel.h): the activations in fixed point once, then panels,
 // read from `kept` where the weight's panels were unpacked at load (else nullptr).
 void int_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
                       const torch::Tensor& scales, const int8_t* kept, float* y, int64_t ldy) {
   const int64_t N = qs.size(0);
   with_unpacker(format, qs, scales, K, [&](auto G, auto offset, const auto& unpack) {
-    constexpr int g = decltype(G)::value;
-    constexpr bool off = decltype(offset)::value;
-    if (int_panel::g_activation_bits == 8) {
-      int_panel::Rows8 rows;
-      to_int8(x, M, K, rows);
-      int_panel::matmul<g, off>(rows, M, K, N, y, ldy, kept, unpack);
-    } else {
-      int_panel::Rows rows;
-      to_int16(x, M, K, rows);
-      int_panel::matmul<g, off>(rows, M, K, N, y, ldy, kept, unpack);
-    }
+    with_rows(x, M, K, [&](const auto& rows) {
+      int_panel::matmul<decltype(G)::value, decltype(offset)::value>(rows, M, K, N, y, ldy, kept, unpack);
+    });
   });
 }
 
@@ -830,19 +836,10 @@ void panels_only_matmul(const float* x, int64_t M, int64_t K, const PanelLayout&
   const int8_t* kept = static_cast<const int8_t*>(qs.data_ptr());
   const auto none = [](int64_t, int64_t, int_panel::Panel&) {};
   const int64_t N = qs.size(0) * int_panel::kCols;
-  const auto run = [&](const auto& rows) {
+  with_rows(x, M, K, [&](const auto& rows) {
     if (panels.G == 32) int_panel::matmul<32, false>(rows, M, K, N, y, ldy, kept, none);
     else int_panel::matmul<16, false>(rows, M, K, N, y, ldy, kept, none);
-  };
-  if (int_panel::g_activation_bits == 8) {
-    int_panel::Rows8 rows;
-    to_int8(x, M, K, rows);
-    run(rows);
-  } else {
-    int_panel::Rows rows;
-    to_int16(x, M, K, rows);
-    run(rows);
-  }
+  });
 }
 #endif
 

@@ -471,7 +471,7 @@ class Kernel(Protocol):
     """
 
     fixed_point_activations: bool  # VNNI: integer dots over 16-bit fixed-point activations
-    decode_passes: list[str]  # block types decoded by passes of their own (kquant_dots.h)
+    decode_passes: list[str]  # block types decoded by passes of their own (kquant_dots.h, kquant_avx2.h)
     FusedLayer: Callable[..., object]  # one decoder layer's weights and switches, checked once
 
     def q4_1_mm(self, x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor: ...

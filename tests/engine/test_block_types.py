@@ -66,9 +66,10 @@ def kernel_defaults(kernel):
     kernel.set_activation_bits(EngineSettings().activation_bits)
 
 
-def kernel_has_q6_k_pass() -> bool:
-    k = quant.load_kernel(Path("~/.cache/rtserver").expanduser())
-    return k is not None and "Q6_K" in k.decode_passes
+def unsigned_q6_k(kernel) -> bool:
+    """VNNI's Q6_K pass takes its quants as 0..63 and the 32 off against the exact activation sums; AVX2's
+    takes the 32 off the rounded ones, so there the signed quants meet the rounding."""
+    return kernel.fixed_point_activations and "Q6_K" in kernel.decode_passes
 
 
 def block_size(fmt: str) -> tuple[int, int]:
@@ -103,7 +104,7 @@ UNSIGNED_Q6_K = 32
 SHIFTED = {"Q4_0": (18, 8), "Q5_0": (22, 16)}
 
 
-def scaled_quants(fmt: str, raw: np.ndarray) -> torch.Tensor:
+def scaled_quants(fmt: str, raw: np.ndarray, kernel) -> torch.Tensor:
     """D * q of each weight (its value less the block's offset M): what meets the activations'
     fixed-point rounding on the integer path, while M meets their exact sums."""
     if fmt in SHIFTED:  # the quants meet the activations unshifted
@@ -118,7 +119,7 @@ def scaled_quants(fmt: str, raw: np.ndarray) -> torch.Tensor:
     if fmt in ("IQ4_NL", "IQ4_XS"):  # their passes take the table's values + 128, and 128 d off aside
         dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32))
         return dense + 128 * iq4_scales(fmt, raw)
-    if fmt == "Q6_K" and kernel_has_q6_k_pass():
+    if fmt == "Q6_K" and unsigned_q6_k(kernel):
         blocks = raw.reshape(raw.shape[0], -1, 210)
         d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16).astype(np.float32)
         sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
@@ -146,13 +147,13 @@ def summation_bound(
 ) -> torch.Tensor:
     """|kernel - F.linear| allowed: both sum K products of the same float32 weights in float32, each
     within gamma_K * sum|x||w| of the exact sum (gamma_K = K u / (1 - K u)), hence twice that apart.
-    The integer path (VNNI) adds its activations' rounding: half a step of max|block| / 32512 at 16
-    bits (/ 127 at 8) per activation, times |D q| (`scaled`; the weight itself where no block has an
-    offset)."""
+    The integer paths (VNNI; on AVX2 the K-quants' decode passes) add their activations' rounding:
+    half a step of max|block| / 32512 at 16 bits (/ 127 at 8) per activation, times |D q| (`scaled`;
+    the weight itself where no block has an offset)."""
     k = x.shape[1]
     gamma = k * U / (1 - k * U)
     bound = 2 * gamma * (x.abs() @ w.abs().T)
-    if kernel.fixed_point_activations:
+    if kernel.fixed_point_activations or kernel.decode_passes:
         top = quant.BYTE_ACTIVATION_MAX if kernel.activation_bits() == 8 else quant.FIXED_POINT_MAX
         step = x.view(x.shape[0], -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(x.shape)
         bound = bound + (step / top / 2) @ (w if scaled is None else scaled).abs().T
@@ -197,7 +198,7 @@ def assert_within_summation_bound(kernel, fmt: str, n: int, seed: int, steps: tu
     for k in widths(fmt):
         raw = random_rows(fmt, n, k, seed=k + seed)
         w = weight(fmt, raw)
-        dense, scaled = w.dequantize(), scaled_quants(fmt, raw)
+        dense, scaled = w.dequantize(), scaled_quants(fmt, raw, kernel)
         for m in steps:
             x = torch.randn(m, k) * torch.rand(m, k) * 4
             x[zero_row, :32] = 0.0
@@ -215,15 +216,17 @@ def test_kernel_equals_a_float32_matmul_within_the_summation_bound(kernel, fmt):
 
 @pytest.fixture(scope="module")
 def avx2_kernel():
-    """The kernel built for AVX2 alone (Haswell), whatever this CPU has: its float path, checked here too."""
+    """The kernel built for AVX2 alone (Haswell), whatever this CPU has: checked here too."""
     return quant.build_kernel(Path("~/.cache/rtserver").expanduser(), march="haswell")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", TYPES)
 def test_the_avx2_build_equals_a_float32_matmul_within_the_summation_bound(avx2_kernel, fmt):
-    """The same bound on the AVX2 build: no integer dots there, each block unpacked to float."""
-    assert not avx2_kernel.fixed_point_activations and avx2_kernel.decode_passes == []
+    """The same bound on the AVX2 build: each block unpacked to float, but for the K-quants' small steps
+    (int16 dots, vpmaddwd)."""
+    assert not avx2_kernel.fixed_point_activations
+    assert avx2_kernel.decode_passes == ["Q4_K", "Q5_K", "Q6_K"]
     assert_within_summation_bound(avx2_kernel, fmt, 40, 3, (1, 2, 5, 16), 0)
 
 
@@ -348,9 +351,9 @@ def test_a_stacked_weight_of_mixed_types_runs_part_by_part(kernel):
     gate_up = quant.cat([weight("Q4_K", gate), weight("Q6_K", up)])
     scaled = {
         "Q5_1+Q8_0": torch.cat(
-            [scaled_quants("Q5_1", raws[0]), scaled_quants("Q5_1", raws[1]), v.dequantize()]
+            [scaled_quants("Q5_1", raws[0], kernel), scaled_quants("Q5_1", raws[1], kernel), v.dequantize()]
         ),
-        "Q4_K+Q6_K": torch.cat([scaled_quants("Q4_K", gate), gate_up.parts[1].dequantize()]),
+        "Q4_K+Q6_K": torch.cat([scaled_quants("Q4_K", gate, kernel), scaled_quants("Q6_K", up, kernel)]),
     }
     for w in (qkv, gate_up):
         for m in (1, 2, 5, 16):
@@ -541,8 +544,8 @@ def test_fused_layer_refuses_what_does_not_fit_its_weights(tiny_llama, kernel):
 
 def logits_close(got: torch.Tensor, want: torch.Tensor, kernel) -> None:
     """Float rounding carried through two layers and the head: within 1e-4 of the largest logit. The
-    integer path's 16-bit activations (relative 1.5e-5 of each block's largest) add up to 4e-4 more."""
-    share = 5e-4 if kernel.fixed_point_activations else 1e-4
+    integer paths' 16-bit activations (relative 1.5e-5 of each block's largest) add up to 4e-4 more."""
+    share = 5e-4 if kernel.fixed_point_activations or kernel.decode_passes else 1e-4
     torch.testing.assert_close(got, want, rtol=0, atol=share * float(want.abs().max()))
 
 
@@ -630,7 +633,7 @@ def test_real_rows_of_requantized_files(kernel, qtype):
         want = torch.from_numpy(dequantize(g.raw(t.name), t.qtype).astype(np.float32))
         w = blocks[name]
         assert w.shipped == fmt and torch.equal(w.dequantize(), want)
-        scaled = scaled_quants(fmt, np.ascontiguousarray(g.raw(t.name)))
+        scaled = scaled_quants(fmt, np.ascontiguousarray(g.raw(t.name)), kernel)
         for m in (1, 5):
             x = torch.randn(m, want.shape[1])
             got = quant.quantized_matmul(kernel, x, w)

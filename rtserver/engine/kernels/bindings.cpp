@@ -65,6 +65,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef RTSERVER_INT_DOTS
   m.attr("fixed_point_activations") = true;
   m.attr("decode_passes") = kquant::pass_types();  // block types decoded by passes of their own
+#elif defined(RTSERVER_AVX2_DOTS)
+  m.attr("fixed_point_activations") = false;  // only the decode passes round: the rest runs in float
+  m.attr("decode_passes") = kquant::pass_types();
 #else
   m.attr("fixed_point_activations") = false;
   m.attr("decode_passes") = std::vector<std::string>{};

@@ -207,6 +207,19 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
+// Q4_K's 12 bytes of 6-bit scales and mins as 8 scale bytes, then 8 min bytes (llama.cpp's unpacking).
+inline __m128i q4k_scale_bytes(const uint8_t* s) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t mins_low = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = mins_low;
+  u[0] &= k1;
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+}
+
 template <bool FifthBit>
 struct QK45 {
   static constexpr int kWeights = 256, kBytes = FifthBit ? 176 : 144;

@@ -38,19 +38,6 @@ inline __m512i spread(int first, int lanes) {
   return _mm512_load_si512(idx);
 }
 
-// Q4_K's 12 bytes of 6-bit scales and mins as 8 scale bytes, then 8 min bytes (llama.cpp's unpacking).
-inline __m128i q4k_scale_bytes(const uint8_t* s) {
-  uint32_t u[4];
-  std::memcpy(u, s, 12);
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  const uint32_t mins_low = u[1] & k1;
-  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  u[2] = mins_low;
-  u[0] &= k1;
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
-}
-
 // One decoder per block type, for the shared pass below. A decoder made once per pass holds its
 // constants; decode(block) gives the block's kVectors vectors of 64 quants in the activations' order
 // (w), each lane's weight scale (ws), and the weights of its offset term (off), which meet the
@@ -77,7 +64,7 @@ struct Q4KDecoder {
     const __m512 dd = _mm512_mul_ps(
         sixteenth, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(blocks::f16(blk)), _mm512_set1_ps(blocks::f16(blk + 2))));
     // (d sc_0, d / 16 sc_1, .. d / 16 sc_7, dmin mn_0 .. dmin mn_7): a power of two keeps them exact
-    const __m512 sm = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_scale_bytes(blk + 4))));
+    const __m512 sm = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(blocks::q4k_scale_bytes(blk + 4))));
     o.off = _mm512_maskz_mov_ps(0xFF00, sm);
     for (int p = 0; p < 4; ++p) {
       const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p)));

@@ -17,7 +17,8 @@
 // row of blocks per output column; blocks.h decodes them, and raw_pass dequantizes 32 weights at a
 // time in registers with gguf-py's float32 arithmetic. On VNNI, steps of one or two rows take the
 // decoded quants to integer dots instead: Q4_K and Q6_K in passes of their own (kquant_dots.h), the
-// others through raw_fixed_pass.
+// others through raw_fixed_pass. On AVX2 alone, Q4_K, Q5_K and Q6_K take every small step on int16
+// dots (kquant_avx2.h).
 // A linear is a list of parts (format, a, b) over the same input, outputs side by side: a stacked
 // q/k/v or gate/up whose tensors ship in different types runs part by part. Steps of many rows run
 // on panels of weight rows, every format alike: int_panel.h on VNNI (panels kept unpacked at load
@@ -46,6 +47,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "fixed.h"
 #include "kquant_dots.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "kquant_avx2.h"
+#define RTSERVER_AVX2_DOTS 1
 #endif
 
 namespace {
@@ -587,6 +591,15 @@ void raw_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* 
         kquant::pass<decltype(R)::value, T>(f, r0, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);
       else
         raw_fixed_pass<decltype(R)::value, T>(f, r0, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);
+    });
+    return;
+  }
+#elif defined(RTSERVER_AVX2_DOTS)
+  if (kquant::has_pass<T>) {  // at every small step: no float unpacking, whatever the rows
+    kquant::Int16Rows rows;
+    kquant::to_int16_rows(x, M, K, rows);
+    row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
+      kquant::pass<decltype(R)::value, T>(rows, r0, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);
     });
     return;
   }

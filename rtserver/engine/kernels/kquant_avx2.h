@@ -1,0 +1,182 @@
+// Q4_K, Q5_K and Q6_K read at the file's width on AVX2 integer dots (no VNNI), for every step below the
+// panels.
+//
+// A Q4_K_M or Q5_K_M file is these types almost entirely, and a decode step reads each weight once.
+// Unpacking every quant to float and scaling it made AVX2 decoding compute-bound, far from the memory
+// floor. Here each 32 activations become 16-bit fixed point exactly as fixed.h rounds them on VNNI
+// (s_b = max|x_b| / 32512), each chunk's 32 quants are widened to int16 in registers, and the two meet
+// in vpmaddwd. The activations are stored in the order the widening gives (unpacklo/unpackhi stay
+// within 128-bit lanes), so no quant crosses lanes. A chunk's int32 sums take the weight's scale times
+// the activations' in float; the K-quants' mins meet the exact activation sums of 32.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "blocks.h"
+
+namespace kquant {
+
+constexpr float kFixed16 = 32512.f;  // as fixed.h's kFixed: 127 * 256
+
+// Activation rows for the passes: per 32, v in the widening's order (weights 0-7 and 16-23, then
+// 8-15 and 24-31), the scale s_b, and the exact sum of the 32 floats; per 16, s_b again and the
+// rounded values' sum times 32 (Q6_K's offset, taken off aside).
+struct Int16Rows {
+  std::vector<int16_t> v;    // [M, K]
+  std::vector<float> scale;  // [M, K / 32]
+  std::vector<float> sum;    // [M, K / 32]
+  std::vector<float> scale16, offset16;  // [M, K / 16] s_b; 32 s_b sum(v) over the 16
+};
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+// fixed.h's fixed_block on AVX2: the same float operations, so the same values.
+inline void to_int16_rows(const float* x, int64_t M, int64_t K, Int16Rows& f) {
+  const int64_t blocks = M * K / 32;
+  f.v.resize(M * K), f.scale.resize(blocks), f.sum.resize(blocks), f.scale16.resize(2 * blocks), f.offset16.resize(2 * blocks);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i limit = _mm256_set1_epi32(static_cast<int>(kFixed16));
+  const __m256i floor = _mm256_sub_epi32(_mm256_setzero_si256(), limit);
+  for (int64_t i = 0; i < blocks; ++i) {
+    __m256 a[4], top = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(x + 32 * i + 8 * j), top = _mm256_max_ps(top, _mm256_andnot_ps(sign, a[j]));
+    const float amax = hmax8(top);
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? kFixed16 / amax : 0.f);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j)
+      q[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a[j], inv)), limit), floor);
+    // packs works within lanes: (0-3, 16-19 | 4-7, 20-23), put in order by the 64-bit permute
+    __m256i* out = reinterpret_cast<__m256i*>(f.v.data() + 32 * i);
+    _mm256_storeu_si256(out, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[2]), 0xD8));
+    _mm256_storeu_si256(out + 1, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[1], q[3]), 0xD8));
+    f.scale[i] = f.scale16[2 * i] = f.scale16[2 * i + 1] = amax / kFixed16;
+    f.sum[i] = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    for (int h = 0; h < 2; ++h) {  // exact in int32 and in float (|sum| < 2^20)
+      const __m256i s = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+      f.offset16[2 * i + h] = 32.f * f.scale[i] * hsum8(_mm256_cvtepi32_ps(s));
+    }
+  }
+}
+
+// The int32 sums of 32 quants (int16, widened in lanes: lo, hi) against a chunk's activations.
+inline __m256i chunk_dot(__m256i lo, __m256i hi, const int16_t* v) {
+  const __m256i* a = reinterpret_cast<const __m256i*>(v);
+  return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(a)), _mm256_madd_epi16(hi, _mm256_loadu_si256(a + 1)));
+}
+
+// Q4_K and Q5_K (blocks::QK45): weight = d sc q - dmin mn per 32, q in 0..31.
+template <int R, typename T>
+void qk45_pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
+               int64_t row_bytes, float* y) {
+  const int64_t nb = K / 256, nb32 = K / 32;
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R], mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+    const uint8_t* row = W + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * T::kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * T::kBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * T::kBytes + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * T::kBytes + 128), _MM_HINT_T0);
+      const __m128i sb = blocks::q4k_scale_bytes(blk + 4);
+      const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(blocks::f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sb)));
+      const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(blocks::f16(blk + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sb, 8))));
+      __m256 ws[R];
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * nb32 + b * 8;
+        ws[r] = _mm256_mul_ps(sc, _mm256_loadu_ps(x.scale.data() + at));
+        mins[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(x.sum.data() + at), mins[r]);
+      }
+      for (int c = 0; c < 8; ++c) {
+        const __m256i q = T::chunk(blk, c);
+        const __m256i lo = _mm256_unpacklo_epi8(q, zero), hi = _mm256_unpackhi_epi8(q, zero);
+        const __m256i lane = _mm256_set1_epi32(c);
+        for (int r = 0; r < R; ++r) {
+          const __m256i t = chunk_dot(lo, hi, x.v.data() + (r0 + r) * K + b * 256 + 32 * c);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(ws[r], lane), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum8(acc[r]) - hsum8(mins[r]);
+  }
+}
+
+// Q6_K: weight = d sc (q - 32) per 16. The quants stay 0..63 (no sign to extend); the 32 comes off as
+// 32 times the rounded activations' sum, per 16. A chunk's int32 lanes 0-3 are its first 16's sums
+// (the widening's low lanes), 4-7 its second's, so one float vector scales both.
+template <int R>
+void q6k_pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
+              int64_t row_bytes, float* y) {
+  using T = blocks::Q6_K;
+  const int64_t nb = K / 256, n16 = K / 16;
+  const __m256i zero = _mm256_setzero_si256(), mask4 = _mm256_set1_epi8(15);
+  // lanes 0-3 take group 2c's factor, 4-7 group 2c + 1's, of the chunk's half of the block
+  __m256i pick[4];
+  for (int c = 0; c < 4; ++c) pick[c] = _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R], off[R];
+    for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+    const uint8_t* row = W + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * T::kBytes;
+      for (int at = 0; at < T::kBytes; at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * T::kBytes + at), _MM_HINT_T0);
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+      const __m256 d = _mm256_set1_ps(blocks::f16(blk + 208));
+      const __m256 dsc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+                             _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
+      __m256 ws[R][2];
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) {
+          const int64_t at = (r0 + r) * n16 + b * 16 + 8 * h;
+          ws[r][h] = _mm256_mul_ps(dsc[h], _mm256_loadu_ps(x.scale16.data() + at));
+          off[r] = _mm256_fmadd_ps(dsc[h], _mm256_loadu_ps(x.offset16.data() + at), off[r]);
+        }
+      for (int c = 0; c < 8; ++c) {
+        const int h = c / 4, g = c % 4;  // T::chunk's layout, without its - 32
+        const __m256i lo4 = _mm256_and_si256(_mm256_srli_epi16(blocks::load32(blk + 64 * h + 32 * (g % 2)), 4 * (g / 2)), mask4);
+        const __m256i hi2 = blocks::field(blocks::load32(blk + 128 + 32 * h), 2 * g, 3);
+        const __m256i q = _mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4));
+        const __m256i lo = _mm256_unpacklo_epi8(q, zero), hi = _mm256_unpackhi_epi8(q, zero);
+        for (int r = 0; r < R; ++r) {
+          const __m256i t = chunk_dot(lo, hi, x.v.data() + (r0 + r) * K + b * 256 + 32 * c);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(ws[r][h], pick[g]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum8(acc[r]) - hsum8(off[r]);
+  }
+}
+
+template <typename T>
+constexpr bool has_pass = std::is_same_v<T, blocks::QK45<false>> || std::is_same_v<T, blocks::QK45<true>> ||
+                          std::is_same_v<T, blocks::Q6_K>;
+
+// The block types with a pass here, by GGUF name.
+inline std::vector<std::string> pass_types() { return {"Q4_K", "Q5_K", "Q6_K"}; }
+
+template <int R, typename T>
+void pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
+          int64_t row_bytes, float* y) {
+  if constexpr (std::is_same_v<T, blocks::Q6_K>) q6k_pass<R>(x, r0, K, ldy, n0, n1, W, row_bytes, y);
+  else qk45_pass<R, T>(x, r0, K, ldy, n0, n1, W, row_bytes, y);
+}
+
+}  // namespace kquant

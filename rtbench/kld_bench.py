@@ -9,9 +9,10 @@ KV), one step of each window's rows. Its log-probabilities go into llama-perplex
 the same reference bytes that rtserver's figures are counted against, with the same formula (kld.py).
 rtserver's default path (the bench's dtype and engine settings) is measured twice, through the engine's
 own runner with no scheduler: prefill, each window as one step of all its rows, as a prompt of that size
-runs; decode, each window's first half as a prompt, then its scored positions one token a step on the
-KV cache, as a stream generates. llama.cpp runs `llama-perplexity --kl-divergence` on the file, one window
-a batch (`-b N_CTX`): its prompt path.
+runs (every row's logits: the runner's torch composition of the kernel's many-row linears and attention,
+the fused layer's arithmetic); decode, each window's first half as a prompt, then its scored positions
+one token a step on the KV cache, as a stream generates. llama.cpp runs `llama-perplexity
+--kl-divergence` on the file, one window a batch (`-b N_CTX`): its prompt path.
 """
 
 from __future__ import annotations

@@ -233,10 +233,10 @@ def test_the_table_rows_of_a_report():
     figures = kld_report.FIGURES
     assert rows["[kld] q4_k_m: windows x n_ctx; token ids of the text"][0] == "16 x 512; 8,300"
     assert rows[f"[kld] q4_k_m rtserver prefill (gguf, 16-bit activations): {figures}"][0] == (
-        "0.012300 / 0.200000 / 95.12% / 4,080"
+        "0.0123 / 0.2 / 95.12% / 4,080"
     )
     assert rows[f"[kld] q4_k_m llama.cpp (llama-perplexity): {figures}"][0] == "error: RuntimeError: exited 1"
-    assert rows["[kld] q4_k_m float32 reference against its stored rows: mean KLD"][0] == "0.000001"
+    assert rows["[kld] q4_k_m float32 reference against its stored rows: mean KLD"][0] == "1e-06"
     assert rows["[kld] q4_k_m bar: prefill; decode"] == ("n/a; held", kld_report.BAR)
     assert rows["[kld] bad"][0] == "error: no file"
 

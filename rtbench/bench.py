@@ -510,6 +510,7 @@ def dtype_label(loaded: LoadedModel) -> str:
 
 EVERY_DTYPE_WORKLOADS = ("burst", "single", "arrival", "sentiment")  # the rest run on the first dtype only
 SERVER_WORKLOADS = ("remote", "servers", "formats")  # servers in their own processes, no engine here
+OWN_MODEL_WORKLOADS = (*SERVER_WORKLOADS, "kld")  # none runs on the bench's engine: kld loads its files
 
 
 def _run_engines(
@@ -522,7 +523,7 @@ def _run_engines(
     config: str | None,
 ) -> None:
     """The engine workloads into `report["engine"]`. Each engine dtype runs on a freshly loaded model."""
-    engine_workloads = [w for w in workloads if w not in SERVER_WORKLOADS]
+    engine_workloads = [w for w in workloads if w not in OWN_MODEL_WORKLOADS]
     for i, spec in enumerate(engine_dtypes if engine_workloads else []):
         gc.collect()
         return_freed_memory()  # what the previous dtype's run left in the heap must not count for this one
@@ -581,6 +582,27 @@ def _run_servers(
         save()
 
 
+def _run_kld(
+    report: dict[str, Any],
+    save: Callable[[], None],
+    dtype: str,
+    options: EngineSettings,
+    threads: int,
+    cache_dir: str,
+    formats: list[str] | None,
+) -> None:
+    """The kld workload: each file's default path and llama.cpp against its float32 reference."""
+    from .kld_bench import run_kld_bench
+
+    def saved(kld_so_far: dict[str, Any]) -> None:
+        report["kld"] = kld_so_far
+        save()
+
+    say(f"[kld] KL divergence from float32: rtserver {dtype} (prefill, decode), then llama-perplexity")
+    report["kld"] = run_kld_bench(formats, dtype, options, threads, cache_dir, on_row=saved, say=say)
+    save()
+
+
 def _agreements(engine: dict[str, Any]) -> None:
     """Each engine dtype's outputs and labels against float32's, where both ran."""
     reference = engine.get("float32", {}).get("burst", {}).get("outputs")
@@ -607,13 +629,16 @@ def run_bench(
     threads: int = 0,
     formats: list[str] | None = None,
     reps: int = 1,
+    cache_dir: str = "~/.cache/rtserver",
 ) -> dict[str, Any]:
     """Engine workloads run on the first engine dtype. The burst, single, arrival and sentiment ones run on
     the others too, for speed and agreement with float32. Each runs on a freshly loaded model. Then comes
     the servers comparison: llama-server, then `rtserver serve` with each engine dtype. Then comes the
     formats matrix. `formats` picks its rows and `reps` runs each pair of servers. rtserver runs on the
-    first engine dtype there. Then come the baselines. The JSON is rewritten after every phase and formats
-    row. So an interrupted run still leaves its figures. A chart of them is written beside it at the end.
+    first engine dtype there. Then comes kld, on `formats`' files too (its own two by default), with the
+    first engine dtype as the default path. Then come the baselines. The JSON is rewritten after every
+    phase and formats row. So an interrupted run still leaves its figures. A chart of them is written
+    beside it at the end.
     """
     threads = threads or os.cpu_count() or 1
     report: dict[str, Any] = {
@@ -635,7 +660,9 @@ def run_bench(
 
     _run_engines(report, save, load, engine_dtypes, options, workloads, config)
     _run_servers(report, save, engine_dtypes, workloads, threads, config, formats, reps)
-    if baselines and any(w not in SERVER_WORKLOADS for w in workloads):
+    if "kld" in workloads:
+        _run_kld(report, save, engine_dtypes[0], options, threads, cache_dir, formats)
+    if baselines and any(w not in OWN_MODEL_WORKLOADS for w in workloads):
         gc.collect()
         say(f"[transformers] baselines in {baseline_dtype}")
         loaded = load(baseline_dtype)

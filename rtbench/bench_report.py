@@ -346,7 +346,8 @@ def remote_rows(r: Report) -> list[Row]:
 
 
 def table(report: Report) -> list[Row]:
-    """Every row of the run. Each engine dtype's come first, then the servers, formats and remote ones."""
+    """Every row of the run. Each engine dtype's come first, then the servers, formats, remote and kld
+    ones."""
     rows: list[Row] = []
     for label, result in report["engine"].items():
         rows += [
@@ -369,6 +370,10 @@ def table(report: Report) -> list[Row]:
         rows += formats_rows(report["formats"])
     if "remote" in report:
         rows += remote_rows(report["remote"])
+    if "kld" in report:
+        from .kld_report import table_rows as kld_rows
+
+        rows += kld_rows(report["kld"])
     return rows
 
 

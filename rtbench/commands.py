@@ -23,11 +23,13 @@ BENCH_WORKLOADS = [
     "servers",
     "formats",
     "remote",
+    "kld",
 ]
 # "servers": llama-server beside `rtserver serve` (builds llama-server the first time; alone, the quick
-# re-run after an engine change); "formats" (the model files matrix, long) and "remote" (the hub in
-# front of llama-server) are asked for by name
-DEFAULT_WORKLOADS = BENCH_WORKLOADS[:-2]
+# re-run after an engine change); "formats" (the model files matrix, long), "remote" (the hub in front
+# of llama-server) and "kld" (KL divergence from float32, beside llama-perplexity's) are asked for by name
+BY_NAME = ("formats", "remote", "kld")
+DEFAULT_WORKLOADS = [w for w in BENCH_WORKLOADS if w not in BY_NAME]
 MAX_REPS = 20  # `bench --reps`: each is two server runs per formats row
 
 
@@ -78,6 +80,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         settings.model.threads,
         args.formats.split(",") if args.formats else None,
         args.reps,
+        settings.model.cache_dir,
     )
     return 0
 
@@ -121,7 +124,8 @@ def add_bench(sub: Subcommands, name: str, common: argparse.ArgumentParser) -> N
     bench = sub.add_parser(name, help="measure the engine and baselines side by side", parents=[common])
     bench.add_argument(
         "--workloads",
-        help=f"comma-separated subset of {','.join(BENCH_WORKLOADS)} (default: all but remote); "
+        help=f"comma-separated subset of {','.join(BENCH_WORKLOADS)} "
+        f"(default: all but {', '.join(BY_NAME)}); "
         "`--workloads servers` runs only llama-server beside `rtserver serve` (each --dtypes)",
     )
     bench.add_argument(
@@ -132,8 +136,9 @@ def add_bench(sub: Subcommands, name: str, common: argparse.ArgumentParser) -> N
     )
     bench.add_argument(
         "--formats",
-        help="with --workloads formats: comma-separated rows of its matrix, e.g. embedded,q4_k_m "
-        "(default: all; an unknown name lists them)",
+        help="with --workloads formats or kld: comma-separated rows of the formats matrix, e.g. "
+        "embedded,q4_k_m (default: all for formats, q4_k_m,gemma3-270m-q4_k_m for kld; an unknown name "
+        "lists them)",
     )
     bench.add_argument(
         "--reps",

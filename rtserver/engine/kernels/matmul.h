@@ -136,12 +136,7 @@ inline void q8_dequant(__m256i q, const float* D, const float* M, Vec* w) {
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vfma(Vec a, float s, Vec c) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), c); }
-inline float vsum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
+inline float vsum(Vec v) { return kquant::hsum8(v); }
 constexpr int kParts = 4;  // vectors per block
 inline void q4_unpack(const uint8_t* qs, Vec* w) {
   const __m256i mask = _mm256_set1_epi32(15);

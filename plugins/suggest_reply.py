@@ -59,5 +59,6 @@ def make_task(options: dict) -> Task:
         samples=most,
         priority="assist",
         audience=("agents",),  # the agents' copilot: never a customer's call
+        speculate=True,  # it quotes the conversation: drafts from it pay
         conversation_prompt="" if follow else None,
     )

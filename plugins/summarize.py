@@ -46,4 +46,5 @@ def make_task(options: dict) -> Task:
         output=JSONSchema(schema),
         priority="assist",
         audience=("agents",),  # the agents' copilot: never a customer's call
+        speculate=True,  # it quotes the conversation: drafts from it pay
     )

@@ -27,4 +27,5 @@ def make_task(options: dict) -> Task:
         stop=["\n\n"],
         priority="assist",
         audience=("agents",),  # the agents' copilot: never a customer's call
+        speculate=True,  # it quotes the conversation: drafts from it pay
     )

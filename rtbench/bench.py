@@ -509,7 +509,7 @@ def dtype_label(loaded: LoadedModel) -> str:
 
 
 EVERY_DTYPE_WORKLOADS = ("burst", "single", "arrival", "sentiment")  # the rest run on the first dtype only
-SERVER_WORKLOADS = ("remote", "servers", "formats")  # servers in their own processes, no engine here
+SERVER_WORKLOADS = ("remote", "servers", "formats", "speculation")  # servers in their own processes
 OWN_MODEL_WORKLOADS = (*SERVER_WORKLOADS, "kld")  # none runs on the bench's engine: kld loads its files
 
 
@@ -573,6 +573,12 @@ def _run_servers(
         report["formats"] = run_formats_bench(
             formats, engine_dtypes[0], threads, config, reps=reps, on_row=saved
         )
+        save()
+    if "speculation" in workloads:
+        from .speculation_bench import run_speculation_bench
+
+        say("[speculation] rtserver serve with drafts on, then off")
+        report["speculation"] = run_speculation_bench(threads, config)
         save()
     if "remote" in workloads:
         from .remote_bench import run_remote_bench

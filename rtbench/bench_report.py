@@ -374,6 +374,10 @@ def table(report: Report) -> list[Row]:
         from .kld_report import table_rows as kld_rows
 
         rows += kld_rows(report["kld"])
+    if "speculation" in report:
+        from .speculation_bench import table_rows as speculation_rows
+
+        rows += speculation_rows(report["speculation"])
     return rows
 
 

@@ -24,11 +24,13 @@ BENCH_WORKLOADS = [
     "formats",
     "remote",
     "kld",
+    "speculation",
 ]
 # "servers": llama-server beside `rtserver serve` (builds llama-server the first time; alone, the quick
 # re-run after an engine change); "formats" (the model files matrix, long), "remote" (the hub in front
-# of llama-server) and "kld" (KL divergence from float32, beside llama-perplexity's) are asked for by name
-BY_NAME = ("formats", "remote", "kld")
+# of llama-server), "kld" (KL divergence from float32, beside llama-perplexity's) and "speculation"
+# (drafts on and off) are asked for by name
+BY_NAME = ("formats", "remote", "kld", "speculation")
 DEFAULT_WORKLOADS = [w for w in BENCH_WORKLOADS if w not in BY_NAME]
 MAX_REPS = 20  # `bench --reps`: each is two server runs per formats row
 

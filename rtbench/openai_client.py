@@ -30,6 +30,7 @@ class StreamResult:
     prompt_tokens: int | None = None
     finish_reason: str | None = None
     chunk_at: list[float] = field(default_factory=list)
+    text: str = ""
 
     @property
     def ttft_ms(self) -> float | None:
@@ -98,7 +99,9 @@ async def stream_chat(
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices") or []:
-                if (choice.get("delta") or {}).get("content") or choice.get("text"):
+                piece = (choice.get("delta") or {}).get("content") or choice.get("text")
+                if piece:
+                    result.text += piece
                     now = time.perf_counter()
                     result.first_at = result.first_at or now
                     result.chunk_at.append(now)

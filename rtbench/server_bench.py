@@ -187,7 +187,9 @@ async def burst(
     progress: Progress,
     prompts: Prompts = CHAT,
     unique: bool = False,
+    keep_text: bool = False,
 ) -> dict[str, Any]:
+    """`texts` at once; the burst's figures (`keep_text`: and each reply's text, under "texts")."""
     bodies = [prompts.body(t, new_tokens, extra, s) for t, s in zip(texts, systems(len(texts), unique))]
     async with client_session() as http:
         started = time.perf_counter()
@@ -201,7 +203,10 @@ async def burst(
             raise outcome  # cancelled or interrupted: not a server's answer
     results = [o for o in outcomes if isinstance(o, StreamResult)]
     errors = [f"{type(o).__name__}: {o}" for o in outcomes if isinstance(o, Exception)]
-    return burst_summary(results, new_tokens, wall, errors)
+    summary = burst_summary(results, new_tokens, wall, errors)
+    if keep_text:
+        summary["texts"] = [o.text if isinstance(o, StreamResult) else None for o in outcomes]
+    return summary
 
 
 async def arrival(

@@ -197,19 +197,22 @@ class PagedAttention:
     ) -> DecodeCall:
         """Rows, gathered context slots and mask for one call over several decode tokens. Contexts are
         padded to the group's longest with the zero block, masked out. With a `window`, each context is its
-        last `window` positions.
+        last `window` positions. A decode with drafts gives a row per token, each its own context up to it.
         """
-        ends = [items[i].start + 1 for i in group]
+        ends = [items[i].start + 1 + j for i in group for j in range(len(items[i].tokens))]
+        kvs = [items[i].kv for i in group for _ in items[i].tokens]
         lengths = [min(end, window) for end in ends] if window else ends
         lmax = max(lengths)
-        table = torch.zeros(len(group), lmax, dtype=torch.long)
-        for r, i in enumerate(group):
-            table[r, : lengths[r]] = items[i].kv.slots[ends[r] - lengths[r] : ends[r]]
+        table = torch.zeros(len(ends), lmax, dtype=torch.long)
+        for r, (kv, end, length) in enumerate(zip(kvs, ends, lengths)):
+            table[r, :length] = kv.slots[end - length : end]
         mask = None  # every context of the group has the same length: nothing padded to mask out
         if min(lengths) < lmax:
             mask = (torch.arange(lmax)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
-        rows = torch.tensor([row_offsets[i] for i in group], dtype=torch.long)
-        shape = (len(group), lmax, self.n_kv, self.head_dim)
+        rows = torch.tensor(
+            [row_offsets[i] + j for i in group for j in range(len(items[i].tokens))], dtype=torch.long
+        )
+        shape = (len(ends), lmax, self.n_kv, self.head_dim)
         return DecodeCall(rows, table.view(-1), shape, mask, table, torch.tensor(lengths, dtype=torch.long))
 
     def __call__(

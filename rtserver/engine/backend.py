@@ -97,6 +97,7 @@ class SamplingParams:
     seed: int | None = None
     output: OutputFormat = TEXT  # what the text must match (a JSON Schema, a regex...), while decoding
     priority: Priority = Priority.CUSTOMER  # the engine admits and prefills the more urgent first
+    speculate: bool = True  # the engine may draft tokens from the text's own n-grams (same output)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise SamplingError naming the first field out of its range. Types count too: a bool is no
@@ -125,6 +126,7 @@ class SamplingParams:
                 f"up to 64 token ids 0..{top_id}",
             ),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
+            ("speculate", isinstance(self.speculate, bool), "true or false"),
             ("seed", self.seed is None or _integer(self.seed, 0, MAX_SEED), f"none or 0..{MAX_SEED}"),
         ]
         for name, ok, allowed in checks:
@@ -227,6 +229,8 @@ class BackendStats(TypedDict):
     tokens_prefilled: int
     kv: KVStats | None  # the local engine's KV cache; None where the model runs elsewhere
     priorities: NotRequired[dict[str, PriorityStats]]  # the local engine's, by priority name
+    draft_tokens: NotRequired[int]  # the local engine's drafts checked (speculation), and those kept
+    draft_tokens_accepted: NotRequired[int]
 
 
 class UpstreamStats(TypedDict):
@@ -257,6 +261,7 @@ class BackendHealth(TypedDict):
     running: NotRequired[int]
     kernels: NotRequired[dict[str, object]]
     kv: NotRequired[dict[str, object]]  # the local KV pool: element type, bytes a token, budget, tokens, why
+    speculation: NotRequired[dict[str, int]]  # the local engine's drafting: up to how many sequences, rows
     model: NotRequired[str]
     servers: NotRequired[list[ServerHealth]]
 

@@ -43,9 +43,12 @@ from .quant import probe_panel_rows
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepEvent
 from .sequence import Sequence, Splice
+from .speculation import Speculation
 from .step import StepRunner
 
 log = logging.getLogger("rtserver.engine")
+
+MAX_SMALL_STEP_ROWS = 64  # the rows of a step that drafts may fill where no kernel probe says fewer
 
 
 class OutputSink(Protocol):
@@ -210,6 +213,7 @@ class Engine:
         # What each linear computes with, and why (shown in /health).
         self.kernels: dict[str, object] = {"weights": loaded.dtype_name}
         self._step_threads = loaded.threads  # torch's threads while the scheduler runs
+        self.small_step_rows = MAX_SMALL_STEP_ROWS  # the kernel's probe lowers it (see _use_gguf_blocks)
         if loaded.gguf_blocks is not None:
             if release_dense_weights:
                 # by name, as loaded: the linears hold what they read (fused), so a part kept as panels
@@ -225,6 +229,7 @@ class Engine:
             self.kv,
             SchedulerLimits.from_settings(opts, self.runner.max_positions),
             self._dispatch,
+            Speculation.of(opts.speculate_max_live, opts.draft_tokens, self.small_step_rows),
         )
         self.eos_token_ids = self._eos_ids(loaded)
         self.grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
@@ -253,6 +258,7 @@ class Engine:
         ]
         rows = probe_panel_rows(kernel, mlps)
         kernel.set_panel_rows(rows)
+        self.small_step_rows = rows
         kept = 0
         if kernel.fixed_point_activations:
             runner.keep_only_panels()
@@ -514,6 +520,7 @@ class Engine:
                 "bytes_per_token": self.kv.bytes_per_token,
                 "tokens": self.kv.total_blocks * self.kv.block_tokens,
             },
+            "speculation": self.scheduler.drafter.speculation.describe(),
         }
 
     @property
@@ -528,6 +535,8 @@ class Engine:
             "steps": s.steps,
             "tokens_generated": s.tokens_generated,
             "tokens_prefilled": s.tokens_prefilled,
+            "draft_tokens": s.drafted,
+            "draft_tokens_accepted": s.accepted,
             "kv": self.kv.stats(),
             "priorities": self._by_priority(),
         }

@@ -50,6 +50,9 @@ class Constraint:
         """Follow a sampled token. True when the text is complete (nothing may follow)."""
         return False
 
+    def rollback(self, tokens: int) -> None:
+        """Forget the last `tokens` followed (drafts checked ahead: Sampler.verify)."""
+
 
 FREE = Constraint()
 
@@ -148,6 +151,11 @@ class GrammarConstraint(Constraint):
             raise ConstraintError(m.get_error() or f"token {token} is not allowed here")
         self.tokens += 1
         return bool(m.is_stopped())
+
+    def rollback(self, tokens: int) -> None:
+        if tokens and not self.matcher.rollback(tokens):
+            raise ConstraintError(self.matcher.get_error() or f"cannot take back {tokens} tokens")
+        self.tokens -= tokens
 
 
 # Byte value -> the 8 logit offsets it stands for (0 where its bit is set, -inf elsewhere): a mask

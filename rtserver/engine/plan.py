@@ -33,6 +33,8 @@ class StepItem:
     label: int | None = None
     # Positions with gaps, where spliced KV sits between computed tokens; None = start.. in a row.
     positions: list[int] | None = None
+    # A decode's draft tokens after its last one (speculation.py): logits "all", checked by the sampler.
+    drafts: int = 0
 
     @property
     def end(self) -> int:

@@ -312,19 +312,24 @@ class ModelRunner:
 
     def _fused_parts(self, items: list[StepItem]) -> tuple[list[int], list[int]]:
         """The items of a step that run each layer as one fused kernel call, when `fused_decode` is on. The
-        call is kernels/layer.h: layer_forward, with the same arithmetic as `_layer`. The items are its
-        single-token decodes and its generation prompts (logits of the last row alone). Scoring and pooling
-        items run beside them through torch ops. So a prompt arriving among 32 streams does not slow their
-        step to torch's.
+        call is kernels/layer.h: layer_forward, with the same arithmetic as `_layer`. First come its decodes:
+        single tokens, and decodes with drafts, each row attending as a decode does. So a drafted token's
+        logits are those a later decode of it would give. Then come its generation prompts (logits of the
+        last row alone). Scoring and pooling items run beside them through torch ops. So a prompt arriving
+        among 32 streams does not slow their step to torch's.
         """
         if not self.fused_decode:
             return [], []
         plain = [
             i
             for i, it in enumerate(items)
-            if it.logits == "last" and it.pool_from is None and it.columns is None
+            if it.pool_from is None and it.columns is None and it.label is None
         ]
-        return [i for i in plain if len(items[i].tokens) == 1], [i for i in plain if len(items[i].tokens) > 1]
+        decodes = [
+            i for i in plain if items[i].drafts or (len(items[i].tokens) == 1 and items[i].logits == "last")
+        ]
+        prompts = [i for i in plain if len(items[i].tokens) > 1 and items[i].logits == "last"]
+        return decodes, prompts
 
     @torch.inference_mode()
     def run(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> Forward:

@@ -101,6 +101,46 @@ class Sampler:
                 out[i] = t
         return out
 
+    def verify(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> list[int] | Exception:
+        """The tokens a decode with drafts gives: row j's pick, made as `sample` would make it one step at
+        a time after the picks before it, for as long as each pick equals its draft. When sampling, a draft
+        is kept with its probability and a rejection draws from the rest: speculative sampling's rule for a
+        draft of probability one. So the output is what plain decoding gives. `rows` are masked in place.
+        """
+        run: list[int] = []
+        followed = 0  # drafts the sequence's grammar has followed, given back at the end
+        error: Exception | None = None
+        try:
+            for j, row in enumerate(rows[: len(drafts) + 1]):
+                token = self._pick(seq, row, run)
+                run.append(token)
+                if j == len(drafts) or token != drafts[j] or token in seq.eos_token_ids:
+                    break
+                if seq.constraint.active:
+                    followed += 1
+                    if seq.constraint.advance(token):
+                        break  # complete text: nothing may follow
+        except Exception as exc:  # this sequence's parameters or state
+            error = exc
+        try:
+            seq.constraint.rollback(followed)
+        except Exception as exc:
+            error = error or exc
+        return run if error is None else error
+
+    def _pick(self, seq: Sequence, row: torch.Tensor, ahead: list[int]) -> int:
+        """One row's token for `seq` as it would be with `ahead` appended."""
+        error = apply_masks([seq.constraint], [row])[0]
+        if error is not None:
+            raise error
+        if _plain_greedy(seq, len(ahead)):
+            return int(row.numpy().argmax())
+        row = _penalised(seq, row.clone(), ahead)
+        if seq.params.greedy:
+            return int(row.argmax())
+        draw = torch.tensor([float(torch.rand(1, generator=seq.generator()))])
+        return self._draw(row[None], [seq.params], draw)[0]
+
     @staticmethod
     def _draw(rows: torch.Tensor, params: list[SamplingParams], draws: torch.Tensor) -> list[int]:
         """Inverse CDF: each row's uniform draw over its kept tokens' cumulative probabilities. Rows
@@ -129,22 +169,24 @@ def _search(cdf: torch.Tensor, draws: torch.Tensor, kept: torch.Tensor) -> torch
     return torch.minimum(at, kept - 1)
 
 
-def _plain_greedy(s: Sequence) -> bool:
+def _plain_greedy(s: Sequence, ahead: int = 0) -> bool:
     p = s.params
     return (
         p.greedy
         and p.repetition_penalty == 1.0
-        and not (p.min_new_tokens and len(s.output_ids) < p.min_new_tokens)
+        and not (p.min_new_tokens and len(s.output_ids) + ahead < p.min_new_tokens)
     )
 
 
-def _penalised(s: Sequence, row: torch.Tensor) -> torch.Tensor:
-    """The row after the sequence's repetition penalty and its EOS ban before min_new_tokens."""
+def _penalised(s: Sequence, row: torch.Tensor, ahead: list[int] | None = None) -> torch.Tensor:
+    """The row after the sequence's repetition penalty and its EOS ban before min_new_tokens, with the
+    tokens `ahead` as if appended."""
     p = s.params
+    ahead = ahead or []
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(s.all_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(s.all_ids) | set(ahead)), dtype=torch.long)
         vals = row[seen]
         row[seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
-    if p.min_new_tokens and len(s.output_ids) < p.min_new_tokens and s.eos_token_ids:
+    if p.min_new_tokens and len(s.output_ids) + len(ahead) < p.min_new_tokens and s.eos_token_ids:
         row[torch.tensor(sorted(s.eos_token_ids))] = float("-inf")
     return row

@@ -33,6 +33,7 @@ from .kv import KVCacheManager
 from .labels import rounds_of
 from .plan import NO_JOINS, JoinSource, StepItem
 from .sequence import Phase, Sequence
+from .speculation import OFF, Drafter, Speculation
 from .step import StepOutput
 
 log = logging.getLogger("rtserver.scheduler")
@@ -61,8 +62,10 @@ class Scheduler:
         kv: KVCacheManager,
         limits: SchedulerLimits,
         on_events: Callable[[list[StepEvent]], None] | None = None,
+        speculation: Speculation = OFF,
     ):
         self.runner = runner
+        self.drafter = Drafter(speculation)
         self.limits = limits
         self.on_events = on_events or (lambda events: None)
         self.queues = Queues(kv, limits)
@@ -73,6 +76,8 @@ class Scheduler:
         self.steps = 0
         self.tokens_generated = 0
         self.tokens_prefilled = 0
+        self.drafted = 0  # draft tokens checked (speculation.py), and those the sampler kept
+        self.accepted = 0
         self.joined = 0  # sequences that joined a step under way (admit.StepJoins)
         # per priority, of the generations that produced a token: count, seconds queued, seconds to it
         self.latency: dict[Priority, list[float]] = {p: [0, 0.0, 0.0] for p in Priority}
@@ -204,12 +209,8 @@ class Scheduler:
             self.running.remove(seq)
             self._finish(seq, FinishReason.CANCELLED, events)
         self._admit(events)
-        items: list[StepItem] = []
+        items = self._decodes()
         budget = self.limits.prefill_chunk_tokens
-        for seq in self.running:
-            assert seq.kv is not None  # running sequences hold KV from admission until they finish
-            if seq.phase is Phase.DECODE:
-                items.append(StepItem(seq, seq.kv, seq.num_computed, [seq.output_ids[-1]], "last"))
         # The more urgent prompts take the prefill budget first, and within a priority generation
         # prompts before scoring ones (task calls, auto-tasks): a burst of sentiment tags never delays
         # the first token of a reply someone is waiting for.
@@ -242,6 +243,23 @@ class Scheduler:
             items.append(item)
         # what sequences joining mid-step may still prefill, and what the less urgent may take beyond it
         self._joins = StepJoins(self.admission, max(0, budget), max(0, floor), self.fault_hook)
+        return items
+
+    def _decodes(self) -> list[StepItem]:
+        """A decode item per generating sequence: its last token, and drafts after it in a small step."""
+        items: list[StepItem] = []
+        decoding = [seq for seq in self.running if seq.phase is Phase.DECODE]
+        spec = self.drafter.speculation
+        spare = spec.max_rows - len(decoding) if spec.drafts_in(len(self.running)) else 0
+        for seq in decoding:
+            assert seq.kv is not None  # running sequences hold KV from admission until they finish
+            # drafts stay within the sequence's token limit and KV: its run ends there at the latest
+            room = min(spare, seq.params.max_new_tokens - len(seq.output_ids) - 1)
+            drafts = self.drafter.propose(seq, room) if room > 0 else []
+            spare -= len(drafts)
+            tokens = [seq.output_ids[-1], *drafts]
+            logits = "all" if drafts else "last"
+            items.append(StepItem(seq, seq.kv, seq.num_computed, tokens, logits, drafts=len(drafts)))
         return items
 
     def step(self) -> None:
@@ -309,6 +327,9 @@ class Scheduler:
             if it.label is not None:
                 self._apply_round(seq, it.label, out.rounds[i], out.errors[i], events)
                 continue
+            if it.drafts:
+                self._apply_run(it, out.runs[i], out.errors[i], events)
+                continue
             it.kv.token_ids.extend(seq.all_ids[seq.num_computed : it.end])  # spliced ids too
             seq.num_computed = it.end
             if seq.phase is Phase.PREFILL:
@@ -359,6 +380,32 @@ class Scheduler:
         if not seq.label_rounds:
             self.running.remove(seq)
             self._finish(seq, FinishReason.LENGTH, events)
+
+    def _apply_run(
+        self,
+        it: StepItem,
+        run: list[int] | None,
+        error: tuple[str, Exception] | None,
+        events: list[StepEvent],
+    ) -> None:
+        """A decode with drafts: the drafts the sampler kept, then its own next token. The kept drafts' K/V
+        was computed in this step; the rest of the item's K/V is left to be written over."""
+        seq = it.seq
+        if error is not None:
+            self._fail_alone(seq, events, *error)
+            return
+        assert run is not None and seq.kv is not None
+        self.drafted += it.drafts
+        self.accepted += len(run) - 1
+        seq.kv.token_ids.append(it.tokens[0])
+        seq.num_computed = it.start + 1
+        for j, token in enumerate(run):
+            self._append(seq, token, events)
+            if seq.is_finished:
+                return
+            if j < len(run) - 1:  # a kept draft: computed
+                seq.kv.token_ids.append(token)
+                seq.num_computed += 1
 
     def _append(self, seq: Sequence, token: int, events: list[StepEvent]) -> None:
         try:

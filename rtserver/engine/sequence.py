@@ -13,6 +13,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .backend import FinishReason, SamplingParams, SequenceResult, Usage
@@ -97,6 +98,8 @@ class Sequence:
         self.scores: list[float] | None = None
         self.label_rounds: list[int] = []  # candidates still to teacher-force (Phase.LABELS)
         self._generator: torch.Generator | None = None  # see generator()
+        self._array = np.empty(0, dtype=np.int64)  # see token_array()
+        self._in_array = 0
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
@@ -110,6 +113,23 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_array(self) -> np.ndarray:
+        """The prompt and output ids as one array, grown as tokens come: the drafter reads it each step."""
+        n = self.num_tokens
+        if self._in_array > n:
+            self._in_array = 0  # output taken back: fill again
+        if n > len(self._array):
+            grown = np.empty(max(n, 2 * len(self._array), 64), dtype=np.int64)
+            grown[: self._in_array] = self._array[: self._in_array]
+            self._array = grown
+        if self._in_array < len(self.prompt_ids):
+            self._array[: len(self.prompt_ids)] = self.prompt_ids
+            self._in_array = len(self.prompt_ids)
+        if self._in_array < n:
+            self._array[self._in_array : n] = self.output_ids[self._in_array - len(self.prompt_ids) :]
+            self._in_array = n
+        return self._array[:n]
 
     @property
     def capacity_tokens(self) -> int:

@@ -37,6 +37,7 @@ class StepOutput:
     items: list[StepItem]  # the plan's, then those that joined
     features: list[Features | None]
     tokens: list[int | None]  # the next token of a generation whose prompt is computed
+    runs: list[list[int] | None]  # a decode with drafts: the drafts kept, then its own next token
     scores: list[list[float] | None]  # first-token label scores of a scoring call whose prompt is computed
     rounds: list[float | None]  # a label round's log-probability of its candidate's later tokens
     errors: list[tuple[str, Exception] | None]  # work of this item alone that failed: (stage, error)
@@ -44,7 +45,7 @@ class StepOutput:
     @classmethod
     def of(cls, items: list[StepItem], features: list[Features | None]) -> StepOutput:
         n = len(items)
-        return cls(items, features, [None] * n, [None] * n, [None] * n, [None] * n)
+        return cls(items, features, [None] * n, [None] * n, [None] * n, [None] * n, [None] * n)
 
 
 class Model(Protocol):
@@ -56,9 +57,11 @@ class Model(Protocol):
 
 
 class TokenSampler(Protocol):
-    """Picks each generation's next token from its logits row (sampler.Sampler)."""
+    """Picks each generation's next token from its logits row, and checks drafts (sampler.Sampler)."""
 
     def sample(self, seqs: list[Sequence], logits: Rows) -> list[int | Exception]: ...
+
+    def verify(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> list[int] | Exception: ...
 
 
 class StepRunner:
@@ -78,6 +81,13 @@ class StepRunner:
         sampling: list[tuple[int, torch.Tensor]] = []
         for i, (it, lg) in enumerate(zip(items, fw.logits)):
             if lg is None:
+                continue
+            if it.drafts:
+                run = self.sampler.verify(it.seq, lg, it.tokens[1:])
+                if isinstance(run, Exception):
+                    out.errors[i] = ("sampling", run)
+                else:
+                    out.runs[i] = run
                 continue
             if it.seq.candidates is None:
                 sampling.append((i, lg[-1]))

@@ -213,6 +213,7 @@ def chat_task(settings: ChatSettings) -> Task:
         overridable={key: (span[0], span[1]) for key, span in settings.overridable.items() if len(span) == 2},
         max_history_turns=settings.max_history_turns,
         max_history_tokens=settings.max_history_tokens,
+        speculate=True,
     )
     bad = [key for key, span in settings.overridable.items() if len(span) != 2]
     if bad:

@@ -160,6 +160,9 @@ class Task:
     # the chat task renders it, then this instruction as a system message ("": none, so the model
     # writes the next reply), so it starts from that session's cached KV. None: always `prompt`.
     conversation_prompt: str | None = None
+    # Its replies may be drafted from their own text's n-grams (engine.speculate_max_live): the same
+    # output, sooner where it copies from the prompt, as a summary or an extraction does.
+    speculate: bool = False
 
     # -- checks ---------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -188,6 +191,8 @@ class Task:
             not isinstance(self.conversation_prompt, str) or self.choices is not None or self.stateful
         ):
             raise ValueError("conversation_prompt: a string, on a generating task (no choices, not stateful)")
+        if not isinstance(self.speculate, bool):
+            raise ValueError(f"speculate {self.speculate!r}: true or false")
         if self.parser is not None and not callable(self.parser):
             raise ValueError("parser must be a function text -> dict")
         if self.choices is not None and self.parser is not None:
@@ -364,6 +369,7 @@ class Task:
             stop=list(self.stop),
             output=self.output_format,
             priority=priority,
+            speculate=self.speculate,
         )
         values = dict(self.decoding)
         if overrides is not None and not isinstance(overrides, dict):

@@ -98,6 +98,18 @@ def _engine_metrics(engine: BackendStats) -> Iterator[Metric]:
         value=engine["tokens_prefilled"],
     )
     yield CounterMetricFamily("rtserver_engine_steps", "Scheduler steps run", value=engine["steps"])
+    drafted, accepted = engine.get("draft_tokens", 0), engine.get("draft_tokens_accepted", 0)
+    yield CounterMetricFamily(
+        "rtserver_draft_tokens", "Draft tokens checked by speculative decoding", value=drafted
+    )
+    yield CounterMetricFamily(
+        "rtserver_draft_tokens_accepted", "Draft tokens the model's own picks kept", value=accepted
+    )
+    yield GaugeMetricFamily(
+        "rtserver_draft_acceptance_rate",
+        "Share of draft tokens kept, since start (0 before any draft)",
+        value=accepted / drafted if drafted else 0.0,
+    )
     yield from _priority_metrics(engine.get("priorities") or {})
 
 

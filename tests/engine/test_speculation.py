@@ -1,0 +1,194 @@
+"""Prompt-lookup speculation: the drafter's lookups; greedy output with drafts equals plain decoding
+token for token (float32 against transformers; on GGUF blocks against the same engine without drafts,
+the JSON tasks' grammars included); seeded sampling gives the same text; the sampled distribution is
+unchanged (a chi-square test on a tiny model's exact probabilities); no drafts above the threshold."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rtserver.config import EngineSettings
+from rtserver.engine.backend import OutputFormat, SamplingParams
+from rtserver.engine.core import Engine
+from rtserver.engine.model import LoadedModel, load_model
+from rtserver.engine.speculation import lookup
+
+from ..components import slow_tests_on
+from ..conftest import chat_prompt, reference_greedy
+
+# Texts a reply copies from: an order number, an address, the customer's words.
+COPY_TEXTS = [
+    "Repeat my order number back to me exactly: AB-58213-XQ-7741. Then confirm it again.",
+    "Customer: Hi, my order AB-1234 has not arrived. Agent: Let me check order AB-1234. Customer: It was "
+    "two blue mugs shipped to 12 Elm Street, Springfield. Summarize this conversation.",
+    "Copy this list exactly: apples, pears, plums, apples, pears, plums, apples, pears, plums.",
+]
+SUMMARY = {
+    "type": "object",
+    "properties": {
+        "issue": {"type": "string", "maxLength": 120},
+        "order_number": {"anyOf": [{"type": "string", "maxLength": 40}, {"type": "null"}]},
+    },
+    "required": ["issue", "order_number"],
+    "additionalProperties": False,
+}
+
+
+def test_lookup_takes_what_followed_the_latest_longest_match():
+    t = np.array([5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 6, 7])
+    assert lookup(t, 3, 2, 4) == [3, 4, 6]  # [6, 7] last occurred at 6..7: what followed it
+    t = np.array([1, 2, 3, 9, 9, 2, 3, 8, 8, 1, 2, 3])
+    assert lookup(t, 2, 2, 4) == [9, 9]  # [1, 2, 3] beats the later [2, 3]
+    assert lookup(t, 2, 4, 4) == []  # no earlier [3, 1, 2, 3] ... nor [9, 1, 2, 3]
+    assert lookup(np.array([4, 4, 4, 4]), 5, 2, 3) == [4]  # only what exists before the tail
+    assert lookup(np.array([1, 2, 3, 4]), 3, 2, 4) == []
+    assert lookup(np.array([7]), 3, 1, 4) == []
+    assert lookup(np.array([3, 1, 2, 3]), 2, 1, 1) == [1, 2]  # one-token tails where asked
+
+
+async def _generate(
+    loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams, max_live: int, together: int = 1
+) -> tuple[list[list[int]], Engine]:
+    """Each prompt's tokens, `together` at a time, on an engine drafting for up to `max_live` sequences."""
+    engine = Engine(loaded, EngineSettings(kv_budget_mb=128, speculate_max_live=max_live, draft_tokens=4))
+    engine.start()
+    try:
+        out: list[list[int]] = []
+        for at in range(0, len(prompts), together):
+            streams = [engine.generate(p, params) for p in prompts[at : at + together]]
+            out += [(await s.result()).token_ids for s in streams]
+        return out, engine
+    finally:
+        await engine.stop()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, min_new_tokens=n)
+
+
+async def test_float32_greedy_with_drafts_equals_transformers(smol):
+    prompts = [chat_prompt(smol.tokenizer, t) for t in COPY_TEXTS]
+    got, engine = await _generate(smol, prompts, greedy(40), max_live=2, together=2)
+    assert got == [reference_greedy(smol, p, 40) for p in prompts]
+    stats = engine.stats()
+    assert stats["draft_tokens_accepted"] > 0 and stats["draft_tokens"] >= stats["draft_tokens_accepted"]
+
+
+@pytest.fixture(scope="module")
+def smol_blocks() -> LoadedModel:
+    return load_model("embedded", dtype="gguf", threads=2)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        greedy(48),
+        SamplingParams(max_new_tokens=48, temperature=0.8, top_p=0.95, seed=11),
+        SamplingParams(max_new_tokens=48, temperature=0.7, repetition_penalty=1.1, top_k=40, seed=3),
+        SamplingParams(max_new_tokens=96, output=OutputFormat.json_schema(SUMMARY)),
+        SamplingParams(max_new_tokens=96, temperature=0.7, seed=5, output=OutputFormat.json_schema(SUMMARY)),
+    ],
+    ids=["greedy", "sampled", "penalised", "json", "json-sampled"],
+)
+async def test_on_blocks_drafts_change_no_token(smol_blocks, params):
+    """The kernel's decode rows give a drafted token the logits its own decode step would, so every
+    pick is the same: greedy, seeded sampling (one draw per token, in order), penalties and grammars."""
+    prompts = [chat_prompt(smol_blocks.tokenizer, t) for t in COPY_TEXTS]
+    plain, _ = await _generate(smol_blocks, prompts, params, max_live=0, together=2)
+    drafted, engine = await _generate(smol_blocks, prompts, params, max_live=2, together=2)
+    assert drafted == plain
+    assert engine.stats()["draft_tokens_accepted"] > 0
+    if params.output.kind == "json_schema":
+        for ids in drafted:
+            json.loads(smol_blocks.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+async def test_no_drafts_above_the_threshold(smol_blocks):
+    prompts = [chat_prompt(smol_blocks.tokenizer, t) for t in COPY_TEXTS]
+    _, crowded = await _generate(smol_blocks, prompts, greedy(24), max_live=2, together=3)
+    assert crowded.stats()["draft_tokens"] == 0  # three in step from first to last token
+    _, alone = await _generate(smol_blocks, prompts, greedy(24), max_live=2, together=1)
+    assert alone.stats()["draft_tokens"] > 0
+
+
+def _next_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """The model's float32 next-token logits after `ids` (transformers' forward)."""
+    with torch.inference_mode():
+        return loaded.model(torch.tensor([ids])).logits[0, -1].float()
+
+
+async def test_sampled_drafts_keep_the_distribution(tiny_qwen2):
+    """The prompt ends as it went on before: `a b` came before `d1 d2 d3`. The first token comes from
+    the prompt's step; when it is d1, the next step checks d2 and d3 as drafts. Over 800 seeds the first
+    three tokens must follow the model's own probabilities (transformers' float32 forward): a draft is
+    kept with its probability, and a rejection draws from the rest."""
+    tok = tiny_qwen2.tokenizer
+    a, b = tok(" order").input_ids[0], tok(" number").input_ids[0]
+    filler = tok(" the parcel left the depot on time and").input_ids
+    # The drafts are the model's likeliest tokens there, so kept often, and rejected often at a
+    # temperature that makes them about even. The prompt holds them: look until they agree.
+    drafts = [a, a, a]
+    for _ in range(8):
+        prompt = [*filler, a, b, *drafts, *filler, a, b]
+        logits = []
+        for _ in range(3):
+            logits.append(_next_logits(tiny_qwen2, prompt + [int(lg.argmax()) for lg in logits]))
+        best = [int(lg.argmax()) for lg in logits]
+        if best == drafts:
+            break
+        drafts = best
+    d1, d2, d3 = drafts
+    assert lookup(np.array([*prompt, d1]), 4, 2, 4)[:2] == [d2, d3]
+
+    def classes(t: float) -> np.ndarray:
+        """Chances of: all three kept; d1 and d2, then another; d1, then another; another first."""
+        q1, q2, q3 = (float(torch.softmax(lg / t, -1)[d]) for lg, d in zip(logits, drafts))
+        return np.array([q1 * q2 * q3, q1 * q2 * (1 - q3), q1 * (1 - q2), 1 - q1])
+
+    temperature = max((0.05 * i for i in range(1, 60)), key=lambda t: classes(t).min())
+    want = classes(temperature)
+    assert want.min() > 0.02, f"the test prompt's probabilities {want} leave a class too rare to test"
+    engine = Engine(tiny_qwen2, EngineSettings(kv_budget_mb=64, speculate_max_live=2, draft_tokens=4))
+    engine.start()
+    counts = np.zeros(4)
+    try:
+        for seed in range(0, 800, 2):  # two at a time: both draft
+            params = [
+                SamplingParams(max_new_tokens=4, min_new_tokens=4, temperature=temperature, seed=seed + i)
+                for i in range(2)
+            ]
+            streams = [engine.generate(prompt, p) for p in params]
+            for stream in streams:
+                t1, t2, t3, _ = (await stream.result()).token_ids
+                counts[
+                    0 if (t1, t2, t3) == (d1, d2, d3) else 1 if (t1, t2) == (d1, d2) else 2 if t1 == d1 else 3
+                ] += 1
+        assert engine.stats()["draft_tokens"] >= counts[:3].sum() * 2  # each run past d1 checked two
+    finally:
+        await engine.stop()
+    expected = want * counts.sum()
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3, (counts, expected)  # 3 degrees of freedom: p = 0.001
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not slow_tests_on(), reason="slow: set RTSERVER_SLOW_TESTS=1")
+def test_sliding_window_layers_on_blocks_change_no_token():
+    """Gemma 3's sliding-window layers (a window of 16 here): a drafted row's window ends at its own
+    position, as its decode step's would."""
+    from rtbench.model_files import random_gguf
+
+    loaded = load_model(str(random_gguf("gemma3-tiny", "Q4_K_M")), dtype="gguf", threads=2)
+    ids = loaded.tokenizer(
+        "one two three four five six seven eight nine ten one two three four five"
+    ).input_ids
+    prompts = [ids, ids[3:], ids[5:]]
+    plain, _ = asyncio.run(_generate(loaded, prompts, greedy(40), max_live=0))
+    drafted, engine = asyncio.run(_generate(loaded, prompts, greedy(40), max_live=2))
+    assert drafted == plain
+    assert engine.stats()["draft_tokens"] > 0

@@ -2,26 +2,30 @@
 
 Prompt-lookup speculation (rtserver/engine/speculation.py) pays where a reply copies from its prompt.
 The same server runs twice: drafting as configured, then with `engine.speculate_max_live = 0`. Each
-run first holds 20 support conversations over the chat (two customer turns each, greedy, untimed: the
-warm-up, and the transcripts the copy calls read). Then come, timed:
-- copy: each conversation's `summarize` and `extract` calls (the agents' copilot), and a chat turn that
-  repeats the customer's order number, one call at a time;
+run holds 20 support conversations over `/ws` (two customer turns each, greedy, untimed: the warm-up).
+Then come, timed, one call at a time:
+- copy: an agent's `summarize` and `extract` on each conversation over `/console` (the copilot), and
+  a third customer turn asking for the order number back;
 - single: the story of WORKLOADS.md (nothing to copy), greedy, 128 tokens;
 - burst-unique: 32 streams at once, 64 tokens each (above the threshold, so nothing is drafted).
-Both runs read the first run's transcripts. Every output must be the same text in both runs.
+Tokens come from the server's own count (`rtserver_tokens_generated` before and after each call).
+Every output must be the same text in both runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import secrets
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+import websockets
+from websockets.asyncio.client import ClientConnection
 
-from .openai_client import client_session
 from .server_bench import (
     BENCH_ENV,
     BURST_TEXTS,
@@ -45,83 +49,128 @@ PRODUCTS = [
 ]
 ISSUES = ["has not arrived yet", "arrived damaged", "is the wrong colour", "was charged twice"]
 CHAT_TOKENS = 48
+ASK_BACK = "Please read my order number back to me, so I know you have it right."
 RUNS = {"drafts on": {}, "drafts off": {"RTSERVER_ENGINE_SPECULATE_MAX_LIVE": "0"}}
 BARS = {"copy": 1.5, "single": 0.97, "burst-unique": 0.98}  # drafts on / off, tokens per second
+TOKENS = "rtserver_tokens_generated_total"
 
 
 def customers(count: int = 20) -> list[dict[str, str]]:
     """The conversations' customers: a name, an order number, a product, an issue and an e-mail."""
     out = []
     for i in range(count):
-        name = NAMES[i % len(NAMES)]
-        order = f"{'ABCDEFGH'[i % 8]}{'KMPRTX'[i % 6]}-{48213 + 977 * i:05d}"
-        email = f"{name.split()[0].lower()}.{name.split()[1].lower()}{i}@example.com"
+        first, last = NAMES[i % len(NAMES)].split()
         out.append(
             {
-                "name": name,
-                "order": order,
+                "name": f"{first} {last}",
+                "order": f"{'ABCDEFGH'[i % 8]}{'KMPRTX'[i % 6]}-{48213 + 977 * i:05d}",
                 "product": PRODUCTS[i % len(PRODUCTS)],
                 "issue": ISSUES[i % len(ISSUES)],
-                "email": email,
+                "email": f"{first.lower()}.{last.lower()}{i}@example.com",
             }
         )
     return out
 
 
 def customer_turns(c: dict[str, str]) -> list[str]:
-    """What the customer writes, turn by turn."""
+    """What the customer writes before the timed turn."""
     return [
         f"Hi, this is {c['name']}. My order {c['order']} for {c['product']} {c['issue']}.",
         f"The order number is {c['order']} and my e-mail is {c['email']}. Can you check it for me?",
     ]
 
 
-def transcript(messages: list[dict[str, str]]) -> str:
-    """A conversation as the copilot tasks read it: one line a message (see plugins/suggest_reply.py)."""
-    who = {"user": "Customer", "assistant": "Bot"}
-    return "\n".join(f"{who[m['role']]}: {m['content']}" for m in messages)
+async def _recv(ws: ClientConnection) -> dict[str, Any]:
+    event: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), 300))
+    return event
 
 
-async def call(http: aiohttp.ClientSession, base: str, task: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One task call through the API: its text, generated tokens and wall seconds."""
+class Customer:
+    """One customer's `/ws` session, kept open for the run."""
+
+    def __init__(self, ws: ClientConnection, session_id: str):
+        self.ws, self.session_id = ws, session_id
+
+    @classmethod
+    async def open(cls, url: str) -> Customer:
+        ws = await websockets.connect(url, open_timeout=60, max_size=None)
+        await ws.send(json.dumps({"type": "hello", "client": "bench"}))
+        while (ev := await _recv(ws))["type"] != "ready":
+            if ev["type"] == "error":
+                raise RuntimeError(f"/ws refused the customer: {ev}")
+        return cls(ws, ev["session_id"])
+
+    async def say(self, text: str) -> str:
+        """One greedy turn; the bot's reply."""
+        options = {"max_new_tokens": CHAT_TOKENS, "temperature": 0}
+        await self.ws.send(json.dumps({"type": "chat", "id": "t", "text": text, "options": options}))
+        while True:
+            ev = await _recv(self.ws)
+            if ev.get("id") != "t" or ev.get("auto"):
+                continue
+            if ev["type"] == "done":
+                return str(ev["text"])
+            if ev["type"] == "error":
+                raise RuntimeError(f"chat turn failed: {ev}")
+
+
+class Agent:
+    """One console login: the copilot tasks on a conversation, one call at a time."""
+
+    def __init__(self, ws: ClientConnection):
+        self.ws, self.calls = ws, 0
+
+    @classmethod
+    async def open(cls, url: str, token: str) -> Agent:
+        ws = await websockets.connect(url, open_timeout=60, max_size=None)
+        await ws.send(json.dumps({"type": "login", "token": token, "agent": "bench"}))
+        while (ev := await _recv(ws))["type"] != "console_ready":
+            if ev["type"] == "error":
+                raise RuntimeError(f"/console refused the agent: {ev}")
+        return cls(ws)
+
+    async def assist(self, session_id: str, task: str) -> str:
+        self.calls += 1
+        rid = f"a{self.calls}"
+        await self.ws.send(json.dumps({"type": "assist", "id": rid, "session_id": session_id, "task": task}))
+        while True:
+            ev = await _recv(self.ws)
+            if ev.get("id") != rid:
+                continue
+            if ev["type"] == "assist":
+                return str(ev["text"])
+            if ev["type"] == "error":
+                raise RuntimeError(f"{task} failed: {ev}")
+
+
+async def timed(server: ServerProcess, run: Awaitable[str]) -> dict[str, Any]:
+    """One call, alone on the server: its text, the server's generated tokens, the seconds."""
+    before = server.metrics().get(TOKENS, 0.0)
     started = time.perf_counter()
-    async with http.post(f"{base}/v1/tasks/{task}", json=body) as resp:
-        answer = await resp.json()
-        if resp.status != 200:
-            raise RuntimeError(f"{task}: HTTP {resp.status}: {str(answer)[:300]}")
+    text = await run
     seconds = time.perf_counter() - started
-    return {"text": answer["text"], "tokens": answer["usage"]["generated_tokens"], "seconds": seconds}
+    return {"text": text, "tokens": server.metrics().get(TOKENS, 0.0) - before, "seconds": seconds}
 
 
-def chat_body(history: list[dict[str, str]]) -> dict[str, Any]:
-    return {"input": {"history": history}, "options": {"temperature": 0.0, "max_new_tokens": CHAT_TOKENS}}
-
-
-async def conversations(base: str) -> list[list[dict[str, str]]]:
-    """Each customer's conversation: their turns and the chat's greedy replies, one turn at a time."""
-    out = []
-    async with client_session() as http:
-        for c in customers():
-            history: list[dict[str, str]] = []
-            for text in customer_turns(c):
-                history.append({"role": "user", "content": text})
-                reply = await call(http, base, "chat", chat_body(history))
-                history.append({"role": "assistant", "content": reply["text"]})
-            out.append(history)
-    return out
-
-
-async def copy_calls(base: str, convs: list[list[dict[str, str]]]) -> dict[str, list[dict[str, Any]]]:
-    """The copy-heavy calls, one at a time: summarize, extract, and the order number read back."""
-    out: dict[str, list[dict[str, Any]]] = {"summarize": [], "extract": [], "chat": []}
-    async with client_session() as http:
-        for c, conv in zip(customers(), convs):
-            text = transcript(conv)
-            out["summarize"].append(await call(http, base, "summarize", {"input": text}))
-            out["extract"].append(await call(http, base, "extract", {"input": text}))
-            ask = f"My order number is {c['order']}. Please repeat my order number back to me."
-            out["chat"].append(await call(http, base, "chat", chat_body([{"role": "user", "content": ask}])))
-    return out
+async def copy_workload(
+    server: ServerProcess, token: str
+) -> tuple[list[list[str]], dict[str, list[dict[str, Any]]]]:
+    """The conversations (untimed), then the copy-heavy calls, one at a time."""
+    people = [await Customer.open(server.ws_url) for _ in customers()]
+    agent = await Agent.open(server.ws_url + "/console", token)
+    conversations: list[list[str]] = []
+    calls: dict[str, list[dict[str, Any]]] = {"summarize": [], "extract": [], "chat": []}
+    try:
+        for person, c in zip(people, customers()):
+            conversations.append([await person.say(text) for text in customer_turns(c)])
+        for person in people:
+            for task in ("summarize", "extract"):
+                calls[task].append(await timed(server, agent.assist(person.session_id, task)))
+            calls["chat"].append(await timed(server, person.say(ASK_BACK)))
+    finally:
+        for ws in [p.ws for p in people] + [agent.ws]:
+            await ws.close()
+    return conversations, calls
 
 
 def speed(calls: list[dict[str, Any]]) -> dict[str, Any]:
@@ -134,43 +183,40 @@ def speed(calls: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def timed(base: str, convs: list[list[dict[str, str]]]) -> dict[str, Any]:
-    """The timed workloads of one run, with every output's text."""
-    copy = await copy_calls(base, convs)
-    out: dict[str, Any] = {
-        "copy": speed([c for calls in copy.values() for c in calls]),
-        "copy_by_call": {name: speed(calls) for name, calls in copy.items()},
-        "texts": {name: [c["text"] for c in calls] for name, calls in copy.items()},
-    }
-    progress = Progress("speculation")
-    for name, texts, tokens in [
-        ("single", [SINGLE_TEXT], SINGLE_TOKENS),
-        ("burst-unique", BURST_TEXTS, BURST_TOKENS),
-    ]:
-        result = await burst(base, texts, tokens, {}, progress, unique=name == "burst-unique", keep_text=True)
-        out["texts"][name] = result.pop("texts")
-        out[name] = result
-    return out
-
-
 def run_one(
-    label: str,
-    env: dict[str, str],
-    config: str | None,
-    threads: int,
-    workdir: Path,
-    convs: list[list[dict[str, str]]] | None,
+    label: str, env: dict[str, str], config: str | None, threads: int, workdir: Path
 ) -> dict[str, Any]:
-    """`rtserver serve` with `env`: its conversations, then the timed workloads (on `convs` if given)."""
-    settings = {"RTSERVER_MODEL_THREADS": str(threads), **BENCH_ENV, **env}
+    """`rtserver serve` with `env` through the workloads."""
+    token = secrets.token_urlsafe(16)
+    settings = {
+        "RTSERVER_MODEL_THREADS": str(threads),
+        **BENCH_ENV,
+        "RTSERVER_SECURITY_CONSOLE_TOKEN": token,
+        **env,
+    }
     server = ServerProcess(settings, workdir / f"rtserver-{label.replace(' ', '-')}.log", config)
     print(f"  [speculation: {label}] starting (log {server.log_path})", flush=True)
     server.start(600)
     try:
         asyncio.run(warm_up_one(server.base, {}))
-        own = asyncio.run(conversations(server.base))
-        result = asyncio.run(timed(server.base, convs or own))
-        result["conversations"] = own
+        conversations, copy = asyncio.run(copy_workload(server, token))
+        result: dict[str, Any] = {
+            "copy": speed([c for calls in copy.values() for c in calls]),
+            "copy_by_call": {name: speed(calls) for name, calls in copy.items()},
+            "texts": {name: [c["text"] for c in calls] for name, calls in copy.items()},
+            "conversations": conversations,
+        }
+        progress = Progress(f"speculation: {label}")
+        for name, texts, tokens in [
+            ("single", [SINGLE_TEXT], SINGLE_TOKENS),
+            ("burst-unique", BURST_TEXTS, BURST_TOKENS),
+        ]:
+            unique = name == "burst-unique"
+            figures = asyncio.run(
+                burst(server.base, texts, tokens, {}, progress, unique=unique, keep_text=True)
+            )
+            result["texts"][name] = figures.pop("texts")
+            result[name] = figures
         m = server.metrics()
         result["draft_tokens"] = m.get("rtserver_draft_tokens_total", 0.0)
         result["draft_tokens_accepted"] = m.get("rtserver_draft_tokens_accepted_total", 0.0)
@@ -194,11 +240,7 @@ def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
 def run_speculation_bench(threads: int, config: str | None) -> dict[str, Any]:
     """Drafts on, then off, on the configured model; their figures and the comparison."""
     with tempfile.TemporaryDirectory(prefix="rtbench-spec-") as tmp:
-        runs: dict[str, Any] = {}
-        first: list[list[dict[str, str]]] | None = None
-        for label, env in RUNS.items():
-            runs[label] = run_one(label, env, config, threads, Path(tmp), first)
-            first = first or runs[label]["conversations"]
+        runs = {label: run_one(label, env, config, threads, Path(tmp)) for label, env in RUNS.items()}
     return {"runs": runs, "compare": compare(runs["drafts on"], runs["drafts off"])}
 
 

@@ -106,7 +106,7 @@ class EngineSettings:
     max_sequence_tokens: int = _setting(4096, min=32, max=1_000_000)
     skip_ahead_s: float = _setting(10.0, min=0.0, max=3600.0)
     speculate_max_live: int = _setting(2, min=0, max=64)
-    draft_tokens: int = _setting(4, min=1, max=16)
+    draft_tokens: int = _setting(3, min=1, max=16)
 
 
 @dataclass

@@ -261,7 +261,9 @@ class BackendHealth(TypedDict):
     running: NotRequired[int]
     kernels: NotRequired[dict[str, object]]
     kv: NotRequired[dict[str, object]]  # the local KV pool: element type, bytes a token, budget, tokens, why
-    speculation: NotRequired[dict[str, int]]  # the local engine's drafting: up to how many sequences, rows
+    speculation: NotRequired[
+        dict[str, float]
+    ]  # the local engine's drafting: sequences, drafts, rows, row cost
     model: NotRequired[str]
     servers: NotRequired[list[ServerHealth]]
 

@@ -11,6 +11,8 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
+import weakref
 from collections.abc import Hashable
 from typing import Protocol
 
@@ -39,15 +41,18 @@ from .kv_memory import resolve_kv_memory
 from .linear import BlockLinear, Linear
 from .model import LoadedModel
 from .openmp import limit_team, release_pool
+from .plan import StepItem
 from .quant import probe_panel_rows
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepEvent
 from .sequence import Sequence, Splice
-from .speculation import Speculation
+from .speculation import DEFAULT_ROW_COST, Speculation
 from .step import StepRunner
 
 log = logging.getLogger("rtserver.engine")
 
+# a decode row's cost by loaded model and rows (Engine._row_cost): engines built on one model measure once
+_ROW_COSTS: weakref.WeakKeyDictionary[object, dict[int, float]] = weakref.WeakKeyDictionary()
 MAX_SMALL_STEP_ROWS = 64  # the rows of a step that drafts may fill where no kernel probe says fewer
 
 
@@ -229,7 +234,7 @@ class Engine:
             self.kv,
             SchedulerLimits.from_settings(opts, self.runner.max_positions),
             self._dispatch,
-            Speculation.of(opts.speculate_max_live, opts.draft_tokens, self.small_step_rows),
+            self._speculation(),
         )
         self.eos_token_ids = self._eos_ids(loaded)
         self.grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
@@ -237,6 +242,40 @@ class Engine:
         self._streams: dict[int, OutputSink] = {}
         self._producers: dict[SegmentKey, Sequence] = {}  # segments' sequences, while they may run
         self._thread: threading.Thread | None = None
+
+    def _speculation(self) -> Speculation:
+        """When steps draft, with what a draft's row costs on this model and machine (measured once per
+        loaded model and row count)."""
+        opts = self.settings
+        rows = min(self.small_step_rows, 1 + opts.draft_tokens)
+        cost = DEFAULT_ROW_COST
+        if opts.speculate_max_live and rows > 1:
+            known = _ROW_COSTS.setdefault(self.loaded.model, {})
+            if rows not in known:
+                known[rows] = self._row_cost(rows)
+            cost = known[rows]
+        return Speculation.of(opts.speculate_max_live, opts.draft_tokens, self.small_step_rows, cost)
+
+    @torch.inference_mode()
+    def _row_cost(self, rows: int, repeats: int = 3) -> float:
+        """What each row past the first adds to a decode step, over a one-row step's time: a decode with
+        `rows - 1` drafts against a plain one, on scratch KV (the best of `repeats` each, in turns)."""
+        ids = [0] * 8
+        seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
+        kv, _ = self.kv.acquire(ids, len(ids) + rows)
+        try:
+            self.runner.forward([StepItem(seq, kv, 0, ids, "last")])
+            one = StepItem(seq, kv, len(ids), ids[:1], "last")
+            many = StepItem(seq, kv, len(ids), ids[:rows], "all", drafts=rows - 1)
+            best = [float("inf"), float("inf")]
+            for _ in range(repeats):
+                for i, item in enumerate((one, many)):
+                    started = time.perf_counter()
+                    self.runner.forward([item])
+                    best[i] = min(best[i], time.perf_counter() - started)
+        finally:
+            self.kv.release(kv)
+        return max(0.0, best[1] / best[0] - 1.0) / (rows - 1)
 
     def _use_gguf_blocks(self, loaded: LoadedModel) -> dict[str, object]:
         """dtype gguf: every linear the file ships in a supported block type multiplies with its blocks.

@@ -255,7 +255,7 @@ class Scheduler:
             assert seq.kv is not None  # running sequences hold KV from admission until they finish
             # drafts stay within the sequence's token limit and KV: its run ends there at the latest
             room = min(spare, seq.params.max_new_tokens - len(seq.output_ids) - 1)
-            drafts = self.drafter.propose(seq, room) if room > 0 else []
+            drafts = self.drafter.propose(seq, room, len(decoding)) if room > 0 else []
             spare -= len(drafts)
             tokens = [seq.output_ids[-1], *drafts]
             logits = "all" if drafts else "last"
@@ -397,6 +397,7 @@ class Scheduler:
         assert run is not None and seq.kv is not None
         self.drafted += it.drafts
         self.accepted += len(run) - 1
+        self.drafter.learn(seq, len(run) - 1, it.drafts)
         seq.kv.token_ids.append(it.tokens[0])
         seq.num_computed = it.start + 1
         for j, token in enumerate(run):

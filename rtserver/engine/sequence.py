@@ -21,6 +21,8 @@ from .features import PooledFeatures
 from .grammar import FREE, Constraint
 from .kv import KVHandle, SegmentKey
 
+PRIOR_RATE = 0.6  # a sequence's kept-draft rate before its first drafts are checked (speculation.py)
+
 
 class Phase(enum.Enum):
     WAITING = "waiting"
@@ -98,6 +100,7 @@ class Sequence:
         self.scores: list[float] | None = None
         self.label_rounds: list[int] = []  # candidates still to teacher-force (Phase.LABELS)
         self._generator: torch.Generator | None = None  # see generator()
+        self.draft_rate = PRIOR_RATE  # how often its drafts are kept (speculation.Drafter.learn)
         self._array = np.empty(0, dtype=np.int64)  # see token_array()
         self._in_array = 0
         self.submitted_at = time.perf_counter()

@@ -16,7 +16,8 @@ from rtserver.config import EngineSettings
 from rtserver.engine.backend import OutputFormat, SamplingParams
 from rtserver.engine.core import Engine
 from rtserver.engine.model import LoadedModel, load_model
-from rtserver.engine.speculation import lookup
+from rtserver.engine.sequence import PRIOR_RATE, Sequence
+from rtserver.engine.speculation import Drafter, Speculation, lookup
 
 from ..components import slow_tests_on
 from ..conftest import chat_prompt, reference_greedy
@@ -49,6 +50,40 @@ def test_lookup_takes_what_followed_the_latest_longest_match():
     assert lookup(np.array([1, 2, 3, 4]), 3, 2, 4) == []
     assert lookup(np.array([7]), 3, 1, 4) == []
     assert lookup(np.array([3, 1, 2, 3]), 2, 1, 1) == [1, 2]  # one-token tails where asked
+
+
+def test_draft_length_weighs_kept_rate_against_row_cost():
+    free, dear = Speculation(draft_tokens=4, row_cost=0.0), Speculation(draft_tokens=4, row_cost=5.0)
+    assert free.draft_length(0.5, 9) == 4 and free.draft_length(0.5, 2) == 2  # within the room left
+    assert dear.draft_length(0.95, 9) == 0
+    s = Speculation(draft_tokens=4, row_cost=0.3)
+    assert s.draft_length(0.0, 4) == 0
+    assert s.draft_length(0.95, 4) == 4
+    assert 0 < s.draft_length(0.6, 4) < 4
+    # in a step of more decodes each draft row costs more of the step: fewer drafts pay
+    assert s.draft_length(0.6, 4, running=8) < s.draft_length(0.6, 4, running=1)
+
+
+def test_a_sequence_learns_its_kept_rate_and_tries_again():
+    d = Drafter(Speculation(draft_tokens=4, row_cost=0.3))
+    seq = Sequence([5, 6, 7, 5, 6], SamplingParams(), eos_token_ids=set())
+    assert seq.draft_rate == PRIOR_RATE
+    for _ in range(12):
+        d.learn(seq, 0, 3)  # every first draft rejected
+    assert seq.draft_rate < 0.05 and d.propose(seq, 4) == []
+    for _ in range(60):  # steps without drafts move the rate back until a draft is tried again
+        if d.propose(seq, 4):
+            break
+    else:
+        raise AssertionError("a sequence whose drafts were rejected never drafts again")
+    d.learn(seq, 3, 3)
+    assert seq.draft_rate > 0.3
+    assert (
+        Drafter(Speculation(row_cost=0.0)).propose(
+            Sequence([5, 6, 7, 5, 6], SamplingParams(speculate=False), eos_token_ids=set()), 4
+        )
+        == []
+    )
 
 
 async def _generate(

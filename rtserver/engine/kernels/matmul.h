@@ -527,18 +527,24 @@ void raw_fixed_pass(const FixedRows& f, int64_t r0, int64_t K, int64_t ldy, int6
 #endif
 
 // The output columns split over the threads; in each, the rows in passes of up to 4 (a pass keeps its
-// rows' accumulators in registers): pass(std::integral_constant<int, R>, first row, n0, n1).
+// rows' accumulators in registers): pass(std::integral_constant<int, R>, first row, n0, n1). With more
+// than 4 rows the passes take a few columns at a time, so each pass after the first finds that tile's
+// weight rows in L1 instead of reading the thread's whole share again.
 template <typename Pass>
 void row_passes(int64_t M, int64_t N, const Pass& pass) {
   // Output columns per task: enough to amortise scheduling, few enough that every thread gets work.
   const int64_t grain = std::max<int64_t>(16, N / (4 * pool::num_threads()));
+  const int64_t tile = M > 4 ? 16 : grain;
   pool::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t r0 = 0; r0 < M; r0 += 4) {
-      switch (std::min<int64_t>(4, M - r0)) {
-        case 1: pass(std::integral_constant<int, 1>{}, r0, n0, n1); break;
-        case 2: pass(std::integral_constant<int, 2>{}, r0, n0, n1); break;
-        case 3: pass(std::integral_constant<int, 3>{}, r0, n0, n1); break;
-        default: pass(std::integral_constant<int, 4>{}, r0, n0, n1); break;
+    for (int64_t c0 = n0; c0 < n1; c0 += tile) {
+      const int64_t c1 = std::min(n1, c0 + tile);
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        switch (std::min<int64_t>(4, M - r0)) {
+          case 1: pass(std::integral_constant<int, 1>{}, r0, c0, c1); break;
+          case 2: pass(std::integral_constant<int, 2>{}, r0, c0, c1); break;
+          case 3: pass(std::integral_constant<int, 3>{}, r0, c0, c1); break;
+          default: pass(std::integral_constant<int, 4>{}, r0, c0, c1); break;
+        }
       }
     }
   });

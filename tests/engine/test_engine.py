@@ -362,6 +362,7 @@ async def test_sampling_params_are_bounded_at_submit(smol):
         ("stop_token_ids", list(range(65))),
         ("stop", ["x" * 257]),
         ("ignore_eos", 1),
+        ("speculate", "yes"),
     ]:
         with pytest.raises(SamplingError) as exc:
             eng.generate(prompt, SamplingParams(**{field: bad}))

@@ -122,6 +122,12 @@ def test_builtin_plugins_and_auto_tasks(tok):
     assert registry.names() == BUILTIN_TASKS
     assert isinstance(registry.chat, ChatTask)
     assert registry.auto_tasks == ["sentiment"]
+    # drafting from the text's own n-grams: the chat and the agents' copilot, which quote the conversation
+    drafting = [n for n in registry.names() if registry.get(n).task.sampling(None).speculate]
+    copilot = ["extract", "suggest_reply", "summarize", "translate", "translate_reply"]
+    assert sorted(drafting) == copilot and registry.chat.task.sampling(None).speculate
+    with pytest.raises(ValueError, match="speculate 'yes': true or false"):
+        Task(name="x", description="x", speculate="yes").validate()  # type: ignore[arg-type]
     # The chat cannot be an auto-task; an unknown task neither.
     registry, errors = load_registry(settings(BUILTIN, auto_tasks=["chat", "ghost", "intent"]), tok)
     assert registry.auto_tasks == ["intent"]

@@ -100,8 +100,8 @@ class Customer:
                 raise RuntimeError(f"/ws refused the customer: {ev}")
         return cls(ws, ev["session_id"])
 
-    async def say(self, text: str) -> str:
-        """One greedy turn; the bot's reply."""
+    async def say(self, text: str) -> tuple[str, float | None]:
+        """One greedy turn; the bot's reply and the server's time to its first token (ms)."""
         options = {"max_new_tokens": CHAT_TOKENS, "temperature": 0}
         await self.ws.send(json.dumps({"type": "chat", "id": "t", "text": text, "options": options}))
         while True:
@@ -109,7 +109,7 @@ class Customer:
             if ev.get("id") != "t" or ev.get("auto"):
                 continue
             if ev["type"] == "done":
-                return str(ev["text"])
+                return str(ev["text"]), ev["timing"].get("ttft_ms")
             if ev["type"] == "error":
                 raise RuntimeError(f"chat turn failed: {ev}")
 
@@ -129,7 +129,7 @@ class Agent:
                 raise RuntimeError(f"/console refused the agent: {ev}")
         return cls(ws)
 
-    async def assist(self, session_id: str, task: str) -> str:
+    async def assist(self, session_id: str, task: str) -> tuple[str, float | None]:
         self.calls += 1
         rid = f"a{self.calls}"
         await self.ws.send(json.dumps({"type": "assist", "id": rid, "session_id": session_id, "task": task}))
@@ -138,18 +138,20 @@ class Agent:
             if ev.get("id") != rid:
                 continue
             if ev["type"] == "assist":
-                return str(ev["text"])
+                return str(ev["text"]), ev["timing"].get("ttft_ms")
             if ev["type"] == "error":
                 raise RuntimeError(f"{task} failed: {ev}")
 
 
-async def timed(server: ServerProcess, run: Awaitable[str]) -> dict[str, Any]:
-    """One call, alone on the server: its text, the server's generated tokens, the seconds."""
+async def timed(server: ServerProcess, run: Awaitable[tuple[str, float | None]]) -> dict[str, Any]:
+    """One call, alone on the server: its text, the server's generated tokens, the seconds, and the
+    server's time to first token (the prompt's share)."""
     before = server.metrics().get(TOKENS, 0.0)
     started = time.perf_counter()
-    text = await run
+    text, ttft_ms = await run
     seconds = time.perf_counter() - started
-    return {"text": text, "tokens": server.metrics().get(TOKENS, 0.0) - before, "seconds": seconds}
+    tokens = server.metrics().get(TOKENS, 0.0) - before
+    return {"text": text, "tokens": tokens, "seconds": seconds, "ttft_s": (ttft_ms or 0.0) / 1000}
 
 
 async def copy_workload(
@@ -162,7 +164,7 @@ async def copy_workload(
     calls: dict[str, list[dict[str, Any]]] = {"summarize": [], "extract": [], "chat": []}
     try:
         for person, c in zip(people, customers()):
-            conversations.append([await person.say(text) for text in customer_turns(c)])
+            conversations.append([(await person.say(text))[0] for text in customer_turns(c)])
         for person in people:
             for task in ("summarize", "extract"):
                 calls[task].append(await timed(server, agent.assist(person.session_id, task)))
@@ -174,12 +176,15 @@ async def copy_workload(
 
 
 def speed(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """Calls' tokens per second of wall time, and the share of it before their first tokens."""
     tokens, seconds = sum(c["tokens"] for c in calls), sum(c["seconds"] for c in calls)
+    first = sum(c["ttft_s"] for c in calls)
     return {
         "calls": len(calls),
         "generated_tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": per_second(tokens, seconds),
+        "first_token_share": first / seconds if seconds else None,
     }
 
 
@@ -258,6 +263,19 @@ def table_rows(spec: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f">= {bar}x",
             )
         )
+    by = {
+        name: ratio(runs["drafts on"]["copy_by_call"][name]["tokens_per_s"], v["tokens_per_s"])
+        for name, v in runs["drafts off"]["copy_by_call"].items()
+    }
+    share = runs["drafts off"]["copy"]["first_token_share"]
+    rows.append(
+        (
+            "[speculation] copy by call: ratio (share of drafts-off time before the first token)",
+            ", ".join(f"{name} {r:.2f}x" for name, r in by.items() if r is not None)
+            + (f" ({share:.0%})" if share is not None else ""),
+            "",
+        )
+    )
     on = runs["drafts on"]
     accepted = on["draft_tokens_accepted"] / on["draft_tokens"] if on["draft_tokens"] else 0.0
     rows.append(

@@ -12,8 +12,10 @@ from rtserver.config import EngineSettings
 from rtserver.engine.backend import FinishReason, Overloaded, Priority, RequestTooLarge, SamplingParams
 from rtserver.engine.kv import KVCacheManager, SegmentKey
 from rtserver.engine.plan import NO_JOINS, JoinSource, StepItem
+from rtserver.engine.sampler import Sampler
 from rtserver.engine.scheduler import Scheduler, SchedulerLimits
 from rtserver.engine.sequence import Phase, Sequence, Splice
+from rtserver.engine.speculation import Drafter, Speculation
 from rtserver.engine.step import Forward, StepRunner
 
 VOCAB = 32
@@ -553,3 +555,36 @@ def test_a_segment_whose_sequence_cannot_run_is_computed_in_place():
     sched.submit(main)
     sched.step()
     assert runner.steps[0] == [(main.id, 0, 8)] and 3 not in main.splices
+
+
+def _drafting(speculation: Speculation):
+    """A scheduler over the fake model with the real sampler, drafting as `speculation` says."""
+    sched, runner, kv, events = make(with_limits(max_running=4, max_waiting=4, prefill_chunk_tokens=64))
+    sched.runner = StepRunner(runner, Sampler())
+    sched.drafter = Drafter(speculation)
+    return sched, runner, kv
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_drafts_save_steps_and_leave_the_kv_as_plain_decoding_does(skip):
+    """The fake model's next token is its position + 1 (mod VOCAB). A prompt counting up from 0 has the
+    output's tails earlier, followed by what the model says: every draft is kept. A prompt that skips
+    every fifth number has them followed by a skip now and then: some drafts are rejected."""
+    prompt = [(p + (p // 4 if skip else 0)) % VOCAB for p in range(40)]
+    outputs, steps, counts = [], [], []
+    for spec in (Speculation(max_live=0), Speculation(max_live=2, draft_tokens=3, row_cost=0.0)):
+        sched, runner, kv = _drafting(spec)
+        s = Sequence(prompt, SamplingParams(max_new_tokens=24), eos_token_ids=set(), session_key="chat")
+        sched.submit(s)
+        run_until_idle(sched)
+        outputs.append(s.output_ids)
+        steps.append(len(runner.steps))
+        counts.append((sched.drafted, sched.accepted))
+        # the KV kept for the next turn holds exactly the tokens computed, in order
+        assert kv.sessions["chat"].token_ids == s.all_ids[: s.num_tokens - 1]
+    assert outputs[0] == outputs[1] == [(40 + i) % VOCAB for i in range(24)]
+    drafted, kept = counts[1]
+    if skip:
+        assert 0 < kept < drafted
+    else:
+        assert kept == drafted > 0 and steps[1] < steps[0] / 2

@@ -733,49 +733,62 @@ def test_fused_decode_layers_equal_the_torch_forward_with_biases(tiny_qwen2, ker
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("route", ["onednn", "blocks"])
-def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, blocks, route):
-    """Serving (release_dense_weights): float32 linears on oneDNN-packed copies, or every linear and the
-    head on their blocks with lookups in the embedding's blocks (no dense embedding). Batched greedy
-    tokens equal float32's, and a few columns' logits equal the full logits' columns."""
+SERVING_TEXTS = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
+
+
+def _serving_greedy(smol, kernel=None, blocks=None, route: str | None = None) -> list[list[int]]:
+    """12 batched greedy tokens of SERVING_TEXTS: on smol's float32 model as it is (route None), or on a
+    copy serving without dense weights by `route`; a few columns' logits equal the full logits' columns."""
     import copy
 
     tok = smol.tokenizer
-    texts = ("Tell me a short fact about the number 7.", "Name a colour.", "Say hello in French.")
-    prompts = [chat_prompt(tok, t) for t in texts]
+    prompts = [chat_prompt(tok, t) for t in SERVING_TEXTS]
     cfg = smol.model.config
-    answers = []
-    for packed in (False, True):
-        kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
-        on_blocks = {"blocks": blocks, "kernel": kernel} if packed and route == "blocks" else {}
-        runner = ModelRunner(copy.deepcopy(smol.model) if packed else smol.model, kv, 512, **on_blocks)
-        if packed:
-            runner.use_attention_kernel(kernel)
-            runner.release_dense_weights()
-            qkv = runner.layers[0].qkv
-            if route == "onednn":
-                assert isinstance(qkv, OneDNNLinear)
-            else:
-                assert isinstance(runner.embed, BlockEmbedding) and isinstance(runner.lm_head, BlockLinear)
-                assert isinstance(qkv, BlockLinear)
-        seqs = []
-        for ids in prompts:
-            seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
-            seq.kv, _ = kv.acquire(ids, len(ids) + 12)
-            seqs.append(seq)
-        logits = runner.forward([StepItem(s, s.kv, 0, ids, "last") for s, ids in zip(seqs, prompts)])
-        out = []
-        for t in range(12):
-            picks = [int(lg[-1].argmax()) for lg in logits]
-            out.append(picks)
-            items = [StepItem(s, s.kv, len(ids) + t, [p], "last") for s, ids, p in zip(seqs, prompts, picks)]
-            logits = runner.forward(items)
-        columns = [tok.convert_tokens_to_ids(w) for w in ("yes", "no", "Paris")]
-        hs = torch.randn(3, cfg.hidden_size)
-        full = runner.lm_head(hs)
-        torch.testing.assert_close(runner._column_logits(hs, columns), full[:, columns], rtol=1e-5, atol=1e-4)
-        answers.append(out)
-    assert answers[1] == answers[0]
+    packed = route is not None
+    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
+    on_blocks = {"blocks": blocks, "kernel": kernel} if route == "blocks" else {}
+    runner = ModelRunner(copy.deepcopy(smol.model) if packed else smol.model, kv, 512, **on_blocks)
+    if packed:
+        runner.use_attention_kernel(kernel)
+        runner.release_dense_weights()
+        qkv = runner.layers[0].qkv
+        if route == "onednn":
+            assert isinstance(qkv, OneDNNLinear)
+        else:
+            assert isinstance(runner.embed, BlockEmbedding) and isinstance(runner.lm_head, BlockLinear)
+            assert isinstance(qkv, BlockLinear)
+    seqs = []
+    for ids in prompts:
+        seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
+        seq.kv, _ = kv.acquire(ids, len(ids) + 12)
+        seqs.append(seq)
+    logits = runner.forward([StepItem(s, s.kv, 0, ids, "last") for s, ids in zip(seqs, prompts)])
+    out = []
+    for t in range(12):
+        picks = [int(lg[-1].argmax()) for lg in logits]
+        out.append(picks)
+        items = [StepItem(s, s.kv, len(ids) + t, [p], "last") for s, ids, p in zip(seqs, prompts, picks)]
+        logits = runner.forward(items)
+    columns = [tok.convert_tokens_to_ids(w) for w in ("yes", "no", "Paris")]
+    hs = torch.randn(3, cfg.hidden_size)
+    full = runner.lm_head(hs)
+    torch.testing.assert_close(runner._column_logits(hs, columns), full[:, columns], rtol=1e-5, atol=1e-4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def serving_float32(smol) -> list[list[int]]:
+    """The float32 answers both routes below are held to: the same model, prompts and steps each time,
+    so they are worked out once for the module."""
+    return _serving_greedy(smol)
+
+
+@pytest.mark.parametrize("route", ["onednn", "blocks"])
+def test_serving_weights_without_dense_copies_answer_as_float32(smol, kernel, blocks, route, serving_float32):
+    """Serving (release_dense_weights): float32 linears on oneDNN-packed copies, or every linear and the
+    head on their blocks with lookups in the embedding's blocks (no dense embedding). Batched greedy
+    tokens equal float32's, and a few columns' logits equal the full logits' columns."""
+    assert _serving_greedy(smol, kernel, blocks, route) == serving_float32
 
 
 def test_the_heap_keeps_freed_buffers_up_to_a_full_decode_steps_logits():

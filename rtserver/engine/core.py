@@ -36,7 +36,7 @@ from .detokenizer import Detokenizer
 from .gguf_file import GGUFFile
 from .grammar import Grammars
 from .heap import return_freed_memory, reuse_freed_buffers, reused_bytes
-from .kv import KVCacheManager, SegmentKey
+from .kv import KVCacheManager, OutOfKVMemory, SegmentKey
 from .kv_memory import resolve_kv_memory
 from .linear import BlockLinear, Linear
 from .model import LoadedModel
@@ -262,7 +262,10 @@ class Engine:
         `rows - 1` drafts against a plain one, on scratch KV (the best of `repeats` each, in turns)."""
         ids = [0] * 8
         seq = Sequence(ids, SamplingParams(), eos_token_ids=set())
-        kv, _ = self.kv.acquire(ids, len(ids) + rows)
+        try:
+            kv, _ = self.kv.acquire(ids, len(ids) + rows)
+        except OutOfKVMemory:
+            return DEFAULT_ROW_COST  # a pool too small to try it in
         try:
             self.runner.forward([StepItem(seq, kv, 0, ids, "last")])
             one = StepItem(seq, kv, len(ids), ids[:1], "last")

@@ -38,6 +38,7 @@ from rtserver.engine.gguf_file import GGUFFile
 from rtserver.engine.kv import KVHandle
 from rtserver.engine.model import LoadedModel, load_model
 from rtserver.engine.plan import StepItem
+from rtserver.engine.quant import Kernel
 from rtserver.engine.sequence import Sequence
 
 from .kld import Divergence, log_softmax
@@ -69,6 +70,18 @@ def bos_id(path: Path) -> int | None:
     return int(bos) if add and bos is not None else None
 
 
+def decode_activations(kernel: Kernel | None) -> str | None:
+    """What one-row steps round activations to: 16 bits per 32 where the kernel's integer dots take the
+    file's types (every type with VNNI, the K-quants' own passes on AVX2), float32 elsewhere."""
+    if kernel is None:
+        return None
+    if kernel.fixed_point_activations:
+        return "16-bit activations"
+    if kernel.decode_passes:
+        return f"16-bit activations on {'/'.join(kernel.decode_passes)}, 32-bit elsewhere"
+    return "32-bit activations"
+
+
 class Logits:
     """A loaded model's logits over a window, through its engine's runner on a thread of its own that runs
     the steps (no scheduler): `prefill` and `decode` give the scored rows, [scored, vocab] float32.
@@ -88,7 +101,8 @@ class Logits:
         kernel = self.engine.loaded.kernel
         return {
             "dtype": self.engine.loaded.dtype_name,
-            "activation_bits": None if kernel is None else kernel.activation_bits(),
+            "activation_bits": None if kernel is None else kernel.activation_bits(),  # big steps
+            "decode_activations": decode_activations(kernel),
             "kv": self.engine.kv_memory.describe(),
             "kernels": self.engine.kernels,
         }

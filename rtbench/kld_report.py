@@ -45,7 +45,8 @@ def table_rows(kld: dict[str, Any]) -> list[tuple[str, str, str]]:
             continue
         ours = r["rtserver"]
         bits = ours.get("activation_bits")
-        how = f"{ours['dtype']}" + (f", {bits}-bit activations" if bits else "")
+        big = f"{bits}-bit activations" if bits else None
+        how = {"prefill": big, "decode": ours.get("decode_activations") or big}
         rows.append(
             (
                 f"[kld] {name}: windows x n_ctx; token ids of the text",
@@ -55,7 +56,13 @@ def table_rows(kld: dict[str, Any]) -> list[tuple[str, str, str]]:
         )
         for path in PATHS:
             rows.append(
-                (f"[kld] {name} rtserver {path} ({how}): {FIGURES}", figures_cell(ours.get(path)), "")
+                (
+                    f"[kld] {name} rtserver {path} ({ours['dtype']}"
+                    + (f", {how[path]}" if how[path] else "")
+                    + f"): {FIGURES}",
+                    figures_cell(ours.get(path)),
+                    "",
+                )
             )
         rows.append(
             (f"[kld] {name} llama.cpp (llama-perplexity): {FIGURES}", figures_cell(r.get("llama.cpp")), "")

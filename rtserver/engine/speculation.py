@@ -52,8 +52,9 @@ class Speculation:
 
     def draft_length(self, kept_rate: float, room: int, running: int = 1) -> int:
         """The draft length (0 to `room`) that gives the most tokens per unit of step time. With drafts
-        each kept at `kept_rate`, k drafts give 1 + rate + ... + rate^k tokens. A step of `running`
-        decodes costs 1 + (running - 1) row costs, so each draft row costs that much less in it."""
+        each kept at `kept_rate`, k drafts give 1 + rate + ... + rate^k tokens. A sequence's share of a
+        step of `running` decodes is (1 + (running - 1) row costs) / running: the more decodes, the
+        larger the part of that share a draft row takes."""
         cost = self.row_cost * running / (1.0 + self.row_cost * (running - 1))
         best, best_k, tokens = 1.0, 0, 1.0
         for k in range(1, min(room, self.draft_tokens) + 1):

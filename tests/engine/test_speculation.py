@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,6 +142,39 @@ async def test_on_blocks_drafts_change_no_token(smol_blocks, params):
     if params.output.kind == "json_schema":
         for ids in drafted:
             json.loads(smol_blocks.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+PLUGINS = str(Path(__file__).resolve().parents[2] / "plugins")
+TRANSCRIPT = (
+    "Customer: Hi, this is Dana Kowalski. My order DR-51144 for the Lumen desk lamp arrived damaged.\n"
+    "Bot: I'm sorry to hear that. Could you give me your order number and e-mail?\n"
+    "Customer: The order number is DR-51144 and my e-mail is dana.kowalski3@example.com."
+)
+
+
+async def test_the_copilot_tasks_answer_the_same_with_drafts(smol_blocks):
+    """summarize and extract as the agents call them (their JSON schemas, greedy), drafts on and off."""
+    from rtserver.config import Settings, TaskSettings
+    from rtserver.tasks.registry import load_registry
+
+    texts = []
+    for max_live in (0, 2):
+        engine = Engine(smol_blocks, EngineSettings(kv_budget_mb=128, speculate_max_live=max_live))
+        engine.start()
+        try:
+            registry, errors = load_registry(
+                Settings(tasks=TaskSettings(plugin_dirs=[PLUGINS])), smol_blocks.tokenizer
+            )
+            assert errors == [] and await registry.prepare_outputs(lambda name, e=engine: ("local", e)) == []
+            texts.append(
+                [(await registry.run(engine, t, {"text": TRANSCRIPT})).text for t in ("summarize", "extract")]
+            )
+            if max_live:
+                assert engine.stats()["draft_tokens_accepted"] > 0
+        finally:
+            await engine.stop()
+    assert texts[0] == texts[1]
+    assert "DR-51144" in texts[1][1]  # the extraction copies the order number
 
 
 async def test_no_drafts_above_the_threshold(smol_blocks):

@@ -1,7 +1,8 @@
-"""Prompt-lookup speculation: the drafter's lookups; greedy output with drafts equals plain decoding
-token for token (float32 against transformers; on GGUF blocks against the same engine without drafts,
-the JSON tasks' grammars included); seeded sampling gives the same text; the sampled distribution is
-unchanged (a chi-square test on a tiny model's exact probabilities); no drafts above the threshold."""
+"""Prompt-lookup speculation: the drafter's lookups and draft lengths; greedy output with drafts equals
+plain decoding token for token (float32 against transformers; on GGUF blocks against the same engine
+without drafts, JSON schemas and the copilot tasks included); seeded sampling gives the same text; the
+sampled distribution is unchanged (a chi-square test on a tiny model's exact probabilities); no drafts
+above the threshold."""
 
 from __future__ import annotations
 

@@ -223,14 +223,16 @@ async def test_sampled_drafts_keep_the_distribution(tiny_qwen2):
     temperature = max((0.05 * i for i in range(1, 60)), key=lambda t: classes(t).min())
     want = classes(temperature)
     assert want.min() > 0.02, f"the test prompt's probabilities {want} leave a class too rare to test"
-    engine = Engine(tiny_qwen2, EngineSettings(kv_budget_mb=64, speculate_max_live=2, draft_tokens=4))
+    engine = Engine(tiny_qwen2, EngineSettings(kv_budget_mb=64))
+    # 16 at a time, every one drafting (rows free): the rule under test is the sampler's, not when to draft
+    engine.scheduler.drafter = Drafter(Speculation(max_live=16, draft_tokens=4, max_rows=64, row_cost=0.0))
     engine.start()
     counts = np.zeros(4)
     try:
-        for seed in range(0, 800, 2):  # two at a time: both draft
+        for seed in range(0, 800, 16):
             params = [
                 SamplingParams(max_new_tokens=4, min_new_tokens=4, temperature=temperature, seed=seed + i)
-                for i in range(2)
+                for i in range(16)
             ]
             streams = [engine.generate(prompt, p) for p in params]
             for stream in streams:

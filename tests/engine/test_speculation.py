@@ -119,9 +119,9 @@ def greedy(n: int) -> SamplingParams:
 
 
 async def test_float32_greedy_with_drafts_equals_transformers(smol):
-    prompts = [chat_prompt(smol.tokenizer, t) for t in COPY_TEXTS]
-    got, engine = await _generate(smol, prompts, greedy(40), max_live=2, together=2)
-    assert got == [reference_greedy(smol, p, 40) for p in prompts]
+    prompts = [chat_prompt(smol.tokenizer, t) for t in COPY_TEXTS[:2]]
+    got, engine = await _generate(smol, prompts, greedy(32), max_live=2, together=2)
+    assert got == [reference_greedy(smol, p, 32) for p in prompts]
     stats = engine.stats()
     assert stats["draft_tokens_accepted"] > 0 and stats["draft_tokens"] >= stats["draft_tokens_accepted"]
 
@@ -145,7 +145,7 @@ def smol_blocks() -> LoadedModel:
 async def test_on_blocks_drafts_change_no_token(smol_blocks, params):
     """The kernel's decode rows give a drafted token the logits its own decode step would, so every
     pick is the same: greedy, seeded sampling (one draw per token, in order), penalties and grammars."""
-    prompts = [chat_prompt(smol_blocks.tokenizer, t) for t in COPY_TEXTS]
+    prompts = [chat_prompt(smol_blocks.tokenizer, t) for t in COPY_TEXTS[:2]]
     plain, _ = await _generate(smol_blocks, prompts, params, max_live=0, together=2)
     drafted, engine = await _generate(smol_blocks, prompts, params, max_live=2, together=2)
     assert drafted == plain

@@ -29,6 +29,7 @@ from .loadclient import run_chat_load
 from .loadtest_report import write_report
 from .serverproc import ONE_ADDRESS_LIMITS_OFF, ServerProcess, free_port, raise_nofile_limit
 from .stats import median, percentile, ratio, rounded
+from .wsclient import connect, hello, recv
 
 STEP_FAULT_MARKER = "QXSTEPFAULTQX"
 TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"
@@ -40,27 +41,10 @@ LONG_PROMPT = "Count from 1 to 500, separated by commas, and say nothing else."
 # -- client helpers ------------------------------------------------------------------------------------
 
 
-async def _connect(url: str, **kwargs: Any) -> ClientConnection:
-    return await websockets.connect(url, open_timeout=60, max_size=None, **kwargs)
-
-
-async def _recv(ws: ClientConnection, timeout_s: float = 120.0) -> dict[str, Any]:
-    event: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
-    return event
-
-
-async def _hello(ws: ClientConnection) -> dict[str, Any]:
-    await ws.send(json.dumps({"type": "hello", "client": "loadtest"}))
-    while True:
-        ev = await _recv(ws)
-        if ev["type"] in ("ready", "error"):
-            return ev
-
-
 async def _chat(url: str, text: str, max_new_tokens: int, timeout_s: float = 300.0) -> dict[str, Any]:
     """One chat on a new connection. Returns its outcome (done | error code), TTFT and total seconds."""
-    async with await _connect(url) as ws:
-        await _hello(ws)
+    async with await connect(url) as ws:
+        await hello(ws)
         sent = time.perf_counter()
         await ws.send(
             json.dumps(
@@ -74,7 +58,7 @@ async def _chat(url: str, text: str, max_new_tokens: int, timeout_s: float = 300
         )
         first = None
         while True:
-            ev = await _recv(ws, timeout_s)
+            ev = await recv(ws, timeout_s)
             if ev.get("id") != "c" or ev.get("auto"):
                 continue
             if ev["type"] == "token" and first is None:
@@ -105,8 +89,8 @@ async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict[st
     async def open_one() -> None:
         nonlocal failed
         try:
-            ws = await _connect(server.ws_url)
-            ev = await _hello(ws)
+            ws = await connect(server.ws_url)
+            ev = await hello(ws)
             if ev["type"] != "ready":
                 failed += 1
                 await ws.close()
@@ -128,7 +112,7 @@ async def phase_load(server: ServerProcess, idle: int, chatting: int) -> dict[st
     async def still_open(ws: ClientConnection) -> bool:
         try:
             await ws.send(json.dumps({"type": "ping", "data": 1}))
-            while (await _recv(ws, 60))["type"] != "pong":
+            while (await recv(ws, 60))["type"] != "pong":
                 pass
             return True
         except Exception:
@@ -171,8 +155,8 @@ async def phase_slow_client(server: ServerProcess, others: int = 8) -> dict[str,
     sock.connect(("127.0.0.1", server.port))
     sock.setblocking(False)
     # no compression: the server's pongs must really weigh what they say
-    ws = await _connect(server.ws_url, sock=sock, max_queue=1, compression=None)
-    await _hello(ws)
+    ws = await connect(server.ws_url, sock=sock, max_queue=1, compression=None)
+    await hello(ws)
     await ws.send(
         json.dumps({"type": "chat", "id": "slow", "text": LONG_PROMPT, "options": {"max_new_tokens": 256}})
     )
@@ -271,8 +255,8 @@ async def phase_disconnects(server: ServerProcess, count: int) -> dict[str, Any]
     }
 
     async def start_chat() -> ClientConnection:
-        ws = await _connect(server.ws_url)
-        await _hello(ws)
+        ws = await connect(server.ws_url)
+        await hello(ws)
         await ws.send(
             json.dumps({"type": "chat", "id": "d", "text": LONG_PROMPT, "options": {"max_new_tokens": 128}})
         )
@@ -281,7 +265,7 @@ async def phase_disconnects(server: ServerProcess, count: int) -> dict[str, Any]
     async def until_first_token(ws: ClientConnection, timeout_s: float) -> bool:
         try:
             while True:
-                ev = await _recv(ws, timeout_s)
+                ev = await recv(ws, timeout_s)
                 if ev.get("id") == "d" and ev["type"] == "token":
                     return True
         except Exception:
@@ -356,11 +340,11 @@ async def phase_overload(server: ServerProcess, max_running: int) -> dict[str, A
 
 async def phase_faults(server: ServerProcess) -> dict[str, Any]:
     async def task_call(text: str) -> dict[str, Any]:
-        async with await _connect(server.ws_url) as ws:
-            await _hello(ws)
+        async with await connect(server.ws_url) as ws:
+            await hello(ws)
             await ws.send(json.dumps({"type": "task", "id": "t", "task": "faulty", "input": {"text": text}}))
             while True:
-                ev = await _recv(ws)
+                ev = await recv(ws)
                 if ev.get("id") == "t" and ev["type"] in ("result", "error"):
                     return {
                         "outcome": "result" if ev["type"] == "result" else ev["code"],
@@ -388,18 +372,18 @@ async def phase_faults(server: ServerProcess) -> dict[str, Any]:
 
 
 async def phase_shutdown(server: ServerProcess) -> dict[str, Any]:
-    long_ws, short_ws = await _connect(server.ws_url), await _connect(server.ws_url)
-    await _hello(long_ws)
-    await _hello(short_ws)
+    long_ws, short_ws = await connect(server.ws_url), await connect(server.ws_url)
+    await hello(long_ws)
+    await hello(short_ws)
     await long_ws.send(
         json.dumps({"type": "chat", "id": "long", "text": LONG_PROMPT, "options": {"max_new_tokens": 400}})
     )
-    while (await _recv(long_ws))["type"] != "token":
+    while (await recv(long_ws))["type"] != "token":
         pass
     await short_ws.send(
         json.dumps({"type": "chat", "id": "short", "text": "Say hi.", "options": {"max_new_tokens": 4}})
     )
-    while (await _recv(short_ws))["type"] != "token":
+    while (await recv(short_ws))["type"] != "token":
         pass
     sigterm_at = time.perf_counter()
     server.running().send_signal(signal.SIGTERM)
@@ -408,7 +392,7 @@ async def phase_shutdown(server: ServerProcess) -> dict[str, Any]:
         events = []
         try:
             while True:
-                events.append(await _recv(ws, 60))
+                events.append(await recv(ws, 60))
         except Exception as exc:
             return events, getattr(getattr(exc, "rcvd", None), "code", None)
 

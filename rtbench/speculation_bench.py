@@ -23,7 +23,6 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-import websockets
 from websockets.asyncio.client import ClientConnection
 
 from .server_bench import (
@@ -38,6 +37,7 @@ from .server_bench import (
 )
 from .serverproc import ServerProcess
 from .stats import per_second, ratio
+from .wsclient import connect, hello, recv
 
 NAMES = ["Ana Silva", "Ben Okafor", "Chen Wei", "Dana Kowalski", "Eli Haddad"]
 PRODUCTS = [
@@ -53,6 +53,7 @@ ASK_BACK = "Please read my order number back to me, so I know you have it right.
 RUNS = {"drafts on": {}, "drafts off": {"RTSERVER_ENGINE_SPECULATE_MAX_LIVE": "0"}}
 BARS = {"copy": 1.5, "single": 0.97, "burst-unique": 0.98}  # drafts on / off, tokens per second
 TOKENS = "rtserver_tokens_generated_total"
+WAIT_S = 300.0  # the longest wait for a call's answer: a summary on a slow machine
 
 
 def customers(count: int = 20) -> list[dict[str, str]]:
@@ -80,11 +81,6 @@ def customer_turns(c: dict[str, str]) -> list[str]:
     ]
 
 
-async def _recv(ws: ClientConnection) -> dict[str, Any]:
-    event: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), 300))
-    return event
-
-
 class Customer:
     """One customer's `/ws` session, kept open for the run."""
 
@@ -93,11 +89,10 @@ class Customer:
 
     @classmethod
     async def open(cls, url: str) -> Customer:
-        ws = await websockets.connect(url, open_timeout=60, max_size=None)
-        await ws.send(json.dumps({"type": "hello", "client": "bench"}))
-        while (ev := await _recv(ws))["type"] != "ready":
-            if ev["type"] == "error":
-                raise RuntimeError(f"/ws refused the customer: {ev}")
+        ws = await connect(url)
+        ev = await hello(ws, "bench")
+        if ev["type"] == "error":
+            raise RuntimeError(f"/ws refused the customer: {ev}")
         return cls(ws, ev["session_id"])
 
     async def say(self, text: str) -> tuple[str, float | None]:
@@ -105,7 +100,7 @@ class Customer:
         options = {"max_new_tokens": CHAT_TOKENS, "temperature": 0}
         await self.ws.send(json.dumps({"type": "chat", "id": "t", "text": text, "options": options}))
         while True:
-            ev = await _recv(self.ws)
+            ev = await recv(self.ws, WAIT_S)
             if ev.get("id") != "t" or ev.get("auto"):
                 continue
             if ev["type"] == "done":
@@ -122,9 +117,9 @@ class Agent:
 
     @classmethod
     async def open(cls, url: str, token: str) -> Agent:
-        ws = await websockets.connect(url, open_timeout=60, max_size=None)
+        ws = await connect(url)
         await ws.send(json.dumps({"type": "login", "token": token, "agent": "bench"}))
-        while (ev := await _recv(ws))["type"] != "console_ready":
+        while (ev := await recv(ws, WAIT_S))["type"] != "console_ready":
             if ev["type"] == "error":
                 raise RuntimeError(f"/console refused the agent: {ev}")
         return cls(ws)
@@ -134,7 +129,7 @@ class Agent:
         rid = f"a{self.calls}"
         await self.ws.send(json.dumps({"type": "assist", "id": rid, "session_id": session_id, "task": task}))
         while True:
-            ev = await _recv(self.ws)
+            ev = await recv(self.ws, WAIT_S)
             if ev.get("id") != rid:
                 continue
             if ev["type"] == "assist":
@@ -158,12 +153,13 @@ async def copy_workload(
     server: ServerProcess, token: str
 ) -> tuple[list[list[str]], dict[str, list[dict[str, Any]]]]:
     """The conversations (untimed), then the copy-heavy calls, one at a time."""
-    people = [await Customer.open(server.ws_url) for _ in customers()]
+    who = customers()
+    people = [await Customer.open(server.ws_url) for _ in who]
     agent = await Agent.open(server.ws_url + "/console", token)
     conversations: list[list[str]] = []
     calls: dict[str, list[dict[str, Any]]] = {"summarize": [], "extract": [], "chat": []}
     try:
-        for person, c in zip(people, customers()):
+        for person, c in zip(people, who):
             conversations.append([(await person.say(text))[0] for text in customer_turns(c)])
         for person in people:
             for task in ("summarize", "extract"):

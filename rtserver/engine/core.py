@@ -254,7 +254,9 @@ class Engine:
             if rows not in known:
                 known[rows] = self._row_cost(rows)
             cost = known[rows]
-        return Speculation.of(opts.speculate_max_live, opts.draft_tokens, self.small_step_rows, cost)
+        return Speculation(
+            opts.speculate_max_live, opts.draft_tokens, max_rows=self.small_step_rows, row_cost=cost
+        )
 
     @torch.inference_mode()
     def _row_cost(self, rows: int, repeats: int = 3) -> float:

@@ -35,11 +35,6 @@ class Speculation:
     max_rows: int = 16  # a step's decode rows and drafts together: more would run the kernel's big steps
     row_cost: float = DEFAULT_ROW_COST  # a step's time per extra row, over a one-row step's
 
-    @classmethod
-    def of(cls, max_live: int, draft_tokens: int, max_rows: int, row_cost: float) -> Speculation:
-        """The [engine] settings, within the rows a step keeps on the kernel's small-step path."""
-        return cls(max_live=max_live, draft_tokens=draft_tokens, max_rows=max_rows, row_cost=row_cost)
-
     def describe(self) -> dict[str, float]:
         """What /health shows: up to how many running sequences draft, how many tokens, a step's rows,
         and what a row costs."""

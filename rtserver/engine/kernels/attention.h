@@ -313,7 +313,14 @@ struct RowContexts {
   }
 };
 
-typedef float Chain __attribute__((vector_size(64)));  // 16 floats: GCC vector arithmetic
+// One vector register of floats (GCC vector arithmetic). A chain wider than the registers would keep
+// block_attention's sums on the stack.
+#if defined(__AVX512F__)
+typedef float Chain __attribute__((vector_size(64)));
+#else
+typedef float Chain __attribute__((vector_size(32)));
+#endif
+constexpr int64_t kChain = sizeof(Chain) / sizeof(float);  // floats a chain holds
 
 inline Chain load_chain(const float* x) {
   Chain c;
@@ -324,18 +331,20 @@ inline Chain load_chain(const float* x) {
 // A block of rows, NG query heads each of one KV head, over a copied context: qs [rows, NG, D] the queries
 // times the scale, kt the keys transposed [D, npad], vrows[j] each value as floats. Row r reads keys [a[r],
 // e[r]); o[r * NG + h] is its head h's output [D]. p [rows, NG, npad] is scratch. Loops go tile by tile
-// (32 keys, then 32 values' columns) over every row, so a tile is read from L1 by all of them. The heads
-// share every load, and their sums run side by side (NG * 2 chains), so no add waits on the one before.
+// (two chains of keys, then of values' columns) over every row, so a tile is read from L1 by all of
+// them. The heads share every load, and their sums run side by side (NG * 2 chains), so no add waits on
+// the one before.
 template <int NG>
 __attribute__((optimize("fp-contract=fast")))  // each a * b + c one fused multiply-add
 void block_attention(const float* qs, int64_t rows, const int64_t* a, const int64_t* e, const float* kt,
                      int64_t npad, const std::vector<const float*>& vrows, int64_t D, float* p, float* const* o) {
-  for (int64_t j0 = 0; j0 < npad; j0 += 32) {  // 32 keys' scores, two vectors a head
+  constexpr int64_t kTile = 2 * kChain;
+  for (int64_t j0 = 0; j0 < npad; j0 += kTile) {  // a tile of keys' scores, two chains a head
     for (int64_t r = 0; r < rows; ++r) {
       const float* q = qs + r * NG * D;
       Chain acc[NG][2] = {};
       for (int64_t d = 0; d < D; ++d) {
-        const Chain k0 = load_chain(kt + d * npad + j0), k1 = load_chain(kt + d * npad + j0 + 16);
+        const Chain k0 = load_chain(kt + d * npad + j0), k1 = load_chain(kt + d * npad + j0 + kChain);
         for (int h = 0; h < NG; ++h) {
           acc[h][0] += q[h * D + d] * k0;
           acc[h][1] += q[h * D + d] * k1;
@@ -353,12 +362,12 @@ void block_attention(const float* qs, int64_t rows, const int64_t* a, const int6
       for (int64_t j = a[r]; j < e[r]; ++j) ph[j] *= inv;
     }
   int64_t d0 = 0;
-  for (; d0 + 32 <= D; d0 += 32)  // 32 outputs a head in two vectors
+  for (; d0 + kTile <= D; d0 += kTile)  // a tile of outputs a head in two chains
     for (int64_t r = 0; r < rows; ++r) {
       const float* pr = p + r * NG * npad;
       Chain acc[NG][2] = {};
       for (int64_t j = a[r]; j < e[r]; ++j) {
-        const Chain v0 = load_chain(vrows[j] + d0), v1 = load_chain(vrows[j] + d0 + 16);
+        const Chain v0 = load_chain(vrows[j] + d0), v1 = load_chain(vrows[j] + d0 + kChain);
         for (int h = 0; h < NG; ++h) {
           acc[h][0] += pr[h * npad + j] * v0;
           acc[h][1] += pr[h * npad + j] * v1;
@@ -366,7 +375,7 @@ void block_attention(const float* qs, int64_t rows, const int64_t* a, const int6
       }
       for (int h = 0; h < NG; ++h) std::memcpy(o[r * NG + h] + d0, acc[h], sizeof acc[h]);
     }
-  for (int64_t r = 0; r < rows && d0 < D; ++r)  // a head size that is no whole number of 32
+  for (int64_t r = 0; r < rows && d0 < D; ++r)  // a head size that is no whole number of tiles
     for (int h = 0; h < NG; ++h) {
       float* out = o[r * NG + h];
       std::fill(out + d0, out + D, 0.f);
@@ -599,7 +608,7 @@ void move_rows(torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& 
         for (int64_t h = 0; h < KV; ++h) {
           const float* k = kv_row(Kp + from + h * W, D, x.data());
           int64_t j = 0;
-          for (; half % 16 == 0 && j < half; j += 16) {  // the halves layout: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
+          for (; half % kChain == 0 && j < half; j += kChain) {  // the halves layout: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
             const Chain x1 = load_chain(k + j), x2 = load_chain(k + j + half);
             const Chain y1 = x1 * load_chain(c + j) - x2 * load_chain(s + j);
             const Chain y2 = x2 * load_chain(c + j + half) + x1 * load_chain(s + j + half);

@@ -325,8 +325,8 @@ class Engine:
             "linears_on_blocks": f"{len(on_blocks)} of {len(linears)}",
             "small_steps": f"blocks, up to {rows} rows",
             "big_steps": (
-                f"32 weight rows of quants against activations rounded to {kernel.activation_bits()} bits"
-                if kernel.fixed_point_activations
+                f"32 weight rows of quants against activations rounded to {bits} bits"
+                if (bits := kernel.activation_bits()) < 32
                 else "16 weight rows dequantized at a time beside a float32 GEMM"
             ),
             "kept_panels_mb": round(kept / 2**20, 1),

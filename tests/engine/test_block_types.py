@@ -224,10 +224,98 @@ def avx2_kernel():
 @pytest.mark.parametrize("fmt", TYPES)
 def test_the_avx2_build_equals_a_float32_matmul_within_the_summation_bound(avx2_kernel, fmt):
     """The same bound on the AVX2 build: each block unpacked to float, but for the K-quants' small steps
-    (int16 dots, vpmaddwd)."""
+    (int16 dots, vpmaddwd); its panels in float32 at 16 bits and on byte dots (vpmaddubsw) at 8."""
     assert not avx2_kernel.fixed_point_activations
     assert avx2_kernel.decode_passes == ["Q4_K", "Q5_K", "Q6_K"]
     assert_within_summation_bound(avx2_kernel, fmt, 40, 3, (1, 2, 5, 16), 0)
+    avx2_kernel.set_panel_rows(0)
+    try:
+        with activation_bits(avx2_kernel, 8):
+            assert avx2_kernel.activation_bits() == 8
+            assert_within_summation_bound(avx2_kernel, fmt, 37, 2, (1, 6, 13), -1)
+            assert_extremes_within_summation_bound(avx2_kernel, fmt)
+        assert avx2_kernel.activation_bits() == 32
+    finally:
+        avx2_kernel.set_panel_rows(1 << 40)
+
+
+@pytest.fixture(scope="module")
+def byte_kernel(kernel):
+    """A kernel whose 8-bit panels are the AVX2 byte dots: this CPU's without VNNI, else the AVX2 build."""
+    if not kernel.fixed_point_activations:
+        return kernel
+    return quant.build_kernel(Path("~/.cache/rtserver").expanduser(), march="haswell")
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_byte_dots_equal_a_float32_matmul_of_the_rounded_activations(byte_kernel, fmt):
+    """AVX2's 8-bit panels are a float32 matmul of the activations as fixed_point_reference rounds them,
+    mins included (they meet the rounded sums), up to float32 summation: tighter than the bound above,
+    which allows each activation half a step."""
+    byte_kernel.set_panel_rows(0)
+    try:
+        with activation_bits(byte_kernel, 8):
+            for k in widths(fmt):
+                w = weight(fmt, random_rows(fmt, 37, k, seed=k + 5))
+                dense = w.dequantize()
+                for m in (1, 6, 13):
+                    x = torch.randn(m, k) * torch.rand(m, k) * 4
+                    x[0, :32] = 0.0
+                    rounded = quant.fixed_point_reference(x, 8)
+                    got = quant.quantized_matmul(byte_kernel, x, w)
+                    gamma = k * U / (1 - k * U)
+                    bound = 2 * gamma * (rounded.abs() @ dense.abs().T) + 1e-30
+                    assert ((got - F.linear(rounded, dense)).abs() <= bound).all(), (fmt, k, m)
+    finally:
+        byte_kernel.set_panel_rows(1 << 40)
+
+
+# per type: the bytes of a block that hold its quants, and the byte that gives every quant its largest
+# magnitude (blocks.h's kMaxQ), Q8_0's -128 included
+EXTREMES = {
+    "Q4_0": (2, 18, 0x00),
+    "Q4_1": (4, 20, 0xFF),
+    "Q5_0": (2, 22, 0x00),
+    "Q5_1": (4, 24, 0xFF),
+    "Q8_0": (2, 34, 0x80),
+    "Q2_K": (16, 80, 0xFF),
+    "Q3_K": (0, 96, 0x00),
+    "Q4_K": (16, 144, 0xFF),
+    "Q5_K": (16, 176, 0xFF),
+    "Q6_K": (0, 192, 0x00),
+    "IQ4_NL": (2, 18, 0x00),
+    "IQ4_XS": (8, 136, 0x00),
+}
+
+
+def assert_extremes_within_summation_bound(kernel, fmt: str) -> None:
+    """Every quant at its largest magnitude, every activation at +-127 of its block: a many-row step's
+    products all of one sign, the most its integer sums ever hold, within the summation bound."""
+    start, end, byte = EXTREMES[fmt]
+    _, nbytes = block_size(fmt)
+    k = widths(fmt)[-1]
+    raw = random_rows(fmt, 40, k, seed=11).reshape(40, -1, nbytes)
+    raw[..., start:end] = byte
+    raw = raw.reshape(40, -1)
+    w = weight(fmt, raw)
+    dense = w.dequantize()
+    x = torch.ones(13, k)
+    x[7:] = -1.0
+    got = quant.quantized_matmul(kernel, x, w)
+    bound = summation_bound(x, dense, kernel, scaled_quants(fmt, raw, kernel))
+    assert ((got - F.linear(x, dense)).abs() <= bound).all(), fmt
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_quants_at_their_extremes_stay_within_the_bound_on_8_bit_panels(kernel, fmt):
+    """The 8-bit many-row steps (VNNI's quads; AVX2's byte dots, whose int16 sums kMaxQ bounds) at the
+    largest products the blocks can make."""
+    kernel.set_panel_rows(0)
+    try:
+        with activation_bits(kernel, 8):
+            assert_extremes_within_summation_bound(kernel, fmt)
+    finally:
+        kernel.set_panel_rows(1 << 40)
 
 
 @pytest.mark.parametrize("bits", [8, 16])

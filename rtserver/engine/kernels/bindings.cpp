@@ -1,6 +1,6 @@
 // The kernel's Python module: what the engine calls (quant.py's load_kernel builds it once per CPU).
 // The code lives by concern: blocks.h (each GGUF block type's decoder), matmul.h (the linears on
-// their blocks), panel.h and int_panel.h (many-row steps), attention.h (attention over the paged KV
+// their blocks), panel.h, int_panel.h and byte_panel.h (many-row steps), attention.h (attention over the paged KV
 // pool), vmath.h (dot products, exp, tanh), layer.h (a whole decoder layer in one call), pool.h (the
 // worker threads every loop runs on).
 #include <torch/extension.h>
@@ -30,8 +30,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.def("set_activation_bits", [](int bits) {
     TORCH_CHECK(bits == 8 || bits == 16, "big steps' activations are 8 or 16 bits, not ", bits);
-  }, "without VNNI big steps run in float32: nothing to round");
-  m.def("activation_bits", [] { return 32; }, "the bits big steps round activations to (float32 here)");
+    panel::g_activation_bits = bits;
+  }, "8: big steps on byte dots (AVX2); 16: in float32, nothing rounded");
+  m.def("activation_bits", [] {
+#ifdef RTSERVER_BYTE_DOTS
+    if (panel::g_activation_bits == 8) return 8;
+#endif
+    return 32;
+  }, "the bits big steps round activations to (32: float32, not rounded)");
 #endif
   m.def("bind_pool", [](int threads) { pool::Pool::get().bind(threads); },
         "the calling thread owns the kernel's worker threads from now on, `threads` in all", nogil);

@@ -3,7 +3,8 @@
 // Every type decodes one block into a common form: int8 quants q, and per 16 weights a scale D and an
 // offset M, so that weight = D * q + M (a float32 product, then a float32 sum; kOffset false: M is 0
 // and not added; kSigned false: no quant is negative, which the integer dots use; kGroup: the weights
-// one scale covers, 16 or 32, which the integer panels use). D and M are computed
+// one scale covers, 16 or 32, which the integer panels use; kMaxQ: the largest |q|, which bounds the
+// AVX2 byte dots' 16-bit sums). D and M are computed
 // with the same float32 operations as gguf-py's `dequantize`, so a decoded weight equals its value
 // bit for bit. Per type: `scales` (D and M of a block), `chunk` (AVX2: the 32 quants of chunk c in
 // one register, never through memory) and `decode` (portable: all quants to memory, for CPUs without
@@ -97,6 +98,7 @@ struct Q4_0 {
   static constexpr int kGroup = 32;
   static constexpr bool kOffset = false;
   static constexpr bool kSigned = true;
+  static constexpr int kMaxQ = 8;
   static void scales(const uint8_t* b, float* D, float* M) { fill(D, M, 2, f16(b), 0.f); }
   static void decode(const uint8_t* b, int8_t* q) { nibbles32(b + 2, q, 8); }
 #ifdef BLOCKS_AVX2
@@ -110,6 +112,7 @@ struct Q5 {
   static constexpr int kGroup = 32;
   static constexpr bool kOffset = HasMin;
   static constexpr bool kSigned = !HasMin;
+  static constexpr int kMaxQ = HasMin ? 31 : 16;
   static void scales(const uint8_t* b, float* D, float* M) { fill(D, M, 2, f16(b), HasMin ? f16(b + 2) : 0.f); }
 #ifdef BLOCKS_AVX2
   static __m256i chunk(const uint8_t* b, int) {
@@ -136,6 +139,7 @@ struct IQ4_NL {
   static constexpr int kGroup = 32;
   static constexpr bool kOffset = false;
   static constexpr bool kSigned = true;
+  static constexpr int kMaxQ = 127;
   static void scales(const uint8_t* b, float* D, float* M) { fill(D, M, 2, f16(b), 0.f); }
   static void decode(const uint8_t* b, int8_t* q) {
     for (int j = 0; j < 16; ++j) q[j] = kIq4Values[b[2 + j] & 15], q[j + 16] = kIq4Values[b[2 + j] >> 4];
@@ -157,6 +161,7 @@ struct Q2_K {
   static constexpr int kGroup = 16;
   static constexpr bool kOffset = true;
   static constexpr bool kSigned = false;
+  static constexpr int kMaxQ = 3;
   static void scales(const uint8_t* b, float* D, float* M) {
     const float d = f16(b + 80), dmin = f16(b + 82);
     for (int s = 0; s < 16; ++s) D[s] = d * static_cast<float>(b[s] & 15), M[s] = -(dmin * static_cast<float>(b[s] >> 4));
@@ -173,6 +178,7 @@ struct Q3_K {
   static constexpr int kGroup = 16;
   static constexpr bool kOffset = false;
   static constexpr bool kSigned = true;
+  static constexpr int kMaxQ = 4;
   static void scales(const uint8_t* b, float* D, float* M) {
     const uint8_t* sc = b + 96;
     const float d = f16(b + 108);
@@ -226,6 +232,7 @@ struct QK45 {
   static constexpr int kGroup = 32;
   static constexpr bool kOffset = true;
   static constexpr bool kSigned = false;
+  static constexpr int kMaxQ = FifthBit ? 31 : 15;
   static void scales(const uint8_t* b, float* D, float* M) {
     const float d = f16(b), dmin = f16(b + 2);
     for (int c = 0; c < 8; ++c) {
@@ -261,6 +268,7 @@ struct Q6_K {
   static constexpr int kGroup = 16;
   static constexpr bool kOffset = false;
   static constexpr bool kSigned = true;
+  static constexpr int kMaxQ = 32;
   static void scales(const uint8_t* b, float* D, float* M) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = f16(b + 208);
@@ -293,6 +301,7 @@ struct IQ4_XS {
   static constexpr int kGroup = 32;
   static constexpr bool kOffset = false;
   static constexpr bool kSigned = true;
+  static constexpr int kMaxQ = 127;
   static void scales(const uint8_t* b, float* D, float* M) {
     const float d = f16(b);
     uint16_t sh;

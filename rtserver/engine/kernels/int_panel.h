@@ -32,25 +32,8 @@ constexpr int64_t kRows = 6;   // activation rows per register block
 constexpr int64_t kDepth = 256;  // k per pass over the rows: the panel's 16 KB of it stay in L1
 constexpr int64_t kRowBlockBytes = 256 << 10;  // a block of rows' int16 activations, held in L2
 
-// An allocator whose resize leaves new elements uninitialised, for buffers written whole before they
-// are read: zeroing a prompt's activations first cost a big step a visible share.
-template <typename T>
-struct Uninit : std::allocator<T> {
-  template <typename U>
-  struct rebind {
-    using other = Uninit<U>;
-  };
-  template <typename U>
-  void construct(U* p) noexcept {
-    ::new (static_cast<void*>(p)) U;
-  }
-  template <typename U, typename... A>
-  void construct(U* p, A&&... a) {
-    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
-  }
-};
-template <typename T>
-using Buffer = std::vector<T, Uninit<T>>;
+using panel::Buffer;
+using panel::g_activation_bits;
 
 // The activations as the integer paths round them: x_j ~= scale_b * v_j, v_j in [-32512, 32512].
 struct Rows {
@@ -70,9 +53,6 @@ struct Rows8 {
   Buffer<float> xsum32;    // [M, K / 32] exact sums of 32
 };
 
-// The activations' width every integer path rounds to: 16 (Rows, k pairs) or 8 (Rows8, k quads). Panels
-// made once keep the layout of the width they were made under.
-inline int g_activation_bits = 16;
 
 // A panel: its quants, pairs of k interleaved ([2][K / 2][16] int32: half h holds columns 16h..),
 // and per scale group of G weights the 32 columns' D and M (d, m: its own, or a kept panel's).

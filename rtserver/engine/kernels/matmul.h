@@ -22,7 +22,7 @@
 // A linear is a list of parts (format, a, b) over the same input, outputs side by side: a stacked
 // q/k/v or gate/up whose tensors ship in different types runs part by part. Steps of many rows run
 // on panels of weight rows, every format alike: int_panel.h on VNNI (panels kept unpacked at load
-// where `unpack_panels` ran), else panel.h in float32.
+// where `unpack_panels` ran), byte_panel.h on AVX2 alone at 8-bit activations, else panel.h in float32.
 //
 // Built at first start with -march=native for the CPU at hand (the cache key names the CPU). Loops run
 // on the kernel's own threads (pool.h), not on torch's.
@@ -48,8 +48,10 @@
 #include "fixed.h"
 #include "kquant_dots.h"
 #elif defined(__AVX2__) && defined(__FMA__)
+#include "byte_panel.h"
 #include "kquant_avx2.h"
 #define RTSERVER_AVX2_DOTS 1
+#define RTSERVER_BYTE_DOTS 1
 #endif
 
 namespace {
@@ -725,11 +727,12 @@ void split_dequantize(const uint8_t* Q, const void* S, int64_t n0, int64_t rows,
     }
 }
 
-#ifdef RTSERVER_INT_DOTS
-// Columns n0 .. n0 + cols of a split-layout weight as a panel: int16 quants, pairs interleaved, and
-// D and M per block.
-template <Split F>
-void split_unpack_int(const uint8_t* Q, const void* S, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
+#if defined(BLOCKS_AVX2)
+// Columns n0 .. n0 + cols of a split-layout weight, block by block: put(c, k, quants) takes column c's
+// 32 quants from weight k on, as bytes in the weights' order; D and M [K / 32][32] each block's d, m.
+template <Split F, typename Put>
+void split_columns(const uint8_t* Q, const void* S, int64_t n0, int64_t cols, int64_t K, float* D, float* M,
+                   const Put& put) {
   constexpr int64_t qbytes = quant_bytes(F), fields = has_min(F) ? 2 : 1;
   const int64_t nb = K / kBlock;
   for (int64_t c = 0; c < cols; ++c) {
@@ -737,12 +740,44 @@ void split_unpack_int(const uint8_t* Q, const void* S, int64_t n0, int64_t cols,
     for (int64_t b = 0; b < nb; ++b) {
       __m256i w = has_nibbles(F) ? blocks::nibbles(row + b * qbytes) : blocks::load32(row + b * qbytes);
       if (mask_bytes(F)) w = _mm256_or_si256(w, blocks::fifth_bits(row + nb * qbytes + b * 4));
-      _mm512_storeu_si512(p.rows.data() + c * K + b * kBlock, _mm512_cvtepi8_epi16(w));
+      put(c, b * kBlock, w);
       const int64_t i = ((n0 + c) * nb + b) * fields;
-      p.D[b * int_panel::kCols + c] = scale_field<F>(S, i);
-      p.M[b * int_panel::kCols + c] = has_min(F) ? scale_field<F>(S, i + 1) : 0.f;
+      D[b * 32 + c] = scale_field<F>(S, i);
+      M[b * 32 + c] = has_min(F) ? scale_field<F>(S, i + 1) : 0.f;
     }
   }
+}
+
+// Columns n0 .. n0 + cols of raw blocks of type T, chunk by chunk: put(c, k, quants) as split_columns';
+// D and M [K / G][32] each scale group's.
+template <typename T, typename Put>
+void raw_columns(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, float* D, float* M,
+                 const Put& put) {
+  constexpr int kChunks = T::kWeights / 32, kGroups = T::kWeights / T::kGroup;
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint8_t* row = W + (n0 + c) * row_bytes;
+    for (int64_t blk = 0; blk < K / T::kWeights; ++blk) {
+      const uint8_t* b = row + blk * T::kBytes;
+      float d[16], m[16];
+      T::scales(b, d, m);
+      for (int ch = 0; ch < kChunks; ++ch) put(c, blk * T::kWeights + ch * 32, T::chunk(b, ch));
+      for (int j = 0; j < kGroups; ++j) {
+        const int64_t at = (blk * kGroups + j) * 32 + c;
+        D[at] = d[j * T::kGroup / 16], M[at] = T::kOffset ? m[j * T::kGroup / 16] : 0.f;
+      }
+    }
+  }
+}
+#endif
+
+#ifdef RTSERVER_INT_DOTS
+// Columns n0 .. n0 + cols of a split-layout weight as a panel: int16 quants, pairs interleaved, and
+// D and M per block.
+template <Split F>
+void split_unpack_int(const uint8_t* Q, const void* S, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
+  split_columns<F>(Q, S, n0, cols, K, p.D.data(), p.M.data(), [&](int64_t c, int64_t k, __m256i w) {
+    _mm512_storeu_si512(p.rows.data() + c * K + k, _mm512_cvtepi8_epi16(w));
+  });
   p.interleave(K);
 }
 
@@ -750,45 +785,19 @@ void split_unpack_int(const uint8_t* Q, const void* S, int64_t n0, int64_t cols,
 // D and M per group.
 template <typename T>
 void raw_unpack_int(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
-  constexpr int kChunks = T::kWeights / 32, kGroups = T::kWeights / T::kGroup;
-  for (int64_t c = 0; c < cols; ++c) {
-    const uint8_t* row = W + (n0 + c) * row_bytes;
-    for (int64_t blk = 0; blk < K / T::kWeights; ++blk) {
-      const uint8_t* b = row + blk * T::kBytes;
-      float D[16], M[16];
-      T::scales(b, D, M);
-      for (int ch = 0; ch < kChunks; ++ch)
-        _mm512_storeu_si512(p.rows.data() + c * K + blk * T::kWeights + ch * 32, _mm512_cvtepi8_epi16(T::chunk(b, ch)));
-      for (int j = 0; j < kGroups; ++j) {
-        const int64_t at = (blk * kGroups + j) * int_panel::kCols + c;
-        p.D[at] = D[j * T::kGroup / 16], p.M[at] = T::kOffset ? M[j * T::kGroup / 16] : 0.f;
-      }
-    }
-  }
+  raw_columns<T>(W, row_bytes, n0, cols, K, p.D.data(), p.M.data(), [&](int64_t c, int64_t k, __m256i w) {
+    _mm512_storeu_si512(p.rows.data() + c * K + k, _mm512_cvtepi8_epi16(w));
+  });
   p.interleave(K);
 }
 
 // raw_unpack_int's 8-bit twin: each chunk's quants + 128 straight to bytes, then quads.
 template <typename T>
 void raw_unpack_quads(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, int_panel::Panel& p) {
-  constexpr int kChunks = T::kWeights / 32, kGroups = T::kWeights / T::kGroup;
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t c = 0; c < cols; ++c) {
-    const uint8_t* row = W + (n0 + c) * row_bytes;
-    uint8_t* out = p.bytes.data() + c * K;
-    for (int64_t blk = 0; blk < K / T::kWeights; ++blk) {
-      const uint8_t* b = row + blk * T::kBytes;
-      float D[16], M[16];
-      T::scales(b, D, M);
-      for (int ch = 0; ch < kChunks; ++ch)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + blk * T::kWeights + ch * 32),
-                            _mm256_xor_si256(T::chunk(b, ch), bias));
-      for (int j = 0; j < kGroups; ++j) {
-        const int64_t at = (blk * kGroups + j) * int_panel::kCols + c;
-        p.D[at] = D[j * T::kGroup / 16], p.M[at] = T::kOffset ? M[j * T::kGroup / 16] : 0.f;
-      }
-    }
-  }
+  raw_columns<T>(W, row_bytes, n0, cols, K, p.D.data(), p.M.data(), [&](int64_t c, int64_t k, __m256i w) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.bytes.data() + c * K + k), _mm256_xor_si256(w, bias));
+  });
   p.bytes_to_quads(K);
 }
 
@@ -857,6 +866,44 @@ void panels_only_matmul(const float* x, int64_t M, int64_t K, const PanelLayout&
 }
 #endif
 
+#ifdef RTSERVER_BYTE_DOTS
+// A many-row step on AVX2 byte dots (byte_panel.h): the activations to bytes once, then panels of
+// the quants as the blocks hold them.
+void byte_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
+                       const torch::Tensor& scales, float* y, int64_t ldy) {
+  const int64_t N = qs.size(0);
+  const uint8_t* Q = qs.data_ptr<uint8_t>();
+  byte_panel::Rows rows;
+  byte_panel::to_bytes(x, M, K, rows);
+  const auto store = [&](byte_panel::Panel& p) {
+    return [&p, K](int64_t c, int64_t k, __m256i w) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.bytes.data() + c * K + k), w);
+    };
+  };
+  if (!is_split(format)) {
+    const int64_t row_bytes = qs.size(1);
+    blocks::with_type(format, [&](auto t) {
+      using T = decltype(t);
+      byte_panel::matmul<T::kGroup, T::kMaxQ, T::kSigned, T::kOffset>(
+          rows, M, K, N, y, ldy, [&](int64_t n0, int64_t cols, byte_panel::Panel& p) {
+            raw_columns<T>(Q, row_bytes, n0, cols, K, p.D.data(), p.M.data(), store(p));
+          });
+    });
+    return;
+  }
+  const void* S = scales.data_ptr();
+  with_split(format, [&](auto s) {
+    constexpr Split F = decltype(s)::value;
+    // Q8_0's quants are signed, and a file may hold -128
+    constexpr int kMaxQ = F == Split::Q8_0 ? 128 : F == Split::Q5_1S ? 31 : 15;
+    byte_panel::matmul<32, kMaxQ, !has_min(F), has_min(F)>(
+        rows, M, K, N, y, ldy, [&](int64_t n0, int64_t cols, byte_panel::Panel& p) {
+          split_columns<F>(Q, S, n0, cols, K, p.D.data(), p.M.data(), store(p));
+        });
+  });
+}
+#endif
+
 // The bytes of a weight's panels unpacked once (unpack_panels); 0 where the kernel keeps none.
 int64_t kept_bytes(const std::string& format, int64_t N, int64_t K) {
   int64_t bytes = 0;
@@ -902,14 +949,17 @@ torch::Tensor panels_of(std::string to, std::string format, torch::Tensor qs, to
 #endif
 }
 
-// A many-row step: the weight dequantized 16 rows at a time beside a float32 GEMM (panel.h), or on
-// integer dots where the CPU has VNNI.
+// A many-row step: on integer dots where the CPU has VNNI; with AVX2 alone on byte dots at 8-bit
+// activations, else the weight dequantized 16 rows at a time beside a float32 GEMM (panel.h).
 void panel_matmul(const float* x, int64_t M, int64_t K, const std::string& format, const torch::Tensor& qs,
                   const torch::Tensor& scales, const int8_t* kept, float* y, int64_t ldy) {
 #ifdef RTSERVER_INT_DOTS
   int_panel_matmul(x, M, K, format, qs, scales, kept, y, ldy);
 #else
-  (void)kept;  // unpacked panels exist only for the integer path
+  (void)kept;  // unpacked panels exist only for the VNNI path
+#ifdef RTSERVER_BYTE_DOTS
+  if (panel::g_activation_bits == 8) return byte_panel_matmul(x, M, K, format, qs, scales, y, ldy);
+#endif
   const int64_t N = qs.size(0);
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   if (!is_split(format)) {

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "pool.h"
@@ -20,6 +22,31 @@ namespace panel {
 
 constexpr int64_t kCols = 16;  // weight rows per panel: two 8-float vectors
 constexpr int64_t kRows = 6;   // activation rows per register block
+
+// The activations' width every integer path rounds to (engine.activation_bits): 16 or 8. On VNNI
+// (int_panel.h) 16 is Rows, k pairs, and 8 Rows8, k quads; panels made once keep the layout of the
+// width they were made under. On AVX2 alone 8 takes big steps to byte dots (byte_panel.h), 16 to floats.
+inline int g_activation_bits = 16;
+
+// An allocator whose resize leaves new elements uninitialised, for buffers written whole before they
+// are read: zeroing a prompt's activations first cost a big step a visible share.
+template <typename T>
+struct Uninit : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = Uninit<U>;
+  };
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+template <typename T>
+using Buffer = std::vector<T, Uninit<T>>;
 
 // xp [ceil(M / 6)][K][6]: row block b holds rows 6b .. 6b + 5, zero past M.
 inline std::vector<float> pack_rows(const float* x, int64_t M, int64_t K) {

@@ -1,0 +1,210 @@
+// Big steps on AVX2 byte dots (no VNNI): y = x @ W.T, 32 weight rows at a time, against activations
+// rounded to 8 bits (engine.activation_bits = 8).
+//
+// A float32 GEMM on Zen 3 does 16 multiply-adds a cycle on its two FMA pipes. vpmaddubsw does 32
+// byte products an instruction, summed in pairs to int16. So the quants go to bytes as the file holds
+// them (unsigned where none is negative; else signed, and their signs moved onto the activations with
+// vpsignb), four k of a column to a 32-bit lane. Pair sums add up in int16 while no sum can overflow
+// (kMaxQ bounds them), then vpmaddwd against ones widens them to int32. A scale group's int32 sums
+// take d * s_b in float, and its min the sum of the rounded activations: the result is a float32
+// matmul of the activations as fixed_point_reference rounds them at 8 bits.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "panel.h"
+#include "pool.h"
+
+namespace byte_panel {
+
+constexpr int64_t kCols = 32;   // weight rows per panel: two halves of 16 columns
+constexpr int64_t kHalf = 16;   // columns a register block covers: two vectors of 8 int32 lanes
+constexpr int64_t kRows = 3;    // activation rows per register block
+constexpr int64_t kDepth = 256;  // k per pass over the rows: the panel's 8 KB of it stay in L1
+
+// Activations as 8-bit integers, one scale per 32 (as llama.cpp's Q8_0 rows): x_j ~= scale_b * v_j.
+struct Rows {
+  panel::Buffer<int8_t> v;     // [M, K]
+  panel::Buffer<float> scale;  // [M, K / 32] max|x_b| / 127
+  panel::Buffer<float> xsum16;  // [M, K / 16] sums of 16 rounded activations: the offsets' term
+  panel::Buffer<float> xsum32;  // [M, K / 32] sums of 32
+};
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline int hsum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+// Each block of 32: v_j = round(x_j * (127 / max|x|)) (cvtps rounds to nearest even, as torch.round).
+inline void to_bytes(const float* x, int64_t M, int64_t K, Rows& f) {
+  const int64_t nb = K / 32;
+  f.v.resize(M * K), f.scale.resize(M * nb), f.xsum16.resize(M * nb * 2), f.xsum32.resize(M * nb);
+  pool::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xb = x + i * 32;
+      __m256 a[4];
+      for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(xb + 8 * j);
+      const float amax = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                             _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3]))));
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j)
+        q[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a[j], inv)), top), bottom);
+      // packs interleave 128-bit lanes: the permute puts the 32 bytes back in order
+      const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(f.v.data() + i * 32),
+                          _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      // the offsets meet the rounded activations too: with the exact sums, a block's error would be
+      // sum_j D q_j (v_j s - x_j), which quants far from zero (Q4_1, Q5_0's) do not cancel
+      const float scale = amax / 127.f;
+      const int lo = hsum8i(_mm256_add_epi32(q[0], q[1])), hi = hsum8i(_mm256_add_epi32(q[2], q[3]));
+      f.scale[i] = scale;
+      f.xsum16[2 * i] = scale * static_cast<float>(lo), f.xsum16[2 * i + 1] = scale * static_cast<float>(hi);
+      f.xsum32[i] = scale * static_cast<float>(lo + hi);
+    }
+  });
+}
+
+// A panel: 32 weight rows' quants as bytes ([32, K], as unpacked), then four k of a column to a lane
+// ([2][K / 4][16][4]: half h holds columns 16h..), and per scale group of G weights their D and M.
+struct Panel {
+  panel::Buffer<int8_t> bytes, quads;
+  std::vector<float> D, M;  // [K / G, 32]
+
+  Panel(int64_t K, int64_t G) : bytes(kCols * K), quads(kCols * K), D(K / G * kCols), M(K / G * kCols) {}
+
+  // Before unpacking a panel of fewer than 32 columns: the missing ones are zero.
+  void clear() {
+    std::fill(bytes.begin(), bytes.end(), int8_t{0});
+    std::fill(D.begin(), D.end(), 0.f), std::fill(M.begin(), M.end(), 0.f);
+  }
+  // Quads are moved as 32-bit floats: transposes move bits, they never round them.
+  void to_quads(int64_t K) {
+    for (int64_t h = 0; h < 2; ++h)
+      panel::transpose_panel(reinterpret_cast<const float*>(bytes.data() + kHalf * h * K), K / 4,
+                             reinterpret_cast<float*>(quads.data() + h * K * kHalf));
+  }
+};
+
+// Quads of k per int16 sum: the most pair sums of |q| <= MaxQ and |v| <= 127 that int16 holds, within a
+// scale group.
+constexpr int sum_quads(int G, int MaxQ) {
+  const int fit = 32767 / (2 * 127 * MaxQ);
+  return std::max(1, std::min(G / 4, fit));
+}
+
+// y[r, 0:cols] (rows ldy apart) for R rows against one half of a panel (16 columns), scale groups
+// g0 .. g1: set from the first groups, added to after.
+template <int R, int G, int MaxQ, bool Signed, bool Offset>
+inline void tile(const Rows& x, int64_t r0, int64_t K, const int8_t* quads, const float* d, const float* m,
+                 int64_t g0, int64_t g1, float* y, int64_t ldy, int64_t cols) {
+  constexpr int L = sum_quads(G, MaxQ);
+  const int64_t nb = K / 32, groups = K / G;
+  const __m256i ones = _mm256_set1_epi16(1);
+  // a whole half moves as vectors; only a last panel's short half goes through memcpy
+  alignas(32) float acc[R][kHalf];
+  for (int r = 0; r < R; ++r) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    if (g0 > 0 && cols == kHalf) a0 = _mm256_loadu_ps(y + r * ldy), a1 = _mm256_loadu_ps(y + r * ldy + 8);
+    _mm256_store_ps(acc[r], a0), _mm256_store_ps(acc[r] + 8, a1);
+    if (g0 > 0 && cols < kHalf) std::memcpy(acc[r], y + r * ldy, cols * sizeof(float));
+  }
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256i t[R][2];
+    for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_si256();
+    for (int c = 0; c < G / 4; c += L) {
+      __m256i s[R][2];
+      for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int k = c; k < c + L; ++k) {
+        const int64_t kq = g * (G / 4) + k;
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + kq * 64));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + kq * 64 + 32));
+        const __m256i a0 = Signed ? _mm256_abs_epi8(w0) : w0, a1 = Signed ? _mm256_abs_epi8(w1) : w1;
+        for (int r = 0; r < R; ++r) {
+          int32_t quad;
+          std::memcpy(&quad, x.v.data() + (r0 + r) * K + 4 * kq, 4);
+          const __m256i b = _mm256_set1_epi32(quad);
+          const __m256i p0 = _mm256_maddubs_epi16(a0, Signed ? _mm256_sign_epi8(b, w0) : b);
+          const __m256i p1 = _mm256_maddubs_epi16(a1, Signed ? _mm256_sign_epi8(b, w1) : b);
+          s[r][0] = _mm256_add_epi16(s[r][0], p0);
+          s[r][1] = _mm256_add_epi16(s[r][1], p1);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) t[r][h] = _mm256_add_epi32(t[r][h], _mm256_madd_epi16(s[r][h], ones));
+    }
+    const __m256 d0 = _mm256_loadu_ps(d + g * kCols), d1 = _mm256_loadu_ps(d + g * kCols + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 sc = _mm256_set1_ps(x.scale[(r0 + r) * nb + g * G / 32]);
+      __m256 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r][0]), _mm256_mul_ps(d0, sc), _mm256_load_ps(acc[r]));
+      __m256 a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r][1]), _mm256_mul_ps(d1, sc), _mm256_load_ps(acc[r] + 8));
+      if (Offset) {
+        const float* sums = G == 16 ? x.xsum16.data() : x.xsum32.data();
+        const __m256 xs = _mm256_set1_ps(sums[(r0 + r) * groups + g]);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * kCols), xs, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * kCols + 8), xs, a1);
+      }
+      _mm256_store_ps(acc[r], a0), _mm256_store_ps(acc[r] + 8, a1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols < kHalf) {
+      std::memcpy(y + r * ldy, acc[r], cols * sizeof(float));
+      continue;
+    }
+    _mm256_storeu_ps(y + r * ldy, _mm256_load_ps(acc[r])), _mm256_storeu_ps(y + r * ldy + 8, _mm256_load_ps(acc[r] + 8));
+  }
+}
+
+// The register block for rows r .. r + 4 (or the rows left), half h of panel p.
+template <int G, int MaxQ, bool Signed, bool Offset>
+inline void rows_tile(const Rows& x, int64_t r, int64_t M, int64_t K, const Panel& p, int64_t h, int64_t g0,
+                      int64_t g1, float* y, int64_t ldy, int64_t cols) {
+  const int8_t* q = p.quads.data() + h * K * kHalf;
+  const float *d = p.D.data() + h * kHalf, *m = p.M.data() + h * kHalf;
+  switch (std::min(kRows, M - r)) {
+    case 1: return tile<1, G, MaxQ, Signed, Offset>(x, r, K, q, d, m, g0, g1, y, ldy, cols);
+    case 2: return tile<2, G, MaxQ, Signed, Offset>(x, r, K, q, d, m, g0, g1, y, ldy, cols);
+    default: return tile<kRows, G, MaxQ, Signed, Offset>(x, r, K, q, d, m, g0, g1, y, ldy, cols);
+  }
+}
+
+// y [M, N] (rows ldy apart) = x @ W.T: unpack(n0, cols, panel) writes W's rows n0 .. n0 + cols as
+// bytes into panel.bytes and their scale groups' D and M (all three zero past cols).
+template <int G, int MaxQ, bool Signed, bool Offset, typename Unpack>
+void matmul(const Rows& x, int64_t M, int64_t K, int64_t N, float* y, int64_t ldy, const Unpack& unpack) {
+  const int64_t panels = (N + kCols - 1) / kCols;
+  pool::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    Panel p(K, G);
+    for (int64_t i = p0; i < p1; ++i) {
+      const int64_t n0 = i * kCols, cols = std::min(kCols, N - n0);
+      if (cols < kCols) p.clear();
+      unpack(n0, cols, p);
+      p.to_quads(K);
+      for (int64_t g0 = 0; g0 < K / G; g0 += kDepth / G) {
+        const int64_t g1 = std::min(K / G, g0 + kDepth / G);
+        for (int64_t r = 0; r < M; r += kRows)
+          for (int64_t h = 0; h * kHalf < cols; ++h)
+            rows_tile<G, MaxQ, Signed, Offset>(x, r, M, K, p, h, g0, g1, y + r * ldy + n0 + h * kHalf, ldy,
+                                               std::min(kHalf, cols - h * kHalf));
+      }
+    }
+  });
+}
+
+}  // namespace byte_panel

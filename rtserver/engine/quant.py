@@ -447,17 +447,18 @@ def fixed_point_reference(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
 
 
 def reference_matmul(
-    x: torch.Tensor, w: BlockWeight, fixed_point: bool = False, bits: int = 16
+    x: torch.Tensor, w: BlockWeight, fixed_point: bool = False, bits: int = 16, exact_mins: bool = True
 ) -> torch.Tensor:
     """x @ W.T through the dequantized float32 weight. The kernel must equal it up to float rounding.
     `fixed_point`: the kernel's integer path, in float64. The scaled quants meet the fixed-point
-    activations (`bits` of them). Q4_1's min meets the exact activation sums, as in the kernel.
+    activations (`bits` of them). Q4_1's min meets the exact activation sums (VNNI), or with
+    `exact_mins` False the rounded ones (AVX2's byte dots).
     """
     if not fixed_point or not isinstance(w, QuantizedWeight):
         return F.linear(x.float(), w.dequantize())
     n, k = w.shape
     xf = fixed_point_reference(x, bits).double()
-    if w.format == "Q8_0":
+    if w.format == "Q8_0" or not exact_mins:
         return F.linear(xf, w.dequantize().double()).float()
     s = w.scales.double()
     sums = x.double().view(x.shape[0], k // BLOCK, BLOCK).sum(-1)

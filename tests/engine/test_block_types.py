@@ -247,12 +247,14 @@ def byte_kernel(kernel):
     return quant.build_kernel(Path("~/.cache/rtserver").expanduser(), march="haswell")
 
 
+@pytest.mark.parametrize("panel_rows", [0, 1 << 40], ids=["panels", "small steps"])
 @pytest.mark.parametrize("fmt", TYPES)
-def test_byte_dots_equal_a_float32_matmul_of_the_rounded_activations(byte_kernel, fmt):
-    """AVX2's 8-bit panels are a float32 matmul of the activations as fixed_point_reference rounds them,
-    mins included (they meet the rounded sums), up to float32 summation: tighter than the bound above,
-    which allows each activation half a step."""
-    byte_kernel.set_panel_rows(0)
+def test_byte_dots_equal_a_float32_matmul_of_the_rounded_activations(byte_kernel, fmt, panel_rows):
+    """AVX2 at 8 bits, big steps and small: a float32 matmul of the activations as fixed_point_reference
+    rounds them, mins included (they meet the rounded sums), up to float32 summation. So a row's result
+    does not depend on the step's size. Tighter than the bound above, which allows each activation half
+    a step."""
+    byte_kernel.set_panel_rows(panel_rows)
     try:
         with activation_bits(byte_kernel, 8):
             for k in widths(fmt):
@@ -306,11 +308,12 @@ def assert_extremes_within_summation_bound(kernel, fmt: str) -> None:
     assert ((got - F.linear(x, dense)).abs() <= bound).all(), fmt
 
 
+@pytest.mark.parametrize("panel_rows", [0, 1 << 40], ids=["panels", "small steps"])
 @pytest.mark.parametrize("fmt", TYPES)
-def test_quants_at_their_extremes_stay_within_the_bound_on_8_bit_panels(kernel, fmt):
-    """The 8-bit many-row steps (VNNI's quads; AVX2's byte dots, whose int16 sums kMaxQ bounds) at the
+def test_quants_at_their_extremes_stay_within_the_bound_at_8_bits(kernel, fmt, panel_rows):
+    """8-bit steps (VNNI's quads; AVX2's byte dots, whose panels' int16 sums kMaxQ bounds) at the
     largest products the blocks can make."""
-    kernel.set_panel_rows(0)
+    kernel.set_panel_rows(panel_rows)
     try:
         with activation_bits(kernel, 8):
             assert_extremes_within_summation_bound(kernel, fmt)

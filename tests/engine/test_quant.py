@@ -81,7 +81,8 @@ def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kernel, fmt, b
 
 
 def _kernel_equals_a_float32_matmul(kernel, fmt: str, bits: int) -> None:
-    fixed = kernel.fixed_point_activations
+    vnni = kernel.fixed_point_activations
+    fixed = vnni or kernel.activation_bits() == 8  # integer dots: VNNI's, or AVX2's bytes
     # float unpacking sums in float32 (order differs from F.linear's); the integer path is exact but
     # for its float32 scaling
     tol = {"rtol": 1e-5, "atol": 2e-4} if fixed else {"rtol": 1e-4, "atol": 1e-3}
@@ -91,7 +92,8 @@ def _kernel_equals_a_float32_matmul(kernel, fmt: str, bits: int) -> None:
             x = torch.randn(m, k) * torch.rand(m, k) * 4
             x[0, :32] = 0.0
             got = quant.quantized_matmul(kernel, x, w)
-            torch.testing.assert_close(got, quant.reference_matmul(x, w, fixed, bits), **tol)
+            want = quant.reference_matmul(x, w, fixed, bits, exact_mins=vnni)
+            torch.testing.assert_close(got, want, **tol)
             # against float32: each activation moved by at most half its block's step, times |w|
             want = quant.reference_matmul(x, w)
             step = x.view(m, -1, 32).abs().amax(-1, keepdim=True).expand(m, k // 32, 32).reshape(m, k)

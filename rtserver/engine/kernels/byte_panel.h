@@ -7,7 +7,8 @@
 // vpsignb), four k of a column to a 32-bit lane. Pair sums add up in int16 while no sum can overflow
 // (kMaxQ bounds them), then vpmaddwd against ones widens them to int32. A scale group's int32 sums
 // take d * s_b in float, and its min the sum of the rounded activations: the result is a float32
-// matmul of the activations as fixed_point_reference rounds them at 8 bits.
+// matmul of the activations as fixed_point_reference rounds them at 8 bits (byte_dots.h), as a small
+// step's is.
 #pragma once
 
 #include <immintrin.h>
@@ -17,67 +18,18 @@
 #include <cstring>
 #include <vector>
 
+#include "byte_dots.h"
 #include "panel.h"
 #include "pool.h"
 
 namespace byte_panel {
 
+using byte_dots::Rows;
+
 constexpr int64_t kCols = 32;   // weight rows per panel: two halves of 16 columns
 constexpr int64_t kHalf = 16;   // columns a register block covers: two vectors of 8 int32 lanes
 constexpr int64_t kRows = 3;    // activation rows per register block
 constexpr int64_t kDepth = 256;  // k per pass over the rows: the panel's 8 KB of it stay in L1
-
-// Activations as 8-bit integers, one scale per 32 (as llama.cpp's Q8_0 rows): x_j ~= scale_b * v_j.
-struct Rows {
-  panel::Buffer<int8_t> v;     // [M, K]
-  panel::Buffer<float> scale;  // [M, K / 32] max|x_b| / 127
-  panel::Buffer<float> xsum16;  // [M, K / 16] sums of 16 rounded activations: the offsets' term
-  panel::Buffer<float> xsum32;  // [M, K / 32] sums of 32
-};
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-
-inline int hsum8i(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
-}
-
-// Each block of 32: v_j = round(x_j * (127 / max|x|)) (cvtps rounds to nearest even, as torch.round).
-inline void to_bytes(const float* x, int64_t M, int64_t K, Rows& f) {
-  const int64_t nb = K / 32;
-  f.v.resize(M * K), f.scale.resize(M * nb), f.xsum16.resize(M * nb * 2), f.xsum32.resize(M * nb);
-  pool::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* xb = x + i * 32;
-      __m256 a[4];
-      for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(xb + 8 * j);
-      const float amax = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
-                                             _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3]))));
-      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      __m256i q[4];
-      for (int j = 0; j < 4; ++j)
-        q[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a[j], inv)), top), bottom);
-      // packs interleave 128-bit lanes: the permute puts the 32 bytes back in order
-      const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(f.v.data() + i * 32),
-                          _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      // the offsets meet the rounded activations too: with the exact sums, a block's error would be
-      // sum_j D q_j (v_j s - x_j), which quants far from zero (Q4_1, Q5_0's) do not cancel
-      const float scale = amax / 127.f;
-      const int lo = hsum8i(_mm256_add_epi32(q[0], q[1])), hi = hsum8i(_mm256_add_epi32(q[2], q[3]));
-      f.scale[i] = scale;
-      f.xsum16[2 * i] = scale * static_cast<float>(lo), f.xsum16[2 * i + 1] = scale * static_cast<float>(hi);
-      f.xsum32[i] = scale * static_cast<float>(lo + hi);
-    }
-  });
-}
 
 // A panel: 32 weight rows' quants as bytes ([32, K], as unpacked), then four k of a column to a lane
 // ([2][K / 4][16][4]: half h holds columns 16h..), and per scale group of G weights their D and M.

@@ -48,6 +48,7 @@
 #include "fixed.h"
 #include "kquant_dots.h"
 #elif defined(__AVX2__) && defined(__FMA__)
+#include "byte_dots.h"
 #include "byte_panel.h"
 #include "kquant_avx2.h"
 #define RTSERVER_AVX2_DOTS 1
@@ -552,6 +553,70 @@ void row_passes(int64_t M, int64_t N, const Pass& pass) {
   });
 }
 
+#if defined(BLOCKS_AVX2)
+// Row n of a split-layout weight, block by block: visit(b, quants, d, m), the 32 quants as bytes in the
+// weights' order (m 0 without a min).
+template <Split F, typename Visit>
+inline void split_blocks(const uint8_t* Q, const void* S, int64_t n, int64_t K, const Visit& visit) {
+  constexpr int64_t qbytes = quant_bytes(F), fields = has_min(F) ? 2 : 1;
+  const int64_t nb = K / kBlock;
+  const uint8_t* row = split_row<F>(Q, n, nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i w = has_nibbles(F) ? blocks::nibbles(row + b * qbytes) : blocks::load32(row + b * qbytes);
+    if (mask_bytes(F)) w = _mm256_or_si256(w, blocks::fifth_bits(row + nb * qbytes + b * 4));
+    const int64_t i = (n * nb + b) * fields;
+    visit(b, w, scale_field<F>(S, i), has_min(F) ? scale_field<F>(S, i + 1) : 0.f);
+  }
+}
+
+// Row n of raw blocks of type T, block by block: visit(index, block, D, M), D and M per 16 weights.
+template <typename T, typename Visit>
+inline void raw_blocks(const uint8_t* W, int64_t row_bytes, int64_t n, int64_t K, const Visit& visit) {
+  const uint8_t* row = W + n * row_bytes;
+  for (int64_t blk = 0; blk < K / T::kWeights; ++blk) {
+    const uint8_t* b = row + blk * T::kBytes;
+    float d[16], m[16];
+    T::scales(b, d, m);
+    visit(blk, b, d, m);
+  }
+}
+#endif
+
+#ifdef RTSERVER_BYTE_DOTS
+// A split-layout weight's small step on byte dots (byte_dots.h): a block is one chunk, d and m its two
+// halves'.
+template <Split F>
+void byte_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, const void* S, float* y,
+                 int64_t ldy) {
+  byte_dots::Rows rows;
+  byte_dots::to_bytes(x, M, K, rows);
+  const auto column = [&](int64_t n, const auto& visit) {
+    split_blocks<F>(Q, S, n, K, [&](int64_t b, __m256i w, float d, float m) { visit(b, byte_dots::Chunk{w, d, d, m, m}); });
+  };
+  row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
+    byte_dots::pass<decltype(R)::value, !has_min(F), has_min(F)>(rows, r0, K, ldy, n0, n1, column, y + r0 * ldy);
+  });
+}
+
+// Raw blocks of type T on byte dots: each block's chunks of 32 in order.
+template <typename T>
+void byte_raw_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* W, int64_t row_bytes, float* y,
+                     int64_t ldy) {
+  constexpr int kChunks = T::kWeights / 32;
+  byte_dots::Rows rows;
+  byte_dots::to_bytes(x, M, K, rows);
+  const auto column = [&](int64_t n, const auto& visit) {
+    raw_blocks<T>(W, row_bytes, n, K, [&](int64_t blk, const uint8_t* b, const float* d, const float* m) {
+      for (int ch = 0; ch < kChunks; ++ch)
+        visit(blk * kChunks + ch, byte_dots::Chunk{T::chunk(b, ch), d[2 * ch], d[2 * ch + 1], m[2 * ch], m[2 * ch + 1]});
+    });
+  };
+  row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
+    byte_dots::pass<decltype(R)::value, T::kSigned, T::kOffset>(rows, r0, K, ldy, n0, n1, column, y + r0 * ldy);
+  });
+}
+#endif
+
 // y [M, N] (rows ldy apart) = x [M, K] @ W.T for a weight in the split layout.
 template <Split F>
 void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, const void* S, float* y,
@@ -564,6 +629,9 @@ void matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, c
     fixed_pass<decltype(R)::value, F>(f, r0, K, ldy, n0, n1, Q, S, y + r0 * ldy);
   });
 #else
+#ifdef RTSERVER_BYTE_DOTS
+  if (panel::g_activation_bits == 8) return byte_matmul<F>(x, M, K, N, Q, S, y, ldy);
+#endif
   const int64_t nb = K / kBlock;
   std::vector<float> xsum(HasMin ? M * nb : 0);  // the min term: each block's activation sum
   for (int64_t i = 0; i < (HasMin ? M * nb : 0); ++i) {
@@ -598,6 +666,7 @@ void raw_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* 
     return;
   }
 #elif defined(RTSERVER_AVX2_DOTS)
+  if (panel::g_activation_bits == 8) return byte_raw_matmul<T>(x, M, K, N, W, row_bytes, y, ldy);
   if (kquant::has_pass<T>) {  // at every small step: no float unpacking, whatever the rows
     kquant::Int16Rows rows;
     kquant::to_int16_rows(x, M, K, rows);
@@ -733,19 +802,11 @@ void split_dequantize(const uint8_t* Q, const void* S, int64_t n0, int64_t rows,
 template <Split F, typename Put>
 void split_columns(const uint8_t* Q, const void* S, int64_t n0, int64_t cols, int64_t K, float* D, float* M,
                    const Put& put) {
-  constexpr int64_t qbytes = quant_bytes(F), fields = has_min(F) ? 2 : 1;
-  const int64_t nb = K / kBlock;
-  for (int64_t c = 0; c < cols; ++c) {
-    const uint8_t* row = split_row<F>(Q, n0 + c, nb);
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256i w = has_nibbles(F) ? blocks::nibbles(row + b * qbytes) : blocks::load32(row + b * qbytes);
-      if (mask_bytes(F)) w = _mm256_or_si256(w, blocks::fifth_bits(row + nb * qbytes + b * 4));
+  for (int64_t c = 0; c < cols; ++c)
+    split_blocks<F>(Q, S, n0 + c, K, [&](int64_t b, __m256i w, float d, float m) {
       put(c, b * kBlock, w);
-      const int64_t i = ((n0 + c) * nb + b) * fields;
-      D[b * 32 + c] = scale_field<F>(S, i);
-      M[b * 32 + c] = has_min(F) ? scale_field<F>(S, i + 1) : 0.f;
-    }
-  }
+      D[b * 32 + c] = d, M[b * 32 + c] = m;
+    });
 }
 
 // Columns n0 .. n0 + cols of raw blocks of type T, chunk by chunk: put(c, k, quants) as split_columns';
@@ -754,19 +815,14 @@ template <typename T, typename Put>
 void raw_columns(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, float* D, float* M,
                  const Put& put) {
   constexpr int kChunks = T::kWeights / 32, kGroups = T::kWeights / T::kGroup;
-  for (int64_t c = 0; c < cols; ++c) {
-    const uint8_t* row = W + (n0 + c) * row_bytes;
-    for (int64_t blk = 0; blk < K / T::kWeights; ++blk) {
-      const uint8_t* b = row + blk * T::kBytes;
-      float d[16], m[16];
-      T::scales(b, d, m);
+  for (int64_t c = 0; c < cols; ++c)
+    raw_blocks<T>(W, row_bytes, n0 + c, K, [&](int64_t blk, const uint8_t* b, const float* d, const float* m) {
       for (int ch = 0; ch < kChunks; ++ch) put(c, blk * T::kWeights + ch * 32, T::chunk(b, ch));
       for (int j = 0; j < kGroups; ++j) {
         const int64_t at = (blk * kGroups + j) * 32 + c;
         D[at] = d[j * T::kGroup / 16], M[at] = T::kOffset ? m[j * T::kGroup / 16] : 0.f;
       }
-    }
-  }
+    });
 }
 #endif
 
@@ -873,8 +929,8 @@ void byte_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& 
                        const torch::Tensor& scales, float* y, int64_t ldy) {
   const int64_t N = qs.size(0);
   const uint8_t* Q = qs.data_ptr<uint8_t>();
-  byte_panel::Rows rows;
-  byte_panel::to_bytes(x, M, K, rows);
+  byte_dots::Rows rows;
+  byte_dots::to_bytes(x, M, K, rows);
   const auto store = [&](byte_panel::Panel& p) {
     return [&p, K](int64_t c, int64_t k, __m256i w) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.bytes.data() + c * K + k), w);

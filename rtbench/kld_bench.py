@@ -71,12 +71,13 @@ def bos_id(path: Path) -> int | None:
 
 
 def decode_activations(kernel: Kernel | None) -> str | None:
-    """What one-row steps round activations to: 16 bits per 32 where the kernel's integer dots take the
-    file's types (every type with VNNI, the K-quants' own passes on AVX2), float32 elsewhere."""
+    """What one-row steps round activations to, per 32: the kernel's width where its integer dots take
+    every type (VNNI; AVX2's byte dots at 8 bits), else 16 bits on the K-quants' own passes (AVX2) and
+    float32 elsewhere."""
     if kernel is None:
         return None
-    if kernel.fixed_point_activations:
-        return "16-bit activations"
+    if kernel.fixed_point_activations or (kernel.byte_dots and kernel.activation_bits() == 8):
+        return f"{kernel.activation_bits()}-bit activations"
     if kernel.decode_passes:
         return f"16-bit activations on {'/'.join(kernel.decode_passes)}, 32-bit elsewhere"
     return "32-bit activations"

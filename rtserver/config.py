@@ -102,7 +102,7 @@ class EngineSettings:
     kv_dtype: str = _setting("auto", choices=KV_DTYPES)
     kv_block_tokens: int = _setting(16, min=1, max=1024)
     kept_panels_mb: int = _setting(160, min=0, max=1_000_000)
-    activation_bits: int = _setting(16, choices=(8, 16))
+    activation_bits: int = _setting(0, choices=(0, 8, 16))  # 0: auto (quant.activation_bits_for)
     max_sequence_tokens: int = _setting(4096, min=32, max=1_000_000)
     skip_ahead_s: float = _setting(10.0, min=0.0, max=3600.0)
     speculate_max_live: int = _setting(2, min=0, max=64)

@@ -42,7 +42,7 @@ from .linear import BlockLinear, Linear
 from .model import LoadedModel
 from .openmp import limit_team, release_pool
 from .plan import StepItem
-from .quant import probe_panel_rows
+from .quant import activation_bits_for, probe_panel_rows
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepEvent
 from .sequence import Sequence, Splice
@@ -201,9 +201,16 @@ class Engine:
             self.kv_memory.budget_mb << 20,
             opts.kv_block_tokens,
         )
+        self.activation_bits: tuple[int, str] | None = None
         if loaded.kernel is not None:
             # before any panel is made: panels are laid out for their activations' width
-            loaded.kernel.set_activation_bits(opts.activation_bits)
+            file_type = (
+                None
+                if loaded.gguf_blocks is None
+                else GGUFFile(loaded.gguf_blocks).field("general.file_type")
+            )
+            self.activation_bits = activation_bits_for(opts.activation_bits, loaded.kernel, file_type)
+            loaded.kernel.set_activation_bits(self.activation_bits[0])
         self._shipped = sorted({b.shipped for b in loaded.blocks.values()})  # before the runner takes them
         self.runner = ModelRunner(
             loaded.model,
@@ -329,6 +336,8 @@ class Engine:
                 if (bits := kernel.activation_bits()) < 32
                 else "16 weight rows dequantized at a time beside a float32 GEMM"
             ),
+            "activation_bits": self.activation_bits[0] if self.activation_bits else None,
+            "activation_bits_why": self.activation_bits[1] if self.activation_bits else None,
             "kept_panels_mb": round(kept / 2**20, 1),
             "decode_weight_mb": round(decode_weight_bytes(linears) / 2**20, 1),
             "file_matmul_mb": round(file_matmul_bytes(GGUFFile(loaded.gguf_blocks)) / 2**20, 1),

@@ -465,6 +465,23 @@ def reference_matmul(
     return (F.linear(xf, (s[..., :1] * w.quants().double()).view(n, k)) + sums @ s[..., 1].T).float()
 
 
+# GGUF file types (general.file_type) whose 8-bit activations held issue 51's judge on AVX2's byte dots:
+# mean KLD and top-1 disagreement against the float32 path at most llama.cpp's on the same file
+# (docs/benchmarks.md). Q4_1 missed it by a few positions; other types are unmeasured.
+BYTE_DOTS_FILE_TYPES = frozenset({15})  # MOSTLY_Q4_K_M
+
+
+def activation_bits_for(setting: int, kernel: Kernel, file_type: int | None) -> tuple[int, str]:
+    """`engine.activation_bits` for this kernel and file (0: auto), and why."""
+    if setting:
+        return setting, "engine.activation_bits"
+    if kernel.byte_dots and file_type in BYTE_DOTS_FILE_TYPES:
+        return 8, "auto: on AVX2's byte dots this file type held the KL judge at 8 bits"
+    if kernel.byte_dots:
+        return 16, "auto: this file type has not held the KL judge at 8 bits on AVX2's byte dots"
+    return 16, "auto: 8 bits is judged on AVX2's byte dots only"
+
+
 # -- the kernel --------------------------------------------------------------------------------------
 class Kernel(Protocol):
     """The compiled kernel module as the engine calls it (kernels/bindings.cpp). Every function takes
@@ -472,6 +489,7 @@ class Kernel(Protocol):
     """
 
     fixed_point_activations: bool  # VNNI: integer dots over 16-bit fixed-point activations
+    byte_dots: bool  # AVX2 alone: at 8-bit activations every step runs on byte dots
     decode_passes: list[str]  # block types decoded by passes of their own (kquant_dots.h, kquant_avx2.h)
     FusedLayer: Callable[..., object]  # one decoder layer's weights and switches, checked once
 

@@ -41,9 +41,14 @@ def _prompts(tok) -> list[list[int]]:
     return [tok(t).input_ids for t in TEXTS]
 
 
-def _greedy(loaded: LoadedModel, prompts: list[list[int]], kv_dtype: str = "auto") -> list[list[int]]:
+def _greedy(
+    loaded: LoadedModel, prompts: list[list[int]], kv_dtype: str = "auto", activation_bits: int = 0
+) -> list[list[int]]:
     async def run() -> list[list[int]]:
-        engine = Engine(loaded, EngineSettings(prefill_chunk_tokens=16, kv_budget_mb=64, kv_dtype=kv_dtype))
+        settings = EngineSettings(
+            prefill_chunk_tokens=16, kv_budget_mb=64, kv_dtype=kv_dtype, activation_bits=activation_bits
+        )
+        engine = Engine(loaded, settings)
         engine.start()
         try:
             params = SamplingParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
@@ -80,7 +85,8 @@ def test_a_quantized_family_file_on_its_blocks_answers_as_float32(shape, qtype):
     on_blocks, dense = load_model(path, dtype="gguf", threads=2), load_model(path, dtype="float32", threads=2)
     assert on_blocks.blocks and not dense.blocks
     prompts = _prompts(dense.tokenizer)
-    # float32 KV on both sides: this compares the blocks' arithmetic (16-bit KV has a test of its own)
-    got, want = _greedy(on_blocks, prompts, "float32"), _greedy(dense, prompts)
+    # float32 KV and 16-bit activations: this compares the blocks' arithmetic (16-bit KV and 8-bit
+    # activations are judged elsewhere)
+    got, want = _greedy(on_blocks, prompts, "float32", activation_bits=16), _greedy(dense, prompts)
     same = sum(a == b for a, b in zip(got, want))
     assert same >= 7, f"{same} of {len(prompts)} greedy answers equal float32's"

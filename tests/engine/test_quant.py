@@ -40,7 +40,7 @@ def kernel_defaults(kernel):
     """Each test starts on the small-step path at the default width: an engine started before set its
     probed switch and its activations' width."""
     kernel.set_panel_rows(1 << 40)
-    kernel.set_activation_bits(EngineSettings().activation_bits)
+    kernel.set_activation_bits(16)  # auto's width for the embedded model (Q4_1)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +100,23 @@ def _kernel_equals_a_float32_matmul(kernel, fmt: str, bits: int) -> None:
             top = quant.FIXED_POINT_MAX if bits == 16 else quant.BYTE_ACTIVATION_MAX
             bound = (step / top / 2) @ w.dequantize().abs().T if fixed else 0
             assert ((got - want).abs() <= bound + 1e-4 * want.abs() + 1e-3).all()
+
+
+def test_auto_activation_bits_take_8_only_where_the_kl_judge_held():
+    """engine.activation_bits = 0: 8 bits on AVX2's byte dots for a Q4_K_M file (general.file_type 15),
+    16 for the embedded Q4_1 file (3) and wherever the kernel has no byte dots; a set width is kept."""
+    from types import SimpleNamespace
+
+    avx2, vnni = SimpleNamespace(byte_dots=True), SimpleNamespace(byte_dots=False)
+    assert quant.activation_bits_for(0, avx2, 15) == (
+        8,
+        "auto: on AVX2's byte dots this file type held the KL judge at 8 bits",
+    )
+    assert quant.activation_bits_for(0, avx2, 3)[0] == 16
+    assert quant.activation_bits_for(0, avx2, None)[0] == 16
+    assert quant.activation_bits_for(0, vnni, 15) == (16, "auto: 8 bits is judged on AVX2's byte dots only")
+    assert quant.activation_bits_for(8, vnni, 3) == (8, "engine.activation_bits")
+    assert quant.activation_bits_for(16, avx2, 15) == (16, "engine.activation_bits")
 
 
 def test_fixed_point_reference_keeps_16_bits_of_each_block():
@@ -464,6 +481,7 @@ def test_engine_in_dtype_gguf_runs_every_linear_on_its_blocks_and_says_so(
     chosen = engine.health()["kernels"]
     assert loaded.dtype_name == "gguf" and chosen["linears_on_blocks"] == "121 of 121"
     assert "Q4_1/Q8_0" in chosen["weights"] and "probe" in chosen["why"]
+    assert chosen["activation_bits"] == 16 and chosen["activation_bits_why"].startswith("auto: ")
     if kernel.fixed_point_activations:
         assert (
             chosen["big_steps"].endswith("activations rounded to 16 bits") and kernel.activation_bits() == 16

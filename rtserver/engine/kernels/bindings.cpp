@@ -68,6 +68,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "causal attention of prompt rows over paged K/V (float32, bfloat16, float16 or q8_0)", nogil);
   m.def("move_rows", &move_rows, "pool rows copied to other slots, keys rotated (RoPE) per row", nogil);
   m.def("quantize_kv", &quantize_kv, "float32 rows [..., D] -> q8_0 pool rows uint8 [..., D / 32 * 34]", nogil);
+#ifdef RTSERVER_BYTE_DOTS
+  m.attr("byte_dots") = true;  // AVX2 alone: 8-bit activations take every step to byte dots
+#else
+  m.attr("byte_dots") = false;
+#endif
 #ifdef RTSERVER_INT_DOTS
   m.attr("fixed_point_activations") = true;
   m.attr("decode_passes") = kquant::pass_types();  // block types decoded by passes of their own

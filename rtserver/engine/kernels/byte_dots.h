@@ -1,5 +1,6 @@
 // AVX2 byte dots (no VNNI) at 8-bit activations (engine.activation_bits = 8): the activations' rounding,
-// and the small steps' passes over each weight row's chunks of 32. byte_panel.h runs the big steps.
+// and the small steps' pass over each weight row's chunks of 32 (the K-quants' own passes, at either
+// width, are kquant_avx2.h's). byte_panel.h runs the big steps.
 //
 // Each chunk's quants stay bytes as the blocks hold them (unsigned where none is negative; else signed,
 // their signs moved onto the activations with vpsignb) and meet the activation bytes in vpmaddubsw;
@@ -13,7 +14,6 @@
 
 #include <cstdint>
 
-#include "kquant_avx2.h"
 #include "panel.h"
 #include "pool.h"
 
@@ -26,6 +26,18 @@ struct Rows {
   panel::Buffer<float> xsum16;  // [M, K / 16] sums of 16 rounded activations: the offsets' term
   panel::Buffer<float> xsum32;  // [M, K / 32] sums of 32
 };
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
 
 inline int hsum8i(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -46,7 +58,7 @@ inline void to_bytes(const float* x, int64_t M, int64_t K, Rows& f) {
       for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(xb + 8 * j);
       const __m256 m01 = _mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1]));
       const __m256 m23 = _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3]));
-      const float amax = kquant::hmax8(_mm256_max_ps(m01, m23));
+      const float amax = hmax8(_mm256_max_ps(m01, m23));
       const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       __m256i q[4];
       for (int j = 0; j < 4; ++j)
@@ -93,7 +105,7 @@ void pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t
         if (Offset) off[r] += k.m0 * x.xsum16[row * 2 * nc + 2 * c] + k.m1 * x.xsum16[row * 2 * nc + 2 * c + 1];
       }
     });
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = kquant::hsum8(acc[r]) + off[r];
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum8(acc[r]) + off[r];
   }
 }
 

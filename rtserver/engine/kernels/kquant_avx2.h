@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "byte_dots.h"
 
 namespace kquant {
 
@@ -33,17 +34,8 @@ struct Int16Rows {
   std::vector<float> offset16;  // [M, K / 16] 32 s_b sum(v) over the 16
 };
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
+using byte_dots::hmax8;
+using byte_dots::hsum8;
 
 // fixed.h's fixed_block on AVX2: the same float operations, so the same values.
 inline void to_int16_rows(const float* x, int64_t M, int64_t K, Int16Rows& f) {
@@ -78,18 +70,32 @@ inline void prefetch_ahead(const uint8_t* block, int bytes) {
   for (int at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(block + 8 * bytes + at), _MM_HINT_T0);
 }
 
-// The int32 sums of 32 quants (int16, widened in lanes: lo, hi) against a chunk's activations.
-inline __m256i chunk_dot(__m256i lo, __m256i hi, const int16_t* v) {
-  const __m256i* a = reinterpret_cast<const __m256i*>(v);
+// The passes read either width of activations: 16 bits (Int16Rows, the mins against the exact sums) or
+// bytes (byte_dots::Rows at 8 bits, the mins against the rounded sums). Per width: a chunk's int32 sums,
+// four weights a lane (lanes 0-3 the first 16), of 32 unsigned quant bytes q against row activations at
+// `at`; each 32's sums for the mins; each 16's offset term, 32 s_b sum(v).
+inline __m256i chunk_dot(__m256i q, const Int16Rows& x, int64_t at) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i lo = _mm256_unpacklo_epi8(q, zero), hi = _mm256_unpackhi_epi8(q, zero);
+  const __m256i* a = reinterpret_cast<const __m256i*>(x.v.data() + at);
   return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(a)), _mm256_madd_epi16(hi, _mm256_loadu_si256(a + 1)));
+}
+inline __m256i chunk_dot(__m256i q, const byte_dots::Rows& x, int64_t at) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.v.data() + at));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, v), _mm256_set1_epi16(1));
+}
+inline const float* sums32(const Int16Rows& x) { return x.sum.data(); }
+inline const float* sums32(const byte_dots::Rows& x) { return x.xsum32.data(); }
+inline __m256 offsets16(const Int16Rows& x, int64_t at) { return _mm256_loadu_ps(x.offset16.data() + at); }
+inline __m256 offsets16(const byte_dots::Rows& x, int64_t at) {
+  return _mm256_mul_ps(_mm256_set1_ps(32.f), _mm256_loadu_ps(x.xsum16.data() + at));
 }
 
 // Q4_K and Q5_K (blocks::QK45): weight = d sc q - dmin mn per 32, q in 0..31.
-template <int R, typename T>
-void qk45_pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
+template <int R, typename T, typename Rows>
+void qk45_pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
                int64_t row_bytes, float* y) {
   const int64_t nb = K / 256, nb32 = K / 32;
-  const __m256i zero = _mm256_setzero_si256();
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[R], mins[R];
     for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
@@ -105,14 +111,13 @@ void qk45_pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * nb32 + b * 8;
         ws[r] = _mm256_mul_ps(sc, _mm256_loadu_ps(x.scale.data() + at));
-        mins[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(x.sum.data() + at), mins[r]);
+        mins[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(sums32(x) + at), mins[r]);
       }
       for (int c = 0; c < 8; ++c) {
         const __m256i q = T::chunk(blk, c);
-        const __m256i lo = _mm256_unpacklo_epi8(q, zero), hi = _mm256_unpackhi_epi8(q, zero);
         const __m256i lane = _mm256_set1_epi32(c);
         for (int r = 0; r < R; ++r) {
-          const __m256i t = chunk_dot(lo, hi, x.v.data() + (r0 + r) * K + b * 256 + 32 * c);
+          const __m256i t = chunk_dot(q, x, (r0 + r) * K + b * 256 + 32 * c);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(ws[r], lane), acc[r]);
         }
       }
@@ -124,12 +129,12 @@ void qk45_pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n
 // Q6_K: weight = d sc (q - 32) per 16. The quants stay 0..63 (no sign to extend); the 32 comes off as
 // 32 times the rounded activations' sum, per 16. A chunk's int32 lanes 0-3 are its first 16's sums
 // (the widening's low lanes), 4-7 its second's, so one float vector scales both.
-template <int R>
-void q6k_pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
+template <int R, typename Rows>
+void q6k_pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
               int64_t row_bytes, float* y) {
   using T = blocks::Q6_K;
   const int64_t nb = K / 256, nb32 = K / 32, n16 = K / 16;
-  const __m256i zero = _mm256_setzero_si256(), mask4 = _mm256_set1_epi8(15);
+  const __m256i mask4 = _mm256_set1_epi8(15);
   // lanes 0-3 take group 2c's factor, 4-7 group 2c + 1's, of the chunk's half of the block
   __m256i pick[4];
   for (int c = 0; c < 4; ++c) pick[c] = _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
@@ -151,16 +156,15 @@ void q6k_pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0
           const __m128 s4 = _mm_loadu_ps(x.scale.data() + (r0 + r) * nb32 + b * 8 + 4 * h);
           const __m256 s8 = _mm256_set_m128(_mm_unpackhi_ps(s4, s4), _mm_unpacklo_ps(s4, s4));
           ws[r][h] = _mm256_mul_ps(dsc[h], s8);
-          off[r] = _mm256_fmadd_ps(dsc[h], _mm256_loadu_ps(x.offset16.data() + (r0 + r) * n16 + b * 16 + 8 * h), off[r]);
+          off[r] = _mm256_fmadd_ps(dsc[h], offsets16(x, (r0 + r) * n16 + b * 16 + 8 * h), off[r]);
         }
       for (int c = 0; c < 8; ++c) {
         const int h = c / 4, g = c % 4;  // T::chunk's layout, without its - 32
         const __m256i lo4 = _mm256_and_si256(_mm256_srli_epi16(blocks::load32(blk + 64 * h + 32 * (g % 2)), 4 * (g / 2)), mask4);
         const __m256i hi2 = blocks::field(blocks::load32(blk + 128 + 32 * h), 2 * g, 3);
         const __m256i q = _mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4));
-        const __m256i lo = _mm256_unpacklo_epi8(q, zero), hi = _mm256_unpackhi_epi8(q, zero);
         for (int r = 0; r < R; ++r) {
-          const __m256i t = chunk_dot(lo, hi, x.v.data() + (r0 + r) * K + b * 256 + 32 * c);
+          const __m256i t = chunk_dot(q, x, (r0 + r) * K + b * 256 + 32 * c);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(ws[r][h], pick[g]), acc[r]);
         }
       }
@@ -176,8 +180,8 @@ constexpr bool has_pass = std::is_same_v<T, blocks::QK45<false>> || std::is_same
 // The block types with a pass here, by GGUF name.
 inline std::vector<std::string> pass_types() { return {"Q4_K", "Q5_K", "Q6_K"}; }
 
-template <int R, typename T>
-void pass(const Int16Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
+template <int R, typename T, typename Rows>
+void pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
           int64_t row_bytes, float* y) {
   if constexpr (std::is_same_v<T, blocks::Q6_K>) q6k_pass<R>(x, r0, K, ldy, n0, n1, W, row_bytes, y);
   else qk45_pass<R, T>(x, r0, K, ldy, n0, n1, W, row_bytes, y);

@@ -598,13 +598,20 @@ void byte_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t*
   });
 }
 
-// Raw blocks of type T on byte dots: each block's chunks of 32 in order.
+// Raw blocks of type T on byte dots: the K-quants' own passes (kquant_avx2.h), else each block's chunks
+// of 32 in order.
 template <typename T>
 void byte_raw_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* W, int64_t row_bytes, float* y,
                      int64_t ldy) {
   constexpr int kChunks = T::kWeights / 32;
   byte_dots::Rows rows;
   byte_dots::to_bytes(x, M, K, rows);
+  if constexpr (kquant::has_pass<T>) {
+    row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
+      kquant::pass<decltype(R)::value, T>(rows, r0, K, ldy, n0, n1, W, row_bytes, y + r0 * ldy);
+    });
+    return;
+  }
   const auto column = [&](int64_t n, const auto& visit) {
     raw_blocks<T>(W, row_bytes, n, K, [&](int64_t blk, const uint8_t* b, const float* d, const float* m) {
       for (int ch = 0; ch < kChunks; ++ch)

@@ -7,7 +7,9 @@
 // (s_b = max|x_b| / 32512), each chunk's 32 quants are widened to int16 in registers, and the two meet
 // in vpmaddwd. The activations are stored in the order the widening gives (unpacklo/unpackhi stay
 // within 128-bit lanes), so no quant crosses lanes. A chunk's int32 sums take the weight's scale times
-// the activations' in float; the K-quants' mins meet the exact activation sums of 32.
+// the activations' in float; the K-quants' mins meet the exact activation sums of 32. At 8-bit
+// activations the same passes read activation bytes (byte_dots.h) into vpmaddubsw, the mins against
+// the rounded sums.
 #pragma once
 
 #include <immintrin.h>

@@ -201,14 +201,11 @@ class Engine:
             self.kv_memory.budget_mb << 20,
             opts.kv_block_tokens,
         )
+        gguf = None if loaded.gguf_blocks is None else GGUFFile(loaded.gguf_blocks)
         self.activation_bits: tuple[int, str] | None = None
         if loaded.kernel is not None:
             # before any panel is made: panels are laid out for their activations' width
-            file_type = (
-                None
-                if loaded.gguf_blocks is None
-                else GGUFFile(loaded.gguf_blocks).field("general.file_type")
-            )
+            file_type = None if gguf is None else gguf.field("general.file_type")
             self.activation_bits = activation_bits_for(opts.activation_bits, loaded.kernel, file_type)
             loaded.kernel.set_activation_bits(self.activation_bits[0])
         self._shipped = sorted({b.shipped for b in loaded.blocks.values()})  # before the runner takes them
@@ -226,12 +223,12 @@ class Engine:
         self.kernels: dict[str, object] = {"weights": loaded.dtype_name}
         self._step_threads = loaded.threads  # torch's threads while the scheduler runs
         self.small_step_rows = MAX_SMALL_STEP_ROWS  # the kernel's probe lowers it (see _use_gguf_blocks)
-        if loaded.gguf_blocks is not None:
+        if gguf is not None:
             if release_dense_weights:
                 # by name, as loaded: the linears hold what they read (fused), so a part kept as panels
                 # only lets go of its blocks as its panels are made, before others are unpacked
                 loaded.blocks.clear()
-            self.kernels = self._use_gguf_blocks(loaded)
+            self.kernels = self._use_gguf_blocks(loaded, gguf)
             if release_dense_weights:
                 self.runner.release_dense_weights()
         if release_dense_weights:
@@ -289,7 +286,7 @@ class Engine:
             self.kv.release(kv)
         return max(0.0, best[1] / best[0] - 1.0) / (rows - 1)
 
-    def _use_gguf_blocks(self, loaded: LoadedModel) -> dict[str, object]:
+    def _use_gguf_blocks(self, loaded: LoadedModel, gguf: GGUFFile) -> dict[str, object]:
         """dtype gguf: every linear the file ships in a supported block type multiplies with its blocks.
         Some steps are above a start-up probe's row count. They run on panels of weight rows, kept unpacked
         within `kept_panels_mb`. Without the kernel every weight is dense float32.
@@ -340,7 +337,7 @@ class Engine:
             "activation_bits_why": self.activation_bits[1] if self.activation_bits else None,
             "kept_panels_mb": round(kept / 2**20, 1),
             "decode_weight_mb": round(decode_weight_bytes(linears) / 2**20, 1),
-            "file_matmul_mb": round(file_matmul_bytes(GGUFFile(loaded.gguf_blocks)) / 2**20, 1),
+            "file_matmul_mb": round(file_matmul_bytes(gguf) / 2**20, 1),
             "fused_decode_steps": "every size" if runner.fused_decode else "none",
             "torch_threads": self._step_threads,
             "why": "start-up probe: the small-step kernel beat the panels up to that many rows",

@@ -1,8 +1,8 @@
 // The kernel's Python module: what the engine calls (quant.py's load_kernel builds it once per CPU).
 // The code lives by concern: blocks.h (each GGUF block type's decoder), matmul.h (the linears on
-// their blocks), panel.h, int_panel.h and byte_panel.h (many-row steps), attention.h (attention over the paged KV
-// pool), vmath.h (dot products, exp, tanh), layer.h (a whole decoder layer in one call), pool.h (the
-// worker threads every loop runs on).
+// their blocks), panel.h, int_panel.h and byte_panel.h (many-row steps), byte_dots.h (AVX2's 8-bit
+// activations), attention.h (attention over the paged KV pool), vmath.h (dot products, exp, tanh),
+// layer.h (a whole decoder layer in one call), pool.h (the worker threads every loop runs on).
 #include <torch/extension.h>
 
 #include "attention.h"

@@ -123,7 +123,7 @@ inline void tile(const Rows& x, int64_t r0, int64_t K, const int8_t* quads, cons
   }
 }
 
-// The register block for rows r .. r + 4 (or the rows left), half h of panel p.
+// The register block for rows r .. r + kRows (or the rows left), half h of panel p.
 template <int G, int MaxQ, bool Signed, bool Offset>
 inline void rows_tile(const Rows& x, int64_t r, int64_t M, int64_t K, const Panel& p, int64_t h, int64_t g0,
                       int64_t g1, float* y, int64_t ldy, int64_t cols) {

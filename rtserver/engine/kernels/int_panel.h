@@ -53,7 +53,6 @@ struct Rows8 {
   Buffer<float> xsum32;    // [M, K / 32] exact sums of 32
 };
 
-
 // A panel: its quants, pairs of k interleaved ([2][K / 2][16] int32: half h holds columns 16h..),
 // and per scale group of G weights the 32 columns' D and M (d, m: its own, or a kept panel's).
 struct Panel {

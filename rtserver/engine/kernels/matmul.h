@@ -62,6 +62,8 @@ constexpr int64_t kBlock = 32;
 // The split layout's formats: how a block stores its quants, and whether it has a min.
 enum class Split { Q4_1, Q8_0, Q5_1S };
 constexpr bool has_min(Split f) { return f != Split::Q8_0; }
+// The largest |q| (blocks.h's kMaxQ): Q8_0's quants are signed, and a file may hold -128.
+constexpr int max_quant(Split f) { return f == Split::Q8_0 ? 128 : f == Split::Q5_1S ? 31 : 15; }
 constexpr bool has_nibbles(Split f) { return f != Split::Q8_0; }
 constexpr int64_t quant_bytes(Split f) { return f == Split::Q8_0 ? 32 : 16; }
 constexpr int64_t mask_bytes(Split f) { return f == Split::Q5_1S ? 4 : 0; }
@@ -957,9 +959,7 @@ void byte_panel_matmul(const float* x, int64_t M, int64_t K, const std::string& 
   const void* S = scales.data_ptr();
   with_split(format, [&](auto s) {
     constexpr Split F = decltype(s)::value;
-    // Q8_0's quants are signed, and a file may hold -128
-    constexpr int kMaxQ = F == Split::Q8_0 ? 128 : F == Split::Q5_1S ? 31 : 15;
-    byte_panel::matmul<32, kMaxQ, !has_min(F), has_min(F)>(
+    byte_panel::matmul<32, max_quant(F), !has_min(F), has_min(F)>(
         rows, M, K, N, y, ldy, [&](int64_t n0, int64_t cols, byte_panel::Panel& p) {
           split_columns<F>(Q, S, n0, cols, K, p.D.data(), p.M.data(), store(p));
         });

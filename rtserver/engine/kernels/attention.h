@@ -119,36 +119,81 @@ inline void kv_store(const float* src, int64_t n, Q8Block* dst) {
   }
 }
 
+// One register of floats and what the decode attention does with it: AVX-512's 16 lanes, or AVX2's 8.
 #if defined(__AVX512F__)
-// The 16 KV values of a pool row from column c (a multiple of 16) as one float vector.
-inline __m512 kv_load16(const float* row, int64_t c) { return _mm512_loadu_ps(row + c); }
-inline __m512 kv_load16(const c10::BFloat16* row, int64_t c) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 kv_load16(const c10::Half* row, int64_t c) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
-}
-inline __m512 kv_load16(const Q8Block* row, int64_t c) {
-  const Q8Block& b = row[c / kQ8];
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + c % kQ8));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(q8_scale(b)));
-}
-
-// v[0..16) -> one vector of their lane sums, v[j]'s in lane j (v is overwritten).
-inline __m512 sum16(__m512* v) {
-  for (int i = 0; i < 8; ++i)
-    v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(v[2 * i]), b = _mm512_castps_pd(v[2 * i + 1]);
-    v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+struct Wide {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* x) { return _mm512_loadu_ps(x); }
+  static void store(float* x, V v) { _mm512_storeu_ps(x, v); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  // The 16 KV values of a pool row from column c (a multiple of 16) as one float vector.
+  static V kv(const float* row, int64_t c) { return _mm512_loadu_ps(row + c); }
+  static V kv(const c10::BFloat16* row, int64_t c) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  for (int i = 0; i < 2; ++i)
-    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
-}
+  static V kv(const c10::Half* row, int64_t c) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
+  }
+  static V kv(const Q8Block* row, int64_t c) {
+    const Q8Block& b = row[c / kQ8];
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + c % kQ8));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(q8_scale(b)));
+  }
+  // v[0..16) -> one vector of their lane sums, v[j]'s in lane j (v is overwritten).
+  static V sums(V* v) {
+    for (int i = 0; i < 8; ++i)
+      v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+      const __m512d a = _mm512_castps_pd(v[2 * i]), b = _mm512_castps_pd(v[2 * i + 1]);
+      v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; ++i)
+      v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
+  }
+};
+#define RTSERVER_WIDE_ATTENTION 1
+#elif defined(__AVX2__) && defined(__F16C__)
+struct Wide {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* x) { return _mm256_loadu_ps(x); }
+  static void store(float* x, V v) { _mm256_storeu_ps(x, v); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  // The 8 KV values of a pool row from column c (a multiple of 8) as one float vector.
+  static V kv(const float* row, int64_t c) { return _mm256_loadu_ps(row + c); }
+  static V kv(const c10::BFloat16* row, int64_t c) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static V kv(const c10::Half* row, int64_t c) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+  }
+  static V kv(const Q8Block* row, int64_t c) {
+    const Q8Block& b = row[c / kQ8];
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + c % kQ8));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(q8_scale(b)));
+  }
+  // v[0..8) -> one vector of their lane sums, v[j]'s in lane j (v is overwritten).
+  static V sums(V* v) {
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_hadd_ps(v[2 * i], v[2 * i + 1]);
+    const V lo = _mm256_hadd_ps(v[0], v[1]), hi = _mm256_hadd_ps(v[2], v[3]);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+};
+#define RTSERVER_WIDE_ATTENTION 1
+#endif
 
+#ifdef RTSERVER_WIDE_ATTENTION
 // The `units` elements at each of positions [j0, j1) of a context, fetched ahead of their use (every
 // cache line they touch: a q8_0 row need not start on one).
 template <typename T>
@@ -161,32 +206,34 @@ inline void prefetch_rows(const T* base, const int64_t* sl, int64_t j0, int64_t 
   }
 }
 
-// o[i] = sum_j w[i][j] v_j over a context, for NI heads and CW vectors of 16 floats from column c0.
+// o[i] = sum_j w[i][j] v_j over a context, for NI heads and CW registers of floats from column c0.
 template <int NI, int CW, typename T>
 void weigh_values(const T* V, const int64_t* sl, int64_t L, int64_t stride, int64_t c0, const float* w,
                   int64_t Lpad, float* o, int64_t D) {
-  __m512 acc[NI][CW];
+  constexpr int64_t W = Wide::kWidth;
+  Wide::V acc[NI][CW];
   for (int i = 0; i < NI; ++i)
-    for (int c = 0; c < CW; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CW; ++c) acc[i][c] = Wide::zero();
   for (int64_t j = 0; j < L; ++j) {
     const T* v = V + sl[j] * stride;
-    __m512 vv[CW];
-    for (int c = 0; c < CW; ++c) vv[c] = kv_load16(v, c0 + 16 * c);
+    Wide::V vv[CW];
+    for (int c = 0; c < CW; ++c) vv[c] = Wide::kv(v, c0 + W * c);
     for (int i = 0; i < NI; ++i) {
-      const __m512 wi = _mm512_set1_ps(w[i * Lpad + j]);
-      for (int c = 0; c < CW; ++c) acc[i][c] = _mm512_fmadd_ps(wi, vv[c], acc[i][c]);
+      const Wide::V wi = Wide::set1(w[i * Lpad + j]);
+      for (int c = 0; c < CW; ++c) acc[i][c] = Wide::fmadd(wi, vv[c], acc[i][c]);
     }
   }
   for (int i = 0; i < NI; ++i)
-    for (int c = 0; c < CW; ++c) _mm512_storeu_ps(o + i * D + c0 + 16 * c, acc[i][c]);
+    for (int c = 0; c < CW; ++c) Wide::store(o + i * D + c0 + W * c, acc[i][c]);
 }
 
 template <int NI, typename T>
 void weigh_values(const T* V, const int64_t* sl, int64_t L, int64_t stride, const float* w, int64_t Lpad,
                   float* o, int64_t D) {
+  constexpr int64_t W = Wide::kWidth;
   int64_t c0 = 0;
-  for (; c0 + 64 <= D; c0 += 64) weigh_values<NI, 4, T>(V, sl, L, stride, c0, w, Lpad, o, D);
-  for (; c0 < D; c0 += 16) weigh_values<NI, 1, T>(V, sl, L, stride, c0, w, Lpad, o, D);
+  for (; c0 + 4 * W <= D; c0 += 4 * W) weigh_values<NI, 4, T>(V, sl, L, stride, c0, w, Lpad, o, D);
+  for (; c0 < D; c0 += W) weigh_values<NI, 1, T>(V, sl, L, stride, c0, w, Lpad, o, D);
 }
 #endif
 
@@ -198,19 +245,20 @@ template <typename T>
 void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int64_t L, const T* K,
                 const T* V, int64_t stride, int64_t D, float sc, float* p, int64_t Lpad, float* o) {
   const int64_t Ln = (L + kLanes - 1) / kLanes * kLanes, heads = span * n, U = kv_units<T>(D);
-#if defined(__AVX512F__)
-  const bool vectors = D % 16 == 0;
+#ifdef RTSERVER_WIDE_ATTENTION
+  constexpr int64_t W = Wide::kWidth;
+  const bool vectors = D % W == 0;
 #else
   const bool vectors = false;
 #endif
   if (vectors) {
-#if defined(__AVX512F__)
-    // Scores 16 positions at a time: a register of lane sums each (16 independent chains), summed
-    // together by sum16. Positions past L repeat the last key; their scores are dropped below.
-    for (int64_t j0 = 0; j0 < L; j0 += 16) {
-      const T* k[16];
-      for (int64_t jj = 0; jj < 16; ++jj) k[jj] = K + sl[std::min(j0 + jj, L - 1)] * stride;
-      const int64_t next = std::min(L, j0 + 16), next_end = std::min(L, j0 + 32), m = next - j0;
+#ifdef RTSERVER_WIDE_ATTENTION
+    // Scores W positions at a time: a register of lane sums each (W independent chains), summed
+    // together by Wide::sums. Positions past L repeat the last key; their scores are dropped below.
+    for (int64_t j0 = 0; j0 < L; j0 += W) {
+      const T* k[W];
+      for (int64_t jj = 0; jj < W; ++jj) k[jj] = K + sl[std::min(j0 + jj, L - 1)] * stride;
+      const int64_t next = std::min(L, j0 + W), next_end = std::min(L, j0 + 2 * W), m = next - j0;
       for (int64_t i = 0; i < heads; ++i) {
         // A share of the slots a head: the next block's keys, and this block's values (read after the
         // softmax, from cache).
@@ -219,13 +267,13 @@ void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int6
         prefetch_rows(V, sl, j0 + m * i / heads, j0 + m * (i + 1) / heads, stride, span * U);
         const float* qi = q + i * D;
         const int64_t at = i / n * U;
-        __m512 acc[16];
-        for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < D; c += 16) {
-          const __m512 qc = _mm512_loadu_ps(qi + c);
-          for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_fmadd_ps(qc, kv_load16(k[jj] + at, c), acc[jj]);
+        Wide::V acc[W];
+        for (int jj = 0; jj < W; ++jj) acc[jj] = Wide::zero();
+        for (int64_t c = 0; c < D; c += W) {
+          const Wide::V qc = Wide::load(qi + c);
+          for (int jj = 0; jj < W; ++jj) acc[jj] = Wide::fmadd(qc, Wide::kv(k[jj] + at, c), acc[jj]);
         }
-        _mm512_storeu_ps(p + i * Lpad + j0, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
+        Wide::store(p + i * Lpad + j0, Wide::mul(Wide::sums(acc), Wide::set1(sc)));
       }
     }
 #endif
@@ -244,7 +292,7 @@ void head_group(const float* q, int64_t n, int64_t span, const int64_t* sl, int6
     for (int64_t j = 0; j < L; ++j) pi[j] *= inv;
   }
   if (vectors) {
-#if defined(__AVX512F__)
+#ifdef RTSERVER_WIDE_ATTENTION
     for (int64_t g = 0; g < span; ++g) {
       const T* Vg = V + g * U;
       const float* w = p + g * n * Lpad;

@@ -149,14 +149,17 @@ def summation_bound(
     within gamma_K * sum|x||w| of the exact sum (gamma_K = K u / (1 - K u)), hence twice that apart.
     The integer paths (VNNI; on AVX2 the K-quants' decode passes) add their activations' rounding:
     half a step of max|block| / 32512 at 16 bits (/ 127 at 8) per activation, times |D q| (`scaled`;
-    the weight itself where no block has an offset)."""
+    the weight itself where no block has an offset, or where the offsets meet the rounded activations'
+    sums, as AVX2's byte dots do)."""
     k = x.shape[1]
     gamma = k * U / (1 - k * U)
     bound = 2 * gamma * (x.abs() @ w.abs().T)
     if kernel.fixed_point_activations or kernel.decode_passes:
-        top = quant.BYTE_ACTIVATION_MAX if kernel.activation_bits() == 8 else quant.FIXED_POINT_MAX
+        eight = kernel.activation_bits() == 8
+        top = quant.BYTE_ACTIVATION_MAX if eight else quant.FIXED_POINT_MAX
+        rounded_sums = eight and getattr(kernel, "byte_dots", False)
         step = x.view(x.shape[0], -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(x.shape)
-        bound = bound + (step / top / 2) @ (w if scaled is None else scaled).abs().T
+        bound = bound + (step / top / 2) @ (w if scaled is None or rounded_sums else scaled).abs().T
     return bound + 1e-30
 
 

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 namespace blocks {
 
@@ -242,6 +243,14 @@ struct QK45 {
     }
   }
 #ifdef BLOCKS_AVX2
+  // D and M of the block's 8 groups, in vectors: the same float32 products as scales'.
+  static void group_scales(const uint8_t* b, float* D, float* M) {
+    const __m128i sb = q4k_scale_bytes(b + 4);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sb));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sb, 8)));
+    _mm256_storeu_ps(D, _mm256_mul_ps(_mm256_set1_ps(f16(b)), sc));
+    _mm256_storeu_ps(M, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mn), _mm256_set1_ps(-0.f)));
+  }
   static __m256i chunk(const uint8_t* b, int c) {
     const __m256i q = field(load32(b + (FifthBit ? 48 : 16) + 32 * (c / 2)), 4 * (c % 2), 15);
     if (!FifthBit) return q;
@@ -275,6 +284,13 @@ struct Q6_K {
     for (int s = 0; s < 16; ++s) D[s] = d * static_cast<float>(sc[s]), M[s] = 0.f;
   }
 #ifdef BLOCKS_AVX2
+  static void group_scales(const uint8_t* b, float* D, float* M) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256 d = _mm256_set1_ps(f16(b + 208));
+    _mm256_storeu_ps(D, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_storeu_ps(D + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+    _mm256_storeu_ps(M, _mm256_setzero_ps()), _mm256_storeu_ps(M + 8, _mm256_setzero_ps());
+  }
   static __m256i chunk(const uint8_t* b, int c) {
     const int h = c / 4, g = c % 4;
     const __m256i lo = field(load32(b + 64 * h + 32 * (g % 2)), 4 * (g / 2), 15);
@@ -325,6 +341,23 @@ struct IQ4_XS {
     }
   }
 };
+
+// D and M of a block's kWeights / kGroup scale groups: a type's own vector decoder where it has one.
+template <typename T, typename = void>
+struct has_group_scales : std::false_type {};
+template <typename T>
+struct has_group_scales<T, std::void_t<decltype(&T::group_scales)>> : std::true_type {};
+
+template <typename T>
+inline void group_scales(const uint8_t* b, float* D, float* M) {
+  if constexpr (has_group_scales<T>::value) {
+    T::group_scales(b, D, M);
+  } else {
+    float d[16], m[16];
+    T::scales(b, d, m);
+    for (int j = 0; j < T::kWeights / T::kGroup; ++j) D[j] = d[j * T::kGroup / 16], M[j] = m[j * T::kGroup / 16];
+  }
+}
 
 // Calls f(T{}) with the decoder of `format`; false where the format is not a raw block type.
 template <typename F>

@@ -819,19 +819,24 @@ void split_columns(const uint8_t* Q, const void* S, int64_t n0, int64_t cols, in
 }
 
 // Columns n0 .. n0 + cols of raw blocks of type T, chunk by chunk: put(c, k, quants) as split_columns';
-// D and M [K / G][32] each scale group's.
+// D and M [K / G][32] each scale group's. A column's groups go out as vectors, then across.
 template <typename T, typename Put>
 void raw_columns(const uint8_t* W, int64_t row_bytes, int64_t n0, int64_t cols, int64_t K, float* D, float* M,
                  const Put& put) {
   constexpr int kChunks = T::kWeights / 32, kGroups = T::kWeights / T::kGroup;
-  for (int64_t c = 0; c < cols; ++c)
-    raw_blocks<T>(W, row_bytes, n0 + c, K, [&](int64_t blk, const uint8_t* b, const float* d, const float* m) {
+  const int64_t groups = K / T::kGroup;
+  thread_local std::vector<float> dc, mc;  // [cols][groups]
+  dc.resize(cols * groups), mc.resize(cols * groups);
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint8_t* row = W + (n0 + c) * row_bytes;
+    for (int64_t blk = 0; blk < K / T::kWeights; ++blk) {
+      const uint8_t* b = row + blk * T::kBytes;
+      blocks::group_scales<T>(b, dc.data() + c * groups + blk * kGroups, mc.data() + c * groups + blk * kGroups);
       for (int ch = 0; ch < kChunks; ++ch) put(c, blk * T::kWeights + ch * 32, T::chunk(b, ch));
-      for (int j = 0; j < kGroups; ++j) {
-        const int64_t at = (blk * kGroups + j) * 32 + c;
-        D[at] = d[j * T::kGroup / 16], M[at] = T::kOffset ? m[j * T::kGroup / 16] : 0.f;
-      }
-    });
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t c = 0; c < cols; ++c) D[g * 32 + c] = dc[c * groups + g], M[g * 32 + c] = T::kOffset ? mc[c * groups + g] : 0.f;
 }
 #endif
 

@@ -214,18 +214,20 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
-// Q4_K's 12 bytes of 6-bit scales and mins as 8 scale bytes, then 8 min bytes (llama.cpp's unpacking).
+#ifdef BLOCKS_AVX2
+// Q4_K's 12 bytes of 6-bit scales and mins as 8 scale bytes, then 8 min bytes (scale_min_k4's fields).
 inline __m128i q4k_scale_bytes(const uint8_t* s) {
-  uint32_t u[4];
-  std::memcpy(u, s, 12);
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  const uint32_t mins_low = u[1] & k1;
-  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  u[2] = mins_low;
-  u[0] &= k1;
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  // reads 16 bytes: the block's quants follow its 12 scale bytes
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i nib = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+  const __m128i high_nib = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+  // 16-bit shifts leak a neighbour's bits only into bits the masks drop
+  const __m128i bits = _mm_or_si128(_mm_and_si128(low, nib), _mm_and_si128(_mm_srli_epi16(low, 4), high_nib));
+  return _mm_or_si128(bits, _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
 }
+#endif
 
 template <bool FifthBit>
 struct QK45 {

@@ -157,7 +157,7 @@ def summation_bound(
     if kernel.fixed_point_activations or kernel.decode_passes:
         eight = kernel.activation_bits() == 8
         top = quant.BYTE_ACTIVATION_MAX if eight else quant.FIXED_POINT_MAX
-        rounded_sums = eight and getattr(kernel, "byte_dots", False)
+        rounded_sums = eight and kernel.byte_dots
         step = x.view(x.shape[0], -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(x.shape)
         bound = bound + (step / top / 2) @ (w if scaled is None or rounded_sums else scaled).abs().T
     return bound + 1e-30

@@ -585,18 +585,77 @@ inline void raw_blocks(const uint8_t* W, int64_t row_bytes, int64_t n, int64_t K
 #endif
 
 #ifdef RTSERVER_BYTE_DOTS
-// A split-layout weight's small step on byte dots (byte_dots.h): a block is one chunk, d and m its two
-// halves'.
+// y[r0 + r, n] (rows ldy apart) for R rows and columns [n0, n1) of a split-layout weight on byte dots.
+// Eight blocks' float16 scales convert in one vector and meet the rows' activation scales there; each
+// block's factor is then broadcast from memory, and the mins meet the rounded sums of 32 eight at a
+// time. Scalar conversions and a float shuffle per block cost the small models' decode a third.
+template <int R, Split F>
+void split_byte_pass(const byte_dots::Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1,
+                     const uint8_t* Q, const void* S, float* y) {
+  constexpr bool Signed = !has_min(F), HasMin = has_min(F);
+  constexpr int64_t qbytes = quant_bytes(F), fields = HasMin ? 2 : 1;
+  const int64_t nb = K / kBlock, whole = nb / 8 * 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = split_row<F>(Q, n, nb);
+    const uint16_t* halves = static_cast<const uint16_t*>(S) + n * nb * fields;
+    __m256 acc[R], off[R];
+    float tail_off[R];
+    for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps(), tail_off[r] = 0.f;
+    alignas(32) float ws[R][8];
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+      const int64_t count = std::min<int64_t>(8, nb - b0);
+      if (b0 < whole) {
+        // d (and m) of blocks b0 .. b0 + 7; with mins the halves alternate d, m
+        __m256 d8, m8 = _mm256_setzero_ps();
+        if constexpr (HasMin) {
+          const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + 2 * b0)));
+          const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + 2 * b0 + 8)));
+          const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+          const __m256 pa = _mm256_permutevar8x32_ps(a, even), pb = _mm256_permutevar8x32_ps(b, even);
+          d8 = _mm256_permute2f128_ps(pa, pb, 0x20), m8 = _mm256_permute2f128_ps(pa, pb, 0x31);
+        } else {
+          d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + b0)));
+        }
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r0 + r) * nb + b0;
+          _mm256_store_ps(ws[r], _mm256_mul_ps(d8, _mm256_loadu_ps(x.scale.data() + at)));
+          if (HasMin) off[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(x.xsum32.data() + at), off[r]);
+        }
+      } else {
+        for (int64_t b = b0; b < nb; ++b) {
+          const float d = scale_field<F>(S, (n * nb + b) * fields);
+          for (int r = 0; r < R; ++r) {
+            const int64_t at = (r0 + r) * nb + b;
+            ws[r][b - b0] = d * x.scale[at];
+            if (HasMin) tail_off[r] += scale_field<F>(S, (n * nb + b) * fields + 1) * x.xsum32[at];
+          }
+        }
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t b = b0 + i;
+        __m256i w = has_nibbles(F) ? blocks::nibbles(row + b * qbytes) : blocks::load32(row + b * qbytes);
+        if (mask_bytes(F)) w = _mm256_or_si256(w, blocks::fifth_bits(row + nb * qbytes + b * 4));
+        const __m256i a = Signed ? _mm256_abs_epi8(w) : w;
+        for (int r = 0; r < R; ++r) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.v.data() + (r0 + r) * K + b * kBlock));
+          const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(a, Signed ? _mm256_sign_epi8(v, w) : v), ones);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(&ws[r][i]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = byte_dots::hsum8(acc[r]) + (byte_dots::hsum8(off[r]) + tail_off[r]);
+  }
+}
+
+// A split-layout weight's small step on byte dots (byte_dots.h).
 template <Split F>
 void byte_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* Q, const void* S, float* y,
                  int64_t ldy) {
   byte_dots::Rows rows;
   byte_dots::to_bytes(x, M, K, rows);
-  const auto column = [&](int64_t n, const auto& visit) {
-    split_blocks<F>(Q, S, n, K, [&](int64_t b, __m256i w, float d, float m) { visit(b, byte_dots::Chunk{w, d, d, m, m}); });
-  };
   row_passes(M, N, [&](auto R, int64_t r0, int64_t n0, int64_t n1) {
-    byte_dots::pass<decltype(R)::value, !has_min(F), has_min(F)>(rows, r0, K, ldy, n0, n1, column, y + r0 * ldy);
+    split_byte_pass<decltype(R)::value, F>(rows, r0, K, ldy, n0, n1, Q, S, y + r0 * ldy);
   });
 }
 

@@ -90,13 +90,21 @@ def test_a_sequence_learns_its_kept_rate_and_tries_again():
 
 
 async def _generate(
-    loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams, max_live: int, together: int = 1
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    max_live: int,
+    together: int = 1,
+    drafter: Drafter | None = None,
 ) -> tuple[list[list[int]], Engine]:
     """Each prompt's tokens, `together` at a time, on an engine drafting for up to `max_live` sequences.
     Its rows count as free, so each draft is made: what a row costs is timed at start-up, and a busy
-    machine's timing must not decide whether these tests draft."""
+    machine's timing must not decide whether these tests draft. `drafter` replaces the lookup."""
     engine = Engine(loaded, EngineSettings(kv_budget_mb=128, speculate_max_live=max_live, draft_tokens=4))
     free_rows(engine)
+    if drafter is not None:
+        drafter.speculation = engine.scheduler.drafter.speculation
+        engine.scheduler.drafter = drafter
     engine.start()
     try:
         out: list[list[int]] = []
@@ -272,6 +280,25 @@ def test_sliding_window_layers_on_blocks_change_no_token():
     ).input_ids
     prompts = [ids, ids[3:], ids[5:]]
     plain, _ = asyncio.run(_generate(loaded, prompts, greedy(40), max_live=0))
-    drafted, engine = asyncio.run(_generate(loaded, prompts, greedy(40), max_live=2))
+    oracle = _Oracle({tuple(p): out for p, out in zip(prompts, plain)}, loaded.model.config.vocab_size)
+    drafted, engine = asyncio.run(_generate(loaded, prompts, greedy(40), max_live=2, drafter=oracle))
     assert drafted == plain
-    assert engine.stats()["draft_tokens"] > 0
+    stats = engine.stats()
+    assert stats["draft_tokens_accepted"] > 0 and stats["draft_tokens"] > stats["draft_tokens_accepted"]
+
+
+class _Oracle(Drafter):
+    """Drafts the plain run's own next tokens, every third time with the last one wrong: kept and
+    rejected drafts are both checked, wherever the random model's greedy path goes."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], vocab: int):
+        super().__init__(Speculation(row_cost=0.0))  # _generate gives it the engine's
+        self.answers, self.vocab, self.calls = answers, vocab, 0
+
+    def propose(self, seq: Sequence, room: int, running: int = 1) -> list[int]:
+        done = seq.num_tokens - len(seq.prompt_ids)
+        drafts = self.answers[tuple(seq.prompt_ids)][done : done + min(room, 4)]
+        self.calls += 1
+        if self.calls % 3 == 0 and drafts:
+            drafts[-1] = (drafts[-1] + 1) % self.vocab
+        return drafts

@@ -594,7 +594,7 @@ void split_byte_pass(const byte_dots::Rows& x, int64_t r0, int64_t K, int64_t ld
                      const uint8_t* Q, const void* S, float* y) {
   constexpr bool Signed = !has_min(F), HasMin = has_min(F);
   constexpr int64_t qbytes = quant_bytes(F), fields = HasMin ? 2 : 1;
-  const int64_t nb = K / kBlock, whole = nb / 8 * 8;
+  const int64_t nb = K / kBlock;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = split_row<F>(Q, n, nb);
@@ -605,7 +605,7 @@ void split_byte_pass(const byte_dots::Rows& x, int64_t r0, int64_t K, int64_t ld
     alignas(32) float ws[R][8];
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
       const int64_t count = std::min<int64_t>(8, nb - b0);
-      if (b0 < whole) {
+      if (count == 8) {
         // d (and m) of blocks b0 .. b0 + 7; with mins the halves alternate d, m
         __m256 d8, m8 = _mm256_setzero_ps();
         if constexpr (HasMin) {

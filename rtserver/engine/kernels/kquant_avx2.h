@@ -93,14 +93,16 @@ inline __m256 offsets16(const byte_dots::Rows& x, int64_t at) {
   return _mm256_mul_ps(_mm256_set1_ps(32.f), _mm256_loadu_ps(x.xsum16.data() + at));
 }
 
-// Q4_K and Q5_K (blocks::QK45): weight = d sc q - dmin mn per 32, q in 0..31.
+// Q4_K and Q5_K (blocks::QK45): weight = d sc q - dmin mn per 32, q in 0..31. Each row keeps two
+// accumulators, even and odd chunks, so one row's FMAs do not wait on each other; each chunk's factor
+// is broadcast from memory, a load where a lane permute would take a shuffle port.
 template <int R, typename T, typename Rows>
 void qk45_pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
                int64_t row_bytes, float* y) {
   const int64_t nb = K / 256, nb32 = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R], mins[R];
-    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+    __m256 acc[R][2], mins[R];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = mins[r] = _mm256_setzero_ps();
     const uint8_t* row = W + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * T::kBytes;
@@ -109,28 +111,28 @@ void qk45_pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, in
       const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(blocks::f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sb)));
       const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(blocks::f16(blk + 2)),
                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sb, 8))));
-      __m256 ws[R];
+      alignas(32) float ws[R][8];
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * nb32 + b * 8;
-        ws[r] = _mm256_mul_ps(sc, _mm256_loadu_ps(x.scale.data() + at));
+        _mm256_store_ps(ws[r], _mm256_mul_ps(sc, _mm256_loadu_ps(x.scale.data() + at)));
         mins[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(sums32(x) + at), mins[r]);
       }
       for (int c = 0; c < 8; ++c) {
         const __m256i q = T::chunk(blk, c);
-        const __m256i lane = _mm256_set1_epi32(c);
         for (int r = 0; r < R; ++r) {
           const __m256i t = chunk_dot(q, x, (r0 + r) * K + b * 256 + 32 * c);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(ws[r], lane), acc[r]);
+          acc[r][c % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(&ws[r][c]), acc[r][c % 2]);
         }
       }
     }
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum8(acc[r]) - hsum8(mins[r]);
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) - hsum8(mins[r]);
   }
 }
 
 // Q6_K: weight = d sc (q - 32) per 16. The quants stay 0..63 (no sign to extend); the 32 comes off as
 // 32 times the rounded activations' sum, per 16. A chunk's int32 lanes 0-3 are its first 16's sums
-// (the widening's low lanes), 4-7 its second's, so one float vector scales both.
+// (the widening's low lanes), 4-7 its second's, so one float vector scales both. Two accumulators a
+// row, as above.
 template <int R, typename Rows>
 void q6k_pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
               int64_t row_bytes, float* y) {
@@ -141,8 +143,8 @@ void q6k_pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int
   __m256i pick[4];
   for (int c = 0; c < 4; ++c) pick[c] = _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R], off[R];
-    for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+    __m256 acc[R][2], off[R];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = off[r] = _mm256_setzero_ps();
     const uint8_t* row = W + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * T::kBytes;
@@ -167,11 +169,11 @@ void q6k_pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int
         const __m256i q = _mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4));
         for (int r = 0; r < R; ++r) {
           const __m256i t = chunk_dot(q, x, (r0 + r) * K + b * 256 + 32 * c);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(ws[r][h], pick[g]), acc[r]);
+          acc[r][c % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(ws[r][h], pick[g]), acc[r][c % 2]);
         }
       }
     }
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum8(acc[r]) - hsum8(off[r]);
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) - hsum8(off[r]);
   }
 }
 

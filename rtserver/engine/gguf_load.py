@@ -3,11 +3,14 @@
 The config comes from llama.cpp's metadata keys, the tensors by their GGUF names straight into an
 uninitialised model, each dequantized with gguf-py on its own, so nothing but the model is built.
 Values equal transformers' own GGUF loading (Llama's q/k rows unpermuted, Gemma's norms less one).
+Where the runner multiplies with the file's blocks, `block_decoder` gives the same parameters in
+plain modules: serving then never imports transformers' modelling code, a tenth of the process.
 """
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -15,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from .families import UnsupportedModel
+from .families import UnsupportedModel, family_of
 from .gguf_file import GGUFFile
 
 log = logging.getLogger("rtserver.gguf")
@@ -152,6 +155,17 @@ def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _dense_tensor(g: GGUFFile, arch: str, config: Any, hf_name: str, name: str) -> torch.Tensor:
+    """The float32 parameter `hf_name` from the file's tensor `name`, as transformers holds it."""
+    w = dequantized(g, name)
+    if arch in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
+        heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+        w = unpermute_qk(w, heads)
+    if arch == "gemma3" and "norm" in name:
+        w = w - np.float32(1.0)  # the converter stored 1 + w
+    return torch.from_numpy(np.ascontiguousarray(w))
+
+
 def dense_model(g: GGUFFile, config: Any, skip: frozenset[str] = frozenset()) -> Any:
     """The float32 transformers model of a GGUF file's tensors. Parameters named in `skip` (linears the
     runner multiplies with in their blocks) stay uninitialised: their memory is never touched."""
@@ -171,16 +185,11 @@ def dense_model(g: GGUFFile, config: Any, skip: frozenset[str] = frozenset()) ->
             if name is None or name not in g.tensors:
                 missing.append(hf_name)
                 continue
-            w = dequantized(g, name)
-            if arch in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
-                heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
-                w = unpermute_qk(w, heads)
-            if arch == "gemma3" and "norm" in name:
-                w = w - np.float32(1.0)  # the converter stored 1 + w
+            w = _dense_tensor(g, arch, config, hf_name, name)
             if tuple(w.shape) != tuple(param.shape):
                 wants = tuple(param.shape)
-                raise UnsupportedModel(f"tensor {name} is {w.shape}, the model wants {wants}")
-            param.copy_(torch.from_numpy(w))
+                raise UnsupportedModel(f"tensor {name} is {tuple(w.shape)}, the model wants {wants}")
+            param.copy_(w)
     tied = config.tie_word_embeddings and (missing == ["lm_head.weight"] or "lm_head.weight" in skip)
     if missing and not tied:
         raise UnsupportedModel(f"no tensors for {', '.join(missing[:4])}")
@@ -198,3 +207,151 @@ def _scale_rope(model: Any, factors: np.ndarray) -> None:
     rotary.inv_freq.copy_(inv)
     if hasattr(rotary, "original_inv_freq"):
         rotary.original_inv_freq = inv.clone()
+
+
+class _Linear(torch.nn.Module):
+    """A linear's parameters under transformers' names. A linear kept in blocks has an empty weight."""
+
+    def __init__(self, out_features: int, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features = out_features
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+
+class _Norm(torch.nn.Module):
+    """A module holding one weight: a norm's, or the embedding's."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+
+class Rotary(torch.nn.Module):
+    """transformers' default and linear RoPE: the same inverse frequencies and the same float
+    operations for cos and sin, so the same tables."""
+
+    def __init__(self, config: Any, params: dict[str, Any]):
+        super().__init__()
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        if params["rope_type"] == "linear":
+            inv_freq = inv_freq / params["factor"]
+        elif params["rope_type"] != "default":
+            raise UnsupportedModel(f"RoPE type '{params['rope_type']}' is not supported")
+        self.inv_freq = inv_freq
+        self.original_inv_freq = inv_freq.clone()
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class LayerTypeRotary(torch.nn.Module):
+    """Gemma 3's RoPE: one base per layer type (sliding or full attention)."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        kinds = set(config.layer_types)
+        self.by_type = {kind: Rotary(config, config.rope_parameters[kind]) for kind in kinds}
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.by_type[layer_type](x, position_ids)  # type: ignore[no-any-return]
+
+
+class BlockDecoder(torch.nn.Module):
+    """What the runner reads of a transformers model, for a file it multiplies with in blocks: the
+    config, `model.embed_tokens`, `model.norm`, `model.layers[i]` with their linears and norms under
+    transformers' names, `model.rotary_emb` and `lm_head`. It cannot run a forward pass itself."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self.model = torch.nn.Module()
+        eos = getattr(config, "eos_token_id", None)
+        self.generation_config = SimpleNamespace(eos_token_id=eos)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+
+def _layer_shapes(config: Any, arch: str) -> dict[str, tuple[int, ...]]:
+    """Each decoder layer's parameter shapes, by name inside the layer, as transformers builds them."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = {
+        "input_layernorm": (hidden,),
+        "post_attention_layernorm": (hidden,),
+        "self_attn.q_proj": (q, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, q),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+    if family_of(config).qk_norm:
+        shapes |= {"self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,)}
+    if arch == "gemma3":
+        shapes |= {"pre_feedforward_layernorm": (hidden,), "post_feedforward_layernorm": (hidden,)}
+    return shapes
+
+
+def block_decoder(g: GGUFFile, config: Any, blocks: frozenset[str]) -> BlockDecoder:
+    """The decoder's parameters in plain modules; those named in `blocks` stay empty (the runner
+    multiplies with their blocks), the rest are dequantized as `dense_model` does. A missing tensor
+    or one of the wrong shape is refused, as there."""
+    arch = architecture(g)
+    table = _LAYER_TENSORS["gemma3" if arch == "gemma3" else "llama"]
+    model = BlockDecoder(config)
+
+    def checked(hf_name: str, name: str, shape: tuple[int, ...]) -> str:
+        if name not in g.tensors:
+            raise UnsupportedModel(f"no tensors for {hf_name}")
+        if g.tensors[name].shape != shape:
+            raise UnsupportedModel(f"tensor {name} is {g.tensors[name].shape}, the model wants {shape}")
+        return name
+
+    def param(hf_name: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        checked(hf_name, name, shape)
+        return torch.empty(0) if hf_name in blocks else _dense_tensor(g, arch, config, hf_name, name)
+
+    def linear(hf_base: str, name: str, shape: tuple[int, ...]) -> _Linear:
+        weight = param(f"{hf_base}.weight", f"{name}.weight", shape)
+        has_bias = f"{name}.bias" in g.tensors
+        bias = param(f"{hf_base}.bias", f"{name}.bias", shape[:1]) if has_bias else None
+        return _Linear(shape[0], weight, bias)
+
+    inner, hidden = model.model, config.hidden_size
+    layers = torch.nn.ModuleList()
+    head = (config.vocab_size, hidden)
+    inner.embed_tokens = _Norm(param("model.embed_tokens.weight", "token_embd.weight", head))
+    inner.norm = _Norm(param("model.norm.weight", "output_norm.weight", (hidden,)))
+    for i in range(config.num_hidden_layers):
+        layer = torch.nn.Module()
+        layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
+        for sub, shape in _layer_shapes(config, arch).items():
+            name, hf_base = f"blk.{i}.{table[sub]}", f"model.layers.{i}.{sub}"
+            owner_name, _, leaf = sub.rpartition(".")
+            owner = getattr(layer, owner_name) if owner_name else layer
+            if leaf.endswith("_proj"):
+                owner.add_module(leaf, linear(hf_base, name, shape))
+            else:
+                owner.add_module(leaf, _Norm(param(f"{hf_base}.weight", f"{name}.weight", shape)))
+        layers.append(layer)
+    inner.layers = layers
+    by_type = getattr(config, "layer_types", None) and config.layer_types[0] in config.rope_parameters
+    inner.rotary_emb = LayerTypeRotary(config) if by_type else Rotary(config, config.rope_parameters)
+    if "rope_freqs.weight" in g.tensors:
+        _scale_rope(model, dequantized(g, "rope_freqs.weight"))
+    if config.tie_word_embeddings:
+        model.lm_head = inner.embed_tokens
+    else:
+        model.lm_head = _Norm(param("lm_head.weight", "output.weight", head))
+    return model

@@ -178,7 +178,7 @@ def _gguf_model(
     before the weights: reading a large vocabulary's file takes many times its size for a while, handed
     back before the weights take their place."""
     from .gguf_file import GGUFError, GGUFFile
-    from .gguf_load import dense_model, gguf_config
+    from .gguf_load import block_decoder, dense_model, gguf_config
     from .heap import return_freed_memory
     from .quant import kernel_error, load_kernel, weights_from_file
 
@@ -199,7 +199,7 @@ def _gguf_model(
             else:
                 heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
                 blocks = weights_from_file(g, config.model_type, heads, kv_heads)
-        model = dense_model(g, config, skip=frozenset(blocks))
+        model = block_decoder(g, config, frozenset(blocks)) if blocks else dense_model(g, config)
         return cast("PreTrainedModel", model), tokenizer, blocks, kernel, why
     except GGUFError as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF model ({exc})") from exc

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from rtserver.engine.families import UnsupportedModel, rope_tables
 from rtserver.engine.gguf_file import GGUFError, GGUFFile
-from rtserver.engine.gguf_load import dense_model, gguf_config
+from rtserver.engine.gguf_load import block_decoder, dense_model, gguf_config
 from rtserver.engine.model import ModelLoadError, embedded_model_path, load_model
 
 from ..components import slow_tests_on
@@ -70,6 +71,55 @@ def test_a_mixed_q4_k_m_file_and_gemma_3_load_as_transformers_loads_them():
 
     _same_model(requantized("Q4_K_M"))
     _same_model(gemma3_270m())  # Gemma's norms stored as 1 + w, tied head, sliding layers
+
+
+@pytest.mark.parametrize("shape", ["embedded", "llama-tiny", "qwen2-tiny", "qwen3-tiny", "gemma3-tiny"])
+def test_the_block_decoder_holds_what_transformers_holds(shape):
+    """Serving a file in blocks reads its norms, biases, embedding and RoPE from plain modules: the same
+    values under the same names as the transformers model, whose linears stay empty there."""
+    from rtbench.model_files import random_gguf
+
+    path = embedded_model_path() if shape == "embedded" else random_gguf(shape, "Q8_0")
+    g = GGUFFile(path)
+    config = gguf_config(g)
+    full = dense_model(g, config)
+    in_blocks = frozenset(n for n, _ in full.named_parameters() if n.endswith("_proj.weight"))
+    light = block_decoder(g, config, in_blocks)
+    theirs, ours = dict(full.named_parameters()), dict(light.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, param in ours.items():
+        assert param.numel() == 0 if name in in_blocks else torch.equal(param, theirs[name]), name
+    assert light.generation_config.eos_token_id == full.generation_config.eos_token_id
+    (want, want_index), (got, got_index) = (
+        rope_tables(config, m.model.rotary_emb, 300, torch.float32) for m in (full, light)
+    )
+    assert got_index == want_index and len(got) == len(want) == (2 if shape == "gemma3-tiny" else 1)
+    for (cos, sin), (want_cos, want_sin) in zip(got, want):
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+def test_a_block_decoder_refuses_a_tensor_of_the_wrong_shape():
+    g = GGUFFile(embedded_model_path())
+    config = gguf_config(g)
+    config.intermediate_size += 32
+    wrong = r"tensor blk\.0\.ffn_gate\.weight is \(1536, 576\), the model wants \(1568, 576\)"
+    with pytest.raises(UnsupportedModel, match=wrong):
+        block_decoder(g, config, frozenset())
+
+
+def test_serving_a_gguf_file_never_imports_transformers_modelling_code():
+    """The modelling code (and torch's compiler, which it imports) would hold a tenth of the process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from rtserver.engine.model import load_model; "
+        "m = load_model('embedded', dtype='gguf', threads=1); "
+        "heavy = ('transformers.modeling_utils', 'torch._dynamo'); "
+        "print(type(m.model).__name__, *(n in sys.modules for n in heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["BlockDecoder", "False", "False"], out.stderr[-2000:]
 
 
 def _write(path: Path, arch: str) -> Path:

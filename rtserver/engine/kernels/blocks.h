@@ -214,6 +214,16 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
+// The same fields in general-purpose registers: sc (8 bytes, sub-block 0 lowest) and mn. A decode pass
+// is short of vector ports, not of integer ones; 32-bit shifts leak bits only into masked ones.
+inline void q4k_scale_words(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  sc = (u[0] & low6) | static_cast<uint64_t>((u[2] & low4) | (((u[0] >> 6) & top2) << 4)) << 32;
+  mn = (u[1] & low6) | static_cast<uint64_t>(((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4)) << 32;
+}
+
 #ifdef BLOCKS_AVX2
 // Q4_K's 12 bytes of 6-bit scales and mins as 8 scale bytes, then 8 min bytes (scale_min_k4's fields).
 inline __m128i q4k_scale_bytes(const uint8_t* s) {

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -95,7 +96,8 @@ inline __m256 offsets16(const byte_dots::Rows& x, int64_t at) {
 
 // Q4_K and Q5_K (blocks::QK45): weight = d sc q - dmin mn per 32, q in 0..31. Each row keeps two
 // accumulators, even and odd chunks, so one row's FMAs do not wait on each other; each chunk's factor
-// is broadcast from memory, a load where a lane permute would take a shuffle port.
+// is broadcast from memory, a load where a lane permute would take a shuffle port. The scales unpack in
+// integer registers (blocks.h's q4k_scale_words).
 template <int R, typename T, typename Rows>
 void qk45_pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int64_t n1, const uint8_t* W,
                int64_t row_bytes, float* y) {
@@ -107,10 +109,14 @@ void qk45_pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, in
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * T::kBytes;
       prefetch_ahead(blk, T::kBytes);
-      const __m128i sb = blocks::q4k_scale_bytes(blk + 4);
-      const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(blocks::f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sb)));
-      const __m256 mn = _mm256_mul_ps(_mm256_set1_ps(blocks::f16(blk + 2)),
-                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sb, 8))));
+      uint64_t sc8, mn8;
+      blocks::q4k_scale_words(blk + 4, sc8, mn8);
+      int32_t dm_bits;  // d and dmin, converted together
+      std::memcpy(&dm_bits, blk, 4);
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
+      const __m256 sc = _mm256_mul_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc8))));
+      const __m256 mn = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mn8))));
       alignas(32) float ws[R][8];
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * nb32 + b * 8;

@@ -303,12 +303,16 @@ struct Q6_K {
     _mm256_storeu_ps(D + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
     _mm256_storeu_ps(M, _mm256_setzero_ps()), _mm256_storeu_ps(M + 8, _mm256_setzero_ps());
   }
-  static __m256i chunk(const uint8_t* b, int c) {
+  // Chunk c's quants as stored, 0..63: the high bits 2g and 2g + 1 reach bits 4 and 5 in one 16-bit
+  // shift, which leaks only into bits the mask drops.
+  static __m256i unsigned_chunk(const uint8_t* b, int c) {
     const int h = c / 4, g = c % 4;
     const __m256i lo = field(load32(b + 64 * h + 32 * (g % 2)), 4 * (g / 2), 15);
-    const __m256i hi = field(load32(b + 128 + 32 * h), 2 * g, 3);
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bytes(32));
+    const __m256i hi = load32(b + 128 + 32 * h);
+    const __m256i at45 = g < 2 ? _mm256_slli_epi16(hi, 4 - 2 * g) : _mm256_srli_epi16(hi, 2 * g - 4);
+    return _mm256_or_si256(lo, _mm256_and_si256(at45, bytes(0x30)));
   }
+  static __m256i chunk(const uint8_t* b, int c) { return _mm256_sub_epi8(unsigned_chunk(b, c), bytes(32)); }
 #endif
   static void decode(const uint8_t* b, int8_t* q) {
     const uint8_t *ql = b, *qh = b + 128;

@@ -144,7 +144,6 @@ void q6k_pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int
               int64_t row_bytes, float* y) {
   using T = blocks::Q6_K;
   const int64_t nb = K / 256, nb32 = K / 32, n16 = K / 16;
-  const __m256i mask4 = _mm256_set1_epi8(15), mask45 = _mm256_set1_epi8(0x30);
   // lanes 0-3 take group 2c's factor, 4-7 group 2c + 1's, of the chunk's half of the block
   __m256i pick[4];
   for (int c = 0; c < 4; ++c) pick[c] = _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
@@ -169,13 +168,8 @@ void q6k_pass(const Rows& x, int64_t r0, int64_t K, int64_t ldy, int64_t n0, int
           off[r] = _mm256_fmadd_ps(dsc[h], offsets16(x, (r0 + r) * n16 + b * 16 + 8 * h), off[r]);
         }
       for (int c = 0; c < 8; ++c) {
-        const int h = c / 4, g = c % 4;  // T::chunk's layout, without its - 32
-        const __m256i lo4 = _mm256_and_si256(_mm256_srli_epi16(blocks::load32(blk + 64 * h + 32 * (g % 2)), 4 * (g / 2)), mask4);
-        // the high bits 2g and 2g + 1 moved to bits 4 and 5 in one shift: 16-bit shifts leak only into
-        // bits the mask drops
-        const __m256i hi = blocks::load32(blk + 128 + 32 * h);
-        const __m256i at45 = g < 2 ? _mm256_slli_epi16(hi, 4 - 2 * g) : _mm256_srli_epi16(hi, 2 * g - 4);
-        const __m256i q = _mm256_or_si256(lo4, _mm256_and_si256(at45, mask45));
+        const int h = c / 4, g = c % 4;
+        const __m256i q = T::unsigned_chunk(blk, c);
         for (int r = 0; r < R; ++r) {
           const __m256i t = chunk_dot(q, x, (r0 + r) * K + b * 256 + 32 * c);
           acc[r][c % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(ws[r][h], pick[g]), acc[r][c % 2]);

@@ -155,8 +155,8 @@ def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dense_tensor(g: GGUFFile, arch: str, config: Any, hf_name: str, name: str) -> torch.Tensor:
-    """The float32 parameter `hf_name` from the file's tensor `name`, as transformers holds it."""
+def _dense_tensor(g: GGUFFile, arch: str, config: Any, name: str) -> torch.Tensor:
+    """The file's tensor `name` as float32, as transformers holds it."""
     w = dequantized(g, name)
     if arch in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
         heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
@@ -166,9 +166,8 @@ def _dense_tensor(g: GGUFFile, arch: str, config: Any, hf_name: str, name: str) 
     return torch.from_numpy(np.ascontiguousarray(w))
 
 
-def dense_model(g: GGUFFile, config: Any, skip: frozenset[str] = frozenset()) -> Any:
-    """The float32 transformers model of a GGUF file's tensors. Parameters named in `skip` (linears the
-    runner multiplies with in their blocks) stay uninitialised: their memory is never touched."""
+def dense_model(g: GGUFFile, config: Any) -> Any:
+    """The float32 transformers model of a GGUF file's tensors."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -179,18 +178,16 @@ def dense_model(g: GGUFFile, config: Any, skip: frozenset[str] = frozenset()) ->
     missing = []
     with torch.no_grad():
         for hf_name, param in params.items():
-            if hf_name in skip:
-                continue
             name = _tensor_name(arch, hf_name)
             if name is None or name not in g.tensors:
                 missing.append(hf_name)
                 continue
-            w = _dense_tensor(g, arch, config, hf_name, name)
+            w = _dense_tensor(g, arch, config, name)
             if tuple(w.shape) != tuple(param.shape):
                 wants = tuple(param.shape)
                 raise UnsupportedModel(f"tensor {name} is {tuple(w.shape)}, the model wants {wants}")
             param.copy_(w)
-    tied = config.tie_word_embeddings and (missing == ["lm_head.weight"] or "lm_head.weight" in skip)
+    tied = config.tie_word_embeddings and missing == ["lm_head.weight"]
     if missing and not tied:
         raise UnsupportedModel(f"no tensors for {', '.join(missing[:4])}")
     if tied:
@@ -219,8 +216,8 @@ class _Linear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
 
-class _Norm(torch.nn.Module):
-    """A module holding one weight: a norm's, or the embedding's."""
+class _Weight(torch.nn.Module):
+    """A module holding one weight: a norm's, the embedding's or the output head's."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -311,16 +308,12 @@ def block_decoder(g: GGUFFile, config: Any, blocks: frozenset[str]) -> BlockDeco
     table = _LAYER_TENSORS["gemma3" if arch == "gemma3" else "llama"]
     model = BlockDecoder(config)
 
-    def checked(hf_name: str, name: str, shape: tuple[int, ...]) -> str:
+    def param(hf_name: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in g.tensors:
             raise UnsupportedModel(f"no tensors for {hf_name}")
         if g.tensors[name].shape != shape:
             raise UnsupportedModel(f"tensor {name} is {g.tensors[name].shape}, the model wants {shape}")
-        return name
-
-    def param(hf_name: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        checked(hf_name, name, shape)
-        return torch.empty(0) if hf_name in blocks else _dense_tensor(g, arch, config, hf_name, name)
+        return torch.empty(0) if hf_name in blocks else _dense_tensor(g, arch, config, name)
 
     def linear(hf_base: str, name: str, shape: tuple[int, ...]) -> _Linear:
         weight = param(f"{hf_base}.weight", f"{name}.weight", shape)
@@ -331,8 +324,8 @@ def block_decoder(g: GGUFFile, config: Any, blocks: frozenset[str]) -> BlockDeco
     inner, hidden = model.model, config.hidden_size
     layers = torch.nn.ModuleList()
     head = (config.vocab_size, hidden)
-    inner.embed_tokens = _Norm(param("model.embed_tokens.weight", "token_embd.weight", head))
-    inner.norm = _Norm(param("model.norm.weight", "output_norm.weight", (hidden,)))
+    inner.embed_tokens = _Weight(param("model.embed_tokens.weight", "token_embd.weight", head))
+    inner.norm = _Weight(param("model.norm.weight", "output_norm.weight", (hidden,)))
     for i in range(config.num_hidden_layers):
         layer = torch.nn.Module()
         layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
@@ -343,7 +336,7 @@ def block_decoder(g: GGUFFile, config: Any, blocks: frozenset[str]) -> BlockDeco
             if leaf.endswith("_proj"):
                 owner.add_module(leaf, linear(hf_base, name, shape))
             else:
-                owner.add_module(leaf, _Norm(param(f"{hf_base}.weight", f"{name}.weight", shape)))
+                owner.add_module(leaf, _Weight(param(f"{hf_base}.weight", f"{name}.weight", shape)))
         layers.append(layer)
     inner.layers = layers
     by_type = getattr(config, "layer_types", None) and config.layer_types[0] in config.rope_parameters
@@ -353,5 +346,5 @@ def block_decoder(g: GGUFFile, config: Any, blocks: frozenset[str]) -> BlockDeco
     if config.tie_word_embeddings:
         model.lm_head = inner.embed_tokens
     else:
-        model.lm_head = _Norm(param("lm_head.weight", "output.weight", head))
+        model.lm_head = _Weight(param("lm_head.weight", "output.weight", head))
     return model

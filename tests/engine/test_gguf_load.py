@@ -98,6 +98,27 @@ def test_the_block_decoder_holds_what_transformers_holds(shape):
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
 
 
+@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0}])
+def test_the_block_decoders_rope_is_transformers_under_llama_3_divisors(rope):
+    """Llama 3 files ship their RoPE scaling as per-frequency divisors (rope_freqs), which the loader
+    applies to the rotary module; linear scaling comes from the config."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from rtserver.engine.gguf_load import Rotary, _scale_rope
+
+    fields = {"rope_parameters": rope} if rope else {}
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, **fields)
+    divisors = np.linspace(1.0, 8.0, 32, dtype=np.float32)
+    theirs, ours = LlamaRotaryEmbedding(config), Rotary(config, config.rope_parameters)
+    for rotary in (theirs, ours):
+        _scale_rope(SimpleNamespace(model=SimpleNamespace(rotary_emb=rotary)), divisors)
+    (want, _), (got, _) = (rope_tables(config, r, 300, torch.float32) for r in (theirs, ours))
+    assert torch.equal(got[0][0], want[0][0]) and torch.equal(got[0][1], want[0][1])
+
+
 def test_a_block_decoder_refuses_a_tensor_of_the_wrong_shape():
     g = GGUFFile(embedded_model_path())
     config = gguf_config(g)

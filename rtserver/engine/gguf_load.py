@@ -321,15 +321,19 @@ def block_decoder(g: GGUFFile, config: Any, blocks: frozenset[str]) -> BlockDeco
         bias = param(f"{hf_base}.bias", f"{name}.bias", shape[:1]) if has_bias else None
         return _Linear(shape[0], weight, bias)
 
+    def top(hf_base: str, shape: tuple[int, ...]) -> _Weight:
+        return _Weight(param(f"{hf_base}.weight", f"{_TOP_TENSORS[hf_base]}.weight", shape))
+
     inner, hidden = model.model, config.hidden_size
     layers = torch.nn.ModuleList()
     head = (config.vocab_size, hidden)
-    inner.embed_tokens = _Weight(param("model.embed_tokens.weight", "token_embd.weight", head))
-    inner.norm = _Weight(param("model.norm.weight", "output_norm.weight", (hidden,)))
+    inner.embed_tokens = top("model.embed_tokens", head)
+    inner.norm = top("model.norm", (hidden,))
+    shapes = _layer_shapes(config, arch)
     for i in range(config.num_hidden_layers):
         layer = torch.nn.Module()
         layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
-        for sub, shape in _layer_shapes(config, arch).items():
+        for sub, shape in shapes.items():
             name, hf_base = f"blk.{i}.{table[sub]}", f"model.layers.{i}.{sub}"
             owner_name, _, leaf = sub.rpartition(".")
             owner = getattr(layer, owner_name) if owner_name else layer
@@ -346,5 +350,5 @@ def block_decoder(g: GGUFFile, config: Any, blocks: frozenset[str]) -> BlockDeco
     if config.tie_word_embeddings:
         model.lm_head = inner.embed_tokens
     else:
-        model.lm_head = _Weight(param("lm_head.weight", "output.weight", head))
+        model.lm_head = top("lm_head", head)
     return model

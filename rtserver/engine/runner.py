@@ -372,7 +372,10 @@ class ModelRunner:
             for i, f in zip(idx, rows.features):
                 out.features[i] = f
         if sum(len(rows.lay.ids) for _, rows in groups) > self.prompt_rows:
-            trim()  # a prefill's buffers go back with its step; a decode step's stay for the next
+            # a prefill's buffers go back with its step; a decode step's stay for the next
+            if self.attention_kernel is not None:
+                self.attention_kernel.release_scratch()
+            trim()
         return out
 
     def forward(self, items: list[StepItem], joins: JoinSource = NO_JOINS) -> list[torch.Tensor | None]:
@@ -430,21 +433,24 @@ class ModelRunner:
     def _prompt_layer(self, li: int, lay: _Layout, x: torch.Tensor) -> torch.Tensor:
         """Layer `li` of the fused prompts, in runs of at most `prompt_rows` rows: a run's rows attend
         to the K/V the runs before it wrote, so each call's buffers stay bounded however many prompt
-        tokens the step holds. The last layer goes through torch, which keeps only the rows asked."""
-        if li == len(self.layers) - 1:
-            out = self._layer(li, lay, x)
-            assert out is not None  # every prompt asks for its last row's logits
-            return out
+        tokens the step holds. Past the last layer's K/V only the rows asked for logits go on."""
+        last = li == len(self.layers) - 1
         n = x.shape[0]
         runs = -(-n // self.prompt_rows)
-        if runs <= 1:
-            return self._fused_layer(li, lay, x)
         size = -(-n // runs)  # even runs: none so short that it would take the few-row kernel
-        return torch.cat([self._fused_layer(li, lay, x[a : a + size], a) for a in range(0, n, size)])
+        outs = []
+        for a in range(0, n, size):
+            keep = lay.wanted[(lay.wanted >= a) & (lay.wanted < a + size)] - a if last else None
+            outs.append(self._fused_layer(li, lay, x[a : a + size], a, keep))
+        if runs > 1:
+            trim()  # freed between tensors still held, its buffers would stay resident to the step's end
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _fused_layer(self, li: int, lay: _Layout, x: torch.Tensor, first: int = 0) -> torch.Tensor:
+    def _fused_layer(
+        self, li: int, lay: _Layout, x: torch.Tensor, first: int = 0, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Decoder layer `li` of fused rows: one call of the kernel's `layer_forward`. `x` holds the
-        layout's rows from `first` on."""
+        layout's rows from `first` on. With `keep`, only those of its rows come back (the last layer)."""
         L = self.layers[li]
         cos, sin = lay.rope[L.rope]
         c = lay.local_contexts if L.window else lay.contexts
@@ -462,6 +468,7 @@ class ModelRunner:
             c.item[rows],
             c.position[rows],
             c.window,
+            keep,
         )
 
     def _logits(

@@ -586,10 +586,10 @@ def test_fused_prompt_rows_run_in_bounded_calls(tiny_llama, smol, kernel, monkey
         runner.attention_kernel, runner.prompt_rows = counting, rows
         results.append(_decode_steps(runner, kv, cfg.vocab_size, smol.tokenizer, rows=(5,)))
         calls.append(counting.rows)
-    # the first layer's prompt rows (5 prompts, 65 rows; the last layer runs through torch), then the
+    # both layers' prompt rows (5 prompts, 65 rows; the last layer keeps their last rows), then the
     # decode step's 5 rows in both layers
-    assert calls == [[65, 5, 5], [13] * 5 + [5, 5]]
-    assert trims == [1]  # the bounded runner's prefill step alone
+    assert calls == [[65, 65, 5, 5], [13] * 10 + [5, 5]]
+    assert trims == [1, 1, 1]  # the bounded runner's prefill: after each layer's runs, and its end
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -634,6 +634,33 @@ def test_fused_layer_refuses_what_does_not_fit_its_weights(tiny_llama, kernel):
         kernel.layer_forward(layer, x, cos, sin, k_pool, v_pool, one * k_pool.shape[0], table, zero, zero, 0)
     got = kernel.layer_forward(layer, x, cos, sin, k_pool, v_pool, one, table, zero, zero, 0)
     assert got.shape == x.shape and torch.isfinite(got).all()
+    for keep, message in ((one, "keep must be ascending rows of x"), (zero.int(), "keep must be int64")):
+        with pytest.raises(RuntimeError, match=message):
+            kernel.layer_forward(layer, x, cos, sin, k_pool, v_pool, one, table, zero, zero, 0, keep)
+
+
+def test_fused_layer_keeps_only_the_rows_asked(tiny_llama, kernel):
+    """With `keep`, every row writes its K/V, and the kept rows come back as the whole call gives them."""
+    model = copy.deepcopy(tiny_llama)
+    cfg = model.config
+    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
+    runner = ModelRunner(model, kv, 512, blocks=_on_blocks(model, {"*": "Q4_K"}, seed=7), kernel=kernel)
+    runner.use_attention_kernel(kernel)
+    runner.choose_fused_decode()
+    layer, (k_pool, v_pool) = runner._fused_layers[0], (kv.k[0], kv.v[0])
+    torch.manual_seed(3)
+    rows = 9
+    x, cos, sin = torch.randn(rows, cfg.hidden_size), torch.randn(rows, 64), torch.randn(rows, 64)
+    slots, zero = torch.arange(rows), torch.zeros(rows, dtype=torch.long)
+    table = torch.arange(16).view(1, 16)
+    call = (cos, sin, k_pool, v_pool, slots, table, zero, torch.arange(rows), 0)
+    whole = kernel.layer_forward(layer, x, *call)
+    k_whole = k_pool[:rows].clone()
+    k_pool.zero_()
+    for keep in ([8], [0, 4, 8], []):
+        got = kernel.layer_forward(layer, x, *call, torch.tensor(keep, dtype=torch.long))
+        assert torch.equal(got, whole[keep])
+        assert torch.equal(k_pool[:rows], k_whole)
 
 
 def logits_close(got: torch.Tensor, want: torch.Tensor, kernel) -> None:

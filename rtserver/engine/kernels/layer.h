@@ -166,15 +166,42 @@ struct FusedLayer {
   }
 };
 
+// layer_forward's working buffers, per thread, kept between calls. A burst's prompt runs would otherwise
+// allocate and free tens of MB each; freed between tensors still held, most of it stayed resident.
+// The runner releases them after a step of many rows.
+class Scratch {
+ public:
+  enum Slot { kNormed, kQKV, kQueries, kAttention, kProjection, kGateUp, kSlots };
+  float* get(Slot s, int64_t n) {
+    panel::Buffer<float>& b = slots_[s];
+    if (static_cast<int64_t>(b.size()) < n) {
+      panel::Buffer<float>().swap(b);  // the old one goes first: never both
+      b.resize(n);
+    }
+    return b.data();
+  }
+  void release() {
+    for (auto& b : slots_) panel::Buffer<float>().swap(b);
+  }
+
+ private:
+  panel::Buffer<float> slots_[kSlots];
+};
+inline thread_local Scratch t_scratch;
+
 // The layer for a step's rows: what the runner's forward does, in one call instead of ~35 torch ops
 // (their dispatch costs more than their arithmetic at batch 1). x [R, hidden] is the residual stream
 // (returned updated); cos/sin [R, D] the rows' RoPE; the rows' new K/V go to write_slots of the pools,
 // then each row attends as prefill_attention's rows do (table, item, position, window): single-token
-// rows (one row an item) a task per row, prompts an item at a time. Every argument is a reference:
-// the caller's tensors are released by pybind11 after the call, with the GIL held, not here.
+// rows (one row an item) a task per row, prompts an item at a time. With `keep` (int64 row indices,
+// ascending) every row writes its K/V and attends, but only the kept rows go on through the output
+// projection and the MLP, and only they come back: the last layer of a prompt, whose other rows no
+// one reads. Every argument is a reference: the caller's tensors are released by pybind11 after the
+// call, with the GIL held, not here.
 torch::Tensor layer_forward(const FusedLayer& L, const Tensor& x, const Tensor& cos, const Tensor& sin,
                             const Tensor& k_pool, const Tensor& v_pool, const Tensor& write_slots,
-                            const Tensor& table, const Tensor& item, const Tensor& position, int64_t window) {
+                            const Tensor& table, const Tensor& item, const Tensor& position, int64_t window,
+                            const c10::optional<Tensor>& keep) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == L.E,
               "x must be float32 [R, hidden]");
   const int64_t R = x.size(0), E = L.E, D = L.D, KV = L.KV, H = L.H, I = L.gu.N / 2;
@@ -188,17 +215,19 @@ torch::Tensor layer_forward(const FusedLayer& L, const Tensor& x, const Tensor& 
               "cos and sin must be float32 [R, D]");
   const int64_t* WS = write_slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(WS[r] >= 0 && WS[r] < k_pool.size(0), "a write slot is outside the pool");
+  if (keep.has_value()) {
+    TORCH_CHECK(keep->scalar_type() == torch::kInt64 && keep->dim() == 1, "keep must be int64 [n]");
+    const int64_t* kp = keep->data_ptr<int64_t>();
+    for (int64_t i = 0; i < keep->numel(); ++i)
+      TORCH_CHECK(kp[i] >= 0 && kp[i] < R && (i == 0 || kp[i] > kp[i - 1]), "keep must be ascending rows of x");
+  }
 
-  auto opts = x.options();
   auto out = x.clone();
-  auto h = torch::empty({R, std::max(E, I)}, opts);
-  auto qkv = torch::empty({R, NQKV}, opts);
-  auto q = torch::empty({R, H, D}, opts);
-  auto attn = torch::empty({R, QS}, opts);
-  auto proj = torch::empty({R, E}, opts);
-  auto gu = torch::empty({R, 2 * I}, opts);
-  float *X = out.data_ptr<float>(), *Hh = h.data_ptr<float>(), *QKV = qkv.data_ptr<float>();
-  float *Qr = q.data_ptr<float>(), *P = proj.data_ptr<float>(), *GU = gu.data_ptr<float>();
+  Scratch& S = t_scratch;
+  float *X = out.data_ptr<float>(), *Hh = S.get(Scratch::kNormed, R * std::max(E, I));
+  float *QKV = S.get(Scratch::kQKV, R * NQKV), *Qr = S.get(Scratch::kQueries, R * QS);
+  float *A = S.get(Scratch::kAttention, R * QS), *P = S.get(Scratch::kProjection, R * E);
+  float* GU = S.get(Scratch::kGateUp, R * 2 * I);
   const float *C = cos.data_ptr<float>(), *Sn = sin.data_ptr<float>();
   const float *QN = L.QN, *KN = L.KN, *bias = L.bias, eps = L.eps;
 
@@ -232,17 +261,29 @@ torch::Tensor layer_forward(const FusedLayer& L, const Tensor& x, const Tensor& 
         kv_store(QKV + r * NQKV + QS + KS, KS, Vp + WS[r] * KV * U);
       }
     });
-    if (context.B == R) attention(Qr, Kp, Vp, R, H, KV, D, context.Lmax, L.scale, attn.data_ptr<float>(), context);
-    else causal_attention(Qr, Kp, Vp, context, R, H, KV, D, L.scale, attn.data_ptr<float>());
+    if (context.B == R) attention(Qr, Kp, Vp, R, H, KV, D, context.Lmax, L.scale, A, context);
+    else causal_attention(Qr, Kp, Vp, context, R, H, KV, D, L.scale, A);
   });
-  L.o.run(attn.data_ptr<float>(), R, P);
-  if (L.AN != nullptr) rms_norm(P, L.AN, R, E, eps, P);
-  add_rows(X, P, R, E);
-  rms_norm(X, L.ln2.data_ptr<float>(), R, E, eps, Hh);
-  L.gu.run(Hh, R, GU);
-  gated_act(GU, R, I, L.gelu, Hh);
-  L.down.run(Hh, R, P);
-  if (L.MN != nullptr) rms_norm(P, L.MN, R, E, eps, P);
-  add_rows(X, P, R, E);
+  int64_t N = R;  // the rows that go on
+  if (keep.has_value()) {
+    N = keep->numel();
+    out = out.index_select(0, *keep);
+    X = out.data_ptr<float>();
+    const int64_t* kp = keep->data_ptr<int64_t>();
+    for (int64_t i = 0; i < N; ++i) std::memmove(A + i * QS, A + kp[i] * QS, QS * sizeof(float));  // kp[i] >= i
+    if (N == 0) return out;
+  }
+  L.o.run(A, N, P);
+  if (L.AN != nullptr) rms_norm(P, L.AN, N, E, eps, P);
+  add_rows(X, P, N, E);
+  rms_norm(X, L.ln2.data_ptr<float>(), N, E, eps, Hh);
+  L.gu.run(Hh, N, GU);
+  gated_act(GU, N, I, L.gelu, Hh);
+  L.down.run(Hh, N, P);
+  if (L.MN != nullptr) rms_norm(P, L.MN, N, E, eps, P);
+  add_rows(X, P, N, E);
   return out;
 }
+
+// Frees this thread's layer_forward buffers (Scratch).
+void release_scratch() { t_scratch.release(); }

@@ -19,7 +19,7 @@ from jinja2.exceptions import TemplateError
 from ..config import ChatSettings
 from ..engine.backend import Inserted, Tokenizer
 from .citations import Retrieved, retrieved
-from .declare import Task, TaskError
+from .declare import Task, TaskError, require_chat_template
 from .kb_index import KnowledgeBase
 
 Message = dict[str, str]  # {"role", "content"}: one chat message as the template renders it
@@ -108,6 +108,7 @@ def template_segments(tokenizer: Tokenizer, messages: list[Message]) -> list[tup
     is_content) pieces. The template's own text and each message's content alternate, in order. Raises
     TaskError where the template does not render each content exactly once, in order.
     """
+    require_chat_template(tokenizer)
     marks = [_stand_in(i) for i in range(len(messages))]
     rendered = tokenizer.apply_chat_template(
         [{**m, "content": mark} for m, mark in zip(messages, marks)],

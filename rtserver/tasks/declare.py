@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
 
-from ..engine.backend import OutputFormat, OutputFormatError, Priority, SamplingError, SamplingParams
+from ..engine.backend import (
+    OutputFormat,
+    OutputFormatError,
+    Priority,
+    SamplingError,
+    SamplingParams,
+    Tokenizer,
+)
 from . import bounds
 
 TRUNCATE_MODES = ("reject", "head", "tail")
@@ -48,6 +55,16 @@ class TaskError(Exception):
         self.code = code
         self.message = message
         self.param = param
+
+
+def require_chat_template(tokenizer: Tokenizer) -> None:
+    """Raises TaskError where the model's tokenizer has no chat template (many base models' files)."""
+    if not getattr(tokenizer, "chat_template", "not a transformers tokenizer: it may render one"):
+        raise TaskError(
+            "no_chat_template",
+            "the model has no chat template: send a plain prompt to /v1/completions, or serve a model"
+            " whose tokenizer has one",
+        )
 
 
 @dataclass

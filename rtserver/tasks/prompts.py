@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..engine.backend import Tokenizer
-from .declare import Choices, Task, TaskError
+from .declare import Choices, Task, TaskError, require_chat_template
 
 
 class Template(NamedTuple):
@@ -55,6 +55,7 @@ class Prompts:
             marker = "\x00TEXT\x00"
             rendered = template.replace("{text}", marker)
             if chat:
+                require_chat_template(self.tokenizer)
                 messages = [{"role": "user", "content": rendered}]
                 if self.task.system_prompt:
                     messages.insert(0, {"role": "system", "content": self.task.system_prompt})

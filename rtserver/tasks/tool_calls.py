@@ -26,6 +26,7 @@ from ..engine.backend import Tokenizer
 from ..engine.output_format import JSON_OPTIONS, TEXT, OutputFormat, OutputFormatError
 from . import bounds as B
 from .chat import ChatPrompt
+from .declare import require_chat_template
 
 JSONObject = dict[str, object]
 NAME = re.compile(r"[A-Za-z0-9_-]+")  # OpenAI's function names
@@ -540,6 +541,7 @@ def _segments(
     marks = {i: _stand_in(i) for i, m in enumerate(messages) if m.get("content")}
     shown = [{**m, "content": marks.get(i, "")} for i, m in enumerate(messages)]
     options: dict[str, object] = {"tools": [t.spec() for t in tools]} if tools else {}
+    require_chat_template(tokenizer)
     try:
         rendered = tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True, **options)
     except Exception as exc:  # jinja's raise_exception, or a template that cannot take these messages

@@ -1229,3 +1229,24 @@ async def test_no_session_learns_another_ones_text_from_the_result_cache(smol):
             assert r.status_code == 200 and r.json()["cached"] is False
             r = await c.post("/v1/tasks/sentiment", json={"input": call["input"]})
             assert r.json()["cached"] is True  # the HTTP API is one scope
+
+
+def test_a_model_without_a_chat_template_is_refused_by_name(tok):
+    """A base model's file often ships no chat template: a chat turn or a label prompt wrapped in one is
+    refused with its own code (HTTP 400), not an internal error."""
+    import copy
+
+    from rtserver.tasks.chat import encode_chat
+    from rtserver.tasks.prompts import Prompts
+
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    for attempt in (
+        lambda: encode_chat(bare, [{"role": "user", "content": "hello"}]),
+        lambda: Prompts(builtin(tok).get("sentiment").task, bare).template("Message: {text}", chat=True),
+    ):
+        with pytest.raises(TaskError) as caught:
+            attempt()
+        assert caught.value.code == "no_chat_template"
+        assert "/v1/completions" in caught.value.message
+    assert encode_chat(tok, [{"role": "user", "content": "hello"}]).ids  # the embedded model has one

@@ -594,16 +594,23 @@ def test_fused_prompt_rows_run_in_bounded_calls(tiny_llama, smol, kernel, monkey
         assert torch.equal(a, b)
 
 
-def test_fused_layer_refuses_what_does_not_fit_its_weights(tiny_llama, kernel):
-    """A layer is checked once when it is bound (FusedLayer), a step's tensors at every call, each with
-    a message naming what does not fit."""
+def _fused_runner(tiny_llama, kernel, fmt: str) -> tuple[ModelRunner, KVCacheManager]:
+    """A runner of the tiny model on blocks of one type, its layers fused."""
     model = copy.deepcopy(tiny_llama)
     cfg = model.config
     kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
-    runner = ModelRunner(model, kv, 512, blocks=_on_blocks(model, {"*": "Q8_0"}, seed=7), kernel=kernel)
+    runner = ModelRunner(model, kv, 512, blocks=_on_blocks(model, {"*": fmt}, seed=7), kernel=kernel)
     runner.use_attention_kernel(kernel)
     runner.choose_fused_decode()
     assert runner.fused_decode
+    return runner, kv
+
+
+def test_fused_layer_refuses_what_does_not_fit_its_weights(tiny_llama, kernel):
+    """A layer is checked once when it is bound (FusedLayer), a step's tensors at every call, each with
+    a message naming what does not fit."""
+    runner, kv = _fused_runner(tiny_llama, kernel, "Q8_0")
+    cfg = runner.model.config
     n_kv, runner.n_kv = runner.n_kv, runner.n_heads  # q/k/v rows no longer (heads + 2 KV heads) x head size
     with pytest.raises(RuntimeError, match="layer shapes do not match"):
         runner._fused_layer_of(runner.layers[0])
@@ -641,12 +648,8 @@ def test_fused_layer_refuses_what_does_not_fit_its_weights(tiny_llama, kernel):
 
 def test_fused_layer_keeps_only_the_rows_asked(tiny_llama, kernel):
     """With `keep`, every row writes its K/V, and the kept rows come back as the whole call gives them."""
-    model = copy.deepcopy(tiny_llama)
-    cfg = model.config
-    kv = KVCacheManager(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, torch.float32, 8 << 20, 16)
-    runner = ModelRunner(model, kv, 512, blocks=_on_blocks(model, {"*": "Q4_K"}, seed=7), kernel=kernel)
-    runner.use_attention_kernel(kernel)
-    runner.choose_fused_decode()
+    runner, kv = _fused_runner(tiny_llama, kernel, "Q4_K")
+    cfg = runner.model.config
     layer, (k_pool, v_pool) = runner._fused_layers[0], (kv.k[0], kv.v[0])
     torch.manual_seed(3)
     rows = 9

@@ -451,8 +451,8 @@ def reference_matmul(
 ) -> torch.Tensor:
     """x @ W.T through the dequantized float32 weight. The kernel must equal it up to float rounding.
     `fixed_point`: the kernel's integer path, in float64. The scaled quants meet the fixed-point
-    activations (`bits` of them). Q4_1's min meets the exact activation sums (VNNI), or with
-    `exact_mins` False the rounded ones (AVX2's byte dots).
+    activations (`bits` of them). Q4_1's min meets the exact activation sums (16 bits on VNNI), or with
+    `exact_mins` False the rounded ones (every integer path at 8 bits).
     """
     if not fixed_point or not isinstance(w, QuantizedWeight):
         return F.linear(x.float(), w.dequantize())
@@ -465,21 +465,21 @@ def reference_matmul(
     return (F.linear(xf, (s[..., :1] * w.quants().double()).view(n, k)) + sums @ s[..., 1].T).float()
 
 
-# GGUF file types (general.file_type) whose 8-bit activations held issue 51's judge on AVX2's byte dots:
-# mean KLD and top-1 disagreement against the float32 path at most llama.cpp's on the same file
-# (docs/benchmarks.md). Q4_1 missed it by a few positions; other types are unmeasured.
-BYTE_DOTS_FILE_TYPES = frozenset({15})  # MOSTLY_Q4_K_M
+# GGUF file types (general.file_type) whose 8-bit activations held issue 51's judge, on VNNI's dots and on
+# AVX2's byte dots alike: mean KLD and top-1 disagreement against the float32 path at most llama.cpp's on
+# the same file (docs/benchmarks.md). Q4_1 missed it by a few positions; other types are unmeasured.
+EIGHT_BIT_FILE_TYPES = frozenset({15})  # MOSTLY_Q4_K_M
 
 
 def activation_bits_for(setting: int, kernel: Kernel, file_type: int | None) -> tuple[int, str]:
     """`engine.activation_bits` for this kernel and file (0: auto), and why."""
     if setting:
         return setting, "engine.activation_bits"
-    if kernel.byte_dots and file_type in BYTE_DOTS_FILE_TYPES:
-        return 8, "auto: on AVX2's byte dots this file type held the KL judge at 8 bits"
-    if kernel.byte_dots:
-        return 16, "auto: this file type has not held the KL judge at 8 bits on AVX2's byte dots"
-    return 16, "auto: 8 bits is judged on AVX2's byte dots only"
+    if not (kernel.byte_dots or kernel.fixed_point_activations):
+        return 16, "auto: this CPU has no integer dots"
+    if file_type in EIGHT_BIT_FILE_TYPES:
+        return 8, "auto: this file type held the KL judge at 8 bits"
+    return 16, "auto: this file type has not held the KL judge at 8 bits"
 
 
 # -- the kernel --------------------------------------------------------------------------------------

@@ -36,9 +36,11 @@ struct FixedRows {
 };
 
 // One block of 32 activations in fixed point: v_j = round(x_j / s) in [-32512, 32512] with
-// s = max|x| / 32512 (cvtps rounds to nearest even, as nearbyint), and its two halves' exact sums.
+// s = max|x| / 32512 (cvtps rounds to nearest even, as nearbyint), and its two halves' sums.
 // With 8-bit activations (engine.activation_bits) v_j = 256 round(x_j * 127 / max|x|): the same scale,
 // so every path, small steps and panels alike, meets the same rounded values.
+// The sums are exact at 16 bits and of the rounded values at 8: a block's min or offset then meets what
+// its quants meet, and the rounding's error cancels as in a float matmul of the rounded activations.
 // Every integer path's activations come from here, so all round as fixed_point_reference.
 struct FixedBlock {
   __m512i v[2];
@@ -57,7 +59,10 @@ inline FixedBlock fixed_block(const float* xb) {
   for (int h = 0; h < 2; ++h) {
     const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(h == 0 ? a : b, inv));
     f.v[h] = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
-    if (bytes) f.v[h] = _mm512_slli_epi32(f.v[h], 8);
+    if (bytes) {
+      f.v[h] = _mm512_slli_epi32(f.v[h], 8);
+      f.sum[h] = f.scale * static_cast<float>(_mm512_reduce_add_epi32(f.v[h]));
+    }
   }
   return f;
 }

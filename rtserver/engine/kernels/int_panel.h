@@ -7,7 +7,7 @@
 // vpdpbusd: 64 products an instruction, the +128 taken off as 128 times the activations' sum. A weight
 // whose panels were kept unpacked at load (`keep`) skips the unpacking: 16-bit pairs are kept as int8
 // and widened as the register block loads them. Both are exact in int32 within a scale group. A
-// group's sums take d * s_b in float, and its min the exact activation sum, as fixed_pass does. The
+// group's sums take d * s_b in float, and its min the activations' sum (fixed_block's), as fixed_pass does. The
 // activations round as every integer path's (fixed_block), so a row's result does not depend on the
 // step's size beyond float32 summation order.
 #pragma once
@@ -39,8 +39,8 @@ using panel::g_activation_bits;
 struct Rows {
   Buffer<int16_t> v;      // [M, K]
   Buffer<float> scale;    // [M, K / 32] s_b
-  Buffer<float> xsum16;   // [M, K / 16] exact sums of 16 activations: the offsets' term
-  Buffer<float> xsum32;   // [M, K / 32] exact sums of 32
+  Buffer<float> xsum16;   // [M, K / 16] sums of 16 activations (fixed_block's): the offsets' term
+  Buffer<float> xsum32;   // [M, K / 32] sums of 32
 };
 
 // Activations as 8-bit integers, one scale per 32 (as llama.cpp's Q8_0 rows): x_j ~= scale_b * v_j,
@@ -49,8 +49,8 @@ struct Rows8 {
   Buffer<int8_t> v;        // [M, K]
   Buffer<float> scale;     // [M, K / 32] s_b
   Buffer<int32_t> qsum16;  // [M, K / 16] sums of v per 16: the weights' +128 bias comes off with them
-  Buffer<float> xsum16;    // [M, K / 16] exact sums of 16 activations: the offsets' term
-  Buffer<float> xsum32;    // [M, K / 32] exact sums of 32
+  Buffer<float> xsum16;    // [M, K / 16] sums of 16 activations (fixed_block's): the offsets' term
+  Buffer<float> xsum32;    // [M, K / 32] sums of 32
 };
 
 // A panel: its quants, pairs of k interleaved ([2][K / 2][16] int32: half h holds columns 16h..),
@@ -133,7 +133,7 @@ inline void store_rows(const __m512 (&acc)[R][2], float* y, int64_t ldy, __mmask
   }
 }
 
-// Scale group g's offsets: each column's M times the exact sum of the row's activations in the group.
+// Scale group g's offsets: each column's M times the sum of the row's activations in the group.
 template <int R, int G, typename RowsT>
 inline void add_mins(const RowsT& x, int64_t r0, int64_t groups, const Panel& p, int64_t g, __m512 (&acc)[R][2]) {
   const __m512 m0 = _mm512_loadu_ps(p.m + g * kCols), m1 = _mm512_loadu_ps(p.m + g * kCols + 16);

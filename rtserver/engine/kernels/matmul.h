@@ -720,8 +720,9 @@ void raw_matmul(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* 
                 int64_t ldy) {
 #ifdef RTSERVER_INT_DOTS
   // Integer dots save the unpacking to float, which one or two rows cannot share; from three rows on,
-  // float quants unpacked once for all rows cost less per row than the limbs' loads and scaling.
-  if (M <= 2) {
+  // float quants unpacked once for all rows cost less per row than the limbs' loads and scaling. At 8
+  // bits every step takes them, so a row rounds as it does in a step of any size.
+  if (M <= 2 || panel::g_activation_bits == 8) {
     const bool own_pass = kquant::has_pass<T> && K % kquant::pass_weights<T> == 0;
     FixedRows f;
     to_fixed(x, M, K, T::kSigned && !own_pass, f);  // the passes' quants are unsigned

@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from datetime import UTC, datetime
+from zoneinfo import ZoneInfo
 
 import pytest
 import websockets
@@ -258,9 +259,9 @@ async def test_the_bots_i_dont_know_hands_off(smol):
             assert (await until_type(cust, "queue_position"))["agents_online"] == 0
 
 
-def closed_today() -> list[str]:
-    """Every weekday but today's (UTC): the business is closed now."""
-    today = WEEKDAYS[datetime.now(UTC).weekday()]
+def closed_today(timezone: str = "UTC") -> list[str]:
+    """Every weekday but today's in `timezone` (the business's): the business is closed now."""
+    today = WEEKDAYS[datetime.now(ZoneInfo(timezone)).weekday()]
     return [d for d in WEEKDAYS if d != today]
 
 

@@ -132,7 +132,8 @@ async def test_an_upset_customer_is_queued_and_an_agent_takes_over(smol, browser
 async def test_out_of_hours_the_customer_leaves_an_email_for_the_agent(smol, browser):  # noqa: F811
     from playwright.async_api import expect
 
-    app, settings = handoff_app(smol, copilot=False, days=closed_today(), timezone="Europe/Paris")
+    paris = "Europe/Paris"
+    app, settings = handoff_app(smol, copilot=False, days=closed_today(paris), timezone=paris)
     async with serve(app, settings) as (base, url):
         agent = await agent_page(browser, base)
         customer = await new_page(browser, viewport={"width": 460, "height": 720})

@@ -368,7 +368,8 @@ async def run_engine_workloads(
     tok = loaded.tokenizer
     engine = Engine(loaded, options, release_dense_weights=True)  # as `rtserver serve` runs it
     engine.start()
-    results: dict[str, Any] = {"kv": engine.kv_memory.describe()}
+    # the KV type and the activations' width: both move greedy agreement with float32 KV
+    results: dict[str, Any] = {"kv": engine.kv_memory.describe(), "kernels": engine.kernels}
     try:
         burst = [chat_ids(tok, t) for t in BURST_TEXTS]
         single = chat_ids(tok, SINGLE_TEXT)

@@ -173,9 +173,11 @@ def _kv_agreement_rows(e: Report) -> list[Row]:
     rows: list[Row] = []
     if "agreement_with_float32_kv" in e:
         a = e["agreement_with_float32_kv"]
+        bits = e.get("kernels", {}).get("activation_bits")
+        width = f", {bits}-bit activations" if bits else ""
         rows.append(
             (
-                f"greedy agreement with float32 KV ({e['kv']['dtype']} KV, burst prompts): "
+                f"greedy agreement with float32 KV ({e['kv']['dtype']} KV{width}, burst prompts): "
                 "identical outputs / tokens before divergence",
                 f"{a['identical_outputs']:.0%} / {a['tokens_before_divergence']:.0%}",
                 ">= 90% identical",

@@ -134,6 +134,15 @@ def test_engine_rows_name_the_baseline_precision():
     assert rows["burst tokens/s (engine)"] == "150.0 (2,048 tokens, exact)"
 
 
+def test_kv_agreement_row_names_the_kv_type_and_the_activations_width():
+    """At 8-bit activations greedy output forks sooner whatever the KV type: the row says which ran."""
+    engine = {"kv": {"dtype": "float16"}, "kernels": {"activation_bits": 8}}
+    engine["agreement_with_float32_kv"] = {"identical_outputs": 15 / 32, "tokens_before_divergence": 0.63}
+    rows = {n: v for n, v, _ in summarize({"engine": engine})}
+    name = "greedy agreement with float32 KV (float16 KV, 8-bit activations, burst prompts): "
+    assert rows[f"{name}identical outputs / tokens before divergence"] == "47% / 63%"
+
+
 SYSTEMS = {
     "llama-server": {
         "burst": {

@@ -7,9 +7,9 @@
 // vpdpbusd: 64 products an instruction, the +128 taken off as 128 times the activations' sum. A weight
 // whose panels were kept unpacked at load (`keep`) skips the unpacking: 16-bit pairs are kept as int8
 // and widened as the register block loads them. Both are exact in int32 within a scale group. A
-// group's sums take d * s_b in float, and its min the activations' sum (fixed_block's), as fixed_pass does. The
-// activations round as every integer path's (fixed_block), so a row's result does not depend on the
-// step's size beyond float32 summation order.
+// group's sums take d * s_b in float, and its min the activations' sum (fixed_block's), as fixed_pass
+// does. The activations round as every integer path's (fixed_block), so a row's result does not depend
+// on the step's size beyond float32 summation order.
 #pragma once
 
 #include <immintrin.h>

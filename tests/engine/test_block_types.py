@@ -242,11 +242,11 @@ def test_the_avx2_build_equals_a_float32_matmul_within_the_summation_bound(avx2_
 
 
 @pytest.fixture(scope="module")
-def eight_bit_kernels(kernel):
+def eight_bit_kernels(kernel, request):
     """The kernels whose 8-bit paths are checked: this CPU's, and the AVX2 build where this CPU has VNNI."""
     if not kernel.fixed_point_activations:
         return [kernel]
-    return [kernel, quant.build_kernel(Path("~/.cache/rtserver").expanduser(), march="haswell")]
+    return [kernel, request.getfixturevalue("avx2_kernel")]
 
 
 @pytest.mark.parametrize("panel_rows", [0, 1 << 40], ids=["panels", "small steps"])

@@ -89,14 +89,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     const Tensor&, const Formats&, const Tensors&, const Tensors&, const Tensors&, const Formats&,
                     const Tensors&, const Tensors&, const Tensors&, int64_t, int64_t, int64_t, double, double,
                     const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool>());
-  m.def("layer_forward", &layer_forward, "one decoder layer for a step's rows on quantized blocks", nogil);
-  m.def(
-      "layer_forward",
-      [](const FusedLayer& L, const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& k_pool,
-         const Tensor& v_pool, const Tensor& write_slots, const Tensor& table, const Tensor& item,
-         const Tensor& position, int64_t window) {
-        return layer_forward(L, x, cos, sin, k_pool, v_pool, write_slots, table, item, position, window, c10::nullopt);
-      },
-      "the same, every row kept", nogil);
+  m.def("layer_forward", &layer_forward, "one decoder layer for a step's rows on quantized blocks (keep: rows going on)",
+        py::arg("layer"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_pool"), py::arg("v_pool"),
+        py::arg("write_slots"), py::arg("table"), py::arg("item"), py::arg("position"), py::arg("window"),
+        py::arg("keep") = py::none(), nogil);
   m.def("release_scratch", &release_scratch, "frees this thread's layer_forward buffers");
 }

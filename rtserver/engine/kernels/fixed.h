@@ -55,14 +55,13 @@ inline FixedBlock fixed_block(const float* xb) {
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? top / amax : 0.f);
   FixedBlock f;
-  f.scale = amax / kFixed, f.sum[0] = _mm512_reduce_add_ps(a), f.sum[1] = _mm512_reduce_add_ps(b);
+  f.scale = amax / kFixed;
   for (int h = 0; h < 2; ++h) {
-    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(h == 0 ? a : b, inv));
+    const __m512 xh = h == 0 ? a : b;
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(xh, inv));
     f.v[h] = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
-    if (bytes) {
-      f.v[h] = _mm512_slli_epi32(f.v[h], 8);
-      f.sum[h] = f.scale * static_cast<float>(_mm512_reduce_add_epi32(f.v[h]));
-    }
+    if (bytes) f.v[h] = _mm512_slli_epi32(f.v[h], 8);
+    f.sum[h] = bytes ? f.scale * static_cast<float>(_mm512_reduce_add_epi32(f.v[h])) : _mm512_reduce_add_ps(xh);
   }
   return f;
 }
